@@ -1,0 +1,74 @@
+"""`moe-pipe inspect MODEL [--json]`: what a model file holds and what it costs to stream."""
+from __future__ import annotations
+
+import argparse
+import json
+
+MIB = 1 << 20
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="GGUF file (or any shard of a split set)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
+
+def summary(mf) -> dict:
+    """The inspect record; the JSON keys are part of the CLI contract (docs/cli.md)."""
+    spec, layout = mf.spec, mf.layout
+    return {
+        "arch": spec.arch,
+        "name": spec.name,
+        "n_layer": spec.n_layer,
+        "n_embd": spec.n_embd,
+        "n_vocab": spec.n_vocab,
+        "n_expert": spec.n_expert,
+        "n_expert_used": spec.n_expert_used,
+        "expert_bytes": layout.max_expert_bytes,
+        "expert_bytes_per_layer": [layout.expert_bytes(i) for i in range(spec.n_layer)],
+        "expert_bytes_total": layout.total_expert_bytes,
+        "dense_bytes": layout.dense_bytes,
+        "file_bytes": mf.gguf.file_bytes,
+        "shards": len(mf.gguf.paths),
+        "routed_bytes_per_token": layout.routed_bytes_per_token(),
+        "slab_bytes": layout.slab_bytes,
+        "min_cache_bytes": layout.min_cache_bytes(),
+        "quant_types": mf.quant_types(),
+    }
+
+
+def _types(counts: dict[str, int]) -> str:
+    return ", ".join(f"{name} ×{n}" for name, n in counts.items()) or "-"
+
+
+def print_table(s: dict) -> None:
+    per_layer = sorted(set(s["expert_bytes_per_layer"]))
+    rows = [
+        ("architecture", f"{s['arch']} ({s['name']})"),
+        ("layers", s["n_layer"]),
+        ("hidden / vocab", f"{s['n_embd']} / {s['n_vocab']}"),
+        ("experts / used", f"{s['n_expert']} / {s['n_expert_used']}"),
+        ("per-expert bytes", ", ".join(f"{b:,}" for b in per_layer) + (" (varies by layer)" if len(per_layer) > 1 else "")),
+        ("all experts", f"{s['expert_bytes_total'] / MIB:,.1f} MiB"),
+        ("dense bytes", f"{s['dense_bytes'] / MIB:,.1f} MiB ({s['dense_bytes']:,} B)"),
+        ("file bytes", f"{s['file_bytes'] / MIB:,.1f} MiB in {s['shards']} file(s)"),
+        ("routed per token", f"{s['routed_bytes_per_token'] / MIB:,.1f} MiB (top-{s['n_expert_used']}, all layers, no cache)"),
+        ("cache slab", f"{s['slab_bytes']:,} B (page-rounded largest expert)"),
+        ("smallest useful cache", f"{s['min_cache_bytes'] / MIB:,.1f} MiB (one token's working set)"),
+        ("expert quant types", _types(s["quant_types"]["experts"])),
+        ("dense quant types", _types(s["quant_types"]["dense"])),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+
+
+def run(args: argparse.Namespace) -> int:
+    from moe_pipe.shared.model_file import open_model
+
+    with open_model(args.model) as mf:
+        s = summary(mf)
+    if args.json:
+        print(json.dumps(s))
+    else:
+        print_table(s)
+    return 0

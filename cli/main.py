@@ -1,0 +1,55 @@
+"""`moe-pipe`: the command line. Thin: parse, call, print.
+
+Subcommand modules are imported lazily so `moe-pipe --help` stays instant.
+A `UserError` prints one line and exits 2; anything else is a bug and keeps
+its traceback. `--debug` shows tracebacks for user errors too.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module under moe_pipe.cli, one-line help)
+COMMANDS = {
+    "make-model": ("make_model", "write a deterministic GGUF model with random weights"),
+    "inspect": ("inspect_cmd", "show a GGUF model's layout: experts, bytes, quant types"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moe-pipe", description="Run Mixture-of-Experts models larger than RAM by streaming experts from flash.")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(_module=module)
+        importlib.import_module(f"moe_pipe.cli.{module}").add_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "_module", None):
+        parser.print_help()
+        return 2
+    from moe_pipe.shared.errors import UserError
+
+    try:
+        module = importlib.import_module(f"moe_pipe.cli.{args._module}")
+        return int(module.run(args) or 0)
+    except UserError as exc:
+        if args.debug:
+            raise
+        print(f"moe-pipe: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("moe-pipe: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

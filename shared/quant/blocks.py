@@ -1,0 +1,178 @@
+"""Quantized block formats: the one table of supported ggml types, and random
+valid blocks for made models and kernel tests.
+
+The byte layout of each block is in ../shared/ARCHITECTURES.md §2; here we
+only need what every caller shares: block size, bytes per block, where the
+scale fields sit (to make random blocks with a chosen spread), and shape
+arithmetic. Legend: R rows, C columns (ne0, the contiguous axis), B blocks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize
+
+QType = GGMLQuantizationType
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    qtype: QType
+    block_size: int  # weights per block
+    type_size: int  # bytes per block
+    f16_scales: tuple[int, ...] = ()  # byte offsets of f16 scale fields (d, dmin, m)
+
+    @property
+    def name(self) -> str:
+        return self.qtype.name
+
+    @property
+    def bits_per_weight(self) -> float:
+        return 8.0 * self.type_size / self.block_size
+
+    def row_bytes(self, n_cols: int) -> int:
+        if n_cols % self.block_size:
+            raise ValueError(f"{self.name} needs rows that are a multiple of {self.block_size} wide, not {n_cols}")
+        return n_cols // self.block_size * self.type_size
+
+    def tensor_bytes(self, shape: tuple[int, ...]) -> int:
+        """Bytes of a tensor with numpy `shape` (last axis contiguous)."""
+        n_rows = int(np.prod(shape[:-1], dtype=np.int64)) if len(shape) > 1 else 1
+        return n_rows * self.row_bytes(int(shape[-1]))
+
+
+def _fmt(qtype: QType, *f16_scales: int) -> BlockFormat:
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    return BlockFormat(qtype, block_size, type_size, tuple(f16_scales))
+
+
+# The types the engine computes on. Scale offsets from the block layouts.
+FORMATS: dict[QType, BlockFormat] = {
+    f.qtype: f
+    for f in (
+        _fmt(QType.F32),
+        _fmt(QType.F16),
+        _fmt(QType.BF16),
+        _fmt(QType.Q8_0, 0),
+        _fmt(QType.Q4_0, 0),
+        _fmt(QType.Q4_1, 0, 2),
+        _fmt(QType.Q5_0, 0),
+        _fmt(QType.Q5_1, 0, 2),
+        _fmt(QType.Q2_K, 80, 82),
+        _fmt(QType.Q3_K, 108),
+        _fmt(QType.Q4_K, 0, 2),
+        _fmt(QType.Q5_K, 0, 2),
+        _fmt(QType.Q6_K, 208),
+        _fmt(QType.IQ4_NL, 0),
+        _fmt(QType.IQ4_XS, 0),
+        _fmt(QType.MXFP4),  # scale is a u8 power-of-two exponent at byte 0
+    )
+}
+
+SUPPORTED = tuple(FORMATS)
+
+
+def block_format(qtype: int | QType) -> BlockFormat:
+    """The format of a ggml type id; ValueError names unsupported ones."""
+    try:
+        return FORMATS[QType(int(qtype))]
+    except (ValueError, KeyError):
+        try:
+            name = QType(int(qtype)).name
+        except ValueError:
+            name = f"unknown type id {int(qtype)}"
+        raise ValueError(f"quant type {name} is not supported (supported: {', '.join(t.name for t in SUPPORTED)})") from None
+
+
+def qtype_from_name(name: str) -> QType:
+    try:
+        qtype = QType[name.upper()]
+    except KeyError:
+        raise ValueError(f"unknown quant type {name!r} (supported: {', '.join(t.name for t in SUPPORTED)})") from None
+    block_format(qtype)
+    return qtype
+
+
+# Qn_K blocks carry a per-sub-block min; a block of random bytes has minima
+# unrelated to the scales, which biases every sub-block. Tying min to scale
+# (m = sc, dmin = mid-code × d) centres each sub-block on zero like trained
+# weights, so made models have sane activations.
+_K_MID_CODE = {QType.Q2_K: 1.5, QType.Q4_K: 7.5, QType.Q5_K: 15.5}
+
+
+def _pack_k_scales(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """6-bit (scale, min) pairs [B, 8] → the 12-byte Q4_K/Q5_K scale field."""
+    out = np.zeros((sc.shape[0], 12), np.uint8)
+    out[:, 0:4] = (sc[:, 0:4] & 63) | ((sc[:, 4:8] >> 4) << 6)
+    out[:, 4:8] = (m[:, 0:4] & 63) | ((m[:, 4:8] >> 4) << 6)
+    out[:, 8:12] = (sc[:, 4:8] & 15) | ((m[:, 4:8] & 15) << 4)
+    return out
+
+
+def _centre_k_minima(qtype: QType, blocks: np.ndarray, rng: np.random.Generator) -> None:
+    b = blocks.shape[0]
+    if qtype in (QType.Q4_K, QType.Q5_K):
+        sc = rng.integers(1, 64, size=(b, 8), dtype=np.uint8)
+        blocks[:, 4:16] = _pack_k_scales(sc, sc)
+    elif qtype == QType.Q2_K:
+        sc = rng.integers(1, 16, size=(b, 16), dtype=np.uint8)
+        blocks[:, 0:16] = sc | (sc << 4)
+    mid = _K_MID_CODE[qtype]
+    d = blocks[:, 80:82] if qtype == QType.Q2_K else blocks[:, 0:2]
+    dmin = blocks[:, 82:84] if qtype == QType.Q2_K else blocks[:, 2:4]
+    dmin[:] = (d.copy().view(np.float16).astype(np.float32) * mid).astype(np.float16).view(np.uint8)
+
+
+def random_blocks(qtype: int | QType, n_weights: int, rng: np.random.Generator, std: float = 0.02) -> np.ndarray:
+    """Random valid quantized data for `n_weights` weights as uint8 [B, type_size].
+
+    The dequantized values have mean ≈ 0 and standard deviation ≈ `std`
+    (measured on a sample with gguf's own dequantizer, then rescaled), with the
+    per-block scales jittered so blocks differ like real ones do.
+    """
+    fmt = block_format(qtype)
+    qtype = fmt.qtype
+    if n_weights % fmt.block_size:
+        raise ValueError(f"{fmt.name}: {n_weights} weights is not a whole number of {fmt.block_size}-blocks")
+    n_blocks = n_weights // fmt.block_size
+    if qtype in (QType.F32, QType.F16, QType.BF16):
+        return _random_float(qtype, n_weights, rng, std).reshape(n_blocks, fmt.type_size)
+    blocks = rng.integers(0, 256, size=(n_blocks, fmt.type_size), dtype=np.uint8)
+    if qtype == QType.MXFP4:
+        return _set_mxfp4_exponents(blocks, rng, std)
+    jitter = rng.uniform(0.5, 1.5, size=n_blocks).astype(np.float32)
+    for off in fmt.f16_scales:
+        blocks[:, off : off + 2] = jitter.astype(np.float16).view(np.uint8).reshape(-1, 2)
+    if qtype in _K_MID_CODE:
+        _centre_k_minima(qtype, blocks, rng)
+    if qtype in (QType.Q4_1, QType.Q5_1):  # x = d·q + m: centre with m = -mid·d
+        mid = 7.5 if qtype == QType.Q4_1 else 15.5
+        blocks[:, 2:4] = (-mid * jitter).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    sample = dequantize(blocks[: min(n_blocks, 512)], qtype).astype(np.float64)
+    factor = std / max(float(sample.std()), 1e-30)
+    for off in fmt.f16_scales:
+        field = blocks[:, off : off + 2].copy().view(np.float16).astype(np.float32)
+        blocks[:, off : off + 2] = (field * factor).astype(np.float16).view(np.uint8)
+    return blocks
+
+
+def _random_float(qtype: QType, n: int, rng: np.random.Generator, std: float) -> np.ndarray:
+    x = rng.standard_normal(n, dtype=np.float32) * np.float32(std)
+    if qtype == QType.F32:
+        return x.view(np.uint8)
+    if qtype == QType.F16:
+        return x.astype(np.float16).view(np.uint8)
+    return (x.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)  # BF16 by truncation
+
+
+# E2M1 magnitudes have RMS ≈ 2.93 over uniform codes; the block exponent sets
+# the scale as a power of two, so spread comes from jittering the exponent.
+_FP4_RMS = float(np.sqrt(np.mean(np.square([0, 0.5, 1, 1.5, 2, 3, 4, 6]))))
+
+
+def _set_mxfp4_exponents(blocks: np.ndarray, rng: np.random.Generator, std: float) -> np.ndarray:
+    centre = 127 + int(round(np.log2(std / _FP4_RMS)))
+    blocks[:, 0] = np.clip(centre + rng.integers(-1, 2, size=blocks.shape[0]), 1, 254).astype(np.uint8)
+    return blocks

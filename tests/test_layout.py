@@ -1,0 +1,74 @@
+"""The byte-range map, checked against an independent computation from gguf-py's tensor offsets."""
+from __future__ import annotations
+
+import pytest
+from gguf import GGMLQuantizationType as QT
+from gguf import GGUFReader
+
+from moe_pipe.shared.layout import PAGE, Extent, aligned
+from moe_pipe.shared.model_file import open_model
+
+from .ggufgen import write_qwen_like
+
+
+def independent_expert_ranges(path):
+    """{(layer, expert): [(offset, length), ...]} from gguf-py alone."""
+    out = {}
+    for t in GGUFReader(path).tensors:
+        parts = t.name.split(".")
+        if parts[0] != "blk" or not parts[2].endswith("_exps") or parts[3] not in ("weight", "bias"):
+            continue
+        n_expert = int(t.shape[-1])
+        per = t.n_bytes // n_expert
+        for e in range(n_expert):
+            out.setdefault((int(parts[1]), e), []).append((t.data_offset + e * per, per))
+    return out
+
+
+@pytest.mark.parametrize("qtype,alignment", [(QT.Q8_0, None), (QT.Q4_0, 64), (QT.F16, 256)])
+def test_expert_extents_match_reader(tmp_path, qtype, alignment):
+    p = write_qwen_like(tmp_path / "m.gguf", expert_qtype=qtype, alignment=alignment)
+    want = independent_expert_ranges(p)
+    with open_model(p) as mf:
+        got = {(l, e): sorted((x.offset, x.length) for x in mf.layout.expert_extents(l, e))
+               for l in range(mf.spec.n_layer) for e in range(mf.spec.n_expert)}
+        assert got == {k: sorted(v) for k, v in want.items()}
+        if alignment:
+            assert mf.gguf.readers[0].alignment == alignment
+
+
+def test_dense_is_the_complement(tmp_path):
+    p = write_qwen_like(tmp_path / "m.gguf")
+    with open_model(p) as mf:
+        f, layout = mf.gguf, mf.layout
+        expert = [x for l in layout.layers for e in range(mf.spec.n_expert) for x in l.extents(e)]
+        covered = sorted([(x.offset, x.end) for x in expert] + [(x.offset, x.end) for x in layout.dense])
+        # dense + experts tile the data section exactly: no gap, no overlap
+        assert covered[0][0] == f.data_start(0) and covered[-1][1] == f.file_sizes[0]
+        for (a0, a1), (b0, b1) in zip(covered, covered[1:]):
+            assert a1 == b0
+        non_expert = [t for t in f.tensors.values() if t.name not in layout.expert_tensor_names]
+        assert layout.dense_bytes == sum(t.nbytes for t in non_expert)
+        for t in non_expert:  # every dense tensor lies inside one dense extent
+            assert any(d.offset <= t.offset and t.end <= d.end for d in layout.dense), t.name
+
+
+def test_sizes_and_working_set(tmp_path):
+    p = write_qwen_like(tmp_path / "m.gguf", n_layer=3, n_expert=4, n_used=2, n_embd=64, n_ff=32)
+    with open_model(p) as mf:
+        lay = mf.layout
+        per_expert = 3 * (32 * 64 // 32 * 34)  # gate + up + down, Q8_0
+        assert lay.expert_bytes(0) == per_expert == lay.max_expert_bytes
+        assert lay.routed_bytes_per_token() == 3 * 2 * per_expert
+        assert lay.routed_bytes_per_token(top_k=1) == 3 * per_expert
+        assert lay.total_expert_bytes == 3 * 4 * per_expert
+        assert lay.slab_bytes % PAGE == 0 and per_expert <= lay.slab_bytes <= per_expert + 3 * 2 * PAGE
+        assert lay.min_cache_bytes() == 3 * 2 * lay.slab_bytes
+
+
+@pytest.mark.parametrize("offset,length", [(0, 1), (4095, 2), (4096, 4096), (123456, 884736), (32, 4406400)])
+def test_aligned_read_covers_extent(offset, length):
+    start, n, skip = aligned(Extent(0, offset, length))
+    assert start % PAGE == 0 and n % PAGE == 0
+    assert start + skip == offset and skip + length <= n and skip < PAGE
+    assert n - (skip + length) < PAGE

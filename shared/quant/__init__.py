@@ -1,1 +1,174 @@
-"""moe-pipe."""
+"""Matrix kernels on raw GGUF quantized blocks.
+
+    y = matvec(qtype, w, x)          w uint8 [R, row_bytes], x [C]     → y float32 [R]
+    Y = matmul(qtype, w, X)          X [T, C]                          → Y float32 [T, R]
+    E = dequantize_rows(qtype, w, rows)  rows int [N]                  → E float32 [N, C]
+    set_threads(n) / get_threads()   numba threads for the row loops
+
+`qtype` is a ggml type id or `gguf.GGMLQuantizationType`; the 16 types of
+`blocks.SUPPORTED`. `w` holds each row's blocks back to back in the GGUF
+layout (ARCHITECTURES.md §2) and may be a read-only memmap view or a slice of
+a larger buffer: only each row has to be contiguous. Nothing is repacked or
+dequantized ahead: each call decodes blocks on the fly into a small float32
+tile and multiplies it with every activation row, so a prompt batch decodes
+each block once.
+
+Activations are used as float32 (no int8 activation rounding, see _common):
+`effective_activation` returns exactly what the kernels multiply by, and the
+results differ from float64 `dequantize(w) @ x` by float32 accumulation only.
+
+Kernels compile on first use of a type (numba, cached on disk under
+__pycache__ or NUMBA_CACHE_DIR), so a process using three types compiles
+three, and the next process start loads them from the cache.
+"""
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numpy.lib.stride_tricks import as_strided
+
+from . import _float, _kquant, _legacy
+from ._common import F16_TABLE, LANES
+from .blocks import SUPPORTED, BlockFormat, QType, block_format, qtype_from_name
+
+__all__ = [
+    "SUPPORTED",
+    "QType",
+    "block_format",
+    "dequantize_rows",
+    "effective_activation",
+    "get_threads",
+    "kernels_for",
+    "matmul",
+    "matvec",
+    "qtype_from_name",
+    "set_threads",
+]
+
+_KERNELS = {QType[name]: pair for mod in (_float, _legacy, _kquant) for name, pair in mod.KERNELS.items()}
+assert set(_KERNELS) == set(SUPPORTED), "every supported type needs kernels"
+
+# Float dtypes accepted in place of raw bytes for the unquantized types (what
+# gguf-py's reader hands out for F32/F16 tensors).
+_NATIVE_DTYPES = {QType.F32: np.float32, QType.F16: np.float16, QType.BF16: np.uint16}
+
+# Rows decoded per tile when there are several activation rows: four rows
+# share each activation load in tile_times; 4 × C × 4 B stays in L2.
+_TILE_ROWS = 4
+# With one activation row there is nothing to share; one row (≤ 12 KB for the
+# expert shapes) stays in L1 between its decode and its dot product.
+_TILE_ROWS_MATVEC = 1
+
+
+def set_threads(n: int) -> None:
+    """Use n numba threads for the row loops (numba's setting is per calling thread)."""
+    n = int(n)
+    if not 1 <= n <= numba.config.NUMBA_NUM_THREADS:
+        raise ValueError(f"threads must be between 1 and {numba.config.NUMBA_NUM_THREADS} (the cores numba started with), not {n}")
+    numba.set_num_threads(n)
+
+
+def get_threads() -> int:
+    return numba.get_num_threads()
+
+
+def kernels_for(qtype: int | QType):
+    """The numba dispatchers (matmul, rows) of a type; for cache checks and benchmarks."""
+    return _KERNELS[block_format(qtype).qtype]
+
+
+def effective_activation(x: np.ndarray) -> np.ndarray:
+    """The activation exactly as the kernels use it: float32, not quantized."""
+    return np.ascontiguousarray(x, dtype=np.float32)
+
+
+def matvec(qtype: int | QType, w: np.ndarray, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """y[R] = W @ x for raw blocks w [R, row_bytes] and x [C]."""
+    x = np.asarray(x)
+    if x.ndim != 1:
+        raise ValueError(f"matvec: x must be 1-D [C], got shape {x.shape}")
+    fmt, flat, stride, n_rows = _weights("matvec", qtype, w, x.shape[0])
+    X = effective_activation(x).reshape(1, -1)  # [1, C]
+    y = _output("matvec", out, (n_rows,))
+    if n_rows:
+        mm, _ = _KERNELS[fmt.qtype]
+        mm(flat, stride, X, _TILE_ROWS_MATVEC, F16_TABLE, LANES, y.reshape(1, -1))
+    return y
+
+
+def matmul(qtype: int | QType, w: np.ndarray, X: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """Y[T, R] = X @ W.T for raw blocks w [R, row_bytes] and X [T, C]."""
+    X = np.asarray(X)
+    if X.ndim != 2:
+        raise ValueError(f"matmul: X must be 2-D [T, C], got shape {X.shape}")
+    fmt, flat, stride, n_rows = _weights("matmul", qtype, w, X.shape[1])
+    X = effective_activation(X)  # [T, C]
+    Y = _output("matmul", out, (X.shape[0], n_rows))
+    if n_rows and X.shape[0]:
+        mm, _ = _KERNELS[fmt.qtype]
+        mm(flat, stride, X, _TILE_ROWS if X.shape[0] > 1 else _TILE_ROWS_MATVEC, F16_TABLE, LANES, Y)
+    return Y
+
+
+def dequantize_rows(qtype: int | QType, w: np.ndarray, rows) -> np.ndarray:
+    """float32 [N, C]: rows `rows` of w decoded (embedding lookups)."""
+    fmt = block_format(qtype)
+    w = _as_bytes("dequantize_rows", fmt, w)
+    if w.shape[1] % fmt.type_size:
+        raise ValueError(f"dequantize_rows: a {fmt.name} row is whole {fmt.type_size}-byte blocks; got {w.shape[1]} bytes")
+    n_cols = w.shape[1] // fmt.type_size * fmt.block_size
+    fmt, flat, stride, n_rows = _weights("dequantize_rows", fmt.qtype, w, n_cols)
+    rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+    if rows.size and (rows.min() < 0 or rows.max() >= n_rows):
+        raise ValueError(f"dequantize_rows: row ids must be in [0, {n_rows}), got {rows.min()}..{rows.max()}")
+    E = np.empty((rows.size, n_cols), np.float32)  # [N, C]
+    if rows.size:
+        _, deq = _KERNELS[fmt.qtype]
+        deq(flat, stride, np.ascontiguousarray(rows), F16_TABLE, LANES, E)
+    return E
+
+
+# ---- the one dispatch check ----------------------------------------------
+
+
+def _as_bytes(op: str, fmt: BlockFormat, w) -> np.ndarray:
+    w = np.asarray(w)
+    native = _NATIVE_DTYPES.get(fmt.qtype)
+    if native is not None and w.dtype == native and w.ndim == 2 and w.strides[-1] == w.itemsize:
+        w = w.view(np.uint8)  # [R, C·itemsize]; a view, rows stay in place
+    if w.dtype != np.uint8 or w.ndim != 2:
+        raise ValueError(f"{op}: {fmt.name} weights must be uint8 [rows, row_bytes] of raw blocks, got {w.dtype} {list(w.shape)}")
+    return w
+
+
+def _weights(op: str, qtype, w, n_cols: int) -> tuple[BlockFormat, np.ndarray, int, int]:
+    """Check w against C and return (format, flat read-only bytes, row stride, R).
+
+    The kernels always get the same argument types (1-D read-only C-contiguous
+    uint8 + an int64 stride), whatever w was — memmap, read-only view, slice of
+    a bigger buffer — so one compiled, cached specialization serves them all.
+    """
+    fmt = block_format(qtype)
+    w = _as_bytes(op, fmt, w)
+    if n_cols % fmt.block_size:
+        raise ValueError(f"{op}: {fmt.name} needs C to be a multiple of {fmt.block_size}, got C={n_cols}")
+    n_rows, row_bytes = w.shape
+    if row_bytes != fmt.row_bytes(n_cols):
+        raise ValueError(
+            f"{op}: {fmt.name} rows of C={n_cols} weights are {fmt.row_bytes(n_cols)} bytes, but w has {row_bytes} bytes per row"
+        )
+    stride = int(w.strides[0]) if n_rows > 1 else row_bytes
+    if w.strides[1] != 1 or stride < 0:
+        raise ValueError(f"{op}: each row of w must be contiguous bytes in increasing order (strides {w.strides})")
+    span = (n_rows - 1) * stride + row_bytes if n_rows else 0
+    flat = as_strided(w, shape=(span,), strides=(1,), writeable=False)
+    return fmt, flat, stride, n_rows
+
+
+def _output(op: str, out, shape: tuple[int, ...]) -> np.ndarray:
+    if out is None:
+        return np.empty(shape, np.float32)
+    if not isinstance(out, np.ndarray) or out.dtype != np.float32 or out.shape != shape or not out.flags.c_contiguous or not out.flags.writeable:
+        got = f"{out.dtype} {list(out.shape)}" if isinstance(out, np.ndarray) else type(out).__name__
+        raise ValueError(f"{op}: out must be a writable C-contiguous float32 array of shape {list(shape)}, got {got}")
+    return out

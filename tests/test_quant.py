@@ -1,0 +1,267 @@
+"""Quantized kernels against gguf-py's dequantizer, for every supported type.
+
+Reference: `gguf.quants.dequantize(w)` in float64 times the activation in
+float64. The kernels do not quantize activations (see shared/quant/_common),
+so the two comparisons asked of them are:
+
+1. layout exactness: against dequantize(w) @ x̂ with x̂ = effective_activation(x)
+   (x rounded to float32, exactly what the kernels multiply by). The decoded
+   weights are exact in float32, so the only error is float32 products and
+   accumulation: |err| ≤ (n + 2)·u·Σ|w·x̂| with u = 2⁻²⁴ and n = C terms, the
+   standard bound for a float dot product in any summation order.
+2. against dequantize(w) @ x with the raw float64 x: add the activation
+   rounding, |x − x̂| ≤ u·|x|, so |err| grows by at most u·Σ|w·x|. (An int8
+   activation scheme would add amax/254 per element here; there is none.)
+
+Legend: R rows, C columns, T activation rows.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+from gguf.quants import dequantize
+
+from moe_pipe.shared import quant
+from moe_pipe.shared.quant.blocks import SUPPORTED, QType, block_format, random_blocks
+
+U32 = 2.0**-24  # float32 unit roundoff
+FLOAT_TYPES = (QType.F32, QType.F16, QType.BF16)
+TYPES = [pytest.param(t, id=t.name) for t in SUPPORTED]
+
+
+def _cols(qtype: QType) -> list[int]:
+    """C = one block, a few blocks, many blocks (11 × 256 = 2816 is Gemma4's width)."""
+    bs = block_format(qtype).block_size
+    return [32, 96, 1056] if bs == 1 else [bs, 3 * bs, 11 * bs]
+
+
+def _reference(qtype: QType, w: np.ndarray, n_cols: int) -> np.ndarray:
+    return dequantize(w, qtype).astype(np.float64).reshape(w.shape[0], n_cols)  # [R, C]
+
+
+def _edge_blocks(qtype: QType, rng: np.random.Generator) -> np.ndarray:
+    """A few blocks at the edges of each type's fields, uint8 [B, type_size]."""
+    fmt = block_format(qtype)
+    if qtype in FLOAT_TYPES:
+        if qtype == QType.F32:
+            # big but with room: x·w summed over C must stay finite in float32
+            vals = np.array([1e30, -1e30, 1e-45, -0.0, 1.17e-38, 1.0, -2.5, 0.0] * 4, np.float32).view(np.uint32)
+            return vals.view(np.uint8).reshape(-1, 4)
+        # f16: largest finite, smallest subnormal, largest subnormal, −0, ±1;
+        # bf16: ±2^99 (room to sum in float32), smallest subnormal, −0, ±1
+        bits = [0x7BFF, 0xFBFF, 0x0001, 0x8001, 0x03FF, 0x8000, 0x3C00, 0xBC00]
+        if qtype == QType.BF16:
+            bits = [0x7100, 0xF100, 0x0001, 0x8001, 0x007F, 0x8000, 0x3F80, 0xBF80]
+        return np.array(bits * 4, np.uint16).view(np.uint8).reshape(-1, 2)
+    base = random_blocks(qtype, 6 * fmt.block_size, rng)  # [6, type_size]
+    normal = np.array([0.01], np.float16).view(np.uint8)
+    base[0] = 0xFF  # largest codes / all high bits
+    base[1] = 0x00  # smallest codes
+    base[2:3] = random_blocks(qtype, fmt.block_size, rng)
+    for off in fmt.f16_scales:  # normal scales on the extreme-code blocks, zero on block 2
+        base[0, off : off + 2] = normal
+        base[1, off : off + 2] = normal
+        base[2, off : off + 2] = 0
+    if qtype == QType.MXFP4:
+        base[0, 0] = base[1, 0] = 127
+        base[2:6, 0] = [0, 1, 2, 3]  # subnormal block scales 2^-127 .. 2^-124
+    return base
+
+
+def _weights(qtype: QType, n_rows: int, n_cols: int, rng: np.random.Generator) -> np.ndarray:
+    """uint8 [R, row_bytes]: random valid blocks with the edge blocks spliced in."""
+    fmt = block_format(qtype)
+    w = random_blocks(qtype, n_rows * n_cols, rng)  # [B, type_size]
+    edge = _edge_blocks(qtype, rng)
+    k = min(len(edge), len(w))
+    w[rng.choice(len(w), size=k, replace=False)] = edge[:k]
+    return w.reshape(n_rows, fmt.row_bytes(n_cols))
+
+
+def _assert_close(what: str, qtype: QType, w, got, ref, tol) -> None:
+    """Fail with: type, shape, worst rows, max abs/rel error, first bad block."""
+    err = np.abs(got.astype(np.float64) - ref)
+    bad = ~(err <= tol)  # NaN counts as bad
+    if not bad.any():
+        return
+    fmt = block_format(qtype)
+    flat_err = np.where(bad, err, -1).reshape(-1)
+    worst = np.argsort(flat_err)[::-1][:5]
+    lines = [f"{what} {fmt.name} w {list(w.shape)} out {list(got.shape)}: {int(bad.sum())} of {bad.size} outside tolerance"]
+    lines.append(f"max abs err {np.max(err):.3e}, max rel err {np.max(err / np.maximum(np.abs(ref), 1e-30)):.3e}")
+    for i in worst:
+        idx = np.unravel_index(i, got.shape)
+        lines.append(f"  at {tuple(int(v) for v in idx)}: got {got[idx]:.6e} want {ref[idx]:.6e} err {err[idx]:.2e} tol {np.broadcast_to(tol, got.shape)[idx]:.2e}")
+    row = int(np.unravel_index(worst[0], got.shape)[-1])
+    mine = quant.dequantize_rows(qtype, w, [row])[0]
+    theirs = dequantize(np.ascontiguousarray(w[row : row + 1]), qtype).reshape(-1)
+    diff = np.nonzero(~np.isclose(mine, theirs, rtol=4 * U32, atol=0, equal_nan=True))[0]
+    first = f"block {diff[0] // fmt.block_size} (element {diff[0]})" if diff.size else "none (decode matches; the dot is wrong)"
+    lines.append(f"first differing decoded block in row {row}: {first}")
+    pytest.fail("\n".join(lines))
+
+
+def _tolerances(deq: np.ndarray, X64: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(x̂ [T, C], tol vs x̂ [T, R], tol vs raw x [T, R]) from the bounds in the module doc."""
+    Xh = quant.effective_activation(X64).astype(np.float64)  # [T, C]
+    n = deq.shape[1]
+    tol_hat = (n + 2) * U32 * (np.abs(Xh) @ np.abs(deq).T) + 1e-30  # [T, R]
+    tol_raw = tol_hat + U32 * (np.abs(X64) @ np.abs(deq).T)
+    return Xh, tol_hat, tol_raw
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_matvec_matches_gguf_dequantize(qtype):
+    rng = np.random.default_rng(int(qtype))
+    for n_rows in (1, 7, 130):
+        for n_cols in _cols(qtype):
+            w = _weights(qtype, n_rows, n_cols, rng)
+            x = rng.standard_normal(n_cols)  # float64 on purpose: the kernel rounds it to float32
+            deq = _reference(qtype, w, n_cols)
+            xh, tol_hat, tol_raw = _tolerances(deq, x[None, :])
+            got = quant.matvec(qtype, w, x)
+            assert got.dtype == np.float32 and got.shape == (n_rows,)
+            _assert_close("matvec vs deq@x̂", qtype, w, got, deq @ xh[0], tol_hat[0])
+            _assert_close("matvec vs deq@x", qtype, w, got, deq @ x, tol_raw[0])
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_matmul_matches_gguf_dequantize(qtype):
+    rng = np.random.default_rng(100 + int(qtype))
+    n_cols = _cols(qtype)[1]
+    w = _weights(qtype, 33, n_cols, rng)
+    deq = _reference(qtype, w, n_cols)
+    for n_tok in (1, 3, 17):
+        X = rng.standard_normal((n_tok, n_cols))
+        Xh, tol_hat, tol_raw = _tolerances(deq, X)
+        got = quant.matmul(qtype, w, X)
+        assert got.shape == (n_tok, 33)
+        _assert_close(f"matmul T={n_tok} vs deq@x̂", qtype, w, got, Xh @ deq.T, tol_hat)
+        _assert_close(f"matmul T={n_tok} vs deq@x", qtype, w, got, X @ deq.T, tol_raw)
+        # the tiled multi-token path and the one-token path agree row for row
+        np.testing.assert_allclose(got[-1], quant.matvec(qtype, w, X[-1]), rtol=1e-5, atol=1e-6 * np.abs(got).max())
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_dequantize_rows_is_exact(qtype):
+    rng = np.random.default_rng(200 + int(qtype))
+    n_cols = _cols(qtype)[1]
+    w = _weights(qtype, 19, n_cols, rng)
+    rows = [18, 0, 5, 5]
+    got = quant.dequantize_rows(qtype, w, rows)
+    want = dequantize(w, qtype).reshape(19, n_cols)[rows].astype(np.float32)
+    # The same float32 arithmetic as gguf-py up to one rounding of d·q − m
+    # (an FMA here, two steps there): allow 2 ulp.
+    np.testing.assert_allclose(got, want, rtol=2 * U32, atol=0)
+
+
+@pytest.mark.parametrize("qtype", [QType.Q8_0, QType.Q4_K, QType.Q6_K, QType.MXFP4, QType.F16])
+def test_rows_from_a_bigger_buffer_and_a_read_only_memmap(qtype, tmp_path):
+    rng = np.random.default_rng(300 + int(qtype))
+    fmt = block_format(qtype)
+    n_cols = _cols(qtype)[1]
+    rb = fmt.row_bytes(n_cols)
+    w = _weights(qtype, 24, n_cols, rng)
+    x = rng.standard_normal(n_cols).astype(np.float32)
+    want = quant.matvec(qtype, w, x)
+    # rows padded and shifted inside a wider buffer: strides (rb + 13, 1), odd offsets
+    wide = rng.integers(0, 256, size=(24, rb + 13), dtype=np.uint8)
+    wide[:, 5 : 5 + rb] = w
+    np.testing.assert_array_equal(quant.matvec(qtype, wide[:, 5 : 5 + rb], x), want)
+    np.testing.assert_array_equal(quant.matvec(qtype, wide[::3, 5 : 5 + rb], x), want[::3])
+    np.testing.assert_array_equal(quant.dequantize_rows(qtype, wide[:, 5 : 5 + rb], [3]), quant.dequantize_rows(qtype, w, [3]))
+    # an expert slab read in place from a file, at an unaligned offset
+    path = tmp_path / "slab.bin"
+    path.write_bytes(b"\0" * 7 + w.tobytes())
+    mm = np.memmap(path, dtype=np.uint8, mode="r", offset=7, shape=w.shape)
+    np.testing.assert_array_equal(quant.matvec(qtype, mm, x), want)
+    X = rng.standard_normal((3, n_cols)).astype(np.float32)
+    np.testing.assert_array_equal(quant.matmul(qtype, mm, X), quant.matmul(qtype, w, X))
+
+
+def test_out_buffers_and_threads():
+    rng = np.random.default_rng(4)
+    w = _weights(QType.Q4_K, 50, 512, rng)
+    x = rng.standard_normal(512).astype(np.float32)
+    y = np.empty(50, np.float32)
+    assert quant.matvec(QType.Q4_K, w, x, out=y) is y
+    before = quant.get_threads()
+    try:
+        quant.set_threads(1)
+        one = quant.matvec(QType.Q4_K, w, x)
+        quant.set_threads(before)
+        np.testing.assert_array_equal(one, y)  # rows are independent: same bits whatever the split
+    finally:
+        quant.set_threads(before)
+    with pytest.raises(ValueError, match="threads"):
+        quant.set_threads(0)
+    Y = np.empty((2, 50), np.float32)
+    assert quant.matmul(QType.Q4_K, w, np.stack([x, x]), out=Y) is Y
+    np.testing.assert_array_equal(Y[1], y)
+    assert quant.matvec(QType.Q4_K, w[:0], x).shape == (0,)
+    assert quant.dequantize_rows(QType.Q4_K, w, []).shape == (0, 512)
+
+
+def test_float_types_accept_native_arrays():
+    rng = np.random.default_rng(5)
+    W = rng.standard_normal((9, 40)).astype(np.float32)
+    x = rng.standard_normal(40).astype(np.float32)
+    np.testing.assert_allclose(quant.matvec(QType.F32, W, x), W.astype(np.float64) @ x, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(quant.matvec(QType.F16, W.astype(np.float16), x), W.astype(np.float16).astype(np.float64) @ x, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda w, x: quant.matvec(QType.Q8_1, w, x), "Q8_1 is not supported"),
+        (lambda w, x: quant.matvec(999, w, x), "unknown type id 999"),
+        (lambda w, x: quant.matvec(QType.Q4_K, w, x), "rows of C=256 weights are 144 bytes"),
+        (lambda w, x: quant.matvec(QType.Q8_0, w, x[:40]), "multiple of 32"),
+        (lambda w, x: quant.matvec(QType.Q8_0, w.astype(np.float64), x), "must be uint8"),
+        (lambda w, x: quant.matvec(QType.Q8_0, w.view(np.int8), x), "must be uint8"),
+        (lambda w, x: quant.matvec(QType.Q8_0, w[0], x), "must be uint8 \\[rows, row_bytes\\]"),
+        (lambda w, x: quant.matvec(QType.Q8_0, w, x[None]), "x must be 1-D"),
+        (lambda w, x: quant.matmul(QType.Q8_0, w, x), "X must be 2-D"),
+        (lambda w, x: quant.matvec(QType.Q8_0, w, x, out=np.empty(3, np.float64)), "out must be"),
+        (lambda w, x: quant.matvec(QType.Q8_0, np.asfortranarray(w), x), "contiguous"),
+        (lambda w, x: quant.dequantize_rows(QType.Q8_0, w, [4]), "row ids"),
+        (lambda w, x: quant.dequantize_rows(QType.Q8_0, w[:, :50], [0]), "whole 34-byte blocks"),
+    ],
+)
+def test_bad_input_is_a_value_error(call, message):
+    w = np.zeros((4, 8 * 34), np.uint8)  # Q8_0, C = 256
+    x = np.zeros(256, np.float32)
+    with pytest.raises(ValueError, match=message):
+        call(w, x)
+
+
+_CACHE_PROBE = textwrap.dedent(
+    """
+    import json, numpy as np
+    from moe_pipe.shared import quant
+    from moe_pipe.shared.quant.blocks import random_blocks
+    w = random_blocks(quant.QType.Q4_K, 8 * 512, np.random.default_rng(0)).reshape(8, -1)
+    quant.matvec(quant.QType.Q4_K, w, np.ones(512, np.float32))
+    mm, _ = quant.kernels_for(quant.QType.Q4_K)
+    print(json.dumps({"hits": sum(mm.stats.cache_hits.values()), "misses": sum(mm.stats.cache_misses.values())}))
+    """
+)
+
+
+def test_kernels_load_from_the_disk_cache_on_the_second_start(tmp_path):
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "numba"))
+
+    def run() -> dict:
+        done = subprocess.run([sys.executable, "-c", _CACHE_PROBE], env=env, capture_output=True, text=True, timeout=240)
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    first, second = run(), run()
+    assert first["misses"] >= 1, first  # compiled and written
+    assert second == {"hits": 1, "misses": 0}, second  # loaded, nothing recompiled

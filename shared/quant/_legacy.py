@@ -5,8 +5,9 @@ element j in its low nibble and element j+16 in its high nibble.
 
 Per type: `_row_<t>(w, o, nb, dst, f16)` decodes nb blocks from byte o of the
 flat buffer w (uint8) into float32 dst[0 : 32·nb]; `_mm_<t>` and `_rows_<t>`
-are the drivers described in _common. Each inner loop has a fixed trip count
-of 16 or 32 and no branches, so LLVM turns it into AVX-512 code.
+are the drivers described in _common. Each inner loop runs 16 or 32 lanes
+with no branches, so LLVM turns it into AVX-512 code; Q8_0/Q4_0/Q4_1 take the
+lane count at run time (see LANES in _common for why).
 """
 from __future__ import annotations
 
@@ -127,8 +128,8 @@ def _row_mxfp4(w, o, nb, dst, f16, lanes):
 
 
 # ---- drivers: the same two functions per type (see _common for why) --------
-# _mm_<t>(w u8[bytes], stride, X f32[T, C], G, f16, out f32[T, R])
-# _rows_<t>(w, stride, rows i64[N], f16, out f32[N, C])
+# _mm_<t>(w u8[bytes], stride, X f32[T, C], G, f16, lanes, out f32[T, R])
+# _rows_<t>(w, stride, rows i64[N], f16, lanes, out f32[N, C])
 
 
 @njit(**DRIVER)

@@ -1,0 +1,16 @@
+"""Model architectures: one module per GGUF architecture, each exporting `Model`."""
+from __future__ import annotations
+
+from ..errors import GGUFError
+from ..model_file import ModelFile
+from . import gemma4, gpt_oss, qwen3moe
+from .base import MoEModel
+
+ARCHITECTURES = {"qwen3moe": qwen3moe.Model, "gpt-oss": gpt_oss.Model, "gemma4": gemma4.Model}
+
+
+def load_model(mf: ModelFile, top_k: int | None = None, experts=None) -> MoEModel:
+    cls = ARCHITECTURES.get(mf.spec.arch)
+    if cls is None:
+        raise GGUFError(mf.gguf.path, f"architecture {mf.spec.arch!r} has no forward pass (supported: {', '.join(ARCHITECTURES)})")
+    return cls(mf, top_k=top_k, experts=experts)

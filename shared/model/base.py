@@ -1,0 +1,75 @@
+"""What every architecture shares: embedding, the layer loop, the output head.
+
+An architecture module subclasses `MoEModel`, resolves its per-layer weights
+once in `load_layer`, and implements `layer()` for one decoder block. The
+stage-named entry points are `prefill` (a prompt batch) and `decode_one`.
+Legend: T tokens, D hidden, V vocab.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import UserError
+from ..model_file import ModelFile
+from .blocks import KVCache, rms_norm
+from .weights import ExpertSource, FileExperts, Weights
+
+
+class MoEModel:
+    arch: str = ""
+
+    def __init__(self, mf: ModelFile, top_k: int | None = None, experts: ExpertSource | None = None):
+        self.mf, self.spec = mf, mf.spec
+        self.w = Weights(mf)
+        self.source: ExpertSource = experts or FileExperts(mf)
+        if top_k is not None and not 1 <= top_k <= self.spec.n_expert:
+            raise UserError(f"--top-k {top_k} is out of range: this model has {self.spec.n_expert} experts")
+        self.top_k = top_k or self.spec.n_expert_used
+        self.embd = self.w.matrix("token_embd.weight")
+        self.output_norm = self.w.vector("output_norm.weight")
+        self.output = self.w.matrix("output.weight") if self.w.has("output.weight") else self.embd
+        self.layers = [self.load_layer(i) for i in range(self.spec.n_layer)]
+
+    # -- per architecture ----------------------------------------------------
+    def load_layer(self, i: int) -> dict:
+        raise NotImplementedError
+
+    def layer(self, i: int, x: np.ndarray, cache: KVCache, start: int, positions: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    def embed(self, tokens: np.ndarray) -> np.ndarray:
+        return self.embd.rows(tokens)  # [T, D]
+
+    def logits(self, x: np.ndarray) -> np.ndarray:
+        return self.output(rms_norm(x, self.output_norm, self.spec.rms_eps))  # [T, V]
+
+    # -- shared ----------------------------------------------------------------
+    def new_cache(self, n_ctx: int) -> KVCache:
+        s = self.spec
+        return KVCache(n_ctx, s.n_head_kv, s.head_dim_k, s.head_dim_v)
+
+    def forward(self, tokens, cache: KVCache, all_logits: bool = False) -> np.ndarray:
+        """Run tokens at the cache's next positions; logits [T, V] or [1, V] (last)."""
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        if tokens.size == 0:
+            raise ValueError("forward needs at least one token")
+        if tokens.min() < 0 or tokens.max() >= self.spec.n_vocab:
+            raise UserError(f"token id out of range 0..{self.spec.n_vocab - 1}")
+        start = cache.n
+        positions = np.arange(start, start + tokens.size)
+        x = self.embed(tokens)
+        for i in range(self.spec.n_layer):
+            x = self.layer(i, x, cache, start, positions)
+        cache.advance(tokens.size)
+        return self.logits(x if all_logits else x[-1:])
+
+    def prefill(self, tokens, cache: KVCache, batch: int = 64) -> np.ndarray:
+        """Prompt in batches of `batch` tokens; returns the last position's logits [V]."""
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        logits = None
+        for s in range(0, tokens.size, batch):
+            logits = self.forward(tokens[s : s + batch], cache)
+        return logits[-1]
+
+    def decode_one(self, token: int, cache: KVCache) -> np.ndarray:
+        return self.forward(np.array([token]), cache)[-1]

@@ -1,0 +1,173 @@
+"""Shared forward-pass blocks: RMSNorm, RoPE (plain, YaRN, per-pair factors),
+grouped-query attention over a KV cache (causal, sliding window, sinks).
+
+Everything is float32 numpy. Legend: T new tokens, N cached positions
+(including the new ones), H query heads, Hk kv heads, G = H/Hk, d head width.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..spec import RopeSpec
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray:
+    """x · (mean(x²) + eps)^-½ · w over the last axis (w None: no weight)."""
+    x = x.astype(np.float32, copy=False)
+    scale = 1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.float32(eps))  # [..., 1]
+    y = x * scale.astype(np.float32)
+    return y * weight if weight is not None else y
+
+
+# ---- rotary position embedding --------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Rope:
+    """Rotation of the first `n_rot` dims of each head, NEOX (rotate-half) pairs (i, i + n_rot/2)."""
+
+    inv_freq: np.ndarray  # [n_rot/2] radians per position
+    attn_factor: float = 1.0  # multiplies cos and sin (YaRN's mscale)
+
+    @property
+    def n_rot(self) -> int:
+        return 2 * self.inv_freq.shape[0]
+
+    def tables(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        angles = positions.astype(np.float32)[:, None] * self.inv_freq[None, :]  # [T, n_rot/2]
+        f = np.float32(self.attn_factor)
+        return np.cos(angles) * f, np.sin(angles) * f
+
+    def apply(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+        """x [T, heads, d] rotated in place-safe fashion; dims ≥ n_rot pass through."""
+        half = self.inv_freq.shape[0]
+        c, s = cos[:, None, :], sin[:, None, :]  # [T, 1, n_rot/2]
+        x1, x2 = x[..., :half], x[..., half : 2 * half]
+        out = x.copy()
+        out[..., :half] = x1 * c - x2 * s
+        out[..., half : 2 * half] = x2 * c + x1 * s
+        return out
+
+
+def plain_inv_freq(base: float, n_rot: int, freq_factors: np.ndarray | None = None) -> np.ndarray:
+    """θ_i = base^(−2i/n_rot), divided by per-pair factors when the model has them
+    (Gemma-4's full layers rotate only the first pairs: factor 1e30 freezes the rest)."""
+    inv = 1.0 / (np.float32(base) ** (np.arange(0, n_rot, 2, dtype=np.float32) / np.float32(n_rot)))
+    if freq_factors is not None:
+        inv = inv / freq_factors[: inv.shape[0]].astype(np.float32)
+    return inv.astype(np.float32)
+
+
+def yarn_rope(r: RopeSpec, n_rot: int, truncate: bool) -> Rope:
+    """YaRN: interpolate low frequencies by `factor`, keep high ones, ramp between.
+
+    `truncate` rounds the ramp ends to whole pairs (llama.cpp always does; the
+    gpt-oss reference config says truncate=false, so its models pass False).
+    """
+    base, factor = r.freq_base, r.factor
+    orig = r.orig_ctx or 4096
+
+    def correction_dim(rotations: float) -> float:
+        return n_rot * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(r.beta_fast), correction_dim(r.beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, n_rot - 1)
+    if low == high:
+        high += 0.001
+    extrap = plain_inv_freq(base, n_rot)  # [n_rot/2]
+    interp = extrap / np.float32(factor)
+    ramp = np.clip((np.arange(n_rot // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    keep = 1 - ramp  # 1 → extrapolate (high frequency), 0 → interpolate
+    inv = interp * (1 - keep) + extrap * keep
+    mscale = (0.1 * math.log(factor) + 1.0) if factor > 1 else 1.0
+    return Rope(inv.astype(np.float32), mscale * r.attn_factor)
+
+
+# ---- attention ---------------------------------------------------------------
+
+
+class KVCache:
+    """Keys and values per layer, [Hk, n_ctx, d] float32, filled left to right."""
+
+    def __init__(self, n_ctx: int, n_head_kv: tuple[int, ...], head_dim_k: tuple[int, ...], head_dim_v: tuple[int, ...]):
+        self.n_ctx = n_ctx
+        self.k = [np.zeros((hk, n_ctx, dk), np.float32) for hk, dk in zip(n_head_kv, head_dim_k)]
+        self.v = [np.zeros((hk, n_ctx, dv), np.float32) for hk, dv in zip(n_head_kv, head_dim_v)]
+        self.n = 0  # positions filled (all layers advance together)
+
+    def store(self, layer: int, k: np.ndarray, v: np.ndarray) -> None:
+        """k [T, Hk, d], v [T, Hk, dv] at positions n..n+T-1 (commit with advance())."""
+        t = k.shape[0]
+        if self.n + t > self.n_ctx:
+            raise ValueError(f"context full: {self.n} + {t} tokens > n_ctx {self.n_ctx}")
+        self.k[layer][:, self.n : self.n + t] = k.transpose(1, 0, 2)
+        self.v[layer][:, self.n : self.n + t] = v.transpose(1, 0, 2)
+
+    def advance(self, t: int) -> None:
+        self.n += t
+
+    def truncate(self, n: int) -> None:
+        self.n = min(self.n, n)
+
+
+def attention(q: np.ndarray, cache: KVCache, layer: int, start: int, scale: float,
+              window: int = 0, sinks: np.ndarray | None = None) -> np.ndarray:
+    """Causal GQA over the cache for T queries at positions start..start+T-1.
+
+    q [T, H, d]; returns [T, H·dv]. Key j is visible to query p when j ≤ p and,
+    with a window W, p − W < j. `sinks` [H] adds a per-head logit column that
+    takes probability mass and is then dropped (gpt-oss).
+    """
+    t, h, d = q.shape
+    n = start + t
+    keys, values = cache.k[layer][:, :n], cache.v[layer][:, :n]  # [Hk, N, d], [Hk, N, dv]
+    hk = keys.shape[0]
+    g = h // hk
+    qg = q.reshape(t, hk, g, d).transpose(1, 2, 0, 3)  # [Hk, G, T, d]
+    scores = np.matmul(qg, keys[:, None].transpose(0, 1, 3, 2)) * np.float32(scale)  # [Hk, G, T, N]
+    pos = np.arange(start, n)[:, None]  # [T, 1]
+    j = np.arange(n)[None, :]  # [1, N]
+    hidden = j > pos
+    if window:
+        hidden |= j <= pos - window
+    scores = np.where(hidden, np.float32(-np.inf), scores)
+    m = scores.max(axis=-1, keepdims=True)
+    if sinks is not None:
+        s = sinks.reshape(hk, g, 1, 1).astype(np.float32)
+        m = np.maximum(m, s)
+        e = np.exp(scores - m)
+        probs = e / (e.sum(axis=-1, keepdims=True) + np.exp(s - m))
+    else:
+        e = np.exp(scores - m)
+        probs = e / e.sum(axis=-1, keepdims=True)
+    out = np.matmul(probs, values[:, None])  # [Hk, G, T, dv]
+    return out.transpose(2, 0, 1, 3).reshape(t, -1)  # [T, H·dv]
+
+
+# ---- activations -------------------------------------------------------------
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):  # exp(-x) → inf for very negative x gives the right 0
+        return 1.0 / (1.0 + np.exp(-x))
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x * sigmoid(x)
+
+
+_GELU_C = np.float32(math.sqrt(2.0 / math.pi))
+
+
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    return np.float32(0.5) * x * (1.0 + np.tanh(_GELU_C * (x + np.float32(0.044715) * x * x * x)))
+
+
+def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    e = np.exp(x - x.max(axis=axis, keepdims=True))
+    return e / e.sum(axis=axis, keepdims=True)

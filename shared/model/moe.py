@@ -1,0 +1,67 @@
+"""The MoE block: routing, and applying the chosen experts to the tokens routed to them.
+
+Legend: T tokens, D hidden, E experts, K experts per token.
+
+Prefill batches: each expert multiplies all the tokens routed to it at once.
+Experts may arrive in any order (cache hits first, misses as they land), but
+the per-token sum is always taken in slot order, so the result is bit-identical
+whatever the arrival order.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from .blocks import softmax
+from .weights import Expert, ExpertSource
+
+
+@dataclass(frozen=True)
+class Routing:
+    ids: np.ndarray  # int64 [T, K], best first
+    weights: np.ndarray  # float32 [T, K]
+
+    def unique_experts(self) -> list[int]:
+        """Experts needed by these tokens, in order of first use (the fetch order)."""
+        seen: dict[int, None] = {}
+        for e in self.ids.reshape(-1).tolist():
+            seen.setdefault(e, None)
+        return list(seen)
+
+
+def top_k_ids(scores: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the k largest scores per row, best first (ties: lower id first)."""
+    order = np.argsort(-scores, axis=-1, kind="stable")  # [T, E]
+    return order[:, :k]
+
+
+def softmax_then_top_k(logits: np.ndarray, k: int, renormalize: bool = True) -> Routing:
+    """Qwen3-MoE / Gemma-4: p = softmax over all experts, keep the top k, renormalize."""
+    p = softmax(logits.astype(np.float32))  # [T, E]
+    ids = top_k_ids(p, k)
+    w = np.take_along_axis(p, ids, axis=-1)
+    if renormalize:
+        w = w / w.sum(axis=-1, keepdims=True)
+    return Routing(ids, w.astype(np.float32))
+
+
+def top_k_then_softmax(logits: np.ndarray, k: int) -> Routing:
+    """gpt-oss: the k largest logits, softmax over just those."""
+    ids = top_k_ids(logits, k)
+    return Routing(ids, softmax(np.take_along_axis(logits, ids, axis=-1)).astype(np.float32))
+
+
+def apply_experts(x: np.ndarray, routing: Routing, source: ExpertSource, layer: int,
+                  ffn: Callable[[Expert, np.ndarray], np.ndarray]) -> np.ndarray:
+    """Σ_k w[t,k] · ffn(expert ids[t,k], x[t]) for every token t; x [T, D] → [T, D]."""
+    t, k = routing.ids.shape
+    contrib = np.zeros((t, k, x.shape[1]), np.float32)  # [T, K, D]
+    for expert in source.experts(layer, routing.unique_experts()):
+        rows, slots = np.nonzero(routing.ids == expert.id)  # each token picks an expert at most once
+        contrib[rows, slots] = ffn(expert, x[rows])
+    out = contrib[:, 0] * routing.weights[:, 0:1]
+    for s in range(1, k):  # fixed slot order: deterministic sums
+        out += contrib[:, s] * routing.weights[:, s : s + 1]
+    return out

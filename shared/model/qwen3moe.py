@@ -1,0 +1,54 @@
+"""Qwen3-MoE (GGUF arch `qwen3moe`; HF Qwen3MoeForCausalLM).
+
+Per layer: x → RMSNorm → q,k,v; per-head RMSNorm on q and k *before* NEOX
+RoPE; causal GQA scaled 1/√d; residual. Then RMSNorm → router softmax over
+all experts → top-k → renormalize → Σ w·down(silu(gate n) ⊙ up n); residual.
+Legend: T tokens, D hidden, H/Hk heads, d head width, E experts.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .base import MoEModel
+from .blocks import Rope, attention, plain_inv_freq, rms_norm, silu, yarn_rope
+from .moe import apply_experts, softmax_then_top_k
+from .weights import Expert
+
+
+def swiglu_expert(e: Expert, x: np.ndarray) -> np.ndarray:
+    return e.down(silu(e.gate(x)) * e.up(x))  # [n, D]
+
+
+class Model(MoEModel):
+    arch = "qwen3moe"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        r, hd = self.spec.rope, self.spec.head_dim_k[0]
+        self.rope = yarn_rope(r, r.dim, truncate=True) if r.scaling == "yarn" else Rope(plain_inv_freq(r.freq_base, r.dim))
+        self.scale = 1.0 / math.sqrt(hd)
+
+    def load_layer(self, i: int) -> dict:
+        p, w = f"blk.{i}.", self.w
+        return dict(
+            attn_norm=w.vector(p + "attn_norm.weight"), q=w.matrix(p + "attn_q.weight"), k=w.matrix(p + "attn_k.weight"),
+            v=w.matrix(p + "attn_v.weight"), o=w.matrix(p + "attn_output.weight"),
+            q_norm=w.vector(p + "attn_q_norm.weight"), k_norm=w.vector(p + "attn_k_norm.weight"),
+            ffn_norm=w.vector(p + "ffn_norm.weight"), router=w.matrix(p + "ffn_gate_inp.weight"),
+        )
+
+    def layer(self, i, x, cache, start, positions):
+        s, L, eps = self.spec, self.layers[i], self.spec.rms_eps
+        t, hd, hk = x.shape[0], s.head_dim_k[i], s.n_head_kv[i]
+        n = rms_norm(x, L["attn_norm"], eps)  # [T, D]
+        q = rms_norm(L["q"](n).reshape(t, s.n_head, hd), L["q_norm"], eps)  # [T, H, d]
+        k = rms_norm(L["k"](n).reshape(t, hk, hd), L["k_norm"], eps)  # [T, Hk, d]
+        v = L["v"](n).reshape(t, hk, s.head_dim_v[i])
+        cos, sin = self.rope.tables(positions)
+        cache.store(i, self.rope.apply(k, cos, sin), v)
+        h = x + L["o"](attention(self.rope.apply(q, cos, sin), cache, i, start, self.scale))
+        n2 = rms_norm(h, L["ffn_norm"], eps)
+        routing = softmax_then_top_k(L["router"](n2), self.top_k)
+        return h + apply_experts(n2, routing, self.source, i, swiglu_expert)

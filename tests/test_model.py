@@ -1,0 +1,91 @@
+"""Forward passes on made models of every architecture: finite, batch-consistent,
+KV-cache-consistent, routed as asked; llama.cpp agreement behind the oracle marker."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from moe_pipe.shared.errors import UserError
+from moe_pipe.shared.makemodel import make_model
+from moe_pipe.shared.model import load_model
+from moe_pipe.shared.model.moe import softmax_then_top_k, top_k_then_softmax
+from moe_pipe.shared.model_file import open_model
+
+ARCHES = ["qwen3moe", "gpt-oss", "gemma4"]
+PROMPT = [1, 5, 9, 20, 33, 70, 100, 200, 7, 300, 11]
+
+
+@pytest.fixture(scope="module", params=ARCHES)
+def tiny(request, tmp_path_factory):
+    path = make_model(request.param, "tiny", tmp_path_factory.mktemp("m") / f"{request.param}.gguf")
+    with open_model(path) as mf:
+        yield load_model(mf)
+
+
+def test_prefill_batches_equal_one_token_at_a_time(tiny):
+    a = tiny.new_cache(64)
+    whole = tiny.forward(PROMPT, a, all_logits=True)  # [T, V]
+    assert whole.shape == (len(PROMPT), tiny.spec.n_vocab) and np.isfinite(whole).all()
+    b = tiny.new_cache(64)
+    steps = np.stack([tiny.decode_one(t, b) for t in PROMPT])
+    np.testing.assert_allclose(steps, whole, rtol=2e-4, atol=2e-4)
+    c = tiny.new_cache(64)
+    np.testing.assert_allclose(tiny.prefill(PROMPT, c, batch=3), whole[-1], rtol=2e-4, atol=2e-4)
+    assert a.n == b.n == c.n == len(PROMPT)
+
+
+def test_deterministic(tiny):
+    x = tiny.forward(PROMPT, tiny.new_cache(32))
+    y = tiny.forward(PROMPT, tiny.new_cache(32))
+    assert np.array_equal(x, y)
+
+
+def test_top_k_override_changes_output(tiny):
+    fewer = load_model(tiny.mf, top_k=1)
+    assert fewer.top_k == 1
+    assert not np.allclose(fewer.forward(PROMPT, fewer.new_cache(32)), tiny.forward(PROMPT, tiny.new_cache(32)))
+    with pytest.raises(UserError):
+        load_model(tiny.mf, top_k=tiny.spec.n_expert + 1)
+
+
+def test_context_overflow_is_an_error(tiny):
+    cache = tiny.new_cache(4)
+    with pytest.raises(ValueError, match="context full"):
+        tiny.forward(PROMPT, cache)
+
+
+def test_routing_rules():
+    logits = np.array([[0.0, 2.0, 1.0, -1.0]], np.float32)
+    r = softmax_then_top_k(logits, 2)
+    assert r.ids.tolist() == [[1, 2]]
+    np.testing.assert_allclose(r.weights, [[np.e / (np.e + 1), 1 / (np.e + 1)]], rtol=1e-6)
+    g = top_k_then_softmax(logits, 2)
+    assert g.ids.tolist() == [[1, 2]]
+    np.testing.assert_allclose(g.weights.sum(), 1.0, rtol=1e-6)
+    p = np.exp(logits) / np.exp(logits).sum()
+    un = softmax_then_top_k(logits, 2, renormalize=False)
+    np.testing.assert_allclose(un.weights, p[:, [1, 2]], rtol=1e-6)
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("arch", ARCHES)
+def test_matches_llama_cpp_on_f32_model(arch, tmp_path):
+    """Same F32 GGUF, F32 KV cache: llama.cpp's logits are the format/graph oracle.
+
+    qwen3moe agrees to float rounding. gpt-oss: llama.cpp rounds the YaRN ramp
+    ends to whole dims, the reference (HF, truncate=false) does not: ~1e-3.
+    gemma4: ggml's GELU uses an f16 lookup table: ~1e-3.
+    """
+    llama_cpp = pytest.importorskip("llama_cpp")
+    path = make_model(arch, "tiny", tmp_path / "m.gguf", quant="F32")
+    llm = llama_cpp.Llama(str(path), n_ctx=64, n_threads=2, logits_all=True, verbose=False, type_k=0, type_v=0, flash_attn=False)
+    llm.eval(PROMPT)
+    ref = np.asarray(llm.scores[: len(PROMPT)])
+    llm.close()
+    with open_model(path) as mf:
+        model = load_model(mf)
+        ours = model.forward(PROMPT, model.new_cache(64), all_logits=True)
+    tol = 1e-5 if arch == "qwen3moe" else 5e-3
+    err = np.abs(ours - ref).max() / np.abs(ref).max()
+    assert err < tol, f"{arch}: max relative logit error {err:.3g}"
+    assert (ours.argmax(-1) == ref.argmax(-1)).all()

@@ -19,8 +19,8 @@ renamed when complete.
 """
 from __future__ import annotations
 
-import math
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -72,6 +72,9 @@ def convert(hf_dir: Path | str, out: Path | str, outtype: str = "f16", progress:
         sizes = [block_format(t).tensor_bytes(o.shape) for o, t in zip(plan, types)]
         total = sum(sizes)
         out.parent.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(out.parent).free
+        if total > free:
+            raise UserError(f"{out}: the converted model needs {total / 1e9:.1f} GB but only {free / 1e9:.1f} GB is free there")
         part = out.with_name(out.name + ".part")
         w = GGUFWriter(part, arch.gguf_arch)
         try:
@@ -141,7 +144,3 @@ def _add_general(w: GGUFWriter, hf_dir: Path, config: dict, qtype: Q, mxfp4: boo
     w.add_description(f"converted by moe-pipe convert from a Hugging Face {config.get('model_type')} checkpoint")
     w.add_file_type(int(LlamaFileType.MOSTLY_MXFP4_MOE if mxfp4 else _FILE_TYPE[qtype]))
     w.add_quantization_version(2)
-
-
-def _param_count(plan: list[Out]) -> int:
-    return sum(math.prod(o.shape) for o in plan)

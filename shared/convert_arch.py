@@ -12,7 +12,6 @@ Hk kv heads, d head dim, X experts, F expert ff width, Fd dense ff width.
 """
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -59,12 +58,8 @@ class _Planner:
 
     def copy(self, gg: str, name: str, shape: tuple[int, ...], matrix: bool | None = None) -> None:
         """A tensor stored as GGUF wants it (rows = outputs)."""
-        full, ck = self.hf(name, shape), self.ck
-        if len(shape) == 3:
-            parts = lambda: (ck.f32(full, e) for e in range(shape[0]))  # noqa: E731
-        else:
-            parts = lambda: iter([ck.f32(full)])  # noqa: E731
-        self.outs.append(Out(gg, tuple(shape), len(shape) >= 2 if matrix is None else matrix, parts))
+        full = self.hf(name, shape)
+        self.outs.append(Out(gg, tuple(shape), len(shape) >= 2 if matrix is None else matrix, _slabs(self.ck, full, shape)))
 
     def add(self, out: Out) -> None:
         self.outs.append(out)
@@ -74,6 +69,21 @@ class _Planner:
 
 
 # --- config helpers -----------------------------------------------------------------
+
+
+# Rows per slab of a 2-D tensor: bounds the float32 temporaries for a 262144-row
+# embedding to ~64 MB instead of ~3 GB. Rows are independent for every outtype.
+_SLAB_ELEMS = 16 << 20
+
+
+def _slabs(ck: Checkpoint, full: str, shape: tuple[int, ...]) -> Callable[[], Iterator[np.ndarray]]:
+    """Parts of a tensor stored as GGUF wants it: one per expert (3-D) or row slabs (2-D)."""
+    if len(shape) == 3:
+        return lambda: (ck.f32(full, e) for e in range(shape[0]))
+    if len(shape) == 2:
+        step = max(1, _SLAB_ELEMS // max(1, shape[1]))
+        return lambda: (ck.f32(full, slice(r, r + step)) for r in range(0, shape[0], step))
+    return lambda: iter([ck.f32(full)])
 
 
 def _get(cfg: dict, key: str, default: Any = ..., *alts: str) -> Any:
@@ -146,7 +156,7 @@ def _base_hparams(cfg: dict, default_theta: float) -> dict[str, Any]:
     )
 
 
-def _embeddings(p: _Planner, hp: dict[str, Any], out_norm: str = "norm") -> None:
+def _embeddings(p: _Planner, hp: dict[str, Any]) -> None:
     V, D = hp["V"], hp["D"]
     p.copy("token_embd.weight", "embed_tokens.weight", (V, D))
 
@@ -162,8 +172,7 @@ def _head(p: _Planner, hp: dict[str, Any], lm_head: str) -> None:
         if shape != (V, D):
             raise UserError(f"{p.ck.dir}: tensor {full} has shape {list(shape)}, but config.json implies {[V, D]}")
         p.used.add(full)
-        ck = p.ck
-        p.add(Out("output.weight", (V, D), True, lambda: iter([ck.f32(full)])))
+        p.add(Out("output.weight", (V, D), True, _slabs(p.ck, full, (V, D))))
 
 
 # --- qwen3moe -----------------------------------------------------------------------
@@ -500,7 +509,3 @@ def text_config(config: dict[str, Any]) -> tuple[str, dict[str, Any]]:
             raise UserError("config.json: model_type gemma4 without a text_config")
         return "gemma4_text", {**tc, "tie_word_embeddings": config.get("tie_word_embeddings", tc.get("tie_word_embeddings", True))}
     return mt, config
-
-
-def out_nbytes_f32(o: Out) -> int:
-    return 4 * math.prod(o.shape)

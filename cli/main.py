@@ -14,6 +14,7 @@ import sys
 COMMANDS = {
     "make-model": ("make_model", "write a deterministic GGUF model with random weights"),
     "inspect": ("inspect_cmd", "show a GGUF model's layout: experts, bytes, quant types"),
+    "convert": ("convert_cmd", "convert a Hugging Face checkpoint (safetensors) to GGUF"),
 }
 
 

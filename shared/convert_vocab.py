@@ -18,7 +18,7 @@ from typing import Any
 
 from .convert_source import read_json
 from .errors import UserError
-from .vocab import BYTE, CONTROL, GEMMA4_REGEX, NORMAL, O200K_REGEX, QWEN2_REGEX, UNKNOWN, UNUSED, USER_DEFINED
+from .vocab import BYTE, CONTROL, NORMAL, O200K_REGEX, QWEN2_REGEX, UNKNOWN, UNUSED, USER_DEFINED
 
 log = logging.getLogger(__name__)
 

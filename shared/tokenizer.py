@@ -337,6 +337,15 @@ def _merge_pairs(merges: list[str], source: str) -> list[tuple[str, str]]:
     return pairs
 
 
+def _first_bad_merge(pairs: list[tuple[str, str]], vocab: dict[str, int]) -> str | None:
+    """Only run after the fast path failed: names the entry, for the error message."""
+    for k, (a, b) in enumerate(pairs):
+        for piece in (a, b, a + b):
+            if piece not in vocab:
+                return f"merge {k} ({a!r} {b!r}) needs {piece!r}, which is not a token"
+    return None
+
+
 def _build_hf(model: str, pre: str, tokens: list[str], control: list[int], user: list[int], merges: list[str], source: str):
     """(tokenizer with specials matched, the same with control tokens as plain text).
 
@@ -370,8 +379,10 @@ def _build_hf(model: str, pre: str, tokens: list[str], control: list[int], user:
             bpe = models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, ignore_merges=split.ignore_merges)
         else:
             bpe = models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=True)
-    except Exception as exc:  # tokenizers raises plain Exception for bad merges
-        raise GGUFError(source, f"tokenizer.ggml.merges do not fit the vocabulary: {exc}") from None
+    except BaseException as exc:  # a bad merge is an Exception or a Rust panic (PanicException is a BaseException)
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise GGUFError(source, f"tokenizer.ggml.merges do not fit the vocabulary: {_first_bad_merge(pairs, vocab) or exc}") from None
 
     def configured():
         tok = HFTokenizer(bpe)

@@ -12,6 +12,7 @@ import numpy as np
 from ..errors import UserError
 from ..model_file import ModelFile
 from .blocks import KVCache, rms_norm
+from .stages import Stages
 from .weights import ExpertSource, FileExperts, Weights
 
 
@@ -25,6 +26,7 @@ class MoEModel:
         if top_k is not None and not 1 <= top_k <= self.spec.n_expert:
             raise UserError(f"--top-k {top_k} is out of range: this model has {self.spec.n_expert} experts")
         self.top_k = top_k or self.spec.n_expert_used
+        self.stage = Stages()  # per-stage timing, enabled by benchmarks
         self.embd = self.w.matrix("token_embd.weight")
         self.output_norm = self.w.vector("output_norm.weight")
         self.output = self.w.matrix("output.weight") if self.w.has("output.weight") else self.embd
@@ -57,11 +59,13 @@ class MoEModel:
             raise UserError(f"token id out of range 0..{self.spec.n_vocab - 1}")
         start = cache.n
         positions = np.arange(start, start + tokens.size)
-        x = self.embed(tokens)
+        with self.stage("embed"):
+            x = self.embed(tokens)
         for i in range(self.spec.n_layer):
             x = self.layer(i, x, cache, start, positions)
         cache.advance(tokens.size)
-        return self.logits(x if all_logits else x[-1:])
+        with self.stage("head"):
+            return self.logits(x if all_logits else x[-1:])
 
     def prefill(self, tokens, cache: KVCache, batch: int = 64) -> np.ndarray:
         """Prompt in batches of `batch` tokens; returns the last position's logits [V]."""

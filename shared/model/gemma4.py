@@ -66,24 +66,26 @@ class Model(MoEModel):
         t, hd, hk = x.shape[0], s.head_dim_k[i], s.n_head_kv[i]
         sliding = s.swa_layers[i]
         rope = self.rope_swa if sliding else self.rope_full
-        n = rms_norm(x, L["attn_norm"], eps)
-        q = rms_norm(L["q"](n).reshape(t, s.n_head, hd), L["q_norm"], eps)  # [T, H, d]
-        k_raw = L["k"](n).reshape(t, hk, hd)
-        v = L["v"](n).reshape(t, hk, s.head_dim_v[i]) if L["v"] is not None else k_raw  # full layers: V = K
-        v = rms_norm(v, None, eps)
-        k = rms_norm(k_raw, L["k_norm"], eps)
-        cos, sin = rope.tables(positions)
-        cache.store(i, rope.apply(k, cos, sin), v)
-        a = attention(rope.apply(q, cos, sin), cache, i, start, 1.0, window=s.sliding_window if sliding else 0)
-        h = x + rms_norm(L["o"](a), L["post_attn_norm"], eps)
-        # always-on MLP
-        n1 = rms_norm(h, L["ffn_norm"], eps)
-        m1 = rms_norm(L["down"](gelu_tanh(L["gate"](n1)) * L["up"](n1)), L["post_ffw_norm_1"], eps)
-        # routed experts
-        r = rms_norm(h, None, eps) * L["router_in_scale"] * self.router_scale
-        routing = softmax_then_top_k(L["router"](r), self.top_k)
-        routing = type(routing)(routing.ids, routing.weights * L["expert_scale"][routing.ids])
-        m2 = apply_experts(rms_norm(h, L["pre_ffw_norm_2"], eps), routing, self.source, i, gelu_expert)
-        m2 = rms_norm(m2, L["post_ffw_norm_2"], eps)
+        with self.stage("attention"):
+            n = rms_norm(x, L["attn_norm"], eps)
+            q = rms_norm(L["q"](n).reshape(t, s.n_head, hd), L["q_norm"], eps)  # [T, H, d]
+            k_raw = L["k"](n).reshape(t, hk, hd)
+            v = L["v"](n).reshape(t, hk, s.head_dim_v[i]) if L["v"] is not None else k_raw  # full layers: V = K
+            v = rms_norm(v, None, eps)
+            k = rms_norm(k_raw, L["k_norm"], eps)
+            cos, sin = rope.tables(positions)
+            cache.store(i, rope.apply(k, cos, sin), v)
+            a = attention(rope.apply(q, cos, sin), cache, i, start, 1.0, window=s.sliding_window if sliding else 0)
+            h = x + rms_norm(L["o"](a), L["post_attn_norm"], eps)
+        with self.stage("dense_mlp"):  # always on
+            n1 = rms_norm(h, L["ffn_norm"], eps)
+            m1 = rms_norm(L["down"](gelu_tanh(L["gate"](n1)) * L["up"](n1)), L["post_ffw_norm_1"], eps)
+        with self.stage("router"):
+            r = rms_norm(h, None, eps) * L["router_in_scale"] * self.router_scale
+            routing = softmax_then_top_k(L["router"](r), self.top_k)
+            routing = type(routing)(routing.ids, routing.weights * L["expert_scale"][routing.ids])
+        with self.stage("experts"):
+            m2 = apply_experts(rms_norm(h, L["pre_ffw_norm_2"], eps), routing, self.source, i, gelu_expert)
+            m2 = rms_norm(m2, L["post_ffw_norm_2"], eps)
         f = rms_norm(m1 + m2, L["post_ffw_norm"], eps)
         return (h + f) * L["out_scale"]

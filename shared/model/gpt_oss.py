@@ -59,15 +59,18 @@ class Model(MoEModel):
     def layer(self, i, x, cache, start, positions):
         s, L, eps = self.spec, self.layers[i], self.spec.rms_eps
         t, hd, hk = x.shape[0], s.head_dim_k[i], s.n_head_kv[i]
-        n = rms_norm(x, L["attn_norm"], eps)
-        q = (L["q"](n) + L["q_b"]).reshape(t, s.n_head, hd)  # [T, H, d]
-        k = (L["k"](n) + L["k_b"]).reshape(t, hk, hd)
-        v = (L["v"](n) + L["v_b"]).reshape(t, hk, s.head_dim_v[i])
-        cos, sin = self.rope.tables(positions)
-        cache.store(i, self.rope.apply(k, cos, sin), v)
-        window = s.sliding_window if s.swa_layers[i] else 0
-        a = attention(self.rope.apply(q, cos, sin), cache, i, start, self.scale, window=window, sinks=L["sinks"])
-        h = x + L["o"](a) + L["o_b"]
-        n2 = rms_norm(h, L["ffn_norm"], eps)
-        routing = top_k_then_softmax(L["router"](n2) + L["router_b"], self.top_k)
-        return h + apply_experts(n2, routing, self.source, i, clamped_swiglu_expert)
+        with self.stage("attention"):
+            n = rms_norm(x, L["attn_norm"], eps)
+            q = (L["q"](n) + L["q_b"]).reshape(t, s.n_head, hd)  # [T, H, d]
+            k = (L["k"](n) + L["k_b"]).reshape(t, hk, hd)
+            v = (L["v"](n) + L["v_b"]).reshape(t, hk, s.head_dim_v[i])
+            cos, sin = self.rope.tables(positions)
+            cache.store(i, self.rope.apply(k, cos, sin), v)
+            window = s.sliding_window if s.swa_layers[i] else 0
+            a = attention(self.rope.apply(q, cos, sin), cache, i, start, self.scale, window=window, sinks=L["sinks"])
+            h = x + L["o"](a) + L["o_b"]
+        with self.stage("router"):
+            n2 = rms_norm(h, L["ffn_norm"], eps)
+            routing = top_k_then_softmax(L["router"](n2) + L["router_b"], self.top_k)
+        with self.stage("experts"):
+            return h + apply_experts(n2, routing, self.source, i, clamped_swiglu_expert)

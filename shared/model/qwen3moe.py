@@ -42,13 +42,16 @@ class Model(MoEModel):
     def layer(self, i, x, cache, start, positions):
         s, L, eps = self.spec, self.layers[i], self.spec.rms_eps
         t, hd, hk = x.shape[0], s.head_dim_k[i], s.n_head_kv[i]
-        n = rms_norm(x, L["attn_norm"], eps)  # [T, D]
-        q = rms_norm(L["q"](n).reshape(t, s.n_head, hd), L["q_norm"], eps)  # [T, H, d]
-        k = rms_norm(L["k"](n).reshape(t, hk, hd), L["k_norm"], eps)  # [T, Hk, d]
-        v = L["v"](n).reshape(t, hk, s.head_dim_v[i])
-        cos, sin = self.rope.tables(positions)
-        cache.store(i, self.rope.apply(k, cos, sin), v)
-        h = x + L["o"](attention(self.rope.apply(q, cos, sin), cache, i, start, self.scale))
-        n2 = rms_norm(h, L["ffn_norm"], eps)
-        routing = softmax_then_top_k(L["router"](n2), self.top_k)
-        return h + apply_experts(n2, routing, self.source, i, swiglu_expert)
+        with self.stage("attention"):
+            n = rms_norm(x, L["attn_norm"], eps)  # [T, D]
+            q = rms_norm(L["q"](n).reshape(t, s.n_head, hd), L["q_norm"], eps)  # [T, H, d]
+            k = rms_norm(L["k"](n).reshape(t, hk, hd), L["k_norm"], eps)  # [T, Hk, d]
+            v = L["v"](n).reshape(t, hk, s.head_dim_v[i])
+            cos, sin = self.rope.tables(positions)
+            cache.store(i, self.rope.apply(k, cos, sin), v)
+            h = x + L["o"](attention(self.rope.apply(q, cos, sin), cache, i, start, self.scale))
+        with self.stage("router"):
+            n2 = rms_norm(h, L["ffn_norm"], eps)
+            routing = softmax_then_top_k(L["router"](n2), self.top_k)
+        with self.stage("experts"):
+            return h + apply_experts(n2, routing, self.source, i, swiglu_expert)

@@ -1,0 +1,175 @@
+"""Resident (`--no-stream`) prefill and decode speed next to llama.cpp on the same file.
+
+    python bench/bench_decode.py [--layers 8] [--threads 2] [-n 32] [--prompt-tokens 64] [--model PATH]
+
+Makes (once, under bench/out/) a qwen30b-shape model cut to `--layers` so it
+fits in RAM, then runs the same greedy generation through llama.cpp
+(llama-cpp-python, default mmap loading, the same threads) and through
+moe-pipe's single-process path, in the same run, and prints tok/s and their
+ratio, the share of moe-pipe's decode time per stage (attention, router,
+experts, head), and the Python time outside the kernels. llama-cpp-python is
+optional: without it only moe-pipe's figures print.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+OUT = Path(__file__).resolve().parent / "out"
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", help="GGUF to use (default: make a qwen30b-shape model)")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("-n", type=int, default=32, help="decode tokens")
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--repeat", type=int, default=3)
+    return p.parse_args(argv)
+
+
+def ensure_model(args) -> Path:
+    if args.model:
+        return Path(args.model)
+    from moe_pipe.shared.makemodel import make_model
+
+    path = OUT / f"qwen30b-shape-L{args.layers}.gguf"
+    if not path.exists():
+        print(f"making {path} ...", file=sys.stderr)
+        make_model("qwen3moe", "qwen30b-shape", path, layers=args.layers)
+    return path
+
+
+def prompt_ids(n: int, n_vocab: int) -> list[int]:
+    return [(i * 7919 + 13) % min(n_vocab, 4000) + 10 for i in range(n)]
+
+
+def run_llama(path: Path, prompt: list[int], n: int, threads: int):
+    try:
+        import llama_cpp
+    except ImportError:
+        return None
+    llm = llama_cpp.Llama(str(path), n_ctx=len(prompt) + n + 8, n_threads=threads, n_threads_batch=threads,
+                          n_batch=512, verbose=False)
+    llm.reset()
+    t0 = time.perf_counter()
+    llm.eval(prompt)
+    t1 = time.perf_counter()
+    tokens = []
+    for _ in range(n):
+        tok = int(llm._scores[-1].argmax()) if hasattr(llm, "_scores") else int(llm.scores[llm.n_tokens - 1].argmax())
+        tokens.append(tok)
+        llm.eval([tok])
+    t2 = time.perf_counter()
+    llm.close()
+    return t1 - t0, t2 - t1, tokens
+
+
+class KernelClock:
+    """Wraps the quant entry points to count time spent inside kernels."""
+
+    def __init__(self):
+        from moe_pipe.shared import quant
+
+        self.quant, self.seconds = quant, 0.0
+        self.saved = {name: getattr(quant, name) for name in ("matvec", "matmul", "dequantize_rows")}
+        for name, fn in self.saved.items():
+            setattr(quant, name, self._timed(fn))
+
+    def _timed(self, fn):
+        def wrapper(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.seconds += time.perf_counter() - t0
+        return wrapper
+
+    def restore(self):
+        for name, fn in self.saved.items():
+            setattr(self.quant, name, fn)
+
+
+def run_ours(path: Path, prompt: list[int], n: int, threads: int, profile: bool):
+    import numpy as np
+
+    from moe_pipe.shared import quant
+    from moe_pipe.shared.model import load_model
+    from moe_pipe.shared.model_file import open_model
+
+    quant.set_threads(threads)
+    mf = open_model(path)
+    model = load_model(mf)
+    model.prefill(prompt[:4], model.new_cache(16))  # compile/load kernels outside the timing
+    clock = KernelClock() if profile else None
+    model.stage.enabled = profile
+    cache = model.new_cache(len(prompt) + n + 8)
+    t0 = time.perf_counter()
+    logits = model.prefill(prompt, cache, batch=64)
+    t1 = time.perf_counter()
+    model.stage.reset()
+    if clock:
+        clock.seconds = 0.0
+    tokens = []
+    for _ in range(n):
+        tok = int(np.argmax(logits))
+        tokens.append(tok)
+        logits = model.decode_one(tok, cache)
+    t2 = time.perf_counter()
+    stages = dict(model.stage.seconds)
+    kernel_s = clock.seconds if clock else None
+    if clock:
+        clock.restore()
+    mf.close()
+    return t1 - t0, t2 - t1, tokens, stages, kernel_s
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    path = ensure_model(args)
+    from moe_pipe.shared.model_file import open_model
+
+    with open_model(path) as mf:
+        prompt = prompt_ids(args.prompt_tokens, mf.spec.n_vocab)
+        desc = f"{mf.spec.arch} {mf.spec.n_layer} layers, {mf.gguf.file_bytes / 2**30:.2f} GiB"
+    print(f"model: {path.name} ({desc}); prompt {len(prompt)} tokens, decode {args.n}, threads {args.threads}, {args.repeat} repeats (medians)")
+    ours, peer = [], []
+    for r in range(args.repeat):
+        ours.append(run_ours(path, prompt, args.n, args.threads, profile=False))
+        res = run_llama(path, prompt, args.n, args.threads)
+        if res:
+            peer.append(res)
+    prof = run_ours(path, prompt, args.n, args.threads, profile=True)
+
+    def rates(runs):
+        return (statistics.median(len(prompt) / r[0] for r in runs), statistics.median(args.n / r[1] for r in runs))
+
+    o_pre, o_dec = rates(ours)
+    print(f"\n{'engine':<12}{'prefill tok/s':>15}{'decode tok/s':>15}")
+    print(f"{'moe-pipe':<12}{o_pre:>15.2f}{o_dec:>15.2f}")
+    if peer:
+        p_pre, p_dec = rates(peer)
+        print(f"{'llama.cpp':<12}{p_pre:>15.2f}{p_dec:>15.2f}")
+        print(f"{'ratio':<12}{o_pre / p_pre:>15.2f}{o_dec / p_dec:>15.2f}   (moe-pipe ÷ llama.cpp)")
+        same = sum(a == b for a, b in zip(ours[0][2], peer[0][2]))
+        print(f"greedy tokens identical to llama.cpp: {same}/{args.n}")
+    else:
+        print("llama.cpp: not installed (pip install llama-cpp-python) — no peer figures")
+    _, dec_s, _, stages, kernel_s = prof
+    print(f"\nmoe-pipe decode time by stage (profiled run, {args.n} tokens, {dec_s * 1e3 / args.n:.1f} ms/token):")
+    total = sum(stages.values())
+    for name, sec in sorted(stages.items(), key=lambda kv: -kv[1]):
+        print(f"  {name:<12}{sec / dec_s * 100:6.1f} %")
+    print(f"  {'other':<12}{(dec_s - total) / dec_s * 100:6.1f} %")
+    print(f"Python outside the kernels: {(dec_s - kernel_s) / dec_s * 100:.1f} % of decode time")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -12,6 +12,7 @@ import sys
 
 # name -> (module under moe_pipe.cli, one-line help)
 COMMANDS = {
+    "run": ("run_cmd", "generate text from a prompt"),
     "make-model": ("make_model", "write a deterministic GGUF model with random weights"),
     "inspect": ("inspect_cmd", "show a GGUF model's layout: experts, bytes, quant types"),
     "convert": ("convert_cmd", "convert a Hugging Face checkpoint (safetensors) to GGUF"),

@@ -70,7 +70,7 @@ def generate(model, tokenizer, prompt_tokens: list[int], params: SamplingParams,
         raise UserError(f"the prompt is {len(prompt_tokens)} tokens but the context holds {cfg.n_ctx}; shorten it or raise the context size")
     out = Generation(list(prompt_tokens))
     sampler, scanner = Sampler(params), _StopScanner(cfg.stop)
-    decoder = tokenizer.stream_decoder()
+    decoder = tokenizer.stream()
     cache = model.new_cache(cfg.n_ctx)
     emitted = 0
 

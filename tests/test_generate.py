@@ -1,0 +1,124 @@
+"""Generation: stop strings, end-of-generation, limits, streaming equals the final text; and `moe-pipe run`."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from moe_pipe.cli.main import main
+from moe_pipe.shared.errors import UserError
+from moe_pipe.shared.generate import GenerationConfig, _StopScanner, generate
+from moe_pipe.shared.makemodel import make_model
+from moe_pipe.shared.model import load_model
+from moe_pipe.shared.model_file import open_model
+from moe_pipe.shared.sampling import SamplingParams
+from moe_pipe.shared.tokenizer import Tokenizer
+
+
+class ScriptedModel:
+    """Emits a fixed token sequence: logits put all mass on the next scripted id."""
+
+    def __init__(self, script, n_vocab):
+        self.script, self.n_vocab, self.i = list(script), n_vocab, 0
+
+    def new_cache(self, n_ctx):
+        return type("C", (), {"n": 0})()
+
+    def _logits(self):
+        z = np.zeros(self.n_vocab, np.float32)
+        z[self.script[min(self.i, len(self.script) - 1)]] = 10.0
+        self.i += 1
+        return z
+
+    def prefill(self, tokens, cache, batch=64):
+        cache.n += len(tokens)
+        return self._logits()
+
+    def decode_one(self, token, cache):
+        cache.n += 1
+        return self._logits()
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    return make_model("qwen3moe", "tiny", tmp_path_factory.mktemp("g") / "tiny.gguf")
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_path):
+    with open_model(tiny_path) as mf:
+        return Tokenizer.from_gguf(mf.gguf)
+
+
+def test_stop_string_cuts_text_and_is_never_streamed(tok):
+    ids = tok.encode("alpha beta STOP gamma", add_bos=False, special=False)
+    model = ScriptedModel(ids, tok.n_vocab)
+    pieces = []
+    out = generate(model, tok, [1, 2], SamplingParams(), GenerationConfig(max_tokens=50, stop=("STOP",)), on_text=pieces.append)
+    assert out.finish_reason == "stop"
+    assert out.text == "alpha beta " and "".join(pieces) == out.text
+
+
+def test_eog_token_ends_generation_and_is_not_in_text(tok):
+    eog = min(tok.eog_ids)
+    ids = tok.encode("one two", add_bos=False, special=False) + [eog, 5, 6]
+    out = generate(ScriptedModel(ids, tok.n_vocab), tok, [1], SamplingParams(), GenerationConfig(max_tokens=50))
+    assert out.finish_reason == "eog" and out.text == "one two" and eog not in out.tokens
+
+
+def test_max_tokens_and_context_limits(tok):
+    model = ScriptedModel([7] * 100, tok.n_vocab)
+    out = generate(model, tok, [1, 2, 3], SamplingParams(), GenerationConfig(max_tokens=5))
+    assert out.finish_reason == "length" and len(out.tokens) == 5
+    out = generate(ScriptedModel([7] * 100, tok.n_vocab), tok, [1, 2, 3], SamplingParams(), GenerationConfig(max_tokens=50, n_ctx=8))
+    # 3 prompt + 5 fed tokens fill the 8 positions; the 6th is sampled from the last logits, never fed.
+    assert out.finish_reason == "context" and len(out.tokens) == 6
+    with pytest.raises(UserError, match="context holds"):
+        generate(model, tok, list(range(10)), SamplingParams(), GenerationConfig(n_ctx=8))
+
+
+def test_stop_scanner_holds_back_possible_prefix():
+    s = _StopScanner(("</s>",))
+    assert s.safe_end("abc</") == 2 and s.find("abc</s>x", 0) == 3
+
+
+def test_streamed_text_equals_result_on_a_real_model(tiny_path, tok):
+    with open_model(tiny_path) as mf:
+        model = load_model(mf)
+        pieces = []
+        out = generate(model, tok, tok.encode("The river"), SamplingParams(), GenerationConfig(max_tokens=20), on_text=pieces.append)
+        again = generate(model, tok, tok.encode("The river"), SamplingParams(), GenerationConfig(max_tokens=20))
+    assert "".join(pieces) == out.text == tok.decode(out.tokens)
+    assert again.tokens == out.tokens  # greedy is deterministic
+
+
+def test_run_json(tiny_path, capsys):
+    assert main(["run", str(tiny_path), "-p", "Hello there", "-n", "6", "--output-format", "json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out) >= {"prompt_tokens", "tokens", "text", "timings"}
+    assert len(out["tokens"]) == 6 and out["prompt_tokens"]
+    assert out["timings"]["predicted_n"] == 6
+
+
+def test_run_chat_seeded_sampling_is_reproducible(tiny_path, capsys):
+    args = ["run", str(tiny_path), "-p", "Hi", "--chat", "--no-think", "-n", "8", "--temp", "0.9", "--seed", "5", "--output-format", "json"]
+    assert main(args) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert main(args) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] == first["tokens"]
+    assert first["prompt_tokens"][-1] != first["prompt_tokens"][0]
+
+
+def test_run_text_streams_and_reports(tiny_path):
+    r = subprocess.run([sys.executable, "-m", "moe_pipe.cli.main", "run", str(tiny_path), "-p", "Once", "-n", "5"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0 and "generated" in r.stderr and r.stdout.endswith("\n")
+
+
+@pytest.mark.parametrize("extra,needle", [(["--temp", "-1"], "temperature"), (["--top-k", "99"], "top-k"), (["-t", "999"], "threads")])
+def test_run_bad_values_exit_2(tiny_path, extra, needle):
+    r = subprocess.run([sys.executable, "-m", "moe_pipe.cli.main", "run", str(tiny_path), "-p", "x", *extra], capture_output=True, text=True)
+    assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr

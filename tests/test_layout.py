@@ -1,6 +1,7 @@
 """The byte-range map, checked against an independent computation from gguf-py's tensor offsets."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 from gguf import GGUFReader
@@ -72,3 +73,29 @@ def test_aligned_read_covers_extent(offset, length):
     assert start % PAGE == 0 and n % PAGE == 0
     assert start + skip == offset and skip + length <= n and skip < PAGE
     assert n - (skip + length) < PAGE
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss", "gemma4"])
+def test_made_model_expert_extents_match_reader(arch, tmp_path):
+    """Every expert of a made model (gpt-oss biases, gemma4 fused gate_up included)."""
+    from moe_pipe.shared.makemodel import make_model
+
+    p = make_model(arch, "tiny", tmp_path / "m.gguf")
+    want = independent_expert_ranges(p)
+    with open_model(p) as mf:
+        assert len(want) == mf.spec.n_layer * mf.spec.n_expert
+        for (layer, e), ranges in want.items():
+            got = [(x.offset, x.length) for x in mf.layout.expert_extents(layer, e)]
+            assert sorted(got) == sorted(ranges), (layer, e)
+            assert mf.layout.expert_bytes(layer) == sum(n for _, n in ranges)
+        parts = {p.name for p in mf.layout.layers[0].parts}
+        expected = {"qwen3moe": {"gate", "up", "down"},
+                    "gpt-oss": {"gate", "up", "down", "gate_bias", "up_bias", "down_bias"},
+                    "gemma4": {"gate_up", "down"}}[arch]
+        assert parts == expected
+        # the slices hold exactly the expert's bytes of the stacked tensor
+        name = mf.layout.layers[1].parts[0].tensor.name
+        stack = mf.gguf.view(name)
+        ext = mf.layout.expert_extents(1, 3)[0]
+        raw = np.memmap(p, mode="r")[ext.offset : ext.end]
+        assert np.array_equal(raw, stack[3].reshape(-1).view(np.uint8))

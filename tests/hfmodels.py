@@ -54,7 +54,7 @@ def build_qwen3moe(out_dir: Path, seed: int = 0) -> Path:
     return _save(Qwen3MoeForCausalLM, cfg, tok, out_dir, seed)
 
 
-def build_gpt_oss(out_dir: Path, seed: int = 0, yarn_truncate: bool = False) -> Path:
+def build_gpt_oss(out_dir: Path, seed: int = 0) -> Path:
     from transformers import GptOssConfig, GptOssForCausalLM
 
     tok = _harmony_tokenizer()
@@ -63,10 +63,10 @@ def build_gpt_oss(out_dir: Path, seed: int = 0, yarn_truncate: bool = False) -> 
         hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         head_dim=32, num_local_experts=8, num_experts_per_tok=2, sliding_window=4,
         layer_types=["sliding_attention", "full_attention"],
-        # Like the real 131072/4096 x32 setup, scaled down, with the real config's
-        # truncate=false (unrounded YaRN ramp ends; ggml rounds them, ~1e-3 apart).
+        # Like the real 131072/4096 x32 setup, scaled down. truncate=True: a GGUF's YaRN
+        # rounds the ramp ends (llama.cpp's meaning; the real HF config says false).
         rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
-                         "truncate": yarn_truncate, "original_max_position_embeddings": 64},
+                         "truncate": True, "original_max_position_embeddings": 64},
         max_position_embeddings=256, rms_norm_eps=1e-5, attention_bias=True, swiglu_limit=7.0, swiglu_alpha=1.702,
         initializer_range=0.08, tie_word_embeddings=False,
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,

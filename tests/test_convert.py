@@ -35,9 +35,7 @@ CASES = [(a, t) for a in ARCHES for t in ("f32", "q8_0")] + [("qwen3moe", "f16")
 @pytest.fixture(scope="module")
 def hf(tmp_path_factory) -> dict[str, Path]:
     d = tmp_path_factory.mktemp("hf")
-    # gpt-oss with YaRN truncate=true: llama.cpp always rounds the ramp ends, and these
-    # models also feed the llama.cpp-vs-transformers checks (GGUF has no key for it).
-    out = {a: build(a, d / a, **({"yarn_truncate": True} if a == "gpt-oss" else {})) for a in ARCHES}
+    out = {a: build(a, d / a) for a in ARCHES}
     out["gemma4-text"] = build("gemma4", d / "gemma4-text", multimodal=False)
     return out
 

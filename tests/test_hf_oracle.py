@@ -88,3 +88,73 @@ def test_q8_0_stays_close(pair, capsys):
         print(f"\n{arch} q8_0: max relative logit error {max(errs):.2e}; greedy tokens agreeing before the first difference (of 8): {prefixes}")
     assert max(errs) < 0.1
     assert sum(p >= 3 for p in prefixes) >= 2, prefixes
+
+
+MULTILINGUAL = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Grüße aus Köln: Äpfel, Öl und Übermut — 100 % ß.",
+    "我们今天去公园散步，天气很好。",
+    "Emoji: 🙂🚀 and café, naïve, São Paulo.",
+    "def f(x):\n    return x ** 2  # square\n\n\n",
+    "Numbers: 3.14159, 2024-11-30, 1234567890",
+    "   leading spaces\tand tabs\r\nwindows newline",
+]
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(pair):
+    from transformers import AutoTokenizer
+
+    arch, ref, ggufs = pair
+    return AutoTokenizer.from_pretrained(ref.name_or_path)
+
+
+@pytest.mark.oracle
+def test_tokenizer_matches_transformers(pair, hf_tokenizer):
+    from moe_pipe.shared.tokenizer import Tokenizer
+
+    arch, _, ggufs = pair
+    with open_model(ggufs["f32"]) as mf:
+        tok = Tokenizer.from_gguf(mf.gguf)
+    for text in MULTILINGUAL:
+        want = hf_tokenizer.encode(text, add_special_tokens=False)
+        assert tok.encode(text, add_bos=False) == want, f"{arch}: {text!r}"
+        assert tok.decode(want) == hf_tokenizer.decode(want), f"{arch}: {text!r}"
+
+
+@pytest.mark.oracle
+def test_chat_template_matches_transformers(pair, hf_tokenizer):
+    from moe_pipe.shared.chat import render_chat
+
+    arch, _, ggufs = pair
+    conversations = [
+        [{"role": "user", "content": "Hello! How are you?"}],
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."},
+         {"role": "assistant", "content": "Blue."}, {"role": "user", "content": "Another?"}],
+    ]
+    with open_model(ggufs["f32"]) as mf:
+        for messages in conversations:
+            want = hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            assert render_chat(mf.gguf, messages, add_generation_prompt=True) == want, arch
+
+
+@pytest.mark.oracle
+def test_llama_cpp_greedy_tokens_match_ours(pair):
+    """The same converted GGUF through llama.cpp: the GGUF conventions, not just the math."""
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python not installed (optional extra)")
+    arch, _, ggufs = pair
+    llm = llama_cpp.Llama(str(ggufs["f32"]), n_ctx=128, n_threads=2, logits_all=True, verbose=False,
+                          type_k=0, type_v=0, flash_attn=False)
+    try:
+        with open_model(ggufs["f32"]) as mf:
+            model = load_model(mf)
+            for ids in PROMPTS:
+                llm.reset()
+                llm.eval(ids)
+                theirs = []
+                for _ in range(16):
+                    theirs.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+                    llm.eval([theirs[-1]])
+                assert ours_greedy(model, ids, 16) == theirs, f"{arch}: greedy tokens differ from llama.cpp"
+    finally:
+        llm.close()

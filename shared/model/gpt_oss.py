@@ -40,8 +40,10 @@ class Model(MoEModel):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         r, hd = self.spec.rope, self.spec.head_dim_k[0]
-        # The reference config sets YaRN truncate=false: unrounded ramp ends.
-        self.rope = yarn_rope(r, r.dim, truncate=False) if r.scaling == "yarn" else Rope(plain_inv_freq(r.freq_base, r.dim))
+        # YaRN ramp ends rounded to whole dims: what a GGUF means, as llama.cpp defines
+        # it. (The HF gpt-oss config says truncate=false, ~1e-3 apart in the logits; the
+        # GGUF has no key for it, and a GGUF must give the same tokens here and there.)
+        self.rope = yarn_rope(r, r.dim, truncate=True) if r.scaling == "yarn" else Rope(plain_inv_freq(r.freq_base, r.dim))
         self.scale = 1.0 / math.sqrt(hd)
 
     def load_layer(self, i: int) -> dict:

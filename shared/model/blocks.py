@@ -88,6 +88,19 @@ def yarn_rope(r: RopeSpec, n_rot: int, truncate: bool) -> Rope:
     return Rope(inv.astype(np.float32), mscale * r.attn_factor)
 
 
+def rope_from_spec(r: RopeSpec) -> Rope:
+    """The model's RoPE from its GGUF keys: plain, or YaRN.
+
+    YaRN's ramp ends are rounded to whole dims: that is what a GGUF means, as
+    llama.cpp defines it. (The HF gpt-oss config says truncate=false, ~1e-3
+    apart in the logits; the GGUF has no key for it, and a GGUF must give the
+    same tokens here and in llama.cpp.)
+    """
+    if r.scaling == "yarn":
+        return yarn_rope(r, r.dim, truncate=True)
+    return Rope(plain_inv_freq(r.freq_base, r.dim))
+
+
 # ---- attention ---------------------------------------------------------------
 
 

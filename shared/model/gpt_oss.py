@@ -13,7 +13,7 @@ import math
 import numpy as np
 
 from .base import MoEModel
-from .blocks import Rope, attention, plain_inv_freq, rms_norm, sigmoid, yarn_rope
+from .blocks import attention, rms_norm, rope_from_spec, sigmoid
 from .moe import apply_experts, top_k_then_softmax
 from .weights import Expert
 
@@ -39,12 +39,8 @@ class Model(MoEModel):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        r, hd = self.spec.rope, self.spec.head_dim_k[0]
-        # YaRN ramp ends rounded to whole dims: what a GGUF means, as llama.cpp defines
-        # it. (The HF gpt-oss config says truncate=false, ~1e-3 apart in the logits; the
-        # GGUF has no key for it, and a GGUF must give the same tokens here and there.)
-        self.rope = yarn_rope(r, r.dim, truncate=True) if r.scaling == "yarn" else Rope(plain_inv_freq(r.freq_base, r.dim))
-        self.scale = 1.0 / math.sqrt(hd)
+        self.rope = rope_from_spec(self.spec.rope)
+        self.scale = 1.0 / math.sqrt(self.spec.head_dim_k[0])
 
     def load_layer(self, i: int) -> dict:
         p, w = f"blk.{i}.", self.w

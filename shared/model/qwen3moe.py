@@ -12,7 +12,7 @@ import math
 import numpy as np
 
 from .base import MoEModel
-from .blocks import Rope, attention, plain_inv_freq, rms_norm, silu, yarn_rope
+from .blocks import attention, rms_norm, rope_from_spec, silu
 from .moe import apply_experts, softmax_then_top_k
 from .weights import Expert
 
@@ -26,9 +26,8 @@ class Model(MoEModel):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        r, hd = self.spec.rope, self.spec.head_dim_k[0]
-        self.rope = yarn_rope(r, r.dim, truncate=True) if r.scaling == "yarn" else Rope(plain_inv_freq(r.freq_base, r.dim))
-        self.scale = 1.0 / math.sqrt(hd)
+        self.rope = rope_from_spec(self.spec.rope)
+        self.scale = 1.0 / math.sqrt(self.spec.head_dim_k[0])
 
     def load_layer(self, i: int) -> dict:
         p, w = f"blk.{i}.", self.w

@@ -98,6 +98,9 @@ def generate(model, tokenizer, prompt_tokens: list[int], params: SamplingParams,
         if on_text and safe > emitted:
             on_text(out.text[emitted:safe])
             emitted = safe
+        if len(out.tokens) >= cfg.max_tokens:  # no forward pass for a token nobody will read
+            out.finish_reason = "length"
+            break
         if cache.n >= cfg.n_ctx:
             out.finish_reason = "context"
             break

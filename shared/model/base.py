@@ -19,9 +19,9 @@ from .weights import ExpertSource, FileExperts, Weights
 class MoEModel:
     arch: str = ""
 
-    def __init__(self, mf: ModelFile, top_k: int | None = None, experts: ExpertSource | None = None):
+    def __init__(self, mf: ModelFile, top_k: int | None = None, experts: ExpertSource | None = None, dense_view=None):
         self.mf, self.spec = mf, mf.spec
-        self.w = Weights(mf)
+        self.w = Weights(mf, dense_view)
         self.source: ExpertSource = experts or FileExperts(mf)
         if top_k is not None and not 1 <= top_k <= self.spec.n_expert:
             raise UserError(f"--top-k {top_k} is out of range: this model has {self.spec.n_expert} experts")

@@ -8,7 +8,7 @@ dense tensors from the file mapping, and an `ExpertSource` hands out experts
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Protocol
+from typing import Callable, Iterable, Iterator, Protocol
 
 import numpy as np
 
@@ -92,10 +92,16 @@ class FileExperts:
 
 
 class Weights:
-    """Dense tensors by GGUF name: matrices as QWeight, vectors as float32 arrays."""
+    """Dense tensors by GGUF name: matrices as QWeight, vectors as float32 arrays.
 
-    def __init__(self, mf: ModelFile):
+    `view(name)` gives a tensor's bytes as gguf-py shapes them; by default the
+    file mapping, or (dense_weights = anon) the same array inside the dense
+    shared-memory arena.
+    """
+
+    def __init__(self, mf: ModelFile, view: Callable[[str], np.ndarray] | None = None):
         self.mf = mf
+        self.view = view or mf.gguf.view
         self._cache: dict[str, object] = {}
 
     def has(self, name: str) -> bool:
@@ -111,7 +117,7 @@ class Weights:
                 quant.block_format(t.qtype)
             except ValueError as exc:
                 raise GGUFError(self.mf.gguf.path, f"tensor {name!r}: {exc}") from None
-            w = self._cache[name] = _as_matrix(name, t.qtype, self.mf.gguf.view(name), t.shape)
+            w = self._cache[name] = _as_matrix(name, t.qtype, self.view(name), t.shape)
         return w
 
     def vector(self, name: str) -> np.ndarray:
@@ -120,7 +126,7 @@ class Weights:
             t = self.mf.gguf.tensor(name)
             if t.qtype.name not in _VECTOR_TYPES:
                 raise GGUFError(self.mf.gguf.path, f"tensor {name!r} is {t.qtype.name}; norms, biases and scales must be F32/F16/BF16")
-            raw = np.asarray(self.mf.gguf.view(name))
+            raw = np.asarray(self.view(name))
             if t.qtype.name == "BF16":
                 raw = (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
             v = self._cache[name] = np.ascontiguousarray(raw, dtype=np.float32).reshape(t.shape)

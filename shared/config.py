@@ -1,0 +1,608 @@
+"""Configuration: TOML presets → frozen dataclasses, with command-line overrides.
+
+The schema is declared once, in the dataclasses below: every field carries a
+`Spec` (kind, range or allowed values, doc, CLI flags) in its metadata, and
+everything else — validation, the argparse flags, the docs table in
+docs/configuration.md, the error messages — is derived from those fields.
+
+    load_config(path, overrides)  -> Config          file + overrides, validated
+    add_override_arguments(parser)                    the override flags
+    overrides_from_args(args)     -> {dotted: value}  what the user typed
+    apply_overrides(cfg, mapping) -> Config          a new frozen Config
+    SCHEMA                                            every key, in table order
+
+Config is never edited after start-up (STYLE practice 6): runtime facts (the
+resolved budget, the model's own top_k) travel back in messages and records.
+Paths in a file are resolved against that file's folder; paths typed on the
+command line against the current directory.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from .errors import ConfigError
+
+EMBEDDED_MODEL = "tiny"  # model.path value meaning the embedded tiny model (shared/default_model.py)
+MAX_MB = float(1 << 24)  # 16 TiB in MiB: a sanity bound far above any device, so typos like 4e9 are caught
+RESTART_POLICIES = ("always", "on-failure", "never")
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What a key accepts. kind: int | float | bool | str | path | choice | mb."""
+
+    kind: str
+    doc: str
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False  # the low bound is excluded (> rather than >=)
+    choices: tuple[str, ...] = ()
+    unset: str | None = None  # the key may be left out (None); this says what that means
+    flags: tuple[str, ...] = ()
+    allow_empty: bool = False  # for str/path: "" is a legal value
+
+
+def setting(default: Any, kind: str, doc: str, **kw: Any) -> Any:
+    return field(default=default, metadata={"spec": Spec(kind, doc, **kw)})
+
+
+# ---------------------------------------------------------------- the schema
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The model file."""
+
+    path: str = setting(EMBEDDED_MODEL, "path",
+                        'GGUF model file (any shard of a split set); "tiny" is the embedded tiny model, made on first '
+                        'use; "" means not set yet (the real-model presets), an error when the model is needed',
+                        allow_empty=True)
+    name: str = setting("", "str", "what model this preset is for; shown in errors and telemetry", allow_empty=True)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The expert cache: its budget and eviction policy."""
+
+    cache_mb: float | str = setting("auto", "mb",
+                                    'expert cache budget in MiB (fractions allowed); "auto" = memory available to '
+                                    'this process tree (cgroup-aware) minus dense set, KV cache and reserve',
+                                    lo=0, hi=MAX_MB, lo_open=True, flags=("--cache-mb",))
+    cache_ceil_mb: float = setting(4000.0, "float", "upper clamp on the budget in MiB, for auto and fixed budgets",
+                                   lo=0, hi=MAX_MB, lo_open=True, flags=("--cache-ceil-mb",))
+    reserve_mb: float = setting(512.0, "float",
+                                "memory auto leaves free for the processes themselves (interpreters, numba, "
+                                "tokenizer, buffers) and the system", lo=0, hi=MAX_MB, flags=("--reserve-mb",))
+    policy: str = setting("lru", "choice", "expert eviction policy", choices=("lru",), flags=("--policy",))
+
+
+@dataclass(frozen=True)
+class IOConfig:
+    """Flash reads: expert lanes and how the dense set is loaded."""
+
+    io_threads: int = setting(4, "int", "parallel O_DIRECT read lanes for expert misses", lo=1, hi=64,
+                              flags=("--io-threads",))
+    dense_weights: str = setting("anon", "choice",
+                                 "how the non-expert weights are held: anon = O_DIRECT read into shared memory "
+                                 "(never re-faulted); warm = one buffered sweep, then the file mapping; mmap = lazy "
+                                 "file mapping", choices=("anon", "warm", "mmap"), flags=("--dense-weights",))
+
+
+@dataclass(frozen=True)
+class ComputeConfig:
+    """The forward pass."""
+
+    threads: int | None = setting(None, "int", "compute threads", lo=1, hi=256, unset="all cores",
+                                  flags=("-t", "--threads"))
+    overlap: bool = setting(True, "bool", "compute cache hits while misses are read; false waits for the whole set",
+                            flags=("--overlap",))
+    prefetch: str = setting("none", "choice", "speculative read of the next layer's experts from the current hidden state",
+                            choices=("none", "next-layer"), flags=("--prefetch",))
+    top_k: int | None = setting(None, "int", "experts per token; fewer than trained is faster and changes outputs",
+                                lo=1, hi=256, unset="the model's own", flags=("--top-k",))
+    ctx_size: int = setting(4096, "int", "context length in tokens (sizes the KV cache)", lo=16, hi=1 << 20,
+                            flags=("-c", "--ctx-size"))
+
+
+@dataclass(frozen=True)
+class GenerateConfig:
+    """Sampling defaults (a request may override them)."""
+
+    max_tokens: int = setting(64, "int", "tokens to generate at most", lo=1, hi=1 << 20, flags=("-n", "--max-tokens"))
+    temperature: float = setting(0.0, "float", "sampling temperature; 0 = greedy", lo=0, hi=10,
+                                 flags=("--temp", "--temperature"))
+    seed: int | None = setting(None, "int", "random seed for sampling", lo=0, hi=2**64 - 1, unset="random",
+                               flags=("--seed",))
+    no_think: bool = setting(False, "bool", "ask the model not to think (Qwen3 enable_thinking=false, gpt-oss "
+                                            "reasoning low)", flags=("--no-think",))
+
+
+@dataclass(frozen=True)
+class TelemetryConfig:
+    """Per-token records."""
+
+    csv: str | None = setting(None, "path", "per-token CSV to write", unset="no CSV", flags=("--csv",))
+
+
+@dataclass(frozen=True)
+class SupervisorConfig:
+    """Restarts, supervisord-style: per-process policy, start_secs, start_retries, exponential backoff."""
+
+    start_secs: float = setting(1.0, "float", "seconds a child must stay up to count as started (RUNNING)",
+                                lo=0, hi=3600)
+    start_retries: int = setting(3, "int", "failed starts in a row before a child is FATAL", lo=0, hi=1000)
+    backoff_s: float = setting(1.0, "float", "delay before the first restart; doubles on each retry",
+                               lo=0, hi=3600, lo_open=True)
+    backoff_cap_s: float = setting(30.0, "float", "longest delay between restarts", lo=0, hi=86400, lo_open=True)
+    stop_wait_s: float = setting(5.0, "float", "seconds between SIGTERM and SIGKILL when stopping a child",
+                                 lo=0, hi=3600)
+    reader_restart: str = setting("always", "choice", "when to restart the expert reader: always; on-failure = after a nonzero exit or a signal only; never",
+                                  choices=RESTART_POLICIES)
+    compute_restart: str = setting("always", "choice", "when to restart the compute worker (as reader_restart)",
+                                   choices=RESTART_POLICIES)
+    telemetry_restart: str = setting("always", "choice", "when to restart the telemetry recorder (as reader_restart)",
+                                     choices=RESTART_POLICIES)
+    gateway_restart: str = setting("always", "choice", "when to restart the HTTP gateway (as reader_restart)",
+                                   choices=RESTART_POLICIES)
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """The OpenAI-compatible HTTP API of `moe-pipe up`."""
+
+    host: str = setting("127.0.0.1", "str", "address the HTTP API binds; anything but loopback exposes it",
+                        flags=("--host",))
+    port: int = setting(8080, "int", "HTTP port; 0 = any free port", lo=0, hi=65535, flags=("--port",))
+    api_key: str | None = setting(None, "str", "if set, requests need `Authorization: Bearer KEY`", unset="no key")
+    queue_size: int = setting(16, "int", "requests waiting for the compute worker before new ones get 429",
+                              lo=1, hi=10000)
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    io: IOConfig = field(default_factory=IOConfig)
+    compute: ComputeConfig = field(default_factory=ComputeConfig)
+    generate: GenerateConfig = field(default_factory=GenerateConfig)
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
+    source: str | None = None  # the file it came from (not a TOML key)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """Every table and key (None for unset): the record written to telemetry preambles."""
+        return {t: dataclasses.asdict(getattr(self, t)) for t in TABLES}
+
+    def model_file(self) -> Path:
+        """The model's path, making the embedded tiny model first if it is asked for and absent."""
+        check_model(self)
+        if self.model.path == EMBEDDED_MODEL:
+            from .default_model import default_model_path
+
+            return default_model_path()
+        return Path(self.model.path)
+
+
+TABLES: dict[str, type] = {f.name: f.type if isinstance(f.type, type) else globals()[f.type]
+                           for f in dataclasses.fields(Config) if f.name != "source"}
+
+
+@dataclass(frozen=True)
+class Key:
+    table: str
+    name: str
+    default: Any
+    spec: Spec
+
+    @property
+    def dotted(self) -> str:
+        return f"{self.table}.{self.name}"
+
+    @property
+    def dest(self) -> str:
+        """The argparse destination of this key's flags."""
+        return self.name
+
+    def type_text(self) -> str:
+        return {"int": "integer", "float": "number", "bool": "boolean", "str": "string", "path": "path",
+                "choice": "string", "mb": '"auto" or number'}[self.spec.kind]
+
+    def allowed_text(self) -> str:
+        s = self.spec
+        if s.kind == "choice":
+            text = ", ".join(f'"{c}"' for c in s.choices)
+        elif s.kind == "bool":
+            text = "true, false"
+        elif s.kind in ("int", "float", "mb"):
+            lo = "" if s.lo is None else f"{'>' if s.lo_open else '>='} {_num(s.lo)}"
+            hi = "" if s.hi is None else f"<= {_num(s.hi)}"
+            rng = " and ".join(x for x in (lo, hi) if x)
+            text = ('"auto" or a number ' if s.kind == "mb" else "an integer " if s.kind == "int" else "a number ") + rng
+        elif s.kind == "path":
+            text = "a file path" + ("" if not s.allow_empty else ' (or "")')
+        else:
+            text = "a string" + ("" if s.allow_empty else " (not empty)")
+        if s.unset:
+            text += f"; leave out for {s.unset}"
+        return text.strip()
+
+
+SCHEMA: tuple[Key, ...] = tuple(Key(table, f.name, f.default, f.metadata["spec"])
+                                for table, cls in TABLES.items() for f in dataclasses.fields(cls))
+KEYS: dict[str, Key] = {k.dotted: k for k in SCHEMA}
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else repr(float(x))
+
+
+def toml_repr(value: Any) -> str:
+    """A value as it would be written in TOML (strings quoted, bools lowercase)."""
+    if value is None:
+        return "(unset)"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, float):
+        return _num(value)
+    if isinstance(value, (dict, list)):
+        text = repr(value)
+        return text if len(text) <= 60 else text[:57] + "..."
+    return str(value)
+
+
+# ---------------------------------------------------------------- validation
+
+class _Invalid(Exception):
+    """A value a key does not accept; `problem` says how (wrong type, out of range, not allowed)."""
+
+    def __init__(self, problem: str):
+        super().__init__(problem)
+        self.problem = problem
+
+
+def _check(key: Key, value: Any) -> Any:
+    """The value in its canonical form, or _Invalid."""
+    s = key.spec
+    if value is None:
+        if s.unset is None:
+            raise _Invalid("must be set")
+        return None
+    if s.kind == "bool":
+        if not isinstance(value, bool):
+            raise _Invalid("wrong type, expected true or false")
+        return value
+    if s.kind in ("str", "path", "choice"):
+        if not isinstance(value, str):
+            raise _Invalid("wrong type, expected a string")
+        if s.kind == "choice" and value not in s.choices:
+            near = difflib.get_close_matches(value, s.choices, n=1)
+            raise _Invalid("not allowed" + (f' (did you mean "{near[0]}"?)' if near else ""))
+        if not value and not s.allow_empty:
+            raise _Invalid("must not be empty")
+        if "\x00" in value:
+            raise _Invalid("contains a NUL character")
+        return value
+    if s.kind == "mb" and isinstance(value, str):
+        if value != "auto":
+            raise _Invalid('wrong type, expected "auto" or a number')
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _Invalid("wrong type, expected " + ("an integer" if s.kind == "int" else "a number"))
+    if s.kind == "int" and not isinstance(value, int):
+        raise _Invalid("wrong type, expected an integer")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise _Invalid("not a finite number")
+    too_low = s.lo is not None and (value <= s.lo if s.lo_open else value < s.lo)
+    if too_low or (s.hi is not None and value > s.hi):
+        raise _Invalid("out of range")
+    return value if s.kind == "int" else float(value)
+
+
+def _fail(where: str, key: Key, value: Any, problem: str) -> ConfigError:
+    return ConfigError(f"{where}: {key.dotted} = {toml_repr(value)}: {problem}; allowed: {key.allowed_text()}")
+
+
+def _suggest(word: str, options: Iterable[str]) -> str:
+    near = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)
+    return f' (did you mean "{near[0]}"?)' if near else ""
+
+
+def _unknown_key(where: str, table: str, name: str) -> ConfigError:
+    names = [k.name for k in SCHEMA if k.table == table]
+    elsewhere = [k.table for k in SCHEMA if k.name == name]
+    hint = _suggest(name, names)
+    if elsewhere:  # the right key in the wrong table ([io] threads = 2)
+        hint = f" ({name} belongs in [{elsewhere[0]}]{'; or ' + hint[2:-1] if hint else ''})"
+    elif not hint:
+        hint = f"; keys of [{table}]: {', '.join(names)}"
+    return ConfigError(f"{where}: unknown key {table}.{name}{hint}")
+
+
+def _unknown_table(where: str, name: str, value: Any) -> ConfigError:
+    if not isinstance(value, dict):
+        homes = [k.dotted for k in SCHEMA if k.name == name]
+        if homes:
+            return ConfigError(f"{where}: key {name} must be inside a table: write it under [{homes[0].split('.')[0]}]")
+        return ConfigError(f"{where}: unknown top-level key {name}{_suggest(name, TABLES)}; "
+                           f"tables: {', '.join(f'[{t}]' for t in TABLES)}")
+    return ConfigError(f"{where}: unknown table [{name}]{_suggest(name, TABLES)}; tables: {', '.join(f'[{t}]' for t in TABLES)}")
+
+
+def _line_of(text: str, table: str, name: str) -> int | None:
+    """The line where `name` is set inside [table] (best effort: plain `key = value` lines)."""
+    current = None
+    for no, line in enumerate(text.splitlines(), 1):
+        stripped = line.strip()
+        head = re.match(r"\[\s*([A-Za-z0-9_.-]+)\s*\]", stripped)
+        if head:
+            current = head.group(1)
+        elif current == table and re.match(rf'["\']?{re.escape(name)}["\']?\s*=', stripped):
+            return no
+    return None
+
+
+def _validate_tables(doc: Mapping[str, Any], origin: str, text: str) -> dict[str, dict[str, Any]]:
+    """The document's tables, every key checked; first problem raised as ConfigError."""
+    out: dict[str, dict[str, Any]] = {}
+    for table, body in doc.items():
+        if table not in TABLES or not isinstance(body, dict):
+            raise _unknown_table(origin, table, body)
+        out[table] = {}
+        for name, value in body.items():
+            key = KEYS.get(f"{table}.{name}")
+            line = _line_of(text, table, name)
+            where = f"{origin}:{line}" if line else origin
+            if key is None:
+                raise _unknown_key(where, table, name)
+            try:
+                out[table][name] = _check(key, value)
+            except _Invalid as exc:
+                raise _fail(where, key, value, exc.problem) from None
+    return out
+
+
+def _resolve_path(value: str | None, base: Path) -> str | None:
+    if value in (None, "", EMBEDDED_MODEL):
+        return value
+    return str((base / Path(value).expanduser()).resolve())
+
+
+def _build(tables: Mapping[str, Mapping[str, Any]], base: Config, path_base: Path, source: str | None) -> Config:
+    parts = {}
+    for table in TABLES:
+        values = dict(tables.get(table, {}))
+        for name, value in values.items():
+            if KEYS[f"{table}.{name}"].spec.kind == "path":
+                values[name] = _resolve_path(value, path_base)
+        parts[table] = dataclasses.replace(getattr(base, table), **values)
+    cfg = dataclasses.replace(base, source=source, **parts)
+    _cross_check(cfg, source or "config")
+    return cfg
+
+
+def _cross_check(cfg: Config, where: str) -> None:
+    sup = cfg.supervisor
+    if sup.backoff_cap_s < sup.backoff_s:
+        raise ConfigError(f"{where}: supervisor.backoff_cap_s = {_num(sup.backoff_cap_s)} is below supervisor.backoff_s = "
+                          f"{_num(sup.backoff_s)}; allowed: backoff_cap_s >= backoff_s")
+
+
+def check_model(cfg: Config) -> None:
+    """Raise a ConfigError that says how to get a model when model.path names none."""
+    where = cfg.source or "config"
+    path = cfg.model.path
+    if path == EMBEDDED_MODEL:
+        return
+    what = f"a {cfg.model.name} GGUF" if cfg.model.name else "a GGUF model"
+    if not path:
+        raise ConfigError(f"{where}: model.path is not set: download {what} and set `path` under [model] "
+                          f"(or pass --set model.path=FILE); for a quick try use path = \"tiny\"")
+    p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"{where}: model.path = {toml_repr(path)} is a folder; point it at the .gguf file "
+                          "(the first shard of a split set)")
+    if not p.exists():
+        raise ConfigError(f"{where}: model.path = {toml_repr(path)}: no such file; get {what}, make a test model with "
+                          "`moe-pipe make-model --arch qwen3moe --preset tiny -o model.gguf`, convert a checkpoint with "
+                          "`moe-pipe convert HF_DIR -o model.gguf`, or use path = \"tiny\"")
+
+
+# ---------------------------------------------------------------- loading
+
+def parse_toml(path: Path) -> tuple[dict[str, Any], str]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file; presets are in configs/ (tiny.toml runs anywhere)") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: is a folder, not a TOML config file") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text at byte {exc.start}; a config is a TOML text file") from None
+    try:
+        return tomllib.loads(text), text
+    except tomllib.TOMLDecodeError as exc:
+        msg = str(exc)
+        m = re.search(r"\(at line (\d+), column (\d+)\)", msg)
+        if m:
+            msg = msg[:m.start()].strip()
+            raise ConfigError(f"{path}:{m.group(1)}: invalid TOML at column {m.group(2)}: {msg}") from None
+        raise ConfigError(f"{path}: invalid TOML: {msg}") from None
+
+
+def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | None = None, *,
+                check_model_path: bool = True) -> Config:
+    """The config in `path` (None: every default) with `overrides` ({"cache.cache_mb": 0.5, ...}) applied.
+
+    With check_model_path, a model.path that names no file is an error here, before anything starts.
+    """
+    if path is None:
+        cfg = Config()
+    else:
+        p = Path(path)
+        doc, text = parse_toml(p)
+        cfg = _build(_validate_tables(doc, str(p), text), Config(), p.resolve().parent, str(p))
+    if overrides:
+        cfg = apply_overrides(cfg, overrides)
+    if check_model_path:
+        check_model(cfg)
+    return cfg
+
+
+def apply_overrides(cfg: Config, overrides: Mapping[str, Any], *, where: str = "command line",
+                    base: Path | None = None) -> Config:
+    """A new Config with dotted keys replaced; paths resolve against `base` (default: the current folder)."""
+    tables: dict[str, dict[str, Any]] = {}
+    for dotted, value in overrides.items():
+        key = KEYS.get(dotted)
+        if key is None:
+            table, _, name = dotted.partition(".")
+            if table not in TABLES or not name:
+                raise ConfigError(f"{where}: unknown key {dotted}{_suggest(dotted, KEYS)}")
+            raise _unknown_key(where, table, name)
+        try:
+            tables.setdefault(key.table, {})[key.name] = _check(key, value)
+        except _Invalid as exc:
+            raise _fail(where, key, value, exc.problem) from None
+    return _build(tables, cfg, base or Path.cwd(), cfg.source)
+
+
+# ---------------------------------------------------------------- command line
+
+SET_DEST = "config_set"
+
+
+def add_override_arguments(parser: Any, tables: Iterable[str] | None = None) -> None:
+    """Add the override flags of `tables` (default: all) and `--set KEY=VALUE` to an argparse parser.
+
+    Every flag defaults to None (= not given), so the config's value stands unless typed.
+    """
+    wanted = set(TABLES if tables is None else tables)
+    group = parser.add_argument_group("config overrides (win over the TOML file)")
+    for key in SCHEMA:
+        if key.table not in wanted or not key.spec.flags:
+            continue
+        help_text = f"{key.dotted}: {key.spec.doc}"
+        if key.spec.kind == "bool":
+            if key.name == "no_think":
+                group.add_argument("--no-think", dest=key.dest, action="store_const", const=True, default=None,
+                                   help=help_text)
+                group.add_argument("--think", dest=key.dest, action="store_const", const=False, default=None,
+                                   help="undo no_think from the config")
+            else:
+                flag = key.spec.flags[0]
+                group.add_argument(flag, dest=key.dest, action="store_const", const=True, default=None, help=help_text)
+                group.add_argument("--no-" + flag[2:], dest=key.dest, action="store_const", const=False, default=None,
+                                   help=f"turn {key.dotted} off")
+            continue
+        metavar = "|".join(key.spec.choices) if key.spec.kind == "choice" else key.name.upper()
+        group.add_argument(*key.spec.flags, dest=key.dest, default=None, metavar=metavar, help=help_text)
+    group.add_argument("--set", dest=SET_DEST, action="append", default=[], metavar="TABLE.KEY=VALUE",
+                       help="set any config key, e.g. --set supervisor.start_secs=2 (VALUE in TOML syntax; bare text is a string)")
+
+
+def _parse_text(key: Key, text: str, flag: str) -> Any:
+    """A typed value from what was typed after a flag."""
+    s = key.spec
+    if s.unset and text.lower() in ("none", "null", "unset"):
+        return None
+    try:
+        if s.kind == "int":
+            return int(text, 0)
+        if s.kind == "float" or (s.kind == "mb" and text != "auto"):
+            return float(text)
+    except ValueError:
+        raise _fail(flag, key, text, "wrong type, expected " + ("an integer" if s.kind == "int" else "a number")) from None
+    return text
+
+
+def _parse_set(item: str) -> tuple[str, Any]:
+    dotted, eq, text = item.partition("=")
+    dotted = dotted.strip()
+    if not eq or not dotted:
+        raise ConfigError(f"--set {item}: expected TABLE.KEY=VALUE, e.g. --set cache.cache_mb=512")
+    try:
+        value = tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text  # bare text: a string (paths need no quotes)
+    return dotted, value
+
+
+def overrides_from_args(args: Any) -> dict[str, Any]:
+    """{dotted key: typed value} for every override flag given on the command line; --set last."""
+    out: dict[str, Any] = {}
+    for key in SCHEMA:
+        raw = getattr(args, key.dest, None) if key.spec.flags else None
+        if raw is None:
+            continue
+        flag = "/".join(key.spec.flags)
+        value = _parse_text(key, raw, flag) if isinstance(raw, str) else raw
+        try:
+            out[key.dotted] = _check(key, value)
+        except _Invalid as exc:
+            raise _fail(flag, key, raw, exc.problem) from None
+    for item in getattr(args, SET_DEST, None) or ():
+        dotted, value = _parse_set(item)
+        key = KEYS.get(dotted)
+        if key is not None and isinstance(value, str) and key.spec.kind in ("int", "float", "mb"):
+            value = _parse_text(key, value, "--set")
+        out[dotted] = value
+    return out
+
+
+# ---------------------------------------------------------------- docs
+
+DOCS_BEGIN = "<!-- BEGIN SCHEMA (generated by `python -m moe_pipe.shared.config --docs`; do not edit) -->"
+DOCS_END = "<!-- END SCHEMA -->"
+
+
+def _default_text(key: Key) -> str:
+    if key.default is None:
+        return f"unset ({key.spec.unset})"
+    return f"`{toml_repr(key.default)}`"
+
+
+def reference_markdown() -> str:
+    """The key reference for docs/configuration.md, one table per TOML table."""
+    lines = [DOCS_BEGIN]
+    for table, cls in TABLES.items():
+        lines += ["", f"### [{table}]", "", (cls.__doc__ or "").strip(), "",
+                  "| key | type | default | allowed | flag | meaning |", "|---|---|---|---|---|---|"]
+        for key in (k for k in SCHEMA if k.table == table):
+            flags = ", ".join(f"`{f}`" for f in key.spec.flags) or f"`--set {key.dotted}=`"
+            if key.name == "no_think":
+                flags += ", `--think`"
+            elif key.spec.kind == "bool" and key.spec.flags:
+                flags += f", `--no-{key.spec.flags[0][2:]}`"
+            allowed = key.allowed_text().replace("|", "\\|")
+            lines.append(f"| `{key.name}` | {key.type_text()} | {_default_text(key)} | {allowed} | {flags} | {key.spec.doc} |")
+    lines += ["", DOCS_END]
+    return "\n".join(lines)
+
+
+def write_docs(path: Path) -> bool:
+    """Replace the generated block in `path`; True when the file changed."""
+    text = path.read_text(encoding="utf-8")
+    start, end = text.index(DOCS_BEGIN), text.index(DOCS_END) + len(DOCS_END)
+    new = text[:start] + reference_markdown() + text[end:]
+    if new != text:
+        path.write_text(new, encoding="utf-8")
+    return new != text
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:2] == ["--docs"]:
+        target = Path(sys.argv[2]) if len(sys.argv) > 2 else Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
+        print(f"{target}: {'updated' if write_docs(target) else 'already current'}")
+    else:
+        print(reference_markdown())

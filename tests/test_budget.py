@@ -1,0 +1,226 @@
+"""The expert cache budget: the pure arithmetic, cgroup v1/v2 probing on fake /sys trees, the real machine,
+and (when permitted) a real cgroup v1 child with a limit."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from moe_pipe.shared.budget import (MiB, UNLIMITED, CgroupLimit, MemoryProbe, check_floor, compute_budget,
+                                    probe_memory, resolve_budget)
+from moe_pipe.shared.config import load_config
+from moe_pipe.shared.errors import ConfigError
+
+GiB = 1 << 30
+
+
+def probe(host: int, *cgroups: tuple[int, int, int]) -> MemoryProbe:
+    return MemoryProbe(host, tuple(CgroupLimit(f"cg{i}", *c) for i, c in enumerate(cgroups)))
+
+
+# ---------------------------------------------------------------- the pure function
+
+def test_auto_subtracts_dense_kv_reserve_and_clamps():
+    mem = probe(8 * GiB)
+    b = compute_budget("auto", 100000, mem, dense_bytes=1 * GiB, kv_bytes=256 * MiB, dense_policy="anon", reserve_mb=512)
+    assert b.bytes == 8 * GiB - 1 * GiB - 256 * MiB - 512 * MiB and b.mode == "auto" and not b.clamped
+    assert (b.available_bytes, b.dense_bytes, b.kv_bytes, b.reserve_bytes) == (8 * GiB, GiB, 256 * MiB, 512 * MiB)
+    for word in ("auto", "host available 8192 MiB", "dense 1024 MiB (anon)", "KV 256 MiB", "reserve 512 MiB", "6400 MiB"):
+        assert word in b.description, b.description
+    clamped = compute_budget("auto", 4000, mem, dense_bytes=GiB, kv_bytes=0, dense_policy="anon")
+    assert clamped.bytes == 4000 * MiB and clamped.clamped and "clamped to cache_ceil_mb 4000" in clamped.description
+    assert "\n" not in clamped.description
+
+
+@pytest.mark.parametrize("policy,counted", [("anon", True), ("warm", True), ("mmap", False)])
+def test_dense_counted_only_when_resident(policy, counted):
+    b = compute_budget("auto", 1e6, probe(4 * GiB), dense_bytes=GiB, kv_bytes=0, dense_policy=policy, reserve_mb=0)
+    assert b.bytes == (3 * GiB if counted else 4 * GiB) and b.dense_bytes == (GiB if counted else 0)
+
+
+def test_auto_never_negative():
+    b = compute_budget("auto", 4000, probe(100 * MiB), dense_bytes=GiB, kv_bytes=GiB, dense_policy="anon")
+    assert b.bytes == 0
+
+
+def test_tightest_cgroup_wins_and_inactive_file_is_not_used():
+    # host has 16 GiB; outer cgroup 12 GiB with 2 GiB used; inner 3 GiB with 1 GiB used of which 0.5 is inactive file
+    mem = probe(16 * GiB, (12 * GiB, 2 * GiB, 0), (3 * GiB, GiB, GiB // 2))
+    assert mem.available_bytes == 3 * GiB - GiB // 2
+    assert "free in cg1" in mem.describe() and "limit 3072 MiB" in mem.describe()
+    # a cgroup looser than the host does not decide
+    loose = probe(2 * GiB, (64 * GiB, GiB, 0))
+    assert loose.available_bytes == 2 * GiB and "not tighter" in loose.describe()
+    over = probe(2 * GiB, (GiB, 2 * GiB, 0))  # usage above the limit: no headroom, not negative
+    assert over.available_bytes == 0
+
+
+def test_fixed_budget_fractional_and_clamped():
+    b = compute_budget(0.5, 4000, None, dense_bytes=GiB, kv_bytes=GiB, dense_policy="anon")
+    assert b.bytes == 512 * 1024 and b.mode == "fixed" and not b.clamped and "fixed cache_mb 0.5" in b.description
+    c = compute_budget(5000, 4000, None, dense_bytes=0, kv_bytes=0, dense_policy="anon")
+    assert c.bytes == 4000 * MiB and c.clamped and c.to_dict()["mb"] == 4000
+    with pytest.raises(ValueError):
+        compute_budget("auto", 4000, None, dense_bytes=0, kv_bytes=0, dense_policy="anon")
+
+
+def test_floor_refusal_says_what_would_work():
+    small = compute_budget(0.25, 4000, None, dense_bytes=0, kv_bytes=0, dense_policy="anon")
+    with pytest.raises(ConfigError, match=r"below one token's working set \(1 MiB.*set cache_mb >= 1"):
+        check_floor(small, MiB, "t.toml")
+    check_floor(small, 256 * 1024)
+    ceil = compute_budget("auto", 0.5, probe(GiB), dense_bytes=0, kv_bytes=0, dense_policy="anon", reserve_mb=0)
+    with pytest.raises(ConfigError, match="cache_ceil_mb 0.5 is below"):
+        check_floor(ceil, MiB)
+    tight = compute_budget("auto", 4000, probe(600 * MiB), dense_bytes=50 * MiB, kv_bytes=0, dense_policy="anon")
+    with pytest.raises(ConfigError) as exc:
+        check_floor(tight, 100 * MiB, "tiny.toml")
+    msg = str(exc.value)
+    assert "not enough memory" in msg and "38 MiB" in msg and "100 MiB" in msg and "62 MiB short" in msg, msg
+
+
+def test_resolve_budget_from_config(tmp_path):
+    p = tmp_path / "c.toml"
+    p.write_text('[cache]\ncache_mb = "auto"\ncache_ceil_mb = 100\nreserve_mb = 64\n[io]\ndense_weights = "warm"\n')
+    cfg = load_config(p)
+    b = resolve_budget(cfg, dense_bytes=10 * MiB, kv_bytes=6 * MiB, memory=probe(120 * MiB))
+    assert b.bytes == 40 * MiB and b.dense_bytes == 10 * MiB
+    with pytest.raises(ConfigError, match=str(p)):
+        resolve_budget(cfg, dense_bytes=10 * MiB, kv_bytes=6 * MiB, memory=probe(120 * MiB), min_bytes=41 * MiB)
+    real = resolve_budget(load_config(None, {"cache.cache_mb": "auto"}), dense_bytes=0, kv_bytes=0)
+    assert real.mode == "auto" and real.bytes > 0
+
+
+# ---------------------------------------------------------------- probing fake trees
+
+def _files(root: Path, files: dict[str, str]) -> None:
+    for rel, text in files.items():
+        f = root / rel
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(text)
+
+
+def test_probe_cgroup_v1_fake_tree(tmp_path):
+    sysfs, proc = tmp_path / "sys", tmp_path / "cgroup"
+    proc.write_text("12:cpu,cpuacct:/x\n4:memory:/outer/inner\n0::/\n")
+    _files(sysfs, {
+        "memory/memory.limit_in_bytes": str(9223372036854771712),  # root: unlimited
+        "memory/outer/memory.limit_in_bytes": str(2 * GiB),
+        "memory/outer/memory.usage_in_bytes": str(GiB),
+        "memory/outer/memory.stat": f"cache 0\ntotal_inactive_file {256 * MiB}\n",
+        "memory/outer/inner/memory.limit_in_bytes": str(UNLIMITED + 4096),  # unlimited at the leaf
+        "memory/outer/inner/memory.usage_in_bytes": str(GiB),
+    })
+    mem = probe_memory(sysfs, proc, host_available_bytes=8 * GiB)
+    assert len(mem.cgroups) == 1 and mem.cgroups[0].where.endswith("memory/outer")
+    assert mem.available_bytes == 2 * GiB - (GiB - 256 * MiB)
+    assert mem.describe().startswith("1280 MiB free in cgroup v1")
+
+
+def test_probe_cgroup_v1_leaf_limit_and_namespaced_mount(tmp_path):
+    sysfs, proc = tmp_path / "sys", tmp_path / "cgroup"
+    # inside a container the mount root is already our cgroup: /proc says /docker/abc, the files sit at the root
+    proc.write_text("4:memory:/docker/abc\n")
+    _files(sysfs, {"memory/memory.limit_in_bytes": str(512 * MiB), "memory/memory.usage_in_bytes": str(12 * MiB)})
+    mem = probe_memory(sysfs, proc, host_available_bytes=8 * GiB)
+    assert mem.available_bytes == 500 * MiB
+
+
+def test_probe_cgroup_v2_fake_tree(tmp_path):
+    sysfs, proc = tmp_path / "sys", tmp_path / "cgroup"
+    proc.write_text("0::/user.slice/app\n")
+    _files(sysfs, {
+        "cgroup.controllers": "cpu memory\n",
+        "user.slice/memory.max": str(3 * GiB),
+        "user.slice/memory.current": str(GiB),
+        "user.slice/app/memory.max": "max\n",
+        "user.slice/app/memory.high": str(1536 * MiB),
+        "user.slice/app/memory.current": str(600 * MiB),
+        "user.slice/app/memory.stat": f"anon 1\ninactive_file {100 * MiB}\n",
+    })
+    mem = probe_memory(sysfs, proc, host_available_bytes=8 * GiB)
+    assert {c.limit_bytes for c in mem.cgroups} == {3 * GiB, 1536 * MiB}
+    assert mem.available_bytes == 1536 * MiB - 500 * MiB
+
+
+def test_probe_cgroup_v2_hybrid_mount(tmp_path):
+    sysfs, proc = tmp_path / "sys", tmp_path / "cgroup"
+    proc.write_text("4:memory:/\n0::/svc\n")
+    _files(sysfs, {"memory/memory.limit_in_bytes": str(9223372036854771712),
+                   "unified/cgroup.controllers": "",
+                   "unified/svc/memory.max": str(GiB), "unified/svc/memory.current": str(GiB // 4)})
+    mem = probe_memory(sysfs, proc, host_available_bytes=8 * GiB)
+    assert mem.available_bytes == 3 * GiB // 4 and "cgroup v2" in mem.describe()
+
+
+def test_probe_without_cgroups_is_the_host(tmp_path):
+    mem = probe_memory(tmp_path / "nothing", tmp_path / "no-proc-file", host_available_bytes=5 * GiB)
+    assert mem.cgroups == () and mem.available_bytes == 5 * GiB and mem.describe() == "host available 5120 MiB"
+
+
+# ---------------------------------------------------------------- the real machine
+
+def test_probe_real_machine_smoke():
+    mem = probe_memory()
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert 0 < mem.available_bytes <= total
+    assert mem.describe()
+
+
+_CHILD = ("import json; from moe_pipe.shared.budget import probe_memory; m = probe_memory(); "
+          "print(json.dumps({'available': m.available_bytes, 'describe': m.describe()}))")
+
+
+def _own_v1_memory_cgroup() -> Path | None:
+    root = Path("/sys/fs/cgroup/memory")
+    try:
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            if "memory" in controllers.split(","):
+                d = root / path.lstrip("/")
+                return d if d.is_dir() else root
+    except OSError:
+        pass
+    return root if root.is_dir() else None
+
+
+def test_real_cgroup_v1_child_sees_its_limit():
+    parent = _own_v1_memory_cgroup()
+    if parent is None or not (parent / "memory.limit_in_bytes").exists():
+        pytest.skip("no cgroup v1 memory hierarchy")
+    cg = parent / f"moe-pipe-test-{uuid.uuid4().hex[:8]}"
+    try:
+        cg.mkdir()
+    except OSError as exc:
+        pytest.skip(f"cannot create a memory cgroup here: {exc}")
+    child = None
+    try:
+        limit = 300 * MiB
+        (cg / "memory.limit_in_bytes").write_text(str(limit))
+        # the shell waits for a line, so it joins the cgroup before Python starts (exec keeps the pid)
+        child = subprocess.Popen(["sh", "-c", f"read go; exec {sys.executable} -c \"{_CHILD}\""],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        (cg / "cgroup.procs").write_text(str(child.pid))
+        out, _ = child.communicate("go\n", timeout=60)
+        seen = json.loads(out)
+        assert seen["available"] <= limit and seen["available"] > limit - 200 * MiB, seen
+        assert str(cg) in seen["describe"] and "limit 300 MiB" in seen["describe"], seen
+    finally:
+        if child is not None and child.poll() is None:
+            child.kill()
+            child.wait()
+        for _ in range(50):  # the kernel lets go of an emptied cgroup a moment after its last task exits
+            try:
+                cg.rmdir()
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                time.sleep(0.1)
+        assert not cg.exists(), f"left {cg} behind"

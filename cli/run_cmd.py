@@ -1,4 +1,5 @@
-"""`moe-pipe run [MODEL] -p PROMPT`: one generation, streamed to the terminal or as JSON."""
+"""`moe-pipe run [MODEL|CONFIG] -p PROMPT`: one generation through the streaming
+pipeline (or, with --no-stream, every weight resident in this process)."""
 from __future__ import annotations
 
 import argparse
@@ -7,87 +8,124 @@ import sys
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", default="tiny",
-                   help="GGUF file (or any shard of a split set); default: the embedded tiny model")
+    from moe_pipe.shared.config import add_override_arguments
+
+    p.add_argument("model", nargs="?", default=None,
+                   help="a GGUF file (any shard of a split set) or a TOML config; default: the embedded tiny model")
     p.add_argument("-p", "--prompt", required=True, help="the prompt text")
-    p.add_argument("-n", "--max-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template as a user turn")
-    p.add_argument("--no-think", action="store_true", help="ask the model not to think (Qwen3 enable_thinking=false, gpt-oss reasoning low)")
     p.add_argument("--system", help="system message (with --chat)")
-    p.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy (default)")
-    p.add_argument("--seed", type=int, help="random seed for sampling")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1 = off)")
     p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below this fraction of the best one's probability")
     p.add_argument("--sample-top-k", type=int, default=0, help="sample among the K most likely tokens (0 = off)")
     p.add_argument("--repeat-penalty", type=float, default=1.0, help="penalty for recently used tokens (1 = off)")
     p.add_argument("--stop", action="append", default=[], help="stop when this text appears (repeatable)")
-    p.add_argument("--top-k", type=int, help="experts per token (default: the model's own; fewer is faster and changes outputs)")
-    p.add_argument("-t", "--threads", type=int, help="compute threads (default: all cores)")
-    p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context length in tokens (default 4096)")
-    p.add_argument("--no-stream", action="store_true",
-                   help="hold every weight resident in one process (today the only mode; the streaming pipeline will become the default)")
+    p.add_argument("--no-stream", action="store_true", help="hold every weight resident in this process (the reference path)")
     p.add_argument("--output-format", choices=("text", "json"), default="text")
+    add_override_arguments(p, tables=("cache", "io", "compute", "generate", "telemetry"))
 
 
-def resolve_model(name: str):
+def load_run_config(args: argparse.Namespace):
     from pathlib import Path
 
-    from moe_pipe.shared.default_model import DEFAULT_NAME, default_model_path
-    from moe_pipe.shared.errors import UserError
+    from moe_pipe.shared.config import check_model, load_config, overrides_from_args
 
-    if name == DEFAULT_NAME:
-        return default_model_path()
-    path = Path(name)
-    if path.suffix == ".toml":
-        raise UserError(f"{name}: config files come with the streaming pipeline; pass a .gguf model for now")
-    if not path.exists():
-        raise UserError(f"{name}: no such model file; make one with `moe-pipe make-model --arch qwen3moe --preset tiny -o tiny.gguf` "
-                        "or convert a checkpoint with `moe-pipe convert HF_DIR -o model.gguf`")
-    return path
+    overrides = overrides_from_args(args)
+    if args.model and Path(args.model).suffix == ".toml":
+        cfg = load_config(args.model, overrides)
+    else:
+        if args.model:
+            overrides["model.path"] = args.model if args.model == "tiny" else str(Path(args.model).resolve())
+        cfg = load_config(None, overrides)
+    check_model(cfg)
+    return cfg
+
+
+def _prompt_tokens(args, cfg, tok) -> list[int]:
+    from moe_pipe.shared.chat import render_chat
+
+    if args.chat:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": args.prompt}]
+        text = render_chat(tok, messages, add_generation_prompt=True, no_think=cfg.generate.no_think)
+    else:
+        text = args.prompt
+    # A rendered template that writes BOS itself must not get a second one.
+    starts_with_bos = tok.bos_id is not None and text.startswith(tok.token_text(tok.bos_id))
+    return tok.encode(text, add_bos=False if starts_with_bos else None, special=True)
 
 
 def run(args: argparse.Namespace) -> int:
     import time
 
-    from moe_pipe.shared import quant
-    from moe_pipe.shared.chat import render_chat
-    from moe_pipe.shared.errors import UserError
-    from moe_pipe.shared.generate import GenerationConfig, generate
-    from moe_pipe.shared.model import load_model
     from moe_pipe.shared.model_file import open_model
     from moe_pipe.shared.sampling import SamplingParams
     from moe_pipe.shared.tokenizer import Tokenizer
 
-    params = SamplingParams(temperature=args.temp, top_k=args.sample_top_k, top_p=args.top_p, min_p=args.min_p,
-                            repeat_penalty=args.repeat_penalty, seed=args.seed)
-    cfg = GenerationConfig(max_tokens=args.max_tokens, stop=tuple(args.stop), n_ctx=args.ctx_size)
-    if args.threads is not None:
+    cfg = load_run_config(args)
+    model_path = cfg.model_file()
+    g = cfg.generate
+    params = SamplingParams(temperature=g.temperature, top_k=args.sample_top_k, top_p=args.top_p, min_p=args.min_p,
+                            repeat_penalty=args.repeat_penalty, seed=g.seed)
+    with open_model(model_path) as mf:
+        tok = Tokenizer.from_gguf(mf.gguf)
+    prompt_tokens = _prompt_tokens(args, cfg, tok)
+    streaming_text = args.output_format == "text"
+    on_text = (lambda s: (sys.stdout.write(s), sys.stdout.flush())) if streaming_text else None
+    t0 = time.perf_counter()
+    if args.no_stream:
+        out = _run_resident(cfg, model_path, tok, prompt_tokens, params, args, on_text)
+    else:
+        out = _run_pipeline(cfg, model_path, prompt_tokens, params, args, on_text)
+    out["timings"].setdefault("load_s", round(time.perf_counter() - t0 - out["timings"].get("prompt_ms", 0) / 1e3
+                                              - out["timings"].get("predicted_ms", 0) / 1e3, 3))
+    if streaming_text:
+        t = out["timings"]
+        sys.stdout.write("\n")
+        print(f"[{t['prompt_n']} prompt tokens at {t['prompt_tok_s']:.1f} tok/s, {t['predicted_n']} generated at "
+              f"{t['predicted_tok_s']:.1f} tok/s, finish: {out['finish_reason']}]", file=sys.stderr)
+    else:
+        print(json.dumps(out, ensure_ascii=False))
+    return 0
+
+
+def _run_resident(cfg, model_path, tok, prompt_tokens, params, args, on_text) -> dict:
+    from moe_pipe.shared import quant
+    from moe_pipe.shared.generate import GenerationConfig, generate
+    from moe_pipe.shared.model import load_model
+    from moe_pipe.shared.model_file import open_model
+
+    from moe_pipe.shared.errors import UserError
+
+    if cfg.compute.threads:
         try:
-            quant.set_threads(args.threads)
+            quant.set_threads(cfg.compute.threads)
         except ValueError as exc:
             raise UserError(f"--threads: {exc}") from None
-    t0 = time.perf_counter()
-    with open_model(resolve_model(args.model)) as mf:
-        tok = Tokenizer.from_gguf(mf.gguf)
-        model = load_model(mf, top_k=args.top_k)
-        load_s = time.perf_counter() - t0
-        if args.chat:
-            messages = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": args.prompt}]
-            text = render_chat(tok, messages, add_generation_prompt=True, no_think=args.no_think)
-        else:
-            text = args.prompt
-        # A rendered template that writes BOS itself must not get a second one.
-        starts_with_bos = tok.bos_id is not None and text.startswith(tok.token_text(tok.bos_id))
-        prompt_tokens = tok.encode(text, add_bos=False if starts_with_bos else None, special=True)
-        stream = args.output_format == "text"
-        on_text = (lambda s: (sys.stdout.write(s), sys.stdout.flush())) if stream else None
-        result = generate(model, tok, prompt_tokens, params, cfg, on_text=on_text)
-    result.timings["load_s"] = round(load_s, 3)
-    if stream:
-        sys.stdout.write("\n")
-        t = result.timings
-        print(f"[{t['prompt_n']} prompt tokens at {t['prompt_tok_s']:.1f} tok/s, {t['predicted_n']} generated at "
-              f"{t['predicted_tok_s']:.1f} tok/s, load {load_s:.2f} s, finish: {result.finish_reason}]", file=sys.stderr)
-    else:
-        print(json.dumps(result.as_json(), ensure_ascii=False))
-    return 0
+    gen_cfg = GenerationConfig(max_tokens=cfg.generate.max_tokens, stop=tuple(args.stop), n_ctx=cfg.compute.ctx_size)
+    with open_model(model_path) as mf:
+        model = load_model(mf, top_k=cfg.compute.top_k)
+        result = generate(model, tok, prompt_tokens, params, gen_cfg, on_text=on_text)
+    return result.as_json()
+
+
+def _run_pipeline(cfg, model_path, prompt_tokens, params, args, on_text) -> dict:
+    from dataclasses import asdict
+
+    from moe_pipe.procs.pipeline import Pipeline
+
+    pieces: list[str] = []
+
+    def collect(text: str) -> None:
+        pieces.append(text)
+        if on_text:
+            on_text(text)
+
+    with Pipeline(cfg, model_path) as pipe:
+        r = pipe.resolved
+        print(f"[expert cache {r.n_slots * r.slab_bytes / 2**20:.2f} MiB = {r.n_slots} slabs of {r.slab_bytes / 2**20:.2f} MiB; "
+              f"{r.budget_description}; dense {cfg.io.dense_weights}, loaded in {r.load_seconds:.2f} s"
+              f"{'' if r.direct_io else '; O_DIRECT refused, buffered reads'}]", file=sys.stderr)
+        done = pipe.generate(prompt_tokens, asdict(params), cfg.generate.max_tokens, tuple(args.stop), collect)
+    timings = dict(done.timings) | {"budget_mib": round(r.n_slots * r.slab_bytes / 2**20, 3)}
+    return {"prompt_tokens": list(prompt_tokens), "tokens": list(done.tokens), "text": "".join(pieces),
+            "finish_reason": done.finish_reason, "timings": timings}

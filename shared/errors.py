@@ -29,3 +29,10 @@ class GGUFError(UserError):
 
 class ConfigError(UserError):
     """A config key, flag or value that is not allowed."""
+
+
+class PipelineError(UserError):
+    """The pipeline could not finish a run: a process died, a read failed.
+    One line like every user-facing error, but exit code 1: not bad input."""
+
+    exit_code = 1

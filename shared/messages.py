@@ -25,6 +25,7 @@ Field types (the annotation names the checker, see `_CHECKERS`):
     bool    exactly True/False (an int is not a bool on this wire)
     str     utf-8 text
     tuple[int, ...]              e.g. expert ids; a list is stored as a tuple
+    tuple[str, ...]              e.g. stop strings
     tuple[tuple[int, int], ...]  (offset, length) pairs
     dict[str, Scalar]            flat str -> str|int|float|bool|None
     dict[str, Any]               str keys, msgpack values nested <= _MAX_DEPTH
@@ -138,6 +139,12 @@ def _uints(v: Any, name: str) -> tuple[int, ...]:
     return tuple(v)
 
 
+def _strs(v: Any, name: str) -> tuple[str, ...]:
+    if not isinstance(v, (list, tuple)):
+        raise _fail(name, "a list of str", v)
+    return tuple(_str(x, name) for x in v)
+
+
 def _pairs(v: Any, name: str) -> tuple[tuple[int, int], ...]:
     if not isinstance(v, (list, tuple)):
         raise _fail(name, "a list of (offset, length) pairs", v)
@@ -196,6 +203,7 @@ _CHECKERS: dict[str, Callable[[Any, str], Any]] = {
     "bool": _bool,
     "str": _str,
     "tuple[int, ...]": _uints,
+    "tuple[str, ...]": _strs,
     "tuple[tuple[int, int], ...]": _pairs,
     "dict[str, Scalar]": _scalar_dict,
     "dict[str, Any]": _any_dict,
@@ -440,10 +448,9 @@ class Generate(_Message):
 @dataclass(frozen=True, slots=True)
 class Token(_Message):
     """compute -> front end: text that is now final (held back while it may
-    still turn out to be the start of a stop string), and the new token ids."""
+    still turn out to be the start of a stop string); the ids come with Done."""
 
     req_id: int
-    tokens: tuple[int, ...]
     text: str
 
 
@@ -456,6 +463,7 @@ class Done(_Message):
     req_id: int
     ok: bool
     finish_reason: str = ""
+    tokens: tuple[int, ...] = ()
     timings: dict[str, Scalar] = dataclasses.field(default_factory=dict)
     code: str = ""
     error: str = ""

@@ -1,17 +1,20 @@
 """Quantized kernels against gguf-py's dequantizer, for every supported type.
 
 Reference: `gguf.quants.dequantize(w)` in float64 times the activation in
-float64. The kernels do not quantize activations (see shared/quant/_common),
-so the two comparisons asked of them are:
+float64. Two comparisons are asked of the kernels:
 
-1. layout exactness: against dequantize(w) @ x̂ with x̂ = effective_activation(x)
-   (x rounded to float32, exactly what the kernels multiply by). The decoded
-   weights are exact in float32, so the only error is float32 products and
-   accumulation: |err| ≤ (n + 2)·u·Σ|w·x̂| with u = 2⁻²⁴ and n = C terms, the
-   standard bound for a float dot product in any summation order.
+1. layout exactness: against dequantize(w) @ x̂ with
+   x̂ = effective_activation(x, qtype), exactly what the kernels multiply by:
+   x rounded to float32, and for the int8-activation types
+   (quant.INT8_ACTIVATION_TYPES: Q8_0, Q4_K, Q6_K, Q5_0, MXFP4) further
+   rounded to int8 per block of 32 (x̂ = dx·xq, dx = amax/127). The decoded
+   weights are exact and the integer block sums are exact, so the only error
+   is float32 products and accumulation: |err| ≤ (n + 2)·u·Σ|w·x̂| with
+   u = 2⁻²⁴ and n = C terms, the standard bound for a float dot product.
 2. against dequantize(w) @ x with the raw float64 x: add the activation
-   rounding, |x − x̂| ≤ u·|x|, so |err| grows by at most u·Σ|w·x|. (An int8
-   activation scheme would add amax/254 per element here; there is none.)
+   rounding. Float activations: |x − x̂| ≤ u·|x|. Int8 activations:
+   |x − x̂| ≤ (amax₃₂/254)·(1 + 4u) + u·|x| per element (amax₃₂ the largest
+   |x| in its block of 32), so |err| grows by at most Σ|w|·that.
 
 Legend: R rows, C columns, T activation rows.
 """
@@ -33,6 +36,15 @@ from moe_pipe.shared.quant.blocks import SUPPORTED, QType, block_format, random_
 U32 = 2.0**-24  # float32 unit roundoff
 FLOAT_TYPES = (QType.F32, QType.F16, QType.BF16)
 TYPES = [pytest.param(t, id=t.name) for t in SUPPORTED]
+
+
+@pytest.fixture(autouse=True, params=[False, True], ids=["f32act", "int8act"])
+def int8_mode(request):
+    """Every test runs with the float activations (default) and with int8 activations on."""
+    before = quant.int8_activations()
+    quant.set_int8_activations(request.param)
+    yield request.param
+    quant.set_int8_activations(before)
 
 
 def _cols(qtype: QType) -> list[int]:
@@ -107,12 +119,16 @@ def _assert_close(what: str, qtype: QType, w, got, ref, tol) -> None:
     pytest.fail("\n".join(lines))
 
 
-def _tolerances(deq: np.ndarray, X64: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _tolerances(deq: np.ndarray, X64: np.ndarray, qtype: QType) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(x̂ [T, C], tol vs x̂ [T, R], tol vs raw x [T, R]) from the bounds in the module doc."""
-    Xh = quant.effective_activation(X64).astype(np.float64)  # [T, C]
+    Xh = quant.effective_activation(X64, qtype).astype(np.float64)  # [T, C]
     n = deq.shape[1]
     tol_hat = (n + 2) * U32 * (np.abs(Xh) @ np.abs(deq).T) + 1e-30  # [T, R]
-    tol_raw = tol_hat + U32 * (np.abs(X64) @ np.abs(deq).T)
+    dev = U32 * np.abs(X64)  # [T, C] bound on |x − x̂| per element
+    if qtype in quant.INT8_ACTIVATION_TYPES and quant.int8_activations():
+        amax = np.abs(X64).reshape(X64.shape[0], -1, 32).max(axis=2)  # [T, C/32]
+        dev = dev + np.repeat(amax / 254 * (1 + 4 * U32), 32, axis=1)
+    tol_raw = tol_hat + dev @ np.abs(deq).T
     return Xh, tol_hat, tol_raw
 
 
@@ -124,7 +140,7 @@ def test_matvec_matches_gguf_dequantize(qtype):
             w = _weights(qtype, n_rows, n_cols, rng)
             x = rng.standard_normal(n_cols)  # float64 on purpose: the kernel rounds it to float32
             deq = _reference(qtype, w, n_cols)
-            xh, tol_hat, tol_raw = _tolerances(deq, x[None, :])
+            xh, tol_hat, tol_raw = _tolerances(deq, x[None, :], qtype)
             got = quant.matvec(qtype, w, x)
             assert got.dtype == np.float32 and got.shape == (n_rows,)
             _assert_close("matvec vs deq@x̂", qtype, w, got, deq @ xh[0], tol_hat[0])
@@ -139,12 +155,15 @@ def test_matmul_matches_gguf_dequantize(qtype):
     deq = _reference(qtype, w, n_cols)
     for n_tok in (1, 3, 17):
         X = rng.standard_normal((n_tok, n_cols))
-        Xh, tol_hat, tol_raw = _tolerances(deq, X)
+        Xh, tol_hat, tol_raw = _tolerances(deq, X, qtype)
         got = quant.matmul(qtype, w, X)
         assert got.shape == (n_tok, 33)
         _assert_close(f"matmul T={n_tok} vs deq@x̂", qtype, w, got, Xh @ deq.T, tol_hat)
         _assert_close(f"matmul T={n_tok} vs deq@x", qtype, w, got, X @ deq.T, tol_raw)
-        # the tiled multi-token path and the one-token path agree row for row
+        # the multi-token path and the one-token path agree row for row (bit
+        # for bit on the int8-activation types: same kernel per output)
+        if qtype in quant.INT8_ACTIVATION_TYPES and quant.int8_activations():
+            np.testing.assert_array_equal(got[-1], quant.matvec(qtype, w, X[-1]))
         np.testing.assert_allclose(got[-1], quant.matvec(qtype, w, X[-1]), rtol=1e-5, atol=1e-6 * np.abs(got).max())
 
 
@@ -265,3 +284,36 @@ def test_kernels_load_from_the_disk_cache_on_the_second_start(tmp_path):
     first, second = run(), run()
     assert first["misses"] >= 1, first  # compiled and written
     assert second == {"hits": 1, "misses": 0}, second  # loaded, nothing recompiled
+
+
+@pytest.mark.parametrize("qtype", [pytest.param(t, id=t.name) for t in quant.INT8_ACTIVATION_TYPES])
+def test_int8_activation_rounding(qtype, int8_mode):
+    """x̂ is x rounded per block of 32 to dx·int8 with dx = amax/127; odd blocks stay exact-ish."""
+    if not int8_mode:
+        x = np.ones(64, np.float32)
+        np.testing.assert_array_equal(quant.effective_activation(x, qtype), x)
+        return
+    rng = np.random.default_rng(400 + int(qtype))
+    x = rng.standard_normal((2, 128)).astype(np.float32)
+    x[0, :32] = 0.0  # an all-zero block
+    x[1, 32:64] *= 1e-25  # tiny values: still rounded relative to their own amax
+    x[1, 64:96] *= 1e-35  # amax < 2^-100: the block is flushed to zero (documented)
+    xh = quant.effective_activation(x, qtype)
+    np.testing.assert_array_equal(xh[1, 64:96], 0.0)
+    x[1, 64:96] = xh[1, 64:96]
+    assert xh.shape == x.shape and xh.dtype == np.float32
+    blocks, hat = x.reshape(2, 4, 32), xh.reshape(2, 4, 32)
+    dx = np.abs(blocks).max(axis=2, keepdims=True) / 127
+    assert np.all(np.abs(hat - blocks) <= dx / 2 * (1 + 1e-5))
+    np.testing.assert_array_equal(xh[0, :32], 0.0)
+    q = np.divide(hat, dx, out=np.zeros_like(hat), where=dx > 0)
+    np.testing.assert_allclose(q, np.rint(q), atol=1e-3)  # integer codes
+    assert np.abs(q).max() <= 127 + 1e-3
+    # float types and qtype=None: float32 only
+    np.testing.assert_array_equal(quant.effective_activation(x), x)
+    np.testing.assert_array_equal(quant.effective_activation(x, QType.F32), x)
+    # a non-finite activation block poisons only its own outputs' sums
+    w = _weights(qtype, 3, 256, rng)
+    xn = rng.standard_normal(256).astype(np.float32)
+    xn[5] = np.inf
+    assert not np.isfinite(quant.matvec(qtype, w, xn)).any()

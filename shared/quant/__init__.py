@@ -13,9 +13,15 @@ dequantized ahead: each call decodes blocks on the fly into a small float32
 tile and multiplies it with every activation row, so a prompt batch decodes
 each block once.
 
-Activations are used as float32 (no int8 activation rounding, see _common):
-`effective_activation` returns exactly what the kernels multiply by, and the
-results differ from float64 `dequantize(w) @ x` by float32 accumulation only.
+Activations: with `set_int8_activations(True)` (or MOE_PIPE_INT8_ACT=1 in the
+environment; off by default, see docs/kernels.md), for Q8_0, Q4_K, Q6_K, Q5_0
+and MXFP4 (`INT8_ACTIVATION_TYPES`) `matvec`/`matmul` round the activation to int8 per block of 32 (x̂ = dx·xq,
+dx = amax/127, see _q8) and multiply on the integer codes; every other type
+(F32/F16/BF16 included) uses the activation as float32. Either way
+`effective_activation(x, qtype)` returns exactly the x̂ the kernels multiply
+by, and the results differ from float64 `dequantize(w) @ x̂` by float32
+rounding only. Each output element depends only on its weight row and its
+activation row, so matmul rows equal matvec results bit for bit.
 
 Kernels compile on first use of a type (numba, cached on disk under
 __pycache__ or NUMBA_CACHE_DIR), so a process using three types compiles
@@ -23,15 +29,18 @@ three, and the next process start loads them from the cache.
 """
 from __future__ import annotations
 
+import os
+
 import numba
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from . import _float, _kquant, _legacy
-from ._common import F16_TABLE, LANES
+from . import _float, _kquant, _legacy, _q8
+from ._common import E8M0_HALF, F16_TABLE, LANES
 from .blocks import SUPPORTED, BlockFormat, QType, block_format, qtype_from_name
 
 __all__ = [
+    "INT8_ACTIVATION_TYPES",
     "SUPPORTED",
     "QType",
     "block_format",
@@ -42,11 +51,30 @@ __all__ = [
     "matmul",
     "matvec",
     "qtype_from_name",
+    "int8_activations",
+    "set_int8_activations",
     "set_threads",
 ]
 
 _KERNELS = {QType[name]: pair for mod in (_float, _legacy, _kquant) for name, pair in mod.KERNELS.items()}
 assert set(_KERNELS) == set(SUPPORTED), "every supported type needs kernels"
+# Types whose matvec/matmul run on int8 activations (integer block dots, _q8).
+_Q8_KERNELS = {QType[name]: pair for name, pair in _q8.KERNELS.items()}
+INT8_ACTIVATION_TYPES = tuple(_Q8_KERNELS)
+_INT8_ACT = [os.environ.get("MOE_PIPE_INT8_ACT", "0") not in ("", "0")]
+
+
+def set_int8_activations(on: bool) -> None:
+    """Route INT8_ACTIVATION_TYPES through the int8-activation kernels (process-wide)."""
+    _INT8_ACT[0] = bool(on)
+
+
+def int8_activations() -> bool:
+    return _INT8_ACT[0]
+
+
+def _uses_q8(qtype) -> bool:
+    return _INT8_ACT[0] and qtype in _Q8_KERNELS
 
 # Float dtypes accepted in place of raw bytes for the unquantized types (what
 # gguf-py's reader hands out for F32/F16 tensors).
@@ -73,13 +101,50 @@ def get_threads() -> int:
 
 
 def kernels_for(qtype: int | QType):
-    """The numba dispatchers (matmul, rows) of a type; for cache checks and benchmarks."""
-    return _KERNELS[block_format(qtype).qtype]
+    """The numba dispatchers (matmul, rows) of a type; for cache checks and benchmarks.
+
+    For the int8-activation types the first is the integer kernel that
+    matvec/matmul call (the float tile kernel stays available in _KERNELS).
+    """
+    qt = block_format(qtype).qtype
+    if _uses_q8(qt):
+        return _Q8_KERNELS[qt][0], _KERNELS[qt][1]
+    return _KERNELS[qt]
 
 
-def effective_activation(x: np.ndarray) -> np.ndarray:
-    """The activation exactly as the kernels use it: float32, not quantized."""
-    return np.ascontiguousarray(x, dtype=np.float32)
+def effective_activation(x: np.ndarray, qtype: int | QType | None = None) -> np.ndarray:
+    """The activation (float32, [C] or [T, C]) exactly as the kernels of `qtype` use it.
+
+    For the int8-activation types: x rounded to int8 per block of 32 and
+    scaled back (dx·xq, in float32 — the products dx·xq are exact). For the
+    others, and with qtype None: x as float32.
+    """
+    x32 = np.ascontiguousarray(x, dtype=np.float32)
+    if qtype is None or not _uses_q8(block_format(qtype).qtype):
+        return x32
+    X = x32.reshape(-1, x32.shape[-1])
+    if X.shape[1] % 32:
+        raise ValueError(f"effective_activation: C must be a multiple of 32, got {X.shape[1]}")
+    xq, dx, _ = _quantize(X)
+    return (xq.reshape(X.shape[0], -1, 32) * dx.reshape(X.shape[0], -1, 1)).astype(np.float32).reshape(x32.shape)
+
+
+def _quantize(X: np.ndarray):
+    """X f32 [T, C] → (xq int8 [T·C], dx f32 [T·C/32], bs int32 [T·C/16])."""
+    T, C = X.shape
+    xq = np.empty(T * C, np.int8)
+    dx = np.empty(T * C // 32, np.float32)
+    bs = np.empty(T * C // 16, np.int32)
+    if X.size:
+        _q8.quantize_q8(X, xq, dx, bs)
+    return xq, dx, bs
+
+
+def _run_q8(qtype: QType, flat: np.ndarray, stride: int, X: np.ndarray, out: np.ndarray) -> None:
+    """out [T, R] = X @ W.T through the int8-activation kernels."""
+    kernel, takes_e8m0 = _Q8_KERNELS[qtype]
+    xq, dx, bs = _quantize(X)
+    kernel(flat, stride, X.shape[1], xq, dx, bs, E8M0_HALF if takes_e8m0 else F16_TABLE, out)
 
 
 def matvec(qtype: int | QType, w: np.ndarray, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -90,7 +155,9 @@ def matvec(qtype: int | QType, w: np.ndarray, x: np.ndarray, out: np.ndarray | N
     fmt, flat, stride, n_rows = _weights("matvec", qtype, w, x.shape[0])
     X = effective_activation(x).reshape(1, -1)  # [1, C]
     y = _output("matvec", out, (n_rows,))
-    if n_rows:
+    if n_rows and _uses_q8(fmt.qtype):
+        _run_q8(fmt.qtype, flat, stride, X, y.reshape(1, -1))
+    elif n_rows:
         mm, _ = _KERNELS[fmt.qtype]
         mm(flat, stride, X, _TILE_ROWS_MATVEC, F16_TABLE, LANES, y.reshape(1, -1))
     return y
@@ -104,7 +171,9 @@ def matmul(qtype: int | QType, w: np.ndarray, X: np.ndarray, out: np.ndarray | N
     fmt, flat, stride, n_rows = _weights("matmul", qtype, w, X.shape[1])
     X = effective_activation(X)  # [T, C]
     Y = _output("matmul", out, (X.shape[0], n_rows))
-    if n_rows and X.shape[0]:
+    if n_rows and X.shape[0] and _uses_q8(fmt.qtype):
+        _run_q8(fmt.qtype, flat, stride, X, Y)
+    elif n_rows and X.shape[0]:
         mm, _ = _KERNELS[fmt.qtype]
         mm(flat, stride, X, _TILE_ROWS if X.shape[0] > 1 else _TILE_ROWS_MATVEC, F16_TABLE, LANES, Y)
     return Y

@@ -1,0 +1,266 @@
+"""The compute process: the forward pass and the KV cache.
+
+Loop:
+  1. a Generate from the front end: prefill, then decode token by token;
+  2. per MoE layer the model asks `SlabExperts` for its k experts: one Fetch
+     to the reader, then each expert is computed as its Ready arrives — hits
+     first, misses as they land (overlap) — straight out of the read-only
+     slab arena; then Release;
+  3. per generated token: text to the front end (Token), a TokenRecord to
+     telemetry (never blocking), and at the end Done;
+  4. Shutdown: stop.
+
+A request that fails (a read error, the reader gone) ends with Done(ok=False)
+and a code; the process itself keeps serving unless its peer is gone.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+
+import numpy as np
+import zmq
+
+from ..shared import ipc, messages as m
+from ..shared import quant
+from ..shared.dense import arena_views, warm_sweep
+from ..shared.directio import expert_view
+from ..shared.generate import GenerationConfig, generate
+from ..shared.model import load_model
+from ..shared.model.weights import Expert
+from ..shared.model_file import open_model
+from ..shared.sampling import SamplingParams
+from ..shared.shm import Arena, SlabArena
+from ..shared.telemetry import ResourceMeter
+from ..shared.tokenizer import Tokenizer
+from .lifecycle import child_setup
+
+log = logging.getLogger("moe_pipe.compute")
+PEER_POLL_MS = 500  # how often a wait for the reader checks that it is still alive
+
+
+@dataclass(frozen=True)
+class ComputeConfig:
+    model_path: str
+    runtime_dir: str
+    slab_arena: str
+    slab_bytes: int
+    n_slots: int
+    reader_pid: int
+    dense_weights: str = "anon"  # anon | warm | mmap
+    dense_arena: str = ""
+    overlap: bool = True
+    top_k: int | None = None
+    threads: int | None = None
+    ctx_size: int = 4096
+
+
+class RequestFailed(Exception):
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class SlabExperts:
+    """The ExpertSource of the pipeline: experts from the shared-memory cache."""
+
+    def __init__(self, cfg: ComputeConfig, layout, fetch_out: zmq.Socket, ready_in: zmq.Socket):
+        self.cfg, self.layout = cfg, layout
+        self.arena = SlabArena.attach(cfg.slab_arena, cfg.slab_bytes, readonly=True)
+        self.fetch_out, self.ready_in = fetch_out, ready_in
+        self.next_req = 1
+        self.reset_counters()
+
+    def reset_counters(self) -> None:
+        self.hits = self.misses = self.read_bytes = self.io_ns = 0
+        self.stall_s = self.mgmt_s = 0.0
+
+    def experts(self, layer: int, ids: Iterable[int]) -> Iterator[Expert]:
+        ids = list(ids)
+        # A prompt batch can route to more experts than the cache has slabs (the
+        # budget floor is one *token's* working set): fetch in slab-sized groups.
+        for start in range(0, len(ids), self.cfg.n_slots):
+            yield from self._fetch_group(layer, ids[start : start + self.cfg.n_slots])
+
+    def _fetch_group(self, layer: int, ids: list[int]) -> Iterator[Expert]:
+        t0 = time.perf_counter()
+        req, self.next_req = self.next_req, self.next_req + 1
+        ipc.send(self.fetch_out, m.Fetch(req, layer, tuple(ids)))
+        self.mgmt_s += time.perf_counter() - t0
+        try:
+            if self.cfg.overlap:
+                for _ in ids:  # in arrival order: hits first, then misses as they land
+                    yield self._view(self._next_ready(req))
+            else:  # wait for the whole set, then compute (kept for comparison)
+                ready = {r.expert: r for r in (self._next_ready(req) for _ in ids)}
+                for e in ids:
+                    yield self._view(ready[e])
+        finally:
+            t1 = time.perf_counter()
+            ipc.send(self.fetch_out, m.Release(req, layer))
+            self.mgmt_s += time.perf_counter() - t1
+
+    def _next_ready(self, req: int) -> m.Ready:
+        t0 = time.perf_counter()
+        while True:
+            msg = ipc.recv(self.ready_in, PEER_POLL_MS, expect=(m.Ready, m.FetchFailed))
+            if msg is None:
+                if not _alive(self.cfg.reader_pid):
+                    raise RequestFailed(m.Code.PEER_GONE, "the reader process died")
+                continue
+            if msg.req_id != req:  # a late answer to an abandoned request
+                continue
+            if isinstance(msg, m.FetchFailed):
+                raise RequestFailed(msg.code, f"expert {msg.expert} of layer {msg.layer}: {msg.error}")
+            waited = time.perf_counter() - t0
+            if msg.hit:
+                self.hits += 1
+                self.mgmt_s += waited
+            else:
+                self.misses += 1
+                self.stall_s += waited  # the flash wait overlap did not hide
+                self.io_ns += msg.io_ns
+                self.read_bytes += self.layout.expert_bytes(msg.layer)
+            return msg
+
+    def _view(self, r: m.Ready) -> Expert:
+        t0 = time.perf_counter()
+        from ..shared.directio import Placement
+
+        lay = self.layout.layers[r.layer]
+        placement = Placement(lay.extents(r.expert), tuple(tuple(x) for x in r.parts), 0)
+        e = expert_view(lay, r.expert, self.arena.slab(r.slot), placement)
+        self.mgmt_s += time.perf_counter() - t0
+        return e
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie child of our parent still answers kill(0)
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+class Recorder:
+    """Wraps the model: one TokenRecord per generated token (step 1 = the
+    prefill that produced it, then one decode each)."""
+
+    def __init__(self, model, source: SlabExperts, telemetry: ipc.DroppingSender):
+        self.model, self.source, self.telemetry = model, source, telemetry
+        self.meter = ResourceMeter()
+        self.records: list[m.TokenRecord] = []
+        self.total_hits = self.total_misses = 0
+
+    def new_cache(self, n_ctx):
+        self.records, self.total_hits, self.total_misses = [], 0, 0
+        self.meter.delta()
+        return self.model.new_cache(n_ctx)
+
+    def prefill(self, tokens, cache, batch=64):
+        return self._step(lambda: self.model.prefill(tokens, cache, batch=batch))
+
+    def decode_one(self, token, cache):
+        return self._step(lambda: self.model.decode_one(token, cache))
+
+    def _step(self, fn):
+        self.source.reset_counters()
+        t0 = time.perf_counter()
+        out = fn()
+        wall = time.perf_counter() - t0
+        s = self.source
+        self.total_hits += s.hits
+        self.total_misses += s.misses
+        lookups = self.total_hits + self.total_misses
+        res = self.meter.delta()
+        rec = m.TokenRecord(
+            step=len(self.records) + 1, wall_ms=wall * 1e3, compute_ms=max(wall - s.stall_s - s.mgmt_s, 0.0) * 1e3,
+            io_ms=s.io_ns / 1e6, read_bytes=s.read_bytes,
+            cache_hit_pct=100.0 * self.total_hits / lookups if lookups else 0.0,
+            stall_ms=s.stall_s * 1e3, mgmt_ms=s.mgmt_s * 1e3, majflt=res.majflt, cpu_ms=res.cpu_ms,
+            hits=s.hits, misses=s.misses, rss_bytes=self.meter.rss_bytes(),
+        )
+        self.records.append(rec)
+        self.telemetry.send(rec)
+        return out
+
+
+def _dense_view(cfg: ComputeConfig, mf):
+    """Where compute reads dense tensors, per the dense policy."""
+    if cfg.dense_weights == "anon":
+        arena = Arena.attach(cfg.dense_arena, readonly=True)
+        return arena, arena_views(mf.gguf, mf.layout, arena.buf)
+    if cfg.dense_weights == "warm":
+        warm_sweep(mf.gguf.paths, mf.layout.dense)
+    return None, None  # the file mapping
+
+
+def serve(cfg: ComputeConfig, ctx: zmq.Context) -> None:
+    if cfg.threads:
+        quant.set_threads(cfg.threads)
+    ep = ipc.Endpoints(cfg.runtime_dir)
+    requests = ipc.bind(ctx, ep, "requests")
+    tokens_out = ipc.connect(ctx, ep, "tokens")
+    fetch_out = ipc.connect(ctx, ep, "fetch")
+    ready_in = ipc.bind(ctx, ep, "ready")
+    telemetry = ipc.DroppingSender(ipc.connect(ctx, ep, "telemetry_in"))
+    t0 = time.perf_counter()
+    mf = open_model(cfg.model_path)
+    dense_arena, view = _dense_view(cfg, mf)
+    source = SlabExperts(cfg, mf.layout, fetch_out, ready_in)
+    model = load_model(mf, top_k=cfg.top_k, experts=source, dense_view=view)
+    tok = Tokenizer.from_gguf(mf.gguf)
+    recorder = Recorder(model, source, telemetry)
+    load_s = time.perf_counter() - t0
+    ipc.send(tokens_out, m.Hello("compute", os.getpid(), 0))
+    try:
+        while True:
+            msg = ipc.recv(requests, None, expect=(m.Generate, m.Shutdown))
+            if isinstance(msg, m.Shutdown):
+                return
+            handle(msg, recorder, tok, cfg, tokens_out, load_s)
+    finally:
+        source.arena.close()
+        if dense_arena is not None:
+            dense_arena.close()
+        mf.close()
+
+
+def handle(req: m.Generate, recorder: Recorder, tok, cfg: ComputeConfig, out: zmq.Socket, load_s: float) -> None:
+    from ..shared.telemetry import summarize
+
+    params = SamplingParams(**{k: v for k, v in req.sampling.items()})
+    gen_cfg = GenerationConfig(max_tokens=req.max_tokens, stop=tuple(req.stop), n_ctx=cfg.ctx_size)
+    def on_text(text: str) -> None:
+        ipc.send(out, m.Token(req.req_id, text))
+
+    try:
+        result = generate(recorder, tok, list(req.prompt_tokens), params, gen_cfg, on_text=on_text)
+    except RequestFailed as exc:
+        ipc.send(out, m.Done(req.req_id, False, code=str(exc.code), error=str(exc)))
+        if exc.code == m.Code.PEER_GONE:
+            raise
+        return
+    except Exception as exc:  # noqa: BLE001 - a bad request fails that request
+        log.exception("generation failed")
+        ipc.send(out, m.Done(req.req_id, False, code=m.Code.INTERNAL, error=f"{type(exc).__name__}: {exc}"))
+        return
+    summary = summarize(recorder.records, load_s, 0, 0, recorder.meter.peak_rss_bytes()) if recorder.records else None
+    timings = {**result.timings, **({k: v for k, v in m.as_dict(summary).items()} if summary else {})}
+    ipc.send(out, m.Done(req.req_id, True, result.finish_reason, tuple(result.tokens),
+                         {k: v for k, v in timings.items() if isinstance(v, (int, float, str, bool))}))
+
+
+def main(cfg: ComputeConfig) -> None:
+    child_setup("compute")
+    with ipc.context() as ctx:
+        serve(cfg, ctx)

@@ -1,0 +1,198 @@
+"""The reader process: the expert cache's only writer.
+
+It owns the slot table (which slab holds which (layer, expert), the eviction
+order, the pins), so it needs no locks. Loop:
+
+  1. a Fetch from compute: every expert already resident is answered at once
+     (Ready, hit=True) and pinned; every miss gets a slab (evicting an unpinned
+     one) and goes to an I/O lane;
+  2. a lane finishes a read: Ready(hit=False) for everyone waiting on that
+     expert (a prefetch and a real fetch may wait on the same read);
+  3. a Release: unpin that layer's slabs;
+  4. Shutdown: stop.
+
+Only the main thread touches sockets: lanes hand finished reads back through
+an inproc socket of their own. The slab placement of an expert's parts is a
+function of its extents, so Ready carries it for convenience only.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import zmq
+
+from ..shared import ipc, messages as m
+from ..shared.cache import CacheFull, SlotTable
+from ..shared.directio import ExpertFiles
+from ..shared.model_file import open_model
+from ..shared.shm import SlabArena
+from .lifecycle import child_setup
+
+log = logging.getLogger("moe_pipe.reader")
+
+
+@dataclass(frozen=True)
+class ReaderConfig:
+    model_path: str
+    runtime_dir: str
+    slab_arena: str
+    slab_bytes: int
+    n_slots: int
+    io_threads: int
+    policy: str = "lru"
+    direct: bool = True
+
+
+@dataclass
+class _Waiter:
+    req_id: int
+    layer: int
+
+
+class Reader:
+    def __init__(self, cfg: ReaderConfig, ctx: zmq.Context):
+        self.cfg = cfg
+        self.mf = open_model(cfg.model_path)
+        self.layout = self.mf.layout
+        self.arena = SlabArena.attach(cfg.slab_arena, cfg.slab_bytes, readonly=False)
+        self.files = ExpertFiles(self.mf.gguf.paths, direct=cfg.direct)
+        self.table = SlotTable(cfg.n_slots, cfg.policy)
+        ep = ipc.Endpoints(cfg.runtime_dir)
+        self.fetch_in = ipc.bind(ctx, ep, "fetch")
+        self.ready_out = ipc.connect(ctx, ep, "ready")
+        self.done_addr = f"inproc://reader-done-{os.getpid()}"
+        self.done_in = ctx.socket(zmq.PULL)
+        self.done_in.setsockopt(zmq.LINGER, 0)
+        self.done_in.bind(self.done_addr)
+        self.ctx = ctx
+        self.lanes = ThreadPoolExecutor(max_workers=cfg.io_threads, thread_name_prefix="io-lane")
+        self._lane_sockets = threading.local()
+        self.inflight: dict[tuple[int, int], list[_Waiter]] = {}  # key -> who waits for its bytes
+        self.pinned: dict[tuple[int, int], list[tuple[int, int]]] = defaultdict(list)  # (req, layer) -> keys
+
+    # -- 1. fetch ------------------------------------------------------------
+    def on_fetch(self, msg: m.Fetch) -> None:
+        for e in msg.experts:
+            key = (msg.layer, e)
+            if not (0 <= msg.layer < len(self.layout.layers) and 0 <= e < self.layout.spec.n_expert):
+                self.send(m.FetchFailed(msg.req_id, msg.layer, e, m.Code.BAD_ARGUMENT, f"no expert {key}"))
+                continue
+            if msg.prefetch:
+                self.prefetch(key)
+                continue
+            slot = self.table.lookup(key)
+            if slot is not None and key not in self.inflight:
+                self.table.pin(key)
+                self.pinned[(msg.req_id, msg.layer)].append(key)
+                self.send_ready(msg.req_id, key, slot, hit=True, io_ns=0)
+            elif key in self.inflight:  # its read is under way (a prefetch): wait for it
+                self.table.pin(key)
+                self.pinned[(msg.req_id, msg.layer)].append(key)
+                self.inflight[key].append(_Waiter(msg.req_id, msg.layer))
+            else:
+                self.start_read(key, _Waiter(msg.req_id, msg.layer))
+
+    def prefetch(self, key) -> None:
+        if key in self.table or key in self.inflight:
+            return
+        try:
+            self.start_read(key, None)
+        except CacheFull:
+            pass  # every slab pinned: a prefetch is only a hint
+
+    def start_read(self, key, waiter: _Waiter | None) -> None:
+        try:
+            slot, _evicted = self.table.admit(key, self.layout.expert_bytes(key[0]), pin=True)
+        except CacheFull:
+            self.send(m.FetchFailed(waiter.req_id, key[0], key[1], m.Code.INTERNAL, "every cache slab is pinned"))
+            return
+        if waiter is not None:  # the waiter's own pin, beside the read's
+            self.table.pin(key)
+            self.pinned[(waiter.req_id, waiter.layer)].append(key)
+        self.inflight[key] = [waiter] if waiter else []
+        self.lanes.submit(self._read_lane, key, slot)
+
+    # -- 2. a lane's read ------------------------------------------------------
+    def _read_lane(self, key, slot: int) -> None:
+        sock = getattr(self._lane_sockets, "sock", None)
+        if sock is None:
+            sock = self._lane_sockets.sock = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(self.done_addr)
+        t0 = time.perf_counter_ns()
+        try:
+            placement = self.files.read_expert(self.layout.expert_extents(*key), self.arena.slab(slot))
+            sock.send_pyobj((key, slot, time.perf_counter_ns() - t0, placement.regions, None))
+        except Exception as exc:  # noqa: BLE001 - a failed read fails the request, not the reader
+            sock.send_pyobj((key, slot, time.perf_counter_ns() - t0, (), f"{type(exc).__name__}: {exc}"))
+
+    def on_read_done(self, key, slot: int, io_ns: int, regions, error: str | None) -> None:
+        waiters = self.inflight.pop(key, [])
+        if error is not None:
+            self.table.drop(key)  # never leave a half-written slab visible
+            for w in waiters:
+                self.send(m.FetchFailed(w.req_id, key[0], key[1], m.Code.IO_ERROR, error))
+            return
+        self.table.unpin(key)  # the read's own pin; waiters hold theirs
+        for i, w in enumerate(waiters):
+            self.send(m.Ready(w.req_id, key[0], key[1], slot, tuple(regions), False, io_ns if i == 0 else 0))
+
+    # -- 3. release ---------------------------------------------------------------
+    def on_release(self, msg: m.Release) -> None:
+        for key in self.pinned.pop((msg.req_id, msg.layer), []):
+            if key in self.table:
+                self.table.unpin(key)
+
+    # -- sending --------------------------------------------------------------------
+    def send_ready(self, req_id: int, key, slot: int, hit: bool, io_ns: int) -> None:
+        from ..shared.directio import placement_for
+
+        regions = placement_for(self.layout.expert_extents(*key)).regions
+        self.send(m.Ready(req_id, key[0], key[1], slot, regions, hit, io_ns))
+
+    def send(self, msg) -> None:
+        ipc.send(self.ready_out, msg)
+
+    # -- the loop --------------------------------------------------------------------
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.fetch_in, zmq.POLLIN)
+        poller.register(self.done_in, zmq.POLLIN)
+        while True:
+            for sock, _ in poller.poll():
+                if sock is self.done_in:
+                    self.on_read_done(*self.done_in.recv_pyobj())
+                    continue
+                try:
+                    msg = ipc.recv(self.fetch_in, 0)
+                except m.ProtocolError as exc:
+                    log.warning("dropped a bad frame: %s", exc)
+                    continue
+                if isinstance(msg, m.Fetch):
+                    self.on_fetch(msg)
+                elif isinstance(msg, m.Release):
+                    self.on_release(msg)
+                elif isinstance(msg, m.Shutdown):
+                    return
+
+    def close(self) -> None:
+        self.lanes.shutdown(wait=True, cancel_futures=True)
+        self.files.close()
+        self.arena.close()
+        self.mf.close()
+
+
+def main(cfg: ReaderConfig) -> None:
+    child_setup("reader")
+    with ipc.context() as ctx:
+        reader = Reader(cfg, ctx)
+        try:
+            reader.run()
+        finally:
+            reader.close()

@@ -1,0 +1,95 @@
+"""The telemetry process: receives per-token records, writes the CSV and
+JSONL, republishes every record for tails, and writes the run summary.
+
+It never slows compute: compute sends without blocking and drops when this
+process falls behind (the drop count is in compute's own accounting).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import zmq
+
+from ..shared import ipc, messages as m
+from ..shared.telemetry import CsvWriter, JsonlWriter, format_summary, summarize
+from .lifecycle import child_setup
+
+log = logging.getLogger("moe_pipe.telemetry")
+
+
+@dataclass(frozen=True)
+class TelemetryConfig:
+    runtime_dir: str
+    csv_path: str = ""  # "" = no files; records are still republished
+
+
+class Recorder:
+    def __init__(self, cfg: TelemetryConfig):
+        self.cfg = cfg
+        self.csv: CsvWriter | None = None
+        self.jsonl: JsonlWriter | None = None
+        self.info: m.RunInfo | None = None
+        self.records: list[m.TokenRecord] = []
+
+    def on_run_info(self, info: m.RunInfo) -> None:
+        self.close()
+        self.info, self.records = info, []
+        if self.cfg.csv_path:
+            path = Path(self.cfg.csv_path)
+            self.csv = CsvWriter(path, info)
+            self.jsonl = JsonlWriter(path.with_suffix(".jsonl"))
+            self.jsonl.write(info)
+
+    def on_record(self, rec: m.TokenRecord) -> None:
+        self.records.append(rec)
+        if self.csv:
+            self.csv.write(rec)
+            self.jsonl.write(rec)
+
+    def finish(self) -> m.RunSummary | None:
+        if not self.records or self.info is None:
+            return None
+        summary = summarize(self.records, self.info.load_seconds, self.info.budget_bytes, 0,
+                            max(r.rss_bytes for r in self.records))
+        if self.jsonl:
+            self.jsonl.write(summary)
+        return summary
+
+    def close(self) -> None:
+        for w in (self.csv, self.jsonl):
+            if w:
+                w.close()
+        self.csv = self.jsonl = None
+
+
+def main(cfg: TelemetryConfig) -> None:
+    child_setup("telemetry")
+    with ipc.context() as ctx:
+        ep = ipc.Endpoints(cfg.runtime_dir)
+        inbox = ipc.bind(ctx, ep, "telemetry_in")
+        pub = ipc.DroppingSender(ipc.bind(ctx, ep, "telemetry_pub"))
+        rec = Recorder(cfg)
+        try:
+            while True:
+                try:
+                    msg = ipc.recv(inbox, None, expect=(m.RunInfo, m.TokenRecord, m.Shutdown))
+                except m.ProtocolError as exc:
+                    log.warning("dropped a bad frame: %s", exc)
+                    continue
+                if isinstance(msg, m.Shutdown):
+                    summary = rec.finish()
+                    if summary:
+                        pub.send(summary)
+                    return
+                if isinstance(msg, m.RunInfo):
+                    rec.on_run_info(msg)
+                else:
+                    rec.on_record(msg)
+                pub.send(msg)
+        finally:
+            rec.close()
+
+
+__all__ = ["main", "TelemetryConfig", "format_summary"]

@@ -1,0 +1,230 @@
+"""The streaming pipeline: the same tokens as the resident reference under every
+setting, a cache that keeps its budget, telemetry that adds up, and nothing
+left behind when a process is killed."""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+
+from moe_pipe.procs.pipeline import Pipeline
+from moe_pipe.shared.config import load_config
+from moe_pipe.shared.errors import ConfigError
+from moe_pipe.shared.generate import GenerationConfig, generate
+from moe_pipe.shared.makemodel import make_model
+from moe_pipe.shared.model import load_model
+from moe_pipe.shared.model.weights import FileExperts
+from moe_pipe.shared.model_file import open_model
+from moe_pipe.shared.sampling import SamplingParams
+from moe_pipe.shared.telemetry import CSV_COLUMNS, read_csv
+from moe_pipe.shared.tokenizer import Tokenizer
+
+ARCHES = ["qwen3moe", "gpt-oss", "gemma4"]
+PROMPT = "The old mill by the river"
+N = 10
+MiB = 1 << 20
+
+
+def leftovers() -> set[str]:
+    shm = {p.name for p in Path("/dev/shm").iterdir() if p.name.startswith("moe-pipe-")}
+    run = {str(p) for p in Path(f"/tmp/moe-pipe-{os.getuid()}").glob("*")} if Path(f"/tmp/moe-pipe-{os.getuid()}").exists() else set()
+    return shm | run
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_behind():
+    before = leftovers()
+    yield
+    assert leftovers() <= before, f"left behind: {leftovers() - before}"
+
+
+@pytest.fixture(scope="module", params=ARCHES)
+def tiny(request, tmp_path_factory):
+    path = make_model(request.param, "tiny", tmp_path_factory.mktemp("p") / f"{request.param}.gguf")
+    with open_model(path) as mf:
+        tok = Tokenizer.from_gguf(mf.gguf)
+        prompt = tok.encode(PROMPT)
+        reference = {k: generate(load_model(mf, top_k=k), tok, prompt, SamplingParams(), GenerationConfig(max_tokens=N)).tokens
+                     for k in (None, 1)}
+        sizes = dict(min_mb=mf.layout.min_cache_bytes() / MiB, slab=mf.layout.slab_bytes,
+                     all_mb=mf.spec.n_layer * mf.spec.n_expert * mf.layout.slab_bytes / MiB,
+                     min1_mb=mf.layout.min_cache_bytes(1) / MiB)
+    return path, prompt, reference, sizes
+
+
+def run_pipeline(path, prompt, **overrides):
+    cfg = load_config(None, {"model.path": str(path), **overrides})
+    with Pipeline(cfg, path) as pipe:
+        done = pipe.generate(prompt, {"temperature": 0.0}, N)
+        return list(done.tokens), dict(done.timings), pipe.resolved
+
+
+# budget × overlap × io_threads × dense × top_k: a covering set here, the full product behind -m slow
+COVER = [
+    ("min", True, 1, "anon", None), ("min", False, 4, "warm", None), ("mid", True, 4, "mmap", None),
+    ("mid", False, 1, "anon", 1), ("all", True, 4, "anon", None), ("all", False, 1, "mmap", 1),
+    ("min", True, 4, "warm", 1),
+]
+FULL = list(itertools.product(["min", "mid", "all"], [True, False], [1, 4], ["anon", "warm", "mmap"], [None, 1]))
+
+
+def _budget_mb(sizes, which, top_k):
+    lo = sizes["min1_mb"] if top_k == 1 else sizes["min_mb"]
+    return {"min": lo, "mid": (lo + sizes["all_mb"]) / 2, "all": sizes["all_mb"]}[which] + 1e-6
+
+
+def _check_identity(tiny, budget, overlap, io_threads, dense, top_k):
+    path, prompt, reference, sizes = tiny
+    extra = {"compute.top_k": top_k} if top_k else {}
+    tokens, _, resolved = run_pipeline(path, prompt, **{"cache.cache_mb": _budget_mb(sizes, budget, top_k), "compute.overlap": overlap,
+                                                        "io.io_threads": io_threads, "io.dense_weights": dense, **extra})
+    assert tokens == reference[top_k], f"{budget} overlap={overlap} io={io_threads} dense={dense} top_k={top_k}"
+    assert resolved.n_slots * resolved.slab_bytes <= _budget_mb(sizes, budget, top_k) * MiB
+
+
+@pytest.mark.parametrize("budget,overlap,io_threads,dense,top_k", COVER)
+def test_pipeline_tokens_equal_resident_reference(tiny, budget, overlap, io_threads, dense, top_k):
+    _check_identity(tiny, budget, overlap, io_threads, dense, top_k)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("budget,overlap,io_threads,dense,top_k", FULL)
+def test_pipeline_tokens_equal_reference_full_product(tiny, budget, overlap, io_threads, dense, top_k):
+    _check_identity(tiny, budget, overlap, io_threads, dense, top_k)
+
+
+def test_budget_below_one_token_is_refused_with_the_number(tiny):
+    path, prompt, _, sizes = tiny
+    with pytest.raises(ConfigError, match="at least"):
+        run_pipeline(path, prompt, **{"cache.cache_mb": sizes["min_mb"] * 0.5})
+
+
+def independent_lru(path, prompt, n_slots):
+    """Hits and misses per step from the routing alone: the resident model's expert
+    requests replayed through a plain LRU of n_slots."""
+    accesses: list[list[tuple[int, int]]] = []
+
+    class Recording(FileExperts):
+        def experts(self, layer, ids):
+            ids = list(ids)
+            accesses[-1].extend((layer, e) for e in ids)
+            return super().experts(layer, ids)
+
+    with open_model(path) as mf:
+        tok = Tokenizer.from_gguf(mf.gguf)
+        model = load_model(mf, experts=Recording(mf))
+
+        class Steps:  # one access list per model call = per CSV step
+            def new_cache(self, n):
+                return model.new_cache(n)
+
+            def prefill(self, t, c, batch=64):
+                accesses.append([])
+                return model.prefill(t, c, batch=batch)
+
+            def decode_one(self, t, c):
+                accesses.append([])
+                return model.decode_one(t, c)
+
+        generate(Steps(), tok, prompt, SamplingParams(), GenerationConfig(max_tokens=N))
+        bytes_of = [mf.layout.expert_bytes(i) for i in range(mf.spec.n_layer)]
+    lru, out = OrderedDict(), []
+    for step in accesses:
+        hits = misses = read = 0
+        for key in step:
+            if key in lru:
+                hits += 1
+                lru.move_to_end(key)
+            else:
+                misses += 1
+                read += bytes_of[key[0]]
+                lru[key] = None
+                if len(lru) > n_slots:
+                    lru.popitem(last=False)
+        out.append((hits, misses, read))
+    return out
+
+
+def test_csv_schema_and_counts_agree_with_independent_lru(tiny, tmp_path):
+    path, prompt, _, sizes = tiny
+    csv = tmp_path / "run.csv"
+    _, _, resolved = run_pipeline(path, prompt, **{"cache.cache_mb": _budget_mb(sizes, "mid", None), "telemetry.csv": str(csv)})
+    preamble, records = read_csv(csv)
+    header = next(line for line in csv.read_text().splitlines() if not line.startswith("#"))
+    assert header.split(",")[: len(CSV_COLUMNS)] == list(CSV_COLUMNS)
+    assert preamble and all(line.startswith("#") for line in csv.read_text().splitlines()[: len(preamble)])
+    want = independent_lru(path, prompt, resolved.n_slots)
+    assert [(r.hits, r.misses, r.read_bytes) for r in records] == want
+    total_hits = np.cumsum([h for h, _, _ in want])
+    total = np.cumsum([h + m for h, m, _ in want])
+    np.testing.assert_allclose([r.cache_hit_pct for r in records], 100 * total_hits / total, atol=1e-3)  # CSV keeps 3 decimals
+    assert len(records) == N
+    assert csv.with_suffix(".jsonl").exists()
+
+
+def test_run_cli_pipeline_equals_no_stream(tiny):
+    path = tiny[0]
+    outs = []
+    for extra in ([], ["--no-stream"]):
+        r = subprocess.run([sys.executable, "-m", "moe_pipe.cli.main", "run", str(path), "-p", PROMPT, "-n", "8",
+                            "--output-format", "json", *extra], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        outs.append(json.loads(r.stdout))
+    assert outs[0]["tokens"] == outs[1]["tokens"] and outs[0]["text"] == outs[1]["text"]
+
+
+@pytest.mark.parametrize("victim", ["moe-reader", "moe-compute"])
+def test_killing_a_child_ends_the_run_cleanly(tiny, victim):
+    path = tiny[0]
+    proc = subprocess.Popen([sys.executable, "-m", "moe_pipe.cli.main", "run", str(path), "-p", PROMPT, "-n", "100000",
+                             "--set", "compute.ctx_size=200000", "--output-format", "json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        target = None
+        while time.monotonic() < deadline and target is None:
+            kids = psutil.Process(proc.pid).children(recursive=True)
+            target = next((k for k in kids if _name(k) == victim), None)
+            time.sleep(0.1)
+        assert target is not None, "child never appeared"
+        time.sleep(1.0)  # mid-run
+        children = psutil.Process(proc.pid).children(recursive=True)
+        os.kill(target.pid, signal.SIGKILL)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 1
+    lines = err.strip().splitlines()
+    assert "killed by SIGKILL" in lines[-1] or "died" in lines[-1], err
+    # Every process the run started is gone (multiprocessing's resource tracker
+    # leaves a moment after its last client closes its pipe).
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(_running(c) for c in children):
+        time.sleep(0.1)
+    assert not [c.pid for c in children if _running(c)]
+
+
+def _running(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _name(p: psutil.Process) -> str:
+    try:
+        return p.name()
+    except psutil.Error:
+        return ""

@@ -53,6 +53,7 @@ class ComputeConfig:
     dense_weights: str = "anon"  # anon | warm | mmap
     dense_arena: str = ""
     overlap: bool = True
+    prefetch: bool = False  # speculative next-layer prefetch
     top_k: int | None = None
     threads: int | None = None
     ctx_size: int = 4096
@@ -72,14 +73,35 @@ class SlabExperts:
         self.arena = SlabArena.attach(cfg.slab_arena, cfg.slab_bytes, readonly=True)
         self.fetch_out, self.ready_in = fetch_out, ready_in
         self.next_req = 1
+        self.predicted: dict[int, set[int]] = {}
         self.reset_counters()
 
     def reset_counters(self) -> None:
         self.hits = self.misses = self.read_bytes = self.io_ns = 0
         self.stall_s = self.mgmt_s = 0.0
+        self.prefetch_issued = self.prefetch_used = self.prefetch_wasted_bytes = 0
+
+    def prefetch(self, layer: int, ids: list[int]) -> None:
+        """A guess at the next layer's experts: the reader reads the missing ones
+        into the cache without pinning them and answers nothing."""
+        t0 = time.perf_counter()
+        req, self.next_req = self.next_req, self.next_req + 1
+        ipc.send(self.fetch_out, m.Fetch(req, layer, tuple(ids), True))
+        self.predicted[layer] = set(ids)
+        self.prefetch_issued += len(ids)
+        self.mgmt_s += time.perf_counter() - t0
+
+    def _score_prefetch(self, layer: int, ids: list[int]) -> None:
+        guess = self.predicted.pop(layer, None)
+        if guess:
+            used = guess & set(ids)
+            self.prefetch_used += len(used)
+            # upper bound: a wrong guess that was already resident cost no read
+            self.prefetch_wasted_bytes += (len(guess) - len(used)) * self.layout.expert_bytes(layer)
 
     def experts(self, layer: int, ids: Iterable[int]) -> Iterator[Expert]:
         ids = list(ids)
+        self._score_prefetch(layer, ids)
         # A prompt batch can route to more experts than the cache has slabs (the
         # budget floor is one *token's* working set): fetch in slab-sized groups.
         for start in range(0, len(ids), self.cfg.n_slots):
@@ -187,7 +209,8 @@ class Recorder:
             io_ms=s.io_ns / 1e6, read_bytes=s.read_bytes,
             cache_hit_pct=100.0 * self.total_hits / lookups if lookups else 0.0,
             stall_ms=s.stall_s * 1e3, mgmt_ms=s.mgmt_s * 1e3, majflt=res.majflt, cpu_ms=res.cpu_ms,
-            hits=s.hits, misses=s.misses, rss_bytes=self.meter.rss_bytes(),
+            hits=s.hits, misses=s.misses, prefetch_issued=s.prefetch_issued, prefetch_used=s.prefetch_used,
+            prefetch_wasted_bytes=s.prefetch_wasted_bytes, rss_bytes=self.meter.rss_bytes(),
         )
         self.records.append(rec)
         self.telemetry.send(rec)
@@ -218,6 +241,7 @@ def serve(cfg: ComputeConfig, ctx: zmq.Context) -> None:
     dense_arena, view = _dense_view(cfg, mf)
     source = SlabExperts(cfg, mf.layout, fetch_out, ready_in)
     model = load_model(mf, top_k=cfg.top_k, experts=source, dense_view=view)
+    model.prefetch_next = cfg.prefetch
     tok = Tokenizer.from_gguf(mf.gguf)
     recorder = Recorder(model, source, telemetry)
     load_s = time.perf_counter() - t0

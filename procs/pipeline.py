@@ -119,7 +119,7 @@ class Pipeline:
         self.procs["compute"] = spawn.Process(target=compute.main, name="moe-pipe-compute", daemon=True, args=(compute.ComputeConfig(
             str(self.model_path), rt, self.slabs.arena.name, slab_bytes, n_slots, self.procs["reader"].pid,
             dense_weights=cfg.io.dense_weights, dense_arena=self.dense.name if self.dense else "",
-            overlap=cfg.compute.overlap, top_k=cfg.compute.top_k, threads=cfg.compute.threads,
+            overlap=cfg.compute.overlap, prefetch=cfg.compute.prefetch == "next-layer", top_k=cfg.compute.top_k, threads=cfg.compute.threads,
             ctx_size=cfg.compute.ctx_size),))
         self.procs["compute"].start()
 

@@ -71,11 +71,11 @@ def run_pipeline(path, prompt, **overrides):
 
 # budget × overlap × io_threads × dense × top_k: a covering set here, the full product behind -m slow
 COVER = [
-    ("min", True, 1, "anon", None), ("min", False, 4, "warm", None), ("mid", True, 4, "mmap", None),
-    ("mid", False, 1, "anon", 1), ("all", True, 4, "anon", None), ("all", False, 1, "mmap", 1),
-    ("min", True, 4, "warm", 1),
+    ("min", True, 1, "anon", None, False), ("min", False, 4, "warm", None, True), ("mid", True, 4, "mmap", None, True),
+    ("mid", False, 1, "anon", 1, False), ("all", True, 4, "anon", None, False), ("all", False, 1, "mmap", 1, True),
+    ("min", True, 4, "warm", 1, True),
 ]
-FULL = list(itertools.product(["min", "mid", "all"], [True, False], [1, 4], ["anon", "warm", "mmap"], [None, 1]))
+FULL = list(itertools.product(["min", "mid", "all"], [True, False], [1, 4], ["anon", "warm", "mmap"], [None, 1], [False, True]))
 
 
 def _budget_mb(sizes, which, top_k):
@@ -83,24 +83,25 @@ def _budget_mb(sizes, which, top_k):
     return {"min": lo, "mid": (lo + sizes["all_mb"]) / 2, "all": sizes["all_mb"]}[which] + 1e-6
 
 
-def _check_identity(tiny, budget, overlap, io_threads, dense, top_k):
+def _check_identity(tiny, budget, overlap, io_threads, dense, top_k, prefetch):
     path, prompt, reference, sizes = tiny
     extra = {"compute.top_k": top_k} if top_k else {}
     tokens, _, resolved = run_pipeline(path, prompt, **{"cache.cache_mb": _budget_mb(sizes, budget, top_k), "compute.overlap": overlap,
-                                                        "io.io_threads": io_threads, "io.dense_weights": dense, **extra})
-    assert tokens == reference[top_k], f"{budget} overlap={overlap} io={io_threads} dense={dense} top_k={top_k}"
+                                                        "io.io_threads": io_threads, "io.dense_weights": dense,
+                                                        "compute.prefetch": "next-layer" if prefetch else "none", **extra})
+    assert tokens == reference[top_k], f"{budget} overlap={overlap} io={io_threads} dense={dense} top_k={top_k} prefetch={prefetch}"
     assert resolved.n_slots * resolved.slab_bytes <= _budget_mb(sizes, budget, top_k) * MiB
 
 
-@pytest.mark.parametrize("budget,overlap,io_threads,dense,top_k", COVER)
-def test_pipeline_tokens_equal_resident_reference(tiny, budget, overlap, io_threads, dense, top_k):
-    _check_identity(tiny, budget, overlap, io_threads, dense, top_k)
+@pytest.mark.parametrize("budget,overlap,io_threads,dense,top_k,prefetch", COVER)
+def test_pipeline_tokens_equal_resident_reference(tiny, budget, overlap, io_threads, dense, top_k, prefetch):
+    _check_identity(tiny, budget, overlap, io_threads, dense, top_k, prefetch)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("budget,overlap,io_threads,dense,top_k", FULL)
-def test_pipeline_tokens_equal_reference_full_product(tiny, budget, overlap, io_threads, dense, top_k):
-    _check_identity(tiny, budget, overlap, io_threads, dense, top_k)
+@pytest.mark.parametrize("budget,overlap,io_threads,dense,top_k,prefetch", FULL)
+def test_pipeline_tokens_equal_reference_full_product(tiny, budget, overlap, io_threads, dense, top_k, prefetch):
+    _check_identity(tiny, budget, overlap, io_threads, dense, top_k, prefetch)
 
 
 def test_budget_below_one_token_is_refused_with_the_number(tiny):
@@ -170,6 +171,17 @@ def test_csv_schema_and_counts_agree_with_independent_lru(tiny, tmp_path):
     np.testing.assert_allclose([r.cache_hit_pct for r in records], 100 * total_hits / total, atol=1e-3)  # CSV keeps 3 decimals
     assert len(records) == N
     assert csv.with_suffix(".jsonl").exists()
+
+
+def test_prefetch_is_reported(tiny, tmp_path):
+    path, prompt, _, sizes = tiny
+    csv = tmp_path / "run.csv"
+    run_pipeline(path, prompt, **{"cache.cache_mb": _budget_mb(sizes, "min", None), "compute.prefetch": "next-layer",
+                                  "telemetry.csv": str(csv)})
+    _, records = read_csv(csv)
+    decode = records[1:]  # prefill batches are not hinted
+    assert all(r.prefetch_issued > 0 for r in decode)
+    assert all(0 <= r.prefetch_used <= r.prefetch_issued for r in decode)
 
 
 def test_run_cli_pipeline_equals_no_stream(tiny):

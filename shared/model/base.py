@@ -12,6 +12,7 @@ import numpy as np
 from ..errors import UserError
 from ..model_file import ModelFile
 from .blocks import KVCache, rms_norm
+from .moe import top_k_ids
 from .stages import Stages
 from .weights import ExpertSource, FileExperts, Weights
 
@@ -27,6 +28,7 @@ class MoEModel:
             raise UserError(f"--top-k {top_k} is out of range: this model has {self.spec.n_expert} experts")
         self.top_k = top_k or self.spec.n_expert_used
         self.stage = Stages()  # per-stage timing, enabled by benchmarks
+        self.prefetch_next = False  # speculative next-layer prefetch (pipeline only)
         self.embd = self.w.matrix("token_embd.weight")
         self.output_norm = self.w.vector("output_norm.weight")
         self.output = self.w.matrix("output.weight") if self.w.has("output.weight") else self.embd
@@ -44,6 +46,20 @@ class MoEModel:
 
     def logits(self, x: np.ndarray) -> np.ndarray:
         return self.output(rms_norm(x, self.output_norm, self.spec.rms_eps))  # [T, V]
+
+    def hint_next_layer(self, i: int, router_input: np.ndarray) -> None:
+        """Speculative prefetch while decoding: guess layer i+1's experts by
+        running its router on this layer's router input, and tell the source
+        so it can start reading them. A guess only warms the cache: outputs
+        never depend on it."""
+        hint = getattr(self.source, "prefetch", None)
+        if not self.prefetch_next or hint is None or i + 1 >= self.spec.n_layer or router_input.shape[0] != 1:
+            return
+        nxt = self.layers[i + 1]
+        logits = nxt["router"](router_input)  # [1, E]
+        if "router_b" in nxt:
+            logits = logits + nxt["router_b"]
+        hint(i + 1, top_k_ids(logits, self.top_k)[0].tolist())
 
     # -- shared ----------------------------------------------------------------
     def new_cache(self, n_ctx: int) -> KVCache:

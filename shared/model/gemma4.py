@@ -83,6 +83,7 @@ class Model(MoEModel):
         with self.stage("router"):
             r = rms_norm(h, None, eps) * L["router_in_scale"] * self.router_scale
             routing = softmax_then_top_k(L["router"](r), self.top_k)
+            self.hint_next_layer(i, r)
             routing = type(routing)(routing.ids, routing.weights * L["expert_scale"][routing.ids])
         with self.stage("experts"):
             m2 = apply_experts(rms_norm(h, L["pre_ffw_norm_2"], eps), routing, self.source, i, gelu_expert)

@@ -52,5 +52,6 @@ class Model(MoEModel):
         with self.stage("router"):
             n2 = rms_norm(h, L["ffn_norm"], eps)
             routing = softmax_then_top_k(L["router"](n2), self.top_k)
+            self.hint_next_layer(i, n2)
         with self.stage("experts"):
             return h + apply_experts(n2, routing, self.source, i, swiglu_expert)

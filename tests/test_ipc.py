@@ -129,7 +129,8 @@ def test_endpoints_declared_once():
     ep = ipc.Endpoints(ipc.Path("/run/x"))
     assert ep.fetch == "ipc:///run/x/fetch.sock"
     assert ep.telemetry_pub == "ipc:///run/x/telemetry-pub.sock"
-    assert {ep.address(n) for n in ipc.LINKS} == {ep.fetch, ep.ready, ep.telemetry_in, ep.telemetry_pub, ep.control}
+    assert {ep.address(n) for n in ipc.LINKS} == {ep.fetch, ep.ready, ep.telemetry_in, ep.telemetry_pub, ep.control,
+                                                 ep.requests, ep.tokens}
     with pytest.raises(KeyError):
         ep.address("nope")
 

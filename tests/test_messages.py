@@ -25,6 +25,7 @@ STRATEGY_BY_TYPE = {
     "str": TEXT,
     "tuple[int, ...]": st.lists(U64, max_size=16),
     "tuple[tuple[int, int], ...]": st.lists(st.tuples(U64, U64), max_size=6),
+    "tuple[str, ...]": st.lists(st.text(max_size=20), max_size=4),
     "dict[str, Scalar]": st.dictionaries(TEXT, SCALAR, max_size=6),
     "dict[str, Any]": st.dictionaries(TEXT, ANY, max_size=4),
 }

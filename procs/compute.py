@@ -78,7 +78,7 @@ class SlabExperts:
 
     def reset_counters(self) -> None:
         self.hits = self.misses = self.read_bytes = self.io_ns = 0
-        self.stall_s = self.mgmt_s = 0.0
+        self.stall_s = self.mgmt_s = self.wire_s = 0.0
         self.prefetch_issued = self.prefetch_used = self.prefetch_wasted_bytes = 0
 
     def prefetch(self, layer: int, ids: list[int]) -> None:
@@ -89,7 +89,7 @@ class SlabExperts:
         ipc.send(self.fetch_out, m.Fetch(req, layer, tuple(ids), True))
         self.predicted[layer] = set(ids)
         self.prefetch_issued += len(ids)
-        self.mgmt_s += time.perf_counter() - t0
+        self.wire_s += time.perf_counter() - t0
 
     def _score_prefetch(self, layer: int, ids: list[int]) -> None:
         guess = self.predicted.pop(layer, None)
@@ -111,7 +111,7 @@ class SlabExperts:
         t0 = time.perf_counter()
         req, self.next_req = self.next_req, self.next_req + 1
         ipc.send(self.fetch_out, m.Fetch(req, layer, tuple(ids)))
-        self.mgmt_s += time.perf_counter() - t0
+        self.wire_s += time.perf_counter() - t0
         try:
             if self.cfg.overlap:
                 for _ in ids:  # in arrival order: hits first, then misses as they land
@@ -123,7 +123,7 @@ class SlabExperts:
         finally:
             t1 = time.perf_counter()
             ipc.send(self.fetch_out, m.Release(req, layer))
-            self.mgmt_s += time.perf_counter() - t1
+            self.wire_s += time.perf_counter() - t1
 
     def _next_ready(self, req: int) -> m.Ready:
         t0 = time.perf_counter()
@@ -140,7 +140,7 @@ class SlabExperts:
             waited = time.perf_counter() - t0
             if msg.hit:
                 self.hits += 1
-                self.mgmt_s += waited
+                self.wire_s += waited  # answered at once: messaging latency only
             else:
                 self.misses += 1
                 self.stall_s += waited  # the flash wait overlap did not hide
@@ -205,12 +205,12 @@ class Recorder:
         lookups = self.total_hits + self.total_misses
         res = self.meter.delta()
         rec = m.TokenRecord(
-            step=len(self.records) + 1, wall_ms=wall * 1e3, compute_ms=max(wall - s.stall_s - s.mgmt_s, 0.0) * 1e3,
+            step=len(self.records) + 1, wall_ms=wall * 1e3, compute_ms=max(wall - s.stall_s - s.mgmt_s - s.wire_s, 0.0) * 1e3,
             io_ms=s.io_ns / 1e6, read_bytes=s.read_bytes,
             cache_hit_pct=100.0 * self.total_hits / lookups if lookups else 0.0,
             stall_ms=s.stall_s * 1e3, mgmt_ms=s.mgmt_s * 1e3, majflt=res.majflt, cpu_ms=res.cpu_ms,
             hits=s.hits, misses=s.misses, prefetch_issued=s.prefetch_issued, prefetch_used=s.prefetch_used,
-            prefetch_wasted_bytes=s.prefetch_wasted_bytes, rss_bytes=self.meter.rss_bytes(),
+            prefetch_wasted_bytes=s.prefetch_wasted_bytes, wire_ms=s.wire_s * 1e3, rss_bytes=self.meter.rss_bytes(),
         )
         self.records.append(rec)
         self.telemetry.send(rec)

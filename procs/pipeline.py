@@ -148,7 +148,7 @@ class Pipeline:
         model = {"path": str(self.model_path), "slab_bytes": r.slab_bytes, "slots": r.n_slots, "direct_io": r.direct_io,
                  "budget": r.budget_description}
         ipc.send(self.socks["telemetry"], m.RunInfo(f"{os.getpid()}-{int(time.time())}", time.time(), flat, model,
-                                                    r.budget_bytes, r.load_seconds))
+                                                    r.n_slots * r.slab_bytes, r.load_seconds))
 
     # -- generate ----------------------------------------------------------------
     def generate(self, prompt_tokens: list[int], sampling: dict, max_tokens: int, stop: tuple[str, ...] = (),

@@ -1,0 +1,160 @@
+"""The streaming pipeline against the resident path, and under a memory limit.
+
+    python bench/bench_pipeline.py [--layers 8] [-n 32] [--threads 2] [--io-threads 1]
+                                   [--small-cache-mb 600] [--mem-limit-mb 2048] [--model PATH]
+
+On a qwen30b-shape model cut to `--layers` (made once under bench/out/), runs
+in the same session:
+  1. `--no-stream` (every weight resident, the reference),
+  2. the pipeline with a cache that holds every expert,
+  3. the pipeline with a small cache (`--small-cache-mb`),
+  4. (3) inside a memory cgroup smaller than the model file (`--mem-limit-mb`;
+     cgroup v1 at /sys/fs/cgroup/memory or v2; skipped with a reason when not
+     permitted), with the page cache dropped first.
+For each: decode tok/s (steady window), hit %, stall share of wall, overlap
+efficiency (wall / max(compute, io) per token, median), messaging + bookkeeping
+share, and the reader's bytes per second of lane time. Figures, not verdicts.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+OUT = Path(__file__).resolve().parent / "out"
+PROMPT = "The old mill by the river had stood there for a hundred years, and every spring"
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("-n", type=int, default=32)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--io-threads", type=int, default=1)
+    p.add_argument("--small-cache-mb", type=float, default=600)
+    p.add_argument("--mem-limit-mb", type=int, default=2048)
+    return p.parse_args(argv)
+
+
+def ensure_model(args) -> Path:
+    if args.model:
+        return Path(args.model)
+    from moe_pipe.shared.makemodel import make_model
+
+    path = OUT / f"qwen30b-shape-L{args.layers}.gguf"
+    if not path.exists():
+        print(f"making {path} ...", file=sys.stderr)
+        make_model("qwen3moe", "qwen30b-shape", path, layers=args.layers)
+    return path
+
+
+def run(cmd: list[str], cgroup: Path | None = None) -> dict:
+    if cgroup is not None:  # join the cgroup, then exec: the whole process tree is limited
+        cmd = ["sh", "-c", f'echo $$ > {cgroup / "cgroup.procs"} && exec "$@"', "sh", *cmd]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"failed: {' '.join(cmd)}\n{r.stderr[-2000:]}")
+    return json.loads(r.stdout)
+
+
+def csv_figures(path: Path) -> dict:
+    from moe_pipe.shared.telemetry import read_csv, steady_start
+
+    _, recs = read_csv(path)
+    steady = recs[steady_start(len(recs)) - 1 :] if len(recs) > 1 else recs
+    wall = sum(r.wall_ms for r in steady)
+    eff = [r.wall_ms / max(r.compute_ms, r.io_ms, 1e-9) for r in steady]
+    io = sum(r.io_ms for r in recs)
+    return {
+        "tok_s": 1000 * len(steady) / wall if wall else 0.0,
+        "hit_pct": recs[-1].cache_hit_pct,
+        "stall_share": sum(r.stall_ms for r in steady) / wall if wall else 0.0,
+        "overlap_eff": statistics.median(eff) if eff else 0.0,
+        "msg_share": sum(r.mgmt_ms + r.wire_ms for r in steady) / wall if wall else 0.0,
+        "lane_gb_s": sum(r.read_bytes for r in recs) / (io / 1e3) / 1e9 if io else 0.0,
+        "mib_per_tok": statistics.mean(r.read_bytes for r in steady) / 2**20 if steady else 0.0,
+    }
+
+
+def make_cgroup(limit_mb: int) -> tuple[Path | None, str]:
+    v1 = Path("/sys/fs/cgroup/memory")
+    try:
+        if v1.is_dir():
+            cg = v1 / f"moe-pipe-bench-{os.getpid()}"
+            cg.mkdir()
+            (cg / "memory.limit_in_bytes").write_text(str(limit_mb << 20))
+            return cg, "v1"
+        v2 = Path("/sys/fs/cgroup")
+        if (v2 / "cgroup.controllers").exists():
+            cg = v2 / f"moe-pipe-bench-{os.getpid()}"
+            cg.mkdir()
+            (cg / "memory.max").write_text(str(limit_mb << 20))
+            return cg, "v2"
+    except OSError as exc:
+        return None, f"not permitted ({exc.strerror})"
+    return None, "no memory cgroup"
+
+
+def drop_page_cache() -> bool:
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    model = ensure_model(args)
+    base = [sys.executable, "-m", "moe_pipe.cli.main", "run", str(model), "-p", PROMPT, "-n", str(args.n),
+            "-t", str(args.threads), "--output-format", "json", "--io-threads", str(args.io_threads)]
+    from moe_pipe.shared.model_file import open_model
+
+    with open_model(model) as mf:
+        all_mb = mf.spec.n_layer * mf.spec.n_expert * mf.layout.slab_bytes / 2**20 + 1
+        size_mb = mf.gguf.file_bytes / 2**20
+    print(f"model {model.name}: {size_mb:,.0f} MiB; all experts {all_mb:,.0f} MiB; n={args.n}, threads {args.threads}, io lanes {args.io_threads}")
+    rows = []
+    tmp = Path(tempfile.mkdtemp(prefix="moe-bench-"))
+    ref = run(base + ["--no-stream"])
+    rows.append(("--no-stream (resident)", ref["timings"]["predicted_tok_s"], None, ref["tokens"]))
+    for label, extra, cg in [("pipeline, cache = all experts", ["--cache-mb", str(all_mb)], None),
+                             (f"pipeline, cache {args.small_cache_mb:.0f} MiB", ["--cache-mb", str(args.small_cache_mb)], None),
+                             ("limited", ["--cache-mb", str(args.small_cache_mb)], "cgroup")]:
+        csv = tmp / f"{len(rows)}.csv"
+        cgroup = None
+        if cg:
+            cgroup, how = make_cgroup(args.mem_limit_mb)
+            if cgroup is None:
+                print(f"(memory-limited run skipped: cgroup {how})")
+                continue
+            label = f"pipeline, cache {args.small_cache_mb:.0f} MiB, cgroup {how} {args.mem_limit_mb} MiB" + \
+                    ("" if drop_page_cache() else " (page cache not dropped)")
+        try:
+            out = run(base + extra + ["--csv", str(csv)], cgroup)
+        finally:
+            if cgroup is not None:
+                cgroup.rmdir()
+        rows.append((label, out["timings"]["predicted_tok_s"], csv_figures(csv), out["tokens"]))
+    ref_tok_s = rows[0][1]
+    print(f"\n{'run':<58}{'tok/s':>7}{'×ref':>6}{'hit%':>7}{'stall':>7}{'wall/max(c,io)':>15}{'msg+mgmt':>9}{'MiB/tok':>9}{'lane GB/s':>10}  same tokens")
+    for label, tok_s, f, tokens in rows:
+        same = "yes" if tokens == rows[0][3] else "NO"
+        if f is None:
+            print(f"{label:<58}{tok_s:>7.2f}{1.0:>6.2f}{'':>7}{'':>7}{'':>15}{'':>9}{'':>9}{'':>10}  (reference)")
+            continue
+        print(f"{label:<58}{tok_s:>7.2f}{tok_s / ref_tok_s:>6.2f}{f['hit_pct']:>7.1f}{f['stall_share'] * 100:>6.1f}%"
+              f"{f['overlap_eff']:>15.2f}{f['msg_share'] * 100:>8.1f}%{f['mib_per_tok']:>9.1f}{f['lane_gb_s']:>10.2f}  {same}")
+    print("\ntok/s from each run's own timings (all decode tokens); the other columns from its per-token CSV (steady window).")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

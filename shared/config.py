@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from .errors import ConfigError
+from .cache import POLICIES  # one place for the policy names
 
 EMBEDDED_MODEL = "tiny"  # model.path value meaning the embedded tiny model (shared/default_model.py)
 MAX_MB = float(1 << 24)  # 16 TiB in MiB: a sanity bound far above any device, so typos like 4e9 are caught
@@ -79,7 +80,7 @@ class CacheConfig:
     reserve_mb: float = setting(512.0, "float",
                                 "memory auto leaves free for the processes themselves (interpreters, numba, "
                                 "tokenizer, buffers) and the system", lo=0, hi=MAX_MB, flags=("--reserve-mb",))
-    policy: str = setting("lru", "choice", "expert eviction policy", choices=("lru",), flags=("--policy",))
+    policy: str = setting("lru", "choice", "expert eviction policy", choices=tuple(POLICIES), flags=("--policy",))
 
 
 @dataclass(frozen=True)

@@ -114,7 +114,7 @@ def main(argv=None) -> int:
     args = parse(argv)
     model = ensure_model(args)
     base = [sys.executable, "-m", "moe_pipe.cli.main", "run", str(model), "-p", PROMPT, "-n", str(args.n),
-            "-t", str(args.threads), "--output-format", "json", "--io-threads", str(args.io_threads)]
+            "-t", str(args.threads), "--output-format", "json", "--io-threads", str(args.io_threads), "--ignore-eos"]
     from moe_pipe.shared.model_file import open_model
 
     with open_model(model) as mf:

@@ -20,6 +20,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sample-top-k", type=int, default=0, help="sample among the K most likely tokens (0 = off)")
     p.add_argument("--repeat-penalty", type=float, default=1.0, help="penalty for recently used tokens (1 = off)")
     p.add_argument("--stop", action="append", default=[], help="stop when this text appears (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-generation tokens (benchmarks)")
     p.add_argument("--no-stream", action="store_true", help="hold every weight resident in this process (the reference path)")
     p.add_argument("--output-format", choices=("text", "json"), default="text")
     add_override_arguments(p, tables=("cache", "io", "compute", "generate", "telemetry"))
@@ -101,7 +102,8 @@ def _run_resident(cfg, model_path, tok, prompt_tokens, params, args, on_text) ->
             quant.set_threads(cfg.compute.threads)
         except ValueError as exc:
             raise UserError(f"--threads: {exc}") from None
-    gen_cfg = GenerationConfig(max_tokens=cfg.generate.max_tokens, stop=tuple(args.stop), n_ctx=cfg.compute.ctx_size)
+    gen_cfg = GenerationConfig(max_tokens=cfg.generate.max_tokens, stop=tuple(args.stop), n_ctx=cfg.compute.ctx_size,
+                               ignore_eos=args.ignore_eos)
     with open_model(model_path) as mf:
         model = load_model(mf, top_k=cfg.compute.top_k)
         result = generate(model, tok, prompt_tokens, params, gen_cfg, on_text=on_text)
@@ -125,7 +127,7 @@ def _run_pipeline(cfg, model_path, prompt_tokens, params, args, on_text) -> dict
         print(f"[expert cache {r.n_slots * r.slab_bytes / 2**20:.2f} MiB = {r.n_slots} slabs of {r.slab_bytes / 2**20:.2f} MiB; "
               f"{r.budget_description}; dense {cfg.io.dense_weights}, loaded in {r.load_seconds:.2f} s"
               f"{'' if r.direct_io else '; O_DIRECT refused, buffered reads'}]", file=sys.stderr)
-        done = pipe.generate(prompt_tokens, asdict(params), cfg.generate.max_tokens, tuple(args.stop), collect)
+        done = pipe.generate(prompt_tokens, asdict(params), cfg.generate.max_tokens, tuple(args.stop), collect, args.ignore_eos)
     timings = dict(done.timings) | {"budget_mib": round(r.n_slots * r.slab_bytes / 2**20, 3)}
     return {"prompt_tokens": list(prompt_tokens), "tokens": list(done.tokens), "text": "".join(pieces),
             "finish_reason": done.finish_reason, "timings": timings}

@@ -27,7 +27,8 @@ import zmq
 from ..shared import ipc, messages as m
 from ..shared import quant
 from ..shared.dense import arena_views, warm_sweep
-from ..shared.directio import expert_view
+from ..shared.directio import expert_view, placement_for
+from ..shared.residency import ResidencyIndex
 from ..shared.generate import GenerationConfig, generate
 from ..shared.model import load_model
 from ..shared.model.weights import Expert
@@ -52,6 +53,7 @@ class ComputeConfig:
     reader_pid: int
     dense_weights: str = "anon"  # anon | warm | mmap
     dense_arena: str = ""
+    index_arena: str = ""
     overlap: bool = True
     prefetch: bool = False  # speculative next-layer prefetch
     top_k: int | None = None
@@ -71,9 +73,11 @@ class SlabExperts:
     def __init__(self, cfg: ComputeConfig, layout, fetch_out: zmq.Socket, ready_in: zmq.Socket):
         self.cfg, self.layout = cfg, layout
         self.arena = SlabArena.attach(cfg.slab_arena, cfg.slab_bytes, readonly=True)
+        self.index = ResidencyIndex.attach(cfg.index_arena, layout.spec)
         self.fetch_out, self.ready_in = fetch_out, ready_in
         self.next_req = 1
         self.predicted: dict[int, set[int]] = {}
+        self.views: dict[tuple[int, int], tuple[int, Expert]] = {}  # (layer, expert) -> (slot, views)
         self.reset_counters()
 
     def reset_counters(self) -> None:
@@ -109,17 +113,25 @@ class SlabExperts:
 
     def _fetch_group(self, layer: int, ids: list[int]) -> Iterator[Expert]:
         t0 = time.perf_counter()
+        slots = self.index.slots(layer, ids)  # hits need no round trip
+        resident = [e for e, s in zip(ids, slots) if s >= 0]
+        missing = [e for e, s in zip(ids, slots) if s < 0]
         req, self.next_req = self.next_req, self.next_req + 1
-        ipc.send(self.fetch_out, m.Fetch(req, layer, tuple(ids)))
+        ipc.send(self.fetch_out, m.Fetch(req, layer, tuple(missing), False, tuple(resident)))
         self.wire_s += time.perf_counter() - t0
+        self.hits += len(resident)
         try:
-            if self.cfg.overlap:
-                for _ in ids:  # in arrival order: hits first, then misses as they land
-                    yield self._view(self._next_ready(req))
+            if self.cfg.overlap:  # hits at once, then each miss as it lands
+                for e, s in zip(ids, slots):
+                    if s >= 0:
+                        yield self._view(layer, e, s)
+                for _ in missing:
+                    r = self._next_ready(req)
+                    yield self._view(r.layer, r.expert, r.slot)
             else:  # wait for the whole set, then compute (kept for comparison)
-                ready = {r.expert: r for r in (self._next_ready(req) for _ in ids)}
-                for e in ids:
-                    yield self._view(ready[e])
+                landed = {r.expert: r.slot for r in (self._next_ready(req) for _ in missing)}
+                for e, s in zip(ids, slots):
+                    yield self._view(layer, e, s if s >= 0 else landed[e])
         finally:
             t1 = time.perf_counter()
             ipc.send(self.fetch_out, m.Release(req, layer))
@@ -148,15 +160,18 @@ class SlabExperts:
                 self.read_bytes += self.layout.expert_bytes(msg.layer)
             return msg
 
-    def _view(self, r: m.Ready) -> Expert:
+    def _view(self, layer: int, expert: int, slot: int) -> Expert:
+        """The expert's weights as views into its slab. A view stays valid while
+        the expert stays in that slab, so views are kept per (layer, expert)
+        and rebuilt only when it has moved to another slab."""
         t0 = time.perf_counter()
-        from ..shared.directio import Placement
-
-        lay = self.layout.layers[r.layer]
-        placement = Placement(lay.extents(r.expert), tuple(tuple(x) for x in r.parts), 0)
-        e = expert_view(lay, r.expert, self.arena.slab(r.slot), placement)
+        cached = self.views.get((layer, expert))
+        if cached is None or cached[0] != slot:
+            lay = self.layout.layers[layer]
+            view = expert_view(lay, expert, self.arena.slab(slot), placement_for(lay.extents(expert)))
+            cached = self.views[(layer, expert)] = (slot, view)
         self.mgmt_s += time.perf_counter() - t0
-        return e
+        return cached[1]
 
 
 def _alive(pid: int) -> bool:
@@ -254,6 +269,7 @@ def serve(cfg: ComputeConfig, ctx: zmq.Context) -> None:
             handle(msg, recorder, tok, cfg, tokens_out, load_s)
     finally:
         source.arena.close()
+        source.index.close()
         if dense_arena is not None:
             dense_arena.close()
         mf.close()
@@ -263,7 +279,7 @@ def handle(req: m.Generate, recorder: Recorder, tok, cfg: ComputeConfig, out: zm
     from ..shared.telemetry import summarize
 
     params = SamplingParams(**{k: v for k, v in req.sampling.items()})
-    gen_cfg = GenerationConfig(max_tokens=req.max_tokens, stop=tuple(req.stop), n_ctx=cfg.ctx_size)
+    gen_cfg = GenerationConfig(max_tokens=req.max_tokens, stop=tuple(req.stop), n_ctx=cfg.ctx_size, ignore_eos=req.ignore_eos)
     def on_text(text: str) -> None:
         ipc.send(out, m.Token(req.req_id, text))
 

@@ -32,6 +32,7 @@ from ..shared.dense import arena_bytes
 from ..shared.directio import ExpertFiles
 from ..shared.errors import PipelineError, UserError
 from ..shared.model_file import open_model
+from ..shared.residency import ResidencyIndex
 from . import compute, reader, telemetry
 from .lifecycle import describe_exit
 
@@ -64,6 +65,7 @@ class Pipeline:
         self.rt: ipc.RuntimeDir | None = None
         self.slabs: shm.SlabArena | None = None
         self.dense: shm.Arena | None = None
+        self.index: ResidencyIndex | None = None
         self.ctx: zmq.Context | None = None
         self.socks: dict[str, zmq.Socket] = {}
         self.resolved: Resolved | None = None
@@ -96,6 +98,7 @@ class Pipeline:
             slab_bytes = layout.slab_bytes
             self.rt = ipc.RuntimeDir.create()
             self.slabs = shm.SlabArena.create(shm.segment_name("slabs"), n_slots, slab_bytes)
+            self.index = ResidencyIndex.create(spec)
             direct = True
             if cfg.io.dense_weights == "anon":
                 self.dense = shm.Arena.create(shm.segment_name("dense"), max(arena_bytes(layout), 4096))
@@ -114,11 +117,12 @@ class Pipeline:
                                                 args=(telemetry.TelemetryConfig(rt, str(cfg.telemetry.csv or "")),))
         self.procs["telemetry"].start()
         self.procs["reader"] = spawn.Process(target=reader.main, name="moe-pipe-reader", daemon=True, args=(reader.ReaderConfig(
-            str(self.model_path), rt, self.slabs.arena.name, slab_bytes, n_slots, cfg.io.io_threads, cfg.cache.policy),))
+            str(self.model_path), rt, self.slabs.arena.name, slab_bytes, n_slots, cfg.io.io_threads, cfg.cache.policy,
+            index_arena=self.index.name),))
         self.procs["reader"].start()
         self.procs["compute"] = spawn.Process(target=compute.main, name="moe-pipe-compute", daemon=True, args=(compute.ComputeConfig(
             str(self.model_path), rt, self.slabs.arena.name, slab_bytes, n_slots, self.procs["reader"].pid,
-            dense_weights=cfg.io.dense_weights, dense_arena=self.dense.name if self.dense else "",
+            dense_weights=cfg.io.dense_weights, dense_arena=self.dense.name if self.dense else "", index_arena=self.index.name,
             overlap=cfg.compute.overlap, prefetch=cfg.compute.prefetch == "next-layer", top_k=cfg.compute.top_k, threads=cfg.compute.threads,
             ctx_size=cfg.compute.ctx_size),))
         self.procs["compute"].start()
@@ -152,9 +156,9 @@ class Pipeline:
 
     # -- generate ----------------------------------------------------------------
     def generate(self, prompt_tokens: list[int], sampling: dict, max_tokens: int, stop: tuple[str, ...] = (),
-                 on_text: Callable[[str], None] | None = None) -> m.Done:
+                 on_text: Callable[[str], None] | None = None, ignore_eos: bool = False) -> m.Done:
         self._req += 1
-        ipc.send(self.socks["requests"], m.Generate(self._req, tuple(prompt_tokens), max_tokens, sampling, tuple(stop)))
+        ipc.send(self.socks["requests"], m.Generate(self._req, tuple(prompt_tokens), max_tokens, sampling, tuple(stop), ignore_eos))
         while True:
             self._check_children()
             msg = ipc.recv(self.socks["tokens"], POLL_MS, expect=(m.Token, m.Done, m.Hello))
@@ -193,11 +197,11 @@ class Pipeline:
         if self.ctx is not None:
             self.ctx.term()
             self.ctx = None
-        for arena in (self.slabs, self.dense):
+        for arena in (self.slabs, self.dense, self.index):
             if arena is not None:
                 arena.close()
                 arena.unlink()
-        self.slabs = self.dense = None
+        self.slabs = self.dense = self.index = None
         if self.rt is not None:
             self.rt.remove()
             self.rt = None

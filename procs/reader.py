@@ -31,6 +31,7 @@ from ..shared import ipc, messages as m
 from ..shared.cache import CacheFull, SlotTable
 from ..shared.directio import ExpertFiles
 from ..shared.model_file import open_model
+from ..shared.residency import ResidencyIndex
 from ..shared.shm import SlabArena
 from .lifecycle import child_setup
 
@@ -47,6 +48,7 @@ class ReaderConfig:
     io_threads: int
     policy: str = "lru"
     direct: bool = True
+    index_arena: str = ""  # the residency index compute reads (see shared.residency)
 
 
 @dataclass
@@ -63,6 +65,7 @@ class Reader:
         self.arena = SlabArena.attach(cfg.slab_arena, cfg.slab_bytes, readonly=False)
         self.files = ExpertFiles(self.mf.gguf.paths, direct=cfg.direct)
         self.table = SlotTable(cfg.n_slots, cfg.policy)
+        self.index = ResidencyIndex.attach(cfg.index_arena, self.layout.spec, writable=True)
         ep = ipc.Endpoints(cfg.runtime_dir)
         self.fetch_in = ipc.bind(ctx, ep, "fetch")
         self.ready_out = ipc.connect(ctx, ep, "ready")
@@ -78,6 +81,15 @@ class Reader:
 
     # -- 1. fetch ------------------------------------------------------------
     def on_fetch(self, msg: m.Fetch) -> None:
+        # Pin what compute is already using before anything can be evicted.
+        for e in msg.resident:
+            key = (msg.layer, e)
+            if self.table.lookup(key) is None or key in self.inflight:
+                # Cannot happen while only compute's own fetches evict; fail loudly.
+                self.send(m.FetchFailed(msg.req_id, msg.layer, e, m.Code.INTERNAL, f"expert {key} was not resident"))
+                continue
+            self.table.pin(key)
+            self.pinned[(msg.req_id, msg.layer)].append(key)
         for e in msg.experts:
             key = (msg.layer, e)
             if not (0 <= msg.layer < len(self.layout.layers) and 0 <= e < self.layout.spec.n_expert):
@@ -99,7 +111,9 @@ class Reader:
                 self.start_read(key, _Waiter(msg.req_id, msg.layer))
 
     def prefetch(self, key) -> None:
-        if key in self.table or key in self.inflight:
+        # A prefetch only fills free slabs: evicting here could take an expert
+        # that compute has just seen in the index and is about to use unpinned.
+        if key in self.table or key in self.inflight or len(self.table) >= self.cfg.n_slots:
             return
         try:
             self.start_read(key, None)
@@ -108,7 +122,9 @@ class Reader:
 
     def start_read(self, key, waiter: _Waiter | None) -> None:
         try:
-            slot, _evicted = self.table.admit(key, self.layout.expert_bytes(key[0]), pin=True)
+            slot, evicted = self.table.admit(key, self.layout.expert_bytes(key[0]), pin=True)
+            if evicted is not None:
+                self.index.clear(evicted)  # before its slab is overwritten
         except CacheFull:
             self.send(m.FetchFailed(waiter.req_id, key[0], key[1], m.Code.INTERNAL, "every cache slab is pinned"))
             return
@@ -136,10 +152,12 @@ class Reader:
         waiters = self.inflight.pop(key, [])
         if error is not None:
             self.table.drop(key)  # never leave a half-written slab visible
+            self.index.clear(key)
             for w in waiters:
                 self.send(m.FetchFailed(w.req_id, key[0], key[1], m.Code.IO_ERROR, error))
             return
         self.table.unpin(key)  # the read's own pin; waiters hold theirs
+        self.index.publish(key, slot)  # the slab is complete: compute may now find it
         for i, w in enumerate(waiters):
             self.send(m.Ready(w.req_id, key[0], key[1], slot, tuple(regions), False, io_ns if i == 0 else 0))
 
@@ -183,6 +201,7 @@ class Reader:
 
     def close(self) -> None:
         self.lanes.shutdown(wait=True, cancel_futures=True)
+        self.index.close()
         self.files.close()
         self.arena.close()
         self.mf.close()

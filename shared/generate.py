@@ -22,6 +22,7 @@ class GenerationConfig:
     stop: tuple[str, ...] = ()
     n_ctx: int = 4096
     prefill_batch: int = 64
+    ignore_eos: bool = False  # keep going past end-of-generation tokens (benchmarks, soak tests)
 
     def __post_init__(self):
         if self.max_tokens < 0:
@@ -83,7 +84,7 @@ def generate(model, tokenizer, prompt_tokens: list[int], params: SamplingParams,
             out.finish_reason = "length"
             break
         token = sampler(logits, history)
-        if token in tokenizer.eog_ids:
+        if token in tokenizer.eog_ids and not cfg.ignore_eos:
             out.finish_reason = "eog"
             break
         out.tokens.append(token)

@@ -284,6 +284,9 @@ class Fetch(_Message):
     layer: int
     experts: tuple[int, ...]
     prefetch: bool = False  # speculative: answer nothing, just warm the cache
+    # Experts compute found resident in the shared index and is already using:
+    # pin them first, answer nothing (only `experts` get a Ready each).
+    resident: tuple[int, ...] = ()
 
 
 @_wire(Kind.READY)
@@ -442,6 +445,7 @@ class Generate(_Message):
     max_tokens: int
     sampling: dict[str, Scalar]
     stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
 
 
 @_wire(Kind.TOKEN)

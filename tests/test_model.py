@@ -28,9 +28,23 @@ def test_prefill_batches_equal_one_token_at_a_time(tiny):
     assert whole.shape == (len(PROMPT), tiny.spec.n_vocab) and np.isfinite(whole).all()
     b = tiny.new_cache(64)
     steps = np.stack([tiny.decode_one(t, b) for t in PROMPT])
-    np.testing.assert_allclose(steps, whole, rtol=2e-4, atol=2e-4)
+    # Tolerance: a one-token product on the integer types multiplies on
+    # int8-rounded activations (x̂ = dx·int8 per block of 32, |x − x̂| ≤
+    # amax/254, ~0.5 % rms per product; docs/kernels.md), while multi-token
+    # prefill products keep float32 — as in llama.cpp, the two paths
+    # legitimately differ by that rounding. Measured on these 4-layer models:
+    # 1.5–7 % relative (L2) per logits row, median 2–3 %, and up to ~0.3 on a
+    # row where a top-k routing near-tie flips an expert. A batching,
+    # position or KV-cache bug moves rows by O(1) (decoding one position
+    # late: ≥ 0.72 on every row). Hence median row ≤ 5e-2, every row ≤ 0.4.
+    # (With quant.set_int8_activations(False) they agree to rtol 2e-4.)
+    def rel(a, b):
+        return np.linalg.norm(a - b, axis=-1) / np.linalg.norm(b, axis=-1)
+
+    r = rel(steps, whole)
+    assert np.median(r) <= 5e-2 and r.max() <= 0.4, r
     c = tiny.new_cache(64)
-    np.testing.assert_allclose(tiny.prefill(PROMPT, c, batch=3), whole[-1], rtol=2e-4, atol=2e-4)
+    assert rel(tiny.prefill(PROMPT, c, batch=3), whole[-1]) <= 0.4
     assert a.n == b.n == c.n == len(PROMPT)
 
 

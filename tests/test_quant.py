@@ -5,9 +5,10 @@ float64. Two comparisons are asked of the kernels:
 
 1. layout exactness: against dequantize(w) @ x̂ with
    x̂ = effective_activation(x, qtype), exactly what the kernels multiply by:
-   x rounded to float32, and for the int8-activation types
-   (quant.INT8_ACTIVATION_TYPES: Q8_0, Q4_K, Q6_K, Q5_0, MXFP4) further
-   rounded to int8 per block of 32 (x̂ = dx·xq, dx = amax/127). The decoded
+   x rounded to float32, and for one-row calls (matvec, matmul with T = 1)
+   on the int8-activation types (quant.INT8_ACTIVATION_TYPES: Q8_0, Q4_K,
+   Q6_K, Q5_0, MXFP4; default on) further rounded to int8 per block of 32
+   (x̂ = dx·xq, dx = amax/127). The decoded
    weights are exact and the integer block sums are exact, so the only error
    is float32 products and accumulation: |err| ≤ (n + 2)·u·Σ|w·x̂| with
    u = 2⁻²⁴ and n = C terms, the standard bound for a float dot product.
@@ -40,7 +41,7 @@ TYPES = [pytest.param(t, id=t.name) for t in SUPPORTED]
 
 @pytest.fixture(autouse=True, params=[False, True], ids=["f32act", "int8act"])
 def int8_mode(request):
-    """Every test runs with the float activations (default) and with int8 activations on."""
+    """Every test runs with int8 activations off (float everywhere) and on (the default: one-row calls)."""
     before = quant.int8_activations()
     quant.set_int8_activations(request.param)
     yield request.param
@@ -119,13 +120,18 @@ def _assert_close(what: str, qtype: QType, w, got, ref, tol) -> None:
     pytest.fail("\n".join(lines))
 
 
+def _int8(qtype: QType, n_tokens: int) -> bool:
+    """Whether a call with n_tokens activation rows runs on int8 activations."""
+    return qtype in quant.INT8_ACTIVATION_TYPES and quant.int8_activations() and n_tokens <= quant.INT8_MAX_TOKENS
+
+
 def _tolerances(deq: np.ndarray, X64: np.ndarray, qtype: QType) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(x̂ [T, C], tol vs x̂ [T, R], tol vs raw x [T, R]) from the bounds in the module doc."""
     Xh = quant.effective_activation(X64, qtype).astype(np.float64)  # [T, C]
     n = deq.shape[1]
     tol_hat = (n + 2) * U32 * (np.abs(Xh) @ np.abs(deq).T) + 1e-30  # [T, R]
     dev = U32 * np.abs(X64)  # [T, C] bound on |x − x̂| per element
-    if qtype in quant.INT8_ACTIVATION_TYPES and quant.int8_activations():
+    if _int8(qtype, X64.shape[0]):
         amax = np.abs(X64).reshape(X64.shape[0], -1, 32).max(axis=2)  # [T, C/32]
         dev = dev + np.repeat(amax / 254 * (1 + 4 * U32), 32, axis=1)
     tol_raw = tol_hat + dev @ np.abs(deq).T
@@ -160,11 +166,13 @@ def test_matmul_matches_gguf_dequantize(qtype):
         assert got.shape == (n_tok, 33)
         _assert_close(f"matmul T={n_tok} vs deq@x̂", qtype, w, got, Xh @ deq.T, tol_hat)
         _assert_close(f"matmul T={n_tok} vs deq@x", qtype, w, got, X @ deq.T, tol_raw)
-        # the multi-token path and the one-token path agree row for row (bit
-        # for bit on the int8-activation types: same kernel per output)
-        if qtype in quant.INT8_ACTIVATION_TYPES and quant.int8_activations():
-            np.testing.assert_array_equal(got[-1], quant.matvec(qtype, w, X[-1]))
-        np.testing.assert_allclose(got[-1], quant.matvec(qtype, w, X[-1]), rtol=1e-5, atol=1e-6 * np.abs(got).max())
+        # a one-row matmul is the matvec, bit for bit (same kernel per output)
+        np.testing.assert_array_equal(quant.matmul(qtype, w, X[-1:])[0], quant.matvec(qtype, w, X[-1]))
+        # the multi-token path and the one-token path agree row for row, up to
+        # the int8 rounding where only the one-token call has it (checked
+        # against deq@x in test_matvec_matches_gguf_dequantize)
+        if not _int8(qtype, 1) or _int8(qtype, n_tok):
+            np.testing.assert_allclose(got[-1], quant.matvec(qtype, w, X[-1]), rtol=1e-5, atol=1e-6 * np.abs(got).max())
 
 
 @pytest.mark.parametrize("qtype", TYPES)
@@ -222,7 +230,8 @@ def test_out_buffers_and_threads():
         quant.set_threads(0)
     Y = np.empty((2, 50), np.float32)
     assert quant.matmul(QType.Q4_K, w, np.stack([x, x]), out=Y) is Y
-    np.testing.assert_array_equal(Y[1], y)
+    np.testing.assert_array_equal(Y[1], Y[0])
+    np.testing.assert_array_equal(quant.matmul(QType.Q4_K, w, x[None], out=Y[1:]), y[None])  # one row: the matvec
     assert quant.matvec(QType.Q4_K, w[:0], x).shape == (0,)
     assert quant.dequantize_rows(QType.Q4_K, w, []).shape == (0, 512)
 
@@ -298,7 +307,9 @@ def test_int8_activation_rounding(qtype, int8_mode):
     x[0, :32] = 0.0  # an all-zero block
     x[1, 32:64] *= 1e-25  # tiny values: still rounded relative to their own amax
     x[1, 64:96] *= 1e-35  # amax < 2^-100: the block is flushed to zero (documented)
-    xh = quant.effective_activation(x, qtype)
+    xh = np.stack([quant.effective_activation(row, qtype) for row in x])  # one-row calls round
+    np.testing.assert_array_equal(quant.effective_activation(x[:1], qtype), xh[:1])  # [1, C] too
+    np.testing.assert_array_equal(quant.effective_activation(x, qtype), x)  # prefill batches stay float
     np.testing.assert_array_equal(xh[1, 64:96], 0.0)
     x[1, 64:96] = xh[1, 64:96]
     assert xh.shape == x.shape and xh.dtype == np.float32

@@ -13,15 +13,19 @@ dequantized ahead: each call decodes blocks on the fly into a small float32
 tile and multiplies it with every activation row, so a prompt batch decodes
 each block once.
 
-Activations: with `set_int8_activations(True)` (or MOE_PIPE_INT8_ACT=1 in the
-environment; off by default, see docs/kernels.md), for Q8_0, Q4_K, Q6_K, Q5_0
-and MXFP4 (`INT8_ACTIVATION_TYPES`) `matvec`/`matmul` round the activation to int8 per block of 32 (x̂ = dx·xq,
-dx = amax/127, see _q8) and multiply on the integer codes; every other type
-(F32/F16/BF16 included) uses the activation as float32. Either way
+Activations: a call with one activation row (matvec, or matmul with T = 1:
+the decode step) on Q8_0, Q4_K, Q6_K, Q5_0 or MXFP4 (`INT8_ACTIVATION_TYPES`)
+rounds the activation to int8 per block of 32 (x̂ = dx·xq, dx = amax/127, see
+_q8) and multiplies on the integer codes. Calls with several rows (prefill),
+every other type (F32/F16/BF16 included), and everything after
+`set_int8_activations(False)` (or MOE_PIPE_INT8_ACT=0 in the environment)
+use the activation as float32 on a decoded tile. Either way
 `effective_activation(x, qtype)` returns exactly the x̂ the kernels multiply
 by, and the results differ from float64 `dequantize(w) @ x̂` by float32
 rounding only. Each output element depends only on its weight row and its
-activation row, so matmul rows equal matvec results bit for bit.
+activation row, so matmul rows equal matvec results bit for bit when both
+take the same path (matmul with T = 1 always does; with T > 1 on an int8
+type the rows differ from matvec by the activation rounding).
 
 Kernels compile on first use of a type (numba, cached on disk under
 __pycache__ or NUMBA_CACHE_DIR), so a process using three types compiles
@@ -61,11 +65,16 @@ assert set(_KERNELS) == set(SUPPORTED), "every supported type needs kernels"
 # Types whose matvec/matmul run on int8 activations (integer block dots, _q8).
 _Q8_KERNELS = {QType[name]: pair for name, pair in _q8.KERNELS.items()}
 INT8_ACTIVATION_TYPES = tuple(_Q8_KERNELS)
-_INT8_ACT = [os.environ.get("MOE_PIPE_INT8_ACT", "0") not in ("", "0")]
+_INT8_ACT = [os.environ.get("MOE_PIPE_INT8_ACT", "1") not in ("", "0")]
+# Calls with at most this many activation rows take the int8 kernels. The
+# int8 kernel redoes each block's integer dot per token, the float path
+# decodes a block once into a tile for all tokens: from two tokens on, the
+# tile is as fast or faster (docs/kernels.md), and prefill keeps float numerics.
+INT8_MAX_TOKENS = 1
 
 
 def set_int8_activations(on: bool) -> None:
-    """Route INT8_ACTIVATION_TYPES through the int8-activation kernels (process-wide)."""
+    """Int8 activations for one-row calls on INT8_ACTIVATION_TYPES (default on; process-wide)."""
     _INT8_ACT[0] = bool(on)
 
 
@@ -73,8 +82,8 @@ def int8_activations() -> bool:
     return _INT8_ACT[0]
 
 
-def _uses_q8(qtype) -> bool:
-    return _INT8_ACT[0] and qtype in _Q8_KERNELS
+def _uses_q8(qtype, n_tokens: int) -> bool:
+    return _INT8_ACT[0] and n_tokens <= INT8_MAX_TOKENS and qtype in _Q8_KERNELS
 
 # Float dtypes accepted in place of raw bytes for the unquantized types (what
 # gguf-py's reader hands out for F32/F16 tensors).
@@ -100,51 +109,60 @@ def get_threads() -> int:
     return numba.get_num_threads()
 
 
-def kernels_for(qtype: int | QType):
-    """The numba dispatchers (matmul, rows) of a type; for cache checks and benchmarks.
+def kernels_for(qtype: int | QType, n_tokens: int = 1):
+    """The numba dispatchers (product, rows) of a type; for cache checks and benchmarks.
 
-    For the int8-activation types the first is the integer kernel that
-    matvec/matmul call (the float tile kernel stays available in _KERNELS).
+    `product` is the kernel a matvec/matmul with `n_tokens` activation rows
+    calls: the int8 one for one row on the int8-activation types (the float
+    tile kernel stays available in _KERNELS).
     """
     qt = block_format(qtype).qtype
-    if _uses_q8(qt):
+    if _uses_q8(qt, n_tokens):
         return _Q8_KERNELS[qt][0], _KERNELS[qt][1]
     return _KERNELS[qt]
 
 
 def effective_activation(x: np.ndarray, qtype: int | QType | None = None) -> np.ndarray:
-    """The activation (float32, [C] or [T, C]) exactly as the kernels of `qtype` use it.
+    """The activation (float32, [C] or [T, C]) exactly as a call of `qtype` with it uses it.
 
-    For the int8-activation types: x rounded to int8 per block of 32 and
-    scaled back (dx·xq, in float32 — the products dx·xq are exact). For the
-    others, and with qtype None: x as float32.
+    For one activation row ([C] or [1, C]) on the int8-activation types (with
+    int8 activations on): x rounded to int8 per block of 32 and scaled back
+    (dx·xq, in float32 — the products dx·xq are exact). For several rows, the
+    other types, and with qtype None: x as float32.
     """
     x32 = np.ascontiguousarray(x, dtype=np.float32)
-    if qtype is None or not _uses_q8(block_format(qtype).qtype):
+    if qtype is None or not _uses_q8(block_format(qtype).qtype, 1 if x32.ndim == 1 else x32.shape[0]):
         return x32
     X = x32.reshape(-1, x32.shape[-1])
     if X.shape[1] % 32:
         raise ValueError(f"effective_activation: C must be a multiple of 32, got {X.shape[1]}")
-    xq, dx, _ = _quantize(X)
+    xq, dx = _quantize(X)[:2]
     return (xq.reshape(X.shape[0], -1, 32) * dx.reshape(X.shape[0], -1, 1)).astype(np.float32).reshape(x32.shape)
 
 
 def _quantize(X: np.ndarray):
-    """X f32 [T, C] → (xq int8 [T·C], dx f32 [T·C/32], bs int32 [T·C/16])."""
+    """X f32 [T, C] → (xq int8 [T·C], dx f32 [T·C/32], bs int32 [T·C/16], xs f32 [T·C/16], xs32 f32 [T·C/32])."""
     T, C = X.shape
     xq = np.empty(T * C, np.int8)
     dx = np.empty(T * C // 32, np.float32)
     bs = np.empty(T * C // 16, np.int32)
+    xs = np.empty(T * C // 16, np.float32)
+    xs32 = np.empty(T * C // 32, np.float32)
     if X.size:
-        _q8.quantize_q8(X, xq, dx, bs)
-    return xq, dx, bs
+        _q8.quantize_q8(X, xq, dx, bs, xs, xs32)
+    return xq, dx, bs, xs, xs32
 
 
-def _run_q8(qtype: QType, flat: np.ndarray, stride: int, X: np.ndarray, out: np.ndarray) -> None:
-    """out [T, R] = X @ W.T through the int8-activation kernels."""
-    kernel, takes_e8m0 = _Q8_KERNELS[qtype]
-    xq, dx, bs = _quantize(X)
-    kernel(flat, stride, X.shape[1], xq, dx, bs, E8M0_HALF if takes_e8m0 else F16_TABLE, out)
+def _multiply(qtype: QType, flat: np.ndarray, stride: int, X: np.ndarray, out: np.ndarray) -> None:
+    """out [T, R] = X @ W.T (T, R ≥ 1): int8 kernels for one row on the int8 types, float tiles otherwise."""
+    X = np.ascontiguousarray(X, dtype=np.float32)
+    T = X.shape[0]
+    if _uses_q8(qtype, T):
+        kernel, takes_e8m0 = _Q8_KERNELS[qtype]
+        kernel(flat, stride, X, E8M0_HALF if takes_e8m0 else F16_TABLE, out)
+    else:
+        mm, _ = _KERNELS[qtype]
+        mm(flat, stride, X, _TILE_ROWS if T > 1 else _TILE_ROWS_MATVEC, F16_TABLE, LANES, out)
 
 
 def matvec(qtype: int | QType, w: np.ndarray, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -153,13 +171,9 @@ def matvec(qtype: int | QType, w: np.ndarray, x: np.ndarray, out: np.ndarray | N
     if x.ndim != 1:
         raise ValueError(f"matvec: x must be 1-D [C], got shape {x.shape}")
     fmt, flat, stride, n_rows = _weights("matvec", qtype, w, x.shape[0])
-    X = effective_activation(x).reshape(1, -1)  # [1, C]
     y = _output("matvec", out, (n_rows,))
-    if n_rows and _uses_q8(fmt.qtype):
-        _run_q8(fmt.qtype, flat, stride, X, y.reshape(1, -1))
-    elif n_rows:
-        mm, _ = _KERNELS[fmt.qtype]
-        mm(flat, stride, X, _TILE_ROWS_MATVEC, F16_TABLE, LANES, y.reshape(1, -1))
+    if n_rows:
+        _multiply(fmt.qtype, flat, stride, x.reshape(1, -1), y.reshape(1, -1))
     return y
 
 
@@ -169,13 +183,9 @@ def matmul(qtype: int | QType, w: np.ndarray, X: np.ndarray, out: np.ndarray | N
     if X.ndim != 2:
         raise ValueError(f"matmul: X must be 2-D [T, C], got shape {X.shape}")
     fmt, flat, stride, n_rows = _weights("matmul", qtype, w, X.shape[1])
-    X = effective_activation(X)  # [T, C]
     Y = _output("matmul", out, (X.shape[0], n_rows))
-    if n_rows and X.shape[0] and _uses_q8(fmt.qtype):
-        _run_q8(fmt.qtype, flat, stride, X, Y)
-    elif n_rows and X.shape[0]:
-        mm, _ = _KERNELS[fmt.qtype]
-        mm(flat, stride, X, _TILE_ROWS if X.shape[0] > 1 else _TILE_ROWS_MATVEC, F16_TABLE, LANES, Y)
+    if n_rows and X.shape[0]:
+        _multiply(fmt.qtype, flat, stride, X, Y)
     return Y
 
 
@@ -229,8 +239,12 @@ def _weights(op: str, qtype, w, n_cols: int) -> tuple[BlockFormat, np.ndarray, i
     stride = int(w.strides[0]) if n_rows > 1 else row_bytes
     if w.strides[1] != 1 or stride < 0:
         raise ValueError(f"{op}: each row of w must be contiguous bytes in increasing order (strides {w.strides})")
-    span = (n_rows - 1) * stride + row_bytes if n_rows else 0
-    flat = as_strided(w, shape=(span,), strides=(1,), writeable=False)
+    if stride == row_bytes and w.flags.c_contiguous:  # the usual case; as_strided costs ~4 µs a call
+        flat = w.reshape(-1).view(np.ndarray)
+        flat.flags.writeable = False
+    else:
+        span = (n_rows - 1) * stride + row_bytes if n_rows else 0
+        flat = as_strided(w, shape=(span,), strides=(1,), writeable=False)
     return fmt, flat, stride, n_rows
 
 

@@ -1,25 +1,34 @@
 """Integer dot products against int8 activations: Q8_0, Q4_K, Q6_K, Q5_0, MXFP4.
 
-For these types `matvec`/`matmul` quantize the activation to int8 per block of
-32 (x̂ = dx·xq, dx = amax/127, xq = rint(x/dx), the q8_0 scheme llama.cpp
-uses) and take each block's dot product on the raw small integers, scaling
-once per (sub-)block:
+For these types a one-token `matvec` (the decode step) quantizes the
+activation to int8 per block of 32 (x̂ = dx·xq, dx = amax/127,
+xq = rint(x/dx), the q8_0 rounding) and multiplies on the raw small integers.
+Per call, row-independent sums of the codes are computed once: bs (int32, per
+16), xs16 = dx·bs (float, per 16) and xs32 (float, per 32), the Σ x̂ that the
+weight offsets multiply.
 
-    Σ_l w_l·x̂_l = dx · (d·sc·Σ_l u_l·xq_l − offset·Σ_l xq_l)
+Q4_K and Q6_K (the expert and head types) run a whole row in one LLVM IR
+function (`_rowdot_q4_k`, `_rowdot_q6_k`): per 256-weight super-block the
+codes are unpacked with a few vector ops into 64-byte u8 vectors laid out like
+the activation, each multiplied with 64 activation bytes by one
+`vpdpbusd` (u8·i8, sums of 4 in 16 int32 lanes), and the 16 lanes are
+converted to float and FMA'd into a 16-lane float accumulator with a factor
+vector d·scale·dx per lane. Scales and mins of all sub-blocks are decoded as
+one vector per super-block; the offset term (Q4_K dmin·m, Q6_K the −32)
+is an 8/16-lane FMA against xs32/xs16. Nothing is reduced horizontally until
+the row ends. Per super-block (Q4_K) this is ~70 instructions for 256 weights.
 
-where u_l is the weight code made non-negative (Q8_0 q+128, Q6_K q, Q5_0
-nib|hi<<4, MXFP4 2·E2M1+12, Q4_K nibble) and the offset term uses the
-per-16 sums of xq computed once per call. Σ u·xq is exact in int32.
+Q8_0, Q5_0 and MXFP4 (single scale per 32) keep a per-block IR dot
+(`_dot_*`: `zext(u)·sext(xq)` + `llvm.vector.reduce.add`) so the code offset
+is subtracted in exact integers per block before scaling.
 
-The block dot is one small LLVM IR function (`_dot_*` intrinsics below):
-load 16/32 bytes of codes and activations as vectors, turn codes into u8
-lanes, multiply zext(u)·sext(xq) in i32 and `llvm.vector.reduce.add`. That
-is plain target-independent IR; on AVX-512 VNNI LLVM selects it to
-`vpdpbusd` (64 byte products per instruction), on other x86 to pmaddwd, and
-anywhere else to ordinary vector code. Written in numba-level Python the
-same loop is typed in int64 (numba widens small ints), and LLVM then leaves
-it scalar or widens to 32-bit lanes: 6–9 G weights/s against ~40 here (one
-core, in cache).
+Where the CPU has AVX-512 VNNI (and numba targets the host) the 64-byte dot is
+the `llvm.x86.avx512.vpdpbusd.512` intrinsic; anywhere else it is the same
+sum written as target-independent IR (products in int32, pairwise adds), so
+the results are identical, only slower. Written in numba-level Python the same
+loop is typed in int64 (numba widens small ints), and LLVM then leaves it
+scalar or widens to 32-bit lanes: 6–9 G weights/s against ~40 here (one core,
+in cache).
 
 Numerics: weights are decoded exactly; the activation is rounded to int8
 (|x − x̂| ≤ dx/2 = amax₃₂/254 per element); the integer sums are exact and
@@ -29,20 +38,42 @@ gives NaN/inf outputs (dx = inf or NaN), as the float path would.
 """
 from __future__ import annotations
 
+import llvmlite.binding as llb
+import numba
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ._common import DRIVER, E8M0_HALF, INLINE, f16_at, k_scale_min
+from ._common import DRIVER, INLINE, f16_at
 
 _I8 = ir.IntType(8)
+_I16 = ir.IntType(16)
 _I32 = ir.IntType(32)
+_I64 = ir.IntType(64)
+_F32 = ir.FloatType()
+_HALF = ir.HalfType()
+
+
+def _has_vnni() -> bool:
+    """Whether the code numba emits may use AVX-512 VNNI (host CPU, or the configured target)."""
+    name, feats = numba.config.CPU_NAME, numba.config.CPU_FEATURES
+    if name in (None, "host") and not feats:
+        f = llb.get_host_cpu_features()
+        return bool(f.get("avx512vnni")) and bool(f.get("avx512bw"))
+    return bool(feats) and "+avx512vnni" in feats and "+avx512bw" in feats
+
+
+_VNNI = _has_vnni()
 
 
 def _vec(n, bits=8):
     return ir.VectorType(ir.IntType(bits), n)
+
+
+def _fvec(n):
+    return ir.VectorType(_F32, n)
 
 
 def _load(context, builder, aty, arr, off, n):
@@ -83,32 +114,6 @@ def _dot_q8(typingctx, w, wo, x, xo):
 
 
 @intrinsic
-def _dot_nib(typingctx, w, wo, x, xo, shift):
-    """Σ_{l<32} ((w[wo+l] >> shift) & 15)·x[xo+l] (Q4_K: one sub-block's nibbles)."""
-    def codegen(context, builder, sig, args):
-        q = _load(context, builder, sig.args[0], args[0], args[1], 32)
-        sh = _splat(builder, builder.trunc(args[4], _I8), 32)
-        u = builder.and_(builder.lshr(q, sh), ir.Constant(_vec(32), [15] * 32))
-        return _dot(builder, u, _load(context, builder, sig.args[2], args[2], args[3], 32), 32)
-
-    return types.int32(w, wo, x, xo, shift), codegen
-
-
-@intrinsic
-def _dot_q6(typingctx, w, lo, hi, x, xo, shl, shh):
-    """Σ_{l<16} (((w[lo+l] >> shl) & 15) | (((w[hi+l] >> shh) & 3) << 4))·x[xo+l] (Q6_K, q before −32)."""
-    def codegen(context, builder, sig, args):
-        ql = _load(context, builder, sig.args[0], args[0], args[1], 16)
-        qh = _load(context, builder, sig.args[0], args[0], args[2], 16)
-        a = builder.and_(builder.lshr(ql, _splat(builder, builder.trunc(args[5], _I8), 16)), ir.Constant(_vec(16), [15] * 16))
-        b = builder.and_(builder.lshr(qh, _splat(builder, builder.trunc(args[6], _I8), 16)), ir.Constant(_vec(16), [3] * 16))
-        u = builder.or_(a, builder.shl(b, ir.Constant(_vec(16), [4] * 16)))
-        return _dot(builder, u, _load(context, builder, sig.args[3], args[3], args[4], 16), 16)
-
-    return types.int32(w, lo, hi, x, xo, shl, shh), codegen
-
-
-@intrinsic
 def _dot_q5_0(typingctx, w, wo, qh, x, xo):
     """Σ_{l<32} (nibble_l | bit_l(qh) << 4)·x[xo+l] over a Q5_0 block's qs at wo (q before −16)."""
     def codegen(context, builder, sig, args):
@@ -138,12 +143,243 @@ def _dot_fp4(typingctx, w, wo, x, xo):
     return types.int32(w, wo, x, xo), codegen
 
 
+# ---- whole-row IR: Q4_K, Q6_K ----------------------------------------------
+
+
+class _Emit:
+    """Small vector-IR vocabulary over one llvmlite builder."""
+
+    def __init__(self, context, builder):
+        self.b = builder
+        self.mod = builder.module
+        self.context = context
+
+    def data(self, aty, arr):
+        return self.context.make_array(aty)(self.context, self.b, arr).data
+
+    def load(self, base, off, ty):
+        """ty loaded from element `off` of pointer `base` (unaligned)."""
+        return self.b.load(self.b.bitcast(self.b.gep(base, [off]), ty.as_pointer()), align=1)
+
+    def i64(self, v):
+        return ir.Constant(_I64, v)
+
+    def const(self, ty, vals):
+        return ir.Constant(ty, vals if isinstance(vals, list) else [vals] * ty.count)
+
+    def shuf(self, a, b, idx):
+        return self.b.shuffle_vector(a, b if b is not None else ir.Constant(a.type, None), ir.Constant(_vec(len(idx), 32), idx))
+
+    def half(self, base, off):
+        """The f16 at byte `off` of i8 pointer `base`, as float."""
+        h = self.b.bitcast(self.load(base, off, _I16), _HALF)
+        return self.b.fpext(h, _F32)
+
+    def fn(self, name, ret, args):
+        return cgutils.get_or_insert_function(self.mod, ir.FunctionType(ret, args), name)
+
+    def fma(self, a, b, c):
+        n = a.type.count
+        return self.b.call(self.fn(f"llvm.fma.v{n}f32", _fvec(n), [_fvec(n)] * 3), [a, b, c])
+
+    def dp(self, u, x):
+        """<16 x i32>: lane i = Σ_{k<4} zext(u[4i+k])·sext(x[4i+k]) for 64 u8 (u) / i8 (x) lanes."""
+        zero = ir.Constant(_vec(16, 32), [0] * 16)
+        if _VNNI:
+            f = self.fn("llvm.x86.avx512.vpdpbusd.512", _vec(16, 32), [_vec(16, 32)] * 3)
+            return self.b.call(f, [zero, self.b.bitcast(u, _vec(16, 32)), self.b.bitcast(x, _vec(16, 32))])
+        p = self.b.mul(self.b.zext(u, _vec(64, 32)), self.b.sext(x, _vec(64, 32)))
+        p = self.b.add(self.shuf(p, None, list(range(0, 64, 2))), self.shuf(p, None, list(range(1, 64, 2))))
+        return self.b.add(self.shuf(p, None, list(range(0, 32, 2))), self.shuf(p, None, list(range(1, 32, 2))))
+
+    def hsum(self, v):
+        """Σ lanes of a float vector, as a fixed pairwise tree."""
+        n = v.type.count
+        while n > 1:
+            n //= 2
+            v = self.b.fadd(self.shuf(v, None, list(range(n))), self.shuf(v, None, list(range(n, 2 * n))))
+        return self.b.extract_element(v, ir.Constant(_I32, 0))
+
+    def acc(self, n):
+        return cgutils.alloca_once_value(self.b, ir.Constant(_fvec(n), [0.0] * n))
+
+
+def _rowdot(gen):
+    """An intrinsic `f(w, o, n, xq, xo, dx, s, tab) → float32` from an IR body generator.
+
+    w u8 weights (row at byte o), n blocks (or groups) to take, xq int8
+    activation (row at element xo), dx its per-32 scales, s a per-call sum
+    array and tab a lookup table (both as the generator needs; unused ones are
+    passed anyway so every kernel has the same shape).
+    """
+
+    def typer(typingctx, w, o, n, xq, xo, dx, s, tab):
+        def codegen(context, builder, sig, args):
+            e = _Emit(context, builder)
+            o_, n_, xo_ = (context.cast(builder, args[i], sig.args[i], types.int64) for i in (1, 2, 4))
+            ptr = [e.data(sig.args[i], args[i]) for i in (0, 3, 5, 6, 7)]
+            return gen(e, ptr[0], o_, n_, ptr[1], xo_, ptr[2], ptr[3], ptr[4])
+
+        return types.float32(w, o, n, xq, xo, dx, s, tab), codegen
+
+    typer.__name__ = gen.__name__
+    return intrinsic(typer)
+
+
+def _block4_sums(e: _Emit, lo, hi):
+    """Two <16 x i32> dot vectors (8 lanes per 32-block: blocks 0,1 and 2,3) → <4 x i32> block sums."""
+    b = e.b
+    s = b.add(e.shuf(lo, hi, [0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27]),
+              e.shuf(lo, hi, [4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31]))
+    s = b.add(e.shuf(s, None, [0, 1, 4, 5, 8, 9, 12, 13]), e.shuf(s, None, [2, 3, 6, 7, 10, 11, 14, 15]))
+    return b.add(e.shuf(s, None, [0, 2, 4, 6]), e.shuf(s, None, [1, 3, 5, 7]))
+
+
+def _gen_block4(e: _Emit, w, o, ng, xq, xo, dx, bs, tab, *, size, codes, scale, offset):
+    """Σ over ng groups of 4 single-scale 32-blocks: Σ_blocks scale·dx·(Σ u·xq − offset·Σ xq).
+
+    The block sums are reduced and offset-corrected in exact int32 before
+    any float rounding (so an all-zero-weight block contributes exactly 0).
+    `codes(p)` → two <64 x i8> u vectors (blocks 0,1 and 2,3) for the group at byte p.
+    """
+    b = e.b
+    acc = e.acc(4)
+    with cgutils.for_range(b, ng) as loop:
+        p = b.add(o, b.mul(loop.index, e.i64(4 * size)))
+        xb = b.add(xo, b.mul(loop.index, e.i64(128)))
+        j = b.lshr(xb, e.i64(5))
+        u01, u23 = codes(p)
+        dots = _block4_sums(e, e.dp(u01, e.load(xq, xb, _vec(64))), e.dp(u23, e.load(xq, b.add(xb, e.i64(64)), _vec(64))))
+        bs8 = e.load(bs, b.shl(j, e.i64(1)), _vec(8, 32))  # Σ xq per 16 → per 32
+        bsum = b.add(e.shuf(bs8, None, [0, 2, 4, 6]), e.shuf(bs8, None, [1, 3, 5, 7]))
+        ints = b.sub(dots, b.mul(bsum, e.const(_vec(4, 32), offset)))
+        sc = ir.Constant(_fvec(4), None)
+        for i in range(4):
+            sc = b.insert_element(sc, scale(b.add(p, e.i64(size * i))), ir.Constant(_I32, i))
+        f = b.fmul(sc, e.load(dx, j, _fvec(4)))
+        b.store(e.fma(b.sitofp(ints, _fvec(4)), f, b.load(acc)), acc)
+    return e.hsum(b.load(acc))
+
+
+def _gen_q8_0(e: _Emit, w, o, ng, xq, xo, dx, bs, tab):
+    def codes(p):
+        q = [e.load(w, e.b.add(p, e.i64(34 * i + 2)), _vec(32)) for i in range(4)]
+        flip = e.const(_vec(64), 0x80)  # int8 q → u8 q + 128
+        return (e.b.xor(e.shuf(q[0], q[1], list(range(64))), flip), e.b.xor(e.shuf(q[2], q[3], list(range(64))), flip))
+
+    return _gen_block4(e, w, o, ng, xq, xo, dx, bs, tab, size=34, codes=codes, scale=lambda p: e.half(w, p), offset=128)
+
+
+# 2·E2M1(code) + 12 for the 16 codes: 0 1 2 3 4 6 8 12, then the negatives
+_FP4_U = [12 + v for v in (0, 1, 2, 3, 4, 6, 8, 12)] + [12 - v for v in (0, 1, 2, 3, 4, 6, 8, 12)]
+
+
+def _fp4_u(e: _Emit, n):
+    """<64 x i8> E2M1 codes (0..15) → 2·value + 12 (u8)."""
+    b = e.b
+    if _VNNI:  # one vpshufb: a 16-entry table per 128-bit lane
+        f = e.fn("llvm.x86.avx512.pshuf.b.512", _vec(64), [_vec(64), _vec(64)])
+        return b.call(f, [e.const(_vec(64), _FP4_U * 4), n])
+    c = lambda v: e.const(_vec(64), v)  # noqa: E731
+    m = b.and_(n, c(7))
+    # m < 4: m; else (2 | m&1) << (m>>1 − 1): 4 6 8 12
+    big = b.shl(b.or_(b.and_(m, c(1)), c(2)), b.and_(b.sub(b.lshr(m, c(1)), c(1)), c(3)))
+    mag = b.select(b.icmp_unsigned("<", m, c(4)), m, big)
+    neg = b.icmp_unsigned("!=", b.and_(n, c(8)), c(0))
+    return b.select(neg, b.sub(c(12), mag), b.add(c(12), mag))
+
+
+def _gen_mxfp4(e: _Emit, w, o, ng, xq, xo, dx, bs, half):
+    def codes(p):
+        q = [e.load(w, e.b.add(p, e.i64(17 * i + 1)), _vec(16)) for i in range(4)]
+        q = e.shuf(e.shuf(q[0], q[1], list(range(32))), e.shuf(q[2], q[3], list(range(32))), list(range(64)))
+        lo = _fp4_u(e, e.b.and_(q, e.const(_vec(64), 15)))
+        hi = _fp4_u(e, e.b.lshr(q, e.const(_vec(64), 4)))
+        # block i: low nibbles are elements 0..15, high nibbles 16..31
+        return (e.shuf(lo, hi, list(range(16)) + list(range(64, 80)) + list(range(16, 32)) + list(range(80, 96))),
+                e.shuf(lo, hi, list(range(32, 48)) + list(range(96, 112)) + list(range(48, 64)) + list(range(112, 128))))
+
+    def scale(p):
+        return e.b.load(e.b.gep(half, [e.b.zext(e.load(w, p, _I8), _I64)]))
+
+    return _gen_block4(e, w, o, ng, xq, xo, dx, bs, half, size=17, codes=codes, scale=scale, offset=12)
+
+
+def _gen_q4_k(e: _Emit, w, o, nb, xq, xo, dx, xs32, tab):
+    """Σ over nb Q4_K super-blocks from byte o of w · activation from element xo (xs = xs32)."""
+    b = e.b
+    acc, acc2, accm = e.acc(16), e.acc(16), e.acc(8)
+    v8 = _vec(8, 32)
+    with cgutils.for_range(b, nb) as loop:
+        p = b.add(o, b.mul(loop.index, e.i64(144)))
+        xb = b.add(xo, b.mul(loop.index, e.i64(256)))
+        j = b.lshr(xb, e.i64(5))
+        d, dmin = e.half(w, p), e.half(w, b.add(p, e.i64(2)))
+        # 6-bit scales / mins of the 8 sub-blocks, from the 12 bytes at p+4
+        s = b.zext(e.load(w, b.add(p, e.i64(4)), _vec(16)), _vec(16, 32))
+        hi2 = lambda idx: b.and_(b.lshr(e.shuf(s, None, idx), e.const(v8, 2)), e.const(v8, [0] * 4 + [48] * 4))  # noqa: E731
+        sc = b.or_(b.and_(e.shuf(s, None, [0, 1, 2, 3, 8, 9, 10, 11]), e.const(v8, [63] * 4 + [15] * 4)), hi2([0, 0, 0, 0, 0, 1, 2, 3]))
+        mv = b.lshr(e.shuf(s, None, [4, 5, 6, 7, 8, 9, 10, 11]), e.const(v8, [0] * 4 + [4] * 4))
+        m = b.or_(b.and_(mv, e.const(v8, [63] * 4 + [15] * 4)), hi2([0, 0, 0, 0, 4, 5, 6, 7]))
+        f8 = b.fmul(b.fmul(b.sitofp(sc, _fvec(8)), e.load(dx, j, _fvec(8))), _splat(b, d, 8))
+        b.store(e.fma(b.fmul(b.sitofp(m, _fvec(8)), _splat(b, dmin, 8)), e.load(xs32, j, _fvec(8)), b.load(accm)), accm)
+        a = [b.load(acc), b.load(acc2)]  # two chains: each FMA waits on the one before last
+        for half in range(2):  # 32-byte chunks 2·half, 2·half+1 = sub-blocks 4·half .. 4·half+3
+            q = e.load(w, b.add(p, e.i64(16 + 64 * half)), _vec(64))
+            lo, hi = b.and_(q, e.const(_vec(64), 15)), b.lshr(q, e.const(_vec(64), 4))
+            for k in range(2):  # sub-blocks (4h+2k, 4h+2k+1) = elements 128h + 64k .. +64
+                u = e.shuf(lo, hi, list(range(32 * k, 32 * k + 32)) + list(range(64 + 32 * k, 96 + 32 * k)))
+                x = e.load(xq, b.add(xb, e.i64(128 * half + 64 * k)), _vec(64))
+                sb = 4 * half + 2 * k
+                a[k] = e.fma(b.sitofp(e.dp(u, x), _fvec(16)), e.shuf(f8, None, [sb] * 8 + [sb + 1] * 8), a[k])
+        b.store(a[0], acc)
+        b.store(a[1], acc2)
+    return b.fsub(e.hsum(b.fadd(b.load(acc), b.load(acc2))), e.hsum(b.load(accm)))
+
+
+def _gen_q6_k(e: _Emit, w, o, nb, xq, xo, dx, xs16, tab):
+    """Σ over nb Q6_K super-blocks from byte o of w · activation from element xo (xs = xs16)."""
+    b = e.b
+    acc, acc2, accm = e.acc(16), e.acc(16), e.acc(16)
+    v64 = _vec(64)
+    with cgutils.for_range(b, nb) as loop:
+        p = b.add(o, b.mul(loop.index, e.i64(210)))
+        xb = b.add(xo, b.mul(loop.index, e.i64(256)))
+        d = e.half(w, b.add(p, e.i64(208)))
+        scd = b.fmul(b.sitofp(e.load(w, b.add(p, e.i64(192)), _vec(16)), _fvec(16)), _splat(b, d, 16))  # d·scale per 16
+        b.store(e.fma(scd, e.load(xs16, b.lshr(xb, e.i64(4)), _fvec(16)), b.load(accm)), accm)
+        dx8 = e.load(dx, b.lshr(xb, e.i64(5)), _fvec(8))
+        g16 = b.fmul(scd, e.shuf(dx8, None, [i // 2 for i in range(16)]))  # d·scale·dx per 16
+        a = [b.load(acc), b.load(acc2)]  # two FMA chains
+        for h in range(2):
+            ql = e.load(w, b.add(p, e.i64(64 * h)), v64)
+            qh = e.load(w, b.add(p, e.i64(128 + 32 * h)), _vec(32))
+            sh = lambda n: b.lshr(qh, e.const(_vec(32), n))  # noqa: E731
+            hb = (e.shuf(qh, sh(2), list(range(64))), e.shuf(sh(4), sh(6), list(range(64))))
+            us = (b.and_(ql, e.const(v64, 15)), b.lshr(ql, e.const(v64, 4)))
+            for k in range(2):  # elements 128h + 64k .. +64: planes 2k, 2k+1
+                u = b.or_(us[k], b.shl(b.and_(hb[k], e.const(v64, 3)), e.const(v64, 4)))
+                x = e.load(xq, b.add(xb, e.i64(128 * h + 64 * k)), v64)
+                g = 4 * (2 * h + k)
+                a[k] = e.fma(b.sitofp(e.dp(u, x), _fvec(16)), e.shuf(g16, None, [g + i // 4 for i in range(16)]), a[k])
+        b.store(a[0], acc)
+        b.store(a[1], acc2)
+    return b.fsub(e.hsum(b.fadd(b.load(acc), b.load(acc2))), b.fmul(ir.Constant(_F32, 32.0), e.hsum(b.load(accm))))
+
+
+_rowdot_q4_k = _rowdot(_gen_q4_k)
+_rowdot_q6_k = _rowdot(_gen_q6_k)
+_rowdot4_q8_0 = _rowdot(_gen_q8_0)
+_rowdot4_mxfp4 = _rowdot(_gen_mxfp4)
+
+
 # ---- activation quantization ---------------------------------------------
 
 
-@njit(cache=True, boundscheck=False, error_model="numpy", nogil=True)
-def quantize_q8(X, XQ, DX, BS):
-    """X f32 [T, C] → XQ int8 [T·C], DX f32 [T·C/32] (block scales), BS int32 [T·C/16] (sums of 16 codes).
+@njit(inline="always", boundscheck=False, error_model="numpy")
+def _quantize_into(X, XQ, DX, BS, XS, XS32):
+    """X f32 [T, C] → XQ int8 [T·C], DX f32 [T·C/32] (block scales), BS int32 [T·C/16] (sums of 16 codes),
+    XS f32 [T·C/16] (dx·BS: Σ x̂ per 16), XS32 f32 [T·C/32] (Σ x̂ per 32).
 
     A block with a non-finite element gets dx = NaN (so its outputs are NaN);
     a block with amax < 2^-100 is flushed to zero (dx = 0).
@@ -180,6 +416,28 @@ def quantize_q8(X, XQ, DX, BS):
                     s1 += v
             BS[2 * k] = s0
             BS[2 * k + 1] = s1
+            XS[2 * k] = DX[k] * np.float32(s0)
+            XS[2 * k + 1] = DX[k] * np.float32(s1)
+            XS32[k] = DX[k] * np.float32(s0 + s1)
+
+
+@njit(cache=True, boundscheck=False, error_model="numpy", nogil=True)
+def quantize_q8(X, XQ, DX, BS, XS, XS32):
+    """The activation rounding alone (for effective_activation); see _quantize_into."""
+    _quantize_into(X, XQ, DX, BS, XS, XS32)
+
+
+@njit(inline="always")
+def _prep(X):
+    """X f32 [T, C] → the rounded activation arrays of _quantize_into, allocated here."""
+    T, C = X.shape
+    xq = np.empty(T * C, np.int8)
+    dx = np.empty(T * C // 32, np.float32)
+    bs = np.empty(T * C // 16, np.int32)
+    xs = np.empty(T * C // 16, np.float32)
+    xs32 = np.empty(T * C // 32, np.float32)
+    _quantize_into(X, xq, dx, bs, xs, xs32)
+    return xq, dx, bs, xs, xs32
 
 
 # ---- per-row dots: one weight row (byte o) · one activation row (offset xo) ----
@@ -188,9 +446,10 @@ def quantize_q8(X, XQ, DX, BS):
 
 @njit(**INLINE)
 def _row_q8_0(w, o, nb, xq, dx, bs, xo, f16):
-    acc = np.float32(0.0)
+    n4 = nb // 4
+    acc = _rowdot4_q8_0(w, o, n4, xq, xo, dx, bs, f16)
     j0 = xo // 32
-    for b in range(nb):
+    for b in range(4 * n4, nb):
         p = o + 34 * b
         j = np.uint64(j0 + b)
         s = _dot_q8(w, p + 2, xq, xo + 32 * b) - 128 * (bs[2 * j] + bs[2 * j + 1])
@@ -213,9 +472,10 @@ def _row_q5_0(w, o, nb, xq, dx, bs, xo, f16):
 
 @njit(**INLINE)
 def _row_mxfp4(w, o, nb, xq, dx, bs, xo, half):
-    acc = np.float32(0.0)
+    n4 = nb // 4
+    acc = _rowdot4_mxfp4(w, o, n4, xq, xo, dx, bs, half)
     j0 = xo // 32
-    for b in range(nb):
+    for b in range(4 * n4, nb):
         p = o + 17 * b
         j = np.uint64(j0 + b)
         s = _dot_fp4(w, p + 1, xq, xo + 32 * b) - 12 * (bs[2 * j] + bs[2 * j + 1])
@@ -223,91 +483,61 @@ def _row_mxfp4(w, o, nb, xq, dx, bs, xo, half):
     return acc
 
 
-@njit(**INLINE)
-def _row_q4_k(w, o, nb, xq, dx, bs, xo, f16):
-    acc = np.float32(0.0)
-    for b in range(nb):
-        p = o + 144 * b
-        sm = w[p + 4 : p + 16]
-        accd = np.float32(0.0)
-        accm = np.float32(0.0)
-        for c in range(4):
-            j = np.uint64((xo + 256 * b + 64 * c) // 32)  # x block of sub-block 2c
-            sc0, m0 = k_scale_min(sm, 2 * c)
-            sc1, m1 = k_scale_min(sm, 2 * c + 1)
-            s0 = _dot_nib(w, p + 16 + 32 * c, xq, 32 * j, 0)
-            s1 = _dot_nib(w, p + 16 + 32 * c, xq, 32 * j + 32, 4)
-            accd += dx[j] * (sc0 * np.float32(s0)) + dx[j + 1] * (sc1 * np.float32(s1))
-            accm += dx[j] * (m0 * np.float32(bs[2 * j] + bs[2 * j + 1])) + dx[j + 1] * (m1 * np.float32(bs[2 * j + 2] + bs[2 * j + 3]))
-        acc += f16_at(w, p, f16) * accd - f16_at(w, p + 2, f16) * accm
-    return acc
-
-
-@njit(**INLINE)
-def _row_q6_k(w, o, nb, xq, dx, bs, xo, f16):
-    wi = w.view(np.int8)
-    acc = np.float32(0.0)
-    for b in range(nb):
-        p = o + 210 * b
-        accd = np.float32(0.0)
-        for h in range(2):
-            for k in range(4):
-                j = np.uint64((xo + 256 * b + 128 * h + 32 * k) // 32)
-                s = p + 192 + 8 * h + 2 * k
-                lo = p + 64 * h + 32 * (k & 1)
-                hi = p + 128 + 32 * h
-                sh = 4 * (k >> 1)
-                s0 = _dot_q6(w, lo, hi, xq, 32 * j, sh, 2 * k) - 32 * bs[2 * j]
-                s1 = _dot_q6(w, lo + 16, hi + 16, xq, 32 * j + 16, sh, 2 * k) - 32 * bs[2 * j + 1]
-                accd += dx[j] * np.float32(np.int32(wi[np.uint64(s)]) * s0 + np.int32(wi[np.uint64(s + 1)]) * s1)
-        acc += f16_at(w, p + 208, f16) * accd
-    return acc
-
-
 # ---- drivers: out[t, r] = row r · activation row t ------------------------
-# _mq_<t>(w u8[bytes], stride, C, xq, dx, bs, table, out f32[T, R]); table is
-# F16_TABLE (E8M0_HALF for MXFP4). Rows are split across threads; each row's
-# bytes stay in L1 while every activation row uses them.
+# _mq_<t>(w u8[bytes], stride, X f32[T, C], table, out f32[T, R]); table is
+# F16_TABLE (E8M0_HALF for MXFP4). The activation is rounded first (one
+# thread, ~C/32 blocks), then rows are split across threads; each row's bytes
+# stay in L1 while every activation row uses them.
 
 
 @njit(**DRIVER)
-def _mq_q8_0(w, stride, C, xq, dx, bs, f16, out):
-    T, R = out.shape
+def _mq_q8_0(w, stride, X, f16, out):
+    T, C = X.shape
+    R = out.shape[1]
+    xq, dx, bs, xs, xs32 = _prep(X)
     for r in prange(R):
         for t in range(T):
             out[t, r] = _row_q8_0(w, r * stride, C // 32, xq, dx, bs, t * C, f16)
 
 
 @njit(**DRIVER)
-def _mq_q5_0(w, stride, C, xq, dx, bs, f16, out):
-    T, R = out.shape
+def _mq_q5_0(w, stride, X, f16, out):
+    T, C = X.shape
+    R = out.shape[1]
+    xq, dx, bs, xs, xs32 = _prep(X)
     for r in prange(R):
         for t in range(T):
             out[t, r] = _row_q5_0(w, r * stride, C // 32, xq, dx, bs, t * C, f16)
 
 
 @njit(**DRIVER)
-def _mq_mxfp4(w, stride, C, xq, dx, bs, half, out):
-    T, R = out.shape
+def _mq_mxfp4(w, stride, X, half, out):
+    T, C = X.shape
+    R = out.shape[1]
+    xq, dx, bs, xs, xs32 = _prep(X)
     for r in prange(R):
         for t in range(T):
             out[t, r] = _row_mxfp4(w, r * stride, C // 32, xq, dx, bs, t * C, half)
 
 
 @njit(**DRIVER)
-def _mq_q4_k(w, stride, C, xq, dx, bs, f16, out):
-    T, R = out.shape
+def _mq_q4_k(w, stride, X, f16, out):
+    T, C = X.shape
+    R = out.shape[1]
+    xq, dx, bs, xs, xs32 = _prep(X)
     for r in prange(R):
         for t in range(T):
-            out[t, r] = _row_q4_k(w, r * stride, C // 256, xq, dx, bs, t * C, f16)
+            out[t, r] = _rowdot_q4_k(w, r * stride, C // 256, xq, t * C, dx, xs32, f16)
 
 
 @njit(**DRIVER)
-def _mq_q6_k(w, stride, C, xq, dx, bs, f16, out):
-    T, R = out.shape
+def _mq_q6_k(w, stride, X, f16, out):
+    T, C = X.shape
+    R = out.shape[1]
+    xq, dx, bs, xs, xs32 = _prep(X)
     for r in prange(R):
         for t in range(T):
-            out[t, r] = _row_q6_k(w, r * stride, C // 256, xq, dx, bs, t * C, f16)
+            out[t, r] = _rowdot_q6_k(w, r * stride, C // 256, xq, t * C, dx, xs, f16)
 
 
 # type name → (driver, whether it takes E8M0_HALF instead of F16_TABLE)

@@ -138,7 +138,10 @@ def main(argv=None) -> int:
     with open_model(path) as mf:
         prompt = prompt_ids(args.prompt_tokens, mf.spec.n_vocab)
         desc = f"{mf.spec.arch} {mf.spec.n_layer} layers, {mf.gguf.file_bytes / 2**30:.2f} GiB"
-    print(f"model: {path.name} ({desc}); prompt {len(prompt)} tokens, decode {args.n}, threads {args.threads}, {args.repeat} repeats (medians)")
+    from moe_pipe.shared import quant
+
+    print(f"model: {path.name} ({desc}); prompt {len(prompt)} tokens, decode {args.n}, threads {args.threads}, {args.repeat} repeats (medians); "
+          f"int8 activations {'on' if quant.int8_activations() else 'off'} (MOE_PIPE_INT8_ACT)")
     ours, peer = [], []
     for r in range(args.repeat):
         ours.append(run_ours(path, prompt, args.n, args.threads, profile=False))

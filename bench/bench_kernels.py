@@ -1,10 +1,12 @@
 """Quantized matvec/matmul throughput next to numpy float32 on the same shapes.
 
-    python3 bench/bench_kernels.py [--types Q8_0,Q4_K] [--threads 2] [--quick]
+    python3 bench/bench_kernels.py [--types Q8_0,Q4_K] [--threads 2] [--quick] [--no-int8]
 
 Per type and shape [R×C]: G weights/s and GB/s of quantized bytes read by
 `matvec`, numpy float32 `W @ x` in the same run, and their ratio; then one
-`matmul` line at T=16 against numpy `X @ W.T`.
+`matmul` line at T=16 against numpy `X @ W.T`. matvec runs on int8
+activations for the integer types (the default, as in decode); `--no-int8`
+measures the float-activation tile path instead.
 
 Both sides read from DRAM, as experts do (each is used once per token): a
 768×2048 float32 matrix is 6 MB and would sit in the 32 MB L3, so each side
@@ -35,11 +37,13 @@ def main(argv: list[str] | None = None) -> int:
     from moe_pipe.shared.quant.blocks import random_blocks
 
     quant.set_threads(args.threads)
+    quant.set_int8_activations(not args.no_int8)
     types = [quant.qtype_from_name(t) for t in args.types.split(",")] if args.types else list(quant.SUPPORTED)
     shapes = [(QUICK_HEAD_ROWS if r > 100_000 and args.quick else r, c) for r, c in SHAPES]
     repeats = 3 if args.quick else 7
     rng = np.random.default_rng(0)
-    print(f"threads={args.threads} repeats={repeats} (median); G w/s = 1e9 weights per second; ratio = kernel / numpy fp32")
+    print(f"threads={args.threads} repeats={repeats} (median); int8 activations {'on' if quant.int8_activations() else 'off'}; "
+          "G w/s = 1e9 weights per second; ratio = kernel / numpy fp32")
     print(f"{'type':7s} {'op':6s} {'shape':>12s} {'mats':>4s} {'G w/s':>7s} {'GB/s':>6s} {'numpy Gw/s':>10s} {'ratio':>6s}")
     for r, c in shapes:
         n_mats = max(1, int(ROTATE_BYTES // (r * c * 4)))
@@ -90,6 +94,7 @@ def _parse(argv):
     p.add_argument("--types", default="", help="comma-separated type names (default: all 16)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--quick", action="store_true", help=f"fewer repeats, output head cut to {QUICK_HEAD_ROWS} rows")
+    p.add_argument("--no-int8", action="store_true", help="float activations everywhere (quant.set_int8_activations(False))")
     return p.parse_args(argv)
 
 

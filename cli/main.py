@@ -8,7 +8,17 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
+
+
+class _Terminated(BaseException):
+    """Raised by the SIGTERM handler (a BaseException, like KeyboardInterrupt,
+    so no `except Exception` swallows it)."""
+
+
+def _terminate(signum, frame):
+    raise _Terminated()
 
 # name -> (module under moe_pipe.cli, one-line help)
 COMMANDS = {
@@ -38,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from moe_pipe.shared.errors import UserError
 
+    # SIGTERM unwinds like Ctrl-C, so every context manager releases what it
+    # holds (shared memory, sockets, child processes) on the way out.
+    signal.signal(signal.SIGTERM, _terminate)
     try:
         module = importlib.import_module(f"moe_pipe.cli.{args._module}")
         return int(module.run(args) or 0)
@@ -49,6 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("moe-pipe: interrupted", file=sys.stderr)
         return 130
+    except _Terminated:
+        print("moe-pipe: terminated", file=sys.stderr)
+        return 143
     except BrokenPipeError:
         return 0
 

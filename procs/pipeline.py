@@ -19,7 +19,7 @@ import logging
 import multiprocessing as mp
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -108,7 +108,11 @@ class Pipeline:
         self.resolved = Resolved(budget.bytes, budget.description, n_slots, slab_bytes, time.perf_counter() - t0, direct)
         self._spawn(n_slots, slab_bytes)
         self._connect()
-        self._wait_for_compute(time.perf_counter() - t0)
+        self._wait_for_compute()
+        # load_seconds: everything before the first token can be computed —
+        # the dense load here and compute's own start (warm sweep, mapping).
+        self.resolved = replace(self.resolved, load_seconds=time.perf_counter() - t0)
+        self._send_run_info()
 
     def _spawn(self, n_slots: int, slab_bytes: int) -> None:
         cfg, rt = self.cfg, str(self.rt.path)
@@ -135,13 +139,11 @@ class Pipeline:
         self.socks["fetch"] = ipc.connect(self.ctx, ep, "fetch")  # to tell the reader to stop
         self.socks["telemetry"] = ipc.connect(self.ctx, ep, "telemetry_in")
 
-    def _wait_for_compute(self, elapsed: float) -> None:
+    def _wait_for_compute(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             self._check_children()
-            msg = ipc.recv(self.socks["tokens"], POLL_MS, expect=(m.Hello,))
-            if msg is not None:
-                self._send_run_info()
+            if ipc.recv(self.socks["tokens"], POLL_MS, expect=(m.Hello,)) is not None:
                 return
         raise PipelineError(f"compute did not start within {START_TIMEOUT_S:.0f} s")
 

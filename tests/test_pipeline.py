@@ -253,3 +253,29 @@ def _name(p: psutil.Process) -> str:
         return p.name()
     except psutil.Error:
         return ""
+
+
+@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_ctrl_c_and_sigterm_release_everything(tiny, sig, code):
+    path = tiny[0]
+    proc = subprocess.Popen([sys.executable, "-m", "moe_pipe.cli.main", "run", str(path), "-p", PROMPT, "-n", "100000",
+                             "--ignore-eos", "--set", "compute.ctx_size=200000"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not any(_name(k) == "moe-compute" for k in psutil.Process(proc.pid).children()):
+            time.sleep(0.1)
+        time.sleep(1.5)  # generating
+        children = psutil.Process(proc.pid).children(recursive=True)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == code, err
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(_running(c) for c in children):
+        time.sleep(0.1)
+    assert not [c.pid for c in children if _running(c)]
+    assert not leftovers({proc.pid})

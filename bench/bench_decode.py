@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-OUT = Path(__file__).resolve().parent / "out"
+from _models import shape_model  # noqa: E402  (bench/ is the script's folder)
 
 
 def parse(argv):
@@ -34,15 +34,7 @@ def parse(argv):
 
 
 def ensure_model(args) -> Path:
-    if args.model:
-        return Path(args.model)
-    from moe_pipe.shared.makemodel import make_model
-
-    path = OUT / f"qwen30b-shape-L{args.layers}.gguf"
-    if not path.exists():
-        print(f"making {path} ...", file=sys.stderr)
-        make_model("qwen3moe", "qwen30b-shape", path, layers=args.layers)
-    return path
+    return shape_model(args.model, args.layers)
 
 
 def prompt_ids(n: int, n_vocab: int) -> list[int]:

@@ -26,7 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-OUT = Path(__file__).resolve().parent / "out"
+from _models import shape_model  # noqa: E402  (bench/ is the script's folder)
 PROMPT = "The old mill by the river had stood there for a hundred years, and every spring"
 
 
@@ -43,15 +43,7 @@ def parse(argv):
 
 
 def ensure_model(args) -> Path:
-    if args.model:
-        return Path(args.model)
-    from moe_pipe.shared.makemodel import make_model
-
-    path = OUT / f"qwen30b-shape-L{args.layers}.gguf"
-    if not path.exists():
-        print(f"making {path} ...", file=sys.stderr)
-        make_model("qwen3moe", "qwen30b-shape", path, layers=args.layers)
-    return path
+    return shape_model(args.model, args.layers)
 
 
 def run(cmd: list[str], cgroup: Path | None = None) -> dict:

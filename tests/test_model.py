@@ -30,7 +30,7 @@ def test_prefill_batches_equal_one_token_at_a_time(tiny):
     steps = np.stack([tiny.decode_one(t, b) for t in PROMPT])
     # Tolerance: a one-token product on the integer types multiplies on
     # int8-rounded activations (x̂ = dx·int8 per block of 32, |x − x̂| ≤
-    # amax/254, ~0.5 % rms per product; docs/kernels.md), while multi-token
+    # amax/254, ~0.5 % relative per product; docs/kernels.md), while multi-token
     # prefill products keep float32 — as in llama.cpp, the two paths
     # legitimately differ by that rounding. Measured on these 4-layer models:
     # 1.5–7 % relative (L2) per logits row, median 2–3 %, and up to ~0.3 on a

@@ -1,7 +1,7 @@
 """Integer dot products against int8 activations: Q8_0, Q4_K, Q6_K, Q5_0, MXFP4.
 
-For these types a one-token `matvec` (the decode step) quantizes the
-activation to int8 per block of 32 (x̂ = dx·xq, dx = amax/127,
+For these types a one-row call (matvec, matmul with T = 1: the decode
+step) quantizes the activation to int8 per block of 32 (x̂ = dx·xq, dx = amax/127,
 xq = rint(x/dx), the q8_0 rounding) and multiplies on the raw small integers.
 Per call, row-independent sums of the codes are computed once: bs (int32, per
 16), xs16 = dx·bs (float, per 16) and xs32 (float, per 32), the Σ x̂ that the
@@ -16,19 +16,22 @@ converted to float and FMA'd into a 16-lane float accumulator with a factor
 vector d·scale·dx per lane. Scales and mins of all sub-blocks are decoded as
 one vector per super-block; the offset term (Q4_K dmin·m, Q6_K the −32)
 is an 8/16-lane FMA against xs32/xs16. Nothing is reduced horizontally until
-the row ends. Per super-block (Q4_K) this is ~70 instructions for 256 weights.
+the row ends. Per super-block (Q4_K) this is ~60 instructions for 256 weights.
 
-Q8_0, Q5_0 and MXFP4 (single scale per 32) keep a per-block IR dot
-(`_dot_*`: `zext(u)·sext(xq)` + `llvm.vector.reduce.add`) so the code offset
-is subtracted in exact integers per block before scaling.
+Q8_0 and MXFP4 (single scale per 32) take 4 blocks per step in IR
+(`_gen_block4`): two vpdpbusd, a shuffle-add tree to the 4 block sums, the
+code offset subtracted in exact int32 per block (an all-zero-weight block
+gives exactly 0), one 4-lane FMA. Q5_0 and the < 4-block tails keep a
+per-block IR dot (`_dot_*`: `zext(u)·sext(xq)` + `llvm.vector.reduce.add`).
 
 Where the CPU has AVX-512 VNNI (and numba targets the host) the 64-byte dot is
 the `llvm.x86.avx512.vpdpbusd.512` intrinsic; anywhere else it is the same
-sum written as target-independent IR (products in int32, pairwise adds), so
-the results are identical, only slower. Written in numba-level Python the same
+sum written as target-independent IR (products in int32, pairwise adds): the
+same integer sums, only slower (the float scaling may round differently in
+the last bit, as LLVM schedules it differently). Written in numba-level Python the same
 loop is typed in int64 (numba widens small ints), and LLVM then leaves it
-scalar or widens to 32-bit lanes: 6–9 G weights/s against ~40 here (one core,
-in cache).
+scalar or widens to 32-bit lanes: 6–9 G weights/s for a block dot, against
+25–35 G weights/s for the whole-row kernels here (one core, in cache).
 
 Numerics: weights are decoded exactly; the activation is rounded to int8
 (|x − x̂| ≤ dx/2 = amax₃₂/254 per element); the integer sums are exact and

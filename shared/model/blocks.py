@@ -12,14 +12,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..spec import RopeSpec
+from .fused import rms_norm, swiglu  # noqa: F401  (fused loops, part of the blocks' API)
 
 
-def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray:
-    """x · (mean(x²) + eps)^-½ · w over the last axis (w None: no weight)."""
-    x = x.astype(np.float32, copy=False)
-    scale = 1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.float32(eps))  # [..., 1]
-    y = x * scale.astype(np.float32)
-    return y * weight if weight is not None else y
 
 
 # ---- rotary position embedding --------------------------------------------------
@@ -37,9 +32,16 @@ class Rope:
         return 2 * self.inv_freq.shape[0]
 
     def tables(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        # Every layer of a forward pass asks for the same positions: keep the last answer.
+        key = (int(positions[0]), positions.shape[0]) if positions.size else None
+        memo = self.__dict__.get("_memo")
+        if memo is not None and memo[0] == key:
+            return memo[1]
         angles = positions.astype(np.float32)[:, None] * self.inv_freq[None, :]  # [T, n_rot/2]
         f = np.float32(self.attn_factor)
-        return np.cos(angles) * f, np.sin(angles) * f
+        out = (np.cos(angles) * f, np.sin(angles) * f)
+        object.__setattr__(self, "_memo", (key, out))  # a cache, not state: the dataclass stays frozen in meaning
+        return out
 
     def apply(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
         """x [T, heads, d] rotated in place-safe fashion; dims ≥ n_rot pass through."""
@@ -168,10 +170,6 @@ def attention(q: np.ndarray, cache: KVCache, layer: int, start: int, scale: floa
 def sigmoid(x: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore"):  # exp(-x) → inf for very negative x gives the right 0
         return 1.0 / (1.0 + np.exp(-x))
-
-
-def silu(x: np.ndarray) -> np.ndarray:
-    return x * sigmoid(x)
 
 
 _GELU_C = np.float32(math.sqrt(2.0 / math.pi))

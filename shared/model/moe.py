@@ -57,6 +57,14 @@ def apply_experts(x: np.ndarray, routing: Routing, source: ExpertSource, layer: 
                   ffn: Callable[[Expert, np.ndarray], np.ndarray]) -> np.ndarray:
     """Σ_k w[t,k] · ffn(expert ids[t,k], x[t]) for every token t; x [T, D] → [T, D]."""
     t, k = routing.ids.shape
+    if t == 1:  # decode: one token, k distinct experts — no index bookkeeping
+        ids = routing.ids[0].tolist()
+        ys = {e.id: ffn(e, x) for e in source.experts(layer, ids)}  # id -> [1, D]
+        w = routing.weights[0]
+        out = ys[ids[0]] * w[0]
+        for s in range(1, k):  # slot order, as below
+            out += ys[ids[s]] * w[s]
+        return out
     contrib = np.zeros((t, k, x.shape[1]), np.float32)  # [T, K, D]
     for expert in source.experts(layer, routing.unique_experts()):
         rows, slots = np.nonzero(routing.ids == expert.id)  # each token picks an expert at most once

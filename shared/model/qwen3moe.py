@@ -12,13 +12,13 @@ import math
 import numpy as np
 
 from .base import MoEModel
-from .blocks import attention, rms_norm, rope_from_spec, silu
+from .blocks import attention, rms_norm, rope_from_spec, swiglu
 from .moe import apply_experts, softmax_then_top_k
 from .weights import Expert
 
 
 def swiglu_expert(e: Expert, x: np.ndarray) -> np.ndarray:
-    return e.down(silu(e.gate(x)) * e.up(x))  # [n, D]
+    return e.down(swiglu(e.gate(x), e.up(x)))  # [n, D]
 
 
 class Model(MoEModel):

@@ -7,7 +7,7 @@ dense tensors from the file mapping, and an `ExpertSource` hands out experts
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Protocol
 
 import numpy as np
@@ -27,12 +27,16 @@ class QWeight:
     qtype: quant.QType
     data: np.ndarray  # uint8 [R, row_bytes] (or the native float dtype for F32/F16)
     shape: tuple[int, int]  # (R, C)
+    prep: quant.Prepared = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "prep", quant.prepare(self.qtype, self.data))  # checked once, not per call
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         """x [T, C] → [T, R] (x [C] → [R])."""
         if x.ndim == 1:
-            return quant.matvec(self.qtype, self.data, x)
-        return quant.matmul(self.qtype, self.data, x)
+            return quant.apply(self.prep, x.reshape(1, -1))[0]
+        return quant.apply(self.prep, x)
 
     def rows(self, ids) -> np.ndarray:
         return quant.dequantize_rows(self.qtype, self.data, ids)
@@ -40,7 +44,8 @@ class QWeight:
 
 def _as_matrix(name: str, qtype, view: np.ndarray, shape: tuple[int, ...]) -> QWeight:
     rows = int(np.prod(shape[:-1]))
-    data = view.reshape(rows, -1)
+    # A plain ndarray view: numpy's memmap subclass costs a Python call per slice.
+    data = np.asarray(view).reshape(rows, -1)
     return QWeight(quant.QType(int(qtype)), data, (rows, shape[-1]))
 
 
@@ -80,15 +85,20 @@ class FileExperts:
 
     def __init__(self, mf: ModelFile):
         self._mf = mf
+        self._experts: dict[tuple[int, int], Expert] = {}  # views only: built once, kept
 
     def _slice(self, part, expert_id: int) -> np.ndarray:
-        view = self._mf.gguf.view(part.tensor.name)  # [E, ...] native or uint8 rows
+        view = np.asarray(self._mf.gguf.view(part.tensor.name))  # [E, ...] native or uint8 rows
         return view[expert_id].reshape(-1).view(np.uint8)
 
     def experts(self, layer: int, ids: Iterable[int]) -> Iterator[Expert]:
         lay = self._mf.layout.layers[layer]
         for e in ids:
-            yield expert_from_bytes(lay, int(e), {p.name: self._slice(p, int(e)) for p in lay.parts})
+            key = (layer, int(e))
+            expert = self._experts.get(key)
+            if expert is None:
+                expert = self._experts[key] = expert_from_bytes(lay, key[1], {p.name: self._slice(p, key[1]) for p in lay.parts})
+            yield expert
 
 
 class Weights:

@@ -76,6 +76,9 @@ SUPPORTED = tuple(FORMATS)
 
 def block_format(qtype: int | QType) -> BlockFormat:
     """The format of a ggml type id; ValueError names unsupported ones."""
+    fmt = FORMATS.get(qtype)  # IntEnum hashes like its int: no enum construction on the hot path
+    if fmt is not None:
+        return fmt
     try:
         return FORMATS[QType(int(qtype))]
     except (ValueError, KeyError):

@@ -1,0 +1,51 @@
+"""Small fused loops for the decode hot path, where a chain of numpy calls on a
+few thousand floats costs more in dispatch than in arithmetic (measured: ~10 µs
+of numpy calls per SwiGLU against ~1 µs fused). Compiled once, cached on disk."""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+
+@njit(cache=True, boundscheck=False)
+def _swiglu(g, u, out):
+    gf, uf, of = g.ravel(), u.ravel(), out.ravel()
+    one = np.float32(1.0)
+    for i in range(gf.size):
+        x = gf[i]
+        of[i] = x / (one + np.exp(-x)) * uf[i]  # silu(x)·u; exp(-x) = inf gives the right -0
+
+
+def swiglu(g: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """silu(g) ⊙ u for float32 arrays of one shape."""
+    g = np.ascontiguousarray(g, dtype=np.float32)
+    u = np.ascontiguousarray(u, dtype=np.float32)
+    out = np.empty_like(g)
+    _swiglu(g, u, out)
+    return out
+
+
+@njit(cache=True, boundscheck=False)
+def _rms_norm(x, w, use_w, eps, out):
+    rows, cols = x.shape
+    for r in range(rows):
+        acc = 0.0  # float64: the mean of squares without float32 drift
+        for c in range(cols):
+            v = np.float64(x[r, c])
+            acc += v * v
+        scale = np.float32(1.0 / np.sqrt(acc / cols + eps))
+        for c in range(cols):
+            y = x[r, c] * scale
+            out[r, c] = y * w[c] if use_w else y
+
+
+_NO_WEIGHT = np.ones(1, np.float32)
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray:
+    """x · (mean(x²) + eps)^-½ · w over the last axis (w None: no weight)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    flat = x.reshape(-1, x.shape[-1])
+    out = np.empty_like(flat)
+    _rms_norm(flat, weight if weight is not None else _NO_WEIGHT, weight is not None, float(eps), out)
+    return out.reshape(x.shape)

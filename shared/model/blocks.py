@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..spec import RopeSpec
-from .fused import rms_norm, swiglu  # noqa: F401  (fused loops, part of the blocks' API)
+from .fused import _rope_rotate, rms_norm, swiglu  # noqa: F401  (fused loops, part of the blocks' API)
 
 
 
@@ -45,12 +45,8 @@ class Rope:
 
     def apply(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
         """x [T, heads, d] rotated in place-safe fashion; dims ≥ n_rot pass through."""
-        half = self.inv_freq.shape[0]
-        c, s = cos[:, None, :], sin[:, None, :]  # [T, 1, n_rot/2]
-        x1, x2 = x[..., :half], x[..., half : 2 * half]
-        out = x.copy()
-        out[..., :half] = x1 * c - x2 * s
-        out[..., half : 2 * half] = x2 * c + x1 * s
+        out = np.array(x, dtype=np.float32, order="C")  # [T, heads, d]
+        _rope_rotate(out, np.ascontiguousarray(cos), np.ascontiguousarray(sin), self.inv_freq.shape[0])
         return out
 
 
@@ -140,17 +136,21 @@ def attention(q: np.ndarray, cache: KVCache, layer: int, start: int, scale: floa
     """
     t, h, d = q.shape
     n = start + t
-    keys, values = cache.k[layer][:, :n], cache.v[layer][:, :n]  # [Hk, N, d], [Hk, N, dv]
+    # One query (decode) sees every cached key up to itself: slice the window
+    # instead of building a mask.
+    lo = max(0, n - window) if (t == 1 and window) else 0
+    keys, values = cache.k[layer][:, lo:n], cache.v[layer][:, lo:n]  # [Hk, N, d], [Hk, N, dv]
     hk = keys.shape[0]
     g = h // hk
     qg = q.reshape(t, hk, g, d).transpose(1, 2, 0, 3)  # [Hk, G, T, d]
     scores = np.matmul(qg, keys[:, None].transpose(0, 1, 3, 2)) * np.float32(scale)  # [Hk, G, T, N]
-    pos = np.arange(start, n)[:, None]  # [T, 1]
-    j = np.arange(n)[None, :]  # [1, N]
-    hidden = j > pos
-    if window:
-        hidden |= j <= pos - window
-    scores = np.where(hidden, np.float32(-np.inf), scores)
+    if t > 1:
+        pos = np.arange(start, n)[:, None]  # [T, 1]
+        j = np.arange(n)[None, :]  # [1, N]
+        hidden = j > pos
+        if window:
+            hidden |= j <= pos - window
+        scores = np.where(hidden, np.float32(-np.inf), scores)
     m = scores.max(axis=-1, keepdims=True)
     if sinks is not None:
         s = sinks.reshape(hk, g, 1, 1).astype(np.float32)

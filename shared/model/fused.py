@@ -49,3 +49,52 @@ def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray
     out = np.empty_like(flat)
     _rms_norm(flat, weight if weight is not None else _NO_WEIGHT, weight is not None, float(eps), out)
     return out.reshape(x.shape)
+
+
+@njit(cache=True, boundscheck=False)
+def _softmax_top_k(logits, k, renormalize, ids, weights):
+    """Row-wise: softmax over all, the k best (ties: lower id), optionally renormalized."""
+    rows, e = logits.shape
+    p = np.empty(e, np.float32)
+    for r in range(rows):
+        m = logits[r, 0]
+        for i in range(1, e):
+            if logits[r, i] > m:
+                m = logits[r, i]
+        total = np.float32(0.0)
+        for i in range(e):
+            p[i] = np.exp(logits[r, i] - m)
+            total += p[i]
+        for i in range(e):
+            p[i] /= total
+        taken = 0.0
+        for s in range(k):
+            best = -1
+            for i in range(e):
+                if best < 0 or p[i] > p[best]:
+                    used = False
+                    for t in range(s):
+                        if ids[r, t] == i:
+                            used = True
+                            break
+                    if not used:
+                        best = i
+            ids[r, s] = best
+            weights[r, s] = p[best]
+            taken += p[best]
+        if renormalize:
+            for s in range(k):
+                weights[r, s] = weights[r, s] / np.float32(taken)
+
+
+@njit(cache=True, boundscheck=False)
+def _rope_rotate(x, cos, sin, half):
+    """In place, NEOX pairs (i, i + half) of every head: x [T, heads, d], cos/sin [T, half]."""
+    t_count, heads, _ = x.shape
+    for t in range(t_count):
+        for h in range(heads):
+            for i in range(half):
+                a, b = x[t, h, i], x[t, h, i + half]
+                c, s = cos[t, i], sin[t, i]
+                x[t, h, i] = a * c - b * s
+                x[t, h, i + half] = b * c + a * s

@@ -15,6 +15,7 @@ from typing import Callable
 import numpy as np
 
 from .blocks import softmax
+from .fused import _softmax_top_k
 from .weights import Expert, ExpertSource
 
 
@@ -38,13 +39,13 @@ def top_k_ids(scores: np.ndarray, k: int) -> np.ndarray:
 
 
 def softmax_then_top_k(logits: np.ndarray, k: int, renormalize: bool = True) -> Routing:
-    """Qwen3-MoE / Gemma-4: p = softmax over all experts, keep the top k, renormalize."""
-    p = softmax(logits.astype(np.float32))  # [T, E]
-    ids = top_k_ids(p, k)
-    w = np.take_along_axis(p, ids, axis=-1)
-    if renormalize:
-        w = w / w.sum(axis=-1, keepdims=True)
-    return Routing(ids, w.astype(np.float32))
+    """Qwen3-MoE / Gemma-4: p = softmax over all experts, keep the top k (ties:
+    lower id), renormalize. One fused loop: this runs once per layer per token."""
+    logits = np.ascontiguousarray(logits, dtype=np.float32)  # [T, E]
+    ids = np.empty((logits.shape[0], k), np.int64)
+    w = np.empty((logits.shape[0], k), np.float32)
+    _softmax_top_k(logits, k, renormalize, ids, w)
+    return Routing(ids, w)
 
 
 def top_k_then_softmax(logits: np.ndarray, k: int) -> Routing:

@@ -142,8 +142,10 @@ def attention(q: np.ndarray, cache: KVCache, layer: int, start: int, scale: floa
     keys, values = cache.k[layer][:, lo:n], cache.v[layer][:, lo:n]  # [Hk, N, d], [Hk, N, dv]
     hk = keys.shape[0]
     g = h // hk
-    qg = q.reshape(t, hk, g, d).transpose(1, 2, 0, 3)  # [Hk, G, T, d]
-    scores = np.matmul(qg, keys[:, None].transpose(0, 1, 3, 2)) * np.float32(scale)  # [Hk, G, T, N]
+    # One matmul per kv head over all its G·T query rows (not G·T separate
+    # products): [Hk, G·T, d] @ [Hk, d, N].
+    qg = np.ascontiguousarray(q.reshape(t, hk, g, d).transpose(1, 2, 0, 3)).reshape(hk, g * t, d)
+    scores = (np.matmul(qg, keys.transpose(0, 2, 1)) * np.float32(scale)).reshape(hk, g, t, -1)  # [Hk, G, T, N]
     if t > 1:
         pos = np.arange(start, n)[:, None]  # [T, 1]
         j = np.arange(n)[None, :]  # [1, N]
@@ -160,7 +162,7 @@ def attention(q: np.ndarray, cache: KVCache, layer: int, start: int, scale: floa
     else:
         e = np.exp(scores - m)
         probs = e / e.sum(axis=-1, keepdims=True)
-    out = np.matmul(probs, values[:, None])  # [Hk, G, T, dv]
+    out = np.matmul(probs.reshape(hk, g * t, -1), values).reshape(hk, g, t, -1)  # [Hk, G, T, dv]
     return out.transpose(2, 0, 1, 3).reshape(t, -1)  # [T, H·dv]
 
 

@@ -76,6 +76,21 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def expert_bandwidth(model, seconds: float = 2.0, seed: int = 1) -> float:
+    """GB/s of one lane reading random experts of `model` with O_DIRECT: the
+    machine's figure the pipeline's reader is compared with."""
+    from moe_pipe.shared.directio import ExpertFiles
+    from moe_pipe.shared.model_file import open_model
+    from moe_pipe.shared.shm import SlabArena, segment_name
+
+    with open_model(model) as mf, ExpertFiles(mf.gguf.paths) as ef, \
+            SlabArena.create(segment_name("bench-reads"), 1, mf.layout.slab_bytes) as arena:
+        rng, spec = random.Random(seed), mf.spec
+        work = [mf.layout.expert_extents(rng.randrange(spec.n_layer), rng.randrange(spec.n_expert)) for _ in range(5000)]
+        _n, nbytes, _lat, secs = _run(ef, arena, work, 1, seconds)
+    return nbytes / secs / 1e9
+
+
 def _run(ef, arena, work, lanes, seconds):
     """Lanes pull experts off a shared list until the time is up."""
     lock, nxt, stop = threading.Lock(), [0], time.perf_counter() + seconds

@@ -26,6 +26,12 @@ COMMANDS = {
     "make-model": ("make_model", "write a deterministic GGUF model with random weights"),
     "inspect": ("inspect_cmd", "show a GGUF model's layout: experts, bytes, quant types"),
     "convert": ("convert_cmd", "convert a Hugging Face checkpoint (safetensors) to GGUF"),
+    "up": ("up_cmd", "start the service: streaming pipeline + OpenAI-compatible HTTP API, supervised"),
+    "down": ("down_cmd", "stop the running service"),
+    "status": ("status_cmd", "show the running service's processes, budget and hit rate"),
+    "tail": ("tail_cmd", "watch the running service's per-token telemetry live"),
+    "chat": ("chat_cmd", "chat with a model in the terminal (the running service, or one brought up for it)"),
+    "replay": ("replay_cmd", "replay a route trace through the cache policies"),
 }
 
 
@@ -43,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(argv) if argv is not None else sys.argv[1:]  # for commands that re-run themselves (up --detach)
     if not getattr(args, "_module", None):
         parser.print_help()
         return 2

@@ -43,16 +43,12 @@ def load_run_config(args: argparse.Namespace):
 
 
 def _prompt_tokens(args, cfg, tok) -> list[int]:
-    from moe_pipe.shared.chat import render_chat
+    from moe_pipe.shared.chat import chat_prompt_tokens, encode_prompt
 
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": args.prompt}]
-        text = render_chat(tok, messages, add_generation_prompt=True, no_think=cfg.generate.no_think)
-    else:
-        text = args.prompt
-    # A rendered template that writes BOS itself must not get a second one.
-    starts_with_bos = tok.bos_id is not None and text.startswith(tok.token_text(tok.bos_id))
-    return tok.encode(text, add_bos=False if starts_with_bos else None, special=True)
+        return chat_prompt_tokens(tok, messages, no_think=cfg.generate.no_think)
+    return encode_prompt(tok, args.prompt)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -27,10 +27,12 @@ import zmq
 from ..shared import ipc, messages as m
 from ..shared import quant
 from ..shared.dense import arena_views, warm_sweep
+from ..shared.errors import UserError
 from ..shared.directio import expert_view, placement_for
 from ..shared.residency import ResidencyIndex
 from ..shared.generate import GenerationConfig, generate
 from ..shared.model import load_model
+from ..shared.model.levers import Levers
 from ..shared.model.weights import Expert
 from ..shared.model_file import open_model
 from ..shared.sampling import SamplingParams
@@ -59,12 +61,45 @@ class ComputeConfig:
     top_k: int | None = None
     threads: int | None = None
     ctx_size: int = 4096
+    drop_cold_experts: float = 0.0  # lossy levers (shared.model.levers); 0 = exact
+    cache_route: float = 0.0
+    route_trace: str = ""  # record routing to this file ("" = no)
 
 
 class RequestFailed(Exception):
     def __init__(self, code: str, message: str):
         super().__init__(message)
         self.code = code
+
+
+class Interrupts:
+    """What may arrive on the requests link while a generation runs: a Cancel
+    for it (its client went away) or a Shutdown. Checked before every model
+    step (a non-blocking poll, microseconds); a Shutdown is remembered so the
+    serve loop exits once the request has ended."""
+
+    def __init__(self, requests: zmq.Socket):
+        self.requests = requests
+        self.req_id = 0
+        self.shutdown = False
+        self.pending: list[m.Generate] = []  # a front end that did not wait for Done
+
+    def check(self) -> None:
+        while True:
+            try:
+                msg = ipc.recv(self.requests, 0, expect=(m.Cancel, m.Shutdown, m.Generate))
+            except m.ProtocolError as exc:
+                log.warning("dropped a bad frame: %s", exc)
+                continue
+            if msg is None:
+                return
+            if isinstance(msg, m.Generate):
+                self.pending.append(msg)
+            elif isinstance(msg, m.Shutdown):
+                self.shutdown = True
+                raise RequestFailed(m.Code.CANCELLED, "the service is shutting down")
+            elif msg.req_id == self.req_id:
+                raise RequestFailed(m.Code.CANCELLED, "cancelled by the front end")
 
 
 class SlabExperts:
@@ -160,6 +195,10 @@ class SlabExperts:
                 self.read_bytes += self.layout.expert_bytes(msg.layer)
             return msg
 
+    def resident(self, layer: int, ids) -> list[bool]:
+        """Which of these experts are cached now (for the lossy levers)."""
+        return [s >= 0 for s in self.index.slots(layer, ids)]
+
     def _view(self, layer: int, expert: int, slot: int) -> Expert:
         """The expert's weights as views into its slab. A view stays valid while
         the expert stays in that slab, so views are kept per (layer, expert)
@@ -188,12 +227,43 @@ def _alive(pid: int) -> bool:
         return False
 
 
+class RouteTracer:
+    """`--route-trace FILE`: every routing decision, in the route-trace format
+    (shared.trace), with whether each expert was cached when it was routed.
+    A turn is one request; its steps are token positions (prompt 0..P-1,
+    then one per generated token), as in the published phone traces."""
+
+    def __init__(self, path: str, mf, top_k: int | None, source: SlabExperts):
+        from ..shared.trace import TraceHeader, TraceWriter
+
+        self.writer = TraceWriter(path)
+        self.writer.write_header(TraceHeader.from_layout(mf.gguf.path, mf.layout, top_k))
+        self.source, self.last_layer = source, mf.spec.n_layer - 1
+        self.turn, self.phase, self.step = self.writer.next_turn - 1, 0, 0
+
+    def begin_turn(self) -> None:
+        self.turn, self.step = self.turn + 1, 0
+
+    def __call__(self, layer: int, routing) -> None:
+        ids = routing.ids
+        cached = np.asarray(self.source.resident(layer, ids.reshape(-1).tolist()), np.int64).reshape(ids.shape)
+        self.writer.write_routing(self.turn, self.phase, self.step, layer, ids, routing.weights, cached)
+        if layer == self.last_layer:
+            self.step += ids.shape[0]
+
+    def close(self) -> None:
+        self.writer.close()
+
+
 class Recorder:
     """Wraps the model: one TokenRecord per generated token (step 1 = the
     prefill that produced it, then one decode each)."""
 
-    def __init__(self, model, source: SlabExperts, telemetry: ipc.DroppingSender):
-        self.model, self.source, self.telemetry = model, source, telemetry
+    def __init__(self, model, source: SlabExperts, telemetry: ipc.DroppingSender, interrupts: Interrupts | None = None,
+                 tracer: RouteTracer | None = None):
+        self.model, self.source, self.telemetry, self.interrupts = model, source, telemetry, interrupts
+        self.tracer = tracer
+        model.route_observer = tracer
         self.meter = ResourceMeter()
         self.records: list[m.TokenRecord] = []
         self.total_hits = self.total_misses = 0
@@ -201,15 +271,23 @@ class Recorder:
     def new_cache(self, n_ctx):
         self.records, self.total_hits, self.total_misses = [], 0, 0
         self.meter.delta()
+        if self.tracer:
+            self.tracer.begin_turn()
         return self.model.new_cache(n_ctx)
 
     def prefill(self, tokens, cache, batch=64):
+        if self.tracer:
+            self.tracer.phase = 0
         return self._step(lambda: self.model.prefill(tokens, cache, batch=batch))
 
     def decode_one(self, token, cache):
+        if self.tracer:
+            self.tracer.phase = 1
         return self._step(lambda: self.model.decode_one(token, cache))
 
     def _step(self, fn):
+        if self.interrupts is not None:
+            self.interrupts.check()
         self.source.reset_counters()
         t0 = time.perf_counter()
         out = fn()
@@ -257,22 +335,47 @@ def serve(cfg: ComputeConfig, ctx: zmq.Context) -> None:
     source = SlabExperts(cfg, mf.layout, fetch_out, ready_in)
     model = load_model(mf, top_k=cfg.top_k, experts=source, dense_view=view)
     model.prefetch_next = cfg.prefetch
+    model.levers = Levers(cfg.drop_cold_experts, cfg.cache_route)
     tok = Tokenizer.from_gguf(mf.gguf)
-    recorder = Recorder(model, source, telemetry)
+    interrupts = Interrupts(requests)
+    tracer = RouteTracer(cfg.route_trace, mf, cfg.top_k, source) if cfg.route_trace else None
+    recorder = Recorder(model, source, telemetry, interrupts, tracer)
     load_s = time.perf_counter() - t0
-    ipc.send(tokens_out, m.Hello("compute", os.getpid(), 0))
+    epoch = time.time_ns()
+    ipc.send(fetch_out, m.Hello("compute", os.getpid(), epoch))  # the reader drops a dead compute's pins
+    ipc.send(tokens_out, m.Hello("compute", os.getpid(), epoch))  # the front end can send requests
     try:
-        while True:
-            msg = ipc.recv(requests, None, expect=(m.Generate, m.Shutdown))
+        while not interrupts.shutdown:
+            msg = interrupts.pending.pop(0) if interrupts.pending else _next_request(requests, cfg)
             if isinstance(msg, m.Shutdown):
                 return
-            handle(msg, recorder, tok, cfg, tokens_out, load_s)
+            if isinstance(msg, m.Generate):
+                interrupts.req_id = msg.req_id
+                try:
+                    handle(msg, recorder, tok, cfg, tokens_out, load_s)
+                finally:
+                    interrupts.req_id = 0
     finally:
+        if tracer:
+            tracer.close()
         source.arena.close()
         source.index.close()
         if dense_arena is not None:
             dense_arena.close()
         mf.close()
+
+
+def _next_request(requests: zmq.Socket, cfg: ComputeConfig) -> m.Generate | m.Shutdown | None:
+    """The next request; while idle, also notice a dead reader and end this
+    process (its supervisor restarts both; a later request would only fail)."""
+    try:
+        msg = ipc.recv(requests, PEER_POLL_MS, expect=(m.Generate, m.Shutdown, m.Cancel))
+    except m.ProtocolError as exc:
+        log.warning("dropped a bad frame: %s", exc)
+        return None
+    if msg is None and not _alive(cfg.reader_pid):
+        raise RequestFailed(m.Code.PEER_GONE, "the reader process died")
+    return msg if isinstance(msg, (m.Generate, m.Shutdown)) else None  # a Cancel for a request already done
 
 
 def handle(req: m.Generate, recorder: Recorder, tok, cfg: ComputeConfig, out: zmq.Socket, load_s: float) -> None:
@@ -289,6 +392,9 @@ def handle(req: m.Generate, recorder: Recorder, tok, cfg: ComputeConfig, out: zm
         ipc.send(out, m.Done(req.req_id, False, code=str(exc.code), error=str(exc)))
         if exc.code == m.Code.PEER_GONE:
             raise
+        return
+    except UserError as exc:  # the request's own fault (a prompt over the context, bad sampling values)
+        ipc.send(out, m.Done(req.req_id, False, code=m.Code.BAD_ARGUMENT, error=str(exc)))
         return
     except Exception as exc:  # noqa: BLE001 - a bad request fails that request
         log.exception("generation failed")

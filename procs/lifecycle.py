@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import signal
 import sys
+from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
@@ -26,7 +28,53 @@ def child_setup(role: str) -> None:
         libc.prctl(_PR_SET_NAME, ctypes.c_char_p(process_name(role).encode()))
     except (OSError, AttributeError):  # not Linux: the parent's watchdog still ends us
         pass
-    logging.basicConfig(stream=sys.stderr, level=logging.WARNING, format=f"moe-pipe {role}: %(message)s")
+    configure_logging(role)
+
+
+# A service's processes log to its runtime dir as well as to stderr: the
+# supervisor sets this before it spawns anyone (children inherit it).
+LOG_FILE_ENV = "MOE_PIPE_LOG_FILE"
+LOG_LEVEL_ENV = "MOE_PIPE_LOG_LEVEL"
+
+
+def configure_logging(role: str) -> None:
+    """Every line tagged with the process's name and pid; to stderr and, in a
+    service, to its log file (lines are appended whole: O_APPEND)."""
+    fmt = logging.Formatter(f"%(asctime)s {process_name(role)}[%(process)d] %(levelname)s %(message)s",
+                            datefmt="%H:%M:%S")
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+    path = os.environ.get(LOG_FILE_ENV)
+    if path:
+        handlers.append(logging.FileHandler(path, mode="a", encoding="utf-8", delay=True))
+    for h in handlers:
+        h.setFormatter(fmt)
+        root.addHandler(h)
+    root.setLevel(os.environ.get(LOG_LEVEL_ENV, "WARNING" if not path else "INFO"))
+
+
+def error_file(runtime_dir: str | os.PathLike, role: str) -> Path:
+    """Where a child leaves the one line saying why it died (for `status`)."""
+    return Path(runtime_dir) / f"{role}.last-error"
+
+
+def run_child(role: str, runtime_dir: str, main, cfg) -> None:
+    """A supervised child's entry: run `main(cfg)`; an exception is logged
+    with its traceback and its last line kept for the supervisor's status."""
+    try:
+        main(cfg)
+    except BaseException as exc:
+        if isinstance(exc, SystemExit) and not exc.code:
+            raise
+        line = f"{type(exc).__name__}: {exc}".splitlines()[0][:500] if str(exc) else type(exc).__name__
+        try:
+            error_file(runtime_dir, role).write_text(line + "\n")
+        except OSError:
+            pass
+        logging.getLogger(f"moe_pipe.{role}").exception("%s failed", role)
+        sys.exit(1)
 
 
 def describe_exit(exitcode: int | None) -> str:

@@ -58,18 +58,114 @@ def kv_cache_bytes(spec, n_ctx: int) -> int:
     return 4 * n_ctx * sum(hk * (dk + dv) for hk, dk, dv in zip(spec.n_head_kv, spec.head_dim_k, spec.head_dim_v))
 
 
-class Pipeline:
-    def __init__(self, cfg, model_path: Path):
-        self.cfg, self.model_path = cfg, Path(model_path)
-        self.procs: dict[str, mp.Process] = {}
+class Resources:
+    """What outlives any child: the runtime dir, the slab arena (the expert
+    cache), the residency index and the dense arena. Made by the parent of a
+    run or by the supervisor, released by `close()` (idempotent)."""
+
+    def __init__(self):
         self.rt: ipc.RuntimeDir | None = None
         self.slabs: shm.SlabArena | None = None
         self.dense: shm.Arena | None = None
         self.index: ResidencyIndex | None = None
+        self.resolved: Resolved | None = None
+
+    @classmethod
+    def create(cls, cfg, model_path: Path, progress: Callable[[str], None] | None = None) -> "Resources":
+        res = cls()
+        try:
+            res._create(cfg, Path(model_path), progress)
+        except BaseException:
+            res.close()
+            raise
+        return res
+
+    def _create(self, cfg, model_path: Path, progress) -> None:
+        shm.reclaim_stale()
+        ipc.RuntimeDir.reclaim_stale()
+        t0 = time.perf_counter()
+        with open_model(model_path) as mf:
+            layout, spec = mf.layout, mf.spec
+            top_k = cfg.compute.top_k or spec.n_expert_used
+            if top_k > spec.n_expert:
+                raise UserError(f"--top-k {top_k} is out of range: this model has {spec.n_expert} experts")
+            if cfg.compute.threads and cfg.compute.threads > (os.cpu_count() or 1):
+                raise UserError(f"--threads {cfg.compute.threads}: this machine has {os.cpu_count()} cores")
+            if cfg.cache.warm_from:  # a bad trace is the user's error, before anything starts
+                reader.hottest_experts(str(cfg.cache.warm_from), spec, 1)
+            budget = resolve_budget(cfg, dense_bytes=layout.dense_bytes, kv_bytes=kv_cache_bytes(spec, cfg.compute.ctx_size))
+            # More slabs than experts would never be used.
+            n_slots = min(check_budget(budget.bytes, layout, top_k), spec.n_layer * spec.n_expert)
+            slab_bytes = layout.slab_bytes
+            self.rt = ipc.RuntimeDir.create()
+            # Every slab page is allocated now: the budget is committed up front
+            # (a memory limit that cannot hold it fails here, not mid-run), and
+            # no first read into a slab pays for page allocation.
+            self.slabs = shm.SlabArena.create(shm.segment_name("slabs"), n_slots, slab_bytes, reserve=True)
+            self.index = ResidencyIndex.create(spec)
+            direct = True
+            if cfg.io.dense_weights == "anon":
+                if progress:
+                    progress(f"reading the dense set ({layout.dense_bytes / 2**20:,.0f} MiB) into shared memory")
+                self.dense = shm.Arena.create(shm.segment_name("dense"), max(arena_bytes(layout), 4096))
+                with ExpertFiles(mf.gguf.paths) as files:
+                    files.read_dense(layout.dense, self.dense.buf)
+                    direct = files.direct
+        self.resolved = Resolved(budget.bytes, budget.description, n_slots, slab_bytes, time.perf_counter() - t0, direct)
+
+    def close(self) -> None:
+        for arena in (self.slabs, self.dense, self.index):
+            if arena is not None:
+                arena.close()
+                arena.unlink()
+        self.slabs = self.dense = self.index = None
+        if self.rt is not None:
+            self.rt.remove()
+            self.rt = None
+
+
+def telemetry_args(cfg, res: Resources) -> telemetry.TelemetryConfig:
+    return telemetry.TelemetryConfig(str(res.rt.path), str(cfg.telemetry.csv or ""))
+
+
+def reader_args(cfg, res: Resources, model_path: Path) -> reader.ReaderConfig:
+    r = res.resolved
+    return reader.ReaderConfig(str(model_path), str(res.rt.path), res.slabs.arena.name, r.slab_bytes, r.n_slots,
+                               cfg.io.io_threads, cfg.cache.policy, index_arena=res.index.name,
+                               warm_from=str(cfg.cache.warm_from or ""))
+
+
+def compute_args(cfg, res: Resources, model_path: Path, reader_pid: int) -> compute.ComputeConfig:
+    r, c = res.resolved, cfg.compute
+    return compute.ComputeConfig(
+        str(model_path), str(res.rt.path), res.slabs.arena.name, r.slab_bytes, r.n_slots, reader_pid,
+        dense_weights=cfg.io.dense_weights, dense_arena=res.dense.name if res.dense else "", index_arena=res.index.name,
+        overlap=c.overlap, prefetch=c.prefetch == "next-layer", top_k=c.top_k, threads=c.threads, ctx_size=c.ctx_size,
+        drop_cold_experts=c.drop_cold_experts, cache_route=c.cache_route, route_trace=str(cfg.telemetry.route_trace or ""))
+
+
+def run_info(cfg, res: Resources, model_path: Path, load_seconds: float) -> m.RunInfo:
+    r = res.resolved
+    flat = {f"{table}.{k}": (v if isinstance(v, (int, float, str, bool)) or v is None else str(v))
+            for table, keys in cfg.to_dict().items() for k, v in keys.items()}
+    model = {"path": str(model_path), "slab_bytes": r.slab_bytes, "slots": r.n_slots, "direct_io": r.direct_io,
+             "budget": r.budget_description}
+    return m.RunInfo(f"{os.getpid()}-{int(time.time())}", time.time(), flat, model, r.n_slots * r.slab_bytes, load_seconds)
+
+
+class Pipeline:
+    def __init__(self, cfg, model_path: Path):
+        self.cfg, self.model_path = cfg, Path(model_path)
+        self.procs: dict[str, mp.Process] = {}
+        self.res: Resources | None = None
         self.ctx: zmq.Context | None = None
         self.socks: dict[str, zmq.Socket] = {}
         self.resolved: Resolved | None = None
         self._req = 0
+
+    @property
+    def rt(self) -> ipc.RuntimeDir | None:
+        return self.res.rt if self.res else None
 
     # -- start ---------------------------------------------------------------
     def start(self) -> "Pipeline":
@@ -81,61 +177,32 @@ class Pipeline:
         return self
 
     def _start(self) -> None:
-        cfg = self.cfg
-        shm.reclaim_stale()
-        ipc.RuntimeDir.reclaim_stale()
         t0 = time.perf_counter()
-        with open_model(self.model_path) as mf:
-            layout, spec = mf.layout, mf.spec
-            top_k = cfg.compute.top_k or spec.n_expert_used
-            if top_k > spec.n_expert:
-                raise UserError(f"--top-k {top_k} is out of range: this model has {spec.n_expert} experts")
-            if cfg.compute.threads and cfg.compute.threads > (os.cpu_count() or 1):
-                raise UserError(f"--threads {cfg.compute.threads}: this machine has {os.cpu_count()} cores")
-            budget = resolve_budget(cfg, dense_bytes=layout.dense_bytes, kv_bytes=kv_cache_bytes(spec, cfg.compute.ctx_size))
-            # More slabs than experts would never be used.
-            n_slots = min(check_budget(budget.bytes, layout, top_k), spec.n_layer * spec.n_expert)
-            slab_bytes = layout.slab_bytes
-            self.rt = ipc.RuntimeDir.create()
-            self.slabs = shm.SlabArena.create(shm.segment_name("slabs"), n_slots, slab_bytes)
-            self.index = ResidencyIndex.create(spec)
-            direct = True
-            if cfg.io.dense_weights == "anon":
-                self.dense = shm.Arena.create(shm.segment_name("dense"), max(arena_bytes(layout), 4096))
-                with ExpertFiles(mf.gguf.paths) as files:
-                    files.read_dense(layout.dense, self.dense.buf)
-                    direct = files.direct
-        self.resolved = Resolved(budget.bytes, budget.description, n_slots, slab_bytes, time.perf_counter() - t0, direct)
-        self._spawn(n_slots, slab_bytes)
+        self.res = Resources.create(self.cfg, self.model_path)
+        self.resolved = self.res.resolved
+        self._spawn()
         self._connect()
         self._wait_for_compute()
         # load_seconds: everything before the first token can be computed —
         # the dense load here and compute's own start (warm sweep, mapping).
         self.resolved = replace(self.resolved, load_seconds=time.perf_counter() - t0)
-        self._send_run_info()
+        ipc.send(self.socks["telemetry"], run_info(self.cfg, self.res, self.model_path, self.resolved.load_seconds))
 
-    def _spawn(self, n_slots: int, slab_bytes: int) -> None:
+    def _spawn(self) -> None:
         # OMP_WAIT_POLICY is left as the user has it. Measured here (8-layer
         # qwen30b-shape, 600 MiB cache): PASSIVE cuts compute's messaging time
         # 5.2 → 1.4 ms and flash stall 12.5 → 3.9 ms per token, because numba's
         # OpenMP threads stop spinning on the cores the reader needs — but each
         # kernel call then wakes sleeping threads, and decode fell from 20–24 to
         # 16–19 tok/s. Throughput wins.
-        cfg, rt = self.cfg, str(self.rt.path)
+        cfg, res = self.cfg, self.res
         spawn = mp.get_context("spawn")
-        self.procs["telemetry"] = spawn.Process(target=telemetry.main, name="moe-pipe-telemetry", daemon=True,
-                                                args=(telemetry.TelemetryConfig(rt, str(cfg.telemetry.csv or "")),))
-        self.procs["telemetry"].start()
-        self.procs["reader"] = spawn.Process(target=reader.main, name="moe-pipe-reader", daemon=True, args=(reader.ReaderConfig(
-            str(self.model_path), rt, self.slabs.arena.name, slab_bytes, n_slots, cfg.io.io_threads, cfg.cache.policy,
-            index_arena=self.index.name),))
-        self.procs["reader"].start()
-        self.procs["compute"] = spawn.Process(target=compute.main, name="moe-pipe-compute", daemon=True, args=(compute.ComputeConfig(
-            str(self.model_path), rt, self.slabs.arena.name, slab_bytes, n_slots, self.procs["reader"].pid,
-            dense_weights=cfg.io.dense_weights, dense_arena=self.dense.name if self.dense else "", index_arena=self.index.name,
-            overlap=cfg.compute.overlap, prefetch=cfg.compute.prefetch == "next-layer", top_k=cfg.compute.top_k, threads=cfg.compute.threads,
-            ctx_size=cfg.compute.ctx_size),))
-        self.procs["compute"].start()
+        for name, target, args in (("telemetry", telemetry.main, lambda: telemetry_args(cfg, res)),
+                                   ("reader", reader.main, lambda: reader_args(cfg, res, self.model_path)),
+                                   ("compute", compute.main,
+                                    lambda: compute_args(cfg, res, self.model_path, self.procs["reader"].pid))):
+            self.procs[name] = spawn.Process(target=target, name=f"moe-pipe-{name}", daemon=True, args=(args(),))
+            self.procs[name].start()
 
     def _connect(self) -> None:
         self.ctx = zmq.Context()
@@ -152,15 +219,6 @@ class Pipeline:
             if ipc.recv(self.socks["tokens"], POLL_MS, expect=(m.Hello,)) is not None:
                 return
         raise PipelineError(f"compute did not start within {START_TIMEOUT_S:.0f} s")
-
-    def _send_run_info(self) -> None:
-        cfg, r = self.cfg, self.resolved
-        flat = {f"{table}.{k}": (v if isinstance(v, (int, float, str, bool)) or v is None else str(v))
-                for table, keys in cfg.to_dict().items() for k, v in keys.items()}
-        model = {"path": str(self.model_path), "slab_bytes": r.slab_bytes, "slots": r.n_slots, "direct_io": r.direct_io,
-                 "budget": r.budget_description}
-        ipc.send(self.socks["telemetry"], m.RunInfo(f"{os.getpid()}-{int(time.time())}", time.time(), flat, model,
-                                                    r.n_slots * r.slab_bytes, r.load_seconds))
 
     # -- generate ----------------------------------------------------------------
     def generate(self, prompt_tokens: list[int], sampling: dict, max_tokens: int, stop: tuple[str, ...] = (),
@@ -205,14 +263,9 @@ class Pipeline:
         if self.ctx is not None:
             self.ctx.term()
             self.ctx = None
-        for arena in (self.slabs, self.dense, self.index):
-            if arena is not None:
-                arena.close()
-                arena.unlink()
-        self.slabs = self.dense = self.index = None
-        if self.rt is not None:
-            self.rt.remove()
-            self.rt = None
+        if self.res is not None:
+            self.res.close()
+            self.res = None
 
     def __enter__(self) -> "Pipeline":
         return self.start()

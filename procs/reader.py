@@ -29,7 +29,9 @@ import zmq
 
 from ..shared import ipc, messages as m
 from ..shared.cache import CacheFull, SlotTable
+from ..shared.policies import DEFAULT_POLICY
 from ..shared.directio import ExpertFiles
+from ..shared.errors import UserError
 from ..shared.model_file import open_model
 from ..shared.residency import ResidencyIndex
 from ..shared.shm import SlabArena
@@ -46,9 +48,10 @@ class ReaderConfig:
     slab_bytes: int
     n_slots: int
     io_threads: int
-    policy: str = "lru"
+    policy: str = DEFAULT_POLICY
     direct: bool = True
     index_arena: str = ""  # the residency index compute reads (see shared.residency)
+    warm_from: str = ""  # a route trace: start by reading its most used experts (a cold cache only)
 
 
 @dataclass
@@ -66,6 +69,8 @@ class Reader:
         self.files = ExpertFiles(self.mf.gguf.paths, direct=cfg.direct)
         self.table = SlotTable(cfg.n_slots, cfg.policy)
         self.index = ResidencyIndex.attach(cfg.index_arena, self.layout.spec, writable=True)
+        self.restored = self.restore_from_index()
+        self.warm_keys = hottest_experts(cfg.warm_from, self.layout.spec, cfg.n_slots) if cfg.warm_from and not self.restored else []
         ep = ipc.Endpoints(cfg.runtime_dir)
         self.fetch_in = ipc.bind(ctx, ep, "fetch")
         self.ready_out = ipc.connect(ctx, ep, "ready")
@@ -78,6 +83,33 @@ class Reader:
         self._lane_sockets = threading.local()
         self.inflight: dict[tuple[int, int], list[_Waiter]] = {}  # key -> who waits for its bytes
         self.pinned: dict[tuple[int, int], list[tuple[int, int]]] = defaultdict(list)  # (req, layer) -> keys
+
+    def restore_from_index(self) -> int:
+        """After a restart the slabs still hold what the last reader published:
+        take it over, so the cache survives (its eviction order does not)."""
+        n = 0
+        for key, slot in self.index.entries():
+            if 0 <= slot < self.cfg.n_slots and self.table.key_of(slot) is None:
+                self.table.restore(key, slot)
+                n += 1
+            else:  # an entry that cannot be ours (a smaller arena): never serve it
+                self.index.clear(key)
+        if n:
+            log.warning("took over %d cached experts from the previous reader", n)
+        return n
+
+    def on_hello(self, msg: m.Hello) -> None:
+        """A compute (re)started: the pins of the one before it will never be
+        released, so drop them all; reads in flight still land and publish."""
+        if msg.role != "compute":
+            return
+        for keys in self.pinned.values():
+            for key in keys:
+                if key in self.table and self.table.pins(key):
+                    self.table.unpin(key)
+        self.pinned.clear()
+        for waiters in self.inflight.values():
+            waiters.clear()
 
     # -- 1. fetch ------------------------------------------------------------
     def on_fetch(self, msg: m.Fetch) -> None:
@@ -178,7 +210,17 @@ class Reader:
         ipc.send(self.ready_out, msg)
 
     # -- the loop --------------------------------------------------------------------
+    def warm_start(self) -> None:
+        """Fill free slabs with a previous run's hottest experts, hottest first.
+        They go through the lanes like prefetches, so a Fetch arriving
+        meanwhile is served in turn (and waits on a read already under way)."""
+        for key in self.warm_keys:
+            self.prefetch(key)
+        if self.warm_keys:
+            log.info("warm start: reading %d experts from %s", len(self.warm_keys), self.cfg.warm_from)
+
     def run(self) -> None:
+        self.warm_start()
         poller = zmq.Poller()
         poller.register(self.fetch_in, zmq.POLLIN)
         poller.register(self.done_in, zmq.POLLIN)
@@ -196,6 +238,8 @@ class Reader:
                     self.on_fetch(msg)
                 elif isinstance(msg, m.Release):
                     self.on_release(msg)
+                elif isinstance(msg, m.Hello):
+                    self.on_hello(msg)
                 elif isinstance(msg, m.Shutdown):
                     return
 
@@ -205,6 +249,27 @@ class Reader:
         self.files.close()
         self.arena.close()
         self.mf.close()
+
+
+def hottest_experts(trace_path: str, spec, n: int) -> list[tuple[int, int]]:
+    """The `n` (layer, expert) a route trace used most, most used first: by
+    decode uses (the steady state), ties and the rest by prompt uses. The
+    trace must be of this model's shape."""
+    import numpy as np
+
+    from ..shared.trace import read_trace
+
+    trace = read_trace(trace_path)
+    h = trace.header
+    if (h.n_layer, h.n_expert) != (spec.n_layer, spec.n_expert):
+        raise UserError(f"{trace_path}: a trace of a {h.n_layer}-layer, {h.n_expert}-expert model cannot warm "
+                        f"this {spec.n_layer}-layer, {spec.n_expert}-expert one")
+    keys = trace.layer * spec.n_expert + trace.expert
+    size = spec.n_layer * spec.n_expert
+    decode = np.bincount(keys[trace.phase == 1], minlength=size)
+    prompt = np.bincount(keys[trace.phase != 1], minlength=size)
+    order = np.lexsort((-prompt, -decode))[:n]  # last key sorts first: decode uses, then prompt uses
+    return [(int(k) // spec.n_expert, int(k) % spec.n_expert) for k in order if decode[k] + prompt[k] > 0]
 
 
 def main(cfg: ReaderConfig) -> None:

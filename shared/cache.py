@@ -13,69 +13,21 @@ only writer (so it needs no locks); the slabs themselves live in a
 
 A miss is counted by `admit`, a hit by `lookup`; the hit rate is therefore
 over the experts actually requested. Eviction policies plug in through the
-`Policy` protocol and the `POLICIES` registry (name → factory(n_slots)).
+`Policy` protocol (shared/policies.py; docs/cache-policies.md).
 """
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, Hashable, Protocol
 
 from .errors import ConfigError
+from .policies import Key, Policy, make_policy
 
-Key = Hashable  # (layer, expert) in the engine; anything hashable here
 MIB = 1 << 20
 
 
 class CacheFull(RuntimeError):
     """Every slot is pinned by an unfinished request: nothing can be evicted."""
-
-
-class Policy(Protocol):
-    """An eviction policy: told about every hit, admission and eviction;
-    asked for a victim among the keys `is_evictable` accepts (None if none)."""
-
-    def on_hit(self, key: Key) -> None: ...
-    def on_admit(self, key: Key) -> None: ...
-    def on_evict(self, key: Key) -> None: ...
-    def victim(self, is_evictable: Callable[[Key], bool]) -> Key | None: ...
-
-
-class LRU:
-    """Least recently used. O(1) per hit/admit/evict; a victim search skips
-    pinned keys from the cold end, so it costs O(1 + pinned keys that are
-    colder), at most top_k × layers in flight."""
-
-    def __init__(self, n_slots: int | None = None):
-        self._order: OrderedDict[Key, None] = OrderedDict()  # coldest first
-
-    def on_hit(self, key: Key) -> None:
-        self._order.move_to_end(key)
-
-    def on_admit(self, key: Key) -> None:
-        self._order[key] = None
-
-    def on_evict(self, key: Key) -> None:
-        del self._order[key]
-
-    def victim(self, is_evictable: Callable[[Key], bool]) -> Key | None:
-        return next((k for k in self._order if is_evictable(k)), None)
-
-    def order(self) -> list[Key]:
-        """Keys coldest first (tests, telemetry)."""
-        return list(self._order)
-
-
-POLICIES: dict[str, Callable[[int], Policy]] = {"lru": LRU}
-
-
-def make_policy(name: str, n_slots: int) -> Policy:
-    try:
-        factory = POLICIES[name]
-    except KeyError:
-        raise ConfigError(f"unknown cache policy {name!r}; allowed: {', '.join(sorted(POLICIES))}") from None
-    return factory(n_slots)
 
 
 @dataclass(frozen=True)
@@ -142,6 +94,17 @@ class SlotTable:
         if pin:
             self.pin(key)
         return slot, evicted
+
+    def restore(self, key: Key, slot: int) -> None:
+        """Take back an entry a previous owner of the cache left (a restarted
+        reader re-reading the residency index): `key` is in `slot` already, so
+        nothing is read; the policy sees it as admitted (its order is lost)."""
+        if key in self._slot_of or not 0 <= slot < self.n_slots or self._key_of[slot] is not None:
+            raise ValueError(f"cannot restore {key!r} into slot {slot}: taken or out of range")
+        self._free.remove(slot)
+        self._slot_of[key] = slot
+        self._key_of[slot] = key
+        self.policy.on_admit(key)
 
     def drop(self, key: Key) -> int:
         """Forget `key` (its slab's bytes are bad, e.g. a failed read); frees its slot.

@@ -529,3 +529,18 @@ def _template_of(source) -> tuple[str | None, str, str, str]:
 
         return source.meta("tokenizer.chat_template"), text("tokenizer.ggml.bos_token_id"), text("tokenizer.ggml.eos_token_id"), str(source.path)
     raise TypeError(f"render_chat needs a GGUFFile, Tokenizer or template text, not {type(source).__name__}")
+
+
+def encode_prompt(tok, text: str) -> list[int]:
+    """Token ids of a prompt text, rendered or plain, as `run` and the gateway
+    both feed the model: control tokens in the text become control tokens,
+    and BOS is added only if the text does not already start with it."""
+    starts_with_bos = tok.bos_id is not None and text.startswith(tok.token_text(tok.bos_id))
+    return tok.encode(text, add_bos=False if starts_with_bos else None, special=True)
+
+
+def chat_prompt_tokens(tok, messages: Sequence[dict], no_think: bool = False, **template_vars) -> list[int]:
+    """Token ids of a conversation in the model's chat template, ending with the
+    assistant's turn opened (what `run --chat` and /v1/chat/completions send).
+    `template_vars` (e.g. enable_thinking=False) become template variables."""
+    return encode_prompt(tok, render_chat(tok, messages, add_generation_prompt=True, no_think=no_think, **template_vars))

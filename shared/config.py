@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from .errors import ConfigError
-from .cache import POLICIES  # one place for the policy names
+from .policies import DEFAULT_POLICY, LIVE_POLICIES  # one place for the policy names and the default
 
 EMBEDDED_MODEL = "tiny"  # model.path value meaning the embedded tiny model (shared/default_model.py)
 MAX_MB = float(1 << 24)  # 16 TiB in MiB: a sanity bound far above any device, so typos like 4e9 are caught
@@ -80,7 +80,12 @@ class CacheConfig:
     reserve_mb: float = setting(512.0, "float",
                                 "memory auto leaves free for the processes themselves (interpreters, numba, "
                                 "tokenizer, buffers) and the system", lo=0, hi=MAX_MB, flags=("--reserve-mb",))
-    policy: str = setting("lru", "choice", "expert eviction policy", choices=tuple(POLICIES), flags=("--policy",))
+    policy: str = setting(DEFAULT_POLICY, "choice", "expert eviction policy (docs/cache-policies.md; belady is "
+                          "simulator-only: moe-pipe replay)",
+                          choices=LIVE_POLICIES, flags=("--policy",))
+    warm_from: str | None = setting(None, "path", "a route trace of an earlier run: the service starts by reading its "
+                                    "most used experts into the cache (as many as fit)", unset="start cold",
+                                    flags=("--warm-from",))
 
 
 @dataclass(frozen=True)
@@ -109,6 +114,12 @@ class ComputeConfig:
                                 lo=1, hi=256, unset="the model's own", flags=("--top-k",))
     ctx_size: int = setting(4096, "int", "context length in tokens (sizes the KV cache)", lo=16, hi=1 << 20,
                             flags=("-c", "--ctx-size"))
+    drop_cold_experts: float = setting(0.0, "float", "LOSSY, changes outputs: while decoding, skip a routed expert that "
+                                       "is a cache miss with weight below this fraction of an even share; 0 = off",
+                                       lo=0, hi=1, flags=("--drop-cold-experts",))
+    cache_route: float = setting(0.0, "float", "LOSSY, changes outputs: while decoding, swap a missing routed expert "
+                                 "for a cached one whose router probability is within this fraction of it; 0 = off",
+                                 lo=0, hi=1, flags=("--cache-route",))
 
 
 @dataclass(frozen=True)
@@ -129,6 +140,9 @@ class TelemetryConfig:
     """Per-token records."""
 
     csv: str | None = setting(None, "path", "per-token CSV to write", unset="no CSV", flags=("--csv",))
+    route_trace: str | None = setting(None, "path", "record every routing decision to this route trace "
+                                      "(docs/cache-policies.md; appended to if it exists)", unset="no trace",
+                                      flags=("--route-trace",))
 
 
 @dataclass(frozen=True)

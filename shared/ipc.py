@@ -16,6 +16,8 @@ disagree between the two ends.
     telemetry_in   telemetry PULL         compute   PUSH         lossy: NOBLOCK, drop + count
     telemetry_pub  telemetry PUB          tail      SUB          lossy: PUB drops on its own
     control        supervisor ROUTER      cli       DEALER       reliable
+    requests       compute   PULL         front end PUSH         reliable (Generate, Cancel, Shutdown)
+    tokens         front end PULL         compute   PUSH         reliable (Hello, Token, Done)
 
 A socket belongs to one thread (zmq sockets are not thread-safe): these
 helpers take a socket and never keep one. Every socket gets an explicit
@@ -90,8 +92,10 @@ def _check_private(path: Path) -> None:
 
 
 def _start_time(pid: int) -> float | None:
+    """When `pid` started; None if it is gone (a zombie is gone: dead, only not yet reaped)."""
     try:
-        return psutil.Process(pid).create_time()
+        p = psutil.Process(pid)
+        return None if p.status() == psutil.STATUS_ZOMBIE else p.create_time()
     except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
         return None
 

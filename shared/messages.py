@@ -75,6 +75,7 @@ class Kind(IntEnum):
     GENERATE = 40
     TOKEN = 41
     DONE = 42
+    CANCEL = 43
 
 
 class Code(StrEnum):
@@ -91,6 +92,7 @@ class Code(StrEnum):
     IO_ERROR = "io_error"  # a read failed (FetchFailed)
     PEER_GONE = "peer_gone"  # the process that owed an answer died
     INTERNAL = "internal"
+    CANCELLED = "cancelled"  # the front end cancelled the request (its client went away)
 
 
 # -- field checkers: (value, field name) -> the value to store, or ProtocolError
@@ -462,7 +464,10 @@ class Token(_Message):
 @dataclass(frozen=True, slots=True)
 class Done(_Message):
     """compute -> front end: the generation ended. ok=False: `code`/`error` say
-    why (the request failed; compute keeps serving)."""
+    why (the request failed; compute keeps serving). `finish_reason` is
+    shared.generate's: "eog" (an end-of-generation token), "stop" (a stop
+    string), "length" (max_tokens) or "context" (the context is full); an
+    OpenAI front end maps eog→stop and context→length."""
 
     req_id: int
     ok: bool
@@ -473,10 +478,21 @@ class Done(_Message):
     error: str = ""
 
 
+@_wire(Kind.CANCEL)
+@dataclass(frozen=True, slots=True)
+class Cancel(_Message):
+    """front end -> compute (on the requests link): stop generation `req_id`
+    (its client went away). Compute checks for it between tokens and ends the
+    request with Done(ok=False, code="cancelled"); a Cancel for a request that
+    already ended is ignored."""
+
+    req_id: int
+
+
 Message = (
     Hello | Shutdown | Fetch | Ready | FetchFailed | Release
     | RunInfo | TokenRecord | RunSummary | Command | Status
-    | Generate | Token | Done
+    | Generate | Token | Done | Cancel
 )
 assert set(_BY_KIND) == set(Kind), "every Kind needs exactly one message class"
 

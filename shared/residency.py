@@ -52,6 +52,12 @@ class ResidencyIndex:
         row = self.table[layer]
         return [int(row[e]) - 1 for e in experts]
 
+    def entries(self) -> list[tuple[tuple[int, int], int]]:
+        """((layer, expert), slot) of every published entry: what a restarted
+        reader takes over (each slab's bytes were complete when published)."""
+        layers, experts = np.nonzero(self.table)
+        return [((int(l), int(e)), int(self.table[l, e]) - 1) for l, e in zip(layers, experts)]
+
     def close(self) -> None:
         self.table = None
         self.arena.close()

@@ -6,7 +6,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from moe_pipe.shared.cache import LRU, POLICIES, CacheFull, SlotTable, check_budget, make_policy, slots_for_budget
+from moe_pipe.shared.cache import CacheFull, SlotTable, check_budget, slots_for_budget
+from moe_pipe.shared.policies import (ARC, DEFAULT_POLICY, LFU, LIVE_POLICIES, LRU, OFFLINE_POLICIES, POLICIES, S3FIFO,
+                                      Belady, NextUse, make_policy)
 from moe_pipe.shared.errors import ConfigError
 
 MIB = 1 << 20
@@ -207,3 +209,254 @@ def test_budget_minimum_is_rounded_up():
     lay = fake_layout(n_layer=1, top_k=1, slab_bytes=4096 * 3)  # 0.01171875 MiB
     with pytest.raises(ConfigError, match=r"working set of 0\.02 MiB"):
         check_budget(0, lay)
+
+
+# -- the other policies ------------------------------------------------------------------
+
+def reader_workload(seed: int, n_layer=4, n_expert=12, k=3, tokens=60) -> list[list[tuple[int, int]]]:
+    """Fetches as the reader gets them: per token, per layer, k distinct experts
+    drawn from a skewed distribution that drifts."""
+    rng = random.Random(seed)
+    out = []
+    for t in range(tokens):
+        for layer in range(n_layer):
+            weights = [1 / (1 + (e + t // 20 + layer) % n_expert) for e in range(n_expert)]
+            picks: list[int] = []
+            while len(picks) < k:
+                e = rng.choices(range(n_expert), weights)[0]
+                if e not in picks:
+                    picks.append(e)
+            out.append([(layer, e) for e in picks])
+    return out
+
+
+def make(name: str, n_slots: int, future=None):
+    return make_policy(name, n_slots, future=future if name in OFFLINE_POLICIES else None)
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+@pytest.mark.parametrize("seed", range(3))
+def test_every_policy_respects_pins_in_the_readers_pattern(name, seed):
+    """Fetch by fetch, as the reader: hits pinned first, misses admitted pinned,
+    a few pins held over into later fetches (a read in flight, a slow release)."""
+    fs = reader_workload(seed)
+    rng = random.Random(seed)
+    t = SlotTable(10, make(name, 10, fs))
+    held: list = []
+    for fetch in fs:
+        missed = [key for key in fetch if t.lookup(key) is None]
+        for key in fetch:
+            if key not in missed:
+                t.pin(key)
+        for key in missed:
+            _, evicted = t.admit(key, pin=True)
+            assert evicted not in fetch and evicted not in held  # SlotTable checks pins too
+        for key in fetch:
+            if rng.random() < 0.1 and len(held) < 3:
+                held.append(key)  # keeps this pin a while
+            else:
+                t.unpin(key)
+        while len(held) > 2 or (held and rng.random() < 0.3):
+            t.unpin(held.pop(0))
+    s = t.stats
+    assert s.lookups == sum(len(f) for f in fs) and 0 < s.hits < s.lookups
+    assert len(t) == 10 and all(t.key_of(slot) == key for key, slot in t.resident().items())
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_every_policy_answers_none_when_all_is_pinned(name):
+    keys = [(0, e) for e in range(4)]
+    t = SlotTable(4, make(name, 4, [[k] for k in keys] + [[(0, 9)]]))
+    for key in keys:
+        t.admit(key, pin=True)
+    assert t.policy.victim(lambda k: False) is None
+    with pytest.raises(CacheFull):
+        t.admit((0, 9))
+    t.unpin((0, 2))
+    assert t.admit((0, 9))[1] == (0, 2)  # the only unpinned key
+
+
+def test_live_policies_and_the_default():
+    assert "belady" in OFFLINE_POLICIES and "belady" not in LIVE_POLICIES
+    assert DEFAULT_POLICY in LIVE_POLICIES and set(LIVE_POLICIES) | OFFLINE_POLICIES == set(POLICIES)
+    with pytest.raises(ConfigError, match="needs to know the future.*simulator"):
+        SlotTable(4, "belady")
+    with pytest.raises(ConfigError, match="allowed: lru, lfu"):
+        make_policy("belad", 4)
+
+
+def test_lfu_keeps_the_frequent_key():
+    t = SlotTable(3, LFU(3, half_life=1000))
+    for key in "abc":
+        get(t, key)
+    for _ in range(4):
+        get(t, "a")
+    get(t, "c")  # b and d: once each; b is older
+    assert t.admit("d") == (1, "b")
+    assert t.admit("e") == (1, "d")  # d (once) goes before c (twice) and a
+
+
+def test_lfu_decay_forgets_old_favourites():
+    t = SlotTable(2, LFU(2, half_life=4))
+    for _ in range(6):
+        get(t, "old")
+    for _ in range(40):  # 10 half-lives of other traffic: "old"'s six uses are worth ~0.006 now
+        get(t, "new")
+    get(t, "x")  # 2 slots, both taken: x evicts the lower decayed count
+    assert "old" not in t and "new" in t
+
+
+def test_arc_keeps_the_twice_used_through_a_scan_and_adapts():
+    arc, lru = SlotTable(4, ARC(4)), SlotTable(4, "lru")
+    for t in (arc, lru):
+        for key in ("a", "b", "a", "b"):
+            get(t, key)
+        for i in range(8):  # a scan of one-time keys
+            get(t, f"scan{i}")
+    assert "a" in arc and "b" in arc  # in T2: the scan only churns T1
+    assert "a" not in lru and "b" not in lru
+    p = arc.policy.p
+    ghost = next(iter(arc.policy.b1))  # a key the scan lost from T1
+    get(arc, ghost)
+    assert arc.policy.p > p  # a ghost hit in B1: T1 should have been bigger
+    assert ghost in arc.policy.t2
+
+
+def test_s3fifo_filters_one_hit_wonders_and_remembers_ghosts():
+    t = SlotTable(10, S3FIFO(10))
+    for key in ("hot1", "hot2"):
+        get(t, key)
+        get(t, key)  # used again while in S: moves to M on its way out
+    for i in range(30):
+        get(t, f"once{i}")
+    assert "hot1" in t and "hot2" in t
+    pol = t.policy
+    assert "hot1" in pol.m and "hot2" in pol.m  # the one-hit wonders churn through S
+    ghost = next(reversed(pol.g))  # the newest ghost (the oldest may fall off G on the way)
+    get(t, ghost)
+    assert ghost in pol.m  # back from the ghost queue: straight to main
+
+
+def test_nextuse_evicts_the_layer_that_waits_longest():
+    """3 layers. x = (2, x) was used on token 1, y = (0, y) on token 2; now token 3
+    is at layer 1. LRU evicts x (older) though layer 2 comes next; nextuse evicts
+    y: layer 0 has passed since y's use, and y was picked on 1 of 3 passes of
+    its layer against x's 1 of 2."""
+    lru, nu = LRU(), NextUse(8)
+    x, y = (2, "x"), (0, "y")
+    seen = set()
+    for token in ([(0, "a"), (1, "q"), x], [y, (1, "q"), (2, "r")], [(0, "a"), (1, "q")]):
+        for key in token:
+            for pol in (lru, nu):
+                pol.on_hit(key) if key in seen else pol.on_admit(key)
+            seen.add(key)
+    only_xy = lambda k: k in (x, y)  # noqa: E731
+    assert lru.victim(only_xy) == x
+    assert nu.victim(only_xy) == y
+
+
+def test_nextuse_remembers_an_evicted_experts_history():
+    nu = NextUse(8, half_life=1000)
+    a, b = (0, "a"), (0, "b")
+    for _ in range(5):
+        nu.on_admit(a) if _ == 0 else nu.on_hit(a)
+        nu.on_admit((1, "z")) if _ == 0 else nu.on_hit((1, "z"))  # another layer, so each is a new pass
+    nu.on_evict(a)
+    nu.on_admit(a)  # back: its five uses still count
+    nu.on_admit(b)  # a stranger
+    assert nu.victim(lambda k: k in (a, b)) == b
+
+
+class RefNextUse:
+    """nextuse the slow way: every resident key's expected wait, from scratch."""
+
+    def __init__(self, half_life: float):
+        self.h, self.tick, self.cur, self.pass_no = half_life, 0, None, 0
+        self.last_pass, self.bump, self.passes, self.score, self.resident = {}, {}, {}, {}, set()
+
+    def use(self, key):
+        self.tick += 1
+        layer = key[0]
+        if layer != self.cur:
+            self.cur, self.pass_no = layer, self.pass_no + 1
+            self.last_pass[layer] = self.pass_no
+            self.bump[layer] = 2.0 ** (self.tick / self.h)
+            self.passes[layer] = self.passes.get(layer, 0.0) + self.bump[layer]
+        self.score[key] = self.score.get(key, 0.0) + self.bump[layer]
+        self.resident.add(key)
+
+    def wait(self, key) -> float:
+        n = max(self.last_pass) + 1
+        layer = key[0]
+        return (self.last_pass[layer] + n - self.pass_no) / n + self.passes[layer] / self.score[key]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_nextuse_victims_match_a_from_scratch_reference(seed):
+    fs = reader_workload(seed, n_layer=5, tokens=40)
+    rng = random.Random(seed)
+    table = SlotTable(12, NextUse(12, half_life=20))
+    ref = RefNextUse(half_life=20)
+    victims = 0
+    for fetch in fs:
+        if rng.random() < 0.1:  # a layer skipped now and then: passes need not be regular
+            continue
+        missed = [key for key in fetch if table.lookup(key) is None]
+        for key in fetch:
+            if key not in missed:
+                ref.use(key)
+                table.pin(key)
+        for key in missed:
+            if len(table) == table.n_slots:
+                evictable = [k for k in ref.resident if not table.pins(k)]
+                best = max(ref.wait(k) for k in evictable)
+                _, evicted = table.admit(key, pin=True)
+                assert ref.wait(evicted) == pytest.approx(best, rel=1e-12), (evicted, best)
+                ref.resident.remove(evicted)
+                victims += 1
+            else:
+                table.admit(key, pin=True)
+            ref.use(key)
+        for key in fetch:
+            table.unpin(key)
+    assert victims > 50
+
+
+def brute_force_min_misses(n_slots: int, seq: list) -> int:
+    """Fewest misses over every possible eviction choice (exponential; tiny inputs)."""
+    from functools import lru_cache
+
+    @lru_cache(maxsize=None)
+    def go(i: int, cache: frozenset) -> int:
+        if i == len(seq):
+            return 0
+        k = seq[i]
+        if k in cache:
+            return go(i + 1, cache)
+        if len(cache) < n_slots:
+            return 1 + go(i + 1, cache | {k})
+        return 1 + min(go(i + 1, (cache - {v}) | {k}) for v in cache)
+
+    return go(0, frozenset())
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_belady_is_optimal_against_brute_force(seed):
+    rng = random.Random(seed)
+    n_slots = rng.randint(2, 3)
+    seq = [rng.choice("abcde") for _ in range(14)]
+    t = SlotTable(n_slots, Belady(n_slots, [[k] for k in seq]))
+    for k in seq:
+        get(t, k)
+    assert t.stats.misses == brute_force_min_misses(n_slots, seq)
+    lru = SlotTable(n_slots)
+    for k in seq:
+        get(lru, k)
+    assert t.stats.misses <= lru.stats.misses
+
+
+def test_belady_with_no_future_left_evicts_the_never_again():
+    t = SlotTable(2, Belady(2, [["a"], ["b"], ["c"], ["a"]]))
+    get(t, "a")
+    get(t, "b")
+    assert t.admit("c") == (1, "b")  # b is never used again, a is

@@ -101,3 +101,30 @@ def test_inspect_made_presets(arch, preset, tmp_path, capsys):
     assert out["routed_bytes_per_token"] == sum(out["expert_bytes_per_layer"]) * out["n_expert_used"]
     assert out["expert_bytes_total"] == sum(out["expert_bytes_per_layer"]) * out["n_expert"]
     assert out["quant_types"]["experts"] and out["quant_types"]["dense"]["F32"] > 0
+
+
+def test_every_command_and_flag_is_documented():
+    """docs/cli.md has a section per command and names each of its own flags
+    (config overrides are documented in docs/configuration.md, from the schema)."""
+    import argparse
+    from pathlib import Path
+
+    from moe_pipe.cli.main import COMMANDS, build_parser
+    from moe_pipe.shared.config import KEYS
+
+    root = Path(__file__).resolve().parents[1]
+    cli_doc = (root / "docs" / "cli.md").read_text()
+    config_flags = {f for k in KEYS.values() for f in k.spec.flags} | {"--set"}
+    config_flags |= {"--no-" + k.spec.flags[0][2:] for k in KEYS.values() if k.spec.kind == "bool" and k.spec.flags}
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    missing = []
+    for name in COMMANDS:
+        if f"## {name}\n" not in cli_doc:
+            missing.append(f"section ## {name}")
+        for action in sub.choices[name]._actions:
+            if action.help == argparse.SUPPRESS:
+                continue
+            for flag in action.option_strings:
+                if flag.startswith("--") and flag != "--help" and flag not in config_flags and flag not in cli_doc:
+                    missing.append(f"{name} {flag}")
+    assert not missing, f"docs/cli.md does not mention: {missing}"

@@ -18,6 +18,7 @@ import psutil
 import pytest
 
 from moe_pipe.procs.pipeline import Pipeline
+from moe_pipe.shared.policies import LIVE_POLICIES
 from moe_pipe.shared.config import load_config
 from moe_pipe.shared.errors import ConfigError
 from moe_pipe.shared.generate import GenerationConfig, generate
@@ -111,6 +112,16 @@ def test_pipeline_tokens_equal_reference_full_product(tiny, budget, overlap, io_
     _check_identity(tiny, budget, overlap, io_threads, dense, top_k, prefetch)
 
 
+@pytest.mark.parametrize("policy", LIVE_POLICIES)
+def test_every_live_policy_keeps_the_tokens(tiny, policy):
+    """Eviction decides what is read, never what is computed: every policy the
+    reader can run gives the reference's tokens, at the smallest budget
+    (where it evicts most)."""
+    path, prompt, reference, sizes = tiny
+    tokens, timings, _ = run_pipeline(path, prompt, **{"cache.cache_mb": _budget_mb(sizes, "min", None), "cache.policy": policy})
+    assert tokens == reference[None]
+
+
 def test_budget_below_one_token_is_refused_with_the_number(tiny):
     path, prompt, _, sizes = tiny
     with pytest.raises(ConfigError, match="at least"):
@@ -169,7 +180,8 @@ def independent_lru(path, prompt, n_slots):
 def test_csv_schema_and_counts_agree_with_independent_lru(tiny, tmp_path):
     path, prompt, _, sizes = tiny
     csv = tmp_path / "run.csv"
-    _, _, resolved = run_pipeline(path, prompt, **{"cache.cache_mb": _budget_mb(sizes, "mid", None), "telemetry.csv": str(csv)})
+    _, _, resolved = run_pipeline(path, prompt, **{"cache.cache_mb": _budget_mb(sizes, "mid", None), "telemetry.csv": str(csv),
+                                                    "cache.policy": "lru"})
     preamble, records = read_csv(csv)
     header = next(line for line in csv.read_text().splitlines() if not line.startswith("#"))
     assert header.split(",")[: len(CSV_COLUMNS)] == list(CSV_COLUMNS)

@@ -7,12 +7,15 @@ Legend: T tokens, D hidden, V vocab.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 
 from ..errors import UserError
 from ..model_file import ModelFile
 from .blocks import KVCache, rms_norm
-from .moe import top_k_ids
+from .levers import Levers, apply_levers
+from .moe import Routing, top_k_ids
 from .stages import Stages
 from .weights import ExpertSource, FileExperts, Weights
 
@@ -29,6 +32,8 @@ class MoEModel:
         self.top_k = top_k or self.spec.n_expert_used
         self.stage = Stages()  # per-stage timing, enabled by benchmarks
         self.prefetch_next = False  # speculative next-layer prefetch (pipeline only)
+        self.levers = Levers()  # lossy routing levers: off (exact) unless the config asks
+        self.route_observer: Callable[[int, Routing], None] | None = None  # e.g. a route-trace writer
         self.embd = self.w.matrix("token_embd.weight")
         self.output_norm = self.w.vector("output_norm.weight")
         self.output = self.w.matrix("output.weight") if self.w.has("output.weight") else self.embd
@@ -46,6 +51,16 @@ class MoEModel:
 
     def logits(self, x: np.ndarray) -> np.ndarray:
         return self.output(rms_norm(x, self.output_norm, self.spec.rms_eps))  # [T, V]
+
+    def routed(self, i: int, routing: Routing, scores: np.ndarray) -> Routing:
+        """Every architecture's routing passes here: the lossy levers (off by
+        default) may change it, then an observer may record it."""
+        if self.levers.active:
+            resident = getattr(self.source, "resident", None)
+            routing = apply_levers(self.levers, routing, scores, (lambda ids: resident(i, ids)) if resident else None)
+        if self.route_observer is not None:
+            self.route_observer(i, routing)
+        return routing
 
     def hint_next_layer(self, i: int, router_input: np.ndarray) -> None:
         """Speculative prefetch while decoding: guess layer i+1's experts by

@@ -82,9 +82,10 @@ class Model(MoEModel):
             m1 = rms_norm(L["down"](gelu_tanh(L["gate"](n1)) * L["up"](n1)), L["post_ffw_norm_1"], eps)
         with self.stage("router"):
             r = rms_norm(h, None, eps) * L["router_in_scale"] * self.router_scale
-            routing = softmax_then_top_k(L["router"](r), self.top_k)
+            scores = L["router"](r)
+            routing = softmax_then_top_k(scores, self.top_k)
             self.hint_next_layer(i, r)
-            routing = type(routing)(routing.ids, routing.weights * L["expert_scale"][routing.ids])
+            routing = self.routed(i, type(routing)(routing.ids, routing.weights * L["expert_scale"][routing.ids]), scores)
         with self.stage("experts"):
             m2 = apply_experts(rms_norm(h, L["pre_ffw_norm_2"], eps), routing, self.source, i, gelu_expert)
             m2 = rms_norm(m2, L["post_ffw_norm_2"], eps)

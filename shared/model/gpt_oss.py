@@ -69,7 +69,8 @@ class Model(MoEModel):
             h = x + L["o"](a) + L["o_b"]
         with self.stage("router"):
             n2 = rms_norm(h, L["ffn_norm"], eps)
-            routing = top_k_then_softmax(L["router"](n2) + L["router_b"], self.top_k)
+            scores = L["router"](n2) + L["router_b"]
+            routing = self.routed(i, top_k_then_softmax(scores, self.top_k), scores)
             self.hint_next_layer(i, n2)
         with self.stage("experts"):
             return h + apply_experts(n2, routing, self.source, i, clamped_swiglu_expert)

@@ -51,7 +51,8 @@ class Model(MoEModel):
             h = x + L["o"](attention(self.rope.apply(q, cos, sin), cache, i, start, self.scale))
         with self.stage("router"):
             n2 = rms_norm(h, L["ffn_norm"], eps)
-            routing = softmax_then_top_k(L["router"](n2), self.top_k)
+            scores = L["router"](n2)
+            routing = self.routed(i, softmax_then_top_k(scores, self.top_k), scores)
             self.hint_next_layer(i, n2)
         with self.stage("experts"):
             return h + apply_experts(n2, routing, self.source, i, swiglu_expert)

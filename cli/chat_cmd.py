@@ -1,0 +1,303 @@
+"""`moe-pipe chat [MODEL|CONFIG] [--url URL]`: an interactive chat in the terminal.
+
+A client of the service's OpenAI-compatible gateway, nothing more: each line
+you type is a user message; the whole conversation goes to
+`POST /v1/chat/completions` (stream: true) so the server's chat template sees
+every turn, and the reply is printed as its tokens arrive and appended to the
+history. Standard library HTTP only, so chat adds no dependency.
+
+Which server, first that applies:
+
+    --url URL              that server (any OpenAI-compatible one)
+    a running service      its gateway (gateway.json in its runtime dir)
+    MODEL|CONFIG given     `moe-pipe up MODEL --detach --port 0` now, and
+                           `moe-pipe down` when the chat ends
+
+Lines: `/reset` clears the history (the --system message stays), `/exit` or
+end of input ends. Ctrl-C during a reply stops that reply; at the prompt, ends.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from contextlib import contextmanager
+from typing import Iterator
+
+from moe_pipe.shared.errors import UserError
+
+GATEWAY_START_TIMEOUT_S = 30
+# /v1/models answers at once from a live gateway. A completion gets no read
+# timeout: prefilling a long conversation on a model bigger than RAM can take
+# minutes before the first token, and Ctrl-C stops a reply that takes too long.
+MODELS_TIMEOUT_S = 10
+# What turns thinking off in the chat templates we know: Qwen3 and Gemma 4
+# read enable_thinking, gpt-oss reads reasoning_effort (shared/chat.py
+# thinking_off). A template ignores the variable it does not use.
+NO_THINK_TEMPLATE_KWARGS = {"enable_thinking": False, "reasoning_effort": "low"}
+
+
+class RequestFailed(Exception):
+    """The server refused or broke off one request; the chat goes on."""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None, metavar="MODEL_OR_CONFIG",
+                   help="a GGUF file or TOML config to start a service for, if none is running")
+    p.add_argument("--url", metavar="URL", help="the server's base URL (default: the running service's gateway)")
+    p.add_argument("--api-key", metavar="KEY", help="sent as `Authorization: Bearer KEY`")
+    p.add_argument("--system", metavar="TEXT", help="a system message at the start of the conversation")
+    p.add_argument("--temp", "--temperature", dest="temperature", type=float, default=None, metavar="T",
+                   help="sampling temperature (default: the server's)")
+    p.add_argument("-n", "--max-tokens", dest="max_tokens", type=int, default=None, metavar="N",
+                   help="longest reply in tokens (default: the server's)")
+    p.add_argument("--no-think", action="store_true", help="ask the model not to think before answering")
+
+
+# --------------------------------------------------------------------- server
+
+def base_url(url: str) -> str:
+    """The server root. A trailing /v1 is dropped because OpenAI clients take
+    their base_url with it, and people paste what they have."""
+    url = url.rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+@contextmanager
+def chat_server(args: argparse.Namespace) -> Iterator[str]:
+    """The base URL to talk to, bringing a service up (and down again) if needed."""
+    from moe_pipe.shared.service import NoService, find_service, live_services, wait_for_gateway
+
+    if args.url:
+        yield base_url(args.url)
+        return
+    running = live_services()
+    if running or not args.model:
+        if not running:
+            raise NoService("no moe-pipe service is running; give a MODEL or CONFIG to start one "
+                            "(`moe-pipe chat MODEL`), start one with `moe-pipe up CONFIG`, or pass --url")
+        info = find_service()  # the one, or a one-line error if there are several
+        if args.model:
+            print(f"[a service is already running ({info.model_name or info.model}); chatting with it]", file=sys.stderr)
+        yield wait_for_gateway(info, GATEWAY_START_TIMEOUT_S).url
+        return
+    with service_brought_up(args.model) as url:
+        yield url
+
+
+def _moe_pipe(*argv: str) -> list[str]:
+    # This interpreter, not whatever `moe-pipe` is first on PATH.
+    return [sys.executable, "-m", "moe_pipe.cli.main", *argv]
+
+
+@contextmanager
+def service_brought_up(model: str) -> Iterator[str]:
+    """`moe-pipe up MODEL --detach` for the length of the chat. Port 0: the
+    kernel picks a free one, so a chat never collides with another server;
+    the gateway writes the port it got to gateway.json."""
+    import subprocess
+
+    from moe_pipe.shared.service import find_service, wait_for_gateway
+
+    print(f"[starting a service for {model}]", file=sys.stderr, flush=True)
+    up = subprocess.run(_moe_pipe("up", model, "--detach", "--port", "0"))
+    if up.returncode != 0:
+        raise UserError(f"could not start a service for {model}: `moe-pipe up` exited {up.returncode} (its error is above)")
+    try:
+        info = find_service()
+        yield wait_for_gateway(info, GATEWAY_START_TIMEOUT_S).url
+    finally:
+        subprocess.run(_moe_pipe("down"))
+
+
+# ----------------------------------------------------------------------- HTTP
+
+def _headers(api_key: str | None) -> dict[str, str]:
+    headers = {"Content-Type": "application/json", "Accept": "text/event-stream, application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    return headers
+
+
+def error_message(body: bytes, fallback: str) -> str:
+    """The server's own words from an error body, on one line. OpenAI's shape
+    is {"error": {"message": ...}}; plain text and other shapes are taken as is."""
+    text = body.decode("utf-8", "replace").strip()
+    try:
+        data = json.loads(text)
+    except ValueError:
+        data = None
+    if isinstance(data, dict):
+        err = data.get("error", data)
+        text = str(err.get("message") or err) if isinstance(err, dict) else str(err)
+    return " ".join(text.split()) or fallback
+
+
+def open_request(url: str, api_key: str | None, body: dict | None = None, timeout_s: float | None = None):
+    """The HTTP response (a file of lines). An HTTP error status is
+    RequestFailed; a server that cannot be reached is a UserError (exit 2)."""
+    import socket
+    import urllib.error
+    import urllib.request
+
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, headers=_headers(api_key), method="POST" if data else "GET")
+    try:
+        return urllib.request.urlopen(req, timeout=timeout_s)
+    except urllib.error.HTTPError as exc:
+        with exc:
+            raise RequestFailed(f"{exc.code}: {error_message(exc.read(), exc.reason)}") from None
+    except urllib.error.URLError as exc:
+        reason = exc.reason.strerror if isinstance(exc.reason, OSError) and exc.reason.strerror else exc.reason
+        raise UserError(f"cannot reach {url}: {reason}") from None
+    except (ConnectionError, socket.timeout) as exc:
+        raise UserError(f"cannot reach {url}: {exc}") from None
+
+
+def first_model_id(url: str, api_key: str | None) -> str:
+    try:
+        with open_request(f"{url}/v1/models", api_key, timeout_s=MODELS_TIMEOUT_S) as resp:
+            models = json.loads(resp.read()).get("data") or []
+    except RequestFailed as exc:
+        raise UserError(f"{url}/v1/models refused: {exc}") from None
+    except (ValueError, AttributeError):
+        raise UserError(f"{url}/v1/models: not an OpenAI-compatible answer") from None
+    if not models or not isinstance(models[0], dict) or "id" not in models[0]:
+        raise UserError(f"{url}/v1/models lists no model")
+    return str(models[0]["id"])
+
+
+def sse_content(lines) -> Iterator[str]:
+    """The text pieces of an OpenAI chat stream: `data: {...}` lines carrying
+    choices[0].delta.content, until `data: [DONE]`. Other SSE lines (blank
+    separators, `: keep-alive` comments, `event:`) carry no text."""
+    for raw in lines:
+        line = raw.decode("utf-8", "replace").rstrip("\r\n")
+        if not line.startswith("data:"):
+            continue
+        payload = line[len("data:"):].strip()
+        if payload == "[DONE]":
+            return
+        try:
+            chunk = json.loads(payload)
+        except ValueError:
+            raise RequestFailed(f"the server sent a stream line that is not JSON: {payload[:80]!r}") from None
+        if not isinstance(chunk, dict):
+            continue
+        if "error" in chunk:  # failed after the 200 went out: the error comes in the stream
+            raise RequestFailed(error_message(json.dumps(chunk).encode(), "the server broke off the reply"))
+        choices = chunk.get("choices") or []
+        delta = (choices[0].get("delta") or {}) if choices and isinstance(choices[0], dict) else {}
+        piece = delta.get("content")
+        if piece:
+            yield piece
+
+
+# ----------------------------------------------------------------------- chat
+
+class Chat:
+    """The conversation and the requests that carry it."""
+
+    def __init__(self, url: str, model: str, args: argparse.Namespace):
+        self.url, self.model, self.api_key = url, model, args.api_key
+        self.system = args.system
+        self.options: dict = {}
+        if args.temperature is not None:
+            self.options["temperature"] = args.temperature
+        if args.max_tokens is not None:
+            self.options["max_tokens"] = args.max_tokens
+        if args.no_think:
+            self.options["chat_template_kwargs"] = dict(NO_THINK_TEMPLATE_KWARGS)
+        self.history: list[dict] = []
+        self.reset()
+
+    def reset(self) -> None:
+        self.history = [{"role": "system", "content": self.system}] if self.system else []
+
+    def request_body(self) -> dict:
+        return {"model": self.model, "messages": list(self.history), "stream": True, **self.options}
+
+    def say(self, text: str, out) -> None:
+        """Send one user message, print the reply as it streams, keep both.
+
+        A failed request leaves the history as it was. A reply stopped with
+        Ctrl-C keeps what was shown (the user saw it; the next turn answers
+        from there); one stopped before any text drops the question too, so
+        two user turns never follow each other."""
+        import http.client
+
+        self.history.append({"role": "user", "content": text})
+        pieces: list[str] = []
+        try:
+            with open_request(f"{self.url}/v1/chat/completions", self.api_key, self.request_body()) as resp:
+                for piece in sse_content(resp):
+                    pieces.append(piece)  # first: a Ctrl-C during the write still keeps what showed
+                    out.write(piece)
+                    out.flush()
+        except KeyboardInterrupt:
+            # Leaving the `with` closed the connection: the gateway sees the
+            # client go and stops generating.
+            out.write("\n")
+            print("[reply stopped]", file=sys.stderr, flush=True)
+            self._keep_reply(pieces)
+            return
+        except RequestFailed as exc:
+            if pieces:
+                out.write("\n")
+            self.history.pop()
+            print(f"moe-pipe: server error {exc}", file=sys.stderr, flush=True)
+            return
+        except BrokenPipeError:
+            raise  # our stdout closed (`| head`): main ends quietly
+        except (ConnectionError, http.client.HTTPException) as exc:  # broke mid-reply: the server is gone
+            raise UserError(f"lost the connection to {self.url}: {exc or type(exc).__name__}") from None
+        out.write("\n")
+        out.flush()
+        self._keep_reply(pieces, complete=True)
+
+    def _keep_reply(self, pieces: list[str], complete: bool = False) -> None:
+        if pieces or complete:
+            self.history.append({"role": "assistant", "content": "".join(pieces)})
+        else:
+            self.history.pop()
+
+
+def read_line(prompt: str) -> str | None:
+    """The next input line; None at end of input."""
+    try:
+        return input(prompt)
+    except EOFError:
+        return None
+
+
+def converse(chat: Chat, interactive: bool) -> int:
+    prompt = "> " if interactive else ""
+    while True:
+        try:
+            line = read_line(prompt)
+        except KeyboardInterrupt:
+            print(file=sys.stderr)
+            return 0
+        if line is None:
+            if interactive:
+                print(file=sys.stderr)  # end the prompt's line
+            return 0
+        text = line.strip()
+        if not text:
+            continue
+        if text == "/exit":
+            return 0
+        if text == "/reset":
+            chat.reset()
+            print("[history cleared]", file=sys.stderr, flush=True)
+            continue
+        chat.say(text, sys.stdout)
+
+
+def run(args: argparse.Namespace) -> int:
+    interactive = sys.stdin.isatty()
+    with chat_server(args) as url:
+        model = first_model_id(url, args.api_key)
+        if interactive:
+            print(f"[{model} at {url}; /reset clears the history, /exit or Ctrl-D ends]", file=sys.stderr)
+        return converse(Chat(url, model, args), interactive)

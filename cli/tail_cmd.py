@@ -1,0 +1,290 @@
+"""`moe-pipe tail [--csv] [--wait S]`: watch the running service's tokens live.
+
+A tail is one SUB socket on the telemetry process's PUB ("telemetry_pub"):
+attaching and detaching never touch the service, and any number of tails can
+watch at once. PUB/SUB has no history, so a tail sees the records published
+after it connected, not the ones before.
+
+Three outputs, picked by where stdout goes:
+
+    --csv          header + one row per token, flushed per line (for pipes)
+    a terminal     a live table: recent tokens, a tok/s sparkline, the summary so far
+    otherwise      one plain text line per token, the summary at the end of a run
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+MIB = 1 << 20
+SPARK_BLOCKS = "▁▂▃▄▅▆▇█"
+SPARK_TOKENS = 60  # tokens in the sparkline: a minute or so at the speeds we see
+TABLE_ROWS = 15  # recent tokens in the live table
+# How long a recv waits before we look whether the service is still there:
+# the service going away sends nothing (kill -9 cannot), so we poll for it.
+LIVENESS_POLL_MS = 500
+# The live table redraws at most this often; tokens can come faster than a
+# terminal is worth repainting.
+REDRAW_INTERVAL_S = 0.1
+WAITING_NOTICE = "waiting for a moe-pipe service (start one with `moe-pipe up CONFIG`)..."
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--csv", action="store_true", help="print CSV rows (the per-token schema) instead of a table")
+    p.add_argument("--wait", type=float, default=None, metavar="S",
+                   help="give up after S seconds if no service is running (default: wait until one starts)")
+
+
+# ------------------------------------------------------------------ formatting
+
+def tok_per_s(wall_ms: float) -> float:
+    return 1000.0 / wall_ms if wall_ms > 0 else 0.0
+
+
+def sparkline(values, width: int = SPARK_TOKENS) -> str:
+    """The last `width` values as unicode blocks, scaled from 0 to their max
+    (from 0, not from the min, so steady noise does not look like a cliff).
+    Block k of 8 stands for (k/8, (k+1)/8] of the max: half the max is ▄."""
+    recent = list(values)[-width:]
+    top = max(recent, default=0.0)
+    if top <= 0:
+        return SPARK_BLOCKS[0] * len(recent)
+    n = len(SPARK_BLOCKS)
+    return "".join(SPARK_BLOCKS[min(n - 1, max(0, math.ceil(v / top * n) - 1))] for v in recent)
+
+
+def format_line(rec) -> str:
+    """One token as plain text (the non-terminal, non-CSV output)."""
+    return (f"step {rec.step:>5}  {tok_per_s(rec.wall_ms):7.2f} tok/s  wall {rec.wall_ms:8.1f} ms  "
+            f"compute {rec.compute_ms:8.1f} ms  io {rec.io_ms:8.1f} ms  stall {rec.stall_ms:7.1f} ms  "
+            f"hit {rec.cache_hit_pct:5.1f} %  read {rec.read_bytes / MIB:8.2f} MiB  majflt {rec.majflt}")
+
+
+def csv_header() -> str:
+    from moe_pipe.shared.telemetry import CSV_COLUMNS
+
+    return ",".join(CSV_COLUMNS)
+
+
+def csv_row(rec) -> str:
+    """The schema's columns of one record, formatted as the run CSV writes them
+    (floats to 3 decimals: ms to the microsecond), so the two compare as text."""
+    from moe_pipe.shared.telemetry import CSV_COLUMNS
+
+    values = (getattr(rec, c) for c in CSV_COLUMNS)
+    return ",".join(f"{v:.3f}" if isinstance(v, float) else str(v) for v in values)
+
+
+# ----------------------------------------------------------------------- state
+
+@dataclass
+class RunSoFar:
+    """What a tail has seen of the current run. A RunInfo starts a new run
+    (as it does in the telemetry process's recorder)."""
+
+    info: object | None = None  # messages.RunInfo
+    records: list = field(default_factory=list)
+    tok_s: deque = field(default_factory=lambda: deque(maxlen=SPARK_TOKENS))
+    final: object | None = None  # messages.RunSummary, once the run ended
+
+    def start_run(self, info) -> None:
+        self.info, self.records, self.final = info, [], None
+        self.tok_s.clear()
+
+    def add(self, rec) -> None:
+        self.records.append(rec)
+        self.tok_s.append(tok_per_s(rec.wall_ms))
+
+    def summary(self):
+        """The run summary over the records seen (the service's own at the end)."""
+        from moe_pipe.shared.telemetry import summarize
+
+        if self.final is not None:
+            return self.final
+        load_s = self.info.load_seconds if self.info is not None else 0.0
+        budget = self.info.budget_bytes if self.info is not None else 0
+        peak_rss = max((r.rss_bytes for r in self.records), default=0)
+        return summarize(self.records, load_s, budget, 0, peak_rss)
+
+
+# --------------------------------------------------------------------- outputs
+
+class CsvOutput:
+    def __init__(self) -> None:
+        print(csv_header(), flush=True)
+
+    def on_token(self, run: RunSoFar, rec) -> None:
+        print(csv_row(rec), flush=True)
+
+    def on_run_event(self, run: RunSoFar) -> None:
+        pass  # the CSV is tokens only
+
+    def idle(self, run: RunSoFar) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class TextOutput:
+    def on_token(self, run: RunSoFar, rec) -> None:
+        print(format_line(rec), flush=True)
+
+    def on_run_event(self, run: RunSoFar) -> None:
+        if run.final is not None:
+            from moe_pipe.shared.telemetry import format_summary
+
+            print(format_summary(run.final), flush=True)
+
+    def idle(self, run: RunSoFar) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class LiveOutput:
+    """A rich Live view, redrawn from the main thread only (auto refresh off:
+    its refresh thread would read the run while we append to it)."""
+
+    def __init__(self, service_desc: str) -> None:
+        from rich.live import Live
+
+        self.service_desc = service_desc
+        self.live = Live(self._render(RunSoFar()), auto_refresh=False, transient=False)
+        self.live.start()
+        self.drawn_at = 0.0
+        self.dirty = False
+
+    def on_token(self, run: RunSoFar, rec) -> None:
+        self.dirty = True
+        if time.monotonic() - self.drawn_at >= REDRAW_INTERVAL_S:
+            self._draw(run)
+
+    def on_run_event(self, run: RunSoFar) -> None:
+        self._draw(run)
+
+    def idle(self, run: RunSoFar) -> None:
+        if self.dirty:  # the last tokens of a burst that came inside one redraw interval
+            self._draw(run)
+
+    def close(self) -> None:
+        self.live.stop()
+
+    def _draw(self, run: RunSoFar) -> None:
+        self.live.update(self._render(run), refresh=True)
+        self.drawn_at, self.dirty = time.monotonic(), False
+
+    def _render(self, run: RunSoFar):
+        from rich.console import Group
+        from rich.table import Table
+        from rich.text import Text
+
+        from moe_pipe.shared.telemetry import format_summary
+
+        table = Table(title=self.service_desc, title_justify="left", expand=False)
+        for name in ("step", "tok/s", "wall ms", "compute ms", "io ms", "stall ms", "hit %", "MiB read", "majflt"):
+            table.add_column(name, justify="right")
+        for r in run.records[-TABLE_ROWS:]:
+            table.add_row(str(r.step), f"{tok_per_s(r.wall_ms):.2f}", f"{r.wall_ms:.1f}", f"{r.compute_ms:.1f}",
+                          f"{r.io_ms:.1f}", f"{r.stall_ms:.1f}", f"{r.cache_hit_pct:.1f}", f"{r.read_bytes / MIB:.2f}",
+                          str(r.majflt))
+        if not run.records:
+            return Group(table, Text("waiting for tokens (send the service a request)...", style="dim"))
+        spark = Text(f"tok/s {sparkline(run.tok_s)}  last {run.tok_s[-1]:.2f}, max {max(run.tok_s):.2f}")
+        heading = "run finished" if run.final is not None else "run so far"
+        return Group(table, spark, Text(f"{heading}:", style="bold"), Text(format_summary(run.summary())))
+
+
+def choose_output(args, service_desc: str):
+    if args.csv:
+        return CsvOutput()
+    if sys.stdout.isatty():
+        return LiveOutput(service_desc)
+    return TextOutput()
+
+
+# ------------------------------------------------------------------------ run
+
+def find_service(wait_s: float | None):
+    """The running service; if none runs yet, say so once and wait for one."""
+    from moe_pipe.shared.service import find_service as find_now, live_services, wait_for_service
+
+    if live_services():
+        return find_now()  # one (or a one-line error naming the several)
+    print(WAITING_NOTICE, file=sys.stderr, flush=True)
+    return wait_for_service(wait_s)
+
+
+def service_gone(info) -> bool:
+    """The supervisor exited. A removed runtime dir counts as gone on its own:
+    with no owner file, `is_live` falls back to "does the pid run", which a
+    supervisor that has cleaned up but not yet exited still passes."""
+    from moe_pipe.shared import ipc
+
+    path = Path(info.runtime_dir)
+    return not path.is_dir() or not ipc.RuntimeDir(path, info.pid).is_live()
+
+
+def follow(sock, info, output) -> None:
+    """Show records until the service goes away (returns) or we are stopped."""
+    from moe_pipe.shared import ipc, messages as m
+
+    run = RunSoFar()
+    while True:
+        try:
+            msg = ipc.recv(sock, LIVENESS_POLL_MS, expect=(m.TokenRecord, m.RunInfo, m.RunSummary))
+        except m.ProtocolError:
+            continue  # a frame from a newer or broken peer: skip it, keep watching
+        if msg is None:
+            if service_gone(info):
+                return
+            output.idle(run)
+        elif isinstance(msg, m.TokenRecord):
+            run.add(msg)
+            output.on_token(run, msg)
+        elif isinstance(msg, m.RunInfo):
+            run.start_run(msg)
+            output.on_run_event(run)
+        else:
+            run.final = msg
+            output.on_run_event(run)
+
+
+def detach_from_closed_pipe() -> None:
+    """The reader of our stdout went away (`| head`): point stdout at /dev/null
+    so the interpreter's final flush does not print a BrokenPipeError."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
+def run(args: argparse.Namespace) -> int:
+    from moe_pipe.shared import ipc
+
+    try:
+        info = find_service(args.wait)
+        service_desc = f"moe-pipe service pid {info.pid}: {info.model_name or info.model}"
+        with ipc.context() as ctx:
+            sock = ipc.connect(ctx, info.endpoints, "telemetry_pub")
+            output = None
+            try:
+                output = choose_output(args, service_desc)
+                follow(sock, info, output)
+            finally:
+                if output is not None:
+                    output.close()
+                sock.close(linger=0)  # a SUB has nothing to flush; detaching is just this
+    except KeyboardInterrupt:
+        return 0  # Ctrl-C is how a tail is meant to end
+    except BrokenPipeError:
+        detach_from_closed_pipe()
+        return 0
+    print("service stopped", file=sys.stderr)
+    return 0

@@ -1,0 +1,664 @@
+"""The gateway process: the OpenAI-compatible HTTP API of `moe-pipe up`.
+
+    client ─HTTP/SSE─► handler ─Job─► RequestQueue ─► Worker ─Generate/Cancel─► compute
+                          ▲                             │  ◄──Hello/Token/Done──┘
+                          └──── job events (text, end) ─┘
+
+One event loop (uvloop) owns every zmq socket of the process (zmq.asyncio),
+so no socket is touched by two threads; what would block the loop runs in
+threads: tokenizing (chat templates) and the supervisor's status for /metrics.
+
+  1. a handler checks the body (the OpenAI wire format is shared/openai_api.py),
+     tokenizes the prompt and queues a Job (a full queue: 429);
+  2. one Worker takes jobs in arrival order and gives compute ONE Generate at
+     a time; Token frames become the job's text, which the handler streams
+     (SSE) or collects;
+  3. a client that goes away: Cancel to compute, the job is dropped;
+  4. a compute that dies mid-request (kill -9 sends nothing, so its pid is
+     watched): wait for the restarted compute's Hello and resend once, a
+     stream skipping the text it already has; a second loss or no compute in
+     time: 503;
+  5. SIGTERM: stop listening, fail what waits with 503, exit 0.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import os
+import signal
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import orjson
+import psutil
+import zmq
+import zmq.asyncio
+from aiohttp import web
+
+from ..shared import ipc, messages as m, service
+from ..shared.chat import chat_prompt_tokens, encode_prompt
+from ..shared.errors import UserError
+from ..shared.metrics import Metrics
+from ..shared.model_file import open_model
+from ..shared.openai_api import (FINISH_REASONS, ApiError, CompletionRequest, ResponseShape, fit_max_tokens, parse_body,
+                                 parse_request, sse, usage_of)
+from ..shared.tokenizer import Tokenizer
+from .lifecycle import child_setup
+
+log = logging.getLogger("moe_pipe.gateway")
+
+POLL_S = 0.25  # how often a wait checks that compute lives and the client is still there
+MAX_BODY_BYTES = 4 << 20  # far above any context window's worth of text
+SEND_TIMEOUT_S = 5.0  # a send that cannot be queued this long: compute is wedged
+STATUS_TIMEOUT_MS = 1_000  # the supervisor's process table, for /metrics
+SHUTDOWN_GRACE_S = 5.0  # handlers get this long to answer 503 after SIGTERM
+RETRY_AFTER_S = 1
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    runtime_dir: str
+    model_path: str
+    model_name: str
+    host: str = "127.0.0.1"
+    port: int = 8080
+    api_key: str | None = None
+    queue_size: int = 16
+    ctx_size: int = 4096
+    max_tokens: int = 64
+    temperature: float = 0.0
+    seed: int | None = None
+    no_think: bool = False
+    restart_wait_s: float = 60.0
+
+
+# ------------------------------------------------------------------ HTTP glue
+
+def json_response(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(body=orjson.dumps(data), status=status, content_type="application/json", headers=headers)
+
+
+def error_response(err: ApiError) -> web.Response:
+    return json_response(err.body(), err.status, err.headers)
+
+
+async def read_json(request: web.Request) -> dict:
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise ApiError(413, f"the request body is over the {MAX_BODY_BYTES >> 20} MiB limit", "body_too_large") from None
+    return parse_body(raw)
+
+
+# ------------------------------------------------------------------------ jobs
+
+@dataclass(frozen=True)
+class Finished:
+    finish_reason: str
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
+class Failed:
+    status: int
+    message: str
+    code: str
+    kind: str = "server_error"
+
+    def error(self) -> ApiError:
+        return ApiError(self.status, self.message, self.code, self.kind)
+
+
+class Job:
+    """One request from the queue to its end. The worker writes events (text
+    pieces, then one Finished or Failed); the handler reads them."""
+
+    def __init__(self, prompt_tokens: list[int], max_tokens: int, sampling: dict, stop: tuple[str, ...]):
+        self.prompt_tokens, self.max_tokens, self.sampling, self.stop = prompt_tokens, max_tokens, sampling, stop
+        self.events: deque[str | Finished | Failed] = deque()
+        self.wake = asyncio.Event()
+        self.emitted = 0  # characters of text handed out so far: a retry skips them
+        self.cancelled = False  # the client went away
+        self.ended = False
+
+    def offer_text(self, attempt_text: str) -> None:
+        """The whole text of the current attempt; hand out what is new. Greedy
+        (or seeded) output is identical on a retry, so the prefix is known."""
+        if len(attempt_text) > self.emitted:
+            self._emit(attempt_text[self.emitted:])
+            self.emitted = len(attempt_text)
+
+    def end(self, event: Finished | Failed) -> None:
+        if not self.ended:
+            self.ended = True
+            self._emit(event)
+
+    def _emit(self, event) -> None:
+        self.events.append(event)
+        self.wake.set()
+
+
+class RequestQueue:
+    """The FIFO of jobs waiting for the worker, bounded: past `size`, 429.
+    A job whose client left while it waited is skipped, and does not count."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.jobs: deque[Job] = deque()
+        self.wake = asyncio.Event()
+        self.closed = False
+
+    def offer(self, job: Job) -> None:
+        if self.closed:
+            raise ApiError(503, "the service is shutting down", "shutting_down", "server_error")
+        self.jobs = deque(j for j in self.jobs if not j.cancelled)
+        if len(self.jobs) >= self.size:
+            raise ApiError(429, f"{len(self.jobs)} requests are already waiting (queue_size {self.size}); retry later",
+                           "queue_full", "rate_limit_error", headers={"Retry-After": str(RETRY_AFTER_S)})
+        self.jobs.append(job)
+        self.wake.set()
+
+    async def take(self) -> Job:
+        while True:
+            self.wake.clear()
+            while self.jobs:
+                job = self.jobs.popleft()
+                if not job.cancelled:
+                    return job
+            await self.wake.wait()
+
+    def waiting(self) -> int:
+        return sum(not j.cancelled for j in self.jobs)
+
+    def close(self, failure: Failed) -> None:
+        self.closed = True
+        while self.jobs:
+            self.jobs.popleft().end(failure)
+
+
+# --------------------------------------------------------------- the compute link
+
+async def wait_event(event: asyncio.Event, timeout_s: float) -> None:
+    """Until `event` is set or `timeout_s` passed. Not asyncio.wait_for: on
+    3.11 it can swallow a cancel that lands as the event fires, and a worker
+    that misses its cancel keeps the process from exiting."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            await event.wait()
+    except TimeoutError:
+        pass
+
+
+def pid_alive(pid: int) -> bool:
+    """Runs and is not a zombie (a killed sibling stays one until reaped)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return False
+    except psutil.AccessDenied:
+        return True
+
+
+class ComputeLink:
+    """The gateway's end of the requests/tokens links: who the compute is
+    (the pid of its last Hello) and the frames of the request in flight."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, endpoints: ipc.Endpoints):
+        self.tokens = ipc.bind(ctx, endpoints, "tokens")
+        self.requests = ipc.connect(ctx, endpoints, "requests")
+        self.pid: int | None = None
+        self.hellos = 0  # a new Hello means a (re)started compute
+        self.req_id = 0  # the request in flight; frames of any other are late and dropped
+        self.frames: deque[m.Token | m.Done] = deque()
+        self.wake = asyncio.Event()
+
+    def ready(self) -> bool:
+        return self.pid is not None and pid_alive(self.pid)
+
+    async def receive_forever(self) -> None:
+        while True:
+            frame = await self.tokens.recv()
+            try:
+                msg = m.decode(frame)
+            except m.ProtocolError as exc:
+                log.warning("dropped a bad frame on the tokens link: %s", exc)
+                continue
+            if isinstance(msg, m.Hello):
+                self._on_hello(msg)
+            elif isinstance(msg, (m.Token, m.Done)):
+                if msg.req_id == self.req_id:
+                    self.frames.append(msg)
+            else:
+                log.warning("dropped an unexpected %s on the tokens link", type(msg).__name__)
+            self.wake.set()
+
+    def _on_hello(self, hello: m.Hello) -> None:
+        if hello.role != "compute" or hello.protocol != m.PROTOCOL_VERSION:
+            log.warning("ignored a Hello from %s pid %d (protocol %d, ours %d)", hello.role, hello.pid, hello.protocol,
+                        m.PROTOCOL_VERSION)
+            return
+        log.info("compute pid %d is %s", hello.pid, "back" if self.hellos else "ready")
+        self.pid, self.hellos = hello.pid, self.hellos + 1
+
+    def begin(self, req_id: int) -> None:
+        self.req_id = req_id
+        self.frames.clear()
+
+    async def send(self, msg: m.Message) -> None:
+        async with asyncio.timeout(SEND_TIMEOUT_S):
+            await self.requests.send(m.encode(msg))
+
+    async def wait(self, timeout_s: float) -> None:
+        """Until a frame or Hello arrives, or `timeout_s`. Callers clear `wake`
+        before they look at the state, so nothing that arrives is missed."""
+        await wait_event(self.wake, timeout_s)
+
+LOST = "lost"  # run_once: the compute died (or restarted) under the request
+
+
+class Worker:
+    """Serves the queue in order, one request on compute at a time."""
+
+    def __init__(self, link: ComputeLink, queue: RequestQueue, settings: GatewaySettings, metrics: Metrics):
+        self.link, self.queue, self.settings, self.metrics = link, queue, settings, metrics
+        self.current: Job | None = None
+        self.next_req = 0
+
+    async def run_forever(self) -> None:
+        while True:
+            job = await self.queue.take()
+            self.current = job
+            try:
+                await self.serve(job)
+            except (TimeoutError, zmq.ZMQError) as exc:
+                job.end(Failed(503, f"compute did not take the request ({type(exc).__name__}); retry later",
+                               "compute_unavailable"))
+            except Exception:  # noqa: BLE001 - a bug fails this request, never the worker
+                log.exception("request failed")
+                job.end(Failed(500, "internal error in the gateway (see the service log)", "internal"))
+            finally:
+                self.current = None
+
+    async def serve(self, job: Job) -> None:
+        newer_than = 0  # Hello count the compute must pass: any for the first try, a new one for the retry
+        for attempt in (1, 2):
+            if not await self.wait_for_compute(job, newer_than):
+                return
+            newer_than, pid = self.link.hellos, self.link.pid
+            if await self.run_once(job) != LOST:
+                return
+            log.warning("compute pid %s was lost during a request%s", pid,
+                        "; resending it to the restarted compute" if attempt == 1 else " again; giving up")
+        job.end(Failed(503, "the compute process died twice during this request; retry later", "compute_unavailable"))
+
+    async def wait_for_compute(self, job: Job, newer_than: int) -> bool:
+        """Until a live compute newer than `newer_than` Hellos. Before the first
+        Hello ever (the model is loading) there is no deadline; after that the
+        supervisor's restart gets `restart_wait_s`."""
+        loop = asyncio.get_running_loop()
+        wait_s = self.settings.restart_wait_s
+        deadline = None if self.link.hellos == 0 else loop.time() + wait_s
+        while True:
+            self.link.wake.clear()
+            if job.cancelled:
+                return False
+            if self.link.hellos > newer_than and self.link.ready():
+                return True
+            if deadline is not None and loop.time() >= deadline:
+                job.end(Failed(503, f"no compute process is running (waited {wait_s:g} s for a restart); retry later",
+                               "compute_unavailable"))
+                return False
+            await self.link.wait(POLL_S)
+
+    async def run_once(self, job: Job) -> str | None:
+        link = self.link
+        self.next_req += 1
+        req_id, pid, hellos = self.next_req, link.pid, link.hellos
+        link.begin(req_id)
+        await link.send(m.Generate(req_id, tuple(job.prompt_tokens), job.max_tokens, job.sampling, job.stop))
+        text, cancel_sent = "", False
+        while True:
+            link.wake.clear()
+            while link.frames:
+                msg = link.frames.popleft()
+                if isinstance(msg, m.Done):
+                    return self.finish(job, msg)
+                text += msg.text
+                job.offer_text(text)
+            if link.hellos != hellos or not pid_alive(pid):
+                return LOST
+            if job.cancelled and not cancel_sent:
+                await link.send(m.Cancel(req_id))  # compute ends it with Done(cancelled) at its next token
+                cancel_sent = True
+            await link.wait(POLL_S)
+
+    def finish(self, job: Job, done: m.Done) -> str | None:
+        self.metrics.on_done(done)
+        if done.ok:
+            reason = FINISH_REASONS.get(done.finish_reason, done.finish_reason or "stop")
+            job.end(Finished(reason, len(done.tokens)))
+        elif done.code == m.Code.PEER_GONE:  # the reader died; compute exits and is restarted
+            return LOST
+        elif done.code == m.Code.BAD_ARGUMENT:
+            job.end(Failed(400, done.error, done.code, "invalid_request_error"))
+        else:
+            job.end(Failed(500, f"generation failed ({done.code}): {done.error}", done.code or "internal"))
+        return None
+
+    async def abandon(self, failure: Failed) -> None:
+        """Shutdown: the running request ends now, and compute stops working on
+        it (a gateway restarted alone must not queue behind an orphan)."""
+        job = self.current
+        if job is not None:
+            job.cancelled = True
+            job.end(failure)
+            try:
+                await self.link.send(m.Cancel(self.link.req_id))
+            except (TimeoutError, zmq.ZMQError):
+                pass
+
+
+# ---------------------------------------------------------------------- metrics
+
+async def supervisor_processes(runtime_dir: str) -> list[dict] | None:
+    """The supervisor's process table, or None (no supervisor, no answer)."""
+    info = service.read_service_info(Path(runtime_dir))
+    if info is None:
+        return None
+    ask = partial(service.control, info, "status", timeout_ms=STATUS_TIMEOUT_MS)
+    try:  # control() blocks: a thread, so the event loop never waits on it
+        async with asyncio.timeout(STATUS_TIMEOUT_MS / 1e3 + 0.5):
+            status = await asyncio.get_running_loop().run_in_executor(None, ask)
+    except (TimeoutError, UserError, zmq.ZMQError, m.ProtocolError, OSError):
+        return None
+    processes = status.data.get("processes") if status.ok else None
+    return processes if isinstance(processes, list) else None
+
+
+async def follow_telemetry(sock: zmq.asyncio.Socket, metrics: Metrics) -> None:
+    while True:
+        frame = await sock.recv()
+        try:
+            msg = m.decode(frame)
+        except m.ProtocolError:
+            continue  # a tail-only frame we cannot read is no reason to stop counting
+        if isinstance(msg, m.TokenRecord):
+            metrics.on_record(msg)
+
+
+# ------------------------------------------------------------------ the service
+
+class ClientGone(Exception):
+    """The HTTP client closed its connection."""
+
+
+def client_gone(request: web.Request) -> bool:
+    return request.transport is None or request.transport.is_closing()
+
+
+class Gateway:
+    """The app's state: settings, tokenizer, queue, worker and links."""
+
+    def __init__(self, settings: GatewaySettings, tokenizer: Tokenizer):
+        self.settings, self.tok = settings, tokenizer
+        self.metrics = Metrics()
+        self.queue = RequestQueue(settings.queue_size)
+        self.started = int(time.time())
+        # One thread: templates render one at a time, and the event loop never does it.
+        self.tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+        self.ctx: zmq.asyncio.Context | None = None
+        self.link: ComputeLink | None = None
+        self.worker: Worker | None = None
+        self.tasks: list[asyncio.Task] = []
+
+    # -- lifetime (aiohttp signals) ----------------------------------------------
+    async def start(self, app: web.Application) -> None:
+        self.ctx = zmq.asyncio.Context()
+        ep = ipc.Endpoints(Path(self.settings.runtime_dir))
+        self.link = ComputeLink(self.ctx, ep)
+        self.worker = Worker(self.link, self.queue, self.settings, self.metrics)
+        telemetry = ipc.connect(self.ctx, ep, "telemetry_pub")
+        self.tasks = [asyncio.create_task(c) for c in (self.link.receive_forever(), self.worker.run_forever(),
+                                                       follow_telemetry(telemetry, self.metrics))]
+
+    async def stop_serving(self, app: web.Application) -> None:
+        failure = Failed(503, "the service is shutting down", "shutting_down")
+        self.queue.close(failure)
+        if self.worker is not None:
+            await self.worker.abandon(failure)
+
+    async def close(self, app: web.Application) -> None:
+        for task in self.tasks:
+            task.cancel()
+        if self.tasks:
+            await asyncio.wait(self.tasks, timeout=SHUTDOWN_GRACE_S)
+        if self.ctx is not None:
+            self.ctx.destroy(linger=0)  # closes every socket of ours
+        self.tokenize_pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- plain endpoints -----------------------------------------------------------
+    async def health(self, request: web.Request) -> web.Response:
+        if self.link is not None and self.link.ready():
+            return json_response({"status": "ok"})
+        return json_response({"status": "loading"}, 503)
+
+    def _model(self) -> dict:
+        return {"id": self.settings.model_name, "object": "model", "created": self.started, "owned_by": "moe-pipe"}
+
+    async def models(self, request: web.Request) -> web.Response:
+        return json_response({"object": "list", "data": [self._model()]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        if request.match_info["name"] != self.settings.model_name:
+            raise ApiError(404, f"the model '{request.match_info['name']}' does not exist", "model_not_found")
+        return json_response(self._model())
+
+    async def metrics_text(self, request: web.Request) -> web.Response:
+        processes = await supervisor_processes(self.settings.runtime_dir)
+        text = self.metrics.render(self.link is not None and self.link.ready(), self.queue.waiting(), processes)
+        return web.Response(body=text.encode(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    # -- completions -------------------------------------------------------------
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self.complete(request, chat=True)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self.complete(request, chat=False)
+
+    async def complete(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        try:
+            req = parse_request(await read_json(request), chat, self.settings)
+            prompt = await self.tokenize(req)
+            job = Job(prompt, fit_max_tokens(req, len(prompt), self.settings), req.sampling, req.stop)
+            self.queue.offer(job)
+        except ApiError as err:
+            self.count(err.status)
+            raise
+        shape = ResponseShape(chat, self.settings.model_name, req.include_usage)
+        try:
+            if req.stream:
+                return await self.stream(request, job, shape)
+            return await self.collect(request, job, shape)
+        except (ClientGone, ConnectionError):
+            if not job.ended:  # else it was answered (and counted) in full
+                job.cancelled = True  # the worker sends Cancel, or skips the job if it still waits
+                self.metrics.requests["cancelled"] += 1
+            return web.Response(status=499)  # nobody reads it
+
+    async def tokenize(self, req: CompletionRequest) -> list[int]:
+        loop = asyncio.get_running_loop()
+        if req.chat:
+            work = partial(chat_prompt_tokens, self.tok, list(req.messages), self.settings.no_think, **req.template_vars)
+        else:
+            work = partial(encode_prompt, self.tok, req.prompt)
+        try:
+            return await loop.run_in_executor(self.tokenize_pool, work)
+        except UserError as exc:  # the chat template refused the conversation
+            raise ApiError(400, str(exc), "invalid_messages", param="messages") from None
+
+    async def events(self, request: web.Request, job: Job) -> AsyncIterator[str | Finished | Failed]:
+        """The job's events until its end; ClientGone when the client leaves first."""
+        while True:
+            job.wake.clear()
+            while job.events:
+                event = job.events.popleft()
+                yield event
+                if not isinstance(event, str):
+                    return
+            if client_gone(request):
+                raise ClientGone()
+            await wait_event(job.wake, POLL_S)
+
+    async def collect(self, request: web.Request, job: Job, shape: ResponseShape) -> web.Response:
+        pieces: list[str] = []
+        async for event in self.events(request, job):
+            if isinstance(event, str):
+                pieces.append(event)
+            elif isinstance(event, Failed):
+                self.count(event.status)
+                return error_response(event.error())
+            else:
+                self.count(200)
+                usage = usage_of(len(job.prompt_tokens), event.completion_tokens)
+                return json_response(shape.whole("".join(pieces), event.finish_reason, usage))
+        raise ClientGone()  # not reached: events() ends with an end event or raises
+
+    async def stream(self, request: web.Request, job: Job, shape: ResponseShape) -> web.StreamResponse:
+        """SSE. Headers go out with the first event, so a request that fails
+        before any text (no compute came in time) still gets a real status."""
+        resp: web.StreamResponse | None = None
+        async for event in self.events(request, job):
+            if resp is None:
+                if isinstance(event, Failed):
+                    self.count(event.status)
+                    return error_response(event.error())
+                resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                                   "X-Accel-Buffering": "no"})
+                await resp.prepare(request)
+                for chunk in shape.opening():
+                    await resp.write(sse(chunk))
+            if isinstance(event, str):
+                await resp.write(sse(shape.chunk(event)))
+            elif isinstance(event, Failed):  # the status is sent: the error becomes an event
+                self.count(event.status)
+                await resp.write(sse(event.error().body()))
+            else:
+                self.count(200)
+                await resp.write(sse(shape.chunk(None, event.finish_reason)))
+                if shape.include_usage:
+                    await resp.write(sse(shape.usage_chunk(usage_of(len(job.prompt_tokens), event.completion_tokens))))
+                await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    def count(self, status: int) -> None:
+        outcome = {200: "ok", 429: "rejected", 503: "unavailable"}.get(status)
+        self.metrics.requests[outcome or ("invalid" if status < 500 else "failed")] += 1
+
+
+# ------------------------------------------------------------------ middlewares
+
+@web.middleware
+async def errors_as_json(request: web.Request, handler) -> web.StreamResponse:
+    """Every error in OpenAI's shape, aiohttp's own (404 route, 405) included."""
+    try:
+        return await handler(request)
+    except ApiError as err:
+        return error_response(err)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        headers = {k: v for k, v in exc.headers.items() if k.lower() in ("allow", "retry-after")}
+        kind = "invalid_request_error" if exc.status < 500 else "server_error"
+        return error_response(ApiError(exc.status, f"{request.method} {request.path}: {exc.reason}", None, kind,
+                                       headers=headers))
+    except Exception:  # noqa: BLE001 - a bug fails this request with a 500, the server keeps going
+        log.exception("%s %s failed", request.method, request.path)
+        return error_response(ApiError(500, "internal error in the gateway (see the service log)", "internal",
+                                       "server_error"))
+
+
+def require_key(api_key: str):
+    expected = f"Bearer {api_key}".encode()
+
+    @web.middleware
+    async def check_key(request: web.Request, handler) -> web.StreamResponse:
+        if request.path == "/v1" or request.path.startswith("/v1/"):
+            given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+            if not hmac.compare_digest(given, expected):  # constant time: the key cannot be guessed byte by byte
+                raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'", "invalid_api_key")
+        return await handler(request)
+
+    return check_key
+
+
+# ------------------------------------------------------------------ entry points
+
+GATEWAY = web.AppKey("gateway", Gateway)
+
+
+def load_tokenizer(model_path: str) -> Tokenizer:
+    with open_model(model_path) as mf:
+        return Tokenizer.from_gguf(mf.gguf)
+
+
+async def create_app(settings: GatewaySettings, tokenizer: Tokenizer | None = None) -> web.Application:
+    """The HTTP app; its background tasks start with it and stop at cleanup."""
+    gateway = Gateway(settings, tokenizer or load_tokenizer(settings.model_path))
+    middlewares = [errors_as_json] + ([require_key(settings.api_key)] if settings.api_key else [])
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)
+    app.router.add_post("/v1/chat/completions", gateway.chat_completions)
+    app.router.add_post("/v1/completions", gateway.completions)
+    app.router.add_get("/v1/models", gateway.models)
+    app.router.add_get("/v1/models/{name}", gateway.model)
+    app.router.add_get("/health", gateway.health)
+    app.router.add_get("/metrics", gateway.metrics_text)
+    app.on_startup.append(gateway.start)
+    app.on_shutdown.append(gateway.stop_serving)  # after the listener closes, before handlers are awaited
+    app.on_cleanup.append(gateway.close)
+    app[GATEWAY] = gateway
+    return app
+
+
+async def serve(settings: GatewaySettings) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        if signal.getsignal(sig) is not signal.SIG_IGN:  # child_setup ignores SIGINT: the supervisor stops us in order
+            loop.add_signal_handler(sig, stop.set)
+    app = await create_app(settings)
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S)
+    await runner.setup()
+    address_file = Path(settings.runtime_dir) / service.GATEWAY_FILE
+    try:
+        site = web.TCPSite(runner, settings.host, settings.port)
+        try:
+            await site.start()
+        except OSError as exc:
+            raise UserError(f"gateway: cannot listen on {settings.host}:{settings.port}: {exc.strerror or exc}") from None
+        host, port = runner.addresses[0][:2]
+        address = service.GatewayAddress(host, port, os.getpid())
+        service.write_gateway_address(Path(settings.runtime_dir), address)
+        log.info("listening on %s", address.url)
+        await stop.wait()
+        log.info("stopping; %d waiting request(s) get 503", app[GATEWAY].queue.waiting())
+    finally:
+        await runner.cleanup()
+        ours = service.read_gateway_address(Path(settings.runtime_dir))
+        if ours is not None and ours.pid == os.getpid():  # a stale address would send clients to nobody
+            address_file.unlink(missing_ok=True)
+
+
+def main(settings: GatewaySettings) -> None:
+    """The gateway child of `moe-pipe up`. A port in use or an unreadable
+    model is a UserError with one line that says so (the supervisor shows it)."""
+    child_setup("gateway")
+    import uvloop
+
+    uvloop.run(serve(settings))

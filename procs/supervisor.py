@@ -1,0 +1,379 @@
+"""The supervisor of `moe-pipe up`: owns what must outlive a crash (the
+runtime dir, the expert cache, the residency index, the dense arena), starts
+telemetry, reader, compute and gateway, restarts them supervisord-style, and
+answers `status` / `stop` on its control socket.
+
+A child's life is data (`Child.state`), changed only through `Child.change`,
+which refuses any move not in ALLOWED:
+
+    STOPPED ──► STARTING ──(up start_secs)──► RUNNING ──(exit)──► EXITED
+                   │  ▲                          │                 │
+       (exit before│  │(backoff over)            │ stop            │ restart policy
+        start_secs)▼  │                          ▼                 ▼
+                 BACKOFF ──(start_retries)──► FATAL          STARTING again
+    any live state ──stop──► STOPPING ──► STOPPED
+
+A crash soon after a start (within `stable_s`) counts as a failed start even
+if the child had reached RUNNING: it backs off, and after start_retries of
+them in a row the child is FATAL with its last error in `status`.
+
+Why the arenas live here: a compute that is restarted attaches the dense
+arena and the slabs again without reading the disk, and a restarted reader
+takes over the experts the residency index says are cached, so the hit rate
+carries on. Children die with the supervisor (PR_SET_PDEATHSIG); a supervisor
+killed with -9 leaves its segments and runtime dir, which the next `up`
+reclaims (their owner pid is dead) — never a live service's.
+"""
+from __future__ import annotations
+
+import enum
+import logging
+import multiprocessing as mp
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import psutil
+import zmq
+
+from ..shared import ipc, messages as m, service
+from ..shared.errors import PipelineError
+from . import compute, reader, telemetry
+from .lifecycle import LOG_FILE_ENV, configure_logging, describe_exit, error_file, run_child
+from .pipeline import Resources, compute_args, reader_args, run_info, telemetry_args
+
+log = logging.getLogger("moe_pipe.supervisor")
+
+TICK_MS = 100  # how often children are checked when no command comes
+TERM_GRACE_S = 1.0  # a Shutdown message first; SIGTERM after this
+
+
+class State(enum.StrEnum):
+    STOPPED = "STOPPED"
+    STARTING = "STARTING"
+    RUNNING = "RUNNING"
+    BACKOFF = "BACKOFF"
+    STOPPING = "STOPPING"
+    EXITED = "EXITED"
+    FATAL = "FATAL"
+
+
+ALLOWED: dict[State, frozenset[State]] = {
+    State.STOPPED: frozenset({State.STARTING}),
+    State.STARTING: frozenset({State.RUNNING, State.BACKOFF, State.FATAL, State.STOPPING, State.EXITED}),
+    State.RUNNING: frozenset({State.EXITED, State.STOPPING}),
+    State.BACKOFF: frozenset({State.STARTING, State.FATAL, State.STOPPING}),
+    State.EXITED: frozenset({State.STARTING, State.BACKOFF, State.FATAL, State.STOPPING, State.STOPPED}),
+    State.STOPPING: frozenset({State.STOPPED}),
+    State.FATAL: frozenset({State.STOPPING, State.STOPPED}),
+}
+LIVE = frozenset({State.STARTING, State.RUNNING})
+
+
+class IllegalTransition(RuntimeError):
+    pass
+
+
+@dataclass
+class Child:
+    """One supervised process: its policy and its history."""
+
+    name: str
+    restart: str  # always | on-failure | never
+    needs: tuple[str, ...] = ()  # started only while these are up (compute needs the reader's pid)
+    state: State = State.STOPPED
+    process: mp.Process | None = None
+    started_at: float = 0.0  # monotonic, of the current start
+    restarts: int = 0  # starts after the first
+    retries: int = 0  # failed starts in a row
+    backoff_until: float = 0.0
+    last_exit: str = ""
+    last_error: str = ""
+    history: list[tuple[State, State]] = field(default_factory=list)
+
+    def change(self, new: State, why: str = "") -> None:
+        if new not in ALLOWED[self.state]:
+            raise IllegalTransition(f"{self.name}: {self.state} -> {new} is not allowed")
+        log.info("%s: %s -> %s%s", self.name, self.state, new, f" ({why})" if why else "")
+        self.history.append((self.state, new))
+        self.state = new
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None and self.state in LIVE | {State.STOPPING} else None
+
+    def wants_restart(self, exitcode: int | None) -> bool:
+        return self.restart == "always" or (self.restart == "on-failure" and exitcode != 0)
+
+
+def backoff_delay(retries: int, base_s: float, cap_s: float) -> float:
+    """Delay before start attempt `retries + 1`: base, 2×base, 4×base, ... ≤ cap."""
+    return min(base_s * 2 ** max(retries - 1, 0), cap_s)
+
+
+class Supervisor:
+    ORDER = ("telemetry", "reader", "compute", "gateway")  # start order; stop is the reverse
+
+    def __init__(self, cfg, model_path: Path, *, config_source: str = "",
+                 progress: Callable[[str], None] | None = None):
+        self.cfg, self.model_path = cfg, Path(model_path)
+        self.config_source = config_source
+        self.progress = progress or (lambda text: None)
+        sup = cfg.supervisor
+        self.children = {name: Child(name, getattr(sup, f"{name}_restart"), needs=("reader",) if name == "compute" else ())
+                         for name in self.ORDER}
+        self.res: Resources | None = None
+        self.ctx: zmq.Context | None = None
+        self.control: zmq.Socket | None = None
+        self.telemetry_in: zmq.Socket | None = None
+        self.telemetry_sub: zmq.Socket | None = None
+        self.stop_requested = ""
+        self.started_wall = time.time()
+        self.load_seconds = 0.0
+        self.last_record: m.TokenRecord | None = None
+        self.tokens_seen = 0
+        self._spawn_ctx = mp.get_context("spawn")
+
+    # -- start -----------------------------------------------------------------
+    def start(self) -> "Supervisor":
+        try:
+            t0 = time.perf_counter()
+            self.res = Resources.create(self.cfg, self.model_path, progress=self.progress)
+            rt = self.res.rt
+            os.environ[LOG_FILE_ENV] = str(rt.path / service.LOG_FILE)  # children inherit it
+            configure_logging("supervisor")
+            self.ctx = zmq.Context()
+            self.control = ipc.bind(self.ctx, rt.endpoints, "control")
+            self.telemetry_in = ipc.connect(self.ctx, rt.endpoints, "telemetry_in")
+            self.telemetry_sub = ipc.connect(self.ctx, rt.endpoints, "telemetry_pub")
+            service.write_service_info(service.ServiceInfo(
+                os.getpid(), str(rt.path), self.config_source, str(self.model_path), self.model_name, self.started_wall))
+            for name in self.ORDER:
+                self._spawn(self.children[name])
+            self.load_seconds = time.perf_counter() - t0
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    @property
+    def model_name(self) -> str:
+        return self.cfg.model.name or self.model_path.stem
+
+    def _target(self, name: str) -> tuple[Callable, Any]:
+        cfg, res = self.cfg, self.res
+        if name == "telemetry":
+            return telemetry.main, telemetry_args(cfg, res)
+        if name == "reader":
+            return reader.main, reader_args(cfg, res, self.model_path)
+        if name == "compute":
+            return compute.main, compute_args(cfg, res, self.model_path, self.children["reader"].process.pid)
+        from . import gateway
+
+        g, gen = cfg.gateway, cfg.generate
+        return gateway.main, gateway.GatewaySettings(
+            runtime_dir=str(res.rt.path), model_path=str(self.model_path), model_name=self.model_name, host=g.host,
+            port=g.port, api_key=g.api_key, queue_size=g.queue_size, ctx_size=cfg.compute.ctx_size,
+            max_tokens=gen.max_tokens, temperature=gen.temperature, seed=gen.seed, no_think=gen.no_think)
+
+    def _spawn(self, child: Child) -> None:
+        if any(self.children[n].state not in LIVE for n in child.needs):
+            # wait for what it needs (BACKOFF with no delay: the next tick tries again)
+            if child.state != State.BACKOFF:
+                child.change(State.BACKOFF, f"waiting for {', '.join(child.needs)}")
+            child.backoff_until = time.monotonic() + TICK_MS / 1000
+            return
+        main, args = self._target(child.name)
+        error_file(self.res.rt.path, child.name).unlink(missing_ok=True)
+        child.process = self._spawn_ctx.Process(target=run_child, name=f"moe-pipe-{child.name}", daemon=True,
+                                                args=(child.name, str(self.res.rt.path), main, args))
+        if child.state != State.STOPPED:
+            child.restarts += 1
+        child.change(State.STARTING, f"restart {child.restarts}" if child.restarts else "")
+        child.process.start()
+        child.started_at = time.monotonic()
+        if child.name == "telemetry":
+            ipc.DroppingSender(self.telemetry_in).send(run_info(self.cfg, self.res, self.model_path, self.load_seconds))
+
+    # -- the loop --------------------------------------------------------------------
+    def run(self, on_listening: Callable[[str], None] | None = None) -> None:
+        """Serve until a stop command, a signal (KeyboardInterrupt / SystemExit
+        from the CLI's handlers) or every child FATAL; then stop everything.
+        `on_listening(url)` is called once, when the gateway first listens."""
+        try:
+            while not self.stop_requested:
+                self._serve_control(TICK_MS)
+                self._drain_telemetry()
+                self.tick(time.monotonic())
+                if on_listening is not None and (addr := service.read_gateway_address(self.res.rt.path)):
+                    on_listening(addr.url)
+                    on_listening = None
+                if all(c.state == State.FATAL for c in self.children.values()):
+                    raise PipelineError("every process of the service failed to start; see `moe-pipe status` "
+                                        f"or {self.res.rt.path / service.LOG_FILE}")
+        finally:
+            self.close()
+
+    def tick(self, now: float) -> None:
+        for name in self.ORDER:
+            self._watch(self.children[name], now)
+
+    def _watch(self, child: Child, now: float) -> None:
+        alive = child.process is not None and child.process.is_alive()
+        if child.state == State.STARTING:
+            if not alive:
+                self._exited(child, now)
+            elif now - child.started_at >= self.cfg.supervisor.start_secs:
+                child.change(State.RUNNING)
+        elif child.state == State.RUNNING:
+            if not alive:
+                self._exited(child, now)
+            elif child.retries and now - child.started_at >= self.stable_s:
+                child.retries = 0  # it has stayed up: its next crash restarts at once
+        elif child.state == State.BACKOFF and now >= child.backoff_until:
+            self._spawn(child)
+
+    @property
+    def stable_s(self) -> float:
+        """How long a child must stay up before a crash no longer counts toward
+        FATAL. supervisord's start_secs alone lets a child that dies a second
+        after every start loop forever (and drain a phone's battery), so a
+        crash within this window backs off and counts as a failed start."""
+        sup = self.cfg.supervisor
+        return max(10 * sup.start_secs, sup.backoff_cap_s)
+
+    def _exited(self, child: Child, now: float) -> None:
+        code = child.process.exitcode
+        early = child.state == State.STARTING
+        quick = early or now - child.started_at < self.stable_s
+        child.last_exit = describe_exit(code)
+        err = error_file(self.res.rt.path, child.name)
+        child.last_error = err.read_text().strip() if err.exists() else f"{child.name} {child.last_exit}"
+        log.warning("%s (pid %s) %s: %s", child.name, child.process.pid, child.last_exit, child.last_error)
+        child.process = None
+        child.change(State.EXITED, child.last_exit)
+        # A failed start is retried whatever the policy, except "never" (as supervisord).
+        if child.restart == "never" or (not early and not child.wants_restart(code)):
+            return
+        if not quick:
+            child.retries = 0
+            self._spawn(child)
+            return
+        child.retries += 1
+        sup = self.cfg.supervisor
+        if child.retries > sup.start_retries:
+            child.change(State.FATAL, f"{child.retries} failed starts in a row")
+        else:
+            child.change(State.BACKOFF, f"retry {child.retries} of {sup.start_retries}")
+            child.backoff_until = now + backoff_delay(child.retries, sup.backoff_s, sup.backoff_cap_s)
+
+    # -- telemetry (for status) ----------------------------------------------------------
+    def _drain_telemetry(self) -> None:
+        while True:
+            try:
+                msg = ipc.recv(self.telemetry_sub, 0)
+            except m.ProtocolError:
+                continue
+            if msg is None:
+                return
+            if isinstance(msg, m.TokenRecord):
+                self.last_record = msg
+                self.tokens_seen += 1
+
+    # -- control ---------------------------------------------------------------------
+    def _serve_control(self, timeout_ms: int) -> None:
+        try:
+            envelope, msg = ipc.recv_routed(self.control, timeout_ms, expect=(m.Command,))
+        except m.ProtocolError as exc:
+            envelope = getattr(exc, "envelope", ())
+            if envelope:
+                ipc.send(self.control, m.Status.failure(m.Code.BAD_MESSAGE, str(exc)), envelope=envelope, timeout_ms=100)
+            return
+        if msg is None:
+            return
+        reply = self.command(msg)
+        try:
+            ipc.send(self.control, reply, envelope=envelope, timeout_ms=500)
+        except ipc.PeerTimeout:
+            pass  # the asker went away
+
+    def command(self, cmd: m.Command) -> m.Status:
+        if cmd.name == "status":
+            return m.Status.success("running", **self.status())
+        if cmd.name == "stop":
+            self.stop_requested = "moe-pipe down"
+            return m.Status.success("stopping")
+        return m.Status.failure(m.Code.UNKNOWN_COMMAND, f"unknown command {cmd.name!r}; commands: status, stop")
+
+    def status_rows(self) -> list[dict[str, Any]]:
+        """One row per process, in start order: the `processes` of `status`."""
+        now = time.monotonic()
+        rows = []
+        for name in self.ORDER:
+            c = self.children[name]
+            pid = c.pid
+            rows.append({"name": name, "state": str(c.state), "pid": pid,
+                         "uptime_s": round(now - c.started_at, 1) if pid else None, "restarts": c.restarts,
+                         "last_exit": c.last_exit, "last_error": c.last_error, "rss_bytes": _rss(pid)})
+        return rows
+
+    def status(self) -> dict[str, Any]:
+        procs = self.status_rows()
+        r = self.res.resolved
+        addr = service.read_gateway_address(self.res.rt.path)
+        rec = self.last_record
+        return {
+            "pid": os.getpid(), "uptime_s": round(time.time() - self.started_wall, 1), "model": str(self.model_path),
+            "model_name": self.model_name, "config": self.config_source, "runtime_dir": str(self.res.rt.path),
+            "url": addr.url if addr else None, "budget_bytes": r.n_slots * r.slab_bytes, "budget": r.budget_description,
+            "slots": r.n_slots, "slab_bytes": r.slab_bytes, "load_seconds": round(self.load_seconds, 3),
+            "tokens": self.tokens_seen, "hit_pct": round(rec.cache_hit_pct, 2) if rec else None,
+            "rss_bytes": _rss(os.getpid()), "processes": procs,
+        }
+
+    # -- stop ----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop children in reverse start order, then release everything. Idempotent."""
+        for name in reversed(self.ORDER):
+            self._stop_child(self.children[name])
+        for sock in (self.control, self.telemetry_in, self.telemetry_sub):
+            if sock is not None:
+                sock.close(linger=0)
+        self.control = self.telemetry_in = self.telemetry_sub = None
+        if self.ctx is not None:
+            self.ctx.term()
+            self.ctx = None
+        if self.res is not None:
+            self.res.close()
+            self.res = None
+        os.environ.pop(LOG_FILE_ENV, None)
+
+    def _stop_child(self, child: Child) -> None:
+        p = child.process
+        if child.state in (State.STOPPED, State.STOPPING):
+            return
+        child.change(State.STOPPING, self.stop_requested or "service stopping")
+        if p is not None and p.is_alive():
+            if child.name == "telemetry" and self.telemetry_in is not None:
+                # Shutdown lets it write the run summary; a signal would not.
+                ipc.DroppingSender(self.telemetry_in).send(m.Shutdown("service stopping"))
+                p.join(TERM_GRACE_S)
+            if p.is_alive():
+                p.terminate()
+                p.join(self.cfg.supervisor.stop_wait_s)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        child.process = None
+        child.change(State.STOPPED)
+
+
+def _rss(pid: int | None) -> int | None:
+    if not pid:
+        return None
+    try:
+        return psutil.Process(pid).memory_info().rss
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None

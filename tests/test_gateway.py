@@ -1,0 +1,789 @@
+"""The HTTP gateway (`procs/gateway.py`) as `moe-pipe up` runs it: `main()` in a
+spawned process, in front of a FAKE compute that speaks the real wire
+(Hello, Generate -> Token... Done, Cancel) from the runtime dir's sockets.
+
+The fake compute is this file run as a script (see the bottom): for a request
+of max_tokens N it sends the pieces "w0 ", "w1 ", ... "w{N-1} " and Done with
+finish_reason "length"; it can wait between pieces and SIGKILL itself after a
+number of pieces, and logs every frame it gets as a JSON line. A small thread
+plays the supervisor: when a fake compute dies, it starts the next one.
+"""
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import multiprocessing
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import psutil
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ----------------------------------------------------------------- fake compute
+
+def fake_compute(runtime_dir: str, log_path: str, delay_s: float, die_after: int, die_on: int) -> None:
+    """Serve Generate frames like procs/compute.py does, with made-up text;
+    SIGKILL itself after `die_after` pieces of its `die_on`-th request (from 0)."""
+    import zmq
+
+    from moe_pipe.shared import ipc, messages as m
+
+    def note(**event) -> None:
+        with open(log_path, "a") as fh:
+            fh.write(json.dumps({"pid": os.getpid(), **event}) + "\n")
+
+    ctx = zmq.Context()
+    ep = ipc.Endpoints(Path(runtime_dir))
+    requests = ipc.bind(ctx, ep, "requests")
+    tokens = ipc.connect(ctx, ep, "tokens")
+    ipc.send(tokens, m.Hello("compute", os.getpid(), time.time_ns()))
+    note(event="hello")
+    for served in range(1 << 62):
+        msg = ipc.recv(requests, None, expect=(m.Generate, m.Cancel, m.Shutdown))
+        if isinstance(msg, m.Shutdown):
+            return
+        if isinstance(msg, m.Cancel):  # for a request that already ended: ignored
+            note(event="late-cancel", req_id=msg.req_id)
+            continue
+        note(event="generate", req_id=msg.req_id, max_tokens=msg.max_tokens, sampling=msg.sampling,
+             stop=list(msg.stop), n_prompt=len(msg.prompt_tokens), prompt=list(msg.prompt_tokens))
+        t0 = time.perf_counter()
+        for i in range(msg.max_tokens):
+            if i == die_after and served == die_on:
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(delay_s)
+            cancel = ipc.recv(requests, 0, expect=(m.Cancel,))
+            if cancel is not None and cancel.req_id == msg.req_id:
+                note(event="cancel", req_id=msg.req_id)
+                ipc.send(tokens, m.Done(msg.req_id, False, tokens=tuple(range(i)), code=m.Code.CANCELLED, error="cancelled"))
+                break
+            ipc.send(tokens, m.Token(msg.req_id, f"w{i} "))
+        else:
+            ms = (time.perf_counter() - t0) * 1e3 + 1e-3
+            n = msg.max_tokens
+            ipc.send(tokens, m.Done(msg.req_id, True, "length", tuple(range(n)),
+                                    {"predicted_n": n, "predicted_ms": ms, "predicted_tok_s": 1e3 * n / ms}))
+
+
+def words(n: int) -> str:
+    return "".join(f"w{i} " for i in range(n))
+
+
+class FakeComputes:
+    """Plays the supervisor for fake computes: runs `plans` one after another,
+    starting the next when one dies. A plan: {"delay_s", "die_after", "die_on"}
+    (the arguments of fake_compute)."""
+
+    def __init__(self, runtime_dir: Path, log_path: Path, plans: list[dict]):
+        self.runtime_dir, self.log_path, self.plans = runtime_dir, log_path, list(plans)
+        self.procs: list[subprocess.Popen] = []
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        for plan in self.plans:
+            if self.stopping.is_set():
+                return
+            p = subprocess.Popen([sys.executable, __file__, "fake-compute", str(self.runtime_dir), str(self.log_path),
+                                  str(plan.get("delay_s", 0.0)), str(plan.get("die_after", -1)),
+                                  str(plan.get("die_on", 0))], cwd=REPO)
+            self.procs.append(p)
+            while p.poll() is None and not self.stopping.is_set():
+                time.sleep(0.02)
+
+    def events(self, kind: str | None = None) -> list[dict]:
+        if not self.log_path.exists():
+            return []
+        rows = [json.loads(line) for line in self.log_path.read_text().splitlines() if line.strip()]
+        return [r for r in rows if kind is None or r["event"] == kind]
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.thread.join()
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+            p.wait(10)
+
+
+# -------------------------------------------------------------------- fixtures
+
+@pytest.fixture(scope="module")
+def model_path() -> Path:
+    from moe_pipe.shared.default_model import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_path):
+    from moe_pipe.procs.gateway import load_tokenizer
+
+    return load_tokenizer(str(model_path))
+
+
+class Service:
+    """A gateway process and its fake computes over one runtime dir."""
+
+    def __init__(self, rt, proc, url: str, log_path: Path, key: str | None):
+        self.rt, self.proc, self.url, self.log_path, self.key = rt, proc, url, log_path, key
+        self.computes: list[FakeComputes] = []
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        self.host, self.port = host, int(port)
+
+    def start_computes(self, *plans: dict) -> FakeComputes:
+        fc = FakeComputes(self.rt.path, self.log_path, list(plans) or [{}])
+        self.computes.append(fc)
+        return fc
+
+    def wait_ready(self, timeout_s: float = 20) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.request("GET", "/health")[0] == 200:
+                return
+            time.sleep(0.05)
+        raise AssertionError("the gateway never reported a ready compute")
+
+    def request(self, method: str, path: str, body=None, headers: dict | None = None, timeout: float = 30):
+        """(status, headers, parsed JSON or text) of one HTTP request."""
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+        hdrs = {"Authorization": f"Bearer {self.key}"} if self.key else {}
+        hdrs.update(headers or {})
+        if body is not None and not isinstance(body, (bytes, str)):
+            body = json.dumps(body)
+            hdrs.setdefault("Content-Type", "application/json")
+        try:
+            conn.request(method, path, body=body, headers=hdrs)
+            resp = conn.getresponse()
+            raw = resp.read()
+        finally:
+            conn.close()
+        try:
+            data = json.loads(raw)
+        except ValueError:
+            data = raw.decode()
+        return resp.status, dict(resp.getheaders()), data
+
+    def chat(self, content: str = "hello", **fields):
+        return self.request("POST", "/v1/chat/completions",
+                            {"model": "tiny", "messages": [{"role": "user", "content": content}], **fields})
+
+    def openai(self):
+        import openai
+
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=self.key or "none", max_retries=0, timeout=30)
+
+
+@pytest.fixture
+def start_gateway(tmp_path_factory, model_path):
+    """start_gateway(**settings) -> Service; everything is stopped and checked after."""
+    from moe_pipe.procs import gateway
+    from moe_pipe.shared import ipc, service
+
+    started: list[Service] = []
+    rts = []
+
+    def start(**overrides) -> Service:
+        rt = ipc.RuntimeDir.create(base=tmp_path_factory.mktemp("rt"))
+        rts.append(rt)
+        settings = gateway.GatewaySettings(runtime_dir=str(rt.path), model_path=str(model_path), model_name="tiny",
+                                           port=0, restart_wait_s=10.0)
+        settings = replace(settings, **overrides)
+        proc = multiprocessing.get_context("spawn").Process(target=gateway.main, args=(settings,), daemon=True)
+        proc.start()
+        deadline = time.monotonic() + 30
+        while (addr := service.read_gateway_address(rt.path)) is None:
+            assert proc.is_alive(), f"the gateway exited with {proc.exitcode}"
+            assert time.monotonic() < deadline, "the gateway did not write gateway.json"
+            time.sleep(0.02)
+        assert addr.pid == proc.pid
+        svc = Service(rt, proc, addr.url, Path(rt.path.parent / "compute.log"), settings.api_key)
+        started.append(svc)
+        return svc
+
+    yield start
+
+    problems = []  # everything is stopped and removed first, then judged
+    for svc in started:
+        for fc in svc.computes:
+            fc.stop()
+        if svc.proc.is_alive():
+            svc.proc.terminate()  # SIGTERM, as the supervisor stops it
+        svc.proc.join(15)
+        if svc.proc.is_alive():
+            svc.proc.kill()
+            svc.proc.join()
+            problems.append("the gateway did not stop on SIGTERM")
+        elif svc.proc.exitcode != 0:
+            problems.append(f"the gateway exited with {svc.proc.exitcode} on SIGTERM")
+        if service.read_gateway_address(svc.rt.path) is not None:
+            problems.append("gateway.json outlived the gateway")
+    for rt in rts:
+        rt.remove()
+        if rt.path.exists():
+            problems.append(f"{rt.path} was not removed")
+    if our_children():
+        problems.append(f"child processes left running: {our_children()}")
+    assert not problems, problems
+
+
+def our_children() -> list:
+    """Child processes, less multiprocessing's own resource tracker (it
+    lives as long as the test process, whoever started it)."""
+    kids = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if "resource_tracker" not in " ".join(child.cmdline()):
+                kids.append(child)
+        except psutil.NoSuchProcess:
+            pass
+    return kids
+
+
+def wait_for(predicate, timeout_s: float = 10, what: str = "condition"):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def sse_events(raw: str) -> list:
+    """The data of each SSE event ([DONE] as the string)."""
+    out = []
+    for block in raw.split("\n\n"):
+        if block.startswith("data: "):
+            data = block[len("data: "):]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+# ------------------------------------------------------------ the OpenAI client
+
+def test_openai_client_chat_completions_models(start_gateway, tokenizer):
+    from moe_pipe.shared.chat import chat_prompt_tokens, encode_prompt
+
+    svc = start_gateway(api_key="sekrit", max_tokens=5, ctx_size=512)
+    computes = svc.start_computes({})
+    svc.wait_ready()
+    client = svc.openai()
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say something."}]
+    n_prompt = len(chat_prompt_tokens(tokenizer, messages))
+
+    assert [m.id for m in client.models.list().data] == ["tiny"] and client.models.retrieve("tiny").id == "tiny"
+
+    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0.5, top_p=0.9,
+                                       seed=7, stop=["zz"])
+    assert r.object == "chat.completion" and r.model == "tiny"
+    assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == words(6)
+    assert r.choices[0].finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (n_prompt, 6, n_prompt + 6)
+    gen = computes.events("generate")[-1]
+    assert gen["max_tokens"] == 6 and gen["stop"] == ["zz"] and gen["n_prompt"] == n_prompt
+    assert gen["sampling"] == {"temperature": 0.5, "top_p": 0.9, "seed": 7}
+
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=4, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == words(4)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 4
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+
+    r = client.completions.create(model="tiny", prompt="Once upon a time")  # max_tokens: the configured default
+    assert r.object == "text_completion" and r.choices[0].text == words(5) and r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens == len(encode_prompt(tokenizer, "Once upon a time"))
+    assert computes.events("generate")[-1]["sampling"]["temperature"] == 0.0  # the configured default
+
+    text = "".join(c.choices[0].text for c in client.completions.create(model="tiny", prompt="Hi", max_tokens=3,
+                                                                          stream=True))
+    assert text == words(3)
+    # sampling without a seed gets one drawn, so that a retry after a crash repeats the text
+    client.completions.create(model="tiny", prompt="Hi", max_tokens=2, temperature=1.0)
+    assert isinstance(computes.events("generate")[-1]["sampling"]["seed"], int)
+
+
+def test_chat_template_kwargs_reach_the_chat_template(start_gateway, tokenizer):
+    """`moe-pipe chat --no-think` sends chat_template_kwargs; the prompt compute
+    gets changes exactly as chat_prompt_tokens(..., enable_thinking=False) does."""
+    from moe_pipe.shared.chat import chat_prompt_tokens
+
+    svc = start_gateway()
+    computes = svc.start_computes({})
+    svc.wait_ready()
+    client = svc.openai()
+    messages = [{"role": "user", "content": "Say something."}]
+    plain = chat_prompt_tokens(tokenizer, messages)
+    no_think = chat_prompt_tokens(tokenizer, messages, enable_thinking=False)
+    assert plain != no_think  # the tiny model's template reads enable_thinking
+
+    client.chat.completions.create(model="tiny", messages=messages, max_tokens=2)
+    assert computes.events("generate")[-1]["prompt"] == plain
+    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=2,
+                                       extra_body={"chat_template_kwargs": {"enable_thinking": False,
+                                                                            "reasoning_effort": "low"}})
+    assert r.choices[0].message.content == words(2)
+    assert computes.events("generate")[-1]["prompt"] == no_think
+    assert r.usage.prompt_tokens == len(no_think)
+
+
+def test_health_says_loading_until_compute_says_hello(start_gateway):
+    svc = start_gateway()
+    status, _, body = svc.request("GET", "/health")
+    assert (status, body) == (503, {"status": "loading"})
+    # a request made while compute loads waits for it instead of failing
+    result = {}
+    waiter = threading.Thread(target=lambda: result.update(r=svc.chat(max_tokens=2)))
+    waiter.start()
+    time.sleep(0.5)
+    assert waiter.is_alive()
+    svc.start_computes({})
+    svc.wait_ready()
+    assert svc.request("GET", "/health")[2] == {"status": "ok"}
+    waiter.join(20)
+    status, _, body = result["r"]
+    assert status == 200 and body["choices"][0]["message"]["content"] == words(2)
+
+
+# ------------------------------------------------------------------ bad requests
+
+def test_bad_requests_get_openai_errors(start_gateway):
+    svc = start_gateway(api_key="sekrit", ctx_size=64)
+    svc.start_computes({})
+    svc.wait_ready()
+
+    def error(status_body, status, *needles):
+        got, headers, body = status_body
+        assert got == status, body
+        assert set(body["error"]) >= {"message", "type", "code"}, body
+        for needle in needles:
+            assert needle in body["error"]["message"], body
+        return body["error"]
+
+    # the key: needed on /v1/*, not on /health and /metrics
+    assert error(svc.request("GET", "/v1/models", headers={"Authorization": "Bearer wrong"}), 401)["code"] == "invalid_api_key"
+    svc.key = None
+    error(svc.request("GET", "/v1/models"), 401)
+    assert svc.request("GET", "/health")[0] == 200 and svc.request("GET", "/metrics")[0] == 200
+    svc.key = "sekrit"
+
+    post = lambda body, path="/v1/chat/completions": svc.request("POST", path, body)  # noqa: E731
+    msgs = [{"role": "user", "content": "hi"}]
+    error(post(b"{not json"), 400, "not valid JSON")
+    error(post(b"[1, 2]"), 400, "JSON object")
+    error(post({"model": "tiny"}), 400, "'messages'")
+    error(post({"model": "tiny", "messages": []}), 400, "'messages'")
+    error(post({"model": "tiny", "messages": "hi"}), 400, "'messages'")
+    error(post({"model": "tiny", "messages": [{"content": "hi"}]}), 400, "'messages[0]'", "role")
+    error(post({"model": "tiny", "messages": [{"role": "user", "content": 5}]}), 400, "'messages[0].content'")
+    error(post({"model": "tiny", "messages": msgs, "max_tokens": "5"}), 400, "'max_tokens'", "integer")
+    error(post({"model": "tiny", "messages": msgs, "max_tokens": 0}), 400, "'max_tokens'")
+    error(post({"model": "tiny", "messages": msgs, "n": 2}), 400, "'n'")
+    error(post({"model": "tiny", "messages": msgs, "temperature": 2.5}), 400, "'temperature'", "[0, 2]")
+    error(post({"model": "tiny", "messages": msgs, "temperature": True}), 400, "'temperature'")
+    error(post({"model": "tiny", "messages": msgs, "top_p": 0}), 400, "'top_p'", "(0, 1]")
+    error(post({"model": "tiny", "messages": msgs, "stream": "yes"}), 400, "'stream'")
+    err = error(post({"model": "tiny", "messages": msgs, "chat_template_kwargs": {"enable_thinking": [False]}}), 400,
+                "'chat_template_kwargs.enable_thinking'", "string, number, boolean or null")
+    assert err["param"] == "chat_template_kwargs.enable_thinking"
+    error(post({"model": "tiny", "messages": msgs, "chat_template_kwargs": "enable_thinking=false"}), 400,
+          "'chat_template_kwargs'")
+    error(post({"model": "tiny", "messages": msgs, "reasoning_effort": "max"}), 400, "'reasoning_effort'", '"low"')
+    error(post({"model": "tiny", "messages": msgs, "stop": [1]}), 400, "'stop'")
+    error(post({"model": "tiny", "messages": msgs, "seed": -1}), 400, "'seed'")
+    error(post({"model": "tiny", "prompt": ""}, "/v1/completions"), 400, "'prompt'")
+    error(post({"model": "tiny", "prompt": ["a", "b"]}, "/v1/completions"), 400, "'prompt'")
+    long_prompt = "the river ran past the old mill " * 20
+    err = error(post({"model": "tiny", "prompt": long_prompt}, "/v1/completions"), 400, "context holds 64")
+    assert err["code"] == "context_length_exceeded"
+    error(post({"model": "tiny", "prompt": "hi", "max_tokens": 100}, "/v1/completions"), 400, "max_tokens (100)",
+          "context of 64")
+    assert error(post({"model": "gpt-4o", "messages": msgs}), 404, "gpt-4o")["code"] == "model_not_found"
+    error(post({"messages": msgs}), 400, "'model'")
+    big = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x" * (4 << 20)}]})
+    assert error(post(big), 413, "limit")["code"] == "body_too_large"
+    error(svc.request("GET", "/v1/nowhere"), 404)
+    error(svc.request("GET", "/v1/chat/completions"), 405)
+    error(post({"model": "tiny", "messages": [{"role": "", "content": "x"}]}), 400, "'messages[0]'")
+    # after all that, it still serves
+    status, _, body = svc.chat(max_tokens=3)
+    assert status == 200 and body["choices"][0]["message"]["content"] == words(3)
+
+
+def test_full_queue_answers_429(start_gateway):
+    svc = start_gateway(queue_size=1)
+    svc.start_computes({"delay_s": 0.05})
+    svc.wait_ready()
+    results = []
+    slow = [threading.Thread(target=lambda: results.append(svc.chat(max_tokens=30))) for _ in range(2)]
+    for t in slow:  # the first runs on compute, the second waits in the queue
+        t.start()
+        time.sleep(0.3)
+    status, headers, body = svc.chat(max_tokens=1)
+    assert status == 429 and headers["Retry-After"].isdigit() and body["error"]["code"] == "queue_full"
+    for t in slow:
+        t.join(20)
+    assert [r[0] for r in results] == [200, 200]
+
+
+# ------------------------------------------------------------ client going away
+
+def _raw_request(svc: Service, body: dict) -> socket.socket:
+    data = json.dumps(body).encode()
+    sock = socket.create_connection((svc.host, svc.port), timeout=10)
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+    return sock
+
+
+def test_client_disconnect_cancels_on_compute(start_gateway):
+    svc = start_gateway()
+    computes = svc.start_computes({"delay_s": 0.05})
+    svc.wait_ready()
+    msgs = [{"role": "user", "content": "hi"}]
+    waiting = lambda: parse_prometheus(svc.request("GET", "/metrics")[2])["moe_pipe_queue_waiting"]  # noqa: E731
+
+    streamed = _raw_request(svc, {"model": "tiny", "messages": msgs, "max_tokens": 400, "stream": True})
+    got = b""
+    while b'"content":"w1 "' not in got:  # some text has streamed
+        got += streamed.recv(4096)
+    queued = _raw_request(svc, {"model": "tiny", "messages": msgs, "max_tokens": 400})
+    wait_for(lambda: waiting() == 1, what="the second request to wait in the queue")
+    queued.close()  # leaves while it waits: dropped, never sent to compute
+    wait_for(lambda: waiting() == 0, what="the queue to drop the request")
+    streamed.close()
+    cancels = wait_for(lambda: computes.events("cancel"), what="a Cancel at the fake compute")
+    assert cancels[0]["req_id"] == computes.events("generate")[-1]["req_id"]
+
+    running = _raw_request(svc, {"model": "tiny", "messages": msgs, "max_tokens": 400})  # not streamed
+    wait_for(lambda: len(computes.events("generate")) == 2, what="the request to reach compute")
+    running.close()
+    wait_for(lambda: len(computes.events("cancel")) == 2, what="a second Cancel")
+
+    status, _, body = svc.chat(max_tokens=3)  # the next request is served as usual
+    assert status == 200 and body["choices"][0]["message"]["content"] == words(3)
+    assert len(computes.events("generate")) == 3
+    metrics = parse_prometheus(svc.request("GET", "/metrics")[2])
+    assert metrics['moe_pipe_requests_total{outcome="cancelled"}'] == 3
+
+
+# ---------------------------------------------------------------- compute dies
+
+def test_compute_killed_mid_request_is_retried(start_gateway):
+    svc = start_gateway()
+    # the first dies in the streamed request; the second serves its retry, then dies in the next one
+    computes = svc.start_computes({"die_after": 3, "delay_s": 0.02}, {"die_after": 2, "die_on": 1}, {})
+    svc.wait_ready()
+    client = svc.openai()
+    msgs = [{"role": "user", "content": "hi"}]
+    # streamed: the text the first compute sent is not sent twice
+    chunks = list(client.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == words(8)
+    assert chunks[-1].choices[0].finish_reason == "length"
+    # not streamed: the whole text from the retry
+    r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=5)
+    assert r.choices[0].message.content == words(5) and r.usage.completion_tokens == 5
+    gens = computes.events("generate")
+    assert len({g["pid"] for g in gens}) == 3 and len({g["req_id"] for g in gens}) == 4
+
+
+def test_compute_killed_twice_is_503_not_a_hang(start_gateway):
+    svc = start_gateway()
+    svc.start_computes(*[{"die_after": 2, "delay_s": 0.05}] * 4, {})
+    svc.wait_ready()
+    t0 = time.monotonic()
+    status, _, body = svc.chat(max_tokens=6)
+    assert status == 503 and body["error"]["code"] == "compute_unavailable" and "twice" in body["error"]["message"]
+    # streamed: the status went out with the first text, so the error is an event
+    conn = http.client.HTTPConnection(svc.host, svc.port, timeout=30)
+    conn.request("POST", "/v1/chat/completions", json.dumps(
+        {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "stream": True}))
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.getheader("Content-Type").startswith("text/event-stream")
+    events = sse_events(resp.read().decode())
+    conn.close()
+    assert events[-1]["error"]["code"] == "compute_unavailable"
+    text = "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1])
+    assert text and words(2).startswith(text)  # a frame sent just before a kill -9 may be lost
+    assert time.monotonic() - t0 < 20
+    status, _, body = svc.chat(max_tokens=2)  # the fifth compute is healthy
+    assert status == 200 and body["choices"][0]["message"]["content"] == words(2)
+
+
+def test_no_restart_in_time_is_503(start_gateway):
+    svc = start_gateway(restart_wait_s=1.0)
+    svc.start_computes({"die_after": 1})
+    svc.wait_ready()
+    t0 = time.monotonic()
+    status, _, body = svc.chat(max_tokens=4)
+    assert status == 503 and "waited 1 s" in body["error"]["message"]
+    assert time.monotonic() - t0 < 10
+    assert svc.request("GET", "/health")[0] == 503
+
+
+# --------------------------------------------------------------------- metrics
+
+PROM_LINE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[a-zA-Z_][a-zA-Z0-9_]*="[^"]*"(,[a-zA-Z_][a-zA-Z0-9_]*="[^"]*")*\})? '
+                       r"(-?[0-9.eE+-]+|NaN|\+Inf|-Inf)$")
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """name{labels} -> value; every line must be a comment or a sample."""
+    samples = {}
+    for line in text.splitlines():
+        if line.startswith("# HELP ") or line.startswith("# TYPE "):
+            continue
+        match = PROM_LINE.match(line)
+        assert match, f"not Prometheus text: {line!r}"
+        samples[match.group(1) + (match.group(2) or "")] = float(match.group(4))
+    return samples
+
+
+def test_metrics_are_prometheus_text(start_gateway):
+    import zmq
+
+    from moe_pipe.shared import ipc, messages as m, service
+
+    svc = start_gateway()
+    svc.start_computes({})
+    svc.wait_ready()
+    for n in (3, 5):
+        assert svc.chat(max_tokens=n)[0] == 200
+    svc.chat(temperature=9)
+    # a telemetry publisher and a supervisor that answers `status`
+    ctx = zmq.Context()
+    pub = ipc.bind(ctx, svc.rt.endpoints, "telemetry_pub")
+    control = ipc.bind(ctx, svc.rt.endpoints, "control")
+    service.write_service_info(service.ServiceInfo(os.getpid(), str(svc.rt.path), "", "tiny", "tiny", time.time()))
+    stop = threading.Event()
+
+    def supervise():
+        while not stop.is_set():
+            try:
+                envelope, cmd = ipc.recv_routed(control, 50)
+            except m.ProtocolError:
+                continue
+            if cmd is not None:
+                ipc.send(control, m.Status.success(processes=[{"name": "compute", "state": "RUNNING", "pid": 1,
+                                                                "restarts": 2}]), envelope=envelope)
+
+    supervisor = threading.Thread(target=supervise)
+    supervisor.start()
+    try:
+        record = m.TokenRecord(1, 10.0, 8.0, 3.0, 4096, 75.0, 1.5, 0.5, 0, 9.0)
+
+        def published() -> dict | None:
+            ipc.DroppingSender(pub).send(record)  # PUB drops until the gateway's SUB has joined
+            samples = parse_prometheus(svc.request("GET", "/metrics")[2])
+            return samples if samples["moe_pipe_cache_hit_percent"] == 75.0 else None
+
+        samples = wait_for(published, what="telemetry in /metrics")
+    finally:
+        stop.set()
+        supervisor.join()
+        pub.close(0)
+        control.close(0)
+        ctx.term()
+    status, headers, _ = svc.request("GET", "/metrics")
+    assert headers["Content-Type"].startswith("text/plain")
+    assert samples["moe_pipe_generated_tokens_total"] == 8
+    assert samples['moe_pipe_requests_total{outcome="ok"}'] == 2
+    assert samples['moe_pipe_requests_total{outcome="invalid"}'] == 1
+    assert samples["moe_pipe_decode_tokens_per_second_last"] > 0 and samples["moe_pipe_decode_tokens_per_second_mean"] > 0
+    assert samples["moe_pipe_read_bytes_total"] >= 4096 and samples["moe_pipe_read_bytes_total"] % 4096 == 0
+    assert samples["moe_pipe_stall_ms_total"] >= 1.5
+    assert samples['moe_pipe_process_restarts_total{process="compute"}'] == 2
+    assert samples["moe_pipe_compute_ready"] == 1 and samples["moe_pipe_queue_waiting"] == 0
+
+
+# ----------------------------------------------------------------------- load
+
+def test_200_concurrent_requests_all_answered(start_gateway):
+    import aiohttp
+
+    svc = start_gateway(queue_size=64)
+    svc.start_computes({})
+    svc.wait_ready()
+
+    async def one(session, gate, i):
+        async with gate:
+            body = {"model": "tiny", "prompt": f"request {i}", "max_tokens": 1 + i % 4, "stream": i % 2 == 0}
+            async with session.post(svc.url + "/v1/completions", json=body) as resp:
+                raw = await resp.text()
+                if body["stream"]:
+                    text = "".join(e["choices"][0]["text"] for e in sse_events(raw)[:-1])
+                else:
+                    text = json.loads(raw)["choices"][0]["text"]
+                return resp.status, text, body["max_tokens"]
+
+    async def all_of_them():
+        gate = asyncio.Semaphore(20)
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+            return await asyncio.gather(*(one(session, gate, i) for i in range(200)))
+
+    results = asyncio.run(all_of_them())
+    assert [(s, t) for s, t, _ in results] == [(200, words(n)) for _, _, n in results]
+
+
+# ------------------------------------------------------------------- shutdown
+
+def test_sigterm_fails_waiting_requests_and_exits_0(start_gateway):
+    svc = start_gateway()
+    svc.start_computes({"delay_s": 0.05})
+    svc.wait_ready()
+    results = []
+    clients = [threading.Thread(target=lambda: results.append(svc.chat(max_tokens=200))) for _ in range(3)]
+    for t in clients:
+        t.start()
+    wait_for(lambda: "moe_pipe_queue_waiting 2" in svc.request("GET", "/metrics")[2], what="two waiting requests")
+    os.kill(svc.proc.pid, signal.SIGTERM)
+    for t in clients:
+        t.join(20)
+    assert sorted(r[0] for r in results) == [503, 503, 503]
+    assert all(r[2]["error"]["code"] == "shutting_down" for r in results)
+    svc.proc.join(15)
+    assert svc.proc.exitcode == 0
+
+
+# --------------------------------------------------------------- pure pieces
+
+def test_finish_reasons_and_failures_map_to_openai():
+    from moe_pipe.procs.gateway import LOST, Failed, Finished, Job, Metrics, Worker
+    from moe_pipe.shared import messages as m
+
+    worker = Worker(None, None, None, Metrics())
+    cases = [(m.Done(1, True, "eog", (1, 2)), Finished("stop", 2)), (m.Done(1, True, "context", (1,)), Finished("length", 1)),
+             (m.Done(1, True, "stop"), Finished("stop", 0)), (m.Done(1, True, "length", (5,)), Finished("length", 1)),
+             (m.Done(1, False, code="bad_argument", error="no"), Failed(400, "no", "bad_argument", "invalid_request_error")),
+             (m.Done(1, False, code="io_error", error="disk"), Failed(500, "generation failed (io_error): disk", "io_error"))]
+    for done, expected in cases:
+        job = Job([1], 4, {}, ())
+        assert worker.finish(job, done) is None and list(job.events) == [expected]
+    assert worker.finish(Job([1], 4, {}, ()), m.Done(1, False, code="peer_gone", error="reader died")) == LOST
+
+
+def test_a_chat_template_error_is_a_400(tokenizer, model_path):
+    import copy
+
+    from moe_pipe.procs.gateway import Gateway, GatewaySettings
+    from moe_pipe.shared.openai_api import ApiError, parse_request
+
+    settings = GatewaySettings(runtime_dir="/nonexistent", model_path=str(model_path), model_name="tiny")
+    tok = copy.copy(tokenizer)
+    tok.chat_template = "{{ raise_exception('only user turns, please') }}"
+    req = parse_request({"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}, True, settings)
+    with pytest.raises(ApiError) as err:
+        asyncio.run(Gateway(settings, tok).tokenize(req))
+    assert err.value.status == 400 and "only user turns, please" in err.value.message
+
+
+def test_retry_text_skips_what_was_sent():
+    from moe_pipe.procs.gateway import Job
+
+    job = Job([1], 4, {}, ())
+    job.offer_text("w0 w1 ")
+    job.offer_text("w0 ")  # the retry, catching up
+    job.offer_text("w0 w1 w2 ")
+    assert list(job.events) == ["w0 w1 ", "w2 "]
+
+
+def test_template_vars_are_parsed_and_checked():
+    from moe_pipe.procs.gateway import GatewaySettings
+    from moe_pipe.shared.openai_api import ApiError, parse_request
+
+    settings = GatewaySettings(runtime_dir="/nonexistent", model_path="/nonexistent", model_name="tiny")
+    msgs = [{"role": "user", "content": "hi"}]
+
+    def template_vars(prompt: bool = False, **fields):
+        body = {"model": "tiny", **({"prompt": "hi"} if prompt else {"messages": msgs}), **fields}
+        return parse_request(body, not prompt, settings).template_vars
+
+    assert template_vars() == {}
+    kwargs = {"enable_thinking": False, "reasoning_effort": "low", "n": 3, "x": 0.5, "date": "2025-01-01", "y": None}
+    assert template_vars(chat_template_kwargs=kwargs) == kwargs
+    assert template_vars(reasoning_effort="high") == {"reasoning_effort": "high"}
+    # the explicit template variable wins over the top-level field
+    assert template_vars(reasoning_effort="high", chat_template_kwargs={"reasoning_effort": "low"}) == {
+        "reasoning_effort": "low"}
+    assert template_vars(prompt=True, chat_template_kwargs={"enable_thinking": [1]}) == {}  # completions: ignored
+
+    def refused(param: str, **fields) -> str:
+        with pytest.raises(ApiError) as err:
+            template_vars(**fields)
+        assert (err.value.status, err.value.code, err.value.param) == (400, "invalid_value", param), err.value.message
+        return err.value.message
+
+    assert "got list" in refused("chat_template_kwargs.enable_thinking", chat_template_kwargs={"enable_thinking": [0]})
+    refused("chat_template_kwargs.opts", chat_template_kwargs={"opts": {"a": 1}})
+    refused("chat_template_kwargs", chat_template_kwargs=["enable_thinking"])
+    refused("chat_template_kwargs", chat_template_kwargs={f"v{i}": i for i in range(100)})
+    refused("chat_template_kwargs.enable-thinking", chat_template_kwargs={"enable-thinking": False})
+    for reserved in ("messages", "add_generation_prompt", "time_limit_s", "bos_token", "no_think"):
+        assert "set by the server" in refused(f"chat_template_kwargs.{reserved}", chat_template_kwargs={reserved: 1})
+    refused("reasoning_effort", reasoning_effort="max")
+    refused("reasoning_effort", reasoning_effort=1)
+
+
+def test_reserved_template_vars_cover_the_chat_functions():
+    """A template variable named like an argument of shared.chat would be a
+    TypeError (or override a guard such as time_limit_s): all are refused."""
+    import inspect
+
+    from moe_pipe.shared import chat
+    from moe_pipe.shared.openai_api import RESERVED_TEMPLATE_VARS
+
+    for fn in (chat.chat_prompt_tokens, chat.render_chat):
+        named = {p.name for p in inspect.signature(fn).parameters.values() if p.kind != p.VAR_KEYWORD}
+        assert named <= RESERVED_TEMPLATE_VARS, (fn.__name__, named - RESERVED_TEMPLATE_VARS)
+
+
+def test_template_vars_win_over_no_think_and_reach_gpt_oss_style_templates(tokenizer, model_path):
+    import copy
+
+    from moe_pipe.procs.gateway import Gateway, GatewaySettings
+    from moe_pipe.shared.chat import chat_prompt_tokens, encode_prompt
+    from moe_pipe.shared.openai_api import parse_request
+
+    msgs = [{"role": "user", "content": "hi"}]
+
+    def prompt(tok, no_think: bool, **fields) -> list[int]:
+        settings = GatewaySettings(runtime_dir="/nonexistent", model_path=str(model_path), model_name="tiny",
+                                   no_think=no_think)
+        req = parse_request({"model": "tiny", "messages": msgs, **fields}, True, settings)
+        gateway = Gateway(settings, tok)
+        try:
+            return asyncio.run(gateway.tokenize(req))
+        finally:
+            gateway.tokenize_pool.shutdown()
+
+    # generate.no_think turns thinking off; a request can turn it back on
+    assert prompt(tokenizer, True) == chat_prompt_tokens(tokenizer, msgs, enable_thinking=False)
+    thinking = chat_prompt_tokens(tokenizer, msgs)
+    assert prompt(tokenizer, True, chat_template_kwargs={"enable_thinking": True}) == thinking
+    # reasoning_effort as gpt-oss's template reads it
+    tok = copy.copy(tokenizer)
+    tok.chat_template = ("Reasoning: {{ reasoning_effort or 'medium' }}"
+                         "{% for m in messages %} {{ m.content }}{% endfor %}")
+    assert prompt(tok, False) == encode_prompt(tok, "Reasoning: medium hi")
+    assert prompt(tok, False, reasoning_effort="high") == encode_prompt(tok, "Reasoning: high hi")
+    assert prompt(tok, True) == encode_prompt(tok, "Reasoning: low hi")  # no_think's gpt-oss switch
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["fake-compute"]:
+    _, _, rt_dir, log_file, delay, die_after, die_on = sys.argv
+    fake_compute(rt_dir, log_file, float(delay), int(die_after), int(die_on))

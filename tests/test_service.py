@@ -1,0 +1,310 @@
+"""`moe-pipe up` end to end on the tiny model: the real supervisor, reader,
+compute, telemetry and gateway processes, the official openai client, kill -9
+of each child and of the supervisor, and nothing left behind."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+openai = pytest.importorskip("openai", reason="the openai client is a test extra: pip install '.[test]'")
+
+from moe_pipe.shared.default_model import default_model_path  # noqa: E402
+
+CLI = [sys.executable, "-m", "moe_pipe.cli.main"]
+CONFIG = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.toml")
+MODEL = "tiny qwen3moe"  # the name configs/tiny.toml gives
+FAST = ["--port", "0", "--set", "supervisor.backoff_s=0.2", "--set", "supervisor.start_secs=0.5"]
+LONG = 1500  # tokens: a stream long enough to kill something in the middle of it
+
+
+class Service:
+    """One `up --detach` in a private runtime base (XDG_RUNTIME_DIR)."""
+
+    def __init__(self, *extra: str, model: str = CONFIG):
+        self.base = Path(tempfile.mkdtemp(prefix="mps", dir="/tmp"))  # short: unix socket paths <= 107 bytes
+        self.env = {**os.environ, "XDG_RUNTIME_DIR": str(self.base)}
+        r = self.cli("up", model, "--detach", *FAST, *extra, timeout=300)
+        assert r.returncode == 0, r.stderr
+        self.status()  # fills pid, url
+
+    def cli(self, *args: str, timeout: float = 60, check: bool = False) -> subprocess.CompletedProcess:
+        r = subprocess.run([*CLI, *args], capture_output=True, text=True, env=self.env, timeout=timeout)
+        assert not check or r.returncode == 0, r.stderr
+        return r
+
+    def status(self) -> dict:
+        r = self.cli("status", "--json", check=True)
+        st = json.loads(r.stdout)
+        self.pid, self.url = st["pid"], st["url"]
+        return st
+
+    def proc(self, name: str) -> dict:
+        return next(p for p in self.status()["processes"] if p["name"] == name)
+
+    def wait_state(self, name: str, states: set[str], timeout: float = 60) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            p = self.proc(name)
+            if p["state"] in states:
+                return p
+            time.sleep(0.2)
+        raise AssertionError(f"{name} never reached {states}: {self.proc(name)}")
+
+    def client(self, **kw):
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0, timeout=120, **kw)
+
+    def close(self) -> None:
+        if psutil.pid_exists(getattr(self, "pid", -1)):
+            self.cli("down", timeout=120)
+        shutil.rmtree(self.base, ignore_errors=True)
+
+
+def leftovers(pids: set[int]) -> list[str]:
+    """Shared-memory segments (their names carry the owner's pid) and live processes of these supervisors."""
+    shm = [p.name for p in Path("/dev/shm").glob("moe-pipe-*") if any(f"-{pid}-" in p.name for pid in pids)]
+    procs = [f"{p.pid} {p.name()}" for p in psutil.process_iter(["name"]) if p.info["name"].startswith("moe-")
+             and _ppid_in(p, pids)]
+    return shm + procs
+
+
+def _ppid_in(p: psutil.Process, pids: set[int]) -> bool:
+    try:
+        return p.ppid() in pids
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _wait_gone(pid: int, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while psutil.pid_exists(pid) and time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return
+        except psutil.NoSuchProcess:
+            return
+        time.sleep(0.1)
+    assert not psutil.pid_exists(pid), f"pid {pid} did not exit"
+
+
+@pytest.fixture(scope="module")
+def svc():
+    default_model_path()  # made once, before any service races to make it
+    s = Service()
+    yield s
+    pid = s.pid
+    s.close()
+    _wait_gone(pid)
+    assert not leftovers({pid})
+
+
+def chat(client, content: str, max_tokens: int, stream: bool = False, **kw):
+    return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],
+                                          max_tokens=max_tokens, temperature=0, stream=stream, **kw)
+
+
+def reference(prompt: str, n: int, chat_mode: bool = True) -> str:
+    r = subprocess.run([*CLI, "run", CONFIG, "-p", prompt, "-n", str(n), "--output-format", "json",
+                        *(["--chat"] if chat_mode else [])], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)["text"]
+
+
+# -- the API against `run` -------------------------------------------------------
+
+def test_openai_client_streaming_and_not_equals_run(svc):
+    client = svc.client()
+    want = reference("Once upon a time", 24)
+    whole = chat(client, "Once upon a time", 24)
+    assert whole.choices[0].message.content == want
+    assert whole.usage.completion_tokens == 24 and whole.usage.prompt_tokens > 0
+    streamed = "".join(c.choices[0].delta.content or "" for c in chat(client, "Once upon a time", 24, stream=True) if c.choices)
+    assert streamed == want
+    text = client.completions.create(model=MODEL, prompt="The old mill", max_tokens=12, temperature=0).choices[0].text
+    assert text == reference("The old mill", 12, chat_mode=False)
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_status_reports_every_process(svc):
+    st = svc.status()
+    assert [p["name"] for p in st["processes"]] == ["telemetry", "reader", "compute", "gateway"]
+    for p in st["processes"]:
+        assert p["state"] == "RUNNING" and psutil.pid_exists(p["pid"]) and p["restarts"] >= 0
+    assert st["ok"] is True and st["code"] == "ok" and st["budget_bytes"] > 0
+    text = svc.cli("status", check=True).stdout
+    assert "compute" in text and "RUNNING" in text and svc.url in text
+
+
+def test_wrong_key_and_malformed_body_are_4xx_and_the_service_survives(svc):
+    import urllib.error
+    import urllib.request
+
+    def post(body: bytes, headers: dict) -> int:
+        req = urllib.request.Request(svc.url + "/v1/chat/completions", data=body, headers=headers, method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
+
+    assert post(b"{not json", {"Content-Type": "application/json"}) == 400
+    assert post(json.dumps({"model": MODEL, "messages": "hi"}).encode(), {"Content-Type": "application/json"}) == 400
+    assert chat(svc.client(), "hello", 4).choices[0].finish_reason in ("length", "stop")
+
+
+def test_api_key_is_required_when_set():
+    s = Service("--set", 'gateway.api_key="sekret"')
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            chat(s.client(api_key="wrong"), "hi", 4)
+        assert chat(s.client(api_key="sekret"), "hi", 4).choices[0].message.content is not None
+    finally:
+        pid = s.pid
+        s.close()
+        _wait_gone(pid)
+        assert not leftovers({pid})
+
+
+def test_200_bounded_concurrent_requests_are_all_answered(svc):
+    client = svc.client()
+    answered, errors = [], []
+
+    def worker(k: int) -> None:
+        for i in range(20):
+            try:
+                r = chat(client, f"request {k} {i}", 3, stream=bool(i % 2))
+                answered.append(r if not i % 2 else "".join(c.choices[0].delta.content or "" for c in r if c.choices))
+            except openai.RateLimitError:
+                errors.append("429")  # a full queue is an answer too, but the queue holds 16 here
+            except Exception as exc:  # noqa: BLE001
+                errors.append(repr(exc))
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(10)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert len(answered) + len(errors) == 200
+    assert not [e for e in errors if e != "429"], errors[:3]
+    assert len(answered) == 200  # 10 clients never overflow a 16-deep queue
+
+
+# -- restarts ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("victim", ["compute", "reader", "telemetry"])
+def test_kill9_mid_stream_restarts_and_the_request_completes(svc, victim):
+    client = svc.client()
+    chat(client, "Tell a story", LONG)  # every expert it uses is cached now (the tiny cache holds them all)
+    want = chat(client, "Tell a story", LONG).choices[0].message.content
+    warm_hit = svc.status()["hit_pct"]
+    before = svc.proc(victim)
+    parts = []
+    for i, chunk in enumerate(chat(client, "Tell a story", LONG, stream=True)):
+        if chunk.choices:
+            parts.append(chunk.choices[0].delta.content or "")
+        if i == 20:
+            os.kill(before["pid"], signal.SIGKILL)
+    assert "".join(parts) == want  # retried on the restarted worker where needed: greedy, identical
+    after = svc.wait_state(victim, {"RUNNING"})
+    assert after["pid"] != before["pid"] and after["restarts"] == before["restarts"] + 1
+    assert "SIGKILL" in after["last_error"] or victim != "compute"
+    svc.wait_state("compute", {"RUNNING"})
+    # The cache survived: the same request again reads nothing new, as before the kill.
+    chat(client, "Tell a story", 16)
+    assert svc.status()["hit_pct"] == pytest.approx(warm_hit, abs=0.01) and warm_hit == 100.0
+
+
+def test_a_child_that_keeps_dying_ends_fatal_with_its_error():
+    default_model_path()
+    tmp = Path(tempfile.mkdtemp(prefix="mpm", dir="/tmp"))
+    model = tmp / "m.gguf"
+    shutil.copy(default_model_path(), model)
+    s = Service("--set", "supervisor.start_retries=2", model=str(model))
+    try:
+        model.rename(tmp / "gone.gguf")  # every restart of the reader now fails at open
+        os.kill(s.proc("reader")["pid"], signal.SIGKILL)
+        p = s.wait_state("reader", {"FATAL"})
+        assert "m.gguf" in p["last_error"] and p["restarts"] == 2  # the kill counts: 2 more tries, then FATAL
+        assert "FATAL" in s.cli("status", check=True).stdout
+    finally:
+        pid = s.pid
+        s.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+        _wait_gone(pid)
+        assert not leftovers({pid})
+
+
+def test_kill9_of_the_supervisor_is_reclaimed_by_the_next_up():
+    s = Service()
+    old = s.pid
+    children = [p["pid"] for p in s.status()["processes"]]
+    os.kill(old, signal.SIGKILL)
+    _wait_gone(old)
+    for pid in children:  # they die with their parent (PR_SET_PDEATHSIG)
+        _wait_gone(pid)
+    assert any(f"-{old}-" in p.name for p in Path("/dev/shm").glob("moe-pipe-*"))  # left for the next up
+    r = s.cli("up", CONFIG, "--detach", *FAST, timeout=300)
+    assert r.returncode == 0, r.stderr
+    try:
+        s.status()  # the new supervisor's pid and url
+        assert not leftovers({old}) and not (s.base / "moe-pipe" / str(old)).exists()
+        assert chat(s.client(), "hi", 4).choices
+    finally:
+        pid = s.pid
+        s.close()
+        _wait_gone(pid)
+        assert not leftovers({pid, old})
+
+
+def test_ctrl_c_of_a_foreground_up_leaves_nothing():
+    base = Path(tempfile.mkdtemp(prefix="mpc", dir="/tmp"))
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(base)}
+    p = subprocess.Popen([*CLI, "up", CONFIG, *FAST], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    try:
+        line = p.stdout.readline()
+        assert "serving" in line, line
+        p.send_signal(signal.SIGINT)
+        assert p.wait(60) == 130
+        assert not leftovers({p.pid}) and not list((base / "moe-pipe").glob("*"))
+    finally:
+        if p.poll() is None:
+            p.kill()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_down_status_without_a_service_is_one_line_exit_2(tmp_path):
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path)}
+    for cmd in ("down", "status"):
+        r = subprocess.run([*CLI, cmd], capture_output=True, text=True, env=env, timeout=60)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and "no moe-pipe service is running" in r.stderr
+
+
+# -- tails ------------------------------------------------------------------------
+
+def test_three_tails_attached_mid_run_see_live_records(svc):
+    tails = [subprocess.Popen([*CLI, "tail", "--csv"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                              env=svc.env) for _ in range(3)]
+    try:
+        time.sleep(2)  # let them subscribe (PUB/SUB only delivers what comes after)
+        chat(svc.client(), "Tell a story", 64)
+        for t in tails:
+            header = t.stdout.readline().strip().split(",")
+            assert header[:3] == ["step", "wall_ms", "compute_ms"]
+            rows = [t.stdout.readline().strip().split(",") for _ in range(10)]
+            assert all(len(r) == len(header) for r in rows) and int(rows[-1][0]) >= 10
+    finally:
+        for t in tails:
+            t.send_signal(signal.SIGINT)
+        for t in tails:
+            assert t.wait(30) == 0
+    assert svc.proc("telemetry")["state"] == "RUNNING"

@@ -1,0 +1,260 @@
+"""`moe-pipe tail`: a real CLI process attached to a fake service.
+
+The fake service is this test process: a runtime dir owned by our pid, a
+service.json, and a PUB socket bound where the telemetry process binds its
+own. Tails are subprocesses pointed at it through XDG_RUNTIME_DIR.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import zmq
+
+from moe_pipe.cli.tail_cmd import SPARK_BLOCKS, WAITING_NOTICE, csv_row, format_line, sparkline
+from moe_pipe.shared import ipc, messages
+from moe_pipe.shared.messages import TokenRecord
+from moe_pipe.shared.service import ServiceInfo, write_service_info
+from moe_pipe.shared.telemetry import CSV_COLUMNS
+
+TIMEOUT_S = 15
+
+
+def record(step: int, wall_ms: float = 250.0) -> TokenRecord:
+    return TokenRecord(step=step, wall_ms=wall_ms, compute_ms=180.5, io_ms=90.25, read_bytes=3 << 20, cache_hit_pct=87.5,
+                       stall_ms=12.0, mgmt_ms=1.5, majflt=2, cpu_ms=170.0, hits=7, misses=1, prefetch_issued=0,
+                       prefetch_used=0, prefetch_wasted_bytes=0, wire_ms=0.2, rss_bytes=200 << 20, req_id=1)
+
+
+@pytest.fixture
+def xdg():
+    # Not tmp_path: pytest's long per-test paths plus moe-pipe/<pid>/telemetry-pub.sock
+    # can pass the 107-byte unix socket path limit.
+    d = Path(tempfile.mkdtemp(prefix="mpt", dir="/tmp"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+class FakeService:
+    """A runtime dir, service.json and the telemetry PUB socket."""
+
+    def __init__(self, xdg: Path):
+        self.ctx = zmq.Context()
+        self.rt = ipc.RuntimeDir.create(base=xdg / "moe-pipe")
+        self.pub = ipc.bind(self.ctx, self.rt.endpoints, "telemetry_pub")
+        self.step = 0
+        # Written last, as the supervisor does: a tail finds the service only
+        # once this exists.
+        write_service_info(ServiceInfo(pid=os.getpid(), runtime_dir=str(self.rt.path), config="", model="fake.gguf",
+                                       model_name="fake", started=time.time()))
+
+    def publish_until(self, done, wall_ms: float = 250.0) -> None:
+        """Publish records until done() holds. Slow joiners see nothing sent
+        before their SUB connected, so keep sending rather than send once."""
+        deadline = time.monotonic() + TIMEOUT_S
+        while not done():
+            assert time.monotonic() < deadline, "the tail saw no records"
+            self.step += 1
+            self.pub.send(messages.encode(record(self.step, wall_ms)))
+            time.sleep(0.02)
+
+    def close(self) -> None:
+        self.pub.close(linger=0)
+        self.ctx.term()
+        self.rt.remove()
+
+
+@pytest.fixture
+def service(xdg):
+    s = FakeService(xdg)
+    yield s
+    s.close()
+
+
+class Tail:
+    """A `moe-pipe tail` subprocess whose output lines are collected as they come."""
+
+    def __init__(self, xdg: Path, *args: str):
+        env = dict(os.environ, XDG_RUNTIME_DIR=str(xdg))
+        self.proc = subprocess.Popen([sys.executable, "-m", "moe_pipe.cli.main", "tail", *args], env=env,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.out: list[str] = []
+        self.err: list[str] = []
+        self._threads = [threading.Thread(target=self._collect, args=(s, lines), daemon=True)
+                         for s, lines in ((self.proc.stdout, self.out), (self.proc.stderr, self.err))]
+        for t in self._threads:
+            t.start()
+
+    @staticmethod
+    def _collect(stream, lines: list[str]) -> None:
+        for line in stream:
+            lines.append(line.rstrip("\n"))
+
+    def rows(self) -> list[list[str]]:
+        return [line.split(",") for line in self.out[1:]]
+
+    def wait_for(self, cond, what: str) -> None:
+        deadline = time.monotonic() + TIMEOUT_S
+        while not cond():
+            assert self.proc.poll() is None, f"tail exited {self.proc.returncode}: {self.err}"
+            assert time.monotonic() < deadline, f"timed out waiting for {what}; stdout {self.out}, stderr {self.err}"
+            time.sleep(0.02)
+
+    def finish(self, timeout: float = TIMEOUT_S) -> int:
+        try:
+            rc = self.proc.wait(timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+        for t in self._threads:
+            t.join(5)
+        return rc
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.finish()
+
+
+# ------------------------------------------------------------------ pure parts
+
+def test_sparkline_scales_from_zero_to_the_max():
+    assert sparkline([1, 2, 4, 8]) == "▁▂▄█"
+    assert sparkline([5, 5, 5]) == "███"  # steady speed is full height, not noise blown up
+    assert sparkline([0, 0]) == "▁▁"
+    assert sparkline([]) == ""
+    assert set(sparkline([i % 9 for i in range(100)])) <= set(SPARK_BLOCKS)
+
+
+def test_sparkline_keeps_the_last_width_values():
+    line = sparkline(list(range(1, 101)), width=60)
+    assert len(line) == 60 and line[-1] == "█"
+
+
+def test_format_line_shows_the_token():
+    line = format_line(record(12, wall_ms=250.0))
+    for part in ("step    12", "4.00 tok/s", "wall    250.0 ms", "compute    180.5 ms", "io     90.2 ms",
+                 "stall    12.0 ms", "hit  87.5 %", "read     3.00 MiB", "majflt 2"):
+        assert part in line, part
+    assert "\n" not in line
+    assert "0.00 tok/s" in format_line(record(1, wall_ms=0.0))  # no division by zero
+
+
+def test_csv_row_is_the_schema_columns():
+    assert csv_row(record(3)).split(",") == ["3", "250.000", "180.500", "90.250", str(3 << 20), "87.500", "12.000",
+                                             "1.500", "2", "170.000"]
+
+
+# ------------------------------------------------------------- the real command
+
+def test_csv_rows_carry_published_records(xdg, service):
+    tail = Tail(xdg, "--csv")
+    try:
+        service.publish_until(lambda: len(tail.out) >= 4, wall_ms=125.0)
+        assert tail.out[0] == ",".join(CSV_COLUMNS)
+        rows = tail.rows()
+        steps = [int(r[0]) for r in rows]
+        assert steps == sorted(steps) and all(1 <= s <= service.step for s in steps)
+        assert all(len(r) == len(CSV_COLUMNS) and r[1] == "125.000" for r in rows)
+    finally:
+        tail.stop()
+
+
+def test_three_tails_at_once_all_see_records(xdg, service):
+    tails = [Tail(xdg, "--csv") for _ in range(3)]
+    try:
+        service.publish_until(lambda: all(len(t.out) >= 3 for t in tails))
+        # The same stream: the rows each saw are consecutive records.
+        for t in tails:
+            steps = [int(r[0]) for r in t.rows()]
+            assert steps == list(range(steps[0], steps[0] + len(steps)))
+    finally:
+        for t in tails:
+            t.stop()
+
+
+def test_plain_text_lines_when_not_a_terminal(xdg, service):
+    tail = Tail(xdg)
+    try:
+        service.publish_until(lambda: len(tail.out) >= 2)
+        assert all(line.startswith("step ") and "tok/s" in line for line in tail.out)
+    finally:
+        tail.stop()
+
+
+def test_a_tail_started_first_waits_then_attaches(xdg):
+    tail = Tail(xdg, "--csv")
+    service = None
+    try:
+        tail.wait_for(lambda: WAITING_NOTICE in tail.err, "the waiting notice")
+        time.sleep(0.3)
+        assert tail.proc.poll() is None and tail.out == []
+        service = FakeService(xdg)
+        service.publish_until(lambda: len(tail.out) >= 2)
+        assert tail.out[0] == ",".join(CSV_COLUMNS)
+        assert tail.err.count(WAITING_NOTICE) == 1
+    finally:
+        tail.stop()
+        if service:
+            service.close()
+
+
+def test_wait_gives_up_with_one_error_line(xdg):
+    tail = Tail(xdg, "--csv", "--wait", "0.5")
+    assert tail.finish() == 2
+    assert tail.out == []
+    errors = [line for line in tail.err if line.startswith("moe-pipe: error:")]
+    assert len(errors) == 1 and "no moe-pipe service is running" in errors[0]
+    assert tail.err == [WAITING_NOTICE, errors[0]]  # the notice, then the error: no traceback
+
+
+def test_exits_0_when_the_service_goes_away(xdg, service):
+    tail = Tail(xdg, "--csv")
+    try:
+        service.publish_until(lambda: len(tail.out) >= 2)
+        service.rt.remove()
+        assert tail.finish(timeout=5) == 0
+        assert tail.err[-1] == "service stopped"
+    finally:
+        tail.stop()
+
+
+def test_ctrl_c_detaches_with_exit_0(xdg, service):
+    tail = Tail(xdg, "--csv")
+    try:
+        service.publish_until(lambda: len(tail.out) >= 2)
+        tail.proc.send_signal(signal.SIGINT)
+        assert tail.finish(timeout=5) == 0
+        assert not any("Traceback" in line for line in tail.err)
+        # The service did not notice: another tail still gets records.
+        other = Tail(xdg, "--csv")
+        try:
+            service.publish_until(lambda: len(other.out) >= 2)
+        finally:
+            other.stop()
+    finally:
+        tail.stop()
+
+
+def test_closed_pipe_ends_quietly(xdg, service):
+    # `moe-pipe tail --csv | head -3`: the reader goes away, the tail leaves without a traceback.
+    env = dict(os.environ, XDG_RUNTIME_DIR=str(xdg))
+    proc = subprocess.Popen(f"{sys.executable} -m moe_pipe.cli.main tail --csv | head -3", shell=True, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        service.publish_until(lambda: proc.poll() is not None)
+        out, err = proc.communicate(timeout=TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert out.splitlines()[0] == ",".join(CSV_COLUMNS) and len(out.splitlines()) == 3
+    assert "Traceback" not in err and "BrokenPipe" not in err

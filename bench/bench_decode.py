@@ -46,6 +46,8 @@ def run_llama(path: Path, prompt: list[int], n: int, threads: int):
         import llama_cpp
     except ImportError:
         return None
+    from moe_pipe.shared.peer_llama import last_logits
+
     llm = llama_cpp.Llama(str(path), n_ctx=len(prompt) + n + 8, n_threads=threads, n_threads_batch=threads,
                           n_batch=512, verbose=False)
     llm.reset()
@@ -54,7 +56,7 @@ def run_llama(path: Path, prompt: list[int], n: int, threads: int):
     t1 = time.perf_counter()
     tokens = []
     for _ in range(n):
-        tok = int(llm._scores[-1].argmax()) if hasattr(llm, "_scores") else int(llm.scores[llm.n_tokens - 1].argmax())
+        tok = int(last_logits(llama_cpp, llm).argmax())
         tokens.append(tok)
         llm.eval([tok])
     t2 = time.perf_counter()

@@ -29,9 +29,11 @@ COMMANDS = {
     "up": ("up_cmd", "start the service: streaming pipeline + OpenAI-compatible HTTP API, supervised"),
     "down": ("down_cmd", "stop the running service"),
     "status": ("status_cmd", "show the running service's processes, budget and hit rate"),
+    "bench": ("bench_cmd", "benchmark a model: moe-pipe (and llama.cpp) under an optional memory limit"),
     "tail": ("tail_cmd", "watch the running service's per-token telemetry live"),
     "chat": ("chat_cmd", "chat with a model in the terminal (the running service, or one brought up for it)"),
     "replay": ("replay_cmd", "replay a route trace through the cache policies"),
+    "doctor": ("doctor_cmd", "forecast whether a model fits this machine and its decode speed"),
 }
 
 

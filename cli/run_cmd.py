@@ -100,10 +100,43 @@ def _run_resident(cfg, model_path, tok, prompt_tokens, params, args, on_text) ->
             raise UserError(f"--threads: {exc}") from None
     gen_cfg = GenerationConfig(max_tokens=cfg.generate.max_tokens, stop=tuple(args.stop), n_ctx=cfg.compute.ctx_size,
                                ignore_eos=args.ignore_eos)
+    from moe_pipe.shared.model.routes import RouteReplay, RouteTracer
+    from moe_pipe.shared.trace import read_trace
+
     with open_model(model_path) as mf:
         model = load_model(mf, top_k=cfg.compute.top_k)
-        result = generate(model, tok, prompt_tokens, params, gen_cfg, on_text=on_text)
+        if cfg.compute.route_replay:
+            model.route_replay = RouteReplay(read_trace(str(cfg.compute.route_replay)), mf.spec)
+        tracer = RouteTracer(str(cfg.telemetry.route_trace), mf, cfg.compute.top_k) if cfg.telemetry.route_trace else None
+        if tracer:
+            model.route_observer = tracer
+            tracer.begin_turn()
+        try:
+            result = generate(_Phases(model, tracer), tok, prompt_tokens, params, gen_cfg, on_text=on_text)
+        finally:
+            if tracer:
+                tracer.close()
     return result.as_json()
+
+
+class _Phases:
+    """The model, telling a route tracer whether it is in the prompt or decoding."""
+
+    def __init__(self, model, tracer):
+        self.model, self.tracer = model, tracer
+
+    def new_cache(self, n_ctx):
+        return self.model.new_cache(n_ctx)
+
+    def prefill(self, tokens, cache, batch=64):
+        if self.tracer:
+            self.tracer.phase = 0
+        return self.model.prefill(tokens, cache, batch=batch)
+
+    def decode_one(self, token, cache):
+        if self.tracer:
+            self.tracer.phase = 1
+        return self.model.decode_one(token, cache)
 
 
 def _run_pipeline(cfg, model_path, prompt_tokens, params, args, on_text) -> dict:

@@ -33,6 +33,8 @@ from ..shared.residency import ResidencyIndex
 from ..shared.generate import GenerationConfig, generate
 from ..shared.model import load_model
 from ..shared.model.levers import Levers
+from ..shared.model.routes import RouteReplay, RouteTracer
+from ..shared.trace import read_trace
 from ..shared.model.weights import Expert
 from ..shared.model_file import open_model
 from ..shared.sampling import SamplingParams
@@ -64,6 +66,7 @@ class ComputeConfig:
     drop_cold_experts: float = 0.0  # lossy levers (shared.model.levers); 0 = exact
     cache_route: float = 0.0
     route_trace: str = ""  # record routing to this file ("" = no)
+    route_replay: str = ""  # route by this trace instead of the router (benchmarks)
 
 
 class RequestFailed(Exception):
@@ -227,34 +230,6 @@ def _alive(pid: int) -> bool:
         return False
 
 
-class RouteTracer:
-    """`--route-trace FILE`: every routing decision, in the route-trace format
-    (shared.trace), with whether each expert was cached when it was routed.
-    A turn is one request; its steps are token positions (prompt 0..P-1,
-    then one per generated token), as in the published phone traces."""
-
-    def __init__(self, path: str, mf, top_k: int | None, source: SlabExperts):
-        from ..shared.trace import TraceHeader, TraceWriter
-
-        self.writer = TraceWriter(path)
-        self.writer.write_header(TraceHeader.from_layout(mf.gguf.path, mf.layout, top_k))
-        self.source, self.last_layer = source, mf.spec.n_layer - 1
-        self.turn, self.phase, self.step = self.writer.next_turn - 1, 0, 0
-
-    def begin_turn(self) -> None:
-        self.turn, self.step = self.turn + 1, 0
-
-    def __call__(self, layer: int, routing) -> None:
-        ids = routing.ids
-        cached = np.asarray(self.source.resident(layer, ids.reshape(-1).tolist()), np.int64).reshape(ids.shape)
-        self.writer.write_routing(self.turn, self.phase, self.step, layer, ids, routing.weights, cached)
-        if layer == self.last_layer:
-            self.step += ids.shape[0]
-
-    def close(self) -> None:
-        self.writer.close()
-
-
 class Recorder:
     """Wraps the model: one TokenRecord per generated token (step 1 = the
     prefill that produced it, then one decode each)."""
@@ -336,9 +311,11 @@ def serve(cfg: ComputeConfig, ctx: zmq.Context) -> None:
     model = load_model(mf, top_k=cfg.top_k, experts=source, dense_view=view)
     model.prefetch_next = cfg.prefetch
     model.levers = Levers(cfg.drop_cold_experts, cfg.cache_route)
+    if cfg.route_replay:
+        model.route_replay = RouteReplay(read_trace(cfg.route_replay), mf.spec)
     tok = Tokenizer.from_gguf(mf.gguf)
     interrupts = Interrupts(requests)
-    tracer = RouteTracer(cfg.route_trace, mf, cfg.top_k, source) if cfg.route_trace else None
+    tracer = RouteTracer(cfg.route_trace, mf, cfg.top_k, source.resident) if cfg.route_trace else None
     recorder = Recorder(model, source, telemetry, interrupts, tracer)
     load_s = time.perf_counter() - t0
     epoch = time.time_ns()

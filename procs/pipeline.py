@@ -32,7 +32,9 @@ from ..shared.dense import arena_bytes
 from ..shared.directio import ExpertFiles
 from ..shared.errors import PipelineError, UserError
 from ..shared.model_file import open_model
+from ..shared.model.routes import RouteReplay
 from ..shared.residency import ResidencyIndex
+from ..shared.trace import read_trace
 from . import compute, reader, telemetry
 from .lifecycle import describe_exit
 
@@ -93,6 +95,8 @@ class Resources:
                 raise UserError(f"--threads {cfg.compute.threads}: this machine has {os.cpu_count()} cores")
             if cfg.cache.warm_from:  # a bad trace is the user's error, before anything starts
                 reader.hottest_experts(str(cfg.cache.warm_from), spec, 1)
+            if cfg.compute.route_replay:
+                RouteReplay(read_trace(str(cfg.compute.route_replay)), spec)
             budget = resolve_budget(cfg, dense_bytes=layout.dense_bytes, kv_bytes=kv_cache_bytes(spec, cfg.compute.ctx_size))
             # More slabs than experts would never be used.
             n_slots = min(check_budget(budget.bytes, layout, top_k), spec.n_layer * spec.n_expert)
@@ -141,7 +145,8 @@ def compute_args(cfg, res: Resources, model_path: Path, reader_pid: int) -> comp
         str(model_path), str(res.rt.path), res.slabs.arena.name, r.slab_bytes, r.n_slots, reader_pid,
         dense_weights=cfg.io.dense_weights, dense_arena=res.dense.name if res.dense else "", index_arena=res.index.name,
         overlap=c.overlap, prefetch=c.prefetch == "next-layer", top_k=c.top_k, threads=c.threads, ctx_size=c.ctx_size,
-        drop_cold_experts=c.drop_cold_experts, cache_route=c.cache_route, route_trace=str(cfg.telemetry.route_trace or ""))
+        drop_cold_experts=c.drop_cold_experts, cache_route=c.cache_route, route_trace=str(cfg.telemetry.route_trace or ""),
+        route_replay=str(c.route_replay or ""))
 
 
 def run_info(cfg, res: Resources, model_path: Path, load_seconds: float) -> m.RunInfo:

@@ -114,6 +114,10 @@ class ComputeConfig:
                                 lo=1, hi=256, unset="the model's own", flags=("--top-k",))
     ctx_size: int = setting(4096, "int", "context length in tokens (sizes the KV cache)", lo=16, hi=1 << 20,
                             flags=("-c", "--ctx-size"))
+    route_replay: str | None = setting(None, "path", "BENCHMARKS ONLY, the tokens are not the model's: route every "
+                                       "token by a recorded route trace's choices (layer by layer, cycled) so a "
+                                       "synthetic model reads like the real one", unset="the model's own router",
+                                       flags=("--route-replay",))
     drop_cold_experts: float = setting(0.0, "float", "LOSSY, changes outputs: while decoding, skip a routed expert that "
                                        "is a cache miss with weight below this fraction of an even share; 0 = off",
                                        lo=0, hi=1, flags=("--drop-cold-experts",))

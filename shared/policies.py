@@ -111,11 +111,16 @@ class LFU:
 def _heap_victim(heap: list, current: Callable[[Key, int], bool], is_evictable) -> Key | None:
     """The first live, evictable key of a lazy-deletion heap of (priority, tick, key):
     stale entries are dropped, pinned ones set aside and put back."""
+    return _heap_head(heap, current, is_evictable)[0]
+
+
+def _heap_head(heap: list, current: Callable[[Key, int], bool], is_evictable) -> tuple[Key | None, bool]:
+    """(_heap_victim's key, whether no pinned entry was passed over to find it)."""
     aside, found = [], None
     while heap:
         _, tick, key = heap[0]
         if not current(key, tick):
-            heapq.heappop(heap)
+            heapq.heappop(heap)  # stale
         elif is_evictable(key):
             found = key
             break
@@ -123,7 +128,7 @@ def _heap_victim(heap: list, current: Callable[[Key, int], bool], is_evictable) 
             aside.append(heapq.heappop(heap))
     for entry in aside:
         heapq.heappush(heap, entry)
-    return found
+    return found, not aside
 
 
 def _first(order: OrderedDict, is_evictable) -> Key | None:
@@ -372,19 +377,8 @@ class NextUse:
     def _head(self, layer: int, is_evictable) -> tuple[Key | None, bool]:
         """The layer's best evictable key, and whether it is its best key at all
         (False: a pinned key was passed over, so look again next time)."""
-        heap, live, aside, found = self._heaps[layer], self._live, [], None
-        while heap:
-            _, tick, key = heap[0]
-            if live.get(key) != tick:
-                heapq.heappop(heap)  # stale
-            elif is_evictable(key):
-                found = key
-                break
-            else:
-                aside.append(heapq.heappop(heap))
-        for entry in aside:
-            heapq.heappush(heap, entry)
-        return found, not aside
+        live = self._live
+        return _heap_head(self._heaps[layer], lambda k, t: live.get(k) == t, is_evictable)
 
     def _rank(self, layer: int, key: Key) -> float:
         """The layer's expected wait (for its best victim `key`) plus `now`/n_layer."""

@@ -34,6 +34,7 @@ class MoEModel:
         self.prefetch_next = False  # speculative next-layer prefetch (pipeline only)
         self.levers = Levers()  # lossy routing levers: off (exact) unless the config asks
         self.route_observer: Callable[[int, Routing], None] | None = None  # e.g. a route-trace writer
+        self.route_replay = None  # a RouteReplay: routing from a recorded trace (benchmarks only)
         self.embd = self.w.matrix("token_embd.weight")
         self.output_norm = self.w.vector("output_norm.weight")
         self.output = self.w.matrix("output.weight") if self.w.has("output.weight") else self.embd
@@ -55,6 +56,8 @@ class MoEModel:
     def routed(self, i: int, routing: Routing, scores: np.ndarray) -> Routing:
         """Every architecture's routing passes here: the lossy levers (off by
         default) may change it, then an observer may record it."""
+        if self.route_replay is not None:
+            routing = self.route_replay.route(i, routing.ids.shape[0])
         if self.levers.active:
             resident = getattr(self.source, "resident", None)
             routing = apply_levers(self.levers, routing, scores, (lambda ids: resident(i, ids)) if resident else None)

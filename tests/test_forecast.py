@@ -1,0 +1,214 @@
+"""`moe-pipe doctor`: the forecast's header facts, memory verdicts and hit rates on
+header-only full-width models, the per-token arithmetic on hand-made figures, the
+measuring part with tiny durations, and the CLI's JSON contract."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from moe_pipe.cli.main import main
+from moe_pipe.shared import forecast as fc
+from moe_pipe.shared.budget import MemoryProbe
+from moe_pipe.shared.config import load_config
+from moe_pipe.shared.default_model import default_model_path
+from moe_pipe.shared.makemodel import make_model
+from moe_pipe.shared.model_file import open_model
+from moe_pipe.shared.trace import read_trace
+
+MiB = 1 << 20
+ROOT = Path(__file__).resolve().parents[1]
+# A roomy fake host: verdicts must not depend on this machine's free RAM.
+HOST = MemoryProbe(64 << 30)
+
+
+@pytest.fixture(scope="module")
+def qwen8(tmp_path_factory) -> Path:
+    """Qwen3-30B-A3B's width cut to 8 layers (the benchmark model's shape), header only."""
+    return make_model("qwen3moe", "qwen30b-shape", tmp_path_factory.mktemp("q") / "q8.gguf", layers=8, sparse=True)
+
+
+@pytest.fixture(scope="module")
+def qwen48(tmp_path_factory) -> Path:
+    """Qwen3-30B-A3B's full shape (18.5 GB of holes)."""
+    return make_model("qwen3moe", "qwen30b-shape", tmp_path_factory.mktemp("q") / "q48.gguf", sparse=True)
+
+
+def facts_of(path, **overrides) -> fc.ModelFacts:
+    with open_model(path) as mf:
+        return fc.model_facts(mf, load_config(None, overrides))
+
+
+def fit_at(path, mem_limit_mb, **overrides) -> fc.MemoryFit:
+    cfg = load_config(None, overrides)
+    with open_model(path) as mf:
+        return fc.memory_fit(fc.model_facts(mf, cfg), cfg, fc.limited_probe(mem_limit_mb, HOST))
+
+
+# ---------------------------------------------------------------- the header
+
+def test_facts_from_the_header_match_the_layout():
+    from moe_pipe.procs.pipeline import kv_cache_bytes
+
+    path = default_model_path()
+    with open_model(path) as mf:
+        f = fc.model_facts(mf, load_config(None, {"compute.ctx_size": 1024}))
+        lay, spec = mf.layout, mf.spec
+        assert f.floor_bytes == lay.min_cache_bytes()
+        assert f.routed_bytes_per_token == lay.routed_bytes_per_token()
+        assert f.active_bytes_per_token == lay.dense_bytes + lay.routed_bytes_per_token()
+        assert f.expert_bytes_total == lay.total_expert_bytes
+        assert f.kv_bytes == kv_cache_bytes(spec, 1024)
+        # every expert product of a token, k per layer; the dense products but not the embedding lookup
+        experts = sum(spec.n_expert_used * p.shape[0] * p.shape[1] for l in lay.layers for p in l.parts)
+        dense = sum(t.shape[0] * t.shape[1] for t in mf.gguf.tensors.values() if len(t.shape) == 2
+                    and t.name not in lay.expert_tensor_names and t.name != "token_embd.weight")
+    assert sum(c.weights_per_token for c in f.classes if c.role == "expert") == experts
+    assert sum(c.weights_per_token for c in f.classes if c.role == "dense") == dense
+
+
+def test_top_k_override_scales_the_floor(qwen8):
+    f8, f4 = facts_of(qwen8), facts_of(qwen8, **{"compute.top_k": 4})
+    assert (f8.top_k, f4.top_k) == (8, 4)
+    assert f4.floor_bytes * 2 == f8.floor_bytes == 8 * 8 * f8.slab_bytes
+
+
+# ---------------------------------------------------------------- memory
+
+def test_refuses_with_the_limit_that_works_and_fits_at_it(qwen8):
+    no = fit_at(qwen8, 1024)
+    f = facts_of(qwen8)
+    assert not no.fits and not no.resident and "does not fit" in no.refusal
+    # dense (anon: resident) + KV + reserve + one token's experts
+    assert no.need_bytes == f.dense_bytes + f.kv_bytes + 512 * MiB + f.floor_bytes
+    assert no.limit_that_works_mb == -(-no.need_bytes // MiB)
+    assert f"{no.limit_that_works_mb:,} MiB" in no.refusal
+    yes = fit_at(qwen8, no.limit_that_works_mb)
+    assert yes.fits and yes.refusal is None and yes.n_slots >= f.floor_bytes // f.slab_bytes
+    assert not fit_at(qwen8, no.limit_that_works_mb - 1).fits
+
+
+def test_no_limit_helps_when_the_machine_itself_is_short(qwen8):
+    cfg = load_config(None, {})
+    with open_model(qwen8) as mf:
+        f = fc.model_facts(mf, cfg)
+        fit = fc.memory_fit(f, cfg, fc.limited_probe(4096, MemoryProbe(1024 * MiB)))
+    assert not fit.fits and fit.limit_that_works_mb is None and "only 1,024 MiB" in fit.refusal
+
+
+def test_resident_when_every_expert_fits_and_streaming_below(qwen8, qwen48):
+    assert fit_at(qwen8, None).resident  # 2,790 MiB of experts under the 4000 MiB ceiling
+    big = fit_at(qwen48, None)
+    assert big.fits and not big.resident  # 16.6 GiB of experts: the ceiling keeps it streaming
+    assert not fit_at(qwen8, None, **{"cache.cache_ceil_mb": 100}).fits  # below one token's 187.5 MiB
+
+
+# ---------------------------------------------------------------- hit rate
+
+def test_hit_rate_comes_from_the_trace_and_rises_with_the_cache(qwen48):
+    f = facts_of(qwen48)
+    floor = f.floor_bytes // f.slab_bytes
+    hits = [fc.hit_rate(f, floor * m, "nextuse") for m in (1, 2, 4)]
+    assert all(h.source == "trace" and "qwen.route.csv" in h.note for h in hits)
+    pcts = [h.pct for h in hits]
+    assert 0 < pcts[0] < pcts[1] < pcts[2] < 100, pcts
+    # real routing has locality: better than uniform routing's slots / experts
+    assert all(p > 100 * floor * m / f.all_experts_slots for p, m in zip(pcts, (1, 2, 4)))
+    assert fc.hit_rate(f, f.all_experts_slots, "nextuse").source == "resident"
+
+
+def test_a_shallower_model_replays_the_traces_first_layers(qwen8):
+    trace = read_trace(fc.trace_path("qwen3moe", 128))
+    cut = fc.first_layers(trace, 8)
+    assert cut.header.n_layer == 8 and cut.header.expert_bytes == trace.header.expert_bytes[:8]
+    assert int(cut.layer.max()) == 7 and len(cut) == int((trace.layer < 8).sum())
+    f = facts_of(qwen8)
+    h = fc.hit_rate(f, 2 * f.floor_bytes // f.slab_bytes, "lru", trace=trace)
+    assert h.source == "trace" and "first 8 of 48" in h.note and 0 < h.pct < 100
+
+
+def test_fallback_without_a_trace_is_the_cached_fraction(tmp_path):
+    f = facts_of(make_model("gpt-oss", "tiny", tmp_path / "g.gguf", sparse=True))
+    assert fc.trace_path(f.arch, f.n_expert) is None  # 8 experts: no shipped trace
+    h = fc.hit_rate(f, f.all_experts_slots // 4, "nextuse")
+    assert h.source == "fallback" and h.pct == pytest.approx(25.0)
+
+
+# ---------------------------------------------------------------- the arithmetic
+
+CLASSES = (fc.KernelClass("expert", "Q4_K", 768, 2048, 300_000_000),
+           fc.KernelClass("dense", "Q6_K", 151936, 2048, 400_000_000))
+RATES = {CLASSES[0].key: 30e9, CLASSES[1].key: 20e9}  # 10 ms + 20 ms of kernels
+
+
+def test_decode_speed_arithmetic():
+    # compute = 10 + 20 + 8 × 0.5 = 34 ms; io = (1 - 0.8) × 200 MB / 1 GB/s = 40 ms; wall = 1.2 × 40
+    s = fc.decode_speed(CLASSES, RATES, n_layer=8, hit_pct=80, read_bytes_per_token=200_000_000, read_gbps=1.0,
+                        overhead_s=0.5e-3)
+    assert s.kernel_s == pytest.approx(0.030)
+    assert s.compute_s == pytest.approx(0.034)
+    assert s.io_s == pytest.approx(0.040)
+    assert s.wall_s == pytest.approx(1.2 * 0.040)
+    assert s.tok_s == pytest.approx(1 / 0.048)
+    assert s.bottleneck == "flash" and s.overlap_factor == fc.OVERLAP_FACTOR
+
+
+def test_decode_speed_compute_bound_resident_and_memory_bound():
+    s = fc.decode_speed(CLASSES, RATES, n_layer=8, hit_pct=100, read_bytes_per_token=200_000_000, read_gbps=1.0,
+                        overhead_s=0.5e-3)
+    assert s.io_s == 0 and s.overlap_factor == 1.0 and s.wall_s == pytest.approx(0.034)
+    assert s.bottleneck == "compute" and s.tok_s == pytest.approx(1 / 0.034)
+    s = fc.decode_speed(CLASSES, RATES, n_layer=8, hit_pct=95, read_bytes_per_token=200_000_000, read_gbps=2.0,
+                        overhead_s=0.5e-3)  # io 5 ms < compute 34 ms
+    assert s.bottleneck == "compute" and s.wall_s == pytest.approx(1.2 * 0.034)
+    assert fc.decode_speed(CLASSES, RATES, n_layer=8, hit_pct=95, read_bytes_per_token=1, read_gbps=1.0,
+                           at_floor=True).bottleneck == "memory"
+
+
+# ---------------------------------------------------------------- measuring (tiny durations)
+
+def test_measure_reads_and_kernels_briefly():
+    with open_model(default_model_path()) as mf:
+        reads = fc.measure_reads(mf, seconds=0.06)
+        f = fc.model_facts(mf, load_config(None, {}))
+    assert reads.source == "measured" and set(reads.gbps) == {1, 2, 4} and all(g > 0 for g in reads.gbps.values())
+    rates = fc.measure_kernels(f.classes[:2], [1], seconds=0.02, rotate_bytes=1 * MiB)
+    assert set(rates) == {(c.key, 1) for c in f.classes[:2]} and all(r > 0 for r in rates.values())
+
+
+def test_a_header_only_file_is_not_measured(qwen8):
+    with open_model(qwen8) as mf:
+        reads = fc.measure_reads(mf, seconds=0.01)
+    assert reads.source == "assumed" and reads.gbps[1] == fc.ASSUMED_READ_GBPS
+
+
+# ---------------------------------------------------------------- the CLI
+
+def _documented_keys() -> set[str]:
+    doc = (ROOT / "docs" / "cli.md").read_text()
+    section = doc.split("\n## doctor\n", 1)[1].split("\n## ", 1)[0]
+    table = section.split("`--json` keys", 1)[1]
+    return {k for line in table.splitlines() if line.startswith("| `")
+            for k in re.findall(r"`([a-z0-9_]+)`", line.split("|")[1])}
+
+
+def test_cli_json_has_the_documented_keys(capsys):
+    assert main(["doctor", str(default_model_path()), "--json", "--seconds", "0.2"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out) == _documented_keys()
+    assert out["fits"] and out["resident"] and out["hit_source"] == "resident" and out["tok_s"] > 0
+    assert out["bottleneck"] in ("compute", "flash", "memory")
+
+
+def test_cli_refusal_exits_1_and_says_what_limit_works(qwen8, capsys):
+    assert main(["doctor", str(qwen8), "--mem-limit-mb", "1024", "--seconds", "0.05"]) == 1
+    out = capsys.readouterr().out
+    assert re.search(r"fits\s+NO: does not fit: .* a memory limit of [\d,]+ MiB or more would work", out), out
+
+
+def test_cli_missing_model_is_one_line_exit_2(tmp_path, capsys):
+    assert main(["doctor", str(tmp_path / "nope.gguf")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("moe-pipe: error:") and "\n" not in err and "nope.gguf" in err

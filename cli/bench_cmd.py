@@ -40,11 +40,21 @@ def run(args: argparse.Namespace) -> int:
     overrides = overrides_from_args(args)
     replay = overrides.pop("compute.route_replay", None) or cfg.compute.route_replay
     threads = overrides.pop("compute.threads", None) or cfg.compute.threads or 0
-    run_args = tuple(a for k, v in overrides.items() if k != "model.path" for a in ("--set", f"{k}={_toml(v)}"))
+    # With a config, `run` gets the config and every override (model.path too); with a model file, the file.
+    run_args = tuple(a for k, v in overrides.items() if cfg.source or k != "model.path" for a in ("--set", f"{k}={_toml(v)}"))
     plan = BenchPlan(cfg.model_file(), run_target=cfg.source or "", n=args.n, repeat=args.repeat, threads=int(threads), mem_limit_mb=args.mem_limit_mb,
                      route_replay=str(Path(replay).resolve()) if replay else None, vs=tuple(args.vs), out=Path(args.out),
                      cooldown_s=args.cooldown, peer_timeout_s=args.peer_timeout, run_args=run_args)
-    summary = run_bench(plan, lambda text: print(text, file=sys.stderr, flush=True))
+    say = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
+    say("forecasting (moe-pipe doctor) ...")
+    from moe_pipe.shared.forecast import forecast
+    from moe_pipe.shared.model_file import open_model
+
+    with open_model(plan.model) as mf:
+        fc = forecast(mf, cfg, mem_limit_mb=args.mem_limit_mb, seconds=3.0)
+    say(f"    forecast: {fc['tok_s']} tok/s ({fc['bottleneck']}-bound), hit {fc['hit_pct']} %" if fc["fits"]
+        else f"    forecast: does not fit ({fc['refusal']})")
+    summary = run_bench(plan, say, forecast=fc)
     print(summary_markdown(summary))
     print(f"written to {plan.out}/: summary.md, summary.json, per-run CSVs"
           + (", per-token.png, hit-rate.png" if (plan.out / "per-token.png").exists() else " (no plots: pip install matplotlib)"))

@@ -29,6 +29,7 @@ from .cgroup import MemoryCgroup, MemoryLimitError, drop_page_cache
 from .errors import UserError
 
 PROMPT = "The old mill by the river had stood there for a hundred years, and every spring"
+FORECAST_KEYS = ("tok_s", "tok_s_1t", "hit_pct", "hit_source", "bottleneck", "budget_mb", "read_gbps", "compute_ms", "io_ms")
 PEER_READAHEAD_KB = 128  # llama.cpp's mmap is measured at the machine's readahead and at this
 MIB = 1 << 20
 
@@ -190,7 +191,7 @@ def set_readahead(f: Path | None, kb: int) -> bool:
 
 # -- the whole benchmark ------------------------------------------------------------------
 
-def run_bench(plan: BenchPlan, say: Callable[[str], None]) -> dict:
+def run_bench(plan: BenchPlan, say: Callable[[str], None], forecast: dict | None = None) -> dict:
     plan.out.mkdir(parents=True, exist_ok=True)
     ra_file = readahead_file(plan.model)
     machine_ra = int(ra_file.read_text()) if ra_file else None
@@ -224,6 +225,8 @@ def run_bench(plan: BenchPlan, say: Callable[[str], None]) -> dict:
             if machine_ra is not None:
                 set_readahead(ra_file, machine_ra)  # restore the machine's setting whatever happened
     summary = summarize_runs(plan, rows, machine_ra)
+    if forecast is not None:
+        summary["forecast"] = {k: forecast.get(k) for k in FORECAST_KEYS}
     write_outputs(plan, summary, rows)
     return summary
 
@@ -279,6 +282,13 @@ def summary_markdown(s: dict) -> str:
     lines += ["", "Median steady tok/s: " + ", ".join(f"{k} {v:.2f}" for k, v in s["median_steady_tok_s"].items())]
     if s["ratio_vs_best_llama"] is not None:
         lines.append(f"moe-pipe ÷ llama.cpp (its better readahead): **{s['ratio_vs_best_llama']:.2f}×**")
+    fc = s.get("forecast")
+    ours = next((v for k, v in s["median_steady_tok_s"].items() if k.startswith("moe-pipe")), None)
+    if fc and fc.get("tok_s"):
+        lines.append(f"`moe-pipe doctor` forecast (before the runs): {fc['tok_s']:.2f} tok/s, {fc['bottleneck']}-bound "
+                     f"(compute {fc['compute_ms']} ms, reads {fc['io_ms']} ms per token; hit {fc['hit_pct']} % from "
+                     f"{fc['hit_source']}); measured {ours:.2f} = {ours / fc['tok_s']:.2f}× the forecast"
+                     if ours else f"`moe-pipe doctor` forecast: {fc['tok_s']:.2f} tok/s")
     if s["llama_tokens_equal_moe_pipe"]:
         lines.append("greedy tokens equal to moe-pipe's before the first difference (same file, same math; random "
                      "weights give near-ties that float rounding can flip): "

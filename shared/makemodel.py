@@ -3,8 +3,9 @@
 Weights cannot be downloaded here, so tests, demos and benchmarks run on made
 models: llama.cpp's tensor names, shapes and metadata for each arch
 (ARCHITECTURES.md §3), the real quant mix (§2.1) with random but *valid*
-quantized blocks, a BPE tokenizer trained on shared/data/corpus.txt (§4) and
-the arch's chat template.
+quantized blocks, routers scaled so that routing moves from token to token
+like a real model's (see "routers" below), a BPE tokenizer trained on
+shared/data/corpus.txt (§4) and the arch's chat template.
 
 Writing streams: all tensor infos go into the header first, then one tensor
 at a time is generated and written, so a 60 GB gpt-oss-120b-shaped file
@@ -30,7 +31,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf import GGUFWriter, LlamaFileType, RopeScalingType
 
 from .errors import UserError
-from .presets import ARCHES, MIX_NAME, PRESETS, SHAPE_PRESET_ARCH, Preset, fit_type, get_preset, real_mix
+from .presets import ARCHES, MIX_NAME, PRESETS, ROUTER, SHAPE_PRESET_ARCH, Preset, fit_type, get_preset, real_mix
 from .quant.blocks import block_format, qtype_from_name, random_blocks
 from .vocab import DATA_DIR, Vocab, build_vocab
 
@@ -48,7 +49,7 @@ class TensorSpec:
     name: str
     shape: tuple[int, ...]
     qtype: Q
-    fill: str  # weight | norm | router | bias | sinks | scale | rope_freqs
+    fill: str  # weight | norm | router | router_bias | bias | sinks | scale | rope_freqs
     param: float = 0.0  # std of the random values; rope_freqs: fraction of pairs that rotate
 
     @property
@@ -197,8 +198,7 @@ def plan_tensors(arch: str, p: Preset, override: Q | None = None) -> list[Tensor
         return TensorSpec(name, shape, fitted, "weight", 1.0 / float(np.sqrt(ne0)))
 
     def F(name: str, shape: tuple[int, ...], fill: str) -> TensorSpec:
-        std = 1.0 / float(np.sqrt(shape[-1])) if fill == "router" else 0.0
-        return TensorSpec(name, shape, Q.F32, fill, std)
+        return TensorSpec(name, shape, Q.F32, fill, _router_std(arch, fill, shape[-1], p.n_layer))
 
     D, V, X, F_exp = p.n_embd, p.vocab_size, p.n_expert, p.n_ff_exp
     specs = [W("token_embd.weight", (V, D), "embd")]
@@ -243,7 +243,7 @@ def plan_tensors(arch: str, p: Preset, override: Q | None = None) -> list[Tensor
                 F(b + "attn_sinks.weight", (p.n_head,), "sinks"),
                 F(b + "post_attention_norm.weight", (D,), "norm"),  # the pre-FFN norm
                 F(b + "ffn_gate_inp.weight", (X, D), "router"),
-                F(b + "ffn_gate_inp.bias", (X,), "bias"),
+                F(b + "ffn_gate_inp.bias", (X,), "router_bias"),
                 W(b + "ffn_gate_exps.weight", (X, F_exp, D), "ffn_gate_exps", i),
                 F(b + "ffn_gate_exps.bias", (X, F_exp), "bias"),
                 W(b + "ffn_up_exps.weight", (X, F_exp, D), "ffn_up_exps", i),
@@ -272,6 +272,57 @@ def plan_tensors(arch: str, p: Preset, override: Q | None = None) -> list[Tensor
                 F(b + "layer_output_scale.weight", (1,), "scale"),
             ]
     return specs
+
+
+# --- routers --------------------------------------------------------------------
+#
+# A router is W [X, D] (and, gpt-oss, a bias [X]): logits = W·x (+ b) on the
+# RMS-normed hidden state x, softmax/top-k on those. The weights are i.i.d.
+# Gaussian; what the presets' RouterShape sets is their scale and the bias,
+# because in a random model that is what decides how routing moves from
+# token to token (measured with bench/bench_routing.py against the phone
+# traces, docs/benchmarks.md "Synthetic routing"):
+#
+# * The hidden state of a random model is mostly two things: the attention's
+#   average over the context (it changes little from one token to the next
+#   and differs from text to text in nearly every direction, so a fixed W
+#   cannot single it out) and the experts' output for this token. A Gaussian
+#   W sees them in proportion to their size. In qwen3moe the context average
+#   is ~3x the rest, so with unit-spread logits routing freezes per text (LRU
+#   hit 95 % where the trace has 74 %) and greedy decoding cycles through a
+#   few tokens.
+# * The logit scale does not change this layer's top-k, but it changes the
+#   gate weights: sharper gates let the top expert's output through nearly
+#   whole instead of an average of k that partly cancels, so the token's own
+#   signal grows in every later layer and routing turns over as in the trace.
+#   The cost is gates sharper than a trained model's (qwen3moe top-1 weight
+#   ~0.7, the trace's ~0.3).
+# * The context average builds up layer after layer, so a deeper model needs
+#   sharper gates for the same turnover: qwen3moe's logit spread is 5 up to
+#   8 layers and grows as (n_layer / 8)^0.4 (6.6 at 16, 10.2 at 48), which
+#   holds the hit rate at 75-78 % (trace 74 %) at 8, 16 and 48 layers, where
+#   a constant 5 drifts to 90 % at 48.
+# * gpt-oss's hidden state has little context average (its mean direction
+#   is ~0.2 of the state, qwen3moe's ~0.9), so its routing is near-uniform;
+#   its router bias carries static per-expert popularity (Gaussian,
+#   standardised per layer, so every layer has its own hot experts) and
+#   brings the hit rate and the popularity concentration to the trace's.
+# * gemma4 has neither lever (no router bias; its expert output is RMS-normed,
+#   so gate sharpness does not reach the hidden state): unit-spread logits.
+#
+# Everything stays plain weight values: llama.cpp computes the same logits.
+
+
+def _router_std(arch: str, fill: str, ne0: int, n_layer: int) -> float:
+    """The random values' std for an F32 tensor: routers from the arch's RouterShape."""
+    shape = ROUTER[arch]
+    logit_std = shape.logit_std_at(n_layer)
+    if fill == "router":
+        # qwen3moe/gpt-oss route on x with |x| ≈ √D (an RMS norm); gemma4 divides it by √D first.
+        return logit_std if arch == "gemma4" else logit_std / float(np.sqrt(ne0))
+    if fill == "router_bias":
+        return logit_std * shape.bias_std
+    return 0.0
 
 
 # --- tensor data ----------------------------------------------------------------
@@ -305,6 +356,9 @@ def _generate(s: TensorSpec, seed: int) -> np.ndarray:
         x = 1.0 + 0.1 * rng.standard_normal(n, dtype=np.float32)
     elif s.fill == "router":
         x = rng.standard_normal(n, dtype=np.float32) * np.float32(s.param)
+    elif s.fill == "router_bias":  # standardised: each layer gets exactly the preset's spread
+        z = rng.standard_normal(n)
+        x = ((z - z.mean()) / max(float(z.std()), 1e-12) * s.param).astype(np.float32)
     elif s.fill == "bias":
         x = 0.02 * rng.standard_normal(n, dtype=np.float32)
     elif s.fill == "sinks":

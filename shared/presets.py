@@ -113,6 +113,48 @@ def get_preset(arch: str, preset: str) -> Preset | None:
     return _P.get((arch, preset))
 
 
+# --- routers --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RouterShape:
+    """How make-model fills an arch's router (makemodel.py, "routers").
+
+    `logit_std`: spread over experts of a typical token's router logits (the
+    weights are Gaussian, scaled for the arch's router input), for a model of
+    `ref_layers` layers or fewer; a deeper model's is × (n_layer /
+    ref_layers) ** `depth_exp`. `bias_std`: spread of static per-expert logit
+    offsets (gpt-oss's router bias): experts that are popular in every text,
+    as a trained router has.
+    """
+
+    logit_std: float
+    bias_std: float = 0.0
+    depth_exp: float = 0.0
+    ref_layers: int = 8
+
+    def logit_std_at(self, n_layer: int) -> float:
+        return self.logit_std * max(1.0, n_layer / self.ref_layers) ** self.depth_exp
+
+
+# Calibrated on the phone traces (bench/bench_routing.py; why these two
+# levers: makemodel.py "routers"; figures: docs/benchmarks.md "Synthetic
+# routing"), teacher-forced corpus text at the traces' top-k. LRU decode hit
+# at a cache of 20 % of the experts, made model / trace:
+#   qwen3moe (qwen30b-shape, top-6): 77.5 / 74.1 at 8 layers, 74.9 at 16,
+#     77.5 at 48 (the full depth); unit logits gave 95.7 at 8 layers and
+#     greedy decoding that cycles through a few tokens. The price: gates
+#     sharper than a trained model's (top-1 weight ~0.7, not ~0.3).
+#   gpt-oss (gptoss120b-shape, top-2): 77.5 / 74.0 at 4 layers, 79.0 at 8;
+#     without the bias 25.4, near-uniform routing.
+#   gemma4: no trace to match; logits of the same order as the others'.
+ROUTER = {
+    "qwen3moe": RouterShape(logit_std=5.0, depth_exp=0.4),
+    "gpt-oss": RouterShape(logit_std=1.0, bias_std=0.9),
+    "gemma4": RouterShape(logit_std=1.0),
+}
+
+
 # --- quant mix ----------------------------------------------------------------
 
 # llama.cpp's replacement when ne0 % 256 != 0 (ARCHITECTURES.md §2).

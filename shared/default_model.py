@@ -8,6 +8,10 @@ from pathlib import Path
 
 DEFAULT_NAME = "tiny"
 _ARCH, _PRESET, _SEED = "qwen3moe", "tiny", 0
+# The generator's version for this preset: bump it whenever make_model writes
+# different bytes for it (v2: the calibrated routers), so a cached older
+# default is not reused.
+_VERSION = 2
 
 
 def cache_dir() -> Path:
@@ -19,7 +23,7 @@ def default_model_path() -> Path:
     """The default model's path, making it first if it is not there yet (~0.2 s)."""
     from . import makemodel
 
-    path = cache_dir() / f"{_ARCH}-{_PRESET}-seed{_SEED}-v1.gguf"
+    path = cache_dir() / f"{_ARCH}-{_PRESET}-seed{_SEED}-v{_VERSION}.gguf"
     if not path.exists():
         makemodel.make_model(_ARCH, _PRESET, path, seed=_SEED)  # writes .part, then renames
     return path

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from pathlib import Path
 
 from _models import shape_model  # noqa: E402  (bench/ is the script's folder)
 from bench_reads import expert_bandwidth  # noqa: E402
+from moe_pipe.shared.cgroup import MemoryCgroup, MemoryLimitError, drop_page_cache  # noqa: E402
 PROMPT = "The old mill by the river had stood there for a hundred years, and every spring"
 
 
@@ -47,9 +47,9 @@ def ensure_model(args) -> Path:
     return shape_model(args.model, args.layers)
 
 
-def run(cmd: list[str], cgroup: Path | None = None) -> dict:
+def run(cmd: list[str], cgroup=None) -> dict:
     if cgroup is not None:  # join the cgroup, then exec: the whole process tree is limited
-        cmd = ["sh", "-c", f'echo $$ > {cgroup / "cgroup.procs"} && exec "$@"', "sh", *cmd]
+        cmd = cgroup.wrap(cmd)
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         raise SystemExit(f"failed: {' '.join(cmd)}\n{r.stderr[-2000:]}")
@@ -98,34 +98,6 @@ def warm_all_experts(model: Path, args, all_mb: float) -> float:
     return float(done.timings["predicted_tok_s"]), float(done.timings["final_hit_pct"])
 
 
-def make_cgroup(limit_mb: int) -> tuple[Path | None, str]:
-    v1 = Path("/sys/fs/cgroup/memory")
-    try:
-        if v1.is_dir():
-            cg = v1 / f"moe-pipe-bench-{os.getpid()}"
-            cg.mkdir()
-            (cg / "memory.limit_in_bytes").write_text(str(limit_mb << 20))
-            return cg, "v1"
-        v2 = Path("/sys/fs/cgroup")
-        if (v2 / "cgroup.controllers").exists():
-            cg = v2 / f"moe-pipe-bench-{os.getpid()}"
-            cg.mkdir()
-            (cg / "memory.max").write_text(str(limit_mb << 20))
-            return cg, "v2"
-    except OSError as exc:
-        return None, f"not permitted ({exc.strerror})"
-    return None, "no memory cgroup"
-
-
-def drop_page_cache() -> bool:
-    try:
-        os.sync()
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return True
-    except OSError:
-        return False
-
-
 def main(argv=None) -> int:
     args = parse(argv)
     model = ensure_model(args)
@@ -147,17 +119,18 @@ def main(argv=None) -> int:
         csv = tmp / f"{len(rows)}.csv"
         cgroup = None
         if cg:
-            cgroup, how = make_cgroup(args.mem_limit_mb)
-            if cgroup is None:
-                print(f"(memory-limited run skipped: cgroup {how})")
+            try:
+                cgroup = MemoryCgroup.create(args.mem_limit_mb)
+            except MemoryLimitError as exc:
+                print(f"(memory-limited run skipped: {exc})")
                 continue
-            label = f"pipeline, cache {args.small_cache_mb:.0f} MiB, cgroup {how} {args.mem_limit_mb} MiB" + \
+            label = f"pipeline, cache {args.small_cache_mb:.0f} MiB, cgroup v{cgroup.version} {args.mem_limit_mb} MiB" + \
                     ("" if drop_page_cache() else " (page cache not dropped)")
         try:
             out = run(base + extra + ["--csv", str(csv)], cgroup)
         finally:
             if cgroup is not None:
-                cgroup.rmdir()
+                cgroup.remove()
         rows.append((label, out["timings"]["predicted_tok_s"], csv_figures(csv), out["tokens"]))
     warm_tok_s, warm_hit = warm_all_experts(model, args, all_mb)
     direct_gb_s = expert_bandwidth(model)

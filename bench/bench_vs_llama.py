@@ -1,6 +1,6 @@
 """moe-pipe against llama.cpp on an emulated phone, end to end.
 
-    python bench/bench_vs_llama.py [--shapes qwen30b,gptoss120b] [--qwen-layers 8] [--gptoss-layers 4]
+    python bench/bench_vs_llama.py [--shapes qwen30b,gptoss120b] [--qwen-layers 8] [--gptoss-layers 16]
                                    [-n 32] [--repeat 2] [--threads 2] [--no-llama]
 
 For each shape: makes the synthetic full-width model cut to the given layers
@@ -8,17 +8,19 @@ For each shape: makes the synthetic full-width model cut to the given layers
 (configs/qwen30b.toml, configs/gptoss120b.toml; threads set to this machine's):
 
   own/    each engine's own routing on the same file, moe-pipe and llama.cpp
-          (mmap, at the machine's readahead and at 128 KiB), in one memory cgroup limit;
+          (mmap without repacking at the machine's readahead and at 128 KiB, and
+          its default loading), in one memory cgroup limit;
   trace/  moe-pipe driven by the real model's recorded routing
           (--route-replay shared/data/traces/*.route.csv), same limit.
 
-The limit gives the seed phone's model-to-RAM ratio where that is meaningful:
-Qwen3-30B-A3B ran at 1.6x RAM, so limit = file / 1.6. gpt-oss-120b ran at
-5.2x, but a model cut to a few layers keeps the whole embedding and output
-head, so file / 5.2 would not even hold its dense set; instead the limit
-leaves the expert cache the same fraction of all experts that the phone's
-cache held of the real model's (FULL_MODEL_CACHE_FRACTION below). Results go
-to bench/results/<shape>/{own,trace}/ (committed), and their summary.md
+The limit gives the seed phone's model-to-RAM ratio: Qwen3-30B-A3B ran at
+1.6x RAM, gpt-oss-120b at 5.2x, so limit = file / ratio. A cut model keeps
+the whole embedding and output head, so its dense share is larger than the
+full model's; gpt-oss is therefore cut to 16 layers by default (27 GB), the
+fewest at which file / 5.2 still leaves a cache of about a tenth of the
+experts after the dense set, KV cache and the engine's processes, near the
+phone's 7 %. A cut whose limit cannot hold that is refused. Results go to
+bench/results/<shape>-L<layers>/{own,trace}/ (committed), and their summary.md
 files into docs/benchmarks.md between the markers.
 """
 from __future__ import annotations
@@ -35,10 +37,10 @@ RESULTS = ROOT / "bench" / "results"
 TRACES = ROOT / "shared" / "data" / "traces"
 DOC = ROOT / "docs" / "benchmarks.md"
 BEGIN, END = "<!-- bench_vs_llama: begin -->", "<!-- bench_vs_llama: end -->"
-# gpt-oss-120b on the seed's 11 GB phone: 58.5 GB file, ~2.6 GB dense; auto
-# budget capped at 4000 MiB of ~56 GB of experts: ~7 % of the experts cached.
-FULL_MODEL_CACHE_FRACTION = {"gptoss120b": 4000 / (56_000 * 1.048576)}
-RESERVE_MB = 512
+# What a limit must leave beyond the dense set and KV cache: the engine's own
+# processes and at least this share of the experts as cache.
+PROCESSES_MB = 1024
+MIN_CACHE_FRACTION = 0.05
 
 
 SHAPES = {
@@ -50,46 +52,66 @@ SHAPES = {
 
 
 def limit_mb(name: str, model: Path) -> float:
+    """file / the phone's ratio, checked to leave room for a useful cache."""
     from moe_pipe.procs.pipeline import kv_cache_bytes
     from moe_pipe.shared.config import load_config
     from moe_pipe.shared.model_file import open_model
 
     with open_model(model) as mf:
-        file_mb = mf.gguf.file_bytes / 2**20
-        if name not in FULL_MODEL_CACHE_FRACTION:
-            return round(file_mb / SHAPES[name]["ratio"])
+        limit = mf.gguf.file_bytes / 2**20 / SHAPES[name]["ratio"]
         ctx = load_config(ROOT / SHAPES[name]["config"], {"model.path": str(model)}).compute.ctx_size
-        experts_mb = mf.spec.n_layer * mf.spec.n_expert * mf.layout.slab_bytes / 2**20
-        dense_mb = mf.layout.dense_bytes / 2**20
-        kv_mb = kv_cache_bytes(mf.spec, ctx) / 2**20
-    return round(dense_mb + kv_mb + RESERVE_MB + FULL_MODEL_CACHE_FRACTION[name] * experts_mb)
+        per_layer_mb = mf.spec.n_expert * mf.layout.slab_bytes / 2**20
+        fixed_mb = mf.layout.dense_bytes / 2**20 + kv_cache_bytes(mf.spec, ctx) / 2**20 + PROCESSES_MB
+        n_layer = mf.spec.n_layer
+    if limit - fixed_mb < MIN_CACHE_FRACTION * n_layer * per_layer_mb:
+        sys.exit(f"{name} cut to {n_layer} layers: file / {SHAPES[name]['ratio']} = {limit:,.0f} MiB does not hold "
+                 f"the dense set, KV cache and processes ({fixed_mb:,.0f} MiB) plus {MIN_CACHE_FRACTION:.0%} of the "
+                 f"experts; cut it to more layers")
+    return round(limit)
 
 
-def bench(name: str, model: Path, limit: float, args, kind: str) -> Path:
-    spec = SHAPES[name]
-    out = RESULTS / name / kind
-    cmd = [sys.executable, "-m", "moe_pipe.cli.main", "bench", str(ROOT / spec["config"]), "--set",
+def results_dir(model: Path) -> Path:
+    return RESULTS / model.stem.replace("-shape", "")
+
+
+def moe_pipe_bench(name: str, model: Path, out: Path, args, limit: float | None, extra: list[str]) -> Path:
+    """`moe-pipe bench` with the shape's recipe (configs/), this script's -t/-n/--repeat/--set; its summary.md."""
+    cmd = [sys.executable, "-m", "moe_pipe.cli.main", "bench", str(ROOT / SHAPES[name]["config"]), "--set",
            f'model.path="{model}"', "-t", str(args.threads), "-n", str(args.n), "--repeat", str(args.repeat),
-           "--mem-limit-mb", str(limit), "--out", str(out)]
-    if kind == "trace":
-        cmd += ["--route-replay", str(TRACES / spec["trace"])]
-    elif not args.no_llama:
-        cmd += ["--vs", "llama.cpp", "--peer-timeout", str(args.peer_timeout)]
-    print(f"== {name} {kind}: {' '.join(cmd[3:])}", file=sys.stderr, flush=True)
+           "--out", str(out)] + (["--mem-limit-mb", str(limit)] if limit is not None else []) + extra
+    for item in args.set:
+        cmd += ["--set", item]
+    print(f"== {out.relative_to(ROOT)}: {' '.join(cmd[3:])}", file=sys.stderr, flush=True)
     subprocess.run(cmd, check=True)
     return out / "summary.md"
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def bench(name: str, model: Path, limit: float, args, kind: str) -> Path:
+    if kind == "trace":
+        extra = ["--route-replay", str(TRACES / SHAPES[name]["trace"])]
+    else:
+        extra = [] if args.no_llama else ["--vs", "llama.cpp", "--peer-timeout", str(args.peer_timeout)]
+    return moe_pipe_bench(name, model, results_dir(model) / kind, args, limit, extra)
+
+
+def shape_arguments(description: str, n: int, repeat: int) -> argparse.ArgumentParser:
+    """The flags both end-to-end scripts take: which shapes, their cuts, the generation and overrides."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--shapes", default="qwen30b,gptoss120b")
     p.add_argument("--qwen-layers", type=int, default=8)
-    p.add_argument("--gptoss-layers", type=int, default=4)
-    p.add_argument("-n", type=int, default=32)
-    p.add_argument("--repeat", type=int, default=2)
+    p.add_argument("--gptoss-layers", type=int, default=16)
+    p.add_argument("-n", type=int, default=n)
+    p.add_argument("--repeat", type=int, default=repeat)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override for moe-pipe runs")
+    return p
+
+
+def main(argv=None) -> int:
+    p = shape_arguments(__doc__.splitlines()[0], n=32, repeat=2)
     p.add_argument("--peer-timeout", type=float, default=600)
     p.add_argument("--no-llama", action="store_true")
+    p.add_argument("--kinds", default="own,trace", help="which runs: own (vs llama.cpp), trace (route-replayed)")
     args = p.parse_args(argv)
     sections = []
     for name in args.shapes.split(","):
@@ -97,27 +119,31 @@ def main(argv=None) -> int:
         layers = args.qwen_layers if name == "qwen30b" else args.gptoss_layers
         model = shape_model(None, layers, spec["arch"], spec["preset"])
         limit = limit_mb(name, model)
-        sections.append((name, layers, limit, [bench(name, model, limit, args, kind) for kind in ("own", "trace")]))
+        sections.append((name, layers, limit, [bench(name, model, limit, args, kind) for kind in args.kinds.split(",")]))
     write_doc(sections)
     return 0
 
 
 def write_doc(sections) -> None:
-    parts = [BEGIN]
+    parts = []
     for name, layers, limit, summaries in sections:
         parts.append(f"\n### {name}-shape, {layers} layers, memory limit {limit:,.0f} MiB\n")
         for s in summaries:
             text = s.read_text().split("\n", 2)[2]  # drop the title line
             parts.append(f"From `{s.relative_to(ROOT)}`:\n\n{text}")
-    parts.append(END)
-    doc = DOC.read_text()
-    block = "\n".join(parts)
-    if BEGIN in doc:
-        doc = doc[: doc.index(BEGIN)] + block + doc[doc.index(END) + len(END):]
+    replace_block(DOC, BEGIN, END, "\n".join(parts), "## moe-pipe against llama.cpp on an emulated phone")
+
+
+def replace_block(doc_path: Path, begin: str, end: str, body: str, heading: str) -> None:
+    """Put `body` between the markers of a doc (appended under `heading` the first time)."""
+    doc = doc_path.read_text() if doc_path.exists() else ""
+    block = f"{begin}\n{body}\n{end}"
+    if begin in doc:
+        doc = doc[: doc.index(begin)] + block + doc[doc.index(end) + len(end):]
     else:
-        doc = doc.rstrip() + "\n\n## moe-pipe against llama.cpp on an emulated phone\n\n" + block + "\n"
-    DOC.write_text(doc)
-    print(f"updated {DOC}", file=sys.stderr)
+        doc = doc.rstrip() + f"\n\n{heading}\n\n{block}\n"
+    doc_path.write_text(doc)
+    print(f"updated {doc_path}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -17,8 +17,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mem-limit-mb", type=float, default=None,
                    help="run every engine inside a memory cgroup with this limit (page cache counts): a small device")
     p.add_argument("--vs", choices=("llama.cpp",), action="append", default=[],
-                   help="also run the same file through llama.cpp (llama-cpp-python, mmap loading), at the machine's "
-                        "readahead and at 128 KiB")
+                   help="also run the same file through llama.cpp (llama-cpp-python): mmap loading without weight "
+                        "repacking at the machine's readahead and at 128 KiB, and its default loading once")
     p.add_argument("--out", default="bench-out", help="folder for the CSVs, summary.{json,md} and plots (default bench-out)")
     p.add_argument("--cooldown", type=float, default=3.0, help="seconds between runs (default 3)")
     p.add_argument("--peer-timeout", type=float, default=900.0,

@@ -55,7 +55,7 @@ def print_report(f: dict) -> None:
         rows.append(("forecast", f"does not run here; bottleneck: {f['bottleneck']}"))
     else:
         rows.append(("forecast", f"≈ {f['tok_s']:.1f} tok/s decode, bottleneck: {f['bottleneck']} "
-                                 f"(wall = {f['overlap_factor']:g} × max(compute, io))"))
+                                 f"(wall = {f['overlap_factor']:.2f} × max(compute, io))"))
     if f["tok_s"] is not None and f["threads"] > 1 and f["tok_s_1t"] > 1.1 * f["tok_s"]:
         rows.append(("note", f"with -t 1 (one compute thread): ≈ {f['tok_s_1t']:.1f} tok/s; {f['threads']} threads "
                              "lose here now, their calls wait for a busy core"))

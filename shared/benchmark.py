@@ -135,14 +135,41 @@ def run_moe_pipe(plan: BenchPlan, k: int, cg: MemoryCgroup | None) -> RunFigures
                       token_ids=list(out["tokens"]))
 
 
-def run_llama(plan: BenchPlan, k: int, prompt_tokens: list[int], readahead_kb: int | None,
+@dataclass(frozen=True)
+class PeerRun:
+    """One way of running llama.cpp. `repack` is its default CPU weight
+    repacking, which copies the weights into anonymous memory at load (see
+    peer_llama.py); off, it serves them from the mapped file like the seed
+    phone's llama.cpp did, and that is the comparison the targets are about."""
+
+    readahead_kb: int | None
+    repack: bool = False
+
+    @property
+    def tag(self) -> str:
+        return ("repack-" if self.repack else "") + (f"ra{self.readahead_kb}" if self.readahead_kb is not None else "ra-")
+
+    @property
+    def label(self) -> str:
+        how = "llama.cpp default (weights repacked into RAM)" if self.repack else "llama.cpp mmap"
+        return how + (f", readahead {self.readahead_kb} KiB" if self.readahead_kb is not None else "")
+
+
+def peer_runs(machine_ra: int | None) -> list[PeerRun]:
+    """mmap at the machine's readahead and at PEER_READAHEAD_KB, then the
+    default loading once (at the machine's readahead)."""
+    ras = [machine_ra] + ([PEER_READAHEAD_KB] if machine_ra not in (None, PEER_READAHEAD_KB) else [])
+    return [PeerRun(ra) for ra in ras] + [PeerRun(machine_ra, repack=True)]
+
+
+def run_llama(plan: BenchPlan, k: int, prompt_tokens: list[int], peer: PeerRun,
               cg: MemoryCgroup | None) -> RunFigures:
     from .peer_llama import read_result
 
-    tag = f"ra{readahead_kb}" if readahead_kb is not None else "ra-"
-    csv = plan.out / f"llama.cpp-{tag}-{k}.csv"
+    csv = plan.out / f"llama.cpp-{peer.tag}-{k}.csv"
     req = plan.out / f".llama-request-{k}.json"
-    req.write_text(json.dumps({"prompt_tokens": prompt_tokens, "n": plan.n, "threads": plan.threads or os.cpu_count()}))
+    req.write_text(json.dumps({"prompt_tokens": prompt_tokens, "n": plan.n, "threads": plan.threads or os.cpu_count(),
+                               "repack": peer.repack}))
     cmd = [sys.executable, "-m", "moe_pipe.shared.peer_llama", str(plan.model), str(req), str(csv)]
     proc = subprocess.Popen(cg.wrap(cmd) if cg else cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
@@ -157,7 +184,7 @@ def run_llama(plan: BenchPlan, k: int, prompt_tokens: list[int], readahead_kb: i
     if proc.returncode == 3:
         raise UserError("--vs llama.cpp: " + err.strip().splitlines()[-1])
     res = read_result(csv)
-    label = f"llama.cpp mmap, readahead {readahead_kb} KiB" if readahead_kb is not None else "llama.cpp mmap"
+    label = peer.label
     if not res["finished"]:
         label += f" ({stopped or f'killed, exit {proc.returncode}'})"
     n_tok = len(res["wall_ms"])
@@ -195,8 +222,8 @@ def run_bench(plan: BenchPlan, say: Callable[[str], None], forecast: dict | None
     plan.out.mkdir(parents=True, exist_ok=True)
     ra_file = readahead_file(plan.model)
     machine_ra = int(ra_file.read_text()) if ra_file else None
-    peer_ra = [machine_ra] + ([PEER_READAHEAD_KB] if machine_ra not in (None, PEER_READAHEAD_KB) else [])
-    total = plan.repeat * (1 + (len(peer_ra) if "llama.cpp" in plan.vs else 0))
+    peers = peer_runs(machine_ra)
+    total = plan.repeat * (1 + (len(peers) if "llama.cpp" in plan.vs else 0))
     rows: list[RunFigures] = []
     t0 = time.monotonic()
 
@@ -214,13 +241,14 @@ def run_bench(plan: BenchPlan, say: Callable[[str], None], forecast: dict | None
     prompt_tokens = _prompt_tokens(plan)
     if "llama.cpp" in plan.vs:
         try:
-            for ra in peer_ra:
-                if ra is not None and ra != machine_ra and not set_readahead(ra_file, ra):
+            for peer in peers:
+                ra = peer.readahead_kb
+                if ra is not None and not set_readahead(ra_file, ra) and ra != machine_ra:
                     say(f"(readahead {ra} KiB skipped: {ra_file} is not writable)")
                     continue
                 for k in range(1, plan.repeat + 1):
-                    step(f"llama.cpp run {k}/{plan.repeat}, readahead {ra} KiB",
-                         lambda cg, k=k, ra=ra: run_llama(plan, k, prompt_tokens, ra, cg))
+                    step(f"{peer.label}, run {k}/{plan.repeat}",
+                         lambda cg, k=k, peer=peer: run_llama(plan, k, prompt_tokens, peer, cg))
         finally:
             if machine_ra is not None:
                 set_readahead(ra_file, machine_ra)  # restore the machine's setting whatever happened

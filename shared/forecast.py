@@ -11,10 +11,21 @@
 
 Per decoded token (L layers, k experts per token, h the decode hit rate):
 
-    compute = Σ over kernel classes  weights per token / measured weights/s  + L × PER_LAYER_OVERHEAD_S
+    dense   = dense kernels (weights / measured weights/s) + L × PER_LAYER_OVERHEAD_S
+    experts = expert kernels, the same way;  compute = dense + experts
     io      = (1 − h) × k × Σ_layers page-rounded expert bytes / read bandwidth
-    wall    = max(compute, io) × OVERLAP_FACTOR     (× 1 when nothing is read: every expert cached)
+    wall    = dense + L × (max(experts/L, io/L + experts/(L·k)) + PER_LAYER_WIRE_S)
+              (dense + experts when nothing is read: every expert cached)
     tok/s   = 1 / wall
+
+The wall is the pipeline's own shape, layer by layer: attention, norms and
+routing run before the layer's misses are known, so nothing is read under
+them (no prefetch); then the hits are computed while the misses are read,
+and each miss is computed as it lands, so the layer ends one expert's
+compute after its last read (or when the experts are done, if reads were
+shorter); and each layer's requests and replies cross the reader once.
+`max(compute, io)` times a constant fitted one regime and missed the other
+by 30-40 % (docs/benchmarks.md, "doctor").
 
 A kernel class is one (quant type, shape) the decode multiplies: each expert
 projection, and each dense matrix family grouped by (type, columns). The
@@ -58,14 +69,11 @@ TRACE_DIR = Path(__file__).parent / "data" / "traces"
 # (arch, n_expert) -> shipped trace (data/traces/README.md says what each one recorded)
 TRACES = {("qwen3moe", 128): "qwen.route.csv", ("gpt-oss", 128): "gptoss.route.csv"}
 
-# Measured wall / max(compute, io) of the streaming pipeline on this machine:
-# bench/bench_pipeline.py's overlap efficiency (median per token) on the 8-layer
-# qwen30b-shape model with a small cache is ~1.2 (messaging, bookkeeping and
-# the misses that land after compute wants them).
-OVERLAP_FACTOR = 1.2
-# With every expert cached nothing is read and nothing waits: the same bench's
-# warm all-experts run was 38.2 tok/s against 37.3 resident (docs/benchmarks.md).
-RESIDENT_OVERLAP_FACTOR = 1.0
+# One layer's trip to the reader and back (request, replies, slab lookups):
+# the wire_ms + mgmt_ms columns per layer, median of streamed decode on this
+# machine, 0.78 + 0.43 ms (qwen30b-shape, 8 layers) and 0.78 + 0.32 ms
+# (gptoss120b-shape, 16 layers).
+PER_LAYER_WIRE_S = 1.15e-3
 # Time per layer outside the quant kernels (attention's numpy work, norms, RoPE,
 # routing, dispatch): docs/benchmarks.md, decode of the 8-layer qwen30b-shape
 # model minus the time inside the kernels = 2.9-3.1 ms per token, /8 layers.
@@ -433,7 +441,7 @@ class Speed:
     wall_s: float
     tok_s: float
     bottleneck: str  # flash | compute | memory
-    overlap_factor: float
+    overlap_factor: float  # wall / max(compute, io): what the pipeline's shape adds
 
 
 def kernel_seconds(classes: Sequence[KernelClass], rates: Mapping[str, float], role: str | None = None) -> float:
@@ -441,18 +449,23 @@ def kernel_seconds(classes: Sequence[KernelClass], rates: Mapping[str, float], r
     return sum(c.weights_per_token / rates[c.key] for c in classes if role is None or c.role == role)
 
 
-def decode_speed(classes: Sequence[KernelClass], rates: Mapping[str, float], *, n_layer: int, hit_pct: float,
-                 read_bytes_per_token: int, read_gbps: float, at_floor: bool = False,
-                 overhead_s: float = PER_LAYER_OVERHEAD_S, overlap: float = OVERLAP_FACTOR) -> Speed:
+def decode_speed(classes: Sequence[KernelClass], rates: Mapping[str, float], *, n_layer: int, top_k: int,
+                 hit_pct: float, read_bytes_per_token: int, read_gbps: float, at_floor: bool = False,
+                 overhead_s: float = PER_LAYER_OVERHEAD_S, wire_s: float = PER_LAYER_WIRE_S) -> Speed:
     """One decoded token's compute, io and wall time (module docstring). `read_bytes_per_token`
     is what a token reads with no cache (k × page-rounded experts, all layers)."""
     kernels = kernel_seconds(classes, rates)
-    compute = kernels + n_layer * overhead_s
+    experts = kernel_seconds(classes, rates, "expert")
+    dense = kernels - experts + n_layer * overhead_s
+    compute = dense + experts
     io = (1.0 - hit_pct / 100.0) * read_bytes_per_token / (read_gbps * 1e9)
-    factor = overlap if io > 0 else RESIDENT_OVERLAP_FACTOR
-    wall = max(compute, io) * factor
+    if io > 0:
+        layer = max(experts / n_layer, io / n_layer + experts / (n_layer * max(1, top_k)))
+        wall = dense + n_layer * (layer + wire_s)
+    else:
+        wall = compute
     bottleneck = "memory" if at_floor else ("flash" if io > compute else "compute")
-    return Speed(compute, kernels, io, wall, 1.0 / wall, bottleneck, factor)
+    return Speed(compute, kernels, io, wall, 1.0 / wall, bottleneck, wall / max(compute, io))
 
 
 def _gws(classes, rates, role) -> float | None:
@@ -482,7 +495,7 @@ def forecast(mf, cfg, *, mem_limit_mb: float | None = None, seconds: float = 4.0
     at_1 = {c.key: rates[(c.key, 1)] for c in facts.classes}
     read_per_token = facts.top_k * sum(facts.read_bytes_per_expert)
     at_floor = (not fit.fits) or fit.budget.bytes < FLOOR_MARGIN * facts.floor_bytes
-    common = dict(n_layer=facts.n_layer, hit_pct=hit.pct if hit else 0.0, read_bytes_per_token=read_per_token,
+    common = dict(n_layer=facts.n_layer, top_k=facts.top_k, hit_pct=hit.pct if hit else 0.0, read_bytes_per_token=read_per_token,
                   read_gbps=reads.gbps[lanes], at_floor=at_floor)
     speed = decode_speed(facts.classes, at_n, **common)
     speed_1t = decode_speed(facts.classes, at_1, **common)  # -t 1: faster when other processes hold the cores

@@ -7,7 +7,16 @@ cgroup and killed if it crawls:
 
     python -m moe_pipe.shared.peer_llama MODEL.gguf REQUEST.json OUT.csv
 
-REQUEST.json: {"prompt_tokens": [...], "n": N, "threads": T, "n_ctx": C}.
+REQUEST.json: {"prompt_tokens": [...], "n": N, "threads": T, "n_ctx": C, "repack": R}.
+
+`repack` false turns off llama.cpp's CPU weight repacking (its `--no-repack`,
+`use_extra_bufts` in the model params). With repacking on, the default, x86
+builds copy every Q4_K/Q4_0 tensor into anonymous memory in an interleaved
+layout at load, so the file is *not* served from the page cache: a model
+larger than the memory limit is killed while loading. Off, the weights stay
+in the mapped file and the page cache thrashes under the limit, which is the
+behaviour of llama.cpp on the seed's phone (its ARM build did not repack
+those quant types).
 The generation is greedy over the same prompt token ids moe-pipe uses (argmax
 of the logits after each eval, end-of-generation ignored, as moe-pipe's
 `--ignore-eos`), so the two engines' tokens can be compared. OUT.csv gets one
@@ -34,6 +43,7 @@ def run(model: str, request: dict, out: Path) -> int:
               file=sys.stderr)
         return 3
     prompt = [int(t) for t in request["prompt_tokens"]]
+    set_repack(bool(request.get("repack", True)))
     n, threads = int(request["n"]), int(request["threads"])
     llm = llama_cpp.Llama(model, n_ctx=int(request.get("n_ctx") or len(prompt) + n + 8), n_threads=threads,
                           n_threads_batch=threads, n_batch=512, verbose=False)
@@ -54,6 +64,21 @@ def run(model: str, request: dict, out: Path) -> int:
         f.write(f"# done load_s={load_s:.3f} majflt={ru.ru_majflt} peak_rss={ru.ru_maxrss * 1024}\n")
     llm.close()
     return 0
+
+
+def set_repack(on: bool) -> None:
+    """The wrapper has no keyword for `use_extra_bufts`; it builds its model
+    params from `llama_model_default_params`, so that is where it is set."""
+    from llama_cpp import llama as wrapper
+
+    default = wrapper.llama_cpp.llama_model_default_params
+
+    def params():
+        p = default()
+        p.use_extra_bufts = on
+        return p
+
+    wrapper.llama_cpp.llama_model_default_params = params
 
 
 def last_logits(llama_cpp, llm):

@@ -10,7 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from moe_pipe.shared.benchmark import BenchPlan, RunFigures, summarize_runs, summary_markdown, wall_figures
+from moe_pipe.shared.benchmark import (PEER_READAHEAD_KB, BenchPlan, RunFigures, peer_runs, summarize_runs,
+                                      summary_markdown, wall_figures)
 from moe_pipe.shared.cgroup import MemoryCgroup, MemoryLimitError
 from moe_pipe.shared.default_model import default_model_path
 from moe_pipe.shared.errors import UserError
@@ -134,6 +135,14 @@ def test_summary_ratio_uses_the_better_peer_and_medians(tmp_path):
     assert "**2.50×**" in summary_markdown(s)
 
 
+def test_peer_runs_cover_both_readaheads_without_repack_then_the_default_once():
+    runs = peer_runs(8192)
+    assert [(r.readahead_kb, r.repack) for r in runs] == [(8192, False), (PEER_READAHEAD_KB, False), (8192, True)]
+    assert len({r.tag for r in runs}) == 3  # their CSVs do not overwrite each other
+    assert [(r.readahead_kb, r.repack) for r in peer_runs(PEER_READAHEAD_KB)] == [(128, False), (128, True)]
+    assert peer_runs(None)[0].label == "llama.cpp mmap"
+
+
 def test_wall_figures_and_a_killed_peers_partial_result(tmp_path):
     f = wall_figures([1000.0, 100.0, 100.0, 100.0, 100.0, 50.0, 50.0, 50.0])
     assert f["first5_wall_ms"] == pytest.approx(280.0) and f["tok_s_steady"] > f["tok_s_mean"]
@@ -154,5 +163,8 @@ def test_vs_llama_cpp_on_the_tiny_model(tmp_path):
     s = json.loads((out / "summary.json").read_text())
     peers = [x for x in s["runs"] if x["engine"] == "llama.cpp"]
     assert peers and all(p["tokens"] == 4 and p["finished"] for p in peers)
+    assert any(p["label"].startswith("llama.cpp mmap") for p in peers)
+    assert any(p["label"].startswith("llama.cpp default") for p in peers)
+    assert sorted((out).glob("llama.cpp-repack-*.csv"))
     assert s["ratio_vs_best_llama"] is not None
     assert all(v >= 1 for v in s["llama_tokens_equal_moe_pipe"].values())  # the first token agrees: same file, same math

@@ -143,27 +143,32 @@ CLASSES = (fc.KernelClass("expert", "Q4_K", 768, 2048, 300_000_000),
 RATES = {CLASSES[0].key: 30e9, CLASSES[1].key: 20e9}  # 10 ms + 20 ms of kernels
 
 
-def test_decode_speed_arithmetic():
-    # compute = 10 + 20 + 8 × 0.5 = 34 ms; io = (1 - 0.8) × 200 MB / 1 GB/s = 40 ms; wall = 1.2 × 40
-    s = fc.decode_speed(CLASSES, RATES, n_layer=8, hit_pct=80, read_bytes_per_token=200_000_000, read_gbps=1.0,
-                        overhead_s=0.5e-3)
+def test_decode_speed_follows_the_pipeline_layer_by_layer():
+    # experts 10 ms, dense 20 + 8 × 0.5 = 24 ms; io = (1 - 0.8) × 200 MB / 1 GB/s = 40 ms (5 ms a layer);
+    # a layer: max(1.25, 5 + 1.25 / 4) + 1 ms wire  →  wall = 24 + 8 × 6.3125 = 74.5 ms
+    s = fc.decode_speed(CLASSES, RATES, n_layer=8, top_k=4, hit_pct=80, read_bytes_per_token=200_000_000,
+                        read_gbps=1.0, overhead_s=0.5e-3, wire_s=1e-3)
     assert s.kernel_s == pytest.approx(0.030)
     assert s.compute_s == pytest.approx(0.034)
     assert s.io_s == pytest.approx(0.040)
-    assert s.wall_s == pytest.approx(1.2 * 0.040)
-    assert s.tok_s == pytest.approx(1 / 0.048)
-    assert s.bottleneck == "flash" and s.overlap_factor == fc.OVERLAP_FACTOR
+    assert s.wall_s == pytest.approx(0.0745)
+    assert s.tok_s == pytest.approx(1 / 0.0745)
+    assert s.bottleneck == "flash" and s.overlap_factor == pytest.approx(0.0745 / 0.040)
+    # faster reads: the experts' compute hides them, the layer costs its experts
+    s = fc.decode_speed(CLASSES, RATES, n_layer=8, top_k=4, hit_pct=99, read_bytes_per_token=200_000_000,
+                        read_gbps=10.0, overhead_s=0.5e-3, wire_s=1e-3)
+    assert s.wall_s == pytest.approx(0.024 + 8 * (0.00125 + 0.001))
 
 
 def test_decode_speed_compute_bound_resident_and_memory_bound():
-    s = fc.decode_speed(CLASSES, RATES, n_layer=8, hit_pct=100, read_bytes_per_token=200_000_000, read_gbps=1.0,
-                        overhead_s=0.5e-3)
+    s = fc.decode_speed(CLASSES, RATES, n_layer=8, top_k=4, hit_pct=100, read_bytes_per_token=200_000_000,
+                        read_gbps=1.0, overhead_s=0.5e-3)
     assert s.io_s == 0 and s.overlap_factor == 1.0 and s.wall_s == pytest.approx(0.034)
     assert s.bottleneck == "compute" and s.tok_s == pytest.approx(1 / 0.034)
-    s = fc.decode_speed(CLASSES, RATES, n_layer=8, hit_pct=95, read_bytes_per_token=200_000_000, read_gbps=2.0,
-                        overhead_s=0.5e-3)  # io 5 ms < compute 34 ms
-    assert s.bottleneck == "compute" and s.wall_s == pytest.approx(1.2 * 0.034)
-    assert fc.decode_speed(CLASSES, RATES, n_layer=8, hit_pct=95, read_bytes_per_token=1, read_gbps=1.0,
+    s = fc.decode_speed(CLASSES, RATES, n_layer=8, top_k=4, hit_pct=95, read_bytes_per_token=200_000_000,
+                        read_gbps=2.0, overhead_s=0.5e-3)  # io 5 ms < compute 34 ms
+    assert s.bottleneck == "compute" and s.wall_s > s.compute_s
+    assert fc.decode_speed(CLASSES, RATES, n_layer=8, top_k=4, hit_pct=95, read_bytes_per_token=1, read_gbps=1.0,
                            at_floor=True).bottleneck == "memory"
 
 

@@ -112,25 +112,35 @@ def main(argv=None) -> int:
     p.add_argument("--peer-timeout", type=float, default=600)
     p.add_argument("--no-llama", action="store_true")
     p.add_argument("--kinds", default="own,trace", help="which runs: own (vs llama.cpp), trace (route-replayed)")
+    p.add_argument("--doc-only", action="store_true", help="only rewrite docs/benchmarks.md from the committed results")
     args = p.parse_args(argv)
-    sections = []
-    for name in args.shapes.split(","):
+    for name in [] if args.doc_only else args.shapes.split(","):
         spec = SHAPES[name]
         layers = args.qwen_layers if name == "qwen30b" else args.gptoss_layers
         model = shape_model(None, layers, spec["arch"], spec["preset"])
         limit = limit_mb(name, model)
-        sections.append((name, layers, limit, [bench(name, model, limit, args, kind) for kind in args.kinds.split(",")]))
-    write_doc(sections)
+        for kind in args.kinds.split(","):
+            bench(name, model, limit, args, kind)
+    write_doc()
     return 0
 
 
-def write_doc(sections) -> None:
+def write_doc() -> None:
+    """Every shape's committed results (not just this invocation's) into docs/benchmarks.md."""
+    import json
+
     parts = []
-    for name, layers, limit, summaries in sections:
-        parts.append(f"\n### {name}-shape, {layers} layers, memory limit {limit:,.0f} MiB\n")
-        for s in summaries:
-            text = s.read_text().split("\n", 2)[2]  # drop the title line
-            parts.append(f"From `{s.relative_to(ROOT)}`:\n\n{text}")
+    for name, spec in SHAPES.items():
+        for res in sorted(RESULTS.glob(f"{name}-L*")):
+            summaries = [res / kind / "summary.md" for kind in ("own", "trace") if (res / kind / "summary.md").exists()]
+            if not summaries:
+                continue
+            s = json.loads(summaries[0].with_suffix(".json").read_text())
+            parts.append(f"\n### {name}-shape, {res.name.split('-L')[-1]} layers, memory limit "
+                         f"{s['mem_limit_mb']:,.0f} MiB (file / {spec['ratio']})\n")
+            for path in summaries:
+                text = path.read_text().split("\n", 2)[2]  # drop the title line
+                parts.append(f"From `{path.relative_to(ROOT)}`:\n\n{text}")
     replace_block(DOC, BEGIN, END, "\n".join(parts), "## moe-pipe against llama.cpp on an emulated phone")
 
 

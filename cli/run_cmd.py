@@ -13,7 +13,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None,
                    help="a GGUF file (any shard of a split set) or a TOML config; default: the embedded tiny model")
     p.add_argument("-p", "--prompt", required=True, help="the prompt text")
-    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template as a user turn")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template as a user turn (the model's own unless --chat-template says otherwise)")
     p.add_argument("--system", help="system message (with --chat)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1 = off)")
     p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below this fraction of the best one's probability")
@@ -43,11 +43,11 @@ def load_run_config(args: argparse.Namespace):
 
 
 def _prompt_tokens(args, cfg, tok) -> list[int]:
-    from moe_pipe.shared.chat import chat_prompt_tokens, encode_prompt
+    from moe_pipe.shared.chat import chat_prompt_tokens, encode_prompt, use_chat_template
 
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": args.prompt}]
-        return chat_prompt_tokens(tok, messages, no_think=cfg.generate.no_think)
+        return chat_prompt_tokens(use_chat_template(tok, cfg.generate.chat_template), messages, no_think=cfg.generate.no_think)
     return encode_prompt(tok, args.prompt)
 
 

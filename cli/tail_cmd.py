@@ -89,28 +89,35 @@ class RunSoFar:
     (as it does in the telemetry process's recorder)."""
 
     info: object | None = None  # messages.RunInfo
-    records: list = field(default_factory=list)
+    # the last rows for the table; the summary keeps a Tally: a tail may watch a service for hours
+    records: deque = field(default_factory=lambda: deque(maxlen=TABLE_ROWS))
+    tally: object = field(default_factory=lambda: _tally())
     tok_s: deque = field(default_factory=lambda: deque(maxlen=SPARK_TOKENS))
     final: object | None = None  # messages.RunSummary, once the run ended
 
     def start_run(self, info) -> None:
-        self.info, self.records, self.final = info, [], None
+        self.info, self.final, self.tally = info, None, _tally()
+        self.records.clear()
         self.tok_s.clear()
 
     def add(self, rec) -> None:
         self.records.append(rec)
+        self.tally.add(rec)
         self.tok_s.append(tok_per_s(rec.wall_ms))
 
     def summary(self):
         """The run summary over the records seen (the service's own at the end)."""
-        from moe_pipe.shared.telemetry import summarize
-
         if self.final is not None:
             return self.final
         load_s = self.info.load_seconds if self.info is not None else 0.0
         budget = self.info.budget_bytes if self.info is not None else 0
-        peak_rss = max((r.rss_bytes for r in self.records), default=0)
-        return summarize(self.records, load_s, budget, 0, peak_rss)
+        return self.tally.summary(load_s, budget, 0)
+
+
+def _tally():
+    from moe_pipe.shared.telemetry import Tally
+
+    return Tally()
 
 
 # --------------------------------------------------------------------- outputs
@@ -191,7 +198,7 @@ class LiveOutput:
         table = Table(title=self.service_desc, title_justify="left", expand=False)
         for name in ("step", "tok/s", "wall ms", "compute ms", "io ms", "stall ms", "hit %", "MiB read", "majflt"):
             table.add_column(name, justify="right")
-        for r in run.records[-TABLE_ROWS:]:
+        for r in run.records:
             table.add_row(str(r.step), f"{tok_per_s(r.wall_ms):.2f}", f"{r.wall_ms:.1f}", f"{r.compute_ms:.1f}",
                           f"{r.io_ms:.1f}", f"{r.stall_ms:.1f}", f"{r.cache_hit_pct:.1f}", f"{r.read_bytes / MIB:.2f}",
                           str(r.majflt))

@@ -28,7 +28,7 @@ from ..shared import ipc, messages as m
 from ..shared import quant
 from ..shared.dense import arena_views, warm_sweep
 from ..shared.errors import UserError
-from ..shared.directio import expert_view, placement_for
+from ..shared.directio import ModelChanged, expert_view, model_identity, placement_for
 from ..shared.residency import ResidencyIndex
 from ..shared.generate import GenerationConfig, generate
 from ..shared.model import load_model
@@ -67,6 +67,7 @@ class ComputeConfig:
     cache_route: float = 0.0
     route_trace: str = ""  # record routing to this file ("" = no)
     route_replay: str = ""  # route by this trace instead of the router (benchmarks)
+    model_identity: tuple[str, ...] = ()  # directio.model_identity at start-up: refuse any other file
 
 
 class RequestFailed(Exception):
@@ -306,6 +307,12 @@ def serve(cfg: ComputeConfig, ctx: zmq.Context) -> None:
     telemetry = ipc.DroppingSender(ipc.connect(ctx, ep, "telemetry_in"))
     t0 = time.perf_counter()
     mf = open_model(cfg.model_path)
+    if cfg.model_identity and model_identity(mf.gguf.paths) != tuple(cfg.model_identity):
+        # A restart after the file was replaced: its tokenizer and shapes beside the
+        # old file's dense set and cached experts would give wrong answers, quietly.
+        mf.close()
+        raise ModelChanged(cfg.model_path, "is not the file this service started with (changed or replaced since); "
+                                           "put the original back or restart the service")
     dense_arena, view = _dense_view(cfg, mf)
     source = SlabExperts(cfg, mf.layout, fetch_out, ready_in)
     model = load_model(mf, top_k=cfg.top_k, experts=source, dense_view=view)
@@ -319,10 +326,13 @@ def serve(cfg: ComputeConfig, ctx: zmq.Context) -> None:
     recorder = Recorder(model, source, telemetry, interrupts, tracer)
     load_s = time.perf_counter() - t0
     epoch = time.time_ns()
+    front_end = FrontEndWatch(tokens_out)
     ipc.send(fetch_out, m.Hello("compute", os.getpid(), epoch))  # the reader drops a dead compute's pins
     ipc.send(tokens_out, m.Hello("compute", os.getpid(), epoch))  # the front end can send requests
     try:
         while not interrupts.shutdown:
+            if front_end.came_back():
+                ipc.send(tokens_out, m.Hello("compute", os.getpid(), epoch))  # a restarted gateway missed the first
             msg = interrupts.pending.pop(0) if interrupts.pending else _next_request(requests, cfg)
             if isinstance(msg, m.Shutdown):
                 return
@@ -333,6 +343,7 @@ def serve(cfg: ComputeConfig, ctx: zmq.Context) -> None:
                 finally:
                     interrupts.req_id = 0
     finally:
+        front_end.close()
         if tracer:
             tracer.close()
         source.arena.close()
@@ -340,6 +351,43 @@ def serve(cfg: ComputeConfig, ctx: zmq.Context) -> None:
         if dense_arena is not None:
             dense_arena.close()
         mf.close()
+
+
+class FrontEndWatch:
+    """Notices the front end that binds the tokens link coming back after it
+    went away (a gateway killed and restarted alone). The new one never saw
+    this process's Hello and, without one, takes the model for still loading
+    and holds every request; so compute says Hello again (when idle: the
+    request it was serving belonged to the dead one). Found by bench/soak.py:
+    before this, one gateway kill left the service answering nothing until
+    compute itself restarted. Only a connect after a disconnect counts: the
+    first connect is answered by the first Hello, already queued."""
+
+    def __init__(self, sock: zmq.Socket):
+        self.sock = sock
+        self.monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        self.lost = False
+
+    def came_back(self) -> bool:
+        from zmq.utils.monitor import recv_monitor_message
+
+        back = False
+        while True:
+            try:
+                event = recv_monitor_message(self.monitor, zmq.NOBLOCK)["event"]
+            except zmq.Again:
+                return back
+            if event == zmq.EVENT_DISCONNECTED:
+                self.lost = True
+            elif event == zmq.EVENT_CONNECTED and self.lost:
+                self.lost, back = False, True
+
+    def close(self) -> None:
+        try:
+            self.sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        self.monitor.close(linger=0)
 
 
 def _next_request(requests: zmq.Socket, cfg: ComputeConfig) -> m.Generate | m.Shutdown | None:

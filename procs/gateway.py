@@ -19,6 +19,10 @@ threads: tokenizing (chat templates) and the supervisor's status for /metrics.
      stream skipping the text it already has; a second loss or no compute in
      time: 503;
   5. SIGTERM: stop listening, fail what waits with 503, exit 0.
+
+A hostile or broken client costs bounded time and memory and never holds the
+compute: the size and time limits, the connection cap and the loopback
+Host/Origin check are shared/http_guard.py, wired in by create_app and serve.
 """
 from __future__ import annotations
 
@@ -29,7 +33,7 @@ import os
 import signal
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -42,23 +46,24 @@ import zmq.asyncio
 from aiohttp import web
 
 from ..shared import ipc, messages as m, service
-from ..shared.chat import chat_prompt_tokens, encode_prompt
+from ..shared.chat import encode_prompt, render_chat, use_chat_template
 from ..shared.errors import UserError
+from ..shared.http_guard import (BODY_TIMEOUT_S, IDLE_TIMEOUT_S, LINGER_S, MAX_BODY_BYTES, MAX_CONNECTIONS,
+                                 RETRY_AFTER_S, WRITE_TIMEOUT_S, ClientGone, LimitedSite, is_loopback, loopback_only,
+                                 read_body, write_within)
 from ..shared.metrics import Metrics
 from ..shared.model_file import open_model
 from ..shared.openai_api import (FINISH_REASONS, ApiError, CompletionRequest, ResponseShape, fit_max_tokens, parse_body,
-                                 parse_request, sse, usage_of)
+                                 parse_request, refuse_unfit_text, sse, usage_of)
 from ..shared.tokenizer import Tokenizer
 from .lifecycle import child_setup
 
 log = logging.getLogger("moe_pipe.gateway")
 
 POLL_S = 0.25  # how often a wait checks that compute lives and the client is still there
-MAX_BODY_BYTES = 4 << 20  # far above any context window's worth of text
 SEND_TIMEOUT_S = 5.0  # a send that cannot be queued this long: compute is wedged
 STATUS_TIMEOUT_MS = 1_000  # the supervisor's process table, for /metrics
 SHUTDOWN_GRACE_S = 5.0  # handlers get this long to answer 503 after SIGTERM
-RETRY_AFTER_S = 1
 
 
 @dataclass(frozen=True)
@@ -75,7 +80,12 @@ class GatewaySettings:
     temperature: float = 0.0
     seed: int | None = None
     no_think: bool = False
+    chat_template: str = "model"  # generate.chat_template: the model's, "plain", or a file
     restart_wait_s: float = 60.0
+    max_connections: int = MAX_CONNECTIONS
+    idle_timeout_s: float = IDLE_TIMEOUT_S
+    body_timeout_s: float = BODY_TIMEOUT_S
+    write_timeout_s: float = WRITE_TIMEOUT_S
 
 
 # ------------------------------------------------------------------ HTTP glue
@@ -85,15 +95,21 @@ def json_response(data: Any, status: int = 200, headers: dict[str, str] | None =
 
 
 def error_response(err: ApiError) -> web.Response:
-    return json_response(err.body(), err.status, err.headers)
+    resp = json_response(err.body(), err.status, err.headers)
+    if err.status in (408, 413):  # the rest of the body is not worth reading: close after LINGER_S
+        resp.force_close()
+    return resp
 
 
-async def read_json(request: web.Request) -> dict:
+def check_wire(job: "Job", where: str) -> None:
+    """The Generate frame this job becomes must pass compute's decoding, or
+    compute drops it and the request would wait forever: encode and decode it
+    here once (the frame and array caps of shared/messages.py)."""
     try:
-        raw = await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise ApiError(413, f"the request body is over the {MAX_BODY_BYTES >> 20} MiB limit", "body_too_large") from None
-    return parse_body(raw)
+        m.decode(m.encode(m.Generate(0, tuple(job.prompt_tokens), job.max_tokens, job.sampling, job.stop)))
+    except m.ProtocolError as exc:
+        raise ApiError(400, f"the prompt is {len(job.prompt_tokens)} tokens, more than one request to compute can "
+                            f"carry ({exc}); shorten it", "context_length_exceeded", param=where) from None
 
 
 # ------------------------------------------------------------------------ jobs
@@ -394,10 +410,6 @@ async def follow_telemetry(sock: zmq.asyncio.Socket, metrics: Metrics) -> None:
 
 # ------------------------------------------------------------------ the service
 
-class ClientGone(Exception):
-    """The HTTP client closed its connection."""
-
-
 def client_gone(request: web.Request) -> bool:
     return request.transport is None or request.transport.is_closing()
 
@@ -412,6 +424,9 @@ class Gateway:
         self.started = int(time.time())
         # One thread: templates render one at a time, and the event loop never does it.
         self.tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+        # For refuse_unfit_text; 0.7 s over a 150k vocabulary, so it runs in the pool, ahead of any request.
+        self.longest_token: Future[int] = self.tokenize_pool.submit(longest_token_bytes, tokenizer)
+        self.site: LimitedSite | None = None  # counts the open connections, for /metrics (set by serve)
         self.ctx: zmq.asyncio.Context | None = None
         self.link: ComputeLink | None = None
         self.worker: Worker | None = None
@@ -461,7 +476,9 @@ class Gateway:
 
     async def metrics_text(self, request: web.Request) -> web.Response:
         processes = await supervisor_processes(self.settings.runtime_dir)
-        text = self.metrics.render(self.link is not None and self.link.ready(), self.queue.waiting(), processes)
+        connections = self.site.open if self.site is not None else 0
+        text = self.metrics.render(self.link is not None and self.link.ready(), self.queue.waiting(), processes,
+                                   connections)
         return web.Response(body=text.encode(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
     # -- completions -------------------------------------------------------------
@@ -473,13 +490,17 @@ class Gateway:
 
     async def complete(self, request: web.Request, chat: bool) -> web.StreamResponse:
         try:
-            req = parse_request(await read_json(request), chat, self.settings)
+            req = parse_request(parse_body(await read_body(request, self.settings.body_timeout_s)), chat, self.settings)
             prompt = await self.tokenize(req)
             job = Job(prompt, fit_max_tokens(req, len(prompt), self.settings), req.sampling, req.stop)
+            check_wire(job, "messages" if chat else "prompt")
             self.queue.offer(job)
         except ApiError as err:
             self.count(err.status)
             raise
+        except ConnectionError:  # it hung up while sending its body
+            self.metrics.requests["cancelled"] += 1
+            return web.Response(status=499)
         shape = ResponseShape(chat, self.settings.model_name, req.include_usage)
         try:
             if req.stream:
@@ -492,15 +513,21 @@ class Gateway:
             return web.Response(status=499)  # nobody reads it
 
     async def tokenize(self, req: CompletionRequest) -> list[int]:
-        loop = asyncio.get_running_loop()
-        if req.chat:
-            work = partial(chat_prompt_tokens, self.tok, list(req.messages), self.settings.no_think, **req.template_vars)
-        else:
-            work = partial(encode_prompt, self.tok, req.prompt)
         try:
-            return await loop.run_in_executor(self.tokenize_pool, work)
+            return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, self._tokenize, req)
         except UserError as exc:  # the chat template refused the conversation
             raise ApiError(400, str(exc), "invalid_messages", param="messages") from None
+
+    def _tokenize(self, req: CompletionRequest) -> list[int]:
+        """In the tokenize thread: chat_prompt_tokens, with the text checked
+        between rendering and encoding (a text that cannot fit is not encoded)."""
+        if req.chat:
+            text = render_chat(self.tok, list(req.messages), add_generation_prompt=True,
+                               no_think=self.settings.no_think, **req.template_vars)
+        else:
+            text = req.prompt
+        refuse_unfit_text(text, self.longest_token.result(), self.settings, "messages" if req.chat else "prompt")
+        return encode_prompt(self.tok, text)
 
     async def events(self, request: web.Request, job: Job) -> AsyncIterator[str | Finished | Failed]:
         """The job's events until its end; ClientGone when the client leaves first."""
@@ -526,7 +553,9 @@ class Gateway:
             else:
                 self.count(200)
                 usage = usage_of(len(job.prompt_tokens), event.completion_tokens)
-                return json_response(shape.whole("".join(pieces), event.finish_reason, usage))
+                resp = json_response(shape.whole("".join(pieces), event.finish_reason, usage))
+                await self.write(request, resp, None)
+                return resp
         raise ClientGone()  # not reached: events() ends with an end event or raises
 
     async def stream(self, request: web.Request, job: Job, shape: ResponseShape) -> web.StreamResponse:
@@ -540,22 +569,23 @@ class Gateway:
                     return error_response(event.error())
                 resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                                    "X-Accel-Buffering": "no"})
-                await resp.prepare(request)
-                for chunk in shape.opening():
-                    await resp.write(sse(chunk))
+                await self.write(request, resp, b"".join(sse(chunk) for chunk in shape.opening()))
             if isinstance(event, str):
-                await resp.write(sse(shape.chunk(event)))
+                await self.write(request, resp, sse(shape.chunk(event)))
             elif isinstance(event, Failed):  # the status is sent: the error becomes an event
                 self.count(event.status)
-                await resp.write(sse(event.error().body()))
+                await self.write(request, resp, sse(event.error().body()))
             else:
                 self.count(200)
-                await resp.write(sse(shape.chunk(None, event.finish_reason)))
+                closing = [sse(shape.chunk(None, event.finish_reason))]
                 if shape.include_usage:
-                    await resp.write(sse(shape.usage_chunk(usage_of(len(job.prompt_tokens), event.completion_tokens))))
-                await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
+                    closing.append(sse(shape.usage_chunk(usage_of(len(job.prompt_tokens), event.completion_tokens))))
+                await self.write(request, resp, b"".join(closing) + b"data: [DONE]\n\n")
+        await self.write(request, resp, None)
         return resp
+
+    async def write(self, request: web.Request, resp: web.StreamResponse, data: bytes | None) -> None:
+        await write_within(request, resp, data, self.settings.write_timeout_s)
 
     def count(self, status: int) -> None:
         outcome = {200: "ok", 429: "rejected", 503: "unavailable"}.get(status)
@@ -608,10 +638,16 @@ def load_tokenizer(model_path: str) -> Tokenizer:
         return Tokenizer.from_gguf(mf.gguf)
 
 
+def longest_token_bytes(tok: Tokenizer) -> int:
+    return max((len(tok.token_bytes(i)) for i in range(tok.n_vocab)), default=1)
+
+
 async def create_app(settings: GatewaySettings, tokenizer: Tokenizer | None = None) -> web.Application:
     """The HTTP app; its background tasks start with it and stop at cleanup."""
-    gateway = Gateway(settings, tokenizer or load_tokenizer(settings.model_path))
-    middlewares = [errors_as_json] + ([require_key(settings.api_key)] if settings.api_key else [])
+    gateway = Gateway(settings, use_chat_template(tokenizer or load_tokenizer(settings.model_path),
+                                                  settings.chat_template))
+    middlewares = ([errors_as_json] + ([loopback_only] if is_loopback(settings.host) else [])
+                   + ([require_key(settings.api_key)] if settings.api_key else []))
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)
     app.router.add_post("/v1/chat/completions", gateway.chat_completions)
     app.router.add_post("/v1/completions", gateway.completions)
@@ -633,11 +669,15 @@ async def serve(settings: GatewaySettings) -> None:
         if signal.getsignal(sig) is not signal.SIG_IGN:  # child_setup ignores SIGINT: the supervisor stops us in order
             loop.add_signal_handler(sig, stop.set)
     app = await create_app(settings)
-    runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S)
+    # keepalive_timeout: aiohttp arms it after each answer (3.14: also when a connection opens) and closes
+    # the connection if no whole request (headers) has come by then: the idle and slow-headers timeout.
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S,
+                           keepalive_timeout=settings.idle_timeout_s, lingering_time=LINGER_S)
     await runner.setup()
     address_file = Path(settings.runtime_dir) / service.GATEWAY_FILE
     try:
-        site = web.TCPSite(runner, settings.host, settings.port)
+        site = app[GATEWAY].site = LimitedSite(runner, settings.host, settings.port, settings.max_connections,
+                                               settings.idle_timeout_s, app[GATEWAY].metrics)
         try:
             await site.start()
         except OSError as exc:

@@ -26,10 +26,10 @@ from typing import Callable
 import zmq
 
 from ..shared import ipc, messages as m, shm
-from ..shared.budget import resolve_budget
+from ..shared.budget import RUN_ROLES, engine_bytes, resolve_budget
 from ..shared.cache import check_budget
 from ..shared.dense import arena_bytes
-from ..shared.directio import ExpertFiles
+from ..shared.directio import ExpertFiles, describe_os_error, model_identity
 from ..shared.errors import PipelineError, UserError
 from ..shared.model_file import open_model
 from ..shared.model.routes import RouteReplay
@@ -54,6 +54,7 @@ class Resolved:
     slab_bytes: int
     load_seconds: float
     direct_io: bool
+    model_identity: tuple[str, ...] = ()  # of every shard at start-up: children refuse any other file
 
 
 def kv_cache_bytes(spec, n_ctx: int) -> int:
@@ -73,16 +74,19 @@ class Resources:
         self.resolved: Resolved | None = None
 
     @classmethod
-    def create(cls, cfg, model_path: Path, progress: Callable[[str], None] | None = None) -> "Resources":
+    def create(cls, cfg, model_path: Path, progress: Callable[[str], None] | None = None,
+               roles: tuple[str, ...] = RUN_ROLES) -> "Resources":
+        """`roles`: the children that will run beside the arenas (their memory is
+        left out of an auto budget)."""
         res = cls()
         try:
-            res._create(cfg, Path(model_path), progress)
+            res._create(cfg, Path(model_path), progress, roles)
         except BaseException:
             res.close()
             raise
         return res
 
-    def _create(self, cfg, model_path: Path, progress) -> None:
+    def _create(self, cfg, model_path: Path, progress, roles: tuple[str, ...]) -> None:
         shm.reclaim_stale()
         ipc.RuntimeDir.reclaim_stale()
         t0 = time.perf_counter()
@@ -97,10 +101,17 @@ class Resources:
                 reader.hottest_experts(str(cfg.cache.warm_from), spec, 1)
             if cfg.compute.route_replay:
                 RouteReplay(read_trace(str(cfg.compute.route_replay)), spec)
-            budget = resolve_budget(cfg, dense_bytes=layout.dense_bytes, kv_bytes=kv_cache_bytes(spec, cfg.compute.ctx_size))
+            # Refused here, with the numbers, rather than OOM-killed once the arenas and children exist:
+            # an auto budget below one token's experts names the memory it found; a fixed one that
+            # cannot fit beside the processes says so (check_budget names a fixed one below the floor).
+            auto = cfg.cache.cache_mb == "auto"
+            budget = resolve_budget(cfg, dense_bytes=layout.dense_bytes, kv_bytes=kv_cache_bytes(spec, cfg.compute.ctx_size),
+                                    min_bytes=layout.min_cache_bytes(top_k) if auto else None,
+                                    engine_bytes=engine_bytes(roles, spec.n_vocab), check_memory=True)
             # More slabs than experts would never be used.
             n_slots = min(check_budget(budget.bytes, layout, top_k), spec.n_layer * spec.n_expert)
             slab_bytes = layout.slab_bytes
+            identity = _read_or_fail(lambda: model_identity(mf.gguf.paths), "reading the model file's header")
             self.rt = ipc.RuntimeDir.create()
             # Every slab page is allocated now: the budget is committed up front
             # (a memory limit that cannot hold it fails here, not mid-run), and
@@ -112,10 +123,11 @@ class Resources:
                 if progress:
                     progress(f"reading the dense set ({layout.dense_bytes / 2**20:,.0f} MiB) into shared memory")
                 self.dense = shm.Arena.create(shm.segment_name("dense"), max(arena_bytes(layout), 4096))
-                with ExpertFiles(mf.gguf.paths) as files:
-                    files.read_dense(layout.dense, self.dense.buf)
+                with ExpertFiles(mf.gguf.paths, identity=identity) as files:
+                    _read_or_fail(lambda: files.read_dense(layout.dense, self.dense.buf), "reading the dense set")
                     direct = files.direct
-        self.resolved = Resolved(budget.bytes, budget.description, n_slots, slab_bytes, time.perf_counter() - t0, direct)
+        self.resolved = Resolved(budget.bytes, budget.description, n_slots, slab_bytes, time.perf_counter() - t0, direct,
+                                 identity)
 
     def close(self) -> None:
         for arena in (self.slabs, self.dense, self.index):
@@ -128,6 +140,14 @@ class Resources:
             self.rt = None
 
 
+def _read_or_fail(read: Callable, what: str):
+    """A disk fault at start-up is the run's failure, in one line (exit 1), not a traceback."""
+    try:
+        return read()
+    except OSError as exc:  # DiskReadError, ModelChanged, or the open itself
+        raise PipelineError(f"{what} failed: {describe_os_error(exc)}") from exc
+
+
 def telemetry_args(cfg, res: Resources) -> telemetry.TelemetryConfig:
     return telemetry.TelemetryConfig(str(res.rt.path), str(cfg.telemetry.csv or ""))
 
@@ -136,7 +156,7 @@ def reader_args(cfg, res: Resources, model_path: Path) -> reader.ReaderConfig:
     r = res.resolved
     return reader.ReaderConfig(str(model_path), str(res.rt.path), res.slabs.arena.name, r.slab_bytes, r.n_slots,
                                cfg.io.io_threads, cfg.cache.policy, index_arena=res.index.name,
-                               warm_from=str(cfg.cache.warm_from or ""))
+                               warm_from=str(cfg.cache.warm_from or ""), model_identity=r.model_identity)
 
 
 def compute_args(cfg, res: Resources, model_path: Path, reader_pid: int) -> compute.ComputeConfig:
@@ -146,7 +166,7 @@ def compute_args(cfg, res: Resources, model_path: Path, reader_pid: int) -> comp
         dense_weights=cfg.io.dense_weights, dense_arena=res.dense.name if res.dense else "", index_arena=res.index.name,
         overlap=c.overlap, prefetch=c.prefetch == "next-layer", top_k=c.top_k, threads=c.threads, ctx_size=c.ctx_size,
         drop_cold_experts=c.drop_cold_experts, cache_route=c.cache_route, route_trace=str(cfg.telemetry.route_trace or ""),
-        route_replay=str(c.route_replay or ""))
+        route_replay=str(c.route_replay or ""), model_identity=r.model_identity)
 
 
 def run_info(cfg, res: Resources, model_path: Path, load_seconds: float) -> m.RunInfo:

@@ -11,12 +11,24 @@ order, the pins), so it needs no locks. Loop:
   3. a Release: unpin that layer's slabs;
   4. Shutdown: stop.
 
+A failed read (a disk error, a file truncated or replaced since start-up)
+fails the requests waiting for it with IO_ERROR and leaves its slab free:
+the key leaves the slot table, every pin on it goes, and the residency
+index never showed it (an entry is published only once a read completed).
+The reader stays up (a restart could not read the file either) and keeps
+the fault in `reader.io.json` in the runtime dir for `status`; while it
+lasts, it checks every FAULT_CHECK_S whether the file the service started
+with is whole at its path (`ExpertFiles.recover`, which reopens a file put
+back as a new inode) and clears the fault then — not at the next read that
+happens to work: with a truncated file the early experts still read fine.
+
 Only the main thread touches sockets: lanes hand finished reads back through
 an inproc socket of their own. The slab placement of an expert's parts is a
 function of its extents, so Ready carries it for convenience only.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -30,7 +42,7 @@ import zmq
 from ..shared import ipc, messages as m
 from ..shared.cache import CacheFull, SlotTable
 from ..shared.policies import DEFAULT_POLICY
-from ..shared.directio import ExpertFiles
+from ..shared.directio import ExpertFiles, describe_os_error
 from ..shared.errors import UserError
 from ..shared.model_file import open_model
 from ..shared.residency import ResidencyIndex
@@ -38,6 +50,8 @@ from ..shared.shm import SlabArena
 from .lifecycle import child_setup
 
 log = logging.getLogger("moe_pipe.reader")
+FAULT_CHECK_S = 1.0  # while a read fault lasts: how often to look for the file's return
+IO_STATUS_FILE = "reader.io.json"
 
 
 @dataclass(frozen=True)
@@ -52,6 +66,7 @@ class ReaderConfig:
     direct: bool = True
     index_arena: str = ""  # the residency index compute reads (see shared.residency)
     warm_from: str = ""  # a route trace: start by reading its most used experts (a cold cache only)
+    model_identity: tuple[str, ...] = ()  # directio.model_identity at start-up: refuse any other file
 
 
 @dataclass
@@ -66,7 +81,9 @@ class Reader:
         self.mf = open_model(cfg.model_path)
         self.layout = self.mf.layout
         self.arena = SlabArena.attach(cfg.slab_arena, cfg.slab_bytes, readonly=False)
-        self.files = ExpertFiles(self.mf.gguf.paths, direct=cfg.direct)
+        self.files = ExpertFiles(self.mf.gguf.paths, direct=cfg.direct, identity=cfg.model_identity or None)
+        self.io = IoStatus.load(cfg.runtime_dir)  # a restarted reader carries the count on
+        self.next_check = 0.0
         self.table = SlotTable(cfg.n_slots, cfg.policy)
         self.index = ResidencyIndex.attach(cfg.index_arena, self.layout.spec, writable=True)
         self.restored = self.restore_from_index()
@@ -158,7 +175,8 @@ class Reader:
             if evicted is not None:
                 self.index.clear(evicted)  # before its slab is overwritten
         except CacheFull:
-            self.send(m.FetchFailed(waiter.req_id, key[0], key[1], m.Code.INTERNAL, "every cache slab is pinned"))
+            if waiter is not None:
+                self.send(m.FetchFailed(waiter.req_id, key[0], key[1], m.Code.INTERNAL, "every cache slab is pinned"))
             return
         if waiter is not None:  # the waiter's own pin, beside the read's
             self.table.pin(key)
@@ -178,13 +196,15 @@ class Reader:
             placement = self.files.read_expert(self.layout.expert_extents(*key), self.arena.slab(slot))
             sock.send_pyobj((key, slot, time.perf_counter_ns() - t0, placement.regions, None))
         except Exception as exc:  # noqa: BLE001 - a failed read fails the request, not the reader
-            sock.send_pyobj((key, slot, time.perf_counter_ns() - t0, (), f"{type(exc).__name__}: {exc}"))
+            sock.send_pyobj((key, slot, time.perf_counter_ns() - t0, (), describe_os_error(exc)))
 
     def on_read_done(self, key, slot: int, io_ns: int, regions, error: str | None) -> None:
         waiters = self.inflight.pop(key, [])
         if error is not None:
-            self.table.drop(key)  # never leave a half-written slab visible
-            self.index.clear(key)
+            self.forget(key)
+            self.io.failed(self.cfg.runtime_dir, error)
+            self.next_check = time.monotonic() + FAULT_CHECK_S
+            log.info("read of expert %s failed: %s", key, error)
             for w in waiters:
                 self.send(m.FetchFailed(w.req_id, key[0], key[1], m.Code.IO_ERROR, error))
             return
@@ -192,6 +212,28 @@ class Reader:
         self.index.publish(key, slot)  # the slab is complete: compute may now find it
         for i, w in enumerate(waiters):
             self.send(m.Ready(w.req_id, key[0], key[1], slot, tuple(regions), False, io_ns if i == 0 else 0))
+
+    def forget(self, key) -> None:
+        """A failed read: its slab's bytes are partial, so the key leaves the
+        table (its slab is free again) with every pin on it — the read's own
+        and its waiters', whose Releases must then not touch a later occupant."""
+        for keys in self.pinned.values():
+            while key in keys:
+                keys.remove(key)
+        while self.table.pins(key):
+            self.table.unpin(key)
+        self.table.drop(key)
+        self.index.clear(key)  # it was never published; cleared to be sure
+
+    def check_fault(self) -> None:
+        """Is the file the service started with usable again?"""
+        self.next_check = time.monotonic() + FAULT_CHECK_S
+        problem = self.files.recover()
+        if problem is None:
+            log.warning("the model file is readable again; the read fault is over")
+            self.io.cleared(self.cfg.runtime_dir)
+        elif problem != self.io.fault:
+            self.io.failed(self.cfg.runtime_dir, problem, count=False)
 
     # -- 3. release ---------------------------------------------------------------
     def on_release(self, msg: m.Release) -> None:
@@ -225,7 +267,12 @@ class Reader:
         poller.register(self.fetch_in, zmq.POLLIN)
         poller.register(self.done_in, zmq.POLLIN)
         while True:
-            for sock, _ in poller.poll():
+            # While a read fault lasts, wake up to look for the file's return.
+            timeout_ms = max(0, int((self.next_check - time.monotonic()) * 1000)) if self.io.fault else None
+            events = poller.poll(timeout_ms)
+            if self.io.fault is not None and time.monotonic() >= self.next_check:
+                self.check_fault()
+            for sock, _ in events:
                 if sock is self.done_in:
                     self.on_read_done(*self.done_in.recv_pyobj())
                     continue
@@ -249,6 +296,54 @@ class Reader:
         self.files.close()
         self.arena.close()
         self.mf.close()
+
+
+@dataclass
+class IoStatus:
+    """The reader's read faults, kept in the runtime dir for `status`:
+    how many reads failed, the last error and when, and the fault now in
+    force (None once reads work again)."""
+
+    io_errors: int = 0
+    last_io_error: str = ""
+    last_io_error_at: float = 0.0
+    fault: str | None = None
+
+    @classmethod
+    def load(cls, runtime_dir: str) -> "IoStatus":
+        data = read_io_status(runtime_dir)
+        return cls(**{k: data[k] for k in ("io_errors", "last_io_error", "last_io_error_at", "fault") if k in data})
+
+    def failed(self, runtime_dir: str, error: str, count: bool = True) -> None:
+        if count:
+            self.io_errors += 1
+            self.last_io_error, self.last_io_error_at = error, time.time()
+        self.fault = error
+        self._save(runtime_dir)
+
+    def cleared(self, runtime_dir: str) -> None:
+        self.fault = None
+        self._save(runtime_dir)
+
+    def _save(self, runtime_dir: str) -> None:
+        path = os.path.join(runtime_dir, IO_STATUS_FILE)
+        tmp = f"{path}.{os.getpid()}"
+        try:
+            with open(tmp, "w") as fh:
+                json.dump(self.__dict__, fh)
+            os.replace(tmp, path)  # whole or not at all: status may read it at any moment
+        except OSError as exc:
+            log.warning("cannot record the read fault in %s: %s", path, exc)
+
+
+def read_io_status(runtime_dir: str) -> dict:
+    """What the reader last recorded about read faults ({} if none)."""
+    try:
+        with open(os.path.join(runtime_dir, IO_STATUS_FILE)) as fh:
+            data = json.load(fh)
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def hottest_experts(trace_path: str, spec, n: int) -> list[tuple[int, int]]:

@@ -17,6 +17,14 @@ A crash soon after a start (within `stable_s`) counts as a failed start even
 if the child had reached RUNNING: it backs off, and after start_retries of
 them in a row the child is FATAL with its last error in `status`.
 
+FATAL ends the restarts (no crash loop), but a child that failed because the
+model file was gone, truncated or replaced could run again once the file is
+back: while a child is FATAL the model path is watched, and when its file
+differs from what it was at the FATAL (a new inode, size or mtime) and has
+stayed unchanged for MODEL_SETTLE_S, the child gets one more round of
+start_retries (FATAL -> STARTING). A file that is still wrong ends FATAL
+again; one that keeps changing (a download) is waited for, not retried.
+
 Why the arenas live here: a compute that is restarted attaches the dense
 arena and the slabs again without reading the disk, and a restarted reader
 takes over the experts the residency index says are cached, so the hit rate
@@ -48,6 +56,8 @@ log = logging.getLogger("moe_pipe.supervisor")
 
 TICK_MS = 100  # how often children are checked when no command comes
 TERM_GRACE_S = 1.0  # a Shutdown message first; SIGTERM after this
+MODEL_CHECK_S = 1.0  # while a child is FATAL: how often the model file is looked at
+MODEL_SETTLE_S = 2.0  # a changed model file must stay unchanged this long before a retry
 
 
 class State(enum.StrEnum):
@@ -67,7 +77,7 @@ ALLOWED: dict[State, frozenset[State]] = {
     State.BACKOFF: frozenset({State.STARTING, State.FATAL, State.STOPPING}),
     State.EXITED: frozenset({State.STARTING, State.BACKOFF, State.FATAL, State.STOPPING, State.STOPPED}),
     State.STOPPING: frozenset({State.STOPPED}),
-    State.FATAL: frozenset({State.STOPPING, State.STOPPED}),
+    State.FATAL: frozenset({State.STARTING, State.BACKOFF, State.STOPPING, State.STOPPED}),  # the model file changed
 }
 LIVE = frozenset({State.STARTING, State.RUNNING})
 
@@ -91,6 +101,7 @@ class Child:
     backoff_until: float = 0.0
     last_exit: str = ""
     last_error: str = ""
+    fatal_model: tuple | None = None  # model_signature when it went FATAL
     history: list[tuple[State, State]] = field(default_factory=list)
 
     def change(self, new: State, why: str = "") -> None:
@@ -106,6 +117,16 @@ class Child:
 
     def wants_restart(self, exitcode: int | None) -> bool:
         return self.restart == "always" or (self.restart == "on-failure" and exitcode != 0)
+
+
+def model_signature(path: Path) -> tuple | None:
+    """What tells a model file put back (or changed) from the one that was
+    there: (device, inode, size, mtime), or None while there is none."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def backoff_delay(retries: int, base_s: float, cap_s: float) -> float:
@@ -135,12 +156,14 @@ class Supervisor:
         self.last_record: m.TokenRecord | None = None
         self.tokens_seen = 0
         self._spawn_ctx = mp.get_context("spawn")
+        self._model_seen: tuple[tuple | None, float] = (None, 0.0)  # signature, since when (monotonic)
+        self._next_model_check = 0.0
 
     # -- start -----------------------------------------------------------------
     def start(self) -> "Supervisor":
         try:
             t0 = time.perf_counter()
-            self.res = Resources.create(self.cfg, self.model_path, progress=self.progress)
+            self.res = Resources.create(self.cfg, self.model_path, progress=self.progress, roles=self.ORDER)
             rt = self.res.rt
             os.environ[LOG_FILE_ENV] = str(rt.path / service.LOG_FILE)  # children inherit it
             configure_logging("supervisor")
@@ -176,7 +199,8 @@ class Supervisor:
         return gateway.main, gateway.GatewaySettings(
             runtime_dir=str(res.rt.path), model_path=str(self.model_path), model_name=self.model_name, host=g.host,
             port=g.port, api_key=g.api_key, queue_size=g.queue_size, ctx_size=cfg.compute.ctx_size,
-            max_tokens=gen.max_tokens, temperature=gen.temperature, seed=gen.seed, no_think=gen.no_think)
+            max_tokens=gen.max_tokens, temperature=gen.temperature, seed=gen.seed, no_think=gen.no_think,
+            chat_template=gen.chat_template)
 
     def _spawn(self, child: Child) -> None:
         if any(self.children[n].state not in LIVE for n in child.needs):
@@ -219,6 +243,25 @@ class Supervisor:
     def tick(self, now: float) -> None:
         for name in self.ORDER:
             self._watch(self.children[name], now)
+        self._watch_model(now)
+
+    def _watch_model(self, now: float, signature: Callable[[Path], tuple | None] = model_signature) -> None:
+        """FATAL children get another round once the model file has changed and settled."""
+        fatal = [c for c in self.children.values() if c.state == State.FATAL]
+        if not fatal or now < self._next_model_check:
+            return
+        self._next_model_check = now + MODEL_CHECK_S
+        sig = signature(self.model_path)
+        if sig != self._model_seen[0]:
+            self._model_seen = (sig, now)  # changed (or first look): wait for it to settle
+            return
+        if sig is None or now - self._model_seen[1] < MODEL_SETTLE_S:
+            return
+        for child in fatal:
+            if sig != child.fatal_model:
+                log.warning("%s: the model file %s changed since it failed; trying again", child.name, self.model_path)
+                child.retries, child.fatal_model = 0, None
+                self._spawn(child)  # FATAL -> STARTING (or BACKOFF while what it needs is down)
 
     def _watch(self, child: Child, now: float) -> None:
         alive = child.process is not None and child.process.is_alive()
@@ -264,6 +307,7 @@ class Supervisor:
         child.retries += 1
         sup = self.cfg.supervisor
         if child.retries > sup.start_retries:
+            child.fatal_model = model_signature(self.model_path)
             child.change(State.FATAL, f"{child.retries} failed starts in a row")
         else:
             child.change(State.BACKOFF, f"retry {child.retries} of {sup.start_retries}")
@@ -321,6 +365,9 @@ class Supervisor:
 
     def status(self) -> dict[str, Any]:
         procs = self.status_rows()
+        io = reader.read_io_status(str(self.res.rt.path))  # read faults: count, last, the one in force
+        for row in procs:
+            row["fault"] = io.get("fault") if row["name"] == "reader" else None
         r = self.res.resolved
         addr = service.read_gateway_address(self.res.rt.path)
         rec = self.last_record
@@ -330,7 +377,7 @@ class Supervisor:
             "url": addr.url if addr else None, "budget_bytes": r.n_slots * r.slab_bytes, "budget": r.budget_description,
             "slots": r.n_slots, "slab_bytes": r.slab_bytes, "load_seconds": round(self.load_seconds, 3),
             "tokens": self.tokens_seen, "hit_pct": round(rec.cache_hit_pct, 2) if rec else None,
-            "rss_bytes": _rss(os.getpid()), "processes": procs,
+            "rss_bytes": _rss(os.getpid()), "processes": procs, "io": io,
         }
 
     # -- stop ----------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from pathlib import Path
 import zmq
 
 from ..shared import ipc, messages as m
-from ..shared.telemetry import CsvWriter, JsonlWriter, format_summary, summarize
+from ..shared.telemetry import CsvWriter, JsonlWriter, Tally, format_summary
 from .lifecycle import child_setup
 
 log = logging.getLogger("moe_pipe.telemetry")
@@ -31,11 +31,11 @@ class Recorder:
         self.csv: CsvWriter | None = None
         self.jsonl: JsonlWriter | None = None
         self.info: m.RunInfo | None = None
-        self.records: list[m.TokenRecord] = []
+        self.tally = Tally()  # not the records: a service runs for hours
 
     def on_run_info(self, info: m.RunInfo) -> None:
         self.close()
-        self.info, self.records = info, []
+        self.info, self.tally = info, Tally()
         if self.cfg.csv_path:
             path = Path(self.cfg.csv_path)
             self.csv = CsvWriter(path, info)
@@ -43,16 +43,15 @@ class Recorder:
             self.jsonl.write(info)
 
     def on_record(self, rec: m.TokenRecord) -> None:
-        self.records.append(rec)
+        self.tally.add(rec)
         if self.csv:
             self.csv.write(rec)
             self.jsonl.write(rec)
 
     def finish(self) -> m.RunSummary | None:
-        if not self.records or self.info is None:
+        if not len(self.tally) or self.info is None:
             return None
-        summary = summarize(self.records, self.info.load_seconds, self.info.budget_bytes, 0,
-                            max(r.rss_bytes for r in self.records))
+        summary = self.tally.summary(self.info.load_seconds, self.info.budget_bytes, 0)
         if self.jsonl:
             self.jsonl.write(summary)
         return summary

@@ -162,6 +162,11 @@ def peer_runs(machine_ra: int | None) -> list[PeerRun]:
     return [PeerRun(ra) for ra in ras] + [PeerRun(machine_ra, repack=True)]
 
 
+def peer_repeats(peer: PeerRun, repeat: int) -> int:
+    """The default loading is a reference point, not the comparison: once."""
+    return 1 if peer.repack else repeat
+
+
 def run_llama(plan: BenchPlan, k: int, prompt_tokens: list[int], peer: PeerRun,
               cg: MemoryCgroup | None) -> RunFigures:
     from .peer_llama import read_result
@@ -223,7 +228,7 @@ def run_bench(plan: BenchPlan, say: Callable[[str], None], forecast: dict | None
     ra_file = readahead_file(plan.model)
     machine_ra = int(ra_file.read_text()) if ra_file else None
     peers = peer_runs(machine_ra)
-    total = plan.repeat * (1 + (len(peers) if "llama.cpp" in plan.vs else 0))
+    total = plan.repeat + (sum(peer_repeats(p, plan.repeat) for p in peers) if "llama.cpp" in plan.vs else 0)
     rows: list[RunFigures] = []
     t0 = time.monotonic()
 
@@ -246,8 +251,9 @@ def run_bench(plan: BenchPlan, say: Callable[[str], None], forecast: dict | None
                 if ra is not None and not set_readahead(ra_file, ra) and ra != machine_ra:
                     say(f"(readahead {ra} KiB skipped: {ra_file} is not writable)")
                     continue
-                for k in range(1, plan.repeat + 1):
-                    step(f"{peer.label}, run {k}/{plan.repeat}",
+                runs = peer_repeats(peer, plan.repeat)
+                for k in range(1, runs + 1):
+                    step(f"{peer.label}, run {k}/{runs}",
                          lambda cg, k=k, peer=peer: run_llama(plan, k, prompt_tokens, peer, cg))
         finally:
             if machine_ra is not None:

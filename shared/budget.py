@@ -5,8 +5,8 @@
     resolve_budget(cfg, ...)  -> Budget        both, plus the refusal when the floor does not fit
 
 auto = min(host available, every enclosing cgroup's limit - working set)
-       - dense set (when resident: dense_weights anon or warm) - KV cache - reserve,
-       clamped to cache_ceil_mb.
+       - dense set (when resident: dense_weights anon or warm) - KV cache
+       - max(reserve, the engine's own processes), clamped to cache_ceil_mb.
 
 Why cgroups: psutil's `available` is the host's; inside a memory cgroup (a
 container, or the benchmark's emulated 11 GB device) the limit is what the
@@ -17,15 +17,19 @@ the page cache counts against the limit but the kernel drops inactive file
 pages before it OOM-kills, so counting them as used would starve the budget
 right after the model file was written or read.
 
-The reserve (cache.reserve_mb, default 512 MiB) is what the processes need
-beside the cache and dense set. Measured on this machine: a compute process
-running the tiny model peaks at 180 MiB RSS (numpy + numba kernels + model
-code), an interpreter with numpy and pyzmq at 28 MiB, so reader + compute +
-telemetry + gateway come to ~300-400 MiB before a real tokenizer (150k vocab)
-and activations; 512 MiB covers that with some room. A fixed amount rather
-than a percentage: the overhead is per process, not per GiB of RAM, and a
-percentage would take 1-2 GiB from a large host for nothing. Lower it with
-cache.reserve_mb in a tight cgroup.
+The reserve (cache.reserve_mb, default 512 MiB) is what is left beside the
+cache, dense set and KV cache for the processes themselves and the system.
+It used to be the only allowance for the processes, and the first thing a
+user lowers in a tight cgroup (the refusal below says so) — after which the
+budget counted on memory that reader, compute and gateway were about to
+take, and a run near its limit reclaimed its own code pages constantly. So
+the allowance is now at least `engine_bytes(roles, n_vocab)`: an estimate of
+what the children yet to be started will hold (see ROLE_PRIVATE_MIB). The
+parent needs no estimate: it is running when memory is probed, so its pages
+are already in the cgroup's usage (or gone from the host's available).
+A fixed amount rather than a percentage: the overhead is per process, not
+per GiB of RAM, and a percentage would take 1-2 GiB from a large host for
+nothing.
 """
 from __future__ import annotations
 
@@ -41,6 +45,48 @@ MiB = 1 << 20
 # anything this large is no limit.
 UNLIMITED = 1 << 62
 RESIDENT_DENSE = ("anon", "warm")  # dense policies that keep the dense set in RAM for the whole run
+
+# -- the engine's own processes ---------------------------------------------------
+#
+# Private memory (anonymous pages: interpreter heap, imported modules, numba's
+# compiled kernels, the tokenizer, buffers) of each child once it has served a
+# request, MiB, measured on this machine (x86-64, CPython 3.11, numpy, numba)
+# from /proc/PID/smaps_rollup with `moe-pipe up` on two models:
+#
+#   role        tiny (vocab 2,048)   qwen30b-shape (vocab 151,936)
+#   telemetry          13                   13
+#   reader          44-45                   47
+#   compute            78                  161     150 on tiny with a cold numba cache
+#   gateway         41-60                   82     (60 once it sandboxed chat templates)
+#
+# A role's figure = a fixed part (the tiny column with ~10 % room, rounded
+# up to 8 MiB; compute's from a cold numba cache: its compiled code stays
+# resident) + bytes per vocab entry for the two roles that hold a tokenizer,
+# fitted to the qwen30b column (gateway 287 B, compute 580 B: the tokenizer
+# and vocab-sized buffers). tests/test_budget.py starts the service and fails
+# if a child outgrows its figure, so the table cannot quietly go stale.
+# Besides their private pages the processes map code — libllvmlite (68-74
+# MiB), libpython, numpy, tokenizers: 110-116 MiB of distinct file pages,
+# charged once to the cgroup that first reads them. All of it is counted,
+# the parent's too: freshly read file pages sit on the inactive list, which
+# the working set leaves out, and if the limit squeezes code out every kernel
+# call faults it back in (the run crawls instead of failing).
+# Not counted: KV (its own term) and the shared-memory arenas (the budget).
+ROLE_PRIVATE_MIB = {"telemetry": 16, "reader": 56, "compute": 168, "gateway": 72}
+VOCAB_BYTES_PER_TOKEN = {"compute": 600, "gateway": 300}
+SHARED_CODE_MIB = 120
+RUN_ROLES = ("telemetry", "reader", "compute")  # `moe-pipe run`
+SERVICE_ROLES = RUN_ROLES + ("gateway",)  # `moe-pipe up`
+
+
+def engine_bytes(roles: tuple[str, ...] | list[str], n_vocab: int) -> int:
+    """Estimated memory the engine's children in `roles` take beside the
+    arenas and the KV cache: their private pages and the code they share."""
+    unknown = [r for r in roles if r not in ROLE_PRIVATE_MIB]
+    if unknown:
+        raise ValueError(f"no memory estimate for process role(s) {unknown}; known: {sorted(ROLE_PRIVATE_MIB)}")
+    private = sum(ROLE_PRIVATE_MIB[r] * MiB + VOCAB_BYTES_PER_TOKEN.get(r, 0) * n_vocab for r in roles)
+    return private + (SHARED_CODE_MIB * MiB if roles else 0)
 
 
 @dataclass(frozen=True)
@@ -91,7 +137,8 @@ class Budget:
     available_bytes: int | None = None  # auto only
     dense_bytes: int = 0  # subtracted (0 unless resident)
     kv_bytes: int = 0
-    reserve_bytes: int = 0
+    reserve_bytes: int = 0  # what was left beside cache, dense and KV: max(reserve_mb, engine_bytes)
+    engine_bytes: int = 0  # the estimate for the processes (auto only)
     ceil_bytes: int = 0
     clamped: bool = False
 
@@ -110,27 +157,32 @@ def _mib(n: int) -> str:
 # ---------------------------------------------------------------- pure
 
 def compute_budget(cache_mb: float | str, cache_ceil_mb: float, memory: MemoryProbe | None, *, dense_bytes: int,
-                   kv_bytes: int, dense_policy: str, reserve_mb: float = 512.0) -> Budget:
-    """The budget from its inputs; no I/O. `memory` is only read when cache_mb is "auto"."""
+                   kv_bytes: int, dense_policy: str, reserve_mb: float = 512.0, engine_bytes: int = 0) -> Budget:
+    """The budget from its inputs; no I/O. `memory` is only read when cache_mb is "auto".
+    `engine_bytes` (see `engine_bytes()`) is the least the reserve may be."""
     ceil = int(cache_ceil_mb * MiB)
+    dense = dense_bytes if dense_policy in RESIDENT_DENSE else 0
     if cache_mb != "auto":
         want = int(float(cache_mb) * MiB)
         size = min(want, ceil)
         text = f"cache {_mib(size)}: fixed cache_mb {float(cache_mb):g}" + (
             f", clamped to cache_ceil_mb {cache_ceil_mb:g}" if want > ceil else "")
-        return Budget(size, "fixed", text, ceil_bytes=ceil, clamped=want > ceil)
+        return Budget(size, "fixed", text, dense_bytes=dense, kv_bytes=kv_bytes, engine_bytes=engine_bytes,
+                      ceil_bytes=ceil, clamped=want > ceil)
     if memory is None:
         raise ValueError("cache_mb = auto needs a memory probe")
     avail = memory.available_bytes
-    dense = dense_bytes if dense_policy in RESIDENT_DENSE else 0
-    reserve = int(reserve_mb * MiB)
+    asked = int(reserve_mb * MiB)
+    reserve = max(asked, engine_bytes)
     free = max(0, avail - dense - kv_bytes - reserve)
     size = min(free, ceil)
     dense_text = f"dense {_mib(dense)} ({dense_policy})" if dense else f"dense not counted ({dense_policy}: file pages)"
+    reserve_text = (f"reserve {_mib(reserve)}" if reserve == asked else
+                    f"processes {_mib(reserve)} (estimated; more than reserve_mb {reserve_mb:g})")
     text = (f"cache {_mib(size)}: auto = {memory.describe()} - {dense_text} - KV {_mib(kv_bytes)} "
-            f"- reserve {_mib(reserve)} = {_mib(free)}" + (f", clamped to cache_ceil_mb {cache_ceil_mb:g}" if free > ceil else ""))
+            f"- {reserve_text} = {_mib(free)}" + (f", clamped to cache_ceil_mb {cache_ceil_mb:g}" if free > ceil else ""))
     return Budget(size, "auto", text, available_bytes=avail, dense_bytes=dense, kv_bytes=kv_bytes,
-                  reserve_bytes=reserve, ceil_bytes=ceil, clamped=free > ceil)
+                  reserve_bytes=reserve, engine_bytes=engine_bytes, ceil_bytes=ceil, clamped=free > ceil)
 
 
 def check_floor(budget: Budget, min_bytes: int, where: str = "config") -> None:
@@ -145,10 +197,28 @@ def check_floor(budget: Budget, min_bytes: int, where: str = "config") -> None:
     if budget.clamped:
         raise ConfigError(f"{where}: cache_ceil_mb {budget.ceil_bytes / MiB:g} is below one token's working set "
                           f"({need_mb:.4g} MiB); raise it")
-    short = min_bytes - budget.bytes
+    # What is missing: against what was left before the 0 MiB clamp, so a limit raised by this much works.
+    left = (budget.available_bytes or 0) - budget.dense_bytes - budget.kv_bytes - budget.reserve_bytes
+    short = min_bytes - min(budget.bytes, left)
+    # Lowering reserve_mb only helps down to the processes' own estimate.
+    lower = "lower cache.reserve_mb, " if budget.reserve_bytes > budget.engine_bytes else ""
     raise ConfigError(f"{where}: not enough memory for the expert cache: {budget.description}, but one token's "
                       f"working set needs {need_mb:.4g} MiB ({short / MiB:.4g} MiB short); raise the memory limit, "
-                      f"lower cache.reserve_mb, use dense_weights = \"mmap\", or a smaller top_k")
+                      f"{lower}use dense_weights = \"mmap\", or a smaller top_k")
+
+
+def check_fit(budget: Budget, memory: MemoryProbe | None, where: str = "config") -> None:
+    """Refuse a fixed cache that, with the dense set, KV and the processes, is
+    more than the memory there is: it would be OOM-killed mid-run, not refused."""
+    if budget.mode != "fixed" or memory is None:
+        return
+    need = budget.bytes + budget.dense_bytes + budget.kv_bytes + budget.engine_bytes
+    if need > memory.available_bytes:
+        raise ConfigError(
+            f"{where}: cache_mb {budget.bytes / MiB:g} does not fit: cache + dense {_mib(budget.dense_bytes)} + KV "
+            f"{_mib(budget.kv_bytes)} + processes {_mib(budget.engine_bytes)} (estimated) = {_mib(need)}, but "
+            f"{memory.describe()}; lower cache_mb to {max(0, (memory.available_bytes - need + budget.bytes)) // MiB} "
+            f"or less, or use cache_mb = \"auto\"")
 
 
 # ---------------------------------------------------------------- probing
@@ -272,18 +342,23 @@ def probe_memory(sys_cgroup: str | Path = "/sys/fs/cgroup", proc_cgroup: str | P
 
 
 def resolve_budget(cfg: Any, *, dense_bytes: int, kv_bytes: int, min_bytes: int | None = None,
-                   memory: MemoryProbe | None = None) -> Budget:
+                   memory: MemoryProbe | None = None, engine_bytes: int = 0, check_memory: bool = False) -> Budget:
     """The budget for a loaded Config (`cfg.cache`, `cfg.io.dense_weights`); probes memory when auto.
 
     With `min_bytes` (Layout.min_cache_bytes(top_k)), a budget below it is a ConfigError with the numbers.
+    `engine_bytes` (`engine_bytes(roles, n_vocab)`) is the least auto leaves for the processes; with
+    `check_memory` a fixed cache that cannot fit beside them is refused too (`check_fit`).
     """
     c = cfg.cache
-    if c.cache_mb == "auto" and memory is None:
+    if (c.cache_mb == "auto" or check_memory) and memory is None:
         memory = probe_memory()
     budget = compute_budget(c.cache_mb, c.cache_ceil_mb, memory, dense_bytes=dense_bytes, kv_bytes=kv_bytes,
-                            dense_policy=cfg.io.dense_weights, reserve_mb=c.reserve_mb)
+                            dense_policy=cfg.io.dense_weights, reserve_mb=c.reserve_mb, engine_bytes=engine_bytes)
+    where = cfg.source or "config"
     if min_bytes is not None:
-        check_floor(budget, min_bytes, cfg.source or "config")
+        check_floor(budget, min_bytes, where)
+    if check_memory:
+        check_fit(budget, memory, where)
     return budget
 
 

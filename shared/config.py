@@ -33,6 +33,9 @@ from .policies import DEFAULT_POLICY, LIVE_POLICIES  # one place for the policy 
 EMBEDDED_MODEL = "tiny"  # model.path value meaning the embedded tiny model (shared/default_model.py)
 MAX_MB = float(1 << 24)  # 16 TiB in MiB: a sanity bound far above any device, so typos like 4e9 are caught
 RESTART_POLICIES = ("always", "on-failure", "never")
+CHAT_TEMPLATE_WORDS = ("model", "plain")  # generate.chat_template values that are not paths (shared/chat.py)
+MAX_TEXT = 4096  # longest string value (PATH_MAX on Linux); longer is a paste gone wrong
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")  # no key needs one; a newline would break one-line errors and CSV
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,9 @@ class Spec:
     unset: str | None = None  # the key may be left out (None); this says what that means
     flags: tuple[str, ...] = ()
     allow_empty: bool = False  # for str/path: "" is a legal value
+    words: tuple[str, ...] = ()  # for path: values that name no file ("tiny", "plain"), kept as typed
+    pattern: str | None = None  # for str: a regular expression the whole value must match...
+    pattern_text: str = ""  # ...and how the allowed values read in errors and docs
 
 
 def setting(default: Any, kind: str, doc: str, **kw: Any) -> Any:
@@ -63,7 +69,7 @@ class ModelConfig:
     path: str = setting(EMBEDDED_MODEL, "path",
                         'GGUF model file (any shard of a split set); "tiny" is the embedded tiny model, made on first '
                         'use; "" means not set yet (the real-model presets), an error when the model is needed',
-                        allow_empty=True)
+                        allow_empty=True, words=(EMBEDDED_MODEL,))
     name: str = setting("", "str", "what model this preset is for; shown in errors and telemetry", allow_empty=True)
 
 
@@ -78,8 +84,9 @@ class CacheConfig:
     cache_ceil_mb: float = setting(4000.0, "float", "upper clamp on the budget in MiB, for auto and fixed budgets",
                                    lo=0, hi=MAX_MB, lo_open=True, flags=("--cache-ceil-mb",))
     reserve_mb: float = setting(512.0, "float",
-                                "memory auto leaves free for the processes themselves (interpreters, numba, "
-                                "tokenizer, buffers) and the system", lo=0, hi=MAX_MB, flags=("--reserve-mb",))
+                                "the least memory auto leaves free for the processes themselves and the system; "
+                                "auto leaves the engine's own estimate (its processes' measured footprint, "
+                                "shared/budget.py) when that is larger", lo=0, hi=MAX_MB, flags=("--reserve-mb",))
     policy: str = setting(DEFAULT_POLICY, "choice", "expert eviction policy (docs/cache-policies.md; belady is "
                           "simulator-only: moe-pipe replay)",
                           choices=LIVE_POLICIES, flags=("--policy",))
@@ -137,6 +144,11 @@ class GenerateConfig:
                                flags=("--seed",))
     no_think: bool = setting(False, "bool", "ask the model not to think (Qwen3 enable_thinking=false, gpt-oss "
                                             "reasoning low)", flags=("--no-think",))
+    chat_template: str = setting("model", "path", 'how chat turns become the prompt: "model" = the GGUF\'s own '
+                                 'tokenizer.chat_template (untrusted: run in a sandbox with time, size and memory '
+                                 'limits); "plain" = one "role: content" line per turn, for a model whose template is '
+                                 'missing or refused; or a Jinja template file of your own (sandboxed too)',
+                                 words=CHAT_TEMPLATE_WORDS, flags=("--chat-template",))
 
 
 @dataclass(frozen=True)
@@ -176,9 +188,11 @@ class GatewayConfig:
     """The OpenAI-compatible HTTP API of `moe-pipe up`."""
 
     host: str = setting("127.0.0.1", "str", "address the HTTP API binds; anything but loopback exposes it",
-                        flags=("--host",))
+                        pattern=r"[A-Za-z0-9._:%-]+", pattern_text="an IP address or host name", flags=("--host",))
     port: int = setting(8080, "int", "HTTP port; 0 = any free port", lo=0, hi=65535, flags=("--port",))
-    api_key: str | None = setting(None, "str", "if set, requests need `Authorization: Bearer KEY`", unset="no key")
+    api_key: str | None = setting(None, "str", "if set, requests need `Authorization: Bearer KEY`", unset="no key",
+                                  pattern=r"[!-~]+", pattern_text="visible ASCII characters, no spaces (it travels in an "
+                                  "HTTP header)")
     queue_size: int = setting(16, "int", "requests waiting for the compute worker before new ones get 429",
                               lo=1, hi=10000)
 
@@ -245,7 +259,10 @@ class Key:
             rng = " and ".join(x for x in (lo, hi) if x)
             text = ('"auto" or a number ' if s.kind == "mb" else "an integer " if s.kind == "int" else "a number ") + rng
         elif s.kind == "path":
-            text = "a file path" + ("" if not s.allow_empty else ' (or "")')
+            options = [f'"{w}"' for w in s.words] + ["a file path"] + (['""'] if s.allow_empty else [])
+            text = options[0] if len(options) == 1 else ", ".join(options[:-1]) + " or " + options[-1]
+        elif s.pattern:
+            text = s.pattern_text
         else:
             text = "a string" + ("" if s.allow_empty else " (not empty)")
         if s.unset:
@@ -269,7 +286,8 @@ def toml_repr(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        text = value.replace("\\", "\\\\").replace('"', '\\"')
+        return '"' + _CONTROL.sub(lambda m: f"\\u{ord(m.group()):04x}", text) + '"'  # one line, always
     if isinstance(value, float):
         return _num(value)
     if isinstance(value, (dict, list)):
@@ -307,8 +325,12 @@ def _check(key: Key, value: Any) -> Any:
             raise _Invalid("not allowed" + (f' (did you mean "{near[0]}"?)' if near else ""))
         if not value and not s.allow_empty:
             raise _Invalid("must not be empty")
-        if "\x00" in value:
-            raise _Invalid("contains a NUL character")
+        if _CONTROL.search(value):
+            raise _Invalid("contains a control character")
+        if len(value) > MAX_TEXT:
+            raise _Invalid(f"too long ({len(value)} characters, at most {MAX_TEXT})")
+        if s.pattern and value and not re.fullmatch(s.pattern, value):
+            raise _Invalid("not allowed")
         return value
     if s.kind == "mb" and isinstance(value, str):
         if value != "auto":
@@ -327,7 +349,10 @@ def _check(key: Key, value: Any) -> Any:
 
 
 def _fail(where: str, key: Key, value: Any, problem: str) -> ConfigError:
-    return ConfigError(f"{where}: {key.dotted} = {toml_repr(value)}: {problem}; allowed: {key.allowed_text()}")
+    shown = toml_repr(value)
+    if len(shown) > 200:  # a pasted blob: its start is enough to recognise it
+        shown = shown[:160] + f"... ({len(shown):,} characters)"
+    return ConfigError(f"{where}: {key.dotted} = {shown}: {problem}; allowed: {key.allowed_text()}")
 
 
 def _suggest(word: str, options: Iterable[str]) -> str:
@@ -389,8 +414,8 @@ def _validate_tables(doc: Mapping[str, Any], origin: str, text: str) -> dict[str
     return out
 
 
-def _resolve_path(value: str | None, base: Path) -> str | None:
-    if value in (None, "", EMBEDDED_MODEL):
+def _resolve_path(value: str | None, base: Path, words: tuple[str, ...] = ()) -> str | None:
+    if value in (None, "") or value in words:
         return value
     return str((base / Path(value).expanduser()).resolve())
 
@@ -400,8 +425,9 @@ def _build(tables: Mapping[str, Mapping[str, Any]], base: Config, path_base: Pat
     for table in TABLES:
         values = dict(tables.get(table, {}))
         for name, value in values.items():
-            if KEYS[f"{table}.{name}"].spec.kind == "path":
-                values[name] = _resolve_path(value, path_base)
+            spec = KEYS[f"{table}.{name}"].spec
+            if spec.kind == "path":
+                values[name] = _resolve_path(value, path_base, spec.words)
         parts[table] = dataclasses.replace(getattr(base, table), **values)
     cfg = dataclasses.replace(base, source=source, **parts)
     _cross_check(cfg, source or "config")
@@ -417,22 +443,22 @@ def _cross_check(cfg: Config, where: str) -> None:
 
 def check_model(cfg: Config) -> None:
     """Raise a ConfigError that says how to get a model when model.path names none."""
-    where = cfg.source or "config"
+    where = cfg.source or "command line"  # with no file, a model path can only have come from the command line
     path = cfg.model.path
     if path == EMBEDDED_MODEL:
         return
     what = f"a {cfg.model.name} GGUF" if cfg.model.name else "a GGUF model"
+    how = (f"download {what} and set path under [model] or pass --set model.path=FILE; or make a test model with "
+           "`moe-pipe make-model --arch qwen3moe --preset tiny -o model.gguf`, convert a checkpoint with "
+           "`moe-pipe convert HF_DIR -o model.gguf`, or use path = \"tiny\" (the embedded tiny model)")
     if not path:
-        raise ConfigError(f"{where}: model.path is not set: download {what} and set `path` under [model] "
-                          f"(or pass --set model.path=FILE); for a quick try use path = \"tiny\"")
+        raise ConfigError(f"{where}: model.path is not set: {how}")
     p = Path(path)
     if p.is_dir():
         raise ConfigError(f"{where}: model.path = {toml_repr(path)} is a folder; point it at the .gguf file "
                           "(the first shard of a split set)")
     if not p.exists():
-        raise ConfigError(f"{where}: model.path = {toml_repr(path)}: no such file; get {what}, make a test model with "
-                          "`moe-pipe make-model --arch qwen3moe --preset tiny -o model.gguf`, convert a checkpoint with "
-                          "`moe-pipe convert HF_DIR -o model.gguf`, or use path = \"tiny\"")
+        raise ConfigError(f"{where}: model.path = {toml_repr(path)}: no such file; {how}")
 
 
 # ---------------------------------------------------------------- loading
@@ -473,7 +499,19 @@ def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | N
         cfg = apply_overrides(cfg, overrides)
     if check_model_path:
         check_model(cfg)
+        _check_chat_template(cfg)
     return cfg
+
+
+def _check_chat_template(cfg: Config) -> None:
+    """A chat template file that is not there fails at start-up, not at the first chat request."""
+    value = cfg.generate.chat_template
+    p = Path(value)
+    if value in CHAT_TEMPLATE_WORDS or p.is_file():
+        return
+    problem = "is a folder" if p.is_dir() else "not a file" if p.exists() else "no such file"
+    raise ConfigError(f"{cfg.source or 'command line'}: generate.chat_template = {toml_repr(value)}: {problem}; "
+                      f"allowed: {KEYS['generate.chat_template'].allowed_text()}")
 
 
 def apply_overrides(cfg: Config, overrides: Mapping[str, Any], *, where: str = "command line",
@@ -481,17 +519,24 @@ def apply_overrides(cfg: Config, overrides: Mapping[str, Any], *, where: str = "
     """A new Config with dotted keys replaced; paths resolve against `base` (default: the current folder)."""
     tables: dict[str, dict[str, Any]] = {}
     for dotted, value in overrides.items():
-        key = KEYS.get(dotted)
-        if key is None:
-            table, _, name = dotted.partition(".")
-            if table not in TABLES or not name:
-                raise ConfigError(f"{where}: unknown key {dotted}{_suggest(dotted, KEYS)}")
-            raise _unknown_key(where, table, name)
+        key = _known(dotted, where)
         try:
             tables.setdefault(key.table, {})[key.name] = _check(key, value)
         except _Invalid as exc:
             raise _fail(where, key, value, exc.problem) from None
     return _build(tables, cfg, base or Path.cwd(), cfg.source)
+
+
+def _known(dotted: str, where: str) -> Key:
+    """The key named `dotted`, or a ConfigError suggesting the nearest."""
+    key = KEYS.get(dotted)
+    if key is None:
+        table, _, name = dotted.partition(".")
+        if table not in TABLES or not name:
+            hint = _suggest(dotted, KEYS) or f"; a key is TABLE.KEY, tables: {', '.join(TABLES)}"
+            raise ConfigError(f"{where}: unknown key {dotted}{hint}")
+        raise _unknown_key(where, table, name)
+    return key
 
 
 # ---------------------------------------------------------------- command line
@@ -567,13 +612,16 @@ def overrides_from_args(args: Any) -> dict[str, Any]:
         try:
             out[key.dotted] = _check(key, value)
         except _Invalid as exc:
-            raise _fail(flag, key, raw, exc.problem) from None
-    for item in getattr(args, SET_DEST, None) or ():
+            raise _fail(flag, key, value, exc.problem) from None
+    for item in getattr(args, SET_DEST, None) or ():  # checked here too, so every error says "--set"
         dotted, value = _parse_set(item)
-        key = KEYS.get(dotted)
-        if key is not None and isinstance(value, str) and key.spec.kind in ("int", "float", "mb"):
+        key = _known(dotted, "--set")
+        if isinstance(value, str) and key.spec.kind in ("int", "float", "mb"):
             value = _parse_text(key, value, "--set")
-        out[dotted] = value
+        try:
+            out[dotted] = _check(key, value)
+        except _Invalid as exc:
+            raise _fail("--set", key, value, exc.problem) from None
     return out
 
 

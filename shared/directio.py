@@ -17,18 +17,34 @@ file), that file is read buffered and each read is followed by
 POSIX_FADV_DONTNEED over its range, which drops the pages again; this is
 reported once (`ExpertFiles.direct` is False, one log line).
 
-Fault injection (off by default): `set_fault_hook(fn)` installs a callable
-run before every read as fn(path, offset, length); an OSError it raises
-surfaces as a `DiskReadError`, like a real disk fault. A child process gets
-the same from the environment: MOE_PIPE_FAULT_READ=N fails this process's
-Nth read with EIO, "N+" fails the Nth and every later one (read at import).
+A file that changes under a running service (truncated, replaced, gone)
+is told apart from the one the service started with by its `FileIdentity`
+(size and a digest of its header and of pages spread over it): the reader
+keeps failing reads with a clear error until `ExpertFiles.recover()` finds
+the same file back at the path, and never reads a different file's bytes
+into a cache whose other slabs and dense set came from the first one.
+
+Fault injection, a test hook, off in production: `set_fault_hook(fn)`
+installs a callable run before every read as fn(path, offset, length); an
+OSError it raises surfaces as a `DiskReadError`, like a real disk fault.
+Child processes get faults from the environment, read here once at import:
+
+    MOE_PIPE_FAULT_READ = SPEC[,SPEC...]
+      [ROLE:][ERRNO:]N    fail this process's Nth read (counted from 1) with ERRNO (default EIO)
+      [ROLE:][ERRNO:]N+   ... the Nth and every later read
+      [ROLE:]odirect      refuse every O_DIRECT open with EINVAL (a filesystem without it)
+      ROLE                reader, compute, ... (the child's role) or main (the parent): only
+                          that process's reads count; no ROLE = every process
+      e.g. "reader:3", "reader:EINVAL:1" (O_DIRECT refused at the first read), "odirect"
 """
 from __future__ import annotations
 
 import errno
+import hashlib
 import itertools
 import logging
 import mmap
+import multiprocessing
 import os
 import threading
 from dataclasses import dataclass
@@ -55,28 +71,91 @@ class DiskReadError(OSError):
         super().__init__(err, f"{path}: read of {length} B at offset {offset} failed: {cause}")
 
 
-# -- fault injection ---------------------------------------------------------------
+def describe_os_error(exc: BaseException) -> str:
+    """One line for a failed read or open: the file and the cause, without
+    Python's "[Errno 5]" decoration (DiskReadError's text names both)."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{exc.filename}: {exc.strerror}" if exc.filename and str(exc.filename) not in exc.strerror else exc.strerror
+    return f"{type(exc).__name__}: {exc}"
+
+
+# -- fault injection (a test hook) ---------------------------------------------------
+
+def current_role() -> str:
+    """This process's role as the fault hook names it: a child's (its
+    multiprocessing name is moe-pipe-<role>), or main for the parent."""
+    name = multiprocessing.current_process().name
+    return "main" if name == "MainProcess" else name.removeprefix("moe-pipe-")
+
+
+@dataclass(frozen=True)
+class _FaultSpec:
+    role: str | None  # None = every process
+    err: int = errno.EIO
+    nth: int = 0  # 0 = not a read fault (odirect)
+    sticky: bool = False
+    refuse_direct: bool = False
+
+
+def _parse_fault(value: str) -> list[_FaultSpec]:
+    specs = []
+    for text in (t.strip() for t in value.split(",")):
+        if not text or text == "0":
+            continue
+        parts = text.split(":")
+        role = None
+        if parts[0].islower() and parts[0] != "odirect":  # a role; errno names are upper case
+            role = parts.pop(0)
+        try:
+            if parts == ["odirect"]:
+                specs.append(_FaultSpec(role, errno.EINVAL, refuse_direct=True))
+                continue
+            err = errno.EIO
+            if len(parts) == 2:
+                err = getattr(errno, parts.pop(0))
+            (count,) = parts
+            nth = int(count.rstrip("+"))
+            if nth <= 0:
+                raise ValueError
+        except (ValueError, AttributeError):
+            raise ValueError(f"{FAULT_ENV}={value!r}: expected [ROLE:][ERRNO:]N[+] or [ROLE:]odirect "
+                             "(fail the Nth read, or the Nth and later; refuse O_DIRECT)") from None
+        specs.append(_FaultSpec(role, err, nth, count.endswith("+")))
+    return specs
+
 
 def _hook_from_env(value: str | None) -> FaultHook | None:
-    if not value or value.strip() in ("", "0"):
+    """The read hook MOE_PIPE_FAULT_READ asks for (None: no read faults).
+    Reads are counted per process, and only in the process the spec names."""
+    specs = [s for s in _parse_fault(value or "") if s.nth]
+    if not specs:
         return None
-    text = value.strip()
-    sticky = text.endswith("+")
-    try:
-        nth = int(text.rstrip("+"))
-    except ValueError:
-        raise ValueError(f"{FAULT_ENV}={value!r}: expected N or N+ (fail the Nth read, or the Nth and later)") from None
     counter = itertools.count(1)
+    lock = threading.Lock()  # lanes read concurrently: each read gets its own number
 
     def hook(path: str, offset: int, length: int) -> None:
-        k = next(counter)
-        if k == nth or (sticky and k > nth):
-            raise OSError(errno.EIO, f"injected read fault ({FAULT_ENV}={value}, read {k})")
+        role = current_role()
+        mine = [s for s in specs if s.role in (None, role)]
+        if not mine:
+            return
+        with lock:
+            k = next(counter)
+        for s in mine:
+            if k == s.nth or (s.sticky and k > s.nth):
+                raise OSError(s.err, f"injected read fault ({FAULT_ENV}={value}, read {k} of {role})")
 
     return hook
 
 
+def _refusal_from_env(value: str | None) -> Callable[[], bool] | None:
+    specs = [s for s in _parse_fault(value or "") if s.refuse_direct]
+    if not specs:
+        return None
+    return lambda: any(s.role in (None, current_role()) for s in specs)
+
+
 _fault_hook: FaultHook | None = _hook_from_env(os.environ.get(FAULT_ENV))
+_refuse_direct: Callable[[], bool] | None = _refusal_from_env(os.environ.get(FAULT_ENV))
 
 
 def set_fault_hook(hook: FaultHook | None) -> FaultHook | None:
@@ -84,6 +163,71 @@ def set_fault_hook(hook: FaultHook | None) -> FaultHook | None:
     global _fault_hook
     previous, _fault_hook = _fault_hook, hook
     return previous
+
+
+# -- which file ------------------------------------------------------------------------
+
+IDENTITY_HEAD_BYTES = 1 << 20  # the GGUF header and tensor infos: every offset the layout relies on
+IDENTITY_SAMPLES = 16  # pages spread over the rest: a same-shaped file with other weights differs here
+
+
+class ModelChanged(OSError):
+    """The file at a model path is no longer the one this run started with."""
+
+    def __init__(self, path: str, why: str):
+        self.path = path
+        super().__init__(errno.ESTALE, f"{path}: {why}")
+
+
+@dataclass(frozen=True)
+class FileIdentity:
+    """Which file a shard is: its size and a digest of its head and of pages
+    spread over it. Cheap (1 MiB + 16 pages read), and enough to tell the
+    same file put back (a copy, a rename) from a different or partial one
+    without hashing gigabytes. Not an integrity check: a few bytes changed
+    in pages it does not sample go unseen."""
+
+    size: int
+    digest: str
+
+    def __str__(self) -> str:
+        return f"{self.size}:{self.digest}"
+
+    @classmethod
+    def parse(cls, text: str) -> "FileIdentity":
+        size, digest = text.split(":", 1)
+        return cls(int(size), digest)
+
+
+def file_identity(path: str | os.PathLike) -> FileIdentity:
+    """The identity of the file at `path` (for one already open as fd, pass
+    `held(fd)`: the same inode, even if unlinked). Read buffered, and the
+    pages dropped again, like the O_DIRECT fallback."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        h = hashlib.sha256(size.to_bytes(8, "little"))
+        ranges = [(0, min(size, IDENTITY_HEAD_BYTES))]
+        if size > IDENTITY_HEAD_BYTES:
+            step = (size - IDENTITY_HEAD_BYTES) // IDENTITY_SAMPLES
+            ranges += [((IDENTITY_HEAD_BYTES + k * step) // PAGE * PAGE, PAGE) for k in range(IDENTITY_SAMPLES)]
+        for at, n in ranges:
+            h.update(os.pread(fd, n, at))
+            os.posix_fadvise(fd, at, n, os.POSIX_FADV_DONTNEED)  # only what this read brought in
+        return FileIdentity(size, h.hexdigest()[:32])
+    finally:
+        os.close(fd)
+
+
+def held(fd: int) -> str:
+    """A path that opens the inode `fd` holds (an O_DIRECT fd cannot be read
+    into Python bytes, and the file's name may point elsewhere by now)."""
+    return f"/proc/self/fd/{fd}"
+
+
+def model_identity(paths: Sequence[str | os.PathLike]) -> tuple[str, ...]:
+    """Every shard's identity, as strings (they travel in a child's config)."""
+    return tuple(str(file_identity(p)) for p in paths)
 
 
 # -- destinations ------------------------------------------------------------------
@@ -142,24 +286,35 @@ class ExpertFiles:
 
     Safe to share between I/O lanes (threads): preadv carries its own offset.
     `direct=False` forces the buffered path (tests, filesystems that lie).
+    `identity` (from `model_identity`, taken when the run started) makes the
+    open refuse a file that is no longer that one (`ModelChanged`), and lets
+    `recover()` take the file back once it is at its path again.
     """
 
-    def __init__(self, paths: Sequence[str | os.PathLike], *, direct: bool = True):
+    def __init__(self, paths: Sequence[str | os.PathLike], *, direct: bool = True,
+                 identity: Sequence[str] | None = None):
         self.paths = [os.fspath(p) for p in paths]
         self._fds: list[int] = []
         self._direct: list[bool] = []
         self._proven: list[bool] = []  # a direct read on this file has succeeded
         self._retired: list[int] = []  # direct fds replaced by buffered ones; closed in close()
         self._lock = threading.Lock()
+        self._want_direct = direct
         self.fallback_reason: str | None = None if direct else "buffered reads requested"
         self.sizes: list[int] = []
+        self.identity = [FileIdentity.parse(t) for t in identity] if identity else None
+        if self.identity is not None and len(self.identity) != len(self.paths):
+            raise ValueError(f"{len(self.identity)} identities for {len(self.paths)} model file(s)")
         try:
-            for path in self.paths:
+            for k, path in enumerate(self.paths):
                 fd, is_direct = self._open(path, direct)
                 self._fds.append(fd)
                 self._direct.append(is_direct)
                 self._proven.append(False)
                 self.sizes.append(os.fstat(fd).st_size)
+                if self.identity is not None and file_identity(held(fd)) != self.identity[k]:
+                    raise ModelChanged(path, "is not the file this service started with (changed or replaced "
+                                             "since); put the original back or restart the service")
         except BaseException:
             self.close()
             raise
@@ -167,12 +322,59 @@ class ExpertFiles:
     def _open(self, path: str, direct: bool) -> tuple[int, bool]:
         if direct:
             try:
+                if _refuse_direct is not None and _refuse_direct():
+                    raise OSError(errno.EINVAL, f"O_DIRECT refused by {FAULT_ENV}")
                 return os.open(path, os.O_RDONLY | os.O_DIRECT), True
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
                 self._report_fallback(path, "the filesystem refuses O_DIRECT at open")
         return os.open(path, os.O_RDONLY), False
+
+    def recover(self) -> str | None:
+        """After a failed read: is every shard at its path the file this run
+        started with? A shard whose path now names another inode holding that
+        same file (put back by a copy or a rename) is reopened. Returns None
+        when all are usable again, else one line saying what is wrong.
+        Needs the identity the files were opened with."""
+        if self.identity is None:
+            return None
+        for k, path in enumerate(self.paths):
+            try:
+                problem = self._recover_shard(k, path)
+            except OSError as exc:  # the check's own reads failed: the disk is still unwell
+                problem = f"{path}: {exc.strerror or exc}"
+            if problem:
+                return problem
+        return None
+
+    def _recover_shard(self, k: int, path: str) -> str | None:
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            return f"{path}: no such file (the model file is gone)"
+        want = self.identity[k]
+        if st.st_size != want.size:
+            return f"{path}: {st.st_size} B, not the {want.size} B it had when the service started (truncated or replaced)"
+        cur = os.fstat(self._fds[k])
+        if (cur.st_dev, cur.st_ino) == (st.st_dev, st.st_ino):
+            return None if file_identity(held(self._fds[k])) == want else f"{path}: its contents changed since the service started"
+        fd, is_direct = self._open(path, self._want_direct)
+        try:
+            same = file_identity(held(fd)) == want
+        except BaseException:
+            os.close(fd)
+            raise
+        if not same:
+            os.close(fd)
+            return f"{path}: a different file is at this path now (not the one the service started with)"
+        with self._lock:
+            # the old fd may be mid-read in another lane: retire it, close at close()
+            self._retired.append(self._fds[k])
+            self._fds[k], self._direct[k], self._proven[k] = fd, is_direct, False
+            self.sizes[k] = want.size
+        log.warning("%s is back: reopened it", path)
+        return None
 
     def _report_fallback(self, path: str, why: str) -> None:
         if self.fallback_reason is None:

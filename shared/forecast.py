@@ -60,7 +60,8 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from .budget import RESIDENT_DENSE, Budget, CgroupLimit, MemoryProbe, probe_memory, resolve_budget
+from .budget import (RESIDENT_DENSE, RUN_ROLES, Budget, CgroupLimit, MemoryProbe, engine_bytes, probe_memory,
+                     resolve_budget)
 from .errors import UserError
 from .layout import aligned_bytes
 
@@ -124,6 +125,7 @@ class ModelFacts:
     kv_bytes: int
     classes: tuple[KernelClass, ...]
     read_bytes_per_expert: tuple[int, ...]  # page-rounded disk bytes of one expert, per layer
+    engine_bytes: int = 0  # what `run`'s own processes take (budget.engine_bytes): auto leaves at least this
 
     @property
     def expert_bytes_total(self) -> int:
@@ -154,6 +156,10 @@ def model_facts(mf, cfg) -> ModelFacts:
 
     spec, layout = mf.spec, mf.layout
     top_k = cfg.compute.top_k or spec.n_expert_used
+    if cfg.compute.route_replay:  # a trace-driven run routes the trace's k experts a layer, not the model's
+        from .trace import read_trace
+
+        top_k = read_trace(cfg.compute.route_replay).header.n_expert_used
     if top_k > spec.n_expert:
         raise UserError(f"--top-k {top_k} is out of range: {mf.gguf.path} has {spec.n_expert} experts per layer")
     return ModelFacts(
@@ -161,7 +167,8 @@ def model_facts(mf, cfg) -> ModelFacts:
         ctx_size=cfg.compute.ctx_size, file_bytes=mf.gguf.file_bytes, dense_bytes=layout.dense_bytes,
         expert_bytes=tuple(layout.expert_bytes(i) for i in range(spec.n_layer)), slab_bytes=layout.slab_bytes,
         kv_bytes=kv_cache_bytes(spec, cfg.compute.ctx_size), classes=kernel_classes(mf, top_k),
-        read_bytes_per_expert=tuple(aligned_bytes(l.extents(0)) for l in layout.layers))
+        read_bytes_per_expert=tuple(aligned_bytes(l.extents(0)) for l in layout.layers),
+        engine_bytes=engine_bytes(RUN_ROLES, spec.n_vocab))
 
 
 def kernel_classes(mf, top_k: int) -> tuple[KernelClass, ...]:
@@ -219,9 +226,10 @@ def limited_probe(mem_limit_mb: float | None, memory: MemoryProbe | None = None)
 
 def memory_fit(facts: ModelFacts, cfg, memory: MemoryProbe) -> MemoryFit:
     """The budget `moe-pipe run` would resolve here, and whether the model runs in it."""
-    budget = resolve_budget(cfg, dense_bytes=facts.dense_bytes, kv_bytes=facts.kv_bytes, memory=memory)
+    budget = resolve_budget(cfg, dense_bytes=facts.dense_bytes, kv_bytes=facts.kv_bytes, memory=memory,
+                            engine_bytes=facts.engine_bytes)
     avail = memory.available_bytes
-    reserve = int(cfg.cache.reserve_mb * MiB)
+    reserve = max(int(cfg.cache.reserve_mb * MiB), facts.engine_bytes)  # as the budget counts it
     dense = facts.dense_bytes if cfg.io.dense_weights in RESIDENT_DENSE else 0
     # the run never makes more slabs than there are experts
     all_experts = facts.all_experts_slots * facts.slab_bytes
@@ -229,7 +237,7 @@ def memory_fit(facts: ModelFacts, cfg, memory: MemoryProbe) -> MemoryFit:
     need = dense + facts.kv_bytes + reserve + cache_least
     floor_mb = facts.floor_bytes / MiB
     parts = (f"dense {dense / MiB:,.0f} MiB + KV {facts.kv_bytes / MiB:,.0f} MiB (ctx {facts.ctx_size}) + "
-             f"reserve {reserve / MiB:,.0f} MiB + ")
+             f"reserve/processes {reserve / MiB:,.0f} MiB + ")
     refusal, limit_mb = None, None
     if budget.bytes < facts.floor_bytes and budget.clamped:
         refusal = (f"cache_ceil_mb {budget.ceil_bytes / MiB:g} is below one token's experts ({floor_mb:,.1f} MiB, "

@@ -22,6 +22,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from gguf import GGMLQuantizationType
+
 from .errors import GGUFError
 from .gguf_file import GGUFFile, TensorInfo
 from .spec import ModelSpec
@@ -131,11 +133,19 @@ def _expected_shape(spec: ModelSpec, proj: str, kind: str) -> tuple[int, ...]:
 
 
 def _expert_part(f: GGUFFile, spec: ModelSpec, t: TensorInfo, proj: str, kind: str) -> ExpertPart:
+    from .quant.blocks import FORMATS  # lazy: the quant package brings numba with it
+
     want = _expected_shape(spec, proj, kind)
     if len(t.shape) != len(want) + 1 or t.shape[0] != spec.n_expert:
         raise GGUFError(f.path, f"tensor {t.name!r} has shape {list(t.shape)} (numpy order) but the model has {spec.n_expert} experts")
     if t.shape[1:] != want:
         raise GGUFError(f.path, f"tensor {t.name!r} has per-expert shape {list(t.shape[1:])}, expected {list(want)} from the metadata")
+    # Checked here, not when the expert is first routed: there it would fail
+    # inside the compute process, again after every restart.
+    if kind == "bias" and t.qtype != GGMLQuantizationType.F32:
+        raise GGUFError(f.path, f"tensor {t.name!r} is {t.qtype.name}; expert biases must be F32")
+    if t.qtype not in FORMATS:
+        raise GGUFError(f.path, f"tensor {t.name!r} is {t.qtype.name}, which moe-pipe cannot compute on (supported: {', '.join(q.name for q in FORMATS)})")
     stride = t.nbytes // spec.n_expert
     name = proj if kind == "weight" else f"{proj}_bias"
     return ExpertPart(name, t, t.shape[1:], stride)
@@ -151,17 +161,28 @@ def _layer_parts(f: GGUFFile, spec: ModelSpec) -> tuple[list[list[ExpertPart]], 
         layer = int(m["layer"])
         if layer >= spec.n_layer:
             raise GGUFError(f.path, f"tensor {t.name!r} is in layer {layer} but the model has {spec.n_layer} layers")
-        parts[layer].append(_expert_part(f, spec, t, m["proj"], m["kind"]))
+        part = _expert_part(f, spec, t, m["proj"], m["kind"])
+        twin = next((p for p in parts[layer] if p.name == part.name), None)
+        if twin is not None:  # "blk.1." and "blk.01." are both layer 1: one would shadow the other's bytes
+            raise GGUFError(f.path, f"tensors {twin.tensor.name!r} and {t.name!r} are both layer {layer}'s {part.name} experts")
+        parts[layer].append(part)
         names.add(t.name)
     return parts, names
 
 
-def _check_complete(f: GGUFFile, layer: int, parts: list[ExpertPart]) -> None:
+def _check_complete(f: GGUFFile, spec: ModelSpec, layer: int, parts: list[ExpertPart]) -> None:
     have = {p.name for p in parts}
     if not ({"gate", "up", "down"} <= have or {"gate_up", "down"} <= have):
         raise GGUFError(f.path, f"layer {layer} lacks expert tensors: has {sorted(have) or 'none'}, needs gate+up+down or gate_up+down")
     if "gate_up" in have and ("gate" in have or "up" in have):
         raise GGUFError(f.path, f"layer {layer} has both fused gate_up and separate gate/up expert tensors")
+    # Biases go with the architecture: a missing one is a None in the expert
+    # arithmetic, an extra one bytes read for nothing and a model not computed as trained.
+    biases = {n for n in have if n.endswith("_bias")}
+    wanted = {f"{n}_bias" for n in have - biases} if spec.expert_bias else set()
+    if biases != wanted:
+        problem = f"lacks {sorted(wanted - biases)}" if wanted - biases else f"has {sorted(biases - wanted)}, which {spec.arch} does not use"
+        raise GGUFError(f.path, f"layer {layer} expert biases: {problem}")
 
 
 def _sort_key(p: ExpertPart) -> tuple[int, int]:
@@ -187,7 +208,7 @@ def build_layout(f: GGUFFile, spec: ModelSpec) -> Layout:
     parts, names = _layer_parts(f, spec)
     layers = []
     for i, layer_parts in enumerate(parts):
-        _check_complete(f, i, layer_parts)
+        _check_complete(f, spec, i, layer_parts)
         layers.append(LayerExperts(i, tuple(sorted(layer_parts, key=_sort_key))))
     dense_bytes = sum(t.nbytes for t in f.tensors.values() if t.name not in names)
     return Layout(spec, tuple(layers), _dense_extents(f, names), dense_bytes, frozenset(names))

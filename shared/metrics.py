@@ -1,7 +1,8 @@
 """The service's counters as Prometheus text (the gateway's GET /metrics):
 requests by outcome, tokens and decode speed from compute's Done timings,
 cache hit rate, bytes read and stall from the telemetry records, restarts
-from the supervisor's process table. Names are documented in docs/api.md."""
+from the supervisor's process table, open and refused HTTP connections.
+Names are documented in docs/api.md."""
 from __future__ import annotations
 
 from collections import Counter
@@ -19,6 +20,7 @@ class Metrics:
         self.read_bytes = 0
         self.stall_ms = 0.0
         self.cache_hit_pct: float | None = None
+        self.connections_refused = 0  # past the gateway's max_connections
 
     def on_done(self, done: m.Done) -> None:
         self.generated_tokens += len(done.tokens)
@@ -34,7 +36,7 @@ class Metrics:
         self.stall_ms += rec.stall_ms
         self.cache_hit_pct = rec.cache_hit_pct
 
-    def render(self, ready: bool, waiting: int, processes: list[dict] | None) -> str:
+    def render(self, ready: bool, waiting: int, processes: list[dict] | None, connections: int = 0) -> str:
         mean = 1e3 * self.decode_tokens / self.decode_ms if self.decode_ms else 0.0
         out: list[str] = []
 
@@ -56,6 +58,9 @@ class Metrics:
         metric("moe_pipe_stall_ms_total", "counter", "Flash wait that overlap did not hide, in ms.", [("", self.stall_ms)])
         metric("moe_pipe_compute_ready", "gauge", "1 when a compute process is ready.", [("", int(ready))])
         metric("moe_pipe_queue_waiting", "gauge", "Requests waiting for the compute worker.", [("", waiting)])
+        metric("moe_pipe_connections_open", "gauge", "HTTP connections open at the gateway.", [("", connections)])
+        metric("moe_pipe_connections_refused_total", "counter", "Connections refused with 503 (max_connections).",
+               [("", self.connections_refused)])
         if processes:
             metric("moe_pipe_process_restarts_total", "counter", "Restarts of each child process by the supervisor.",
                    [(f'{{process="{p.get("name")}"}}', int(p.get("restarts") or 0)) for p in processes

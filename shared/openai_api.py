@@ -11,6 +11,7 @@ naming the field, so a client library shows the user which field was wrong.
 """
 from __future__ import annotations
 
+import math
 import random
 import time
 import uuid
@@ -20,6 +21,11 @@ from typing import Any, Protocol
 import orjson
 
 MAX_STOPS = 16
+# A stop string is held back from the stream while it may still match, so a
+# long one delays every token by its length (and one of megabytes would not fit
+# the Generate frame to compute).
+MAX_STOP_CHARS = 256
+MAX_TOKENS_FIELD = (1 << 31) - 1  # above any context; what fits is checked against ctx_size after tokenizing
 MAX_TEMPLATE_VARS = 32  # far above the two or three switches a chat template reads
 REASONING_EFFORTS = ("low", "medium", "high")  # what gpt-oss's template knows
 # Names a client may not pass in chat_template_kwargs: shared.chat's own
@@ -52,7 +58,12 @@ class ApiError(Exception):
 
 
 def bad_field(name: str, allowed: str, got: Any) -> ApiError:
-    shown = orjson.dumps(got).decode() if isinstance(got, (str, int, float, bool, type(None))) else type(got).__name__
+    if type(got) is int or type(got) is float and not math.isfinite(got):
+        shown = repr(got)  # orjson refuses ints past 64 bits and writes NaN as null
+    elif isinstance(got, (str, float, bool, type(None))):
+        shown = orjson.dumps(got).decode()
+    else:
+        shown = type(got).__name__
     if len(shown) > 40:
         shown = shown[:37] + "..."
     return ApiError(400, f"'{name}' must be {allowed}; got {shown}", "invalid_value", param=name)
@@ -102,17 +113,19 @@ def _number(body: dict, name: str, lo: float, hi: float, lo_open: bool = False) 
     value = body.get(name)
     if value is None:
         return None
-    if type(value) not in (int, float) or value > hi or value < lo or (lo_open and value == lo):
+    # isfinite: JSON cannot carry NaN, but a NaN passes every comparison, so never rely on the parser alone
+    if (type(value) not in (int, float) or not math.isfinite(value) or value > hi or value < lo
+            or (lo_open and value == lo)):
         raise bad_field(name, f"a number in {'(' if lo_open else '['}{lo:g}, {hi:g}]", value)
     return float(value)
 
 
-def _int(body: dict, name: str, lo: int, hi: int = (1 << 63) - 1) -> int | None:
+def _int(body: dict, name: str, lo: int, hi: int) -> int | None:
     value = body.get(name)
     if value is None:
         return None
-    if type(value) is not int or not lo <= value <= hi:
-        raise bad_field(name, str(lo) if lo == hi else f"an integer ≥ {lo}", value)
+    if type(value) is not int or not lo <= value <= hi:  # type() is: true is not 1 here
+        raise bad_field(name, str(lo) if lo == hi else f"an integer in [{lo}, {hi}]", value)
     return value
 
 
@@ -141,8 +154,10 @@ def parse_stop(value: Any) -> tuple[str, ...]:
     if value is None:
         return ()
     stops = [value] if isinstance(value, str) else value
-    if not isinstance(stops, list) or len(stops) > MAX_STOPS or not all(isinstance(s, str) for s in stops):
-        raise bad_field("stop", f"a string or an array of at most {MAX_STOPS} strings", value)
+    if (not isinstance(stops, list) or len(stops) > MAX_STOPS
+            or not all(isinstance(s, str) and len(s) <= MAX_STOP_CHARS for s in stops)):
+        raise bad_field("stop", f"a string or an array of at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} "
+                                "characters", value)
     return tuple(s for s in stops if s)
 
 
@@ -195,12 +210,13 @@ def parse_request(body: dict, chat: bool, settings: RequestDefaults) -> Completi
     stream = body.get("stream", False)
     if stream is not None and not isinstance(stream, bool):
         raise bad_field("stream", "true or false", stream)
-    options = body.get("stream_options") or {}
+    options = body.get("stream_options")
+    options = {} if options is None else options
     if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
         raise bad_field("stream_options", "an object like {\"include_usage\": true}", options)
     _int(body, "n", 1, 1)  # one choice only: compute serves one sequence at a time
-    max_tokens = _int(body, "max_completion_tokens", 1) if chat else None
-    max_tokens = _int(body, "max_tokens", 1) if max_tokens is None else max_tokens
+    max_tokens = _int(body, "max_completion_tokens", 1, MAX_TOKENS_FIELD) if chat else None
+    max_tokens = _int(body, "max_tokens", 1, MAX_TOKENS_FIELD) if max_tokens is None else max_tokens
     temperature = _number(body, "temperature", 0.0, 2.0)
     top_p = _number(body, "top_p", 0.0, 1.0, lo_open=True)
     seed = _int(body, "seed", 0, (1 << 64) - 1)
@@ -215,6 +231,19 @@ def parse_request(body: dict, chat: bool, settings: RequestDefaults) -> Completi
         sampling["seed"] = random.getrandbits(63)
     return CompletionRequest(chat, messages, prompt, bool(stream), options.get("include_usage", False), max_tokens,
                              sampling, parse_stop(body.get("stop")), template_vars)
+
+
+def refuse_unfit_text(text: str, longest_token_bytes: int, settings: RequestDefaults, where: str) -> None:
+    """A prompt text that cannot fit the context, refused before it is
+    tokenized (4 MiB takes seconds of the one tokenizing thread). No token
+    stands for more than `longest_token_bytes` bytes, hence for no more
+    characters, so len(text) / longest is a floor on its token count; the 4 is
+    headroom for a normalizer that shrinks text before splitting it (NFC makes
+    one 3-byte Hangul syllable of a 9-byte jamo triple)."""
+    floor = len(text) // (4 * max(longest_token_bytes, 1))
+    if floor > settings.ctx_size:
+        raise ApiError(400, f"the prompt is {len(text):,} characters, at least {floor:,} tokens, but the context holds "
+                            f"{settings.ctx_size}; shorten it", "context_length_exceeded", param=where)
 
 
 def fit_max_tokens(req: CompletionRequest, n_prompt: int, settings: RequestDefaults) -> int:

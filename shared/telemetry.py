@@ -16,6 +16,7 @@ units of every column: docs/telemetry.md (a test keeps it in step).
 from __future__ import annotations
 
 import math
+from array import array
 import os
 import resource
 from dataclasses import dataclass
@@ -175,29 +176,63 @@ def _tok_s(records: Sequence[TokenRecord]) -> float:
     return len(records) / wall_s if wall_s > 0 else 0.0
 
 
+class Tally:
+    """What a run summary needs of its records, kept small: a long-lived
+    service sends records for hours, so holding every TokenRecord (~0.4 KB)
+    would grow without end. This keeps 16 bytes a token (wall and step, for
+    the steady window, which moves with the count) and running totals."""
+
+    def __init__(self) -> None:
+        self.walls = array("d")
+        self.steps = array("q")
+        self.first5: list[float] = []
+        self.final_hit_pct = 0.0
+        self.read_bytes = 0
+        self.peak_rss_bytes = 0
+
+    def __len__(self) -> int:
+        return len(self.walls)
+
+    def add(self, r: TokenRecord) -> None:
+        self.walls.append(r.wall_ms)
+        self.steps.append(r.step)
+        if len(self.first5) < 5:
+            self.first5.append(r.wall_ms)
+        self.final_hit_pct = r.cache_hit_pct
+        self.read_bytes += r.read_bytes
+        self.peak_rss_bytes = max(self.peak_rss_bytes, r.rss_bytes)
+
+    def summary(self, load_seconds: float, budget_bytes: int, resident_bytes: int,
+                peak_rss_bytes: int | None = None) -> RunSummary:
+        """The run's figures. tok/s is tokens over summed wall time (a
+        throughput, not a mean of per-token rates, which would overweight fast
+        tokens); the final hit % is the last record's running rate."""
+        n = len(self.walls)
+        warm = steady_start(n)
+        steady_s = sum(self.walls[warm:]) / 1000.0
+        all_s = sum(self.walls) / 1000.0
+        return RunSummary(
+            tokens=n,
+            load_seconds=float(load_seconds),
+            mean_tok_s=n / all_s if all_s > 0 else 0.0,
+            steady_tok_s=(n - warm) / steady_s if steady_s > 0 else 0.0,
+            steady_from_step=self.steps[warm] if n > warm else 0,
+            first5_wall_ms=sum(self.first5) / len(self.first5) if self.first5 else 0.0,
+            final_hit_pct=self.final_hit_pct,
+            read_bytes=self.read_bytes,
+            budget_mib=budget_bytes / MIB,
+            resident_mib=resident_bytes / MIB,
+            peak_rss_mib=(self.peak_rss_bytes if peak_rss_bytes is None else peak_rss_bytes) / MIB,
+        )
+
+
 def summarize(records: Sequence[TokenRecord], load_seconds: float, budget_bytes: int,
               resident_bytes: int, peak_rss_bytes: int) -> RunSummary:
-    """The run's figures. tok/s is tokens over summed wall time (a throughput,
-    not a mean of per-token rates, which would overweight fast tokens); the
-    final hit % is the last record's running rate."""
-    records = sorted(records, key=lambda r: r.step)
-    n = len(records)
-    warm = steady_start(n)
-    steady = records[warm:]
-    first = records[:5]
-    return RunSummary(
-        tokens=n,
-        load_seconds=float(load_seconds),
-        mean_tok_s=_tok_s(records),
-        steady_tok_s=_tok_s(steady),
-        steady_from_step=steady[0].step if steady else 0,
-        first5_wall_ms=sum(r.wall_ms for r in first) / len(first) if first else 0.0,
-        final_hit_pct=records[-1].cache_hit_pct if records else 0.0,
-        read_bytes=sum(r.read_bytes for r in records),
-        budget_mib=budget_bytes / MIB,
-        resident_mib=resident_bytes / MIB,
-        peak_rss_mib=peak_rss_bytes / MIB,
-    )
+    """The summary of a run's records (in any order: sorted by step)."""
+    tally = Tally()
+    for r in sorted(records, key=lambda r: r.step):
+        tally.add(r)
+    return tally.summary(load_seconds, budget_bytes, resident_bytes, peak_rss_bytes)
 
 
 def format_summary(s: RunSummary) -> str:

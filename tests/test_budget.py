@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -224,3 +226,167 @@ def test_real_cgroup_v1_child_sees_its_limit():
             except OSError:
                 time.sleep(0.1)
         assert not cg.exists(), f"left {cg} behind"
+
+
+# ---------------------------------------------------------------- the engine's own processes
+
+def test_engine_estimate_counts_each_child_and_the_shared_code_once():
+    from moe_pipe.shared.budget import ROLE_PRIVATE_MIB, RUN_ROLES, SERVICE_ROLES, SHARED_CODE_MIB, engine_bytes
+
+    run, up = engine_bytes(RUN_ROLES, 2048), engine_bytes(SERVICE_ROLES, 2048)
+    assert run == sum(ROLE_PRIVATE_MIB[r] for r in RUN_ROLES) * MiB + 600 * 2048 + SHARED_CODE_MIB * MiB
+    assert up - run == ROLE_PRIVATE_MIB["gateway"] * MiB + 300 * 2048  # the gateway: its own pages and tokenizer
+    assert engine_bytes(RUN_ROLES, 151936) - run == 600 * (151936 - 2048)  # a bigger vocab costs compute
+    assert engine_bytes((), 2048) == 0
+    with pytest.raises(ValueError, match="no memory estimate"):
+        engine_bytes(("reader", "llama"), 2048)
+
+
+def test_auto_leaves_the_larger_of_reserve_and_the_processes():
+    mem = probe(2 * GiB)
+    low = compute_budget("auto", 1e6, mem, dense_bytes=100 * MiB, kv_bytes=50 * MiB, dense_policy="anon",
+                         reserve_mb=64, engine_bytes=400 * MiB)
+    assert low.bytes == 2 * GiB - 100 * MiB - 50 * MiB - 400 * MiB
+    assert low.reserve_bytes == low.engine_bytes == 400 * MiB
+    assert "processes 400 MiB (estimated; more than reserve_mb 64)" in low.description, low.description
+    high = compute_budget("auto", 1e6, mem, dense_bytes=100 * MiB, kv_bytes=50 * MiB, dense_policy="anon",
+                          reserve_mb=1024, engine_bytes=400 * MiB)
+    assert high.bytes == 2 * GiB - 100 * MiB - 50 * MiB - 1024 * MiB and "reserve 1024 MiB" in high.description
+
+
+def test_floor_refusal_counts_what_the_processes_take():
+    tight = compute_budget("auto", 4000, probe(300 * MiB), dense_bytes=10 * MiB, kv_bytes=8 * MiB, dense_policy="anon",
+                           reserve_mb=0, engine_bytes=350 * MiB)
+    with pytest.raises(ConfigError) as exc:
+        check_floor(tight, 2 * MiB, "tiny.toml")
+    msg = str(exc.value)
+    # 300 - 10 - 8 - 350 = -68 MiB left: 70 MiB short of a 2 MiB floor, not 2
+    assert "processes 350 MiB (estimated" in msg and "70 MiB short" in msg, msg
+    assert "reserve_mb" not in msg.split("short")[1]  # lowering it cannot help: it is already below the processes
+    assert "\n" not in msg
+
+
+def test_a_fixed_cache_that_cannot_fit_is_refused_with_the_numbers(tmp_path):
+    from moe_pipe.shared.budget import check_fit
+
+    mem = probe(1 * GiB)
+    fits = compute_budget(400, 4000, mem, dense_bytes=100 * MiB, kv_bytes=50 * MiB, dense_policy="anon",
+                          engine_bytes=400 * MiB)
+    check_fit(fits, mem, "c.toml")
+    over = compute_budget(600, 4000, mem, dense_bytes=100 * MiB, kv_bytes=50 * MiB, dense_policy="anon",
+                          engine_bytes=400 * MiB)
+    with pytest.raises(ConfigError) as exc:
+        check_fit(over, mem, "c.toml")
+    msg = str(exc.value)
+    assert "cache_mb 600 does not fit" in msg and "1150 MiB" in msg and "lower cache_mb to 474" in msg, msg
+    # 550: refused with the dense set resident; fits when the dense set is left to the page cache
+    with pytest.raises(ConfigError):
+        check_fit(compute_budget(550, 4000, mem, dense_bytes=100 * MiB, kv_bytes=50 * MiB, dense_policy="anon",
+                                 engine_bytes=400 * MiB), mem)
+    check_fit(compute_budget(550, 4000, mem, dense_bytes=100 * MiB, kv_bytes=50 * MiB, dense_policy="mmap",
+                             engine_bytes=400 * MiB), mem)
+
+
+# ---------------------------------------------------------------- in a real memory cgroup
+
+ROOT = Path(__file__).resolve().parents[1]
+CLI = [sys.executable, "-m", "moe_pipe.cli.main"]
+TINY = str(ROOT / "configs" / "tiny.toml")
+PARENT_ALLOWANCE = 96 * MiB  # the CLI process itself, already in the cgroup when it probes (measured ~50 MiB)
+
+
+def _tiny_need(roles) -> int:
+    """What auto needs for the tiny model under `roles`, besides the parent."""
+    from moe_pipe.procs.pipeline import kv_cache_bytes
+    from moe_pipe.shared.budget import engine_bytes
+    from moe_pipe.shared.default_model import default_model_path
+    from moe_pipe.shared.model_file import open_model
+
+    with open_model(default_model_path()) as mf:
+        ctx = load_config(TINY).compute.ctx_size
+        return (engine_bytes(roles, mf.spec.n_vocab) + mf.layout.dense_bytes + kv_cache_bytes(mf.spec, ctx)
+                + mf.layout.min_cache_bytes())
+
+
+@pytest.fixture
+def cgroup():
+    from moe_pipe.shared.cgroup import MemoryCgroup, MemoryLimitError
+
+    made = []
+
+    def make(limit_bytes: int):
+        try:
+            made.append(MemoryCgroup.create(limit_bytes / MiB))
+        except MemoryLimitError as exc:
+            pytest.skip(str(exc))
+        return made[-1]
+
+    yield make
+    for cg in made:
+        cg.remove()
+
+
+def _segments_of(pid: int) -> list[str]:
+    return [p.name for p in Path("/dev/shm").glob(f"moe-pipe-{pid}-*")]
+
+
+def test_run_near_its_limit_fits_and_a_smaller_limit_is_refused_with_the_numbers(cgroup):
+    from moe_pipe.shared.budget import RUN_ROLES
+
+    need = _tiny_need(RUN_ROLES)
+    run = [*CLI, "run", TINY, "-p", "Once upon a time", "-n", "16", "--reserve-mb", "0", "--output-format", "json"]
+    near = cgroup(need + PARENT_ALLOWANCE + 8 * MiB)
+    r = subprocess.run(near.wrap(run), capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert "auto" in r.stderr and "processes" in r.stderr
+    assert near.oom_kills() == 0 and near.peak_bytes() < near.limit_bytes
+    assert (near.path / "memory.failcnt").read_text().strip() == "0"  # it never even touched the limit
+    small = cgroup((need - 64 * MiB) // MiB * MiB)  # whole MiB, as the message prints it
+    p = subprocess.Popen(small.wrap(run), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    _, err = p.communicate(timeout=300)
+    assert p.returncode == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "not enough memory" in lines[0] and "MiB short" in lines[0], err
+    assert f"limit {small.limit_bytes // MiB} MiB" in lines[0] and "processes" in lines[0], lines[0]
+    assert small.oom_kills() == 0 and not _segments_of(p.pid)
+
+
+def _private_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        if line.startswith("Anonymous:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no Anonymous line for pid {pid}")
+
+
+def test_service_in_a_tight_cgroup_answers_and_each_child_is_within_its_estimate(cgroup, tmp_path):
+    """`up` in a cgroup its estimate barely fits: it answers, never reaches the
+    limit, and no child holds more private memory than ROLE_PRIVATE_MIB allows
+    (the table in shared/budget.py goes stale when a process grows)."""
+    import urllib.request
+
+    from moe_pipe.shared.budget import ROLE_PRIVATE_MIB, SERVICE_ROLES, VOCAB_BYTES_PER_TOKEN
+
+    cg = cgroup(_tiny_need(SERVICE_ROLES) + PARENT_ALLOWANCE + 8 * MiB)
+    base = Path(tempfile.mkdtemp(prefix="mpb", dir="/tmp"))
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(base)}
+    cli = lambda *a: subprocess.run([*CLI, *a], capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)  # noqa: E731
+    r = subprocess.run(cg.wrap([*CLI, "up", TINY, "--detach", "--port", "0", "--reserve-mb", "0"]), capture_output=True,
+                       text=True, env=env, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    try:
+        st = json.loads(cli("status", "--json").stdout)
+        body = json.dumps({"model": "tiny qwen3moe", "messages": [{"role": "user", "content": "Tell a story"}],
+                           "max_tokens": 32, "temperature": 0}).encode()
+        req = urllib.request.Request(st["url"] + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=300) as resp:
+            assert resp.status == 200
+        over = {}
+        for p in json.loads(cli("status", "--json").stdout)["processes"]:
+            allowed = ROLE_PRIVATE_MIB[p["name"]] + VOCAB_BYTES_PER_TOKEN.get(p["name"], 0) * 2048 / MiB
+            if _private_mib(p["pid"]) > allowed:
+                over[p["name"]] = (round(_private_mib(p["pid"]), 1), allowed)
+        assert not over, f"children over their estimate (MiB, measured vs allowed): {over}"
+        assert cg.oom_kills() == 0 and (cg.path / "memory.failcnt").read_text().strip() == "0"
+    finally:
+        cli("down")
+        shutil.rmtree(base, ignore_errors=True)

@@ -4,6 +4,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
+import subprocess
+import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -284,9 +287,10 @@ def test_set_errors(tmp_path):
     with pytest.raises(ConfigError) as exc:
         C.overrides_from_args(parser.parse_args(["--set", "supervisor.start_retries=many"]))
     assert str(exc.value).startswith('--set: supervisor.start_retries = "many": wrong type')
-    ov = C.overrides_from_args(parser.parse_args(["--set", "supervisor.overlap=true"]))
+    with pytest.raises(ConfigError, match="^--set: unknown key supervisor.overlap \\(overlap belongs in \\[compute\\]"):
+        C.overrides_from_args(parser.parse_args(["--set", "supervisor.overlap=true"]))
     with pytest.raises(ConfigError, match="overlap belongs in \\[compute\\]"):
-        C.apply_overrides(Config(), ov)
+        C.apply_overrides(Config(), {"supervisor.overlap": True})
     with pytest.raises(ConfigError) as exc:
         C.apply_overrides(Config(), {"gateway.host": 5})
     assert str(exc.value).startswith("command line: gateway.host = 5: wrong type")
@@ -315,3 +319,163 @@ def test_docs_list_exactly_the_schema():
                                      f"documented but not in the schema: {sorted(documented - set(KEYS))}")
     block = text[text.index(C.DOCS_BEGIN):text.index(C.DOCS_END) + len(C.DOCS_END)]
     assert block == C.reference_markdown(), "docs/configuration.md is stale: run python -m moe_pipe.shared.config --docs"
+
+
+# ---------------------------------------------------------------- the schema walk, through the command line
+#
+# Every key, every kind of bad value it can be given, by each way a user can
+# give it: a TOML file, --set, and the key's own flag. Each must end in exit
+# code 2 and one line naming the key, the value and what is allowed.
+
+def bad_values(key: C.Key) -> list[str]:
+    """TOML literals this key must refuse: the wrong type, out of range / not allowed, and for text keys a
+    control character, an over-long value and (for keys with a pattern) a value the pattern refuses."""
+    out = [wrong_type(key), *out_of_range(key)]
+    if key.spec.kind in ("str", "path"):
+        out += ['"a\\u0001b"', '"' + "x" * (C.MAX_TEXT + 1) + '"']
+    if key.spec.pattern:
+        out.append('"no spaces allowed"')
+    return out
+
+
+def flag_text(key: C.Key, literal: str) -> str | None:
+    """What a user would type after the key's flag for this bad value (None: a flag cannot say it)."""
+    value = tomllib.loads(f"v = {literal}")["v"]
+    if key.spec.kind in ("str", "path") and not isinstance(value, str):
+        return None  # any text after a string flag is a string: the wrong type cannot be typed
+    return value if isinstance(value, str) else toml_repr(value)
+
+
+def shown(key: C.Key, value) -> str:
+    """How the error shows a value: as TOML, numbers typed after a flag as numbers."""
+    if isinstance(value, str) and key.spec.kind in ("int", "float", "mb"):
+        try:
+            value = int(value, 0) if key.spec.kind == "int" else float(value)
+        except ValueError:
+            pass
+    return toml_repr(value)[:100]  # long values are cut short in the message
+
+
+@pytest.fixture
+def cli(monkeypatch, capsys):
+    """Run `moe-pipe ARGS` in-process; return (exit code, the one stderr line). A config that
+    passes would start the service: that is a failure of the test, not a hang."""
+    from moe_pipe.cli import up_cmd
+    from moe_pipe.cli.main import main
+
+    def started(*a, **k):
+        raise AssertionError("the config was accepted and the service would start")
+
+    monkeypatch.setattr(up_cmd, "_serve", started)
+    monkeypatch.setattr(up_cmd, "_detach", started)
+
+    def run(*argv: str) -> tuple[int, str]:
+        code = main(list(argv))
+        captured = capsys.readouterr()
+        lines = captured.err.strip().splitlines()
+        assert len(lines) == 1 and "Traceback" not in captured.err, captured.err
+        assert lines[0].startswith("moe-pipe: error: ") and captured.out == "", lines
+        return code, lines[0]
+
+    return run
+
+
+def ways_to_give(key: C.Key, literal: str, tmp_path: Path) -> list[tuple[list[str], str, object]]:
+    """(moe-pipe arguments, where the error must say it came from, the value as given) for each way
+    to give this bad value."""
+    value = tomllib.loads(f"v = {literal}")["v"]
+    ways = [(["up", str(one_key(tmp_path, key, literal))], f"{tmp_path / 'c.toml'}:3: ", value),
+            (["up", "--set", f"{key.dotted}={literal}"], "--set: ", value)]
+    text = flag_text(key, literal) if key.spec.flags and key.spec.kind != "bool" else None
+    if text is not None:
+        ways.append((["up", f"{key.spec.flags[-1]}={text}"], f"{'/'.join(key.spec.flags)}: ", text))
+    return ways
+
+
+@pytest.mark.parametrize("key", SCHEMA, ids=lambda k: k.dotted)
+def test_every_key_every_bad_value_every_way_is_one_line_exit_2(key, tmp_path, cli):
+    checked = 0
+    for literal in bad_values(key):
+        for argv, where, value in ways_to_give(key, literal, tmp_path):
+            code, line = cli(*argv)
+            assert code == 2, (argv, line)
+            assert line.startswith(f"moe-pipe: error: {where}{key.dotted} = {shown(key, value)}"), (argv, line)
+            assert line.endswith(f"; allowed: {key.allowed_text()}"), line
+            checked += 1
+    assert checked >= 2 * len(bad_values(key)) >= 2  # every value at least by file and by --set
+
+
+def test_malformed_toml_by_the_command_line_names_the_line(tmp_path, cli):
+    p = write(tmp_path, '[cache]\ncache_mb = 5\n\n[io]\nio_threads = = 3\n')
+    code, line = cli("up", str(p))
+    assert code == 2 and line.startswith(f"moe-pipe: error: {p}:5: invalid TOML"), line
+    code, line = cli("run", str(write(tmp_path, '[cache\n', "open.toml")), "-p", "hi")
+    assert code == 2 and f"{tmp_path / 'open.toml'}:1:" in line, line
+
+
+def test_config_file_missing_or_a_folder(tmp_path, cli):
+    code, line = cli("up", str(tmp_path / "absent.toml"))
+    assert code == 2 and f"{tmp_path / 'absent.toml'}: no such config file" in line
+    (tmp_path / "folder.toml").mkdir()
+    code, line = cli("up", str(tmp_path / "folder.toml"))
+    assert code == 2 and f"{tmp_path / 'folder.toml'}: is a folder, not a TOML config file" in line
+    code, line = cli("run", str(tmp_path), "-p", "hi")  # a folder given as the model
+    assert code == 2 and "is a folder; point it at the .gguf file" in line
+
+
+def test_unknown_keys_by_the_command_line_suggest(tmp_path, cli):
+    code, line = cli("up", "--set", "cache.cache_mbb=5")
+    assert code == 2 and 'unknown key cache.cache_mbb (did you mean "cache_mb"?)' in line
+    code, line = cli("up", str(write(tmp_path, "[generate]\nchat_templat = \"plain\"\n")))
+    assert code == 2 and 'did you mean "chat_template"?' in line and f"{tmp_path / 'c.toml'}:2:" in line
+
+
+def test_missing_model_says_how_to_get_one(tmp_path, cli):
+    code, line = cli("up", str(ROOT / "configs" / "qwen30b.toml"))
+    assert code == 2 and "model.path is not set" in line
+    code, line2 = cli("run", str(tmp_path / "nope.gguf"), "-p", "hi")
+    assert code == 2 and line2.startswith(f'moe-pipe: error: command line: model.path = "{tmp_path / "nope.gguf"}": no such file')
+    for text in (line, line2):
+        assert "moe-pipe make-model" in text and "--set model.path=" in text and 'path = "tiny"' in text, text
+
+
+def test_config_errors_from_the_real_entry_point(tmp_path):
+    """No traceback, one line, exit 2 from `python -m moe_pipe.cli.main` itself (not only main())."""
+    p = one_key(tmp_path, KEYS["compute.top_k"], "0")
+    for argv in (["up", str(p)], ["run", "-p", "hi", "--top-k", "lots"], ["run", "-p", "hi", "--set", "cache.policy=lruu"]):
+        r = subprocess.run([sys.executable, "-m", "moe_pipe.cli.main", *argv], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and r.stdout == "" and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert "Traceback" not in r.stderr and "allowed:" in r.stderr
+
+
+def test_text_values_stay_on_one_line(tmp_path):
+    with pytest.raises(ConfigError) as exc:
+        load_config(write(tmp_path, '[model]\nname = "two\\nlines"\n'))
+    assert '"two\\u000alines": contains a control character' in str(exc.value) and "\n" not in str(exc.value)
+    with pytest.raises(ConfigError, match=r"too long \(5000 characters, at most 4096\)") as exc:
+        load_config(None, {"gateway.api_key": "k" * 5000})
+    assert "(5,002 characters)" in str(exc.value) and len(str(exc.value)) < 500
+    with pytest.raises(ConfigError, match="not allowed; allowed: an IP address or host name"):
+        load_config(None, {"gateway.host": "local host"})
+    assert load_config(None, {"gateway.host": "::1", "gateway.api_key": "s3cr3t-K3y!"}).gateway.host == "::1"
+
+
+# ---------------------------------------------------------------- chat_template
+
+def test_chat_template_words_and_files(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for word in ("model", "plain"):
+        cfg = load_config(write(tmp_path, f'[generate]\nchat_template = "{word}"\n'))
+        assert cfg.generate.chat_template == word  # a word, not a path next to the config
+        assert load_config(None, {"generate.chat_template": word}).generate.chat_template == word
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "mine.jinja").write_text("{{ messages }}")
+    cfg = load_config(write(tmp_path / "sub", '[generate]\nchat_template = "mine.jinja"\n'))
+    assert cfg.generate.chat_template == str(tmp_path / "sub" / "mine.jinja")
+    assert load_config(None, {"generate.chat_template": "./plain.jinja"}, check_model_path=False)  # not checked
+    with pytest.raises(ConfigError) as exc:
+        load_config(write(tmp_path, '[generate]\nchat_template = "absent.jinja"\n'))
+    assert str(exc.value) == (f'{tmp_path / "c.toml"}: generate.chat_template = "{tmp_path / "absent.jinja"}": no such file; '
+                              'allowed: "model", "plain" or a file path')
+    with pytest.raises(ConfigError, match="chat_template = .*: is a folder"):
+        load_config(None, {"generate.chat_template": str(tmp_path)})

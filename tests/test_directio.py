@@ -323,45 +323,124 @@ def test_fault_env_parsing():
         directio._hook_from_env("often")
 
 
-@pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
-def test_dense_set_read_in_chunks(models, direct):
-    with open_model(models["gpt-oss"]) as mf, ExpertFiles(mf.gguf.paths, direct=direct) as ef:
-        dense = mf.layout.dense
-        dest = aligned_buffer(aligned_bytes(dense))
-        seen = []
-        pl = ef.read_dense(dense, dest, chunk_bytes=4 * PAGE, progress=lambda done, total: seen.append((done, total)))
-        assert len(seen) > len(dense)  # chunked
-        assert seen[-1] == (aligned_bytes(dense), aligned_bytes(dense))
-        assert all(a[0] <= b[0] for a, b in zip(seen, seen[1:]))
-        for t in mf.gguf.tensors.values():
-            if t.name in mf.layout.expert_tensor_names:
-                continue
-            at = pl.locate(t.shard, t.offset, t.nbytes)
-            assert np.array_equal(dest[at : at + t.nbytes], np.asarray(mf.gguf.view(t.name)).reshape(-1).view(np.uint8)), t.name
-        with pytest.raises(KeyError):
-            pl.locate(0, mf.layout.layers[0].parts[0].tensor.offset, 1)  # an expert byte
-        with pytest.raises(ValueError):
-            ef.read_dense(dense, dest, chunk_bytes=1000)
+def _outcomes(hook, n: int) -> list[str]:
+    row = []
+    for _ in range(n):
+        try:
+            hook("f", 0, 1)
+            row.append("ok")
+        except OSError as exc:
+            row.append(errno.errorcode[exc.errno])
+    return row
 
 
-def test_lanes_read_concurrently(models, arena):
-    with open_model(models["qwen3moe"]) as mf, ExpertFiles(mf.gguf.paths) as ef:
-        sa = arena(2, mf.layout.slab_bytes)
-        lay = mf.layout.layers[0]
-        errors = []
+def test_fault_env_roles_errnos_and_odirect(monkeypatch):
+    # In this (the main) process: a spec for another role never fires, "main" does.
+    assert directio.current_role() == "main"
+    assert _outcomes(directio._hook_from_env("reader:1+"), 3) == ["ok", "ok", "ok"]
+    assert _outcomes(directio._hook_from_env("main:EINVAL:2"), 3) == ["ok", "EINVAL", "ok"]
+    assert _outcomes(directio._hook_from_env("reader:1+,main:ENOSPC:1"), 2) == ["ENOSPC", "ok"]
+    assert directio._hook_from_env("odirect") is None  # no read faults, only the open refusal
+    assert directio._refusal_from_env("odirect")() and not directio._refusal_from_env("reader:odirect")()
+    assert directio._refusal_from_env("3+") is None
+    for bad in ("main:EWHAT:1", "0+", "reader:", "1:2:3:4"):
+        with pytest.raises(ValueError, match=directio.FAULT_ENV):
+            directio._hook_from_env(bad)
 
-        def lane(k):
-            try:
-                for e in range(k, mf.spec.n_expert, 2):
-                    pl = ef.read_expert(lay.extents(e), sa.slab(k))
-                    for part, (at, n) in zip(lay.parts, pl.regions):
-                        assert np.array_equal(sa.slab(k)[at : at + n], expected_part(mf, part, e))
-            except BaseException as exc:  # surfaced below
-                errors.append(exc)
 
-        threads = [threading.Thread(target=lane, args=(k,)) for k in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert not errors, errors
+def test_odirect_refusal_hook_falls_back_at_open(models, arena, monkeypatch, caplog):
+    monkeypatch.setattr(directio, "_refuse_direct", lambda: True)
+    with caplog.at_level(logging.WARNING), open_model(models["qwen3moe"]) as mf, ExpertFiles(mf.gguf.paths) as ef:
+        assert not ef.direct and "at open" in ef.fallback_reason
+        check_every_expert(mf, ef, arena)
+
+
+# -- the buffered fallback leaves no page cache behind --------------------------------
+
+def resident_pages(path: Path, offset: int, length: int) -> int:
+    """Pages of [offset, offset+length) of `path` in the page cache: mincore on a
+    mapping of the range (mapping and mincore fault nothing in)."""
+    import ctypes
+    import mmap as mmap_mod
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    start = offset // PAGE * PAGE
+    n = -(-(offset + length - start) // PAGE)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, n * PAGE, mmap_mod.PROT_READ, mmap_mod.MAP_SHARED, fd, start)
+        assert addr not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
+        try:
+            vec = (ctypes.c_ubyte * n)()
+            assert libc.mincore(addr, n * PAGE, vec) == 0, os.strerror(ctypes.get_errno())
+        finally:
+            libc.munmap(addr, n * PAGE)
+    finally:
+        os.close(fd)
+    return sum(v & 1 for v in vec)
+
+
+def drop_pages(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fdatasync(fd)  # a file just written has dirty pages, which DONTNEED cannot drop
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def test_buffered_fallback_drops_the_pages_it_read(models, arena, monkeypatch):
+    """The O_DIRECT fallback reads through the page cache, then drops what it
+    read: a streamed expert must not stay cached twice (page cache + slab)."""
+    path = Path(models["qwen3moe"])
+    with open_model(path) as mf:
+        lay, sa = mf.layout.layers[1], arena(1, mf.layout.slab_bytes)
+        ext = lay.extents(3)
+        lo, hi = min(e.offset for e in ext), max(e.end for e in ext)
+
+        def cached_after(read) -> int:
+            drop_pages(path)
+            assert resident_pages(path, lo, hi - lo) == 0  # cold, so what follows is the read's doing
+            read()
+            return resident_pages(path, lo, hi - lo)
+
+        # The measure can fail: a plain buffered read of the range leaves its pages cached.
+        with open(path, "rb") as fh:
+            assert cached_after(lambda: os.pread(fh.fileno(), hi - lo, lo)) > 0
+        monkeypatch.setattr(directio, "_refuse_direct", lambda: True)  # a filesystem without O_DIRECT
+        with ExpertFiles([path]) as ef:
+            assert not ef.direct
+            assert cached_after(lambda: ef.read_expert(ext, sa.slab(0))) == 0
+            for part, (at, n) in zip(lay.parts, placement_for(ext).regions):
+                assert np.array_equal(sa.slab(0)[at : at + n], expected_part(mf, part, 3))
+
+
+# -- which file -------------------------------------------------------------------------
+
+def test_file_identity_tells_the_same_file_from_changed_ones(models, tmp_path):
+    src = Path(models["gpt-oss"])
+    same = tmp_path / "copy.gguf"
+    shutil.copy(src, same)
+    want = directio.file_identity(src)
+    assert directio.file_identity(same) == want and directio.FileIdentity.parse(str(want)) == want
+    shorter = tmp_path / "short.gguf"
+    shorter.write_bytes(src.read_bytes()[:-PAGE])
+    data = bytearray(src.read_bytes())
+    data[directio.IDENTITY_HEAD_BYTES // 2] ^= 1  # a header byte
+    header = tmp_path / "header.gguf"
+    header.write_bytes(data)
+    data = bytearray(src.read_bytes())
+    data[directio.IDENTITY_HEAD_BYTES :: PAGE] = bytes(b ^ 1 for b in data[directio.IDENTITY_HEAD_BYTES :: PAGE])
+    weights = tmp_path / "weights.gguf"  # same header and size, other weights
+    weights.write_bytes(data)
+    assert src.stat().st_size > directio.IDENTITY_HEAD_BYTES  # so the sampled pages are weights
+    assert len({str(directio.file_identity(p)) for p in (src, shorter, header, weights)}) == 4
+    # Opened with an identity, a different file is refused; the same one is not.
+    with ExpertFiles([same], identity=[str(want)]):
+        pass
+    with pytest.raises(directio.ModelChanged, match="not the file this service started with"):
+        ExpertFiles([weights], identity=[str(want)])

@@ -75,6 +75,14 @@ def test_top_k_override_scales_the_floor(qwen8):
     assert f4.floor_bytes * 2 == f8.floor_bytes == 8 * 8 * f8.slab_bytes
 
 
+def test_a_trace_driven_run_is_forecast_at_the_traces_k(qwen8):
+    """--route-replay routes the trace's k experts a layer (Qwen's phone trace: 6), not the model's 8."""
+    trace = fc.TRACE_DIR / "qwen.route.csv"
+    f8, ft = facts_of(qwen8), facts_of(qwen8, **{"compute.route_replay": str(trace)})
+    assert (f8.top_k, ft.top_k) == (8, 6)
+    assert 6 * f8.routed_bytes_per_token == 8 * ft.routed_bytes_per_token
+
+
 # ---------------------------------------------------------------- memory
 
 def test_refuses_with_the_limit_that_works_and_fits_at_it(qwen8):

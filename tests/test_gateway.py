@@ -4,9 +4,10 @@ spawned process, in front of a FAKE compute that speaks the real wire
 
 The fake compute is this file run as a script (see the bottom): for a request
 of max_tokens N it sends the pieces "w0 ", "w1 ", ... "w{N-1} " and Done with
-finish_reason "length"; it can wait between pieces and SIGKILL itself after a
-number of pieces, and logs every frame it gets as a JSON line. A small thread
-plays the supervisor: when a fake compute dies, it starts the next one.
+finish_reason "length"; it can wait between pieces, pad them, and SIGKILL
+itself after a number of pieces, and logs every frame it gets as a JSON line.
+A small thread plays the supervisor: when a fake compute dies, it starts the
+next one.
 """
 from __future__ import annotations
 
@@ -33,9 +34,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 # ----------------------------------------------------------------- fake compute
 
-def fake_compute(runtime_dir: str, log_path: str, delay_s: float, die_after: int, die_on: int) -> None:
+def fake_compute(runtime_dir: str, log_path: str, delay_s: float, die_after: int, die_on: int, pad: int = 0) -> None:
     """Serve Generate frames like procs/compute.py does, with made-up text;
-    SIGKILL itself after `die_after` pieces of its `die_on`-th request (from 0)."""
+    SIGKILL itself after `die_after` pieces of its `die_on`-th request (from 0);
+    `pad` characters of "." after each piece."""
     import zmq
 
     from moe_pipe.shared import ipc, messages as m
@@ -69,7 +71,7 @@ def fake_compute(runtime_dir: str, log_path: str, delay_s: float, die_after: int
                 note(event="cancel", req_id=msg.req_id)
                 ipc.send(tokens, m.Done(msg.req_id, False, tokens=tuple(range(i)), code=m.Code.CANCELLED, error="cancelled"))
                 break
-            ipc.send(tokens, m.Token(msg.req_id, f"w{i} "))
+            ipc.send(tokens, m.Token(msg.req_id, f"w{i} " + "." * pad))
         else:
             ms = (time.perf_counter() - t0) * 1e3 + 1e-3
             n = msg.max_tokens
@@ -83,8 +85,8 @@ def words(n: int) -> str:
 
 class FakeComputes:
     """Plays the supervisor for fake computes: runs `plans` one after another,
-    starting the next when one dies. A plan: {"delay_s", "die_after", "die_on"}
-    (the arguments of fake_compute)."""
+    starting the next when one dies. A plan: {"delay_s", "die_after", "die_on",
+    "pad"} (the arguments of fake_compute)."""
 
     def __init__(self, runtime_dir: Path, log_path: Path, plans: list[dict]):
         self.runtime_dir, self.log_path, self.plans = runtime_dir, log_path, list(plans)
@@ -99,7 +101,7 @@ class FakeComputes:
                 return
             p = subprocess.Popen([sys.executable, __file__, "fake-compute", str(self.runtime_dir), str(self.log_path),
                                   str(plan.get("delay_s", 0.0)), str(plan.get("die_after", -1)),
-                                  str(plan.get("die_on", 0))], cwd=REPO)
+                                  str(plan.get("die_on", 0)), str(plan.get("pad", 0))], cwd=REPO)
             self.procs.append(p)
             while p.poll() is None and not self.stopping.is_set():
                 time.sleep(0.02)
@@ -342,6 +344,21 @@ def test_chat_template_kwargs_reach_the_chat_template(start_gateway, tokenizer):
     assert r.usage.prompt_tokens == len(no_think)
 
 
+def test_the_service_uses_the_chat_template_the_config_chose(start_gateway, tokenizer):
+    """generate.chat_template = "plain" (the fallback for a model whose own
+    template is refused) reaches the gateway: prompts are rendered with it."""
+    from moe_pipe.shared.chat import TEMPLATE_PLAIN, chat_prompt_tokens, use_chat_template
+
+    svc = start_gateway(chat_template=TEMPLATE_PLAIN)
+    computes = svc.start_computes({})
+    svc.wait_ready()
+    messages = [{"role": "user", "content": "Say something."}]
+    plain = chat_prompt_tokens(use_chat_template(tokenizer, TEMPLATE_PLAIN), messages)
+    assert plain != chat_prompt_tokens(tokenizer, messages)
+    svc.openai().chat.completions.create(model="tiny", messages=messages, max_tokens=2)
+    assert computes.events("generate")[-1]["prompt"] == plain
+
+
 def test_health_says_loading_until_compute_says_hello(start_gateway):
     svc = start_gateway()
     status, _, body = svc.request("GET", "/health")
@@ -420,6 +437,17 @@ def test_bad_requests_get_openai_errors(start_gateway):
     error(svc.request("GET", "/v1/nowhere"), 404)
     error(svc.request("GET", "/v1/chat/completions"), 405)
     error(post({"model": "tiny", "messages": [{"role": "", "content": "x"}]}), 400, "'messages[0]'")
+    garbage = socket.create_connection((svc.host, svc.port), timeout=10)  # not HTTP at all: aiohttp's plain 400
+    garbage.sendall(b"\x16\x03\x01 GARBAGE\r\n\r\n")
+    assert re.match(rb"HTTP/1.[01] 400 ", garbage.recv(100))
+    garbage.close()
+    # bound to loopback: a rebound DNS name or a page of another site is refused, local pages are not
+    assert error(svc.request("GET", "/v1/models", headers={"Host": "evil.example:80"}), 403)["code"] == "host_not_allowed"
+    assert error(svc.request("POST", "/v1/chat/completions", {"model": "tiny", "messages": msgs},
+                             headers={"Origin": "https://evil.example"}), 403)["code"] == "origin_not_allowed"
+    error(svc.request("GET", "/metrics", headers={"Origin": "null"}), 403)
+    for host in ("localhost:1", "[::1]:8080", "127.0.0.2"):
+        assert svc.request("GET", "/health", headers={"Host": host, "Origin": f"http://{host}"})[0] == 200, host
     # after all that, it still serves
     status, _, body = svc.chat(max_tokens=3)
     assert status == 200 and body["choices"][0]["message"]["content"] == words(3)
@@ -446,7 +474,7 @@ def test_full_queue_answers_429(start_gateway):
 def _raw_request(svc: Service, body: dict) -> socket.socket:
     data = json.dumps(body).encode()
     sock = socket.create_connection((svc.host, svc.port), timeout=10)
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
     return sock
 
@@ -480,6 +508,241 @@ def test_client_disconnect_cancels_on_compute(start_gateway):
     assert len(computes.events("generate")) == 3
     metrics = parse_prometheus(svc.request("GET", "/metrics")[2])
     assert metrics['moe_pipe_requests_total{outcome="cancelled"}'] == 3
+
+
+# ------------------------------------------------------------- hostile clients
+
+POST_HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+
+
+def _trickle(sock: socket.socket, piece: bytes, for_s: float) -> tuple[bytes, float | None]:
+    """Send `piece` every 0.1 s (b"": send nothing) for up to `for_s`, keeping
+    what the server sends: (the bytes, seconds until it hung up, or None)."""
+    sock.settimeout(0.1)
+    got, t0 = b"", time.monotonic()
+    while time.monotonic() - t0 < for_s:
+        try:
+            if piece:
+                sock.sendall(piece)
+            chunk = sock.recv(65536)
+        except socket.timeout:
+            continue
+        except (BrokenPipeError, ConnectionResetError):
+            return got, time.monotonic() - t0
+        if not chunk:
+            return got, time.monotonic() - t0
+        got += chunk
+    return got, None
+
+
+def _status_and_error(raw: bytes) -> tuple[int, dict]:
+    head, _, body = raw.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body)["error"]
+
+
+def test_field_types_and_ranges_are_checked():
+    """Every field we act on, each wrong in each way a client gets it wrong:
+    a 400 naming the field (param), never a 500 or a silent default."""
+    import math
+
+    from moe_pipe.procs.gateway import GatewaySettings
+    from moe_pipe.shared.openai_api import ApiError, parse_request
+
+    settings = GatewaySettings(runtime_dir="/nonexistent", model_path="/nonexistent", model_name="tiny")
+    msgs = [{"role": "user", "content": "hi"}]
+    bad = {
+        "model": [5, None, ["tiny"]],
+        "messages": ["hi", {}, [], None],
+        "messages[0]": [[1], [{"content": "hi"}], [{"role": 1, "content": "x"}], [{"role": "", "content": "x"}]],
+        "messages[0].content": [[{"role": "user", "content": 5}], [{"role": "user", "content": {"text": "x"}}],
+                                [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]],
+        "max_tokens": [-1, 0, 1.5, 5.0, True, "5", 1e30, 1 << 64, [5]],
+        "max_completion_tokens": [-3, 2.5, False],
+        "temperature": [-0.1, 2.01, math.nan, math.inf, -math.inf, "0.5", True, [0.5]],
+        "top_p": [0, 1.5, math.nan, math.inf, "1", False],
+        "n": [0, 2, "1", 1.0, True],
+        "stop": [5, [None], {"a": 1}, ["x"] * 17, ["x" * 257], [1]],
+        "seed": ["7", 1.5, True, -1, 1 << 64],
+        "stream": ["yes", 1],
+        "stream_options": ["x", [], 0, {"include_usage": 1}],
+    }
+    for field, values in bad.items():
+        for value in values:
+            top = field.split("[")[0]
+            body = {"model": "tiny", "messages": msgs, top: value}
+            with pytest.raises(ApiError) as err:
+                parse_request(body, True, settings)
+            e = err.value
+            assert (e.status, e.code, e.param) == (400, "invalid_value", field), (field, value, e.message)
+            assert f"'{field}'" in e.message and e.message.count("\n") == 0, e.message
+    for value in (5, [], ["a"], None, ""):
+        with pytest.raises(ApiError) as err:
+            parse_request({"model": "tiny", "prompt": value}, False, settings)
+        assert (err.value.status, err.value.param) == (400, "prompt")
+    # the edges are allowed
+    ok = parse_request({"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}]}],
+                        "max_tokens": 1, "temperature": 2, "top_p": 1, "seed": (1 << 64) - 1, "n": 1,
+                        "stop": ["x" * 256] * 16, "stream": None, "stream_options": None}, True, settings)
+    assert (ok.max_tokens, ok.sampling["temperature"], ok.sampling["seed"], len(ok.stop)) == (1, 2.0, (1 << 64) - 1, 16)
+
+
+def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(tokenizer, model_path):
+    """A prompt far over a 64-token context is refused on its length, untokenized
+    (4 MB would take seconds of the one tokenizing thread); one nearer the
+    limit is tokenized and refused with its exact token count."""
+    from moe_pipe.procs.gateway import Gateway, GatewaySettings, longest_token_bytes
+    from moe_pipe.shared.chat import encode_prompt
+    from moe_pipe.shared.openai_api import ApiError, fit_max_tokens, parse_request
+
+    settings = GatewaySettings(runtime_dir="/nonexistent", model_path=str(model_path), model_name="tiny", ctx_size=64)
+    gateway = Gateway(settings, tokenizer)
+    longest = longest_token_bytes(tokenizer)
+    assert 1 < longest < 64
+    try:
+        def refusal(body: dict, chat: bool) -> ApiError:
+            req = parse_request({"model": "tiny", **body}, chat, settings)
+            with pytest.raises(ApiError) as err:
+                fit_max_tokens(req, len(asyncio.run(gateway.tokenize(req))), settings)
+            assert (err.value.status, err.value.code) == (400, "context_length_exceeded"), err.value.message
+            return err.value
+
+        huge = "the river ran past the old mill " * 400  # 12,800 characters: > 64 tokens even at 4 x 20 a token
+        err = refusal({"prompt": huge}, chat=False)
+        assert err.param == "prompt" and "at least" in err.message and "context holds 64" in err.message
+        assert int(re.search(r"at least ([\d,]+) tokens", err.message).group(1).replace(",", "")) <= len(
+            encode_prompt(tokenizer, huge))  # a true floor
+        err = refusal({"messages": [{"role": "user", "content": huge}]}, chat=True)
+        assert err.param == "messages" and "at least" in err.message
+        near = "the river ran past the old mill " * 20  # over 64 tokens, under the floor's reach
+        err = refusal({"prompt": near}, chat=False)
+        assert f"the prompt is {len(encode_prompt(tokenizer, near))} tokens" in err.message
+    finally:
+        gateway.tokenize_pool.shutdown()
+
+
+def test_a_prompt_over_the_wire_cap_is_400_not_a_hang(start_gateway):
+    """With a context larger than one Generate frame can carry (the wire caps
+    arrays at 65536 items), the prompt is refused at the gateway instead of
+    being dropped by compute's decoder and waited on forever."""
+    svc = start_gateway(ctx_size=200_000)
+    computes = svc.start_computes({})
+    svc.wait_ready()
+    status, _, body = svc.request("POST", "/v1/completions", {"model": "tiny", "prompt": "x" * 70_000, "max_tokens": 2})
+    assert status == 400 and body["error"]["code"] == "context_length_exceeded", body
+    assert re.search(r"the prompt is 7\d{4} tokens", body["error"]["message"]), body
+    status, _, body = svc.chat(max_tokens=2)
+    assert status == 200 and body["choices"][0]["message"]["content"] == words(2)
+    assert len(computes.events("generate")) == 1 and len(computes.events("hello")) == 1
+
+
+def test_a_huge_body_is_413_on_its_length(start_gateway):
+    svc = start_gateway()
+    svc.start_computes({})
+    svc.wait_ready()
+    sock = socket.create_connection((svc.host, svc.port), timeout=10)
+    sock.sendall(POST_HEAD + b"Content-Length: %d\r\n\r\n{\"model\": " % (1 << 30))
+    got, hung_up = _trickle(sock, b"", 8)  # the other GiB never comes: the answer must not wait for it
+    sock.close()
+    status, err = _status_and_error(got)
+    assert status == 413 and err["code"] == "body_too_large" and hung_up is not None
+    status, _, body = svc.chat(max_tokens=2)
+    assert status == 200 and body["choices"][0]["message"]["content"] == words(2)
+
+
+def test_slow_clients_are_cut_off_without_holding_compute(start_gateway):
+    """Slowloris: headers trickled, a body trickled, a connection that says
+    nothing. Each is closed (or answered 408) after its timeout, while other
+    requests are served as usual."""
+    svc = start_gateway(idle_timeout_s=1.0, body_timeout_s=1.0)
+    svc.start_computes({})
+    svc.wait_ready()
+    silent = socket.create_connection((svc.host, svc.port), timeout=10)
+    headers = socket.create_connection((svc.host, svc.port), timeout=10)
+    headers.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nX-Slow: ")
+    body = socket.create_connection((svc.host, svc.port), timeout=10)
+    body.sendall(POST_HEAD + b"Content-Length: 1000\r\n\r\n{")
+
+    served = {}
+    other = threading.Thread(target=lambda: served.update(r=svc.chat(max_tokens=3)))
+    other.start()
+    got_headers, headers_cut = _trickle(headers, b"a", 8)
+    got_body, body_cut = _trickle(body, b" ", 8)
+    got_silent, silent_cut = _trickle(silent, b"", 8)
+    other.join(10)
+    for sock in (silent, headers, body):
+        sock.close()
+    assert got_headers == b"" and headers_cut is not None, "a trickle of headers was not cut off"
+    status, err = _status_and_error(got_body)
+    assert status == 408 and err["code"] == "body_timeout" and body_cut is not None
+    assert got_silent == b"" and silent_cut is not None, "an idle connection was not closed"
+    assert served["r"][0] == 200 and served["r"][2]["choices"][0]["message"]["content"] == words(3)
+    open_now = lambda: parse_prometheus(svc.request("GET", "/metrics")[2])["moe_pipe_connections_open"]  # noqa: E731
+    wait_for(lambda: open_now() == 1, what="only the /metrics connection to be open")
+
+
+def test_connections_past_the_limit_get_503_until_idle_ones_close(start_gateway):
+    svc = start_gateway(max_connections=4, idle_timeout_s=3.0)
+    svc.start_computes({})
+    svc.wait_ready()
+    idle = [socket.create_connection((svc.host, svc.port), timeout=10) for _ in range(4)]
+    status, headers, body = svc.chat(max_tokens=2)
+    assert status == 503 and body["error"]["code"] == "too_many_connections" and headers["Retry-After"].isdigit()
+    flood = [socket.create_connection((svc.host, svc.port), timeout=10) for _ in range(10)]
+    for sock in flood:  # 4 refusals wait for their client to hang up; past that they close at once, still answered
+        got, hung_up = _trickle(sock, b"", 8)
+        assert got.startswith(b"HTTP/1.1 503 ") and hung_up is not None, got
+        sock.close()
+    for sock in idle:  # the idle timeout frees their places
+        assert _trickle(sock, b"", 8)[1] is not None
+        sock.close()
+    status, _, body = wait_for(lambda: (r := svc.chat(max_tokens=2))[0] == 200 and r, what="a place to free up")
+    assert body["choices"][0]["message"]["content"] == words(2)
+    metrics = parse_prometheus(svc.request("GET", "/metrics")[2])
+    assert metrics["moe_pipe_connections_refused_total"] >= 11
+
+
+def test_a_client_that_stops_reading_its_stream_is_cancelled(start_gateway):
+    """A stream whose client reads nothing more: once the socket buffers are
+    full, the write waits write_timeout_s, then the request is cancelled on
+    compute (instead of generating to the end for nobody) and the service goes on."""
+    svc = start_gateway(write_timeout_s=1.0, ctx_size=300_000)
+    computes = svc.start_computes({"delay_s": 0.0002, "pad": 4000})  # 4 KB a token: the buffers (MBs) fill in seconds
+    svc.wait_ready()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window fills fast
+    sock.settimeout(10)
+    sock.connect((svc.host, svc.port))
+    data = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 200_000,
+                       "stream": True}).encode()
+    sock.sendall(POST_HEAD + b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+    assert sock.recv(100).startswith(b"HTTP/1.1 200")  # then it reads nothing more
+    cancels = wait_for(lambda: computes.events("cancel"), timeout_s=40, what="a Cancel for the stalled stream")
+    sock.close()
+    assert cancels[0]["req_id"] == computes.events("generate")[0]["req_id"]
+    status, _, body = svc.chat(max_tokens=2)
+    assert status == 200 and body["choices"][0]["message"]["content"].replace(".", "") == words(2)
+
+
+def test_hanging_up_mid_body_or_while_compute_loads_leaves_nothing_behind(start_gateway):
+    svc = start_gateway()
+    waiting = lambda: parse_prometheus(svc.request("GET", "/metrics")[2])  # noqa: E731
+    half = socket.create_connection((svc.host, svc.port), timeout=10)
+    half.sendall(POST_HEAD + b"Content-Length: 500\r\n\r\n{\"model\": \"tiny\", ")
+    time.sleep(0.2)
+    half.close()
+    wait_for(lambda: waiting()['moe_pipe_requests_total{outcome="cancelled"}'] == 1, what="the half body to count")
+    # no compute yet (the model loads): the request waits, its client leaves, it must never reach compute
+    early = _raw_request(svc, {"model": "tiny", "messages": [{"role": "user", "content": "early"}], "max_tokens": 5})
+    time.sleep(0.5)
+    early.close()
+    wait_for(lambda: waiting()['moe_pipe_requests_total{outcome="cancelled"}'] == 2, what="the early request to go")
+    computes = svc.start_computes({})
+    svc.wait_ready()
+    status, _, body = svc.chat(max_tokens=2)
+    assert status == 200 and body["choices"][0]["message"]["content"] == words(2)
+    assert len(computes.events("generate")) == 1
+    assert svc.request("GET", "/metrics")[0] == 200
+
 
 
 # ---------------------------------------------------------------- compute dies
@@ -785,5 +1048,5 @@ def test_template_vars_win_over_no_think_and_reach_gpt_oss_style_templates(token
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["fake-compute"]:
-    _, _, rt_dir, log_file, delay, die_after, die_on = sys.argv
-    fake_compute(rt_dir, log_file, float(delay), int(die_after), int(die_on))
+    _, _, rt_dir, log_file, delay, die_after, die_on, pad = sys.argv
+    fake_compute(rt_dir, log_file, float(delay), int(die_after), int(die_on), int(pad))

@@ -170,3 +170,28 @@ def test_doc_lists_every_summary_field():
     from moe_pipe.shared.messages import RunSummary
 
     assert tuple(row[0] for row in doc_table("Run summary")) == field_names(RunSummary)
+
+
+def test_the_telemetry_process_keeps_a_tally_not_the_records():
+    """A service sends records for hours: the recorder keeps ~16 bytes a token
+    (wall and step), not the records, and sums to the same summary."""
+    import tracemalloc
+
+    from moe_pipe.procs.telemetry import Recorder, TelemetryConfig
+
+    def record(i):  # made on arrival, as the decoder makes them: kept only if the recorder keeps it
+        return rec(i, 100.0 + (i % 7), hit_pct=i / 1000, rss_bytes=i)
+
+    n = 20_000
+    r = Recorder(TelemetryConfig(runtime_dir="/nonexistent"))
+    r.on_run_info(INFO)
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    for i in range(1, n + 1):
+        r.on_record(record(i))
+    grown = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    assert grown < 40 * n  # a TokenRecord alone is ~10x that
+    records = [record(i) for i in range(1, n + 1)]
+    got = r.finish()
+    assert got == tm.summarize(records, INFO.load_seconds, INFO.budget_bytes, 0, len(records))

@@ -1,0 +1,416 @@
+"""Soak: the service answers a bounded stream of requests for a fixed time
+while a random child is killed with SIGKILL every few seconds.
+
+    python bench/soak.py [--seconds 180] [--kill-every 3] [--clients 2] [--max-tokens 24]
+                         [--victims reader,compute,telemetry,gateway] [--cache-mb 1.2]
+                         [--check-prompts N] [--seed 0] [--json OUT]
+
+It starts `moe-pipe up configs/tiny.toml --detach` in a private runtime
+folder (XDG_RUNTIME_DIR under /tmp, as tests/test_service.py does) on a fixed
+free port (a restarted gateway binds it again), with a cache of a quarter of
+the experts so the reader is always reading when it is killed. Then:
+
+  1. references: each prompt once before any kill (greedy, so every later
+     answer must be the same text); the first --check-prompts of them are
+     also compared with `moe-pipe run --no-stream --chat` (the resident
+     reference path);
+  2. the soak: --clients threads send chat completions one after another
+     (half of them streamed) until --seconds are up; meanwhile every
+     --kill-every seconds (±30 %) one RUNNING child among --victims that has
+     been up longer than the supervisor's stable window gets SIGKILL (a child
+     killed again inside that window counts as a failed start, and enough of
+     those make it FATAL by design: that is a crash loop guard, not what this
+     measures);
+  3. recovery: once every child is RUNNING again, each prompt once more;
+  4. `moe-pipe down`, then what is left: shared-memory segments, moe-*
+     processes, the runtime folder, a listener on the port, and the
+     supervisor's open fds and threads (measured after the references and
+     again before down: restarts must not accumulate them).
+
+A request ends as `ok` (the reference's text), `mismatch` (a different text:
+a wrong answer), or an error by kind: `http_503:compute_unavailable`,
+`stream_error:...`, `connection:...` (the gateway was killed under it),
+`timeout` (no answer within REQUEST_TIMEOUT_S: a hang). The figures are
+printed, never judged; tests/test_soak.py makes the assertions.
+"""
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parents[1]
+CLI = [sys.executable, "-m", "moe_pipe.cli.main"]
+CONFIG = str(REPO / "configs" / "tiny.toml")
+MODEL_NAME = "tiny qwen3moe"
+PROMPTS = ("Tell a story", "The old mill by the river", "Once upon a time", "Write a poem about the sea",
+           "Explain the rain", "List three colours")
+REQUEST_TIMEOUT_S = 120.0  # a request, queueing and one compute retry included; beyond it: a hang
+START_SECS, BACKOFF_S, BACKOFF_CAP_S = 0.5, 0.2, 2.0
+STABLE_S = max(10 * START_SECS, BACKOFF_CAP_S)  # the supervisor's window: a crash inside it is a failed start
+SETTLE_S = 90.0  # after the soak: time for every child to be RUNNING again
+
+
+@dataclass
+class Report:
+    seconds: float
+    kill_every_s: float
+    clients: int
+    requests: int = 0
+    ok: int = 0
+    mismatch: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+    error_examples: dict[str, str] = field(default_factory=dict)
+    kills: dict[str, int] = field(default_factory=dict)
+    restarts: dict[str, int] = field(default_factory=dict)
+    final_states: dict[str, str] = field(default_factory=dict)
+    reference_checked: int = 0  # prompts whose first answer was compared with `run --no-stream`
+    reference_mismatch: list[str] = field(default_factory=list)
+    recovered: bool = False  # every prompt answered with its reference after the soak
+    recovery_errors: list[str] = field(default_factory=list)
+    supervisor_fds: tuple[int, int] = (0, 0)  # after the references, before down
+    supervisor_threads: tuple[int, int] = (0, 0)
+    supervisor_rss_mib: tuple[float, float] = (0.0, 0.0)
+    leaked_shm: list[str] = field(default_factory=list)
+    leaked_processes: list[str] = field(default_factory=list)
+    leaked_runtime: list[str] = field(default_factory=list)
+    leaked_listener: bool = False
+    client_fds: tuple[int, int] = (0, 0)  # this process, before and after
+    latency_p50_s: float = 0.0
+    latency_p95_s: float = 0.0
+    phases_s: dict[str, float] = field(default_factory=dict)  # up, references, soak, recovery, down
+    wall_s: float = 0.0
+
+    @property
+    def leaks(self) -> dict[str, object]:
+        return {"shm": self.leaked_shm, "processes": self.leaked_processes, "runtime": self.leaked_runtime,
+                "listener": self.leaked_listener, "supervisor_fds": self.supervisor_fds[1] - self.supervisor_fds[0],
+                "supervisor_threads": self.supervisor_threads[1] - self.supervisor_threads[0],
+                "client_fds": self.client_fds[1] - self.client_fds[0]}
+
+
+# -- the service ---------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Service:
+    def __init__(self, cache_mb: float):
+        self.base = Path(tempfile.mkdtemp(prefix="mps", dir="/tmp"))  # short: unix socket paths <= 107 bytes
+        self.env = {**os.environ, "XDG_RUNTIME_DIR": str(self.base)}
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.settings = ["--cache-mb", str(cache_mb)]
+        r = self.cli("up", CONFIG, "--detach", "--port", str(self.port), *self.settings,
+                     "--set", f"supervisor.start_secs={START_SECS}", "--set", f"supervisor.backoff_s={BACKOFF_S}",
+                     "--set", f"supervisor.backoff_cap_s={BACKOFF_CAP_S}", timeout=300)
+        if r.returncode != 0:
+            shutil.rmtree(self.base, ignore_errors=True)
+            raise SystemExit(f"soak: moe-pipe up failed: {r.stderr.strip()}")
+        self.pid = self.status()["pid"]
+
+    def cli(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+        return subprocess.run([*CLI, *args], capture_output=True, text=True, env=self.env, timeout=timeout, cwd=REPO)
+
+    def status(self) -> dict:
+        r = self.cli("status", "--json")
+        if r.returncode != 0:
+            raise RuntimeError(f"status failed: {r.stderr.strip() or r.stdout.strip()}")
+        return json.loads(r.stdout)
+
+    def wait_all_running(self, timeout_s: float) -> dict[str, str]:
+        deadline = time.monotonic() + timeout_s
+        states = {}
+        while time.monotonic() < deadline:
+            states = {p["name"]: p["state"] for p in self.status()["processes"]}
+            if all(s == "RUNNING" for s in states.values()):
+                break
+            time.sleep(0.3)
+        return states
+
+    def down(self) -> None:
+        self.cli("down", timeout=120)
+        deadline = time.monotonic() + 60
+        while psutil.pid_exists(self.pid) and time.monotonic() < deadline:
+            try:
+                if psutil.Process(self.pid).status() == psutil.STATUS_ZOMBIE:
+                    break
+            except psutil.NoSuchProcess:
+                break
+            time.sleep(0.1)
+
+
+def reference_run(prompt: str, max_tokens: int, settings: list[str]) -> str:
+    r = subprocess.run([*CLI, "run", CONFIG, *settings, "-p", prompt, "-n", str(max_tokens), "--chat", "--no-stream",
+                        "--output-format", "json"], capture_output=True, text=True, timeout=300, cwd=REPO)
+    if r.returncode != 0:
+        raise SystemExit(f"soak: the reference run failed: {r.stderr.strip()}")
+    return json.loads(r.stdout)["text"]
+
+
+# -- one request ----------------------------------------------------------------------
+
+def ask(url: str, prompt: str, max_tokens: int, stream: bool) -> tuple[str, str]:
+    """("ok", text) or (error kind, message)."""
+    body = json.dumps({"model": MODEL_NAME, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+                       "temperature": 0, "stream": stream}).encode()
+    req = urllib.request.Request(url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as resp:
+            if not stream:
+                return "ok", json.loads(resp.read())["choices"][0]["message"]["content"]
+            return read_stream(resp)
+    except urllib.error.HTTPError as e:
+        try:
+            err = json.loads(e.read())["error"]
+            return f"http_{e.code}:{err.get('code')}", str(err.get("message"))
+        except (ValueError, KeyError, TypeError, OSError, http.client.HTTPException):
+            return f"http_{e.code}", str(e)
+    except (socket.timeout, TimeoutError) as e:
+        return "timeout", str(e)
+    except urllib.error.URLError as e:
+        reason = e.reason
+        if isinstance(reason, (socket.timeout, TimeoutError)):
+            return "timeout", str(reason)
+        return f"connection:{type(reason).__name__}", str(reason)
+    except (ConnectionError, http.client.HTTPException) as e:
+        return f"connection:{type(e).__name__}", str(e)
+
+
+def read_stream(resp) -> tuple[str, str]:
+    text = []
+    try:
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data: "):
+                continue
+            data = line[6:]
+            if data == "[DONE]":
+                return "ok", "".join(text)
+            event = json.loads(data)
+            if "error" in event:
+                return f"stream_error:{event['error'].get('code')}", str(event["error"].get("message"))
+            for choice in event.get("choices", []):
+                text.append((choice.get("delta") or {}).get("content") or "")
+    except (socket.timeout, TimeoutError) as e:
+        return "timeout", str(e)
+    except (ConnectionError, http.client.HTTPException) as e:
+        return f"connection:{type(e).__name__}", str(e)
+    return "connection:incomplete_stream", "the stream ended without [DONE]"
+
+
+# -- the soak ---------------------------------------------------------------------------
+
+def snapshot(pid: int) -> tuple[int, int, float]:
+    p = psutil.Process(pid)
+    return p.num_fds(), p.num_threads(), p.memory_info().rss / 2**20
+
+
+def moe_processes() -> set[tuple[int, str]]:
+    out = set()
+    for p in psutil.process_iter(["name", "status"]):
+        if (p.info["name"] or "").startswith("moe-") and p.info["status"] != psutil.STATUS_ZOMBIE:
+            out.add((p.pid, p.info["name"]))
+    return out
+
+
+def shm_segments() -> set[str]:
+    return {p.name for p in Path("/dev/shm").glob("moe-pipe-*")}
+
+
+def own_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def soak(args) -> Report:
+    rep = Report(args.seconds, args.kill_every, args.clients)
+    shm0, procs0, fds0 = shm_segments(), moe_processes(), own_fds()
+    t_start = time.monotonic()
+    marks = [t_start]
+
+    def phase(name: str) -> None:
+        marks.append(time.monotonic())
+        rep.phases_s[name] = round(marks[-1] - marks[-2], 1)
+
+    svc = Service(args.cache_mb)
+    phase("up")
+    try:
+        # 1. references, before any kill
+        refs = {}
+        for prompt in PROMPTS:
+            kind, text = ask(svc.url, prompt, args.max_tokens, stream=False)
+            if kind != "ok":
+                raise SystemExit(f"soak: the service did not answer before the soak: {kind}: {text}")
+            refs[prompt] = text
+        for prompt in PROMPTS[: args.check_prompts]:
+            rep.reference_checked += 1
+            if reference_run(prompt, args.max_tokens, svc.settings) != refs[prompt]:
+                rep.reference_mismatch.append(prompt)
+        fds, threads, rss = snapshot(svc.pid)
+        phase("references")
+
+        # 2. the soak
+        stop = threading.Event()
+        lock = threading.Lock()
+        latencies: list[float] = []
+        errors: Counter[str] = Counter()
+        kills: Counter[str] = Counter()
+        rng = random.Random(args.seed)
+
+        def client(k: int) -> None:
+            crng = random.Random(args.seed * 1000 + k)
+            while not stop.is_set():
+                prompt = crng.choice(PROMPTS)
+                t0 = time.monotonic()
+                kind, text = ask(svc.url, prompt, args.max_tokens, stream=crng.random() < 0.5)
+                dt = time.monotonic() - t0
+                with lock:
+                    rep.requests += 1
+                    if kind == "ok" and text == refs[prompt]:
+                        rep.ok += 1
+                        latencies.append(dt)
+                    elif kind == "ok":
+                        rep.mismatch += 1
+                        rep.error_examples.setdefault("mismatch", f"{prompt!r}: {text[:120]!r}")
+                    else:
+                        errors[kind] += 1
+                        rep.error_examples.setdefault(kind, text[:300])
+                if kind.startswith("connection:"):
+                    time.sleep(0.5)  # the gateway is restarting: do not spin on a refused port
+
+        def killer() -> None:
+            while not stop.wait(args.kill_every * rng.uniform(0.7, 1.3)):
+                try:
+                    procs = svc.status()["processes"]
+                except (RuntimeError, ValueError, subprocess.TimeoutExpired):
+                    continue
+                ready = [p for p in procs if p["name"] in args.victims and p["state"] == "RUNNING"
+                         and (p["uptime_s"] or 0) > STABLE_S and p["pid"]]
+                if not ready:
+                    kills["skipped (none up long enough)"] += 1
+                    continue
+                victim = rng.choice(ready)
+                try:
+                    os.kill(victim["pid"], signal.SIGKILL)
+                    kills[victim["name"]] += 1
+                except ProcessLookupError:
+                    pass
+
+        threads_ = [threading.Thread(target=client, args=(k,), daemon=True) for k in range(args.clients)]
+        threads_.append(threading.Thread(target=killer, daemon=True))
+        for t in threads_:
+            t.start()
+        time.sleep(args.seconds)
+        stop.set()
+        for t in threads_:
+            t.join(REQUEST_TIMEOUT_S + 30)
+        rep.errors, rep.kills = dict(errors), dict(kills)
+        if latencies:
+            latencies.sort()
+            rep.latency_p50_s = round(latencies[len(latencies) // 2], 3)
+            rep.latency_p95_s = round(latencies[min(len(latencies) - 1, int(len(latencies) * 0.95))], 3)
+
+        phase("soak")
+
+        # 3. recovery
+        rep.final_states = svc.wait_all_running(SETTLE_S)
+        for prompt in PROMPTS:
+            kind, text = ask(svc.url, prompt, args.max_tokens, stream=False)
+            if kind != "ok" or text != refs[prompt]:
+                rep.recovery_errors.append(f"{prompt!r}: {kind}: {text[:200]}")
+            if kind == "timeout":
+                break  # a hung service: one wait is enough to say so
+        rep.recovered = not rep.recovery_errors
+        st = svc.status()
+        rep.restarts = {p["name"]: p["restarts"] for p in st["processes"]}
+        fds1, threads1, rss1 = snapshot(svc.pid)
+        rep.supervisor_fds, rep.supervisor_threads = (fds, fds1), (threads, threads1)
+        rep.supervisor_rss_mib = (round(rss, 1), round(rss1, 1))
+        phase("recovery")
+    finally:
+        # 4. down, then what is left
+        svc.down()
+        phase("down")
+        rep.leaked_shm = sorted(shm_segments() - shm0)
+        deadline = time.monotonic() + 10  # a child killed last may still be exiting
+        while moe_processes() - procs0 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        rep.leaked_processes = sorted(f"{pid} {name}" for pid, name in moe_processes() - procs0)
+        rep.leaked_runtime = sorted(str(p) for p in (svc.base / "moe-pipe").glob("*")) if (svc.base / "moe-pipe").exists() else []
+        rep.leaked_listener = any(c.laddr and c.laddr.port == svc.port and c.status == psutil.CONN_LISTEN
+                                  for c in psutil.net_connections("tcp"))
+        shutil.rmtree(svc.base, ignore_errors=True)
+        rep.client_fds = (fds0, own_fds())
+        rep.wall_s = round(time.monotonic() - t_start, 1)
+    return rep
+
+
+def print_report(rep: Report) -> None:
+    print(f"soak: {rep.seconds:g} s, a SIGKILL every ~{rep.kill_every_s:g} s, {rep.clients} clients ({rep.wall_s:g} s in all: "
+          + ", ".join(f"{k} {v:g} s" for k, v in rep.phases_s.items()) + ")")
+    print(f"  requests {rep.requests}: ok {rep.ok} (the reference's text), mismatch {rep.mismatch}, "
+          f"errors {sum(rep.errors.values())}")
+    for kind, n in sorted(rep.errors.items(), key=lambda kv: -kv[1]):
+        print(f"    {n:5d}  {kind}  e.g. {rep.error_examples.get(kind, '')[:110]}")
+    print(f"  latency of ok requests: p50 {rep.latency_p50_s} s, p95 {rep.latency_p95_s} s")
+    print(f"  kills: {sum(v for k, v in rep.kills.items() if not k.startswith('skipped'))} "
+          f"{dict(sorted(rep.kills.items()))}")
+    print(f"  restarts: {sum(rep.restarts.values())} {rep.restarts}; final states {rep.final_states}")
+    print(f"  references: {rep.reference_checked} checked against run --no-stream, mismatches {rep.reference_mismatch}; "
+          f"recovered after the soak: {rep.recovered} {rep.recovery_errors[:2]}")
+    print(f"  supervisor: fds {rep.supervisor_fds[0]} -> {rep.supervisor_fds[1]}, threads {rep.supervisor_threads[0]} -> "
+          f"{rep.supervisor_threads[1]}, RSS {rep.supervisor_rss_mib[0]} -> {rep.supervisor_rss_mib[1]} MiB")
+    print(f"  left after down: shm {rep.leaked_shm}, processes {rep.leaked_processes}, runtime {rep.leaked_runtime}, "
+          f"listener {rep.leaked_listener}; this client's fds {rep.client_fds[0]} -> {rep.client_fds[1]}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seconds", type=float, default=180.0, help="how long requests are sent and children killed")
+    p.add_argument("--kill-every", type=float, default=3.0, help="mean seconds between two SIGKILLs")
+    p.add_argument("--clients", type=int, default=2, help="concurrent clients, each one request at a time")
+    p.add_argument("--max-tokens", type=int, default=24)
+    p.add_argument("--victims", default="reader,compute,telemetry,gateway",
+                   type=lambda s: tuple(v for v in s.split(",") if v), help="children that may be killed")
+    p.add_argument("--cache-mb", type=float, default=1.2, help="expert cache (1.2 MiB: a quarter of the tiny model's experts)")
+    p.add_argument("--check-prompts", type=int, default=len(PROMPTS),
+                   help="prompts whose first answer is compared with `moe-pipe run --no-stream`")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", metavar="OUT", help="also write the figures as JSON to OUT (- for stdout, then no table)")
+    args = p.parse_args(argv)
+    bad = set(args.victims) - {"reader", "compute", "telemetry", "gateway"}
+    if bad:
+        p.error(f"--victims: unknown {sorted(bad)}; choose from reader, compute, telemetry, gateway")
+    rep = soak(args)
+    data = asdict(rep) | {"leaks": rep.leaks}
+    if args.json == "-":
+        print(json.dumps(data, indent=1))
+        return 0
+    print_report(rep)
+    if args.json:
+        Path(args.json).write_text(json.dumps(data, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -257,11 +257,16 @@ class Supervisor:
             return
         if sig is None or now - self._model_seen[1] < MODEL_SETTLE_S:
             return
-        for child in fatal:
-            if sig != child.fatal_model:
-                log.warning("%s: the model file %s changed since it failed; trying again", child.name, self.model_path)
-                child.retries, child.fatal_model = 0, None
-                self._spawn(child)  # FATAL -> STARTING (or BACKOFF while what it needs is down)
+        retry = [c for c in fatal if sig != c.fatal_model]
+        # A child that failed only because what it needs died (compute when the reader went FATAL)
+        # may have gone FATAL after the file was already back, with the file's current signature:
+        # it gets its round with what it needs, or it would stay FATAL beside a running reader.
+        retry += [c for c in fatal if c not in retry and any(n in (r.name for r in retry) for n in c.needs)]
+        for child in retry:
+            log.warning("%s: the model file %s changed since it failed; trying again", child.name, self.model_path)
+            child.retries, child.fatal_model = 0, None
+        for child in retry:  # needed ones first (ORDER): a dependant waits in BACKOFF until they run
+            self._spawn(child)  # FATAL -> STARTING (or BACKOFF while what it needs is down)
 
     def _watch(self, child: Child, now: float) -> None:
         alive = child.process is not None and child.process.is_alive()

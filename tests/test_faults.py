@@ -519,6 +519,7 @@ def test_service_refuses_a_different_file_put_back(service_on, model):
     os.kill(s.proc("reader")["pid"], signal.SIGKILL)  # a restart would open the other file: it must refuse
     p = s.wait_state("reader", {"FATAL"})
     assert "not the file this service started with" in p["last_error"], p
-    put_back(model, "rename")  # the original again: the watch restarts it
+    put_back(model, "rename")  # the original again: the watch restarts it, and compute with it
+    s.wait_state("reader", {"RUNNING"}, timeout=60)
     s.wait_state("compute", {"RUNNING"}, timeout=60)
     assert s.chat(PROMPT) == (200, s.reference(PROMPT))

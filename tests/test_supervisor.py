@@ -178,3 +178,29 @@ def test_control_commands(tmp_path):
     bad = h.command(m.Command("dance"))
     assert not bad.ok and bad.code == m.Code.UNKNOWN_COMMAND and "status, stop" in bad.message
     assert h.command(m.Command("stop")).ok and h.stop_requested
+
+
+def test_a_changed_model_file_retries_the_fatal_child_and_what_needs_it(tmp_path):
+    """The reader refused a replaced file and went FATAL; compute died with it and
+    went FATAL after the original was already back (so with the current file's
+    signature). When the watch retries the reader, compute gets its round too."""
+    h = Harness(tmp_path, start_secs=0.5, backoff_s=1.0, start_retries=0)
+    h.start_all()
+    h.at(1.0)
+    reader, compute = h.children["reader"], h.children["compute"]
+    reader.process.die(1)
+    h.at(1.1)
+    assert reader.state == State.FATAL
+    reader.fatal_model = ("other file",)
+    compute.process.die(1)
+    h.at(1.2)
+    assert compute.state == State.FATAL
+    compute.fatal_model = ("original",)
+    signature = lambda path: ("original",)  # noqa: E731 - the file as it is now
+    h._watch_model(10.0, signature)  # first look: wait for it to settle
+    h._watch_model(20.0, signature)
+    assert reader.state == State.STARTING
+    assert compute.state in (State.STARTING, State.BACKOFF)  # not left FATAL beside a running reader
+    h.at(21.0)
+    h.at(22.0)
+    assert (reader.state, compute.state) == (State.RUNNING, State.RUNNING)

@@ -23,7 +23,6 @@ import argparse
 import random
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -92,31 +91,12 @@ def expert_bandwidth(model, seconds: float = 2.0, seed: int = 1) -> float:
 
 
 def _run(ef, arena, work, lanes, seconds):
-    """Lanes pull experts off a shared list until the time is up."""
-    lock, nxt, stop = threading.Lock(), [0], time.perf_counter() + seconds
-    totals, lat = [0] * lanes, [[] for _ in range(lanes)]
+    """(reads, bytes, per-read seconds, seconds) of lanes pulling experts off a shared list for `seconds`."""
+    from moe_pipe.shared.forecast import read_lanes
 
-    def lane(k):
-        slab = arena.slab(k)
-        while time.perf_counter() < stop:
-            with lock:
-                i = nxt[0]
-                nxt[0] += 1
-            if i >= len(work):
-                return
-            t = time.perf_counter()
-            totals[k] += ef.read_expert(work[i], slab).disk_bytes
-            lat[k].append(time.perf_counter() - t)
-
-    t0 = time.perf_counter()
-    threads = [threading.Thread(target=lane, args=(k,)) for k in range(lanes)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    secs = time.perf_counter() - t0
-    flat = [x for l in lat for x in l]
-    return len(flat), sum(totals), flat, secs
+    lat: list[float] = []
+    nbytes, secs = read_lanes(ef, arena, work, lanes, seconds, latencies=lat)
+    return len(lat), nbytes, lat, secs
 
 
 def _p90(xs):

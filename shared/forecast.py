@@ -157,9 +157,9 @@ def model_facts(mf, cfg) -> ModelFacts:
     spec, layout = mf.spec, mf.layout
     top_k = cfg.compute.top_k or spec.n_expert_used
     if cfg.compute.route_replay:  # a trace-driven run routes the trace's k experts a layer, not the model's
-        from .trace import read_trace
+        from .trace import read_trace_header
 
-        top_k = read_trace(cfg.compute.route_replay).header.n_expert_used
+        top_k = read_trace_header(cfg.compute.route_replay).n_expert_used
     if top_k > spec.n_expert:
         raise UserError(f"--top-k {top_k} is out of range: {mf.gguf.path} has {spec.n_expert} experts per layer")
     return ModelFacts(
@@ -359,7 +359,7 @@ def measure_reads(mf, lanes: Sequence[int] = READ_LANES, seconds: float = 1.5, s
             best = 0.0
             for _ in range(rounds):
                 work = [lay.expert_extents(rng.randrange(spec.n_layer), rng.randrange(spec.n_expert)) for _ in range(2048)]
-                nbytes, secs = _read_lanes(ef, arena, work, n, seconds / len(lanes) / rounds)
+                nbytes, secs = read_lanes(ef, arena, work, n, seconds / len(lanes) / rounds)
                 best = max(best, nbytes / secs / 1e9)
             out[n] = best
         direct = ef.direct
@@ -367,10 +367,12 @@ def measure_reads(mf, lanes: Sequence[int] = READ_LANES, seconds: float = 1.5, s
     return ReadFigures(out, direct, "measured", note)
 
 
-def _read_lanes(ef, arena, work, lanes: int, seconds: float) -> tuple[int, float]:
-    """Lanes (threads) pull experts off a shared list until the time is up; (bytes, seconds)."""
+def read_lanes(ef, arena, work, lanes: int, seconds: float,
+               latencies: list[float] | None = None) -> tuple[int, float]:
+    """Lanes (threads) pull experts off a shared list until the time is up; (bytes, seconds).
+    With `latencies`, each read's seconds are appended to it (bench/bench_reads.py)."""
     lock, nxt, stop = threading.Lock(), [0], time.perf_counter() + seconds
-    totals = [0] * lanes
+    totals, lat = [0] * lanes, [[] for _ in range(lanes)]
 
     def lane(k: int) -> None:
         slab = arena.slab(k)
@@ -380,7 +382,9 @@ def _read_lanes(ef, arena, work, lanes: int, seconds: float) -> tuple[int, float
                 nxt[0] += 1
             if i >= len(work) or (i >= lanes and time.perf_counter() >= stop):  # one read each, at least
                 return
+            t = time.perf_counter()
             totals[k] += ef.read_expert(work[i], slab).disk_bytes
+            lat[k].append(time.perf_counter() - t)
 
     t0 = time.perf_counter()
     threads = [threading.Thread(target=lane, args=(k,)) for k in range(lanes)]
@@ -388,6 +392,8 @@ def _read_lanes(ef, arena, work, lanes: int, seconds: float) -> tuple[int, float
         t.start()
     for t in threads:
         t.join()
+    if latencies is not None:
+        latencies.extend(x for per_lane in lat for x in per_lane)
     return sum(totals), max(time.perf_counter() - t0, 1e-9)
 
 

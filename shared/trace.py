@@ -183,18 +183,36 @@ def _bad_row(path, line_no: int, text: str, header: TraceHeader) -> TraceError |
     return None
 
 
-def read_trace(path) -> Trace:
-    """Read a route trace; one-line TraceError (file:line: problem) if it is malformed."""
-    path = Path(path)
+def _read_lines(path: Path, header_only: bool = False) -> list[str]:
+    """The file's lines; with `header_only`, up to the column row (the first line not a comment)."""
     try:
-        text = path.read_text()
+        if not header_only:
+            return path.read_text().splitlines()
+        lines = []
+        with open(path) as f:
+            for line in f:
+                lines.append(line.rstrip("\n"))
+                if not line.startswith("#"):
+                    break
+        return lines
     except FileNotFoundError:
         raise TraceError(path, None, "no such file") from None
     except IsADirectoryError:
         raise TraceError(path, None, "is a directory, not a route trace") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise TraceError(path, None, f"cannot read: {exc}") from None
-    lines = text.splitlines()
+
+
+def read_trace_header(path) -> TraceHeader:
+    """Only a trace's header (shape, k, sizes), without reading its rows."""
+    path = Path(path)
+    return _parse_header(path, _read_lines(path, header_only=True))[0]
+
+
+def read_trace(path) -> Trace:
+    """Read a route trace; one-line TraceError (file:line: problem) if it is malformed."""
+    path = Path(path)
+    lines = _read_lines(path)
     header, row_line = _parse_header(path, lines)
     body = lines[row_line:]
     while body and not body[-1].strip():  # a trailing blank line is harmless

@@ -157,3 +157,17 @@ def test_missing_and_empty_files(tmp_path):
     (tmp_path / "hdr.csv").write_text(HEADER.text())
     t = read_trace(tmp_path / "hdr.csv")  # a header and no rows is a valid, empty trace
     assert len(t) == 0 and t.header == HEADER and HEADER_ROW == ",".join(COLUMNS)
+
+
+def test_the_header_alone_is_the_whole_reads_header(tmp_path):
+    from moe_pipe.shared.forecast import TRACE_DIR
+    from moe_pipe.shared.trace import read_trace_header
+
+    for name in ("qwen.route.csv", "gptoss.route.csv"):  # the shipped traces
+        assert read_trace_header(TRACE_DIR / name) == read_trace(TRACE_DIR / name).header
+    bad = tmp_path / "bad.csv"
+    bad.write_text("# route_trace v1\nnot a model line\n")
+    with pytest.raises(TraceError, match="bad.csv:2"):
+        read_trace_header(bad)
+    with pytest.raises(TraceError, match="no such file"):
+        read_trace_header(tmp_path / "missing.csv")

@@ -38,6 +38,8 @@ from moe_pipe.shared.default_model import default_model_path
 from moe_pipe.shared.directio import placement_for
 from moe_pipe.shared.model_file import open_model
 
+from .servicehelp import StatusPolling
+
 ROOT = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "moe_pipe.cli.main"]
 CONFIG = str(ROOT / "configs" / "tiny.toml")
@@ -382,8 +384,10 @@ def _has_child(pid: int, name: str) -> bool:
 
 # ---------------------------------------------------------------- moe-pipe up
 
-class Service:
+class Service(StatusPolling):
     """`moe-pipe up --detach` of the tiny config on a model copy, in a private runtime base."""
+
+    wait_timeout_s = 90.0
 
     def __init__(self, model: Path, *extra: str, fault: str = ""):
         self.base = model.parent
@@ -403,18 +407,6 @@ class Service:
         r = self.cli("status", "--json")
         assert r.returncode == 0, r.stderr
         return json.loads(r.stdout)
-
-    def proc(self, name: str) -> dict:
-        return next(p for p in self.status()["processes"] if p["name"] == name)
-
-    def wait_state(self, name: str, states: set[str], timeout: float = 90) -> dict:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            p = self.proc(name)
-            if p["state"] in states:
-                return p
-            time.sleep(0.2)
-        raise AssertionError(f"{name} never reached {states}: {self.proc(name)}")
 
     def chat(self, prompt: str, n: int = 24) -> tuple[int, str]:
         """(HTTP status, the answer's text or the error message)."""

@@ -21,6 +21,8 @@ openai = pytest.importorskip("openai", reason="the openai client is a test extra
 
 from moe_pipe.shared.default_model import default_model_path  # noqa: E402
 
+from .servicehelp import StatusPolling  # noqa: E402
+
 CLI = [sys.executable, "-m", "moe_pipe.cli.main"]
 CONFIG = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.toml")
 MODEL = "tiny qwen3moe"  # the name configs/tiny.toml gives
@@ -28,7 +30,7 @@ FAST = ["--port", "0", "--set", "supervisor.backoff_s=0.2", "--set", "supervisor
 LONG = 1500  # tokens: a stream long enough to kill something in the middle of it
 
 
-class Service:
+class Service(StatusPolling):
     """One `up --detach` in a private runtime base (XDG_RUNTIME_DIR)."""
 
     def __init__(self, *extra: str, model: str = CONFIG):
@@ -48,18 +50,6 @@ class Service:
         st = json.loads(r.stdout)
         self.pid, self.url = st["pid"], st["url"]
         return st
-
-    def proc(self, name: str) -> dict:
-        return next(p for p in self.status()["processes"] if p["name"] == name)
-
-    def wait_state(self, name: str, states: set[str], timeout: float = 60) -> dict:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            p = self.proc(name)
-            if p["state"] in states:
-                return p
-            time.sleep(0.2)
-        raise AssertionError(f"{name} never reached {states}: {self.proc(name)}")
 
     def client(self, **kw):
         return openai.OpenAI(base_url=self.url + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0, timeout=120, **kw)

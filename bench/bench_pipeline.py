@@ -10,10 +10,15 @@ in the same session:
   3. the pipeline with a small cache (`--small-cache-mb`),
   4. (3) inside a memory cgroup smaller than the model file (`--mem-limit-mb`;
      cgroup v1 at /sys/fs/cgroup/memory or v2; skipped with a reason when not
-     permitted), with the page cache dropped first.
+     permitted), with the page cache dropped first;
+  5. (3) with next-layer prefetch (the router's guess);
+  6. (3) routed by the phone's Qwen trace, without and with prefetch: under a
+     replay the guess is the trace's own next routing, a perfect predictor —
+     the ceiling of what prefetch can give this pipeline on this disk.
 For each: decode tok/s (steady window), hit %, stall share of wall, overlap
 efficiency (wall / max(compute, io) per token, median), messaging + bookkeeping
-share, and the reader's bytes per second of lane time. Figures, not verdicts.
+share, messages to the reader per token, prefetch accuracy, and the reader's
+bytes per second of lane time. Figures, not verdicts.
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ import tempfile
 from pathlib import Path
 
 from _models import shape_model  # noqa: E402  (bench/ is the script's folder)
+from bench_vs_llama import TRACES  # noqa: E402
 from bench_reads import expert_bandwidth  # noqa: E402
 from moe_pipe.shared.cgroup import MemoryCgroup, MemoryLimitError, drop_page_cache  # noqa: E402
 PROMPT = "The old mill by the river had stood there for a hundred years, and every spring"
@@ -73,6 +79,8 @@ def csv_figures(path: Path) -> dict:
         "msg_share": sum(r.mgmt_ms + r.wire_ms for r in steady) / wall if wall else 0.0,
         "lane_gb_s": sum(r.read_bytes for r in decode) / (io / 1e3) / 1e9 if io else 0.0,
         "mib_per_tok": statistics.mean(r.read_bytes for r in steady) / 2**20 if steady else 0.0,
+        "msgs_per_tok": statistics.mean(r.messages for r in steady) if steady else 0.0,
+        "prefetch_acc": (sum(r.prefetch_used for r in decode) / issued) if (issued := sum(r.prefetch_issued for r in decode)) else None,
     }
 
 
@@ -113,9 +121,15 @@ def main(argv=None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="moe-bench-"))
     ref = run(base + ["--no-stream"])
     rows.append(("--no-stream (resident)", ref["timings"]["predicted_tok_s"], None, ref["tokens"]))
+    small = ["--cache-mb", str(args.small_cache_mb)]
+    replay = ["--route-replay", str(TRACES / "qwen.route.csv")]
     for label, extra, cg in [("pipeline, cache = all experts", ["--cache-mb", str(all_mb)], None),
-                             (f"pipeline, cache {args.small_cache_mb:.0f} MiB", ["--cache-mb", str(args.small_cache_mb)], None),
-                             ("limited", ["--cache-mb", str(args.small_cache_mb)], "cgroup")]:
+                             (f"pipeline, cache {args.small_cache_mb:.0f} MiB", small, None),
+                             ("limited", small, "cgroup"),
+                             (f"pipeline, cache {args.small_cache_mb:.0f} MiB, prefetch", small + ["--prefetch", "next-layer"], None),
+                             (f"  trace-routed, cache {args.small_cache_mb:.0f} MiB", small + replay, None),
+                             (f"  trace-routed, cache {args.small_cache_mb:.0f} MiB, prefetch (perfect guess)",
+                              small + replay + ["--prefetch", "next-layer"], None)]:
         csv = tmp / f"{len(rows)}.csv"
         cgroup = None
         if cg:
@@ -135,14 +149,17 @@ def main(argv=None) -> int:
     warm_tok_s, warm_hit = warm_all_experts(model, args, all_mb)
     direct_gb_s = expert_bandwidth(model)
     ref_tok_s = rows[0][1]
-    print(f"\n{'run':<58}{'tok/s':>7}{'×ref':>6}{'hit%':>7}{'stall':>7}{'wall/max(c,io)':>15}{'msg+mgmt':>9}{'MiB/tok':>9}{'lane GB/s':>10}  same tokens")
+    print(f"\n{'run':<72}{'tok/s':>7}{'×ref':>6}{'hit%':>7}{'stall':>7}{'wall/max(c,io)':>15}{'msg+mgmt':>9}"
+          f"{'msgs':>6}{'guess ok':>9}{'MiB/tok':>9}{'lane GB/s':>10}  same tokens")
     for label, tok_s, f, tokens in rows:
-        same = "yes" if tokens == rows[0][3] else "NO"
+        same = "yes" if tokens == rows[0][3] else ("NO" if "trace-routed" not in label else "(other routing)")
         if f is None:
-            print(f"{label:<58}{tok_s:>7.2f}{1.0:>6.2f}{'':>7}{'':>7}{'':>15}{'':>9}{'':>9}{'':>10}  (reference)")
+            print(f"{label:<72}{tok_s:>7.2f}{1.0:>6.2f}{'':>7}{'':>7}{'':>15}{'':>9}{'':>6}{'':>9}{'':>9}{'':>10}  (reference)")
             continue
-        print(f"{label:<58}{tok_s:>7.2f}{tok_s / ref_tok_s:>6.2f}{f['hit_pct']:>7.1f}{f['stall_share'] * 100:>6.1f}%"
-              f"{f['overlap_eff']:>15.2f}{f['msg_share'] * 100:>8.1f}%{f['mib_per_tok']:>9.1f}{f['lane_gb_s']:>10.2f}  {same}")
+        acc = f"{f['prefetch_acc'] * 100:.0f} %" if f["prefetch_acc"] is not None else ""
+        print(f"{label:<72}{tok_s:>7.2f}{tok_s / ref_tok_s:>6.2f}{f['hit_pct']:>7.1f}{f['stall_share'] * 100:>6.1f}%"
+              f"{f['overlap_eff']:>15.2f}{f['msg_share'] * 100:>8.1f}%{f['msgs_per_tok']:>6.1f}{acc:>9}{f['mib_per_tok']:>9.1f}"
+              f"{f['lane_gb_s']:>10.2f}  {same}")
     print(f"\npipeline, cache = all experts, warm (4th generation in one pipeline, hit {warm_hit:.1f} %): "
           f"{warm_tok_s:.2f} tok/s = {warm_tok_s / ref_tok_s:.2f} × --no-stream")
     lanes = [f["lane_gb_s"] for _l, _t, f, _k in rows if f and f["lane_gb_s"]]

@@ -2,12 +2,15 @@
 
 Loop:
   1. a Generate from the front end: prefill, then decode token by token;
-  2. per MoE layer the model asks `SlabExperts` for its k experts: one Fetch
-     to the reader, then each expert is computed as its Ready arrives — hits
-     first, misses as they land (overlap) — straight out of the read-only
-     slab arena; then Release;
-  3. per generated token: text to the front end (Token), a TokenRecord to
-     telemetry (never blocking), and at the end Done;
+  2. per MoE layer the model asks `SlabExperts` for its k experts: the hits
+     come from the residency index with no message at all; a layer with
+     misses sends one Fetch (naming its hits, to be pinned, and carrying the
+     next layer's guesses when prefetch is on), computes its hits, then each
+     miss as its Ready lands (overlap) — straight out of the read-only slab
+     arena;
+  3. per generated token: one Release (the token's fetches are done, and the
+     hits the reader has not heard of), text to the front end (Token), a
+     TokenRecord to telemetry (never blocking), and at the end Done;
   4. Shutdown: stop.
 
 A request that fails (a read error, the reader gone) ends with Done(ok=False)
@@ -21,7 +24,6 @@ import time
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
-import numpy as np
 import zmq
 
 from ..shared import ipc, messages as m
@@ -115,6 +117,10 @@ class SlabExperts:
         self.index = ResidencyIndex.attach(cfg.index_arena, layout.spec)
         self.fetch_out, self.ready_in = fetch_out, ready_in
         self.next_req = 1
+        self.done: list[int] = []  # fetches finished since the last message (their pins go)
+        self.touched: list[tuple[int, int]] = []  # hits served from the index since the last message
+        self.guess: tuple[int, list[int]] | None = None  # the next layer's guess, sent with this layer's Fetch
+        self.unsettled = 0  # a guesses-only Fetch whose Guessed has not come yet
         self.predicted: dict[int, set[int]] = {}
         self.views: dict[tuple[int, int], tuple[int, Expert]] = {}  # (layer, expert) -> (slot, views)
         self.reset_counters()
@@ -122,24 +128,24 @@ class SlabExperts:
     def reset_counters(self) -> None:
         self.hits = self.misses = self.read_bytes = self.io_ns = 0
         self.stall_s = self.mgmt_s = self.wire_s = 0.0
+        self.messages = 0
         self.prefetch_issued = self.prefetch_used = self.prefetch_wasted_bytes = 0
 
     def prefetch(self, layer: int, ids: list[int]) -> None:
-        """A guess at the next layer's experts: the reader reads the missing ones
-        into the cache without pinning them and answers nothing."""
-        t0 = time.perf_counter()
-        req, self.next_req = self.next_req, self.next_req + 1
-        ipc.send(self.fetch_out, m.Fetch(req, layer, tuple(ids), True))
-        self.predicted[layer] = set(ids)
-        self.prefetch_issued += len(ids)
-        self.wire_s += time.perf_counter() - t0
+        """A guess at the next layer's experts, made before this layer's experts
+        are asked for. The ones not cached ride on this layer's Fetch (one
+        with no misses is sent for them alone), and compute waits for that
+        Fetch's answers before it reads the index again, so the reader may
+        evict for them safely."""
+        self._settle()
+        slots = self.index.slots(layer, ids)
+        self.guess = (layer, [e for e, s in zip(ids, slots) if s < 0])
 
     def _score_prefetch(self, layer: int, ids: list[int]) -> None:
         guess = self.predicted.pop(layer, None)
         if guess:
             used = guess & set(ids)
             self.prefetch_used += len(used)
-            # upper bound: a wrong guess that was already resident cost no read
             self.prefetch_wasted_bytes += (len(guess) - len(used)) * self.layout.expert_bytes(layer)
 
     def experts(self, layer: int, ids: Iterable[int]) -> Iterator[Expert]:
@@ -151,14 +157,28 @@ class SlabExperts:
             yield from self._fetch_group(layer, ids[start : start + self.cfg.n_slots])
 
     def _fetch_group(self, layer: int, ids: list[int]) -> Iterator[Expert]:
+        self._settle()
         t0 = time.perf_counter()
         slots = self.index.slots(layer, ids)  # hits need no round trip
         resident = [e for e, s in zip(ids, slots) if s >= 0]
         missing = [e for e, s in zip(ids, slots) if s < 0]
-        req, self.next_req = self.next_req, self.next_req + 1
-        ipc.send(self.fetch_out, m.Fetch(req, layer, tuple(missing), False, tuple(resident)))
-        self.wire_s += time.perf_counter() - t0
         self.hits += len(resident)
+        if not missing and not (self.guess and self.guess[1]):
+            # all cached and nothing to guess: no message; the reader hears of these hits later
+            self.touched.extend((layer, e) for e in resident)
+            self.guess = None
+            self.mgmt_s += time.perf_counter() - t0
+            for e, s in zip(ids, slots):
+                yield self._view(layer, e, s)
+            return
+        req, self.next_req = self.next_req, self.next_req + 1
+        ipc.send(self.fetch_out, m.Fetch(req, layer, tuple(missing), tuple(resident), tuple(self.done),
+                                         tuple(self.touched), *self._take_guess()))
+        self.done, self.touched = [], []
+        self.messages += 1
+        if not missing:
+            self.unsettled = req  # a Fetch of guesses only: answered by one Guessed
+        self.wire_s += time.perf_counter() - t0
         try:
             if self.cfg.overlap:  # hits at once, then each miss as it lands
                 for e, s in zip(ids, slots):
@@ -172,14 +192,54 @@ class SlabExperts:
                 for e, s in zip(ids, slots):
                     yield self._view(layer, e, s if s >= 0 else landed[e])
         finally:
-            t1 = time.perf_counter()
-            ipc.send(self.fetch_out, m.Release(req, layer))
-            self.wire_s += time.perf_counter() - t1
+            self.done.append(req)  # unpinned by the next message
+
+    def _settle(self) -> None:
+        """Wait for the Guessed of a Fetch that carried only guesses: until it
+        comes, the reader may still be evicting for them."""
+        if self.unsettled:
+            t0 = time.perf_counter()
+            req, self.unsettled = self.unsettled, 0
+            self._next_answer(req, m.Guessed)
+            self.wire_s += time.perf_counter() - t0
+
+    def _take_guess(self) -> tuple[int, tuple[int, ...]]:
+        if self.guess is None:
+            return 0, ()
+        (layer, ids), self.guess = self.guess, None
+        if ids:
+            self.predicted[layer] = set(ids)
+            self.prefetch_issued += len(ids)
+        return layer, tuple(ids)
+
+    def end_step(self) -> None:
+        """The token is done: one Release for its fetches and the hits the
+        reader has not heard of (none when nothing happened)."""
+        if self.done or self.touched:
+            t0 = time.perf_counter()
+            ipc.send(self.fetch_out, m.Release(tuple(self.done), tuple(self.touched)))
+            self.done, self.touched = [], []
+            self.messages += 1
+            self.wire_s += time.perf_counter() - t0
 
     def _next_ready(self, req: int) -> m.Ready:
         t0 = time.perf_counter()
+        msg = self._next_answer(req, m.Ready)
+        waited = time.perf_counter() - t0
+        if msg.hit:
+            self.hits += 1
+            self.wire_s += waited  # answered at once: messaging latency only
+        else:
+            self.misses += 1
+            self.stall_s += waited  # the flash wait overlap did not hide
+            self.io_ns += msg.io_ns
+            self.read_bytes += self.layout.expert_bytes(msg.layer)
+        return msg
+
+    def _next_answer(self, req: int, want: type):
+        """The reader's next answer of type `want` (Ready, Guessed) to Fetch `req`."""
         while True:
-            msg = ipc.recv(self.ready_in, PEER_POLL_MS, expect=(m.Ready, m.FetchFailed))
+            msg = ipc.recv(self.ready_in, PEER_POLL_MS, expect=(m.Ready, m.FetchFailed, m.Guessed))
             if msg is None:
                 if not _alive(self.cfg.reader_pid):
                     raise RequestFailed(m.Code.PEER_GONE, "the reader process died")
@@ -188,16 +248,8 @@ class SlabExperts:
                 continue
             if isinstance(msg, m.FetchFailed):
                 raise RequestFailed(msg.code, f"expert {msg.expert} of layer {msg.layer}: {msg.error}")
-            waited = time.perf_counter() - t0
-            if msg.hit:
-                self.hits += 1
-                self.wire_s += waited  # answered at once: messaging latency only
-            else:
-                self.misses += 1
-                self.stall_s += waited  # the flash wait overlap did not hide
-                self.io_ns += msg.io_ns
-                self.read_bytes += self.layout.expert_bytes(msg.layer)
-            return msg
+            if isinstance(msg, want):
+                return msg
 
     def resident(self, layer: int, ids) -> list[bool]:
         """Which of these experts are cached now (for the lossy levers)."""
@@ -267,6 +319,7 @@ class Recorder:
         self.source.reset_counters()
         t0 = time.perf_counter()
         out = fn()
+        self.source.end_step()
         wall = time.perf_counter() - t0
         s = self.source
         self.total_hits += s.hits
@@ -279,7 +332,7 @@ class Recorder:
             cache_hit_pct=100.0 * self.total_hits / lookups if lookups else 0.0,
             stall_ms=s.stall_s * 1e3, mgmt_ms=s.mgmt_s * 1e3, majflt=res.majflt, cpu_ms=res.cpu_ms,
             hits=s.hits, misses=s.misses, prefetch_issued=s.prefetch_issued, prefetch_used=s.prefetch_used,
-            prefetch_wasted_bytes=s.prefetch_wasted_bytes, wire_ms=s.wire_s * 1e3, rss_bytes=self.meter.rss_bytes(),
+            prefetch_wasted_bytes=s.prefetch_wasted_bytes, wire_ms=s.wire_s * 1e3, messages=s.messages, rss_bytes=self.meter.rss_bytes(),
         )
         self.records.append(rec)
         self.telemetry.send(rec)

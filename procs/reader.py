@@ -3,13 +3,23 @@
 It owns the slot table (which slab holds which (layer, expert), the eviction
 order, the pins), so it needs no locks. Loop:
 
-  1. a Fetch from compute: every expert already resident is answered at once
-     (Ready, hit=True) and pinned; every miss gets a slab (evicting an unpinned
-     one) and goes to an I/O lane;
-  2. a lane finishes a read: Ready(hit=False) for everyone waiting on that
-     expert (a prefetch and a real fetch may wait on the same read);
-  3. a Release: unpin that layer's slabs;
+  1. a Fetch from compute (a layer with misses): unpin the fetches compute
+     is done with, tell the policy the hits compute served from the index
+     since its last message, pin the resident experts compute is using, give
+     every miss a slab (evicting an unpinned one) and queue its read; then
+     the next-layer guesses, if any, the same way on the lanes' guess queue;
+  2. a lane finishes a read: publish the slab in the residency index and
+     answer Ready(hit=False) to everyone waiting on that expert (a guess and
+     a real fetch may wait on the same read);
+  3. a Release (once per token): unpin and touch, as in 1;
   4. Shutdown: stop.
+
+Evictions happen only while handling a Fetch, and compute waits for that
+Fetch's answers (Readies, or the Guessed of a Fetch with only guesses)
+before it looks at the index again: so an expert compute finds in the index
+stays put while it uses it, pinned or not. Guesses obey the same rule (they
+are admitted while their Fetch is handled); a guess still queued when the
+next Fetch arrives is withdrawn and its slab freed.
 
 A failed read (a disk error, a file truncated or replaced since start-up)
 fails the requests waiting for it with IO_ERROR and leaves its slab free:
@@ -34,7 +44,6 @@ import os
 import threading
 import time
 from collections import defaultdict
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import zmq
@@ -45,6 +54,7 @@ from ..shared.policies import DEFAULT_POLICY
 from ..shared.directio import ExpertFiles, describe_os_error
 from ..shared.errors import UserError
 from ..shared.model_file import open_model
+from ..shared.readlanes import ReadLanes
 from ..shared.residency import ResidencyIndex
 from ..shared.shm import SlabArena
 from .lifecycle import child_setup
@@ -96,10 +106,11 @@ class Reader:
         self.done_in.setsockopt(zmq.LINGER, 0)
         self.done_in.bind(self.done_addr)
         self.ctx = ctx
-        self.lanes = ThreadPoolExecutor(max_workers=cfg.io_threads, thread_name_prefix="io-lane")
         self._lane_sockets = threading.local()
+        self.lanes = ReadLanes(cfg.io_threads, self._read_lane)
         self.inflight: dict[tuple[int, int], list[_Waiter]] = {}  # key -> who waits for its bytes
-        self.pinned: dict[tuple[int, int], list[tuple[int, int]]] = defaultdict(list)  # (req, layer) -> keys
+        self.pinned: dict[int, list[tuple[int, int]]] = defaultdict(list)  # req_id -> keys it pinned
+        self.guesses_read = self.guesses_withdrawn = 0
 
     def restore_from_index(self) -> int:
         """After a restart the slabs still hold what the last reader published:
@@ -130,6 +141,8 @@ class Reader:
 
     # -- 1. fetch ------------------------------------------------------------
     def on_fetch(self, msg: m.Fetch) -> None:
+        self.release(msg.released, msg.touched)
+        self.withdraw_guesses(keep={(msg.layer, e) for e in msg.experts})
         # Pin what compute is already using before anything can be evicted.
         for e in msg.resident:
             key = (msg.layer, e)
@@ -138,51 +151,80 @@ class Reader:
                 self.send(m.FetchFailed(msg.req_id, msg.layer, e, m.Code.INTERNAL, f"expert {key} was not resident"))
                 continue
             self.table.pin(key)
-            self.pinned[(msg.req_id, msg.layer)].append(key)
+            self.pinned[msg.req_id].append(key)
         for e in msg.experts:
             key = (msg.layer, e)
-            if not (0 <= msg.layer < len(self.layout.layers) and 0 <= e < self.layout.spec.n_expert):
+            if not self.is_expert(key):
                 self.send(m.FetchFailed(msg.req_id, msg.layer, e, m.Code.BAD_ARGUMENT, f"no expert {key}"))
-                continue
-            if msg.prefetch:
-                self.prefetch(key)
                 continue
             slot = self.table.lookup(key)
             if slot is not None and key not in self.inflight:
                 self.table.pin(key)
-                self.pinned[(msg.req_id, msg.layer)].append(key)
+                self.pinned[msg.req_id].append(key)
                 self.send_ready(msg.req_id, key, slot, hit=True, io_ns=0)
-            elif key in self.inflight:  # its read is under way (a prefetch): wait for it
+            elif key in self.inflight:  # its read is under way (a guess): wait for it, first in line
+                self.lanes.promote(key)
                 self.table.pin(key)
-                self.pinned[(msg.req_id, msg.layer)].append(key)
+                self.pinned[msg.req_id].append(key)
                 self.inflight[key].append(_Waiter(msg.req_id, msg.layer))
             else:
                 self.start_read(key, _Waiter(msg.req_id, msg.layer))
+        for e in msg.guesses:
+            if not self.guess(msg.guess_layer, e):
+                break
+        if not msg.experts and msg.guesses:  # compute waits for this before it looks at the index again
+            self.send(m.Guessed(msg.req_id))
 
-    def prefetch(self, key) -> None:
-        # A prefetch only fills free slabs: evicting here could take an expert
-        # that compute has just seen in the index and is about to use unpinned.
+    def is_expert(self, key) -> bool:
+        return 0 <= key[0] < len(self.layout.layers) and 0 <= key[1] < self.layout.spec.n_expert
+
+    def guess(self, layer: int, expert: int) -> bool:
+        """A next-layer guess: read it after the demand, evicting if need be
+        (safe here: see the module's docstring). False once nothing can be
+        evicted (every slab pinned): the rest of the guesses are skipped."""
+        key = (layer, expert)
+        if not self.is_expert(key) or key in self.table:
+            return True
+        try:
+            self.start_read(key, None, guess=True)
+        except CacheFull:
+            return False
+        self.guesses_read += 1
+        return True
+
+    def withdraw_guesses(self, keep=frozenset()) -> None:
+        """Free the slabs of guesses whose reads have not started: their layer's
+        request is here (or the token is over) and did not ask for them."""
+        for key, _slot in self.lanes.withdraw_guesses(keep):
+            if self.inflight.pop(key, None):
+                raise RuntimeError(f"withdrew guess {key} that a request waits for")
+            self.table.unpin(key)  # the read's own pin
+            self.table.drop(key)
+            self.guesses_withdrawn += 1
+
+    def fill_free(self, key) -> None:
+        """Read `key` into a free slab, if there is one (warm start): never evicts."""
         if key in self.table or key in self.inflight or len(self.table) >= self.cfg.n_slots:
             return
-        try:
-            self.start_read(key, None)
-        except CacheFull:
-            pass  # every slab pinned: a prefetch is only a hint
+        self.start_read(key, None, guess=True)
 
-    def start_read(self, key, waiter: _Waiter | None) -> None:
+    def start_read(self, key, waiter: _Waiter | None, guess: bool = False) -> None:
+        """Admit `key` (evicting if need be) and queue its read. CacheFull when
+        every slab is pinned: a waiter is answered FetchFailed, a guess raises."""
         try:
             slot, evicted = self.table.admit(key, self.layout.expert_bytes(key[0]), pin=True)
             if evicted is not None:
                 self.index.clear(evicted)  # before its slab is overwritten
         except CacheFull:
-            if waiter is not None:
-                self.send(m.FetchFailed(waiter.req_id, key[0], key[1], m.Code.INTERNAL, "every cache slab is pinned"))
+            if waiter is None:
+                raise
+            self.send(m.FetchFailed(waiter.req_id, key[0], key[1], m.Code.INTERNAL, "every cache slab is pinned"))
             return
         if waiter is not None:  # the waiter's own pin, beside the read's
             self.table.pin(key)
-            self.pinned[(waiter.req_id, waiter.layer)].append(key)
+            self.pinned[waiter.req_id].append(key)
         self.inflight[key] = [waiter] if waiter else []
-        self.lanes.submit(self._read_lane, key, slot)
+        self.lanes.submit(key, slot, guess=guess)
 
     # -- 2. a lane's read ------------------------------------------------------
     def _read_lane(self, key, slot: int) -> None:
@@ -237,9 +279,20 @@ class Reader:
 
     # -- 3. release ---------------------------------------------------------------
     def on_release(self, msg: m.Release) -> None:
-        for key in self.pinned.pop((msg.req_id, msg.layer), []):
-            if key in self.table:
-                self.table.unpin(key)
+        self.release(msg.released, msg.touched)
+        self.withdraw_guesses()  # the token is over: its guesses were not asked for
+
+    def release(self, released, touched) -> None:
+        """Unpin the slabs of fetches compute is done with, then tell the policy
+        about the hits compute served from the index without a message, in
+        the order they happened (nothing was evicted since, so the policy
+        sees what it would have seen had each been a Fetch)."""
+        for req_id in released:
+            for key in self.pinned.pop(req_id, []):
+                if key in self.table:
+                    self.table.unpin(key)
+        for key in touched:
+            self.table.lookup(key)  # a hit for the policy and the stats; a key gone since is skipped
 
     # -- sending --------------------------------------------------------------------
     def send_ready(self, req_id: int, key, slot: int, hit: bool, io_ns: int) -> None:
@@ -254,10 +307,10 @@ class Reader:
     # -- the loop --------------------------------------------------------------------
     def warm_start(self) -> None:
         """Fill free slabs with a previous run's hottest experts, hottest first.
-        They go through the lanes like prefetches, so a Fetch arriving
+        They go through the lanes' guess queue, so a Fetch arriving
         meanwhile is served in turn (and waits on a read already under way)."""
         for key in self.warm_keys:
-            self.prefetch(key)
+            self.fill_free(key)
         if self.warm_keys:
             log.info("warm start: reading %d experts from %s", len(self.warm_keys), self.cfg.warm_from)
 
@@ -291,7 +344,7 @@ class Reader:
                     return
 
     def close(self) -> None:
-        self.lanes.shutdown(wait=True, cancel_futures=True)
+        self.lanes.shutdown()
         self.index.close()
         self.files.close()
         self.arena.close()

@@ -10,7 +10,6 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-import zmq
 
 from ..shared import ipc, messages as m
 from ..shared.telemetry import CsvWriter, JsonlWriter, Tally, format_summary

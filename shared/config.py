@@ -115,7 +115,7 @@ class ComputeConfig:
                                   flags=("-t", "--threads"))
     overlap: bool = setting(True, "bool", "compute cache hits while misses are read; false waits for the whole set",
                             flags=("--overlap",))
-    prefetch: str = setting("none", "choice", "speculative read of the next layer's experts from the current hidden state",
+    prefetch: str = setting("none", "choice", "next-layer: guess the next layer's experts with its router on this layer's hidden state and read the confident ones (p >= 0.05) not cached, after this layer's misses; off by default: a wrong guess costs a read and a cached expert (docs/benchmarks.md)",
                             choices=("none", "next-layer"), flags=("--prefetch",))
     top_k: int | None = setting(None, "int", "experts per token; fewer than trained is faster and changes outputs",
                                 lo=1, hi=256, unset="the model's own", flags=("--top-k",))

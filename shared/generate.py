@@ -10,7 +10,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-import numpy as np
 
 from .errors import UserError
 from .sampling import Sampler, SamplingParams

@@ -26,7 +26,7 @@ Field types (the annotation names the checker, see `_CHECKERS`):
     str     utf-8 text
     tuple[int, ...]              e.g. expert ids; a list is stored as a tuple
     tuple[str, ...]              e.g. stop strings
-    tuple[tuple[int, int], ...]  (offset, length) pairs
+    tuple[tuple[int, int], ...]  pairs of uints: (offset, length), (layer, expert)
     dict[str, Scalar]            flat str -> str|int|float|bool|None
     dict[str, Any]               str keys, msgpack values nested <= _MAX_DEPTH
 """
@@ -45,7 +45,7 @@ import msgpack
 MAX_FRAME_BYTES = 1 << 20
 # Bumped when a message's fields change; carried in Hello so mixed versions
 # (an old compute talking to a new reader after an upgrade) are refused.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 _MAX_DEPTH = 8  # nesting inside a dict[str, Any] value (status payloads)
 _MAX_U64 = (1 << 64) - 1
@@ -64,6 +64,7 @@ class Kind(IntEnum):
     READY = 11
     FETCH_FAILED = 12
     RELEASE = 13
+    GUESSED = 14
     # compute -> telemetry -> tails
     RUN_INFO = 20
     TOKEN_RECORD = 21
@@ -149,11 +150,11 @@ def _strs(v: Any, name: str) -> tuple[str, ...]:
 
 def _pairs(v: Any, name: str) -> tuple[tuple[int, int], ...]:
     if not isinstance(v, (list, tuple)):
-        raise _fail(name, "a list of (offset, length) pairs", v)
+        raise _fail(name, "a list of pairs of unsigned ints", v)
     out = []
     for p in v:
         if not isinstance(p, (list, tuple)) or len(p) != 2:
-            raise _fail(name, "an (offset, length) pair", p)
+            raise _fail(name, "a pair of unsigned ints", p)
         out.append((_uint(p[0], name), _uint(p[1], name)))
     return tuple(out)
 
@@ -279,16 +280,30 @@ class Shutdown(_Message):
 @dataclass(frozen=True, slots=True)
 class Fetch(_Message):
     """compute -> reader: make these experts of `layer` resident and pin them
-    until Release(req_id, layer). One Fetch per MoE layer per token; the reader
-    answers one Ready (or FetchFailed) per expert, hits first."""
+    until compute says it is done with `req_id` (a later Fetch's `released`,
+    or a Release). The reader answers one Ready (or FetchFailed) per expert in
+    `experts`. Compute sends a Fetch for a layer with misses; a layer whose
+    experts are all in the residency index costs no message (its hits travel
+    in the next message's `touched`) unless it carries guesses: then
+    `experts` is empty and the reader answers one Guessed once they are
+    admitted.
+
+    The reader handles the fields in this order: `released` (unpin), `touched`
+    (the eviction policy sees those hits, in order, before anything is
+    evicted), `resident` (pin), `experts` (admit and read the misses), then
+    `guesses` (speculative reads of layer `guess_layer`, after the misses, may
+    evict; never answered)."""
 
     req_id: int
     layer: int
     experts: tuple[int, ...]
-    prefetch: bool = False  # speculative: answer nothing, just warm the cache
     # Experts compute found resident in the shared index and is already using:
     # pin them first, answer nothing (only `experts` get a Ready each).
     resident: tuple[int, ...] = ()
+    released: tuple[int, ...] = ()  # earlier req_ids compute is done with
+    touched: tuple[tuple[int, int], ...] = ()  # (layer, expert) hits served from the index since the last message
+    guess_layer: int = 0
+    guesses: tuple[int, ...] = ()  # next-layer prefetch: experts of guess_layer, best first
 
 
 @_wire(Kind.READY)
@@ -327,10 +342,23 @@ class FetchFailed(_Message):
 @_wire(Kind.RELEASE)
 @dataclass(frozen=True, slots=True)
 class Release(_Message):
-    """compute -> reader: done with layer `layer` of req_id; unpin its slabs."""
+    """compute -> reader, once per token: done with these fetches (unpin their
+    slabs), and these hits were served from the index since the last message
+    (what a Fetch carries in `released` and `touched`, for a token whose last
+    layers needed no Fetch)."""
+
+    released: tuple[int, ...] = ()
+    touched: tuple[tuple[int, int], ...] = ()
+
+
+@_wire(Kind.GUESSED)
+@dataclass(frozen=True, slots=True)
+class Guessed(_Message):
+    """reader -> compute: the guesses of Fetch `req_id` (one with no misses)
+    are admitted — whatever they evict is gone from the index — so compute
+    may look at the index again."""
 
     req_id: int
-    layer: int
 
 
 # ------------------------------------------------------------------ telemetry
@@ -376,6 +404,7 @@ class TokenRecord(_Message):
     prefetch_used: int = 0
     prefetch_wasted_bytes: int = 0
     wire_ms: float = 0.0
+    messages: int = 0
     rss_bytes: int = 0
     req_id: int = 0
 
@@ -490,7 +519,7 @@ class Cancel(_Message):
 
 
 Message = (
-    Hello | Shutdown | Fetch | Ready | FetchFailed | Release
+    Hello | Shutdown | Fetch | Ready | FetchFailed | Release | Guessed
     | RunInfo | TokenRecord | RunSummary | Command | Status
     | Generate | Token | Done | Cancel
 )

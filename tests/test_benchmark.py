@@ -13,10 +13,10 @@ import pytest
 from moe_pipe.shared.benchmark import (PEER_READAHEAD_KB, BenchPlan, RunFigures, peer_runs, summarize_runs,
                                       summary_markdown, wall_figures)
 from moe_pipe.shared.cgroup import MemoryCgroup, MemoryLimitError
-from moe_pipe.shared.default_model import default_model_path
 from moe_pipe.shared.errors import UserError
 from moe_pipe.shared.model.routes import RouteReplay
 from moe_pipe.shared.peer_llama import read_result
+from moe_pipe.shared.telemetry import read_csv
 from moe_pipe.shared.trace import TraceHeader, TraceWriter, read_trace
 
 CLI = [sys.executable, "-m", "moe_pipe.cli.main"]
@@ -66,6 +66,7 @@ def test_route_replay_follows_the_trace_layer_by_layer_and_cycles(tmp_path):
     from types import SimpleNamespace
 
     rr = RouteReplay(_trace(tmp_path / "t.csv"), SimpleNamespace(n_layer=2, n_expert=8))
+    assert rr.peek(0, 2).ids.tolist() == [[0, 1], [2, 3]] == rr.peek(0, 2).ids.tolist()  # a look does not move on
     assert rr.route(0, 2).ids.tolist() == [[0, 1], [2, 3]]  # a prompt batch of two
     assert rr.route(1, 1).ids.tolist() == [[0, 1]]  # each layer has its own cursor
     r = rr.route(0, 2)
@@ -88,6 +89,19 @@ def test_a_trace_driven_run_routes_like_the_trace(tmp_path):
         ea, eb = a.expert[a.layer == layer], b.expert[b.layer == layer]
         n = min(len(ea), len(eb))
         assert n and (ea[:n] == eb[:n]).all()
+
+
+def test_prefetch_under_a_route_replay_guesses_exactly(tmp_path):
+    """Replayed routing gives prefetch a perfect predictor (the ceiling the
+    benchmarks measure): every guess sent is used."""
+    trace, csv = tmp_path / "a.trace", tmp_path / "run.csv"
+    base = [*CLI, "run", TINY, "-n", "12", "--ignore-eos", "--output-format", "json", "--cache-mb", "1.2"]
+    subprocess.run([*base, "-p", "The old mill", "--route-trace", str(trace)], check=True, capture_output=True)
+    subprocess.run([*base, "-p", "Something else", "--route-replay", str(trace), "--prefetch", "next-layer",
+                    "--csv", str(csv)], check=True, capture_output=True)
+    _, recs = read_csv(csv)
+    issued, used = sum(r.prefetch_issued for r in recs), sum(r.prefetch_used for r in recs)
+    assert issued > 0 and used == issued
 
 
 def test_bench_writes_csvs_summary_and_plots(tmp_path):

@@ -9,35 +9,28 @@ residency index), `moe-pipe run` in a subprocess, and `moe-pipe up` with a
 real client."""
 from __future__ import annotations
 
-import errno
 import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
-import tempfile
-import threading
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
-import numpy as np
 import psutil
 import pytest
-import zmq
 
 from moe_pipe.procs import supervisor as sup
-from moe_pipe.procs.pipeline import Resources, reader_args
 from moe_pipe.procs.reader import FAULT_CHECK_S
-from moe_pipe.procs.reader import Reader, read_io_status
-from moe_pipe.shared import directio, ipc, messages as m
+from moe_pipe.procs.reader import read_io_status
+from moe_pipe.shared import directio, messages as m
 from moe_pipe.shared.config import load_config
 from moe_pipe.shared.default_model import default_model_path
-from moe_pipe.shared.directio import placement_for
-from moe_pipe.shared.model_file import open_model
 
+from .readerhelp import Harness, harness, hold_reads_of, model, no_fault_hook  # noqa: F401 (fixtures)
 from .servicehelp import StatusPolling
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,23 +39,6 @@ CONFIG = str(ROOT / "configs" / "tiny.toml")
 MODEL_NAME = "tiny qwen3moe"
 SMALL_CACHE = ["--cache-mb", "1.2"]  # 8 slabs for the tiny model's 32 experts: a request keeps reading
 FAST = ["--port", "0", "--set", "supervisor.backoff_s=0.2", "--set", "supervisor.start_secs=0.5"]
-
-
-@pytest.fixture
-def model():
-    """A private copy of the tiny model (tests truncate, move and replace it)."""
-    folder = Path(tempfile.mkdtemp(prefix="mpf", dir="/tmp"))  # short: unix socket paths <= 107 bytes
-    path = folder / "m.gguf"
-    shutil.copy(default_model_path(), path)
-    yield path
-    shutil.rmtree(folder, ignore_errors=True)
-
-
-@pytest.fixture(autouse=True)
-def no_fault_hook():
-    previous = directio.set_fault_hook(None)
-    yield
-    directio.set_fault_hook(previous)
 
 
 def put_back(model: Path, how: str) -> None:
@@ -86,80 +62,6 @@ def other_weights(path: Path) -> bytes:
     return bytes(data)
 
 
-# ---------------------------------------------------------------- the reader, in this process
-
-class Harness:
-    """One Reader over real arenas and sockets, driven by hand: the test plays
-    compute (Fetch, Release) and the loop (hands finished reads back)."""
-
-    def __init__(self, model: Path, cache_mb: float = 1.2):
-        self.cfg = load_config(None, {"model.path": str(model), "cache.cache_mb": cache_mb, "io.io_threads": 2})
-        self.res = Resources.create(self.cfg, model)
-        self.ctx = zmq.Context()
-        self.ready = ipc.bind(self.ctx, self.res.rt.endpoints, "ready")
-        self.reader = Reader(reader_args(self.cfg, self.res, model), self.ctx)
-        # Expected bytes come from the pristine original: a mapping of the copy would
-        # SIGBUS once a test truncates it.
-        self.mf = open_model(default_model_path())
-        self.req = 0
-
-    def fetch(self, layer: int, experts, prefetch: bool = False) -> int:
-        self.req += 1
-        self.reader.on_fetch(m.Fetch(self.req, layer, tuple(experts), prefetch))
-        return self.req
-
-    def land(self, timeout_s: float = 10) -> None:
-        """The next finished read, handed to the reader as its loop would."""
-        assert self.reader.done_in.poll(int(timeout_s * 1000)), "no read finished"
-        self.reader.on_read_done(*self.reader.done_in.recv_pyobj())
-
-    def answer(self, timeout_s: float = 5):
-        msg = ipc.recv(self.ready, int(timeout_s * 1000), expect=(m.Ready, m.FetchFailed))
-        assert msg is not None, "the reader answered nothing"
-        return msg
-
-    def visible(self, key) -> bool:
-        """What compute sees: a published residency index entry."""
-        return self.reader.index.slots(key[0], [key[1]])[0] >= 0
-
-    def assert_holds(self, key, slot: int) -> None:
-        """Slab `slot` holds exactly the file's bytes of expert `key`."""
-        lay = self.mf.layout.layers[key[0]]
-        slab = self.reader.arena.slab(slot)
-        for part, (at, n) in zip(lay.parts, placement_for(lay.extents(key[1])).regions):
-            want = np.asarray(self.mf.gguf.view(part.tensor.name)[key[1]]).reshape(-1).view(np.uint8)
-            assert np.array_equal(slab[at : at + n], want), (key, part.name)
-
-    def close(self) -> None:
-        self.reader.close()
-        self.mf.close()
-        self.ctx.destroy(linger=0)  # the reader's sockets too (its process would simply exit)
-        self.res.close()
-
-
-@pytest.fixture
-def harness(model):
-    h = Harness(model)
-    yield h
-    h.close()
-
-
-def hold_reads_of(h: Harness, key, fail: bool):
-    """A fault hook that holds the reads of `key` until released, then fails them (EIO) or lets them go."""
-    start = directio.aligned(h.mf.layout.expert_extents(*key)[0])[0]
-    entered, release = threading.Event(), threading.Event()
-
-    def hook(path, offset, length):
-        if offset == start:
-            entered.set()
-            assert release.wait(30)
-            if fail:
-                raise OSError(errno.EIO, "Input/output error (test)")
-
-    directio.set_fault_hook(hook)
-    return entered, release
-
-
 def test_a_slab_is_visible_only_once_its_read_completed(harness):
     h, key = harness, (1, 3)
     entered, release = hold_reads_of(h, key, fail=False)
@@ -168,7 +70,7 @@ def test_a_slab_is_visible_only_once_its_read_completed(harness):
     # Mid-read: the slot is taken (pinned, in flight) but compute cannot find it.
     assert key in h.reader.table and key in h.reader.inflight and h.reader.table.pins(key) == 2  # the read's + the waiter's
     assert not h.visible(key)
-    assert h.fetch(key[0], [key[1]], prefetch=True)  # a prefetch of it starts no second read
+    assert h.fetch(key[0], [], guesses=[key[1]], guess_layer=key[0])  # a guess of it starts no second read
     assert list(h.reader.inflight) == [key]
     release.set()
     h.land()
@@ -176,7 +78,7 @@ def test_a_slab_is_visible_only_once_its_read_completed(harness):
     assert isinstance(ready, m.Ready) and (ready.req_id, ready.layer, ready.expert, ready.hit) == (req, *key, False)
     assert h.visible(key) and h.reader.index.slots(key[0], [key[1]]) == [ready.slot]
     h.assert_holds(key, ready.slot)
-    h.reader.on_release(m.Release(req, key[0]))
+    h.reader.on_release(m.Release((req,)))
     assert h.reader.table.pins(key) == 0
 
 
@@ -201,8 +103,8 @@ def test_a_failed_read_fails_its_waiters_and_leaves_the_slab_free(harness):
     assert h.reader.cfg.n_slots - len(h.reader.table) == free_before - 1  # only `other` holds a slab
     assert all(key not in keys for keys in h.reader.pinned.values())
     # Releases of both requests are harmless, and `other` (still cached) is unpinned by its own.
-    h.reader.on_release(m.Release(first, key[0]))
-    h.reader.on_release(m.Release(second, key[0]))
+    h.reader.on_release(m.Release((first,)))
+    h.reader.on_release(m.Release((second,)))
     assert h.reader.table.pins(other) == 0 and h.visible(other)
     # The reader recorded the fault for `status`; the file is whole, so its next look clears it.
     io = read_io_status(h.res.rt.path)
@@ -222,7 +124,7 @@ def miss(h: Harness, key):
     req = h.fetch(key[0], [key[1]])
     h.land()
     out = h.answer()
-    h.reader.on_release(m.Release(req, key[0]))
+    h.reader.on_release(m.Release((req,)))
     return out
 
 

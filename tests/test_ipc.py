@@ -224,8 +224,8 @@ def test_oversize_frame_never_reaches_the_receiver(base):
         push = ipc.connect(ctx, rd.endpoints, "fetch")
         push.send(b"\x00" * (m.MAX_FRAME_BYTES + 100))  # ZMQ_MAXMSGSIZE drops the connection
         assert ipc.recv(pull, 300) is None
-        ipc.send(push, m.Release(1, 2))  # the link reconnects and carries on
-        assert ipc.recv(pull, 10_000) == m.Release(1, 2)
+        ipc.send(push, m.Release((1,), ((2, 3),)))  # the link reconnects and carries on
+        assert ipc.recv(pull, 10_000) == m.Release((1,), ((2, 3),))
         pull.close()
         push.close()
     rd.remove()
@@ -314,7 +314,7 @@ def test_reliable_send_times_out_instead_of_hanging(base):
         sock = ipc.connect(ctx, rd.endpoints, "fetch")  # reader dead
         with pytest.raises(ipc.PeerTimeout):
             for i in range(ipc.RELIABLE_HWM * 3):
-                ipc.send(sock, m.Release(i, 0), timeout_ms=50)
+                ipc.send(sock, m.Release((i,)), timeout_ms=50)
         sock.close()
     rd.remove()
 

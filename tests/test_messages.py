@@ -141,7 +141,12 @@ def test_construction_validates():
     with pytest.raises(ProtocolError, match="experts"):
         m.Fetch(1, 2, ["a"])
     with pytest.raises(ProtocolError, match="req_id"):
-        m.Release(-1, 0)
+        m.Fetch(-1, 0, ())
+    with pytest.raises(ProtocolError, match="touched.*pair"):
+        m.Release((1,), ((2, 3, 4),))
+    with pytest.raises(ProtocolError, match="released"):
+        m.Release(-1)
+    assert m.Release([1], [[2, 3]]) == m.Release((1,), ((2, 3),))  # lists off the wire become tuples
 
 
 @settings(max_examples=300, deadline=None)

@@ -106,7 +106,10 @@ def test_byte_table_evicts_until_the_newcomer_fits():
 
 def test_replay_agrees_with_the_live_reader(tmp_path):
     """The reader's own code (procs/reader.py on_fetch / on_read_done /
-    on_release) driven with the trace's fetches gives the replay's counts."""
+    on_release) driven with the trace's fetches as compute sends them gives
+    the replay's counts: a layer whose experts are all cached sends nothing
+    and its hits reach the reader later (`touched`, in the next Fetch or the
+    token's Release), which must not change what the policy decides."""
     from moe_pipe.procs.reader import Reader
 
     t = read_trace(phone_trace("gptoss"))
@@ -119,18 +122,31 @@ def test_replay_agrees_with_the_live_reader(tmp_path):
                                    "spec": type("S", (), {"n_expert": t.header.n_expert})()})()
         rd.index = type("I", (), {"clear": lambda s, k: None, "publish": lambda s, k, slot: None})()
         reads = []
-        rd.lanes = type("X", (), {"submit": lambda s, fn, key, slot: reads.append((key, slot))})()
+        rd.lanes = type("X", (), {"submit": lambda s, key, slot, guess=False: reads.append((key, slot)),
+                                  "withdraw_guesses": lambda s, keep=(): []})()
         sent = []
         rd.send = sent.append
         rd.send_ready = lambda req, key, slot, hit, io_ns: sent.append(("ready", key, hit))
+        done, touched, last_layer, quiet = [], [], -1, 0
         for req, f in enumerate(fetches(t), 1):
+            if f.layer <= last_layer:  # a new token: the last one's Release
+                rd.on_release(m.Release(tuple(done), tuple(touched)))
+                done, touched = [], []
+            last_layer = f.layer
             resident = tuple(e for _, e in f.keys if (f.layer, e) in rd.table)  # what the index shows
             missing = tuple(e for _, e in f.keys if (f.layer, e) not in rd.table)
-            rd.on_fetch(m.Fetch(req, f.layer, missing, False, resident))
-            while reads:  # every read lands before compute releases the layer
+            if not missing:
+                touched += [(f.layer, e) for e in resident]
+                quiet += 1
+                continue
+            rd.on_fetch(m.Fetch(req, f.layer, missing, resident, tuple(done), tuple(touched)))
+            done, touched = [req], []
+            while reads:  # every read lands before compute is done with the layer
                 rd.on_read_done(*reads.pop(0), 0, (), None)
-            rd.on_release(m.Release(req, f.layer))
+        rd.on_release(m.Release(tuple(done), tuple(touched)))
+        assert quiet > 0  # the trace has all-hit layers: the deferral is exercised
         assert not any(isinstance(x, m.FetchFailed) for x in sent)
+        assert not any(rd.table.pins(k) for k in rd.table.resident())
         r = Replayer(t).run(n_slots * slab_bytes(t) / MIB, policy)
         assert r.n_slots == n_slots
         assert (rd.table.stats.hits, rd.table.stats.misses) == (sum(r.hits), sum(r.lookups) - sum(r.hits)), policy

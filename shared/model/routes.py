@@ -84,9 +84,15 @@ class RouteReplay:
         """The next `n_tokens` tokens' routing at `layer` (equal k per call: the
         trace's top-k; a token recorded with fewer experts is padded with other
         experts at weight 0, so a token never names an expert twice)."""
+        routing = self.peek(layer, n_tokens)
+        self.cursor[layer] = (self.cursor[layer] + n_tokens) % len(self.tokens[layer])
+        return routing
+
+    def peek(self, layer: int, n_tokens: int = 1) -> Routing:
+        """What `route` will answer next at `layer`, without moving on: the
+        perfect next-layer guess (prefetch under replay measures its ceiling)."""
         toks, at = self.tokens[layer], self.cursor[layer]
         picked = [toks[(at + t) % len(toks)] for t in range(n_tokens)]
-        self.cursor[layer] = (at + n_tokens) % len(toks)
         k = max(len(ids) for ids, _ in picked)
         ids = np.empty((n_tokens, k), np.int64)
         w = np.zeros((n_tokens, k), np.float32)

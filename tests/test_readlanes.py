@@ -1,0 +1,88 @@
+"""The reader's lanes: demand reads before guesses, promotion, withdrawal."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from moe_pipe.shared.readlanes import ReadLanes
+
+
+class Recorder:
+    """A lane's work: records the order, and holds the first read until `go`."""
+
+    def __init__(self):
+        self.order: list = []
+        self.started, self.go, self.done = threading.Event(), threading.Event(), threading.Event()
+        self.expect = 0
+
+    def work(self, key, slot):
+        if not self.order:
+            self.started.set()
+            assert self.go.wait(10)
+        self.order.append((key, slot))
+        if len(self.order) == self.expect:
+            self.done.set()
+
+
+def busy_lane(expect: int):
+    """One lane, its first read ("d0") held: what is submitted next queues."""
+    rec = Recorder()
+    rec.expect = expect
+    lanes = ReadLanes(1, rec.work)
+    lanes.submit("d0", 0)
+    assert rec.started.wait(10)
+    return lanes, rec
+
+
+def finish(lanes, rec):
+    rec.go.set()
+    assert rec.done.wait(10)
+    lanes.shutdown()
+    return [k for k, _ in rec.order]
+
+
+def test_demand_reads_go_before_guesses_each_in_order():
+    lanes, rec = busy_lane(5)
+    lanes.submit("g1", 1, guess=True)
+    lanes.submit("g2", 2, guess=True)
+    lanes.submit("d1", 3)
+    lanes.submit("d2", 4)
+    assert lanes.queued() == (["d1", "d2"], ["g1", "g2"])
+    assert finish(lanes, rec) == ["d0", "d1", "d2", "g1", "g2"]
+    assert rec.order[1:] == [("d1", 3), ("d2", 4), ("g1", 1), ("g2", 2)]  # each with its own slot
+
+
+def test_a_promoted_guess_joins_the_demand_queue():
+    lanes, rec = busy_lane(4)
+    lanes.submit("g1", 1, guess=True)
+    lanes.submit("g2", 2, guess=True)
+    lanes.submit("d1", 3)
+    assert lanes.promote("g2") and not lanes.promote("g2") and not lanes.promote("d1")
+    assert finish(lanes, rec) == ["d0", "d1", "g2", "g1"]
+
+
+def test_withdrawn_guesses_are_never_read():
+    lanes, rec = busy_lane(2)
+    for i, g in enumerate(("g1", "g2", "g3")):
+        lanes.submit(g, i, guess=True)
+    assert lanes.withdraw_guesses(keep={"g2"}) == [("g1", 0), ("g3", 2)]
+    assert lanes.withdraw_guesses(keep={"g2"}) == []
+    assert finish(lanes, rec) == ["d0", "g2"]
+    assert not lanes.promote("d0")  # a started read is no guess to promote
+
+
+def test_shutdown_drops_the_queue_and_joins_the_lanes():
+    lanes, rec = busy_lane(99)
+    lanes.submit("d1", 1)
+    lanes.submit("g1", 1, guess=True)
+    rec.go.set()
+    lanes.shutdown()
+    assert [k for k, _ in rec.order][0] == "d0" and all(not t.is_alive() for t in lanes._threads)
+    with pytest.raises(RuntimeError, match="shut down"):
+        lanes.submit("d2", 2)
+
+
+def test_at_least_one_lane():
+    with pytest.raises(ValueError, match="at least one lane"):
+        ReadLanes(0, lambda key, slot: None)

@@ -244,6 +244,9 @@ class SlabExperts:
                 if not _alive(self.cfg.reader_pid):
                     raise RequestFailed(m.Code.PEER_GONE, "the reader process died")
                 continue
+            if not isinstance(msg, m.FetchFailed):  # reads of guesses that landed unasked: this token's too
+                self.read_bytes += msg.guess_bytes
+                self.io_ns += msg.guess_io_ns
             if msg.req_id != req:  # a late answer to an abandoned request
                 continue
             if isinstance(msg, m.FetchFailed):

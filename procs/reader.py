@@ -111,6 +111,7 @@ class Reader:
         self.inflight: dict[tuple[int, int], list[_Waiter]] = {}  # key -> who waits for its bytes
         self.pinned: dict[int, list[tuple[int, int]]] = defaultdict(list)  # req_id -> keys it pinned
         self.guesses_read = self.guesses_withdrawn = 0
+        self.guess_io = [0, 0]  # bytes, ns of unasked reads not yet reported to compute
 
     def restore_from_index(self) -> int:
         """After a restart the slabs still hold what the last reader published:
@@ -173,7 +174,12 @@ class Reader:
             if not self.guess(msg.guess_layer, e):
                 break
         if not msg.experts and msg.guesses:  # compute waits for this before it looks at the index again
-            self.send(m.Guessed(msg.req_id))
+            self.send(m.Guessed(msg.req_id, *self.take_guess_io()))
+
+    def take_guess_io(self) -> tuple[int, int]:
+        nbytes, ns = self.guess_io
+        self.guess_io = [0, 0]
+        return nbytes, ns
 
     def is_expert(self, key) -> bool:
         return 0 <= key[0] < len(self.layout.layers) and 0 <= key[1] < self.layout.spec.n_expert
@@ -252,8 +258,12 @@ class Reader:
             return
         self.table.unpin(key)  # the read's own pin; waiters hold theirs
         self.index.publish(key, slot)  # the slab is complete: compute may now find it
+        if not waiters:  # a guess (or a warm-start read) nobody asked for yet: reported with the next answer
+            self.guess_io[0] += self.layout.expert_bytes(key[0])
+            self.guess_io[1] += io_ns
         for i, w in enumerate(waiters):
-            self.send(m.Ready(w.req_id, key[0], key[1], slot, tuple(regions), False, io_ns if i == 0 else 0))
+            self.send(m.Ready(w.req_id, key[0], key[1], slot, tuple(regions), False, io_ns if i == 0 else 0,
+                              *self.take_guess_io()))
 
     def forget(self, key) -> None:
         """A failed read: its slab's bytes are partial, so the key leaves the
@@ -299,7 +309,7 @@ class Reader:
         from ..shared.directio import placement_for
 
         regions = placement_for(self.layout.expert_extents(*key)).regions
-        self.send(m.Ready(req_id, key[0], key[1], slot, regions, hit, io_ns))
+        self.send(m.Ready(req_id, key[0], key[1], slot, regions, hit, io_ns, *self.take_guess_io()))
 
     def send(self, msg) -> None:
         ipc.send(self.ready_out, msg)

@@ -314,7 +314,9 @@ class Ready(_Message):
     `parts` are (offset, length) inside the slab, one per expert tensor in the
     layout's part order (gate/up/down or gate_up/down, then biases); offsets
     are past the O_DIRECT alignment padding. `io_ns` is this expert's read
-    time (0 on a hit)."""
+    time (0 on a hit). `guess_bytes` and `guess_io_ns` are what the reads of
+    guesses that landed with nobody waiting cost since the reader's last
+    answer (compute counts them in the token's read_bytes and io_ms)."""
 
     req_id: int
     layer: int
@@ -323,6 +325,8 @@ class Ready(_Message):
     parts: tuple[tuple[int, int], ...]
     hit: bool
     io_ns: int = 0
+    guess_bytes: int = 0
+    guess_io_ns: int = 0
 
 
 @_wire(Kind.FETCH_FAILED)
@@ -356,9 +360,11 @@ class Release(_Message):
 class Guessed(_Message):
     """reader -> compute: the guesses of Fetch `req_id` (one with no misses)
     are admitted — whatever they evict is gone from the index — so compute
-    may look at the index again."""
+    may look at the index again. The guess_ fields: as in Ready."""
 
     req_id: int
+    guess_bytes: int = 0
+    guess_io_ns: int = 0
 
 
 # ------------------------------------------------------------------ telemetry

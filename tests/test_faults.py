@@ -70,8 +70,8 @@ def test_a_slab_is_visible_only_once_its_read_completed(harness):
     # Mid-read: the slot is taken (pinned, in flight) but compute cannot find it.
     assert key in h.reader.table and key in h.reader.inflight and h.reader.table.pins(key) == 2  # the read's + the waiter's
     assert not h.visible(key)
-    assert h.fetch(key[0], [], guesses=[key[1]], guess_layer=key[0])  # a guess of it starts no second read
-    assert list(h.reader.inflight) == [key]
+    guessed = h.fetch(key[0], [], guesses=[key[1]], guess_layer=key[0])  # a guess of it starts no second read
+    assert list(h.reader.inflight) == [key] and h.answer() == m.Guessed(guessed)
     release.set()
     h.land()
     ready = h.answer()

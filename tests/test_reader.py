@@ -3,96 +3,92 @@ withdrawn when their layer's request does not want them, promoted when it
 does, and free to evict — but never what the request pinned."""
 from __future__ import annotations
 
+import pytest
+
 from moe_pipe.shared import ipc, messages as m
 
 from .readerhelp import Harness, hold_reads_of, model, no_fault_hook  # noqa: F401 (fixtures)
 
 
-def one_lane(model, cache_mb=1.2) -> Harness:
-    return Harness(model, cache_mb=cache_mb, io_threads=1)
+@pytest.fixture
+def h(model):
+    """The reader with one lane, so the order of reads is the order of its queues."""
+    harness = Harness(model, io_threads=1)
+    yield harness
+    harness.close()
 
 
-def test_guesses_wait_behind_the_demand_and_are_not_answered(model):
-    h = one_lane(model)
-    try:
-        entered, release = hold_reads_of(h, (1, 3), fail=False)
-        req = h.fetch(1, [3], guesses=[4, 5, 3], guess_layer=2)
-        assert entered.wait(10)  # the lane is busy with the demand read
-        assert h.reader.lanes.queued() == ([], [(2, 4), (2, 5), (2, 3)])
-        release.set()
-        for _ in range(4):
-            h.land()
-        ready = h.answer()
-        assert (ready.req_id, ready.layer, ready.expert, ready.hit) == (req, 1, 3, False)
-        assert ipc.recv(h.ready, 200) is None  # guesses are never answered
-        assert all(h.visible(k) for k in [(2, 4), (2, 5), (2, 3)]) and h.reader.guesses_read == 3
-        for key in [(2, 4), (2, 5), (2, 3)]:
-            h.assert_holds(key, h.reader.index.slots(key[0], [key[1]])[0])
-            assert h.reader.table.pins(key) == 0  # a guess holds no pin once read
-    finally:
-        h.close()
-
-
-def test_the_next_request_promotes_wanted_guesses_and_withdraws_the_rest(model):
-    h = one_lane(model)
-    try:
-        entered, release = hold_reads_of(h, (1, 3), fail=False)
-        first = h.fetch(1, [3], guesses=[4, 5], guess_layer=2)
-        assert entered.wait(10)
-        free_before = h.reader.cfg.n_slots - len(h.reader.table)
-        second = h.fetch(2, [4, 6], released=[first])  # layer 2's real request: 4 was guessed, 5 was not
-        assert (2, 5) not in h.reader.table and (2, 5) not in h.reader.inflight and h.reader.guesses_withdrawn == 1
-        assert h.reader.cfg.n_slots - len(h.reader.table) == free_before  # 5's slab went to 6
-        assert h.reader.lanes.queued() == ([(2, 4), (2, 6)], [])  # 4 now waits as demand, first in line
-        release.set()
-        for _ in range(3):
-            h.land()
-        answers = {(a.req_id, a.expert): a for a in (h.answer(), h.answer(), h.answer())}
-        assert set(answers) == {(first, 3), (second, 4), (second, 6)}
-        assert all(isinstance(a, m.Ready) and not a.hit for a in answers.values())
-        h.reader.on_release(m.Release((second,)))
-        assert not any(h.reader.table.pins(k) for k in h.reader.table.resident())
-    finally:
-        h.close()
-
-
-def test_guesses_evict_but_never_what_the_request_pinned(model):
-    h = one_lane(model)
-    try:
-        n = h.reader.cfg.n_slots
-        assert n == 8 and h.mf.spec.n_expert == 8  # the tiny model: 4 layers of 8 experts, 8 slabs at 1.2 MB
-        fills = [h.fetch(0, range(6)), h.fetch(1, [0, 1])]  # every slab taken
-        for _ in range(n):
-            h.land()
-        for _ in range(n):
-            h.answer()
-        # Layer 1's request: its experts 0 and 1 are in use (resident, pinned), 7 is a
-        # miss, and it guesses all 8 experts of layer 2 — more than the slabs left.
-        req = h.fetch(1, [7], resident=[0, 1], released=fills, guesses=range(8), guess_layer=2)
-        assert h.reader.guesses_read == n - 3  # one per unpinned slab; then every slab was pinned
-        for _ in range(n - 2):  # the miss, then the guesses
-            h.land()
-        ready = h.answer()
-        assert (ready.req_id, ready.layer, ready.expert) == (req, 1, 7)
-        assert all((1, e) in h.reader.table and h.visible((1, e)) for e in (0, 1, 7))
-        assert [k for k in h.reader.table.resident() if k[0] == 2] == [(2, e) for e in range(n - 3)]
-        assert not any(k[0] == 0 for k in h.reader.table.resident())  # layer 0 (unpinned) was evicted
-    finally:
-        h.close()
-
-
-def test_a_fetch_of_guesses_only_is_answered_once_they_are_admitted(model):
-    h = one_lane(model)
-    try:
-        h.fetch(0, [1])
+def test_guesses_wait_behind_the_demand_and_are_not_answered(h):
+    entered, release = hold_reads_of(h, (1, 3), fail=False)
+    req = h.fetch(1, [3], guesses=[4, 5, 3], guess_layer=2)
+    assert entered.wait(10)  # the lane is busy with the demand read
+    assert h.reader.lanes.queued() == ([], [(2, 4), (2, 5), (2, 3)])
+    release.set()
+    for _ in range(4):
         h.land()
+    ready = h.answer()
+    assert (ready.req_id, ready.layer, ready.expert, ready.hit) == (req, 1, 3, False)
+    assert ipc.recv(h.ready, 200) is None  # guesses are never answered
+    assert all(h.visible(k) for k in [(2, 4), (2, 5), (2, 3)]) and h.reader.guesses_read == 3
+    for key in [(2, 4), (2, 5), (2, 3)]:
+        h.assert_holds(key, h.reader.index.slots(key[0], [key[1]])[0])
+        assert h.reader.table.pins(key) == 0  # a guess holds no pin once read
+    # Their reads are reported with the reader's next answer, once.
+    later = h.fetch(0, [7])
+    h.land()
+    first, second = h.answer(), (h.fetch(0, [6]), h.land(), h.answer())[2]
+    assert first.req_id == later and first.guess_bytes == 3 * h.mf.layout.expert_bytes(2) and first.guess_io_ns > 0
+    assert (second.guess_bytes, second.guess_io_ns) == (0, 0)
+
+
+def test_the_next_request_promotes_wanted_guesses_and_withdraws_the_rest(h):
+    entered, release = hold_reads_of(h, (1, 3), fail=False)
+    first = h.fetch(1, [3], guesses=[4, 5], guess_layer=2)
+    assert entered.wait(10)
+    free_before = h.reader.cfg.n_slots - len(h.reader.table)
+    second = h.fetch(2, [4, 6], released=[first])  # layer 2's real request: 4 was guessed, 5 was not
+    assert (2, 5) not in h.reader.table and (2, 5) not in h.reader.inflight and h.reader.guesses_withdrawn == 1
+    assert h.reader.cfg.n_slots - len(h.reader.table) == free_before  # 5's slab went to 6
+    assert h.reader.lanes.queued() == ([(2, 4), (2, 6)], [])  # 4 now waits as demand, first in line
+    release.set()
+    for _ in range(3):
+        h.land()
+    answers = {(a.req_id, a.expert): a for a in (h.answer(), h.answer(), h.answer())}
+    assert set(answers) == {(first, 3), (second, 4), (second, 6)}
+    assert all(isinstance(a, m.Ready) and not a.hit for a in answers.values())
+    h.reader.on_release(m.Release((second,)))
+    assert not any(h.reader.table.pins(k) for k in h.reader.table.resident())
+
+
+def test_guesses_evict_but_never_what_the_request_pinned(h):
+    n = h.reader.cfg.n_slots
+    assert n == 8 and h.mf.spec.n_expert == 8  # the tiny model: 4 layers of 8 experts, 8 slabs at 1.2 MB
+    fills = [h.fetch(0, range(6)), h.fetch(1, [0, 1])]  # every slab taken
+    for _ in range(n):
+        h.land()
+    for _ in range(n):
         h.answer()
-        req = h.fetch(0, [], resident=[1], released=[1], guesses=[2, 3], guess_layer=1)
-        answer = h.answer()
-        assert answer == m.Guessed(req)
-        assert {(1, 2), (1, 3)} <= set(h.reader.inflight) and h.reader.table.pins((0, 1)) == 1
+    # Layer 1's request: its experts 0 and 1 are in use (resident, pinned), 7 is a
+    # miss, and it guesses all 8 experts of layer 2 — more than the slabs left.
+    req = h.fetch(1, [7], resident=[0, 1], released=fills, guesses=range(8), guess_layer=2)
+    assert h.reader.guesses_read == n - 3  # one per unpinned slab; then every slab was pinned
+    for _ in range(n - 2):  # the miss, then the guesses
         h.land()
-        h.land()
-        assert h.visible((1, 2)) and h.visible((1, 3)) and ipc.recv(h.ready, 200) is None
-    finally:
-        h.close()
+    ready = h.answer()
+    assert (ready.req_id, ready.layer, ready.expert) == (req, 1, 7)
+    assert all((1, e) in h.reader.table and h.visible((1, e)) for e in (0, 1, 7))
+    assert [k for k in h.reader.table.resident() if k[0] == 2] == [(2, e) for e in range(n - 3)]
+    assert not any(k[0] == 0 for k in h.reader.table.resident())  # layer 0 (unpinned) was evicted
+
+
+def test_a_fetch_of_guesses_only_is_answered_once_they_are_admitted(h):
+    h.fetch(0, [1])
+    h.land()
+    h.answer()
+    req = h.fetch(0, [], resident=[1], released=[1], guesses=[2, 3], guess_layer=1)
+    answer = h.answer()
+    assert answer == m.Guessed(req)
+    assert {(1, 2), (1, 3)} <= set(h.reader.inflight) and h.reader.table.pins((0, 1)) == 1
+    h.land()
+    h.land()
+    assert h.visible((1, 2)) and h.visible((1, 3)) and ipc.recv(h.ready, 200) is None

@@ -117,7 +117,7 @@ def test_replay_agrees_with_the_live_reader(tmp_path):
     for policy in LIVE_POLICIES:
         rd = Reader.__new__(Reader)  # no sockets, files or arena: just its bookkeeping
         rd.table = SlotTable(n_slots, policy)
-        rd.inflight, rd.pinned = {}, defaultdict(list)
+        rd.inflight, rd.pinned, rd.guess_io = {}, defaultdict(list), [0, 0]
         rd.layout = type("L", (), {"layers": range(t.header.n_layer), "expert_bytes": lambda s, i: t.header.expert_bytes[i],
                                    "spec": type("S", (), {"n_expert": t.header.n_expert})()})()
         rd.index = type("I", (), {"clear": lambda s, k: None, "publish": lambda s, k, slot: None})()

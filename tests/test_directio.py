@@ -5,7 +5,6 @@ import errno
 import logging
 import os
 import shutil
-import threading
 import uuid
 from pathlib import Path
 

@@ -5,7 +5,6 @@ import shutil
 
 import numpy as np
 import pytest
-from gguf import GGMLQuantizationType as QT
 from gguf import GGUFReader
 
 from moe_pipe.shared.errors import GGUFError

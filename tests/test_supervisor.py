@@ -3,7 +3,7 @@ FATAL after repeated failed starts, restart policies, dependencies — driven
 with fake processes and a fake clock (the real processes: test_service.py)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 

@@ -54,7 +54,7 @@ from ..shared.policies import DEFAULT_POLICY
 from ..shared.directio import ExpertFiles, describe_os_error
 from ..shared.errors import UserError
 from ..shared.model_file import open_model
-from ..shared.readlanes import ReadLanes
+from ..shared.readlanes import Priority, ReadLanes
 from ..shared.residency import ResidencyIndex
 from ..shared.shm import SlabArena
 from .lifecycle import child_setup
@@ -163,7 +163,7 @@ class Reader:
                 self.table.pin(key)
                 self.pinned[msg.req_id].append(key)
                 self.send_ready(msg.req_id, key, slot, hit=True, io_ns=0)
-            elif key in self.inflight:  # its read is under way (a guess): wait for it, first in line
+            elif key in self.inflight:  # its read is under way (a guess, a warm start's): wait for it, first in line
                 self.lanes.promote(key)
                 self.table.pin(key)
                 self.pinned[msg.req_id].append(key)
@@ -192,7 +192,7 @@ class Reader:
         if not self.is_expert(key) or key in self.table:
             return True
         try:
-            self.start_read(key, None, guess=True)
+            self.start_read(key, None, Priority.GUESS)
         except CacheFull:
             return False
         self.guesses_read += 1
@@ -212,11 +212,11 @@ class Reader:
         """Read `key` into a free slab, if there is one (warm start): never evicts."""
         if key in self.table or key in self.inflight or len(self.table) >= self.cfg.n_slots:
             return
-        self.start_read(key, None, guess=True)
+        self.start_read(key, None, Priority.BACKGROUND)
 
-    def start_read(self, key, waiter: _Waiter | None, guess: bool = False) -> None:
+    def start_read(self, key, waiter: _Waiter | None, priority: Priority = Priority.DEMAND) -> None:
         """Admit `key` (evicting if need be) and queue its read. CacheFull when
-        every slab is pinned: a waiter is answered FetchFailed, a guess raises."""
+        every slab is pinned: a waiter is answered FetchFailed, a read nobody waits for raises."""
         try:
             slot, evicted = self.table.admit(key, self.layout.expert_bytes(key[0]), pin=True)
             if evicted is not None:
@@ -230,7 +230,7 @@ class Reader:
             self.table.pin(key)
             self.pinned[waiter.req_id].append(key)
         self.inflight[key] = [waiter] if waiter else []
-        self.lanes.submit(key, slot, guess=guess)
+        self.lanes.submit(key, slot, priority)
 
     # -- 2. a lane's read ------------------------------------------------------
     def _read_lane(self, key, slot: int) -> None:
@@ -317,8 +317,8 @@ class Reader:
     # -- the loop --------------------------------------------------------------------
     def warm_start(self) -> None:
         """Fill free slabs with a previous run's hottest experts, hottest first.
-        They go through the lanes' guess queue, so a Fetch arriving
-        meanwhile is served in turn (and waits on a read already under way)."""
+        They go through the lanes' background queue, so a Fetch arriving
+        meanwhile is served first (and waits on a read already under way)."""
         for key in self.warm_keys:
             self.fill_free(key)
         if self.warm_keys:

@@ -22,7 +22,7 @@ def test_guesses_wait_behind_the_demand_and_are_not_answered(h):
     entered, release = hold_reads_of(h, (1, 3), fail=False)
     req = h.fetch(1, [3], guesses=[4, 5, 3], guess_layer=2)
     assert entered.wait(10)  # the lane is busy with the demand read
-    assert h.reader.lanes.queued() == ([], [(2, 4), (2, 5), (2, 3)])
+    assert h.reader.lanes.queued() == ([], [(2, 4), (2, 5), (2, 3)], [])
     release.set()
     for _ in range(4):
         h.land()
@@ -49,7 +49,7 @@ def test_the_next_request_promotes_wanted_guesses_and_withdraws_the_rest(h):
     second = h.fetch(2, [4, 6], released=[first])  # layer 2's real request: 4 was guessed, 5 was not
     assert (2, 5) not in h.reader.table and (2, 5) not in h.reader.inflight and h.reader.guesses_withdrawn == 1
     assert h.reader.cfg.n_slots - len(h.reader.table) == free_before  # 5's slab went to 6
-    assert h.reader.lanes.queued() == ([(2, 4), (2, 6)], [])  # 4 now waits as demand, first in line
+    assert h.reader.lanes.queued() == ([(2, 4), (2, 6)], [], [])  # 4 now waits as demand, first in line
     release.set()
     for _ in range(3):
         h.land()
@@ -92,3 +92,20 @@ def test_a_fetch_of_guesses_only_is_answered_once_they_are_admitted(h):
     h.land()
     h.land()
     assert h.visible((1, 2)) and h.visible((1, 3)) and ipc.recv(h.ready, 200) is None
+
+
+def test_warm_start_reads_survive_requests_and_go_after_them(h):
+    """A warm start fills free slabs in the background: a request's reads go
+    first, and neither a Fetch nor a Release withdraws them (only guesses)."""
+    entered, release = hold_reads_of(h, (0, 0), fail=False)
+    h.reader.fill_free((0, 0))
+    assert entered.wait(10)  # the lane holds the first warm read
+    for e in (1, 2):
+        h.reader.fill_free((1, e))
+    req = h.fetch(3, [5])
+    h.reader.on_release(m.Release((req,)))
+    assert h.reader.lanes.queued() == ([(3, 5)], [], [(1, 1), (1, 2)])
+    release.set()
+    for _ in range(4):
+        h.land()
+    assert all(h.visible(k) for k in [(0, 0), (1, 1), (1, 2), (3, 5)]) and h.reader.guesses_withdrawn == 0

@@ -1,11 +1,12 @@
-"""The reader's lanes: demand reads before guesses, promotion, withdrawal."""
+"""The reader's lanes: demand reads before guesses before background reads,
+promotion, withdrawal."""
 from __future__ import annotations
 
 import threading
 
 import pytest
 
-from moe_pipe.shared.readlanes import ReadLanes
+from moe_pipe.shared.readlanes import Priority, ReadLanes
 
 
 class Recorder:
@@ -42,40 +43,45 @@ def finish(lanes, rec):
     return [k for k, _ in rec.order]
 
 
-def test_demand_reads_go_before_guesses_each_in_order():
-    lanes, rec = busy_lane(5)
-    lanes.submit("g1", 1, guess=True)
-    lanes.submit("g2", 2, guess=True)
+def test_demand_reads_go_before_guesses_before_background_each_in_order():
+    lanes, rec = busy_lane(6)
+    lanes.submit("b1", 5, Priority.BACKGROUND)
+    lanes.submit("g1", 1, Priority.GUESS)
+    lanes.submit("g2", 2, Priority.GUESS)
     lanes.submit("d1", 3)
     lanes.submit("d2", 4)
-    assert lanes.queued() == (["d1", "d2"], ["g1", "g2"])
-    assert finish(lanes, rec) == ["d0", "d1", "d2", "g1", "g2"]
-    assert rec.order[1:] == [("d1", 3), ("d2", 4), ("g1", 1), ("g2", 2)]  # each with its own slot
+    assert lanes.queued() == (["d1", "d2"], ["g1", "g2"], ["b1"])
+    assert finish(lanes, rec) == ["d0", "d1", "d2", "g1", "g2", "b1"]
+    assert rec.order[1:] == [("d1", 3), ("d2", 4), ("g1", 1), ("g2", 2), ("b1", 5)]  # each with its own slot
 
 
-def test_a_promoted_guess_joins_the_demand_queue():
-    lanes, rec = busy_lane(4)
-    lanes.submit("g1", 1, guess=True)
-    lanes.submit("g2", 2, guess=True)
+def test_a_promoted_guess_or_background_read_joins_the_demand_queue():
+    lanes, rec = busy_lane(5)
+    lanes.submit("b1", 4, Priority.BACKGROUND)
+    lanes.submit("g1", 1, Priority.GUESS)
+    lanes.submit("g2", 2, Priority.GUESS)
     lanes.submit("d1", 3)
     assert lanes.promote("g2") and not lanes.promote("g2") and not lanes.promote("d1")
-    assert finish(lanes, rec) == ["d0", "d1", "g2", "g1"]
+    assert lanes.promote("b1")
+    assert finish(lanes, rec) == ["d0", "d1", "g2", "b1", "g1"]
 
 
-def test_withdrawn_guesses_are_never_read():
+def test_withdrawn_guesses_are_never_read_and_background_reads_stay():
     lanes, rec = busy_lane(2)
     for i, g in enumerate(("g1", "g2", "g3")):
-        lanes.submit(g, i, guess=True)
+        lanes.submit(g, i, Priority.GUESS)
+    lanes.submit("b1", 9, Priority.BACKGROUND)
     assert lanes.withdraw_guesses(keep={"g2"}) == [("g1", 0), ("g3", 2)]
-    assert lanes.withdraw_guesses(keep={"g2"}) == []
-    assert finish(lanes, rec) == ["d0", "g2"]
+    assert lanes.withdraw_guesses() == [("g2", 1)]
+    assert lanes.withdraw_guesses() == []
+    assert finish(lanes, rec) == ["d0", "b1"]
     assert not lanes.promote("d0")  # a started read is no guess to promote
 
 
 def test_shutdown_drops_the_queue_and_joins_the_lanes():
     lanes, rec = busy_lane(99)
     lanes.submit("d1", 1)
-    lanes.submit("g1", 1, guess=True)
+    lanes.submit("g1", 1, Priority.GUESS)
     rec.go.set()
     lanes.shutdown()
     assert [k for k, _ in rec.order][0] == "d0" and all(not t.is_alive() for t in lanes._threads)

@@ -122,7 +122,7 @@ def test_replay_agrees_with_the_live_reader(tmp_path):
                                    "spec": type("S", (), {"n_expert": t.header.n_expert})()})()
         rd.index = type("I", (), {"clear": lambda s, k: None, "publish": lambda s, k, slot: None})()
         reads = []
-        rd.lanes = type("X", (), {"submit": lambda s, key, slot, guess=False: reads.append((key, slot)),
+        rd.lanes = type("X", (), {"submit": lambda s, key, slot, priority=0: reads.append((key, slot)),
                                   "withdraw_guesses": lambda s, keep=(): []})()
         sent = []
         rd.send = sent.append

@@ -1,4 +1,5 @@
 """The benchmark models: made once under bench/out/ and reused."""
+
 from __future__ import annotations
 
 import sys
@@ -11,7 +12,7 @@ def shape_model(model: str | None, layers: int, arch: str = "qwen3moe", preset: 
     """`model` if given, else the `preset` model cut to `layers`, made on first use."""
     if model:
         return Path(model)
-    from moe_pipe.shared.makemodel import make_model
+    from moe_pipe.shared.makemodel.maker import make_model
 
     path = OUT / f"{preset}-L{layers}.gguf"
     if not path.exists():

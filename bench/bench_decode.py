@@ -10,6 +10,7 @@ ratio, the share of moe-pipe's decode time per stage (attention, router,
 experts, head), and the Python time outside the kernels. llama-cpp-python is
 optional: without it only moe-pipe's figures print.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,10 +47,9 @@ def run_llama(path: Path, prompt: list[int], n: int, threads: int):
         import llama_cpp
     except ImportError:
         return None
-    from moe_pipe.shared.peer_llama import last_logits
+    from moe_pipe.shared.analysis.peer_llama import last_logits
 
-    llm = llama_cpp.Llama(str(path), n_ctx=len(prompt) + n + 8, n_threads=threads, n_threads_batch=threads,
-                          n_batch=512, verbose=False)
+    llm = llama_cpp.Llama(str(path), n_ctx=len(prompt) + n + 8, n_threads=threads, n_threads_batch=threads, n_batch=512, verbose=False)
     llm.reset()
     t0 = time.perf_counter()
     llm.eval(prompt)
@@ -82,6 +82,7 @@ class KernelClock:
                 return fn(*a, **kw)
             finally:
                 self.seconds += time.perf_counter() - t0
+
         return wrapper
 
     def restore(self):
@@ -93,8 +94,8 @@ def run_ours(path: Path, prompt: list[int], n: int, threads: int, profile: bool,
     import numpy as np
 
     from moe_pipe.shared import quant
-    from moe_pipe.shared.model import load_model
-    from moe_pipe.shared.model_file import open_model
+    from moe_pipe.shared.gguf.model_file import open_model
+    from moe_pipe.shared.model.load import load_model
 
     quant.set_threads(threads)
     mf = open_model(path)
@@ -130,8 +131,8 @@ def python_only_ms(path: Path, prompt: list[int], n: int) -> float:
     import numpy as np
 
     from moe_pipe.shared import quant
-    from moe_pipe.shared.model import load_model
-    from moe_pipe.shared.model_file import open_model
+    from moe_pipe.shared.gguf.model_file import open_model
+    from moe_pipe.shared.model.load import load_model
 
     mf = open_model(path)
     model = load_model(mf)
@@ -154,15 +155,17 @@ def main(argv=None) -> int:
     args = parse(argv)
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     path = ensure_model(args)
-    from moe_pipe.shared.model_file import open_model
+    from moe_pipe.shared.gguf.model_file import open_model
 
     with open_model(path) as mf:
         prompt = prompt_ids(args.prompt_tokens, mf.spec.n_vocab)
         desc = f"{mf.spec.arch} {mf.spec.n_layer} layers, {mf.gguf.file_bytes / 2**30:.2f} GiB"
     from moe_pipe.shared import quant
 
-    print(f"model: {path.name} ({desc}); prompt {len(prompt)} tokens, decode {args.n}, threads {args.threads}, {args.repeat} repeats (medians); "
-          f"int8 activations {'on' if quant.int8_activations() else 'off'} (MOE_PIPE_INT8_ACT)")
+    print(
+        f"model: {path.name} ({desc}); prompt {len(prompt)} tokens, decode {args.n}, threads {args.threads}, {args.repeat} repeats (medians); "
+        f"int8 activations {'on' if quant.int8_activations() else 'off'} (MOE_PIPE_INT8_ACT)"
+    )
     ours, peer = [], []
     for r in range(args.repeat):
         ours.append(run_ours(path, prompt, args.n, args.threads, profile=False))
@@ -196,10 +199,14 @@ def main(argv=None) -> int:
     print(f"  {'other':<12}{(dec_s - total) / dec_s * 100:6.1f} %")
     _, c_dec_s, _, _, c_kernel_s = clocked
     stub_ms = python_only_ms(path, prompt, args.n)
-    print(f"Python outside the kernels: {(c_dec_s - c_kernel_s) / c_dec_s * 100:.1f} % of decode time "
-          f"({(c_dec_s - c_kernel_s) * 1e3 / args.n:.2f} of {c_dec_s * 1e3 / args.n:.1f} ms/token; best of 3 runs timing only the kernels)")
-    print(f"the model's own Python with the kernels stubbed out: {stub_ms:.2f} ms/token "
-          f"({stub_ms / (c_dec_s * 1e3 / args.n) * 100:.1f} % of a real decode)")
+    print(
+        f"Python outside the kernels: {(c_dec_s - c_kernel_s) / c_dec_s * 100:.1f} % of decode time "
+        f"({(c_dec_s - c_kernel_s) * 1e3 / args.n:.2f} of {c_dec_s * 1e3 / args.n:.1f} ms/token; best of 3 runs timing only the kernels)"
+    )
+    print(
+        f"the model's own Python with the kernels stubbed out: {stub_ms:.2f} ms/token "
+        f"({stub_ms / (c_dec_s * 1e3 / args.n) * 100:.1f} % of a real decode)"
+    )
     return 0
 
 

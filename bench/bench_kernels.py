@@ -14,6 +14,7 @@ rotates through enough distinct matrices for ≥ 300 MB of float32 (the
 quantized side uses the same number of matrices, hence fewer bytes). Figures
 are medians over repeats of one pass through all matrices.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,8 +43,10 @@ def main(argv: list[str] | None = None) -> int:
     shapes = [(QUICK_HEAD_ROWS if r > 100_000 and args.quick else r, c) for r, c in SHAPES]
     repeats = 3 if args.quick else 7
     rng = np.random.default_rng(0)
-    print(f"threads={args.threads} repeats={repeats} (median); int8 activations {'on' if quant.int8_activations() else 'off'}; "
-          "G w/s = 1e9 weights per second; ratio = kernel / numpy fp32")
+    print(
+        f"threads={args.threads} repeats={repeats} (median); int8 activations {'on' if quant.int8_activations() else 'off'}; "
+        "G w/s = 1e9 weights per second; ratio = kernel / numpy fp32"
+    )
     print(f"{'type':7s} {'op':6s} {'shape':>12s} {'mats':>4s} {'G w/s':>7s} {'GB/s':>6s} {'numpy Gw/s':>10s} {'ratio':>6s}")
     for r, c in shapes:
         n_mats = max(1, int(ROTATE_BYTES // (r * c * 4)))
@@ -71,7 +74,10 @@ def main(argv: list[str] | None = None) -> int:
             shape = f"{r}x{c}"
             for op, t, t_np in (("matvec", t_mv, np_mv), ("mm T16", t_mm, np_mm)):
                 gw, gw_np = r * c / t / 1e9, r * c / t_np / 1e9
-                print(f"{fmt.name:7s} {op:6s} {shape:>12s} {n_mats:4d} {gw:7.2f} {r * row_bytes / t / 1e9:6.2f} {gw_np:10.2f} {gw / gw_np:6.2f}", flush=True)
+                print(
+                    f"{fmt.name:7s} {op:6s} {shape:>12s} {n_mats:4d} {gw:7.2f} {r * row_bytes / t / 1e9:6.2f} {gw_np:10.2f} {gw / gw_np:6.2f}",
+                    flush=True,
+                )
             del qmats
         del mats
     return 0

@@ -11,6 +11,7 @@ common prefix (once a token differs, the rest follows a different text).
 Random-weight models route less predictably than real ones: read the
 directions, not the magnitudes. Figures, not verdicts.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,12 +21,22 @@ from dataclasses import asdict
 from pathlib import Path
 
 OUT = Path(__file__).resolve().parent / "out"
-PROMPTS = ["The old mill by the river", "Once upon a time there was", "A quiet night in the city of",
-           "She opened the door and saw", "In the beginning the", "The recipe calls for"]
-SETTINGS = [("exact", {}), ("drop-cold 0.5", {"compute.drop_cold_experts": 0.5}),
-            ("drop-cold 1.0", {"compute.drop_cold_experts": 1.0}), ("cache-route 0.2", {"compute.cache_route": 0.2}),
-            ("cache-route 0.5", {"compute.cache_route": 0.5}),
-            ("both 1.0 / 0.5", {"compute.drop_cold_experts": 1.0, "compute.cache_route": 0.5})]
+PROMPTS = [
+    "The old mill by the river",
+    "Once upon a time there was",
+    "A quiet night in the city of",
+    "She opened the door and saw",
+    "In the beginning the",
+    "The recipe calls for",
+]
+SETTINGS = [
+    ("exact", {}),
+    ("drop-cold 0.5", {"compute.drop_cold_experts": 0.5}),
+    ("drop-cold 1.0", {"compute.drop_cold_experts": 1.0}),
+    ("cache-route 0.2", {"compute.cache_route": 0.2}),
+    ("cache-route 0.5", {"compute.cache_route": 0.5}),
+    ("both 1.0 / 0.5", {"compute.drop_cold_experts": 1.0, "compute.cache_route": 0.5}),
+]
 
 
 def main(argv=None) -> int:
@@ -35,10 +46,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     from moe_pipe.procs.pipeline import Pipeline
     from moe_pipe.shared.config import load_config
-    from moe_pipe.shared.makemodel import make_model
-    from moe_pipe.shared.model_file import open_model
-    from moe_pipe.shared.sampling import SamplingParams
-    from moe_pipe.shared.tokenizer import Tokenizer
+    from moe_pipe.shared.gguf.model_file import open_model
+    from moe_pipe.shared.makemodel.maker import make_model
+    from moe_pipe.shared.text.sampling import SamplingParams
+    from moe_pipe.shared.text.tokenizer import Tokenizer
 
     OUT.mkdir(exist_ok=True)
     print(f"{'model':10} {'cache':>8} {'setting':16} {'hit %':>6} {'MiB read':>9} {'same tokens':>12} {'common prefix':>14}")
@@ -62,8 +73,7 @@ def main(argv=None) -> int:
                 if exact is None:
                     exact = runs
                 same = sum(a == b for r, e in zip(runs, exact) for a, b in zip(r, e)) / sum(len(e) for e in exact)
-                prefix = statistics.mean(next((i for i, (a, b) in enumerate(zip(r, e)) if a != b), len(e))
-                                         for r, e in zip(runs, exact))
+                prefix = statistics.mean(next((i for i, (a, b) in enumerate(zip(r, e)) if a != b), len(e)) for r, e in zip(runs, exact))
                 print(f"{arch:10} {cache_mb:7.2f}M {label:16} {hit:6.1f} {read:9.1f} {same * 100:11.0f}% {prefix:14.1f}")
     return 0
 

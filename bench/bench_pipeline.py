@@ -20,6 +20,7 @@ efficiency (wall / max(compute, io) per token, median), messaging + bookkeeping
 share, messages to the reader per token, prefetch accuracy, and the reader's
 bytes per second of lane time. Figures, not verdicts.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,9 +32,11 @@ import tempfile
 from pathlib import Path
 
 from _models import shape_model  # noqa: E402  (bench/ is the script's folder)
-from bench_vs_llama import TRACES  # noqa: E402
 from bench_reads import expert_bandwidth  # noqa: E402
-from moe_pipe.shared.cgroup import MemoryCgroup, MemoryLimitError, drop_page_cache  # noqa: E402
+from bench_vs_llama import TRACES  # noqa: E402
+
+from moe_pipe.shared.analysis.cgroup import MemoryCgroup, MemoryLimitError, drop_page_cache  # noqa: E402
+
 PROMPT = "The old mill by the river had stood there for a hundred years, and every spring"
 
 
@@ -91,14 +94,15 @@ def warm_all_experts(model: Path, args, all_mb: float) -> float:
 
     from moe_pipe.procs.pipeline import Pipeline
     from moe_pipe.shared.config import load_config
-    from moe_pipe.shared.model_file import open_model
-    from moe_pipe.shared.sampling import SamplingParams
-    from moe_pipe.shared.tokenizer import Tokenizer
+    from moe_pipe.shared.gguf.model_file import open_model
+    from moe_pipe.shared.text.sampling import SamplingParams
+    from moe_pipe.shared.text.tokenizer import Tokenizer
 
     with open_model(model) as mf:
         prompt = Tokenizer.from_gguf(mf.gguf).encode(PROMPT)
-    cfg = load_config(None, {"model.path": str(model), "cache.cache_mb": all_mb, "compute.threads": args.threads,
-                             "io.io_threads": args.io_threads})
+    cfg = load_config(
+        None, {"model.path": str(model), "cache.cache_mb": all_mb, "compute.threads": args.threads, "io.io_threads": args.io_threads}
+    )
     with Pipeline(cfg, model) as pipe:
         for _ in range(3):  # fill the cache with what these prompts route to
             pipe.generate(prompt, asdict(SamplingParams()), args.n, ignore_eos=True)
@@ -109,27 +113,50 @@ def warm_all_experts(model: Path, args, all_mb: float) -> float:
 def main(argv=None) -> int:
     args = parse(argv)
     model = ensure_model(args)
-    base = [sys.executable, "-m", "moe_pipe.cli.main", "run", str(model), "-p", PROMPT, "-n", str(args.n),
-            "-t", str(args.threads), "--output-format", "json", "--io-threads", str(args.io_threads), "--ignore-eos"]
-    from moe_pipe.shared.model_file import open_model
+    base = [
+        sys.executable,
+        "-m",
+        "moe_pipe.cli.main",
+        "run",
+        str(model),
+        "-p",
+        PROMPT,
+        "-n",
+        str(args.n),
+        "-t",
+        str(args.threads),
+        "--output-format",
+        "json",
+        "--io-threads",
+        str(args.io_threads),
+        "--ignore-eos",
+    ]
+    from moe_pipe.shared.gguf.model_file import open_model
 
     with open_model(model) as mf:
         all_mb = mf.spec.n_layer * mf.spec.n_expert * mf.layout.slab_bytes / 2**20 + 1
         size_mb = mf.gguf.file_bytes / 2**20
-    print(f"model {model.name}: {size_mb:,.0f} MiB; all experts {all_mb:,.0f} MiB; n={args.n}, threads {args.threads}, io lanes {args.io_threads}")
+    print(
+        f"model {model.name}: {size_mb:,.0f} MiB; all experts {all_mb:,.0f} MiB; n={args.n}, threads {args.threads}, io lanes {args.io_threads}"
+    )
     rows = []
     tmp = Path(tempfile.mkdtemp(prefix="moe-bench-"))
     ref = run(base + ["--no-stream"])
     rows.append(("--no-stream (resident)", ref["timings"]["predicted_tok_s"], None, ref["tokens"]))
     small = ["--cache-mb", str(args.small_cache_mb)]
     replay = ["--route-replay", str(TRACES / "qwen.route.csv")]
-    for label, extra, cg in [("pipeline, cache = all experts", ["--cache-mb", str(all_mb)], None),
-                             (f"pipeline, cache {args.small_cache_mb:.0f} MiB", small, None),
-                             ("limited", small, "cgroup"),
-                             (f"pipeline, cache {args.small_cache_mb:.0f} MiB, prefetch", small + ["--prefetch", "next-layer"], None),
-                             (f"  trace-routed, cache {args.small_cache_mb:.0f} MiB", small + replay, None),
-                             (f"  trace-routed, cache {args.small_cache_mb:.0f} MiB, prefetch (perfect guess)",
-                              small + replay + ["--prefetch", "next-layer"], None)]:
+    for label, extra, cg in [
+        ("pipeline, cache = all experts", ["--cache-mb", str(all_mb)], None),
+        (f"pipeline, cache {args.small_cache_mb:.0f} MiB", small, None),
+        ("limited", small, "cgroup"),
+        (f"pipeline, cache {args.small_cache_mb:.0f} MiB, prefetch", small + ["--prefetch", "next-layer"], None),
+        (f"  trace-routed, cache {args.small_cache_mb:.0f} MiB", small + replay, None),
+        (
+            f"  trace-routed, cache {args.small_cache_mb:.0f} MiB, prefetch (perfect guess)",
+            small + replay + ["--prefetch", "next-layer"],
+            None,
+        ),
+    ]:
         csv = tmp / f"{len(rows)}.csv"
         cgroup = None
         if cg:
@@ -138,8 +165,9 @@ def main(argv=None) -> int:
             except MemoryLimitError as exc:
                 print(f"(memory-limited run skipped: {exc})")
                 continue
-            label = f"pipeline, cache {args.small_cache_mb:.0f} MiB, cgroup v{cgroup.version} {args.mem_limit_mb} MiB" + \
-                    ("" if drop_page_cache() else " (page cache not dropped)")
+            label = f"pipeline, cache {args.small_cache_mb:.0f} MiB, cgroup v{cgroup.version} {args.mem_limit_mb} MiB" + (
+                "" if drop_page_cache() else " (page cache not dropped)"
+            )
         try:
             out = run(base + extra + ["--csv", str(csv)], cgroup)
         finally:
@@ -149,23 +177,31 @@ def main(argv=None) -> int:
     warm_tok_s, warm_hit = warm_all_experts(model, args, all_mb)
     direct_gb_s = expert_bandwidth(model)
     ref_tok_s = rows[0][1]
-    print(f"\n{'run':<72}{'tok/s':>7}{'×ref':>6}{'hit%':>7}{'stall':>7}{'wall/max(c,io)':>15}{'msg+mgmt':>9}"
-          f"{'msgs':>6}{'guess ok':>9}{'MiB/tok':>9}{'lane GB/s':>10}  same tokens")
+    print(
+        f"\n{'run':<72}{'tok/s':>7}{'×ref':>6}{'hit%':>7}{'stall':>7}{'wall/max(c,io)':>15}{'msg+mgmt':>9}"
+        f"{'msgs':>6}{'guess ok':>9}{'MiB/tok':>9}{'lane GB/s':>10}  same tokens"
+    )
     for label, tok_s, f, tokens in rows:
         same = "yes" if tokens == rows[0][3] else ("NO" if "trace-routed" not in label else "(other routing)")
         if f is None:
             print(f"{label:<72}{tok_s:>7.2f}{1.0:>6.2f}{'':>7}{'':>7}{'':>15}{'':>9}{'':>6}{'':>9}{'':>9}{'':>10}  (reference)")
             continue
         acc = f"{f['prefetch_acc'] * 100:.0f} %" if f["prefetch_acc"] is not None else ""
-        print(f"{label:<72}{tok_s:>7.2f}{tok_s / ref_tok_s:>6.2f}{f['hit_pct']:>7.1f}{f['stall_share'] * 100:>6.1f}%"
-              f"{f['overlap_eff']:>15.2f}{f['msg_share'] * 100:>8.1f}%{f['msgs_per_tok']:>6.1f}{acc:>9}{f['mib_per_tok']:>9.1f}"
-              f"{f['lane_gb_s']:>10.2f}  {same}")
-    print(f"\npipeline, cache = all experts, warm (4th generation in one pipeline, hit {warm_hit:.1f} %): "
-          f"{warm_tok_s:.2f} tok/s = {warm_tok_s / ref_tok_s:.2f} × --no-stream")
+        print(
+            f"{label:<72}{tok_s:>7.2f}{tok_s / ref_tok_s:>6.2f}{f['hit_pct']:>7.1f}{f['stall_share'] * 100:>6.1f}%"
+            f"{f['overlap_eff']:>15.2f}{f['msg_share'] * 100:>8.1f}%{f['msgs_per_tok']:>6.1f}{acc:>9}{f['mib_per_tok']:>9.1f}"
+            f"{f['lane_gb_s']:>10.2f}  {same}"
+        )
+    print(
+        f"\npipeline, cache = all experts, warm (4th generation in one pipeline, hit {warm_hit:.1f} %): "
+        f"{warm_tok_s:.2f} tok/s = {warm_tok_s / ref_tok_s:.2f} × --no-stream"
+    )
     lanes = [f["lane_gb_s"] for _l, _t, f, _k in rows if f and f["lane_gb_s"]]
     if lanes and direct_gb_s:
-        print(f"reader lane {min(lanes):.2f}–{max(lanes):.2f} GB/s while decoding = {min(lanes) / direct_gb_s:.2f}–"
-              f"{max(lanes) / direct_gb_s:.2f} × this disk's O_DIRECT at the expert size measured now ({direct_gb_s:.2f} GB/s, one lane)")
+        print(
+            f"reader lane {min(lanes):.2f}–{max(lanes):.2f} GB/s while decoding = {min(lanes) / direct_gb_s:.2f}–"
+            f"{max(lanes) / direct_gb_s:.2f} × this disk's O_DIRECT at the expert size measured now ({direct_gb_s:.2f} GB/s, one lane)"
+        )
     print("tok/s from each run's own timings (all decode tokens); the other columns from its per-token CSV (steady window).")
     return 0
 

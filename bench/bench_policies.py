@@ -15,6 +15,7 @@ each expert its own size, as the published curves), and
 `--check` only compares: exit 1 if the page's block is stale. One core,
 about 15 s.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,9 +53,9 @@ def published(d: Path, name: str) -> dict[tuple[int, str], float]:
 
 def replay_all(d: Path, budgets) -> tuple[dict, dict]:
     """(trace, accounting) -> {(budget, policy): Result}; trace -> how many expert sizes it has."""
-    from moe_pipe.shared.policies import POLICIES
-    from moe_pipe.shared.replay import Replayer
-    from moe_pipe.shared.trace import read_trace
+    from moe_pipe.shared.analysis.replay import Replayer
+    from moe_pipe.shared.experts.policies import POLICIES
+    from moe_pipe.shared.model.trace import read_trace
 
     out, sizes = {}, {}
     for name in TRACES:
@@ -76,7 +77,7 @@ def _pts(x: float) -> str:
 
 
 def markdown(results: dict, pub: dict, sizes: dict, budgets) -> str:
-    from moe_pipe.shared.policies import DEFAULT_POLICY, LIVE_POLICIES, POLICIES
+    from moe_pipe.shared.experts.policies import DEFAULT_POLICY, LIVE_POLICIES, POLICIES
 
     out = []
     for name, title in TRACES.items():
@@ -84,11 +85,17 @@ def markdown(results: dict, pub: dict, sizes: dict, budgets) -> str:
         one_size = sizes[name] == 1  # then bytes and slots count the same experts
         for accounting in ("slots",) if one_size else ("slots", "bytes"):
             res = results[name, accounting]
-            what = ("slots, equal slabs of the largest expert (the engine)" if accounting == "slots"
-                    else "bytes, each expert its own size (as the published curves)")
-            out += [f"hit % decode; budget counted in {what}"
-                    + ("; with one expert size that is also the published curves' count" if one_size else "")
-                    + ". Bold: the best live policy.", ""]
+            what = (
+                "slots, equal slabs of the largest expert (the engine)"
+                if accounting == "slots"
+                else "bytes, each expert its own size (as the published curves)"
+            )
+            out += [
+                f"hit % decode; budget counted in {what}"
+                + ("; with one expert size that is also the published curves' count" if one_size else "")
+                + ". Bold: the best live policy.",
+                "",
+            ]
             rows = [["slots" if accounting == "slots" else "≈ experts", *(str(res[b, "lru"].n_slots) for b in budgets)]]
             for p in POLICIES:
                 cells = []
@@ -99,18 +106,18 @@ def markdown(results: dict, pub: dict, sizes: dict, budgets) -> str:
                 rows.append([f"`{p}`" + (" (default)" if p == DEFAULT_POLICY else ""), *cells])
             if (accounting == "bytes" or one_size) and pub.get(name):
                 for p in ("lru", "belady", "layerlfu"):
-                    rows.append([f"published `{p}`", *(f"{pub[name][b, p]:.2f}" if (b, p) in pub[name] else "–"
-                                                       for b in budgets)])
+                    rows.append([f"published `{p}`", *(f"{pub[name][b, p]:.2f}" if (b, p) in pub[name] else "–" for b in budgets)])
             out += _table(["policy \\ MiB", *map(str, budgets)], rows) + [""]
         res = results[name, "slots"]
         checked = [b for b in (2000, 3000, 4000) if (b, "lru") in res]
-        margins = ", ".join(f"{b}: {_pts(res[b, DEFAULT_POLICY].hit_pct_decode - res[b, 'lru'].hit_pct_decode)}"
-                            for b in checked)
+        margins = ", ".join(f"{b}: {_pts(res[b, DEFAULT_POLICY].hit_pct_decode - res[b, 'lru'].hit_pct_decode)}" for b in checked)
         reads = ", ".join(f"{b}: {res[b, 'lru'].read_mib:,.0f} → {res[b, DEFAULT_POLICY].read_mib:,.0f}" for b in checked)
-        out += [f"`{DEFAULT_POLICY}` over `lru` (slots), points of decode hit rate at {margins}. "
-                f"MiB read from flash for the whole trace, `lru` → `{DEFAULT_POLICY}`, at {reads}.", ""]
-    out += ["### Against the published curves", "",
-            "hit % decode; Δ = ours − published, in points (tests/test_replay.py holds these):", ""]
+        out += [
+            f"`{DEFAULT_POLICY}` over `lru` (slots), points of decode hit rate at {margins}. "
+            f"MiB read from flash for the whole trace, `lru` → `{DEFAULT_POLICY}`, at {reads}.",
+            "",
+        ]
+    out += ["### Against the published curves", "", "hit % decode; Δ = ours − published, in points (tests/test_replay.py holds these):", ""]
     rows = []
     for name in TRACES:
         for b in (2000, 3000, 4000):
@@ -119,8 +126,18 @@ def markdown(results: dict, pub: dict, sizes: dict, budgets) -> str:
                     continue
                 want = pub[name][b, p]
                 by_bytes, by_slots = (results[name, a][b, p].hit_pct_decode for a in ("bytes", "slots"))
-                rows.append([name, str(b), f"`{p}`", f"{want:.2f}", f"{by_bytes:.2f}", _pts(by_bytes - want),
-                             f"{by_slots:.2f}", _pts(by_slots - want)])
+                rows.append(
+                    [
+                        name,
+                        str(b),
+                        f"`{p}`",
+                        f"{want:.2f}",
+                        f"{by_bytes:.2f}",
+                        _pts(by_bytes - want),
+                        f"{by_slots:.2f}",
+                        _pts(by_slots - want),
+                    ]
+                )
     out += _table(["trace", "MiB", "policy", "published", "bytes", "Δ bytes", "slots", "Δ slots"], rows, left=1)
     return "\n".join(out).rstrip() + "\n"
 
@@ -131,16 +148,21 @@ def plot(results: dict, budgets, path: Path) -> None:
     matplotlib.use("Agg")  # files only; set here, not at import, so importing this module changes nothing
     import matplotlib.pyplot as plt
 
-    from moe_pipe.shared.policies import DEFAULT_POLICY, POLICIES
+    from moe_pipe.shared.experts.policies import DEFAULT_POLICY, POLICIES
 
     fig, axes = plt.subplots(1, len(TRACES), figsize=(12, 4.6), sharey=False)
     for ax, (name, title) in zip(axes, TRACES.items()):
         res = results[name, "slots"]
         for p in POLICIES:
-            style = {"belady": dict(ls="--", color="black", lw=1.2),
-                     DEFAULT_POLICY: dict(lw=2.6)}.get(p, dict(lw=1.3))
-            ax.plot(budgets, [res[b, p].hit_pct_decode for b in budgets], marker="o", ms=3,
-                    label=p + (" (default)" if p == DEFAULT_POLICY else ""), **style)
+            style = {"belady": dict(ls="--", color="black", lw=1.2), DEFAULT_POLICY: dict(lw=2.6)}.get(p, dict(lw=1.3))
+            ax.plot(
+                budgets,
+                [res[b, p].hit_pct_decode for b in budgets],
+                marker="o",
+                ms=3,
+                label=p + (" (default)" if p == DEFAULT_POLICY else ""),
+                **style,
+            )
         ax.set_title(title.split(" (")[0], fontsize=11)
         ax.set_xlabel("expert cache budget (MiB)")
         ax.set_ylabel("hit % (decode)")
@@ -165,8 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     results, sizes = replay_all(d, budgets)
     pub = {name: published(d, name) for name in TRACES}
     block = markdown(results, pub, sizes, budgets)
-    print(f"replayed {len(TRACES)} traces x {len(budgets)} budgets x 2 accountings in {time.perf_counter() - t0:.1f} s",
-          file=sys.stderr)
+    print(f"replayed {len(TRACES)} traces x {len(budgets)} budgets x 2 accountings in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     text = DOC.read_text()
     if BEGIN not in text or END not in text:
         sys.exit(f"bench_policies: {DOC} has no {BEGIN!r} ... {END!r} block")

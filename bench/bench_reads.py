@@ -17,6 +17,7 @@ is per lane. O_DIRECT bypasses the page cache, so a file that is cached still
 measures the device. `--buffered` forces the fallback path (which does not:
 with the file cached it measures memory copies).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,16 +33,18 @@ DEFAULT_MODEL = Path(__file__).resolve().parent / "out" / "qwen30b-shape-L8.gguf
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
-    from moe_pipe.shared.directio import ExpertFiles, aligned_buffer
-    from moe_pipe.shared.layout import Extent, aligned_bytes
-    from moe_pipe.shared.model_file import open_model
-    from moe_pipe.shared.shm import SlabArena, segment_name
+    from moe_pipe.shared.experts.directio import ExpertFiles, aligned_buffer
+    from moe_pipe.shared.experts.shm import SlabArena, segment_name
+    from moe_pipe.shared.gguf.layout import Extent, aligned_bytes
+    from moe_pipe.shared.gguf.model_file import open_model
 
     with open_model(args.model) as mf, ExpertFiles(mf.gguf.paths, direct=not args.buffered) as ef:
         lay, spec = mf.layout, mf.spec
-        print(f"{args.model}: {spec.n_layer} layers x {spec.n_expert} experts, "
-              f"expert {lay.max_expert_bytes:,} B, slab {lay.slab_bytes:,} B, "
-              f"{'O_DIRECT' if ef.direct else 'buffered: ' + str(ef.fallback_reason)}")
+        print(
+            f"{args.model}: {spec.n_layer} layers x {spec.n_expert} experts, "
+            f"expert {lay.max_expert_bytes:,} B, slab {lay.slab_bytes:,} B, "
+            f"{'O_DIRECT' if ef.direct else 'buffered: ' + str(ef.fallback_reason)}"
+        )
         rng = random.Random(args.seed)
         size = mf.gguf.file_sizes[0]
         start = mf.gguf.data_start(0)
@@ -62,28 +65,32 @@ def main(argv: list[str] | None = None) -> int:
                 for lanes in args.lanes:
                     work = [make() for _ in range(20000)]  # drawn up front: lanes only read
                     n, nbytes, lat, secs = _run(ef, arena, work, lanes, args.seconds)
-                    print(f"{shape:8} {lanes:5d} {n:8d} {nbytes / secs / 1e9:6.2f} "
-                          f"{statistics.median(lat) * 1e3:14.2f} {_p90(lat) * 1e3:6.2f}")
+                    print(
+                        f"{shape:8} {lanes:5d} {n:8d} {nbytes / secs / 1e9:6.2f} "
+                        f"{statistics.median(lat) * 1e3:14.2f} {_p90(lat) * 1e3:6.2f}"
+                    )
             first = rng.randrange(start, size - (args.dense_mb << 20)) // 4096 * 4096
             dense = [Extent(0, first, args.dense_mb << 20)]
             dest = aligned_buffer(aligned_bytes(dense))
             t0 = time.perf_counter()
             pl = ef.read_dense(dense, dest)
             secs = time.perf_counter() - t0
-            print(f"dense    {1:5d} {'-':>8} {pl.disk_bytes / secs / 1e9:6.2f}   "
-                  f"({pl.disk_bytes / 1e6:.0f} MB sequential, 8 MiB reads)")
+            print(f"dense    {1:5d} {'-':>8} {pl.disk_bytes / secs / 1e9:6.2f}   ({pl.disk_bytes / 1e6:.0f} MB sequential, 8 MiB reads)")
     return 0
 
 
 def expert_bandwidth(model, seconds: float = 2.0, seed: int = 1) -> float:
     """GB/s of one lane reading random experts of `model` with O_DIRECT: the
     machine's figure the pipeline's reader is compared with."""
-    from moe_pipe.shared.directio import ExpertFiles
-    from moe_pipe.shared.model_file import open_model
-    from moe_pipe.shared.shm import SlabArena, segment_name
+    from moe_pipe.shared.experts.directio import ExpertFiles
+    from moe_pipe.shared.experts.shm import SlabArena, segment_name
+    from moe_pipe.shared.gguf.model_file import open_model
 
-    with open_model(model) as mf, ExpertFiles(mf.gguf.paths) as ef, \
-            SlabArena.create(segment_name("bench-reads"), 1, mf.layout.slab_bytes) as arena:
+    with (
+        open_model(model) as mf,
+        ExpertFiles(mf.gguf.paths) as ef,
+        SlabArena.create(segment_name("bench-reads"), 1, mf.layout.slab_bytes) as arena,
+    ):
         rng, spec = random.Random(seed), mf.spec
         work = [mf.layout.expert_extents(rng.randrange(spec.n_layer), rng.randrange(spec.n_expert)) for _ in range(5000)]
         _n, nbytes, _lat, secs = _run(ef, arena, work, 1, seconds)
@@ -92,7 +99,7 @@ def expert_bandwidth(model, seconds: float = 2.0, seed: int = 1) -> float:
 
 def _run(ef, arena, work, lanes, seconds):
     """(reads, bytes, per-read seconds, seconds) of lanes pulling experts off a shared list for `seconds`."""
-    from moe_pipe.shared.forecast import read_lanes
+    from moe_pipe.shared.analysis.forecast import read_lanes
 
     lat: list[float] = []
     nbytes, secs = read_lanes(ef, arena, work, lanes, seconds, latencies=lat)

@@ -38,6 +38,7 @@ gptoss120b-shape cut to 4 is 8.1 GB (~40 s). 128 tokens of each stream take
 `--logit-scale X` multiplies the routers' logits in memory: the scan that
 calibrated shared/presets.py ROUTER (qwen3moe's logit spread).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,6 +62,7 @@ CORPUS_START = 20000  # characters into the corpus: mid-text, away from the titl
 
 # ---------------------------------------------------------------- statistics
 
+
 @dataclass(frozen=True)
 class RoutingStats:
     decode_tokens: int
@@ -81,20 +83,19 @@ class RoutingStats:
 
 def head(trace, n_decode: int):
     """The trace's prompt and its first `n_decode` decoded tokens (first turn only)."""
-    from moe_pipe.shared.trace import DECODE, Trace
+    from moe_pipe.shared.model.trace import DECODE, Trace
 
     turn0 = trace.turn == trace.turn.min()
     dec = turn0 & (trace.phase == DECODE)
     steps = np.unique(trace.step[dec])
     keep = turn0 & ((trace.phase != DECODE) | np.isin(trace.step, steps[:n_decode]))
-    cols = {c: trace.column(c)[keep] for c in ("turn", "phase", "step", "layer", "slot", "expert", "weight",
-                                                "residency", "expert_bytes")}
+    cols = {c: trace.column(c)[keep] for c in ("turn", "phase", "step", "layer", "slot", "expert", "weight", "residency", "expert_bytes")}
     return Trace(trace.path, trace.header, **cols, first_row_line=trace.first_row_line)
 
 
 def decode_sets(trace) -> np.ndarray:
     """bool [T, L, E]: which experts each decoded token used at each layer."""
-    from moe_pipe.shared.trace import DECODE
+    from moe_pipe.shared.model.trace import DECODE
 
     h = trace.header
     dec = trace.phase == DECODE
@@ -106,7 +107,7 @@ def decode_sets(trace) -> np.ndarray:
 
 def lru_hit_pct(trace, fraction: float) -> float:
     """LRU decode hit % with fraction × n_layer × n_expert slots (at least one token's top-k)."""
-    from moe_pipe.shared.replay import MIB, Replayer, slab_bytes
+    from moe_pipe.shared.analysis.replay import MIB, Replayer, slab_bytes
 
     h = trace.header
     n = max(h.n_expert_used, int(round(fraction * h.n_layer * h.n_expert)))
@@ -115,7 +116,7 @@ def lru_hit_pct(trace, fraction: float) -> float:
 
 
 def routing_stats(trace, fractions=FRACTIONS) -> RoutingStats:
-    from moe_pipe.shared.trace import DECODE
+    from moe_pipe.shared.model.trace import DECODE
 
     used = decode_sets(trace)  # [T, L, E]
     n_tok, _, n_exp = used.shape
@@ -135,10 +136,14 @@ def routing_stats(trace, fractions=FRACTIONS) -> RoutingStats:
         if w == 1:
             reuse1_layer = again / np.maximum(base, 1)
     return RoutingStats(
-        decode_tokens=n_tok, top_k=trace.header.n_expert_used,
+        decode_tokens=n_tok,
+        top_k=trace.header.n_expert_used,
         lru_hit_pct={f: lru_hit_pct(trace, f) for f in fractions},
-        entropy=float(entropy.mean()), top_tenth_share=float(top_tenth.mean()), top1_share=float(ranked[:, 0].mean()),
-        used=float((picks > 0).mean()), reuse=reuse,
+        entropy=float(entropy.mean()),
+        top_tenth_share=float(top_tenth.mean()),
+        top1_share=float(ranked[:, 0].mean()),
+        used=float((picks > 0).mean()),
+        reuse=reuse,
         per_layer_top_tenth=(float(top_tenth.min()), float(top_tenth.max())),
         per_layer_reuse1=(float(reuse1_layer.min()), float(reuse1_layer.max())),
         top_gate_weight=float(trace.weight[(trace.phase == DECODE) & (trace.slot == 0)].mean()),
@@ -146,6 +151,7 @@ def routing_stats(trace, fractions=FRACTIONS) -> RoutingStats:
 
 
 # ---------------------------------------------------------------- our model
+
 
 class Recorder:
     """A route_observer that keeps every routing as trace rows (the phone traces' order:
@@ -161,7 +167,7 @@ class Recorder:
             self.step += ids.shape[0]
 
     def trace(self, header):
-        from moe_pipe.shared.trace import Trace
+        from moe_pipe.shared.model.trace import Trace
 
         cols = {c: [] for c in ("phase", "step", "layer", "slot", "expert", "weight")}
         for phase, step, layer, ids, w in self.rows:
@@ -180,8 +186,8 @@ class Recorder:
 
 
 def corpus_tokens(tok, n: int) -> list[int]:
-    from moe_pipe.shared.chat import encode_prompt
-    from moe_pipe.shared.vocab import DATA_DIR
+    from moe_pipe.shared.gguf.vocab import DATA_DIR
+    from moe_pipe.shared.text.chat import encode_prompt
 
     text = (DATA_DIR / "corpus.txt").read_text(encoding="utf-8")
     ids = encode_prompt(tok, text[CORPUS_START:] + text[:CORPUS_START])  # wrap round: always n tokens
@@ -222,8 +228,8 @@ def scale_routers(model, factor: float) -> None:
 def model_path(args) -> Path:
     if args.model:
         return Path(args.model)
-    from moe_pipe.shared.makemodel import make_model
-    from moe_pipe.shared.presets import ROUTER
+    from moe_pipe.shared.makemodel.maker import make_model
+    from moe_pipe.shared.makemodel.presets import ROUTER
 
     # The router shape in the name: a file made before a calibration change is not reused.
     tag = hashlib.blake2b(repr(ROUTER[args.arch]).encode(), digest_size=3).hexdigest()
@@ -236,14 +242,14 @@ def model_path(args) -> Path:
 
 # ---------------------------------------------------------------- report
 
+
 def _fmt_pair(x: tuple) -> str:
     return f"{x[0]:.2f}–{x[1]:.2f}"
 
 
 def table(columns: dict[str, RoutingStats], fractions) -> str:
     names = list(columns)
-    rows = [("decode tokens", [str(s.decode_tokens) for s in columns.values()]),
-            ("top-k", [str(s.top_k) for s in columns.values()])]
+    rows = [("decode tokens", [str(s.decode_tokens) for s in columns.values()]), ("top-k", [str(s.top_k) for s in columns.values()])]
     rows += [(f"LRU hit % @ {f:.0%} cache", [f"{s.lru_hit_pct[f]:.1f}" for s in columns.values()]) for f in fractions]
     rows += [
         ("entropy of picks (1 = uniform)", [f"{s.entropy:.3f}" for s in columns.values()]),
@@ -275,8 +281,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", default="qwen3moe", choices=("qwen3moe", "gpt-oss", "gemma4"))
     ap.add_argument("--preset", default=None, help="default: the arch's full-width shape preset")
-    ap.add_argument("--layers", type=int, default=None,
-                    help="cut the preset to this many layers (default: 8 for a shape preset, else the preset's own)")
+    ap.add_argument(
+        "--layers", type=int, default=None, help="cut the preset to this many layers (default: 8 for a shape preset, else the preset's own)"
+    )
     ap.add_argument("--model", help="measure this GGUF instead of making one")
     ap.add_argument("--top-k", default=None, help="experts per token: a number, or `model` (default: the arch's trace k)")
     ap.add_argument("-n", type=int, default=128, help="decoded tokens per stream (default 128)")
@@ -284,8 +291,12 @@ def main(argv=None) -> int:
     ap.add_argument("--fractions", default=",".join(map(str, FRACTIONS)), help="cache fractions for the LRU replay")
     ap.add_argument("--traces", help="directory of qwen.route.csv and gptoss.route.csv")
     ap.add_argument("--trace-out", help="also write our route traces here (replay them with `moe-pipe replay`)")
-    ap.add_argument("--logit-scale", type=float, default=1.0,
-                    help="multiply every router's logits (weights and bias) by this, in memory: the calibration scan")
+    ap.add_argument(
+        "--logit-scale",
+        type=float,
+        default=1.0,
+        help="multiply every router's logits (weights and bias) by this, in memory: the calibration scan",
+    )
     ap.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     args = ap.parse_args(argv)
     fractions = tuple(float(f) for f in args.fractions.split(","))
@@ -293,11 +304,11 @@ def main(argv=None) -> int:
     if any(s not in ("text", "greedy") for s in streams):
         ap.error("--streams takes text and/or greedy")
 
-    from moe_pipe.shared.model import load_model
-    from moe_pipe.shared.model_file import open_model
-    from moe_pipe.shared.presets import SHAPE_PRESET_ARCH, get_preset
-    from moe_pipe.shared.tokenizer import Tokenizer
-    from moe_pipe.shared.trace import TraceHeader, read_trace, write_trace
+    from moe_pipe.shared.gguf.model_file import open_model
+    from moe_pipe.shared.makemodel.presets import SHAPE_PRESET_ARCH, get_preset
+    from moe_pipe.shared.model.load import load_model
+    from moe_pipe.shared.model.trace import TraceHeader, read_trace, write_trace
+    from moe_pipe.shared.text.tokenizer import Tokenizer
 
     if args.preset is None:
         args.preset = next(p for p, a in SHAPE_PRESET_ARCH.items() if a == args.arch)
@@ -333,8 +344,18 @@ def main(argv=None) -> int:
     for name, t in phone.items():
         cols[f"{name} trace"] = routing_stats(head(t, args.n), fractions)
     if args.json:
-        print(json.dumps({"model": str(path), "arch": arch, "top_k": model.top_k, "distinct_tokens": distinct,
-                          "stats": {k: v.row() for k, v in cols.items()}}, indent=1))
+        print(
+            json.dumps(
+                {
+                    "model": str(path),
+                    "arch": arch,
+                    "top_k": model.top_k,
+                    "distinct_tokens": distinct,
+                    "stats": {k: v.row() for k, v in cols.items()},
+                },
+                indent=1,
+            )
+        )
     else:
         print(desc)
         print("decoded tokens distinct: " + ", ".join(f"{s} {d}/{args.n}" for s, d in distinct.items()))

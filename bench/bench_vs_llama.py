@@ -23,6 +23,7 @@ phone's 7 %. A cut whose limit cannot hold that is refused. Results go to
 bench/results/<shape>-L<layers>/{own,trace}/ (committed), and their summary.md
 files into docs/benchmarks.md between the markers.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,18 +45,16 @@ MIN_CACHE_FRACTION = 0.05
 
 
 SHAPES = {
-    "qwen30b": dict(arch="qwen3moe", preset="qwen30b-shape", config="configs/qwen30b.toml", trace="qwen.route.csv",
-                    ratio=1.6),
-    "gptoss120b": dict(arch="gpt-oss", preset="gptoss120b-shape", config="configs/gptoss120b.toml",
-                       trace="gptoss.route.csv", ratio=5.2),
+    "qwen30b": dict(arch="qwen3moe", preset="qwen30b-shape", config="configs/qwen30b.toml", trace="qwen.route.csv", ratio=1.6),
+    "gptoss120b": dict(arch="gpt-oss", preset="gptoss120b-shape", config="configs/gptoss120b.toml", trace="gptoss.route.csv", ratio=5.2),
 }
 
 
 def limit_mb(name: str, model: Path) -> float:
     """file / the phone's ratio, checked to leave room for a useful cache."""
-    from moe_pipe.procs.pipeline import kv_cache_bytes
     from moe_pipe.shared.config import load_config
-    from moe_pipe.shared.model_file import open_model
+    from moe_pipe.shared.gguf.model_file import open_model
+    from moe_pipe.shared.gguf.spec import kv_cache_bytes
 
     with open_model(model) as mf:
         limit = mf.gguf.file_bytes / 2**20 / SHAPES[name]["ratio"]
@@ -64,9 +63,11 @@ def limit_mb(name: str, model: Path) -> float:
         fixed_mb = mf.layout.dense_bytes / 2**20 + kv_cache_bytes(mf.spec, ctx) / 2**20 + PROCESSES_MB
         n_layer = mf.spec.n_layer
     if limit - fixed_mb < MIN_CACHE_FRACTION * n_layer * per_layer_mb:
-        sys.exit(f"{name} cut to {n_layer} layers: file / {SHAPES[name]['ratio']} = {limit:,.0f} MiB does not hold "
-                 f"the dense set, KV cache and processes ({fixed_mb:,.0f} MiB) plus {MIN_CACHE_FRACTION:.0%} of the "
-                 f"experts; cut it to more layers")
+        sys.exit(
+            f"{name} cut to {n_layer} layers: file / {SHAPES[name]['ratio']} = {limit:,.0f} MiB does not hold "
+            f"the dense set, KV cache and processes ({fixed_mb:,.0f} MiB) plus {MIN_CACHE_FRACTION:.0%} of the "
+            f"experts; cut it to more layers"
+        )
     return round(limit)
 
 
@@ -76,9 +77,27 @@ def results_dir(model: Path) -> Path:
 
 def moe_pipe_bench(name: str, model: Path, out: Path, args, limit: float | None, extra: list[str]) -> Path:
     """`moe-pipe bench` with the shape's recipe (configs/), this script's -t/-n/--repeat/--set; its summary.md."""
-    cmd = [sys.executable, "-m", "moe_pipe.cli.main", "bench", str(ROOT / SHAPES[name]["config"]), "--set",
-           f'model.path="{model}"', "-t", str(args.threads), "-n", str(args.n), "--repeat", str(args.repeat),
-           "--out", str(out)] + (["--mem-limit-mb", str(limit)] if limit is not None else []) + extra
+    cmd = (
+        [
+            sys.executable,
+            "-m",
+            "moe_pipe.cli.main",
+            "bench",
+            str(ROOT / SHAPES[name]["config"]),
+            "--set",
+            f'model.path="{model}"',
+            "-t",
+            str(args.threads),
+            "-n",
+            str(args.n),
+            "--repeat",
+            str(args.repeat),
+            "--out",
+            str(out),
+        ]
+        + (["--mem-limit-mb", str(limit)] if limit is not None else [])
+        + extra
+    )
     for item in args.set:
         cmd += ["--set", item]
     print(f"== {out.relative_to(ROOT)}: {' '.join(cmd[3:])}", file=sys.stderr, flush=True)
@@ -136,8 +155,10 @@ def write_doc() -> None:
             if not summaries:
                 continue
             s = json.loads(summaries[0].with_suffix(".json").read_text())
-            parts.append(f"\n### {name}-shape, {res.name.split('-L')[-1]} layers, memory limit "
-                         f"{s['mem_limit_mb']:,.0f} MiB (file / {spec['ratio']})\n")
+            parts.append(
+                f"\n### {name}-shape, {res.name.split('-L')[-1]} layers, memory limit "
+                f"{s['mem_limit_mb']:,.0f} MiB (file / {spec['ratio']})\n"
+            )
             for path in summaries:
                 text = path.read_text().split("\n", 2)[2]  # drop the title line
                 parts.append(f"From `{path.relative_to(ROOT)}`:\n\n{text}")
@@ -149,7 +170,7 @@ def replace_block(doc_path: Path, begin: str, end: str, body: str, heading: str)
     doc = doc_path.read_text() if doc_path.exists() else ""
     block = f"{begin}\n{body}\n{end}"
     if begin in doc:
-        doc = doc[: doc.index(begin)] + block + doc[doc.index(end) + len(end):]
+        doc = doc[: doc.index(begin)] + block + doc[doc.index(end) + len(end) :]
     else:
         doc = doc.rstrip() + f"\n\n{heading}\n\n{block}\n"
     doc_path.write_text(doc)

@@ -18,6 +18,7 @@ first token carries the whole prompt, so tokens 2-6 are shown too) and a
 plot of the first tokens' wall per dense policy go into docs/warmup-analysis.md
 between the markers. The prose around them is written by hand from these.
 """
+
 from __future__ import annotations
 
 import json
@@ -37,13 +38,15 @@ def variants(budgets: list[float], all_experts_mb: float) -> list[tuple[str, lis
     """(name, config overrides, under the memory limit?)"""
     out = [(f"dense-{d}", [f'io.dense_weights="{d}"'], True) for d in ("anon", "warm", "mmap")]
     out.append(("overlap-off", ['io.dense_weights="anon"', "compute.overlap=false"], True))
-    out += [(f"budget-{f:g}", [f"cache.cache_mb={f * all_experts_mb:.0f}", f"cache.cache_ceil_mb={f * all_experts_mb:.0f}"],
-             False) for f in budgets]
+    out += [
+        (f"budget-{f:g}", [f"cache.cache_mb={f * all_experts_mb:.0f}", f"cache.cache_ceil_mb={f * all_experts_mb:.0f}"], False)
+        for f in budgets
+    ]
     return out
 
 
 def all_experts_mib(model: Path) -> float:
-    from moe_pipe.shared.model_file import open_model
+    from moe_pipe.shared.gguf.model_file import open_model
 
     with open_model(model) as mf:
         return mf.spec.n_layer * mf.spec.n_expert * mf.layout.slab_bytes / 2**20
@@ -65,17 +68,31 @@ def head_figures(out: Path, summary: dict) -> dict:
         walls = [r.wall_ms for r in recs]
         s0 = steady_start(len(recs)) - 1
         steady = recs[s0:]
-        rows.append(dict(
-            first5=statistics.mean(walls[:5]), decode5=statistics.mean(walls[1:6]), steady=statistics.median(r.wall_ms for r in steady),
-            first1=walls[0], majflt5=sum(r.majflt for r in recs[:5]),
-            majflt_steady=statistics.mean(r.majflt for r in steady),
-            compute5=statistics.mean(r.compute_ms for r in recs[:5]),
-            compute_steady=statistics.median(r.compute_ms for r in steady),
-            io_steady=statistics.median(r.io_ms for r in steady), stall_steady=statistics.median(r.stall_ms for r in steady),
-            hit=run["hit_pct"], load=run["load_s"], budget=run["budget_mib"], peak=run["peak_mem_mib"],
-            tok_s=run["tok_s_steady"], walls=walls[:HEAD]))
-    med = {k: statistics.median(r[k] for r in rows if r[k] is not None) if any(r[k] is not None for r in rows) else None
-           for k in rows[0] if k != "walls"}
+        rows.append(
+            dict(
+                first5=statistics.mean(walls[:5]),
+                decode5=statistics.mean(walls[1:6]),
+                steady=statistics.median(r.wall_ms for r in steady),
+                first1=walls[0],
+                majflt5=sum(r.majflt for r in recs[:5]),
+                majflt_steady=statistics.mean(r.majflt for r in steady),
+                compute5=statistics.mean(r.compute_ms for r in recs[:5]),
+                compute_steady=statistics.median(r.compute_ms for r in steady),
+                io_steady=statistics.median(r.io_ms for r in steady),
+                stall_steady=statistics.median(r.stall_ms for r in steady),
+                hit=run["hit_pct"],
+                load=run["load_s"],
+                budget=run["budget_mib"],
+                peak=run["peak_mem_mib"],
+                tok_s=run["tok_s_steady"],
+                walls=walls[:HEAD],
+            )
+        )
+    med = {
+        k: statistics.median(r[k] for r in rows if r[k] is not None) if any(r[k] is not None for r in rows) else None
+        for k in rows[0]
+        if k != "walls"
+    }
     med["walls"] = rows[0]["walls"]
     return med
 
@@ -88,18 +105,37 @@ def table(rows: list[tuple[str, dict]], cols: list[tuple[str, str, str]]) -> str
     return "\n".join(lines)
 
 
-HEAD_COLS = [("first token ms", "first1", "{:.0f}"), ("first-5 wall ms", "first5", "{:.0f}"),
-             ("steady wall ms", "steady", "{:.0f}"), ("first-5 / steady", "ratio", "{:.2f}"),
-             ("decode tokens 2-6 ms", "decode5", "{:.0f}"), ("2-6 / steady", "decode_ratio", "{:.2f}"),
-             ("majflt first 5", "majflt5", "{:.0f}"), ("majflt / steady token", "majflt_steady", "{:.1f}"),
-             ("compute first-5 ms", "compute5", "{:.0f}"), ("compute steady ms", "compute_steady", "{:.0f}"),
-             ("hit %", "hit", "{:.1f}"), ("load s", "load", "{:.2f}"), ("peak MiB", "peak", "{:.0f}")]
-OVERLAP_COLS = [("steady wall ms", "steady", "{:.0f}"), ("compute ms", "compute_steady", "{:.0f}"),
-                ("io ms", "io_steady", "{:.0f}"), ("stall ms", "stall_steady", "{:.0f}"),
-                ("tok/s steady", "tok_s", "{:.2f}"), ("hit %", "hit", "{:.1f}")]
-BUDGET_COLS = [("budget MiB", "budget", "{:.0f}"), ("hit %", "hit", "{:.1f}"), ("tok/s steady", "tok_s", "{:.2f}"),
-               ("steady wall ms", "steady", "{:.0f}"), ("io ms", "io_steady", "{:.0f}"),
-               ("first-5 / steady", "ratio", "{:.2f}")]
+HEAD_COLS = [
+    ("first token ms", "first1", "{:.0f}"),
+    ("first-5 wall ms", "first5", "{:.0f}"),
+    ("steady wall ms", "steady", "{:.0f}"),
+    ("first-5 / steady", "ratio", "{:.2f}"),
+    ("decode tokens 2-6 ms", "decode5", "{:.0f}"),
+    ("2-6 / steady", "decode_ratio", "{:.2f}"),
+    ("majflt first 5", "majflt5", "{:.0f}"),
+    ("majflt / steady token", "majflt_steady", "{:.1f}"),
+    ("compute first-5 ms", "compute5", "{:.0f}"),
+    ("compute steady ms", "compute_steady", "{:.0f}"),
+    ("hit %", "hit", "{:.1f}"),
+    ("load s", "load", "{:.2f}"),
+    ("peak MiB", "peak", "{:.0f}"),
+]
+OVERLAP_COLS = [
+    ("steady wall ms", "steady", "{:.0f}"),
+    ("compute ms", "compute_steady", "{:.0f}"),
+    ("io ms", "io_steady", "{:.0f}"),
+    ("stall ms", "stall_steady", "{:.0f}"),
+    ("tok/s steady", "tok_s", "{:.2f}"),
+    ("hit %", "hit", "{:.1f}"),
+]
+BUDGET_COLS = [
+    ("budget MiB", "budget", "{:.0f}"),
+    ("hit %", "hit", "{:.1f}"),
+    ("tok/s steady", "tok_s", "{:.2f}"),
+    ("steady wall ms", "steady", "{:.0f}"),
+    ("io ms", "io_steady", "{:.0f}"),
+    ("first-5 / steady", "ratio", "{:.2f}"),
+]
 
 
 def plot_heads(path: Path, title: str, figs: dict[str, dict]) -> bool:
@@ -132,15 +168,20 @@ def shape_section(name: str, layers: int, model: Path, limit: float, results: di
     heads = {k: v for k, v in results.items() if k.startswith("dense-")}
     png = DOC.parent / f"warmup-{stem}.png"
     drawn = plot_heads(png, f"{stem}: first {HEAD} tokens, cold, limit {limit:,.0f} MiB", heads)
-    parts = [f"### {name}-shape, {layers} layers ({model.stat().st_size / 2**20:,.0f} MiB), memory limit "
-             f"{limit:,.0f} MiB\n",
-             f"Dense policy (overlap on), under the limit; bench/results/{stem}/warmup/dense-*:\n",
-             table([(k, v) for k, v in heads.items()], HEAD_COLS), ""]
+    parts = [
+        f"### {name}-shape, {layers} layers ({model.stat().st_size / 2**20:,.0f} MiB), memory limit {limit:,.0f} MiB\n",
+        f"Dense policy (overlap on), under the limit; bench/results/{stem}/warmup/dense-*:\n",
+        table([(k, v) for k, v in heads.items()], HEAD_COLS),
+        "",
+    ]
     if drawn:
         parts += [f"![first tokens per dense policy]({png.name})", ""]
     ov = [(k, results[k]) for k in ("dense-anon", "overlap-off") if k in results]
-    parts += ["Overlap (dense anon), under the limit:\n", table([(("overlap on" if k == "dense-anon" else "overlap off"), v)
-                                                                for k, v in ov], OVERLAP_COLS), ""]
+    parts += [
+        "Overlap (dense anon), under the limit:\n",
+        table([(("overlap on" if k == "dense-anon" else "overlap off"), v) for k, v in ov], OVERLAP_COLS),
+        "",
+    ]
     bud = [(k, v) for k, v in results.items() if k.startswith("budget-")]
     if bud:
         parts += ["Cache budget (fraction of all experts; no memory limit):\n", table(bud, BUDGET_COLS), ""]

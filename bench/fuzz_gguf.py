@@ -26,6 +26,7 @@ once, the smallest input seen, cut down while it still fails the same way,
 into tests/fuzz_corpus/. Prints a summary: inputs, outcomes by message kind,
 failures. A benchmark script: it reports, it never asserts.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,8 +52,13 @@ CORPUS = ROOT / "tests" / "fuzz_corpus"
 # Instrumented numba kernels fail to compile (numba cannot type atheris's
 # tracing calls), and atheris.instrument_imports(include=...) reached them
 # through the imports of the load path, so functions are instrumented one by one.
-LOAD_PATH = ["gguf.gguf_reader", "moe_pipe.shared.gguf_file", "moe_pipe.shared.spec", "moe_pipe.shared.layout",
-             "moe_pipe.shared.model_file"]
+LOAD_PATH = [
+    "gguf.gguf_reader",
+    "moe_pipe.shared.gguf.reader",
+    "moe_pipe.shared.gguf.spec",
+    "moe_pipe.shared.gguf.layout",
+    "moe_pipe.shared.gguf.model_file",
+]
 HEADROOM = 3 << 29  # 1.5 GiB of address space on top of what the warmed-up process maps
 
 
@@ -87,8 +93,9 @@ def signature(exc: BaseException) -> str:
         text = str(exc)
         net = re.search(r"unreadable GGUF \((\w+)", text)
         return f"net-{net.group(1)}" if net else text.split(":")[0]
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "moe_pipe" in f.filename or "/gguf/" in f.filename
-              or "/shared/" in f.filename]
+    frames = [
+        f for f in traceback.extract_tb(exc.__traceback__) if "moe_pipe" in f.filename or "/gguf/" in f.filename or "/shared/" in f.filename
+    ]
     where = f"{Path(frames[-1].filename).stem}-{frames[-1].name}" if frames else "unknown"
     return f"{type(exc).__name__}-{where}"
 
@@ -149,8 +156,7 @@ class Recorder:
         return data
 
     def dump(self) -> None:
-        self.stats_file.write_text(json.dumps({"inputs": self.inputs, "outcomes": self.outcomes,
-                                               "failures": self.failures}))
+        self.stats_file.write_text(json.dumps({"inputs": self.inputs, "outcomes": self.outcomes, "failures": self.failures}))
 
 
 # ------------------------------------------------------------------ engines
@@ -188,7 +194,13 @@ def instrument_load_path(atheris) -> int:
         for obj in list(vars(module).values()):
             if getattr(obj, "__module__", None) != name:
                 continue
-            funcs = [obj] if inspect.isfunction(obj) else [v for v in vars(obj).values() if inspect.isfunction(v)] if inspect.isclass(obj) else []
+            funcs = (
+                [obj]
+                if inspect.isfunction(obj)
+                else [v for v in vars(obj).values() if inspect.isfunction(v)]
+                if inspect.isclass(obj)
+                else []
+            )
             for f in funcs:
                 atheris.instrument_func(f)  # rewrites f.__code__ in place
                 n += 1
@@ -205,8 +217,17 @@ def atheris_child(seed_dir: Path, work: Path, corpus: Path, seconds: int, stats_
         rec(p.read_bytes())
     limit_address_space()
     max_len = max(p.stat().st_size for p in seed_dir.glob("*.gguf"))
-    args = [sys.argv[0], f"-max_total_time={seconds}", "-timeout=60", "-rss_limit_mb=4096", f"-max_len={max_len}",
-            f"-artifact_prefix={work}/", "-print_final_stats=1", str(work / "libfuzzer-corpus"), str(seed_dir)]
+    args = [
+        sys.argv[0],
+        f"-max_total_time={seconds}",
+        "-timeout=60",
+        "-rss_limit_mb=4096",
+        f"-max_len={max_len}",
+        f"-artifact_prefix={work}/",
+        "-print_final_stats=1",
+        str(work / "libfuzzer-corpus"),
+        str(seed_dir),
+    ]
     (work / "libfuzzer-corpus").mkdir(exist_ok=True)
     atheris.Setup(args, lambda data: rec(bytes(data)))
     atheris.Fuzz()
@@ -222,8 +243,23 @@ def run_atheris(target, work: Path, corpus: Path, seconds: float) -> dict:
     while (left := int(stop - time.monotonic())) > 5:
         run += 1
         stats_file = work / f"stats-{run}.json"
-        child = subprocess.run([sys.executable, __file__, "--child", "--seconds", str(left), "--work", str(work),
-                                "--corpus", str(corpus), "--seed-dir", str(seed_dir), "--stats", str(stats_file)])
+        child = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--child",
+                "--seconds",
+                str(left),
+                "--work",
+                str(work),
+                "--corpus",
+                str(corpus),
+                "--seed-dir",
+                str(seed_dir),
+                "--stats",
+                str(stats_file),
+            ]
+        )
         for art in list(work.glob("timeout-*")) + list(work.glob("oom-*")) + list(work.glob("crash-*")):
             kind = art.name.split("-")[0]
             dest = corpus / target.input_name(art.read_bytes(), f"libfuzzer-{kind}")

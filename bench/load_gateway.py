@@ -22,6 +22,7 @@ end, with the largest value seen in between (sampled every second): a flat
 line is the point. The figures are printed, never judged: the slow test
 tests/test_gateway_load.py makes the assertions.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -71,6 +72,7 @@ class Report:
 
 
 # ------------------------------------------------------------------ the service
+
 
 class Service:
     """`moe-pipe up CONFIG --detach` in a private runtime folder."""
@@ -141,18 +143,32 @@ class RssWatch:
     def result(self) -> dict[str, dict[str, float]]:
         end = self.sample()
         mb = 1 / 2**20
-        return {name: {"start": self.start[name] * mb, "end": end[name] * mb, "peak": self.peak[name] * mb,
-                       "growth": (end[name] - self.start[name]) * mb}
-                for name in self.start if name in end}
+        return {
+            name: {
+                "start": self.start[name] * mb,
+                "end": end[name] * mb,
+                "peak": self.peak[name] * mb,
+                "growth": (end[name] - self.start[name]) * mb,
+            }
+            for name in self.start
+            if name in end
+        }
 
 
 # ------------------------------------------------------------------ the clients
 
+
 async def one_request(session, url: str, model: str, prompt: str, max_tokens: int) -> Outcome:
     import aiohttp
 
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     t0 = time.perf_counter()
     ttft = None
     try:
@@ -202,8 +218,7 @@ async def client(k: int, session, url: str, model: str, max_tokens: int, deadlin
             await asyncio.sleep(1.0)  # Retry-After
 
 
-async def load(url: str, clients: int, seconds: float, max_tokens: int, warmup_s: float,
-               rss: RssWatch) -> tuple[list[Outcome], float, str]:
+async def load(url: str, clients: int, seconds: float, max_tokens: int, warmup_s: float, rss: RssWatch) -> tuple[list[Outcome], float, str]:
     import aiohttp
 
     connector = aiohttp.TCPConnector(limit=clients + 4)
@@ -213,8 +228,7 @@ async def load(url: str, clients: int, seconds: float, max_tokens: int, warmup_s
         # warm-up: the same load, not counted, so that one-time growth (first
         # requests, allocator arenas) is not taken for a leak
         if warmup_s > 0:
-            await asyncio.gather(*(client(k, session, url, model, max_tokens, time.monotonic() + warmup_s, [])
-                                   for k in range(clients)))
+            await asyncio.gather(*(client(k, session, url, model, max_tokens, time.monotonic() + warmup_s, []) for k in range(clients)))
         rss.mark_start()
         outcomes: list[Outcome] = []
         t0 = time.monotonic()
@@ -227,8 +241,7 @@ async def load(url: str, clients: int, seconds: float, max_tokens: int, warmup_s
 
         watch = asyncio.create_task(sampler())
         try:
-            await asyncio.gather(*(client(k, session, url, model, max_tokens, deadline, outcomes)
-                                   for k in range(clients)))
+            await asyncio.gather(*(client(k, session, url, model, max_tokens, deadline, outcomes) for k in range(clients)))
         finally:
             watch.cancel()
         wall = time.monotonic() - t0
@@ -253,8 +266,14 @@ def request_outcomes(metrics: str) -> dict[str, float]:
     return out
 
 
-def run(url: str | None = None, clients: int = 8, seconds: float = 60.0, max_tokens: int = 16,
-        warmup_s: float = 5.0, config: str = str(REPO / "configs" / "tiny.toml")) -> Report:
+def run(
+    url: str | None = None,
+    clients: int = 8,
+    seconds: float = 60.0,
+    max_tokens: int = 16,
+    warmup_s: float = 5.0,
+    config: str = str(REPO / "configs" / "tiny.toml"),
+) -> Report:
     service = Service(config) if url is None else None
     try:
         status = service_status(service.env if service else None)
@@ -298,8 +317,9 @@ def format_report(r: Report) -> str:
     ]
     if r.rss_mb:
         lines.append("RSS MiB (after warm-up -> end, peak):")
-        lines += [f"  {name:<10} {v['start']:8.1f} -> {v['end']:8.1f} ({v['growth']:+.1f}), peak {v['peak']:.1f}"
-                  for name, v in r.rss_mb.items()]
+        lines += [
+            f"  {name:<10} {v['start']:8.1f} -> {v['end']:8.1f} ({v['growth']:+.1f}), peak {v['peak']:.1f}" for name, v in r.rss_mb.items()
+        ]
     else:
         lines.append("RSS: the service's processes are unknown (--url of a service `moe-pipe status` does not see)")
     return "\n".join(lines)

@@ -33,6 +33,7 @@ a wrong answer), or an error by kind: `http_503:compute_unavailable`,
 `timeout` (no answer within REQUEST_TIMEOUT_S: a hang). The figures are
 printed, never judged; tests/test_soak.py makes the assertions.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,8 +61,14 @@ REPO = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "moe_pipe.cli.main"]
 CONFIG = str(REPO / "configs" / "tiny.toml")
 MODEL_NAME = "tiny qwen3moe"
-PROMPTS = ("Tell a story", "The old mill by the river", "Once upon a time", "Write a poem about the sea",
-           "Explain the rain", "List three colours")
+PROMPTS = (
+    "Tell a story",
+    "The old mill by the river",
+    "Once upon a time",
+    "Write a poem about the sea",
+    "Explain the rain",
+    "List three colours",
+)
 REQUEST_TIMEOUT_S = 120.0  # a request, queueing and one compute retry included; beyond it: a hang
 START_SECS, BACKOFF_S, BACKOFF_CAP_S = 0.5, 0.2, 2.0
 STABLE_S = max(10 * START_SECS, BACKOFF_CAP_S)  # the supervisor's window: a crash inside it is a failed start
@@ -100,13 +107,19 @@ class Report:
 
     @property
     def leaks(self) -> dict[str, object]:
-        return {"shm": self.leaked_shm, "processes": self.leaked_processes, "runtime": self.leaked_runtime,
-                "listener": self.leaked_listener, "supervisor_fds": self.supervisor_fds[1] - self.supervisor_fds[0],
-                "supervisor_threads": self.supervisor_threads[1] - self.supervisor_threads[0],
-                "client_fds": self.client_fds[1] - self.client_fds[0]}
+        return {
+            "shm": self.leaked_shm,
+            "processes": self.leaked_processes,
+            "runtime": self.leaked_runtime,
+            "listener": self.leaked_listener,
+            "supervisor_fds": self.supervisor_fds[1] - self.supervisor_fds[0],
+            "supervisor_threads": self.supervisor_threads[1] - self.supervisor_threads[0],
+            "client_fds": self.client_fds[1] - self.client_fds[0],
+        }
 
 
 # -- the service ---------------------------------------------------------------------
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -121,9 +134,21 @@ class Service:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.settings = ["--cache-mb", str(cache_mb)]
-        r = self.cli("up", CONFIG, "--detach", "--port", str(self.port), *self.settings,
-                     "--set", f"supervisor.start_secs={START_SECS}", "--set", f"supervisor.backoff_s={BACKOFF_S}",
-                     "--set", f"supervisor.backoff_cap_s={BACKOFF_CAP_S}", timeout=300)
+        r = self.cli(
+            "up",
+            CONFIG,
+            "--detach",
+            "--port",
+            str(self.port),
+            *self.settings,
+            "--set",
+            f"supervisor.start_secs={START_SECS}",
+            "--set",
+            f"supervisor.backoff_s={BACKOFF_S}",
+            "--set",
+            f"supervisor.backoff_cap_s={BACKOFF_CAP_S}",
+            timeout=300,
+        )
         if r.returncode != 0:
             shutil.rmtree(self.base, ignore_errors=True)
             raise SystemExit(f"soak: moe-pipe up failed: {r.stderr.strip()}")
@@ -161,8 +186,13 @@ class Service:
 
 
 def reference_run(prompt: str, max_tokens: int, settings: list[str]) -> str:
-    r = subprocess.run([*CLI, "run", CONFIG, *settings, "-p", prompt, "-n", str(max_tokens), "--chat", "--no-stream",
-                        "--output-format", "json"], capture_output=True, text=True, timeout=300, cwd=REPO)
+    r = subprocess.run(
+        [*CLI, "run", CONFIG, *settings, "-p", prompt, "-n", str(max_tokens), "--chat", "--no-stream", "--output-format", "json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
     if r.returncode != 0:
         raise SystemExit(f"soak: the reference run failed: {r.stderr.strip()}")
     return json.loads(r.stdout)["text"]
@@ -170,10 +200,18 @@ def reference_run(prompt: str, max_tokens: int, settings: list[str]) -> str:
 
 # -- one request ----------------------------------------------------------------------
 
+
 def ask(url: str, prompt: str, max_tokens: int, stream: bool) -> tuple[str, str]:
     """("ok", text) or (error kind, message)."""
-    body = json.dumps({"model": MODEL_NAME, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-                       "temperature": 0, "stream": stream}).encode()
+    body = json.dumps(
+        {
+            "model": MODEL_NAME,
+            "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": stream,
+        }
+    ).encode()
     req = urllib.request.Request(url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as resp:
@@ -186,7 +224,7 @@ def ask(url: str, prompt: str, max_tokens: int, stream: bool) -> tuple[str, str]
             return f"http_{e.code}:{err.get('code')}", str(err.get("message"))
         except (ValueError, KeyError, TypeError, OSError, http.client.HTTPException):
             return f"http_{e.code}", str(e)
-    except (socket.timeout, TimeoutError) as e:
+    except TimeoutError as e:
         return "timeout", str(e)
     except urllib.error.URLError as e:
         reason = e.reason
@@ -212,7 +250,7 @@ def read_stream(resp) -> tuple[str, str]:
                 return f"stream_error:{event['error'].get('code')}", str(event["error"].get("message"))
             for choice in event.get("choices", []):
                 text.append((choice.get("delta") or {}).get("content") or "")
-    except (socket.timeout, TimeoutError) as e:
+    except TimeoutError as e:
         return "timeout", str(e)
     except (ConnectionError, http.client.HTTPException) as e:
         return f"connection:{type(e).__name__}", str(e)
@@ -220,6 +258,7 @@ def read_stream(resp) -> tuple[str, str]:
 
 
 # -- the soak ---------------------------------------------------------------------------
+
 
 def snapshot(pid: int) -> tuple[int, int, float]:
     p = psutil.Process(pid)
@@ -304,8 +343,11 @@ def soak(args) -> Report:
                     procs = svc.status()["processes"]
                 except (RuntimeError, ValueError, subprocess.TimeoutExpired):
                     continue
-                ready = [p for p in procs if p["name"] in args.victims and p["state"] == "RUNNING"
-                         and (p["uptime_s"] or 0) > STABLE_S and p["pid"]]
+                ready = [
+                    p
+                    for p in procs
+                    if p["name"] in args.victims and p["state"] == "RUNNING" and (p["uptime_s"] or 0) > STABLE_S and p["pid"]
+                ]
                 if not ready:
                     kills["skipped (none up long enough)"] += 1
                     continue
@@ -357,8 +399,9 @@ def soak(args) -> Report:
             time.sleep(0.2)
         rep.leaked_processes = sorted(f"{pid} {name}" for pid, name in moe_processes() - procs0)
         rep.leaked_runtime = sorted(str(p) for p in (svc.base / "moe-pipe").glob("*")) if (svc.base / "moe-pipe").exists() else []
-        rep.leaked_listener = any(c.laddr and c.laddr.port == svc.port and c.status == psutil.CONN_LISTEN
-                                  for c in psutil.net_connections("tcp"))
+        rep.leaked_listener = any(
+            c.laddr and c.laddr.port == svc.port and c.status == psutil.CONN_LISTEN for c in psutil.net_connections("tcp")
+        )
         shutil.rmtree(svc.base, ignore_errors=True)
         rep.client_fds = (fds0, own_fds())
         rep.wall_s = round(time.monotonic() - t_start, 1)
@@ -366,22 +409,29 @@ def soak(args) -> Report:
 
 
 def print_report(rep: Report) -> None:
-    print(f"soak: {rep.seconds:g} s, a SIGKILL every ~{rep.kill_every_s:g} s, {rep.clients} clients ({rep.wall_s:g} s in all: "
-          + ", ".join(f"{k} {v:g} s" for k, v in rep.phases_s.items()) + ")")
-    print(f"  requests {rep.requests}: ok {rep.ok} (the reference's text), mismatch {rep.mismatch}, "
-          f"errors {sum(rep.errors.values())}")
+    print(
+        f"soak: {rep.seconds:g} s, a SIGKILL every ~{rep.kill_every_s:g} s, {rep.clients} clients ({rep.wall_s:g} s in all: "
+        + ", ".join(f"{k} {v:g} s" for k, v in rep.phases_s.items())
+        + ")"
+    )
+    print(f"  requests {rep.requests}: ok {rep.ok} (the reference's text), mismatch {rep.mismatch}, errors {sum(rep.errors.values())}")
     for kind, n in sorted(rep.errors.items(), key=lambda kv: -kv[1]):
         print(f"    {n:5d}  {kind}  e.g. {rep.error_examples.get(kind, '')[:110]}")
     print(f"  latency of ok requests: p50 {rep.latency_p50_s} s, p95 {rep.latency_p95_s} s")
-    print(f"  kills: {sum(v for k, v in rep.kills.items() if not k.startswith('skipped'))} "
-          f"{dict(sorted(rep.kills.items()))}")
+    print(f"  kills: {sum(v for k, v in rep.kills.items() if not k.startswith('skipped'))} {dict(sorted(rep.kills.items()))}")
     print(f"  restarts: {sum(rep.restarts.values())} {rep.restarts}; final states {rep.final_states}")
-    print(f"  references: {rep.reference_checked} checked against run --no-stream, mismatches {rep.reference_mismatch}; "
-          f"recovered after the soak: {rep.recovered} {rep.recovery_errors[:2]}")
-    print(f"  supervisor: fds {rep.supervisor_fds[0]} -> {rep.supervisor_fds[1]}, threads {rep.supervisor_threads[0]} -> "
-          f"{rep.supervisor_threads[1]}, RSS {rep.supervisor_rss_mib[0]} -> {rep.supervisor_rss_mib[1]} MiB")
-    print(f"  left after down: shm {rep.leaked_shm}, processes {rep.leaked_processes}, runtime {rep.leaked_runtime}, "
-          f"listener {rep.leaked_listener}; this client's fds {rep.client_fds[0]} -> {rep.client_fds[1]}")
+    print(
+        f"  references: {rep.reference_checked} checked against run --no-stream, mismatches {rep.reference_mismatch}; "
+        f"recovered after the soak: {rep.recovered} {rep.recovery_errors[:2]}"
+    )
+    print(
+        f"  supervisor: fds {rep.supervisor_fds[0]} -> {rep.supervisor_fds[1]}, threads {rep.supervisor_threads[0]} -> "
+        f"{rep.supervisor_threads[1]}, RSS {rep.supervisor_rss_mib[0]} -> {rep.supervisor_rss_mib[1]} MiB"
+    )
+    print(
+        f"  left after down: shm {rep.leaked_shm}, processes {rep.leaked_processes}, runtime {rep.leaked_runtime}, "
+        f"listener {rep.leaked_listener}; this client's fds {rep.client_fds[0]} -> {rep.client_fds[1]}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -390,11 +440,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kill-every", type=float, default=3.0, help="mean seconds between two SIGKILLs")
     p.add_argument("--clients", type=int, default=2, help="concurrent clients, each one request at a time")
     p.add_argument("--max-tokens", type=int, default=24)
-    p.add_argument("--victims", default="reader,compute,telemetry,gateway",
-                   type=lambda s: tuple(v for v in s.split(",") if v), help="children that may be killed")
+    p.add_argument(
+        "--victims",
+        default="reader,compute,telemetry,gateway",
+        type=lambda s: tuple(v for v in s.split(",") if v),
+        help="children that may be killed",
+    )
     p.add_argument("--cache-mb", type=float, default=1.2, help="expert cache (1.2 MiB: a quarter of the tiny model's experts)")
-    p.add_argument("--check-prompts", type=int, default=len(PROMPTS),
-                   help="prompts whose first answer is compared with `moe-pipe run --no-stream`")
+    p.add_argument(
+        "--check-prompts", type=int, default=len(PROMPTS), help="prompts whose first answer is compared with `moe-pipe run --no-stream`"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="OUT", help="also write the figures as JSON to OUT (- for stdout, then no table)")
     args = p.parse_args(argv)

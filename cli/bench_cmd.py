@@ -1,6 +1,7 @@
 """`moe-pipe bench MODEL|CONFIG`: the generation protocol through moe-pipe
 (and llama.cpp with --vs), cold, optionally under a memory limit; CSVs, a
 summary table (text and markdown) and plots in --out."""
+
 from __future__ import annotations
 
 import argparse
@@ -14,21 +15,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None, help="a GGUF file or a TOML config; default: the embedded tiny model")
     p.add_argument("-n", type=int, default=64, help="decode tokens per run (default 64)")
     p.add_argument("--repeat", type=int, default=3, help="runs per engine; medians are reported (default 3)")
-    p.add_argument("--mem-limit-mb", type=float, default=None,
-                   help="run every engine inside a memory cgroup with this limit (page cache counts): a small device")
-    p.add_argument("--vs", choices=("llama.cpp",), action="append", default=[],
-                   help="also run the same file through llama.cpp (llama-cpp-python): mmap loading without weight "
-                        "repacking at the machine's readahead and at 128 KiB, and its default loading once")
+    p.add_argument(
+        "--mem-limit-mb",
+        type=float,
+        default=None,
+        help="run every engine inside a memory cgroup with this limit (page cache counts): a small device",
+    )
+    p.add_argument(
+        "--vs",
+        choices=("llama.cpp",),
+        action="append",
+        default=[],
+        help="also run the same file through llama.cpp (llama-cpp-python): mmap loading without weight "
+        "repacking at the machine's readahead and at 128 KiB, and its default loading once",
+    )
     p.add_argument("--out", default="bench-out", help="folder for the CSVs, summary.{json,md} and plots (default bench-out)")
     p.add_argument("--cooldown", type=float, default=3.0, help="seconds between runs (default 3)")
-    p.add_argument("--peer-timeout", type=float, default=900.0,
-                   help="stop a llama.cpp run after this many seconds and record what it did (default 900)")
+    p.add_argument(
+        "--peer-timeout",
+        type=float,
+        default=900.0,
+        help="stop a llama.cpp run after this many seconds and record what it did (default 900)",
+    )
     add_override_arguments(p, tables=("cache", "io", "compute"))
 
 
 def run(args: argparse.Namespace) -> int:
     from moe_pipe.cli.run_cmd import load_run_config
-    from moe_pipe.shared.benchmark import BenchPlan, run_bench, summary_markdown
+    from moe_pipe.shared.analysis.benchmark import BenchPlan, run_bench, summary_markdown
     from moe_pipe.shared.config import overrides_from_args
     from moe_pipe.shared.errors import UserError
 
@@ -42,22 +56,38 @@ def run(args: argparse.Namespace) -> int:
     threads = overrides.pop("compute.threads", None) or cfg.compute.threads or 0
     # With a config, `run` gets the config and every override (model.path too); with a model file, the file.
     run_args = tuple(a for k, v in overrides.items() if cfg.source or k != "model.path" for a in ("--set", f"{k}={_toml(v)}"))
-    plan = BenchPlan(cfg.model_file(), run_target=cfg.source or "", n=args.n, repeat=args.repeat, threads=int(threads), mem_limit_mb=args.mem_limit_mb,
-                     route_replay=str(Path(replay).resolve()) if replay else None, vs=tuple(args.vs), out=Path(args.out),
-                     cooldown_s=args.cooldown, peer_timeout_s=args.peer_timeout, run_args=run_args)
+    plan = BenchPlan(
+        cfg.model_file(),
+        run_target=cfg.source or "",
+        n=args.n,
+        repeat=args.repeat,
+        threads=int(threads),
+        mem_limit_mb=args.mem_limit_mb,
+        route_replay=str(Path(replay).resolve()) if replay else None,
+        vs=tuple(args.vs),
+        out=Path(args.out),
+        cooldown_s=args.cooldown,
+        peer_timeout_s=args.peer_timeout,
+        run_args=run_args,
+    )
     say = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
     say("forecasting (moe-pipe doctor) ...")
-    from moe_pipe.shared.forecast import forecast
-    from moe_pipe.shared.model_file import open_model
+    from moe_pipe.shared.analysis.forecast import forecast
+    from moe_pipe.shared.gguf.model_file import open_model
 
     with open_model(plan.model) as mf:
         fc = forecast(mf, cfg, mem_limit_mb=args.mem_limit_mb, seconds=3.0)
-    say(f"    forecast: {fc['tok_s']} tok/s ({fc['bottleneck']}-bound), hit {fc['hit_pct']} %" if fc["fits"]
-        else f"    forecast: does not fit ({fc['refusal']})")
+    say(
+        f"    forecast: {fc['tok_s']} tok/s ({fc['bottleneck']}-bound), hit {fc['hit_pct']} %"
+        if fc["fits"]
+        else f"    forecast: does not fit ({fc['refusal']})"
+    )
     summary = run_bench(plan, say, forecast=fc)
     print(summary_markdown(summary))
-    print(f"written to {plan.out}/: summary.md, summary.json, per-run CSVs"
-          + (", per-token.png, hit-rate.png" if (plan.out / "per-token.png").exists() else " (no plots: pip install matplotlib)"))
+    print(
+        f"written to {plan.out}/: summary.md, summary.json, per-run CSVs"
+        + (", per-token.png, hit-rate.png" if (plan.out / "per-token.png").exists() else " (no plots: pip install matplotlib)")
+    )
     return 0
 
 

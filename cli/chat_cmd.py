@@ -16,13 +16,14 @@ Which server, first that applies:
 Lines: `/reset` clears the history (the --system message stays), `/exit` or
 end of input ends. Ctrl-C during a reply stops that reply; at the prompt, ends.
 """
+
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 from moe_pipe.shared.errors import UserError
 
@@ -42,19 +43,33 @@ class RequestFailed(Exception):
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", default=None, metavar="MODEL_OR_CONFIG",
-                   help="a GGUF file or TOML config to start a service for, if none is running")
+    p.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        metavar="MODEL_OR_CONFIG",
+        help="a GGUF file or TOML config to start a service for, if none is running",
+    )
     p.add_argument("--url", metavar="URL", help="the server's base URL (default: the running service's gateway)")
     p.add_argument("--api-key", metavar="KEY", help="sent as `Authorization: Bearer KEY`")
     p.add_argument("--system", metavar="TEXT", help="a system message at the start of the conversation")
-    p.add_argument("--temp", "--temperature", dest="temperature", type=float, default=None, metavar="T",
-                   help="sampling temperature (default: the server's)")
-    p.add_argument("-n", "--max-tokens", dest="max_tokens", type=int, default=None, metavar="N",
-                   help="longest reply in tokens (default: the server's)")
+    p.add_argument(
+        "--temp",
+        "--temperature",
+        dest="temperature",
+        type=float,
+        default=None,
+        metavar="T",
+        help="sampling temperature (default: the server's)",
+    )
+    p.add_argument(
+        "-n", "--max-tokens", dest="max_tokens", type=int, default=None, metavar="N", help="longest reply in tokens (default: the server's)"
+    )
     p.add_argument("--no-think", action="store_true", help="ask the model not to think before answering")
 
 
 # --------------------------------------------------------------------- server
+
 
 def base_url(url: str) -> str:
     """The server root. A trailing /v1 is dropped because OpenAI clients take
@@ -66,7 +81,7 @@ def base_url(url: str) -> str:
 @contextmanager
 def chat_server(args: argparse.Namespace) -> Iterator[str]:
     """The base URL to talk to, bringing a service up (and down again) if needed."""
-    from moe_pipe.shared.service import NoService, find_service, live_services, wait_for_gateway
+    from moe_pipe.shared.serve.service import NoService, find_service, live_services, wait_for_gateway
 
     if args.url:
         yield base_url(args.url)
@@ -74,8 +89,10 @@ def chat_server(args: argparse.Namespace) -> Iterator[str]:
     running = live_services()
     if running or not args.model:
         if not running:
-            raise NoService("no moe-pipe service is running; give a MODEL or CONFIG to start one "
-                            "(`moe-pipe chat MODEL`), start one with `moe-pipe up CONFIG`, or pass --url")
+            raise NoService(
+                "no moe-pipe service is running; give a MODEL or CONFIG to start one "
+                "(`moe-pipe chat MODEL`), start one with `moe-pipe up CONFIG`, or pass --url"
+            )
         info = find_service()  # the one, or a one-line error if there are several
         if args.model:
             print(f"[a service is already running ({info.model_name or info.model}); chatting with it]", file=sys.stderr)
@@ -97,7 +114,7 @@ def service_brought_up(model: str) -> Iterator[str]:
     the gateway writes the port it got to gateway.json."""
     import subprocess
 
-    from moe_pipe.shared.service import find_service, wait_for_gateway
+    from moe_pipe.shared.serve.service import find_service, wait_for_gateway
 
     print(f"[starting a service for {model}]", file=sys.stderr, flush=True)
     up = subprocess.run(_moe_pipe("up", model, "--detach", "--port", "0"))
@@ -111,6 +128,7 @@ def service_brought_up(model: str) -> Iterator[str]:
 
 
 # ----------------------------------------------------------------------- HTTP
+
 
 def _headers(api_key: str | None) -> dict[str, str]:
     headers = {"Content-Type": "application/json", "Accept": "text/event-stream, application/json"}
@@ -136,7 +154,6 @@ def error_message(body: bytes, fallback: str) -> str:
 def open_request(url: str, api_key: str | None, body: dict | None = None, timeout_s: float | None = None):
     """The HTTP response (a file of lines). An HTTP error status is
     RequestFailed; a server that cannot be reached is a UserError (exit 2)."""
-    import socket
     import urllib.error
     import urllib.request
 
@@ -150,7 +167,7 @@ def open_request(url: str, api_key: str | None, body: dict | None = None, timeou
     except urllib.error.URLError as exc:
         reason = exc.reason.strerror if isinstance(exc.reason, OSError) and exc.reason.strerror else exc.reason
         raise UserError(f"cannot reach {url}: {reason}") from None
-    except (ConnectionError, socket.timeout) as exc:
+    except (TimeoutError, ConnectionError) as exc:
         raise UserError(f"cannot reach {url}: {exc}") from None
 
 
@@ -175,7 +192,7 @@ def sse_content(lines) -> Iterator[str]:
         line = raw.decode("utf-8", "replace").rstrip("\r\n")
         if not line.startswith("data:"):
             continue
-        payload = line[len("data:"):].strip()
+        payload = line[len("data:") :].strip()
         if payload == "[DONE]":
             return
         try:
@@ -194,6 +211,7 @@ def sse_content(lines) -> Iterator[str]:
 
 
 # ----------------------------------------------------------------------- chat
+
 
 class Chat:
     """The conversation and the requests that carry it."""

@@ -1,4 +1,5 @@
 """`moe-pipe convert HF_DIR -o OUT.gguf [--outtype f32|f16|bf16|q8_0]`: a Hugging Face checkpoint to GGUF."""
+
 from __future__ import annotations
 
 import argparse
@@ -11,13 +12,14 @@ OUTTYPES = ("f32", "f16", "bf16", "q8_0")  # mirrors shared.convert (kept here s
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("hf_dir", help="folder with config.json, *.safetensors and tokenizer.json")
     p.add_argument("-o", "--output", required=True, help="output .gguf path")
-    p.add_argument("--outtype", default="f16", choices=OUTTYPES,
-                   help="type of the weight matrices (default f16); norms, biases and routers stay F32")
+    p.add_argument(
+        "--outtype", default="f16", choices=OUTTYPES, help="type of the weight matrices (default f16); norms, biases and routers stay F32"
+    )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
 
 
 def run(args: argparse.Namespace) -> int:
-    from moe_pipe.shared.convert import convert
+    from moe_pipe.shared.convert.converter import convert
     from moe_pipe.shared.progress import byte_progress
 
     t0 = time.perf_counter()

@@ -1,5 +1,6 @@
 """`moe-pipe doctor [MODEL|CONFIG] [--mem-limit-mb M] [--json]`: will this model fit
 on this machine, and how fast will it decode? (shared/forecast.py does the work.)"""
+
 from __future__ import annotations
 
 import argparse
@@ -11,12 +12,19 @@ MIB = 1 << 20
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from moe_pipe.shared.config import add_override_arguments
 
-    p.add_argument("model", nargs="?", default=None,
-                   help="a GGUF file (any shard of a split set) or a TOML config; default: the embedded tiny model")
-    p.add_argument("--mem-limit-mb", type=float, default=None, metavar="M",
-                   help="forecast as if the run were in a new memory cgroup of M MiB (the emulated device)")
-    p.add_argument("--seconds", type=float, default=4.0, metavar="S",
-                   help="time spent measuring read bandwidth and kernel speed, in total (default 4)")
+    p.add_argument(
+        "model", nargs="?", default=None, help="a GGUF file (any shard of a split set) or a TOML config; default: the embedded tiny model"
+    )
+    p.add_argument(
+        "--mem-limit-mb",
+        type=float,
+        default=None,
+        metavar="M",
+        help="forecast as if the run were in a new memory cgroup of M MiB (the emulated device)",
+    )
+    p.add_argument(
+        "--seconds", type=float, default=4.0, metavar="S", help="time spent measuring read bandwidth and kernel speed, in total (default 4)"
+    )
     p.add_argument("--json", action="store_true", help="print one flat JSON object instead of the report")
     add_override_arguments(p, tables=("cache", "io", "compute"))
 
@@ -27,41 +35,82 @@ def _mib(n: int) -> str:
 
 def print_report(f: dict) -> None:
     rows = [
-        ("model", f"{f['model']}: {f['arch']}, {f['n_layer']} layers × {f['n_expert']} experts, top-{f['top_k']}, "
-                  f"file {_mib(f['file_bytes'])}"),
-        ("sizes", f"dense {_mib(f['dense_bytes'])}, experts {_mib(f['expert_bytes_total'])} "
-                  f"({f['expert_bytes'] / 1e6:.2f} MB each), KV {_mib(f['kv_bytes'])} at ctx {f['ctx_size']}"),
-        ("per token", f"one token's experts {_mib(f['floor_bytes'])} (the smallest cache), "
-                      f"active weights {_mib(f['active_bytes_per_token'])}"),
+        (
+            "model",
+            f"{f['model']}: {f['arch']}, {f['n_layer']} layers × {f['n_expert']} experts, top-{f['top_k']}, file {_mib(f['file_bytes'])}",
+        ),
+        (
+            "sizes",
+            f"dense {_mib(f['dense_bytes'])}, experts {_mib(f['expert_bytes_total'])} "
+            f"({f['expert_bytes'] / 1e6:.2f} MB each), KV {_mib(f['kv_bytes'])} at ctx {f['ctx_size']}",
+        ),
+        (
+            "per token",
+            f"one token's experts {_mib(f['floor_bytes'])} (the smallest cache), active weights {_mib(f['active_bytes_per_token'])}",
+        ),
         ("memory", f"{_mib(f['available_bytes'])} available: {f['available']}"),
         ("budget", f"{f['budget']} → {f['n_slots']:,} slabs"),
     ]
     if not f["fits"]:
         rows.append(("fits", f"NO: {f['refusal']}"))
     else:
-        rows.append(("fits", "yes, resident: every expert fits in the cache" if f["resident"] else
-                     f"yes, streaming: the cache holds {100 * f['n_slots'] / (f['n_layer'] * f['n_expert']):.0f} % "
-                     "of the experts"))
+        rows.append(
+            (
+                "fits",
+                "yes, resident: every expert fits in the cache"
+                if f["resident"]
+                else f"yes, streaming: the cache holds {100 * f['n_slots'] / (f['n_layer'] * f['n_expert']):.0f} % of the experts",
+            )
+        )
         rows.append(("hit rate", f"{f['hit_pct']:.1f} % of decode lookups ({f['hit_source']}: {f['hit_note']})"))
     reads = " / ".join(f"{f[f'read_gbps_{n}']:.2f}" for n in (1, 2, 4) if f[f"read_gbps_{n}"] is not None)
-    rows.append(("reads", f"{reads} GB/s at 1 / 2 / 4 lanes, {f['expert_bytes'] / 1e6:.2f} MB experts "
-                          f"({f['read_note']}); {f['read_gbps']:.2f} used ({f['read_lanes']} lanes)"))
-    rows.append(("kernels", f"experts {f['expert_gws']} G weights/s ({f['threads']} threads; {f['expert_gws_1t']} at 1), "
-                            f"dense {f['dense_gws']} ({f['dense_gws_1t']} at 1)"))
+    rows.append(
+        (
+            "reads",
+            f"{reads} GB/s at 1 / 2 / 4 lanes, {f['expert_bytes'] / 1e6:.2f} MB experts "
+            f"({f['read_note']}); {f['read_gbps']:.2f} used ({f['read_lanes']} lanes)",
+        )
+    )
+    rows.append(
+        (
+            "kernels",
+            f"experts {f['expert_gws']} G weights/s ({f['threads']} threads; {f['expert_gws_1t']} at 1), "
+            f"dense {f['dense_gws']} ({f['dense_gws_1t']} at 1)",
+        )
+    )
     io = "-" if f["io_ms"] is None else f"{f['io_ms']:.1f} ms"
-    rows.append(("time/token", f"compute {f['compute_ms']:.1f} ms (kernels {f['kernel_ms']:.1f} + "
-                               f"{f['overhead_ms_per_layer']} ms × {f['n_layer']} layers), io {io}"))
+    rows.append(
+        (
+            "time/token",
+            f"compute {f['compute_ms']:.1f} ms (kernels {f['kernel_ms']:.1f} + "
+            f"{f['overhead_ms_per_layer']} ms × {f['n_layer']} layers), io {io}",
+        )
+    )
     if f["tok_s"] is None:
         rows.append(("forecast", f"does not run here; bottleneck: {f['bottleneck']}"))
     else:
-        rows.append(("forecast", f"≈ {f['tok_s']:.1f} tok/s decode, bottleneck: {f['bottleneck']} "
-                                 f"(wall = {f['overlap_factor']:.2f} × max(compute, io))"))
+        rows.append(
+            (
+                "forecast",
+                f"≈ {f['tok_s']:.1f} tok/s decode, bottleneck: {f['bottleneck']} (wall = {f['overlap_factor']:.2f} × max(compute, io))",
+            )
+        )
     if f["tok_s"] is not None and f["threads"] > 1 and f["tok_s_1t"] > 1.1 * f["tok_s"]:
-        rows.append(("note", f"with -t 1 (one compute thread): ≈ {f['tok_s_1t']:.1f} tok/s; {f['threads']} threads "
-                             "lose here now, their calls wait for a busy core"))
+        rows.append(
+            (
+                "note",
+                f"with -t 1 (one compute thread): ≈ {f['tok_s_1t']:.1f} tok/s; {f['threads']} threads "
+                "lose here now, their calls wait for a busy core",
+            )
+        )
     if f["load_avg_1m"] > 0.5 * (f["cores"] or 1):
-        rows.append(("note", f"load average {f['load_avg_1m']} on {f['cores']} cores while measuring: the figures "
-                             "are the best windows, what the machine does when quiet; busy, it runs slower"))
+        rows.append(
+            (
+                "note",
+                f"load average {f['load_avg_1m']} on {f['cores']} cores while measuring: the figures "
+                "are the best windows, what the machine does when quiet; busy, it runs slower",
+            )
+        )
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
@@ -69,9 +118,9 @@ def print_report(f: dict) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from moe_pipe.cli.run_cmd import load_run_config
+    from moe_pipe.shared.analysis.forecast import forecast
     from moe_pipe.shared.errors import UserError
-    from moe_pipe.shared.forecast import forecast
-    from moe_pipe.shared.model_file import open_model
+    from moe_pipe.shared.gguf.model_file import open_model
 
     if args.seconds <= 0:
         raise UserError(f"--seconds must be positive, got {args.seconds:g}")

@@ -1,4 +1,5 @@
 """`moe-pipe down`: stop the running service (in order, releasing everything)."""
+
 from __future__ import annotations
 
 import argparse
@@ -14,8 +15,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import psutil
 
-    from moe_pipe.shared import service
     from moe_pipe.shared.errors import PipelineError
+    from moe_pipe.shared.serve import service
 
     info = service.find_service()
     reply = service.control(info, "stop")

@@ -1,4 +1,5 @@
 """`moe-pipe inspect MODEL [--json]`: what a model file holds and what it costs to stream."""
+
 from __future__ import annotations
 
 import argparse
@@ -63,7 +64,7 @@ def print_table(s: dict) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moe_pipe.shared.model_file import open_model
+    from moe_pipe.shared.gguf.model_file import open_model
 
     with open_model(args.model) as mf:
         s = summary(mf)

@@ -4,6 +4,7 @@ Subcommand modules are imported lazily so `moe-pipe --help` stays instant.
 A `UserError` prints one line and exits 2; anything else is a bug and keeps
 its traceback. `--debug` shows tracebacks for user errors too.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,6 +20,7 @@ class _Terminated(BaseException):
 
 def _terminate(signum, frame):
     raise _Terminated()
+
 
 # name -> (module under moe_pipe.cli, one-line help)
 COMMANDS = {
@@ -38,7 +40,9 @@ COMMANDS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="moe-pipe", description="Run Mixture-of-Experts models larger than RAM by streaming experts from flash.")
+    parser = argparse.ArgumentParser(
+        prog="moe-pipe", description="Run Mixture-of-Experts models larger than RAM by streaming experts from flash."
+    )
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():

@@ -1,4 +1,5 @@
 """`moe-pipe make-model`: write a deterministic GGUF with random weights in real quant types."""
+
 from __future__ import annotations
 
 import argparse
@@ -22,7 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from moe_pipe.shared.makemodel import make_model
+    from moe_pipe.shared.makemodel.maker import make_model
     from moe_pipe.shared.progress import byte_progress
 
     t0 = time.perf_counter()

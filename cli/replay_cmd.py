@@ -1,4 +1,5 @@
 """`moe-pipe replay TRACE --budget-mb N [N ...]`: a route trace through the cache policies."""
+
 from __future__ import annotations
 
 import argparse
@@ -8,15 +9,22 @@ import sys
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("trace", help="route trace (route_trace v1 CSV, e.g. from --route-trace)")
-    p.add_argument("--budget-mb", type=float, nargs="+", required=True, metavar="N",
-                   help="cache budgets in MiB to replay at")
-    p.add_argument("--policy", nargs="+", default=["all"], metavar="NAME",
-                   help="policies to replay (default: all, belady included)")
-    p.add_argument("--accounting", choices=("slots", "bytes"), default="slots",
-                   help="slots: equal slabs of the largest expert, as the engine; bytes: each expert its own size")
-    p.add_argument("--drop-cold-experts", type=float, default=0.0, metavar="F",
-                   help="LOSSY lever (changes outputs in a real run): skip a decode miss whose router weight is below "
-                        "F x an even share; 0 = exact (default)")
+    p.add_argument("--budget-mb", type=float, nargs="+", required=True, metavar="N", help="cache budgets in MiB to replay at")
+    p.add_argument("--policy", nargs="+", default=["all"], metavar="NAME", help="policies to replay (default: all, belady included)")
+    p.add_argument(
+        "--accounting",
+        choices=("slots", "bytes"),
+        default="slots",
+        help="slots: equal slabs of the largest expert, as the engine; bytes: each expert its own size",
+    )
+    p.add_argument(
+        "--drop-cold-experts",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="LOSSY lever (changes outputs in a real run): skip a decode miss whose router weight is below "
+        "F x an even share; 0 = exact (default)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
@@ -26,8 +34,17 @@ def print_table(results, default_policy: str, out=None) -> None:
     out = out or sys.stdout  # looked up now: a default bound at import would outlive a redirect
     count = "slots" if all(r.accounting == "slots" for r in results) else "≈ experts"
     header = ("budget MiB", count, "policy", "hit % cum", "hit % decode", "read MiB")
-    rows = [(f"{r.budget_mb:g}", f"{r.n_slots}", r.policy + (" *" if r.policy == default_policy else ""),
-             f"{r.hit_pct_cum:.2f}", f"{r.hit_pct_decode:.2f}", f"{r.read_mib:,.1f}") for r in results]
+    rows = [
+        (
+            f"{r.budget_mb:g}",
+            f"{r.n_slots}",
+            r.policy + (" *" if r.policy == default_policy else ""),
+            f"{r.hit_pct_cum:.2f}",
+            f"{r.hit_pct_decode:.2f}",
+            f"{r.read_mib:,.1f}",
+        )
+        for r in results
+    ]
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
     align = ("r", "r", "l", "r", "r", "r")
 
@@ -44,11 +61,10 @@ def print_table(results, default_policy: str, out=None) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moe_pipe.shared.policies import DEFAULT_POLICY
-    from moe_pipe.shared.replay import Replayer, policy_names, slab_bytes
-    from moe_pipe.shared.trace import read_trace
-
+    from moe_pipe.shared.analysis.replay import Replayer, policy_names, slab_bytes
     from moe_pipe.shared.errors import UserError
+    from moe_pipe.shared.experts.policies import DEFAULT_POLICY
+    from moe_pipe.shared.model.trace import read_trace
 
     if not 0 <= args.drop_cold_experts <= 1:
         raise UserError(f"--drop-cold-experts {args.drop_cold_experts:g}: allowed 0 to 1")
@@ -62,11 +78,18 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"default_policy": DEFAULT_POLICY, "rows": [r.row() for r in results]}))
         return 0
     h = trace.header
-    unit = (f"slots of {slab_bytes(trace) / (1 << 20):.2f} MiB (the largest expert, page-rounded)"
-            if args.accounting == "slots" else "bytes (each expert its own size)")
-    print(f"{args.trace}: {h.arch}, {h.n_layer} layers, top-{h.n_expert_used} of {h.n_expert} experts, "
-          f"{len(trace):,} rows; budget counted in {unit}")
+    unit = (
+        f"slots of {slab_bytes(trace) / (1 << 20):.2f} MiB (the largest expert, page-rounded)"
+        if args.accounting == "slots"
+        else "bytes (each expert its own size)"
+    )
+    print(
+        f"{args.trace}: {h.arch}, {h.n_layer} layers, top-{h.n_expert_used} of {h.n_expert} experts, "
+        f"{len(trace):,} rows; budget counted in {unit}"
+    )
     print_table(results, DEFAULT_POLICY)
-    print(("* the default policy. " if DEFAULT_POLICY in names else "")
-          + "hit % decode: decode lookups only; read MiB: every miss at its layer's size")
+    print(
+        ("* the default policy. " if DEFAULT_POLICY in names else "")
+        + "hit % decode: decode lookups only; read MiB: every miss at its layer's size"
+    )
     return 0

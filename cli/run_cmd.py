@@ -1,5 +1,6 @@
 """`moe-pipe run [MODEL|CONFIG] -p PROMPT`: one generation through the streaming
 pipeline (or, with --no-stream, every weight resident in this process)."""
+
 from __future__ import annotations
 
 import argparse
@@ -10,10 +11,15 @@ import sys
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from moe_pipe.shared.config import add_override_arguments
 
-    p.add_argument("model", nargs="?", default=None,
-                   help="a GGUF file (any shard of a split set) or a TOML config; default: the embedded tiny model")
+    p.add_argument(
+        "model", nargs="?", default=None, help="a GGUF file (any shard of a split set) or a TOML config; default: the embedded tiny model"
+    )
     p.add_argument("-p", "--prompt", required=True, help="the prompt text")
-    p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template as a user turn (the model's own unless --chat-template says otherwise)")
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="wrap the prompt in the chat template as a user turn (the model's own unless --chat-template says otherwise)",
+    )
     p.add_argument("--system", help="system message (with --chat)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1 = off)")
     p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below this fraction of the best one's probability")
@@ -43,7 +49,7 @@ def load_run_config(args: argparse.Namespace):
 
 
 def _prompt_tokens(args, cfg, tok) -> list[int]:
-    from moe_pipe.shared.chat import chat_prompt_tokens, encode_prompt, use_chat_template
+    from moe_pipe.shared.text.chat import chat_prompt_tokens, encode_prompt, use_chat_template
 
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": args.prompt}]
@@ -54,15 +60,21 @@ def _prompt_tokens(args, cfg, tok) -> list[int]:
 def run(args: argparse.Namespace) -> int:
     import time
 
-    from moe_pipe.shared.model_file import open_model
-    from moe_pipe.shared.sampling import SamplingParams
-    from moe_pipe.shared.tokenizer import Tokenizer
+    from moe_pipe.shared.gguf.model_file import open_model
+    from moe_pipe.shared.text.sampling import SamplingParams
+    from moe_pipe.shared.text.tokenizer import Tokenizer
 
     cfg = load_run_config(args)
     model_path = cfg.model_file()
     g = cfg.generate
-    params = SamplingParams(temperature=g.temperature, top_k=args.sample_top_k, top_p=args.top_p, min_p=args.min_p,
-                            repeat_penalty=args.repeat_penalty, seed=g.seed)
+    params = SamplingParams(
+        temperature=g.temperature,
+        top_k=args.sample_top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repeat_penalty=args.repeat_penalty,
+        seed=g.seed,
+    )
     with open_model(model_path) as mf:
         tok = Tokenizer.from_gguf(mf.gguf)
     prompt_tokens = _prompt_tokens(args, cfg, tok)
@@ -73,13 +85,18 @@ def run(args: argparse.Namespace) -> int:
         out = _run_resident(cfg, model_path, tok, prompt_tokens, params, args, on_text)
     else:
         out = _run_pipeline(cfg, model_path, prompt_tokens, params, args, on_text)
-    out["timings"].setdefault("load_s", round(time.perf_counter() - t0 - out["timings"].get("prompt_ms", 0) / 1e3
-                                              - out["timings"].get("predicted_ms", 0) / 1e3, 3))
+    out["timings"].setdefault(
+        "load_s",
+        round(time.perf_counter() - t0 - out["timings"].get("prompt_ms", 0) / 1e3 - out["timings"].get("predicted_ms", 0) / 1e3, 3),
+    )
     if streaming_text:
         t = out["timings"]
         sys.stdout.write("\n")
-        print(f"[{t['prompt_n']} prompt tokens at {t['prompt_tok_s']:.1f} tok/s, {t['predicted_n']} generated at "
-              f"{t['predicted_tok_s']:.1f} tok/s, finish: {out['finish_reason']}]", file=sys.stderr)
+        print(
+            f"[{t['prompt_n']} prompt tokens at {t['prompt_tok_s']:.1f} tok/s, {t['predicted_n']} generated at "
+            f"{t['predicted_tok_s']:.1f} tok/s, finish: {out['finish_reason']}]",
+            file=sys.stderr,
+        )
     else:
         print(json.dumps(out, ensure_ascii=False))
     return 0
@@ -87,21 +104,21 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_resident(cfg, model_path, tok, prompt_tokens, params, args, on_text) -> dict:
     from moe_pipe.shared import quant
-    from moe_pipe.shared.generate import GenerationConfig, generate
-    from moe_pipe.shared.model import load_model
-    from moe_pipe.shared.model_file import open_model
-
     from moe_pipe.shared.errors import UserError
+    from moe_pipe.shared.gguf.model_file import open_model
+    from moe_pipe.shared.model.load import load_model
+    from moe_pipe.shared.text.generate import GenerationConfig, generate
 
     if cfg.compute.threads:
         try:
             quant.set_threads(cfg.compute.threads)
         except ValueError as exc:
             raise UserError(f"--threads: {exc}") from None
-    gen_cfg = GenerationConfig(max_tokens=cfg.generate.max_tokens, stop=tuple(args.stop), n_ctx=cfg.compute.ctx_size,
-                               ignore_eos=args.ignore_eos)
+    gen_cfg = GenerationConfig(
+        max_tokens=cfg.generate.max_tokens, stop=tuple(args.stop), n_ctx=cfg.compute.ctx_size, ignore_eos=args.ignore_eos
+    )
     from moe_pipe.shared.model.routes import RouteReplay, RouteTracer
-    from moe_pipe.shared.trace import read_trace
+    from moe_pipe.shared.model.trace import read_trace
 
     with open_model(model_path) as mf:
         model = load_model(mf, top_k=cfg.compute.top_k)
@@ -153,10 +170,18 @@ def _run_pipeline(cfg, model_path, prompt_tokens, params, args, on_text) -> dict
 
     with Pipeline(cfg, model_path) as pipe:
         r = pipe.resolved
-        print(f"[expert cache {r.n_slots * r.slab_bytes / 2**20:.2f} MiB = {r.n_slots} slabs of {r.slab_bytes / 2**20:.2f} MiB; "
-              f"{r.budget_description}; dense {cfg.io.dense_weights}, loaded in {r.load_seconds:.2f} s"
-              f"{'' if r.direct_io else '; O_DIRECT refused, buffered reads'}]", file=sys.stderr)
+        print(
+            f"[expert cache {r.n_slots * r.slab_bytes / 2**20:.2f} MiB = {r.n_slots} slabs of {r.slab_bytes / 2**20:.2f} MiB; "
+            f"{r.budget_description}; dense {cfg.io.dense_weights}, loaded in {r.load_seconds:.2f} s"
+            f"{'' if r.direct_io else '; O_DIRECT refused, buffered reads'}]",
+            file=sys.stderr,
+        )
         done = pipe.generate(prompt_tokens, asdict(params), cfg.generate.max_tokens, tuple(args.stop), collect, args.ignore_eos)
     timings = dict(done.timings) | {"budget_mib": round(r.n_slots * r.slab_bytes / 2**20, 3)}
-    return {"prompt_tokens": list(prompt_tokens), "tokens": list(done.tokens), "text": "".join(pieces),
-            "finish_reason": done.finish_reason, "timings": timings}
+    return {
+        "prompt_tokens": list(prompt_tokens),
+        "tokens": list(done.tokens),
+        "text": "".join(pieces),
+        "finish_reason": done.finish_reason,
+        "timings": timings,
+    }

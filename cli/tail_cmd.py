@@ -11,6 +11,7 @@ Three outputs, picked by where stdout goes:
     a terminal     a live table: recent tokens, a tok/s sparkline, the summary so far
     otherwise      one plain text line per token, the summary at the end of a run
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,11 +38,17 @@ WAITING_NOTICE = "waiting for a moe-pipe service (start one with `moe-pipe up CO
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--csv", action="store_true", help="print CSV rows (the per-token schema) instead of a table")
-    p.add_argument("--wait", type=float, default=None, metavar="S",
-                   help="give up after S seconds if no service is running (default: wait until one starts)")
+    p.add_argument(
+        "--wait",
+        type=float,
+        default=None,
+        metavar="S",
+        help="give up after S seconds if no service is running (default: wait until one starts)",
+    )
 
 
 # ------------------------------------------------------------------ formatting
+
 
 def tok_per_s(wall_ms: float) -> float:
     return 1000.0 / wall_ms if wall_ms > 0 else 0.0
@@ -61,9 +68,11 @@ def sparkline(values, width: int = SPARK_TOKENS) -> str:
 
 def format_line(rec) -> str:
     """One token as plain text (the non-terminal, non-CSV output)."""
-    return (f"step {rec.step:>5}  {tok_per_s(rec.wall_ms):7.2f} tok/s  wall {rec.wall_ms:8.1f} ms  "
-            f"compute {rec.compute_ms:8.1f} ms  io {rec.io_ms:8.1f} ms  stall {rec.stall_ms:7.1f} ms  "
-            f"hit {rec.cache_hit_pct:5.1f} %  read {rec.read_bytes / MIB:8.2f} MiB  majflt {rec.majflt}")
+    return (
+        f"step {rec.step:>5}  {tok_per_s(rec.wall_ms):7.2f} tok/s  wall {rec.wall_ms:8.1f} ms  "
+        f"compute {rec.compute_ms:8.1f} ms  io {rec.io_ms:8.1f} ms  stall {rec.stall_ms:7.1f} ms  "
+        f"hit {rec.cache_hit_pct:5.1f} %  read {rec.read_bytes / MIB:8.2f} MiB  majflt {rec.majflt}"
+    )
 
 
 def csv_header() -> str:
@@ -82,6 +91,7 @@ def csv_row(rec) -> str:
 
 
 # ----------------------------------------------------------------------- state
+
 
 @dataclass
 class RunSoFar:
@@ -121,6 +131,7 @@ def _tally():
 
 
 # --------------------------------------------------------------------- outputs
+
 
 class CsvOutput:
     def __init__(self) -> None:
@@ -199,9 +210,17 @@ class LiveOutput:
         for name in ("step", "tok/s", "wall ms", "compute ms", "io ms", "stall ms", "hit %", "MiB read", "majflt"):
             table.add_column(name, justify="right")
         for r in run.records:
-            table.add_row(str(r.step), f"{tok_per_s(r.wall_ms):.2f}", f"{r.wall_ms:.1f}", f"{r.compute_ms:.1f}",
-                          f"{r.io_ms:.1f}", f"{r.stall_ms:.1f}", f"{r.cache_hit_pct:.1f}", f"{r.read_bytes / MIB:.2f}",
-                          str(r.majflt))
+            table.add_row(
+                str(r.step),
+                f"{tok_per_s(r.wall_ms):.2f}",
+                f"{r.wall_ms:.1f}",
+                f"{r.compute_ms:.1f}",
+                f"{r.io_ms:.1f}",
+                f"{r.stall_ms:.1f}",
+                f"{r.cache_hit_pct:.1f}",
+                f"{r.read_bytes / MIB:.2f}",
+                str(r.majflt),
+            )
         if not run.records:
             return Group(table, Text("waiting for tokens (send the service a request)...", style="dim"))
         spark = Text(f"tok/s {sparkline(run.tok_s)}  last {run.tok_s[-1]:.2f}, max {max(run.tok_s):.2f}")
@@ -219,9 +238,11 @@ def choose_output(args, service_desc: str):
 
 # ------------------------------------------------------------------------ run
 
+
 def find_service(wait_s: float | None):
     """The running service; if none runs yet, say so once and wait for one."""
-    from moe_pipe.shared.service import find_service as find_now, live_services, wait_for_service
+    from moe_pipe.shared.serve.service import find_service as find_now
+    from moe_pipe.shared.serve.service import live_services, wait_for_service
 
     if live_services():
         return find_now()  # one (or a one-line error naming the several)
@@ -233,7 +254,7 @@ def service_gone(info) -> bool:
     """The supervisor exited. A removed runtime dir counts as gone on its own:
     with no owner file, `is_live` falls back to "does the pid run", which a
     supervisor that has cleaned up but not yet exited still passes."""
-    from moe_pipe.shared import ipc
+    from moe_pipe.shared.wire import ipc
 
     path = Path(info.runtime_dir)
     return not path.is_dir() or not ipc.RuntimeDir(path, info.pid).is_live()
@@ -241,7 +262,8 @@ def service_gone(info) -> bool:
 
 def follow(sock, info, output) -> None:
     """Show records until the service goes away (returns) or we are stopped."""
-    from moe_pipe.shared import ipc, messages as m
+    from moe_pipe.shared.wire import ipc
+    from moe_pipe.shared.wire import messages as m
 
     run = RunSoFar()
     while True:
@@ -273,7 +295,7 @@ def detach_from_closed_pipe() -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moe_pipe.shared import ipc
+    from moe_pipe.shared.wire import ipc
 
     try:
         info = find_service(args.wait)

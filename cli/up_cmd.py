@@ -1,6 +1,7 @@
 """`moe-pipe up [CONFIG|MODEL]`: the service — supervisor, reader, compute,
 telemetry and the OpenAI-compatible gateway — in the foreground (Ctrl-C
 stops it) or with --detach in the background (`moe-pipe down` stops it)."""
+
 from __future__ import annotations
 
 import argparse
@@ -18,8 +19,9 @@ DETACHED_FLAG = "--_detached"
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from moe_pipe.shared.config import add_override_arguments
 
-    p.add_argument("model", nargs="?", default=None,
-                   help="a TOML config (configs/qwen30b.toml) or a GGUF file; default: the embedded tiny model")
+    p.add_argument(
+        "model", nargs="?", default=None, help="a TOML config (configs/qwen30b.toml) or a GGUF file; default: the embedded tiny model"
+    )
     p.add_argument("--detach", action="store_true", help="run in the background; return once the HTTP API listens")
     p.add_argument(DETACHED_FLAG, dest="detached_child", action="store_true", help=argparse.SUPPRESS)
     add_override_arguments(p)
@@ -41,8 +43,11 @@ def _serve(cfg, detached: bool) -> int:
         print(f"moe-pipe: {text}", file=sys.stderr, flush=True)
 
     def listening(url: str) -> None:
-        print(f"moe-pipe: serving {sup.model_name} at {url} (supervisor pid {os.getpid()}; "
-              f"{'`moe-pipe down` stops it' if detached else 'Ctrl-C stops it'})", flush=True)
+        print(
+            f"moe-pipe: serving {sup.model_name} at {url} (supervisor pid {os.getpid()}; "
+            f"{'`moe-pipe down` stops it' if detached else 'Ctrl-C stops it'})",
+            flush=True,
+        )
         if detached:  # the `up --detach` parent has read what it needs: go quiet
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, 1)
@@ -51,8 +56,10 @@ def _serve(cfg, detached: bool) -> int:
 
     sup = Supervisor(cfg, cfg.model_file(), config_source=cfg.source or "", progress=progress).start()
     r = sup.res.resolved
-    progress(f"expert cache {r.n_slots * r.slab_bytes / 2**20:,.2f} MiB = {r.n_slots} slabs ({r.budget_description}); "
-             f"logs: {sup.res.rt.path / 'moe-pipe.log'}")
+    progress(
+        f"expert cache {r.n_slots * r.slab_bytes / 2**20:,.2f} MiB = {r.n_slots} slabs ({r.budget_description}); "
+        f"logs: {sup.res.rt.path / 'moe-pipe.log'}"
+    )
     sup.run(on_listening=listening)
     return 0
 
@@ -70,8 +77,13 @@ def _detach(argv: list[str]) -> int:
         out_path = Path(out.name)
     try:
         with open(out_path, "w") as sink, open(os.devnull) as devnull:
-            proc = subprocess.Popen([sys.executable, "-m", "moe_pipe.cli.main", *child_argv], stdin=devnull,
-                                    stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "moe_pipe.cli.main", *child_argv],
+                stdin=devnull,
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         shown = 0
         deadline = time.monotonic() + DETACH_TIMEOUT_S
         while time.monotonic() < deadline:

@@ -16,33 +16,36 @@ Loop:
 A request that fails (a read error, the reader gone) ends with Done(ok=False)
 and a code; the process itself keeps serving unless its peer is gone.
 """
+
 from __future__ import annotations
 
 import logging
 import os
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Iterable, Iterator
 
 import zmq
 
-from ..shared import ipc, messages as m
-from ..shared import quant
-from ..shared.dense import arena_views, warm_sweep
-from ..shared.errors import UserError
-from ..shared.directio import ModelChanged, expert_view, model_identity, placement_for
-from ..shared.residency import ResidencyIndex
-from ..shared.generate import GenerationConfig, generate
-from ..shared.model import load_model
-from ..shared.model.levers import Levers
-from ..shared.model.routes import RouteReplay, RouteTracer
-from ..shared.trace import read_trace
-from ..shared.model.weights import Expert
-from ..shared.model_file import open_model
-from ..shared.sampling import SamplingParams
-from ..shared.shm import Arena, SlabArena
-from ..shared.telemetry import ResourceMeter
-from ..shared.tokenizer import Tokenizer
+from moe_pipe.shared import quant
+from moe_pipe.shared.errors import UserError
+from moe_pipe.shared.experts.dense import arena_views, warm_sweep
+from moe_pipe.shared.experts.directio import ModelChanged, expert_view, model_identity, placement_for
+from moe_pipe.shared.experts.residency import ResidencyIndex
+from moe_pipe.shared.experts.shm import Arena, SlabArena
+from moe_pipe.shared.gguf.model_file import open_model
+from moe_pipe.shared.model.levers import Levers
+from moe_pipe.shared.model.load import load_model
+from moe_pipe.shared.model.routes import RouteReplay, RouteTracer
+from moe_pipe.shared.model.trace import read_trace
+from moe_pipe.shared.model.weights import Expert
+from moe_pipe.shared.telemetry import ResourceMeter
+from moe_pipe.shared.text.generate import GenerationConfig, generate
+from moe_pipe.shared.text.sampling import SamplingParams
+from moe_pipe.shared.text.tokenizer import Tokenizer
+from moe_pipe.shared.wire import ipc
+from moe_pipe.shared.wire import messages as m
+
 from .lifecycle import child_setup
 
 log = logging.getLogger("moe_pipe.compute")
@@ -172,8 +175,9 @@ class SlabExperts:
                 yield self._view(layer, e, s)
             return
         req, self.next_req = self.next_req, self.next_req + 1
-        ipc.send(self.fetch_out, m.Fetch(req, layer, tuple(missing), tuple(resident), tuple(self.done),
-                                         tuple(self.touched), *self._take_guess()))
+        ipc.send(
+            self.fetch_out, m.Fetch(req, layer, tuple(missing), tuple(resident), tuple(self.done), tuple(self.touched), *self._take_guess())
+        )
         self.done, self.touched = [], []
         self.messages += 1
         if not missing:
@@ -290,8 +294,14 @@ class Recorder:
     """Wraps the model: one TokenRecord per generated token (step 1 = the
     prefill that produced it, then one decode each)."""
 
-    def __init__(self, model, source: SlabExperts, telemetry: ipc.DroppingSender, interrupts: Interrupts | None = None,
-                 tracer: RouteTracer | None = None):
+    def __init__(
+        self,
+        model,
+        source: SlabExperts,
+        telemetry: ipc.DroppingSender,
+        interrupts: Interrupts | None = None,
+        tracer: RouteTracer | None = None,
+    ):
         self.model, self.source, self.telemetry, self.interrupts = model, source, telemetry, interrupts
         self.tracer = tracer
         model.route_observer = tracer
@@ -330,12 +340,24 @@ class Recorder:
         lookups = self.total_hits + self.total_misses
         res = self.meter.delta()
         rec = m.TokenRecord(
-            step=len(self.records) + 1, wall_ms=wall * 1e3, compute_ms=max(wall - s.stall_s - s.mgmt_s - s.wire_s, 0.0) * 1e3,
-            io_ms=s.io_ns / 1e6, read_bytes=s.read_bytes,
+            step=len(self.records) + 1,
+            wall_ms=wall * 1e3,
+            compute_ms=max(wall - s.stall_s - s.mgmt_s - s.wire_s, 0.0) * 1e3,
+            io_ms=s.io_ns / 1e6,
+            read_bytes=s.read_bytes,
             cache_hit_pct=100.0 * self.total_hits / lookups if lookups else 0.0,
-            stall_ms=s.stall_s * 1e3, mgmt_ms=s.mgmt_s * 1e3, majflt=res.majflt, cpu_ms=res.cpu_ms,
-            hits=s.hits, misses=s.misses, prefetch_issued=s.prefetch_issued, prefetch_used=s.prefetch_used,
-            prefetch_wasted_bytes=s.prefetch_wasted_bytes, wire_ms=s.wire_s * 1e3, messages=s.messages, rss_bytes=self.meter.rss_bytes(),
+            stall_ms=s.stall_s * 1e3,
+            mgmt_ms=s.mgmt_s * 1e3,
+            majflt=res.majflt,
+            cpu_ms=res.cpu_ms,
+            hits=s.hits,
+            misses=s.misses,
+            prefetch_issued=s.prefetch_issued,
+            prefetch_used=s.prefetch_used,
+            prefetch_wasted_bytes=s.prefetch_wasted_bytes,
+            wire_ms=s.wire_s * 1e3,
+            messages=s.messages,
+            rss_bytes=self.meter.rss_bytes(),
         )
         self.records.append(rec)
         self.telemetry.send(rec)
@@ -367,8 +389,10 @@ def serve(cfg: ComputeConfig, ctx: zmq.Context) -> None:
         # A restart after the file was replaced: its tokenizer and shapes beside the
         # old file's dense set and cached experts would give wrong answers, quietly.
         mf.close()
-        raise ModelChanged(cfg.model_path, "is not the file this service started with (changed or replaced since); "
-                                           "put the original back or restart the service")
+        raise ModelChanged(
+            cfg.model_path,
+            "is not the file this service started with (changed or replaced since); put the original back or restart the service",
+        )
     dense_arena, view = _dense_view(cfg, mf)
     source = SlabExperts(cfg, mf.layout, fetch_out, ready_in)
     model = load_model(mf, top_k=cfg.top_k, experts=source, dense_view=view)
@@ -460,10 +484,11 @@ def _next_request(requests: zmq.Socket, cfg: ComputeConfig) -> m.Generate | m.Sh
 
 
 def handle(req: m.Generate, recorder: Recorder, tok, cfg: ComputeConfig, out: zmq.Socket, load_s: float) -> None:
-    from ..shared.telemetry import summarize
+    from moe_pipe.shared.telemetry import summarize
 
     params = SamplingParams(**{k: v for k, v in req.sampling.items()})
     gen_cfg = GenerationConfig(max_tokens=req.max_tokens, stop=tuple(req.stop), n_ctx=cfg.ctx_size, ignore_eos=req.ignore_eos)
+
     def on_text(text: str) -> None:
         ipc.send(out, m.Token(req.req_id, text))
 
@@ -483,8 +508,16 @@ def handle(req: m.Generate, recorder: Recorder, tok, cfg: ComputeConfig, out: zm
         return
     summary = summarize(recorder.records, load_s, 0, 0, recorder.meter.peak_rss_bytes()) if recorder.records else None
     timings = {**result.timings, **({k: v for k, v in m.as_dict(summary).items()} if summary else {})}
-    ipc.send(out, m.Done(req.req_id, True, result.finish_reason, tuple(result.tokens),
-                         {k: v for k, v in timings.items() if isinstance(v, (int, float, str, bool))}))
+    ipc.send(
+        out,
+        m.Done(
+            req.req_id,
+            True,
+            result.finish_reason,
+            tuple(result.tokens),
+            {k: v for k, v in timings.items() if isinstance(v, (int, float, str, bool))},
+        ),
+    )
 
 
 def main(cfg: ComputeConfig) -> None:

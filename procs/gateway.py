@@ -24,6 +24,7 @@ A hostile or broken client costs bounded time and memory and never holds the
 compute: the size and time limits, the connection cap and the loopback
 Host/Origin check are shared/http_guard.py, wired in by create_app and serve.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -33,11 +34,12 @@ import os
 import signal
 import time
 from collections import deque
+from collections.abc import AsyncIterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any
 
 import orjson
 import psutil
@@ -45,17 +47,42 @@ import zmq
 import zmq.asyncio
 from aiohttp import web
 
-from ..shared import ipc, messages as m, service
-from ..shared.chat import encode_prompt, render_chat, use_chat_template
-from ..shared.errors import UserError
-from ..shared.http_guard import (BODY_TIMEOUT_S, IDLE_TIMEOUT_S, LINGER_S, MAX_BODY_BYTES, MAX_CONNECTIONS,
-                                 RETRY_AFTER_S, WRITE_TIMEOUT_S, ClientGone, LimitedSite, is_loopback, loopback_only,
-                                 read_body, write_within)
-from ..shared.metrics import Metrics
-from ..shared.model_file import open_model
-from ..shared.openai_api import (FINISH_REASONS, ApiError, CompletionRequest, ResponseShape, fit_max_tokens, parse_body,
-                                 parse_request, refuse_unfit_text, sse, usage_of)
-from ..shared.tokenizer import Tokenizer
+from moe_pipe.shared.errors import UserError
+from moe_pipe.shared.gguf.model_file import open_model
+from moe_pipe.shared.serve import service
+from moe_pipe.shared.serve.http_guard import (
+    BODY_TIMEOUT_S,
+    IDLE_TIMEOUT_S,
+    LINGER_S,
+    MAX_BODY_BYTES,
+    MAX_CONNECTIONS,
+    RETRY_AFTER_S,
+    WRITE_TIMEOUT_S,
+    ClientGone,
+    LimitedSite,
+    is_loopback,
+    loopback_only,
+    read_body,
+    write_within,
+)
+from moe_pipe.shared.serve.metrics import Metrics
+from moe_pipe.shared.serve.openai_api import (
+    FINISH_REASONS,
+    ApiError,
+    CompletionRequest,
+    ResponseShape,
+    fit_max_tokens,
+    parse_body,
+    parse_request,
+    refuse_unfit_text,
+    sse,
+    usage_of,
+)
+from moe_pipe.shared.text.chat import encode_prompt, render_chat, use_chat_template
+from moe_pipe.shared.text.tokenizer import Tokenizer
+from moe_pipe.shared.wire import ipc
+from moe_pipe.shared.wire import messages as m
+
 from .lifecycle import child_setup
 
 log = logging.getLogger("moe_pipe.gateway")
@@ -90,6 +117,7 @@ class GatewaySettings:
 
 # ------------------------------------------------------------------ HTTP glue
 
+
 def json_response(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
     return web.Response(body=orjson.dumps(data), status=status, content_type="application/json", headers=headers)
 
@@ -101,18 +129,23 @@ def error_response(err: ApiError) -> web.Response:
     return resp
 
 
-def check_wire(job: "Job", where: str) -> None:
+def check_wire(job: Job, where: str) -> None:
     """The Generate frame this job becomes must pass compute's decoding, or
     compute drops it and the request would wait forever: encode and decode it
     here once (the frame and array caps of shared/messages.py)."""
     try:
         m.decode(m.encode(m.Generate(0, tuple(job.prompt_tokens), job.max_tokens, job.sampling, job.stop)))
     except m.ProtocolError as exc:
-        raise ApiError(400, f"the prompt is {len(job.prompt_tokens)} tokens, more than one request to compute can "
-                            f"carry ({exc}); shorten it", "context_length_exceeded", param=where) from None
+        raise ApiError(
+            400,
+            f"the prompt is {len(job.prompt_tokens)} tokens, more than one request to compute can carry ({exc}); shorten it",
+            "context_length_exceeded",
+            param=where,
+        ) from None
 
 
 # ------------------------------------------------------------------------ jobs
+
 
 @dataclass(frozen=True)
 class Finished:
@@ -147,7 +180,7 @@ class Job:
         """The whole text of the current attempt; hand out what is new. Greedy
         (or seeded) output is identical on a retry, so the prefix is known."""
         if len(attempt_text) > self.emitted:
-            self._emit(attempt_text[self.emitted:])
+            self._emit(attempt_text[self.emitted :])
             self.emitted = len(attempt_text)
 
     def end(self, event: Finished | Failed) -> None:
@@ -175,8 +208,13 @@ class RequestQueue:
             raise ApiError(503, "the service is shutting down", "shutting_down", "server_error")
         self.jobs = deque(j for j in self.jobs if not j.cancelled)
         if len(self.jobs) >= self.size:
-            raise ApiError(429, f"{len(self.jobs)} requests are already waiting (queue_size {self.size}); retry later",
-                           "queue_full", "rate_limit_error", headers={"Retry-After": str(RETRY_AFTER_S)})
+            raise ApiError(
+                429,
+                f"{len(self.jobs)} requests are already waiting (queue_size {self.size}); retry later",
+                "queue_full",
+                "rate_limit_error",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
         self.jobs.append(job)
         self.wake.set()
 
@@ -199,6 +237,7 @@ class RequestQueue:
 
 
 # --------------------------------------------------------------- the compute link
+
 
 async def wait_event(event: asyncio.Event, timeout_s: float) -> None:
     """Until `event` is set or `timeout_s` passed. Not asyncio.wait_for: on
@@ -256,8 +295,7 @@ class ComputeLink:
 
     def _on_hello(self, hello: m.Hello) -> None:
         if hello.role != "compute" or hello.protocol != m.PROTOCOL_VERSION:
-            log.warning("ignored a Hello from %s pid %d (protocol %d, ours %d)", hello.role, hello.pid, hello.protocol,
-                        m.PROTOCOL_VERSION)
+            log.warning("ignored a Hello from %s pid %d (protocol %d, ours %d)", hello.role, hello.pid, hello.protocol, m.PROTOCOL_VERSION)
             return
         log.info("compute pid %d is %s", hello.pid, "back" if self.hellos else "ready")
         self.pid, self.hellos = hello.pid, self.hellos + 1
@@ -274,6 +312,7 @@ class ComputeLink:
         """Until a frame or Hello arrives, or `timeout_s`. Callers clear `wake`
         before they look at the state, so nothing that arrives is missed."""
         await wait_event(self.wake, timeout_s)
+
 
 LOST = "lost"  # run_once: the compute died (or restarted) under the request
 
@@ -293,8 +332,7 @@ class Worker:
             try:
                 await self.serve(job)
             except (TimeoutError, zmq.ZMQError) as exc:
-                job.end(Failed(503, f"compute did not take the request ({type(exc).__name__}); retry later",
-                               "compute_unavailable"))
+                job.end(Failed(503, f"compute did not take the request ({type(exc).__name__}); retry later", "compute_unavailable"))
             except Exception:  # noqa: BLE001 - a bug fails this request, never the worker
                 log.exception("request failed")
                 job.end(Failed(500, "internal error in the gateway (see the service log)", "internal"))
@@ -309,8 +347,11 @@ class Worker:
             newer_than, pid = self.link.hellos, self.link.pid
             if await self.run_once(job) != LOST:
                 return
-            log.warning("compute pid %s was lost during a request%s", pid,
-                        "; resending it to the restarted compute" if attempt == 1 else " again; giving up")
+            log.warning(
+                "compute pid %s was lost during a request%s",
+                pid,
+                "; resending it to the restarted compute" if attempt == 1 else " again; giving up",
+            )
         job.end(Failed(503, "the compute process died twice during this request; retry later", "compute_unavailable"))
 
     async def wait_for_compute(self, job: Job, newer_than: int) -> bool:
@@ -327,8 +368,9 @@ class Worker:
             if self.link.hellos > newer_than and self.link.ready():
                 return True
             if deadline is not None and loop.time() >= deadline:
-                job.end(Failed(503, f"no compute process is running (waited {wait_s:g} s for a restart); retry later",
-                               "compute_unavailable"))
+                job.end(
+                    Failed(503, f"no compute process is running (waited {wait_s:g} s for a restart); retry later", "compute_unavailable")
+                )
                 return False
             await self.link.wait(POLL_S)
 
@@ -382,6 +424,7 @@ class Worker:
 
 # ---------------------------------------------------------------------- metrics
 
+
 async def supervisor_processes(runtime_dir: str) -> list[dict] | None:
     """The supervisor's process table, or None (no supervisor, no answer)."""
     info = service.read_service_info(Path(runtime_dir))
@@ -409,6 +452,7 @@ async def follow_telemetry(sock: zmq.asyncio.Socket, metrics: Metrics) -> None:
 
 
 # ------------------------------------------------------------------ the service
+
 
 def client_gone(request: web.Request) -> bool:
     return request.transport is None or request.transport.is_closing()
@@ -439,8 +483,10 @@ class Gateway:
         self.link = ComputeLink(self.ctx, ep)
         self.worker = Worker(self.link, self.queue, self.settings, self.metrics)
         telemetry = ipc.connect(self.ctx, ep, "telemetry_pub")
-        self.tasks = [asyncio.create_task(c) for c in (self.link.receive_forever(), self.worker.run_forever(),
-                                                       follow_telemetry(telemetry, self.metrics))]
+        self.tasks = [
+            asyncio.create_task(c)
+            for c in (self.link.receive_forever(), self.worker.run_forever(), follow_telemetry(telemetry, self.metrics))
+        ]
 
     async def stop_serving(self, app: web.Application) -> None:
         failure = Failed(503, "the service is shutting down", "shutting_down")
@@ -477,8 +523,7 @@ class Gateway:
     async def metrics_text(self, request: web.Request) -> web.Response:
         processes = await supervisor_processes(self.settings.runtime_dir)
         connections = self.site.open if self.site is not None else 0
-        text = self.metrics.render(self.link is not None and self.link.ready(), self.queue.waiting(), processes,
-                                   connections)
+        text = self.metrics.render(self.link is not None and self.link.ready(), self.queue.waiting(), processes, connections)
         return web.Response(body=text.encode(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
     # -- completions -------------------------------------------------------------
@@ -522,8 +567,9 @@ class Gateway:
         """In the tokenize thread: chat_prompt_tokens, with the text checked
         between rendering and encoding (a text that cannot fit is not encoded)."""
         if req.chat:
-            text = render_chat(self.tok, list(req.messages), add_generation_prompt=True,
-                               no_think=self.settings.no_think, **req.template_vars)
+            text = render_chat(
+                self.tok, list(req.messages), add_generation_prompt=True, no_think=self.settings.no_think, **req.template_vars
+            )
         else:
             text = req.prompt
         refuse_unfit_text(text, self.longest_token.result(), self.settings, "messages" if req.chat else "prompt")
@@ -567,8 +613,9 @@ class Gateway:
                 if isinstance(event, Failed):
                     self.count(event.status)
                     return error_response(event.error())
-                resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                                   "X-Accel-Buffering": "no"})
+                resp = web.StreamResponse(
+                    headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+                )
                 await self.write(request, resp, b"".join(sse(chunk) for chunk in shape.opening()))
             if isinstance(event, str):
                 await self.write(request, resp, sse(shape.chunk(event)))
@@ -594,6 +641,7 @@ class Gateway:
 
 # ------------------------------------------------------------------ middlewares
 
+
 @web.middleware
 async def errors_as_json(request: web.Request, handler) -> web.StreamResponse:
     """Every error in OpenAI's shape, aiohttp's own (404 route, 405) included."""
@@ -606,12 +654,10 @@ async def errors_as_json(request: web.Request, handler) -> web.StreamResponse:
             raise
         headers = {k: v for k, v in exc.headers.items() if k.lower() in ("allow", "retry-after")}
         kind = "invalid_request_error" if exc.status < 500 else "server_error"
-        return error_response(ApiError(exc.status, f"{request.method} {request.path}: {exc.reason}", None, kind,
-                                       headers=headers))
+        return error_response(ApiError(exc.status, f"{request.method} {request.path}: {exc.reason}", None, kind, headers=headers))
     except Exception:  # noqa: BLE001 - a bug fails this request with a 500, the server keeps going
         log.exception("%s %s failed", request.method, request.path)
-        return error_response(ApiError(500, "internal error in the gateway (see the service log)", "internal",
-                                       "server_error"))
+        return error_response(ApiError(500, "internal error in the gateway (see the service log)", "internal", "server_error"))
 
 
 def require_key(api_key: str):
@@ -644,10 +690,12 @@ def longest_token_bytes(tok: Tokenizer) -> int:
 
 async def create_app(settings: GatewaySettings, tokenizer: Tokenizer | None = None) -> web.Application:
     """The HTTP app; its background tasks start with it and stop at cleanup."""
-    gateway = Gateway(settings, use_chat_template(tokenizer or load_tokenizer(settings.model_path),
-                                                  settings.chat_template))
-    middlewares = ([errors_as_json] + ([loopback_only] if is_loopback(settings.host) else [])
-                   + ([require_key(settings.api_key)] if settings.api_key else []))
+    gateway = Gateway(settings, use_chat_template(tokenizer or load_tokenizer(settings.model_path), settings.chat_template))
+    middlewares = (
+        [errors_as_json]
+        + ([loopback_only] if is_loopback(settings.host) else [])
+        + ([require_key(settings.api_key)] if settings.api_key else [])
+    )
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)
     app.router.add_post("/v1/chat/completions", gateway.chat_completions)
     app.router.add_post("/v1/completions", gateway.completions)
@@ -671,13 +719,15 @@ async def serve(settings: GatewaySettings) -> None:
     app = await create_app(settings)
     # keepalive_timeout: aiohttp arms it after each answer (3.14: also when a connection opens) and closes
     # the connection if no whole request (headers) has come by then: the idle and slow-headers timeout.
-    runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S,
-                           keepalive_timeout=settings.idle_timeout_s, lingering_time=LINGER_S)
+    runner = web.AppRunner(
+        app, access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S, keepalive_timeout=settings.idle_timeout_s, lingering_time=LINGER_S
+    )
     await runner.setup()
     address_file = Path(settings.runtime_dir) / service.GATEWAY_FILE
     try:
-        site = app[GATEWAY].site = LimitedSite(runner, settings.host, settings.port, settings.max_connections,
-                                               settings.idle_timeout_s, app[GATEWAY].metrics)
+        site = app[GATEWAY].site = LimitedSite(
+            runner, settings.host, settings.port, settings.max_connections, settings.idle_timeout_s, app[GATEWAY].metrics
+        )
         try:
             await site.start()
         except OSError as exc:

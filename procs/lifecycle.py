@@ -1,4 +1,5 @@
 """What every child process does first, and how the parent watches children."""
+
 from __future__ import annotations
 
 import ctypes
@@ -40,8 +41,7 @@ LOG_LEVEL_ENV = "MOE_PIPE_LOG_LEVEL"
 def configure_logging(role: str) -> None:
     """Every line tagged with the process's name and pid; to stderr and, in a
     service, to its log file (lines are appended whole: O_APPEND)."""
-    fmt = logging.Formatter(f"%(asctime)s {process_name(role)}[%(process)d] %(levelname)s %(message)s",
-                            datefmt="%H:%M:%S")
+    fmt = logging.Formatter(f"%(asctime)s {process_name(role)}[%(process)d] %(levelname)s %(message)s", datefmt="%H:%M:%S")
     root = logging.getLogger()
     for h in list(root.handlers):
         root.removeHandler(h)

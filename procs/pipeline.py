@@ -13,28 +13,33 @@ segments and runtime dirs of a parent that died by kill -9 are reclaimed at
 the next start (their pid is dead). Children die with their parent
 (PR_SET_PDEATHSIG), so none outlives it.
 """
+
 from __future__ import annotations
 
 import logging
 import multiprocessing as mp
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
 
 import zmq
 
-from ..shared import ipc, messages as m, shm
-from ..shared.budget import RUN_ROLES, engine_bytes, resolve_budget
-from ..shared.cache import check_budget
-from ..shared.dense import arena_bytes
-from ..shared.directio import ExpertFiles, describe_os_error, model_identity
-from ..shared.errors import PipelineError, UserError
-from ..shared.model_file import open_model
-from ..shared.model.routes import RouteReplay
-from ..shared.residency import ResidencyIndex
-from ..shared.trace import read_trace
+from moe_pipe.shared.errors import PipelineError, UserError
+from moe_pipe.shared.experts import shm
+from moe_pipe.shared.experts.budget import RUN_ROLES, engine_bytes, resolve_budget
+from moe_pipe.shared.experts.cache import check_budget
+from moe_pipe.shared.experts.dense import arena_bytes
+from moe_pipe.shared.experts.directio import ExpertFiles, describe_os_error, model_identity
+from moe_pipe.shared.experts.residency import ResidencyIndex
+from moe_pipe.shared.gguf.model_file import open_model
+from moe_pipe.shared.gguf.spec import kv_cache_bytes
+from moe_pipe.shared.model.routes import RouteReplay
+from moe_pipe.shared.model.trace import read_trace
+from moe_pipe.shared.wire import ipc
+from moe_pipe.shared.wire import messages as m
+
 from . import compute, reader, telemetry
 from .lifecycle import describe_exit
 
@@ -57,10 +62,6 @@ class Resolved:
     model_identity: tuple[str, ...] = ()  # of every shard at start-up: children refuse any other file
 
 
-def kv_cache_bytes(spec, n_ctx: int) -> int:
-    return 4 * n_ctx * sum(hk * (dk + dv) for hk, dk, dv in zip(spec.n_head_kv, spec.head_dim_k, spec.head_dim_v))
-
-
 class Resources:
     """What outlives any child: the runtime dir, the slab arena (the expert
     cache), the residency index and the dense arena. Made by the parent of a
@@ -74,8 +75,7 @@ class Resources:
         self.resolved: Resolved | None = None
 
     @classmethod
-    def create(cls, cfg, model_path: Path, progress: Callable[[str], None] | None = None,
-               roles: tuple[str, ...] = RUN_ROLES) -> "Resources":
+    def create(cls, cfg, model_path: Path, progress: Callable[[str], None] | None = None, roles: tuple[str, ...] = RUN_ROLES) -> Resources:
         """`roles`: the children that will run beside the arenas (their memory is
         left out of an auto budget)."""
         res = cls()
@@ -105,9 +105,14 @@ class Resources:
             # an auto budget below one token's experts names the memory it found; a fixed one that
             # cannot fit beside the processes says so (check_budget names a fixed one below the floor).
             auto = cfg.cache.cache_mb == "auto"
-            budget = resolve_budget(cfg, dense_bytes=layout.dense_bytes, kv_bytes=kv_cache_bytes(spec, cfg.compute.ctx_size),
-                                    min_bytes=layout.min_cache_bytes(top_k) if auto else None,
-                                    engine_bytes=engine_bytes(roles, spec.n_vocab), check_memory=True)
+            budget = resolve_budget(
+                cfg,
+                dense_bytes=layout.dense_bytes,
+                kv_bytes=kv_cache_bytes(spec, cfg.compute.ctx_size),
+                min_bytes=layout.min_cache_bytes(top_k) if auto else None,
+                engine_bytes=engine_bytes(roles, spec.n_vocab),
+                check_memory=True,
+            )
             # More slabs than experts would never be used.
             n_slots = min(check_budget(budget.bytes, layout, top_k), spec.n_layer * spec.n_expert)
             slab_bytes = layout.slab_bytes
@@ -126,8 +131,7 @@ class Resources:
                 with ExpertFiles(mf.gguf.paths, identity=identity) as files:
                     _read_or_fail(lambda: files.read_dense(layout.dense, self.dense.buf), "reading the dense set")
                     direct = files.direct
-        self.resolved = Resolved(budget.bytes, budget.description, n_slots, slab_bytes, time.perf_counter() - t0, direct,
-                                 identity)
+        self.resolved = Resolved(budget.bytes, budget.description, n_slots, slab_bytes, time.perf_counter() - t0, direct, identity)
 
     def close(self) -> None:
         for arena in (self.slabs, self.dense, self.index):
@@ -154,27 +158,59 @@ def telemetry_args(cfg, res: Resources) -> telemetry.TelemetryConfig:
 
 def reader_args(cfg, res: Resources, model_path: Path) -> reader.ReaderConfig:
     r = res.resolved
-    return reader.ReaderConfig(str(model_path), str(res.rt.path), res.slabs.arena.name, r.slab_bytes, r.n_slots,
-                               cfg.io.io_threads, cfg.cache.policy, index_arena=res.index.name,
-                               warm_from=str(cfg.cache.warm_from or ""), model_identity=r.model_identity)
+    return reader.ReaderConfig(
+        str(model_path),
+        str(res.rt.path),
+        res.slabs.arena.name,
+        r.slab_bytes,
+        r.n_slots,
+        cfg.io.io_threads,
+        cfg.cache.policy,
+        index_arena=res.index.name,
+        warm_from=str(cfg.cache.warm_from or ""),
+        model_identity=r.model_identity,
+    )
 
 
 def compute_args(cfg, res: Resources, model_path: Path, reader_pid: int) -> compute.ComputeConfig:
     r, c = res.resolved, cfg.compute
     return compute.ComputeConfig(
-        str(model_path), str(res.rt.path), res.slabs.arena.name, r.slab_bytes, r.n_slots, reader_pid,
-        dense_weights=cfg.io.dense_weights, dense_arena=res.dense.name if res.dense else "", index_arena=res.index.name,
-        overlap=c.overlap, prefetch=c.prefetch == "next-layer", top_k=c.top_k, threads=c.threads, ctx_size=c.ctx_size,
-        drop_cold_experts=c.drop_cold_experts, cache_route=c.cache_route, route_trace=str(cfg.telemetry.route_trace or ""),
-        route_replay=str(c.route_replay or ""), model_identity=r.model_identity)
+        str(model_path),
+        str(res.rt.path),
+        res.slabs.arena.name,
+        r.slab_bytes,
+        r.n_slots,
+        reader_pid,
+        dense_weights=cfg.io.dense_weights,
+        dense_arena=res.dense.name if res.dense else "",
+        index_arena=res.index.name,
+        overlap=c.overlap,
+        prefetch=c.prefetch == "next-layer",
+        top_k=c.top_k,
+        threads=c.threads,
+        ctx_size=c.ctx_size,
+        drop_cold_experts=c.drop_cold_experts,
+        cache_route=c.cache_route,
+        route_trace=str(cfg.telemetry.route_trace or ""),
+        route_replay=str(c.route_replay or ""),
+        model_identity=r.model_identity,
+    )
 
 
 def run_info(cfg, res: Resources, model_path: Path, load_seconds: float) -> m.RunInfo:
     r = res.resolved
-    flat = {f"{table}.{k}": (v if isinstance(v, (int, float, str, bool)) or v is None else str(v))
-            for table, keys in cfg.to_dict().items() for k, v in keys.items()}
-    model = {"path": str(model_path), "slab_bytes": r.slab_bytes, "slots": r.n_slots, "direct_io": r.direct_io,
-             "budget": r.budget_description}
+    flat = {
+        f"{table}.{k}": (v if isinstance(v, (int, float, str, bool)) or v is None else str(v))
+        for table, keys in cfg.to_dict().items()
+        for k, v in keys.items()
+    }
+    model = {
+        "path": str(model_path),
+        "slab_bytes": r.slab_bytes,
+        "slots": r.n_slots,
+        "direct_io": r.direct_io,
+        "budget": r.budget_description,
+    }
     return m.RunInfo(f"{os.getpid()}-{int(time.time())}", time.time(), flat, model, r.n_slots * r.slab_bytes, load_seconds)
 
 
@@ -193,7 +229,7 @@ class Pipeline:
         return self.res.rt if self.res else None
 
     # -- start ---------------------------------------------------------------
-    def start(self) -> "Pipeline":
+    def start(self) -> Pipeline:
         try:
             self._start()
         except BaseException:
@@ -222,10 +258,11 @@ class Pipeline:
         # 16–19 tok/s. Throughput wins.
         cfg, res = self.cfg, self.res
         spawn = mp.get_context("spawn")
-        for name, target, args in (("telemetry", telemetry.main, lambda: telemetry_args(cfg, res)),
-                                   ("reader", reader.main, lambda: reader_args(cfg, res, self.model_path)),
-                                   ("compute", compute.main,
-                                    lambda: compute_args(cfg, res, self.model_path, self.procs["reader"].pid))):
+        for name, target, args in (
+            ("telemetry", telemetry.main, lambda: telemetry_args(cfg, res)),
+            ("reader", reader.main, lambda: reader_args(cfg, res, self.model_path)),
+            ("compute", compute.main, lambda: compute_args(cfg, res, self.model_path, self.procs["reader"].pid)),
+        ):
             self.procs[name] = spawn.Process(target=target, name=f"moe-pipe-{name}", daemon=True, args=(args(),))
             self.procs[name].start()
 
@@ -246,8 +283,15 @@ class Pipeline:
         raise PipelineError(f"compute did not start within {START_TIMEOUT_S:.0f} s")
 
     # -- generate ----------------------------------------------------------------
-    def generate(self, prompt_tokens: list[int], sampling: dict, max_tokens: int, stop: tuple[str, ...] = (),
-                 on_text: Callable[[str], None] | None = None, ignore_eos: bool = False) -> m.Done:
+    def generate(
+        self,
+        prompt_tokens: list[int],
+        sampling: dict,
+        max_tokens: int,
+        stop: tuple[str, ...] = (),
+        on_text: Callable[[str], None] | None = None,
+        ignore_eos: bool = False,
+    ) -> m.Done:
         self._req += 1
         ipc.send(self.socks["requests"], m.Generate(self._req, tuple(prompt_tokens), max_tokens, sampling, tuple(stop), ignore_eos))
         while True:
@@ -292,7 +336,7 @@ class Pipeline:
             self.res.close()
             self.res = None
 
-    def __enter__(self) -> "Pipeline":
+    def __enter__(self) -> Pipeline:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -36,6 +36,7 @@ Only the main thread touches sockets: lanes hand finished reads back through
 an inproc socket of their own. The slab placement of an expert's parts is a
 function of its extents, so Ready carries it for convenience only.
 """
+
 from __future__ import annotations
 
 import json
@@ -48,15 +49,17 @@ from dataclasses import dataclass
 
 import zmq
 
-from ..shared import ipc, messages as m
-from ..shared.cache import CacheFull, SlotTable
-from ..shared.policies import DEFAULT_POLICY
-from ..shared.directio import ExpertFiles, describe_os_error
-from ..shared.errors import UserError
-from ..shared.model_file import open_model
-from ..shared.readlanes import Priority, ReadLanes
-from ..shared.residency import ResidencyIndex
-from ..shared.shm import SlabArena
+from moe_pipe.shared.errors import UserError
+from moe_pipe.shared.experts.cache import CacheFull, SlotTable
+from moe_pipe.shared.experts.directio import ExpertFiles, describe_os_error
+from moe_pipe.shared.experts.policies import DEFAULT_POLICY
+from moe_pipe.shared.experts.readlanes import Priority, ReadLanes
+from moe_pipe.shared.experts.residency import ResidencyIndex
+from moe_pipe.shared.experts.shm import SlabArena
+from moe_pipe.shared.gguf.model_file import open_model
+from moe_pipe.shared.wire import ipc
+from moe_pipe.shared.wire import messages as m
+
 from .lifecycle import child_setup
 
 log = logging.getLogger("moe_pipe.reader")
@@ -262,8 +265,7 @@ class Reader:
             self.guess_io[0] += self.layout.expert_bytes(key[0])
             self.guess_io[1] += io_ns
         for i, w in enumerate(waiters):
-            self.send(m.Ready(w.req_id, key[0], key[1], slot, tuple(regions), False, io_ns if i == 0 else 0,
-                              *self.take_guess_io()))
+            self.send(m.Ready(w.req_id, key[0], key[1], slot, tuple(regions), False, io_ns if i == 0 else 0, *self.take_guess_io()))
 
     def forget(self, key) -> None:
         """A failed read: its slab's bytes are partial, so the key leaves the
@@ -306,7 +308,7 @@ class Reader:
 
     # -- sending --------------------------------------------------------------------
     def send_ready(self, req_id: int, key, slot: int, hit: bool, io_ns: int) -> None:
-        from ..shared.directio import placement_for
+        from moe_pipe.shared.experts.directio import placement_for
 
         regions = placement_for(self.layout.expert_extents(*key)).regions
         self.send(m.Ready(req_id, key[0], key[1], slot, regions, hit, io_ns, *self.take_guess_io()))
@@ -373,7 +375,7 @@ class IoStatus:
     fault: str | None = None
 
     @classmethod
-    def load(cls, runtime_dir: str) -> "IoStatus":
+    def load(cls, runtime_dir: str) -> IoStatus:
         data = read_io_status(runtime_dir)
         return cls(**{k: data[k] for k in ("io_errors", "last_io_error", "last_io_error_at", "fault") if k in data})
 
@@ -415,13 +417,15 @@ def hottest_experts(trace_path: str, spec, n: int) -> list[tuple[int, int]]:
     trace must be of this model's shape."""
     import numpy as np
 
-    from ..shared.trace import read_trace
+    from moe_pipe.shared.model.trace import read_trace
 
     trace = read_trace(trace_path)
     h = trace.header
     if (h.n_layer, h.n_expert) != (spec.n_layer, spec.n_expert):
-        raise UserError(f"{trace_path}: a trace of a {h.n_layer}-layer, {h.n_expert}-expert model cannot warm "
-                        f"this {spec.n_layer}-layer, {spec.n_expert}-expert one")
+        raise UserError(
+            f"{trace_path}: a trace of a {h.n_layer}-layer, {h.n_expert}-expert model cannot warm "
+            f"this {spec.n_layer}-layer, {spec.n_expert}-expert one"
+        )
     keys = trace.layer * spec.n_expert + trace.expert
     size = spec.n_layer * spec.n_expert
     decode = np.bincount(keys[trace.phase == 1], minlength=size)

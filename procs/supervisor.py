@@ -32,6 +32,7 @@ carries on. Children die with the supervisor (PR_SET_PDEATHSIG); a supervisor
 killed with -9 leaves its segments and runtime dir, which the next `up`
 reclaims (their owner pid is dead) — never a live service's.
 """
+
 from __future__ import annotations
 
 import enum
@@ -39,15 +40,19 @@ import logging
 import multiprocessing as mp
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import psutil
 import zmq
 
-from ..shared import ipc, messages as m, service
-from ..shared.errors import PipelineError
+from moe_pipe.shared.errors import PipelineError
+from moe_pipe.shared.serve import service
+from moe_pipe.shared.wire import ipc
+from moe_pipe.shared.wire import messages as m
+
 from . import compute, reader, telemetry
 from .lifecycle import LOG_FILE_ENV, configure_logging, describe_exit, error_file, run_child
 from .pipeline import Resources, compute_args, reader_args, run_info, telemetry_args
@@ -137,14 +142,14 @@ def backoff_delay(retries: int, base_s: float, cap_s: float) -> float:
 class Supervisor:
     ORDER = ("telemetry", "reader", "compute", "gateway")  # start order; stop is the reverse
 
-    def __init__(self, cfg, model_path: Path, *, config_source: str = "",
-                 progress: Callable[[str], None] | None = None):
+    def __init__(self, cfg, model_path: Path, *, config_source: str = "", progress: Callable[[str], None] | None = None):
         self.cfg, self.model_path = cfg, Path(model_path)
         self.config_source = config_source
         self.progress = progress or (lambda text: None)
         sup = cfg.supervisor
-        self.children = {name: Child(name, getattr(sup, f"{name}_restart"), needs=("reader",) if name == "compute" else ())
-                         for name in self.ORDER}
+        self.children = {
+            name: Child(name, getattr(sup, f"{name}_restart"), needs=("reader",) if name == "compute" else ()) for name in self.ORDER
+        }
         self.res: Resources | None = None
         self.ctx: zmq.Context | None = None
         self.control: zmq.Socket | None = None
@@ -160,7 +165,7 @@ class Supervisor:
         self._next_model_check = 0.0
 
     # -- start -----------------------------------------------------------------
-    def start(self) -> "Supervisor":
+    def start(self) -> Supervisor:
         try:
             t0 = time.perf_counter()
             self.res = Resources.create(self.cfg, self.model_path, progress=self.progress, roles=self.ORDER)
@@ -171,8 +176,9 @@ class Supervisor:
             self.control = ipc.bind(self.ctx, rt.endpoints, "control")
             self.telemetry_in = ipc.connect(self.ctx, rt.endpoints, "telemetry_in")
             self.telemetry_sub = ipc.connect(self.ctx, rt.endpoints, "telemetry_pub")
-            service.write_service_info(service.ServiceInfo(
-                os.getpid(), str(rt.path), self.config_source, str(self.model_path), self.model_name, self.started_wall))
+            service.write_service_info(
+                service.ServiceInfo(os.getpid(), str(rt.path), self.config_source, str(self.model_path), self.model_name, self.started_wall)
+            )
             for name in self.ORDER:
                 self._spawn(self.children[name])
             self.load_seconds = time.perf_counter() - t0
@@ -197,10 +203,20 @@ class Supervisor:
 
         g, gen = cfg.gateway, cfg.generate
         return gateway.main, gateway.GatewaySettings(
-            runtime_dir=str(res.rt.path), model_path=str(self.model_path), model_name=self.model_name, host=g.host,
-            port=g.port, api_key=g.api_key, queue_size=g.queue_size, ctx_size=cfg.compute.ctx_size,
-            max_tokens=gen.max_tokens, temperature=gen.temperature, seed=gen.seed, no_think=gen.no_think,
-            chat_template=gen.chat_template)
+            runtime_dir=str(res.rt.path),
+            model_path=str(self.model_path),
+            model_name=self.model_name,
+            host=g.host,
+            port=g.port,
+            api_key=g.api_key,
+            queue_size=g.queue_size,
+            ctx_size=cfg.compute.ctx_size,
+            max_tokens=gen.max_tokens,
+            temperature=gen.temperature,
+            seed=gen.seed,
+            no_think=gen.no_think,
+            chat_template=gen.chat_template,
+        )
 
     def _spawn(self, child: Child) -> None:
         if any(self.children[n].state not in LIVE for n in child.needs):
@@ -211,8 +227,9 @@ class Supervisor:
             return
         main, args = self._target(child.name)
         error_file(self.res.rt.path, child.name).unlink(missing_ok=True)
-        child.process = self._spawn_ctx.Process(target=run_child, name=f"moe-pipe-{child.name}", daemon=True,
-                                                args=(child.name, str(self.res.rt.path), main, args))
+        child.process = self._spawn_ctx.Process(
+            target=run_child, name=f"moe-pipe-{child.name}", daemon=True, args=(child.name, str(self.res.rt.path), main, args)
+        )
         if child.state != State.STOPPED:
             child.restarts += 1
         child.change(State.STARTING, f"restart {child.restarts}" if child.restarts else "")
@@ -235,8 +252,9 @@ class Supervisor:
                     on_listening(addr.url)
                     on_listening = None
                 if all(c.state == State.FATAL for c in self.children.values()):
-                    raise PipelineError("every process of the service failed to start; see `moe-pipe status` "
-                                        f"or {self.res.rt.path / service.LOG_FILE}")
+                    raise PipelineError(
+                        f"every process of the service failed to start; see `moe-pipe status` or {self.res.rt.path / service.LOG_FILE}"
+                    )
         finally:
             self.close()
 
@@ -363,9 +381,18 @@ class Supervisor:
         for name in self.ORDER:
             c = self.children[name]
             pid = c.pid
-            rows.append({"name": name, "state": str(c.state), "pid": pid,
-                         "uptime_s": round(now - c.started_at, 1) if pid else None, "restarts": c.restarts,
-                         "last_exit": c.last_exit, "last_error": c.last_error, "rss_bytes": _rss(pid)})
+            rows.append(
+                {
+                    "name": name,
+                    "state": str(c.state),
+                    "pid": pid,
+                    "uptime_s": round(now - c.started_at, 1) if pid else None,
+                    "restarts": c.restarts,
+                    "last_exit": c.last_exit,
+                    "last_error": c.last_error,
+                    "rss_bytes": _rss(pid),
+                }
+            )
         return rows
 
     def status(self) -> dict[str, Any]:
@@ -377,12 +404,23 @@ class Supervisor:
         addr = service.read_gateway_address(self.res.rt.path)
         rec = self.last_record
         return {
-            "pid": os.getpid(), "uptime_s": round(time.time() - self.started_wall, 1), "model": str(self.model_path),
-            "model_name": self.model_name, "config": self.config_source, "runtime_dir": str(self.res.rt.path),
-            "url": addr.url if addr else None, "budget_bytes": r.n_slots * r.slab_bytes, "budget": r.budget_description,
-            "slots": r.n_slots, "slab_bytes": r.slab_bytes, "load_seconds": round(self.load_seconds, 3),
-            "tokens": self.tokens_seen, "hit_pct": round(rec.cache_hit_pct, 2) if rec else None,
-            "rss_bytes": _rss(os.getpid()), "processes": procs, "io": io,
+            "pid": os.getpid(),
+            "uptime_s": round(time.time() - self.started_wall, 1),
+            "model": str(self.model_path),
+            "model_name": self.model_name,
+            "config": self.config_source,
+            "runtime_dir": str(self.res.rt.path),
+            "url": addr.url if addr else None,
+            "budget_bytes": r.n_slots * r.slab_bytes,
+            "budget": r.budget_description,
+            "slots": r.n_slots,
+            "slab_bytes": r.slab_bytes,
+            "load_seconds": round(self.load_seconds, 3),
+            "tokens": self.tokens_seen,
+            "hit_pct": round(rec.cache_hit_pct, 2) if rec else None,
+            "rss_bytes": _rss(os.getpid()),
+            "processes": procs,
+            "io": io,
         }
 
     # -- stop ----------------------------------------------------------------------------

@@ -4,15 +4,17 @@ JSONL, republishes every record for tails, and writes the run summary.
 It never slows compute: compute sends without blocking and drops when this
 process falls behind (the drop count is in compute's own accounting).
 """
+
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from moe_pipe.shared.telemetry import CsvWriter, JsonlWriter, Tally, format_summary
+from moe_pipe.shared.wire import ipc
+from moe_pipe.shared.wire import messages as m
 
-from ..shared import ipc, messages as m
-from ..shared.telemetry import CsvWriter, JsonlWriter, Tally, format_summary
 from .lifecycle import child_setup
 
 log = logging.getLogger("moe_pipe.telemetry")

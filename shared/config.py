@@ -16,6 +16,7 @@ resolved budget, the model's own top_k) travel back in messages and records.
 Paths in a file are resolved against that file's folder; paths typed on the
 command line against the current directory.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,12 +24,13 @@ import difflib
 import math
 import re
 import tomllib
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
-from .errors import ConfigError
-from .policies import DEFAULT_POLICY, LIVE_POLICIES  # one place for the policy names and the default
+from moe_pipe.shared.errors import ConfigError
+from moe_pipe.shared.experts.policies import DEFAULT_POLICY, LIVE_POLICIES  # one place for the policy names and the default
 
 EMBEDDED_MODEL = "tiny"  # model.path value meaning the embedded tiny model (shared/default_model.py)
 MAX_MB = float(1 << 24)  # 16 TiB in MiB: a sanity bound far above any device, so typos like 4e9 are caught
@@ -62,14 +64,19 @@ def setting(default: Any, kind: str, doc: str, **kw: Any) -> Any:
 
 # ---------------------------------------------------------------- the schema
 
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The model file."""
 
-    path: str = setting(EMBEDDED_MODEL, "path",
-                        'GGUF model file (any shard of a split set); "tiny" is the embedded tiny model, made on first '
-                        'use; "" means not set yet (the real-model presets), an error when the model is needed',
-                        allow_empty=True, words=(EMBEDDED_MODEL,))
+    path: str = setting(
+        EMBEDDED_MODEL,
+        "path",
+        'GGUF model file (any shard of a split set); "tiny" is the embedded tiny model, made on first '
+        'use; "" means not set yet (the real-model presets), an error when the model is needed',
+        allow_empty=True,
+        words=(EMBEDDED_MODEL,),
+    )
     name: str = setting("", "str", "what model this preset is for; shown in errors and telemetry", allow_empty=True)
 
 
@@ -77,60 +84,117 @@ class ModelConfig:
 class CacheConfig:
     """The expert cache: its budget and eviction policy."""
 
-    cache_mb: float | str = setting("auto", "mb",
-                                    'expert cache budget in MiB (fractions allowed); "auto" = memory available to '
-                                    'this process tree (cgroup-aware) minus dense set, KV cache and reserve',
-                                    lo=0, hi=MAX_MB, lo_open=True, flags=("--cache-mb",))
-    cache_ceil_mb: float = setting(4000.0, "float", "upper clamp on the budget in MiB, for auto and fixed budgets",
-                                   lo=0, hi=MAX_MB, lo_open=True, flags=("--cache-ceil-mb",))
-    reserve_mb: float = setting(512.0, "float",
-                                "the least memory auto leaves free for the processes themselves and the system; "
-                                "auto leaves the engine's own estimate (its processes' measured footprint, "
-                                "shared/budget.py) when that is larger", lo=0, hi=MAX_MB, flags=("--reserve-mb",))
-    policy: str = setting(DEFAULT_POLICY, "choice", "expert eviction policy (docs/cache-policies.md; belady is "
-                          "simulator-only: moe-pipe replay)",
-                          choices=LIVE_POLICIES, flags=("--policy",))
-    warm_from: str | None = setting(None, "path", "a route trace of an earlier run: the service starts by reading its "
-                                    "most used experts into the cache (as many as fit)", unset="start cold",
-                                    flags=("--warm-from",))
+    cache_mb: float | str = setting(
+        "auto",
+        "mb",
+        'expert cache budget in MiB (fractions allowed); "auto" = memory available to '
+        "this process tree (cgroup-aware) minus dense set, KV cache and reserve",
+        lo=0,
+        hi=MAX_MB,
+        lo_open=True,
+        flags=("--cache-mb",),
+    )
+    cache_ceil_mb: float = setting(
+        4000.0,
+        "float",
+        "upper clamp on the budget in MiB, for auto and fixed budgets",
+        lo=0,
+        hi=MAX_MB,
+        lo_open=True,
+        flags=("--cache-ceil-mb",),
+    )
+    reserve_mb: float = setting(
+        512.0,
+        "float",
+        "the least memory auto leaves free for the processes themselves and the system; "
+        "auto leaves the engine's own estimate (its processes' measured footprint, "
+        "shared/budget.py) when that is larger",
+        lo=0,
+        hi=MAX_MB,
+        flags=("--reserve-mb",),
+    )
+    policy: str = setting(
+        DEFAULT_POLICY,
+        "choice",
+        "expert eviction policy (docs/cache-policies.md; belady is simulator-only: moe-pipe replay)",
+        choices=LIVE_POLICIES,
+        flags=("--policy",),
+    )
+    warm_from: str | None = setting(
+        None,
+        "path",
+        "a route trace of an earlier run: the service starts by reading its most used experts into the cache (as many as fit)",
+        unset="start cold",
+        flags=("--warm-from",),
+    )
 
 
 @dataclass(frozen=True)
 class IOConfig:
     """Flash reads: expert lanes and how the dense set is loaded."""
 
-    io_threads: int = setting(4, "int", "parallel O_DIRECT read lanes for expert misses", lo=1, hi=64,
-                              flags=("--io-threads",))
-    dense_weights: str = setting("anon", "choice",
-                                 "how the non-expert weights are held: anon = O_DIRECT read into shared memory "
-                                 "(never re-faulted); warm = one buffered sweep, then the file mapping; mmap = lazy "
-                                 "file mapping", choices=("anon", "warm", "mmap"), flags=("--dense-weights",))
+    io_threads: int = setting(4, "int", "parallel O_DIRECT read lanes for expert misses", lo=1, hi=64, flags=("--io-threads",))
+    dense_weights: str = setting(
+        "anon",
+        "choice",
+        "how the non-expert weights are held: anon = O_DIRECT read into shared memory "
+        "(never re-faulted); warm = one buffered sweep, then the file mapping; mmap = lazy "
+        "file mapping",
+        choices=("anon", "warm", "mmap"),
+        flags=("--dense-weights",),
+    )
 
 
 @dataclass(frozen=True)
 class ComputeConfig:
     """The forward pass."""
 
-    threads: int | None = setting(None, "int", "compute threads", lo=1, hi=256, unset="all cores",
-                                  flags=("-t", "--threads"))
-    overlap: bool = setting(True, "bool", "compute cache hits while misses are read; false waits for the whole set",
-                            flags=("--overlap",))
-    prefetch: str = setting("none", "choice", "next-layer: guess the next layer's experts with its router on this layer's hidden state and read the confident ones (p >= 0.05) not cached, after this layer's misses; off by default: a wrong guess costs a read and a cached expert (docs/benchmarks.md)",
-                            choices=("none", "next-layer"), flags=("--prefetch",))
-    top_k: int | None = setting(None, "int", "experts per token; fewer than trained is faster and changes outputs",
-                                lo=1, hi=256, unset="the model's own", flags=("--top-k",))
-    ctx_size: int = setting(4096, "int", "context length in tokens (sizes the KV cache)", lo=16, hi=1 << 20,
-                            flags=("-c", "--ctx-size"))
-    route_replay: str | None = setting(None, "path", "BENCHMARKS ONLY, the tokens are not the model's: route every "
-                                       "token by a recorded route trace's choices (layer by layer, cycled) so a "
-                                       "synthetic model reads like the real one", unset="the model's own router",
-                                       flags=("--route-replay",))
-    drop_cold_experts: float = setting(0.0, "float", "LOSSY, changes outputs: while decoding, skip a routed expert that "
-                                       "is a cache miss with weight below this fraction of an even share; 0 = off",
-                                       lo=0, hi=1, flags=("--drop-cold-experts",))
-    cache_route: float = setting(0.0, "float", "LOSSY, changes outputs: while decoding, swap a missing routed expert "
-                                 "for a cached one whose router probability is within this fraction of it; 0 = off",
-                                 lo=0, hi=1, flags=("--cache-route",))
+    threads: int | None = setting(None, "int", "compute threads", lo=1, hi=256, unset="all cores", flags=("-t", "--threads"))
+    overlap: bool = setting(True, "bool", "compute cache hits while misses are read; false waits for the whole set", flags=("--overlap",))
+    prefetch: str = setting(
+        "none",
+        "choice",
+        "next-layer: guess the next layer's experts with its router on this layer's hidden state and read the confident ones (p >= 0.05) not cached, after this layer's misses; off by default: a wrong guess costs a read and a cached expert (docs/benchmarks.md)",
+        choices=("none", "next-layer"),
+        flags=("--prefetch",),
+    )
+    top_k: int | None = setting(
+        None,
+        "int",
+        "experts per token; fewer than trained is faster and changes outputs",
+        lo=1,
+        hi=256,
+        unset="the model's own",
+        flags=("--top-k",),
+    )
+    ctx_size: int = setting(4096, "int", "context length in tokens (sizes the KV cache)", lo=16, hi=1 << 20, flags=("-c", "--ctx-size"))
+    route_replay: str | None = setting(
+        None,
+        "path",
+        "BENCHMARKS ONLY, the tokens are not the model's: route every "
+        "token by a recorded route trace's choices (layer by layer, cycled) so a "
+        "synthetic model reads like the real one",
+        unset="the model's own router",
+        flags=("--route-replay",),
+    )
+    drop_cold_experts: float = setting(
+        0.0,
+        "float",
+        "LOSSY, changes outputs: while decoding, skip a routed expert that "
+        "is a cache miss with weight below this fraction of an even share; 0 = off",
+        lo=0,
+        hi=1,
+        flags=("--drop-cold-experts",),
+    )
+    cache_route: float = setting(
+        0.0,
+        "float",
+        "LOSSY, changes outputs: while decoding, swap a missing routed expert "
+        "for a cached one whose router probability is within this fraction of it; 0 = off",
+        lo=0,
+        hi=1,
+        flags=("--cache-route",),
+    )
 
 
 @dataclass(frozen=True)
@@ -138,17 +202,21 @@ class GenerateConfig:
     """Sampling defaults (a request may override them)."""
 
     max_tokens: int = setting(64, "int", "tokens to generate at most", lo=1, hi=1 << 20, flags=("-n", "--max-tokens"))
-    temperature: float = setting(0.0, "float", "sampling temperature; 0 = greedy", lo=0, hi=10,
-                                 flags=("--temp", "--temperature"))
-    seed: int | None = setting(None, "int", "random seed for sampling", lo=0, hi=2**64 - 1, unset="random",
-                               flags=("--seed",))
-    no_think: bool = setting(False, "bool", "ask the model not to think (Qwen3 enable_thinking=false, gpt-oss "
-                                            "reasoning low)", flags=("--no-think",))
-    chat_template: str = setting("model", "path", 'how chat turns become the prompt: "model" = the GGUF\'s own '
-                                 'tokenizer.chat_template (untrusted: run in a sandbox with time, size and memory '
-                                 'limits); "plain" = one "role: content" line per turn, for a model whose template is '
-                                 'missing or refused; or a Jinja template file of your own (sandboxed too)',
-                                 words=CHAT_TEMPLATE_WORDS, flags=("--chat-template",))
+    temperature: float = setting(0.0, "float", "sampling temperature; 0 = greedy", lo=0, hi=10, flags=("--temp", "--temperature"))
+    seed: int | None = setting(None, "int", "random seed for sampling", lo=0, hi=2**64 - 1, unset="random", flags=("--seed",))
+    no_think: bool = setting(
+        False, "bool", "ask the model not to think (Qwen3 enable_thinking=false, gpt-oss reasoning low)", flags=("--no-think",)
+    )
+    chat_template: str = setting(
+        "model",
+        "path",
+        'how chat turns become the prompt: "model" = the GGUF\'s own '
+        "tokenizer.chat_template (untrusted: run in a sandbox with time, size and memory "
+        'limits); "plain" = one "role: content" line per turn, for a model whose template is '
+        "missing or refused; or a Jinja template file of your own (sandboxed too)",
+        words=CHAT_TEMPLATE_WORDS,
+        flags=("--chat-template",),
+    )
 
 
 @dataclass(frozen=True)
@@ -156,45 +224,59 @@ class TelemetryConfig:
     """Per-token records."""
 
     csv: str | None = setting(None, "path", "per-token CSV to write", unset="no CSV", flags=("--csv",))
-    route_trace: str | None = setting(None, "path", "record every routing decision to this route trace "
-                                      "(docs/cache-policies.md; appended to if it exists)", unset="no trace",
-                                      flags=("--route-trace",))
+    route_trace: str | None = setting(
+        None,
+        "path",
+        "record every routing decision to this route trace (docs/cache-policies.md; appended to if it exists)",
+        unset="no trace",
+        flags=("--route-trace",),
+    )
 
 
 @dataclass(frozen=True)
 class SupervisorConfig:
     """Restarts, supervisord-style: per-process policy, start_secs, start_retries, exponential backoff."""
 
-    start_secs: float = setting(1.0, "float", "seconds a child must stay up to count as started (RUNNING)",
-                                lo=0, hi=3600)
+    start_secs: float = setting(1.0, "float", "seconds a child must stay up to count as started (RUNNING)", lo=0, hi=3600)
     start_retries: int = setting(3, "int", "failed starts in a row before a child is FATAL", lo=0, hi=1000)
-    backoff_s: float = setting(1.0, "float", "delay before the first restart; doubles on each retry",
-                               lo=0, hi=3600, lo_open=True)
+    backoff_s: float = setting(1.0, "float", "delay before the first restart; doubles on each retry", lo=0, hi=3600, lo_open=True)
     backoff_cap_s: float = setting(30.0, "float", "longest delay between restarts", lo=0, hi=86400, lo_open=True)
-    stop_wait_s: float = setting(5.0, "float", "seconds between SIGTERM and SIGKILL when stopping a child",
-                                 lo=0, hi=3600)
-    reader_restart: str = setting("always", "choice", "when to restart the expert reader: always; on-failure = after a nonzero exit or a signal only; never",
-                                  choices=RESTART_POLICIES)
-    compute_restart: str = setting("always", "choice", "when to restart the compute worker (as reader_restart)",
-                                   choices=RESTART_POLICIES)
-    telemetry_restart: str = setting("always", "choice", "when to restart the telemetry recorder (as reader_restart)",
-                                     choices=RESTART_POLICIES)
-    gateway_restart: str = setting("always", "choice", "when to restart the HTTP gateway (as reader_restart)",
-                                   choices=RESTART_POLICIES)
+    stop_wait_s: float = setting(5.0, "float", "seconds between SIGTERM and SIGKILL when stopping a child", lo=0, hi=3600)
+    reader_restart: str = setting(
+        "always",
+        "choice",
+        "when to restart the expert reader: always; on-failure = after a nonzero exit or a signal only; never",
+        choices=RESTART_POLICIES,
+    )
+    compute_restart: str = setting("always", "choice", "when to restart the compute worker (as reader_restart)", choices=RESTART_POLICIES)
+    telemetry_restart: str = setting(
+        "always", "choice", "when to restart the telemetry recorder (as reader_restart)", choices=RESTART_POLICIES
+    )
+    gateway_restart: str = setting("always", "choice", "when to restart the HTTP gateway (as reader_restart)", choices=RESTART_POLICIES)
 
 
 @dataclass(frozen=True)
 class GatewayConfig:
     """The OpenAI-compatible HTTP API of `moe-pipe up`."""
 
-    host: str = setting("127.0.0.1", "str", "address the HTTP API binds; anything but loopback exposes it",
-                        pattern=r"[A-Za-z0-9._:%-]+", pattern_text="an IP address or host name", flags=("--host",))
+    host: str = setting(
+        "127.0.0.1",
+        "str",
+        "address the HTTP API binds; anything but loopback exposes it",
+        pattern=r"[A-Za-z0-9._:%-]+",
+        pattern_text="an IP address or host name",
+        flags=("--host",),
+    )
     port: int = setting(8080, "int", "HTTP port; 0 = any free port", lo=0, hi=65535, flags=("--port",))
-    api_key: str | None = setting(None, "str", "if set, requests need `Authorization: Bearer KEY`", unset="no key",
-                                  pattern=r"[!-~]+", pattern_text="visible ASCII characters, no spaces (it travels in an "
-                                  "HTTP header)")
-    queue_size: int = setting(16, "int", "requests waiting for the compute worker before new ones get 429",
-                              lo=1, hi=10000)
+    api_key: str | None = setting(
+        None,
+        "str",
+        "if set, requests need `Authorization: Bearer KEY`",
+        unset="no key",
+        pattern=r"[!-~]+",
+        pattern_text="visible ASCII characters, no spaces (it travels in an HTTP header)",
+    )
+    queue_size: int = setting(16, "int", "requests waiting for the compute worker before new ones get 429", lo=1, hi=10000)
 
 
 @dataclass(frozen=True)
@@ -217,14 +299,15 @@ class Config:
         """The model's path, making the embedded tiny model first if it is asked for and absent."""
         check_model(self)
         if self.model.path == EMBEDDED_MODEL:
-            from .default_model import default_model_path
+            from moe_pipe.shared.makemodel.default_model import default_model_path
 
             return default_model_path()
         return Path(self.model.path)
 
 
-TABLES: dict[str, type] = {f.name: f.type if isinstance(f.type, type) else globals()[f.type]
-                           for f in dataclasses.fields(Config) if f.name != "source"}
+TABLES: dict[str, type] = {
+    f.name: f.type if isinstance(f.type, type) else globals()[f.type] for f in dataclasses.fields(Config) if f.name != "source"
+}
 
 
 @dataclass(frozen=True)
@@ -244,8 +327,15 @@ class Key:
         return self.name
 
     def type_text(self) -> str:
-        return {"int": "integer", "float": "number", "bool": "boolean", "str": "string", "path": "path",
-                "choice": "string", "mb": '"auto" or number'}[self.spec.kind]
+        return {
+            "int": "integer",
+            "float": "number",
+            "bool": "boolean",
+            "str": "string",
+            "path": "path",
+            "choice": "string",
+            "mb": '"auto" or number',
+        }[self.spec.kind]
 
     def allowed_text(self) -> str:
         s = self.spec
@@ -270,8 +360,9 @@ class Key:
         return text.strip()
 
 
-SCHEMA: tuple[Key, ...] = tuple(Key(table, f.name, f.default, f.metadata["spec"])
-                                for table, cls in TABLES.items() for f in dataclasses.fields(cls))
+SCHEMA: tuple[Key, ...] = tuple(
+    Key(table, f.name, f.default, f.metadata["spec"]) for table, cls in TABLES.items() for f in dataclasses.fields(cls)
+)
 KEYS: dict[str, Key] = {k.dotted: k for k in SCHEMA}
 
 
@@ -297,6 +388,7 @@ def toml_repr(value: Any) -> str:
 
 
 # ---------------------------------------------------------------- validation
+
 
 class _Invalid(Exception):
     """A value a key does not accept; `problem` says how (wrong type, out of range, not allowed)."""
@@ -376,8 +468,7 @@ def _unknown_table(where: str, name: str, value: Any) -> ConfigError:
         homes = [k.dotted for k in SCHEMA if k.name == name]
         if homes:
             return ConfigError(f"{where}: key {name} must be inside a table: write it under [{homes[0].split('.')[0]}]")
-        return ConfigError(f"{where}: unknown top-level key {name}{_suggest(name, TABLES)}; "
-                           f"tables: {', '.join(f'[{t}]' for t in TABLES)}")
+        return ConfigError(f"{where}: unknown top-level key {name}{_suggest(name, TABLES)}; tables: {', '.join(f'[{t}]' for t in TABLES)}")
     return ConfigError(f"{where}: unknown table [{name}]{_suggest(name, TABLES)}; tables: {', '.join(f'[{t}]' for t in TABLES)}")
 
 
@@ -437,8 +528,10 @@ def _build(tables: Mapping[str, Mapping[str, Any]], base: Config, path_base: Pat
 def _cross_check(cfg: Config, where: str) -> None:
     sup = cfg.supervisor
     if sup.backoff_cap_s < sup.backoff_s:
-        raise ConfigError(f"{where}: supervisor.backoff_cap_s = {_num(sup.backoff_cap_s)} is below supervisor.backoff_s = "
-                          f"{_num(sup.backoff_s)}; allowed: backoff_cap_s >= backoff_s")
+        raise ConfigError(
+            f"{where}: supervisor.backoff_cap_s = {_num(sup.backoff_cap_s)} is below supervisor.backoff_s = "
+            f"{_num(sup.backoff_s)}; allowed: backoff_cap_s >= backoff_s"
+        )
 
 
 def check_model(cfg: Config) -> None:
@@ -448,20 +541,24 @@ def check_model(cfg: Config) -> None:
     if path == EMBEDDED_MODEL:
         return
     what = f"a {cfg.model.name} GGUF" if cfg.model.name else "a GGUF model"
-    how = (f"download {what} and set path under [model] or pass --set model.path=FILE; or make a test model with "
-           "`moe-pipe make-model --arch qwen3moe --preset tiny -o model.gguf`, convert a checkpoint with "
-           "`moe-pipe convert HF_DIR -o model.gguf`, or use path = \"tiny\" (the embedded tiny model)")
+    how = (
+        f"download {what} and set path under [model] or pass --set model.path=FILE; or make a test model with "
+        "`moe-pipe make-model --arch qwen3moe --preset tiny -o model.gguf`, convert a checkpoint with "
+        '`moe-pipe convert HF_DIR -o model.gguf`, or use path = "tiny" (the embedded tiny model)'
+    )
     if not path:
         raise ConfigError(f"{where}: model.path is not set: {how}")
     p = Path(path)
     if p.is_dir():
-        raise ConfigError(f"{where}: model.path = {toml_repr(path)} is a folder; point it at the .gguf file "
-                          "(the first shard of a split set)")
+        raise ConfigError(
+            f"{where}: model.path = {toml_repr(path)} is a folder; point it at the .gguf file (the first shard of a split set)"
+        )
     if not p.exists():
         raise ConfigError(f"{where}: model.path = {toml_repr(path)}: no such file; {how}")
 
 
 # ---------------------------------------------------------------- loading
+
 
 def parse_toml(path: Path) -> tuple[dict[str, Any], str]:
     try:
@@ -478,13 +575,12 @@ def parse_toml(path: Path) -> tuple[dict[str, Any], str]:
         msg = str(exc)
         m = re.search(r"\(at line (\d+), column (\d+)\)", msg)
         if m:
-            msg = msg[:m.start()].strip()
+            msg = msg[: m.start()].strip()
             raise ConfigError(f"{path}:{m.group(1)}: invalid TOML at column {m.group(2)}: {msg}") from None
         raise ConfigError(f"{path}: invalid TOML: {msg}") from None
 
 
-def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | None = None, *,
-                check_model_path: bool = True) -> Config:
+def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | None = None, *, check_model_path: bool = True) -> Config:
     """The config in `path` (None: every default) with `overrides` ({"cache.cache_mb": 0.5, ...}) applied.
 
     With check_model_path, a model.path that names no file is an error here, before anything starts.
@@ -510,12 +606,13 @@ def _check_chat_template(cfg: Config) -> None:
     if value in CHAT_TEMPLATE_WORDS or p.is_file():
         return
     problem = "is a folder" if p.is_dir() else "not a file" if p.exists() else "no such file"
-    raise ConfigError(f"{cfg.source or 'command line'}: generate.chat_template = {toml_repr(value)}: {problem}; "
-                      f"allowed: {KEYS['generate.chat_template'].allowed_text()}")
+    raise ConfigError(
+        f"{cfg.source or 'command line'}: generate.chat_template = {toml_repr(value)}: {problem}; "
+        f"allowed: {KEYS['generate.chat_template'].allowed_text()}"
+    )
 
 
-def apply_overrides(cfg: Config, overrides: Mapping[str, Any], *, where: str = "command line",
-                    base: Path | None = None) -> Config:
+def apply_overrides(cfg: Config, overrides: Mapping[str, Any], *, where: str = "command line", base: Path | None = None) -> Config:
     """A new Config with dotted keys replaced; paths resolve against `base` (default: the current folder)."""
     tables: dict[str, dict[str, Any]] = {}
     for dotted, value in overrides.items():
@@ -557,20 +654,27 @@ def add_override_arguments(parser: Any, tables: Iterable[str] | None = None) -> 
         help_text = f"{key.dotted}: {key.spec.doc}"
         if key.spec.kind == "bool":
             if key.name == "no_think":
-                group.add_argument("--no-think", dest=key.dest, action="store_const", const=True, default=None,
-                                   help=help_text)
-                group.add_argument("--think", dest=key.dest, action="store_const", const=False, default=None,
-                                   help="undo no_think from the config")
+                group.add_argument("--no-think", dest=key.dest, action="store_const", const=True, default=None, help=help_text)
+                group.add_argument(
+                    "--think", dest=key.dest, action="store_const", const=False, default=None, help="undo no_think from the config"
+                )
             else:
                 flag = key.spec.flags[0]
                 group.add_argument(flag, dest=key.dest, action="store_const", const=True, default=None, help=help_text)
-                group.add_argument("--no-" + flag[2:], dest=key.dest, action="store_const", const=False, default=None,
-                                   help=f"turn {key.dotted} off")
+                group.add_argument(
+                    "--no-" + flag[2:], dest=key.dest, action="store_const", const=False, default=None, help=f"turn {key.dotted} off"
+                )
             continue
         metavar = "|".join(key.spec.choices) if key.spec.kind == "choice" else key.name.upper()
         group.add_argument(*key.spec.flags, dest=key.dest, default=None, metavar=metavar, help=help_text)
-    group.add_argument("--set", dest=SET_DEST, action="append", default=[], metavar="TABLE.KEY=VALUE",
-                       help="set any config key, e.g. --set supervisor.start_secs=2 (VALUE in TOML syntax; bare text is a string)")
+    group.add_argument(
+        "--set",
+        dest=SET_DEST,
+        action="append",
+        default=[],
+        metavar="TABLE.KEY=VALUE",
+        help="set any config key, e.g. --set supervisor.start_secs=2 (VALUE in TOML syntax; bare text is a string)",
+    )
 
 
 def _parse_text(key: Key, text: str, flag: str) -> Any:
@@ -641,8 +745,15 @@ def reference_markdown() -> str:
     """The key reference for docs/configuration.md, one table per TOML table."""
     lines = [DOCS_BEGIN]
     for table, cls in TABLES.items():
-        lines += ["", f"### [{table}]", "", (cls.__doc__ or "").strip(), "",
-                  "| key | type | default | allowed | flag | meaning |", "|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            f"### [{table}]",
+            "",
+            (cls.__doc__ or "").strip(),
+            "",
+            "| key | type | default | allowed | flag | meaning |",
+            "|---|---|---|---|---|---|",
+        ]
         for key in (k for k in SCHEMA if k.table == table):
             flags = ", ".join(f"`{f}`" for f in key.spec.flags) or f"`--set {key.dotted}=`"
             if key.name == "no_think":

@@ -5,6 +5,7 @@ says what is wrong, where (file, key, tensor) and, where it helps, what to do.
 The CLI prints it without a traceback and exits with `exit_code` (2 for bad
 input). Anything else that escapes is a bug and keeps its traceback.
 """
+
 from __future__ import annotations
 
 

@@ -13,25 +13,27 @@ The JSONL holds the same records as objects, one per line, with a "kind"
 ("run_info", "token", "summary"), so one file has the whole run. Meanings and
 units of every column: docs/telemetry.md (a test keeps it in step).
 """
+
 from __future__ import annotations
 
 import math
-from array import array
 import os
 import resource
+from array import array
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Iterable, Sequence
+from typing import IO
 
 import orjson
 import psutil
 
-from .messages import RunInfo, RunSummary, TokenRecord, as_dict, field_names
+from moe_pipe.shared.wire.messages import RunInfo, RunSummary, TokenRecord, as_dict, field_names
 
 # DESIGN.md's schema, in its order. Never reorder; add new columns as extras.
 CSV_COLUMNS = ("step", "wall_ms", "compute_ms", "io_ms", "read_bytes", "cache_hit_pct", "stall_ms", "mgmt_ms", "majflt", "cpu_ms")
 # The extras are the TokenRecord fields after the schema: declared there, once.
-EXTRA_COLUMNS = field_names(TokenRecord)[len(CSV_COLUMNS):]
+EXTRA_COLUMNS = field_names(TokenRecord)[len(CSV_COLUMNS) :]
 ALL_COLUMNS = CSV_COLUMNS + EXTRA_COLUMNS
 # The wire record and the CSV cannot drift apart: fail at import if they do.
 assert field_names(TokenRecord)[: len(CSV_COLUMNS)] == CSV_COLUMNS, "TokenRecord must start with CSV_COLUMNS, in order"
@@ -45,6 +47,7 @@ WARMUP_FRACTION = 0.10
 
 
 # ------------------------------------------------------------------ preamble
+
 
 def _one_line(value: object) -> str:
     # A value with a newline would end the comment line and corrupt the CSV.
@@ -120,9 +123,7 @@ def read_csv(path: str | os.PathLike) -> tuple[dict[str, str], list[TokenRecord]
                 header = line.split(",")
             elif line:
                 row = dict(zip(header, line.split(",")))
-                records.append(TokenRecord(**{
-                    c: (int(row[c]) if types[c] == "int" else float(row[c])) for c in ALL_COLUMNS if c in row
-                }))
+                records.append(TokenRecord(**{c: (int(row[c]) if types[c] == "int" else float(row[c])) for c in ALL_COLUMNS if c in row}))
     return preamble, records
 
 
@@ -155,6 +156,7 @@ class JsonlWriter:
 
 
 # ------------------------------------------------------------------- summary
+
 
 def steady_start(n: int) -> int:
     """How many leading tokens are warm-up, for a run of n tokens.
@@ -202,8 +204,7 @@ class Tally:
         self.read_bytes += r.read_bytes
         self.peak_rss_bytes = max(self.peak_rss_bytes, r.rss_bytes)
 
-    def summary(self, load_seconds: float, budget_bytes: int, resident_bytes: int,
-                peak_rss_bytes: int | None = None) -> RunSummary:
+    def summary(self, load_seconds: float, budget_bytes: int, resident_bytes: int, peak_rss_bytes: int | None = None) -> RunSummary:
         """The run's figures. tok/s is tokens over summed wall time (a
         throughput, not a mean of per-token rates, which would overweight fast
         tokens); the final hit % is the last record's running rate."""
@@ -226,8 +227,9 @@ class Tally:
         )
 
 
-def summarize(records: Sequence[TokenRecord], load_seconds: float, budget_bytes: int,
-              resident_bytes: int, peak_rss_bytes: int) -> RunSummary:
+def summarize(
+    records: Sequence[TokenRecord], load_seconds: float, budget_bytes: int, resident_bytes: int, peak_rss_bytes: int
+) -> RunSummary:
     """The summary of a run's records (in any order: sorted by step)."""
     tally = Tally()
     for r in sorted(records, key=lambda r: r.step):
@@ -237,17 +239,20 @@ def summarize(records: Sequence[TokenRecord], load_seconds: float, budget_bytes:
 
 def format_summary(s: RunSummary) -> str:
     """A short block for stdout."""
-    return "\n".join([
-        f"tokens {s.tokens}   load {s.load_seconds:.2f} s",
-        f"tok/s  mean {s.mean_tok_s:.2f}   steady {s.steady_tok_s:.2f} (from step {s.steady_from_step})"
-        f"   first-5 wall {s.first5_wall_ms:.0f} ms",
-        f"cache  hit {s.final_hit_pct:.1f} %   read {s.read_bytes / MIB:.1f} MiB"
-        f"   budget {s.budget_mib:.1f} MiB   resident {s.resident_mib:.1f} MiB",
-        f"memory peak RSS {s.peak_rss_mib:.1f} MiB",
-    ])
+    return "\n".join(
+        [
+            f"tokens {s.tokens}   load {s.load_seconds:.2f} s",
+            f"tok/s  mean {s.mean_tok_s:.2f}   steady {s.steady_tok_s:.2f} (from step {s.steady_from_step})"
+            f"   first-5 wall {s.first5_wall_ms:.0f} ms",
+            f"cache  hit {s.final_hit_pct:.1f} %   read {s.read_bytes / MIB:.1f} MiB"
+            f"   budget {s.budget_mib:.1f} MiB   resident {s.resident_mib:.1f} MiB",
+            f"memory peak RSS {s.peak_rss_mib:.1f} MiB",
+        ]
+    )
 
 
 # --------------------------------------------------------------------- meter
+
 
 @dataclass(frozen=True)
 class ResourceDelta:

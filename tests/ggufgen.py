@@ -1,6 +1,7 @@
 """Small hand-made GGUF files for the format tests, written with gguf-py's own
 writer (so they are independent of the project's make-model), plus helpers to
 corrupt one field in place."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -18,9 +19,24 @@ def _quant(rng, qtype, shape):
     return data.reshape(*shape[:-1], fmt.row_bytes(shape[-1]))
 
 
-def write_qwen_like(path: Path, *, n_layer=2, n_expert=4, n_used=2, n_embd=64, n_ff=32, n_head=4, n_kv=2,
-                    head_dim=16, vocab=96, expert_qtype=QT.Q8_0, alignment=None, split_max_tensors=0,
-                    meta_expert_count=None, block_count_as_string=False) -> Path:
+def write_qwen_like(
+    path: Path,
+    *,
+    n_layer=2,
+    n_expert=4,
+    n_used=2,
+    n_embd=64,
+    n_ff=32,
+    n_head=4,
+    n_kv=2,
+    head_dim=16,
+    vocab=96,
+    expert_qtype=QT.Q8_0,
+    alignment=None,
+    split_max_tensors=0,
+    meta_expert_count=None,
+    block_count_as_string=False,
+) -> Path:
     """A qwen3moe-shaped model with random weights; returns the (first) path."""
     rng = np.random.default_rng(1)
     w = GGUFWriter(str(path), "qwen3moe", split_max_tensors=split_max_tensors)

@@ -16,6 +16,7 @@ tiny: hidden 64, 2-4 layers, 8 experts top-2, vocab ~600-900.
 Norm weights, router scales and per-expert scales are randomized because
 they init to ones and would hide layout mistakes.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -45,11 +46,26 @@ def build_qwen3moe(out_dir: Path, seed: int = 0) -> Path:
     n_tok = len(tok)
     cfg = Qwen3MoeConfig(
         vocab_size=_round_up(n_tok, 64),  # real Qwen pads the embedding past the tokenizer too
-        hidden_size=64, intermediate_size=128, moe_intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
-        norm_topk_prob=True, rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-        max_position_embeddings=512, tie_word_embeddings=False, decoder_sparse_step=1, mlp_only_layers=[],
-        initializer_range=0.08, bos_token_id=None, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        initializer_range=0.08,
+        bos_token_id=None,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
     )
     return _save(Qwen3MoeForCausalLM, cfg, tok, out_dir, seed)
 
@@ -60,33 +76,74 @@ def build_gpt_oss(out_dir: Path, seed: int = 0) -> Path:
     tok = _harmony_tokenizer()
     cfg = GptOssConfig(
         vocab_size=_round_up(len(tok), 64),
-        hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=32, num_local_experts=8, num_experts_per_tok=2, sliding_window=4,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        sliding_window=4,
         layer_types=["sliding_attention", "full_attention"],
         # Like the real 131072/4096 x32 setup, scaled down. truncate=True: a GGUF's YaRN
         # rounds the ramp ends (llama.cpp's meaning; the real HF config says false).
-        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
-                         "truncate": True, "original_max_position_embeddings": 64},
-        max_position_embeddings=256, rms_norm_eps=1e-5, attention_bias=True, swiglu_limit=7.0, swiglu_alpha=1.702,
-        initializer_range=0.08, tie_word_embeddings=False,
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 4.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": True,
+            "original_max_position_embeddings": 64,
+        },
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        attention_bias=True,
+        swiglu_limit=7.0,
+        swiglu_alpha=1.702,
+        initializer_range=0.08,
+        tie_word_embeddings=False,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
     )
     return _save(GptOssForCausalLM, cfg, tok, out_dir, seed)
 
 
 def gemma4_text_config(vocab_size: int) -> dict:
     return dict(
-        vocab_size=vocab_size, vocab_size_per_layer_input=vocab_size, hidden_size=64, intermediate_size=96,
-        moe_intermediate_size=32, num_experts=8, top_k_experts=2, enable_moe_block=True, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, num_global_key_value_heads=1, head_dim=32, global_head_dim=64,
-        attention_k_eq_v=True, layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
-        sliding_window=8, final_logit_softcapping=30.0, hidden_size_per_layer_input=0, num_kv_shared_layers=0,
+        vocab_size=vocab_size,
+        vocab_size_per_layer_input=vocab_size,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_experts=8,
+        top_k_experts=2,
+        enable_moe_block=True,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_global_key_value_heads=1,
+        head_dim=32,
+        global_head_dim=64,
+        attention_k_eq_v=True,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        sliding_window=8,
+        final_logit_softcapping=30.0,
+        hidden_size_per_layer_input=0,
+        num_kv_shared_layers=0,
         rope_parameters={
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
             "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6},
         },
-        max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=True, initializer_range=0.08,
-        bos_token_id=2, eos_token_id=1, pad_token_id=0,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        initializer_range=0.08,
+        bos_token_id=2,
+        eos_token_id=1,
+        pad_token_id=0,
     )
 
 
@@ -130,7 +187,10 @@ def gpt_oss_mxfp4_pair(f32_dir: Path, mx_dir: Path, twin_dir: Path, seed: int = 
         shutil.copytree(f32_dir, d, dirs_exist_ok=True)
         save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
     cfg = json.loads((f32_dir / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    cfg["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"],
+    }
     (mx_dir / "config.json").write_text(json.dumps(cfg, indent=2))
     return mx_dir, twin_dir
 
@@ -183,20 +243,21 @@ def _round_up(n: int, k: int) -> int:
 # --- tokenizers ---------------------------------------------------------------------
 
 # The contraction group as real Qwen/OpenAI tokenizer.json files spell it.
-_QWEN_HF_REGEX = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
+_QWEN_HF_REGEX = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 
 
 def _byte_level(regex_train: str, regex_hf: str, n_bpe: int):
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
-    from moe_pipe.shared.vocab import train_byte_level
+    from moe_pipe.shared.gguf.vocab import train_byte_level
 
     tokens, merges = train_byte_level(regex_train, n_bpe)
     tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=[tuple(m.split(" ", 1)) for m in merges]))
     tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Split(Regex(regex_hf), behavior="isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)]
+        [
+            pre_tokenizers.Split(Regex(regex_hf), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
+        ]
     )
     tok.decoder = decoders.ByteLevel()
     return tok
@@ -216,8 +277,8 @@ def _wrap(tok, **special):
 
 
 def _qwen_tokenizer():
-    from moe_pipe.shared.makemodel import chat_template
-    from moe_pipe.shared.vocab import QWEN2_REGEX, _QWEN_ADDED
+    from moe_pipe.shared.gguf.vocab import _QWEN_ADDED, QWEN2_REGEX
+    from moe_pipe.shared.makemodel.maker import chat_template
 
     tok = _byte_level(QWEN2_REGEX, _QWEN_HF_REGEX, 600)
     for t in _QWEN_ADDED:  # <|...|> are special; <think>, <tool_call> ... are plain added tokens, as in Qwen3
@@ -226,29 +287,47 @@ def _qwen_tokenizer():
 
 
 def _harmony_tokenizer():
-    from moe_pipe.shared.makemodel import chat_template
-    from moe_pipe.shared.vocab import _HARMONY, O200K_REGEX
+    from moe_pipe.shared.gguf.vocab import _HARMONY, O200K_REGEX
+    from moe_pipe.shared.makemodel.maker import chat_template
 
     tok = _byte_level(O200K_REGEX, O200K_REGEX, 600)
     at = tok.get_vocab_size()
     for k, t in enumerate(_HARMONY):
         _add(tok, t or f"<|reserved_{at + k}|>", True)
-    return _wrap(tok, bos_token="<|startoftext|>", eos_token="<|return|>", pad_token="<|endoftext|>", chat_template=chat_template("gpt-oss"))
+    return _wrap(
+        tok, bos_token="<|startoftext|>", eos_token="<|return|>", pad_token="<|endoftext|>", chat_template=chat_template("gpt-oss")
+    )
 
 
 def _gemma_tokenizer():
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
-    from moe_pipe.shared.makemodel import chat_template
-    from moe_pipe.shared.vocab import _GEMMA_N_LOW, _GEMMA_SPECIAL, CONTROL, GEMMA4_REGEX, SPACE, UNKNOWN, USER_DEFINED, train_spm_style
+    from moe_pipe.shared.gguf.vocab import (
+        _GEMMA_N_LOW,
+        _GEMMA_SPECIAL,
+        CONTROL,
+        GEMMA4_REGEX,
+        SPACE,
+        UNKNOWN,
+        USER_DEFINED,
+        train_spm_style,
+    )
+    from moe_pipe.shared.makemodel.maker import chat_template
 
     pieces, merges = train_spm_style(500)
     tokens = [(_GEMMA_SPECIAL.get(i) or (f"<unused{i}>", 0))[0] for i in range(_GEMMA_N_LOW)]
     tokens += [f"<0x{b:02X}>" for b in range(256)]
     seen = set(tokens)
     tokens += [p for p in pieces if p not in seen]
-    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=[tuple(m.split(" ", 1)) for m in merges],
-                               byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    tok = Tokenizer(
+        models.BPE(
+            vocab={t: i for i, t in enumerate(tokens)},
+            merges=[tuple(m.split(" ", 1)) for m in merges],
+            byte_fallback=True,
+            unk_token="<unk>",
+            fuse_unk=True,
+        )
+    )
     tok.normalizer = normalizers.Replace(" ", SPACE)
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(GEMMA4_REGEX), behavior="isolated")
     tok.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])

@@ -2,6 +2,7 @@
 real arenas, sockets and lanes; the test plays compute (Fetch, Release) and
 the reader's loop (hands finished reads back), and may hold or fail a read
 with the directio fault hook."""
+
 from __future__ import annotations
 
 import errno
@@ -16,11 +17,13 @@ import zmq
 
 from moe_pipe.procs.pipeline import Resources, reader_args
 from moe_pipe.procs.reader import Reader
-from moe_pipe.shared import directio, ipc, messages as m
 from moe_pipe.shared.config import load_config
-from moe_pipe.shared.default_model import default_model_path
-from moe_pipe.shared.directio import placement_for
-from moe_pipe.shared.model_file import open_model
+from moe_pipe.shared.experts import directio
+from moe_pipe.shared.experts.directio import placement_for
+from moe_pipe.shared.gguf.model_file import open_model
+from moe_pipe.shared.makemodel.default_model import default_model_path
+from moe_pipe.shared.wire import ipc
+from moe_pipe.shared.wire import messages as m
 
 
 @pytest.fixture
@@ -57,8 +60,9 @@ class Harness:
 
     def fetch(self, layer: int, experts, guesses=(), guess_layer: int = 0, resident=(), released=()) -> int:
         self.req += 1
-        self.reader.on_fetch(m.Fetch(self.req, layer, tuple(experts), tuple(resident), tuple(released),
-                                     guess_layer=guess_layer, guesses=tuple(guesses)))
+        self.reader.on_fetch(
+            m.Fetch(self.req, layer, tuple(experts), tuple(resident), tuple(released), guess_layer=guess_layer, guesses=tuple(guesses))
+        )
         return self.req
 
     def land(self, timeout_s: float = 10) -> None:
@@ -111,5 +115,3 @@ def hold_reads_of(h: Harness, key, fail: bool):
 
     directio.set_fault_hook(hook)
     return entered, release
-
-

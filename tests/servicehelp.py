@@ -1,5 +1,6 @@
 """What the tests of a running `moe-pipe up` share: reading a child's row of
 `status --json` and waiting for its state (test_service.py, test_faults.py)."""
+
 from __future__ import annotations
 
 import time

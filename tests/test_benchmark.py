@@ -1,5 +1,6 @@
 """`moe-pipe bench` machinery on the tiny model: cgroups made and removed,
 trace-driven routing, CSVs, summary and plots. No timing is asserted."""
+
 from __future__ import annotations
 
 import json
@@ -10,14 +11,21 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from moe_pipe.shared.benchmark import (PEER_READAHEAD_KB, BenchPlan, RunFigures, peer_runs, summarize_runs,
-                                      summary_markdown, wall_figures)
-from moe_pipe.shared.cgroup import MemoryCgroup, MemoryLimitError
+from moe_pipe.shared.analysis.benchmark import (
+    PEER_READAHEAD_KB,
+    BenchPlan,
+    RunFigures,
+    peer_runs,
+    summarize_runs,
+    summary_markdown,
+    wall_figures,
+)
+from moe_pipe.shared.analysis.cgroup import MemoryCgroup, MemoryLimitError
+from moe_pipe.shared.analysis.peer_llama import read_result
 from moe_pipe.shared.errors import UserError
 from moe_pipe.shared.model.routes import RouteReplay
-from moe_pipe.shared.peer_llama import read_result
+from moe_pipe.shared.model.trace import TraceHeader, TraceWriter, read_trace
 from moe_pipe.shared.telemetry import read_csv
-from moe_pipe.shared.trace import TraceHeader, TraceWriter, read_trace
 
 CLI = [sys.executable, "-m", "moe_pipe.cli.main"]
 TINY = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.toml")
@@ -38,8 +46,9 @@ def test_a_cgroup_limits_its_process_tree_and_is_removed():
         limit_file = "memory.limit_in_bytes" if cg.version == 1 else "memory.max"
         assert int((cg.path / limit_file).read_text()) == 64 << 20
         # A process that touches more than the limit is killed by it, inside the group only.
-        hog = subprocess.run(cg.wrap([sys.executable, "-c", "b = bytearray(200 << 20); b[::4096] = b'x' * len(b[::4096])"]),
-                             capture_output=True)
+        hog = subprocess.run(
+            cg.wrap([sys.executable, "-c", "b = bytearray(200 << 20); b[::4096] = b'x' * len(b[::4096])"]), capture_output=True
+        )
         assert hog.returncode != 0 and cg.oom_kills() >= 1
         assert cg.peak_bytes() is not None and cg.peak_bytes() <= (64 << 20) + (1 << 20)
     finally:
@@ -82,8 +91,11 @@ def test_a_trace_driven_run_routes_like_the_trace(tmp_path):
     first, second = tmp_path / "a.trace", tmp_path / "b.trace"
     base = [*CLI, "run", TINY, "-n", "10", "--ignore-eos", "--output-format", "json"]
     subprocess.run([*base, "-p", "The old mill", "--route-trace", str(first)], check=True, capture_output=True)
-    subprocess.run([*base, "-p", "Something else entirely", "--route-replay", str(first), "--route-trace", str(second)],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [*base, "-p", "Something else entirely", "--route-replay", str(first), "--route-trace", str(second)],
+        check=True,
+        capture_output=True,
+    )
     a, b = read_trace(first), read_trace(second)
     for layer in range(a.header.n_layer):
         ea, eb = a.expert[a.layer == layer], b.expert[b.layer == layer]
@@ -97,8 +109,11 @@ def test_prefetch_under_a_route_replay_guesses_exactly(tmp_path):
     trace, csv = tmp_path / "a.trace", tmp_path / "run.csv"
     base = [*CLI, "run", TINY, "-n", "12", "--ignore-eos", "--output-format", "json", "--cache-mb", "1.2"]
     subprocess.run([*base, "-p", "The old mill", "--route-trace", str(trace)], check=True, capture_output=True)
-    subprocess.run([*base, "-p", "Something else", "--route-replay", str(trace), "--prefetch", "next-layer",
-                    "--csv", str(csv)], check=True, capture_output=True)
+    subprocess.run(
+        [*base, "-p", "Something else", "--route-replay", str(trace), "--prefetch", "next-layer", "--csv", str(csv)],
+        check=True,
+        capture_output=True,
+    )
     _, recs = read_csv(csv)
     issued, used = sum(r.prefetch_issued for r in recs), sum(r.prefetch_used for r in recs)
     assert issued > 0 and used == issued
@@ -106,16 +121,21 @@ def test_prefetch_under_a_route_replay_guesses_exactly(tmp_path):
 
 def test_bench_writes_csvs_summary_and_plots(tmp_path):
     trace = tmp_path / "tiny.trace"
-    subprocess.run([*CLI, "run", TINY, "-p", "hello", "-n", "4", "--ignore-eos", "--route-trace", str(trace)],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [*CLI, "run", TINY, "-p", "hello", "-n", "4", "--ignore-eos", "--route-trace", str(trace)], check=True, capture_output=True
+    )
     out = tmp_path / "out"
     try:
         MemoryCgroup.create(None).remove()
         limit = ["--mem-limit-mb", "1024"]
     except MemoryLimitError:
         limit = []
-    r = subprocess.run([*CLI, "bench", TINY, "-n", "6", "--repeat", "2", "--cooldown", "0", "--out", str(out),
-                        "--route-replay", str(trace), *limit], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [*CLI, "bench", TINY, "-n", "6", "--repeat", "2", "--cooldown", "0", "--out", str(out), "--route-replay", str(trace), *limit],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     assert "[1/2] moe-pipe run 1/2" in r.stderr  # progress
     summary = json.loads((out / "summary.json").read_text())
@@ -139,9 +159,13 @@ def test_summary_ratio_uses_the_better_peer_and_medians(tmp_path):
 
     model = tmp_path / "m.gguf"
     model.write_bytes(b"x" * 10)
-    rows = [fig("moe-pipe", "moe-pipe", 1, 4.0), fig("moe-pipe", "moe-pipe", 2, 6.0), fig("moe-pipe", "moe-pipe", 3, 5.0),
-            fig("llama.cpp", "llama.cpp mmap, readahead 8192 KiB", 1, 0.5, (1, 9, 3)),
-            fig("llama.cpp", "llama.cpp mmap, readahead 128 KiB (killed, exit -9)", 1, 2.0)]
+    rows = [
+        fig("moe-pipe", "moe-pipe", 1, 4.0),
+        fig("moe-pipe", "moe-pipe", 2, 6.0),
+        fig("moe-pipe", "moe-pipe", 3, 5.0),
+        fig("llama.cpp", "llama.cpp mmap, readahead 8192 KiB", 1, 0.5, (1, 9, 3)),
+        fig("llama.cpp", "llama.cpp mmap, readahead 128 KiB (killed, exit -9)", 1, 2.0),
+    ]
     s = summarize_runs(BenchPlan(model, n=3, repeat=3), rows, 8192)
     assert s["median_steady_tok_s"]["moe-pipe"] == 5.0
     assert s["ratio_vs_best_llama"] == pytest.approx(2.5)  # against the better peer
@@ -171,8 +195,12 @@ def test_wall_figures_and_a_killed_peers_partial_result(tmp_path):
 def test_vs_llama_cpp_on_the_tiny_model(tmp_path):
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is the optional peer (pip install llama-cpp-python)")
     out = tmp_path / "out"
-    r = subprocess.run([*CLI, "bench", TINY, "-n", "4", "--repeat", "1", "--cooldown", "0", "--out", str(out),
-                        "--vs", "llama.cpp"], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [*CLI, "bench", TINY, "-n", "4", "--repeat", "1", "--cooldown", "0", "--out", str(out), "--vs", "llama.cpp"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     s = json.loads((out / "summary.json").read_text())
     peers = [x for x in s["runs"] if x["engine"] == "llama.cpp"]

@@ -1,5 +1,6 @@
 """The expert cache budget: the pure arithmetic, cgroup v1/v2 probing on fake /sys trees, the real machine,
 and (when permitted) a real cgroup v1 child with a limit."""
+
 from __future__ import annotations
 
 import json
@@ -14,10 +15,18 @@ from pathlib import Path
 
 import pytest
 
-from moe_pipe.shared.budget import (MiB, UNLIMITED, CgroupLimit, MemoryProbe, check_floor, compute_budget,
-                                    probe_memory, resolve_budget)
 from moe_pipe.shared.config import load_config
 from moe_pipe.shared.errors import ConfigError
+from moe_pipe.shared.experts.budget import (
+    UNLIMITED,
+    CgroupLimit,
+    MemoryProbe,
+    MiB,
+    check_floor,
+    compute_budget,
+    probe_memory,
+    resolve_budget,
+)
 
 GiB = 1 << 30
 
@@ -27,6 +36,7 @@ def probe(host: int, *cgroups: tuple[int, int, int]) -> MemoryProbe:
 
 
 # ---------------------------------------------------------------- the pure function
+
 
 def test_auto_subtracts_dense_kv_reserve_and_clamps():
     mem = probe(8 * GiB)
@@ -101,6 +111,7 @@ def test_resolve_budget_from_config(tmp_path):
 
 # ---------------------------------------------------------------- probing fake trees
 
+
 def _files(root: Path, files: dict[str, str]) -> None:
     for rel, text in files.items():
         f = root / rel
@@ -111,14 +122,17 @@ def _files(root: Path, files: dict[str, str]) -> None:
 def test_probe_cgroup_v1_fake_tree(tmp_path):
     sysfs, proc = tmp_path / "sys", tmp_path / "cgroup"
     proc.write_text("12:cpu,cpuacct:/x\n4:memory:/outer/inner\n0::/\n")
-    _files(sysfs, {
-        "memory/memory.limit_in_bytes": str(9223372036854771712),  # root: unlimited
-        "memory/outer/memory.limit_in_bytes": str(2 * GiB),
-        "memory/outer/memory.usage_in_bytes": str(GiB),
-        "memory/outer/memory.stat": f"cache 0\ntotal_inactive_file {256 * MiB}\n",
-        "memory/outer/inner/memory.limit_in_bytes": str(UNLIMITED + 4096),  # unlimited at the leaf
-        "memory/outer/inner/memory.usage_in_bytes": str(GiB),
-    })
+    _files(
+        sysfs,
+        {
+            "memory/memory.limit_in_bytes": str(9223372036854771712),  # root: unlimited
+            "memory/outer/memory.limit_in_bytes": str(2 * GiB),
+            "memory/outer/memory.usage_in_bytes": str(GiB),
+            "memory/outer/memory.stat": f"cache 0\ntotal_inactive_file {256 * MiB}\n",
+            "memory/outer/inner/memory.limit_in_bytes": str(UNLIMITED + 4096),  # unlimited at the leaf
+            "memory/outer/inner/memory.usage_in_bytes": str(GiB),
+        },
+    )
     mem = probe_memory(sysfs, proc, host_available_bytes=8 * GiB)
     assert len(mem.cgroups) == 1 and mem.cgroups[0].where.endswith("memory/outer")
     assert mem.available_bytes == 2 * GiB - (GiB - 256 * MiB)
@@ -137,15 +151,18 @@ def test_probe_cgroup_v1_leaf_limit_and_namespaced_mount(tmp_path):
 def test_probe_cgroup_v2_fake_tree(tmp_path):
     sysfs, proc = tmp_path / "sys", tmp_path / "cgroup"
     proc.write_text("0::/user.slice/app\n")
-    _files(sysfs, {
-        "cgroup.controllers": "cpu memory\n",
-        "user.slice/memory.max": str(3 * GiB),
-        "user.slice/memory.current": str(GiB),
-        "user.slice/app/memory.max": "max\n",
-        "user.slice/app/memory.high": str(1536 * MiB),
-        "user.slice/app/memory.current": str(600 * MiB),
-        "user.slice/app/memory.stat": f"anon 1\ninactive_file {100 * MiB}\n",
-    })
+    _files(
+        sysfs,
+        {
+            "cgroup.controllers": "cpu memory\n",
+            "user.slice/memory.max": str(3 * GiB),
+            "user.slice/memory.current": str(GiB),
+            "user.slice/app/memory.max": "max\n",
+            "user.slice/app/memory.high": str(1536 * MiB),
+            "user.slice/app/memory.current": str(600 * MiB),
+            "user.slice/app/memory.stat": f"anon 1\ninactive_file {100 * MiB}\n",
+        },
+    )
     mem = probe_memory(sysfs, proc, host_available_bytes=8 * GiB)
     assert {c.limit_bytes for c in mem.cgroups} == {3 * GiB, 1536 * MiB}
     assert mem.available_bytes == 1536 * MiB - 500 * MiB
@@ -154,9 +171,15 @@ def test_probe_cgroup_v2_fake_tree(tmp_path):
 def test_probe_cgroup_v2_hybrid_mount(tmp_path):
     sysfs, proc = tmp_path / "sys", tmp_path / "cgroup"
     proc.write_text("4:memory:/\n0::/svc\n")
-    _files(sysfs, {"memory/memory.limit_in_bytes": str(9223372036854771712),
-                   "unified/cgroup.controllers": "",
-                   "unified/svc/memory.max": str(GiB), "unified/svc/memory.current": str(GiB // 4)})
+    _files(
+        sysfs,
+        {
+            "memory/memory.limit_in_bytes": str(9223372036854771712),
+            "unified/cgroup.controllers": "",
+            "unified/svc/memory.max": str(GiB),
+            "unified/svc/memory.current": str(GiB // 4),
+        },
+    )
     mem = probe_memory(sysfs, proc, host_available_bytes=8 * GiB)
     assert mem.available_bytes == 3 * GiB // 4 and "cgroup v2" in mem.describe()
 
@@ -168,6 +191,7 @@ def test_probe_without_cgroups_is_the_host(tmp_path):
 
 # ---------------------------------------------------------------- the real machine
 
+
 def test_probe_real_machine_smoke():
     mem = probe_memory()
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -175,8 +199,10 @@ def test_probe_real_machine_smoke():
     assert mem.describe()
 
 
-_CHILD = ("import json; from moe_pipe.shared.budget import probe_memory; m = probe_memory(); "
-          "print(json.dumps({'available': m.available_bytes, 'describe': m.describe()}))")
+_CHILD = (
+    "import json; from moe_pipe.shared.experts.budget import probe_memory; m = probe_memory(); "
+    "print(json.dumps({'available': m.available_bytes, 'describe': m.describe()}))"
+)
 
 
 def _own_v1_memory_cgroup() -> Path | None:
@@ -206,8 +232,9 @@ def test_real_cgroup_v1_child_sees_its_limit():
         limit = 300 * MiB
         (cg / "memory.limit_in_bytes").write_text(str(limit))
         # the shell waits for a line, so it joins the cgroup before Python starts (exec keeps the pid)
-        child = subprocess.Popen(["sh", "-c", f"read go; exec {sys.executable} -c \"{_CHILD}\""],
-                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        child = subprocess.Popen(
+            ["sh", "-c", f'read go; exec {sys.executable} -c "{_CHILD}"'], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
         (cg / "cgroup.procs").write_text(str(child.pid))
         out, _ = child.communicate("go\n", timeout=60)
         seen = json.loads(out)
@@ -230,8 +257,9 @@ def test_real_cgroup_v1_child_sees_its_limit():
 
 # ---------------------------------------------------------------- the engine's own processes
 
+
 def test_engine_estimate_counts_each_child_and_the_shared_code_once():
-    from moe_pipe.shared.budget import ROLE_PRIVATE_MIB, RUN_ROLES, SERVICE_ROLES, SHARED_CODE_MIB, engine_bytes
+    from moe_pipe.shared.experts.budget import ROLE_PRIVATE_MIB, RUN_ROLES, SERVICE_ROLES, SHARED_CODE_MIB, engine_bytes
 
     run, up = engine_bytes(RUN_ROLES, 2048), engine_bytes(SERVICE_ROLES, 2048)
     assert run == sum(ROLE_PRIVATE_MIB[r] for r in RUN_ROLES) * MiB + 600 * 2048 + SHARED_CODE_MIB * MiB
@@ -244,19 +272,22 @@ def test_engine_estimate_counts_each_child_and_the_shared_code_once():
 
 def test_auto_leaves_the_larger_of_reserve_and_the_processes():
     mem = probe(2 * GiB)
-    low = compute_budget("auto", 1e6, mem, dense_bytes=100 * MiB, kv_bytes=50 * MiB, dense_policy="anon",
-                         reserve_mb=64, engine_bytes=400 * MiB)
+    low = compute_budget(
+        "auto", 1e6, mem, dense_bytes=100 * MiB, kv_bytes=50 * MiB, dense_policy="anon", reserve_mb=64, engine_bytes=400 * MiB
+    )
     assert low.bytes == 2 * GiB - 100 * MiB - 50 * MiB - 400 * MiB
     assert low.reserve_bytes == low.engine_bytes == 400 * MiB
     assert "processes 400 MiB (estimated; more than reserve_mb 64)" in low.description, low.description
-    high = compute_budget("auto", 1e6, mem, dense_bytes=100 * MiB, kv_bytes=50 * MiB, dense_policy="anon",
-                          reserve_mb=1024, engine_bytes=400 * MiB)
+    high = compute_budget(
+        "auto", 1e6, mem, dense_bytes=100 * MiB, kv_bytes=50 * MiB, dense_policy="anon", reserve_mb=1024, engine_bytes=400 * MiB
+    )
     assert high.bytes == 2 * GiB - 100 * MiB - 50 * MiB - 1024 * MiB and "reserve 1024 MiB" in high.description
 
 
 def test_floor_refusal_counts_what_the_processes_take():
-    tight = compute_budget("auto", 4000, probe(300 * MiB), dense_bytes=10 * MiB, kv_bytes=8 * MiB, dense_policy="anon",
-                           reserve_mb=0, engine_bytes=350 * MiB)
+    tight = compute_budget(
+        "auto", 4000, probe(300 * MiB), dense_bytes=10 * MiB, kv_bytes=8 * MiB, dense_policy="anon", reserve_mb=0, engine_bytes=350 * MiB
+    )
     with pytest.raises(ConfigError) as exc:
         check_floor(tight, 2 * MiB, "tiny.toml")
     msg = str(exc.value)
@@ -267,24 +298,22 @@ def test_floor_refusal_counts_what_the_processes_take():
 
 
 def test_a_fixed_cache_that_cannot_fit_is_refused_with_the_numbers(tmp_path):
-    from moe_pipe.shared.budget import check_fit
+    from moe_pipe.shared.experts.budget import check_fit
 
     mem = probe(1 * GiB)
-    fits = compute_budget(400, 4000, mem, dense_bytes=100 * MiB, kv_bytes=50 * MiB, dense_policy="anon",
-                          engine_bytes=400 * MiB)
+    fits = compute_budget(400, 4000, mem, dense_bytes=100 * MiB, kv_bytes=50 * MiB, dense_policy="anon", engine_bytes=400 * MiB)
     check_fit(fits, mem, "c.toml")
-    over = compute_budget(600, 4000, mem, dense_bytes=100 * MiB, kv_bytes=50 * MiB, dense_policy="anon",
-                          engine_bytes=400 * MiB)
+    over = compute_budget(600, 4000, mem, dense_bytes=100 * MiB, kv_bytes=50 * MiB, dense_policy="anon", engine_bytes=400 * MiB)
     with pytest.raises(ConfigError) as exc:
         check_fit(over, mem, "c.toml")
     msg = str(exc.value)
     assert "cache_mb 600 does not fit" in msg and "1150 MiB" in msg and "lower cache_mb to 474" in msg, msg
     # 550: refused with the dense set resident; fits when the dense set is left to the page cache
     with pytest.raises(ConfigError):
-        check_fit(compute_budget(550, 4000, mem, dense_bytes=100 * MiB, kv_bytes=50 * MiB, dense_policy="anon",
-                                 engine_bytes=400 * MiB), mem)
-    check_fit(compute_budget(550, 4000, mem, dense_bytes=100 * MiB, kv_bytes=50 * MiB, dense_policy="mmap",
-                             engine_bytes=400 * MiB), mem)
+        check_fit(
+            compute_budget(550, 4000, mem, dense_bytes=100 * MiB, kv_bytes=50 * MiB, dense_policy="anon", engine_bytes=400 * MiB), mem
+        )
+    check_fit(compute_budget(550, 4000, mem, dense_bytes=100 * MiB, kv_bytes=50 * MiB, dense_policy="mmap", engine_bytes=400 * MiB), mem)
 
 
 # ---------------------------------------------------------------- in a real memory cgroup
@@ -297,20 +326,19 @@ PARENT_ALLOWANCE = 96 * MiB  # the CLI process itself, already in the cgroup whe
 
 def _tiny_need(roles) -> int:
     """What auto needs for the tiny model under `roles`, besides the parent."""
-    from moe_pipe.procs.pipeline import kv_cache_bytes
-    from moe_pipe.shared.budget import engine_bytes
-    from moe_pipe.shared.default_model import default_model_path
-    from moe_pipe.shared.model_file import open_model
+    from moe_pipe.shared.experts.budget import engine_bytes
+    from moe_pipe.shared.gguf.model_file import open_model
+    from moe_pipe.shared.gguf.spec import kv_cache_bytes
+    from moe_pipe.shared.makemodel.default_model import default_model_path
 
     with open_model(default_model_path()) as mf:
         ctx = load_config(TINY).compute.ctx_size
-        return (engine_bytes(roles, mf.spec.n_vocab) + mf.layout.dense_bytes + kv_cache_bytes(mf.spec, ctx)
-                + mf.layout.min_cache_bytes())
+        return engine_bytes(roles, mf.spec.n_vocab) + mf.layout.dense_bytes + kv_cache_bytes(mf.spec, ctx) + mf.layout.min_cache_bytes()
 
 
 @pytest.fixture
 def cgroup():
-    from moe_pipe.shared.cgroup import MemoryCgroup, MemoryLimitError
+    from moe_pipe.shared.analysis.cgroup import MemoryCgroup, MemoryLimitError
 
     made = []
 
@@ -331,7 +359,7 @@ def _segments_of(pid: int) -> list[str]:
 
 
 def test_run_near_its_limit_fits_and_a_smaller_limit_is_refused_with_the_numbers(cgroup):
-    from moe_pipe.shared.budget import RUN_ROLES
+    from moe_pipe.shared.experts.budget import RUN_ROLES
 
     need = _tiny_need(RUN_ROLES)
     run = [*CLI, "run", TINY, "-p", "Once upon a time", "-n", "16", "--reserve-mb", "0", "--output-format", "json"]
@@ -364,19 +392,26 @@ def test_service_in_a_tight_cgroup_answers_and_each_child_is_within_its_estimate
     (the table in shared/budget.py goes stale when a process grows)."""
     import urllib.request
 
-    from moe_pipe.shared.budget import ROLE_PRIVATE_MIB, SERVICE_ROLES, VOCAB_BYTES_PER_TOKEN
+    from moe_pipe.shared.experts.budget import ROLE_PRIVATE_MIB, SERVICE_ROLES, VOCAB_BYTES_PER_TOKEN
 
     cg = cgroup(_tiny_need(SERVICE_ROLES) + PARENT_ALLOWANCE + 8 * MiB)
     base = Path(tempfile.mkdtemp(prefix="mpb", dir="/tmp"))
     env = {**os.environ, "XDG_RUNTIME_DIR": str(base)}
     cli = lambda *a: subprocess.run([*CLI, *a], capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)  # noqa: E731
-    r = subprocess.run(cg.wrap([*CLI, "up", TINY, "--detach", "--port", "0", "--reserve-mb", "0"]), capture_output=True,
-                       text=True, env=env, timeout=300, cwd=ROOT)
+    r = subprocess.run(
+        cg.wrap([*CLI, "up", TINY, "--detach", "--port", "0", "--reserve-mb", "0"]),
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert r.returncode == 0, r.stderr
     try:
         st = json.loads(cli("status", "--json").stdout)
-        body = json.dumps({"model": "tiny qwen3moe", "messages": [{"role": "user", "content": "Tell a story"}],
-                           "max_tokens": 32, "temperature": 0}).encode()
+        body = json.dumps(
+            {"model": "tiny qwen3moe", "messages": [{"role": "user", "content": "Tell a story"}], "max_tokens": 32, "temperature": 0}
+        ).encode()
         req = urllib.request.Request(st["url"] + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=300) as resp:
             assert resp.status == 200

@@ -1,15 +1,28 @@
 """The cache index: pure logic, checked against hand counts and a reference model."""
+
 from __future__ import annotations
 
+import functools
 import random
 from types import SimpleNamespace
 
 import pytest
 
-from moe_pipe.shared.cache import CacheFull, SlotTable, check_budget, slots_for_budget
-from moe_pipe.shared.policies import (ARC, DEFAULT_POLICY, LFU, LIVE_POLICIES, LRU, OFFLINE_POLICIES, POLICIES, S3FIFO,
-                                      Belady, NextUse, make_policy)
 from moe_pipe.shared.errors import ConfigError
+from moe_pipe.shared.experts.cache import CacheFull, SlotTable, check_budget, slots_for_budget
+from moe_pipe.shared.experts.policies import (
+    ARC,
+    DEFAULT_POLICY,
+    LFU,
+    LIVE_POLICIES,
+    LRU,
+    OFFLINE_POLICIES,
+    POLICIES,
+    S3FIFO,
+    Belady,
+    NextUse,
+    make_policy,
+)
 
 MIB = 1 << 20
 
@@ -147,9 +160,14 @@ def test_policies_plug_in_through_the_protocol():
         def __init__(self, n_slots=None):
             self.q = []
 
-        def on_hit(self, key): pass
-        def on_admit(self, key): self.q.append(key)
-        def on_evict(self, key): self.q.remove(key)
+        def on_hit(self, key):
+            pass
+
+        def on_admit(self, key):
+            self.q.append(key)
+
+        def on_evict(self, key):
+            self.q.remove(key)
 
         def victim(self, is_evictable):
             return next((k for k in self.q if is_evictable(k)), None)
@@ -179,8 +197,9 @@ def test_policy_registry():
 
 def fake_layout(n_layer=48, top_k=8, slab_bytes=3 * MIB + 4096):
     spec = SimpleNamespace(n_layer=n_layer, n_expert_used=top_k)
-    return SimpleNamespace(spec=spec, slab_bytes=slab_bytes,
-                           min_cache_bytes=lambda k=None: n_layer * (top_k if k is None else k) * slab_bytes)
+    return SimpleNamespace(
+        spec=spec, slab_bytes=slab_bytes, min_cache_bytes=lambda k=None: n_layer * (top_k if k is None else k) * slab_bytes
+    )
 
 
 def test_slots_for_budget():
@@ -212,6 +231,7 @@ def test_budget_minimum_is_rounded_up():
 
 
 # -- the other policies ------------------------------------------------------------------
+
 
 def reader_workload(seed: int, n_layer=4, n_expert=12, k=3, tokens=60) -> list[list[tuple[int, int]]]:
     """Fetches as the reader gets them: per token, per layer, k distinct experts
@@ -424,9 +444,8 @@ def test_nextuse_victims_match_a_from_scratch_reference(seed):
 
 def brute_force_min_misses(n_slots: int, seq: list) -> int:
     """Fewest misses over every possible eviction choice (exponential; tiny inputs)."""
-    from functools import lru_cache
 
-    @lru_cache(maxsize=None)
+    @functools.cache
     def go(i: int, cache: frozenset) -> int:
         if i == len(seq):
             return 0

@@ -2,6 +2,7 @@
 fallback, and untrusted templates refused or stopped (one test per attack
 class: Python objects, files, endless loops, gigantic strings, memory,
 compile-time bombs), then `moe-pipe run` on a model with a hostile template."""
+
 from __future__ import annotations
 
 import json
@@ -14,23 +15,38 @@ from pathlib import Path
 import psutil
 import pytest
 
-from moe_pipe.shared import template_sandbox as sandbox
-from moe_pipe.shared.chat import (TemplateRefused, TemplateRejected, chat_prompt_tokens, encode_prompt, plain_chat,
-                                  render_chat, render_template, use_chat_template)
 from moe_pipe.shared.errors import UserError
-from moe_pipe.shared.gguf_file import GGUFFile
-from moe_pipe.shared.makemodel import chat_template, make_model
-from moe_pipe.shared.tokenizer import Tokenizer
+from moe_pipe.shared.gguf.reader import GGUFFile
+from moe_pipe.shared.makemodel.maker import chat_template, make_model
+from moe_pipe.shared.text import template_sandbox as sandbox
+from moe_pipe.shared.text.chat import (
+    TemplateRefused,
+    TemplateRejected,
+    chat_prompt_tokens,
+    encode_prompt,
+    plain_chat,
+    render_chat,
+    render_template,
+    use_chat_template,
+)
+from moe_pipe.shared.text.tokenizer import Tokenizer
 
 ARCHS = ("qwen3moe", "gpt-oss", "gemma4")
-USER = [{"role": "user", "content": "Hi <b> & \"you\""}]
+USER = [{"role": "user", "content": 'Hi <b> & "you"'}]
 CHAT = [
     {"role": "system", "content": "Be brief."},
     {"role": "user", "content": "2+2?"},
     {"role": "assistant", "content": "4"},
     {"role": "user", "content": "Grüße, 世界"},
 ]
-TOOL = {"type": "function", "function": {"name": "lookup", "description": "find <things>", "parameters": {"type": "object", "properties": {"q": {"type": "string", "description": "Straße & 中"}}}}}
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "lookup",
+        "description": "find <things>",
+        "parameters": {"type": "object", "properties": {"q": {"type": "string", "description": "Straße & 中"}}},
+    },
+}
 
 
 @pytest.fixture(scope="module")
@@ -135,12 +151,19 @@ def test_missing_template_needs_the_fallback_asked_for():
 
 
 def test_hf_globals():
-    src = "{{ bos_token }}|{{ eos_token }}|{{ tools }}|{{ add_generation_prompt }}|{{ strftime_now('%Y') | length }}|{{ messages | tojson }}"
+    src = (
+        "{{ bos_token }}|{{ eos_token }}|{{ tools }}|{{ add_generation_prompt }}|{{ strftime_now('%Y') | length }}|{{ messages | tojson }}"
+    )
     out = render_chat(src, USER)
     assert out == '||None|True|4|[{"role": "user", "content": "Hi <b> & \\"you\\""}]'
     with pytest.raises(UserError, match="rejected the conversation: roles must alternate"):
         render_chat("{{ raise_exception('roles must alternate') }}", USER)
-    assert render_chat("{% generation %}x{% endgeneration %}{% for i in range(3) %}{% if i == 1 %}{% break %}{% endif %}{{ i }}{% endfor %}", USER) == "x0"
+    assert (
+        render_chat(
+            "{% generation %}x{% endgeneration %}{% for i in range(3) %}{% if i == 1 %}{% break %}{% endif %}{{ i }}{% endfor %}", USER
+        )
+        == "x0"
+    )
 
 
 # --- untrusted templates: one test per attack class --------------------------------
@@ -223,8 +246,11 @@ def test_reading_files_is_refused(name):
 
 
 def test_no_builtins_to_open_files():
-    for src in ("{{ open('/etc/passwd').read() }}", "{{ __builtins__.open('/etc/passwd') }}",
-                "{{ self.__init__.__globals__.__builtins__.open('/etc/passwd') }}"):
+    for src in (
+        "{{ open('/etc/passwd').read() }}",
+        "{{ __builtins__.open('/etc/passwd') }}",
+        "{{ self.__init__.__globals__.__builtins__.open('/etc/passwd') }}",
+    ):
         msg = refused(src, match="^chat template (failed: UndefinedError|refused)")
         assert "root:" not in msg
     assert render_chat("{{ __builtins__ }}{{ config }}{{ environment }}", USER) == ""  # undefined names
@@ -242,8 +268,11 @@ LOOPS = {
 
 @pytest.mark.parametrize("name", sorted(LOOPS))
 def test_endless_loops_are_stopped(name):
-    refused(LOOPS[name], match=r"^chat template stopped: (it took longer than 0.5 s \(an endless loop\?\)|it nests or "
-                              r"recurses too deeply|Range too big)")
+    refused(
+        LOOPS[name],
+        match=r"^chat template stopped: (it took longer than 0.5 s \(an endless loop\?\)|it nests or "
+        r"recurses too deeply|Range too big)",
+    )
 
 
 BIG_STRINGS = {
@@ -299,8 +328,10 @@ def test_gigantic_strings_are_stopped_before_they_are_built(name):
 def test_many_values_each_under_the_size_limit_are_stopped_by_memory():
     """Before the memory watch this template grew the process by 2.5 GB in 2 s:
     every string is under the size limit, there are just a thousand of them."""
-    src = ("{% set ns = namespace(l=[]) %}{% for i in range(1000) %}"
-           "{% set ns.l = ns.l + [('x' * 3999990) ~ i] %}{% endfor %}{{ ns.l | length }}")
+    src = (
+        "{% set ns = namespace(l=[]) %}{% for i in range(1000) %}"
+        "{% set ns.l = ns.l + [('x' * 3999990) ~ i] %}{% endfor %}{{ ns.l | length }}"
+    )
     rss = psutil.Process().memory_info
     before = rss().rss
     with pytest.raises(TemplateRefused, match=r"^chat template stopped: it used \d+ MiB of memory \(limit 64 MiB\)"):
@@ -320,8 +351,11 @@ COMPILE = {
 @pytest.mark.parametrize("name", sorted(COMPILE))
 def test_templates_that_would_not_compile_are_refused(name):
     """These escaped as RecursionError / SyntaxError tracebacks before (compiling ran outside the guards)."""
-    refused(COMPILE[name], match=r"^chat template (refused: it is [\d,]+ characters long|stopped: it nests or recurses "
-                                 r"too deeply|refused: it nests too deeply to compile)")
+    refused(
+        COMPILE[name],
+        match=r"^chat template (refused: it is [\d,]+ characters long|stopped: it nests or recurses "
+        r"too deeply|refused: it nests too deeply to compile)",
+    )
 
 
 def test_a_refused_compile_is_remembered():
@@ -405,13 +439,20 @@ def test_a_template_file_of_ones_own(files, tmp_path):
 
 @pytest.fixture(scope="module")
 def hostile_model(files, tmp_path_factory):
-    return with_template(files["qwen3moe"].path, tmp_path_factory.mktemp("hostile") / "hostile.gguf",
-                         "{% for m in messages %}{{ m.__class__.__mro__ }}{% endfor %}")
+    return with_template(
+        files["qwen3moe"].path,
+        tmp_path_factory.mktemp("hostile") / "hostile.gguf",
+        "{% for m in messages %}{{ m.__class__.__mro__ }}{% endfor %}",
+    )
 
 
 def test_run_refuses_the_hostile_template_and_says_how_to_fall_back(hostile_model):
-    r = subprocess.run([sys.executable, "-m", "moe_pipe.cli.main", "run", str(hostile_model), "-p", "hi", "--chat",
-                        "--no-stream", "-n", "2"], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "moe_pipe.cli.main", "run", str(hostile_model), "-p", "hi", "--chat", "--no-stream", "-n", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr

@@ -3,6 +3,7 @@
 The fake streams its replies as the gateway does (SSE over chunked HTTP/1.1)
 and records every request, so the tests can read the history that was sent.
 """
+
 from __future__ import annotations
 
 import json
@@ -92,8 +93,9 @@ def server():
 
 
 def chat(args: list[str], stdin: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "moe_pipe.cli.main", "chat", *args], input=stdin, capture_output=True,
-                          text=True, timeout=TIMEOUT_S, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "moe_pipe.cli.main", "chat", *args], input=stdin, capture_output=True, text=True, timeout=TIMEOUT_S, env=env
+    )
 
 
 def posts(srv) -> list[dict]:
@@ -102,10 +104,19 @@ def posts(srv) -> list[dict]:
 
 # ------------------------------------------------------------------ pure parts
 
+
 def test_sse_content_reads_deltas_until_done():
-    lines = [b": keep-alive\n", b"\n", b'data: {"choices":[{"delta":{"role":"assistant"}}]}\n', b"\n",
-             b'data: {"choices":[{"delta":{"content":"Hel"}}]}\r\n', b'data:{"choices":[{"delta":{"content":"lo"}}]}\n',
-             b"event: ping\n", b"data: [DONE]\n", b'data: {"choices":[{"delta":{"content":"after"}}]}\n']
+    lines = [
+        b": keep-alive\n",
+        b"\n",
+        b'data: {"choices":[{"delta":{"role":"assistant"}}]}\n',
+        b"\n",
+        b'data: {"choices":[{"delta":{"content":"Hel"}}]}\r\n',
+        b'data:{"choices":[{"delta":{"content":"lo"}}]}\n',
+        b"event: ping\n",
+        b"data: [DONE]\n",
+        b'data: {"choices":[{"delta":{"content":"after"}}]}\n',
+    ]
     assert list(sse_content(lines)) == ["Hel", "lo"]
 
 
@@ -122,6 +133,7 @@ def test_base_url_drops_a_trailing_v1():
 
 # ------------------------------------------------------------- the real command
 
+
 def test_multi_turn_history_and_reset(server):
     r = chat(["--url", server.url, "--temp", "0.5", "-n", "32"], "hello\nhow are you\n/reset\nagain\n")
     assert r.returncode == 0, r.stderr
@@ -130,9 +142,11 @@ def test_multi_turn_history_and_reset(server):
     assert first["model"] == MODEL_ID and first["stream"] is True
     assert (first["temperature"], first["max_tokens"]) == (0.5, 32)
     assert first["messages"] == [{"role": "user", "content": "hello"}]
-    assert second["messages"] == [{"role": "user", "content": "hello"},
-                                  {"role": "assistant", "content": "Reply 1 to hello"},
-                                  {"role": "user", "content": "how are you"}]
+    assert second["messages"] == [
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": "Reply 1 to hello"},
+        {"role": "user", "content": "how are you"},
+    ]
     assert third["messages"] == [{"role": "user", "content": "again"}]
     assert "> " not in r.stdout  # no prompt when stdin is not a terminal
 
@@ -184,8 +198,13 @@ def test_no_server_and_no_model_is_one_line_exit_2():
 
 
 def test_ctrl_c_stops_the_reply_and_keeps_the_chat(server):
-    proc = subprocess.Popen([sys.executable, "-m", "moe_pipe.cli.main", "chat", "--url", server.url], text=True,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moe_pipe.cli.main", "chat", "--url", server.url],
+        text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     try:
         proc.stdin.write("slow\n")
         proc.stdin.flush()

@@ -1,4 +1,5 @@
 """The command line: exit codes, one-line errors, inspect's JSON contract."""
+
 from __future__ import annotations
 
 import json
@@ -11,8 +12,17 @@ from moe_pipe.cli.main import main
 
 from .ggufgen import write_qwen_like
 
-INSPECT_KEYS = {"arch", "n_layer", "n_expert", "n_expert_used", "expert_bytes", "dense_bytes", "file_bytes",
-                "routed_bytes_per_token", "quant_types"}
+INSPECT_KEYS = {
+    "arch",
+    "n_layer",
+    "n_expert",
+    "n_expert_used",
+    "expert_bytes",
+    "dense_bytes",
+    "file_bytes",
+    "routed_bytes_per_token",
+    "quant_types",
+}
 
 
 @pytest.fixture(scope="module")
@@ -51,18 +61,35 @@ def test_bad_file_is_one_line_exit_2(tmp_path):
 def test_unknown_command_and_bad_flag():
     r = subprocess.run([sys.executable, "-m", "moe_pipe.cli.main", "frobnicate"], capture_output=True, text=True)
     assert r.returncode == 2
-    r = subprocess.run([sys.executable, "-m", "moe_pipe.cli.main", "make-model", "--arch", "llama", "-o", "x.gguf"], capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "moe_pipe.cli.main", "make-model", "--arch", "llama", "-o", "x.gguf"], capture_output=True, text=True
+    )
     assert r.returncode == 2 and "invalid choice" in r.stderr
 
 
 # Real-model facts (ARCHITECTURES.md §2.1, §6): what the shape presets must reproduce.
 SHAPE_FACTS = {
-    ("qwen3moe", "qwen30b-shape"): dict(n_layer=48, n_expert=128, n_expert_used=8, per_layer={2654208, 3059712},
-                                        file_gib=17.28, routed_gb=1.10, experts={"Q4_K": 120, "Q6_K": 24}),
-    ("gpt-oss", "gptoss120b-shape"): dict(n_layer=36, n_expert=128, n_expert_used=4, per_layer={13219200 + 34560},
-                                          file_gib=59.02, routed_gb=1.91, experts={"MXFP4": 108, "F32": 108}),
-    ("gemma4", "gemma26b-shape"): dict(n_layer=30, n_expert=128, n_expert_used=8, per_layer={3593216, 4336640},
-                                       file_gib=None, routed_gb=0.95, experts=None),
+    ("qwen3moe", "qwen30b-shape"): dict(
+        n_layer=48,
+        n_expert=128,
+        n_expert_used=8,
+        per_layer={2654208, 3059712},
+        file_gib=17.28,
+        routed_gb=1.10,
+        experts={"Q4_K": 120, "Q6_K": 24},
+    ),
+    ("gpt-oss", "gptoss120b-shape"): dict(
+        n_layer=36,
+        n_expert=128,
+        n_expert_used=4,
+        per_layer={13219200 + 34560},
+        file_gib=59.02,
+        routed_gb=1.91,
+        experts={"MXFP4": 108, "F32": 108},
+    ),
+    ("gemma4", "gemma26b-shape"): dict(
+        n_layer=30, n_expert=128, n_expert_used=8, per_layer={3593216, 4336640}, file_gib=None, routed_gb=0.95, experts=None
+    ),
 }
 
 
@@ -73,12 +100,17 @@ def _inspect_json(path, capsys):
 
 @pytest.mark.parametrize("arch,preset", list(SHAPE_FACTS))
 def test_inspect_shape_presets(arch, preset, tmp_path, capsys):
-    from moe_pipe.shared.makemodel import make_model
+    from moe_pipe.shared.makemodel.maker import make_model
 
     # Full depth and width, data left as a hole: the header and sizes are exact.
     path = make_model(arch, preset, tmp_path / "m.gguf", sparse=True)
     out, facts = _inspect_json(path, capsys), SHAPE_FACTS[(arch, preset)]
-    assert (out["arch"], out["n_layer"], out["n_expert"], out["n_expert_used"]) == (arch, facts["n_layer"], facts["n_expert"], facts["n_expert_used"])
+    assert (out["arch"], out["n_layer"], out["n_expert"], out["n_expert_used"]) == (
+        arch,
+        facts["n_layer"],
+        facts["n_expert"],
+        facts["n_expert_used"],
+    )
     assert set(out["expert_bytes_per_layer"]) == facts["per_layer"]
     assert out["expert_bytes"] == max(facts["per_layer"])
     if facts["file_gib"]:  # llama.cpp's "file size" line is the sum of tensor bytes

@@ -1,4 +1,5 @@
 """Config: the whole schema walked (wrong types, out-of-range values), presets, overrides, docs in step."""
+
 from __future__ import annotations
 
 import argparse
@@ -31,8 +32,7 @@ def one_key(tmp_path: Path, key: C.Key, value_toml: str) -> Path:
 
 def wrong_type(key: C.Key) -> str:
     """A TOML value of the wrong type for this key."""
-    return {"int": '"four"', "float": '"fast"', "bool": "1", "str": "5", "path": "5", "choice": "7",
-            "mb": "true"}[key.spec.kind]
+    return {"int": '"four"', "float": '"fast"', "bool": "1", "str": "5", "path": "5", "choice": "7", "mb": "true"}[key.spec.kind]
 
 
 def out_of_range(key: C.Key) -> list[str]:
@@ -50,6 +50,7 @@ def out_of_range(key: C.Key) -> list[str]:
 
 
 # ---------------------------------------------------------------- the schema walk
+
 
 @pytest.mark.parametrize("key", SCHEMA, ids=lambda k: k.dotted)
 def test_wrong_type_names_key_file_value_and_allowed(tmp_path, key):
@@ -70,7 +71,7 @@ def test_out_of_range_names_key_file_value_and_allowed(tmp_path, key):
             load_config(p, check_model_path=False)
         msg = str(exc.value)
         assert key.dotted in msg and str(p) in msg and "allowed:" in msg, msg
-        assert ("out of range" in msg or "not allowed" in msg), msg
+        assert "out of range" in msg or "not allowed" in msg, msg
         shown = bad.strip('"')
         assert shown in msg or shown.rstrip("0").rstrip(".") in msg, (bad, msg)
 
@@ -117,10 +118,15 @@ def test_schema_shape():
 
 
 def test_types_are_strict(tmp_path):
-    cases = [("compute", "threads", "4.0", "wrong type"), ("compute", "threads", "true", "wrong type"),
-             ("compute", "overlap", '"yes"', "wrong type"), ("cache", "cache_mb", '"lots"', "wrong type"),
-             ("cache", "cache_mb", "nan", "finite"), ("cache", "cache_ceil_mb", "inf", "finite"),
-             ("io", "dense_weights", '"anno"', 'did you mean "anon"')]
+    cases = [
+        ("compute", "threads", "4.0", "wrong type"),
+        ("compute", "threads", "true", "wrong type"),
+        ("compute", "overlap", '"yes"', "wrong type"),
+        ("cache", "cache_mb", '"lots"', "wrong type"),
+        ("cache", "cache_mb", "nan", "finite"),
+        ("cache", "cache_ceil_mb", "inf", "finite"),
+        ("io", "dense_weights", '"anno"', 'did you mean "anon"'),
+    ]
     for table, name, value, want in cases:
         p = write(tmp_path, f"[{table}]\n{name} = {value}\n")
         with pytest.raises(ConfigError, match=re.escape(want)):
@@ -134,15 +140,19 @@ def test_fractional_cache_and_ints_for_floats(tmp_path):
 
 # ---------------------------------------------------------------- unknown names
 
-@pytest.mark.parametrize("text,want", [
-    ("[cache]\ncache_mbb = 5\n", 'unknown key cache.cache_mbb (did you mean "cache_mb"?)'),
-    ("[cach]\ncache_mb = 5\n", 'unknown table [cach] (did you mean "cache"?)'),
-    ("[io]\nthreads = 2\n", 'unknown key io.threads (threads belongs in [compute]; or did you mean "io_threads"?)'),
-    ("cache_mb = 5\n", "key cache_mb must be inside a table: write it under [cache]"),
-    ("[cache]\npolicyy = 1\n", 'did you mean "policy"?'),
-    ("[compute]\nzzz = 1\n", "keys of [compute]: threads, overlap"),
-    ("modle = 1\n", 'unknown top-level key modle (did you mean "model"?)'),
-])
+
+@pytest.mark.parametrize(
+    "text,want",
+    [
+        ("[cache]\ncache_mbb = 5\n", 'unknown key cache.cache_mbb (did you mean "cache_mb"?)'),
+        ("[cach]\ncache_mb = 5\n", 'unknown table [cach] (did you mean "cache"?)'),
+        ("[io]\nthreads = 2\n", 'unknown key io.threads (threads belongs in [compute]; or did you mean "io_threads"?)'),
+        ("cache_mb = 5\n", "key cache_mb must be inside a table: write it under [cache]"),
+        ("[cache]\npolicyy = 1\n", 'did you mean "policy"?'),
+        ("[compute]\nzzz = 1\n", "keys of [compute]: threads, overlap"),
+        ("modle = 1\n", 'unknown top-level key modle (did you mean "model"?)'),
+    ],
+)
 def test_unknown_names_suggest(tmp_path, text, want):
     p = write(tmp_path, text)
     with pytest.raises(ConfigError) as exc:
@@ -176,6 +186,7 @@ def test_cross_check_backoff(tmp_path):
 
 
 # ---------------------------------------------------------------- model path
+
 
 def test_model_path_missing_says_how_to_get_one(tmp_path):
     p = write(tmp_path, '[model]\npath = "nope.gguf"\n')
@@ -229,21 +240,59 @@ def test_presets_comment_every_key():
     for preset in PRESETS:
         for no, line in enumerate(preset.read_text().splitlines(), 1):
             if re.match(r"\s*[a-z_]+\s*=", line) and not line.lstrip().startswith("#"):
-                assert "#" in line or preset.read_text().splitlines()[no - 2].lstrip().startswith("#"), \
+                assert "#" in line or preset.read_text().splitlines()[no - 2].lstrip().startswith("#"), (
                     f"{preset.name}:{no} has no comment: {line}"
+                )
 
 
 # ---------------------------------------------------------------- overrides
 
+
 def test_cli_overrides_apply_without_mutation(tmp_path):
     parser = argparse.ArgumentParser()
     C.add_override_arguments(parser)
-    args = parser.parse_args(["--cache-mb", "0.5", "--cache-ceil-mb", "100", "--io-threads", "1", "-t", "2",
-                              "--no-overlap", "--dense-weights", "warm", "--top-k", "2", "--prefetch", "next-layer",
-                              "--csv", "run.csv", "--policy", "lru", "-c", "512", "-n", "9", "--temp", "0.7",
-                              "--seed", "42", "--no-think", "--port", "0",
-                              "--set", "supervisor.start_secs=2.5", "--set", "model.path=tiny",
-                              "--set", "gateway.api_key=s3cret", "--set", "supervisor.gateway_restart=never"])
+    args = parser.parse_args(
+        [
+            "--cache-mb",
+            "0.5",
+            "--cache-ceil-mb",
+            "100",
+            "--io-threads",
+            "1",
+            "-t",
+            "2",
+            "--no-overlap",
+            "--dense-weights",
+            "warm",
+            "--top-k",
+            "2",
+            "--prefetch",
+            "next-layer",
+            "--csv",
+            "run.csv",
+            "--policy",
+            "lru",
+            "-c",
+            "512",
+            "-n",
+            "9",
+            "--temp",
+            "0.7",
+            "--seed",
+            "42",
+            "--no-think",
+            "--port",
+            "0",
+            "--set",
+            "supervisor.start_secs=2.5",
+            "--set",
+            "model.path=tiny",
+            "--set",
+            "gateway.api_key=s3cret",
+            "--set",
+            "supervisor.gateway_restart=never",
+        ]
+    )
     ov = C.overrides_from_args(args)
     base = load_config(ROOT / "configs" / "qwen30b.toml", check_model_path=False)
     before = base.to_dict()
@@ -267,8 +316,12 @@ def test_flags_left_out_change_nothing():
     C.add_override_arguments(parser)
     assert C.overrides_from_args(parser.parse_args([])) == {}
     args = parser.parse_args(["--overlap", "--think", "--top-k", "none", "--cache-mb", "auto"])
-    assert C.overrides_from_args(args) == {"compute.overlap": True, "generate.no_think": False,
-                                           "compute.top_k": None, "cache.cache_mb": "auto"}
+    assert C.overrides_from_args(args) == {
+        "compute.overlap": True,
+        "generate.no_think": False,
+        "compute.top_k": None,
+        "cache.cache_mb": "auto",
+    }
 
 
 def test_add_override_arguments_subset():
@@ -300,6 +353,7 @@ def test_set_errors(tmp_path):
 
 # ---------------------------------------------------------------- docs cannot drift
 
+
 def _documented_keys(text: str) -> set[str]:
     keys, table = set(), None
     for line in text.splitlines():
@@ -315,9 +369,10 @@ def _documented_keys(text: str) -> set[str]:
 def test_docs_list_exactly_the_schema():
     text = (ROOT / "docs" / "configuration.md").read_text()
     documented = _documented_keys(text)
-    assert documented == set(KEYS), (f"undocumented: {sorted(set(KEYS) - documented)}; "
-                                     f"documented but not in the schema: {sorted(documented - set(KEYS))}")
-    block = text[text.index(C.DOCS_BEGIN):text.index(C.DOCS_END) + len(C.DOCS_END)]
+    assert documented == set(KEYS), (
+        f"undocumented: {sorted(set(KEYS) - documented)}; documented but not in the schema: {sorted(documented - set(KEYS))}"
+    )
+    block = text[text.index(C.DOCS_BEGIN) : text.index(C.DOCS_END) + len(C.DOCS_END)]
     assert block == C.reference_markdown(), "docs/configuration.md is stale: run python -m moe_pipe.shared.config --docs"
 
 
@@ -326,6 +381,7 @@ def test_docs_list_exactly_the_schema():
 # Every key, every kind of bad value it can be given, by each way a user can
 # give it: a TOML file, --set, and the key's own flag. Each must end in exit
 # code 2 and one line naming the key, the value and what is allowed.
+
 
 def bad_values(key: C.Key) -> list[str]:
     """TOML literals this key must refuse: the wrong type, out of range / not allowed, and for text keys a
@@ -384,8 +440,10 @@ def ways_to_give(key: C.Key, literal: str, tmp_path: Path) -> list[tuple[list[st
     """(moe-pipe arguments, where the error must say it came from, the value as given) for each way
     to give this bad value."""
     value = tomllib.loads(f"v = {literal}")["v"]
-    ways = [(["up", str(one_key(tmp_path, key, literal))], f"{tmp_path / 'c.toml'}:3: ", value),
-            (["up", "--set", f"{key.dotted}={literal}"], "--set: ", value)]
+    ways = [
+        (["up", str(one_key(tmp_path, key, literal))], f"{tmp_path / 'c.toml'}:3: ", value),
+        (["up", "--set", f"{key.dotted}={literal}"], "--set: ", value),
+    ]
     text = flag_text(key, literal) if key.spec.flags and key.spec.kind != "bool" else None
     if text is not None:
         ways.append((["up", f"{key.spec.flags[-1]}={text}"], f"{'/'.join(key.spec.flags)}: ", text))
@@ -406,10 +464,10 @@ def test_every_key_every_bad_value_every_way_is_one_line_exit_2(key, tmp_path, c
 
 
 def test_malformed_toml_by_the_command_line_names_the_line(tmp_path, cli):
-    p = write(tmp_path, '[cache]\ncache_mb = 5\n\n[io]\nio_threads = = 3\n')
+    p = write(tmp_path, "[cache]\ncache_mb = 5\n\n[io]\nio_threads = = 3\n")
     code, line = cli("up", str(p))
     assert code == 2 and line.startswith(f"moe-pipe: error: {p}:5: invalid TOML"), line
-    code, line = cli("run", str(write(tmp_path, '[cache\n', "open.toml")), "-p", "hi")
+    code, line = cli("run", str(write(tmp_path, "[cache\n", "open.toml")), "-p", "hi")
     assert code == 2 and f"{tmp_path / 'open.toml'}:1:" in line, line
 
 
@@ -426,7 +484,7 @@ def test_config_file_missing_or_a_folder(tmp_path, cli):
 def test_unknown_keys_by_the_command_line_suggest(tmp_path, cli):
     code, line = cli("up", "--set", "cache.cache_mbb=5")
     assert code == 2 and 'unknown key cache.cache_mbb (did you mean "cache_mb"?)' in line
-    code, line = cli("up", str(write(tmp_path, "[generate]\nchat_templat = \"plain\"\n")))
+    code, line = cli("up", str(write(tmp_path, '[generate]\nchat_templat = "plain"\n')))
     assert code == 2 and 'did you mean "chat_template"?' in line and f"{tmp_path / 'c.toml'}:2:" in line
 
 
@@ -462,6 +520,7 @@ def test_text_values_stay_on_one_line(tmp_path):
 
 # ---------------------------------------------------------------- chat_template
 
+
 def test_chat_template_words_and_files(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     for word in ("model", "plain"):
@@ -475,7 +534,9 @@ def test_chat_template_words_and_files(tmp_path, monkeypatch):
     assert load_config(None, {"generate.chat_template": "./plain.jinja"}, check_model_path=False)  # not checked
     with pytest.raises(ConfigError) as exc:
         load_config(write(tmp_path, '[generate]\nchat_template = "absent.jinja"\n'))
-    assert str(exc.value) == (f'{tmp_path / "c.toml"}: generate.chat_template = "{tmp_path / "absent.jinja"}": no such file; '
-                              'allowed: "model", "plain" or a file path')
+    assert str(exc.value) == (
+        f'{tmp_path / "c.toml"}: generate.chat_template = "{tmp_path / "absent.jinja"}": no such file; '
+        'allowed: "model", "plain" or a file path'
+    )
     with pytest.raises(ConfigError, match="chat_template = .*: is a folder"):
         load_config(None, {"generate.chat_template": str(tmp_path)})

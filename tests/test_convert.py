@@ -6,6 +6,7 @@ GGUF tensor is read back with gguf-py and dequantized with gguf.quants.
 llama.cpp (oracle marker) must load the files, tokenize like the HF
 tokenizer and predict the same greedy next token as transformers.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,10 +19,10 @@ from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader
 from gguf.quants import dequantize, quantize
 
-from moe_pipe.shared.convert import convert, tensor_qtype
-from moe_pipe.shared.convert_arch import Out
+from moe_pipe.shared.convert.arch import Out
+from moe_pipe.shared.convert.converter import convert, tensor_qtype
 from moe_pipe.shared.errors import UserError
-from moe_pipe.shared.model_file import open_model
+from moe_pipe.shared.gguf.model_file import open_model
 
 torch = pytest.importorskip("torch", reason="the tiny HF checkpoints are built with torch")
 transformers = pytest.importorskip("transformers", reason="the tiny HF checkpoints are built with transformers")
@@ -105,14 +106,23 @@ def expected_tensors(arch: str, hf_dir: Path) -> dict[str, np.ndarray]:
             E[b + "ffn_down_exps.bias"] = g("mlp.experts.down_proj_bias")
         else:
             names = {
-                "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
-                "post_attention_norm.weight": "post_attention_layernorm.weight", "ffn_norm.weight": "pre_feedforward_layernorm.weight",
-                "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight",
-                "post_ffw_norm_1.weight": "post_feedforward_layernorm_1.weight", "pre_ffw_norm_2.weight": "pre_feedforward_layernorm_2.weight",
-                "post_ffw_norm_2.weight": "post_feedforward_layernorm_2.weight", "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
-                "ffn_gate_inp.weight": "router.proj.weight", "ffn_gate_inp.scale": "router.scale",
-                "ffn_gate_up_exps.weight": "experts.gate_up_proj", "ffn_down_exps.weight": "experts.down_proj",
-                "ffn_down_exps.scale": "router.per_expert_scale", "layer_output_scale.weight": "layer_scalar",
+                "attn_q_norm.weight": "self_attn.q_norm.weight",
+                "attn_k_norm.weight": "self_attn.k_norm.weight",
+                "post_attention_norm.weight": "post_attention_layernorm.weight",
+                "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+                "ffn_gate.weight": "mlp.gate_proj.weight",
+                "ffn_up.weight": "mlp.up_proj.weight",
+                "ffn_down.weight": "mlp.down_proj.weight",
+                "post_ffw_norm_1.weight": "post_feedforward_layernorm_1.weight",
+                "pre_ffw_norm_2.weight": "pre_feedforward_layernorm_2.weight",
+                "post_ffw_norm_2.weight": "post_feedforward_layernorm_2.weight",
+                "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+                "ffn_gate_inp.weight": "router.proj.weight",
+                "ffn_gate_inp.scale": "router.scale",
+                "ffn_gate_up_exps.weight": "experts.gate_up_proj",
+                "ffn_down_exps.weight": "experts.down_proj",
+                "ffn_down_exps.scale": "router.per_expert_scale",
+                "layer_output_scale.weight": "layer_scalar",
             }
             for gg, hfn in names.items():
                 E[b + gg] = g(hfn)
@@ -187,7 +197,11 @@ def test_spec_matches_hf_config(arch, outtype, hf, gguf):
     assert s.rms_eps == pytest.approx(cfg["rms_norm_eps"])
     assert s.n_ctx_train == cfg["max_position_embeddings"]
     if arch == "qwen3moe":
-        assert (s.n_expert, s.n_expert_used, s.n_ff_exp) == (cfg.get("num_experts") or cfg["num_local_experts"], cfg["num_experts_per_tok"], cfg["moe_intermediate_size"])
+        assert (s.n_expert, s.n_expert_used, s.n_ff_exp) == (
+            cfg.get("num_experts") or cfg["num_local_experts"],
+            cfg["num_experts_per_tok"],
+            cfg["moe_intermediate_size"],
+        )
         assert s.n_head_kv == (cfg["num_key_value_heads"],) * L and s.head_dim_k == (cfg["head_dim"],) * L
         assert s.rope.freq_base == cfg["rope_parameters"]["rope_theta"] and s.rope.scaling == "none"
         assert not s.tied_output and s.sliding_window == 0 and not any(s.swa_layers)
@@ -195,14 +209,24 @@ def test_spec_matches_hf_config(arch, outtype, hf, gguf):
         rp = cfg["rope_parameters"]
         assert (s.n_expert, s.n_expert_used, s.n_ff_exp) == (cfg["num_local_experts"], cfg["num_experts_per_tok"], cfg["intermediate_size"])
         assert s.n_head_kv == (cfg["num_key_value_heads"],) * L and s.head_dim_k == (cfg["head_dim"],) * L
-        assert (s.rope.freq_base, s.rope.scaling, s.rope.factor, s.rope.orig_ctx) == (rp["rope_theta"], "yarn", rp["factor"], rp["original_max_position_embeddings"])
+        assert (s.rope.freq_base, s.rope.scaling, s.rope.factor, s.rope.orig_ctx) == (
+            rp["rope_theta"],
+            "yarn",
+            rp["factor"],
+            rp["original_max_position_embeddings"],
+        )
         assert s.sliding_window == cfg["sliding_window"]
         assert s.swa_layers == tuple(t == "sliding_attention" for t in cfg["layer_types"])
         assert s.expert_bias and not s.tied_output
     else:
         swa = tuple(t == "sliding_attention" for t in cfg["layer_types"])
         full = cfg["per_layer_config"][str(swa.index(False))]
-        assert (s.n_expert, s.n_expert_used, s.n_ff_exp, s.n_ff) == (cfg["num_experts"], cfg["top_k_experts"], cfg["moe_intermediate_size"], cfg["intermediate_size"])
+        assert (s.n_expert, s.n_expert_used, s.n_ff_exp, s.n_ff) == (
+            cfg["num_experts"],
+            cfg["top_k_experts"],
+            cfg["moe_intermediate_size"],
+            cfg["intermediate_size"],
+        )
         assert s.swa_layers == swa and s.sliding_window == cfg["sliding_window"]
         assert s.n_head_kv == tuple(cfg["num_key_value_heads"] if w else full["num_key_value_heads"] for w in swa)
         assert s.head_dim_k == s.head_dim_v == tuple(cfg["head_dim"] if w else full["head_dim"] for w in swa)
@@ -223,7 +247,15 @@ def test_tokenizer_and_chat_template_carried(arch, hf, gguf):
         assert tokens[i] == t
     for a in tj["added_tokens"]:
         assert tokens[a["id"]] == a["content"]
-        if arch == "gemma4" and a["content"] in ("<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", "<|tool_response>", "<tool_response|>", '<|"|>'):
+        if arch == "gemma4" and a["content"] in (
+            "<|channel>",
+            "<channel|>",
+            "<|tool_call>",
+            "<tool_call|>",
+            "<|tool_response>",
+            "<tool_response|>",
+            '<|"|>',
+        ):
             assert types[a["id"]] == 4  # kept visible, as llama.cpp's converter does
         elif a["content"] != "<unk>":
             assert types[a["id"]] == (3 if a["special"] else 4), a["content"]
@@ -417,7 +449,9 @@ def test_llama_cpp_greedy_next_token_matches_transformers(arch, hf, gguf):
             llm.reset()
             llm.eval(ids)
             got = np.asarray(llm.scores[len(ids) - 1])
-            assert int(got.argmax()) == int(want.argmax()), f"{text!r}: llama.cpp {got.argmax()} vs HF {want.argmax()}, max |diff| {np.abs(got - want).max():.4f}"
+            assert int(got.argmax()) == int(want.argmax()), (
+                f"{text!r}: llama.cpp {got.argmax()} vs HF {want.argmax()}, max |diff| {np.abs(got - want).max():.4f}"
+            )
     finally:
         llm.close()
 
@@ -443,7 +477,7 @@ def test_llama_cpp_runs_the_mxfp4_conversion_like_the_dequantized_twin(hf, tmp_p
 
 
 def test_row_slabs_do_not_change_the_bytes(hf, gguf, tmp_path, monkeypatch):
-    from moe_pipe.shared import convert_arch
+    from moe_pipe.shared.convert import arch as convert_arch
 
     monkeypatch.setattr(convert_arch, "_SLAB_ELEMS", 100)  # 2-D tensors in 1-2 row slabs
     a, b = read_tensors(convert(hf["gemma4"], tmp_path / "slabs.gguf", "q8_0")), read_tensors(gguf("gemma4", "q8_0"))

@@ -1,4 +1,5 @@
 """Reading experts and the dense set into page-aligned shared memory, O_DIRECT and buffered."""
+
 from __future__ import annotations
 
 import errno
@@ -12,12 +13,12 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 
-from moe_pipe.shared import directio
-from moe_pipe.shared.directio import DiskReadError, ExpertFiles, aligned_buffer, expert_view, placement_for
-from moe_pipe.shared.layout import PAGE, Extent, aligned_bytes
+from moe_pipe.shared.experts import directio
+from moe_pipe.shared.experts.directio import DiskReadError, ExpertFiles, aligned_buffer, expert_view, placement_for
+from moe_pipe.shared.experts.shm import SlabArena, segment_name
+from moe_pipe.shared.gguf.layout import PAGE, Extent, aligned_bytes
+from moe_pipe.shared.gguf.model_file import open_model
 from moe_pipe.shared.model.weights import FileExperts
-from moe_pipe.shared.model_file import open_model
-from moe_pipe.shared.shm import SlabArena, segment_name
 
 from .ggufgen import write_qwen_like
 
@@ -65,14 +66,13 @@ def direct_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def models(direct_dir):
-    from moe_pipe.shared.makemodel import make_model
+    from moe_pipe.shared.makemodel.maker import make_model
 
     return {
         "gpt-oss": make_model("gpt-oss", "tiny", direct_dir / "gptoss.gguf"),
         "qwen3moe": make_model("qwen3moe", "tiny", direct_dir / "qwen.gguf"),
         # 64-aligned tensors and Q4_0 strides that are not page multiples
-        "align64": write_qwen_like(direct_dir / "a64.gguf", n_layer=2, n_expert=6, n_embd=128, n_ff=96,
-                                   alignment=64, expert_qtype=QT.Q4_0),
+        "align64": write_qwen_like(direct_dir / "a64.gguf", n_layer=2, n_expert=6, n_embd=128, n_ff=96, alignment=64, expert_qtype=QT.Q4_0),
     }
 
 
@@ -144,7 +144,7 @@ def test_open_refusal_falls_back_and_says_so_once(models, arena, monkeypatch, ca
         return real_open(path, flags, *a)
 
     monkeypatch.setattr(directio.os, "open", no_direct)
-    with caplog.at_level(logging.WARNING, logger="moe_pipe.shared.directio"):
+    with caplog.at_level(logging.WARNING, logger="moe_pipe.shared.experts.directio"):
         with open_model(models["qwen3moe"]) as mf, ExpertFiles(mf.gguf.paths * 2) as ef:  # two shards, one report
             assert not ef.direct and "at open" in ef.fallback_reason
             check_every_expert(mf, ef, arena)
@@ -160,7 +160,7 @@ def test_read_refusal_on_first_read_falls_back(models, arena, caplog):
             raise OSError(errno.EINVAL, "Invalid argument")
 
     directio.set_fault_hook(einval_once)
-    with caplog.at_level(logging.WARNING, logger="moe_pipe.shared.directio"):
+    with caplog.at_level(logging.WARNING, logger="moe_pipe.shared.experts.directio"):
         with open_model(models["gpt-oss"]) as mf, ExpertFiles(mf.gguf.paths) as ef:
             assert ef.direct
             check_every_expert(mf, ef, arena)
@@ -356,6 +356,7 @@ def test_odirect_refusal_hook_falls_back_at_open(models, arena, monkeypatch, cap
 
 # -- the buffered fallback leaves no page cache behind --------------------------------
 
+
 def resident_pages(path: Path, offset: int, length: int) -> int:
     """Pages of [offset, offset+length) of `path` in the page cache: mincore on a
     mapping of the range (mapping and mincore fault nothing in)."""
@@ -419,6 +420,7 @@ def test_buffered_fallback_drops_the_pages_it_read(models, arena, monkeypatch):
 
 
 # -- which file -------------------------------------------------------------------------
+
 
 def test_file_identity_tells_the_same_file_from_changed_ones(models, tmp_path):
     src = Path(models["gpt-oss"])

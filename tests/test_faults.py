@@ -7,6 +7,7 @@ Three levels: the reader driven in this process (deterministic: a fault hook
 holds or fails one read while the test looks at the slot table and the
 residency index), `moe-pipe run` in a subprocess, and `moe-pipe up` with a
 real client."""
+
 from __future__ import annotations
 
 import json
@@ -24,11 +25,11 @@ import psutil
 import pytest
 
 from moe_pipe.procs import supervisor as sup
-from moe_pipe.procs.reader import FAULT_CHECK_S
-from moe_pipe.procs.reader import read_io_status
-from moe_pipe.shared import directio, messages as m
+from moe_pipe.procs.reader import FAULT_CHECK_S, read_io_status
 from moe_pipe.shared.config import load_config
-from moe_pipe.shared.default_model import default_model_path
+from moe_pipe.shared.experts import directio
+from moe_pipe.shared.makemodel.default_model import default_model_path
+from moe_pipe.shared.wire import messages as m
 
 from .readerhelp import Harness, harness, hold_reads_of, model, no_fault_hook  # noqa: F401 (fixtures)
 from .servicehelp import StatusPolling
@@ -180,6 +181,7 @@ def test_a_file_unlinked_while_open_is_still_read(harness, model):
 
 # ---------------------------------------------------------------- the supervisor's watch, pure
 
+
 def test_fatal_children_retry_only_once_the_model_file_changed_and_settled(tmp_path):
     path = tmp_path / "m.gguf"
     s = sup.Supervisor(load_config(None), path)  # never started: _spawn is the test's
@@ -212,6 +214,7 @@ def test_fatal_children_retry_only_once_the_model_file_changed_and_settled(tmp_p
 
 
 # ---------------------------------------------------------------- moe-pipe run
+
 
 def run_cli(*args: str, env_extra: dict | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
     env = {**os.environ, **(env_extra or {})}
@@ -258,9 +261,27 @@ def test_run_with_o_direct_refused_falls_back_to_the_same_tokens(model, fault, w
 
 
 def test_run_fails_clearly_when_the_model_file_shrinks_mid_run(model):
-    proc = subprocess.Popen([*CLI, "run", CONFIG, "--set", f"model.path={model}", "-p", "Once upon a time",
-                             "-n", "100000", "--ignore-eos", "--set", "compute.ctx_size=200000", *SMALL_CACHE],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    proc = subprocess.Popen(
+        [
+            *CLI,
+            "run",
+            CONFIG,
+            "--set",
+            f"model.path={model}",
+            "-p",
+            "Once upon a time",
+            "-n",
+            "100000",
+            "--ignore-eos",
+            "--set",
+            "compute.ctx_size=200000",
+            *SMALL_CACHE,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and not _has_child(proc.pid, "moe-compute"):
@@ -285,6 +306,7 @@ def _has_child(pid: int, name: str) -> bool:
 
 
 # ---------------------------------------------------------------- moe-pipe up
+
 
 class Service(StatusPolling):
     """`moe-pipe up --detach` of the tiny config on a model copy, in a private runtime base."""
@@ -312,10 +334,10 @@ class Service(StatusPolling):
 
     def chat(self, prompt: str, n: int = 24) -> tuple[int, str]:
         """(HTTP status, the answer's text or the error message)."""
-        body = json.dumps({"model": MODEL_NAME, "messages": [{"role": "user", "content": prompt}], "max_tokens": n,
-                           "temperature": 0}).encode()
-        req = urllib.request.Request(self.url + "/v1/chat/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
+        body = json.dumps(
+            {"model": MODEL_NAME, "messages": [{"role": "user", "content": prompt}], "max_tokens": n, "temperature": 0}
+        ).encode()
+        req = urllib.request.Request(self.url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(req, timeout=180) as resp:
                 return resp.status, json.loads(resp.read())["choices"][0]["message"]["content"]
@@ -323,8 +345,7 @@ class Service(StatusPolling):
             return e.code, json.loads(e.read())["error"]["message"]
 
     def reference(self, prompt: str, n: int = 24) -> str:
-        r = run_cli("run", CONFIG, *self.common, "-p", prompt, "-n", str(n), "--chat", "--no-stream",
-                    "--output-format", "json")
+        r = run_cli("run", CONFIG, *self.common, "-p", prompt, "-n", str(n), "--chat", "--no-stream", "--output-format", "json")
         assert r.returncode == 0, r.stderr
         return json.loads(r.stdout)["text"]
 

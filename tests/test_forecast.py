@@ -1,6 +1,7 @@
 """`moe-pipe doctor`: the forecast's header facts, memory verdicts and hit rates on
 header-only full-width models, the per-token arithmetic on hand-made figures, the
 measuring part with tiny durations, and the CLI's JSON contract."""
+
 from __future__ import annotations
 
 import json
@@ -10,13 +11,13 @@ from pathlib import Path
 import pytest
 
 from moe_pipe.cli.main import main
-from moe_pipe.shared import forecast as fc
-from moe_pipe.shared.budget import MemoryProbe
+from moe_pipe.shared.analysis import forecast as fc
 from moe_pipe.shared.config import load_config
-from moe_pipe.shared.default_model import default_model_path
-from moe_pipe.shared.makemodel import make_model
-from moe_pipe.shared.model_file import open_model
-from moe_pipe.shared.trace import read_trace
+from moe_pipe.shared.experts.budget import MemoryProbe
+from moe_pipe.shared.gguf.model_file import open_model
+from moe_pipe.shared.makemodel.default_model import default_model_path
+from moe_pipe.shared.makemodel.maker import make_model
+from moe_pipe.shared.model.trace import read_trace
 
 MiB = 1 << 20
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,8 +50,9 @@ def fit_at(path, mem_limit_mb, **overrides) -> fc.MemoryFit:
 
 # ---------------------------------------------------------------- the header
 
+
 def test_facts_from_the_header_match_the_layout():
-    from moe_pipe.procs.pipeline import kv_cache_bytes
+    from moe_pipe.shared.gguf.spec import kv_cache_bytes
 
     path = default_model_path()
     with open_model(path) as mf:
@@ -63,8 +65,11 @@ def test_facts_from_the_header_match_the_layout():
         assert f.kv_bytes == kv_cache_bytes(spec, 1024)
         # every expert product of a token, k per layer; the dense products but not the embedding lookup
         experts = sum(spec.n_expert_used * p.shape[0] * p.shape[1] for l in lay.layers for p in l.parts)
-        dense = sum(t.shape[0] * t.shape[1] for t in mf.gguf.tensors.values() if len(t.shape) == 2
-                    and t.name not in lay.expert_tensor_names and t.name != "token_embd.weight")
+        dense = sum(
+            t.shape[0] * t.shape[1]
+            for t in mf.gguf.tensors.values()
+            if len(t.shape) == 2 and t.name not in lay.expert_tensor_names and t.name != "token_embd.weight"
+        )
     assert sum(c.weights_per_token for c in f.classes if c.role == "expert") == experts
     assert sum(c.weights_per_token for c in f.classes if c.role == "dense") == dense
 
@@ -84,6 +89,7 @@ def test_a_trace_driven_run_is_forecast_at_the_traces_k(qwen8):
 
 
 # ---------------------------------------------------------------- memory
+
 
 def test_refuses_with_the_limit_that_works_and_fits_at_it(qwen8):
     no = fit_at(qwen8, 1024)
@@ -114,6 +120,7 @@ def test_resident_when_every_expert_fits_and_streaming_below(qwen8, qwen48):
 
 
 # ---------------------------------------------------------------- hit rate
+
 
 def test_hit_rate_comes_from_the_trace_and_rises_with_the_cache(qwen48):
     f = facts_of(qwen48)
@@ -146,16 +153,16 @@ def test_fallback_without_a_trace_is_the_cached_fraction(tmp_path):
 
 # ---------------------------------------------------------------- the arithmetic
 
-CLASSES = (fc.KernelClass("expert", "Q4_K", 768, 2048, 300_000_000),
-           fc.KernelClass("dense", "Q6_K", 151936, 2048, 400_000_000))
+CLASSES = (fc.KernelClass("expert", "Q4_K", 768, 2048, 300_000_000), fc.KernelClass("dense", "Q6_K", 151936, 2048, 400_000_000))
 RATES = {CLASSES[0].key: 30e9, CLASSES[1].key: 20e9}  # 10 ms + 20 ms of kernels
 
 
 def test_decode_speed_follows_the_pipeline_layer_by_layer():
     # experts 10 ms, dense 20 + 8 × 0.5 = 24 ms; io = (1 - 0.8) × 200 MB / 1 GB/s = 40 ms (5 ms a layer);
     # a layer: max(1.25, 5 + 1.25 / 4) + 1 ms wire  →  wall = 24 + 8 × 6.3125 = 74.5 ms
-    s = fc.decode_speed(CLASSES, RATES, n_layer=8, top_k=4, hit_pct=80, read_bytes_per_token=200_000_000,
-                        read_gbps=1.0, overhead_s=0.5e-3, wire_s=1e-3)
+    s = fc.decode_speed(
+        CLASSES, RATES, n_layer=8, top_k=4, hit_pct=80, read_bytes_per_token=200_000_000, read_gbps=1.0, overhead_s=0.5e-3, wire_s=1e-3
+    )
     assert s.kernel_s == pytest.approx(0.030)
     assert s.compute_s == pytest.approx(0.034)
     assert s.io_s == pytest.approx(0.040)
@@ -163,24 +170,28 @@ def test_decode_speed_follows_the_pipeline_layer_by_layer():
     assert s.tok_s == pytest.approx(1 / 0.0745)
     assert s.bottleneck == "flash" and s.overlap_factor == pytest.approx(0.0745 / 0.040)
     # faster reads: the experts' compute hides them, the layer costs its experts
-    s = fc.decode_speed(CLASSES, RATES, n_layer=8, top_k=4, hit_pct=99, read_bytes_per_token=200_000_000,
-                        read_gbps=10.0, overhead_s=0.5e-3, wire_s=1e-3)
+    s = fc.decode_speed(
+        CLASSES, RATES, n_layer=8, top_k=4, hit_pct=99, read_bytes_per_token=200_000_000, read_gbps=10.0, overhead_s=0.5e-3, wire_s=1e-3
+    )
     assert s.wall_s == pytest.approx(0.024 + 8 * (0.00125 + 0.001))
 
 
 def test_decode_speed_compute_bound_resident_and_memory_bound():
-    s = fc.decode_speed(CLASSES, RATES, n_layer=8, top_k=4, hit_pct=100, read_bytes_per_token=200_000_000,
-                        read_gbps=1.0, overhead_s=0.5e-3)
+    s = fc.decode_speed(CLASSES, RATES, n_layer=8, top_k=4, hit_pct=100, read_bytes_per_token=200_000_000, read_gbps=1.0, overhead_s=0.5e-3)
     assert s.io_s == 0 and s.overlap_factor == 1.0 and s.wall_s == pytest.approx(0.034)
     assert s.bottleneck == "compute" and s.tok_s == pytest.approx(1 / 0.034)
-    s = fc.decode_speed(CLASSES, RATES, n_layer=8, top_k=4, hit_pct=95, read_bytes_per_token=200_000_000,
-                        read_gbps=2.0, overhead_s=0.5e-3)  # io 5 ms < compute 34 ms
+    s = fc.decode_speed(
+        CLASSES, RATES, n_layer=8, top_k=4, hit_pct=95, read_bytes_per_token=200_000_000, read_gbps=2.0, overhead_s=0.5e-3
+    )  # io 5 ms < compute 34 ms
     assert s.bottleneck == "compute" and s.wall_s > s.compute_s
-    assert fc.decode_speed(CLASSES, RATES, n_layer=8, top_k=4, hit_pct=95, read_bytes_per_token=1, read_gbps=1.0,
-                           at_floor=True).bottleneck == "memory"
+    assert (
+        fc.decode_speed(CLASSES, RATES, n_layer=8, top_k=4, hit_pct=95, read_bytes_per_token=1, read_gbps=1.0, at_floor=True).bottleneck
+        == "memory"
+    )
 
 
 # ---------------------------------------------------------------- measuring (tiny durations)
+
 
 def test_measure_reads_and_kernels_briefly():
     with open_model(default_model_path()) as mf:
@@ -199,12 +210,12 @@ def test_a_header_only_file_is_not_measured(qwen8):
 
 # ---------------------------------------------------------------- the CLI
 
+
 def _documented_keys() -> set[str]:
     doc = (ROOT / "docs" / "cli.md").read_text()
     section = doc.split("\n## doctor\n", 1)[1].split("\n## ", 1)[0]
     table = section.split("`--json` keys", 1)[1]
-    return {k for line in table.splitlines() if line.startswith("| `")
-            for k in re.findall(r"`([a-z0-9_]+)`", line.split("|")[1])}
+    return {k for line in table.splitlines() if line.startswith("| `") for k in re.findall(r"`([a-z0-9_]+)`", line.split("|")[1])}
 
 
 def test_cli_json_has_the_documented_keys(capsys):

@@ -15,6 +15,7 @@ Three kinds of test:
 This module imports nothing relative (no `.ggufgen`) so that the bench runner
 can load it by path and fuzz the very same target.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -30,9 +31,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gguf import GGML_QUANT_SIZES
+from gguf import GGML_QUANT_SIZES, GGUFReader
 from gguf import GGMLQuantizationType as QT
-from gguf import GGUFReader
 from gguf import GGUFValueType as VT
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -40,10 +40,10 @@ from hypothesis import strategies as st
 from moe_pipe.cli.inspect_cmd import summary
 from moe_pipe.cli.main import main
 from moe_pipe.shared.errors import GGUFError
-from moe_pipe.shared.gguf_file import MAX_ARRAY_ELEMENTS, MAX_KEYS, MAX_TENSORS, GGUFFile
-from moe_pipe.shared.makemodel import make_model
-from moe_pipe.shared.model import load_model
-from moe_pipe.shared.model_file import open_model
+from moe_pipe.shared.gguf.model_file import open_model
+from moe_pipe.shared.gguf.reader import MAX_ARRAY_ELEMENTS, MAX_KEYS, MAX_TENSORS, GGUFFile
+from moe_pipe.shared.makemodel.maker import make_model
+from moe_pipe.shared.model.load import load_model
 
 CORPUS = Path(__file__).resolve().parent / "fuzz_corpus"
 ARCHS = ("qwen3moe", "gpt-oss", "gemma4")
@@ -61,8 +61,7 @@ def make_seeds(folder: Path, quant: str = "Q8_0") -> dict[str, Path]:
     ~70-80 KB so a mutated copy is cheap to write: headers are 14-18 KB."""
     seeds = {}
     for arch in ARCHS:
-        ov = dict(vocab_size=512, n_bpe=8, n_embd=32, n_ff_exp=32, n_ff=32, n_expert=2, n_expert_used=1,
-                  n_head=2, n_head_kv=1, head_dim=32)
+        ov = dict(vocab_size=512, n_bpe=8, n_embd=32, n_ff_exp=32, n_ff=32, n_expert=2, n_expert_used=1, n_head=2, n_head_kv=1, head_dim=32)
         if arch == "gemma4":
             ov.update(head_dim_full=32, n_head_kv_full=1)
         if arch == "gpt-oss":
@@ -78,6 +77,7 @@ class Broken(AssertionError):
 @contextmanager
 def time_limit(seconds: float):
     """Turn a hang into a failure instead of a stuck test run (main thread only)."""
+
     def _alarm(signum, frame):
         raise Broken(f"hang: no answer in {seconds} s")
 
@@ -128,8 +128,10 @@ def check_byte_map(mf) -> None:
     for (s1, _, e1), (s2, o2, _) in zip(dense, dense[1:]):
         assert s1 != s2 or e1 < o2, "dense extents must be merged: disjoint and not touching"
     for shard in range(len(f.paths)):  # dense extents and expert tensors tile each data section exactly
-        pieces = sorted([(o, e) for s, o, e in dense if s == shard]
-                        + [(t.offset, t.end) for t in f.tensors.values() if t.shard == shard and t.name in lay.expert_tensor_names])
+        pieces = sorted(
+            [(o, e) for s, o, e in dense if s == shard]
+            + [(t.offset, t.end) for t in f.tensors.values() if t.shard == shard and t.name in lay.expert_tensor_names]
+        )
         cursor = f.data_start(shard)
         for o, e in pieces:
             assert o == cursor and e > o, (shard, o, e, cursor)
@@ -161,8 +163,39 @@ def check_one(path: Path) -> str:
 
 
 # Values that tend to break length and offset arithmetic.
-INTERESTING = (0, 1, 2, 3, 4, 7, 8, 16, 31, 32, 33, 63, 64, 127, 128, 255, 256, 1024, 4096, 2**15, 2**16 - 1, 2**16,
-               2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**40, 2**60, 2**63 - 1, 2**63, 2**64 - 1)
+INTERESTING = (
+    0,
+    1,
+    2,
+    3,
+    4,
+    7,
+    8,
+    16,
+    31,
+    32,
+    33,
+    63,
+    64,
+    127,
+    128,
+    255,
+    256,
+    1024,
+    4096,
+    2**15,
+    2**16 - 1,
+    2**16,
+    2**31 - 1,
+    2**31,
+    2**32 - 1,
+    2**32,
+    2**40,
+    2**60,
+    2**63 - 1,
+    2**63,
+    2**64 - 1,
+)
 
 
 @dataclass(frozen=True)
@@ -271,14 +304,16 @@ class Rebuild:
     extra_kvs: list[bytes] = field(default_factory=list)  # raw records appended as they are
 
     @classmethod
-    def read(cls, path: Path) -> "Rebuild":
+    def read(cls, path: Path) -> Rebuild:
         r, raw = GGUFReader(path), path.read_bytes()
         kvs = {}
         for f in r.fields.values():
             if not f.name.startswith("GGUF."):
                 kvs[f.name] = raw[f.offset : f.offset + sum(int(p.nbytes) for p in f.parts)]
-        tensors = [dict(name=t.name.encode(), dims=[int(d) for d in t.field.parts[3]], type=int(t.tensor_type),
-                        offset=int(t.field.parts[5][0])) for t in r.tensors]
+        tensors = [
+            dict(name=t.name.encode(), dims=[int(d) for d in t.field.parts[3]], type=int(t.tensor_type), offset=int(t.field.parts[5][0]))
+            for t in r.tensors
+        ]
         return cls(kvs, tensors, raw[r.data_offset :], int(r.alignment))
 
     def tensor(self, name: str) -> dict:
@@ -286,10 +321,23 @@ class Rebuild:
 
     def encode(self) -> bytes:
         records = list(self.kvs.values()) + self.extra_kvs
-        infos = b"".join(u64(t.get("name_len", len(t["name"]))) + t["name"] + u32(t.get("n_dims", len(t["dims"])))
-                         + b"".join(u64(d) for d in t["dims"]) + u32(t["type"]) + u64(t["offset"]) for t in self.tensors)
-        head = (b"GGUF" + u32(self.version) + u64(len(self.tensors) if self.n_tensors is None else self.n_tensors)
-                + u64(len(records) if self.n_kvs is None else self.n_kvs) + b"".join(records) + infos)
+        infos = b"".join(
+            u64(t.get("name_len", len(t["name"])))
+            + t["name"]
+            + u32(t.get("n_dims", len(t["dims"])))
+            + b"".join(u64(d) for d in t["dims"])
+            + u32(t["type"])
+            + u64(t["offset"])
+            for t in self.tensors
+        )
+        head = (
+            b"GGUF"
+            + u32(self.version)
+            + u64(len(self.tensors) if self.n_tensors is None else self.n_tensors)
+            + u64(len(records) if self.n_kvs is None else self.n_kvs)
+            + b"".join(records)
+            + infos
+        )
         return head + b"\0" * (-len(head) % self.alignment) + self.data
 
     def write(self, path: Path) -> Path:
@@ -358,18 +406,32 @@ HUGE = {
     "key count 2**64-1": (lambda g: setattr(g, "n_kvs", 2**64 - 1), "metadata keys"),
     "key count over the cap": (lambda g: setattr(g, "n_kvs", MAX_KEYS + 1), f"(at most {MAX_KEYS})"),
     "key of 2**40 bytes": (lambda g: g.extra_kvs.append(u64(2**40) + b"k"), "is 1099511627776 bytes long"),
-    "string value of 2**40 bytes": (lambda g: g.extra_kvs.append(kv("x.s", VT.STRING, u64(2**40) + b"abc")),
-                                    "the value of metadata key 'x.s' runs past the end"),
-    "string array of 2**62": (lambda g: g.extra_kvs.append(kv("x.a", VT.ARRAY, u32(VT.STRING) + u64(2**62))),
-                              "claims 4611686018427387904 elements"),
+    "string value of 2**40 bytes": (
+        lambda g: g.extra_kvs.append(kv("x.s", VT.STRING, u64(2**40) + b"abc")),
+        "the value of metadata key 'x.s' runs past the end",
+    ),
+    "string array of 2**62": (
+        lambda g: g.extra_kvs.append(kv("x.a", VT.ARRAY, u32(VT.STRING) + u64(2**62))),
+        "claims 4611686018427387904 elements",
+    ),
     "uint8 array of 2**62": (lambda g: g.extra_kvs.append(kv("x.a", VT.ARRAY, u32(VT.UINT8) + u64(2**62))), "claims"),
-    "arrays over the total cap": (lambda g: g.extra_kvs.extend([  # the first holds its bytes, the second only claims them
-        kv("x.0", VT.ARRAY, u32(VT.UINT8) + u64(MAX_ARRAY_ELEMENTS // 2 + 1) + bytes(MAX_ARRAY_ELEMENTS // 2 + 1)),
-        kv("x.1", VT.ARRAY, u32(VT.UINT8) + u64(MAX_ARRAY_ELEMENTS // 2 + 1))]), "in all arrays together"),
-    "string array past the end": (lambda g: g.extra_kvs.append(kv("x.a", VT.ARRAY, u32(VT.STRING) + u64(200_000) + gstr("a"))),
-                                  "metadata array 'x.a' runs past the end"),
-    "string in an array of 2**40 bytes": (lambda g: g.extra_kvs.append(kv("x.a", VT.ARRAY, u32(VT.STRING) + u64(1) + u64(2**40))),
-                                          "has a string running past the end"),
+    "arrays over the total cap": (
+        lambda g: g.extra_kvs.extend(
+            [  # the first holds its bytes, the second only claims them
+                kv("x.0", VT.ARRAY, u32(VT.UINT8) + u64(MAX_ARRAY_ELEMENTS // 2 + 1) + bytes(MAX_ARRAY_ELEMENTS // 2 + 1)),
+                kv("x.1", VT.ARRAY, u32(VT.UINT8) + u64(MAX_ARRAY_ELEMENTS // 2 + 1)),
+            ]
+        ),
+        "in all arrays together",
+    ),
+    "string array past the end": (
+        lambda g: g.extra_kvs.append(kv("x.a", VT.ARRAY, u32(VT.STRING) + u64(200_000) + gstr("a"))),
+        "metadata array 'x.a' runs past the end",
+    ),
+    "string in an array of 2**40 bytes": (
+        lambda g: g.extra_kvs.append(kv("x.a", VT.ARRAY, u32(VT.STRING) + u64(1) + u64(2**40))),
+        "has a string running past the end",
+    ),
     "tensor name of 2**40 bytes": (lambda g: g.tensors[0].update(name_len=2**40), "is 1099511627776 bytes long (at most 63)"),
     "tensor name of 64 bytes": (lambda g: g.tensors[0].update(name=b"t" * 64), "is 64 bytes long (at most 63)"),
     "n_dims 2**32-1": (lambda g: g.tensors[0].update(n_dims=2**32 - 1), "has 4294967295 dimensions (1 to 4 allowed)"),
@@ -433,13 +495,19 @@ TENSOR_CASES = {
     "expert stack of the wrong count": (_tensor("blk.0.ffn_up_exps.weight", dims=[32, 32, 1]), "but the model has 2 experts"),
     "router of the wrong count": (_tensor("blk.0.ffn_gate_inp.weight", dims=[32, 1]), "(2 experts, n_embd 32)"),
     "attention of the wrong width": (_tensor("blk.1.attn_q.weight", dims=[32, 32]), "'blk.1.attn_q.weight' has shape [32, 32]"),
-    "layer number written twice": (lambda g: _twin(g, "blk.1.ffn_up_exps.weight", "blk.01.ffn_up_exps.weight"),
-                                   "both layer 1's up experts"),
+    "layer number written twice": (
+        lambda g: _twin(g, "blk.1.ffn_up_exps.weight", "blk.01.ffn_up_exps.weight"),
+        "both layer 1's up experts",
+    ),
     "3-D embedding": (_tensor("token_embd.weight", dims=[32, 256, 2]), "'token_embd.weight' has shape [2, 256, 32]"),
-    "missing attention tensor": (_tensor("blk.0.attn_k.weight", name=b"blk.0.attn_kx.weight"),
-                                 "missing tensor 'blk.0.attn_k.weight': every qwen3moe layer needs"),
-    "expert bias qwen3moe has not": (lambda g: _twin(g, "blk.0.ffn_gate_inp.weight", "blk.0.ffn_up_exps.bias"),
-                                     "layer 0 expert biases: has ['up_bias'], which qwen3moe does not use"),
+    "missing attention tensor": (
+        _tensor("blk.0.attn_k.weight", name=b"blk.0.attn_kx.weight"),
+        "missing tensor 'blk.0.attn_k.weight': every qwen3moe layer needs",
+    ),
+    "expert bias qwen3moe has not": (
+        lambda g: _twin(g, "blk.0.ffn_gate_inp.weight", "blk.0.ffn_up_exps.bias"),
+        "layer 0 expert biases: has ['up_bias'], which qwen3moe does not use",
+    ),
 }
 
 
@@ -449,11 +517,14 @@ def test_bad_tensor_records(seeds, work, case):
     _error(_edit(seeds["qwen3moe"], work / "tensor.gguf", change), words)
 
 
-@pytest.mark.parametrize("name, words", [
-    ("blk.0.ffn_down_exps.weight", "'blk.0.ffn_down_exps.weight' is I32, which moe-pipe cannot compute on"),
-    ("blk.1.ffn_gate_inp.weight", "'blk.1.ffn_gate_inp.weight' is I32, which moe-pipe cannot compute on"),
-    ("blk.0.attn_norm.weight", "norms, biases and scales must be F32, F16 or BF16"),
-])
+@pytest.mark.parametrize(
+    "name, words",
+    [
+        ("blk.0.ffn_down_exps.weight", "'blk.0.ffn_down_exps.weight' is I32, which moe-pipe cannot compute on"),
+        ("blk.1.ffn_gate_inp.weight", "'blk.1.ffn_gate_inp.weight' is I32, which moe-pipe cannot compute on"),
+        ("blk.0.attn_norm.weight", "norms, biases and scales must be F32, F16 or BF16"),
+    ],
+)
 def test_types_the_kernels_cannot_compute_on(f32_seeds, work, name, words):
     """A ggml type gguf-py knows but no kernel computes on fails at open, not
     when the expert is first routed inside the compute process."""
@@ -481,25 +552,35 @@ def _set(key: str, vtype: VT, payload: bytes):
 
 
 META_CASES = {
-    "expert_count as a string": (_set("qwen3moe.expert_count", VT.STRING, gstr("2")),
-                                 "'qwen3moe.expert_count' has type STRING, expected an integer"),
+    "expert_count as a string": (
+        _set("qwen3moe.expert_count", VT.STRING, gstr("2")),
+        "'qwen3moe.expert_count' has type STRING, expected an integer",
+    ),
     "expert_count disagrees with the tensors": (_set("qwen3moe.expert_count", VT.UINT32, u32(8)), "8 experts"),
     "block_count beyond the tensors": (_set("qwen3moe.block_count", VT.UINT32, u32(3)), "missing tensor 'blk.2.attn_norm.weight'"),
     "block_count 2**32-1": (_set("qwen3moe.block_count", VT.UINT32, u32(2**32 - 1)), "out of range (1..1024)"),
     "NaN epsilon": (_set("qwen3moe.attention.layer_norm_rms_epsilon", VT.FLOAT32, np.float32("nan").tobytes()), "finite"),
     "zero rope base": (_set("qwen3moe.rope.freq_base", VT.FLOAT32, np.float32(0).tobytes()), "out of range"),
     "linear rope scaling": (_set("qwen3moe.rope.scaling.type", VT.STRING, gstr("linear")), "'linear' is not supported (none, yarn)"),
-    "negative YaRN context": (lambda g: [_set("qwen3moe.rope.scaling.type", VT.STRING, gstr("yarn"))(g),
-                                         _set("qwen3moe.rope.scaling.original_context_length", VT.INT32, (-5).to_bytes(4, "little", signed=True))(g)],
-                              "original_context_length = -5 is out of range"),
+    "negative YaRN context": (
+        lambda g: [
+            _set("qwen3moe.rope.scaling.type", VT.STRING, gstr("yarn"))(g),
+            _set("qwen3moe.rope.scaling.original_context_length", VT.INT32, (-5).to_bytes(4, "little", signed=True))(g),
+        ],
+        "original_context_length = -5 is out of range",
+    ),
     "odd rope dims": (_set("qwen3moe.rope.dimension_count", VT.UINT32, u32(7)), "must be even"),
     "head width 0": (_set("qwen3moe.attention.key_length", VT.UINT32, u32(0)), "key_length = 0 is out of range"),
-    "per-layer array of 2**20": (_set("qwen3moe.attention.head_count_kv", VT.ARRAY, u32(VT.UINT8) + u64(2**20) + b"\1" * 2**20),
-                                 "must hold 2 int values, one per layer (has 1048576"),
+    "per-layer array of 2**20": (
+        _set("qwen3moe.attention.head_count_kv", VT.ARRAY, u32(VT.UINT8) + u64(2**20) + b"\1" * 2**20),
+        "must hold 2 int values, one per layer (has 1048576",
+    ),
     "architecture as a number": (_set("general.architecture", VT.UINT32, u32(7)), "'general.architecture' is UINT32, expected a string"),
     "tokens as a number": (_set("tokenizer.ggml.tokens", VT.UINT32, u32(7)), "expected an array of strings"),
-    "token types as strings": (_set("tokenizer.ggml.token_type", VT.ARRAY, u32(VT.STRING) + u64(1) + gstr("x")),
-                               "is an array of STRING, expected an array of integers"),
+    "token types as strings": (
+        _set("tokenizer.ggml.token_type", VT.ARRAY, u32(VT.STRING) + u64(1) + gstr("x")),
+        "is an array of STRING, expected an array of integers",
+    ),
     "bos id as a string": (_set("tokenizer.ggml.bos_token_id", VT.STRING, gstr("1")), "expected an integer"),
     "non-UTF-8 name": (_set("general.name", VT.STRING, gstr(b"\xfftiny")), "'general.name' holds a string that is not UTF-8"),
     "non-UTF-8 key": (lambda g: g.extra_kvs.append(kv(b"x.\xff", VT.UINT8, b"\0")), "metadata key #"),
@@ -613,10 +694,12 @@ def test_truncated_at_every_header_byte(seeds, work):
     g = Rebuild.read(seeds["gemma4"])
     for key in [k for k in g.kvs if k.startswith("tokenizer.") and k != "tokenizer.ggml.model"]:
         del g.kvs[key]
-    arrays = {"tokenizer.ggml.tokens": u32(VT.STRING) + u64(3) + gstr("a") + gstr("é") + gstr("<eos>"),
-              "tokenizer.ggml.token_type": u32(VT.INT32) + u64(3) + u32(1) + u32(1) + u32(3),
-              "gemma4.attention.head_count_kv": u32(VT.INT32) + u64(1) + u32(1),
-              "gemma4.attention.sliding_window_pattern": u32(VT.BOOL) + u64(1) + b"\1"}
+    arrays = {
+        "tokenizer.ggml.tokens": u32(VT.STRING) + u64(3) + gstr("a") + gstr("é") + gstr("<eos>"),
+        "tokenizer.ggml.token_type": u32(VT.INT32) + u64(3) + u32(1) + u32(1) + u32(3),
+        "gemma4.attention.head_count_kv": u32(VT.INT32) + u64(1) + u32(1),
+        "gemma4.attention.sliding_window_pattern": u32(VT.BOOL) + u64(1) + b"\1",
+    }
     g.kvs.update({key: kv(key, VT.ARRAY, payload) for key, payload in arrays.items()})
     g.kvs["gemma4.block_count"] = kv("gemma4.block_count", VT.UINT32, u32(1))
     g.tensors = [t for t in g.tensors if not t["name"].startswith(b"blk.1.")]

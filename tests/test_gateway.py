@@ -9,6 +9,7 @@ itself after a number of pieces, and logs every frame it gets as a JSON line.
 A small thread plays the supervisor: when a fake compute dies, it starts the
 next one.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -34,13 +35,15 @@ REPO = Path(__file__).resolve().parents[1]
 
 # ----------------------------------------------------------------- fake compute
 
+
 def fake_compute(runtime_dir: str, log_path: str, delay_s: float, die_after: int, die_on: int, pad: int = 0) -> None:
     """Serve Generate frames like procs/compute.py does, with made-up text;
     SIGKILL itself after `die_after` pieces of its `die_on`-th request (from 0);
     `pad` characters of "." after each piece."""
     import zmq
 
-    from moe_pipe.shared import ipc, messages as m
+    from moe_pipe.shared.wire import ipc
+    from moe_pipe.shared.wire import messages as m
 
     def note(**event) -> None:
         with open(log_path, "a") as fh:
@@ -59,8 +62,15 @@ def fake_compute(runtime_dir: str, log_path: str, delay_s: float, die_after: int
         if isinstance(msg, m.Cancel):  # for a request that already ended: ignored
             note(event="late-cancel", req_id=msg.req_id)
             continue
-        note(event="generate", req_id=msg.req_id, max_tokens=msg.max_tokens, sampling=msg.sampling,
-             stop=list(msg.stop), n_prompt=len(msg.prompt_tokens), prompt=list(msg.prompt_tokens))
+        note(
+            event="generate",
+            req_id=msg.req_id,
+            max_tokens=msg.max_tokens,
+            sampling=msg.sampling,
+            stop=list(msg.stop),
+            n_prompt=len(msg.prompt_tokens),
+            prompt=list(msg.prompt_tokens),
+        )
         t0 = time.perf_counter()
         for i in range(msg.max_tokens):
             if i == die_after and served == die_on:
@@ -75,8 +85,12 @@ def fake_compute(runtime_dir: str, log_path: str, delay_s: float, die_after: int
         else:
             ms = (time.perf_counter() - t0) * 1e3 + 1e-3
             n = msg.max_tokens
-            ipc.send(tokens, m.Done(msg.req_id, True, "length", tuple(range(n)),
-                                    {"predicted_n": n, "predicted_ms": ms, "predicted_tok_s": 1e3 * n / ms}))
+            ipc.send(
+                tokens,
+                m.Done(
+                    msg.req_id, True, "length", tuple(range(n)), {"predicted_n": n, "predicted_ms": ms, "predicted_tok_s": 1e3 * n / ms}
+                ),
+            )
 
 
 def words(n: int) -> str:
@@ -99,9 +113,20 @@ class FakeComputes:
         for plan in self.plans:
             if self.stopping.is_set():
                 return
-            p = subprocess.Popen([sys.executable, __file__, "fake-compute", str(self.runtime_dir), str(self.log_path),
-                                  str(plan.get("delay_s", 0.0)), str(plan.get("die_after", -1)),
-                                  str(plan.get("die_on", 0)), str(plan.get("pad", 0))], cwd=REPO)
+            p = subprocess.Popen(
+                [
+                    sys.executable,
+                    __file__,
+                    "fake-compute",
+                    str(self.runtime_dir),
+                    str(self.log_path),
+                    str(plan.get("delay_s", 0.0)),
+                    str(plan.get("die_after", -1)),
+                    str(plan.get("die_on", 0)),
+                    str(plan.get("pad", 0)),
+                ],
+                cwd=REPO,
+            )
             self.procs.append(p)
             while p.poll() is None and not self.stopping.is_set():
                 time.sleep(0.02)
@@ -123,9 +148,10 @@ class FakeComputes:
 
 # -------------------------------------------------------------------- fixtures
 
+
 @pytest.fixture(scope="module")
 def model_path() -> Path:
-    from moe_pipe.shared.default_model import default_model_path
+    from moe_pipe.shared.makemodel.default_model import default_model_path
 
     return default_model_path()
 
@@ -180,8 +206,7 @@ class Service:
         return resp.status, dict(resp.getheaders()), data
 
     def chat(self, content: str = "hello", **fields):
-        return self.request("POST", "/v1/chat/completions",
-                            {"model": "tiny", "messages": [{"role": "user", "content": content}], **fields})
+        return self.request("POST", "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": content}], **fields})
 
     def openai(self):
         import openai
@@ -193,7 +218,8 @@ class Service:
 def start_gateway(tmp_path_factory, model_path):
     """start_gateway(**settings) -> Service; everything is stopped and checked after."""
     from moe_pipe.procs import gateway
-    from moe_pipe.shared import ipc, service
+    from moe_pipe.shared.serve import service
+    from moe_pipe.shared.wire import ipc
 
     started: list[Service] = []
     rts = []
@@ -201,8 +227,9 @@ def start_gateway(tmp_path_factory, model_path):
     def start(**overrides) -> Service:
         rt = ipc.RuntimeDir.create(base=tmp_path_factory.mktemp("rt"))
         rts.append(rt)
-        settings = gateway.GatewaySettings(runtime_dir=str(rt.path), model_path=str(model_path), model_name="tiny",
-                                           port=0, restart_wait_s=10.0)
+        settings = gateway.GatewaySettings(
+            runtime_dir=str(rt.path), model_path=str(model_path), model_name="tiny", port=0, restart_wait_s=10.0
+        )
         settings = replace(settings, **overrides)
         proc = multiprocessing.get_context("spawn").Process(target=gateway.main, args=(settings,), daemon=True)
         proc.start()
@@ -270,15 +297,16 @@ def sse_events(raw: str) -> list:
     out = []
     for block in raw.split("\n\n"):
         if block.startswith("data: "):
-            data = block[len("data: "):]
+            data = block[len("data: ") :]
             out.append(data if data == "[DONE]" else json.loads(data))
     return out
 
 
 # ------------------------------------------------------------ the OpenAI client
 
+
 def test_openai_client_chat_completions_models(start_gateway, tokenizer):
-    from moe_pipe.shared.chat import chat_prompt_tokens, encode_prompt
+    from moe_pipe.shared.text.chat import chat_prompt_tokens, encode_prompt
 
     svc = start_gateway(api_key="sekrit", max_tokens=5, ctx_size=512)
     computes = svc.start_computes({})
@@ -289,8 +317,7 @@ def test_openai_client_chat_completions_models(start_gateway, tokenizer):
 
     assert [m.id for m in client.models.list().data] == ["tiny"] and client.models.retrieve("tiny").id == "tiny"
 
-    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0.5, top_p=0.9,
-                                       seed=7, stop=["zz"])
+    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0.5, top_p=0.9, seed=7, stop=["zz"])
     assert r.object == "chat.completion" and r.model == "tiny"
     assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == words(6)
     assert r.choices[0].finish_reason == "length"
@@ -299,8 +326,11 @@ def test_openai_client_chat_completions_models(start_gateway, tokenizer):
     assert gen["max_tokens"] == 6 and gen["stop"] == ["zz"] and gen["n_prompt"] == n_prompt
     assert gen["sampling"] == {"temperature": 0.5, "top_p": 0.9, "seed": 7}
 
-    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=4, stream=True,
-                                                 stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny", messages=messages, max_completion_tokens=4, stream=True, stream_options={"include_usage": True}
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == words(4)
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
@@ -312,8 +342,7 @@ def test_openai_client_chat_completions_models(start_gateway, tokenizer):
     assert r.usage.prompt_tokens == len(encode_prompt(tokenizer, "Once upon a time"))
     assert computes.events("generate")[-1]["sampling"]["temperature"] == 0.0  # the configured default
 
-    text = "".join(c.choices[0].text for c in client.completions.create(model="tiny", prompt="Hi", max_tokens=3,
-                                                                          stream=True))
+    text = "".join(c.choices[0].text for c in client.completions.create(model="tiny", prompt="Hi", max_tokens=3, stream=True))
     assert text == words(3)
     # sampling without a seed gets one drawn, so that a retry after a crash repeats the text
     client.completions.create(model="tiny", prompt="Hi", max_tokens=2, temperature=1.0)
@@ -323,7 +352,7 @@ def test_openai_client_chat_completions_models(start_gateway, tokenizer):
 def test_chat_template_kwargs_reach_the_chat_template(start_gateway, tokenizer):
     """`moe-pipe chat --no-think` sends chat_template_kwargs; the prompt compute
     gets changes exactly as chat_prompt_tokens(..., enable_thinking=False) does."""
-    from moe_pipe.shared.chat import chat_prompt_tokens
+    from moe_pipe.shared.text.chat import chat_prompt_tokens
 
     svc = start_gateway()
     computes = svc.start_computes({})
@@ -336,9 +365,12 @@ def test_chat_template_kwargs_reach_the_chat_template(start_gateway, tokenizer):
 
     client.chat.completions.create(model="tiny", messages=messages, max_tokens=2)
     assert computes.events("generate")[-1]["prompt"] == plain
-    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=2,
-                                       extra_body={"chat_template_kwargs": {"enable_thinking": False,
-                                                                            "reasoning_effort": "low"}})
+    r = client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        max_tokens=2,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False, "reasoning_effort": "low"}},
+    )
     assert r.choices[0].message.content == words(2)
     assert computes.events("generate")[-1]["prompt"] == no_think
     assert r.usage.prompt_tokens == len(no_think)
@@ -347,7 +379,7 @@ def test_chat_template_kwargs_reach_the_chat_template(start_gateway, tokenizer):
 def test_the_service_uses_the_chat_template_the_config_chose(start_gateway, tokenizer):
     """generate.chat_template = "plain" (the fallback for a model whose own
     template is refused) reaches the gateway: prompts are rendered with it."""
-    from moe_pipe.shared.chat import TEMPLATE_PLAIN, chat_prompt_tokens, use_chat_template
+    from moe_pipe.shared.text.chat import TEMPLATE_PLAIN, chat_prompt_tokens, use_chat_template
 
     svc = start_gateway(chat_template=TEMPLATE_PLAIN)
     computes = svc.start_computes({})
@@ -378,6 +410,7 @@ def test_health_says_loading_until_compute_says_hello(start_gateway):
 
 
 # ------------------------------------------------------------------ bad requests
+
 
 def test_bad_requests_get_openai_errors(start_gateway):
     svc = start_gateway(api_key="sekrit", ctx_size=64)
@@ -415,11 +448,14 @@ def test_bad_requests_get_openai_errors(start_gateway):
     error(post({"model": "tiny", "messages": msgs, "temperature": True}), 400, "'temperature'")
     error(post({"model": "tiny", "messages": msgs, "top_p": 0}), 400, "'top_p'", "(0, 1]")
     error(post({"model": "tiny", "messages": msgs, "stream": "yes"}), 400, "'stream'")
-    err = error(post({"model": "tiny", "messages": msgs, "chat_template_kwargs": {"enable_thinking": [False]}}), 400,
-                "'chat_template_kwargs.enable_thinking'", "string, number, boolean or null")
+    err = error(
+        post({"model": "tiny", "messages": msgs, "chat_template_kwargs": {"enable_thinking": [False]}}),
+        400,
+        "'chat_template_kwargs.enable_thinking'",
+        "string, number, boolean or null",
+    )
     assert err["param"] == "chat_template_kwargs.enable_thinking"
-    error(post({"model": "tiny", "messages": msgs, "chat_template_kwargs": "enable_thinking=false"}), 400,
-          "'chat_template_kwargs'")
+    error(post({"model": "tiny", "messages": msgs, "chat_template_kwargs": "enable_thinking=false"}), 400, "'chat_template_kwargs'")
     error(post({"model": "tiny", "messages": msgs, "reasoning_effort": "max"}), 400, "'reasoning_effort'", '"low"')
     error(post({"model": "tiny", "messages": msgs, "stop": [1]}), 400, "'stop'")
     error(post({"model": "tiny", "messages": msgs, "seed": -1}), 400, "'seed'")
@@ -428,8 +464,7 @@ def test_bad_requests_get_openai_errors(start_gateway):
     long_prompt = "the river ran past the old mill " * 20
     err = error(post({"model": "tiny", "prompt": long_prompt}, "/v1/completions"), 400, "context holds 64")
     assert err["code"] == "context_length_exceeded"
-    error(post({"model": "tiny", "prompt": "hi", "max_tokens": 100}, "/v1/completions"), 400, "max_tokens (100)",
-          "context of 64")
+    error(post({"model": "tiny", "prompt": "hi", "max_tokens": 100}, "/v1/completions"), 400, "max_tokens (100)", "context of 64")
     assert error(post({"model": "gpt-4o", "messages": msgs}), 404, "gpt-4o")["code"] == "model_not_found"
     error(post({"messages": msgs}), 400, "'model'")
     big = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x" * (4 << 20)}]})
@@ -443,8 +478,13 @@ def test_bad_requests_get_openai_errors(start_gateway):
     garbage.close()
     # bound to loopback: a rebound DNS name or a page of another site is refused, local pages are not
     assert error(svc.request("GET", "/v1/models", headers={"Host": "evil.example:80"}), 403)["code"] == "host_not_allowed"
-    assert error(svc.request("POST", "/v1/chat/completions", {"model": "tiny", "messages": msgs},
-                             headers={"Origin": "https://evil.example"}), 403)["code"] == "origin_not_allowed"
+    assert (
+        error(
+            svc.request("POST", "/v1/chat/completions", {"model": "tiny", "messages": msgs}, headers={"Origin": "https://evil.example"}),
+            403,
+        )["code"]
+        == "origin_not_allowed"
+    )
     error(svc.request("GET", "/metrics", headers={"Origin": "null"}), 403)
     for host in ("localhost:1", "[::1]:8080", "127.0.0.2"):
         assert svc.request("GET", "/health", headers={"Host": host, "Origin": f"http://{host}"})[0] == 200, host
@@ -471,11 +511,14 @@ def test_full_queue_answers_429(start_gateway):
 
 # ------------------------------------------------------------ client going away
 
+
 def _raw_request(svc: Service, body: dict) -> socket.socket:
     data = json.dumps(body).encode()
     sock = socket.create_connection((svc.host, svc.port), timeout=10)
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+    sock.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(data), data)
+    )
     return sock
 
 
@@ -525,7 +568,7 @@ def _trickle(sock: socket.socket, piece: bytes, for_s: float) -> tuple[bytes, fl
             if piece:
                 sock.sendall(piece)
             chunk = sock.recv(65536)
-        except socket.timeout:
+        except TimeoutError:
             continue
         except (BrokenPipeError, ConnectionResetError):
             return got, time.monotonic() - t0
@@ -546,7 +589,7 @@ def test_field_types_and_ranges_are_checked():
     import math
 
     from moe_pipe.procs.gateway import GatewaySettings
-    from moe_pipe.shared.openai_api import ApiError, parse_request
+    from moe_pipe.shared.serve.openai_api import ApiError, parse_request
 
     settings = GatewaySettings(runtime_dir="/nonexistent", model_path="/nonexistent", model_name="tiny")
     msgs = [{"role": "user", "content": "hi"}]
@@ -554,8 +597,11 @@ def test_field_types_and_ranges_are_checked():
         "model": [5, None, ["tiny"]],
         "messages": ["hi", {}, [], None],
         "messages[0]": [[1], [{"content": "hi"}], [{"role": 1, "content": "x"}], [{"role": "", "content": "x"}]],
-        "messages[0].content": [[{"role": "user", "content": 5}], [{"role": "user", "content": {"text": "x"}}],
-                                [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]],
+        "messages[0].content": [
+            [{"role": "user", "content": 5}],
+            [{"role": "user", "content": {"text": "x"}}],
+            [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+        ],
         "max_tokens": [-1, 0, 1.5, 5.0, True, "5", 1e30, 1 << 64, [5]],
         "max_completion_tokens": [-3, 2.5, False],
         "temperature": [-0.1, 2.01, math.nan, math.inf, -math.inf, "0.5", True, [0.5]],
@@ -580,9 +626,22 @@ def test_field_types_and_ranges_are_checked():
             parse_request({"model": "tiny", "prompt": value}, False, settings)
         assert (err.value.status, err.value.param) == (400, "prompt")
     # the edges are allowed
-    ok = parse_request({"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}]}],
-                        "max_tokens": 1, "temperature": 2, "top_p": 1, "seed": (1 << 64) - 1, "n": 1,
-                        "stop": ["x" * 256] * 16, "stream": None, "stream_options": None}, True, settings)
+    ok = parse_request(
+        {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}]}],
+            "max_tokens": 1,
+            "temperature": 2,
+            "top_p": 1,
+            "seed": (1 << 64) - 1,
+            "n": 1,
+            "stop": ["x" * 256] * 16,
+            "stream": None,
+            "stream_options": None,
+        },
+        True,
+        settings,
+    )
     assert (ok.max_tokens, ok.sampling["temperature"], ok.sampling["seed"], len(ok.stop)) == (1, 2.0, (1 << 64) - 1, 16)
 
 
@@ -591,14 +650,15 @@ def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(tokenizer, m
     (4 MB would take seconds of the one tokenizing thread); one nearer the
     limit is tokenized and refused with its exact token count."""
     from moe_pipe.procs.gateway import Gateway, GatewaySettings, longest_token_bytes
-    from moe_pipe.shared.chat import encode_prompt
-    from moe_pipe.shared.openai_api import ApiError, fit_max_tokens, parse_request
+    from moe_pipe.shared.serve.openai_api import ApiError, fit_max_tokens, parse_request
+    from moe_pipe.shared.text.chat import encode_prompt
 
     settings = GatewaySettings(runtime_dir="/nonexistent", model_path=str(model_path), model_name="tiny", ctx_size=64)
     gateway = Gateway(settings, tokenizer)
     longest = longest_token_bytes(tokenizer)
     assert 1 < longest < 64
     try:
+
         def refusal(body: dict, chat: bool) -> ApiError:
             req = parse_request({"model": "tiny", **body}, chat, settings)
             with pytest.raises(ApiError) as err:
@@ -610,7 +670,8 @@ def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(tokenizer, m
         err = refusal({"prompt": huge}, chat=False)
         assert err.param == "prompt" and "at least" in err.message and "context holds 64" in err.message
         assert int(re.search(r"at least ([\d,]+) tokens", err.message).group(1).replace(",", "")) <= len(
-            encode_prompt(tokenizer, huge))  # a true floor
+            encode_prompt(tokenizer, huge)
+        )  # a true floor
         err = refusal({"messages": [{"role": "user", "content": huge}]}, chat=True)
         assert err.param == "messages" and "at least" in err.message
         near = "the river ran past the old mill " * 20  # over 64 tokens, under the floor's reach
@@ -640,7 +701,7 @@ def test_a_huge_body_is_413_on_its_length(start_gateway):
     svc.start_computes({})
     svc.wait_ready()
     sock = socket.create_connection((svc.host, svc.port), timeout=10)
-    sock.sendall(POST_HEAD + b"Content-Length: %d\r\n\r\n{\"model\": " % (1 << 30))
+    sock.sendall(POST_HEAD + b'Content-Length: %d\r\n\r\n{"model": ' % (1 << 30))
     got, hung_up = _trickle(sock, b"", 8)  # the other GiB never comes: the answer must not wait for it
     sock.close()
     status, err = _status_and_error(got)
@@ -712,8 +773,7 @@ def test_a_client_that_stops_reading_its_stream_is_cancelled(start_gateway):
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window fills fast
     sock.settimeout(10)
     sock.connect((svc.host, svc.port))
-    data = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 200_000,
-                       "stream": True}).encode()
+    data = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 200_000, "stream": True}).encode()
     sock.sendall(POST_HEAD + b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
     assert sock.recv(100).startswith(b"HTTP/1.1 200")  # then it reads nothing more
     cancels = wait_for(lambda: computes.events("cancel"), timeout_s=40, what="a Cancel for the stalled stream")
@@ -727,7 +787,7 @@ def test_hanging_up_mid_body_or_while_compute_loads_leaves_nothing_behind(start_
     svc = start_gateway()
     waiting = lambda: parse_prometheus(svc.request("GET", "/metrics")[2])  # noqa: E731
     half = socket.create_connection((svc.host, svc.port), timeout=10)
-    half.sendall(POST_HEAD + b"Content-Length: 500\r\n\r\n{\"model\": \"tiny\", ")
+    half.sendall(POST_HEAD + b'Content-Length: 500\r\n\r\n{"model": "tiny", ')
     time.sleep(0.2)
     half.close()
     wait_for(lambda: waiting()['moe_pipe_requests_total{outcome="cancelled"}'] == 1, what="the half body to count")
@@ -744,8 +804,8 @@ def test_hanging_up_mid_body_or_while_compute_loads_leaves_nothing_behind(start_
     assert svc.request("GET", "/metrics")[0] == 200
 
 
-
 # ---------------------------------------------------------------- compute dies
+
 
 def test_compute_killed_mid_request_is_retried(start_gateway):
     svc = start_gateway()
@@ -774,8 +834,11 @@ def test_compute_killed_twice_is_503_not_a_hang(start_gateway):
     assert status == 503 and body["error"]["code"] == "compute_unavailable" and "twice" in body["error"]["message"]
     # streamed: the status went out with the first text, so the error is an event
     conn = http.client.HTTPConnection(svc.host, svc.port, timeout=30)
-    conn.request("POST", "/v1/chat/completions", json.dumps(
-        {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "stream": True}))
+    conn.request(
+        "POST",
+        "/v1/chat/completions",
+        json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "stream": True}),
+    )
     resp = conn.getresponse()
     assert resp.status == 200 and resp.getheader("Content-Type").startswith("text/event-stream")
     events = sse_events(resp.read().decode())
@@ -801,8 +864,10 @@ def test_no_restart_in_time_is_503(start_gateway):
 
 # --------------------------------------------------------------------- metrics
 
-PROM_LINE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[a-zA-Z_][a-zA-Z0-9_]*="[^"]*"(,[a-zA-Z_][a-zA-Z0-9_]*="[^"]*")*\})? '
-                       r"(-?[0-9.eE+-]+|NaN|\+Inf|-Inf)$")
+PROM_LINE = re.compile(
+    r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[a-zA-Z_][a-zA-Z0-9_]*="[^"]*"(,[a-zA-Z_][a-zA-Z0-9_]*="[^"]*")*\})? '
+    r"(-?[0-9.eE+-]+|NaN|\+Inf|-Inf)$"
+)
 
 
 def parse_prometheus(text: str) -> dict[str, float]:
@@ -820,7 +885,9 @@ def parse_prometheus(text: str) -> dict[str, float]:
 def test_metrics_are_prometheus_text(start_gateway):
     import zmq
 
-    from moe_pipe.shared import ipc, messages as m, service
+    from moe_pipe.shared.serve import service
+    from moe_pipe.shared.wire import ipc
+    from moe_pipe.shared.wire import messages as m
 
     svc = start_gateway()
     svc.start_computes({})
@@ -842,8 +909,11 @@ def test_metrics_are_prometheus_text(start_gateway):
             except m.ProtocolError:
                 continue
             if cmd is not None:
-                ipc.send(control, m.Status.success(processes=[{"name": "compute", "state": "RUNNING", "pid": 1,
-                                                                "restarts": 2}]), envelope=envelope)
+                ipc.send(
+                    control,
+                    m.Status.success(processes=[{"name": "compute", "state": "RUNNING", "pid": 1, "restarts": 2}]),
+                    envelope=envelope,
+                )
 
     supervisor = threading.Thread(target=supervise)
     supervisor.start()
@@ -876,6 +946,7 @@ def test_metrics_are_prometheus_text(start_gateway):
 
 # ----------------------------------------------------------------------- load
 
+
 def test_200_concurrent_requests_all_answered(start_gateway):
     import aiohttp
 
@@ -905,6 +976,7 @@ def test_200_concurrent_requests_all_answered(start_gateway):
 
 # ------------------------------------------------------------------- shutdown
 
+
 def test_sigterm_fails_waiting_requests_and_exits_0(start_gateway):
     svc = start_gateway()
     svc.start_computes({"delay_s": 0.05})
@@ -925,15 +997,20 @@ def test_sigterm_fails_waiting_requests_and_exits_0(start_gateway):
 
 # --------------------------------------------------------------- pure pieces
 
+
 def test_finish_reasons_and_failures_map_to_openai():
     from moe_pipe.procs.gateway import LOST, Failed, Finished, Job, Metrics, Worker
-    from moe_pipe.shared import messages as m
+    from moe_pipe.shared.wire import messages as m
 
     worker = Worker(None, None, None, Metrics())
-    cases = [(m.Done(1, True, "eog", (1, 2)), Finished("stop", 2)), (m.Done(1, True, "context", (1,)), Finished("length", 1)),
-             (m.Done(1, True, "stop"), Finished("stop", 0)), (m.Done(1, True, "length", (5,)), Finished("length", 1)),
-             (m.Done(1, False, code="bad_argument", error="no"), Failed(400, "no", "bad_argument", "invalid_request_error")),
-             (m.Done(1, False, code="io_error", error="disk"), Failed(500, "generation failed (io_error): disk", "io_error"))]
+    cases = [
+        (m.Done(1, True, "eog", (1, 2)), Finished("stop", 2)),
+        (m.Done(1, True, "context", (1,)), Finished("length", 1)),
+        (m.Done(1, True, "stop"), Finished("stop", 0)),
+        (m.Done(1, True, "length", (5,)), Finished("length", 1)),
+        (m.Done(1, False, code="bad_argument", error="no"), Failed(400, "no", "bad_argument", "invalid_request_error")),
+        (m.Done(1, False, code="io_error", error="disk"), Failed(500, "generation failed (io_error): disk", "io_error")),
+    ]
     for done, expected in cases:
         job = Job([1], 4, {}, ())
         assert worker.finish(job, done) is None and list(job.events) == [expected]
@@ -944,7 +1021,7 @@ def test_a_chat_template_error_is_a_400(tokenizer, model_path):
     import copy
 
     from moe_pipe.procs.gateway import Gateway, GatewaySettings
-    from moe_pipe.shared.openai_api import ApiError, parse_request
+    from moe_pipe.shared.serve.openai_api import ApiError, parse_request
 
     settings = GatewaySettings(runtime_dir="/nonexistent", model_path=str(model_path), model_name="tiny")
     tok = copy.copy(tokenizer)
@@ -967,7 +1044,7 @@ def test_retry_text_skips_what_was_sent():
 
 def test_template_vars_are_parsed_and_checked():
     from moe_pipe.procs.gateway import GatewaySettings
-    from moe_pipe.shared.openai_api import ApiError, parse_request
+    from moe_pipe.shared.serve.openai_api import ApiError, parse_request
 
     settings = GatewaySettings(runtime_dir="/nonexistent", model_path="/nonexistent", model_name="tiny")
     msgs = [{"role": "user", "content": "hi"}]
@@ -981,8 +1058,7 @@ def test_template_vars_are_parsed_and_checked():
     assert template_vars(chat_template_kwargs=kwargs) == kwargs
     assert template_vars(reasoning_effort="high") == {"reasoning_effort": "high"}
     # the explicit template variable wins over the top-level field
-    assert template_vars(reasoning_effort="high", chat_template_kwargs={"reasoning_effort": "low"}) == {
-        "reasoning_effort": "low"}
+    assert template_vars(reasoning_effort="high", chat_template_kwargs={"reasoning_effort": "low"}) == {"reasoning_effort": "low"}
     assert template_vars(prompt=True, chat_template_kwargs={"enable_thinking": [1]}) == {}  # completions: ignored
 
     def refused(param: str, **fields) -> str:
@@ -1007,8 +1083,8 @@ def test_reserved_template_vars_cover_the_chat_functions():
     TypeError (or override a guard such as time_limit_s): all are refused."""
     import inspect
 
-    from moe_pipe.shared import chat
-    from moe_pipe.shared.openai_api import RESERVED_TEMPLATE_VARS
+    from moe_pipe.shared.serve.openai_api import RESERVED_TEMPLATE_VARS
+    from moe_pipe.shared.text import chat
 
     for fn in (chat.chat_prompt_tokens, chat.render_chat):
         named = {p.name for p in inspect.signature(fn).parameters.values() if p.kind != p.VAR_KEYWORD}
@@ -1019,14 +1095,13 @@ def test_template_vars_win_over_no_think_and_reach_gpt_oss_style_templates(token
     import copy
 
     from moe_pipe.procs.gateway import Gateway, GatewaySettings
-    from moe_pipe.shared.chat import chat_prompt_tokens, encode_prompt
-    from moe_pipe.shared.openai_api import parse_request
+    from moe_pipe.shared.serve.openai_api import parse_request
+    from moe_pipe.shared.text.chat import chat_prompt_tokens, encode_prompt
 
     msgs = [{"role": "user", "content": "hi"}]
 
     def prompt(tok, no_think: bool, **fields) -> list[int]:
-        settings = GatewaySettings(runtime_dir="/nonexistent", model_path=str(model_path), model_name="tiny",
-                                   no_think=no_think)
+        settings = GatewaySettings(runtime_dir="/nonexistent", model_path=str(model_path), model_name="tiny", no_think=no_think)
         req = parse_request({"model": "tiny", "messages": msgs, **fields}, True, settings)
         gateway = Gateway(settings, tok)
         try:
@@ -1040,8 +1115,7 @@ def test_template_vars_win_over_no_think_and_reach_gpt_oss_style_templates(token
     assert prompt(tokenizer, True, chat_template_kwargs={"enable_thinking": True}) == thinking
     # reasoning_effort as gpt-oss's template reads it
     tok = copy.copy(tokenizer)
-    tok.chat_template = ("Reasoning: {{ reasoning_effort or 'medium' }}"
-                         "{% for m in messages %} {{ m.content }}{% endfor %}")
+    tok.chat_template = "Reasoning: {{ reasoning_effort or 'medium' }}{% for m in messages %} {{ m.content }}{% endfor %}"
     assert prompt(tok, False) == encode_prompt(tok, "Reasoning: medium hi")
     assert prompt(tok, False, reasoning_effort="high") == encode_prompt(tok, "Reasoning: high hi")
     assert prompt(tok, True) == encode_prompt(tok, "Reasoning: low hi")  # no_think's gpt-oss switch

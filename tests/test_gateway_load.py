@@ -3,6 +3,7 @@ the tiny model): concurrent streaming clients, more of them than the queue
 holds, for a fixed time. Every request is answered or clearly refused (429),
 none fails (no 5xx, no broken stream, no hang), and no process's memory
 grows with the load."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -46,7 +47,7 @@ def check(report, bench) -> None:
 
 @pytest.mark.slow
 def test_streaming_load_is_answered_or_refused_and_memory_stays_flat():
-    from moe_pipe.shared.default_model import default_model_path
+    from moe_pipe.shared.makemodel.default_model import default_model_path
 
     default_model_path()  # made once, before the service needs it
     bench = load_bench()
@@ -55,14 +56,13 @@ def test_streaming_load_is_answered_or_refused_and_memory_stays_flat():
     check(report, bench)
     growth = {name: v["growth"] for name, v in report.rss_mb.items()}
     telemetry_mb = TELEMETRY_BYTES_PER_TOKEN * report.completion_tokens * 2 / 2**20  # x2: allocator steps
-    grown = {name: round(mb, 1) for name, mb in growth.items()
-             if mb > (telemetry_mb if name == "telemetry" else GROWTH_MB)}
+    grown = {name: round(mb, 1) for name, mb in growth.items() if mb > (telemetry_mb if name == "telemetry" else GROWTH_MB)}
     assert not grown, f"RSS grew under load (MiB): {grown}"
 
 
 def test_a_short_load_run():
     """The same bench, a few seconds (it must keep working): 4 clients, all answered."""
-    from moe_pipe.shared.default_model import default_model_path
+    from moe_pipe.shared.makemodel.default_model import default_model_path
 
     default_model_path()
     bench = load_bench()

@@ -1,4 +1,5 @@
 """Generation: stop strings, end-of-generation, limits, streaming equals the final text; and `moe-pipe run`."""
+
 from __future__ import annotations
 
 import json
@@ -10,12 +11,12 @@ import pytest
 
 from moe_pipe.cli.main import main
 from moe_pipe.shared.errors import UserError
-from moe_pipe.shared.generate import GenerationConfig, _StopScanner, generate
-from moe_pipe.shared.makemodel import make_model
-from moe_pipe.shared.model import load_model
-from moe_pipe.shared.model_file import open_model
-from moe_pipe.shared.sampling import SamplingParams
-from moe_pipe.shared.tokenizer import Tokenizer
+from moe_pipe.shared.gguf.model_file import open_model
+from moe_pipe.shared.makemodel.maker import make_model
+from moe_pipe.shared.model.load import load_model
+from moe_pipe.shared.text.generate import GenerationConfig, _StopScanner, generate
+from moe_pipe.shared.text.sampling import SamplingParams
+from moe_pipe.shared.text.tokenizer import Tokenizer
 
 
 class ScriptedModel:
@@ -113,12 +114,15 @@ def test_run_chat_seeded_sampling_is_reproducible(tiny_path, capsys):
 
 
 def test_run_text_streams_and_reports(tiny_path):
-    r = subprocess.run([sys.executable, "-m", "moe_pipe.cli.main", "run", str(tiny_path), "-p", "Once", "-n", "5"],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "moe_pipe.cli.main", "run", str(tiny_path), "-p", "Once", "-n", "5"], capture_output=True, text=True
+    )
     assert r.returncode == 0 and "generated" in r.stderr and r.stdout.endswith("\n")
 
 
 @pytest.mark.parametrize("extra,needle", [(["--temp", "-1"], "temperature"), (["--top-k", "99"], "top-k"), (["-t", "999"], "threads")])
 def test_run_bad_values_exit_2(tiny_path, extra, needle):
-    r = subprocess.run([sys.executable, "-m", "moe_pipe.cli.main", "run", str(tiny_path), "-p", "x", *extra], capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "moe_pipe.cli.main", "run", str(tiny_path), "-p", "x", *extra], capture_output=True, text=True
+    )
     assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr

@@ -1,4 +1,5 @@
 """The GGUF layer: opening, split sets, and the one-line errors for bad files."""
+
 from __future__ import annotations
 
 import shutil
@@ -8,8 +9,8 @@ import pytest
 from gguf import GGUFReader
 
 from moe_pipe.shared.errors import GGUFError
-from moe_pipe.shared.gguf_file import GGUFFile
-from moe_pipe.shared.model_file import open_model
+from moe_pipe.shared.gguf.model_file import open_model
+from moe_pipe.shared.gguf.reader import GGUFFile
 
 from .ggufgen import patch, patch_tensor_info, write_qwen_like
 

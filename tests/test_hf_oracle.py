@@ -5,6 +5,7 @@ run through moe-pipe's forward pass: last-position logits must match within
 1e-4 relative (f32) and greedy continuations must be identical. Needs torch
 and transformers (the `oracle` extra); skipped with the reason when absent.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -13,13 +14,17 @@ import pytest
 torch = pytest.importorskip("torch", reason="oracle tests need torch (pip install '.[oracle]')")
 pytest.importorskip("transformers", reason="oracle tests need transformers (pip install '.[oracle]')")
 
-from moe_pipe.shared.convert import convert  # noqa: E402
-from moe_pipe.shared.model import load_model  # noqa: E402
-from moe_pipe.shared.model_file import open_model  # noqa: E402
+from moe_pipe.shared.convert.converter import convert  # noqa: E402
+from moe_pipe.shared.gguf.model_file import open_model  # noqa: E402
+from moe_pipe.shared.model.load import load_model  # noqa: E402
 
 from . import hfmodels  # noqa: E402
 
-PROMPTS = [list(range(3, 40, 3)), [5, 17, 2, 99, 140, 7, 7, 7, 30], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31]]
+PROMPTS = [
+    list(range(3, 40, 3)),
+    [5, 17, 2, 99, 140, 7, 7, 7, 30],
+    [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31],
+]
 N_GREEDY = 32
 
 
@@ -39,9 +44,8 @@ def hf_logits(ref, ids):
 
 def hf_greedy(ref, ids, n):
     with torch.no_grad():
-        out = ref.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, min_new_tokens=n,
-                           eos_token_id=None, pad_token_id=0)
-    return out[0, len(ids):].tolist()
+        out = ref.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, min_new_tokens=n, eos_token_id=None, pad_token_id=0)
+    return out[0, len(ids) :].tolist()
 
 
 def ours_greedy(model, ids, n):
@@ -85,7 +89,9 @@ def test_q8_0_stays_close(pair, capsys):
             errs.append(float(np.abs(got - want).max() / np.abs(want).max()))
             prefixes.append(common_prefix(ours_greedy(model, ids, 8), hf_greedy(ref, ids, 8)))
     with capsys.disabled():
-        print(f"\n{arch} q8_0: max relative logit error {max(errs):.2e}; greedy tokens agreeing before the first difference (of 8): {prefixes}")
+        print(
+            f"\n{arch} q8_0: max relative logit error {max(errs):.2e}; greedy tokens agreeing before the first difference (of 8): {prefixes}"
+        )
     assert max(errs) < 0.1
     assert sum(p >= 3 for p in prefixes) >= 2, prefixes
 
@@ -111,7 +117,7 @@ def hf_tokenizer(pair):
 
 @pytest.mark.oracle
 def test_tokenizer_matches_transformers(pair, hf_tokenizer):
-    from moe_pipe.shared.tokenizer import Tokenizer
+    from moe_pipe.shared.text.tokenizer import Tokenizer
 
     arch, _, ggufs = pair
     with open_model(ggufs["f32"]) as mf:
@@ -124,13 +130,17 @@ def test_tokenizer_matches_transformers(pair, hf_tokenizer):
 
 @pytest.mark.oracle
 def test_chat_template_matches_transformers(pair, hf_tokenizer):
-    from moe_pipe.shared.chat import render_chat
+    from moe_pipe.shared.text.chat import render_chat
 
     arch, _, ggufs = pair
     conversations = [
         [{"role": "user", "content": "Hello! How are you?"}],
-        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."},
-         {"role": "assistant", "content": "Blue."}, {"role": "user", "content": "Another?"}],
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Name a colour."},
+            {"role": "assistant", "content": "Blue."},
+            {"role": "user", "content": "Another?"},
+        ],
     ]
     with open_model(ggufs["f32"]) as mf:
         for messages in conversations:
@@ -143,8 +153,7 @@ def test_llama_cpp_greedy_tokens_match_ours(pair):
     """The same converted GGUF through llama.cpp: the GGUF conventions, not just the math."""
     llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python not installed (optional extra)")
     arch, _, ggufs = pair
-    llm = llama_cpp.Llama(str(ggufs["f32"]), n_ctx=128, n_threads=2, logits_all=True, verbose=False,
-                          type_k=0, type_v=0, flash_attn=False)
+    llm = llama_cpp.Llama(str(ggufs["f32"]), n_ctx=128, n_threads=2, logits_all=True, verbose=False, type_k=0, type_v=0, flash_attn=False)
     try:
         with open_model(ggufs["f32"]) as mf:
             model = load_model(mf)

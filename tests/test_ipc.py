@@ -1,4 +1,5 @@
 """Runtime dir, endpoints and links: real sockets, a real second process, nothing left behind."""
+
 from __future__ import annotations
 
 import multiprocessing
@@ -10,9 +11,9 @@ import time
 import pytest
 import zmq
 
-from moe_pipe.shared import ipc
-from moe_pipe.shared import messages as m
-from moe_pipe.shared.ipc import RuntimeDir, RuntimeDirError
+from moe_pipe.shared.wire import ipc
+from moe_pipe.shared.wire import messages as m
+from moe_pipe.shared.wire.ipc import RuntimeDir, RuntimeDirError
 
 
 @pytest.fixture
@@ -26,6 +27,7 @@ def mode(path):
 
 
 # ---------------------------------------------------------------- runtime dir
+
 
 def test_create_is_private_and_named_by_pid(base):
     rd = RuntimeDir.create(base)
@@ -129,13 +131,13 @@ def test_endpoints_declared_once():
     ep = ipc.Endpoints(ipc.Path("/run/x"))
     assert ep.fetch == "ipc:///run/x/fetch.sock"
     assert ep.telemetry_pub == "ipc:///run/x/telemetry-pub.sock"
-    assert {ep.address(n) for n in ipc.LINKS} == {ep.fetch, ep.ready, ep.telemetry_in, ep.telemetry_pub, ep.control,
-                                                 ep.requests, ep.tokens}
+    assert {ep.address(n) for n in ipc.LINKS} == {ep.fetch, ep.ready, ep.telemetry_in, ep.telemetry_pub, ep.control, ep.requests, ep.tokens}
     with pytest.raises(KeyError):
         ep.address("nope")
 
 
 # ---------------------------------------------------------- two processes
+
 
 def _fake_reader(runtime_dir: str) -> None:
     """Binds fetch, answers one Ready per expert, stops on Shutdown."""

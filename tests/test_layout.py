@@ -1,4 +1,5 @@
 """The byte-range map, checked against an independent computation from gguf-py's tensor offsets."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -6,8 +7,8 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 from gguf import GGUFReader
 
-from moe_pipe.shared.layout import PAGE, Extent, aligned
-from moe_pipe.shared.model_file import open_model
+from moe_pipe.shared.gguf.layout import PAGE, Extent, aligned
+from moe_pipe.shared.gguf.model_file import open_model
 
 from .ggufgen import write_qwen_like
 
@@ -31,8 +32,11 @@ def test_expert_extents_match_reader(tmp_path, qtype, alignment):
     p = write_qwen_like(tmp_path / "m.gguf", expert_qtype=qtype, alignment=alignment)
     want = independent_expert_ranges(p)
     with open_model(p) as mf:
-        got = {(l, e): sorted((x.offset, x.length) for x in mf.layout.expert_extents(l, e))
-               for l in range(mf.spec.n_layer) for e in range(mf.spec.n_expert)}
+        got = {
+            (l, e): sorted((x.offset, x.length) for x in mf.layout.expert_extents(l, e))
+            for l in range(mf.spec.n_layer)
+            for e in range(mf.spec.n_expert)
+        }
         assert got == {k: sorted(v) for k, v in want.items()}
         if alignment:
             assert mf.gguf.readers[0].alignment == alignment
@@ -78,7 +82,7 @@ def test_aligned_read_covers_extent(offset, length):
 @pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss", "gemma4"])
 def test_made_model_expert_extents_match_reader(arch, tmp_path):
     """Every expert of a made model (gpt-oss biases, gemma4 fused gate_up included)."""
-    from moe_pipe.shared.makemodel import make_model
+    from moe_pipe.shared.makemodel.maker import make_model
 
     p = make_model(arch, "tiny", tmp_path / "m.gguf")
     want = independent_expert_ranges(p)
@@ -89,9 +93,11 @@ def test_made_model_expert_extents_match_reader(arch, tmp_path):
             assert sorted(got) == sorted(ranges), (layer, e)
             assert mf.layout.expert_bytes(layer) == sum(n for _, n in ranges)
         parts = {p.name for p in mf.layout.layers[0].parts}
-        expected = {"qwen3moe": {"gate", "up", "down"},
-                    "gpt-oss": {"gate", "up", "down", "gate_bias", "up_bias", "down_bias"},
-                    "gemma4": {"gate_up", "down"}}[arch]
+        expected = {
+            "qwen3moe": {"gate", "up", "down"},
+            "gpt-oss": {"gate", "up", "down", "gate_bias", "up_bias", "down_bias"},
+            "gemma4": {"gate_up", "down"},
+        }[arch]
         assert parts == expected
         # the slices hold exactly the expert's bytes of the stacked tensor
         name = mf.layout.layers[1].parts[0].tensor.name

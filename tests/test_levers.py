@@ -1,4 +1,5 @@
 """The lossy levers: exact when off, and doing what they say when on."""
+
 from __future__ import annotations
 
 import json
@@ -58,8 +59,25 @@ CLI = [sys.executable, "-m", "moe_pipe.cli.main", "run"]
 
 
 def _run(*extra):
-    r = subprocess.run([*CLI, "configs/tiny.toml", "-p", "The old mill by the river", "-n", "24", "--ignore-eos",
-                        "--output-format", "json", "--cache-mb", "1.2", *extra], capture_output=True, text=True, timeout=180)
+    r = subprocess.run(
+        [
+            *CLI,
+            "configs/tiny.toml",
+            "-p",
+            "The old mill by the river",
+            "-n",
+            "24",
+            "--ignore-eos",
+            "--output-format",
+            "json",
+            "--cache-mb",
+            "1.2",
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)
 

@@ -3,13 +3,14 @@
 Needs llama-cpp-python (an optional extra that builds llama.cpp from source:
 `pip install llama-cpp-python`); skipped when it is not installed.
 """
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from moe_pipe.shared.makemodel import make_model
-from moe_pipe.shared.model_file import open_model
+from moe_pipe.shared.gguf.model_file import open_model
+from moe_pipe.shared.makemodel.maker import make_model
 
 llama_cpp = pytest.importorskip("llama_cpp")
 pytestmark = pytest.mark.oracle

@@ -5,6 +5,7 @@ Expectations here are written from ../shared/ARCHITECTURES.md (§2.1 quant
 rules, §3 tensor names/shapes, §4 tokenizer, §6 per-expert bytes), not from
 makemodel's own tables, and every check reads the file back with gguf-py.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -19,7 +20,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader
 
 from moe_pipe.shared.errors import UserError
-from moe_pipe.shared.makemodel import ARCHES, PRESETS, make_model
+from moe_pipe.shared.makemodel.maker import ARCHES, PRESETS, make_model
 
 CORPUS = Path(__file__).resolve().parents[1] / "shared" / "data" / "corpus.txt"
 
@@ -31,8 +32,17 @@ REGEX = {
 }
 SPECIALS = {
     "qwen3moe": ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"],
-    "gpt-oss": ["<|startoftext|>", "<|endoftext|>", "<|start|>", "<|end|>", "<|message|>", "<|channel|>",
-                "<|return|>", "<|call|>", "<|constrain|>"],
+    "gpt-oss": [
+        "<|startoftext|>",
+        "<|endoftext|>",
+        "<|start|>",
+        "<|end|>",
+        "<|message|>",
+        "<|channel|>",
+        "<|return|>",
+        "<|call|>",
+        "<|constrain|>",
+    ],
     "gemma4": ["<bos>", "<eos>", "<pad>", "<|turn>", "<turn|>", "<|channel>", "<channel|>", "<|think|>"],
 }
 
@@ -126,8 +136,15 @@ def expected_tensors(arch: str, r: GGUFReader) -> dict[str, tuple[Q, tuple[int, 
         for i in range(n):
             b = f"blk.{i}."
             hd = hd_swa if swa[i] else hd_full
-            for nm in ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm_1", "pre_ffw_norm_2",
-                       "post_ffw_norm_2", "post_ffw_norm"):
+            for nm in (
+                "attn_norm",
+                "post_attention_norm",
+                "ffn_norm",
+                "post_ffw_norm_1",
+                "pre_ffw_norm_2",
+                "post_ffw_norm_2",
+                "post_ffw_norm",
+            ):
                 f32(b + nm + ".weight", D)
             f32(b + "attn_q_norm.weight", hd)
             f32(b + "attn_k_norm.weight", hd)
@@ -174,8 +191,10 @@ def gguf_tokenizer(r: GGUFReader):
     if model == "gpt2":
         tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
         tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Split(Regex(REGEX[pre]), behavior="isolated"),
-             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+            [
+                pre_tokenizers.Split(Regex(REGEX[pre]), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
         )
         tok.decoder = decoders.ByteLevel()
     else:
@@ -215,7 +234,7 @@ def test_tiny_is_small_and_byte_identical_per_seed(arch, tiny, tmp_path):
 def test_same_bytes_in_a_fresh_process(tiny, tmp_path):
     # The tokenizer trainer and the per-tensor seeds must not depend on process state.
     code = (
-        "import sys, hashlib; from moe_pipe.shared.makemodel import make_model\n"
+        "import sys, hashlib; from moe_pipe.shared.makemodel.maker import make_model\n"
         "for a in ('qwen3moe', 'gpt-oss', 'gemma4'):\n"
         f"    p = make_model(a, 'tiny', r'{tmp_path}' + '/' + a + '.gguf')\n"
         "    print(hashlib.sha256(p.read_bytes()).hexdigest())\n"
@@ -237,22 +256,40 @@ def test_tiny_has_every_tensor_with_type_and_shape(arch, tiny):
 @pytest.mark.parametrize("arch", ARCHES)
 def test_tiny_metadata_keys(arch, tiny):
     r = GGUFReader(tiny[arch])
-    common = ["context_length", "embedding_length", "block_count", "feed_forward_length", "expert_feed_forward_length",
-              "expert_count", "expert_used_count", "attention.head_count", "attention.head_count_kv",
-              "attention.key_length", "attention.value_length", "rope.freq_base", "attention.layer_norm_rms_epsilon"]
+    common = [
+        "context_length",
+        "embedding_length",
+        "block_count",
+        "feed_forward_length",
+        "expert_feed_forward_length",
+        "expert_count",
+        "expert_used_count",
+        "attention.head_count",
+        "attention.head_count_kv",
+        "attention.key_length",
+        "attention.value_length",
+        "rope.freq_base",
+        "attention.layer_norm_rms_epsilon",
+    ]
     extra = {
         "qwen3moe": [],
-        "gpt-oss": ["attention.sliding_window", "rope.scaling.type", "rope.scaling.factor",
-                    "rope.scaling.original_context_length"],
-        "gemma4": ["attention.key_length_swa", "attention.value_length_swa", "rope.dimension_count",
-                   "rope.dimension_count_swa", "rope.freq_base_swa", "attention.sliding_window",
-                   "attention.sliding_window_pattern", "attention.shared_kv_layers",
-                   "embedding_length_per_layer_input", "final_logit_softcapping"],
+        "gpt-oss": ["attention.sliding_window", "rope.scaling.type", "rope.scaling.factor", "rope.scaling.original_context_length"],
+        "gemma4": [
+            "attention.key_length_swa",
+            "attention.value_length_swa",
+            "rope.dimension_count",
+            "rope.dimension_count_swa",
+            "rope.freq_base_swa",
+            "attention.sliding_window",
+            "attention.sliding_window_pattern",
+            "attention.shared_kv_layers",
+            "embedding_length_per_layer_input",
+            "final_logit_softcapping",
+        ],
     }[arch]
     for k in common + extra:
         assert f"{arch}.{k}" in r.fields, k
-    for k in ("model", "pre", "tokens", "token_type", "merges", "bos_token_id", "eos_token_id", "padding_token_id",
-              "add_bos_token"):
+    for k in ("model", "pre", "tokens", "token_type", "merges", "bos_token_id", "eos_token_id", "padding_token_id", "add_bos_token"):
         assert f"tokenizer.ggml.{k}" in r.fields, k
     assert kv(r, "general.architecture") == arch
     assert kv(r, f"{arch}.context_length") == 4096
@@ -264,8 +301,11 @@ def test_tiny_metadata_keys(arch, tiny):
     assert all(types[tokens.index(s)] in (3, 4) for s in SPECIALS[arch])
     eos = tokens[kv(r, "tokenizer.ggml.eos_token_id")]
     bos = tokens[kv(r, "tokenizer.ggml.bos_token_id")]
-    assert (bos, eos) == {"qwen3moe": ("<|endoftext|>", "<|im_end|>"), "gpt-oss": ("<|startoftext|>", "<|return|>"),
-                          "gemma4": ("<bos>", "<eos>")}[arch]
+    assert (bos, eos) == {
+        "qwen3moe": ("<|endoftext|>", "<|im_end|>"),
+        "gpt-oss": ("<|startoftext|>", "<|return|>"),
+        "gemma4": ("<bos>", "<eos>"),
+    }[arch]
     if arch == "qwen3moe":
         assert (kv(r, "tokenizer.ggml.pre"), kv(r, "tokenizer.ggml.add_bos_token")) == ("qwen2", False)
     if arch == "gpt-oss":
@@ -307,8 +347,12 @@ def test_tiny_tokenizer_round_trips_and_keeps_specials_whole(arch, tiny):
 @pytest.mark.parametrize("arch", ARCHES)
 def test_chat_template_renders(arch, tiny):
     r = GGUFReader(tiny[arch])
-    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "How far is the light seen?"},
-            {"role": "assistant", "content": "22 nautical miles."}, {"role": "user", "content": "Thanks!"}]
+    msgs = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "How far is the light seen?"},
+        {"role": "assistant", "content": "22 nautical miles."},
+        {"role": "user", "content": "Thanks!"},
+    ]
     out = render(arch, r, msgs, add_generation_prompt=True)
     assert "How far is the light seen?" in out and "22 nautical miles." in out
     if arch == "qwen3moe":
@@ -417,11 +461,31 @@ def test_gemma26b_shape_expert_bytes(tmp_path):
 @pytest.mark.parametrize(
     "arch, preset, layers, vocab, per_expert, specials",
     [
-        ("qwen3moe", "qwen30b-shape", 2, 151936, [2_654_208, 3_059_712],
-         {"<|endoftext|>": 151643, "<|im_end|>": 151645, "<think>": 151667, "</think>": 151668}),
-        ("gpt-oss", "gptoss120b-shape", 1, 201088, [13_219_200],
-         {"<|startoftext|>": 199998, "<|return|>": 200002, "<|channel|>": 200005, "<|start|>": 200006,
-          "<|end|>": 200007, "<|message|>": 200008, "<|call|>": 200012, "<|constrain|>": 200003}),
+        (
+            "qwen3moe",
+            "qwen30b-shape",
+            2,
+            151936,
+            [2_654_208, 3_059_712],
+            {"<|endoftext|>": 151643, "<|im_end|>": 151645, "<think>": 151667, "</think>": 151668},
+        ),
+        (
+            "gpt-oss",
+            "gptoss120b-shape",
+            1,
+            201088,
+            [13_219_200],
+            {
+                "<|startoftext|>": 199998,
+                "<|return|>": 200002,
+                "<|channel|>": 200005,
+                "<|start|>": 200006,
+                "<|end|>": 200007,
+                "<|message|>": 200008,
+                "<|call|>": 200012,
+                "<|constrain|>": 200003,
+            },
+        ),
         ("gemma4", "gemma26b-shape", 2, 262144, [3_593_216, 4_336_640], {"<|turn>": 105, "<turn|>": 106}),
     ],
 )
@@ -445,8 +509,8 @@ def test_full_depth_plan_matches_real_load_logs(arch, preset, counts, gib):
     # Planning writes nothing; the full files are 17-60 GB (made once in a manual check).
     from collections import Counter
 
-    from moe_pipe.shared.makemodel import plan_tensors
-    from moe_pipe.shared.presets import get_preset
+    from moe_pipe.shared.makemodel.maker import plan_tensors
+    from moe_pipe.shared.makemodel.presets import get_preset
 
     specs = plan_tensors(arch, get_preset(arch, preset))
     assert Counter(s.qtype for s in specs) == counts
@@ -469,10 +533,10 @@ def route_run(path: Path, greedy: bool = False) -> tuple[list, list, list[int], 
     """Prefill corpus text in one batch, then decode 64 tokens (the text's own,
     or the model's argmax). Returns (prompt sets, decode sets, decoded tokens,
     n_expert): a set per token per layer of the experts routed to."""
-    from moe_pipe.shared.chat import encode_prompt
-    from moe_pipe.shared.model import load_model
-    from moe_pipe.shared.model_file import open_model
-    from moe_pipe.shared.tokenizer import Tokenizer
+    from moe_pipe.shared.gguf.model_file import open_model
+    from moe_pipe.shared.model.load import load_model
+    from moe_pipe.shared.text.chat import encode_prompt
+    from moe_pipe.shared.text.tokenizer import Tokenizer
 
     with open_model(path) as mf:
         model, tok = load_model(mf), Tokenizer.from_gguf(mf.gguf)
@@ -556,7 +620,7 @@ def test_router_tensors_follow_the_router_shape(arch, tiny):
     # logits = W·x (+ b): W Gaussian with the arch's logit spread over |x|
     # (√D after an RMS norm; gemma4 divides x by √D first); gpt-oss's bias
     # standardised per layer, each layer with its own popular experts.
-    from moe_pipe.shared.presets import ROUTER
+    from moe_pipe.shared.makemodel.presets import ROUTER
 
     shape = ROUTER[arch]
     r = GGUFReader(tiny[arch])
@@ -581,8 +645,8 @@ def test_router_tensors_follow_the_router_shape(arch, tiny):
 def test_deeper_qwen3moe_models_get_sharper_gates():
     # The attention's context average builds up with depth; sharper gates keep
     # routing turning over (8 layers: logit spread 5; 48: 5 × 6^0.4 ≈ 10.2).
-    from moe_pipe.shared.makemodel import plan_tensors
-    from moe_pipe.shared.presets import get_preset
+    from moe_pipe.shared.makemodel.maker import plan_tensors
+    from moe_pipe.shared.makemodel.presets import get_preset
 
     def router_std(arch, preset, layers):
         p = get_preset(arch, preset)

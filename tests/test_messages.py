@@ -1,4 +1,5 @@
 """The wire: every kind round-trips; anything malformed is a ProtocolError, never another exception."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -8,15 +9,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moe_pipe.shared import messages as m
-from moe_pipe.shared.messages import Kind, ProtocolError, decode, encode
+from moe_pipe.shared.wire import messages as m
+from moe_pipe.shared.wire.messages import Kind, ProtocolError, decode, encode
 
 U64 = st.integers(min_value=0, max_value=(1 << 64) - 1)
 FLOATS = st.floats(allow_nan=False)  # NaN != NaN would fail equality, not the wire
 TEXT = st.text(max_size=40)
 SCALAR = st.one_of(st.none(), st.booleans(), st.integers(-(1 << 63), (1 << 64) - 1), FLOATS, TEXT)
-ANY = st.recursive(SCALAR, lambda inner: st.one_of(
-    st.lists(inner, max_size=4), st.dictionaries(TEXT, inner, max_size=4)), max_leaves=12)
+ANY = st.recursive(SCALAR, lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(TEXT, inner, max_size=4)), max_leaves=12)
 
 STRATEGY_BY_TYPE = {
     "int": U64,
@@ -74,6 +74,7 @@ def test_status_envelope():
 
 
 # ---------------------------------------------------------------- malformed
+
 
 def frame(*items):
     return msgpack.packb(list(items), use_bin_type=True)

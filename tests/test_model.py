@@ -1,15 +1,16 @@
 """Forward passes on made models of every architecture: finite, batch-consistent,
 KV-cache-consistent, routed as asked; llama.cpp agreement behind the oracle marker."""
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 from moe_pipe.shared.errors import UserError
-from moe_pipe.shared.makemodel import make_model
-from moe_pipe.shared.model import load_model
+from moe_pipe.shared.gguf.model_file import open_model
+from moe_pipe.shared.makemodel.maker import make_model
+from moe_pipe.shared.model.load import load_model
 from moe_pipe.shared.model.moe import softmax_then_top_k, top_k_then_softmax
-from moe_pipe.shared.model_file import open_model
 
 ARCHES = ["qwen3moe", "gpt-oss", "gemma4"]
 PROMPT = [1, 5, 9, 20, 33, 70, 100, 200, 7, 300, 11]
@@ -28,6 +29,7 @@ def test_prefill_batches_equal_one_token_at_a_time(tiny):
     assert whole.shape == (len(PROMPT), tiny.spec.n_vocab) and np.isfinite(whole).all()
     b = tiny.new_cache(64)
     steps = np.stack([tiny.decode_one(t, b) for t in PROMPT])
+
     # Tolerance: a one-token product on the integer types multiplies on
     # int8-rounded activations (x̂ = dx·int8 per block of 32, |x − x̂| ≤
     # amax/254, ~0.5 % relative per product; docs/kernels.md), while multi-token

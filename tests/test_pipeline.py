@@ -1,6 +1,7 @@
 """The streaming pipeline: the same tokens as the resident reference under every
 setting, a cache that keeps its budget, telemetry that adds up, and nothing
 left behind when a process is killed."""
+
 from __future__ import annotations
 
 import itertools
@@ -18,17 +19,17 @@ import psutil
 import pytest
 
 from moe_pipe.procs.pipeline import Pipeline
-from moe_pipe.shared.policies import LIVE_POLICIES
 from moe_pipe.shared.config import load_config
 from moe_pipe.shared.errors import ConfigError
-from moe_pipe.shared.generate import GenerationConfig, generate
-from moe_pipe.shared.makemodel import make_model
-from moe_pipe.shared.model import load_model
+from moe_pipe.shared.experts.policies import LIVE_POLICIES
+from moe_pipe.shared.gguf.model_file import open_model
+from moe_pipe.shared.makemodel.maker import make_model
+from moe_pipe.shared.model.load import load_model
 from moe_pipe.shared.model.weights import FileExperts
-from moe_pipe.shared.model_file import open_model
-from moe_pipe.shared.sampling import SamplingParams
 from moe_pipe.shared.telemetry import CSV_COLUMNS, read_csv
-from moe_pipe.shared.tokenizer import Tokenizer
+from moe_pipe.shared.text.generate import GenerationConfig, generate
+from moe_pipe.shared.text.sampling import SamplingParams
+from moe_pipe.shared.text.tokenizer import Tokenizer
 
 ARCHES = ["qwen3moe", "gpt-oss", "gemma4"]
 PROMPT = "The old mill by the river"
@@ -62,11 +63,15 @@ def tiny(request, tmp_path_factory):
     with open_model(path) as mf:
         tok = Tokenizer.from_gguf(mf.gguf)
         prompt = tok.encode(PROMPT)
-        reference = {k: generate(load_model(mf, top_k=k), tok, prompt, SamplingParams(), GenerationConfig(max_tokens=N)).tokens
-                     for k in (None, 1)}
-        sizes = dict(min_mb=mf.layout.min_cache_bytes() / MiB, slab=mf.layout.slab_bytes,
-                     all_mb=mf.spec.n_layer * mf.spec.n_expert * mf.layout.slab_bytes / MiB,
-                     min1_mb=mf.layout.min_cache_bytes(1) / MiB)
+        reference = {
+            k: generate(load_model(mf, top_k=k), tok, prompt, SamplingParams(), GenerationConfig(max_tokens=N)).tokens for k in (None, 1)
+        }
+        sizes = dict(
+            min_mb=mf.layout.min_cache_bytes() / MiB,
+            slab=mf.layout.slab_bytes,
+            all_mb=mf.spec.n_layer * mf.spec.n_expert * mf.layout.slab_bytes / MiB,
+            min1_mb=mf.layout.min_cache_bytes(1) / MiB,
+        )
     return path, prompt, reference, sizes
 
 
@@ -79,8 +84,12 @@ def run_pipeline(path, prompt, **overrides):
 
 # budget × overlap × io_threads × dense × top_k: a covering set here, the full product behind -m slow
 COVER = [
-    ("min", True, 1, "anon", None, False), ("min", False, 4, "warm", None, True), ("mid", True, 4, "mmap", None, True),
-    ("mid", False, 1, "anon", 1, False), ("all", True, 4, "anon", None, False), ("all", False, 1, "mmap", 1, True),
+    ("min", True, 1, "anon", None, False),
+    ("min", False, 4, "warm", None, True),
+    ("mid", True, 4, "mmap", None, True),
+    ("mid", False, 1, "anon", 1, False),
+    ("all", True, 4, "anon", None, False),
+    ("all", False, 1, "mmap", 1, True),
     ("min", True, 4, "warm", 1, True),
 ]
 FULL = list(itertools.product(["min", "mid", "all"], [True, False], [1, 4], ["anon", "warm", "mmap"], [None, 1], [False, True]))
@@ -94,9 +103,18 @@ def _budget_mb(sizes, which, top_k):
 def _check_identity(tiny, budget, overlap, io_threads, dense, top_k, prefetch):
     path, prompt, reference, sizes = tiny
     extra = {"compute.top_k": top_k} if top_k else {}
-    tokens, _, resolved = run_pipeline(path, prompt, **{"cache.cache_mb": _budget_mb(sizes, budget, top_k), "compute.overlap": overlap,
-                                                        "io.io_threads": io_threads, "io.dense_weights": dense,
-                                                        "compute.prefetch": "next-layer" if prefetch else "none", **extra})
+    tokens, _, resolved = run_pipeline(
+        path,
+        prompt,
+        **{
+            "cache.cache_mb": _budget_mb(sizes, budget, top_k),
+            "compute.overlap": overlap,
+            "io.io_threads": io_threads,
+            "io.dense_weights": dense,
+            "compute.prefetch": "next-layer" if prefetch else "none",
+            **extra,
+        },
+    )
     assert tokens == reference[top_k], f"{budget} overlap={overlap} io={io_threads} dense={dense} top_k={top_k} prefetch={prefetch}"
     assert resolved.n_slots * resolved.slab_bytes <= _budget_mb(sizes, budget, top_k) * MiB
 
@@ -183,8 +201,9 @@ def independent_lru(path, prompt, n_slots):
 def test_csv_schema_and_counts_agree_with_independent_lru(tiny, tmp_path):
     path, prompt, _, sizes = tiny
     csv = tmp_path / "run.csv"
-    _, _, resolved = run_pipeline(path, prompt, **{"cache.cache_mb": _budget_mb(sizes, "mid", None), "telemetry.csv": str(csv),
-                                                    "cache.policy": "lru"})
+    _, _, resolved = run_pipeline(
+        path, prompt, **{"cache.cache_mb": _budget_mb(sizes, "mid", None), "telemetry.csv": str(csv), "cache.policy": "lru"}
+    )
     preamble, records = read_csv(csv)
     header = next(line for line in csv.read_text().splitlines() if not line.startswith("#"))
     assert header.split(",")[: len(CSV_COLUMNS)] == list(CSV_COLUMNS)
@@ -202,8 +221,9 @@ def test_csv_schema_and_counts_agree_with_independent_lru(tiny, tmp_path):
 def test_prefetch_is_reported(tiny, tmp_path):
     path, prompt, _, sizes = tiny
     csv = tmp_path / "run.csv"
-    run_pipeline(path, prompt, **{"cache.cache_mb": _budget_mb(sizes, "min", None), "compute.prefetch": "next-layer",
-                                  "telemetry.csv": str(csv)})
+    run_pipeline(
+        path, prompt, **{"cache.cache_mb": _budget_mb(sizes, "min", None), "compute.prefetch": "next-layer", "telemetry.csv": str(csv)}
+    )
     _, records = read_csv(csv)
     decode = records[1:]  # prefill batches are not hinted
     # A guess is sent only with a layer that misses, and only for experts not cached:
@@ -217,8 +237,12 @@ def test_run_cli_pipeline_equals_no_stream(tiny):
     path = tiny[0]
     outs = []
     for extra in ([], ["--no-stream"]):
-        r = subprocess.run([sys.executable, "-m", "moe_pipe.cli.main", "run", str(path), "-p", PROMPT, "-n", "8",
-                            "--output-format", "json", *extra], capture_output=True, text=True, timeout=120)
+        r = subprocess.run(
+            [sys.executable, "-m", "moe_pipe.cli.main", "run", str(path), "-p", PROMPT, "-n", "8", "--output-format", "json", *extra],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert r.returncode == 0, r.stderr
         outs.append(json.loads(r.stdout))
     # (the subprocess's own segments carry its pid; none may outlive it)
@@ -229,9 +253,27 @@ def test_run_cli_pipeline_equals_no_stream(tiny):
 @pytest.mark.parametrize("victim", ["moe-reader", "moe-compute"])
 def test_killing_a_child_ends_the_run_cleanly(tiny, victim):
     path = tiny[0]
-    proc = subprocess.Popen([sys.executable, "-m", "moe_pipe.cli.main", "run", str(path), "-p", PROMPT, "-n", "100000",
-                             "--set", "compute.ctx_size=200000", "--ignore-eos", "--output-format", "json"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "moe_pipe.cli.main",
+            "run",
+            str(path),
+            "-p",
+            PROMPT,
+            "-n",
+            "100000",
+            "--set",
+            "compute.ctx_size=200000",
+            "--ignore-eos",
+            "--output-format",
+            "json",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 60
         target = None
@@ -277,9 +319,25 @@ def _name(p: psutil.Process) -> str:
 @pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_ctrl_c_and_sigterm_release_everything(tiny, sig, code):
     path = tiny[0]
-    proc = subprocess.Popen([sys.executable, "-m", "moe_pipe.cli.main", "run", str(path), "-p", PROMPT, "-n", "100000",
-                             "--ignore-eos", "--set", "compute.ctx_size=200000"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "moe_pipe.cli.main",
+            "run",
+            str(path),
+            "-p",
+            PROMPT,
+            "-n",
+            "100000",
+            "--ignore-eos",
+            "--set",
+            "compute.ctx_size=200000",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not any(_name(k) == "moe-compute" for k in psutil.Process(proc.pid).children()):

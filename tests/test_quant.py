@@ -19,6 +19,7 @@ float64. Two comparisons are asked of the kernels:
 
 Legend: R rows, C columns, T activation rows.
 """
+
 from __future__ import annotations
 
 import json
@@ -110,7 +111,9 @@ def _assert_close(what: str, qtype: QType, w, got, ref, tol) -> None:
     lines.append(f"max abs err {np.max(err):.3e}, max rel err {np.max(err / np.maximum(np.abs(ref), 1e-30)):.3e}")
     for i in worst:
         idx = np.unravel_index(i, got.shape)
-        lines.append(f"  at {tuple(int(v) for v in idx)}: got {got[idx]:.6e} want {ref[idx]:.6e} err {err[idx]:.2e} tol {np.broadcast_to(tol, got.shape)[idx]:.2e}")
+        lines.append(
+            f"  at {tuple(int(v) for v in idx)}: got {got[idx]:.6e} want {ref[idx]:.6e} err {err[idx]:.2e} tol {np.broadcast_to(tol, got.shape)[idx]:.2e}"
+        )
     row = int(np.unravel_index(worst[0], got.shape)[-1])
     mine = quant.dequantize_rows(qtype, w, [row])[0]
     theirs = dequantize(np.ascontiguousarray(w[row : row + 1]), qtype).reshape(-1)
@@ -241,7 +244,9 @@ def test_float_types_accept_native_arrays():
     W = rng.standard_normal((9, 40)).astype(np.float32)
     x = rng.standard_normal(40).astype(np.float32)
     np.testing.assert_allclose(quant.matvec(QType.F32, W, x), W.astype(np.float64) @ x, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(quant.matvec(QType.F16, W.astype(np.float16), x), W.astype(np.float16).astype(np.float64) @ x, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(
+        quant.matvec(QType.F16, W.astype(np.float16), x), W.astype(np.float16).astype(np.float64) @ x, rtol=1e-5, atol=1e-4
+    )
 
 
 @pytest.mark.parametrize(

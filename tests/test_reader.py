@@ -1,11 +1,13 @@
 """The reader's next-layer guesses: read after the demand, never answered,
 withdrawn when their layer's request does not want them, promoted when it
 does, and free to evict — but never what the request pinned."""
+
 from __future__ import annotations
 
 import pytest
 
-from moe_pipe.shared import ipc, messages as m
+from moe_pipe.shared.wire import ipc
+from moe_pipe.shared.wire import messages as m
 
 from .readerhelp import Harness, hold_reads_of, model, no_fault_hook  # noqa: F401 (fixtures)
 

@@ -1,12 +1,13 @@
 """The reader's lanes: demand reads before guesses before background reads,
 promotion, withdrawal."""
+
 from __future__ import annotations
 
 import threading
 
 import pytest
 
-from moe_pipe.shared.readlanes import Priority, ReadLanes
+from moe_pipe.shared.experts.readlanes import Priority, ReadLanes
 
 
 class Recorder:

@@ -1,6 +1,7 @@
 """The policy simulator: the reader's order, both budget accountings, agreement
 with the live reader's code, the published curves of the phone traces, and
 the `moe-pipe replay` command."""
+
 from __future__ import annotations
 
 import csv
@@ -12,11 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from moe_pipe.shared import messages as m
-from moe_pipe.shared.cache import SlotTable
-from moe_pipe.shared.policies import DEFAULT_POLICY, LIVE_POLICIES, POLICIES
-from moe_pipe.shared.replay import ByteTable, Replayer, ReplayError, fetches, slab_bytes, split_fetches, sweep
-from moe_pipe.shared.trace import DECODE, PROMPT, TraceHeader, TraceWriter, read_trace
+from moe_pipe.shared.analysis.replay import ByteTable, Replayer, ReplayError, fetches, slab_bytes, split_fetches, sweep
+from moe_pipe.shared.experts.cache import SlotTable
+from moe_pipe.shared.experts.policies import DEFAULT_POLICY, LIVE_POLICIES, POLICIES
+from moe_pipe.shared.model.trace import DECODE, PROMPT, TraceHeader, TraceWriter, read_trace
+from moe_pipe.shared.wire import messages as m
 
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 1 << 20
@@ -39,8 +40,10 @@ def phone_trace(name: str) -> Path:
 
 def published(name: str) -> dict[tuple[int, str], dict[str, float]]:
     path = phone_trace(name).with_name(f"{name}-replay-curve.csv")
-    return {(int(r["budget_mib"]), r["policy"]): {k: float(v) for k, v in r.items() if k not in ("budget_mib", "policy")}
-            for r in csv.DictReader(path.open())}
+    return {
+        (int(r["budget_mib"]), r["policy"]): {k: float(v) for k, v in r.items() if k not in ("budget_mib", "policy")}
+        for r in csv.DictReader(path.open())
+    }
 
 
 def small_trace(tmp_path, decode_tokens, prompt=None, n_layer=1, n_expert=8, k=2, sizes=None) -> Path:
@@ -61,12 +64,18 @@ def small_trace(tmp_path, decode_tokens, prompt=None, n_layer=1, n_expert=8, k=2
 
 # -- the fetches: what the reader is asked --------------------------------------------
 
+
 def test_a_prompt_batch_is_one_fetch_per_layer_deduplicated(tmp_path):
     t = read_trace(small_trace(tmp_path, [[1, 2], [2, 3]], prompt=[[5, 6], [6, 7], [5, 1]], n_layer=2))
     fs = fetches(t)
     assert [(f.phase, f.layer, [e for _, e in f.keys]) for f in fs] == [
-        (PROMPT, 0, [5, 6, 7, 1]), (PROMPT, 1, [5, 6, 7, 1]),
-        (DECODE, 0, [1, 2]), (DECODE, 1, [1, 2]), (DECODE, 0, [2, 3]), (DECODE, 1, [2, 3])]
+        (PROMPT, 0, [5, 6, 7, 1]),
+        (PROMPT, 1, [5, 6, 7, 1]),
+        (DECODE, 0, [1, 2]),
+        (DECODE, 1, [1, 2]),
+        (DECODE, 0, [2, 3]),
+        (DECODE, 1, [2, 3]),
+    ]
     # compute splits a batch that routes to more experts than slabs
     assert [len(f.keys) for f in split_fetches(fs, 3)] == [3, 1, 3, 1, 2, 2, 2, 2]
 
@@ -94,7 +103,7 @@ def test_byte_accounting_fits_by_size(tmp_path):
 
 
 def test_byte_table_evicts_until_the_newcomer_fits():
-    from moe_pipe.shared.policies import LRU
+    from moe_pipe.shared.experts.policies import LRU
 
     t = ByteTable(10, LRU())
     for key, size in (("a", 4), ("b", 3), ("c", 3)):
@@ -118,12 +127,20 @@ def test_replay_agrees_with_the_live_reader(tmp_path):
         rd = Reader.__new__(Reader)  # no sockets, files or arena: just its bookkeeping
         rd.table = SlotTable(n_slots, policy)
         rd.inflight, rd.pinned, rd.guess_io = {}, defaultdict(list), [0, 0]
-        rd.layout = type("L", (), {"layers": range(t.header.n_layer), "expert_bytes": lambda s, i: t.header.expert_bytes[i],
-                                   "spec": type("S", (), {"n_expert": t.header.n_expert})()})()
+        rd.layout = type(
+            "L",
+            (),
+            {
+                "layers": range(t.header.n_layer),
+                "expert_bytes": lambda s, i: t.header.expert_bytes[i],
+                "spec": type("S", (), {"n_expert": t.header.n_expert})(),
+            },
+        )()
         rd.index = type("I", (), {"clear": lambda s, k: None, "publish": lambda s, k, slot: None})()
         reads = []
-        rd.lanes = type("X", (), {"submit": lambda s, key, slot, priority=0: reads.append((key, slot)),
-                                  "withdraw_guesses": lambda s, keep=(): []})()
+        rd.lanes = type(
+            "X", (), {"submit": lambda s, key, slot, priority=0: reads.append((key, slot)), "withdraw_guesses": lambda s, keep=(): []}
+        )()
         sent = []
         rd.send = sent.append
         rd.send_ready = lambda req, key, slot, hit, io_ns: sent.append(("ready", key, hit))
@@ -153,6 +170,7 @@ def test_replay_agrees_with_the_live_reader(tmp_path):
 
 
 # -- the published curves --------------------------------------------------------------
+
 
 @pytest.mark.parametrize("name", ["qwen", "gptoss"])
 def test_lru_and_belady_match_the_published_curves(name):
@@ -203,10 +221,14 @@ def test_belady_is_the_ceiling_on_the_phone_traces():
 
 # -- errors --------------------------------------------------------------------------------
 
+
 def test_budget_and_policy_errors(tmp_path):
     t = read_trace(small_trace(tmp_path, [[1, 2]], k=2))
     rp = Replayer(t)
-    with pytest.raises(ReplayError, match=r"t.csv: a budget of 1 MiB holds 1 slab\(s\) of 1.00 MiB, fewer than one layer's top-2 experts; use --budget-mb 2 or more"):
+    with pytest.raises(
+        ReplayError,
+        match=r"t.csv: a budget of 1 MiB holds 1 slab\(s\) of 1.00 MiB, fewer than one layer's top-2 experts; use --budget-mb 2 or more",
+    ):
         rp.run(1, "lru")
     with pytest.raises(ReplayError, match="positive number"):
         rp.run(float("nan"), "lru")
@@ -217,6 +239,7 @@ def test_budget_and_policy_errors(tmp_path):
 
 
 # -- the command -----------------------------------------------------------------------------
+
 
 def test_replay_command_json(tmp_path, capsys):
     from moe_pipe.cli.main import main
@@ -233,12 +256,15 @@ def test_replay_command_json(tmp_path, capsys):
     assert "hit % decode" in table and "belady" in table and "lfu" not in table
 
 
-@pytest.mark.parametrize("argv, problem", [
-    (["nope.csv", "--budget-mb", "100"], "nope.csv: no such file"),
-    (["TRACE", "--budget-mb", "1"], "fewer than one layer's top-2 experts"),
-    (["TRACE", "--budget-mb", "100", "--policy", "fifo"], "unknown cache policy 'fifo'"),
-    (["BAD", "--budget-mb", "100"], "bad.csv:5: column expert must be an integer, got 'one'"),
-])
+@pytest.mark.parametrize(
+    "argv, problem",
+    [
+        (["nope.csv", "--budget-mb", "100"], "nope.csv: no such file"),
+        (["TRACE", "--budget-mb", "1"], "fewer than one layer's top-2 experts"),
+        (["TRACE", "--budget-mb", "100", "--policy", "fifo"], "unknown cache policy 'fifo'"),
+        (["BAD", "--budget-mb", "100"], "bad.csv:5: column expert must be an integer, got 'one'"),
+    ],
+)
 def test_replay_command_errors_are_one_line_exit_2(tmp_path, capsys, argv, problem):
     from moe_pipe.cli.main import main
 
@@ -253,9 +279,10 @@ def test_replay_command_errors_are_one_line_exit_2(tmp_path, capsys, argv, probl
 
 # -- the drop-cold lever in the simulator -----------------------------------------
 
+
 def test_drop_cold_skips_only_light_misses(tmp_path):
-    from moe_pipe.shared.replay import Fetch, drop_cold_keys
-    from moe_pipe.shared.cache import SlotTable
+    from moe_pipe.shared.analysis.replay import Fetch, drop_cold_keys
+    from moe_pipe.shared.experts.cache import SlotTable
 
     table = SlotTable(4, "lru")
     table.admit((0, 3))

@@ -1,5 +1,6 @@
 """Route traces recorded by the engine, replayed by the simulator, and used
 for a warm start: the engine and the simulator count the same hits."""
+
 from __future__ import annotations
 
 from dataclasses import asdict
@@ -8,15 +9,15 @@ from pathlib import Path
 import pytest
 
 from moe_pipe.procs.pipeline import Pipeline
+from moe_pipe.shared.analysis.replay import MIB, Replayer, slab_bytes
 from moe_pipe.shared.config import load_config
-from moe_pipe.shared.default_model import default_model_path
 from moe_pipe.shared.errors import UserError
-from moe_pipe.shared.model_file import open_model
-from moe_pipe.shared.replay import MIB, Replayer, slab_bytes
-from moe_pipe.shared.sampling import SamplingParams
+from moe_pipe.shared.gguf.model_file import open_model
+from moe_pipe.shared.makemodel.default_model import default_model_path
+from moe_pipe.shared.model.trace import read_trace
 from moe_pipe.shared.telemetry import read_csv
-from moe_pipe.shared.tokenizer import Tokenizer
-from moe_pipe.shared.trace import read_trace
+from moe_pipe.shared.text.sampling import SamplingParams
+from moe_pipe.shared.text.tokenizer import Tokenizer
 
 PROMPTS = ["The old mill by the river", "Once upon a time there was", "A quiet night in the city of"]
 N = 12
@@ -41,8 +42,7 @@ def _serve(tmp_path: Path, **over) -> tuple[list, int]:
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 def test_replaying_the_engines_trace_gives_the_engines_hit_rate(tmp_path, policy):
     trace_path = tmp_path / "run.trace"
-    dones, n_slots = _serve(tmp_path, **{"cache.cache_mb": 1.2, "cache.policy": policy,
-                                         "telemetry.route_trace": str(trace_path)})
+    dones, n_slots = _serve(tmp_path, **{"cache.cache_mb": 1.2, "cache.policy": policy, "telemetry.route_trace": str(trace_path)})
     trace = read_trace(trace_path)
     _, spec = _prompts()
     assert sorted(set(trace.turn.tolist())) == [0, 1, 2]
@@ -69,6 +69,7 @@ def test_warm_start_from_a_trace_beats_a_cold_start(tmp_path):
         cfg = load_config(None, {"model.path": str(default_model_path()), "cache.cache_mb": 64, **over})
         with Pipeline(cfg, default_model_path()) as pipe:
             import time
+
             time.sleep(1.0)  # the warm reads run in the reader's lanes while it serves
             hit[label] = pipe.generate(prompts[0], asdict(SamplingParams()), N, ignore_eos=True).timings["final_hit_pct"]
     assert hit["warm"] > hit["cold"]
@@ -77,8 +78,10 @@ def test_warm_start_from_a_trace_beats_a_cold_start(tmp_path):
 
 def test_a_warm_start_trace_of_another_model_is_refused(tmp_path):
     bad = tmp_path / "bad.trace"
-    bad.write_text("# route_trace v1\n# model=x arch=qwen3moe n_layer=1 n_expert=4 n_expert_used=2\n"
-                   "# layer=0 expert_bytes=10 dense_bytes=10\nturn,phase,step,layer,slot,expert,weight,residency,expert_bytes\n")
+    bad.write_text(
+        "# route_trace v1\n# model=x arch=qwen3moe n_layer=1 n_expert=4 n_expert_used=2\n"
+        "# layer=0 expert_bytes=10 dense_bytes=10\nturn,phase,step,layer,slot,expert,weight,residency,expert_bytes\n"
+    )
     cfg = load_config(None, {"model.path": str(default_model_path()), "cache.warm_from": str(bad)})
     with pytest.raises(UserError, match="cannot warm"):
         Pipeline(cfg, default_model_path()).start()

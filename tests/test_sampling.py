@@ -1,11 +1,12 @@
 """Sampling: greedy, truncation rules, penalty, seeds, bad values."""
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 from moe_pipe.shared.errors import UserError
-from moe_pipe.shared.sampling import Sampler, SamplingParams, penalize_repeats, truncate
+from moe_pipe.shared.text.sampling import Sampler, SamplingParams, penalize_repeats, truncate
 
 
 def test_greedy_is_argmax_and_lowest_id_on_ties():
@@ -48,7 +49,9 @@ def test_repeat_penalty():
     assert s(np.array([2.0, 1.5]), history=[0]) == 1
 
 
-@pytest.mark.parametrize("kw", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(min_p=1.0), dict(top_k=-2), dict(repeat_penalty=0)])
+@pytest.mark.parametrize(
+    "kw", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(min_p=1.0), dict(top_k=-2), dict(repeat_penalty=0)]
+)
 def test_bad_values_are_user_errors(kw):
     with pytest.raises(UserError):
         SamplingParams(**kw)

@@ -1,6 +1,7 @@
 """`moe-pipe up` end to end on the tiny model: the real supervisor, reader,
 compute, telemetry and gateway processes, the official openai client, kill -9
 of each child and of the supervisor, and nothing left behind."""
+
 from __future__ import annotations
 
 import json
@@ -19,7 +20,7 @@ import pytest
 
 openai = pytest.importorskip("openai", reason="the openai client is a test extra: pip install '.[test]'")
 
-from moe_pipe.shared.default_model import default_model_path  # noqa: E402
+from moe_pipe.shared.makemodel.default_model import default_model_path  # noqa: E402
 
 from .servicehelp import StatusPolling  # noqa: E402
 
@@ -63,8 +64,7 @@ class Service(StatusPolling):
 def leftovers(pids: set[int]) -> list[str]:
     """Shared-memory segments (their names carry the owner's pid) and live processes of these supervisors."""
     shm = [p.name for p in Path("/dev/shm").glob("moe-pipe-*") if any(f"-{pid}-" in p.name for pid in pids)]
-    procs = [f"{p.pid} {p.name()}" for p in psutil.process_iter(["name"]) if p.info["name"].startswith("moe-")
-             and _ppid_in(p, pids)]
+    procs = [f"{p.pid} {p.name()}" for p in psutil.process_iter(["name"]) if p.info["name"].startswith("moe-") and _ppid_in(p, pids)]
     return shm + procs
 
 
@@ -99,18 +99,24 @@ def svc():
 
 
 def chat(client, content: str, max_tokens: int, stream: bool = False, **kw):
-    return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],
-                                          max_tokens=max_tokens, temperature=0, stream=stream, **kw)
+    return client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=max_tokens, temperature=0, stream=stream, **kw
+    )
 
 
 def reference(prompt: str, n: int, chat_mode: bool = True) -> str:
-    r = subprocess.run([*CLI, "run", CONFIG, "-p", prompt, "-n", str(n), "--output-format", "json",
-                        *(["--chat"] if chat_mode else [])], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [*CLI, "run", CONFIG, "-p", prompt, "-n", str(n), "--output-format", "json", *(["--chat"] if chat_mode else [])],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)["text"]
 
 
 # -- the API against `run` -------------------------------------------------------
+
 
 def test_openai_client_streaming_and_not_equals_run(svc):
     client = svc.client()
@@ -190,6 +196,7 @@ def test_200_bounded_concurrent_requests_are_all_answered(svc):
 
 
 # -- restarts ---------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("victim", ["compute", "reader", "telemetry"])
 def test_kill9_mid_stream_restarts_and_the_request_completes(svc, victim):
@@ -281,9 +288,12 @@ def test_down_status_without_a_service_is_one_line_exit_2(tmp_path):
 
 # -- tails ------------------------------------------------------------------------
 
+
 def test_three_tails_attached_mid_run_see_live_records(svc):
-    tails = [subprocess.Popen([*CLI, "tail", "--csv"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                              env=svc.env) for _ in range(3)]
+    tails = [
+        subprocess.Popen([*CLI, "tail", "--csv"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=svc.env)
+        for _ in range(3)
+    ]
     try:
         time.sleep(2)  # let them subscribe (PUB/SUB only delivers what comes after)
         chat(svc.client(), "Tell a story", 64)

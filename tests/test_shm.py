@@ -1,4 +1,5 @@
 """Shared-memory arenas: one owner, attach by name, stale segments found by pid."""
+
 from __future__ import annotations
 
 import hashlib
@@ -12,8 +13,8 @@ import uuid
 import numpy as np
 import pytest
 
-from moe_pipe.shared import shm
-from moe_pipe.shared.shm import PAGE, Arena, SlabArena, parse_segment_name, segment_name
+from moe_pipe.shared.experts import shm
+from moe_pipe.shared.experts.shm import PAGE, Arena, SlabArena, parse_segment_name, segment_name
 
 
 def _dead_pid() -> int:
@@ -83,7 +84,7 @@ def test_subprocess_attach_sees_and_writes_the_same_bytes():
         a.buf[:] = np.arange(2 * PAGE, dtype=np.uint32).astype(np.uint8)
         child = textwrap.dedent(f"""
             import hashlib
-            from moe_pipe.shared.shm import Arena
+            from moe_pipe.shared.experts.shm import Arena
             ro = Arena.attach({name!r})
             print(hashlib.sha256(ro.buf.tobytes()).hexdigest())
             ro.close()
@@ -180,8 +181,7 @@ def test_stale_segments_by_pid():
 
 def test_reclaim_stale_only_dead_owners(tmp_path, monkeypatch):
     # A private directory stands in for /dev/shm, so no one else's segment is touched.
-    names = {"dead": segment_name("slabs", DEAD_PID), "live": segment_name("slabs"),
-             "init": segment_name("dense", 1), "other": "psm_123"}
+    names = {"dead": segment_name("slabs", DEAD_PID), "live": segment_name("slabs"), "init": segment_name("dense", 1), "other": "psm_123"}
     for n in names.values():
         (tmp_path / n).write_bytes(b"x")
     assert shm.reclaim_stale(tmp_path) == [names["dead"]]

@@ -7,6 +7,7 @@ and nothing is left: shared memory, processes, the runtime folder, the
 listener, and no fds or threads piled up in the supervisor.
 
 A short run is in the default suite; the 3-minute one is behind -m slow."""
+
 from __future__ import annotations
 
 import json
@@ -21,8 +22,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SOAK = [sys.executable, str(ROOT / "bench" / "soak.py")]
-CLEAR_ERRORS = ("connection:",  # the gateway itself was killed under the request, or is restarting
-                "http_503:compute_unavailable", "stream_error:compute_unavailable")  # compute died twice under it
+CLEAR_ERRORS = (
+    "connection:",  # the gateway itself was killed under the request, or is restarting
+    "http_503:compute_unavailable",
+    "stream_error:compute_unavailable",
+)  # compute died twice under it
 
 
 def run_soak(*args: str, timeout: float) -> dict:

@@ -1,6 +1,7 @@
 """The supervisor's restart logic as data: guarded state changes, backoff,
 FATAL after repeated failed starts, restart policies, dependencies — driven
 with fake processes and a fake clock (the real processes: test_service.py)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -140,8 +141,10 @@ def test_a_crash_after_a_long_run_restarts_at_once(tmp_path):
     assert compute.last_error == "compute was killed by SIGKILL"
 
 
-@pytest.mark.parametrize("policy,code,restarted", [("always", 0, True), ("always", 1, True), ("on-failure", 0, False),
-                                                    ("on-failure", -9, True), ("never", -9, False)])
+@pytest.mark.parametrize(
+    "policy,code,restarted",
+    [("always", 0, True), ("always", 1, True), ("on-failure", 0, False), ("on-failure", -9, True), ("never", -9, False)],
+)
 def test_restart_policies(tmp_path, policy, code, restarted):
     h = Harness(tmp_path, start_secs=0.5, telemetry_restart=policy)
     h.start_all()
@@ -173,7 +176,7 @@ def test_compute_waits_for_its_reader(tmp_path):
 def test_control_commands(tmp_path):
     h = Harness(tmp_path)
     h.start_all()
-    from moe_pipe.shared import messages as m
+    from moe_pipe.shared.wire import messages as m
 
     bad = h.command(m.Command("dance"))
     assert not bad.ok and bad.code == m.Code.UNKNOWN_COMMAND and "status, stop" in bad.message

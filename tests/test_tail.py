@@ -4,6 +4,7 @@ The fake service is this test process: a runtime dir owned by our pid, a
 service.json, and a PUB socket bound where the telemetry process binds its
 own. Tails are subprocesses pointed at it through XDG_RUNTIME_DIR.
 """
+
 from __future__ import annotations
 
 import os
@@ -20,18 +21,35 @@ import pytest
 import zmq
 
 from moe_pipe.cli.tail_cmd import SPARK_BLOCKS, WAITING_NOTICE, csv_row, format_line, sparkline
-from moe_pipe.shared import ipc, messages
-from moe_pipe.shared.messages import TokenRecord
-from moe_pipe.shared.service import ServiceInfo, write_service_info
+from moe_pipe.shared.serve.service import ServiceInfo, write_service_info
 from moe_pipe.shared.telemetry import CSV_COLUMNS
+from moe_pipe.shared.wire import ipc, messages
+from moe_pipe.shared.wire.messages import TokenRecord
 
 TIMEOUT_S = 15
 
 
 def record(step: int, wall_ms: float = 250.0) -> TokenRecord:
-    return TokenRecord(step=step, wall_ms=wall_ms, compute_ms=180.5, io_ms=90.25, read_bytes=3 << 20, cache_hit_pct=87.5,
-                       stall_ms=12.0, mgmt_ms=1.5, majflt=2, cpu_ms=170.0, hits=7, misses=1, prefetch_issued=0,
-                       prefetch_used=0, prefetch_wasted_bytes=0, wire_ms=0.2, rss_bytes=200 << 20, req_id=1)
+    return TokenRecord(
+        step=step,
+        wall_ms=wall_ms,
+        compute_ms=180.5,
+        io_ms=90.25,
+        read_bytes=3 << 20,
+        cache_hit_pct=87.5,
+        stall_ms=12.0,
+        mgmt_ms=1.5,
+        majflt=2,
+        cpu_ms=170.0,
+        hits=7,
+        misses=1,
+        prefetch_issued=0,
+        prefetch_used=0,
+        prefetch_wasted_bytes=0,
+        wire_ms=0.2,
+        rss_bytes=200 << 20,
+        req_id=1,
+    )
 
 
 @pytest.fixture
@@ -53,8 +71,11 @@ class FakeService:
         self.step = 0
         # Written last, as the supervisor does: a tail finds the service only
         # once this exists.
-        write_service_info(ServiceInfo(pid=os.getpid(), runtime_dir=str(self.rt.path), config="", model="fake.gguf",
-                                       model_name="fake", started=time.time()))
+        write_service_info(
+            ServiceInfo(
+                pid=os.getpid(), runtime_dir=str(self.rt.path), config="", model="fake.gguf", model_name="fake", started=time.time()
+            )
+        )
 
     def publish_until(self, done, wall_ms: float = 250.0) -> None:
         """Publish records until done() holds. Slow joiners see nothing sent
@@ -84,12 +105,15 @@ class Tail:
 
     def __init__(self, xdg: Path, *args: str):
         env = dict(os.environ, XDG_RUNTIME_DIR=str(xdg))
-        self.proc = subprocess.Popen([sys.executable, "-m", "moe_pipe.cli.main", "tail", *args], env=env,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "moe_pipe.cli.main", "tail", *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
         self.out: list[str] = []
         self.err: list[str] = []
-        self._threads = [threading.Thread(target=self._collect, args=(s, lines), daemon=True)
-                         for s, lines in ((self.proc.stdout, self.out), (self.proc.stderr, self.err))]
+        self._threads = [
+            threading.Thread(target=self._collect, args=(s, lines), daemon=True)
+            for s, lines in ((self.proc.stdout, self.out), (self.proc.stderr, self.err))
+        ]
         for t in self._threads:
             t.start()
 
@@ -127,6 +151,7 @@ class Tail:
 
 # ------------------------------------------------------------------ pure parts
 
+
 def test_sparkline_scales_from_zero_to_the_max():
     assert sparkline([1, 2, 4, 8]) == "▁▂▄█"
     assert sparkline([5, 5, 5]) == "███"  # steady speed is full height, not noise blown up
@@ -142,19 +167,28 @@ def test_sparkline_keeps_the_last_width_values():
 
 def test_format_line_shows_the_token():
     line = format_line(record(12, wall_ms=250.0))
-    for part in ("step    12", "4.00 tok/s", "wall    250.0 ms", "compute    180.5 ms", "io     90.2 ms",
-                 "stall    12.0 ms", "hit  87.5 %", "read     3.00 MiB", "majflt 2"):
+    for part in (
+        "step    12",
+        "4.00 tok/s",
+        "wall    250.0 ms",
+        "compute    180.5 ms",
+        "io     90.2 ms",
+        "stall    12.0 ms",
+        "hit  87.5 %",
+        "read     3.00 MiB",
+        "majflt 2",
+    ):
         assert part in line, part
     assert "\n" not in line
     assert "0.00 tok/s" in format_line(record(1, wall_ms=0.0))  # no division by zero
 
 
 def test_csv_row_is_the_schema_columns():
-    assert csv_row(record(3)).split(",") == ["3", "250.000", "180.500", "90.250", str(3 << 20), "87.500", "12.000",
-                                             "1.500", "2", "170.000"]
+    assert csv_row(record(3)).split(",") == ["3", "250.000", "180.500", "90.250", str(3 << 20), "87.500", "12.000", "1.500", "2", "170.000"]
 
 
 # ------------------------------------------------------------- the real command
+
 
 def test_csv_rows_carry_published_records(xdg, service):
     tail = Tail(xdg, "--csv")
@@ -248,8 +282,14 @@ def test_ctrl_c_detaches_with_exit_0(xdg, service):
 def test_closed_pipe_ends_quietly(xdg, service):
     # `moe-pipe tail --csv | head -3`: the reader goes away, the tail leaves without a traceback.
     env = dict(os.environ, XDG_RUNTIME_DIR=str(xdg))
-    proc = subprocess.Popen(f"{sys.executable} -m moe_pipe.cli.main tail --csv | head -3", shell=True, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        f"{sys.executable} -m moe_pipe.cli.main tail --csv | head -3",
+        shell=True,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         service.publish_until(lambda: proc.poll() is not None)
         out, err = proc.communicate(timeout=TIMEOUT_S)

@@ -1,4 +1,5 @@
 """Telemetry: the CSV schema, preamble, JSONL, summary figures, resource meter, and the doc's table."""
+
 from __future__ import annotations
 
 import mmap
@@ -10,7 +11,7 @@ import orjson
 import pytest
 
 from moe_pipe.shared import telemetry as tm
-from moe_pipe.shared.messages import RunInfo, TokenRecord, field_names
+from moe_pipe.shared.wire.messages import RunInfo, TokenRecord, field_names
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "telemetry.md"
 
@@ -29,8 +30,18 @@ def rec(step, wall_ms, hit_pct=50.0, read_bytes=1000, **extra):
 
 
 def test_schema_is_designs():
-    assert tm.CSV_COLUMNS == ("step", "wall_ms", "compute_ms", "io_ms", "read_bytes", "cache_hit_pct",
-                              "stall_ms", "mgmt_ms", "majflt", "cpu_ms")
+    assert tm.CSV_COLUMNS == (
+        "step",
+        "wall_ms",
+        "compute_ms",
+        "io_ms",
+        "read_bytes",
+        "cache_hit_pct",
+        "stall_ms",
+        "mgmt_ms",
+        "majflt",
+        "cpu_ms",
+    )
     assert field_names(TokenRecord) == tm.CSV_COLUMNS + tm.EXTRA_COLUMNS
     assert not set(tm.CSV_COLUMNS) & set(tm.EXTRA_COLUMNS)
 
@@ -46,7 +57,7 @@ def test_csv_preamble_header_rows(tmp_path):
             w.write(r)
     lines = path.read_text().splitlines()
     pre = [ln for ln in lines if ln.startswith("#")]
-    body = lines[len(pre):]
+    body = lines[len(pre) :]
     assert lines[: len(pre)] == pre  # the preamble comes first, all of it
     assert all(re.fullmatch(r"# [^=\n]+=.*", ln) for ln in pre[1:])
     assert "# budget_mib=4000.0" in pre and "# config.cache.cache_mb=4000" in pre
@@ -77,11 +88,11 @@ def test_jsonl(tmp_path):
 
 # ------------------------------------------------------------------- summary
 
+
 def test_summary_figures():
     # 20 tokens: a cold head of 5 at 1000 ms, then 15 at 100 ms.
     records = [rec(i, 1000.0 if i <= 5 else 100.0, hit_pct=i * 4.0, read_bytes=1 << 20) for i in range(1, 21)]
-    s = tm.summarize(list(reversed(records)), load_seconds=2.5, budget_bytes=3000 << 20,
-                     resident_bytes=2988 << 20, peak_rss_bytes=5 << 30)
+    s = tm.summarize(list(reversed(records)), load_seconds=2.5, budget_bytes=3000 << 20, resident_bytes=2988 << 20, peak_rss_bytes=5 << 30)
     assert s.tokens == 20
     assert s.mean_tok_s == pytest.approx(20 / 6.5)  # 5 × 1 s + 15 × 0.1 s
     assert s.steady_from_step == 6  # max(5, 10 % of 20) discarded
@@ -115,6 +126,7 @@ def test_summary_of_one_token():
 
 
 # --------------------------------------------------------------------- meter
+
 
 def test_meter_deltas_non_negative():
     meter = tm.ResourceMeter()
@@ -154,6 +166,7 @@ def test_meter_sees_major_faults(tmp_path):
 
 # ----------------------------------------------------------------------- doc
 
+
 def doc_table(heading: str) -> list[list[str]]:
     """The rows of the first table under `## heading` in docs/telemetry.md."""
     text = DOC.read_text()
@@ -167,7 +180,7 @@ def test_doc_lists_every_column_in_order():
 
 
 def test_doc_lists_every_summary_field():
-    from moe_pipe.shared.messages import RunSummary
+    from moe_pipe.shared.wire.messages import RunSummary
 
     assert tuple(row[0] for row in doc_table("Run summary")) == field_names(RunSummary)
 

@@ -1,5 +1,6 @@
 """Tokenizer from GGUF metadata: round trips, special tokens, BOS, streaming,
 end-of-generation ids, and (oracle) the same ids as llama.cpp on the same file."""
+
 from __future__ import annotations
 
 import random
@@ -7,9 +8,9 @@ import random
 import pytest
 
 from moe_pipe.shared.errors import GGUFError
-from moe_pipe.shared.gguf_file import GGUFFile
-from moe_pipe.shared.makemodel import make_model
-from moe_pipe.shared.tokenizer import BYTE, CONTROL, NORMAL, USER_DEFINED, Tokenizer
+from moe_pipe.shared.gguf.reader import GGUFFile
+from moe_pipe.shared.makemodel.maker import make_model
+from moe_pipe.shared.text.tokenizer import BYTE, CONTROL, NORMAL, USER_DEFINED, Tokenizer
 
 ARCHS = ("qwen3moe", "gpt-oss", "gemma4")
 
@@ -177,8 +178,15 @@ def test_harmony_end_is_not_end_of_generation(toks):
 def _tiny(model="gemma4", pre="gemma4", tokens=(), types=None, merges=()):
     tokens = list(tokens)
     return Tokenizer(
-        model=model, pre=pre, tokens=tokens, types=list(types or [NORMAL] * len(tokens)), merges=list(merges),
-        bos_id=None, eos_id=None, pad_id=None, add_bos=False,
+        model=model,
+        pre=pre,
+        tokens=tokens,
+        types=list(types or [NORMAL] * len(tokens)),
+        merges=list(merges),
+        bos_id=None,
+        eos_id=None,
+        pad_id=None,
+        add_bos=False,
     )
 
 
@@ -242,7 +250,9 @@ def test_ids_equal_llama_cpp(toks, llama, arch):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_ids_equal_llama_cpp_on_random_text(toks, llama, arch):
     tok, ref = toks[arch], llama[arch]
-    pool = list("abcXYZ äöüßÄÖÜ中文字日本語한국어αβγДжЯ\u0301\u0915\u093f\u0e01'sS'LL'Ve 0123456789 \t\n\r  ,.;:!?/\\-_()[]{}<>|@#$%^&*+=~`\"😀👍🏽\u200dſ\u00a0\u3000")
+    pool = list(
+        "abcXYZ äöüßÄÖÜ中文字日本語한국어αβγДжЯ\u0301\u0915\u093f\u0e01'sS'LL'Ve 0123456789 \t\n\r  ,.;:!?/\\-_()[]{}<>|@#$%^&*+=~`\"😀👍🏽\u200dſ\u00a0\u3000"
+    )
     pool += CONTROL_TOKENS[arch] + ["<think>", "\n\n", "    ", "[PAD1700]", "<unused5>", "<|reserved_1605|>"]
     rng = random.Random(1234)
     for _ in range(300):

@@ -1,5 +1,6 @@
 """Route traces: read → write round trips (bit-exact on the phone traces), the
 writer's append and flush behaviour, and one-line errors naming file:line."""
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -7,7 +8,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from moe_pipe.shared.trace import COLUMNS, HEADER_ROW, DECODE, PROMPT, TraceError, TraceHeader, TraceWriter, read_trace, write_trace
+from moe_pipe.shared.model.trace import COLUMNS, DECODE, HEADER_ROW, PROMPT, TraceError, TraceHeader, TraceWriter, read_trace, write_trace
 
 from .test_replay import phone_trace
 
@@ -75,9 +76,15 @@ def test_the_writer_records_what_the_phone_engine_recorded(tmp_path):
         for a, b in zip([0, *change.tolist()], [*change.tolist(), len(t)]):
             for c in range(a, b, k if t.phase[a] == DECODE else b - a):  # decode: one token at a time
                 end = b if t.phase[a] == PROMPT else c + k
-                w.write_routing(int(t.turn[c]), int(t.phase[c]), int(t.step[c]), int(t.layer[c]),
-                                t.expert[c:end].reshape(-1, k), t.weight[c:end].reshape(-1, k),
-                                t.residency[c:end].reshape(-1, k))
+                w.write_routing(
+                    int(t.turn[c]),
+                    int(t.phase[c]),
+                    int(t.step[c]),
+                    int(t.layer[c]),
+                    t.expert[c:end].reshape(-1, k),
+                    t.weight[c:end].reshape(-1, k),
+                    t.residency[c:end].reshape(-1, k),
+                )
     assert out.read_bytes() == src.read_bytes()
 
 
@@ -115,28 +122,32 @@ def test_header_from_a_layout():
 
 # -- errors: one line, file:line, the problem ---------------------------------------
 
+
 def lines_of_small(tmp_path) -> list[str]:
     p = tmp_path / "ok.csv"
     write_small(p)
     return p.read_text().splitlines()
 
 
-@pytest.mark.parametrize("line_no, new, problem", [
-    (1, "# route_trace v2", "not a route trace"),
-    (2, "# model=x arch=y n_layer=3", "expected '# model="),
-    (2, "# model=x arch=y n_layer=3 n_expert=8 n_expert_used=9", "impossible model shape"),
-    (4, "# layer=2 expert_bytes=1 dense_bytes=1", "in order"),
-    (5, "# layer=2 expert_bytes=0 dense_bytes=1", "expert_bytes=0"),
-    (6, "turn,phase,step,layer,expert,slot,weight,residency,expert_bytes", "column row"),
-    (7, "0,0,0,0,0,1,0.5,0", "expected 9 comma-separated fields"),
-    (8, "0,0,0,0,0,x,0.5,0,0", "column expert must be an integer"),
-    (9, "0,0,0,0,0,1,abc,0,0", "column weight must be a number"),
-    (10, "0,0,0,0,0,8,0.5,0,0", "column expert = 8 is out of range (allowed 0..7"),
-    (11, "0,2,0,0,0,1,0.5,0,0", "column phase = 2"),
-    (12, "0,0,0,3,0,1,0.5,0,0", "column layer = 3"),
-    (13, "0,0,0,0,2,1,0.5,0,0", "column slot = 2"),
-    (14, "0,0,0,0,0,1,0.5,0,-1", "column expert_bytes = -1"),
-])
+@pytest.mark.parametrize(
+    "line_no, new, problem",
+    [
+        (1, "# route_trace v2", "not a route trace"),
+        (2, "# model=x arch=y n_layer=3", "expected '# model="),
+        (2, "# model=x arch=y n_layer=3 n_expert=8 n_expert_used=9", "impossible model shape"),
+        (4, "# layer=2 expert_bytes=1 dense_bytes=1", "in order"),
+        (5, "# layer=2 expert_bytes=0 dense_bytes=1", "expert_bytes=0"),
+        (6, "turn,phase,step,layer,expert,slot,weight,residency,expert_bytes", "column row"),
+        (7, "0,0,0,0,0,1,0.5,0", "expected 9 comma-separated fields"),
+        (8, "0,0,0,0,0,x,0.5,0,0", "column expert must be an integer"),
+        (9, "0,0,0,0,0,1,abc,0,0", "column weight must be a number"),
+        (10, "0,0,0,0,0,8,0.5,0,0", "column expert = 8 is out of range (allowed 0..7"),
+        (11, "0,2,0,0,0,1,0.5,0,0", "column phase = 2"),
+        (12, "0,0,0,3,0,1,0.5,0,0", "column layer = 3"),
+        (13, "0,0,0,0,2,1,0.5,0,0", "column slot = 2"),
+        (14, "0,0,0,0,0,1,0.5,0,-1", "column expert_bytes = -1"),
+    ],
+)
 def test_malformed_traces_name_the_line(tmp_path, line_no, new, problem):
     lines = lines_of_small(tmp_path)
     lines[line_no - 1] = new
@@ -160,8 +171,8 @@ def test_missing_and_empty_files(tmp_path):
 
 
 def test_the_header_alone_is_the_whole_reads_header(tmp_path):
-    from moe_pipe.shared.forecast import TRACE_DIR
-    from moe_pipe.shared.trace import read_trace_header
+    from moe_pipe.shared.analysis.forecast import TRACE_DIR
+    from moe_pipe.shared.model.trace import read_trace_header
 
     for name in ("qwen.route.csv", "gptoss.route.csv"):  # the shipped traces
         assert read_trace_header(TRACE_DIR / name) == read_trace(TRACE_DIR / name).header

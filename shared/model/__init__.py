@@ -1,16 +1,7 @@
-"""Model architectures: one module per GGUF architecture, each exporting `Model`."""
-from __future__ import annotations
+"""The forward pass: one module per GGUF architecture (each exporting `Model`),
+built from shared blocks (norms, RoPE, attention, the MoE block), plus the
+expert sources the MoE block reads from and route traces (record, replay).
 
-from ..errors import GGUFError
-from ..model_file import ModelFile
-from . import gemma4, gpt_oss, qwen3moe
-from .base import MoEModel
-
-ARCHITECTURES = {"qwen3moe": qwen3moe.Model, "gpt-oss": gpt_oss.Model, "gemma4": gemma4.Model}
-
-
-def load_model(mf: ModelFile, top_k: int | None = None, experts=None, dense_view=None) -> MoEModel:
-    cls = ARCHITECTURES.get(mf.spec.arch)
-    if cls is None:
-        raise GGUFError(mf.gguf.path, f"architecture {mf.spec.arch!r} has no forward pass (supported: {', '.join(ARCHITECTURES)})")
-    return cls(mf, top_k=top_k, experts=experts, dense_view=dense_view)
+Owns: numerics of a token's pass, the KV cache, routing. `load.load_model`
+picks the architecture. May import: errors, quant, gguf.
+"""

@@ -5,19 +5,20 @@ once in `load_layer`, and implements `layer()` for one decoder block. The
 stage-named entry points are `prefill` (a prompt batch) and `decode_one`.
 Legend: T tokens, D hidden, V vocab.
 """
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
-from ..errors import UserError
-from ..model_file import ModelFile
-from .blocks import KVCache, rms_norm, softmax
-from .levers import Levers, apply_levers
-from .moe import Routing, top_k_ids
-from .stages import Stages
-from .weights import ExpertSource, FileExperts, Weights
+from moe_pipe.shared.errors import UserError
+from moe_pipe.shared.gguf.model_file import ModelFile
+from moe_pipe.shared.model.blocks import KVCache, rms_norm, softmax
+from moe_pipe.shared.model.levers import Levers, apply_levers
+from moe_pipe.shared.model.moe import Routing, top_k_ids
+from moe_pipe.shared.model.stages import Stages
+from moe_pipe.shared.model.weights import ExpertSource, FileExperts, Weights
 
 # Next-layer guesses below this router probability are not read. On the
 # calibrated qwen30b-shape model (bench/out, 24 decode tokens) a guess's

@@ -4,6 +4,7 @@ grouped-query attention over a KV cache (causal, sliding window, sinks).
 Everything is float32 numpy. Legend: T new tokens, N cached positions
 (including the new ones), H query heads, Hk kv heads, G = H/Hk, d head width.
 """
+
 from __future__ import annotations
 
 import math
@@ -11,11 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..spec import RopeSpec
-from .fused import _rope_rotate, rms_norm, swiglu  # noqa: F401  (fused loops, part of the blocks' API)
-
-
-
+from moe_pipe.shared.gguf.spec import RopeSpec
+from moe_pipe.shared.model.fused import _rope_rotate, rms_norm, swiglu  # noqa: F401  (fused loops, part of the blocks' API)
 
 # ---- rotary position embedding --------------------------------------------------
 
@@ -126,8 +124,9 @@ class KVCache:
         self.n = min(self.n, n)
 
 
-def attention(q: np.ndarray, cache: KVCache, layer: int, start: int, scale: float,
-              window: int = 0, sinks: np.ndarray | None = None) -> np.ndarray:
+def attention(
+    q: np.ndarray, cache: KVCache, layer: int, start: int, scale: float, window: int = 0, sinks: np.ndarray | None = None
+) -> np.ndarray:
     """Causal GQA over the cache for T queries at positions start..start+T-1.
 
     q [T, H, d]; returns [T, H·dv]. Key j is visible to query p when j ≤ p and,

@@ -10,14 +10,15 @@ routed experts on pre_ffw_norm_2(h) (→ post_ffw_norm_2), routed from
 RMSNorm_noweight(h)·scale/√D; sum → post_ffw_norm → residual → × layer scalar.
 Output head tied to the embeddings; logits soft-capped.
 """
+
 from __future__ import annotations
 
 import numpy as np
 
-from .base import MoEModel
-from .blocks import Rope, attention, gelu_tanh, plain_inv_freq, rms_norm
-from .moe import apply_experts, softmax_then_top_k
-from .weights import Expert
+from moe_pipe.shared.model.base import MoEModel
+from moe_pipe.shared.model.blocks import Rope, attention, gelu_tanh, plain_inv_freq, rms_norm
+from moe_pipe.shared.model.moe import apply_experts, softmax_then_top_k
+from moe_pipe.shared.model.weights import Expert
 
 
 def gelu_expert(e: Expert, x: np.ndarray) -> np.ndarray:
@@ -36,19 +37,30 @@ class Model(MoEModel):
         self.rope_full = Rope(plain_inv_freq(r.freq_base, r.dim, factors))
         self.rope_swa = Rope(plain_inv_freq(r.freq_base_swa or 1e4, r.dim_swa or r.dim))
         self.embed_scale = np.float32(np.sqrt(np.float32(self.spec.n_embd)))
-        self.router_scale = np.float32(self.spec.n_embd ** -0.5)
+        self.router_scale = np.float32(self.spec.n_embd**-0.5)
 
     def load_layer(self, i: int) -> dict:
         p, w = f"blk.{i}.", self.w
         v = w.matrix(p + "attn_v.weight") if w.has(p + "attn_v.weight") else None
         return dict(
-            attn_norm=w.vector(p + "attn_norm.weight"), q=w.matrix(p + "attn_q.weight"), k=w.matrix(p + "attn_k.weight"), v=v,
-            o=w.matrix(p + "attn_output.weight"), q_norm=w.vector(p + "attn_q_norm.weight"), k_norm=w.vector(p + "attn_k_norm.weight"),
-            post_attn_norm=w.vector(p + "post_attention_norm.weight"), ffn_norm=w.vector(p + "ffn_norm.weight"),
-            gate=w.matrix(p + "ffn_gate.weight"), up=w.matrix(p + "ffn_up.weight"), down=w.matrix(p + "ffn_down.weight"),
-            post_ffw_norm_1=w.vector(p + "post_ffw_norm_1.weight"), pre_ffw_norm_2=w.vector(p + "pre_ffw_norm_2.weight"),
-            post_ffw_norm_2=w.vector(p + "post_ffw_norm_2.weight"), post_ffw_norm=w.vector(p + "post_ffw_norm.weight"),
-            router=w.matrix(p + "ffn_gate_inp.weight"), router_in_scale=w.vector(p + "ffn_gate_inp.scale"),
+            attn_norm=w.vector(p + "attn_norm.weight"),
+            q=w.matrix(p + "attn_q.weight"),
+            k=w.matrix(p + "attn_k.weight"),
+            v=v,
+            o=w.matrix(p + "attn_output.weight"),
+            q_norm=w.vector(p + "attn_q_norm.weight"),
+            k_norm=w.vector(p + "attn_k_norm.weight"),
+            post_attn_norm=w.vector(p + "post_attention_norm.weight"),
+            ffn_norm=w.vector(p + "ffn_norm.weight"),
+            gate=w.matrix(p + "ffn_gate.weight"),
+            up=w.matrix(p + "ffn_up.weight"),
+            down=w.matrix(p + "ffn_down.weight"),
+            post_ffw_norm_1=w.vector(p + "post_ffw_norm_1.weight"),
+            pre_ffw_norm_2=w.vector(p + "pre_ffw_norm_2.weight"),
+            post_ffw_norm_2=w.vector(p + "post_ffw_norm_2.weight"),
+            post_ffw_norm=w.vector(p + "post_ffw_norm.weight"),
+            router=w.matrix(p + "ffn_gate_inp.weight"),
+            router_in_scale=w.vector(p + "ffn_gate_inp.scale"),
             expert_scale=w.vector(p + "ffn_down_exps.scale"),
             out_scale=w.vector(p + "layer_output_scale.weight") if w.has(p + "layer_output_scale.weight") else np.ones(1, np.float32),
         )

@@ -6,16 +6,17 @@ output projection + bias; residual. Then RMSNorm (`post_attention_norm` is
 the pre-FFN norm) → router logits + bias → top-k logits → softmax over those →
 Σ w·(down(clamped SwiGLU) + b); residual.
 """
+
 from __future__ import annotations
 
 import math
 
 import numpy as np
 
-from .base import MoEModel
-from .blocks import attention, rms_norm, rope_from_spec, sigmoid
-from .moe import apply_experts, top_k_then_softmax
-from .weights import Expert
+from moe_pipe.shared.model.base import MoEModel
+from moe_pipe.shared.model.blocks import attention, rms_norm, rope_from_spec, sigmoid
+from moe_pipe.shared.model.moe import apply_experts, top_k_then_softmax
+from moe_pipe.shared.model.weights import Expert
 
 SWIGLU_LIMIT = np.float32(7.0)
 SWIGLU_ALPHA = np.float32(1.702)
@@ -46,12 +47,18 @@ class Model(MoEModel):
         p, w = f"blk.{i}.", self.w
         return dict(
             attn_norm=w.vector(p + "attn_norm.weight"),
-            q=w.matrix(p + "attn_q.weight"), q_b=w.vector(p + "attn_q.bias"),
-            k=w.matrix(p + "attn_k.weight"), k_b=w.vector(p + "attn_k.bias"),
-            v=w.matrix(p + "attn_v.weight"), v_b=w.vector(p + "attn_v.bias"),
-            o=w.matrix(p + "attn_output.weight"), o_b=w.vector(p + "attn_output.bias"),
-            sinks=w.vector(p + "attn_sinks.weight"), ffn_norm=w.vector(p + "post_attention_norm.weight"),
-            router=w.matrix(p + "ffn_gate_inp.weight"), router_b=w.vector(p + "ffn_gate_inp.bias"),
+            q=w.matrix(p + "attn_q.weight"),
+            q_b=w.vector(p + "attn_q.bias"),
+            k=w.matrix(p + "attn_k.weight"),
+            k_b=w.vector(p + "attn_k.bias"),
+            v=w.matrix(p + "attn_v.weight"),
+            v_b=w.vector(p + "attn_v.bias"),
+            o=w.matrix(p + "attn_output.weight"),
+            o_b=w.vector(p + "attn_output.bias"),
+            sinks=w.vector(p + "attn_sinks.weight"),
+            ffn_norm=w.vector(p + "post_attention_norm.weight"),
+            router=w.matrix(p + "ffn_gate_inp.weight"),
+            router_b=w.vector(p + "ffn_gate_inp.bias"),
         )
 
     def layer(self, i, x, cache, start, positions):

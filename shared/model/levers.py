@@ -14,15 +14,16 @@ resident reference has everything cached, so there they do nothing.
   (probabilities are a softmax of the scores, so this holds for logits of
   every architecture). The swapped-in expert takes the slot's weight.
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import numpy as np
 
-from .moe import Routing
+from moe_pipe.shared.model.moe import Routing
 
 Resident = Callable[[Sequence[int]], list[bool]]
 

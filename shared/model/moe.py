@@ -7,16 +7,17 @@ Experts may arrive in any order (cache hits first, misses as they land), but
 the per-token sum is always taken in slot order, so the result is bit-identical
 whatever the arrival order.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
-from .blocks import softmax
-from .fused import _softmax_top_k
-from .weights import Expert, ExpertSource
+from moe_pipe.shared.model.blocks import softmax
+from moe_pipe.shared.model.fused import _softmax_top_k
+from moe_pipe.shared.model.weights import Expert, ExpertSource
 
 
 @dataclass(frozen=True)
@@ -54,8 +55,9 @@ def top_k_then_softmax(logits: np.ndarray, k: int) -> Routing:
     return Routing(ids, softmax(np.take_along_axis(logits, ids, axis=-1)).astype(np.float32))
 
 
-def apply_experts(x: np.ndarray, routing: Routing, source: ExpertSource, layer: int,
-                  ffn: Callable[[Expert, np.ndarray], np.ndarray]) -> np.ndarray:
+def apply_experts(
+    x: np.ndarray, routing: Routing, source: ExpertSource, layer: int, ffn: Callable[[Expert, np.ndarray], np.ndarray]
+) -> np.ndarray:
     """Σ_k w[t,k] · ffn(expert ids[t,k], x[t]) for every token t; x [T, D] → [T, D]."""
     t, k = routing.ids.shape
     if t == 1:  # decode: one token, k distinct experts — no index bookkeeping

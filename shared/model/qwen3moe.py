@@ -5,16 +5,17 @@ RoPE; causal GQA scaled 1/√d; residual. Then RMSNorm → router softmax over
 all experts → top-k → renormalize → Σ w·down(silu(gate n) ⊙ up n); residual.
 Legend: T tokens, D hidden, H/Hk heads, d head width, E experts.
 """
+
 from __future__ import annotations
 
 import math
 
 import numpy as np
 
-from .base import MoEModel
-from .blocks import attention, rms_norm, rope_from_spec, swiglu
-from .moe import apply_experts, softmax_then_top_k
-from .weights import Expert
+from moe_pipe.shared.model.base import MoEModel
+from moe_pipe.shared.model.blocks import attention, rms_norm, rope_from_spec, swiglu
+from moe_pipe.shared.model.moe import apply_experts, softmax_then_top_k
+from moe_pipe.shared.model.weights import Expert
 
 
 def swiglu_expert(e: Expert, x: np.ndarray) -> np.ndarray:
@@ -32,10 +33,15 @@ class Model(MoEModel):
     def load_layer(self, i: int) -> dict:
         p, w = f"blk.{i}.", self.w
         return dict(
-            attn_norm=w.vector(p + "attn_norm.weight"), q=w.matrix(p + "attn_q.weight"), k=w.matrix(p + "attn_k.weight"),
-            v=w.matrix(p + "attn_v.weight"), o=w.matrix(p + "attn_output.weight"),
-            q_norm=w.vector(p + "attn_q_norm.weight"), k_norm=w.vector(p + "attn_k_norm.weight"),
-            ffn_norm=w.vector(p + "ffn_norm.weight"), router=w.matrix(p + "ffn_gate_inp.weight"),
+            attn_norm=w.vector(p + "attn_norm.weight"),
+            q=w.matrix(p + "attn_q.weight"),
+            k=w.matrix(p + "attn_k.weight"),
+            v=w.matrix(p + "attn_v.weight"),
+            o=w.matrix(p + "attn_output.weight"),
+            q_norm=w.vector(p + "attn_q_norm.weight"),
+            k_norm=w.vector(p + "attn_k_norm.weight"),
+            ffn_norm=w.vector(p + "ffn_norm.weight"),
+            router=w.matrix(p + "ffn_gate_inp.weight"),
         )
 
     def layer(self, i, x, cache, start, positions):

@@ -17,15 +17,16 @@ tokens are not the model's own (a benchmark only).
 The model must have the trace's expert count and at most its layers (a model
 cut to fewer layers takes the trace's first ones).
 """
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
-from ..errors import UserError
-from ..trace import TraceHeader, TraceWriter
-from .moe import Routing
+from moe_pipe.shared.errors import UserError
+from moe_pipe.shared.model.moe import Routing
+from moe_pipe.shared.model.trace import TraceHeader, TraceWriter
 
 
 class RouteTracer:
@@ -60,9 +61,11 @@ class RouteReplay:
     def __init__(self, trace, spec):
         h = trace.header
         if h.n_expert != spec.n_expert or spec.n_layer > h.n_layer:
-            raise UserError(f"{trace.path}: a trace of {h.n_layer} layers x {h.n_expert} experts cannot drive this "
-                            f"model's {spec.n_layer} layers x {spec.n_expert} experts (the expert counts must match "
-                            "and the model may not have more layers)")
+            raise UserError(
+                f"{trace.path}: a trace of {h.n_layer} layers x {h.n_expert} experts cannot drive this "
+                f"model's {spec.n_layer} layers x {spec.n_expert} experts (the expert counts must match "
+                "and the model may not have more layers)"
+            )
         self.path = str(trace.path)
         self.tokens: list[list[tuple[np.ndarray, np.ndarray]]] = [self._layer_tokens(trace, l) for l in range(spec.n_layer)]
         for l, toks in enumerate(self.tokens):
@@ -99,5 +102,5 @@ class RouteReplay:
         for t, (e, ww) in enumerate(picked):
             ids[t, : len(e)], w[t, : len(e)] = e, ww
             if len(e) < k:
-                ids[t, len(e):] = [x for x in range(k + len(e)) if x not in set(e.tolist())][: k - len(e)]
+                ids[t, len(e) :] = [x for x in range(k + len(e)) if x not in set(e.tolist())][: k - len(e)]
         return Routing(ids, w)

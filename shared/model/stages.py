@@ -1,6 +1,7 @@
 """Time spent per stage of the forward pass (attention, router, experts, head),
 for benchmarks and telemetry. Off by default: a disabled stage costs one
 attribute test."""
+
 from __future__ import annotations
 
 import time
@@ -14,11 +15,11 @@ class Stages:
         self._name = ""
         self._t0 = 0.0
 
-    def __call__(self, name: str) -> "Stages":
+    def __call__(self, name: str) -> Stages:
         self._name = name
         return self
 
-    def __enter__(self) -> "Stages":
+    def __enter__(self) -> Stages:
         if self.enabled:
             self._t0 = time.perf_counter()
         return self

@@ -5,17 +5,19 @@ Where the bytes come from is not this module's business: `Weights` serves
 dense tensors from the file mapping, and an `ExpertSource` hands out experts
 (from the file here; from the shared-memory cache in the streaming pipeline).
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator, Protocol
+from typing import Protocol
 
 import numpy as np
 
-from .. import quant
-from ..errors import GGUFError
-from ..layout import LayerExperts
-from ..model_file import ModelFile
+from moe_pipe.shared import quant
+from moe_pipe.shared.errors import GGUFError
+from moe_pipe.shared.gguf.layout import LayerExperts
+from moe_pipe.shared.gguf.model_file import ModelFile
 
 _VECTOR_TYPES = ("F32", "F16", "BF16")
 

@@ -31,19 +31,19 @@ Kernels compile on first use of a type (numba, cached on disk under
 __pycache__ or NUMBA_CACHE_DIR), so a process using three types compiles
 three, and the next process start loads them from the cache.
 """
+
 from __future__ import annotations
 
 import os
-
 from typing import NamedTuple
 
 import numba
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from . import _float, _kquant, _legacy, _q8
-from ._common import E8M0_HALF, F16_TABLE, LANES
-from .blocks import SUPPORTED, BlockFormat, QType, block_format, qtype_from_name
+from moe_pipe.shared.quant import _float, _kquant, _legacy, _q8
+from moe_pipe.shared.quant._common import E8M0_HALF, F16_TABLE, LANES
+from moe_pipe.shared.quant.blocks import SUPPORTED, BlockFormat, QType, block_format, qtype_from_name
 
 __all__ = [
     "INT8_ACTIVATION_TYPES",
@@ -89,6 +89,7 @@ def int8_activations() -> bool:
 
 def _uses_q8(qtype, n_tokens: int) -> bool:
     return _INT8_ACT[0] and n_tokens <= INT8_MAX_TOKENS and qtype in _Q8_KERNELS
+
 
 # Float dtypes accepted in place of raw bytes for the unquantized types (what
 # gguf-py's reader hands out for F32/F16 tensors).
@@ -287,7 +288,13 @@ def _weights(op: str, qtype, w, n_cols: int) -> tuple[BlockFormat, np.ndarray, i
 def _output(op: str, out, shape: tuple[int, ...]) -> np.ndarray:
     if out is None:
         return np.empty(shape, np.float32)
-    if not isinstance(out, np.ndarray) or out.dtype != np.float32 or out.shape != shape or not out.flags.c_contiguous or not out.flags.writeable:
+    if (
+        not isinstance(out, np.ndarray)
+        or out.dtype != np.float32
+        or out.shape != shape
+        or not out.flags.c_contiguous
+        or not out.flags.writeable
+    ):
         got = f"{out.dtype} {list(out.shape)}" if isinstance(out, np.ndarray) else type(out).__name__
         raise ValueError(f"{op}: out must be a writable C-contiguous float32 array of shape {list(shape)}, got {got}")
     return out

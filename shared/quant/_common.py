@@ -31,6 +31,7 @@ modules (_float, _legacy, _kquant) or clear their __pycache__.
 Legend: R rows, C columns, T activation rows (tokens), G rows per tile,
 B blocks per row.
 """
+
 from __future__ import annotations
 
 import numpy as np

@@ -6,12 +6,13 @@ top half of a float32, F16 moves its exponent/mantissa into float32 position
 and multiplies by 2^112, which rebases the exponent and turns f16 subnormals
 into the right float32 normals exactly; inf/NaN get the all-ones exponent.
 """
+
 from __future__ import annotations
 
 import numpy as np
 from numba import njit, prange
 
-from ._common import DRIVER, INLINE, tile_times
+from moe_pipe.shared.quant._common import DRIVER, INLINE, tile_times
 
 _TWO_112 = np.float32(2.0**112)
 
@@ -22,10 +23,7 @@ def _row_f32(w, o, nb, dst, f16, lanes):
     src = w[o : o + 4 * nb]
     for l in range(nb):
         bits[l] = (
-            np.uint32(src[4 * l])
-            | (np.uint32(src[4 * l + 1]) << 8)
-            | (np.uint32(src[4 * l + 2]) << 16)
-            | (np.uint32(src[4 * l + 3]) << 24)
+            np.uint32(src[4 * l]) | (np.uint32(src[4 * l + 1]) << 8) | (np.uint32(src[4 * l + 2]) << 16) | (np.uint32(src[4 * l + 3]) << 24)
         )
 
 

@@ -6,12 +6,13 @@ c byte chunk, low nibble then high nibble); the loops below walk exactly
 those indices so every inner loop is 16 or 32 lanes with fixed shifts.
 Per-type row decoders and drivers as in _legacy / _common.
 """
+
 from __future__ import annotations
 
 import numpy as np
 from numba import njit, prange
 
-from ._common import DRIVER, INLINE, IQ4_VALUES, f16_at, k_scale_min, tile_times
+from moe_pipe.shared.quant._common import DRIVER, INLINE, IQ4_VALUES, f16_at, k_scale_min, tile_times
 
 
 @njit(**INLINE)

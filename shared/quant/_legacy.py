@@ -9,12 +9,13 @@ are the drivers described in _common. Each inner loop runs 16 or 32 lanes
 with no branches, so LLVM turns it into AVX-512 code; Q8_0/Q4_0/Q4_1 take the
 lane count at run time (see LANES in _common for why).
 """
+
 from __future__ import annotations
 
 import numpy as np
 from numba import njit, prange
 
-from ._common import DRIVER, E8M0_HALF, INLINE, IQ4_VALUES, f16_at, tile_times
+from moe_pipe.shared.quant._common import DRIVER, E8M0_HALF, INLINE, IQ4_VALUES, f16_at, tile_times
 
 
 @njit(**INLINE)

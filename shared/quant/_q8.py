@@ -39,6 +39,7 @@ the float scaling adds a few float32 roundings per block.
 `effective_activation(x, qtype)` returns x̂. A non-finite activation block
 gives NaN/inf outputs (dx = inf or NaN), as the float path would.
 """
+
 from __future__ import annotations
 
 import llvmlite.binding as llb
@@ -49,7 +50,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ._common import DRIVER, INLINE, f16_at
+from moe_pipe.shared.quant._common import DRIVER, INLINE, f16_at
 
 _I8 = ir.IntType(8)
 _I16 = ir.IntType(16)
@@ -108,6 +109,7 @@ def _nibbles32(builder, q16):
 @intrinsic
 def _dot_q8(typingctx, w, wo, x, xo):
     """Σ_{l<32} (int8 w[wo+l] + 128)·x[xo+l]."""
+
     def codegen(context, builder, sig, args):
         q = _load(context, builder, sig.args[0], args[0], args[1], 32)
         u = builder.xor(q, ir.Constant(_vec(32), [0x80] * 32))
@@ -119,6 +121,7 @@ def _dot_q8(typingctx, w, wo, x, xo):
 @intrinsic
 def _dot_q5_0(typingctx, w, wo, qh, x, xo):
     """Σ_{l<32} (nibble_l | bit_l(qh) << 4)·x[xo+l] over a Q5_0 block's qs at wo (q before −16)."""
+
     def codegen(context, builder, sig, args):
         nib = _nibbles32(builder, _load(context, builder, sig.args[0], args[0], args[1], 16))
         bits = builder.lshr(_splat(builder, builder.trunc(args[2], _I32), 32), ir.Constant(_vec(32, 32), list(range(32))))
@@ -132,6 +135,7 @@ def _dot_q5_0(typingctx, w, wo, qh, x, xo):
 @intrinsic
 def _dot_fp4(typingctx, w, wo, x, xo):
     """Σ_{l<32} (2·E2M1(code_l) + 12)·x[xo+l] over an MXFP4 block's qs at wo."""
+
     def codegen(context, builder, sig, args):
         n = _nibbles32(builder, _load(context, builder, sig.args[0], args[0], args[1], 16))
         c = lambda v: ir.Constant(_vec(32), [v] * 32)  # noqa: E731
@@ -232,8 +236,10 @@ def _rowdot(gen):
 def _block4_sums(e: _Emit, lo, hi):
     """Two <16 x i32> dot vectors (8 lanes per 32-block: blocks 0,1 and 2,3) → <4 x i32> block sums."""
     b = e.b
-    s = b.add(e.shuf(lo, hi, [0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27]),
-              e.shuf(lo, hi, [4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31]))
+    s = b.add(
+        e.shuf(lo, hi, [0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27]),
+        e.shuf(lo, hi, [4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31]),
+    )
     s = b.add(e.shuf(s, None, [0, 1, 4, 5, 8, 9, 12, 13]), e.shuf(s, None, [2, 3, 6, 7, 10, 11, 14, 15]))
     return b.add(e.shuf(s, None, [0, 2, 4, 6]), e.shuf(s, None, [1, 3, 5, 7]))
 
@@ -299,8 +305,10 @@ def _gen_mxfp4(e: _Emit, w, o, ng, xq, xo, dx, bs, half):
         lo = _fp4_u(e, e.b.and_(q, e.const(_vec(64), 15)))
         hi = _fp4_u(e, e.b.lshr(q, e.const(_vec(64), 4)))
         # block i: low nibbles are elements 0..15, high nibbles 16..31
-        return (e.shuf(lo, hi, list(range(16)) + list(range(64, 80)) + list(range(16, 32)) + list(range(80, 96))),
-                e.shuf(lo, hi, list(range(32, 48)) + list(range(96, 112)) + list(range(48, 64)) + list(range(112, 128))))
+        return (
+            e.shuf(lo, hi, list(range(16)) + list(range(64, 80)) + list(range(16, 32)) + list(range(80, 96))),
+            e.shuf(lo, hi, list(range(32, 48)) + list(range(96, 112)) + list(range(48, 64)) + list(range(112, 128))),
+        )
 
     def scale(p):
         return e.b.load(e.b.gep(half, [e.b.zext(e.load(w, p, _I8), _I64)]))

@@ -6,6 +6,7 @@ only need what every caller shares: block size, bytes per block, where the
 scale fields sit (to make random blocks with a chosen spread), and shape
 arithmetic. Legend: R rows, C columns (ne0, the contiguous axis), B blocks.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

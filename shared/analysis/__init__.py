@@ -1,0 +1,7 @@
+"""Measuring and forecasting: route-trace replay with every policy, the
+`doctor` forecast, `moe-pipe bench` (memory cgroups, cold runs), and the
+llama.cpp peer.
+
+Owns: offline and benchmark-time analysis; nothing here runs in a serving
+process. May import: every other package of shared/.
+"""

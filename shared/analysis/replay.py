@@ -1,0 +1,315 @@
+"""Replaying a route trace through the expert cache, exactly as the reader would.
+
+The simulator and the live reader agree because they run the same code: the
+`SlotTable` and the `POLICIES` of shared/cache.py, driven in the reader's
+order. One trace group is one Fetch:
+
+    decode:  one token at one layer — its top-k rows (turn, step, layer)
+    prompt:  one prompt batch at one layer — the batch's rows for that layer,
+             deduplicated in order of first use (a batched prefill reads each
+             expert once per layer), split into n_slots-sized fetches as
+             compute does when a batch routes to more experts than slabs
+
+    per fetch:  lookup each expert in routing order; a hit is pinned
+                admit each miss in routing order, pinned (evicts an unpinned victim)
+                unpin everything (the Release)
+
+so nothing is pinned across fetches and the layer being computed is never
+evicted by its own misses.
+
+Two ways to count the budget:
+
+    slots  (the engine)  the arena is equal slabs of the largest expert,
+                         page-rounded: n_slots = budget // slab_bytes
+    bytes  (BigMoeOnEdge's published curves)  each expert takes its own size
+                         (Qwen3-30B-A3B has 3,059,712 and 2,654,208-byte
+                         experts); evict until the newcomer fits
+
+`hit % decode` is over decode lookups only, `hit % cum` over all lookups
+(a prompt lookup is one per expert per layer per batch, not per token),
+`read MiB` the bytes of every miss at the layer's own expert size.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from moe_pipe.shared.errors import UserError
+from moe_pipe.shared.experts.cache import CacheFull, SlotTable
+from moe_pipe.shared.experts.policies import OFFLINE_POLICIES, POLICIES, Key, Policy, make_policy
+from moe_pipe.shared.model.trace import DECODE, Trace
+
+MIB = 1 << 20
+PAGE = 4096
+ACCOUNTING = ("slots", "bytes")
+
+
+class ReplayError(UserError):
+    """A replay that cannot run: a budget too small, an unknown policy."""
+
+
+@dataclass(frozen=True)
+class Fetch:
+    phase: int
+    layer: int
+    keys: tuple[Key, ...]  # distinct (layer, expert), routing order
+    weights: tuple[float, ...] = ()  # decode: each key's router weight (for the drop-cold lever)
+
+
+def fetches(trace: Trace) -> list[Fetch]:
+    """The trace as the reader sees it: one Fetch per token per layer (decode)
+    or per prompt batch per layer, in trace order."""
+    n = len(trace)
+    if n == 0:
+        return []
+    # A new group where turn, phase or layer change, or (decode only) the step does.
+    change = np.zeros(n, bool)  # [N]
+    change[0] = True
+    for col in (trace.turn, trace.phase, trace.layer):
+        change[1:] |= col[1:] != col[:-1]
+    change[1:] |= (trace.step[1:] != trace.step[:-1]) & (trace.phase[1:] == DECODE)
+    starts = np.flatnonzero(change).tolist() + [n]
+    names = [[(layer, e) for e in range(trace.header.n_expert)] for layer in range(trace.header.n_layer)]
+    experts, layers, phases = trace.expert.tolist(), trace.layer.tolist(), trace.phase.tolist()
+    weights = trace.weight.tolist()
+    out = []
+    for a, b in zip(starts, starts[1:]):
+        row = names[layers[a]]
+        keys = tuple(dict.fromkeys(row[e] for e in experts[a:b]))  # dedup, first-use order
+        decode = phases[a] == DECODE and len(keys) == b - a
+        out.append(Fetch(phases[a], layers[a], keys, tuple(weights[a:b]) if decode else ()))
+    return out
+
+
+def drop_cold_keys(f: Fetch, table, fraction: float) -> tuple[Key, ...]:
+    """The lever `--drop-cold-experts` (shared/model/levers.py) on one decode
+    fetch: keys that are misses with weight below fraction × the even share
+    are skipped; at least the heaviest stays. Prompt fetches are exact."""
+    if fraction <= 0 or not f.weights:
+        return f.keys
+    even = sum(f.weights) / len(f.weights)
+    keep = tuple(k for k, w in zip(f.keys, f.weights) if w >= fraction * even or k in table)
+    return keep or (f.keys[max(range(len(f.keys)), key=f.weights.__getitem__)],)
+
+
+def split_fetches(fs: list[Fetch], n_slots: int) -> list[Fetch]:
+    """Fetches no longer than n_slots (compute's slab-sized groups)."""
+    if all(len(f.keys) <= n_slots for f in fs):
+        return fs
+    return [Fetch(f.phase, f.layer, f.keys[i : i + n_slots]) for f in fs for i in range(0, len(f.keys), n_slots)]
+
+
+# ---------------------------------------------------------------- the tables
+
+
+class ByteTable:
+    """Simulator only: a cache whose budget is bytes, each expert taking its own
+    size (evict victims until the newcomer fits). The subset of SlotTable's API
+    a replay uses; the same Policy objects drive it."""
+
+    def __init__(self, budget_bytes: int, policy: Policy):
+        self.budget_bytes = int(budget_bytes)
+        self.policy = policy
+        self.used = 0
+        self._size: dict[Key, int] = {}
+        self._pins: dict[Key, int] = {}
+
+    def lookup(self, key: Key) -> int | None:
+        if key in self._size:
+            self.policy.on_hit(key)
+            return 0
+        return None
+
+    def admit(self, key: Key, nbytes: int = 0, *, pin: bool = False) -> tuple[int, Key | None]:
+        if nbytes > self.budget_bytes:
+            raise CacheFull(f"{key!r} ({nbytes} bytes) is larger than the whole budget")
+        evicted = None
+        while self.used + nbytes > self.budget_bytes:
+            evicted = self.policy.victim(self._evictable)
+            if evicted is None:
+                raise CacheFull(f"every cached expert is pinned; cannot fit {key!r}")
+            if not self._evictable(evicted):
+                raise RuntimeError(f"policy {type(self.policy).__name__} chose {evicted!r}, which is not an evictable resident key")
+            self.used -= self._size.pop(evicted)
+            self.policy.on_evict(evicted)
+        self._size[key] = nbytes
+        self.used += nbytes
+        self.policy.on_admit(key)
+        if pin:
+            self.pin(key)
+        return 0, evicted
+
+    def _evictable(self, key: Key) -> bool:
+        return key in self._size and not self._pins.get(key)
+
+    def pin(self, key: Key) -> None:
+        self._pins[key] = self._pins.get(key, 0) + 1
+
+    def unpin(self, key: Key) -> None:
+        n = self._pins[key]
+        if n == 1:
+            del self._pins[key]
+        else:
+            self._pins[key] = n - 1
+
+    def __contains__(self, key: Key) -> bool:
+        return key in self._size
+
+
+# ---------------------------------------------------------------- one replay
+
+
+@dataclass(frozen=True)
+class Result:
+    budget_mb: float
+    policy: str
+    accounting: str
+    n_slots: int  # slots, or (bytes accounting) the budget in average-size experts
+    hits: tuple[int, int]  # (prompt, decode)
+    lookups: tuple[int, int]
+    read_bytes: tuple[int, int]
+
+    @property
+    def hit_pct_cum(self) -> float:
+        return 100.0 * sum(self.hits) / max(1, sum(self.lookups))
+
+    @property
+    def hit_pct_decode(self) -> float:
+        return 100.0 * self.hits[DECODE] / max(1, self.lookups[DECODE])
+
+    @property
+    def read_mib(self) -> float:
+        return sum(self.read_bytes) / MIB
+
+    def row(self) -> dict:
+        """The JSON row (`moe-pipe replay --json`)."""
+        budget = int(self.budget_mb) if float(self.budget_mb).is_integer() else self.budget_mb
+        return {
+            "budget_mb": budget,
+            "policy": self.policy,
+            "hit_pct_cum": round(self.hit_pct_cum, 3),
+            "hit_pct_decode": round(self.hit_pct_decode, 3),
+            "read_mib": round(self.read_mib, 1),
+            "n_slots": self.n_slots,
+            "accounting": self.accounting,
+            "hits": sum(self.hits),
+            "lookups": sum(self.lookups),
+        }
+
+
+def slab_bytes(trace: Trace) -> int:
+    """The engine's slab for this model, as near as a trace tells: the largest
+    expert, page-rounded (the engine rounds each part; a trace has no parts)."""
+    return -(-trace.header.max_expert_bytes // PAGE) * PAGE
+
+
+def run_fetches(fs: Sequence[Fetch], table, expert_bytes: Sequence[int], drop_cold: float = 0.0) -> tuple[list[int], list[int], list[int]]:
+    """Drive `table` (SlotTable or ByteTable) through the fetches in the reader's
+    order; returns per-phase hits, lookups and bytes read."""
+    hits, looks, read = [0, 0], [0, 0], [0, 0]
+    lookup, admit, pin, unpin = table.lookup, table.admit, table.pin, table.unpin
+    for f in fs:
+        nbytes = expert_bytes[f.layer]
+        missed = []
+        keys = drop_cold_keys(f, table, drop_cold) if drop_cold else f.keys
+        for key in keys:  # 1. the resident ones, refreshed and pinned first
+            if lookup(key) is None:
+                missed.append(key)
+            else:
+                pin(key)
+        for key in missed:  # 2. the misses, each admitted pinned
+            admit(key, nbytes, pin=True)
+        for key in keys:  # 3. the Release
+            unpin(key)
+        hits[f.phase] += len(keys) - len(missed)
+        looks[f.phase] += len(keys)
+        read[f.phase] += nbytes * len(missed)
+    return hits, looks, read
+
+
+class Replayer:
+    """One trace, many (budget, policy) replays: the fetch list and the
+    future (for offline policies) are computed once."""
+
+    def __init__(self, trace: Trace, accounting: str = "slots"):
+        if accounting not in ACCOUNTING:
+            raise ReplayError(f"unknown accounting {accounting!r}; allowed: {', '.join(ACCOUNTING)}")
+        self.trace, self.accounting = trace, accounting
+        self.expert_bytes = trace.header.expert_bytes
+        self._fetches = {0: fetches(trace)}  # n_slots -> fetches split to that size (0: unsplit)
+
+    def fetches_for(self, n_slots: int) -> list[Fetch]:
+        fs = self._fetches[0]
+        if all(len(f.keys) <= n_slots for f in fs):
+            return fs
+        if n_slots not in self._fetches:
+            self._fetches[n_slots] = split_fetches(fs, n_slots)
+        return self._fetches[n_slots]
+
+    def capacity(self, budget_mb: float) -> int:
+        """Slots (or, bytes accounting, average-size experts) the budget holds;
+        a ReplayError below one layer's top-k (a fetch must fit pinned)."""
+        h = self.trace.header
+        if not (isinstance(budget_mb, (int, float)) and math.isfinite(budget_mb) and budget_mb > 0):
+            raise ReplayError(f"a cache budget must be a positive number of MiB, got {budget_mb!r}")
+        budget = int(budget_mb * MIB)
+        if self.accounting == "slots":
+            n, need = budget // slab_bytes(self.trace), h.n_expert_used
+            what = f"{n} slab(s) of {slab_bytes(self.trace) / MIB:.2f} MiB"
+            ok = n >= need
+        else:
+            n = int(budget // (sum(h.expert_bytes) / h.n_layer))
+            what = f"{budget / MIB:.2f} MiB"
+            ok = budget >= h.n_expert_used * h.max_expert_bytes
+        if not ok:
+            least = math.ceil(h.n_expert_used * (slab_bytes(self.trace) if self.accounting == "slots" else h.max_expert_bytes) / MIB)
+            raise ReplayError(
+                f"{self.trace.path}: a budget of {budget_mb:g} MiB holds {what}, fewer than one "
+                f"layer's top-{h.n_expert_used} experts; use --budget-mb {least} or more"
+            )
+        return n
+
+    def run(self, budget_mb: float, policy: str, drop_cold: float = 0.0) -> Result:
+        n = self.capacity(budget_mb)
+        # The longest fetch that always fits pinned: n slabs, or that many of the largest experts.
+        fits = n if self.accounting == "slots" else int(budget_mb * MIB) // self.trace.header.max_expert_bytes
+        fs = self.fetches_for(fits)
+        pol = make_policy(policy, n, future=[f.keys for f in fs] if policy in OFFLINE_POLICIES else None)
+        table = SlotTable(n, pol) if self.accounting == "slots" else ByteTable(int(budget_mb * MIB), pol)
+        hits, looks, read = run_fetches(fs, table, self.expert_bytes, drop_cold)
+        return Result(budget_mb, policy, self.accounting, n, tuple(hits), tuple(looks), tuple(read))
+
+
+def policy_names(spec: Iterable[str] | None) -> list[str]:
+    """Names from the command line: NAME ... or `all` (None: all)."""
+    names = list(spec or ["all"])
+    if "all" in names:
+        return list(POLICIES)
+    for name in names:
+        if name not in POLICIES:
+            raise ReplayError(f"unknown cache policy {name!r}; allowed: all, {', '.join(POLICIES)}")
+    return list(dict.fromkeys(names))
+
+
+def sweep(
+    trace: Trace,
+    budgets_mb: Iterable[float],
+    policies: Iterable[str] | None = None,
+    accounting: str = "slots",
+    progress: Callable[[Result], None] | None = None,
+) -> list[Result]:
+    """Every budget × every policy, budget-major."""
+    rp = Replayer(trace, accounting)
+    names = policy_names(policies)
+    out = []
+    for b in budgets_mb:
+        for name in names:
+            r = rp.run(b, name)
+            out.append(r)
+            if progress:
+                progress(r)
+    return out

@@ -1,0 +1,152 @@
+"""`moe-pipe convert`: a Hugging Face checkpoint -> a GGUF file llama.cpp and moe-pipe can run.
+
+Supported model types: `qwen3_moe`, `gpt_oss`, `gemma4` (the multimodal
+config; only its text model is converted) and `gemma4_text`. The output uses
+llama.cpp's tensor names, shapes and metadata keys (ARCHITECTURES.md §3, §5);
+the per-arch rules live in convert_arch.py, the tokenizer in convert_vocab.py,
+the safetensors reader in convert_source.py.
+
+Types (`outtype`): f32 keeps every tensor F32. Otherwise weight matrices
+(2-D and up) take the type, while norms, biases, routers (`ffn_gate_inp`),
+sinks, scales and other 1-D tensors stay F32, as llama.cpp's converter does;
+for q8_0 a matrix whose rows are not a multiple of 32 wide falls back to F16.
+MXFP4 experts of a gpt-oss checkpoint are repacked losslessly and stay MXFP4.
+
+Writing streams: the tensor table goes into the header first, then one tensor
+at a time is converted from memory-mapped safetensors and written, so peak
+RAM is about one output tensor. The file is written to `<out>.part` and
+renamed when complete.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFWriter, LlamaFileType
+from gguf.quants import quantize
+
+from moe_pipe.shared.convert.arch import ARCHES, Out, text_config
+from moe_pipe.shared.convert.source import Checkpoint, read_json
+from moe_pipe.shared.convert.vocab import add_vocab, read_vocab
+from moe_pipe.shared.errors import UserError
+from moe_pipe.shared.quant.blocks import block_format
+
+__all__ = ["OUTTYPES", "convert", "tensor_qtype"]
+
+OUTTYPES = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0}
+_FILE_TYPE = {
+    Q.F32: LlamaFileType.ALL_F32,
+    Q.F16: LlamaFileType.MOSTLY_F16,
+    Q.BF16: LlamaFileType.MOSTLY_BF16,
+    Q.Q8_0: LlamaFileType.MOSTLY_Q8_0,
+}
+
+
+def convert(hf_dir: Path | str, out: Path | str, outtype: str = "f16", progress: Callable[[int, int], None] | None = None) -> Path:
+    """Convert the HF model in `hf_dir` to a GGUF at `out`; returns `out`.
+
+    `progress(bytes_done, bytes_total)` is called after each tensor (output
+    tensor bytes, header excluded). Any problem with the input is a one-line
+    UserError naming the file, key or tensor.
+    """
+    hf_dir, out = Path(hf_dir), Path(out)
+    qtype = OUTTYPES.get(str(outtype).lower())
+    if qtype is None:
+        raise UserError(f"--outtype {outtype!r} is not supported; choose one of {', '.join(OUTTYPES)}")
+    cfg_path = hf_dir / "config.json"
+    if not hf_dir.is_dir():
+        raise UserError(f"{hf_dir}: not a directory (expected a Hugging Face model folder)")
+    if not cfg_path.is_file():
+        raise UserError(f"{hf_dir}: config.json is missing; is this a Hugging Face model folder?")
+    config = read_json(cfg_path)
+    model_type, tcfg = text_config(config)
+    arch = ARCHES.get(model_type)
+    if arch is None:
+        raise UserError(f"{cfg_path}: model_type {config.get('model_type')!r} is not supported; convert handles qwen3_moe, gpt_oss, gemma4")
+    hp = arch.hparams(tcfg)
+    vocab = read_vocab(hf_dir, arch.gguf_arch, hp["V"], config)
+
+    ck = Checkpoint(hf_dir)
+    try:
+        plan = arch.plan(hp, ck)  # checks every name and shape before writing anything
+        types = [tensor_qtype(o, qtype) for o in plan]
+        sizes = [block_format(t).tensor_bytes(o.shape) for o, t in zip(plan, types)]
+        total = sum(sizes)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(out.parent).free
+        if total > free:
+            raise UserError(f"{out}: the converted model needs {total / 1e9:.1f} GB but only {free / 1e9:.1f} GB is free there")
+        part = out.with_name(out.name + ".part")
+        w = GGUFWriter(part, arch.gguf_arch)
+        try:
+            _add_general(w, hf_dir, config, qtype, any(t == Q.MXFP4 for t in types))
+            arch.metadata(w, hp)
+            add_vocab(w, vocab)
+            for o, t, n in zip(plan, types, sizes):
+                w.add_tensor_info(o.name, _byte_shape(o.shape, t), np.dtype(np.uint8), n, raw_dtype=t)
+            w.write_header_to_file()
+            w.write_kv_data_to_file()
+            w.write_ti_data_to_file()
+            done = 0
+            if progress:
+                progress(0, total)
+            for o, t, n in zip(plan, types, sizes):
+                w.write_tensor_data(_encode(o, t, n))
+                done += n
+                if progress:
+                    progress(done, total)
+            w.close()
+            os.replace(part, out)
+        except BaseException:
+            w.close()
+            part.unlink(missing_ok=True)
+            raise
+    finally:
+        ck.close()
+    return out
+
+
+def tensor_qtype(o: Out, outtype: Q) -> Q:
+    """The ggml type tensor `o` gets under `outtype` (llama.cpp's converter rules)."""
+    if o.raw_qtype is not None:
+        return o.raw_qtype
+    if not o.matrix or outtype == Q.F32:
+        return Q.F32
+    if outtype == Q.Q8_0 and o.shape[-1] % block_format(Q.Q8_0).block_size:
+        return Q.F16
+    return outtype
+
+
+def _byte_shape(shape: tuple[int, ...], t: Q) -> tuple[int, ...]:
+    return (*shape[:-1], block_format(t).row_bytes(shape[-1]))
+
+
+def _encode(o: Out, t: Q, nbytes: int) -> np.ndarray:
+    """The tensor's bytes, shaped (..., row_bytes), built one part (expert) at a time."""
+    buf = np.empty(nbytes, np.uint8)
+    pos = 0
+    for part in o.parts():
+        if o.raw_qtype is not None:
+            b = np.ascontiguousarray(part, np.uint8).reshape(-1)
+        else:
+            x = np.ascontiguousarray(part, np.float32)
+            b = (x if t == Q.F32 else quantize(x, t)).view(np.uint8).reshape(-1)
+        if pos + b.size > nbytes:
+            raise AssertionError(f"{o.name}: parts exceed {nbytes} bytes")
+        buf[pos : pos + b.size] = b
+        pos += b.size
+    if pos != nbytes:
+        raise AssertionError(f"{o.name}: parts gave {pos} of {nbytes} bytes")
+    return buf.reshape(_byte_shape(o.shape, t))
+
+
+def _add_general(w: GGUFWriter, hf_dir: Path, config: dict, qtype: Q, mxfp4: bool) -> None:
+    w.add_name(hf_dir.resolve().name)
+    w.add_description(f"converted by moe-pipe convert from a Hugging Face {config.get('model_type')} checkpoint")
+    w.add_file_type(int(LlamaFileType.MOSTLY_MXFP4_MOE if mxfp4 else _FILE_TYPE[qtype]))
+    w.add_quantization_version(2)

@@ -1,0 +1,7 @@
+"""The expert cache and its I/O: the slot table and its eviction policies,
+the residency index and the shared-memory arenas, slab placement, the
+O_DIRECT reads and their lanes, the dense set, and the memory budget.
+
+Owns: where each expert's bytes live and how they get there. May import:
+errors, quant, gguf, model (the expert views it hands to the forward pass).
+"""

@@ -1,0 +1,422 @@
+"""The expert cache budget: how many bytes the slab arena may hold.
+
+    probe_memory()            -> MemoryProbe   what this process tree may still use (reads /proc, /sys)
+    compute_budget(...)       -> Budget        pure: probe + cache settings + dense + KV -> bytes
+    resolve_budget(cfg, ...)  -> Budget        both, plus the refusal when the floor does not fit
+
+auto = min(host available, every enclosing cgroup's limit - working set)
+       - dense set (when resident: dense_weights anon or warm) - KV cache
+       - max(reserve, the engine's own processes), clamped to cache_ceil_mb.
+
+Why cgroups: psutil's `available` is the host's; inside a memory cgroup (a
+container, or the benchmark's emulated 11 GB device) the limit is what the
+OOM killer enforces. Limits are hierarchical, so every level from this
+process's cgroup up to the hierarchy root is read and the tightest wins.
+Working set = usage - inactive file pages, as container runtimes count it:
+the page cache counts against the limit but the kernel drops inactive file
+pages before it OOM-kills, so counting them as used would starve the budget
+right after the model file was written or read.
+
+The reserve (cache.reserve_mb, default 512 MiB) is what is left beside the
+cache, dense set and KV cache for the processes themselves and the system.
+It used to be the only allowance for the processes, and the first thing a
+user lowers in a tight cgroup (the refusal below says so) — after which the
+budget counted on memory that reader, compute and gateway were about to
+take, and a run near its limit reclaimed its own code pages constantly. So
+the allowance is now at least `engine_bytes(roles, n_vocab)`: an estimate of
+what the children yet to be started will hold (see ROLE_PRIVATE_MIB). The
+parent needs no estimate: it is running when memory is probed, so its pages
+are already in the cgroup's usage (or gone from the host's available).
+A fixed amount rather than a percentage: the overhead is per process, not
+per GiB of RAM, and a percentage would take 1-2 GiB from a large host for
+nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from moe_pipe.shared.errors import ConfigError
+
+MiB = 1 << 20
+# cgroup v1 writes "no limit" as PAGE_COUNTER_MAX rounded to a page (9223372036854771712);
+# anything this large is no limit.
+UNLIMITED = 1 << 62
+RESIDENT_DENSE = ("anon", "warm")  # dense policies that keep the dense set in RAM for the whole run
+
+# -- the engine's own processes ---------------------------------------------------
+#
+# Private memory (anonymous pages: interpreter heap, imported modules, numba's
+# compiled kernels, the tokenizer, buffers) of each child once it has served a
+# request, MiB, measured on this machine (x86-64, CPython 3.11, numpy, numba)
+# from /proc/PID/smaps_rollup with `moe-pipe up` on two models:
+#
+#   role        tiny (vocab 2,048)   qwen30b-shape (vocab 151,936)
+#   telemetry          13                   13
+#   reader          44-45                   47
+#   compute            78                  161     150 on tiny with a cold numba cache
+#   gateway         41-60                   82     (60 once it sandboxed chat templates)
+#
+# A role's figure = a fixed part (the tiny column with ~10 % room, rounded
+# up to 8 MiB; compute's from a cold numba cache: its compiled code stays
+# resident) + bytes per vocab entry for the two roles that hold a tokenizer,
+# fitted to the qwen30b column (gateway 287 B, compute 580 B: the tokenizer
+# and vocab-sized buffers). tests/test_budget.py starts the service and fails
+# if a child outgrows its figure, so the table cannot quietly go stale.
+# Besides their private pages the processes map code — libllvmlite (68-74
+# MiB), libpython, numpy, tokenizers: 110-116 MiB of distinct file pages,
+# charged once to the cgroup that first reads them. All of it is counted,
+# the parent's too: freshly read file pages sit on the inactive list, which
+# the working set leaves out, and if the limit squeezes code out every kernel
+# call faults it back in (the run crawls instead of failing).
+# Not counted: KV (its own term) and the shared-memory arenas (the budget).
+ROLE_PRIVATE_MIB = {"telemetry": 16, "reader": 56, "compute": 168, "gateway": 72}
+VOCAB_BYTES_PER_TOKEN = {"compute": 600, "gateway": 300}
+SHARED_CODE_MIB = 120
+RUN_ROLES = ("telemetry", "reader", "compute")  # `moe-pipe run`
+SERVICE_ROLES = RUN_ROLES + ("gateway",)  # `moe-pipe up`
+
+
+def engine_bytes(roles: tuple[str, ...] | list[str], n_vocab: int) -> int:
+    """Estimated memory the engine's children in `roles` take beside the
+    arenas and the KV cache: their private pages and the code they share."""
+    unknown = [r for r in roles if r not in ROLE_PRIVATE_MIB]
+    if unknown:
+        raise ValueError(f"no memory estimate for process role(s) {unknown}; known: {sorted(ROLE_PRIVATE_MIB)}")
+    private = sum(ROLE_PRIVATE_MIB[r] * MiB + VOCAB_BYTES_PER_TOKEN.get(r, 0) * n_vocab for r in roles)
+    return private + (SHARED_CODE_MIB * MiB if roles else 0)
+
+
+@dataclass(frozen=True)
+class CgroupLimit:
+    """One level of the cgroup hierarchy that has a memory limit."""
+
+    where: str  # e.g. "cgroup v1 /sys/fs/cgroup/memory/bench"
+    limit_bytes: int
+    usage_bytes: int
+    inactive_file_bytes: int = 0
+
+    @property
+    def working_set_bytes(self) -> int:
+        return max(0, self.usage_bytes - self.inactive_file_bytes)
+
+    @property
+    def headroom_bytes(self) -> int:
+        return max(0, self.limit_bytes - self.working_set_bytes)
+
+
+@dataclass(frozen=True)
+class MemoryProbe:
+    """What this process tree may still allocate, and where that figure comes from."""
+
+    host_available_bytes: int
+    cgroups: tuple[CgroupLimit, ...] = ()
+
+    @property
+    def available_bytes(self) -> int:
+        return min([self.host_available_bytes] + [c.headroom_bytes for c in self.cgroups])
+
+    def describe(self) -> str:
+        tight = min(self.cgroups, key=lambda c: c.headroom_bytes, default=None)
+        if tight is not None and tight.headroom_bytes < self.host_available_bytes:
+            return (
+                f"{_mib(tight.headroom_bytes)} free in {tight.where} (limit {_mib(tight.limit_bytes)}, "
+                f"working set {_mib(tight.working_set_bytes)}; host available {_mib(self.host_available_bytes)})"
+            )
+        return f"host available {_mib(self.host_available_bytes)}" + (
+            f" (cgroup limit {_mib(tight.limit_bytes)} not tighter)" if tight is not None else ""
+        )
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The resolved expert cache size; `description` is printed at start-up and recorded in telemetry."""
+
+    bytes: int
+    mode: str  # "auto" | "fixed"
+    description: str
+    available_bytes: int | None = None  # auto only
+    dense_bytes: int = 0  # subtracted (0 unless resident)
+    kv_bytes: int = 0
+    reserve_bytes: int = 0  # what was left beside cache, dense and KV: max(reserve_mb, engine_bytes)
+    engine_bytes: int = 0  # the estimate for the processes (auto only)
+    ceil_bytes: int = 0
+    clamped: bool = False
+
+    @property
+    def mb(self) -> float:
+        return self.bytes / MiB
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self) | {"mb": round(self.mb, 3)}
+
+
+def _mib(n: int) -> str:
+    return f"{n / MiB:.0f} MiB" if n >= 10 * MiB else f"{n / MiB:.3g} MiB"
+
+
+# ---------------------------------------------------------------- pure
+
+
+def compute_budget(
+    cache_mb: float | str,
+    cache_ceil_mb: float,
+    memory: MemoryProbe | None,
+    *,
+    dense_bytes: int,
+    kv_bytes: int,
+    dense_policy: str,
+    reserve_mb: float = 512.0,
+    engine_bytes: int = 0,
+) -> Budget:
+    """The budget from its inputs; no I/O. `memory` is only read when cache_mb is "auto".
+    `engine_bytes` (see `engine_bytes()`) is the least the reserve may be."""
+    ceil = int(cache_ceil_mb * MiB)
+    dense = dense_bytes if dense_policy in RESIDENT_DENSE else 0
+    if cache_mb != "auto":
+        want = int(float(cache_mb) * MiB)
+        size = min(want, ceil)
+        text = f"cache {_mib(size)}: fixed cache_mb {float(cache_mb):g}" + (
+            f", clamped to cache_ceil_mb {cache_ceil_mb:g}" if want > ceil else ""
+        )
+        return Budget(
+            size, "fixed", text, dense_bytes=dense, kv_bytes=kv_bytes, engine_bytes=engine_bytes, ceil_bytes=ceil, clamped=want > ceil
+        )
+    if memory is None:
+        raise ValueError("cache_mb = auto needs a memory probe")
+    avail = memory.available_bytes
+    asked = int(reserve_mb * MiB)
+    reserve = max(asked, engine_bytes)
+    free = max(0, avail - dense - kv_bytes - reserve)
+    size = min(free, ceil)
+    dense_text = f"dense {_mib(dense)} ({dense_policy})" if dense else f"dense not counted ({dense_policy}: file pages)"
+    reserve_text = (
+        f"reserve {_mib(reserve)}" if reserve == asked else f"processes {_mib(reserve)} (estimated; more than reserve_mb {reserve_mb:g})"
+    )
+    text = f"cache {_mib(size)}: auto = {memory.describe()} - {dense_text} - KV {_mib(kv_bytes)} - {reserve_text} = {_mib(free)}" + (
+        f", clamped to cache_ceil_mb {cache_ceil_mb:g}" if free > ceil else ""
+    )
+    return Budget(
+        size,
+        "auto",
+        text,
+        available_bytes=avail,
+        dense_bytes=dense,
+        kv_bytes=kv_bytes,
+        reserve_bytes=reserve,
+        engine_bytes=engine_bytes,
+        ceil_bytes=ceil,
+        clamped=free > ceil,
+    )
+
+
+def check_floor(budget: Budget, min_bytes: int, where: str = "config") -> None:
+    """Refuse a budget below one token's working set, saying what would work."""
+    if budget.bytes >= min_bytes:
+        return
+    need_mb = min_bytes / MiB
+    if budget.mode == "fixed":
+        fix = f"set cache_mb >= {need_mb:.4g}" + (f" and cache_ceil_mb >= {need_mb:.4g}" if budget.clamped else "")
+        raise ConfigError(
+            f"{where}: expert cache of {_mib(budget.bytes)} is below one token's working set "
+            f"({need_mb:.4g} MiB: every layer's top-k experts); {fix}"
+        )
+    if budget.clamped:
+        raise ConfigError(
+            f"{where}: cache_ceil_mb {budget.ceil_bytes / MiB:g} is below one token's working set ({need_mb:.4g} MiB); raise it"
+        )
+    # What is missing: against what was left before the 0 MiB clamp, so a limit raised by this much works.
+    left = (budget.available_bytes or 0) - budget.dense_bytes - budget.kv_bytes - budget.reserve_bytes
+    short = min_bytes - min(budget.bytes, left)
+    # Lowering reserve_mb only helps down to the processes' own estimate.
+    lower = "lower cache.reserve_mb, " if budget.reserve_bytes > budget.engine_bytes else ""
+    raise ConfigError(
+        f"{where}: not enough memory for the expert cache: {budget.description}, but one token's "
+        f"working set needs {need_mb:.4g} MiB ({short / MiB:.4g} MiB short); raise the memory limit, "
+        f'{lower}use dense_weights = "mmap", or a smaller top_k'
+    )
+
+
+def check_fit(budget: Budget, memory: MemoryProbe | None, where: str = "config") -> None:
+    """Refuse a fixed cache that, with the dense set, KV and the processes, is
+    more than the memory there is: it would be OOM-killed mid-run, not refused."""
+    if budget.mode != "fixed" or memory is None:
+        return
+    need = budget.bytes + budget.dense_bytes + budget.kv_bytes + budget.engine_bytes
+    if need > memory.available_bytes:
+        raise ConfigError(
+            f"{where}: cache_mb {budget.bytes / MiB:g} does not fit: cache + dense {_mib(budget.dense_bytes)} + KV "
+            f"{_mib(budget.kv_bytes)} + processes {_mib(budget.engine_bytes)} (estimated) = {_mib(need)}, but "
+            f"{memory.describe()}; lower cache_mb to {max(0, (memory.available_bytes - need + budget.bytes)) // MiB} "
+            f'or less, or use cache_mb = "auto"'
+        )
+
+
+# ---------------------------------------------------------------- probing
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    if text == "max":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        return None
+
+
+def _stat_value(path: Path, names: tuple[str, ...]) -> int:
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return 0
+    stats = dict(line.split(None, 1) for line in lines if " " in line)
+    for name in names:
+        if name in stats:
+            try:
+                return int(stats[name])
+            except ValueError:
+                pass
+    return 0
+
+
+def _own_cgroups(proc_cgroup: Path) -> tuple[str | None, str | None]:
+    """(v1 memory path, v2 path) of this process, from /proc/self/cgroup."""
+    v1 = v2 = None
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return None, None
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        hid, controllers, path = parts
+        if hid == "0" and controllers == "":
+            v2 = path
+        elif "memory" in controllers.split(","):
+            v1 = path
+    return v1, v2
+
+
+def _walk(mount: Path, rel: str):
+    """The cgroup's folder and its ancestors up to the mount, tightest first.
+
+    Inside a container the mount's root may already be this cgroup (cgroup
+    namespaces), so leading components that do not exist are dropped.
+    """
+    parts = [p for p in rel.split("/") if p]
+    while parts and not (mount.joinpath(*parts)).is_dir():
+        parts.pop(0)
+    while True:
+        yield mount.joinpath(*parts) if parts else mount
+        if not parts:
+            return
+        parts.pop()
+
+
+def _v1_limits(mount: Path, rel: str) -> list[CgroupLimit]:
+    out = []
+    for d in _walk(mount, rel):
+        limit = _read_int(d / "memory.limit_in_bytes")
+        if limit is None or limit >= UNLIMITED:
+            continue
+        usage = _read_int(d / "memory.usage_in_bytes") or 0
+        inactive = _stat_value(d / "memory.stat", ("total_inactive_file", "inactive_file"))
+        out.append(CgroupLimit(f"cgroup v1 {d}", limit, usage, inactive))
+    return out
+
+
+def _v2_limits(mount: Path, rel: str) -> list[CgroupLimit]:
+    out = []
+    for d in _walk(mount, rel):
+        # memory.high throttles hard before memory.max kills; the tighter of the two is the limit to plan for.
+        limits = [x for x in (_read_int(d / "memory.max"), _read_int(d / "memory.high")) if x is not None and x < UNLIMITED]
+        if not limits or d == mount:  # the root cgroup has no memory.max
+            continue
+        usage = _read_int(d / "memory.current") or 0
+        inactive = _stat_value(d / "memory.stat", ("inactive_file",))
+        out.append(CgroupLimit(f"cgroup v2 {d}", min(limits), usage, inactive))
+    return out
+
+
+def _host_available() -> int:
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:  # psutil is a declared runtime dependency; /proc/meminfo says the same thing
+        kib = _stat_value(Path("/proc/meminfo"), ("MemAvailable:",))
+        return kib * 1024
+
+
+def probe_memory(
+    sys_cgroup: str | Path = "/sys/fs/cgroup", proc_cgroup: str | Path = "/proc/self/cgroup", host_available_bytes: int | None = None
+) -> MemoryProbe:
+    """Memory this process tree may still use: host available and every enclosing cgroup v1/v2 limit.
+
+    The arguments exist so tests can point it at fake trees; callers use the defaults.
+    """
+    root = Path(sys_cgroup)
+    v1, v2 = _own_cgroups(Path(proc_cgroup))
+    limits: list[CgroupLimit] = []
+    if v1 is not None and (root / "memory").is_dir():
+        limits += _v1_limits(root / "memory", v1)
+    if v2 is not None:
+        # unified hierarchy at the root (pure v2) or at unified/ (hybrid, as on these machines)
+        mount = root if (root / "cgroup.controllers").exists() else root / "unified"
+        if mount.is_dir():
+            limits += _v2_limits(mount, v2)
+    host = _host_available() if host_available_bytes is None else host_available_bytes
+    return MemoryProbe(host, tuple(limits))
+
+
+def resolve_budget(
+    cfg: Any,
+    *,
+    dense_bytes: int,
+    kv_bytes: int,
+    min_bytes: int | None = None,
+    memory: MemoryProbe | None = None,
+    engine_bytes: int = 0,
+    check_memory: bool = False,
+) -> Budget:
+    """The budget for a loaded Config (`cfg.cache`, `cfg.io.dense_weights`); probes memory when auto.
+
+    With `min_bytes` (Layout.min_cache_bytes(top_k)), a budget below it is a ConfigError with the numbers.
+    `engine_bytes` (`engine_bytes(roles, n_vocab)`) is the least auto leaves for the processes; with
+    `check_memory` a fixed cache that cannot fit beside them is refused too (`check_fit`).
+    """
+    c = cfg.cache
+    if (c.cache_mb == "auto" or check_memory) and memory is None:
+        memory = probe_memory()
+    budget = compute_budget(
+        c.cache_mb,
+        c.cache_ceil_mb,
+        memory,
+        dense_bytes=dense_bytes,
+        kv_bytes=kv_bytes,
+        dense_policy=cfg.io.dense_weights,
+        reserve_mb=c.reserve_mb,
+        engine_bytes=engine_bytes,
+    )
+    where = cfg.source or "config"
+    if min_bytes is not None:
+        check_floor(budget, min_bytes, where)
+    if check_memory:
+        check_fit(budget, memory, where)
+    return budget
+
+
+if __name__ == "__main__":
+    probe = probe_memory()
+    print(probe.describe())
+    for c in probe.cgroups:
+        print(" ", c)
+    print("pid", os.getpid())

@@ -1,0 +1,195 @@
+"""The expert cache index: which slab holds which (layer, expert), and who goes next.
+
+Pure bookkeeping: no sockets, no I/O, no clock. The reader process is its
+only writer (so it needs no locks); the slabs themselves live in a
+`shm.SlabArena` and slot k here is slab k there.
+
+    lookup(key) ── hit ──► slot           (policy.on_hit)
+         └─ None ──► admit(key) ──► (slot, evicted key | None)
+                        free slot, else policy.victim(is_evictable) among
+                        unpinned slots (policy.on_evict, then on_admit);
+                        every slot pinned → CacheFull
+    pin/unpin: counts; a slot named by an unfinished request is never evicted.
+
+A miss is counted by `admit`, a hit by `lookup`; the hit rate is therefore
+over the experts actually requested. Eviction policies plug in through the
+`Policy` protocol (shared/policies.py; docs/cache-policies.md).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from moe_pipe.shared.errors import ConfigError
+from moe_pipe.shared.experts.policies import Key, Policy, make_policy
+
+MIB = 1 << 20
+
+
+class CacheFull(RuntimeError):
+    """Every slot is pinned by an unfinished request: nothing can be evicted."""
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    bytes_admitted: int = 0
+
+    @property
+    def lookups(self) -> int:
+        return self.hits + self.misses
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.lookups if self.lookups else 0.0
+
+
+class SlotTable:
+    """key → slot for `n_slots` slots, evicting by `policy` (a Policy or a POLICIES name)."""
+
+    def __init__(self, n_slots: int, policy: Policy | str = "lru"):
+        if n_slots <= 0:
+            raise ValueError(f"a cache needs at least one slot, got {n_slots}")
+        self.n_slots = n_slots
+        self.policy: Policy = make_policy(policy, n_slots) if isinstance(policy, str) else policy
+        self._slot_of: dict[Key, int] = {}
+        self._key_of: list[Key | None] = [None] * n_slots
+        self._free: list[int] = list(range(n_slots - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
+        self._pins: dict[Key, int] = {}
+        self._hits = self._misses = self._evictions = self._bytes = 0
+
+    # -- lookups and admissions -------------------------------------------
+    def lookup(self, key: Key) -> int | None:
+        """The slot holding `key` (a hit, told to the policy), or None."""
+        slot = self._slot_of.get(key)
+        if slot is not None:
+            self._hits += 1
+            self.policy.on_hit(key)
+        return slot
+
+    def admit(self, key: Key, nbytes: int = 0, *, pin: bool = False) -> tuple[int, Key | None]:
+        """A miss: give `key` a slot, evicting the policy's unpinned victim if
+        none is free. Returns (slot, evicted key or None). `nbytes` (the bytes
+        that will be read into it) feeds the stats; `pin` pins it at once."""
+        if key in self._slot_of:
+            raise ValueError(f"{key!r} is already resident in slot {self._slot_of[key]}")
+        evicted = None
+        if self._free:
+            slot = self._free.pop()
+        else:
+            evicted = self.policy.victim(self._evictable)
+            if evicted is None:
+                raise CacheFull(f"all {self.n_slots} cache slots are pinned by unfinished requests; cannot admit {key!r}")
+            if evicted not in self._slot_of or self._pins.get(evicted):
+                raise RuntimeError(f"policy {type(self.policy).__name__} chose {evicted!r}, which is not an evictable resident key")
+            slot = self._remove(evicted)
+            self._evictions += 1
+        self._slot_of[key] = slot
+        self._key_of[slot] = key
+        self.policy.on_admit(key)
+        self._misses += 1
+        self._bytes += nbytes
+        if pin:
+            self.pin(key)
+        return slot, evicted
+
+    def restore(self, key: Key, slot: int) -> None:
+        """Take back an entry a previous owner of the cache left (a restarted
+        reader re-reading the residency index): `key` is in `slot` already, so
+        nothing is read; the policy sees it as admitted (its order is lost)."""
+        if key in self._slot_of or not 0 <= slot < self.n_slots or self._key_of[slot] is not None:
+            raise ValueError(f"cannot restore {key!r} into slot {slot}: taken or out of range")
+        self._free.remove(slot)
+        self._slot_of[key] = slot
+        self._key_of[slot] = key
+        self.policy.on_admit(key)
+
+    def drop(self, key: Key) -> int:
+        """Forget `key` (its slab's bytes are bad, e.g. a failed read); frees its slot.
+        Not an eviction in the stats. Refused while pinned."""
+        if self._pins.get(key):
+            raise ValueError(f"{key!r} is pinned {self._pins[key]} time(s); unpin before dropping")
+        if key not in self._slot_of:
+            raise KeyError(key)
+        slot = self._remove(key)
+        self._free.append(slot)
+        return slot
+
+    def _remove(self, key: Key) -> int:
+        slot = self._slot_of.pop(key)
+        self._key_of[slot] = None
+        self.policy.on_evict(key)
+        return slot
+
+    def _evictable(self, key: Key) -> bool:
+        return key in self._slot_of and not self._pins.get(key)
+
+    # -- pins ---------------------------------------------------------------
+    def pin(self, key: Key) -> None:
+        if key not in self._slot_of:
+            raise KeyError(f"cannot pin {key!r}: not resident")
+        self._pins[key] = self._pins.get(key, 0) + 1
+
+    def unpin(self, key: Key) -> None:
+        n = self._pins.get(key, 0)
+        if n <= 0:
+            raise ValueError(f"{key!r} is not pinned")
+        if n == 1:
+            del self._pins[key]
+        else:
+            self._pins[key] = n - 1
+
+    def pins(self, key: Key) -> int:
+        return self._pins.get(key, 0)
+
+    # -- views ----------------------------------------------------------------
+    def resident(self) -> dict[Key, int]:
+        """key → slot for every cached expert (a copy)."""
+        return dict(self._slot_of)
+
+    def key_of(self, slot: int) -> Key | None:
+        return self._key_of[slot]
+
+    def __contains__(self, key: Key) -> bool:
+        return key in self._slot_of
+
+    def __len__(self) -> int:
+        return len(self._slot_of)
+
+    @property
+    def n_pinned(self) -> int:
+        return len(self._pins)
+
+    @property
+    def stats(self) -> CacheStats:
+        return CacheStats(self._hits, self._misses, self._evictions, self._bytes)
+
+
+# -- budget ---------------------------------------------------------------------
+
+
+def slots_for_budget(budget_bytes: int, slab_bytes: int) -> int:
+    """How many whole slabs fit in the budget (the slab arena is the budget)."""
+    if slab_bytes <= 0:
+        raise ValueError(f"slab size must be positive, got {slab_bytes}")
+    return max(0, int(budget_bytes) // slab_bytes)
+
+
+def check_budget(budget_bytes: int, layout, top_k: int | None = None) -> int:
+    """The slot count for `budget_bytes`, or a ConfigError naming the smallest
+    budget that works: one token's working set, every layer's top-k experts.
+    Progress alone needs only top_k pinned slabs, but below a token's set LRU
+    evicts each expert before the next token can reuse it: every lookup misses."""
+    need = layout.min_cache_bytes(top_k)
+    if budget_bytes < need:
+        k = layout.spec.n_expert_used if top_k is None else top_k
+        need_mib = math.ceil(need * 100 / MIB) / 100  # rounded up: the printed figure must suffice
+        raise ConfigError(
+            f"cache budget {budget_bytes / MIB:.2f} MiB is below one token's working set of {need_mib:.2f} MiB "
+            f"({layout.spec.n_layer} layers x top-{k} experts x {layout.slab_bytes / MIB:.2f} MiB slabs); "
+            f"set cache_mb to at least {math.ceil(need / MIB)}"
+        )
+    return slots_for_budget(budget_bytes, layout.slab_bytes)

@@ -1,0 +1,102 @@
+"""The reader's I/O lanes: `n` threads taking reads from three queues, in
+order of priority:
+
+    DEMAND      reads compute is (or soon will be) waiting for
+    GUESS       next-layer guesses (prefetch)
+    BACKGROUND  a warm start's reads, filling free slabs
+
+each FIFO; a lane takes from a queue only when those above it are empty. A
+queued guess or background read that compute then asks for is promoted to
+the demand queue. Guesses still queued when their layer's real request
+arrives without them are withdrawn (`withdraw_guesses`), so a wrong guess
+costs bandwidth only if it had already started; background reads are never
+withdrawn. A read once started always runs to its end (a pread cannot be
+taken back). The queues hold keys only; what a read does is the
+`work(key, slot)` function each lane calls, outside the lock.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from enum import IntEnum
+
+Key = Hashable
+
+
+class Priority(IntEnum):
+    DEMAND = 0
+    GUESS = 1
+    BACKGROUND = 2
+
+
+class ReadLanes:
+    def __init__(self, n: int, work: Callable[[Key, int], None], name: str = "io-lane"):
+        if n < 1:
+            raise ValueError(f"a reader needs at least one lane, got {n}")
+        self._work = work
+        self._cond = threading.Condition()
+        self._queues: list[OrderedDict[Key, int]] = [OrderedDict() for _ in Priority]  # key -> slot, oldest first
+        self._closed = False
+        self._threads = [threading.Thread(target=self._lane, name=f"{name}-{i}", daemon=True) for i in range(n)]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, key: Key, slot: int, priority: Priority = Priority.DEMAND) -> None:
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the read lanes are shut down")
+            self._queues[priority][key] = slot
+            self._cond.notify()
+
+    def promote(self, key: Key) -> bool:
+        """A queued guess or background read is now wanted: move it to the end
+        of the demand queue. False if it is not queued below demand (already
+        started, or a demand read)."""
+        with self._cond:
+            for queue in self._queues[Priority.GUESS :]:
+                slot = queue.pop(key, None)
+                if slot is not None:
+                    self._queues[Priority.DEMAND][key] = slot
+                    return True
+            return False
+
+    def withdraw_guesses(self, keep=frozenset()) -> list[tuple[Key, int]]:
+        """Take every queued (not started) guess out, except those in `keep`;
+        returns the withdrawn (key, slot)s for the caller to free."""
+        with self._cond:
+            guesses = self._queues[Priority.GUESS]
+            gone = [(k, s) for k, s in guesses.items() if k not in keep]
+            for k, _ in gone:
+                del guesses[k]
+            return gone
+
+    def queued(self) -> tuple[list[Key], ...]:
+        """The keys waiting for a lane, per priority (demand, guess, background),
+        oldest first (for tests and status)."""
+        with self._cond:
+            return tuple(list(q) for q in self._queues)
+
+    def _next(self) -> tuple[Key, int] | None:
+        with self._cond:
+            while not (self._closed or any(self._queues)):
+                self._cond.wait()
+            for queue in self._queues:
+                if queue:
+                    return queue.popitem(last=False)
+            return None  # closed
+
+    def _lane(self) -> None:
+        while (job := self._next()) is not None:
+            self._work(*job)
+
+    def shutdown(self) -> None:
+        """Drop what is queued, let the started reads finish, join the lanes."""
+        with self._cond:
+            self._closed = True
+            for queue in self._queues:
+                queue.clear()
+            self._cond.notify_all()
+        for t in self._threads:
+            t.join()

@@ -1,0 +1,220 @@
+"""The byte-range map: where every expert lives in the file, and what is dense.
+
+Routed experts are stored stacked, one 3-D tensor per projection per layer
+(ggml ne = [in, out, E], numpy (E, out, in)), so expert e of a tensor is the
+contiguous slab [base + e·stride, base + (e+1)·stride) with stride = out ×
+row_bytes. Biases (gpt-oss) are (E, n) F32 and slice the same way. An
+expert's bytes are therefore 2–6 separate extents (gate/up/down or the fused
+gate_up/down, plus biases), one per tensor; they are never adjacent.
+
+    shard file:  | header | kv | tensor infos |pad| data section ............ |
+    data section:   [dense][gate_exps: e0|e1|…|eE-1][dense][up_exps: …][down…]
+                             └ expert 1 of this layer = 1 slab here + 1 in up + 1 in down
+
+The dense set is the complement of the expert tensors inside each shard's
+data section (it includes alignment padding between tensors, which costs a
+few bytes and saves many small reads). O_DIRECT needs 4096-aligned reads, and
+tensor starts are only 32-aligned: `aligned()` gives the page-rounded
+superset of an extent and where the wanted bytes sit inside it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from gguf import GGMLQuantizationType
+
+from moe_pipe.shared.errors import GGUFError
+from moe_pipe.shared.gguf.reader import GGUFFile, TensorInfo
+from moe_pipe.shared.gguf.spec import ModelSpec
+
+PAGE = 4096
+_EXPERT_TENSOR = re.compile(r"^blk\.(?P<layer>\d+)\.ffn_(?P<proj>gate_up|gate|up|down)_exps\.(?P<kind>weight|bias)$")
+# Read order inside one expert: the order the forward pass needs them.
+_PART_ORDER = ("gate_up", "gate", "up", "down")
+
+
+@dataclass(frozen=True)
+class Extent:
+    shard: int
+    offset: int
+    length: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+@dataclass(frozen=True)
+class ExpertPart:
+    """One tensor's share of every expert of a layer: expert e = base + e·stride."""
+
+    name: str  # gate | up | down | gate_up, with "_bias" for biases
+    tensor: TensorInfo
+    shape: tuple[int, ...]  # one expert's numpy shape: (out, in) or (n,) for a bias
+    stride: int  # bytes per expert
+
+    def extent(self, expert: int) -> Extent:
+        return Extent(self.tensor.shard, self.tensor.offset + expert * self.stride, self.stride)
+
+
+@dataclass(frozen=True)
+class LayerExperts:
+    layer: int
+    parts: tuple[ExpertPart, ...]
+
+    @property
+    def expert_bytes(self) -> int:
+        return sum(p.stride for p in self.parts)
+
+    def extents(self, expert: int) -> tuple[Extent, ...]:
+        return tuple(p.extent(expert) for p in self.parts)
+
+    def part(self, name: str) -> ExpertPart | None:
+        return next((p for p in self.parts if p.name == name), None)
+
+
+def aligned(extent: Extent, page: int = PAGE) -> tuple[int, int, int]:
+    """(start, length, skip): the page-rounded read that covers `extent`;
+    the wanted bytes are [skip, skip + extent.length) of what it returns."""
+    start = extent.offset // page * page
+    end = -(-extent.end // page) * page
+    return start, end - start, extent.offset - start
+
+
+def aligned_bytes(extents: tuple[Extent, ...], page: int = PAGE) -> int:
+    """Bytes a slab needs to hold `extents` read page-rounded, one after another."""
+    return sum(aligned(e, page)[1] for e in extents)
+
+
+@dataclass(frozen=True)
+class Layout:
+    spec: ModelSpec
+    layers: tuple[LayerExperts, ...]
+    dense: tuple[Extent, ...]  # merged, sorted by (shard, offset)
+    dense_bytes: int  # exact bytes of the non-expert tensors
+    expert_tensor_names: frozenset[str]
+
+    def expert_extents(self, layer: int, expert: int) -> tuple[Extent, ...]:
+        if not 0 <= expert < self.spec.n_expert:
+            raise IndexError(f"expert {expert} out of range 0..{self.spec.n_expert - 1}")
+        return self.layers[layer].extents(expert)
+
+    def expert_bytes(self, layer: int) -> int:
+        return self.layers[layer].expert_bytes
+
+    @property
+    def max_expert_bytes(self) -> int:
+        return max(l.expert_bytes for l in self.layers)
+
+    @property
+    def total_expert_bytes(self) -> int:
+        return sum(l.expert_bytes for l in self.layers) * self.spec.n_expert
+
+    def routed_bytes_per_token(self, top_k: int | None = None) -> int:
+        k = self.spec.n_expert_used if top_k is None else top_k
+        return sum(l.expert_bytes for l in self.layers) * k
+
+    @property
+    def slab_bytes(self) -> int:
+        """The cache slab size: the largest page-rounded expert in the file."""
+        return max(aligned_bytes(l.extents(e)) for l in self.layers for e in range(self.spec.n_expert))
+
+    def min_cache_bytes(self, top_k: int | None = None) -> int:
+        """One token's working set: every layer's top-k experts, in slabs."""
+        k = self.spec.n_expert_used if top_k is None else top_k
+        return self.spec.n_layer * k * self.slab_bytes
+
+
+def _expected_shape(spec: ModelSpec, proj: str, kind: str) -> tuple[int, ...]:
+    ff, d = spec.n_ff_exp, spec.n_embd
+    out_in = {"gate": (ff, d), "up": (ff, d), "gate_up": (2 * ff, d), "down": (d, ff)}[proj]
+    return out_in if kind == "weight" else out_in[:1]
+
+
+def _expert_part(f: GGUFFile, spec: ModelSpec, t: TensorInfo, proj: str, kind: str) -> ExpertPart:
+    from moe_pipe.shared.quant.blocks import FORMATS  # lazy: the quant package brings numba with it
+
+    want = _expected_shape(spec, proj, kind)
+    if len(t.shape) != len(want) + 1 or t.shape[0] != spec.n_expert:
+        raise GGUFError(f.path, f"tensor {t.name!r} has shape {list(t.shape)} (numpy order) but the model has {spec.n_expert} experts")
+    if t.shape[1:] != want:
+        raise GGUFError(f.path, f"tensor {t.name!r} has per-expert shape {list(t.shape[1:])}, expected {list(want)} from the metadata")
+    # Checked here, not when the expert is first routed: there it would fail
+    # inside the compute process, again after every restart.
+    if kind == "bias" and t.qtype != GGMLQuantizationType.F32:
+        raise GGUFError(f.path, f"tensor {t.name!r} is {t.qtype.name}; expert biases must be F32")
+    if t.qtype not in FORMATS:
+        raise GGUFError(
+            f.path,
+            f"tensor {t.name!r} is {t.qtype.name}, which moe-pipe cannot compute on (supported: {', '.join(q.name for q in FORMATS)})",
+        )
+    stride = t.nbytes // spec.n_expert
+    name = proj if kind == "weight" else f"{proj}_bias"
+    return ExpertPart(name, t, t.shape[1:], stride)
+
+
+def _layer_parts(f: GGUFFile, spec: ModelSpec) -> tuple[list[list[ExpertPart]], set[str]]:
+    parts: list[list[ExpertPart]] = [[] for _ in range(spec.n_layer)]
+    names: set[str] = set()
+    for t in f.tensors.values():
+        m = _EXPERT_TENSOR.match(t.name)
+        if not m:
+            continue
+        layer = int(m["layer"])
+        if layer >= spec.n_layer:
+            raise GGUFError(f.path, f"tensor {t.name!r} is in layer {layer} but the model has {spec.n_layer} layers")
+        part = _expert_part(f, spec, t, m["proj"], m["kind"])
+        twin = next((p for p in parts[layer] if p.name == part.name), None)
+        if twin is not None:  # "blk.1." and "blk.01." are both layer 1: one would shadow the other's bytes
+            raise GGUFError(f.path, f"tensors {twin.tensor.name!r} and {t.name!r} are both layer {layer}'s {part.name} experts")
+        parts[layer].append(part)
+        names.add(t.name)
+    return parts, names
+
+
+def _check_complete(f: GGUFFile, spec: ModelSpec, layer: int, parts: list[ExpertPart]) -> None:
+    have = {p.name for p in parts}
+    if not ({"gate", "up", "down"} <= have or {"gate_up", "down"} <= have):
+        raise GGUFError(f.path, f"layer {layer} lacks expert tensors: has {sorted(have) or 'none'}, needs gate+up+down or gate_up+down")
+    if "gate_up" in have and ("gate" in have or "up" in have):
+        raise GGUFError(f.path, f"layer {layer} has both fused gate_up and separate gate/up expert tensors")
+    # Biases go with the architecture: a missing one is a None in the expert
+    # arithmetic, an extra one bytes read for nothing and a model not computed as trained.
+    biases = {n for n in have if n.endswith("_bias")}
+    wanted = {f"{n}_bias" for n in have - biases} if spec.expert_bias else set()
+    if biases != wanted:
+        problem = (
+            f"lacks {sorted(wanted - biases)}" if wanted - biases else f"has {sorted(biases - wanted)}, which {spec.arch} does not use"
+        )
+        raise GGUFError(f.path, f"layer {layer} expert biases: {problem}")
+
+
+def _sort_key(p: ExpertPart) -> tuple[int, int]:
+    base = p.name.removesuffix("_bias")
+    return _PART_ORDER.index(base), int(p.name.endswith("_bias"))
+
+
+def _dense_extents(f: GGUFFile, expert_names: set[str]) -> tuple[Extent, ...]:
+    out: list[Extent] = []
+    for shard in range(len(f.paths)):
+        experts = sorted((t for t in f.tensors.values() if t.shard == shard and t.name in expert_names), key=lambda t: t.offset)
+        cursor, end = f.data_start(shard), f.file_sizes[shard]
+        for t in experts:
+            if t.offset > cursor:
+                out.append(Extent(shard, cursor, t.offset - cursor))
+            cursor = max(cursor, t.end)
+        if end > cursor:
+            out.append(Extent(shard, cursor, end - cursor))
+    return tuple(out)
+
+
+def build_layout(f: GGUFFile, spec: ModelSpec) -> Layout:
+    parts, names = _layer_parts(f, spec)
+    layers = []
+    for i, layer_parts in enumerate(parts):
+        _check_complete(f, spec, i, layer_parts)
+        layers.append(LayerExperts(i, tuple(sorted(layer_parts, key=_sort_key))))
+    dense_bytes = sum(t.nbytes for t in f.tensors.values() if t.name not in names)
+    return Layout(spec, tuple(layers), _dense_extents(f, names), dense_bytes, frozenset(names))

@@ -1,0 +1,45 @@
+"""A model file opened for use: the GGUF, its spec and its byte-range map."""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from dataclasses import dataclass
+
+from moe_pipe.shared.gguf.layout import Layout, build_layout
+from moe_pipe.shared.gguf.reader import GGUFFile
+from moe_pipe.shared.gguf.spec import ModelSpec, read_spec
+
+
+@dataclass(frozen=True)
+class ModelFile:
+    gguf: GGUFFile
+    spec: ModelSpec
+    layout: Layout
+
+    def close(self) -> None:
+        self.gguf.close()
+
+    def __enter__(self) -> ModelFile:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def quant_types(self) -> dict[str, dict[str, int]]:
+        """Tensor counts per ggml type, split into expert and dense tensors."""
+        experts, dense = Counter(), Counter()
+        for t in self.gguf.tensors.values():
+            (experts if t.name in self.layout.expert_tensor_names else dense)[t.qtype.name] += 1
+        return {"experts": dict(sorted(experts.items())), "dense": dict(sorted(dense.items()))}
+
+
+def open_model(path: str | os.PathLike) -> ModelFile:
+    """Open and validate a GGUF model (one file or any shard of a split set)."""
+    f = GGUFFile(path)
+    try:
+        spec = read_spec(f)
+        return ModelFile(f, spec, build_layout(f, spec))
+    except BaseException:
+        f.close()
+        raise

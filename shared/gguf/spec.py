@@ -1,0 +1,475 @@
+"""The model spec: a GGUF's metadata turned into one frozen record per model.
+
+Each supported architecture has a reader here that knows its keys (see
+../shared/ARCHITECTURES.md §3). Per-layer facts (kv heads, head width,
+sliding window) are stored as tuples with one entry per layer, so the forward
+pass never has to ask "is this key a scalar or an array?". A missing key or
+a key of the wrong type or out of range is a GGUFError naming the key.
+
+`check_tensors` then holds the tensors the forward pass will multiply to the
+shapes the metadata implies (and to types the kernels compute on), so a file
+whose metadata and tensors disagree fails when it is opened, with the tensor
+named, instead of as a numpy error inside a worker process.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from gguf import GGMLQuantizationType, GGUFValueType
+
+from moe_pipe.shared.errors import GGUFError
+from moe_pipe.shared.gguf.reader import GGUFFile
+
+_INT_TYPES = {
+    GGUFValueType.UINT8,
+    GGUFValueType.INT8,
+    GGUFValueType.UINT16,
+    GGUFValueType.INT16,
+    GGUFValueType.UINT32,
+    GGUFValueType.INT32,
+    GGUFValueType.UINT64,
+    GGUFValueType.INT64,
+}
+_SPLIT_SUFFIX = re.compile(r"-\d{5}-of-\d{5}$")
+_FLOAT_TYPES = {GGUFValueType.FLOAT32, GGUFValueType.FLOAT64}
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    freq_base: float
+    dim: int  # rotated dims per head (n_rot)
+    scaling: str = "none"  # none | linear | yarn
+    factor: float = 1.0
+    orig_ctx: int = 0
+    attn_factor: float = 1.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    freq_base_swa: float | None = None
+    dim_swa: int | None = None
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    arch: str
+    name: str
+    n_layer: int
+    n_embd: int
+    n_vocab: int
+    n_ctx_train: int
+    n_head: int
+    n_head_kv: tuple[int, ...]  # per layer
+    head_dim_k: tuple[int, ...]  # per layer
+    head_dim_v: tuple[int, ...]  # per layer
+    n_expert: int
+    n_expert_used: int
+    n_ff_exp: int
+    n_ff: int  # dense / always-on MLP width (0 when absent)
+    rms_eps: float
+    rope: RopeSpec
+    sliding_window: int  # 0 = none
+    swa_layers: tuple[bool, ...]  # per layer: True = sliding-window attention
+    final_logit_softcap: float = 0.0
+    tied_output: bool = False
+    fused_gate_up: bool = False
+    expert_bias: bool = False
+
+    @property
+    def n_gqa(self) -> tuple[int, ...]:
+        return tuple(self.n_head // kv for kv in self.n_head_kv)
+
+
+class _Meta:
+    """Typed access to one arch's keys, with errors that name the key."""
+
+    def __init__(self, f: GGUFFile, arch: str):
+        self.f, self.arch = f, arch
+
+    def key(self, suffix: str) -> str:
+        return f"{self.arch}.{suffix}"
+
+    def _raw(self, suffix: str, required: bool) -> tuple[Any, tuple]:
+        key = self.key(suffix)
+        if not self.f.has(key):
+            if required:
+                raise GGUFError(self.f.path, f"metadata key {key!r} is missing")
+            return None, ()
+        return self.f.meta(key), self.f.meta_type(key)
+
+    def get_int(self, suffix: str, default: int | None = None) -> int:
+        value, types = self._raw(suffix, default is None)
+        if value is None:
+            return int(default)
+        if types[0] not in _INT_TYPES:
+            raise GGUFError(self.f.path, f"metadata key {self.key(suffix)!r} has type {types[0].name}, expected an integer")
+        return int(value)
+
+    def get_float(self, suffix: str, default: float | None = None) -> float:
+        value, types = self._raw(suffix, default is None)
+        if value is None:
+            return float(default)
+        if types[0] not in _FLOAT_TYPES | _INT_TYPES:
+            raise GGUFError(self.f.path, f"metadata key {self.key(suffix)!r} has type {types[0].name}, expected a number")
+        if not math.isfinite(value):  # a NaN epsilon or base gives NaN logits, not an error
+            raise GGUFError(self.f.path, f"metadata key {self.key(suffix)!r} is {value}, expected a finite number")
+        return float(value)
+
+    def get_str(self, suffix: str, default: str) -> str:
+        value, types = self._raw(suffix, False)
+        if value is None:
+            return default
+        if types[0] != GGUFValueType.STRING:
+            raise GGUFError(self.f.path, f"metadata key {self.key(suffix)!r} has type {types[0].name}, expected a string")
+        return value
+
+    def per_layer(self, suffix: str, n_layer: int, default: Any = None, kind=int) -> tuple:
+        """A scalar broadcast to every layer, or an array with one entry per layer."""
+        key = self.key(suffix)
+        if self.f.has(key) and self.f.meta_type(key)[0] == GGUFValueType.ARRAY:
+            elem, n = self.f.meta_type(key)[-1], self.f.meta_len(key)
+            ok = elem in _INT_TYPES | {GGUFValueType.BOOL} if kind in (int, bool) else elem in _FLOAT_TYPES | _INT_TYPES
+            if not ok or n != n_layer:  # checked before decoding: the array may claim millions of entries
+                raise GGUFError(
+                    self.f.path, f"metadata key {key!r} must hold {n_layer} {kind.__name__} values, one per layer (has {n} of {elem.name})"
+                )
+        value, types = self._raw(suffix, default is None)
+        if value is None:
+            return tuple(kind(default) for _ in range(n_layer))
+        if types[0] == GGUFValueType.ARRAY:
+            return tuple(kind(v) for v in value)
+        ok = types[0] in (_INT_TYPES | {GGUFValueType.BOOL} if kind in (int, bool) else _FLOAT_TYPES | _INT_TYPES)
+        if not ok:
+            raise GGUFError(self.f.path, f"metadata key {self.key(suffix)!r} has type {types[0].name}, expected {kind.__name__}")
+        return tuple(kind(value) for _ in range(n_layer))
+
+
+def _positive(f: GGUFFile, name: str, value: int, limit: int = 1 << 24) -> int:
+    if not 0 < value <= limit:
+        raise GGUFError(f.path, f"metadata {name} = {value} is out of range (1..{limit})")
+    return value
+
+
+def _in_range(f: GGUFFile, name: str, value: float, low: float, high: float) -> float:
+    """A float key inside the open interval (low, high): a zero or negative
+    epsilon, base or factor is a division by zero or NaN in the forward pass."""
+    if not low < value < high:
+        raise GGUFError(f.path, f"metadata {name} = {value} is out of range (must be above {low} and below {high})")
+    return value
+
+
+def _vocab_size(f: GGUFFile, arch: str) -> int:
+    if f.has(f"{arch}.vocab_size"):
+        return _positive(f, f"{arch}.vocab_size", _Meta(f, arch).get_int("vocab_size"))
+    embd = f.tensor("token_embd.weight")
+    if len(embd.shape) != 2:
+        raise GGUFError(f.path, f"tensor 'token_embd.weight' has shape {list(embd.shape)}, expected [n_vocab, n_embd]")
+    return embd.shape[0]
+
+
+# What shared/model/blocks.py implements: anything else would run as plain
+# RoPE, a wrong answer at long positions rather than an error.
+_ROPE_SCALINGS = ("none", "yarn")
+
+
+def _rope(m: _Meta, head_dim: int) -> RopeSpec:
+    scaling = m.get_str("rope.scaling.type", "none")
+    if scaling not in _ROPE_SCALINGS:
+        raise GGUFError(
+            m.f.path, f"metadata {m.key('rope.scaling.type')} = {scaling[:40]!r} is not supported ({', '.join(_ROPE_SCALINGS)})"
+        )
+    rope = RopeSpec(
+        # θ = base^(-2i/d): a base of 1 or less has no positions in it, and YaRN divides by log(base)
+        freq_base=_in_range(m.f, m.key("rope.freq_base"), m.get_float("rope.freq_base", 10000.0), 1, math.inf),
+        dim=m.get_int("rope.dimension_count", head_dim),
+        scaling=scaling,
+        factor=m.get_float("rope.scaling.factor", 1.0),
+        orig_ctx=m.get_int("rope.scaling.original_context_length", 0),
+        attn_factor=m.get_float("rope.scaling.attn_factor", 1.0),
+        beta_fast=m.get_float("rope.scaling.yarn_beta_fast", 32.0),
+        beta_slow=m.get_float("rope.scaling.yarn_beta_slow", 1.0),
+    )
+    if scaling == "yarn":  # YaRN takes logs of the factor, of orig_ctx / beta and of the base
+        for key, value in (("factor", rope.factor), ("yarn_beta_fast", rope.beta_fast), ("yarn_beta_slow", rope.beta_slow)):
+            _in_range(m.f, m.key(f"rope.scaling.{key}"), value, 0, math.inf)
+        if not 0 <= rope.orig_ctx <= 1 << 30:
+            raise GGUFError(
+                m.f.path, f"metadata {m.key('rope.scaling.original_context_length')} = {rope.orig_ctx} is out of range (0..{1 << 30})"
+            )
+    return rope
+
+
+def _common(f: GGUFFile, arch: str) -> dict[str, Any]:
+    m = _Meta(f, arch)
+    n_layer = _positive(f, f"{arch}.block_count", m.get_int("block_count"), 1024)
+    n_embd = _positive(f, f"{arch}.embedding_length", m.get_int("embedding_length"))
+    n_head = _positive(f, f"{arch}.attention.head_count", m.get_int("attention.head_count"), 4096)
+    n_head_kv = m.per_layer("attention.head_count_kv", n_layer, n_head)
+    for kv in n_head_kv:
+        if kv <= 0 or n_head % kv:
+            raise GGUFError(f.path, f"attention.head_count_kv {kv} does not divide head_count {n_head}")
+    n_expert = _positive(f, f"{arch}.expert_count", m.get_int("expert_count"), 4096)
+    n_used = m.get_int("expert_used_count")
+    if not 0 < n_used <= n_expert:
+        raise GGUFError(f.path, f"expert_used_count {n_used} must be between 1 and expert_count {n_expert}")
+    return dict(
+        arch=arch,
+        name=str(f.meta("general.name", _SPLIT_SUFFIX.sub("", f.paths[0].stem))),
+        n_layer=n_layer,
+        n_embd=n_embd,
+        n_vocab=_vocab_size(f, arch),
+        n_ctx_train=_positive(f, f"{arch}.context_length", m.get_int("context_length", 4096), 1 << 30),
+        n_head=n_head,
+        n_head_kv=n_head_kv,
+        n_expert=n_expert,
+        n_expert_used=n_used,
+        n_ff_exp=_positive(f, f"{arch}.expert_feed_forward_length", m.get_int("expert_feed_forward_length")),
+        rms_eps=_in_range(f, f"{arch}.attention.layer_norm_rms_epsilon", m.get_float("attention.layer_norm_rms_epsilon", 1e-6), 0, 1),
+    )
+
+
+def _qwen3moe(f: GGUFFile) -> ModelSpec:
+    arch = "qwen3moe"
+    m, c = _Meta(f, arch), _common(f, arch)
+    hd = _head_dim(m, "attention.key_length", c["n_embd"] // c["n_head"])
+    return ModelSpec(
+        **c,
+        head_dim_k=(hd,) * c["n_layer"],
+        head_dim_v=(_head_dim(m, "attention.value_length", hd),) * c["n_layer"],
+        n_ff=0,
+        rope=_rope(m, hd),
+        sliding_window=0,
+        swa_layers=(False,) * c["n_layer"],
+        tied_output="output.weight" not in f.tensors,
+    )
+
+
+def _gpt_oss(f: GGUFFile) -> ModelSpec:
+    arch = "gpt-oss"
+    m, c = _Meta(f, arch), _common(f, arch)
+    n = c["n_layer"]
+    hd = _head_dim(m, "attention.key_length", c["n_embd"] // c["n_head"])
+    window = _window(m)
+    # gpt-oss alternates: sliding on even layers (llama.cpp swa pattern 2).
+    swa = (
+        m.per_layer("attention.sliding_window_pattern", n, None, bool)
+        if f.has(m.key("attention.sliding_window_pattern"))
+        else tuple(i % 2 == 0 and window > 0 for i in range(n))
+    )
+    return ModelSpec(
+        **c,
+        head_dim_k=(hd,) * n,
+        head_dim_v=(_head_dim(m, "attention.value_length", hd),) * n,
+        n_ff=0,
+        rope=_rope(m, hd),
+        sliding_window=window,
+        swa_layers=swa,
+        tied_output="output.weight" not in f.tensors,
+        fused_gate_up="blk.0.ffn_gate_up_exps.weight" in f.tensors,
+        expert_bias=True,
+    )
+
+
+def _gemma4(f: GGUFFile) -> ModelSpec:
+    arch = "gemma4"
+    m, c = _Meta(f, arch), _common(f, arch)
+    n = c["n_layer"]
+    swa = m.per_layer("attention.sliding_window_pattern", n, False, bool)
+    hd_full = _head_dim(m, "attention.key_length")
+    hd_swa = _head_dim(m, "attention.key_length_swa", hd_full) if m.get_int("attention.key_length_swa", 0) else hd_full
+    hv_full, hv_swa = _head_dim(m, "attention.value_length", hd_full), _head_dim(m, "attention.value_length_swa", hd_swa)
+    rope = _rope(m, hd_full)
+    base_swa = _in_range(f, m.key("rope.freq_base_swa"), m.get_float("rope.freq_base_swa", 10000.0), 1, math.inf)
+    rope = RopeSpec(**{**rope.__dict__, "freq_base_swa": base_swa, "dim_swa": m.get_int("rope.dimension_count_swa", hd_swa)})
+    ff = tuple(_positive(f, f"{arch}.feed_forward_length", v) for v in m.per_layer("feed_forward_length", n, None))
+    return ModelSpec(
+        **c,
+        head_dim_k=tuple(hd_swa if s else hd_full for s in swa),
+        head_dim_v=tuple(hv_swa if s else hv_full for s in swa),
+        n_ff=max(ff),
+        rope=rope,
+        sliding_window=_window(m),
+        swa_layers=swa,
+        final_logit_softcap=_softcap(m),
+        tied_output="output.weight" not in f.tensors,
+        fused_gate_up="blk.0.ffn_gate_up_exps.weight" in f.tensors,
+    )
+
+
+READERS = {"qwen3moe": _qwen3moe, "gpt-oss": _gpt_oss, "gemma4": _gemma4}
+
+
+def kv_cache_bytes(spec: ModelSpec, n_ctx: int) -> int:
+    """Bytes of the float32 K and V caches compute allocates for `n_ctx` positions."""
+    return 4 * n_ctx * sum(hk * (dk + dv) for hk, dk, dv in zip(spec.n_head_kv, spec.head_dim_k, spec.head_dim_v))
+
+
+def read_spec(f: GGUFFile) -> ModelSpec:
+    arch = f.arch
+    reader = READERS.get(arch)
+    if reader is None:
+        raise GGUFError(f.path, f"architecture {arch!r} is not supported (supported: {', '.join(READERS)})")
+    spec = reader(f)
+    _check_rope(f, spec)
+    check_tensors(f, spec)
+    return spec
+
+
+def _head_dim(m: _Meta, suffix: str, default: int | None = None) -> int:
+    return _positive(m.f, m.key(suffix), m.get_int(suffix, default), 1 << 16)
+
+
+def _window(m: _Meta) -> int:
+    window = m.get_int("attention.sliding_window", 0)
+    if not 0 <= window <= 1 << 30:
+        raise GGUFError(m.f.path, f"metadata {m.key('attention.sliding_window')} = {window} is out of range (0..{1 << 30})")
+    return window
+
+
+def _softcap(m: _Meta) -> float:
+    cap = m.get_float("final_logit_softcapping", 0.0)
+    if cap < 0:  # 0 is "off"; a negative cap flips every logit's sign
+        raise GGUFError(m.f.path, f"metadata {m.key('final_logit_softcapping')} = {cap} must not be negative")
+    return cap
+
+
+def _check_rope(f: GGUFFile, spec: ModelSpec) -> None:
+    """Rotated dims pair up inside a head: an odd count, or more than the
+    heads it rotates are wide, indexes past the head."""
+    r = spec.rope
+    for key, dim in (("rope.dimension_count", r.dim), ("rope.dimension_count_swa", r.dim_swa)):
+        if dim is not None and (dim <= 0 or dim % 2):
+            raise GGUFError(f.path, f"metadata {spec.arch}.{key} = {dim} must be even and positive")
+    for i, swa in enumerate(spec.swa_layers):
+        # gemma4 rotates sliding layers by their own count; the rest use one for every layer
+        key, dim = ("rope.dimension_count_swa", r.dim_swa) if swa and r.dim_swa else ("rope.dimension_count", r.dim)
+        if dim > spec.head_dim_k[i]:
+            raise GGUFError(f.path, f"metadata {spec.arch}.{key} = {dim} is wider than layer {i}'s heads ({spec.head_dim_k[i]})")
+
+
+# -- tensors against the metadata ----------------------------------------------
+
+_VECTOR_TYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16})
+# What each architecture's load_layer (shared/model/<arch>.py) asks for, so a
+# missing tensor fails at open rather than when a worker builds the model.
+_REQUIRED = ("token_embd.weight", "output_norm.weight")
+_ATTN = ("attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_output.weight")
+_REQUIRED_PER_LAYER = {
+    "qwen3moe": (*_ATTN, "attn_v.weight", "attn_q_norm.weight", "attn_k_norm.weight", "ffn_norm.weight", "ffn_gate_inp.weight"),
+    "gpt-oss": (
+        *_ATTN,
+        "attn_v.weight",
+        "attn_q.bias",
+        "attn_k.bias",
+        "attn_v.bias",
+        "attn_output.bias",
+        "attn_sinks.weight",
+        "post_attention_norm.weight",
+        "ffn_gate_inp.weight",
+        "ffn_gate_inp.bias",
+    ),
+    "gemma4": (
+        *_ATTN,
+        "attn_q_norm.weight",
+        "attn_k_norm.weight",
+        "post_attention_norm.weight",
+        "ffn_norm.weight",
+        "ffn_gate.weight",
+        "ffn_up.weight",
+        "ffn_down.weight",
+        "post_ffw_norm_1.weight",
+        "pre_ffw_norm_2.weight",
+        "post_ffw_norm_2.weight",
+        "post_ffw_norm.weight",
+        "ffn_gate_inp.weight",
+        "ffn_gate_inp.scale",
+        "ffn_down_exps.scale",
+    ),
+}
+_NORMS = ("attn_norm", "ffn_norm", "post_attention_norm", "post_ffw_norm", "post_ffw_norm_1", "pre_ffw_norm_2", "post_ffw_norm_2")
+
+
+def expected_shapes(spec: ModelSpec) -> dict[str, tuple[str, tuple[int, ...], str]]:
+    """name -> ("matrix" | "vector", numpy shape, where the shape comes from)
+    for the dense tensors, named the llama.cpp way, whose shape the metadata
+    fixes. Absent names are fine here: the architecture asks for what it needs
+    and names what is missing."""
+    d, v, e, h = spec.n_embd, spec.n_vocab, spec.n_expert, spec.n_head
+    out = {
+        "token_embd.weight": ("matrix", (v, d), f"n_vocab {v}, n_embd {d}"),
+        "output.weight": ("matrix", (v, d), f"n_vocab {v}, n_embd {d}"),
+        "output_norm.weight": ("vector", (d,), f"n_embd {d}"),
+        "rope_freqs.weight": ("vector", (spec.rope.dim // 2,), f"{spec.rope.dim} rotated dims"),
+    }
+    for i in range(spec.n_layer):
+        p, hk, hv, kv = f"blk.{i}.", spec.head_dim_k[i], spec.head_dim_v[i], spec.n_head_kv[i]
+        q, k, vv = f"{h} heads × {hk} key dims", f"{kv} kv heads × {hk} key dims", f"{kv} kv heads × {hv} value dims"
+        out.update({p + n + ".weight": ("vector", (d,), f"n_embd {d}") for n in _NORMS})
+        out.update(
+            {
+                p + "attn_q.weight": ("matrix", (h * hk, d), f"{q}, n_embd {d}"),
+                p + "attn_k.weight": ("matrix", (kv * hk, d), f"{k}, n_embd {d}"),
+                p + "attn_v.weight": ("matrix", (kv * hv, d), f"{vv}, n_embd {d}"),
+                p + "attn_output.weight": ("matrix", (d, h * hv), f"n_embd {d}, {h} heads × {hv} value dims"),
+                p + "attn_q.bias": ("vector", (h * hk,), q),
+                p + "attn_k.bias": ("vector", (kv * hk,), k),
+                p + "attn_v.bias": ("vector", (kv * hv,), vv),
+                p + "attn_output.bias": ("vector", (d,), f"n_embd {d}"),
+                p + "attn_q_norm.weight": ("vector", (hk,), f"{hk} key dims"),
+                p + "attn_k_norm.weight": ("vector", (hk,), f"{hk} key dims"),
+                p + "attn_sinks.weight": ("vector", (h,), f"{h} heads"),
+                p + "ffn_gate_inp.weight": ("matrix", (e, d), f"{e} experts, n_embd {d}"),
+                p + "ffn_gate_inp.bias": ("vector", (e,), f"{e} experts"),
+                p + "ffn_gate_inp.scale": ("vector", (d,), f"n_embd {d}"),
+                p + "ffn_down_exps.scale": ("vector", (e,), f"{e} experts"),
+                p + "layer_output_scale.weight": ("vector", (1,), "one scale per layer"),
+            }
+        )
+    return out
+
+
+def check_tensors(f: GGUFFile, spec: ModelSpec) -> None:
+    """Every dense tensor the forward pass reads has the metadata's shape and a
+    type the kernels compute on; the always-on MLP's three matrices agree."""
+    from moe_pipe.shared.quant.blocks import FORMATS  # lazy: the quant package brings numba (~0.2 s) with it
+
+    tensors = f.tensors
+    for name in _REQUIRED:
+        f.tensor(name)  # a GGUFError naming it when absent
+    for i in range(spec.n_layer):
+        for name in _REQUIRED_PER_LAYER.get(spec.arch, ()):
+            if f"blk.{i}.{name}" not in tensors:
+                raise GGUFError(f.path, f"missing tensor 'blk.{i}.{name}': every {spec.arch} layer needs {name}")
+    for name, (kind, shape, basis) in expected_shapes(spec).items():
+        t = tensors.get(name)
+        if t is None:
+            continue
+        if t.shape != shape:
+            raise GGUFError(
+                f.path, f"tensor {name!r} has shape {list(t.shape)} (numpy order), but the metadata implies {list(shape)} ({basis})"
+            )
+        if kind == "vector" and t.qtype not in _VECTOR_TYPES:
+            raise GGUFError(f.path, f"tensor {name!r} is {t.qtype.name}; norms, biases and scales must be F32, F16 or BF16")
+        if kind == "matrix" and t.qtype not in FORMATS:
+            raise GGUFError(
+                f.path,
+                f"tensor {name!r} is {t.qtype.name}, which moe-pipe cannot compute on (supported: {', '.join(q.name for q in FORMATS)})",
+            )
+    for i in range(spec.n_layer):
+        gate, up, down = (tensors.get(f"blk.{i}.ffn_{n}.weight") for n in ("gate", "up", "down"))
+        if gate is None and up is None and down is None:
+            continue
+        if gate is None or up is None or down is None:
+            raise GGUFError(f.path, f"layer {i} has only some of ffn_gate, ffn_up and ffn_down")
+        width = gate.shape[0] if len(gate.shape) == 2 else -1
+        if gate.shape != (width, spec.n_embd) or up.shape != gate.shape or down.shape != (spec.n_embd, width):
+            raise GGUFError(
+                f.path,
+                f"layer {i} MLP shapes disagree: ffn_gate {list(gate.shape)}, ffn_up {list(up.shape)}, "
+                f"ffn_down {list(down.shape)} (numpy order; n_embd {spec.n_embd})",
+            )
+        for t in (gate, up, down):
+            if t.qtype not in FORMATS:
+                raise GGUFError(f.path, f"tensor {t.name!r} is {t.qtype.name}, which moe-pipe cannot compute on")

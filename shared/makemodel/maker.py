@@ -1,0 +1,456 @@
+"""Make GGUF models in the real format with random weights.
+
+Weights cannot be downloaded here, so tests, demos and benchmarks run on made
+models: llama.cpp's tensor names, shapes and metadata for each arch
+(ARCHITECTURES.md §3), the real quant mix (§2.1) with random but *valid*
+quantized blocks, routers scaled so that routing moves from token to token
+like a real model's (see "routers" below), a BPE tokenizer trained on
+shared/data/corpus.txt (§4) and the arch's chat template.
+
+Writing streams: all tensor infos go into the header first, then one tensor
+at a time is generated and written, so a 60 GB gpt-oss-120b-shaped file
+needs about one tensor of RAM (≤ 0.7 GB). A worker thread generates the next
+tensor while the current one is written.
+
+Legend for shapes below (numpy order, last axis = ggml ne0):
+V vocab, D n_embd, H q heads, Hk kv heads, d head dim, X experts,
+F expert ff width, Fd dense ff width.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFWriter, LlamaFileType, RopeScalingType
+
+from moe_pipe.shared.errors import UserError
+from moe_pipe.shared.gguf.vocab import DATA_DIR, Vocab, build_vocab
+from moe_pipe.shared.makemodel.presets import ARCHES, MIX_NAME, PRESETS, ROUTER, SHAPE_PRESET_ARCH, Preset, fit_type, get_preset, real_mix
+from moe_pipe.shared.quant.blocks import block_format, qtype_from_name, random_blocks
+
+__all__ = ["ARCHES", "PRESETS", "make_model", "plan_tensors", "TensorSpec"]
+
+# Generation chunk: keeps the temporaries of random_blocks small and its
+# std calibration per chunk; fixed so files stay byte-identical.
+_CHUNK_BYTES = 32 << 20
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor to write. `shape` is numpy order (last axis = ggml ne0)."""
+
+    name: str
+    shape: tuple[int, ...]
+    qtype: Q
+    fill: str  # weight | norm | router | router_bias | bias | sinks | scale | rope_freqs
+    param: float = 0.0  # std of the random values; rope_freqs: fraction of pairs that rotate
+
+    @property
+    def byte_shape(self) -> tuple[int, ...]:
+        return (*self.shape[:-1], block_format(self.qtype).row_bytes(self.shape[-1]))
+
+    @property
+    def nbytes(self) -> int:
+        return block_format(self.qtype).tensor_bytes(self.shape)
+
+
+def make_model(
+    arch: str,
+    preset: str,
+    out: Path | str,
+    layers: int | None = None,
+    quant: str | None = None,
+    seed: int = 0,
+    progress: Callable[[int, int], None] | None = None,
+    *,
+    sparse: bool = False,
+    _overrides: dict | None = None,
+) -> Path:
+    """Write a random-weight GGUF model of `arch` shaped like `preset` to `out`.
+
+    * `layers` cuts (or extends) the depth; default = the preset's (real) depth.
+      Per-layer rules (more-bits layers, sliding-window pattern) use the cut depth,
+      as llama.cpp's quantizer would on a model that deep.
+    * `quant` replaces the real quant mix with one type for every weight matrix
+      (token_embd, output, attention, dense and expert FFN). Norms, routers,
+      biases, sinks and scales stay F32. Rows whose width the type's block can't
+      divide get llama.cpp's fallback (Q4_K→Q5_0, Q5_K→Q5_1, Q6_K→Q8_0,
+      Q2_K/Q3_K/IQ4_XS→IQ4_NL); if even that can't hold them it is a UserError.
+    * Same arguments → byte-identical file: every tensor's generator is seeded
+      from blake2b(seed, tensor name), and the tokenizer training is deterministic.
+    * `progress(bytes_done, bytes_total)` is called after each tensor's data is
+      written (tensor data bytes, header excluded).
+    * `sparse` (tests, dry runs) leaves the tensor data as a hole: zeros, which
+      are valid blocks with zero scales. Header, tensor table and file size are
+      exact, so a full-depth shape preset can be inspected at no disk cost.
+    * `_overrides` (tests only) replaces preset fields, e.g. fewer experts or a
+      smaller vocab, to check per-expert sizes of a shape preset quickly.
+
+    The file is written to `<out>.part` and renamed when complete.
+    """
+    p = _resolve(arch, preset, layers, _overrides)
+    override = _parse_quant(quant)
+    vocab = build_vocab(arch, p.vocab_size, p.n_bpe)
+    specs = plan_tensors(arch, p, override)
+    total = sum(s.nbytes for s in specs)
+
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(out.parent).free
+    if not sparse and total > free:
+        raise UserError(
+            f"{out}: the {arch} {preset} model needs {total / 1e9:.1f} GB but only {free / 1e9:.1f} GB is free there; use --layers to cut depth"
+        )
+    part = out.with_name(out.name + ".part")
+
+    w = GGUFWriter(part, arch)
+    try:
+        _add_metadata(w, arch, preset, p, vocab, override, seed)
+        for s in specs:
+            w.add_tensor_info(s.name, s.byte_shape, np.dtype(np.uint8), s.nbytes, raw_dtype=s.qtype)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        if sparse:
+            _leave_data_as_hole(w, specs)
+            specs = []
+        done = 0
+        if progress:
+            progress(0, total)
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            # Generate tensor k+1 while tensor k is being written.
+            nxt = pool.submit(_generate, specs[0], seed) if specs else None
+            for k, s in enumerate(specs):
+                data = nxt.result()
+                if k + 1 < len(specs):
+                    nxt = pool.submit(_generate, specs[k + 1], seed)
+                w.write_tensor_data(data)
+                done += s.nbytes
+                del data
+                if progress:
+                    progress(done, total)
+        w.close()
+        os.replace(part, out)
+    except BaseException:
+        w.close()
+        part.unlink(missing_ok=True)
+        raise
+    return out
+
+
+def _leave_data_as_hole(w: GGUFWriter, specs: list[TensorSpec]) -> None:
+    """Size the file as if every tensor were written, without writing any."""
+    fout = w.fout[0]
+    start = GGUFWriter.ggml_pad(fout.tell(), w.data_alignment)
+    fout.truncate(start + sum(GGUFWriter.ggml_pad(s.nbytes, w.data_alignment) for s in specs))
+
+
+# --- arguments ----------------------------------------------------------------
+
+
+def _resolve(arch: str, preset: str, layers: int | None, overrides: dict | None) -> Preset:
+    if arch not in ARCHES:
+        raise UserError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHES)}")
+    if preset not in PRESETS:
+        raise UserError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    p = get_preset(arch, preset)
+    if p is None:
+        pairs = ", ".join(f"{k} goes with --arch {v}" for k, v in SHAPE_PRESET_ARCH.items())
+        raise UserError(f"preset {preset} is not made for arch {arch} ({pairs}; tiny and small go with every arch)")
+    if layers is not None:
+        if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
+            raise UserError(f"--layers must be a whole number ≥ 1, not {layers!r}")
+        p = replace(p, n_layer=layers)
+    if overrides:
+        p = replace(p, **overrides)
+    return p
+
+
+def _parse_quant(quant: str | None) -> Q | None:
+    if quant is None:
+        return None
+    try:
+        return qtype_from_name(quant)
+    except ValueError as e:
+        raise UserError(f"--quant: {e}") from None
+
+
+# --- the tensor plan ----------------------------------------------------------
+
+
+def plan_tensors(arch: str, p: Preset, override: Q | None = None) -> list[TensorSpec]:
+    """Every tensor of the model in file order, with its type and how to fill it."""
+    n_v = sum(1 for i in range(p.n_layer) if arch != "gemma4" or p.is_swa(i))  # attn_v tensors
+    v_seen = 0
+
+    def W(name: str, shape: tuple[int, ...], role: str, layer: int = 0) -> TensorSpec:
+        ne0 = shape[-1]
+        qtype = override if override is not None else real_mix(arch, role, layer, p.n_layer, v_seen, n_v)
+        fitted = fit_type(qtype, ne0)
+        bs = block_format(fitted).block_size
+        if ne0 % bs:
+            raise UserError(
+                f"--quant {qtype.name}: tensor {name} has rows {ne0} wide, not a multiple of {bs}; use a 32-block type such as Q8_0 or Q5_0, or F16"
+            )
+        return TensorSpec(name, shape, fitted, "weight", 1.0 / float(np.sqrt(ne0)))
+
+    def F(name: str, shape: tuple[int, ...], fill: str) -> TensorSpec:
+        return TensorSpec(name, shape, Q.F32, fill, _router_std(arch, fill, shape[-1], p.n_layer))
+
+    D, V, X, F_exp = p.n_embd, p.vocab_size, p.n_expert, p.n_ff_exp
+    specs = [W("token_embd.weight", (V, D), "embd")]
+    if arch == "gemma4":
+        specs.append(TensorSpec("rope_freqs.weight", (p.head_dim_full // 2,), Q.F32, "rope_freqs", p.partial_rotary))
+    specs.append(F("output_norm.weight", (D,), "norm"))
+    if arch != "gemma4":  # gemma4 ties the output head to token_embd
+        specs.append(W("output.weight", (V, D), "output"))
+
+    for i in range(p.n_layer):
+        b = f"blk.{i}."
+        swa = p.is_swa(i)
+        d = p.head_dim_full if arch == "gemma4" and not swa else p.head_dim
+        hk = p.n_head_kv_full if arch == "gemma4" and not swa else p.n_head_kv
+        qw, kw = p.n_head * d, hk * d
+        specs += [
+            F(b + "attn_norm.weight", (D,), "norm"),
+            W(b + "attn_q.weight", (qw, D), "attn_q", i),
+            W(b + "attn_k.weight", (kw, D), "attn_k", i),
+        ]
+        if arch != "gemma4" or swa:  # gemma4 full layers use K as V
+            specs.append(W(b + "attn_v.weight", (kw, D), "attn_v", i))
+            v_seen += 1
+        specs.append(W(b + "attn_output.weight", (D, qw), "attn_output", i))
+
+        if arch == "qwen3moe":
+            specs += [
+                F(b + "attn_q_norm.weight", (d,), "norm"),
+                F(b + "attn_k_norm.weight", (d,), "norm"),
+                F(b + "ffn_norm.weight", (D,), "norm"),
+                F(b + "ffn_gate_inp.weight", (X, D), "router"),
+                W(b + "ffn_gate_exps.weight", (X, F_exp, D), "ffn_gate_exps", i),  # X F D
+                W(b + "ffn_up_exps.weight", (X, F_exp, D), "ffn_up_exps", i),  # X F D
+                W(b + "ffn_down_exps.weight", (X, D, F_exp), "ffn_down_exps", i),  # X D F
+            ]
+        elif arch == "gpt-oss":
+            specs += [
+                F(b + "attn_q.bias", (qw,), "bias"),
+                F(b + "attn_k.bias", (kw,), "bias"),
+                F(b + "attn_v.bias", (kw,), "bias"),
+                F(b + "attn_output.bias", (D,), "bias"),
+                F(b + "attn_sinks.weight", (p.n_head,), "sinks"),
+                F(b + "post_attention_norm.weight", (D,), "norm"),  # the pre-FFN norm
+                F(b + "ffn_gate_inp.weight", (X, D), "router"),
+                F(b + "ffn_gate_inp.bias", (X,), "router_bias"),
+                W(b + "ffn_gate_exps.weight", (X, F_exp, D), "ffn_gate_exps", i),
+                F(b + "ffn_gate_exps.bias", (X, F_exp), "bias"),
+                W(b + "ffn_up_exps.weight", (X, F_exp, D), "ffn_up_exps", i),
+                F(b + "ffn_up_exps.bias", (X, F_exp), "bias"),
+                W(b + "ffn_down_exps.weight", (X, D, F_exp), "ffn_down_exps", i),
+                F(b + "ffn_down_exps.bias", (X, D), "bias"),
+            ]
+        else:  # gemma4
+            specs += [
+                F(b + "attn_q_norm.weight", (d,), "norm"),
+                F(b + "attn_k_norm.weight", (d,), "norm"),
+                F(b + "post_attention_norm.weight", (D,), "norm"),
+                F(b + "ffn_norm.weight", (D,), "norm"),
+                W(b + "ffn_gate.weight", (p.n_ff, D), "ffn_gate", i),  # Fd D
+                W(b + "ffn_up.weight", (p.n_ff, D), "ffn_up", i),  # Fd D
+                W(b + "ffn_down.weight", (D, p.n_ff), "ffn_down", i),  # D Fd
+                F(b + "post_ffw_norm_1.weight", (D,), "norm"),
+                F(b + "pre_ffw_norm_2.weight", (D,), "norm"),
+                F(b + "post_ffw_norm_2.weight", (D,), "norm"),
+                F(b + "post_ffw_norm.weight", (D,), "norm"),
+                F(b + "ffn_gate_inp.weight", (X, D), "router"),
+                F(b + "ffn_gate_inp.scale", (D,), "scale"),
+                W(b + "ffn_gate_up_exps.weight", (X, 2 * F_exp, D), "ffn_gate_up_exps", i),  # X 2F D, gate rows first
+                W(b + "ffn_down_exps.weight", (X, D, F_exp), "ffn_down_exps", i),  # X D F
+                F(b + "ffn_down_exps.scale", (X,), "scale"),
+                F(b + "layer_output_scale.weight", (1,), "scale"),
+            ]
+    return specs
+
+
+# --- routers --------------------------------------------------------------------
+#
+# A router is W [X, D] (and, gpt-oss, a bias [X]): logits = W·x (+ b) on the
+# RMS-normed hidden state x, softmax/top-k on those. The weights are i.i.d.
+# Gaussian; what the presets' RouterShape sets is their scale and the bias,
+# because in a random model that is what decides how routing moves from
+# token to token (measured with bench/bench_routing.py against the phone
+# traces, docs/benchmarks.md "Synthetic routing"):
+#
+# * The hidden state of a random model is mostly two things: the attention's
+#   average over the context (it changes little from one token to the next
+#   and differs from text to text in nearly every direction, so a fixed W
+#   cannot single it out) and the experts' output for this token. A Gaussian
+#   W sees them in proportion to their size. In qwen3moe the context average
+#   is ~3x the rest, so with unit-spread logits routing freezes per text (LRU
+#   hit 95 % where the trace has 74 %) and greedy decoding cycles through a
+#   few tokens.
+# * The logit scale does not change this layer's top-k, but it changes the
+#   gate weights: sharper gates let the top expert's output through nearly
+#   whole instead of an average of k that partly cancels, so the token's own
+#   signal grows in every later layer and routing turns over as in the trace.
+#   The cost is gates sharper than a trained model's (qwen3moe top-1 weight
+#   ~0.7, the trace's ~0.3).
+# * The context average builds up layer after layer, so a deeper model needs
+#   sharper gates for the same turnover: qwen3moe's logit spread is 5 up to
+#   8 layers and grows as (n_layer / 8)^0.4 (6.6 at 16, 10.2 at 48), which
+#   holds the hit rate at 75-78 % (trace 74 %) at 8, 16 and 48 layers, where
+#   a constant 5 drifts to 90 % at 48.
+# * gpt-oss's hidden state has little context average (its mean direction
+#   is ~0.2 of the state, qwen3moe's ~0.9), so its routing is near-uniform;
+#   its router bias carries static per-expert popularity (Gaussian,
+#   standardised per layer, so every layer has its own hot experts) and
+#   brings the hit rate and the popularity concentration to the trace's.
+# * gemma4 has neither lever (no router bias; its expert output is RMS-normed,
+#   so gate sharpness does not reach the hidden state): unit-spread logits.
+#
+# Everything stays plain weight values: llama.cpp computes the same logits.
+
+
+def _router_std(arch: str, fill: str, ne0: int, n_layer: int) -> float:
+    """The random values' std for an F32 tensor: routers from the arch's RouterShape."""
+    shape = ROUTER[arch]
+    logit_std = shape.logit_std_at(n_layer)
+    if fill == "router":
+        # qwen3moe/gpt-oss route on x with |x| ≈ √D (an RMS norm); gemma4 divides it by √D first.
+        return logit_std if arch == "gemma4" else logit_std / float(np.sqrt(ne0))
+    if fill == "router_bias":
+        return logit_std * shape.bias_std
+    return 0.0
+
+
+# --- tensor data ----------------------------------------------------------------
+
+
+def tensor_rng(seed: int, name: str) -> np.random.Generator:
+    """A generator that depends only on (seed, tensor name) — stable across runs and processes."""
+    digest = hashlib.blake2b(f"{seed}\x00{name}".encode(), digest_size=16).digest()
+    return np.random.default_rng(int.from_bytes(digest, "little"))
+
+
+def _generate(s: TensorSpec, seed: int) -> np.ndarray:
+    """The tensor's bytes as uint8 shaped `s.byte_shape`."""
+    rng = tensor_rng(seed, s.name)
+    n = int(np.prod(s.shape))
+    if s.fill == "weight":
+        fmt = block_format(s.qtype)
+        buf = np.empty(s.nbytes, np.uint8)
+        per_chunk = max(1, _CHUNK_BYTES // fmt.type_size)  # blocks
+        n_blocks = n // fmt.block_size
+        for b0 in range(0, n_blocks, per_chunk):
+            nb = min(per_chunk, n_blocks - b0)
+            buf[b0 * fmt.type_size : (b0 + nb) * fmt.type_size] = random_blocks(s.qtype, nb * fmt.block_size, rng, s.param).reshape(-1)
+        return buf.reshape(s.byte_shape)
+    if s.fill == "rope_freqs":  # gemma4 "proportional" rope: only the first pairs rotate
+        x = np.full(n, 1e30, np.float32)
+        x[: int(round(n * s.param))] = 1.0
+    elif s.fill in ("norm", "scale"):
+        x = 1.0 + 0.1 * rng.standard_normal(n, dtype=np.float32)
+    elif s.fill == "router":
+        x = rng.standard_normal(n, dtype=np.float32) * np.float32(s.param)
+    elif s.fill == "router_bias":  # standardised: each layer gets exactly the preset's spread
+        z = rng.standard_normal(n)
+        x = ((z - z.mean()) / max(float(z.std()), 1e-12) * s.param).astype(np.float32)
+    elif s.fill == "bias":
+        x = 0.02 * rng.standard_normal(n, dtype=np.float32)
+    elif s.fill == "sinks":
+        x = rng.standard_normal(n, dtype=np.float32)
+    else:
+        raise AssertionError(s.fill)
+    return np.ascontiguousarray(x, np.float32).view(np.uint8).reshape(s.byte_shape)
+
+
+# --- metadata -------------------------------------------------------------------
+
+_FILE_TYPE = {
+    Q.F32: "ALL_F32",
+    Q.F16: "MOSTLY_F16",
+    Q.BF16: "MOSTLY_BF16",
+    Q.Q4_0: "MOSTLY_Q4_0",
+    Q.Q4_1: "MOSTLY_Q4_1",
+    Q.Q5_0: "MOSTLY_Q5_0",
+    Q.Q5_1: "MOSTLY_Q5_1",
+    Q.Q8_0: "MOSTLY_Q8_0",
+    Q.Q2_K: "MOSTLY_Q2_K",
+    Q.Q3_K: "MOSTLY_Q3_K_S",
+    Q.Q4_K: "MOSTLY_Q4_K_S",
+    Q.Q5_K: "MOSTLY_Q5_K_S",
+    Q.Q6_K: "MOSTLY_Q6_K",
+    Q.IQ4_NL: "MOSTLY_IQ4_NL",
+    Q.IQ4_XS: "MOSTLY_IQ4_XS",
+    Q.MXFP4: "MOSTLY_MXFP4_MOE",
+}
+
+
+def chat_template(arch: str) -> str:
+    return (DATA_DIR / f"{arch}.jinja").read_text(encoding="utf-8")
+
+
+def _add_metadata(w: GGUFWriter, arch: str, preset: str, p: Preset, v: Vocab, override: Q | None, seed: int) -> None:
+    mix = override.name if override is not None else MIX_NAME[arch]
+    w.add_name(f"moe-pipe made {arch} {preset}")
+    w.add_description(f"random weights (seed {seed}), not a trained model; made by moe-pipe make-model, quant {mix}")
+    ftype = "MOSTLY_Q4_K_M" if mix == "Q4_K_M" else "MOSTLY_MXFP4_MOE" if mix == "MXFP4_MOE" else _FILE_TYPE.get(override)
+    if ftype:
+        w.add_file_type(int(LlamaFileType[ftype]))
+    w.add_quantization_version(2)
+
+    w.add_context_length(p.context_length)
+    w.add_embedding_length(p.n_embd)
+    w.add_block_count(p.n_layer)
+    w.add_feed_forward_length(p.n_ff)
+    w.add_expert_feed_forward_length(p.n_ff_exp)
+    w.add_expert_count(p.n_expert)
+    w.add_expert_used_count(p.n_expert_used)
+    w.add_head_count(p.n_head)
+    w.add_layer_norm_rms_eps(p.rms_eps)
+    w.add_rope_freq_base(p.rope_base)
+    if arch == "gemma4":
+        w.add_head_count_kv([int(p.n_head_kv if p.is_swa(i) else p.n_head_kv_full) for i in range(p.n_layer)])
+        w.add_key_length(p.head_dim_full)
+        w.add_value_length(p.head_dim_full)
+        w.add_key_length_swa(p.head_dim)
+        w.add_value_length_swa(p.head_dim)
+        w.add_rope_dimension_count(p.head_dim_full)
+        w.add_rope_dimension_count_swa(p.head_dim)
+        w.add_rope_freq_base_swa(p.rope_base_swa)
+        w.add_sliding_window(p.sliding_window)
+        w.add_sliding_window_pattern([bool(p.is_swa(i)) for i in range(p.n_layer)])
+        w.add_shared_kv_layers(0)
+        w.add_embedding_length_per_layer_input(0)
+        w.add_final_logit_softcapping(p.final_softcap)
+    else:
+        w.add_head_count_kv(p.n_head_kv)
+        w.add_key_length(p.head_dim)
+        w.add_value_length(p.head_dim)
+    if arch == "gpt-oss":
+        w.add_sliding_window(p.sliding_window)
+        w.add_rope_scaling_type(RopeScalingType.YARN)
+        w.add_rope_scaling_factor(p.yarn_factor)
+        w.add_rope_scaling_orig_ctx_len(p.yarn_orig_ctx)
+
+    w.add_tokenizer_model(v.model)
+    w.add_tokenizer_pre(v.pre)
+    w.add_token_list(list(v.tokens))
+    w.add_token_types([int(t) for t in v.types])
+    w.add_token_merges(list(v.merges))
+    w.add_bos_token_id(v.bos)
+    w.add_eos_token_id(v.eos)
+    w.add_pad_token_id(v.pad)
+    if v.unk is not None:
+        w.add_unk_token_id(v.unk)
+    w.add_add_bos_token(v.add_bos)
+    if arch == "gemma4":
+        w.add_add_space_prefix(False)
+    w.add_chat_template(chat_template(arch))

@@ -1,0 +1,336 @@
+"""Model shapes for made models, and the quant mix each real file uses.
+
+A preset is the hyper-parameters of one made model; the three "-shape"
+presets copy the real models (ARCHITECTURES.md §3) so that their expert
+bytes equal the published files' (§6). The mix functions pick each weight
+matrix's ggml type the way llama.cpp's quantizer did for the real file
+(§2.1), including its fallback for rows that K-quants cannot hold.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gguf import GGMLQuantizationType as Q
+
+ARCHES = ("qwen3moe", "gpt-oss", "gemma4")
+PRESETS = ("tiny", "small", "qwen30b-shape", "gptoss120b-shape", "gemma26b-shape")
+SHAPE_PRESET_ARCH = {"qwen30b-shape": "qwen3moe", "gptoss120b-shape": "gpt-oss", "gemma26b-shape": "gemma4"}
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_expert: int
+    n_expert_used: int
+    n_ff_exp: int
+    n_ff: int  # feed_forward_length (gemma4: the always-on dense MLP)
+    vocab_size: int
+    n_bpe: int  # trained BPE tokens (the rest of the vocab is specials + placeholders)
+    context_length: int
+    rms_eps: float
+    rope_base: float
+    # gpt-oss / gemma4 sliding-window attention
+    sliding_window: int = 0
+    swa_period: int = 0  # gemma4: full attention at layers i % period == period - 1
+    # gemma4 full-attention layers
+    head_dim_full: int = 0
+    n_head_kv_full: int = 0
+    rope_base_swa: float = 0.0
+    partial_rotary: float = 1.0  # gemma4 full layers rotate this fraction of pairs
+    final_softcap: float = 0.0
+    # gpt-oss YaRN
+    yarn_factor: float = 0.0
+    yarn_orig_ctx: int = 0
+
+    def is_swa(self, i: int) -> bool:
+        """Whether layer i uses sliding-window attention."""
+        if self.swa_period:  # gemma4
+            return i % self.swa_period != self.swa_period - 1
+        return bool(self.sliding_window) and i % 2 == 0  # gpt-oss: even layers
+
+
+_P = {
+    # ------------------------------------------------------------------ qwen3moe
+    ("qwen3moe", "tiny"): Preset(
+        "tiny",
+        n_layer=4,
+        n_embd=256,
+        n_head=8,
+        n_head_kv=2,
+        head_dim=64,
+        n_expert=8,
+        n_expert_used=2,
+        n_ff_exp=256,
+        n_ff=768,
+        vocab_size=2048,
+        n_bpe=1600,
+        context_length=4096,
+        rms_eps=1e-6,
+        rope_base=1e6,
+    ),
+    ("qwen3moe", "small"): Preset(
+        "small",
+        n_layer=8,
+        n_embd=1024,
+        n_head=16,
+        n_head_kv=4,
+        head_dim=64,
+        n_expert=16,
+        n_expert_used=4,
+        n_ff_exp=512,
+        n_ff=3072,
+        vocab_size=8192,
+        n_bpe=4096,
+        context_length=8192,
+        rms_eps=1e-6,
+        rope_base=1e6,
+    ),
+    ("qwen3moe", "qwen30b-shape"): Preset(  # Qwen3-30B-A3B
+        "qwen30b-shape",
+        n_layer=48,
+        n_embd=2048,
+        n_head=32,
+        n_head_kv=4,
+        head_dim=128,
+        n_expert=128,
+        n_expert_used=8,
+        n_ff_exp=768,
+        n_ff=6144,
+        vocab_size=151936,
+        n_bpe=4096,
+        context_length=40960,
+        rms_eps=1e-6,
+        rope_base=1e6,
+    ),
+    # ------------------------------------------------------------------- gpt-oss
+    ("gpt-oss", "tiny"): Preset(
+        "tiny",
+        n_layer=4,
+        n_embd=256,
+        n_head=8,
+        n_head_kv=2,
+        head_dim=64,
+        n_expert=8,
+        n_expert_used=2,
+        n_ff_exp=256,
+        n_ff=256,
+        vocab_size=2048,
+        n_bpe=1600,
+        context_length=4096,
+        rms_eps=1e-5,
+        rope_base=150000.0,
+        sliding_window=128,
+        yarn_factor=32.0,
+        yarn_orig_ctx=4096,
+    ),
+    ("gpt-oss", "small"): Preset(
+        "small",
+        n_layer=8,
+        n_embd=768,
+        n_head=12,
+        n_head_kv=4,
+        head_dim=64,
+        n_expert=16,
+        n_expert_used=4,
+        n_ff_exp=768,
+        n_ff=768,
+        vocab_size=8192,
+        n_bpe=4096,
+        context_length=8192,
+        rms_eps=1e-5,
+        rope_base=150000.0,
+        sliding_window=128,
+        yarn_factor=32.0,
+        yarn_orig_ctx=4096,
+    ),
+    ("gpt-oss", "gptoss120b-shape"): Preset(  # gpt-oss-120b
+        "gptoss120b-shape",
+        n_layer=36,
+        n_embd=2880,
+        n_head=64,
+        n_head_kv=8,
+        head_dim=64,
+        n_expert=128,
+        n_expert_used=4,
+        n_ff_exp=2880,
+        n_ff=2880,
+        vocab_size=201088,
+        n_bpe=4096,
+        context_length=131072,
+        rms_eps=1e-5,
+        rope_base=150000.0,
+        sliding_window=128,
+        yarn_factor=32.0,
+        yarn_orig_ctx=4096,
+    ),
+    # -------------------------------------------------------------------- gemma4
+    # tiny/small widths of the routed and dense FFN are multiples of 32 but not
+    # of 256, like the real 704/2112, so the down projections fall back too.
+    ("gemma4", "tiny"): Preset(
+        "tiny",
+        n_layer=4,
+        n_embd=256,
+        n_head=4,
+        n_head_kv=2,
+        head_dim=64,
+        n_expert=8,
+        n_expert_used=2,
+        n_ff_exp=192,
+        n_ff=320,
+        vocab_size=2048,
+        n_bpe=1500,
+        context_length=4096,
+        rms_eps=1e-6,
+        rope_base=1e6,
+        sliding_window=128,
+        swa_period=2,
+        head_dim_full=128,
+        n_head_kv_full=1,
+        rope_base_swa=1e4,
+        partial_rotary=0.25,
+        final_softcap=30.0,
+    ),
+    ("gemma4", "small"): Preset(
+        "small",
+        n_layer=6,
+        n_embd=1024,
+        n_head=8,
+        n_head_kv=4,
+        head_dim=128,
+        n_expert=16,
+        n_expert_used=4,
+        n_ff_exp=352,
+        n_ff=704,
+        vocab_size=8192,
+        n_bpe=4096,
+        context_length=8192,
+        rms_eps=1e-6,
+        rope_base=1e6,
+        sliding_window=512,
+        swa_period=3,
+        head_dim_full=256,
+        n_head_kv_full=1,
+        rope_base_swa=1e4,
+        partial_rotary=0.25,
+        final_softcap=30.0,
+    ),
+    ("gemma4", "gemma26b-shape"): Preset(  # Gemma-4-26B-A4B
+        "gemma26b-shape",
+        n_layer=30,
+        n_embd=2816,
+        n_head=16,
+        n_head_kv=8,
+        head_dim=256,
+        n_expert=128,
+        n_expert_used=8,
+        n_ff_exp=704,
+        n_ff=2112,
+        vocab_size=262144,
+        n_bpe=4096,
+        context_length=262144,
+        rms_eps=1e-6,
+        rope_base=1e6,
+        sliding_window=1024,
+        swa_period=6,
+        head_dim_full=512,
+        n_head_kv_full=2,
+        rope_base_swa=1e4,
+        partial_rotary=0.25,
+        final_softcap=30.0,
+    ),
+}
+
+
+def get_preset(arch: str, preset: str) -> Preset | None:
+    return _P.get((arch, preset))
+
+
+# --- routers --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RouterShape:
+    """How make-model fills an arch's router (makemodel.py, "routers").
+
+    `logit_std`: spread over experts of a typical token's router logits (the
+    weights are Gaussian, scaled for the arch's router input), for a model of
+    `ref_layers` layers or fewer; a deeper model's is × (n_layer /
+    ref_layers) ** `depth_exp`. `bias_std`: spread of static per-expert logit
+    offsets (gpt-oss's router bias): experts that are popular in every text,
+    as a trained router has.
+    """
+
+    logit_std: float
+    bias_std: float = 0.0
+    depth_exp: float = 0.0
+    ref_layers: int = 8
+
+    def logit_std_at(self, n_layer: int) -> float:
+        return self.logit_std * max(1.0, n_layer / self.ref_layers) ** self.depth_exp
+
+
+# Calibrated on the phone traces (bench/bench_routing.py; why these two
+# levers: makemodel.py "routers"; figures: docs/benchmarks.md "Synthetic
+# routing"), teacher-forced corpus text at the traces' top-k. LRU decode hit
+# at a cache of 20 % of the experts, made model / trace:
+#   qwen3moe (qwen30b-shape, top-6): 77.5 / 74.1 at 8 layers, 74.9 at 16,
+#     77.5 at 48 (the full depth); unit logits gave 95.7 at 8 layers and
+#     greedy decoding that cycles through a few tokens. The price: gates
+#     sharper than a trained model's (top-1 weight ~0.7, not ~0.3).
+#   gpt-oss (gptoss120b-shape, top-2): 77.5 / 74.0 at 4 layers, 79.0 at 8;
+#     without the bias 25.4, near-uniform routing.
+#   gemma4: no trace to match; logits of the same order as the others'.
+ROUTER = {
+    "qwen3moe": RouterShape(logit_std=5.0, depth_exp=0.4),
+    "gpt-oss": RouterShape(logit_std=1.0, bias_std=0.9),
+    "gemma4": RouterShape(logit_std=1.0),
+}
+
+
+# --- quant mix ----------------------------------------------------------------
+
+# llama.cpp's replacement when ne0 % 256 != 0 (ARCHITECTURES.md §2).
+_FALLBACK = {Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0, Q.Q2_K: Q.IQ4_NL, Q.Q3_K: Q.IQ4_NL, Q.IQ4_XS: Q.IQ4_NL}
+
+
+def fit_type(qtype: Q, ne0: int) -> Q:
+    """`qtype`, or llama.cpp's fallback when a row of `ne0` can't hold its blocks."""
+    from moe_pipe.shared.quant.blocks import block_format
+
+    if ne0 % block_format(qtype).block_size == 0:
+        return qtype
+    return _FALLBACK.get(qtype, qtype)  # caller checks the result still fits
+
+
+def use_more_bits(i: int, n: int) -> bool:
+    """llama.cpp's Q4_K_M/Q5_K_M "more bits" layers: first and last eighth, every third between."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def real_mix(arch: str, role: str, layer: int, n_layer: int, v_index: int, n_v: int) -> Q:
+    """The type of weight matrix `role` in the real file's quant mix, before the ne0 fallback.
+
+    Roles: embd, output, attn_q, attn_k, attn_v, attn_output, ffn_gate, ffn_up,
+    ffn_down, ffn_gate_exps, ffn_up_exps, ffn_gate_up_exps, ffn_down_exps.
+    `v_index`/`n_v` count attn_v tensors (gemma4's full layers have none; the
+    quantizer counts tensors, not layers).
+    """
+    if arch == "gpt-oss":  # ggml-org MXFP4 MoE: experts MXFP4, everything else Q8_0
+        return Q.MXFP4 if role.endswith("_exps") else Q.Q8_0
+    # Q4_K_M (qwen3moe: confirmed by load log; gemma4: same rules, tied embd = output rule)
+    if role == "output" or (role == "embd" and arch == "gemma4"):
+        return Q.Q6_K
+    if role == "attn_v":
+        return Q.Q6_K if use_more_bits(v_index, n_v) else Q.Q4_K
+    if role in ("ffn_down", "ffn_down_exps"):
+        return Q.Q6_K if use_more_bits(layer, n_layer) else Q.Q4_K
+    return Q.Q4_K
+
+
+MIX_NAME = {"qwen3moe": "Q4_K_M", "gpt-oss": "MXFP4_MOE", "gemma4": "Q4_K_M"}

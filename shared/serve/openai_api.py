@@ -1,0 +1,359 @@
+"""The OpenAI wire format: parsing and validating request bodies into a frozen
+CompletionRequest, and shaping responses and SSE chunks.
+
+    body bytes ─parse_body─► dict ─parse_request─► CompletionRequest ─fit_max_tokens─► max_tokens
+    text pieces, finish ─ResponseShape─► chat.completion[.chunk] / text_completion ─sse─► b"data: ...\\n\\n"
+
+No sockets, no processes, no HTTP server here: procs/gateway.py reads the
+request, calls these, and writes what they return. Every refusal is an
+`ApiError` that carries the HTTP status and OpenAI's error body, with `param`
+naming the field, so a client library shows the user which field was wrong.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import orjson
+
+MAX_STOPS = 16
+# A stop string is held back from the stream while it may still match, so a
+# long one delays every token by its length (and one of megabytes would not fit
+# the Generate frame to compute).
+MAX_STOP_CHARS = 256
+MAX_TOKENS_FIELD = (1 << 31) - 1  # above any context; what fits is checked against ctx_size after tokenizing
+MAX_TEMPLATE_VARS = 32  # far above the two or three switches a chat template reads
+REASONING_EFFORTS = ("low", "medium", "high")  # what gpt-oss's template knows
+# Names a client may not pass in chat_template_kwargs: shared.chat's own
+# arguments (time_limit_s and max_chars guard against a hostile template, and
+# a duplicate argument would be a TypeError) and the template context the
+# server sets itself. tests/test_gateway.py checks this against the signatures.
+RESERVED_TEMPLATE_VARS = frozenset(
+    {
+        "tok",
+        "source",
+        "messages",
+        "no_think",
+        "add_generation_prompt",
+        "fallback",
+        "time_limit_s",
+        "max_chars",
+        "tools",
+        "bos_token",
+        "eos_token",
+    }
+)
+# Finish reasons of shared.generate -> OpenAI's (eog is the model's own stop).
+FINISH_REASONS = {"eog": "stop", "stop": "stop", "length": "length", "context": "length"}
+
+Scalar = str | int | float | bool | None
+
+
+# ------------------------------------------------------------------- errors
+
+
+class ApiError(Exception):
+    """A request that fails with an HTTP status and OpenAI's error body."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        code: str | None = None,
+        kind: str = "invalid_request_error",
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status, self.message, self.code, self.kind, self.param = status, message, code, kind, param
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def bad_field(name: str, allowed: str, got: Any) -> ApiError:
+    if type(got) is int or type(got) is float and not math.isfinite(got):
+        shown = repr(got)  # orjson refuses ints past 64 bits and writes NaN as null
+    elif isinstance(got, (str, float, bool, type(None))):
+        shown = orjson.dumps(got).decode()
+    else:
+        shown = type(got).__name__
+    if len(shown) > 40:
+        shown = shown[:37] + "..."
+    return ApiError(400, f"'{name}' must be {allowed}; got {shown}", "invalid_value", param=name)
+
+
+# ----------------------------------------------------------- the request body
+
+
+class RequestDefaults(Protocol):
+    """What the server fills in for fields a request leaves out (GatewaySettings)."""
+
+    @property
+    def model_name(self) -> str: ...
+    @property
+    def ctx_size(self) -> int: ...
+    @property
+    def max_tokens(self) -> int: ...
+    @property
+    def temperature(self) -> float: ...
+    @property
+    def seed(self) -> int | None: ...
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    chat: bool
+    messages: tuple[dict, ...]  # chat
+    prompt: str  # text completion
+    stream: bool
+    include_usage: bool
+    max_tokens: int | None  # None: the configured default (fitted to the context)
+    sampling: dict[str, Any]
+    stop: tuple[str, ...]
+    template_vars: dict[str, Scalar]  # chat: chat_template_kwargs and reasoning_effort, for the template
+
+
+def parse_body(raw: bytes) -> dict:
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise ApiError(400, f"the request body is not valid JSON: {exc}", "invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, f"the request body must be a JSON object, not {type(body).__name__}", "invalid_json")
+    return body
+
+
+def _number(body: dict, name: str, lo: float, hi: float, lo_open: bool = False) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    # isfinite: JSON cannot carry NaN, but a NaN passes every comparison, so never rely on the parser alone
+    if type(value) not in (int, float) or not math.isfinite(value) or value > hi or value < lo or (lo_open and value == lo):
+        raise bad_field(name, f"a number in {'(' if lo_open else '['}{lo:g}, {hi:g}]", value)
+    return float(value)
+
+
+def _int(body: dict, name: str, lo: int, hi: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if type(value) is not int or not lo <= value <= hi:  # type() is: true is not 1 here
+        raise bad_field(name, str(lo) if lo == hi else f"an integer in [{lo}, {hi}]", value)
+    return value
+
+
+def _text_of(content: Any, where: str) -> str:
+    """A message's content: a string, null, or an array of text parts."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+    ):
+        return "".join(p["text"] for p in content)
+    raise bad_field(where, "a string or an array of text parts", content)
+
+
+def parse_messages(value: Any) -> tuple[dict, ...]:
+    if not isinstance(value, list) or not value:
+        raise bad_field("messages", "a non-empty array of {role, content} objects", value)
+    out = []
+    for i, msg in enumerate(value):
+        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str) or not msg["role"]:
+            raise bad_field(f"messages[{i}]", "an object with a string 'role'", msg)
+        out.append({"role": msg["role"], "content": _text_of(msg.get("content"), f"messages[{i}].content")})
+    return tuple(out)
+
+
+def parse_stop(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or len(stops) > MAX_STOPS or not all(isinstance(s, str) and len(s) <= MAX_STOP_CHARS for s in stops):
+        raise bad_field("stop", f"a string or an array of at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters", value)
+    return tuple(s for s in stops if s)
+
+
+def parse_template_vars(body: dict) -> dict[str, Scalar]:
+    """`chat_template_kwargs` (the vLLM / llama.cpp-server field, e.g.
+    {"enable_thinking": false}) and OpenAI's `reasoning_effort`, as template
+    variables; the explicit kwargs win. Only flat scalars: the values reach an
+    untrusted template, and nothing a thinking switch needs is nested."""
+    out: dict[str, Scalar] = {}
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        if effort not in REASONING_EFFORTS:
+            raise bad_field("reasoning_effort", " or ".join(f'"{e}"' for e in REASONING_EFFORTS), effort)
+        out["reasoning_effort"] = effort
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        return out
+    if not isinstance(kwargs, dict) or len(kwargs) > MAX_TEMPLATE_VARS:
+        raise bad_field(
+            "chat_template_kwargs",
+            f'an object of at most {MAX_TEMPLATE_VARS} template variables, like {{"enable_thinking": false}}',
+            kwargs,
+        )
+    for key, value in kwargs.items():
+        where = f"chat_template_kwargs.{key if len(key) <= 40 else key[:37] + '...'}"
+        if not key.isidentifier():  # a template could never read it: most likely a typo like enable-thinking
+            raise ApiError(400, f"'{where}' is not a template variable name (letters, digits, _)", "invalid_value", param=where)
+        if key in RESERVED_TEMPLATE_VARS:
+            raise ApiError(400, f"'{where}' is set by the server and cannot be passed", "invalid_value", param=where)
+        if not isinstance(value, (str, int, float, bool, type(None))):
+            raise bad_field(where, "a string, number, boolean or null", value)
+        out[key] = value
+    return out
+
+
+def parse_request(body: dict, chat: bool, settings: RequestDefaults) -> CompletionRequest:
+    """Every field we act on, checked; fields we do not know are ignored."""
+    model = body.get("model")
+    if not isinstance(model, str):
+        raise bad_field("model", "a string (see GET /v1/models)", model)
+    if model != settings.model_name:
+        raise ApiError(
+            404, f"the model '{model}' does not exist; this server serves '{settings.model_name}'", "model_not_found", param="model"
+        )
+    messages, prompt, template_vars = (), "", {}
+    if chat:
+        messages = parse_messages(body.get("messages"))
+        template_vars = parse_template_vars(body)
+    else:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str) or not prompt:
+            raise bad_field("prompt", "a non-empty string", prompt)
+    stream = body.get("stream", False)
+    if stream is not None and not isinstance(stream, bool):
+        raise bad_field("stream", "true or false", stream)
+    options = body.get("stream_options")
+    options = {} if options is None else options
+    if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
+        raise bad_field("stream_options", 'an object like {"include_usage": true}', options)
+    _int(body, "n", 1, 1)  # one choice only: compute serves one sequence at a time
+    max_tokens = _int(body, "max_completion_tokens", 1, MAX_TOKENS_FIELD) if chat else None
+    max_tokens = _int(body, "max_tokens", 1, MAX_TOKENS_FIELD) if max_tokens is None else max_tokens
+    temperature = _number(body, "temperature", 0.0, 2.0)
+    top_p = _number(body, "top_p", 0.0, 1.0, lo_open=True)
+    seed = _int(body, "seed", 0, (1 << 64) - 1)
+    sampling = {
+        "temperature": settings.temperature if temperature is None else temperature,
+        "top_p": 1.0 if top_p is None else top_p,
+        "seed": settings.seed if seed is None else seed,
+    }
+    if sampling["seed"] is None and sampling["temperature"] > 0:
+        # Random all the same, but fixed now: a retry after a compute crash
+        # repeats the same text, so a stream can skip what it already sent.
+        sampling["seed"] = random.getrandbits(63)
+    return CompletionRequest(
+        chat,
+        messages,
+        prompt,
+        bool(stream),
+        options.get("include_usage", False),
+        max_tokens,
+        sampling,
+        parse_stop(body.get("stop")),
+        template_vars,
+    )
+
+
+def refuse_unfit_text(text: str, longest_token_bytes: int, settings: RequestDefaults, where: str) -> None:
+    """A prompt text that cannot fit the context, refused before it is
+    tokenized (4 MiB takes seconds of the one tokenizing thread). No token
+    stands for more than `longest_token_bytes` bytes, hence for no more
+    characters, so len(text) / longest is a floor on its token count; the 4 is
+    headroom for a normalizer that shrinks text before splitting it (NFC makes
+    one 3-byte Hangul syllable of a 9-byte jamo triple)."""
+    floor = len(text) // (4 * max(longest_token_bytes, 1))
+    if floor > settings.ctx_size:
+        raise ApiError(
+            400,
+            f"the prompt is {len(text):,} characters, at least {floor:,} tokens, but the context holds {settings.ctx_size}; shorten it",
+            "context_length_exceeded",
+            param=where,
+        )
+
+
+def fit_max_tokens(req: CompletionRequest, n_prompt: int, settings: RequestDefaults) -> int:
+    """max_tokens that fits the context; an explicit one that does not is an error."""
+    ctx, where = settings.ctx_size, "messages" if req.chat else "prompt"
+    if n_prompt < 1:
+        raise ApiError(400, f"'{where}' is empty after tokenization", "invalid_value", param=where)
+    if req.max_tokens is None:
+        if n_prompt >= ctx:
+            raise ApiError(
+                400, f"the prompt is {n_prompt} tokens but the context holds {ctx}; shorten it", "context_length_exceeded", param=where
+            )
+        return min(settings.max_tokens, ctx - n_prompt)
+    if n_prompt + req.max_tokens > ctx:
+        raise ApiError(
+            400,
+            f"the prompt ({n_prompt} tokens) plus max_tokens ({req.max_tokens}) is over the context "
+            f"of {ctx} tokens; shorten the prompt or ask for at most {max(ctx - n_prompt, 0)} tokens",
+            "context_length_exceeded",
+            param="max_tokens",
+        )
+    return req.max_tokens
+
+
+# ------------------------------------------------------------- response shapes
+
+
+def usage_of(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+
+
+class ResponseShape:
+    """OpenAI's JSON for one endpoint: the whole response and stream chunks."""
+
+    def __init__(self, chat: bool, model: str, include_usage: bool):
+        self.chat, self.model, self.include_usage = chat, model, include_usage
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    def _envelope(self, obj: str, choices: list, **extra) -> dict:
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": None,
+            "choices": choices,
+            **extra,
+        }
+
+    def _choice(self, text: str | None, finish_reason: str | None, first: bool = False) -> dict:
+        if not self.chat:
+            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        delta = {} if text is None else {"content": text}
+        if first:
+            delta = {"role": "assistant", "content": ""}
+        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+
+    def chunk(self, text: str | None, finish_reason: str | None = None, first: bool = False) -> dict:
+        extra = {"usage": None} if self.include_usage else {}
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return self._envelope(obj, [self._choice(text, finish_reason, first)], **extra)
+
+    def opening(self) -> list[dict]:
+        return [self.chunk(None, first=True)] if self.chat else []
+
+    def usage_chunk(self, usage: dict) -> dict:
+        return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [], usage=usage)
+
+    def whole(self, text: str, finish_reason: str, usage: dict) -> dict:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish_reason}
+            return self._envelope("chat.completion", [choice], usage=usage)
+        return self._envelope("text_completion", [self._choice(text, finish_reason)], usage=usage)
+
+
+def sse(data: dict) -> bytes:
+    return b"data: " + orjson.dumps(data) + b"\n\n"

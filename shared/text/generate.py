@@ -1,0 +1,129 @@
+"""One generation: prefill the prompt, then decode token by token until an
+end-of-generation token, a stop string, the token limit or the context end.
+
+Text streams out through `on_text` as tokens are produced; text that might be
+the start of a stop string is held back until it is known not to be.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from moe_pipe.shared.errors import UserError
+from moe_pipe.shared.text.sampling import Sampler, SamplingParams
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    max_tokens: int = 128
+    stop: tuple[str, ...] = ()
+    n_ctx: int = 4096
+    prefill_batch: int = 64
+    ignore_eos: bool = False  # keep going past end-of-generation tokens (benchmarks, soak tests)
+
+    def __post_init__(self):
+        if self.max_tokens < 0:
+            raise UserError(f"max tokens must be ≥ 0, not {self.max_tokens}")
+        if self.n_ctx < 1:
+            raise UserError(f"context size must be ≥ 1, not {self.n_ctx}")
+        if self.prefill_batch < 1:
+            raise UserError(f"prefill batch must be ≥ 1, not {self.prefill_batch}")
+
+
+@dataclass
+class Generation:
+    prompt_tokens: list[int]
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str = ""  # eog | stop | length | context
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def as_json(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "tokens": self.tokens,
+            "text": self.text,
+            "finish_reason": self.finish_reason,
+            "timings": self.timings,
+        }
+
+
+class _StopScanner:
+    """Finds stop strings in the growing text and says how much is safe to emit."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops = tuple(s for s in stops if s)
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+
+    def find(self, text: str, since: int) -> int:
+        """Index where the earliest stop string starts, or -1."""
+        start = max(0, since - self.hold)
+        hits = [i for i in (text.find(s, start) for s in self.stops) if i >= 0]
+        return min(hits) if hits else -1
+
+    def safe_end(self, text: str) -> int:
+        return len(text) - self.hold if self.stops else len(text)
+
+
+def generate(
+    model, tokenizer, prompt_tokens: list[int], params: SamplingParams, cfg: GenerationConfig, on_text: Callable[[str], None] | None = None
+) -> Generation:
+    if not prompt_tokens:
+        raise UserError("the prompt is empty after tokenization")
+    if len(prompt_tokens) >= cfg.n_ctx:
+        raise UserError(
+            f"the prompt is {len(prompt_tokens)} tokens but the context holds {cfg.n_ctx}; shorten it or raise the context size"
+        )
+    out = Generation(list(prompt_tokens))
+    sampler, scanner = Sampler(params), _StopScanner(cfg.stop)
+    decoder = tokenizer.stream()
+    cache = model.new_cache(cfg.n_ctx)
+    emitted = 0
+
+    t0 = time.perf_counter()
+    logits = model.prefill(prompt_tokens, cache, batch=cfg.prefill_batch)
+    t1 = time.perf_counter()
+    history = list(prompt_tokens)
+    while True:
+        if len(out.tokens) >= cfg.max_tokens:
+            out.finish_reason = "length"
+            break
+        token = sampler(logits, history)
+        if token in tokenizer.eog_ids and not cfg.ignore_eos:
+            out.finish_reason = "eog"
+            break
+        out.tokens.append(token)
+        history.append(token)
+        out.text += decoder.feed(token)
+        cut = scanner.find(out.text, emitted)
+        if cut >= 0:
+            out.text = out.text[:cut]
+            out.finish_reason = "stop"
+            break
+        safe = scanner.safe_end(out.text)
+        if on_text and safe > emitted:
+            on_text(out.text[emitted:safe])
+            emitted = safe
+        if len(out.tokens) >= cfg.max_tokens:  # no forward pass for a token nobody will read
+            out.finish_reason = "length"
+            break
+        if cache.n >= cfg.n_ctx:
+            out.finish_reason = "context"
+            break
+        logits = model.decode_one(token, cache)
+    out.text += decoder.flush() if out.finish_reason != "stop" else ""
+    if on_text and len(out.text) > emitted:
+        on_text(out.text[emitted:])
+    t2 = time.perf_counter()
+    n_dec = len(out.tokens)
+    out.timings = {
+        "prompt_n": len(prompt_tokens),
+        "prompt_ms": round((t1 - t0) * 1e3, 3),
+        "prompt_tok_s": round(len(prompt_tokens) / max(t1 - t0, 1e-9), 3),
+        "predicted_n": n_dec,
+        "predicted_ms": round((t2 - t1) * 1e3, 3),
+        "predicted_tok_s": round(n_dec / max(t2 - t1, 1e-9), 3) if n_dec else 0.0,
+    }
+    return out

@@ -95,14 +95,13 @@ def run_ours(path: Path, prompt: list[int], n: int, threads: int, profile: bool,
 
     from moe_pipe.shared import quant
     from moe_pipe.shared.gguf.model_file import open_model
-    from moe_pipe.shared.model.load import load_model
+    from moe_pipe.shared.model.load import ModelOptions, load_model
 
     quant.set_threads(threads)
     mf = open_model(path)
-    model = load_model(mf)
+    model = load_model(mf, options=ModelOptions(stage_timing=profile and stages))
     model.prefill(prompt[:4], model.new_cache(16))  # compile/load kernels outside the timing
     clock = KernelClock() if profile else None
-    model.stage.enabled = profile and stages
     cache = model.new_cache(len(prompt) + n + 8)
     t0 = time.perf_counter()
     logits = model.prefill(prompt, cache, batch=64)
@@ -167,7 +166,7 @@ def main(argv=None) -> int:
         f"int8 activations {'on' if quant.int8_activations() else 'off'} (MOE_PIPE_INT8_ACT)"
     )
     ours, peer = [], []
-    for r in range(args.repeat):
+    for _ in range(args.repeat):
         ours.append(run_ours(path, prompt, args.n, args.threads, profile=False))
         res = run_llama(path, prompt, args.n, args.threads)
         if res:

@@ -53,8 +53,8 @@ def main(argv: list[str] | None = None) -> int:
         mats = [rng.standard_normal((r, c), dtype=np.float32) for _ in range(n_mats)]
         x = rng.standard_normal(c, dtype=np.float32)
         X = rng.standard_normal((16, c), dtype=np.float32)
-        np_mv = _median_pass(lambda m: m @ x, mats, repeats)
-        np_mm = _median_pass(lambda m: X @ m.T, mats, repeats)
+        np_mv = _median_pass(lambda m, x=x: m @ x, mats, repeats)
+        np_mm = _median_pass(lambda m, X=X: X @ m.T, mats, repeats)
         # OpenBLAS worker threads busy-wait for a while after a call; on two
         # cores they would steal the numba threads' time slices (8 ms stalls).
         time.sleep(1.0)
@@ -68,8 +68,8 @@ def main(argv: list[str] | None = None) -> int:
             Y = np.empty((16, r), np.float32)
             quant.matvec(qtype, qmats[0], x, out=y)  # compile / load from cache outside the timing
             quant.matmul(qtype, qmats[0], X, out=Y)
-            t_mv = _median_pass(lambda m: quant.matvec(qtype, m, x, out=y), qmats, repeats)
-            t_mm = _median_pass(lambda m: quant.matmul(qtype, m, X, out=Y), qmats, repeats)
+            t_mv = _median_pass(lambda m, qtype=qtype, x=x, y=y: quant.matvec(qtype, m, x, out=y), qmats, repeats)
+            t_mm = _median_pass(lambda m, qtype=qtype, X=X, Y=Y: quant.matmul(qtype, m, X, out=Y), qmats, repeats)
             row_bytes = fmt.row_bytes(c)
             shape = f"{r}x{c}"
             for op, t, t_np in (("matvec", t_mv, np_mv), ("mm T16", t_mm, np_mm)):

@@ -44,7 +44,7 @@ def main(argv=None) -> int:
     p.add_argument("-n", type=int, default=48)
     p.add_argument("--prompts", type=int, default=4)
     args = p.parse_args(argv)
-    from moe_pipe.procs.pipeline import Pipeline
+    from moe_pipe.procs.pipeline import start_pipeline
     from moe_pipe.shared.config import load_config
     from moe_pipe.shared.gguf.model_file import open_model
     from moe_pipe.shared.makemodel.maker import make_model
@@ -65,7 +65,7 @@ def main(argv=None) -> int:
             exact = None
             for label, over in SETTINGS:
                 cfg = load_config(None, {"model.path": str(path), "cache.cache_mb": cache_mb, **over})
-                with Pipeline(cfg, path) as pipe:
+                with start_pipeline(cfg, path) as pipe:
                     dones = [pipe.generate(pr, asdict(SamplingParams()), args.n, ignore_eos=True) for pr in prompts]
                 runs = [list(d.tokens) for d in dones]
                 hit = statistics.mean(float(d.timings["final_hit_pct"]) for d in dones)

@@ -92,7 +92,7 @@ def warm_all_experts(model: Path, args, all_mb: float) -> float:
     expert and was filled by a first one: the pipeline's cost with no flash I/O."""
     from dataclasses import asdict
 
-    from moe_pipe.procs.pipeline import Pipeline
+    from moe_pipe.procs.pipeline import start_pipeline
     from moe_pipe.shared.config import load_config
     from moe_pipe.shared.gguf.model_file import open_model
     from moe_pipe.shared.text.sampling import SamplingParams
@@ -103,7 +103,7 @@ def warm_all_experts(model: Path, args, all_mb: float) -> float:
     cfg = load_config(
         None, {"model.path": str(model), "cache.cache_mb": all_mb, "compute.threads": args.threads, "io.io_threads": args.io_threads}
     )
-    with Pipeline(cfg, model) as pipe:
+    with start_pipeline(cfg, model) as pipe:
         for _ in range(3):  # fill the cache with what these prompts route to
             pipe.generate(prompt, asdict(SamplingParams()), args.n, ignore_eos=True)
         done = pipe.generate(prompt, asdict(SamplingParams()), args.n, ignore_eos=True)

@@ -3,7 +3,7 @@
     python bench/bench_policies.py [--traces DIR] [--budgets 1000,1500,...] [--check]
 
 Replays qwen.route.csv and gptoss.route.csv (DIR: $MOE_PIPE_ROUTE_TRACES,
-else ../shared/data/route-traces beside the repo) through every policy at
+else shared/data/route-traces in the repo's parent folder) through every policy at
 each budget, in both accountings (slots: the engine's equal slabs; bytes:
 each expert its own size, as the published curves), and
 

@@ -11,7 +11,7 @@ what makes routing realistic for an expert cache (docs/benchmarks.md,
 "Synthetic routing"):
 
   1. LRU decode hit % at cache fractions f: f × n_layer × n_expert slots,
-     one global LRU, replayed by shared/replay.py exactly as the engine would;
+     one global LRU, replayed by shared/analysis/replay.py exactly as the engine would;
   2. popularity per layer over the decode tokens: entropy of the picks
      (1 = uniform), the share of the picks taken by the top tenth of the
      experts and by the top one, the share of experts picked at all;
@@ -36,7 +36,7 @@ gptoss120b-shape cut to 4 is 8.1 GB (~40 s). 128 tokens of each stream take
 5 s at 8 layers, 20 s at 48.
 
 `--logit-scale X` multiplies the routers' logits in memory: the scan that
-calibrated shared/presets.py ROUTER (qwen3moe's logit spread).
+calibrated shared/makemodel/presets.py ROUTER (qwen3moe's logit spread).
 """
 
 from __future__ import annotations
@@ -196,11 +196,23 @@ def corpus_tokens(tok, n: int) -> list[int]:
     return ids[:n]
 
 
-def run_stream(model, tok, header, stream: str, n: int):
+class RoutesTo:
+    """The model's one route observer (fixed at load), handing each routing to
+    the recorder of the stream being run, or to nobody between streams."""
+
+    def __init__(self):
+        self.recorder: Recorder | None = None
+
+    def __call__(self, layer, routing) -> None:
+        if self.recorder is not None:
+            self.recorder(layer, routing)
+
+
+def run_stream(model, routes: RoutesTo, tok, header, stream: str, n: int):
     """One prompt + n decoded tokens; returns (trace, distinct decoded tokens)."""
     ids = corpus_tokens(tok, PROMPT_TOKENS + n)
     rec = Recorder(model.spec.n_layer)
-    model.route_observer = rec
+    routes.recorder = rec
     try:
         cache = model.new_cache(PROMPT_TOKENS + n + 8)
         logits = model.prefill(ids[:PROMPT_TOKENS], cache, batch=PROMPT_TOKENS)  # one batch, like the phone traces
@@ -211,7 +223,7 @@ def run_stream(model, tok, header, stream: str, n: int):
             out.append(token)
             logits = model.decode_one(token, cache)
     finally:
-        model.route_observer = None
+        routes.recorder = None
     return rec.trace(header), len(set(out))
 
 
@@ -306,7 +318,7 @@ def main(argv=None) -> int:
 
     from moe_pipe.shared.gguf.model_file import open_model
     from moe_pipe.shared.makemodel.presets import SHAPE_PRESET_ARCH, get_preset
-    from moe_pipe.shared.model.load import load_model
+    from moe_pipe.shared.model.load import ModelOptions, load_model
     from moe_pipe.shared.model.trace import TraceHeader, read_trace, write_trace
     from moe_pipe.shared.text.tokenizer import Tokenizer
 
@@ -323,7 +335,8 @@ def main(argv=None) -> int:
             top_k = next((t.header.n_expert_used for n, t in phone.items() if TRACES[n] == arch), None)
         else:
             top_k = None if args.top_k == "model" else int(args.top_k)
-        model = load_model(mf, top_k=top_k)
+        routes = RoutesTo()
+        model = load_model(mf, top_k=top_k, options=ModelOptions(route_observer=routes))
         if args.logit_scale != 1.0:
             scale_routers(model, args.logit_scale)
         header = TraceHeader.from_layout(str(path), mf.layout, model.top_k)
@@ -334,7 +347,7 @@ def main(argv=None) -> int:
         ours, distinct = {}, {}
         for s in streams:
             t0 = time.perf_counter()
-            trace, distinct[s] = run_stream(model, tok, header, s, args.n)
+            trace, distinct[s] = run_stream(model, routes, tok, header, s, args.n)
             print(f"  {s}: {args.n} tokens in {time.perf_counter() - t0:.0f} s, {distinct[s]} distinct", file=sys.stderr)
             if args.trace_out:
                 Path(args.trace_out).mkdir(parents=True, exist_ok=True)

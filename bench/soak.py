@@ -21,11 +21,15 @@ the experts so the reader is always reading when it is killed. Then:
      killed again inside that window counts as a failed start, and enough of
      those make it FATAL by design: that is a crash loop guard, not what this
      measures);
-  3. recovery: once every child is RUNNING again, each prompt once more;
-  4. `moe-pipe down`, then what is left: shared-memory segments, moe-*
-     processes, the runtime folder, a listener on the port, and the
-     supervisor's open fds and threads (measured after the references and
-     again before down: restarts must not accumulate them).
+  3. recovery: once every child is RUNNING again and the gateway answers
+     GET /health with 200, each prompt once more;
+  4. `moe-pipe down`, then what this service left: shared-memory segments
+     named with its pids, processes it started, the runtime folder, a
+     listener on the port, and the supervisor's open fds and threads
+     (measured after the references and again before down: restarts must
+     not accumulate them). Only this service's own pids count (the
+     supervisor's and every descendant seen while it ran), so another
+     moe-pipe running on the machine meanwhile changes nothing.
 
 A request ends as `ok` (the reference's text), `mismatch` (a different text:
 a wrong answer), or an error by kind: `http_503:compute_unavailable`,
@@ -57,6 +61,8 @@ from pathlib import Path
 
 import psutil
 
+from moe_pipe.shared.experts.shm import SHM_DIR, parse_segment_name
+
 REPO = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "moe_pipe.cli.main"]
 CONFIG = str(REPO / "configs" / "tiny.toml")
@@ -73,6 +79,8 @@ REQUEST_TIMEOUT_S = 120.0  # a request, queueing and one compute retry included;
 START_SECS, BACKOFF_S, BACKOFF_CAP_S = 0.5, 0.2, 2.0
 STABLE_S = max(10 * START_SECS, BACKOFF_CAP_S)  # the supervisor's window: a crash inside it is a failed start
 SETTLE_S = 90.0  # after the soak: time for every child to be RUNNING again
+HEALTH_WAIT_S = 120.0  # after `up` or a restart: time for the gateway to answer /health with 200
+WATCH_EVERY_S = 0.5  # how often the service's process tree is sampled for its pids
 
 
 @dataclass
@@ -129,6 +137,12 @@ def free_port() -> int:
 
 class Service:
     def __init__(self, cache_mb: float):
+        # Every process of this service, as (pid, start time): the leak check
+        # looks for these only. Sampled until the supervisor is gone; status()
+        # adds the children it reports (one that lived less than a sample).
+        self.pids: dict[int, float] = {}
+        self._watch_stop = threading.Event()
+        self._watch = threading.Thread(target=self._watch_tree, daemon=True)
         self.base = Path(tempfile.mkdtemp(prefix="mps", dir="/tmp"))  # short: unix socket paths <= 107 bytes
         self.env = {**os.environ, "XDG_RUNTIME_DIR": str(self.base)}
         self.port = free_port()
@@ -153,6 +167,25 @@ class Service:
             shutil.rmtree(self.base, ignore_errors=True)
             raise SystemExit(f"soak: moe-pipe up failed: {r.stderr.strip()}")
         self.pid = self.status()["pid"]
+        self._remember(self.pid)
+        self._watch.start()
+
+    def _remember(self, pid: int, parent: int | None = None) -> None:
+        try:
+            p = psutil.Process(pid)
+            if parent is None or p.ppid() == parent:  # a pid status reported may be reused already
+                self.pids.setdefault(pid, p.create_time())
+        except psutil.Error:
+            pass  # gone already: nothing of it can be left
+
+    def _watch_tree(self) -> None:
+        while not self._watch_stop.is_set():
+            try:
+                for child in psutil.Process(self.pid).children(recursive=True):
+                    self._remember(child.pid)
+            except psutil.Error:
+                return  # the supervisor is gone
+            self._watch_stop.wait(WATCH_EVERY_S)
 
     def cli(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
         return subprocess.run([*CLI, *args], capture_output=True, text=True, env=self.env, timeout=timeout, cwd=REPO)
@@ -161,7 +194,32 @@ class Service:
         r = self.cli("status", "--json")
         if r.returncode != 0:
             raise RuntimeError(f"status failed: {r.stderr.strip() or r.stdout.strip()}")
-        return json.loads(r.stdout)
+        st = json.loads(r.stdout)
+        for p in st.get("processes", []):
+            if p.get("pid"):
+                self._remember(p["pid"], parent=st["pid"])
+        return st
+
+    def wait_health(self, timeout_s: float, ready: bool = True) -> str | None:
+        """Wait until the gateway answers GET /health: with 200 (compute is
+        linked), or with any HTTP status when not `ready` (it listens). None
+        once it does; else why not, after `timeout_s`. A RUNNING gateway has
+        not necessarily bound its port yet: requests sent then are refused."""
+        deadline = time.monotonic() + timeout_s
+        last = "no answer"
+        while True:
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5):
+                    return None
+            except urllib.error.HTTPError as e:
+                if not ready:
+                    return None
+                last = f"HTTP {e.code}"
+            except OSError as e:
+                last = f"{type(e).__name__}: {e}"
+            if time.monotonic() >= deadline:
+                return f"GET /health after {timeout_s:g} s: {last}"
+            time.sleep(0.2)
 
     def wait_all_running(self, timeout_s: float) -> dict[str, str]:
         deadline = time.monotonic() + timeout_s
@@ -183,6 +241,31 @@ class Service:
             except psutil.NoSuchProcess:
                 break
             time.sleep(0.1)
+        self._watch_stop.set()
+        self._watch.join(10)
+
+    def alive(self) -> list[str]:
+        """This service's processes still running ("pid name"): the same pid
+        with the same start time (a reused pid is someone else's)."""
+        out = []
+        for pid, started in sorted(self.pids.items()):
+            try:
+                p = psutil.Process(pid)
+                if p.create_time() == started and p.status() != psutil.STATUS_ZOMBIE:
+                    out.append(f"{pid} {p.name()}")
+            except psutil.Error:
+                pass
+        return out
+
+    def segments(self) -> list[str]:
+        """Shared-memory segments named with one of this service's pids
+        (shared/experts/shm.py segment_name: moe-pipe-<owner pid>-<kind>)."""
+        names = []
+        for entry in SHM_DIR.iterdir() if SHM_DIR.exists() else ():
+            parsed = parse_segment_name(entry.name)
+            if parsed and parsed[0] in self.pids:
+                names.append(entry.name)
+        return sorted(names)
 
 
 def reference_run(prompt: str, max_tokens: int, settings: list[str]) -> str:
@@ -265,25 +348,13 @@ def snapshot(pid: int) -> tuple[int, int, float]:
     return p.num_fds(), p.num_threads(), p.memory_info().rss / 2**20
 
 
-def moe_processes() -> set[tuple[int, str]]:
-    out = set()
-    for p in psutil.process_iter(["name", "status"]):
-        if (p.info["name"] or "").startswith("moe-") and p.info["status"] != psutil.STATUS_ZOMBIE:
-            out.add((p.pid, p.info["name"]))
-    return out
-
-
-def shm_segments() -> set[str]:
-    return {p.name for p in Path("/dev/shm").glob("moe-pipe-*")}
-
-
 def own_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
 def soak(args) -> Report:
     rep = Report(args.seconds, args.kill_every, args.clients)
-    shm0, procs0, fds0 = shm_segments(), moe_processes(), own_fds()
+    fds0 = own_fds()
     t_start = time.monotonic()
     marks = [t_start]
 
@@ -294,7 +365,11 @@ def soak(args) -> Report:
     svc = Service(args.cache_mb)
     phase("up")
     try:
-        # 1. references, before any kill
+        # 1. references, before any kill (`up --detach` returns once the port
+        # listens; compute may still be loading)
+        why = svc.wait_health(HEALTH_WAIT_S)
+        if why:
+            raise SystemExit(f"soak: the service never became ready: {why}")
         refs = {}
         for prompt in PROMPTS:
             kind, text = ask(svc.url, prompt, args.max_tokens, stream=False)
@@ -375,7 +450,11 @@ def soak(args) -> Report:
         phase("soak")
 
         # 3. recovery
+        settle_end = time.monotonic() + SETTLE_S
         rep.final_states = svc.wait_all_running(SETTLE_S)
+        why = svc.wait_health(max(5.0, settle_end - time.monotonic()))  # RUNNING is not yet listening
+        if why:
+            rep.recovery_errors.append(why)
         for prompt in PROMPTS:
             kind, text = ask(svc.url, prompt, args.max_tokens, stream=False)
             if kind != "ok" or text != refs[prompt]:
@@ -393,11 +472,11 @@ def soak(args) -> Report:
         # 4. down, then what is left
         svc.down()
         phase("down")
-        rep.leaked_shm = sorted(shm_segments() - shm0)
         deadline = time.monotonic() + 10  # a child killed last may still be exiting
-        while moe_processes() - procs0 and time.monotonic() < deadline:
+        while svc.alive() and time.monotonic() < deadline:
             time.sleep(0.2)
-        rep.leaked_processes = sorted(f"{pid} {name}" for pid, name in moe_processes() - procs0)
+        rep.leaked_processes = svc.alive()
+        rep.leaked_shm = svc.segments()
         rep.leaked_runtime = sorted(str(p) for p in (svc.base / "moe-pipe").glob("*")) if (svc.base / "moe-pipe").exists() else []
         rep.leaked_listener = any(
             c.laddr and c.laddr.port == svc.port and c.status == psutil.CONN_LISTEN for c in psutil.net_connections("tcp")

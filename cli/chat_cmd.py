@@ -33,7 +33,7 @@ GATEWAY_START_TIMEOUT_S = 30
 # minutes before the first token, and Ctrl-C stops a reply that takes too long.
 MODELS_TIMEOUT_S = 10
 # What turns thinking off in the chat templates we know: Qwen3 and Gemma 4
-# read enable_thinking, gpt-oss reads reasoning_effort (shared/chat.py
+# read enable_thinking, gpt-oss reads reasoning_effort (shared/text/chat.py
 # thinking_off). A template ignores the variable it does not use.
 NO_THINK_TEMPLATE_KWARGS = {"enable_thinking": False, "reasoning_effort": "low"}
 

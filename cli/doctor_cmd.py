@@ -1,5 +1,5 @@
 """`moe-pipe doctor [MODEL|CONFIG] [--mem-limit-mb M] [--json]`: will this model fit
-on this machine, and how fast will it decode? (shared/forecast.py does the work.)"""
+on this machine, and how fast will it decode? (shared/analysis/forecast.py does the work.)"""
 
 from __future__ import annotations
 

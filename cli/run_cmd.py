@@ -106,7 +106,7 @@ def _run_resident(cfg, model_path, tok, prompt_tokens, params, args, on_text) ->
     from moe_pipe.shared import quant
     from moe_pipe.shared.errors import UserError
     from moe_pipe.shared.gguf.model_file import open_model
-    from moe_pipe.shared.model.load import load_model
+    from moe_pipe.shared.model.load import ModelOptions, load_model
     from moe_pipe.shared.text.generate import GenerationConfig, generate
 
     if cfg.compute.threads:
@@ -121,14 +121,13 @@ def _run_resident(cfg, model_path, tok, prompt_tokens, params, args, on_text) ->
     from moe_pipe.shared.model.trace import read_trace
 
     with open_model(model_path) as mf:
-        model = load_model(mf, top_k=cfg.compute.top_k)
-        if cfg.compute.route_replay:
-            model.route_replay = RouteReplay(read_trace(str(cfg.compute.route_replay)), mf.spec)
+        replay = RouteReplay(read_trace(str(cfg.compute.route_replay)), mf.spec) if cfg.compute.route_replay else None
         tracer = RouteTracer(str(cfg.telemetry.route_trace), mf, cfg.compute.top_k) if cfg.telemetry.route_trace else None
         if tracer:
-            model.route_observer = tracer
             tracer.begin_turn()
         try:
+            options = ModelOptions(route_observer=tracer, route_replay=replay)
+            model = load_model(mf, top_k=cfg.compute.top_k, options=options)
             result = generate(_Phases(model, tracer), tok, prompt_tokens, params, gen_cfg, on_text=on_text)
         finally:
             if tracer:
@@ -159,7 +158,7 @@ class _Phases:
 def _run_pipeline(cfg, model_path, prompt_tokens, params, args, on_text) -> dict:
     from dataclasses import asdict
 
-    from moe_pipe.procs.pipeline import Pipeline
+    from moe_pipe.procs.pipeline import start_pipeline
 
     pieces: list[str] = []
 
@@ -168,7 +167,7 @@ def _run_pipeline(cfg, model_path, prompt_tokens, params, args, on_text) -> dict
         if on_text:
             on_text(text)
 
-    with Pipeline(cfg, model_path) as pipe:
+    with start_pipeline(cfg, model_path) as pipe:
         r = pipe.resolved
         print(
             f"[expert cache {r.n_slots * r.slab_bytes / 2**20:.2f} MiB = {r.n_slots} slabs of {r.slab_bytes / 2**20:.2f} MiB; "

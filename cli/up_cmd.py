@@ -54,7 +54,7 @@ def _serve(cfg, detached: bool) -> int:
             os.dup2(devnull, 2)
             os.close(devnull)
 
-    sup = Supervisor(cfg, cfg.model_file(), config_source=cfg.source or "", progress=progress).start()
+    sup = Supervisor.start(cfg, cfg.model_file(), config_source=cfg.source or "", progress=progress)
     r = sup.res.resolved
     progress(
         f"expert cache {r.n_slots * r.slab_bytes / 2**20:,.2f} MiB = {r.n_slots} slabs ({r.budget_description}); "

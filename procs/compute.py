@@ -22,20 +22,23 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
 
 import zmq
 
 from moe_pipe.shared import quant
 from moe_pipe.shared.errors import UserError
 from moe_pipe.shared.experts.dense import arena_views, warm_sweep
-from moe_pipe.shared.experts.directio import ModelChanged, expert_view, model_identity, placement_for
+from moe_pipe.shared.experts.directio import ModelChanged, model_identity
+from moe_pipe.shared.experts.placement import expert_view, placement_for
 from moe_pipe.shared.experts.residency import ResidencyIndex
 from moe_pipe.shared.experts.shm import Arena, SlabArena
 from moe_pipe.shared.gguf.model_file import open_model
 from moe_pipe.shared.model.levers import Levers
-from moe_pipe.shared.model.load import load_model
+from moe_pipe.shared.model.load import ModelOptions, load_model
 from moe_pipe.shared.model.routes import RouteReplay, RouteTracer
 from moe_pipe.shared.model.trace import read_trace
 from moe_pipe.shared.model.weights import Expert
@@ -112,7 +115,9 @@ class Interrupts:
 
 
 class SlabExperts:
-    """The ExpertSource of the pipeline: experts from the shared-memory cache."""
+    """The pipeline's ExpertSource (shared/model/weights.py): experts from the
+    shared-memory cache; it reads ahead on `prefetch` and reports `resident`
+    from the residency index."""
 
     def __init__(self, cfg: ComputeConfig, layout, fetch_out: zmq.Socket, ready_in: zmq.Socket):
         self.cfg, self.layout = cfg, layout
@@ -134,7 +139,7 @@ class SlabExperts:
         self.messages = 0
         self.prefetch_issued = self.prefetch_used = self.prefetch_wasted_bytes = 0
 
-    def prefetch(self, layer: int, ids: list[int]) -> None:
+    def prefetch(self, layer: int, ids: Sequence[int]) -> None:
         """A guess at the next layer's experts, made before this layer's experts
         are asked for. The ones not cached ride on this layer's Fetch (one
         with no misses is sent for them alone), and compute waits for that
@@ -258,7 +263,7 @@ class SlabExperts:
             if isinstance(msg, want):
                 return msg
 
-    def resident(self, layer: int, ids) -> list[bool]:
+    def resident(self, layer: int, ids: Sequence[int]) -> list[bool]:
         """Which of these experts are cached now (for the lossy levers)."""
         return [s >= 0 for s in self.index.slots(layer, ids)]
 
@@ -302,9 +307,10 @@ class Recorder:
         interrupts: Interrupts | None = None,
         tracer: RouteTracer | None = None,
     ):
+        """`tracer`: the route tracer the model was built with (its
+        `route_observer`), told here where each turn and phase begins."""
         self.model, self.source, self.telemetry, self.interrupts = model, source, telemetry, interrupts
         self.tracer = tracer
-        model.route_observer = tracer
         self.meter = ResourceMeter()
         self.records: list[m.TokenRecord] = []
         self.total_hits = self.total_misses = 0
@@ -377,7 +383,7 @@ def _dense_view(cfg: ComputeConfig, mf):
 def serve(cfg: ComputeConfig, ctx: zmq.Context) -> None:
     if cfg.threads:
         quant.set_threads(cfg.threads)
-    ep = ipc.Endpoints(cfg.runtime_dir)
+    ep = ipc.Endpoints(Path(cfg.runtime_dir))
     requests = ipc.bind(ctx, ep, "requests")
     tokens_out = ipc.connect(ctx, ep, "tokens")
     fetch_out = ipc.connect(ctx, ep, "fetch")
@@ -395,14 +401,16 @@ def serve(cfg: ComputeConfig, ctx: zmq.Context) -> None:
         )
     dense_arena, view = _dense_view(cfg, mf)
     source = SlabExperts(cfg, mf.layout, fetch_out, ready_in)
-    model = load_model(mf, top_k=cfg.top_k, experts=source, dense_view=view)
-    model.prefetch_next = cfg.prefetch
-    model.levers = Levers(cfg.drop_cold_experts, cfg.cache_route)
-    if cfg.route_replay:
-        model.route_replay = RouteReplay(read_trace(cfg.route_replay), mf.spec)
+    tracer = RouteTracer(cfg.route_trace, mf, cfg.top_k, source.resident) if cfg.route_trace else None
+    options = ModelOptions(
+        prefetch_next=cfg.prefetch,
+        levers=Levers(cfg.drop_cold_experts, cfg.cache_route),
+        route_observer=tracer,
+        route_replay=RouteReplay(read_trace(cfg.route_replay), mf.spec) if cfg.route_replay else None,
+    )
+    model = load_model(mf, top_k=cfg.top_k, experts=source, dense_view=view, options=options)
     tok = Tokenizer.from_gguf(mf.gguf)
     interrupts = Interrupts(requests)
-    tracer = RouteTracer(cfg.route_trace, mf, cfg.top_k, source.resident) if cfg.route_trace else None
     recorder = Recorder(model, source, telemetry, interrupts, tracer)
     load_s = time.perf_counter() - t0
     epoch = time.time_ns()
@@ -486,8 +494,12 @@ def _next_request(requests: zmq.Socket, cfg: ComputeConfig) -> m.Generate | m.Sh
 def handle(req: m.Generate, recorder: Recorder, tok, cfg: ComputeConfig, out: zmq.Socket, load_s: float) -> None:
     from moe_pipe.shared.telemetry import summarize
 
-    params = SamplingParams(**{k: v for k, v in req.sampling.items()})
-    gen_cfg = GenerationConfig(max_tokens=req.max_tokens, stop=tuple(req.stop), n_ctx=cfg.ctx_size, ignore_eos=req.ignore_eos)
+    try:
+        params = SamplingParams(**cast(dict[str, Any], req.sampling))  # values checked by SamplingParams itself
+        gen_cfg = GenerationConfig(max_tokens=req.max_tokens, stop=tuple(req.stop), n_ctx=cfg.ctx_size, ignore_eos=req.ignore_eos)
+    except (UserError, TypeError) as exc:  # a setting it lacks or of the wrong kind: the request's fault, not this process's
+        ipc.send(out, m.Done(req.req_id, False, code=m.Code.BAD_ARGUMENT, error=f"bad request: {exc}"))
+        return
 
     def on_text(text: str) -> None:
         ipc.send(out, m.Token(req.req_id, text))

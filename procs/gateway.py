@@ -8,7 +8,7 @@ One event loop (uvloop) owns every zmq socket of the process (zmq.asyncio),
 so no socket is touched by two threads; what would block the loop runs in
 threads: tokenizing (chat templates) and the supervisor's status for /metrics.
 
-  1. a handler checks the body (the OpenAI wire format is shared/openai_api.py),
+  1. a handler checks the body (the OpenAI wire format is shared/serve/openai_api.py),
      tokenizes the prompt and queues a Job (a full queue: 429);
   2. one Worker takes jobs in arrival order and gives compute ONE Generate at
      a time; Token frames become the job's text, which the handler streams
@@ -22,7 +22,7 @@ threads: tokenizing (chat templates) and the supervisor's status for /metrics.
 
 A hostile or broken client costs bounded time and memory and never holds the
 compute: the size and time limits, the connection cap and the loopback
-Host/Origin check are shared/http_guard.py, wired in by create_app and serve.
+Host/Origin check are shared/serve/http_guard.py, wired in by create_app and serve.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import orjson
 import psutil
@@ -83,6 +83,7 @@ from moe_pipe.shared.text.tokenizer import Tokenizer
 from moe_pipe.shared.wire import ipc
 from moe_pipe.shared.wire import messages as m
 
+from .compute_client import ComputeClient, failure_text
 from .lifecycle import child_setup
 
 log = logging.getLogger("moe_pipe.gateway")
@@ -132,7 +133,7 @@ def error_response(err: ApiError) -> web.Response:
 def check_wire(job: Job, where: str) -> None:
     """The Generate frame this job becomes must pass compute's decoding, or
     compute drops it and the request would wait forever: encode and decode it
-    here once (the frame and array caps of shared/messages.py)."""
+    here once (the frame and array caps of shared/wire/messages.py)."""
     try:
         m.decode(m.encode(m.Generate(0, tuple(job.prompt_tokens), job.max_tokens, job.sampling, job.stop)))
     except m.ProtocolError as exc:
@@ -261,20 +262,30 @@ def pid_alive(pid: int) -> bool:
 
 
 class ComputeLink:
-    """The gateway's end of the requests/tokens links: who the compute is
-    (the pid of its last Hello) and the frames of the request in flight."""
+    """The gateway's end of the requests/tokens links: the sockets and the
+    asyncio plumbing around one ComputeClient (procs/compute_client.py, shared
+    with `moe-pipe run`), which knows who the compute is (the pid of its last
+    Hello) and which frames belong to the request in flight."""
 
     def __init__(self, ctx: zmq.asyncio.Context, endpoints: ipc.Endpoints):
-        self.tokens = ipc.bind(ctx, endpoints, "tokens")
-        self.requests = ipc.connect(ctx, endpoints, "requests")
-        self.pid: int | None = None
-        self.hellos = 0  # a new Hello means a (re)started compute
-        self.req_id = 0  # the request in flight; frames of any other are late and dropped
-        self.frames: deque[m.Token | m.Done] = deque()
+        # ipc makes the socket of the context's kind: an asyncio one here
+        self.tokens = cast(zmq.asyncio.Socket, ipc.bind(ctx, endpoints, "tokens"))
+        self.requests = cast(zmq.asyncio.Socket, ipc.connect(ctx, endpoints, "requests"))
+        self.client = ComputeClient()
+        self.events: deque[str | m.Done] = deque()  # of the request in flight, not yet taken
         self.wake = asyncio.Event()
 
+    @property
+    def pid(self) -> int | None:
+        return self.client.pid
+
+    @property
+    def hellos(self) -> int:
+        """A new Hello means a (re)started compute."""
+        return self.client.hellos
+
     def ready(self) -> bool:
-        return self.pid is not None and pid_alive(self.pid)
+        return self.client.pid is not None and pid_alive(self.client.pid)
 
     async def receive_forever(self) -> None:
         while True:
@@ -284,25 +295,19 @@ class ComputeLink:
             except m.ProtocolError as exc:
                 log.warning("dropped a bad frame on the tokens link: %s", exc)
                 continue
-            if isinstance(msg, m.Hello):
-                self._on_hello(msg)
-            elif isinstance(msg, (m.Token, m.Done)):
-                if msg.req_id == self.req_id:
-                    self.frames.append(msg)
-            else:
-                log.warning("dropped an unexpected %s on the tokens link", type(msg).__name__)
+            event = self.client.accept(msg)
+            if event is not None:
+                self.events.append(event)
             self.wake.set()
 
-    def _on_hello(self, hello: m.Hello) -> None:
-        if hello.role != "compute" or hello.protocol != m.PROTOCOL_VERSION:
-            log.warning("ignored a Hello from %s pid %d (protocol %d, ours %d)", hello.role, hello.pid, hello.protocol, m.PROTOCOL_VERSION)
-            return
-        log.info("compute pid %d is %s", hello.pid, "back" if self.hellos else "ready")
-        self.pid, self.hellos = hello.pid, self.hellos + 1
+    async def generate(self, job: Job) -> None:
+        """Send the job as the request in flight: frames of any earlier one are dropped from now on."""
+        msg = self.client.generate(job.prompt_tokens, job.max_tokens, job.sampling, job.stop)
+        self.events.clear()
+        await self.send(msg)
 
-    def begin(self, req_id: int) -> None:
-        self.req_id = req_id
-        self.frames.clear()
+    async def cancel(self) -> None:
+        await self.send(self.client.cancel())
 
     async def send(self, msg: m.Message) -> None:
         async with asyncio.timeout(SEND_TIMEOUT_S):
@@ -323,7 +328,6 @@ class Worker:
     def __init__(self, link: ComputeLink, queue: RequestQueue, settings: GatewaySettings, metrics: Metrics):
         self.link, self.queue, self.settings, self.metrics = link, queue, settings, metrics
         self.current: Job | None = None
-        self.next_req = 0
 
     async def run_forever(self) -> None:
         while True:
@@ -376,23 +380,21 @@ class Worker:
 
     async def run_once(self, job: Job) -> str | None:
         link = self.link
-        self.next_req += 1
-        req_id, pid, hellos = self.next_req, link.pid, link.hellos
-        link.begin(req_id)
-        await link.send(m.Generate(req_id, tuple(job.prompt_tokens), job.max_tokens, job.sampling, job.stop))
+        pid, hellos = link.pid, link.hellos
+        await link.generate(job)
         text, cancel_sent = "", False
         while True:
             link.wake.clear()
-            while link.frames:
-                msg = link.frames.popleft()
-                if isinstance(msg, m.Done):
-                    return self.finish(job, msg)
-                text += msg.text
+            while link.events:
+                event = link.events.popleft()
+                if isinstance(event, m.Done):
+                    return self.finish(job, event)
+                text += event
                 job.offer_text(text)
-            if link.hellos != hellos or not pid_alive(pid):
+            if link.hellos != hellos or pid is None or not pid_alive(pid):
                 return LOST
             if job.cancelled and not cancel_sent:
-                await link.send(m.Cancel(req_id))  # compute ends it with Done(cancelled) at its next token
+                await link.cancel()  # compute ends it with Done(cancelled) at its next token
                 cancel_sent = True
             await link.wait(POLL_S)
 
@@ -406,7 +408,7 @@ class Worker:
         elif done.code == m.Code.BAD_ARGUMENT:
             job.end(Failed(400, done.error, done.code, "invalid_request_error"))
         else:
-            job.end(Failed(500, f"generation failed ({done.code}): {done.error}", done.code or "internal"))
+            job.end(Failed(500, failure_text(done), done.code or "internal"))
         return None
 
     async def abandon(self, failure: Failed) -> None:
@@ -417,7 +419,7 @@ class Worker:
             job.cancelled = True
             job.end(failure)
             try:
-                await self.link.send(m.Cancel(self.link.req_id))
+                await self.link.cancel()
             except (TimeoutError, zmq.ZMQError):
                 pass
 
@@ -482,7 +484,7 @@ class Gateway:
         ep = ipc.Endpoints(Path(self.settings.runtime_dir))
         self.link = ComputeLink(self.ctx, ep)
         self.worker = Worker(self.link, self.queue, self.settings, self.metrics)
-        telemetry = ipc.connect(self.ctx, ep, "telemetry_pub")
+        telemetry = cast(zmq.asyncio.Socket, ipc.connect(self.ctx, ep, "telemetry_pub"))
         self.tasks = [
             asyncio.create_task(c)
             for c in (self.link.receive_forever(), self.worker.run_forever(), follow_telemetry(telemetry, self.metrics))
@@ -568,7 +570,11 @@ class Gateway:
         between rendering and encoding (a text that cannot fit is not encoded)."""
         if req.chat:
             text = render_chat(
-                self.tok, list(req.messages), add_generation_prompt=True, no_think=self.settings.no_think, **req.template_vars
+                self.tok,
+                list(req.messages),
+                add_generation_prompt=True,
+                no_think=self.settings.no_think,
+                **cast(dict[str, Any], req.template_vars),
             )
         else:
             text = req.prompt
@@ -628,6 +634,8 @@ class Gateway:
                 if shape.include_usage:
                     closing.append(sse(shape.usage_chunk(usage_of(len(job.prompt_tokens), event.completion_tokens))))
                 await self.write(request, resp, b"".join(closing) + b"data: [DONE]\n\n")
+        if resp is None:
+            raise ClientGone()  # not reached: events() ends with an end event or raises
         await self.write(request, resp, None)
         return resp
 

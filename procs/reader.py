@@ -46,6 +46,8 @@ import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass
+from pathlib import Path
+from typing import cast
 
 import zmq
 
@@ -61,6 +63,8 @@ from moe_pipe.shared.wire import ipc
 from moe_pipe.shared.wire import messages as m
 
 from .lifecycle import child_setup
+
+ExpertKey = tuple[int, int]  # (layer, expert)
 
 log = logging.getLogger("moe_pipe.reader")
 FAULT_CHECK_S = 1.0  # while a read fault lasts: how often to look for the file's return
@@ -101,7 +105,7 @@ class Reader:
         self.index = ResidencyIndex.attach(cfg.index_arena, self.layout.spec, writable=True)
         self.restored = self.restore_from_index()
         self.warm_keys = hottest_experts(cfg.warm_from, self.layout.spec, cfg.n_slots) if cfg.warm_from and not self.restored else []
-        ep = ipc.Endpoints(cfg.runtime_dir)
+        ep = ipc.Endpoints(Path(cfg.runtime_dir))
         self.fetch_in = ipc.bind(ctx, ep, "fetch")
         self.ready_out = ipc.connect(ctx, ep, "ready")
         self.done_addr = f"inproc://reader-done-{os.getpid()}"
@@ -204,7 +208,8 @@ class Reader:
     def withdraw_guesses(self, keep=frozenset()) -> None:
         """Free the slabs of guesses whose reads have not started: their layer's
         request is here (or the token is over) and did not ask for them."""
-        for key, _slot in self.lanes.withdraw_guesses(keep):
+        for guess, _slot in self.lanes.withdraw_guesses(keep):
+            key = cast(ExpertKey, guess)  # the lanes hold what the reader submitted
             if self.inflight.pop(key, None):
                 raise RuntimeError(f"withdrew guess {key} that a request waits for")
             self.table.unpin(key)  # the read's own pin
@@ -223,7 +228,7 @@ class Reader:
         try:
             slot, evicted = self.table.admit(key, self.layout.expert_bytes(key[0]), pin=True)
             if evicted is not None:
-                self.index.clear(evicted)  # before its slab is overwritten
+                self.index.clear(cast(ExpertKey, evicted))  # before its slab is overwritten
         except CacheFull:
             if waiter is None:
                 raise
@@ -308,7 +313,7 @@ class Reader:
 
     # -- sending --------------------------------------------------------------------
     def send_ready(self, req_id: int, key, slot: int, hit: bool, io_ns: int) -> None:
-        from moe_pipe.shared.experts.directio import placement_for
+        from moe_pipe.shared.experts.placement import placement_for
 
         regions = placement_for(self.layout.expert_extents(*key)).regions
         self.send(m.Ready(req_id, key[0], key[1], slot, regions, hit, io_ns, *self.take_guess_io()))

@@ -31,13 +31,15 @@ takes over the experts the residency index says are cached, so the hit rate
 carries on. Children die with the supervisor (PR_SET_PDEATHSIG); a supervisor
 killed with -9 leaves its segments and runtime dir, which the next `up`
 reclaims (their owner pid is dead) — never a live service's.
+
+The restart logic is `Restarter` (no sockets, no arenas); what each child
+runs, and the one way to start and stop one, are in procs/children.py.
 """
 
 from __future__ import annotations
 
 import enum
 import logging
-import multiprocessing as mp
 import os
 import time
 from collections.abc import Callable
@@ -53,9 +55,10 @@ from moe_pipe.shared.serve import service
 from moe_pipe.shared.wire import ipc
 from moe_pipe.shared.wire import messages as m
 
-from . import compute, reader, telemetry
-from .lifecycle import LOG_FILE_ENV, configure_logging, describe_exit, error_file, run_child
-from .pipeline import Resources, compute_args, reader_args, run_info, telemetry_args
+from . import reader
+from .children import CHILDREN, SERVICE_ORDER, ChildProcess, Launch, ProcessStarter, SpawnStarter, stop_child
+from .lifecycle import LOG_FILE_ENV, configure_logging, describe_exit, error_file
+from .resources import Resources, run_info
 
 log = logging.getLogger("moe_pipe.supervisor")
 
@@ -99,7 +102,7 @@ class Child:
     restart: str  # always | on-failure | never
     needs: tuple[str, ...] = ()  # started only while these are up (compute needs the reader's pid)
     state: State = State.STOPPED
-    process: mp.Process | None = None
+    process: ChildProcess | None = None
     started_at: float = 0.0  # monotonic, of the current start
     restarts: int = 0  # starts after the first
     retries: int = 0  # failed starts in a row
@@ -139,127 +142,52 @@ def backoff_delay(retries: int, base_s: float, cap_s: float) -> float:
     return min(base_s * 2 ** max(retries - 1, 0), cap_s)
 
 
-class Supervisor:
-    ORDER = ("telemetry", "reader", "compute", "gateway")  # start order; stop is the reverse
+class Restarter:
+    """The children's lives: started through a ProcessStarter (procs/children.py),
+    watched at every `tick(now)`, restarted or left FATAL by their policy. No
+    sockets, no arenas, no clock of its own: tests drive it with a fake starter
+    and a fake clock. `runtime_dir` is where a dead child left its last error."""
 
-    def __init__(self, cfg, model_path: Path, *, config_source: str = "", progress: Callable[[str], None] | None = None):
-        self.cfg, self.model_path = cfg, Path(model_path)
-        self.config_source = config_source
-        self.progress = progress or (lambda text: None)
+    def __init__(
+        self,
+        cfg: Any,
+        model_path: Path,
+        runtime_dir: Path,
+        starter: ProcessStarter,
+        order: tuple[str, ...] = SERVICE_ORDER,
+        on_started: Callable[[str], None] | None = None,
+    ):
+        self.cfg, self.model_path, self.runtime_dir = cfg, Path(model_path), Path(runtime_dir)
+        self.starter, self.order = starter, order
+        self.on_started = on_started or (lambda name: None)
         sup = cfg.supervisor
-        self.children = {
-            name: Child(name, getattr(sup, f"{name}_restart"), needs=("reader",) if name == "compute" else ()) for name in self.ORDER
-        }
-        self.res: Resources | None = None
-        self.ctx: zmq.Context | None = None
-        self.control: zmq.Socket | None = None
-        self.telemetry_in: zmq.Socket | None = None
-        self.telemetry_sub: zmq.Socket | None = None
-        self.stop_requested = ""
-        self.started_wall = time.time()
-        self.load_seconds = 0.0
-        self.last_record: m.TokenRecord | None = None
-        self.tokens_seen = 0
-        self._spawn_ctx = mp.get_context("spawn")
+        self.children = {name: Child(name, getattr(sup, f"{name}_restart"), needs=CHILDREN[name].needs) for name in order}
         self._model_seen: tuple[tuple | None, float] = (None, 0.0)  # signature, since when (monotonic)
         self._next_model_check = 0.0
 
-    # -- start -----------------------------------------------------------------
-    def start(self) -> Supervisor:
-        try:
-            t0 = time.perf_counter()
-            self.res = Resources.create(self.cfg, self.model_path, progress=self.progress, roles=self.ORDER)
-            rt = self.res.rt
-            os.environ[LOG_FILE_ENV] = str(rt.path / service.LOG_FILE)  # children inherit it
-            configure_logging("supervisor")
-            self.ctx = zmq.Context()
-            self.control = ipc.bind(self.ctx, rt.endpoints, "control")
-            self.telemetry_in = ipc.connect(self.ctx, rt.endpoints, "telemetry_in")
-            self.telemetry_sub = ipc.connect(self.ctx, rt.endpoints, "telemetry_pub")
-            service.write_service_info(
-                service.ServiceInfo(os.getpid(), str(rt.path), self.config_source, str(self.model_path), self.model_name, self.started_wall)
-            )
-            for name in self.ORDER:
-                self._spawn(self.children[name])
-            self.load_seconds = time.perf_counter() - t0
-        except BaseException:
-            self.close()
-            raise
-        return self
+    def start_all(self, now: float) -> None:
+        for name in self.order:
+            self._spawn(self.children[name], now)
 
-    @property
-    def model_name(self) -> str:
-        return self.cfg.model.name or self.model_path.stem
-
-    def _target(self, name: str) -> tuple[Callable, Any]:
-        cfg, res = self.cfg, self.res
-        if name == "telemetry":
-            return telemetry.main, telemetry_args(cfg, res)
-        if name == "reader":
-            return reader.main, reader_args(cfg, res, self.model_path)
-        if name == "compute":
-            return compute.main, compute_args(cfg, res, self.model_path, self.children["reader"].process.pid)
-        from . import gateway
-
-        g, gen = cfg.gateway, cfg.generate
-        return gateway.main, gateway.GatewaySettings(
-            runtime_dir=str(res.rt.path),
-            model_path=str(self.model_path),
-            model_name=self.model_name,
-            host=g.host,
-            port=g.port,
-            api_key=g.api_key,
-            queue_size=g.queue_size,
-            ctx_size=cfg.compute.ctx_size,
-            max_tokens=gen.max_tokens,
-            temperature=gen.temperature,
-            seed=gen.seed,
-            no_think=gen.no_think,
-            chat_template=gen.chat_template,
-        )
-
-    def _spawn(self, child: Child) -> None:
+    def _spawn(self, child: Child, now: float) -> None:
         if any(self.children[n].state not in LIVE for n in child.needs):
             # wait for what it needs (BACKOFF with no delay: the next tick tries again)
             if child.state != State.BACKOFF:
                 child.change(State.BACKOFF, f"waiting for {', '.join(child.needs)}")
-            child.backoff_until = time.monotonic() + TICK_MS / 1000
+            child.backoff_until = now + TICK_MS / 1000
             return
-        main, args = self._target(child.name)
-        error_file(self.res.rt.path, child.name).unlink(missing_ok=True)
-        child.process = self._spawn_ctx.Process(
-            target=run_child, name=f"moe-pipe-{child.name}", daemon=True, args=(child.name, str(self.res.rt.path), main, args)
-        )
+        pids = {c.name: c.pid for c in self.children.values() if c.pid is not None}
+        process = self.starter(child.name, pids)
         if child.state != State.STOPPED:
             child.restarts += 1
+        child.process = process
         child.change(State.STARTING, f"restart {child.restarts}" if child.restarts else "")
-        child.process.start()
-        child.started_at = time.monotonic()
-        if child.name == "telemetry":
-            ipc.DroppingSender(self.telemetry_in).send(run_info(self.cfg, self.res, self.model_path, self.load_seconds))
+        child.started_at = now
+        self.on_started(child.name)
 
-    # -- the loop --------------------------------------------------------------------
-    def run(self, on_listening: Callable[[str], None] | None = None) -> None:
-        """Serve until a stop command, a signal (KeyboardInterrupt / SystemExit
-        from the CLI's handlers) or every child FATAL; then stop everything.
-        `on_listening(url)` is called once, when the gateway first listens."""
-        try:
-            while not self.stop_requested:
-                self._serve_control(TICK_MS)
-                self._drain_telemetry()
-                self.tick(time.monotonic())
-                if on_listening is not None and (addr := service.read_gateway_address(self.res.rt.path)):
-                    on_listening(addr.url)
-                    on_listening = None
-                if all(c.state == State.FATAL for c in self.children.values()):
-                    raise PipelineError(
-                        f"every process of the service failed to start; see `moe-pipe status` or {self.res.rt.path / service.LOG_FILE}"
-                    )
-        finally:
-            self.close()
-
+    # -- watching ------------------------------------------------------------------------
     def tick(self, now: float) -> None:
-        for name in self.ORDER:
+        for name in self.order:
             self._watch(self.children[name], now)
         self._watch_model(now)
 
@@ -283,8 +211,8 @@ class Supervisor:
         for child in retry:
             log.warning("%s: the model file %s changed since it failed; trying again", child.name, self.model_path)
             child.retries, child.fatal_model = 0, None
-        for child in retry:  # needed ones first (ORDER): a dependant waits in BACKOFF until they run
-            self._spawn(child)  # FATAL -> STARTING (or BACKOFF while what it needs is down)
+        for child in retry:  # needed ones first (order): a dependant waits in BACKOFF until they run
+            self._spawn(child, now)  # FATAL -> STARTING (or BACKOFF while what it needs is down)
 
     def _watch(self, child: Child, now: float) -> None:
         alive = child.process is not None and child.process.is_alive()
@@ -299,7 +227,7 @@ class Supervisor:
             elif child.retries and now - child.started_at >= self.stable_s:
                 child.retries = 0  # it has stayed up: its next crash restarts at once
         elif child.state == State.BACKOFF and now >= child.backoff_until:
-            self._spawn(child)
+            self._spawn(child, now)
 
     @property
     def stable_s(self) -> float:
@@ -311,13 +239,14 @@ class Supervisor:
         return max(10 * sup.start_secs, sup.backoff_cap_s)
 
     def _exited(self, child: Child, now: float) -> None:
-        code = child.process.exitcode
+        process = child.process
+        code = process.exitcode if process is not None else None
         early = child.state == State.STARTING
         quick = early or now - child.started_at < self.stable_s
         child.last_exit = describe_exit(code)
-        err = error_file(self.res.rt.path, child.name)
+        err = error_file(self.runtime_dir, child.name)
         child.last_error = err.read_text().strip() if err.exists() else f"{child.name} {child.last_exit}"
-        log.warning("%s (pid %s) %s: %s", child.name, child.process.pid, child.last_exit, child.last_error)
+        log.warning("%s (pid %s) %s: %s", child.name, process.pid if process else None, child.last_exit, child.last_error)
         child.process = None
         child.change(State.EXITED, child.last_exit)
         # A failed start is retried whatever the policy, except "never" (as supervisord).
@@ -325,7 +254,7 @@ class Supervisor:
             return
         if not quick:
             child.retries = 0
-            self._spawn(child)
+            self._spawn(child, now)
             return
         child.retries += 1
         sup = self.cfg.supervisor
@@ -335,6 +264,147 @@ class Supervisor:
         else:
             child.change(State.BACKOFF, f"retry {child.retries} of {sup.start_retries}")
             child.backoff_until = now + backoff_delay(child.retries, sup.backoff_s, sup.backoff_cap_s)
+
+    # -- stopping and status -----------------------------------------------------------------
+    def stop_all(self, links: dict[str, zmq.Socket], why: str) -> None:
+        """Every child, in reverse start order (procs/children.py's one way to stop)."""
+        for name in reversed(self.order):
+            child = self.children[name]
+            if child.state in (State.STOPPED, State.STOPPING):
+                continue
+            child.change(State.STOPPING, why)
+            if child.process is not None:
+                stop_child(child.process, name, links, why, TERM_GRACE_S, self.cfg.supervisor.stop_wait_s)
+            child.process = None
+            child.change(State.STOPPED)
+
+    def status_rows(self, now: float | None = None) -> list[dict[str, Any]]:
+        """One row per process, in start order: the `processes` of `status`."""
+        now = time.monotonic() if now is None else now
+        rows = []
+        for name in self.order:
+            c = self.children[name]
+            pid = c.pid
+            rows.append(
+                {
+                    "name": name,
+                    "state": str(c.state),
+                    "pid": pid,
+                    "uptime_s": round(now - c.started_at, 1) if pid else None,
+                    "restarts": c.restarts,
+                    "last_exit": c.last_exit,
+                    "last_error": c.last_error,
+                    "rss_bytes": _rss(pid),
+                }
+            )
+        return rows
+
+
+class Supervisor:
+    """The service's parent, built whole by `Supervisor.start`: resources,
+    sockets and a Restarter whose children are running."""
+
+    ORDER = SERVICE_ORDER  # start order; stop is the reverse
+
+    def __init__(
+        self,
+        cfg: Any,
+        model_path: Path,
+        res: Resources,
+        ctx: zmq.Context,
+        *,
+        starter: ProcessStarter,
+        config_source: str = "",
+    ):
+        self.cfg, self.model_path, self.res, self.ctx = cfg, Path(model_path), res, ctx
+        self.config_source = config_source
+        endpoints = res.rt.endpoints
+        self.control = ipc.bind(ctx, endpoints, "control")
+        self.telemetry_in = ipc.connect(ctx, endpoints, "telemetry_in")
+        self.telemetry_sub = ipc.connect(ctx, endpoints, "telemetry_pub")
+        self.restarter = Restarter(cfg, self.model_path, res.rt.path, starter, self.ORDER, on_started=self._on_started)
+        self.stop_requested = ""
+        self.started_wall = time.time()
+        self.load_seconds = 0.0
+        self.last_record: m.TokenRecord | None = None
+        self.tokens_seen = 0
+        self.closed = False
+
+    @classmethod
+    def start(
+        cls,
+        cfg: Any,
+        model_path: str | os.PathLike,
+        *,
+        config_source: str = "",
+        progress: Callable[[str], None] | None = None,
+        starter: Callable[[Launch], ProcessStarter] = SpawnStarter,
+    ) -> Supervisor:
+        """Resources, logging to the runtime dir, the control and telemetry
+        sockets, the service file `status`/`down` find, then every child.
+        `starter` makes the process starter from the launch (tests pass a fake)."""
+        t0 = time.perf_counter()
+        model_path = Path(model_path)
+        res = Resources.create(cfg, model_path, progress=progress, roles=cls.ORDER)
+        os.environ[LOG_FILE_ENV] = str(res.rt.path / service.LOG_FILE)  # children inherit it
+        ctx = zmq.Context()
+        try:
+            sup = cls(
+                cfg,
+                model_path,
+                res,
+                ctx,
+                starter=starter(Launch(cfg, res, model_path, cfg.model.name or model_path.stem)),
+                config_source=config_source,
+            )
+        except BaseException:
+            ctx.destroy(linger=0)
+            res.close()
+            os.environ.pop(LOG_FILE_ENV, None)
+            raise
+        try:
+            configure_logging("supervisor")
+            service.write_service_info(
+                service.ServiceInfo(os.getpid(), str(res.rt.path), config_source, str(model_path), sup.model_name, sup.started_wall)
+            )
+            sup.restarter.start_all(time.monotonic())
+            sup.load_seconds = time.perf_counter() - t0
+        except BaseException:
+            sup.close()
+            raise
+        return sup
+
+    @property
+    def model_name(self) -> str:
+        return self.cfg.model.name or self.model_path.stem
+
+    @property
+    def children(self) -> dict[str, Child]:
+        return self.restarter.children
+
+    def _on_started(self, name: str) -> None:
+        if name == "telemetry":  # a new telemetry starts its files from this header
+            ipc.DroppingSender(self.telemetry_in).send(run_info(self.cfg, self.res, self.model_path, self.load_seconds))
+
+    # -- the loop --------------------------------------------------------------------
+    def run(self, on_listening: Callable[[str], None] | None = None) -> None:
+        """Serve until a stop command, a signal (KeyboardInterrupt / SystemExit
+        from the CLI's handlers) or every child FATAL; then stop everything.
+        `on_listening(url)` is called once, when the gateway first listens."""
+        try:
+            while not self.stop_requested:
+                self._serve_control(TICK_MS)
+                self._drain_telemetry()
+                self.restarter.tick(time.monotonic())
+                if on_listening is not None and (addr := service.read_gateway_address(self.res.rt.path)):
+                    on_listening(addr.url)
+                    on_listening = None
+                if all(c.state == State.FATAL for c in self.children.values()):
+                    raise PipelineError(
+                        f"every process of the service failed to start; see `moe-pipe status` or {self.res.rt.path / service.LOG_FILE}"
+                    )
+        finally:
+            self.close()
 
     # -- telemetry (for status) ----------------------------------------------------------
     def _drain_telemetry(self) -> None:
@@ -358,7 +428,7 @@ class Supervisor:
             if envelope:
                 ipc.send(self.control, m.Status.failure(m.Code.BAD_MESSAGE, str(exc)), envelope=envelope, timeout_ms=100)
             return
-        if msg is None:
+        if not isinstance(msg, m.Command):  # None: no command within timeout_ms
             return
         reply = self.command(msg)
         try:
@@ -374,29 +444,8 @@ class Supervisor:
             return m.Status.success("stopping")
         return m.Status.failure(m.Code.UNKNOWN_COMMAND, f"unknown command {cmd.name!r}; commands: status, stop")
 
-    def status_rows(self) -> list[dict[str, Any]]:
-        """One row per process, in start order: the `processes` of `status`."""
-        now = time.monotonic()
-        rows = []
-        for name in self.ORDER:
-            c = self.children[name]
-            pid = c.pid
-            rows.append(
-                {
-                    "name": name,
-                    "state": str(c.state),
-                    "pid": pid,
-                    "uptime_s": round(now - c.started_at, 1) if pid else None,
-                    "restarts": c.restarts,
-                    "last_exit": c.last_exit,
-                    "last_error": c.last_error,
-                    "rss_bytes": _rss(pid),
-                }
-            )
-        return rows
-
     def status(self) -> dict[str, Any]:
-        procs = self.status_rows()
+        procs = self.restarter.status_rows()
         io = reader.read_io_status(str(self.res.rt.path))  # read faults: count, last, the one in force
         for row in procs:
             row["fault"] = io.get("fault") if row["name"] == "reader" else None
@@ -425,39 +474,17 @@ class Supervisor:
 
     # -- stop ----------------------------------------------------------------------------
     def close(self) -> None:
-        """Stop children in reverse start order, then release everything. Idempotent."""
-        for name in reversed(self.ORDER):
-            self._stop_child(self.children[name])
-        for sock in (self.control, self.telemetry_in, self.telemetry_sub):
-            if sock is not None:
-                sock.close(linger=0)
-        self.control = self.telemetry_in = self.telemetry_sub = None
-        if self.ctx is not None:
-            self.ctx.term()
-            self.ctx = None
-        if self.res is not None:
-            self.res.close()
-            self.res = None
-        os.environ.pop(LOG_FILE_ENV, None)
-
-    def _stop_child(self, child: Child) -> None:
-        p = child.process
-        if child.state in (State.STOPPED, State.STOPPING):
+        """Stop children in reverse start order (telemetry asked by a Shutdown,
+        so it writes the run summary), then release everything. Idempotent."""
+        if self.closed:
             return
-        child.change(State.STOPPING, self.stop_requested or "service stopping")
-        if p is not None and p.is_alive():
-            if child.name == "telemetry" and self.telemetry_in is not None:
-                # Shutdown lets it write the run summary; a signal would not.
-                ipc.DroppingSender(self.telemetry_in).send(m.Shutdown("service stopping"))
-                p.join(TERM_GRACE_S)
-            if p.is_alive():
-                p.terminate()
-                p.join(self.cfg.supervisor.stop_wait_s)
-            if p.is_alive():
-                p.kill()
-                p.join()
-        child.process = None
-        child.change(State.STOPPED)
+        self.closed = True
+        try:
+            self.restarter.stop_all({"telemetry_in": self.telemetry_in}, self.stop_requested or "service stopping")
+        finally:
+            self.ctx.destroy(linger=0)  # closes every socket of ours
+            self.res.close()
+            os.environ.pop(LOG_FILE_ENV, None)
 
 
 def _rss(pid: int | None) -> int | None:

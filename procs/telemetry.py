@@ -47,6 +47,7 @@ class Recorder:
         self.tally.add(rec)
         if self.csv:
             self.csv.write(rec)
+        if self.jsonl:
             self.jsonl.write(rec)
 
     def finish(self) -> m.RunSummary | None:
@@ -67,7 +68,7 @@ class Recorder:
 def main(cfg: TelemetryConfig) -> None:
     child_setup("telemetry")
     with ipc.context() as ctx:
-        ep = ipc.Endpoints(cfg.runtime_dir)
+        ep = ipc.Endpoints(Path(cfg.runtime_dir))
         inbox = ipc.bind(ctx, ep, "telemetry_in")
         pub = ipc.DroppingSender(ipc.bind(ctx, ep, "telemetry_pub"))
         rec = Recorder(cfg)
@@ -85,8 +86,10 @@ def main(cfg: TelemetryConfig) -> None:
                     return
                 if isinstance(msg, m.RunInfo):
                     rec.on_run_info(msg)
-                else:
+                elif isinstance(msg, m.TokenRecord):
                     rec.on_record(msg)
+                else:
+                    continue  # None: recv waits forever, so never
                 pub.send(msg)
         finally:
             rec.close()

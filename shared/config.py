@@ -11,7 +11,7 @@ docs/configuration.md, the error messages — is derived from those fields.
     apply_overrides(cfg, mapping) -> Config          a new frozen Config
     SCHEMA                                            every key, in table order
 
-Config is never edited after start-up (STYLE practice 6): runtime facts (the
+Config is never edited after start-up (docs/configuration.md § Rules): runtime facts (the
 resolved budget, the model's own top_k) travel back in messages and records.
 Paths in a file are resolved against that file's folder; paths typed on the
 command line against the current directory.
@@ -32,10 +32,10 @@ from typing import Any
 from moe_pipe.shared.errors import ConfigError
 from moe_pipe.shared.experts.policies import DEFAULT_POLICY, LIVE_POLICIES  # one place for the policy names and the default
 
-EMBEDDED_MODEL = "tiny"  # model.path value meaning the embedded tiny model (shared/default_model.py)
+EMBEDDED_MODEL = "tiny"  # model.path value meaning the embedded tiny model (shared/makemodel/default_model.py)
 MAX_MB = float(1 << 24)  # 16 TiB in MiB: a sanity bound far above any device, so typos like 4e9 are caught
 RESTART_POLICIES = ("always", "on-failure", "never")
-CHAT_TEMPLATE_WORDS = ("model", "plain")  # generate.chat_template values that are not paths (shared/chat.py)
+CHAT_TEMPLATE_WORDS = ("model", "plain")  # generate.chat_template values that are not paths (shared/text/chat.py)
 MAX_TEXT = 4096  # longest string value (PATH_MAX on Linux); longer is a paste gone wrong
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")  # no key needs one; a newline would break one-line errors and CSV
 
@@ -108,7 +108,7 @@ class CacheConfig:
         "float",
         "the least memory auto leaves free for the processes themselves and the system; "
         "auto leaves the engine's own estimate (its processes' measured footprint, "
-        "shared/budget.py) when that is larger",
+        "shared/experts/budget.py) when that is larger",
         lo=0,
         hi=MAX_MB,
         flags=("--reserve-mb",),

@@ -23,14 +23,14 @@ from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import orjson
 import psutil
 
 from moe_pipe.shared.wire.messages import RunInfo, RunSummary, TokenRecord, as_dict, field_names
 
-# DESIGN.md's schema, in its order. Never reorder; add new columns as extras.
+# The fixed schema (docs/telemetry.md § Per-token CSV columns), in its order. Never reorder; add new columns as extras.
 CSV_COLUMNS = ("step", "wall_ms", "compute_ms", "io_ms", "read_bytes", "cache_hit_pct", "stall_ms", "mgmt_ms", "majflt", "cpu_ms")
 # The extras are the TokenRecord fields after the schema: declared there, once.
 EXTRA_COLUMNS = field_names(TokenRecord)[len(CSV_COLUMNS) :]
@@ -123,7 +123,9 @@ def read_csv(path: str | os.PathLike) -> tuple[dict[str, str], list[TokenRecord]
                 header = line.split(",")
             elif line:
                 row = dict(zip(header, line.split(",")))
-                records.append(TokenRecord(**{c: (int(row[c]) if types[c] == "int" else float(row[c])) for c in ALL_COLUMNS if c in row}))
+                # int or float per column; TokenRecord's own field checks hold each to its type
+                fields: dict[str, Any] = {c: (int(row[c]) if types[c] == "int" else float(row[c])) for c in ALL_COLUMNS if c in row}
+                records.append(TokenRecord(**fields))
     return preamble, records
 
 

@@ -6,7 +6,7 @@ tokenizer (`tokenizer.json`, `tokenizer_config.json`, `chat_template.jinja`)
 that `transformers.AutoTokenizer` loads, then returns the folder.
 
 Tokenizers are BPEs trained with HF `tokenizers` on shared/data/corpus.txt in
-each arch's style (ARCHITECTURES.md §4): Qwen2 regex + GPT-2 byte map and the
+each arch's style (docs/models.md § Tokenizers): Qwen2 regex + GPT-2 byte map and the
 Qwen added tokens; o200k regex + the harmony specials; Gemma-4 SPM-style BPE
 over "▁"-spaced text with <0xXX> byte fallback, the real low special ids and
 a <bos> post-processor.
@@ -331,7 +331,7 @@ def _gemma_tokenizer():
     tok.normalizer = normalizers.Replace(" ", SPACE)
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(GEMMA4_REGEX), behavior="isolated")
     tok.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
-    for i, (text, typ) in sorted(_GEMMA_SPECIAL.items()):
+    for _, (text, typ) in sorted(_GEMMA_SPECIAL.items()):
         if typ in (CONTROL, USER_DEFINED, UNKNOWN):
             _add(tok, text, True)
     tok.post_processor = processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A <bos> $B", special_tokens=[("<bos>", 2)])

@@ -1,46 +1,28 @@
 """The reader driven in this process (tests/test_faults.py, tests/test_reader.py):
 real arenas, sockets and lanes; the test plays compute (Fetch, Release) and
 the reader's loop (hands finished reads back), and may hold or fail a read
-with the directio fault hook."""
+with the directio fault hook. Its fixtures (`model`, `harness`) are in
+tests/conftest.py."""
 
 from __future__ import annotations
 
 import errno
-import shutil
-import tempfile
 import threading
 from pathlib import Path
 
 import numpy as np
-import pytest
 import zmq
 
-from moe_pipe.procs.pipeline import Resources, reader_args
+from moe_pipe.procs.children import reader_args
 from moe_pipe.procs.reader import Reader
+from moe_pipe.procs.resources import Resources
 from moe_pipe.shared.config import load_config
 from moe_pipe.shared.experts import directio
-from moe_pipe.shared.experts.directio import placement_for
+from moe_pipe.shared.experts.placement import placement_for
 from moe_pipe.shared.gguf.model_file import open_model
 from moe_pipe.shared.makemodel.default_model import default_model_path
 from moe_pipe.shared.wire import ipc
 from moe_pipe.shared.wire import messages as m
-
-
-@pytest.fixture
-def model():
-    """A private copy of the tiny model (tests truncate, move and replace it)."""
-    folder = Path(tempfile.mkdtemp(prefix="mpf", dir="/tmp"))  # short: unix socket paths <= 107 bytes
-    path = folder / "m.gguf"
-    shutil.copy(default_model_path(), path)
-    yield path
-    shutil.rmtree(folder, ignore_errors=True)
-
-
-@pytest.fixture(autouse=True)
-def no_fault_hook():
-    previous = directio.set_fault_hook(None)
-    yield
-    directio.set_fault_hook(previous)
 
 
 class Harness:
@@ -92,13 +74,6 @@ class Harness:
         self.mf.close()
         self.ctx.destroy(linger=0)  # the reader's sockets too (its process would simply exit)
         self.res.close()
-
-
-@pytest.fixture
-def harness(model):
-    h = Harness(model)
-    yield h
-    h.close()
 
 
 def hold_reads_of(h: Harness, key, fail: bool):

@@ -38,6 +38,7 @@ def _cgroup_or_skip(limit_mb):
         pytest.skip(f"no memory cgroup here: {exc}")
 
 
+@pytest.mark.integration
 def test_a_cgroup_limits_its_process_tree_and_is_removed():
     cg = _cgroup_or_skip(64)
     try:
@@ -87,6 +88,7 @@ def test_route_replay_follows_the_trace_layer_by_layer_and_cycles(tmp_path):
         RouteReplay(_trace(tmp_path / "v.csv"), SimpleNamespace(n_layer=3, n_expert=8))
 
 
+@pytest.mark.integration
 def test_a_trace_driven_run_routes_like_the_trace(tmp_path):
     first, second = tmp_path / "a.trace", tmp_path / "b.trace"
     base = [*CLI, "run", TINY, "-n", "10", "--ignore-eos", "--output-format", "json"]
@@ -103,6 +105,7 @@ def test_a_trace_driven_run_routes_like_the_trace(tmp_path):
         assert n and (ea[:n] == eb[:n]).all()
 
 
+@pytest.mark.integration
 def test_prefetch_under_a_route_replay_guesses_exactly(tmp_path):
     """Replayed routing gives prefetch a perfect predictor (the ceiling the
     benchmarks measure): every guess sent is used."""
@@ -119,6 +122,7 @@ def test_prefetch_under_a_route_replay_guesses_exactly(tmp_path):
     assert issued > 0 and used == issued
 
 
+@pytest.mark.integration
 def test_bench_writes_csvs_summary_and_plots(tmp_path):
     trace = tmp_path / "tiny.trace"
     subprocess.run(
@@ -148,6 +152,7 @@ def test_bench_writes_csvs_summary_and_plots(tmp_path):
     assert (out / "per-token.png").stat().st_size > 1000 and (out / "hit-rate.png").exists()
 
 
+@pytest.mark.integration
 def test_bench_bad_input_is_one_line_exit_2(tmp_path):
     r = subprocess.run([*CLI, "bench", str(tmp_path / "missing.gguf"), "-n", "2"], capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.count("\n") == 1
@@ -192,6 +197,7 @@ def test_wall_figures_and_a_killed_peers_partial_result(tmp_path):
     assert read_result(p)["finished"] and read_result(p)["majflt"] == 7
 
 
+@pytest.mark.integration
 def test_vs_llama_cpp_on_the_tiny_model(tmp_path):
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is the optional peer (pip install llama-cpp-python)")
     out = tmp_path / "out"

@@ -19,6 +19,7 @@ from moe_pipe.shared.config import load_config
 from moe_pipe.shared.errors import ConfigError
 from moe_pipe.shared.experts.budget import (
     UNLIMITED,
+    CacheFloor,
     CgroupLimit,
     MemoryProbe,
     MiB,
@@ -84,17 +85,23 @@ def test_fixed_budget_fractional_and_clamped():
 
 def test_floor_refusal_says_what_would_work():
     small = compute_budget(0.25, 4000, None, dense_bytes=0, kv_bytes=0, dense_policy="anon")
-    with pytest.raises(ConfigError, match=r"below one token's working set \(1 MiB.*set cache_mb >= 1"):
-        check_floor(small, MiB, "t.toml")
-    check_floor(small, 256 * 1024)
+    two_layers = CacheFloor(n_layer=2, top_k=2, slab_bytes=MiB // 4)  # 1 MiB
+    with pytest.raises(ConfigError) as exc:
+        check_floor(small, two_layers, "t.toml")
+    assert str(exc.value) == (
+        "t.toml: expert cache of 0.25 MiB is below one token's working set of "
+        "1.00 MiB = 2 layers x top-2 experts x 0.25 MiB slabs; set cache_mb to at least 1"
+    )
+    assert check_floor(small, CacheFloor(1, 1, 256 * 1024)) == 1
     ceil = compute_budget("auto", 0.5, probe(GiB), dense_bytes=0, kv_bytes=0, dense_policy="anon", reserve_mb=0)
-    with pytest.raises(ConfigError, match="cache_ceil_mb 0.5 is below"):
-        check_floor(ceil, MiB)
+    with pytest.raises(ConfigError, match=r"cache_ceil_mb 0.5 is below .* 2 layers x top-2 .*; raise it to at least 1$"):
+        check_floor(ceil, two_layers)
     tight = compute_budget("auto", 4000, probe(600 * MiB), dense_bytes=50 * MiB, kv_bytes=0, dense_policy="anon")
     with pytest.raises(ConfigError) as exc:
-        check_floor(tight, 100 * MiB, "tiny.toml")
+        check_floor(tight, CacheFloor(n_layer=4, top_k=5, slab_bytes=5 * MiB), "tiny.toml")
     msg = str(exc.value)
-    assert "not enough memory" in msg and "38 MiB" in msg and "100 MiB" in msg and "62 MiB short" in msg, msg
+    assert "not enough memory" in msg and "cache 38 MiB" in msg and "100.00 MiB = 4 layers x top-5 experts" in msg, msg
+    assert "62 MiB short" in msg, msg
 
 
 def test_resolve_budget_from_config(tmp_path):
@@ -104,7 +111,7 @@ def test_resolve_budget_from_config(tmp_path):
     b = resolve_budget(cfg, dense_bytes=10 * MiB, kv_bytes=6 * MiB, memory=probe(120 * MiB))
     assert b.bytes == 40 * MiB and b.dense_bytes == 10 * MiB
     with pytest.raises(ConfigError, match=str(p)):
-        resolve_budget(cfg, dense_bytes=10 * MiB, kv_bytes=6 * MiB, memory=probe(120 * MiB), min_bytes=41 * MiB)
+        resolve_budget(cfg, dense_bytes=10 * MiB, kv_bytes=6 * MiB, memory=probe(120 * MiB), floor=CacheFloor(41, 1, MiB))
     real = resolve_budget(load_config(None, {"cache.cache_mb": "auto"}), dense_bytes=0, kv_bytes=0)
     assert real.mode == "auto" and real.bytes > 0
 
@@ -289,7 +296,7 @@ def test_floor_refusal_counts_what_the_processes_take():
         "auto", 4000, probe(300 * MiB), dense_bytes=10 * MiB, kv_bytes=8 * MiB, dense_policy="anon", reserve_mb=0, engine_bytes=350 * MiB
     )
     with pytest.raises(ConfigError) as exc:
-        check_floor(tight, 2 * MiB, "tiny.toml")
+        check_floor(tight, CacheFloor(2, 1, MiB), "tiny.toml")
     msg = str(exc.value)
     # 300 - 10 - 8 - 350 = -68 MiB left: 70 MiB short of a 2 MiB floor, not 2
     assert "processes 350 MiB (estimated" in msg and "70 MiB short" in msg, msg
@@ -389,7 +396,7 @@ def _private_mib(pid: int) -> float:
 def test_service_in_a_tight_cgroup_answers_and_each_child_is_within_its_estimate(cgroup, tmp_path):
     """`up` in a cgroup its estimate barely fits: it answers, never reaches the
     limit, and no child holds more private memory than ROLE_PRIVATE_MIB allows
-    (the table in shared/budget.py goes stale when a process grows)."""
+    (the table in shared/experts/budget.py goes stale when a process grows)."""
     import urllib.request
 
     from moe_pipe.shared.experts.budget import ROLE_PRIVATE_MIB, SERVICE_ROLES, VOCAB_BYTES_PER_TOKEN

@@ -9,7 +9,8 @@ from types import SimpleNamespace
 import pytest
 
 from moe_pipe.shared.errors import ConfigError
-from moe_pipe.shared.experts.cache import CacheFull, SlotTable, check_budget, slots_for_budget
+from moe_pipe.shared.experts.budget import CacheFloor, check_floor, compute_budget, slots_for_budget
+from moe_pipe.shared.experts.cache import CacheFull, SlotTable
 from moe_pipe.shared.experts.policies import (
     ARC,
     DEFAULT_POLICY,
@@ -196,10 +197,7 @@ def test_policy_registry():
 
 
 def fake_layout(n_layer=48, top_k=8, slab_bytes=3 * MIB + 4096):
-    spec = SimpleNamespace(n_layer=n_layer, n_expert_used=top_k)
-    return SimpleNamespace(
-        spec=spec, slab_bytes=slab_bytes, min_cache_bytes=lambda k=None: n_layer * (top_k if k is None else k) * slab_bytes
-    )
+    return SimpleNamespace(spec=SimpleNamespace(n_layer=n_layer, n_expert_used=top_k), slab_bytes=slab_bytes)
 
 
 def test_slots_for_budget():
@@ -209,25 +207,33 @@ def test_slots_for_budget():
         slots_for_budget(MIB, 0)
 
 
-def test_budget_refusal_names_the_minimum():
+def fixed(mb: float):
+    return compute_budget(mb, 1e9, None, dense_bytes=0, kv_bytes=0, dense_policy="mmap")
+
+
+def test_budget_refusal_names_the_minimum_and_what_it_is_made_of():
     lay = fake_layout()
-    need = 48 * 6 * lay.slab_bytes  # top_k override 6
+    floor = CacheFloor.of(lay, top_k=6)
+    need = 48 * 6 * lay.slab_bytes
+    assert floor.bytes == need
     with pytest.raises(ConfigError) as err:
-        check_budget(need - 1, lay, top_k=6)
+        check_floor(fixed((need - 1) / MIB), floor, "c.toml")
     msg = str(err.value)
-    assert f"{need / MIB:.2f} MiB" in msg  # 865.12 MiB
-    assert "48 layers x top-6" in msg and "\n" not in msg
-    assert f"at least {-(-need // MIB)}" in msg
-    assert check_budget(need, lay, top_k=6) == 48 * 6
-    assert check_budget(need + lay.slab_bytes - 1, lay, top_k=6) == 48 * 6
-    with pytest.raises(ConfigError, match=f"{48 * 8 * lay.slab_bytes / MIB:.2f} MiB"):
-        check_budget(need, lay)  # default top_k 8
+    assert msg.startswith("c.toml: expert cache of 865.12 MiB is below one token's working set of 865.13 MiB")
+    assert "48 layers x top-6 experts x 3.00 MiB slabs" in msg and "\n" not in msg
+    assert msg.endswith("set cache_mb to at least 865.13")
+    assert check_floor(fixed(need / MIB), floor) == 48 * 6
+    assert check_floor(fixed((need + lay.slab_bytes - 1) / MIB), floor) == 48 * 6
+    with pytest.raises(ConfigError, match="top-8 experts"):
+        check_floor(fixed(need / MIB), CacheFloor.of(lay))  # the model's own top_k, 8
 
 
 def test_budget_minimum_is_rounded_up():
-    lay = fake_layout(n_layer=1, top_k=1, slab_bytes=4096 * 3)  # 0.01171875 MiB
-    with pytest.raises(ConfigError, match=r"working set of 0\.02 MiB"):
-        check_budget(0, lay)
+    floor = CacheFloor.of(fake_layout(n_layer=1, top_k=1, slab_bytes=4096 * 3))  # 0.01171875 MiB
+    assert floor.mib == 0.02
+    with pytest.raises(ConfigError, match=r"working set of 0\.02 MiB.*at least 0\.02$"):
+        check_floor(fixed(0), floor)
+    assert check_floor(fixed(floor.mib), floor) == 1  # the printed figure suffices
 
 
 # -- the other policies ------------------------------------------------------------------
@@ -385,6 +391,12 @@ def test_nextuse_remembers_an_evicted_experts_history():
     nu.on_admit(a)  # back: its five uses still count
     nu.on_admit(b)  # a stranger
     assert nu.victim(lambda k: k in (a, b)) == b
+
+
+def test_nextuse_refuses_a_key_that_is_not_a_layer_expert_pair():
+    nu = NextUse(8)
+    with pytest.raises(TypeError, match=r"nextuse keys are \(layer, expert\) pairs, got 'a'"):
+        nu.on_admit("a")
 
 
 class RefNextUse:

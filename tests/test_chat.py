@@ -343,7 +343,7 @@ COMPILE = {
     "too long": "{{ 'x' }}" * 30000,
     "deep parentheses": "{{ " + "(" * 5000 + "1" + ")" * 5000 + " }}",
     "deep ifs": "{% if true %}" * 3000 + "x" + "{% endif %}" * 3000,
-    "nested fors": "".join("{%% for i%d in [1] %%}" % i for i in range(30)) + "x" + "{% endfor %}" * 30,
+    "nested fors": "".join(f"{{% for i{i} in [1] %}}" for i in range(30)) + "x" + "{% endfor %}" * 30,
     "nested ifs": "{% if true %}" * 200 + "x" + "{% endif %}" * 200,
 }
 
@@ -446,6 +446,7 @@ def hostile_model(files, tmp_path_factory):
     )
 
 
+@pytest.mark.integration
 def test_run_refuses_the_hostile_template_and_says_how_to_fall_back(hostile_model):
     r = subprocess.run(
         [sys.executable, "-m", "moe_pipe.cli.main", "run", str(hostile_model), "-p", "hi", "--chat", "--no-stream", "-n", "2"],

@@ -134,6 +134,7 @@ def test_base_url_drops_a_trailing_v1():
 # ------------------------------------------------------------- the real command
 
 
+@pytest.mark.integration
 def test_multi_turn_history_and_reset(server):
     r = chat(["--url", server.url, "--temp", "0.5", "-n", "32"], "hello\nhow are you\n/reset\nagain\n")
     assert r.returncode == 0, r.stderr
@@ -151,6 +152,7 @@ def test_multi_turn_history_and_reset(server):
     assert "> " not in r.stdout  # no prompt when stdin is not a terminal
 
 
+@pytest.mark.integration
 def test_system_message_survives_reset_and_no_think_is_sent(server):
     r = chat(["--url", server.url + "/v1", "--system", "be brief", "--no-think"], "hi\n/reset\nyo\n")
     assert r.returncode == 0, r.stderr
@@ -161,6 +163,7 @@ def test_system_message_survives_reset_and_no_think_is_sent(server):
     assert "temperature" not in posts(server)[0]  # the server's default unless given
 
 
+@pytest.mark.integration
 def test_api_key_is_sent(server):
     r = chat(["--url", server.url, "--api-key", "sekrit"], "hello\n")
     assert r.returncode == 0, r.stderr
@@ -169,6 +172,7 @@ def test_api_key_is_sent(server):
     assert "Authorization" not in server.seen[-1][2]
 
 
+@pytest.mark.integration
 def test_a_server_error_prints_its_message_and_the_chat_goes_on(server):
     r = chat(["--url", server.url], "hello\nbad\nthen\n/exit\nnever sent\n")
     assert r.returncode == 0, r.stderr
@@ -179,6 +183,7 @@ def test_a_server_error_prints_its_message_and_the_chat_goes_on(server):
     assert len(posts(server)) == 3
 
 
+@pytest.mark.integration
 def test_connection_refused_is_one_line_exit_2():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -189,6 +194,7 @@ def test_connection_refused_is_one_line_exit_2():
     assert len(lines) == 1 and lines[0].startswith("moe-pipe: error: cannot reach") and "refused" in lines[0]
 
 
+@pytest.mark.integration
 def test_no_server_and_no_model_is_one_line_exit_2():
     with tempfile.TemporaryDirectory(prefix="mpc") as xdg:
         r = chat([], "hello\n", env=dict(os.environ, XDG_RUNTIME_DIR=xdg))
@@ -197,6 +203,7 @@ def test_no_server_and_no_model_is_one_line_exit_2():
     assert len(lines) == 1 and "no moe-pipe service is running" in lines[0]
 
 
+@pytest.mark.integration
 def test_ctrl_c_stops_the_reply_and_keeps_the_chat(server):
     proc = subprocess.Popen(
         [sys.executable, "-m", "moe_pipe.cli.main", "chat", "--url", server.url],

@@ -48,6 +48,7 @@ def test_inspect_table(small, capsys):
     assert "qwen3moe" in out and "smallest useful cache" in out and "Q8_0 ×9" in out
 
 
+@pytest.mark.integration
 def test_bad_file_is_one_line_exit_2(tmp_path):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"\0" * 100)
@@ -58,6 +59,7 @@ def test_bad_file_is_one_line_exit_2(tmp_path):
     assert len(lines) == 1 and str(bad) in lines[0] and "Traceback" not in r.stderr
 
 
+@pytest.mark.integration
 def test_unknown_command_and_bad_flag():
     r = subprocess.run([sys.executable, "-m", "moe_pipe.cli.main", "frobnicate"], capture_output=True, text=True)
     assert r.returncode == 2
@@ -67,7 +69,7 @@ def test_unknown_command_and_bad_flag():
     assert r.returncode == 2 and "invalid choice" in r.stderr
 
 
-# Real-model facts (ARCHITECTURES.md §2.1, §6): what the shape presets must reproduce.
+# Real-model facts (docs/formats.md § Real files' quant mixes): what the shape presets must reproduce.
 SHAPE_FACTS = {
     ("qwen3moe", "qwen30b-shape"): dict(
         n_layer=48,

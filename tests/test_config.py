@@ -497,6 +497,7 @@ def test_missing_model_says_how_to_get_one(tmp_path, cli):
         assert "moe-pipe make-model" in text and "--set model.path=" in text and 'path = "tiny"' in text, text
 
 
+@pytest.mark.integration
 def test_config_errors_from_the_real_entry_point(tmp_path):
     """No traceback, one line, exit 2 from `python -m moe_pipe.cli.main` itself (not only main())."""
     p = one_key(tmp_path, KEYS["compute.top_k"], "0")

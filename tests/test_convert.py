@@ -1,7 +1,7 @@
 """convert: tiny random HF checkpoints -> GGUF, checked against the HF side.
 
 Expected tensors are rebuilt here from the safetensors with the mapping
-written out from ARCHITECTURES.md §3/§5 (not from convert_arch.py), and every
+written out from docs/models.md § From Hugging Face names (not from shared/convert/arch.py), and every
 GGUF tensor is read back with gguf-py and dequantized with gguf.quants.
 llama.cpp (oracle marker) must load the files, tokenize like the HF
 tokenizer and predict the same greedy next token as transformers.
@@ -77,7 +77,7 @@ def expected_tensors(arch: str, hf_dir: Path) -> dict[str, np.ndarray]:
         E["rope_freqs.weight"] = np.array([1.0] * (d_full // 8) + [1e30] * (d_full // 2 - d_full // 8), np.float32)
     for i in range(cfg["num_hidden_layers"]):
         b, h = f"blk.{i}.", f"{pre}layers.{i}."
-        g = lambda n: sd[h + n]  # noqa: E731
+        g = lambda n, h=h: sd[h + n]  # noqa: E731
         E[b + "attn_norm.weight"] = g("input_layernorm.weight")
         for gg, hfn in (("attn_q", "q_proj"), ("attn_k", "k_proj"), ("attn_v", "v_proj"), ("attn_output", "o_proj")):
             if h + f"self_attn.{hfn}.weight" in sd:
@@ -409,6 +409,16 @@ def test_errors_are_one_line_and_name_the_culprit(hf, tmp_path):
     with pytest.raises(UserError) as e:
         convert(d, tmp_path / "x.gguf")
     assert "tokenizer.json" in _one_line(e)
+
+
+@pytest.mark.parametrize("model_type", [["qwen3_moe"], {"name": "qwen3_moe"}, None, 3])
+def test_model_type_that_is_not_a_name_is_a_user_error(model_type, tmp_path):
+    # a list or object used to reach a dict lookup and crash with "unhashable type"
+    config = {} if model_type is None else {"model_type": model_type}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError) as e:
+        convert(tmp_path, tmp_path / "x.gguf")
+    assert f"model_type {model_type!r} is not supported" in _one_line(e) and "qwen3_moe, gpt_oss, gemma4" in str(e.value)
 
 
 # --- llama.cpp as the oracle --------------------------------------------------------

@@ -14,7 +14,8 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 
 from moe_pipe.shared.experts import directio
-from moe_pipe.shared.experts.directio import DiskReadError, ExpertFiles, aligned_buffer, expert_view, placement_for
+from moe_pipe.shared.experts.directio import DiskReadError, ExpertFiles, aligned_buffer
+from moe_pipe.shared.experts.placement import expert_view, placement_for
 from moe_pipe.shared.experts.shm import SlabArena, segment_name
 from moe_pipe.shared.gguf.layout import PAGE, Extent, aligned_bytes
 from moe_pipe.shared.gguf.model_file import open_model
@@ -88,13 +89,6 @@ def arena():
     for a in made:
         a.close()
         a.unlink()
-
-
-@pytest.fixture(autouse=True)
-def no_fault_hook():
-    previous = directio.set_fault_hook(None)
-    yield
-    directio.set_fault_hook(previous)
 
 
 def expected_part(mf, part, e) -> np.ndarray:

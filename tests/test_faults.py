@@ -6,7 +6,8 @@ and the service recovers once the file is back.
 Three levels: the reader driven in this process (deterministic: a fault hook
 holds or fails one read while the test looks at the slot table and the
 residency index), `moe-pipe run` in a subprocess, and `moe-pipe up` with a
-real client."""
+real client. The last two levels start processes: their tests are marked
+`integration`."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
 
 import psutil
 import pytest
@@ -31,7 +33,7 @@ from moe_pipe.shared.experts import directio
 from moe_pipe.shared.makemodel.default_model import default_model_path
 from moe_pipe.shared.wire import messages as m
 
-from .readerhelp import Harness, harness, hold_reads_of, model, no_fault_hook  # noqa: F401 (fixtures)
+from .readerhelp import Harness, hold_reads_of
 from .servicehelp import StatusPolling
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -184,9 +186,9 @@ def test_a_file_unlinked_while_open_is_still_read(harness, model):
 
 def test_fatal_children_retry_only_once_the_model_file_changed_and_settled(tmp_path):
     path = tmp_path / "m.gguf"
-    s = sup.Supervisor(load_config(None), path)  # never started: _spawn is the test's
     spawned = []
-    s._spawn = lambda child: (spawned.append(child.name), child.change(sup.State.STARTING))
+    started = lambda name, pids: (spawned.append(name), SimpleNamespace(pid=1, exitcode=None, is_alive=lambda: True))[1]  # noqa: E731
+    s = sup.Restarter(load_config(None), path, tmp_path, started)  # the restart logic alone, with a fake starter
     reader = s.children["reader"]
     reader.change(sup.State.STARTING)
     reader.change(sup.State.FATAL)
@@ -241,16 +243,19 @@ def tokens_of(r: subprocess.CompletedProcess) -> list[int]:
 RUN = ["run", CONFIG, "-p", "Once upon a time", "-n", "12", "--output-format", "json", *SMALL_CACHE]
 
 
+@pytest.mark.integration
 def test_run_read_error_fails_in_one_line(model):
     r = run_cli(*RUN, "--set", f"model.path={model}", env_extra={directio.FAULT_ENV: "reader:3"})
     assert_one_line_failure(r, 1, "io_error", str(model), "injected read fault")
 
 
+@pytest.mark.integration
 def test_run_dense_read_error_at_start_fails_in_one_line(model):
     r = run_cli(*RUN, "--set", f"model.path={model}", env_extra={directio.FAULT_ENV: "main:1"})
     assert_one_line_failure(r, 1, "reading the dense set failed", str(model))
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("fault,where", [("odirect", "at open"), ("reader:EINVAL:1", "reads")])
 def test_run_with_o_direct_refused_falls_back_to_the_same_tokens(model, fault, where):
     want = tokens_of(run_cli(*RUN, "--set", f"model.path={model}"))
@@ -260,6 +265,7 @@ def test_run_with_o_direct_refused_falls_back_to_the_same_tokens(model, fault, w
     assert r.stderr.count("moe-reader") == 1
 
 
+@pytest.mark.integration
 def test_run_fails_clearly_when_the_model_file_shrinks_mid_run(model):
     proc = subprocess.Popen(
         [
@@ -374,6 +380,7 @@ def service_on(model):
 PROMPT = "Tell a story"
 
 
+@pytest.mark.integration
 def test_service_read_error_fails_that_request_and_the_next_one_succeeds(service_on):
     s = service_on(fault="reader:5")  # the reader's 5th read fails, once
     want = s.reference(PROMPT)
@@ -390,6 +397,7 @@ def test_service_read_error_fails_that_request_and_the_next_one_succeeds(service
         time.sleep(0.1)
 
 
+@pytest.mark.integration
 def test_service_truncated_file_fails_clearly_and_recovers_when_put_back(service_on, model):
     s = service_on()
     want = s.reference(PROMPT)
@@ -407,6 +415,7 @@ def test_service_truncated_file_fails_clearly_and_recovers_when_put_back(service
     assert s.chat(PROMPT) == (200, want)
 
 
+@pytest.mark.integration
 def test_service_file_gone_goes_fatal_without_a_crash_loop_and_recovers(service_on, model):
     s = service_on("--set", "supervisor.start_retries=2")
     want = s.reference(PROMPT)
@@ -426,6 +435,7 @@ def test_service_file_gone_goes_fatal_without_a_crash_loop_and_recovers(service_
     assert s.chat(PROMPT) == (200, want)
 
 
+@pytest.mark.integration
 def test_service_refuses_a_different_file_put_back(service_on, model):
     s = service_on("--set", "supervisor.start_retries=1")
     other = model.with_suffix(".other")

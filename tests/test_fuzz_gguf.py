@@ -705,7 +705,6 @@ def test_truncated_at_every_header_byte(seeds, work):
     g.tensors = [t for t in g.tensors if not t["name"].startswith(b"blk.1.")]
     path = g.write(work / "cut.gguf")
     assert check_one(path) == "opened"
-    raw = path.read_bytes()
     with GGUFFile(path) as f:
         header, last_byte = f.data_start(), max(t.end for t in f.tensors.values())
     # Cut from the longest down: shrinking a file is ~6 µs, rewriting one here ~1.7 ms.
@@ -728,6 +727,7 @@ def bad_files(seeds, work) -> dict[str, Path]:
     }
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("command", ["inspect", "run"])
 def test_cli_bad_file_is_one_line_exit_2(bad_files, command):
     """The real console entry point in a fresh process: stderr is one line, no traceback."""

@@ -30,6 +30,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+pytestmark = pytest.mark.integration  # the gateway and its fake computes are processes
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -14,6 +14,7 @@ import pytest
 
 pytest.importorskip("aiohttp")
 
+pytestmark = pytest.mark.integration  # every test starts processes
 REPO = Path(__file__).resolve().parents[1]
 # RSS growth allowed from after the warm-up to the end. Measured over 60 s
 # (8 and 32 clients, ~500 answered requests each): gateway, supervisor,

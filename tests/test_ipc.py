@@ -81,6 +81,7 @@ def _exit_now():
     pass
 
 
+@pytest.mark.integration
 def test_stale_dirs_are_reclaimed_live_ones_kept(base):
     ctx = multiprocessing.get_context("spawn")
     child = ctx.Process(target=_exit_now)
@@ -162,6 +163,7 @@ def _fake_reader(runtime_dir: str) -> None:
             ready.close()
 
 
+@pytest.mark.integration
 def test_push_pull_between_processes(base):
     rd = RuntimeDir.create(base)
     ep = rd.endpoints

@@ -50,7 +50,7 @@ def test_dense_is_the_complement(tmp_path):
         covered = sorted([(x.offset, x.end) for x in expert] + [(x.offset, x.end) for x in layout.dense])
         # dense + experts tile the data section exactly: no gap, no overlap
         assert covered[0][0] == f.data_start(0) and covered[-1][1] == f.file_sizes[0]
-        for (a0, a1), (b0, b1) in zip(covered, covered[1:]):
+        for (_, a1), (b0, _) in zip(covered, covered[1:]):
             assert a1 == b0
         non_expert = [t for t in f.tensors.values() if t.name not in layout.expert_tensor_names]
         assert layout.dense_bytes == sum(t.nbytes for t in non_expert)

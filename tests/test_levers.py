@@ -82,6 +82,7 @@ def _run(*extra):
     return json.loads(r.stdout)
 
 
+@pytest.mark.integration
 def test_levers_in_the_pipeline_raise_the_hit_rate_and_zero_is_exact():
     exact = _run()
     assert _run("--drop-cold-experts", "0", "--cache-route", "0")["tokens"] == exact["tokens"]

@@ -1,9 +1,9 @@
 """make_model: made GGUFs have llama.cpp's layout, the real quant mix and sizes,
 a working tokenizer and chat template, and are byte-reproducible.
 
-Expectations here are written from ../shared/ARCHITECTURES.md (§2.1 quant
-rules, §3 tensor names/shapes, §4 tokenizer, §6 per-expert bytes), not from
-makemodel's own tables, and every check reads the file back with gguf-py.
+Expectations here are written from docs/formats.md (§ Real files' quant
+mixes: quant rules and per-expert bytes) and docs/models.md (tensor names and
+shapes per architecture, § Tokenizers), not from makemodel's own tables, and every check reads the file back with gguf-py.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from moe_pipe.shared.makemodel.maker import ARCHES, PRESETS, make_model
 
 CORPUS = Path(__file__).resolve().parents[1] / "shared" / "data" / "corpus.txt"
 
-# §4 pre-split regexes, copied from ARCHITECTURES.md (the oracle, not our module).
+# Pre-split regexes, copied from docs/models.md § Tokenizers (the oracle, not our module).
 REGEX = {
     "qwen2": r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
     "gpt-4o": r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+",
@@ -231,6 +231,7 @@ def test_tiny_is_small_and_byte_identical_per_seed(arch, tiny, tmp_path):
     assert not (tmp_path / "again.gguf.part").exists()
 
 
+@pytest.mark.integration
 def test_same_bytes_in_a_fresh_process(tiny, tmp_path):
     # The tokenizer trainer and the per-tensor seeds must not depend on process state.
     code = (
@@ -534,15 +535,15 @@ def route_run(path: Path, greedy: bool = False) -> tuple[list, list, list[int], 
     or the model's argmax). Returns (prompt sets, decode sets, decoded tokens,
     n_expert): a set per token per layer of the experts routed to."""
     from moe_pipe.shared.gguf.model_file import open_model
-    from moe_pipe.shared.model.load import load_model
+    from moe_pipe.shared.model.load import ModelOptions, load_model
     from moe_pipe.shared.text.chat import encode_prompt
     from moe_pipe.shared.text.tokenizer import Tokenizer
 
     with open_model(path) as mf:
-        model, tok = load_model(mf), Tokenizer.from_gguf(mf.gguf)
-        ids = encode_prompt(tok, CORPUS.read_text(encoding="utf-8")[20000:])[: PROMPT_TOKENS + DECODE_TOKENS]
         routed: list[tuple[int, np.ndarray]] = []
-        model.route_observer = lambda layer, routing: routed.append((layer, routing.ids.copy()))  # ids [T, K]
+        observe = ModelOptions(route_observer=lambda layer, routing: routed.append((layer, routing.ids.copy())))  # ids [T, K]
+        model, tok = load_model(mf, options=observe), Tokenizer.from_gguf(mf.gguf)
+        ids = encode_prompt(tok, CORPUS.read_text(encoding="utf-8")[20000:])[: PROMPT_TOKENS + DECODE_TOKENS]
         cache = model.new_cache(len(ids) + 8)
         logits = model.prefill(ids[:PROMPT_TOKENS], cache, batch=PROMPT_TOKENS)
         n_prompt_rows, out = len(routed), []

@@ -9,8 +9,10 @@ import pytest
 from moe_pipe.shared.errors import UserError
 from moe_pipe.shared.gguf.model_file import open_model
 from moe_pipe.shared.makemodel.maker import make_model
-from moe_pipe.shared.model.load import load_model
+from moe_pipe.shared.model.levers import Levers
+from moe_pipe.shared.model.load import ModelOptions, load_model
 from moe_pipe.shared.model.moe import softmax_then_top_k, top_k_then_softmax
+from moe_pipe.shared.model.weights import FileExperts
 
 ARCHES = ["qwen3moe", "gpt-oss", "gemma4"]
 PROMPT = [1, 5, 9, 20, 33, 70, 100, 200, 7, 300, 11]
@@ -62,6 +64,46 @@ def test_top_k_override_changes_output(tiny):
     assert not np.allclose(fewer.forward(PROMPT, fewer.new_cache(32)), tiny.forward(PROMPT, tiny.new_cache(32)))
     with pytest.raises(UserError):
         load_model(tiny.mf, top_k=tiny.spec.n_expert + 1)
+
+
+def test_caching_source_options_change_nothing_on_the_file_mapping(tiny):
+    """Prefetch and the lossy levers act through the source: the file mapping
+    has every expert resident and nothing to read ahead, so the outputs are
+    the exact ones (a source answering "not resident" would let drop_cold cut experts)."""
+    lossy = ModelOptions(prefetch_next=True, levers=Levers(drop_cold=0.99, cache_route=0.9))
+    model = load_model(tiny.mf, options=lossy)
+    a, b = model.new_cache(32), tiny.new_cache(32)
+    model.prefill(PROMPT, a), tiny.prefill(PROMPT, b)
+    for t in (3, 50, 7):
+        assert np.array_equal(model.decode_one(t, a), tiny.decode_one(t, b))
+
+
+def test_options_reach_the_source_and_the_observer(tiny):
+    """prefetch_next: while decoding, every layer but the last tells the source
+    its guess at the next layer's experts (never during a prompt batch), and
+    route_observer sees every layer's routing."""
+    hints: list[tuple[int, list[int]]] = []
+    routed: list[tuple[int, tuple[int, ...]]] = []
+
+    class Hinted(FileExperts):
+        def prefetch(self, layer, ids):
+            hints.append((layer, list(ids)))
+
+    def observe(layer, routing):
+        routed.append((layer, routing.ids.shape))
+
+    n, k = tiny.spec.n_layer, tiny.spec.n_expert_used
+    for on in (False, True):
+        hints.clear(), routed.clear()
+        model = load_model(tiny.mf, experts=Hinted(tiny.mf), options=ModelOptions(prefetch_next=on, route_observer=observe))
+        cache = model.new_cache(32)
+        model.prefill(PROMPT, cache)
+        assert hints == [] and routed == [(i, (len(PROMPT), k)) for i in range(n)]
+        routed.clear()
+        model.decode_one(5, cache)
+        assert routed == [(i, (1, k)) for i in range(n)]
+        assert [layer for layer, _ in hints] == (list(range(1, n)) if on else [])
+        assert all(len(ids) <= k and all(0 <= e < tiny.spec.n_expert for e in ids) for _, ids in hints)
 
 
 def test_context_overflow_is_an_error(tiny):

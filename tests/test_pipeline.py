@@ -18,7 +18,7 @@ import numpy as np
 import psutil
 import pytest
 
-from moe_pipe.procs.pipeline import Pipeline
+from moe_pipe.procs.pipeline import start_pipeline
 from moe_pipe.shared.config import load_config
 from moe_pipe.shared.errors import ConfigError
 from moe_pipe.shared.experts.policies import LIVE_POLICIES
@@ -31,6 +31,7 @@ from moe_pipe.shared.text.generate import GenerationConfig, generate
 from moe_pipe.shared.text.sampling import SamplingParams
 from moe_pipe.shared.text.tokenizer import Tokenizer
 
+pytestmark = pytest.mark.integration  # every test starts processes
 ARCHES = ["qwen3moe", "gpt-oss", "gemma4"]
 PROMPT = "The old mill by the river"
 N = 10
@@ -77,7 +78,7 @@ def tiny(request, tmp_path_factory):
 
 def run_pipeline(path, prompt, **overrides):
     cfg = load_config(None, {"model.path": str(path), **overrides})
-    with Pipeline(cfg, path) as pipe:
+    with start_pipeline(cfg, path) as pipe:
         done = pipe.generate(prompt, {"temperature": 0.0}, N)
         return list(done.tokens), dict(done.timings), pipe.resolved
 
@@ -356,3 +357,52 @@ def test_ctrl_c_and_sigterm_release_everything(tiny, sig, code):
         time.sleep(0.1)
     assert not [c.pid for c in children if _running(c)]
     assert not leftovers({proc.pid})
+
+
+class DeadProcess:
+    """A child that died as it started (what a real one whose start failed looks like)."""
+
+    pid = 4242
+    exitcode = 1
+
+    def is_alive(self) -> bool:
+        return False
+
+    def join(self, timeout: float | None = None) -> None:
+        pass
+
+    def terminate(self) -> None:
+        raise AssertionError("a dead child is not signalled")
+
+    kill = terminate
+
+
+def test_a_child_that_dies_at_start_fails_the_start_with_its_error_and_leaves_nothing():
+    """start_pipeline with the real telemetry and reader and a compute that
+    died at once: the error names compute and its last error line, and the
+    real children, sockets, arenas and runtime dir are all gone."""
+    from moe_pipe.procs.children import SpawnStarter
+    from moe_pipe.procs.lifecycle import error_file
+    from moe_pipe.shared.errors import PipelineError
+    from moe_pipe.shared.makemodel.default_model import default_model_path
+
+    started: dict = {}
+
+    def starter(launch):
+        real = SpawnStarter(launch)
+
+        def start(name, pids):
+            if name == "compute":
+                assert pids == {n: p.pid for n, p in started.items()}  # it is given its reader's pid
+                error_file(launch.res.rt.path, name).write_text("GGUFError: the model is broken\n")
+                return DeadProcess()
+            started[name] = real(name, pids)
+            return started[name]
+
+        return start
+
+    cfg = load_config(None, {"model.path": str(default_model_path())})
+    with pytest.raises(PipelineError, match=r"^the compute process exited with code 1 \(GGUFError: the model is broken\); the run"):
+        start_pipeline(cfg, default_model_path(), starter=starter)
+    assert list(started) == ["telemetry", "reader"]
+    assert all(not p.is_alive() and p.exitcode is not None for p in started.values())

@@ -9,7 +9,7 @@ import pytest
 from moe_pipe.shared.wire import ipc
 from moe_pipe.shared.wire import messages as m
 
-from .readerhelp import Harness, hold_reads_of, model, no_fault_hook  # noqa: F401 (fixtures)
+from .readerhelp import Harness, hold_reads_of
 
 
 @pytest.fixture

@@ -24,7 +24,7 @@ MIB = 1 << 20
 
 
 def traces_dir() -> Path | None:
-    """The phone traces: $MOE_PIPE_ROUTE_TRACES, else ../shared/data/route-traces beside the repo."""
+    """The phone traces: $MOE_PIPE_ROUTE_TRACES, else shared/data/route-traces in the repo's parent folder (outside the repo)."""
     for d in (os.environ.get("MOE_PIPE_ROUTE_TRACES"), ROOT.parent / "shared" / "data" / "route-traces"):
         if d and (Path(d) / "qwen.route.csv").is_file() and (Path(d) / "gptoss.route.csv").is_file():
             return Path(d)
@@ -139,11 +139,13 @@ def test_replay_agrees_with_the_live_reader(tmp_path):
         rd.index = type("I", (), {"clear": lambda s, k: None, "publish": lambda s, k, slot: None})()
         reads = []
         rd.lanes = type(
-            "X", (), {"submit": lambda s, key, slot, priority=0: reads.append((key, slot)), "withdraw_guesses": lambda s, keep=(): []}
+            "X",
+            (),
+            {"submit": lambda s, key, slot, priority=0, reads=reads: reads.append((key, slot)), "withdraw_guesses": lambda s, keep=(): []},
         )()
         sent = []
         rd.send = sent.append
-        rd.send_ready = lambda req, key, slot, hit, io_ns: sent.append(("ready", key, hit))
+        rd.send_ready = lambda req, key, slot, hit, io_ns, sent=sent: sent.append(("ready", key, hit))
         done, touched, last_layer, quiet = [], [], -1, 0
         for req, f in enumerate(fetches(t), 1):
             if f.layer <= last_layer:  # a new token: the last one's Release

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from moe_pipe.procs.pipeline import Pipeline
+from moe_pipe.procs.pipeline import start_pipeline
 from moe_pipe.shared.analysis.replay import MIB, Replayer, slab_bytes
 from moe_pipe.shared.config import load_config
 from moe_pipe.shared.errors import UserError
@@ -33,12 +33,13 @@ def _serve(tmp_path: Path, **over) -> tuple[list, int]:
     """Run every prompt through one pipeline; (CSV records, n_slots)."""
     prompts, _ = _prompts()
     cfg = load_config(None, {"model.path": str(default_model_path()), "telemetry.csv": str(tmp_path / "run.csv"), **over})
-    with Pipeline(cfg, default_model_path()) as pipe:
+    with start_pipeline(cfg, default_model_path()) as pipe:
         dones = [pipe.generate(p, asdict(SamplingParams()), N, ignore_eos=True) for p in prompts]
         n_slots = pipe.resolved.n_slots
     return dones, n_slots
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 def test_replaying_the_engines_trace_gives_the_engines_hit_rate(tmp_path, policy):
     trace_path = tmp_path / "run.trace"
@@ -60,6 +61,7 @@ def test_replaying_the_engines_trace_gives_the_engines_hit_rate(tmp_path, policy
     assert sum(result.hits) == engine_hits
 
 
+@pytest.mark.integration
 def test_warm_start_from_a_trace_beats_a_cold_start(tmp_path):
     trace_path = tmp_path / "old.trace"
     _serve(tmp_path, **{"cache.cache_mb": 64, "telemetry.route_trace": str(trace_path)})
@@ -67,7 +69,7 @@ def test_warm_start_from_a_trace_beats_a_cold_start(tmp_path):
     hit = {}
     for label, over in (("cold", {}), ("warm", {"cache.warm_from": str(trace_path)})):
         cfg = load_config(None, {"model.path": str(default_model_path()), "cache.cache_mb": 64, **over})
-        with Pipeline(cfg, default_model_path()) as pipe:
+        with start_pipeline(cfg, default_model_path()) as pipe:
             import time
 
             time.sleep(1.0)  # the warm reads run in the reader's lanes while it serves
@@ -84,4 +86,4 @@ def test_a_warm_start_trace_of_another_model_is_refused(tmp_path):
     )
     cfg = load_config(None, {"model.path": str(default_model_path()), "cache.warm_from": str(bad)})
     with pytest.raises(UserError, match="cannot warm"):
-        Pipeline(cfg, default_model_path()).start()
+        start_pipeline(cfg, default_model_path())

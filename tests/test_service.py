@@ -24,6 +24,7 @@ from moe_pipe.shared.makemodel.default_model import default_model_path  # noqa: 
 
 from .servicehelp import StatusPolling  # noqa: E402
 
+pytestmark = pytest.mark.integration  # every test starts processes
 CLI = [sys.executable, "-m", "moe_pipe.cli.main"]
 CONFIG = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.toml")
 MODEL = "tiny qwen3moe"  # the name configs/tiny.toml gives

@@ -78,6 +78,7 @@ def test_bad_names_refused(bad):
         Arena.create(bad, PAGE)
 
 
+@pytest.mark.integration
 def test_subprocess_attach_sees_and_writes_the_same_bytes():
     name = unique()
     with Arena.create(name, 2 * PAGE) as a:
@@ -132,7 +133,7 @@ def test_unlink_removes_entry_and_is_idempotent():
     a.close()
     assert a.closed
     with pytest.raises(ValueError):
-        a.buf
+        _ = a.buf
 
 
 def test_close_with_a_live_view_is_safe():

@@ -4,23 +4,29 @@ with fake processes and a fake clock (the real processes: test_service.py)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+import os
+import tempfile
+import threading
+from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
 from moe_pipe.procs import supervisor as sv
 from moe_pipe.procs.lifecycle import error_file
-from moe_pipe.procs.supervisor import ALLOWED, Child, IllegalTransition, State, Supervisor, backoff_delay
+from moe_pipe.procs.supervisor import ALLOWED, Child, IllegalTransition, Restarter, State, Supervisor, backoff_delay
 from moe_pipe.shared.config import load_config
 
 
 @dataclass
 class FakeProcess:
+    """A ChildProcess (procs/children.py) that runs nothing."""
+
     pid: int
     alive: bool = True
     exitcode: int | None = None
+    signals: list[str] = field(default_factory=list)
 
     def is_alive(self) -> bool:
         return self.alive
@@ -28,35 +34,39 @@ class FakeProcess:
     def die(self, code: int) -> None:
         self.alive, self.exitcode = False, code
 
+    def join(self, timeout: float | None = None) -> None:
+        pass
 
-class Harness(Supervisor):
-    """A Supervisor whose spawns make FakeProcesses (no fork, no arenas)."""
+    def terminate(self) -> None:
+        self.signals.append("SIGTERM")
+        self.die(-15)
+
+    def kill(self) -> None:
+        self.signals.append("SIGKILL")
+        self.die(-9)
+
+
+class Harness(Restarter):
+    """The supervisor's restart logic with a fake process starter (no fork, no
+    arenas) and a fake clock."""
 
     def __init__(self, tmp_path: Path, **sup):
         cfg = load_config(None, {f"supervisor.{k}": v for k, v in sup.items()})
-        super().__init__(cfg, Path("model.gguf"))
-        self.res = SimpleNamespace(rt=SimpleNamespace(path=tmp_path))
+        super().__init__(cfg, Path("model.gguf"), tmp_path, self.fake_start)
         self.next_pid = 100
         self.spawned: list[tuple[str, int]] = []
+        self.pids_given: dict[str, dict[str, int]] = {}
+        self.now = 0.0
 
-    def _spawn(self, child: Child) -> None:  # the real one minus the process and the arenas
-        if any(self.children[n].state not in sv.LIVE for n in child.needs):
-            if child.state != State.BACKOFF:
-                child.change(State.BACKOFF, "waiting")
-            child.backoff_until = 0
-            return
+    def fake_start(self, name: str, pids) -> FakeProcess:
         self.next_pid += 1
-        child.process = FakeProcess(self.next_pid)
-        if child.state != State.STOPPED:
-            child.restarts += 1
-        child.change(State.STARTING)
-        child.started_at = self.now
-        self.spawned.append((child.name, self.next_pid))
+        self.spawned.append((name, self.next_pid))
+        self.pids_given[name] = dict(pids)
+        return FakeProcess(self.next_pid)
 
     def start_all(self, now: float = 0.0) -> None:
         self.now = now
-        for name in self.ORDER:
-            self._spawn(self.children[name])
+        super().start_all(now)
 
     def at(self, now: float) -> None:
         self.now = now
@@ -173,14 +183,81 @@ def test_compute_waits_for_its_reader(tmp_path):
         assert h.spawned.index(("reader", reader.process.pid)) < h.spawned.index(("compute", compute.process.pid))
 
 
-def test_control_commands(tmp_path):
+def test_compute_is_given_its_readers_pid(tmp_path):
     h = Harness(tmp_path)
     h.start_all()
+    reader_pid = h.children["reader"].process.pid
+    assert h.pids_given["compute"]["reader"] == reader_pid
+    assert [name for name, _ in h.spawned] == list(Supervisor.ORDER)
+
+
+@pytest.fixture
+def root_logging():
+    """Supervisor.start points the root logger at its log file: put it back."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+        if handler not in handlers:
+            handler.close()
+    for handler in handlers:
+        root.addHandler(handler)
+    root.setLevel(level)
+
+
+def test_a_started_supervisor_answers_on_its_socket_and_leaves_nothing(monkeypatch, root_logging):
+    """The real Supervisor.start with a fake starter injected: real arenas,
+    runtime dir and control socket; every child started in order; `status`
+    and `stop` over the socket; then every child stopped in reverse order
+    (SIGTERM: no fake reads a Shutdown) and nothing of the service left."""
+    from moe_pipe.shared.makemodel.default_model import default_model_path
+    from moe_pipe.shared.serve import service
     from moe_pipe.shared.wire import messages as m
 
-    bad = h.command(m.Command("dance"))
-    assert not bad.ok and bad.code == m.Code.UNKNOWN_COMMAND and "status, stop" in bad.message
-    assert h.command(m.Command("stop")).ok and h.stop_requested
+    base = Path(tempfile.mkdtemp(prefix="mpsv", dir="/tmp"))  # short: unix socket paths <= 107 bytes
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(base))
+    stopped: list[str] = []
+    made: dict[str, FakeProcess] = {}
+    launches = []
+
+    def fake_start(name: str, pids) -> FakeProcess:
+        proc = made[name] = FakeProcess(1000 + len(made))
+        proc.terminate = lambda: (stopped.append(name), FakeProcess.terminate(proc))  # type: ignore[method-assign]
+        return proc
+
+    def starter(launch):
+        launches.append(launch)
+        return fake_start
+
+    sup = Supervisor.start(load_config(None, {"supervisor.start_secs": 0.1}), default_model_path(), starter=starter)
+    rt = sup.res.rt.path
+    assert launches[0].res is sup.res and rt.is_dir() and os.environ[sv.LOG_FILE_ENV] == str(rt / service.LOG_FILE)
+    segments = {p.name for p in Path("/dev/shm").glob(f"moe-pipe-{os.getpid()}-*")}
+    assert len(segments) >= 2  # slabs and index (and dense)
+    loop = threading.Thread(target=sup.run)
+    loop.start()
+    try:
+        info = service.read_service_info(rt)
+        assert info is not None and info.pid == os.getpid()
+        status = service.control(info, "status")
+        assert status.ok
+        rows = status.data["processes"]
+        assert [(r["name"], r["pid"]) for r in rows] == [(n, made[n].pid) for n in Supervisor.ORDER]
+        assert status.data["slots"] == sup.res.resolved.n_slots and status.data["runtime_dir"] == str(rt)
+        bad = service.control(info, "dance")
+        assert not bad.ok and bad.code == m.Code.UNKNOWN_COMMAND and "status, stop" in bad.message
+        assert service.control(info, "stop").ok
+    finally:
+        sup.stop_requested = sup.stop_requested or "test over"
+        loop.join(30)
+    assert not loop.is_alive()
+    assert stopped == list(reversed(Supervisor.ORDER))
+    assert all(c.state == State.STOPPED and c.process is None for c in sup.children.values())
+    assert not rt.exists() and not any(Path("/dev/shm", name).exists() for name in segments)
+    assert sv.LOG_FILE_ENV not in os.environ
+    sup.close()  # again: nothing to do, nothing raised
+    base.rmdir()  # empty: the runtime dir's base went with it
 
 
 def test_a_changed_model_file_retries_the_fatal_child_and_what_needs_it(tmp_path):

@@ -190,6 +190,7 @@ def test_csv_row_is_the_schema_columns():
 # ------------------------------------------------------------- the real command
 
 
+@pytest.mark.integration
 def test_csv_rows_carry_published_records(xdg, service):
     tail = Tail(xdg, "--csv")
     try:
@@ -203,6 +204,7 @@ def test_csv_rows_carry_published_records(xdg, service):
         tail.stop()
 
 
+@pytest.mark.integration
 def test_three_tails_at_once_all_see_records(xdg, service):
     tails = [Tail(xdg, "--csv") for _ in range(3)]
     try:
@@ -216,6 +218,7 @@ def test_three_tails_at_once_all_see_records(xdg, service):
             t.stop()
 
 
+@pytest.mark.integration
 def test_plain_text_lines_when_not_a_terminal(xdg, service):
     tail = Tail(xdg)
     try:
@@ -225,6 +228,7 @@ def test_plain_text_lines_when_not_a_terminal(xdg, service):
         tail.stop()
 
 
+@pytest.mark.integration
 def test_a_tail_started_first_waits_then_attaches(xdg):
     tail = Tail(xdg, "--csv")
     service = None
@@ -242,6 +246,7 @@ def test_a_tail_started_first_waits_then_attaches(xdg):
             service.close()
 
 
+@pytest.mark.integration
 def test_wait_gives_up_with_one_error_line(xdg):
     tail = Tail(xdg, "--csv", "--wait", "0.5")
     assert tail.finish() == 2
@@ -251,6 +256,7 @@ def test_wait_gives_up_with_one_error_line(xdg):
     assert tail.err == [WAITING_NOTICE, errors[0]]  # the notice, then the error: no traceback
 
 
+@pytest.mark.integration
 def test_exits_0_when_the_service_goes_away(xdg, service):
     tail = Tail(xdg, "--csv")
     try:
@@ -262,6 +268,7 @@ def test_exits_0_when_the_service_goes_away(xdg, service):
         tail.stop()
 
 
+@pytest.mark.integration
 def test_ctrl_c_detaches_with_exit_0(xdg, service):
     tail = Tail(xdg, "--csv")
     try:
@@ -279,6 +286,7 @@ def test_ctrl_c_detaches_with_exit_0(xdg, service):
         tail.stop()
 
 
+@pytest.mark.integration
 def test_closed_pipe_ends_quietly(xdg, service):
     # `moe-pipe tail --csv | head -3`: the reader goes away, the tail leaves without a traceback.
     env = dict(os.environ, XDG_RUNTIME_DIR=str(xdg))

@@ -417,7 +417,8 @@ def read_lanes(ef, arena, work, lanes: int, seconds: float, latencies: list[floa
     """Lanes (threads) pull experts off a shared list until the time is up; (bytes, seconds).
     With `latencies`, each read's seconds are appended to it (bench/bench_reads.py)."""
     lock, nxt, stop = threading.Lock(), [0], time.perf_counter() + seconds
-    totals, lat = [0] * lanes, [[] for _ in range(lanes)]
+    totals = [0] * lanes
+    lat: list[list[float]] = [[] for _ in range(lanes)]
 
     def lane(k: int) -> None:
         slab = arena.slab(k)
@@ -471,7 +472,8 @@ def measure_kernels(
             window = max(1, WINDOW_BYTES // one.nbytes)
             for n in threads:
                 quant.set_threads(n)
-                times, i, stop = [], 0, time.perf_counter() + per
+                times: list[float] = []
+                i, stop = 0, time.perf_counter() + per
                 while not times or time.perf_counter() < stop:
                     t0 = time.perf_counter()
                     for _ in range(window):
@@ -488,7 +490,8 @@ def measure_kernels(
 def compute_threads(cfg) -> int:
     import numba
 
-    return max(1, min(cfg.compute.threads or os.cpu_count() or 1, numba.config.NUMBA_NUM_THREADS))
+    n_max = numba.config.NUMBA_NUM_THREADS  # type: ignore[attr-defined]  # numba.config sets its NUMBA_* names at import time (globals), unseen by mypy
+    return max(1, min(cfg.compute.threads or os.cpu_count() or 1, n_max))
 
 
 # ---------------------------------------------------------------- the arithmetic
@@ -566,16 +569,21 @@ def forecast(mf, cfg, *, mem_limit_mb: float | None = None, seconds: float = 4.0
     at_1 = {c.key: rates[(c.key, 1)] for c in facts.classes}
     read_per_token = facts.top_k * sum(facts.read_bytes_per_expert)
     at_floor = (not fit.fits) or fit.budget.bytes < FLOOR_MARGIN * facts.floor_bytes
-    common = dict(
-        n_layer=facts.n_layer,
-        top_k=facts.top_k,
-        hit_pct=hit.pct if hit else 0.0,
-        read_bytes_per_token=read_per_token,
-        read_gbps=reads.gbps[lanes],
-        at_floor=at_floor,
-    )
-    speed = decode_speed(facts.classes, at_n, **common)
-    speed_1t = decode_speed(facts.classes, at_1, **common)  # -t 1: faster when other processes hold the cores
+
+    def speed_at(rates: Mapping[str, float]) -> Speed:
+        return decode_speed(
+            facts.classes,
+            rates,
+            n_layer=facts.n_layer,
+            top_k=facts.top_k,
+            hit_pct=hit.pct if hit else 0.0,
+            read_bytes_per_token=read_per_token,
+            read_gbps=reads.gbps[lanes],
+            at_floor=at_floor,
+        )
+
+    speed = speed_at(at_n)
+    speed_1t = speed_at(at_1)  # -t 1: faster when other processes hold the cores
     b = fit.budget
     return {
         "model": facts.path,

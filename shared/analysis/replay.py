@@ -1,7 +1,7 @@
 """Replaying a route trace through the expert cache, exactly as the reader would.
 
 The simulator and the live reader agree because they run the same code: the
-`SlotTable` and the `POLICIES` of shared/cache.py, driven in the reader's
+`SlotTable` and the `POLICIES` of shared/experts/cache.py, driven in the reader's
 order. One trace group is one Fetch:
 
     decode:  one token at one layer — its top-k rows (turn, step, layer)
@@ -207,9 +207,11 @@ def slab_bytes(trace: Trace) -> int:
     return -(-trace.header.max_expert_bytes // PAGE) * PAGE
 
 
-def run_fetches(fs: Sequence[Fetch], table, expert_bytes: Sequence[int], drop_cold: float = 0.0) -> tuple[list[int], list[int], list[int]]:
+def run_fetches(
+    fs: Sequence[Fetch], table, expert_bytes: Sequence[int], drop_cold: float = 0.0
+) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int]]:
     """Drive `table` (SlotTable or ByteTable) through the fetches in the reader's
-    order; returns per-phase hits, lookups and bytes read."""
+    order; returns (prompt, decode) hits, lookups and bytes read."""
     hits, looks, read = [0, 0], [0, 0], [0, 0]
     lookup, admit, pin, unpin = table.lookup, table.admit, table.pin, table.unpin
     for f in fs:
@@ -228,7 +230,7 @@ def run_fetches(fs: Sequence[Fetch], table, expert_bytes: Sequence[int], drop_co
         hits[f.phase] += len(keys) - len(missed)
         looks[f.phase] += len(keys)
         read[f.phase] += nbytes * len(missed)
-    return hits, looks, read
+    return (hits[0], hits[1]), (looks[0], looks[1]), (read[0], read[1])
 
 
 class Replayer:
@@ -281,7 +283,7 @@ class Replayer:
         pol = make_policy(policy, n, future=[f.keys for f in fs] if policy in OFFLINE_POLICIES else None)
         table = SlotTable(n, pol) if self.accounting == "slots" else ByteTable(int(budget_mb * MIB), pol)
         hits, looks, read = run_fetches(fs, table, self.expert_bytes, drop_cold)
-        return Result(budget_mb, policy, self.accounting, n, tuple(hits), tuple(looks), tuple(read))
+        return Result(budget_mb, policy, self.accounting, n, hits, looks, read)
 
 
 def policy_names(spec: Iterable[str] | None) -> list[str]:

@@ -1,6 +1,6 @@
 """Per-architecture rules of `moe-pipe convert`: HF config -> GGUF keys, HF tensors -> GGUF tensors.
 
-One `Arch` per supported model_type, each giving (ARCHITECTURES.md §3, §5):
+One `Arch` per supported model_type, each giving (docs/models.md § From Hugging Face names):
 * `hparams(config)`: the text config read into a flat dict, with unsupported
   variants rejected as UserErrors naming the config key;
 * `metadata(w, hp)`: the `<arch>.*` keys;
@@ -43,7 +43,8 @@ class _Planner:
     """Builds `Out`s from checkpoint tensors, checking shapes and recording what was used."""
 
     def __init__(self, ck: Checkpoint, prefix: str):
-        self.ck, self.prefix, self.used = ck, prefix, set()
+        self.ck, self.prefix = ck, prefix
+        self.used: set[str] = set()
         self.outs: list[Out] = []
 
     def hf(self, name: str, shape: tuple[int, ...]) -> str:
@@ -85,6 +86,11 @@ def _slabs(ck: Checkpoint, full: str, shape: tuple[int, ...]) -> Callable[[], It
         step = max(1, _SLAB_ELEMS // max(1, shape[1]))
         return lambda: (ck.f32(full, slice(r, r + step)) for r in range(0, shape[0], step))
     return lambda: iter([ck.f32(full)])
+
+
+def _expert_rows(ck: Checkpoint, full: str, n_expert: int, rows: slice) -> Callable[[], Iterator[np.ndarray]]:
+    """Rows `rows` of every expert of a fused (X, rows, in) tensor, one expert per part."""
+    return lambda: (ck.f32(full, (x, rows)) for x in range(n_expert))
 
 
 def _get(cfg: dict, key: str, default: Any = ..., *alts: str) -> Any:
@@ -236,8 +242,8 @@ def _qwen3_plan(hp: dict[str, Any], ck: Checkpoint) -> list[Out]:
         e = h + "mlp.experts."
         if "model." + e + "gate_up_proj" in ck:  # transformers-5 fused layout: (X, 2F, D), gate rows first
             full = p.hf(e + "gate_up_proj", (X, 2 * F, D))
-            p.add(Out(b + "ffn_gate_exps.weight", (X, F, D), True, lambda full=full: (ck.f32(full, (x, slice(0, F))) for x in range(X))))
-            p.add(Out(b + "ffn_up_exps.weight", (X, F, D), True, lambda full=full: (ck.f32(full, (x, slice(F, 2 * F))) for x in range(X))))
+            p.add(Out(b + "ffn_gate_exps.weight", (X, F, D), True, _expert_rows(ck, full, X, slice(0, F))))
+            p.add(Out(b + "ffn_up_exps.weight", (X, F, D), True, _expert_rows(ck, full, X, slice(F, 2 * F))))
             p.copy(b + "ffn_down_exps.weight", e + "down_proj", (X, D, F))
         else:  # per-expert Linear weights, as published checkpoints store them
             _stack(p, b + "ffn_gate_exps.weight", [f"{e}{x}.gate_proj.weight" for x in range(X)], (F, D))  # X F D
@@ -286,7 +292,7 @@ def _mxfp4_repack(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     """HF MXFP4 (..., G, 16) nibbles + (..., G) E8M0 scales -> ggml MXFP4 blocks (..., G*17).
 
     HF packs element 2j in the low nibble and 2j+1 in the high nibble of byte j;
-    ggml packs element j low and j+16 high (ARCHITECTURES.md §2). The E8M0
+    ggml packs element j low and j+16 high (docs/formats.md § Quant blocks). The E8M0
     exponent byte means the same in both and goes first in each 17-byte block.
     """
     lo, hi = blocks & 0x0F, blocks >> 4
@@ -375,7 +381,7 @@ def _gemma4_hparams(cfg: dict) -> dict[str, Any]:
     }
     rs, rf = rope_all.get("sliding_attention") or {}, rope_all.get("full_attention") or {}
     hp = _base_hparams({**cfg, "rope_parameters": rf}, 1e6)
-    L, H = hp["L"], hp["H"]
+    L = hp["L"]
     types = cfg.get("layer_types") or ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(L)]
     if len(types) != L:
         raise UserError(f"config.json: layer_types has {len(types)} entries for {L} layers")
@@ -524,6 +530,8 @@ ARCHES: dict[str, Arch] = {
 def text_config(config: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     """(model_type, text config) — Gemma 4's multimodal config nests the text model."""
     mt = config.get("model_type")
+    if not isinstance(mt, str):  # absent, or e.g. a list: no architecture's name (and unhashable)
+        raise UserError(f"config.json: model_type {mt!r} is not supported; convert handles qwen3_moe, gpt_oss, gemma4")
     if mt == "gemma4":
         tc = config.get("text_config")
         if not isinstance(tc, dict):

@@ -2,9 +2,9 @@
 
 Supported model types: `qwen3_moe`, `gpt_oss`, `gemma4` (the multimodal
 config; only its text model is converted) and `gemma4_text`. The output uses
-llama.cpp's tensor names, shapes and metadata keys (ARCHITECTURES.md §3, §5);
-the per-arch rules live in convert_arch.py, the tokenizer in convert_vocab.py,
-the safetensors reader in convert_source.py.
+llama.cpp's tensor names, shapes and metadata keys (docs/models.md § From Hugging Face names);
+the per-arch rules live in arch.py, the tokenizer in vocab.py, the
+safetensors reader in source.py (all in shared/convert/).
 
 Types (`outtype`): f32 keeps every tensor F32. Otherwise weight matrices
 (2-D and up) take the type, while norms, biases, routers (`ffn_gate_inp`),

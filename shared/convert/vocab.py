@@ -1,11 +1,11 @@
 """Tokenizer data for `moe-pipe convert`: HF tokenizer.json -> `tokenizer.ggml.*`.
 
-Follows the conventions of shared/vocab.py (and llama.cpp's converter):
+Follows the conventions of shared/gguf/vocab.py (and llama.cpp's converter):
 ids are list indices; ids the tokenizer does not define, up to the model's
 embedding rows, become "[PAD<id>]" UNUSED entries; added tokens are CONTROL
 when `special` and USER_DEFINED otherwise; merges are "A B" strings. The
 pre-split name comes from the arch, cross-checked against the tokenizer's own
-Split regex when it has one (ARCHITECTURES.md §4).
+Split regex when it has one (docs/models.md § Tokenizers).
 """
 
 from __future__ import annotations
@@ -198,7 +198,7 @@ def _chat_template(hf_dir: Path, tc: dict) -> str | None:
 
 
 def add_vocab(w, v: HFVocab) -> None:
-    """Write the tokenizer.* keys (same keys as shared/makemodel.py)."""
+    """Write the tokenizer.* keys (same keys as shared/makemodel/maker.py)."""
     w.add_tokenizer_model(v.model)
     w.add_tokenizer_pre(v.pre)
     w.add_token_list(v.tokens)

@@ -3,6 +3,7 @@
     probe_memory()            -> MemoryProbe   what this process tree may still use (reads /proc, /sys)
     compute_budget(...)       -> Budget        pure: probe + cache settings + dense + KV -> bytes
     resolve_budget(cfg, ...)  -> Budget        both, plus the refusal when the floor does not fit
+    check_floor(budget, floor) -> int          the slot count, or the refusal below one token's experts
 
 auto = min(host available, every enclosing cgroup's limit - working set)
        - dense set (when resident: dense_weights anon or warm) - KV cache
@@ -34,6 +35,7 @@ nothing.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -213,30 +215,62 @@ def compute_budget(
     )
 
 
-def check_floor(budget: Budget, min_bytes: int, where: str = "config") -> None:
-    """Refuse a budget below one token's working set, saying what would work."""
-    if budget.bytes >= min_bytes:
-        return
-    need_mb = min_bytes / MiB
+@dataclass(frozen=True)
+class CacheFloor:
+    """The smallest expert cache that runs well: one token's working set, every
+    layer's top-k experts, one slab each. Progress alone needs only one layer's
+    top_k pinned slabs, but below a token's set LRU evicts each expert before
+    the next token can reuse it, and every lookup misses."""
+
+    n_layer: int
+    top_k: int
+    slab_bytes: int
+
+    @classmethod
+    def of(cls, layout: Any, top_k: int | None = None) -> CacheFloor:
+        """From a gguf Layout; `top_k` None is the model's own n_expert_used."""
+        return cls(layout.spec.n_layer, layout.spec.n_expert_used if top_k is None else top_k, layout.slab_bytes)
+
+    @property
+    def bytes(self) -> int:
+        return self.n_layer * self.top_k * self.slab_bytes
+
+    @property
+    def mib(self) -> float:
+        """Rounded up to 0.01 MiB: a printed figure must suffice when it is set."""
+        return math.ceil(self.bytes * 100 / MiB) / 100
+
+    def describe(self) -> str:
+        return f"{self.mib:.2f} MiB = {self.n_layer} layers x top-{self.top_k} experts x {self.slab_bytes / MiB:.2f} MiB slabs"
+
+
+def slots_for_budget(budget_bytes: int, slab_bytes: int) -> int:
+    """How many whole slabs fit in the budget (the slab arena is the budget)."""
+    if slab_bytes <= 0:
+        raise ValueError(f"slab size must be positive, got {slab_bytes}")
+    return max(0, int(budget_bytes) // slab_bytes)
+
+
+def check_floor(budget: Budget, floor: CacheFloor, where: str = "config") -> int:
+    """The slot count of `budget`, or a one-line ConfigError when it is below
+    one token's working set: what the cache is (and why, for auto), what the
+    floor needs and is made of, and what would work."""
+    if budget.bytes >= floor.bytes:
+        return slots_for_budget(budget.bytes, floor.slab_bytes)
+    need = f"one token's working set of {floor.describe()}"
     if budget.mode == "fixed":
-        fix = f"set cache_mb >= {need_mb:.4g}" + (f" and cache_ceil_mb >= {need_mb:.4g}" if budget.clamped else "")
-        raise ConfigError(
-            f"{where}: expert cache of {_mib(budget.bytes)} is below one token's working set "
-            f"({need_mb:.4g} MiB: every layer's top-k experts); {fix}"
-        )
+        fix = f"set cache_mb to at least {floor.mib:g}" + (f" and cache_ceil_mb to at least {floor.mib:g}" if budget.clamped else "")
+        raise ConfigError(f"{where}: expert cache of {budget.bytes / MiB:.2f} MiB is below {need}; {fix}")
     if budget.clamped:
-        raise ConfigError(
-            f"{where}: cache_ceil_mb {budget.ceil_bytes / MiB:g} is below one token's working set ({need_mb:.4g} MiB); raise it"
-        )
+        raise ConfigError(f"{where}: cache_ceil_mb {budget.ceil_bytes / MiB:g} is below {need}; raise it to at least {floor.mib:g}")
     # What is missing: against what was left before the 0 MiB clamp, so a limit raised by this much works.
     left = (budget.available_bytes or 0) - budget.dense_bytes - budget.kv_bytes - budget.reserve_bytes
-    short = min_bytes - min(budget.bytes, left)
+    short = floor.bytes - min(budget.bytes, left)
     # Lowering reserve_mb only helps down to the processes' own estimate.
     lower = "lower cache.reserve_mb, " if budget.reserve_bytes > budget.engine_bytes else ""
     raise ConfigError(
-        f"{where}: not enough memory for the expert cache: {budget.description}, but one token's "
-        f"working set needs {need_mb:.4g} MiB ({short / MiB:.4g} MiB short); raise the memory limit, "
-        f'{lower}use dense_weights = "mmap", or a smaller top_k'
+        f"{where}: not enough memory for the expert cache: {budget.description}, but it needs {need} "
+        f'({short / MiB:.4g} MiB short); raise the memory limit, {lower}use dense_weights = "mmap", or a smaller top_k'
     )
 
 
@@ -382,14 +416,14 @@ def resolve_budget(
     *,
     dense_bytes: int,
     kv_bytes: int,
-    min_bytes: int | None = None,
+    floor: CacheFloor | None = None,
     memory: MemoryProbe | None = None,
     engine_bytes: int = 0,
     check_memory: bool = False,
 ) -> Budget:
     """The budget for a loaded Config (`cfg.cache`, `cfg.io.dense_weights`); probes memory when auto.
 
-    With `min_bytes` (Layout.min_cache_bytes(top_k)), a budget below it is a ConfigError with the numbers.
+    With `floor` (CacheFloor.of(layout, top_k)), a budget below it is a ConfigError with the numbers.
     `engine_bytes` (`engine_bytes(roles, n_vocab)`) is the least auto leaves for the processes; with
     `check_memory` a fixed cache that cannot fit beside them is refused too (`check_fit`).
     """
@@ -407,8 +441,8 @@ def resolve_budget(
         engine_bytes=engine_bytes,
     )
     where = cfg.source or "config"
-    if min_bytes is not None:
-        check_floor(budget, min_bytes, where)
+    if floor is not None:
+        check_floor(budget, floor, where)
     if check_memory:
         check_fit(budget, memory, where)
     return budget

@@ -13,18 +13,14 @@ only writer (so it needs no locks); the slabs themselves live in a
 
 A miss is counted by `admit`, a hit by `lookup`; the hit rate is therefore
 over the experts actually requested. Eviction policies plug in through the
-`Policy` protocol (shared/policies.py; docs/cache-policies.md).
+`Policy` protocol (shared/experts/policies.py; docs/cache-policies.md).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-from moe_pipe.shared.errors import ConfigError
 from moe_pipe.shared.experts.policies import Key, Policy, make_policy
-
-MIB = 1 << 20
 
 
 class CacheFull(RuntimeError):
@@ -166,30 +162,3 @@ class SlotTable:
     @property
     def stats(self) -> CacheStats:
         return CacheStats(self._hits, self._misses, self._evictions, self._bytes)
-
-
-# -- budget ---------------------------------------------------------------------
-
-
-def slots_for_budget(budget_bytes: int, slab_bytes: int) -> int:
-    """How many whole slabs fit in the budget (the slab arena is the budget)."""
-    if slab_bytes <= 0:
-        raise ValueError(f"slab size must be positive, got {slab_bytes}")
-    return max(0, int(budget_bytes) // slab_bytes)
-
-
-def check_budget(budget_bytes: int, layout, top_k: int | None = None) -> int:
-    """The slot count for `budget_bytes`, or a ConfigError naming the smallest
-    budget that works: one token's working set, every layer's top-k experts.
-    Progress alone needs only top_k pinned slabs, but below a token's set LRU
-    evicts each expert before the next token can reuse it: every lookup misses."""
-    need = layout.min_cache_bytes(top_k)
-    if budget_bytes < need:
-        k = layout.spec.n_expert_used if top_k is None else top_k
-        need_mib = math.ceil(need * 100 / MIB) / 100  # rounded up: the printed figure must suffice
-        raise ConfigError(
-            f"cache budget {budget_bytes / MIB:.2f} MiB is below one token's working set of {need_mib:.2f} MiB "
-            f"({layout.spec.n_layer} layers x top-{k} experts x {layout.slab_bytes / MIB:.2f} MiB slabs); "
-            f"set cache_mb to at least {math.ceil(need / MIB)}"
-        )
-    return slots_for_budget(budget_bytes, layout.slab_bytes)

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from moe_pipe.shared.experts.directio import placement_for
+from moe_pipe.shared.experts.placement import placement_for
 from moe_pipe.shared.gguf.layout import Extent, Layout, aligned_bytes
 from moe_pipe.shared.gguf.reader import GGUFFile, TensorInfo
 

@@ -5,12 +5,7 @@ issued with `os.preadv` on an O_DIRECT fd straight into a page-aligned region
 of the destination: no page cache, so the kernel never holds a second copy of
 a streamed expert and the cache budget is the only memory experts use.
 
-One expert in its slab (S = slab_bytes; each part read page-rounded, in the
-order of `LayerExperts.parts`; `skip` = the part's offset inside its first page):
-
-    slab:  | page-rounded read of part 0 | read of part 1 | ... |  unused  |
-           0     ^skip0                  r0   ^skip1              ...      S
-                 └ part 0's bytes: Placement.regions[0] = (skip0, length0)
+Where a read puts each part of an expert in its slab is `placement.py`'s.
 
 If the filesystem refuses O_DIRECT (EINVAL at open, or at the first read of a
 file), that file is read buffered and each read is followed by
@@ -53,8 +48,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from moe_pipe.shared.gguf.layout import PAGE, Extent, LayerExperts, aligned, aligned_bytes
-from moe_pipe.shared.model.weights import Expert, expert_from_bytes
+from moe_pipe.shared.experts.placement import Placement, placement_for
+from moe_pipe.shared.gguf.layout import PAGE, Extent, aligned, aligned_bytes
 
 log = logging.getLogger(__name__)
 
@@ -252,38 +247,6 @@ def _as_dest(buf, what: str) -> np.ndarray:
     return arr
 
 
-@dataclass(frozen=True)
-class Placement:
-    """Where each extent's bytes sit in the destination, in extent order."""
-
-    extents: tuple[Extent, ...]
-    regions: tuple[tuple[int, int], ...]  # (offset in destination, length) per extent
-    disk_bytes: int  # bytes read from disk (page-rounded reads, cut short at end of file)
-
-    def locate(self, shard: int, offset: int, length: int) -> int:
-        """Destination offset of file bytes [offset, offset + length) of `shard`."""
-        for e, (at, _n) in zip(self.extents, self.regions):
-            if e.shard == shard and e.offset <= offset and offset + length <= e.end:
-                return at + (offset - e.offset)
-        raise KeyError(f"bytes [{offset}, {offset + length}) of shard {shard} were not read")
-
-
-ExpertPlacement = Placement  # the name the reader and compute use for one expert's slab
-
-
-def placement_for(extents: Iterable[Extent]) -> Placement:
-    """Where a read of `extents` puts their bytes: a function of the extents
-    alone, so compute can rebuild it from (layer, expert) and only the slab id
-    needs to cross the wire. disk_bytes is 0 (nothing read)."""
-    extents = tuple(extents)
-    regions, at = [], 0
-    for e in extents:
-        _start, n, skip = aligned(e)
-        regions.append((at + skip, e.length))
-        at += n
-    return Placement(extents, tuple(regions), 0)
-
-
 # -- the files -------------------------------------------------------------------
 
 
@@ -349,19 +312,18 @@ class ExpertFiles:
             return None
         for k, path in enumerate(self.paths):
             try:
-                problem = self._recover_shard(k, path)
+                problem = self._recover_shard(k, path, self.identity[k])
             except OSError as exc:  # the check's own reads failed: the disk is still unwell
                 problem = f"{path}: {exc.strerror or exc}"
             if problem:
                 return problem
         return None
 
-    def _recover_shard(self, k: int, path: str) -> str | None:
+    def _recover_shard(self, k: int, path: str, want: FileIdentity) -> str | None:
         try:
             st = os.stat(path)
         except FileNotFoundError:
             return f"{path}: no such file (the model file is gone)"
-        want = self.identity[k]
         if st.st_size != want.size:
             return f"{path}: {st.st_size} B, not the {want.size} B it had when the service started (truncated or replaced)"
         cur = os.fstat(self._fds[k])
@@ -469,7 +431,7 @@ class ExpertFiles:
             try:
                 if _fault_hook is not None:
                     _fault_hook(path, offset + got, n - got)
-                r = os.preadv(fd, [view[got:]], offset + got)
+                r = os.preadv(fd, [view[got:].data], offset + got)  # .data: a memoryview (numpy's stubs know no buffer protocol on 3.11)
             except InterruptedError:  # PEP 475 retries EINTR itself; this covers a handler that raised it
                 continue
             except OSError as exc:
@@ -503,22 +465,3 @@ class ExpertFiles:
             self._retired.append(self._fds[shard])
             self._fds[shard], self._direct[shard] = fd, False
             self._report_fallback(self.paths[shard], why)
-
-
-# -- experts as compute sees them -----------------------------------------------------
-
-
-def expert_view(layer: LayerExperts, expert_id: int, slab, placement: Placement) -> Expert:
-    """The expert whose parts `placement` locates in `slab`, as zero-copy views
-    (a read-only slab gives read-only weights; kernels only read)."""
-    arr = slab if isinstance(slab, np.ndarray) else np.frombuffer(slab, np.uint8)
-    if len(placement.regions) != len(layer.parts):
-        raise ValueError(f"layer {layer.layer} experts have {len(layer.parts)} parts, placement has {len(placement.regions)}")
-    slices = {}
-    for part, (at, n) in zip(layer.parts, placement.regions):
-        if n != part.stride or at + n > arr.size:
-            raise ValueError(
-                f"layer {layer.layer} part {part.name}: placement ({at}, {n}) does not fit a {part.stride} B part in a {arr.size} B slab"
-            )
-        slices[part.name] = arr[at : at + n]
-    return expert_from_bytes(layer, expert_id, slices)

@@ -1,9 +1,9 @@
 """Eviction policies for the expert cache, pluggable by name.
 
 A policy is told about every hit, admission and eviction of the cache index
-(shared/cache.py's SlotTable) and asked for a victim among the keys that are
+(shared/experts/cache.py's SlotTable) and asked for a victim among the keys that are
 not pinned. `POLICIES` maps a name to a factory(n_slots); the live reader and
-the simulator (shared/replay.py) build them through `make_policy`, so both run
+the simulator (shared/analysis/replay.py) build them through `make_policy`, so both run
 the same code. lru, lfu (decayed counts), arc, s3fifo, nextuse (the default,
 per-layer aware) and belady, the offline optimum, which needs the future and
 so runs only in the simulator. docs/cache-policies.md compares them on real
@@ -272,8 +272,8 @@ class Belady:
 
     def _use(self, key: Key) -> None:
         i = self._seen[key] = self._seen[key] + 1
-        nxt = self._uses.get(key, (math.inf,))
-        nxt = nxt[i] if i < len(nxt) else math.inf
+        uses = self._uses.get(key)
+        nxt = uses[i] if uses is not None and i < len(uses) else math.inf
         self._tick += 1
         self._next[key] = (nxt, self._tick)
         heapq.heappush(self._heap, (-nxt, self._tick, key))
@@ -288,6 +288,14 @@ class Belady:
 
     def victim(self, is_evictable: Callable[[Key], bool]) -> Key | None:
         return _heap_victim(self._heap, lambda k, t: self._next.get(k, (0, -1))[1] == t, is_evictable)
+
+
+def _layer_of(key: Key) -> int:
+    """The layer of a (layer, expert) key: NextUse ranks by layer, so any other
+    key is a caller's bug, reported as such rather than as a bare TypeError."""
+    if not isinstance(key, tuple):
+        raise TypeError(f"nextuse keys are (layer, expert) pairs, got {key!r}")
+    return key[0]
 
 
 class NextUse:
@@ -328,7 +336,7 @@ class NextUse:
         self._recheck: set[int] = set()  # layers whose best key was pinned: rank again
 
     def _use(self, key: Key) -> None:
-        layer = key[0]
+        layer = _layer_of(key)
         self._tick += 1
         if layer != self._layer:
             self._begin_pass(layer)
@@ -337,7 +345,7 @@ class NextUse:
         heap = self._heaps[layer]
         heapq.heappush(heap, (score, self._tick, key))
         if len(heap) > 64 and len(heap) > 4 * len(self._live):  # drop stale entries
-            heap[:] = [(self._score[k], t, k) for k, t in self._live.items() if k[0] == layer]
+            heap[:] = [(self._score[k], t, k) for k, t in self._live.items() if _layer_of(k) == layer]
             heapq.heapify(heap)
         self._dirty.add(layer)
 
@@ -346,8 +354,10 @@ class NextUse:
         self._pass_no += 1
         if layer >= len(self._heaps):  # a layer seen for the first time: n_layer grew
             grow = layer + 1 - len(self._heaps)
-            for per_layer, zero in ((self._last_pass, 0), (self._bump, 0.0), (self._passes, 0.0), (self._version, 0)):
-                per_layer.extend([zero] * grow)
+            self._last_pass.extend([0] * grow)
+            self._version.extend([0] * grow)
+            self._bump.extend([0.0] * grow)
+            self._passes.extend([0.0] * grow)
             self._heaps.extend([] for _ in range(grow))
             self._dirty.update(range(len(self._heaps)))  # every rank is in units of n_layer
         if self._tick - self._origin > 500 * self.half_life:
@@ -365,7 +375,7 @@ class NextUse:
         for heap in self._heaps:
             heap.clear()
         for k, t in self._live.items():
-            self._heaps[k[0]].append((self._score[k], t, k))
+            self._heaps[_layer_of(k)].append((self._score[k], t, k))
         for heap in self._heaps:
             heapq.heapify(heap)
         self._dirty.update(range(len(self._heaps)))
@@ -374,7 +384,7 @@ class NextUse:
 
     def on_evict(self, key: Key) -> None:
         del self._live[key]  # its score stays: the key's history
-        self._dirty.add(key[0])
+        self._dirty.add(_layer_of(key))
 
     def _head(self, layer: int, is_evictable) -> tuple[Key | None, bool]:
         """The layer's best evictable key, and whether it is its best key at all
@@ -419,7 +429,7 @@ class NextUse:
 
 
 # name -> factory(n_slots). A factory with `offline = True` also needs
-# `future` (every fetch ahead) and exists only in the simulator (shared/replay.py).
+# `future` (every fetch ahead) and exists only in the simulator (shared/analysis/replay.py).
 POLICIES: dict[str, Callable[..., Policy]] = {"lru": LRU, "lfu": LFU, "arc": ARC, "s3fifo": S3FIFO, "nextuse": NextUse, "belady": Belady}
 OFFLINE_POLICIES = frozenset(name for name, f in POLICIES.items() if getattr(f, "offline", False))
 LIVE_POLICIES = tuple(name for name in POLICIES if name not in OFFLINE_POLICIES)  # what the reader may run

@@ -23,7 +23,14 @@ from moe_pipe.shared.experts.shm import Arena, segment_name
 class ResidencyIndex:
     def __init__(self, arena: Arena, n_layer: int, n_expert: int):
         self.arena = arena
-        self.table = arena.buf[: 4 * n_layer * n_expert].view(np.int32).reshape(n_layer, n_expert)
+        self._table: np.ndarray | None = arena.buf[: 4 * n_layer * n_expert].view(np.int32).reshape(n_layer, n_expert)
+
+    @property
+    def table(self) -> np.ndarray:
+        """The index itself, int32 [n_layer, n_expert] (see the module docstring)."""
+        if self._table is None:
+            raise ValueError(f"residency index {self.arena.name!r} is closed")
+        return self._table
 
     @staticmethod
     def nbytes(spec) -> int:
@@ -60,7 +67,7 @@ class ResidencyIndex:
         return [((int(l), int(e)), int(self.table[l, e]) - 1) for l, e in zip(layers, experts)]
 
     def close(self) -> None:
-        self.table = None
+        self._table = None  # drop our view first: the arena unmaps only once no view points in
         self.arena.close()
 
     def unlink(self) -> None:

@@ -28,7 +28,8 @@ class ModelFile:
 
     def quant_types(self) -> dict[str, dict[str, int]]:
         """Tensor counts per ggml type, split into expert and dense tensors."""
-        experts, dense = Counter(), Counter()
+        experts: Counter[str] = Counter()
+        dense: Counter[str] = Counter()
         for t in self.gguf.tensors.values():
             (experts if t.name in self.layout.expert_tensor_names else dense)[t.qtype.name] += 1
         return {"experts": dict(sorted(experts.items())), "dense": dict(sorted(dense.items()))}

@@ -106,8 +106,13 @@ class ArrayField(ReaderField):
     150k-token vocabulary; this keeps opening a real model well under a second.
     """
 
+    # Set by _CheckedReader right after construction (an attribute, not a tuple
+    # field: the NamedTuple's fields stay gguf-py's): the numbers, or for strings
+    # (file bytes, start of each string, length of each string).
+    values: np.ndarray | tuple[np.ndarray, np.ndarray, np.ndarray]
+
     def contents(self, index_or_slice: int | slice = slice(None)) -> Any:
-        values = self.values  # set by _CheckedReader
+        values = self.values
         if isinstance(values, np.ndarray):
             return values[index_or_slice].tolist()
         data, starts, lengths = values
@@ -292,7 +297,7 @@ class _CheckedReader(GGUFReader):
         caller): struct and array.array run it at ~0.4 µs a string, 2.7× the
         speed of numpy item assignment, 16 bytes a string."""
         end = int(self.data.shape[0])
-        buf = memoryview(self.data)
+        buf = self.data.data  # the mapped bytes as a memoryview (numpy's stubs know no buffer protocol on 3.11)
         unpack = _U64.unpack_from  # little-endian: _check_preamble refused the other order
         starts, lengths = array("q"), array("q")
         for _ in range(n):

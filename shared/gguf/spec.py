@@ -1,7 +1,7 @@
 """The model spec: a GGUF's metadata turned into one frozen record per model.
 
 Each supported architecture has a reader here that knows its keys (see
-../shared/ARCHITECTURES.md §3). Per-layer facts (kv heads, head width,
+docs/models.md, one section per architecture). Per-layer facts (kv heads, head width,
 sliding window) are stored as tuples with one entry per layer, so the forward
 pass never has to ask "is this key a scalar or an array?". A missing key or
 a key of the wrong type or out of range is a GGUFError naming the key.
@@ -101,7 +101,9 @@ class _Meta:
 
     def get_int(self, suffix: str, default: int | None = None) -> int:
         value, types = self._raw(suffix, default is None)
-        if value is None:
+        if value is None:  # absent; _raw already refused that when there is no default
+            if default is None:
+                raise GGUFError(self.f.path, f"metadata key {self.key(suffix)!r} is missing")
             return int(default)
         if types[0] not in _INT_TYPES:
             raise GGUFError(self.f.path, f"metadata key {self.key(suffix)!r} has type {types[0].name}, expected an integer")
@@ -109,7 +111,9 @@ class _Meta:
 
     def get_float(self, suffix: str, default: float | None = None) -> float:
         value, types = self._raw(suffix, default is None)
-        if value is None:
+        if value is None:  # absent; _raw already refused that when there is no default
+            if default is None:
+                raise GGUFError(self.f.path, f"metadata key {self.key(suffix)!r} is missing")
             return float(default)
         if types[0] not in _FLOAT_TYPES | _INT_TYPES:
             raise GGUFError(self.f.path, f"metadata key {self.key(suffix)!r} has type {types[0].name}, expected a number")

@@ -3,7 +3,7 @@
 Made GGUFs carry a tokenizer that llama.cpp and our own loader can both run,
 so every model gets a BPE trained with HF `tokenizers` on the bundled corpus,
 using exactly the pre-split the GGUF's `tokenizer.ggml.pre` names
-(ARCHITECTURES.md §4), and then the arch's special tokens and unused
+(docs/models.md § Tokenizers), and then the arch's special tokens and unused
 placeholders up to the preset's vocab size.
 
 Vocab layouts (ids):

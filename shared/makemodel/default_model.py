@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-DEFAULT_NAME = "tiny"
 _ARCH, _PRESET, _SEED = "qwen3moe", "tiny", 0
 # The generator's version for this preset: bump it whenever make_model writes
 # different bytes for it (v2: the calibrated routers), so a cached older

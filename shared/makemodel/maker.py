@@ -2,10 +2,11 @@
 
 Weights cannot be downloaded here, so tests, demos and benchmarks run on made
 models: llama.cpp's tensor names, shapes and metadata for each arch
-(ARCHITECTURES.md §3), the real quant mix (§2.1) with random but *valid*
-quantized blocks, routers scaled so that routing moves from token to token
-like a real model's (see "routers" below), a BPE tokenizer trained on
-shared/data/corpus.txt (§4) and the arch's chat template.
+(docs/models.md), the real quant mix (docs/formats.md § Real files' quant mixes)
+with random but *valid* quantized blocks, routers scaled so that routing moves
+from token to token like a real model's (see "routers" below), a BPE tokenizer
+trained on shared/data/corpus.txt (docs/models.md § Tokenizers) and the arch's
+chat template.
 
 Writing streams: all tensor infos go into the header first, then one tensor
 at a time is generated and written, so a 60 GB gpt-oss-120b-shaped file
@@ -127,11 +128,11 @@ def make_model(
             progress(0, total)
         with ThreadPoolExecutor(max_workers=1) as pool:
             # Generate tensor k+1 while tensor k is being written.
-            nxt = pool.submit(_generate, specs[0], seed) if specs else None
+            pending = [pool.submit(_generate, s, seed) for s in specs[:1]]  # the tensor being generated ahead
             for k, s in enumerate(specs):
-                data = nxt.result()
+                data = pending.pop().result()
                 if k + 1 < len(specs):
-                    nxt = pool.submit(_generate, specs[k + 1], seed)
+                    pending.append(pool.submit(_generate, specs[k + 1], seed))
                 w.write_tensor_data(data)
                 done += s.nbytes
                 del data
@@ -148,6 +149,8 @@ def make_model(
 
 def _leave_data_as_hole(w: GGUFWriter, specs: list[TensorSpec]) -> None:
     """Size the file as if every tensor were written, without writing any."""
+    if w.fout is None:
+        raise RuntimeError("_leave_data_as_hole: the GGUF writer has no open file (call it after the header is written)")
     fout = w.fout[0]
     start = GGUFWriter.ggml_pad(fout.tell(), w.data_alignment)
     fout.truncate(start + sum(GGUFWriter.ggml_pad(s.nbytes, w.data_alignment) for s in specs))
@@ -401,7 +404,8 @@ def _add_metadata(w: GGUFWriter, arch: str, preset: str, p: Preset, v: Vocab, ov
     mix = override.name if override is not None else MIX_NAME[arch]
     w.add_name(f"moe-pipe made {arch} {preset}")
     w.add_description(f"random weights (seed {seed}), not a trained model; made by moe-pipe make-model, quant {mix}")
-    ftype = "MOSTLY_Q4_K_M" if mix == "Q4_K_M" else "MOSTLY_MXFP4_MOE" if mix == "MXFP4_MOE" else _FILE_TYPE.get(override)
+    named = _FILE_TYPE.get(override) if override is not None else None
+    ftype = "MOSTLY_Q4_K_M" if mix == "Q4_K_M" else "MOSTLY_MXFP4_MOE" if mix == "MXFP4_MOE" else named
     if ftype:
         w.add_file_type(int(LlamaFileType[ftype]))
     w.add_quantization_version(2)

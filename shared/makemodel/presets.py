@@ -1,10 +1,11 @@
 """Model shapes for made models, and the quant mix each real file uses.
 
 A preset is the hyper-parameters of one made model; the three "-shape"
-presets copy the real models (ARCHITECTURES.md §3) so that their expert
-bytes equal the published files' (§6). The mix functions pick each weight
-matrix's ggml type the way llama.cpp's quantizer did for the real file
-(§2.1), including its fallback for rows that K-quants cannot hold.
+presets copy the real models (docs/models.md) so that their expert bytes
+equal the published files' (docs/formats.md § Real files' quant mixes). The
+mix functions pick each weight matrix's ggml type the way llama.cpp's
+quantizer did for the real file (same section), including its fallback for
+rows that K-quants cannot hold (docs/formats.md § Row-width fallback).
 """
 
 from __future__ import annotations
@@ -295,7 +296,7 @@ ROUTER = {
 
 # --- quant mix ----------------------------------------------------------------
 
-# llama.cpp's replacement when ne0 % 256 != 0 (ARCHITECTURES.md §2).
+# llama.cpp's replacement when ne0 % 256 != 0 (docs/formats.md § Row-width fallback).
 _FALLBACK = {Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0, Q.Q2_K: Q.IQ4_NL, Q.Q3_K: Q.IQ4_NL, Q.IQ4_XS: Q.IQ4_NL}
 
 

@@ -9,6 +9,8 @@ Legend: T tokens, D hidden, V vocab.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -20,6 +22,9 @@ from moe_pipe.shared.model.moe import Routing, top_k_ids
 from moe_pipe.shared.model.stages import Stages
 from moe_pipe.shared.model.weights import ExpertSource, FileExperts, Weights
 
+if TYPE_CHECKING:
+    from moe_pipe.shared.model.routes import RouteReplay
+
 # Next-layer guesses below this router probability are not read. On the
 # calibrated qwen30b-shape model (bench/out, 24 decode tokens) a guess's
 # accuracy falls with its rank (top-1 78 %, 4th 55 %, 8th 22 %); p >= 0.05
@@ -27,21 +32,48 @@ from moe_pipe.shared.model.weights import ExpertSource, FileExperts, Weights
 PREFETCH_MIN_P = 0.05
 
 
+@dataclass(frozen=True)
+class ModelOptions:
+    """How a model runs beyond its weights, fixed when it is built (`load_model`).
+    The defaults are the exact, unobserved forward pass."""
+
+    # Guess each next layer's experts while decoding and tell the source
+    # (`ExpertSource.prefetch`); only the pipeline's source reads ahead.
+    prefetch_next: bool = False
+    # The lossy routing levers (shared/model/levers.py): off, i.e. exact, unless the config asks.
+    levers: Levers = field(default_factory=Levers)
+    # Called with (layer, routing) for every routing decision, e.g. a route-trace writer.
+    route_observer: Callable[[int, Routing], None] | None = None
+    # Route by a recorded trace instead of the router (benchmarks only: the tokens are not the model's).
+    route_replay: RouteReplay | None = None
+    # Time each stage of the forward pass into `MoEModel.stage` (benchmarks).
+    stage_timing: bool = False
+
+
 class MoEModel:
     arch: str = ""
 
-    def __init__(self, mf: ModelFile, top_k: int | None = None, experts: ExpertSource | None = None, dense_view=None):
+    def __init__(
+        self,
+        mf: ModelFile,
+        *,
+        top_k: int | None = None,
+        experts: ExpertSource | None = None,
+        dense_view: Callable[[str], np.ndarray] | None = None,
+        options: ModelOptions | None = None,
+    ):
         self.mf, self.spec = mf, mf.spec
         self.w = Weights(mf, dense_view)
         self.source: ExpertSource = experts or FileExperts(mf)
         if top_k is not None and not 1 <= top_k <= self.spec.n_expert:
             raise UserError(f"--top-k {top_k} is out of range: this model has {self.spec.n_expert} experts")
         self.top_k = top_k or self.spec.n_expert_used
-        self.stage = Stages()  # per-stage timing, enabled by benchmarks
-        self.prefetch_next = False  # speculative next-layer prefetch (pipeline only)
-        self.levers = Levers()  # lossy routing levers: off (exact) unless the config asks
-        self.route_observer: Callable[[int, Routing], None] | None = None  # e.g. a route-trace writer
-        self.route_replay = None  # a RouteReplay: routing from a recorded trace (benchmarks only)
+        options = options or ModelOptions()
+        self.stage = Stages(options.stage_timing)
+        self.prefetch_next = options.prefetch_next
+        self.levers = options.levers
+        self.route_observer = options.route_observer
+        self.route_replay = options.route_replay
         self.embd = self.w.matrix("token_embd.weight")
         self.output_norm = self.w.vector("output_norm.weight")
         self.output = self.w.matrix("output.weight") if self.w.has("output.weight") else self.embd
@@ -66,8 +98,7 @@ class MoEModel:
         if self.route_replay is not None:
             routing = self.route_replay.route(i, routing.ids.shape[0])
         if self.levers.active:
-            resident = getattr(self.source, "resident", None)
-            routing = apply_levers(self.levers, routing, scores, (lambda ids: resident(i, ids)) if resident else None)
+            routing = apply_levers(self.levers, routing, scores, lambda ids: self.source.resident(i, ids))
         if self.route_observer is not None:
             self.route_observer(i, routing)
         return routing
@@ -81,11 +112,10 @@ class MoEModel:
         the guess is the trace's own next routing: a perfect predictor, for
         the ceiling of what prefetch can give. A guess only warms the cache:
         outputs never depend on it."""
-        hint = getattr(self.source, "prefetch", None)
-        if not self.prefetch_next or hint is None or i + 1 >= self.spec.n_layer or router_input.shape[0] != 1:
+        if not self.prefetch_next or i + 1 >= self.spec.n_layer or router_input.shape[0] != 1:
             return
         if self.route_replay is not None:  # routing comes from a trace: the guess is exact
-            hint(i + 1, self.route_replay.peek(i + 1).ids[0].tolist())
+            self.source.prefetch(i + 1, self.route_replay.peek(i + 1).ids[0].tolist())
             return
         nxt = self.layers[i + 1]
         logits = nxt["router"](router_input)  # [1, E]
@@ -93,7 +123,7 @@ class MoEModel:
             logits = logits + nxt["router_b"]
         ids = top_k_ids(logits, self.top_k)[0]
         p = softmax(logits[0].astype(np.float64))
-        hint(i + 1, [int(e) for e in ids if p[e] >= PREFETCH_MIN_P])
+        self.source.prefetch(i + 1, [int(e) for e in ids if p[e] >= PREFETCH_MIN_P])
 
     # -- shared ----------------------------------------------------------------
     def new_cache(self, n_ctx: int) -> KVCache:
@@ -120,8 +150,8 @@ class MoEModel:
     def prefill(self, tokens, cache: KVCache, batch: int = 64) -> np.ndarray:
         """Prompt in batches of `batch` tokens; returns the last position's logits [V]."""
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        logits = None
-        for s in range(0, tokens.size, batch):
+        logits = self.forward(tokens[:batch], cache)  # an empty prompt is forward's ValueError
+        for s in range(batch, tokens.size, batch):
             logits = self.forward(tokens[s : s + batch], cache)
         return logits[-1]
 

@@ -51,7 +51,7 @@ class Rope:
 def plain_inv_freq(base: float, n_rot: int, freq_factors: np.ndarray | None = None) -> np.ndarray:
     """θ_i = base^(−2i/n_rot), divided by per-pair factors when the model has them
     (Gemma-4's full layers rotate only the first pairs: factor 1e30 freezes the rest)."""
-    inv = 1.0 / (np.float32(base) ** (np.arange(0, n_rot, 2, dtype=np.float32) / np.float32(n_rot)))
+    inv: np.ndarray = 1.0 / (np.float32(base) ** (np.arange(0, n_rot, 2, dtype=np.float32) / np.float32(n_rot)))
     if freq_factors is not None:
         inv = inv / freq_factors[: inv.shape[0]].astype(np.float32)
     return inv.astype(np.float32)

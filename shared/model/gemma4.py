@@ -13,8 +13,11 @@ Output head tied to the embeddings; logits soft-capped.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
+from moe_pipe.shared.gguf.model_file import ModelFile
 from moe_pipe.shared.model.base import MoEModel
 from moe_pipe.shared.model.blocks import Rope, attention, gelu_tanh, plain_inv_freq, rms_norm
 from moe_pipe.shared.model.moe import apply_experts, softmax_then_top_k
@@ -22,16 +25,15 @@ from moe_pipe.shared.model.weights import Expert
 
 
 def gelu_expert(e: Expert, x: np.ndarray) -> np.ndarray:
-    gu = e.gate_up(x)  # [n, 2F], gate rows first
-    f = gu.shape[1] // 2
-    return e.down(gelu_tanh(gu[:, :f]) * gu[:, f:])
+    g, u = e.gate_and_up(x)  # [n, F] each
+    return e.down(gelu_tanh(g) * u)
 
 
 class Model(MoEModel):
     arch = "gemma4"
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, mf: ModelFile, **kwargs: Any):
+        super().__init__(mf, **kwargs)
         r = self.spec.rope
         factors = self.w.optional_vector("rope_freqs.weight")
         self.rope_full = Rope(plain_inv_freq(r.freq_base, r.dim, factors))

@@ -10,9 +10,11 @@ the pre-FFN norm) → router logits + bias → top-k logits → softmax over tho
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
+from moe_pipe.shared.gguf.model_file import ModelFile
 from moe_pipe.shared.model.base import MoEModel
 from moe_pipe.shared.model.blocks import attention, rms_norm, rope_from_spec, sigmoid
 from moe_pipe.shared.model.moe import apply_experts, top_k_then_softmax
@@ -23,23 +25,21 @@ SWIGLU_ALPHA = np.float32(1.702)
 
 
 def clamped_swiglu_expert(e: Expert, x: np.ndarray) -> np.ndarray:
-    if e.gate_up is not None:  # fused layout: gate rows first
-        gu = e.gate_up(x) + e.gate_up_bias  # [n, 2F]
-        f = gu.shape[1] // 2
-        g, u = gu[:, :f], gu[:, f:]
-    else:
-        g, u = e.gate(x) + e.gate_bias, e.up(x) + e.up_bias  # [n, F]
+    g, u = e.gate_and_up(x)  # [n, F] each, biases added
     g = np.minimum(g, SWIGLU_LIMIT)
     u = np.clip(u, -SWIGLU_LIMIT, SWIGLU_LIMIT)
     a = g * sigmoid(SWIGLU_ALPHA * g) * (u + np.float32(1.0))
-    return e.down(a) + e.down_bias
+    y = e.down(a)
+    if e.down_bias is not None:  # always there: the layout check requires gpt-oss's expert biases
+        y += e.down_bias
+    return y
 
 
 class Model(MoEModel):
     arch = "gpt-oss"
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, mf: ModelFile, **kwargs: Any):
+        super().__init__(mf, **kwargs)
         self.rope = rope_from_spec(self.spec.rope)
         self.scale = 1.0 / math.sqrt(self.spec.head_dim_k[0])
 

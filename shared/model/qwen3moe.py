@@ -9,9 +9,11 @@ Legend: T tokens, D hidden, H/Hk heads, d head width, E experts.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
+from moe_pipe.shared.gguf.model_file import ModelFile
 from moe_pipe.shared.model.base import MoEModel
 from moe_pipe.shared.model.blocks import attention, rms_norm, rope_from_spec, swiglu
 from moe_pipe.shared.model.moe import apply_experts, softmax_then_top_k
@@ -19,14 +21,14 @@ from moe_pipe.shared.model.weights import Expert
 
 
 def swiglu_expert(e: Expert, x: np.ndarray) -> np.ndarray:
-    return e.down(swiglu(e.gate(x), e.up(x)))  # [n, D]
+    return e.down(swiglu(*e.gate_and_up(x)))  # [n, D]
 
 
 class Model(MoEModel):
     arch = "qwen3moe"
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, mf: ModelFile, **kwargs: Any):
+        super().__init__(mf, **kwargs)
         self.rope = rope_from_spec(self.spec.rope)
         self.scale = 1.0 / math.sqrt(self.spec.head_dim_k[0])
 

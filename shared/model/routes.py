@@ -2,7 +2,7 @@
 a model by one (`--route-replay`).
 
 RouteTracer: an observer for `MoEModel.route_observer` that writes every
-routing decision to a route trace (shared/trace.py).
+routing decision to a route trace (shared/model/trace.py).
 
 RouteReplay — trace-driven routing for benchmarks (`--route-replay TRACE`).
 

@@ -8,8 +8,8 @@ dense tensors from the file mapping, and an `ExpertSource` hands out experts
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field, fields
 from typing import Protocol
 
 import numpy as np
@@ -53,7 +53,8 @@ def _as_matrix(name: str, qtype, view: np.ndarray, shape: tuple[int, ...]) -> QW
 
 @dataclass(frozen=True)
 class Expert:
-    """One routed expert's weights: gate/up (or fused gate_up), down, optional biases."""
+    """One routed expert's weights: gate/up (or fused gate_up, gate rows first),
+    down, and the biases of the architectures that have them (gpt-oss)."""
 
     id: int
     down: QWeight
@@ -62,28 +63,90 @@ class Expert:
     gate_up: QWeight | None = None
     gate_bias: np.ndarray | None = None
     up_bias: np.ndarray | None = None
+    gate_up_bias: np.ndarray | None = None  # [2F], gate's first: ffn_gate_up_exps.bias
     down_bias: np.ndarray | None = None
+
+    def gate_and_up(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """gate·x and up·x, biases added, [n, F] each, from whichever layout
+        the file stores: the layout check (shared/gguf/layout.py) lets any
+        architecture's file have either, so every architecture reads both."""
+        if self.gate_up is not None:
+            gu = self.gate_up(x)  # [n, 2F]
+            if self.gate_up_bias is not None:
+                gu += self.gate_up_bias
+            f = gu.shape[1] // 2
+            return gu[:, :f], gu[:, f:]
+        if self.gate is None or self.up is None:
+            raise ValueError(f"expert {self.id} has neither gate_up nor gate and up weights")
+        g, u = self.gate(x), self.up(x)
+        if self.gate_bias is not None:
+            g += self.gate_bias
+        if self.up_bias is not None:
+            u += self.up_bias
+        return g, u
+
+
+_EXPERT_PARTS = frozenset(f.name for f in fields(Expert)) - {"id"}
 
 
 class ExpertSource(Protocol):
+    """Where a model's routed experts come from: the one plug-in point between
+    the forward pass and storage. `FileExperts` reads the file mapping (the
+    resident reference); the pipeline's compute process plugs in its
+    shared-memory slab cache (procs/compute.py `SlabExperts`). A source
+    implements all three methods; one that never reads on demand answers
+    `resident` with all True and ignores `prefetch`."""
+
     def experts(self, layer: int, ids: Iterable[int]) -> Iterator[Expert]:
-        """Yield each requested expert once, in the order they become usable."""
+        """Yield each requested expert of `layer` exactly once, in the order
+        they become usable (the MoE block sums in slot order, so the order
+        never changes the result)."""
+        ...
+
+    def resident(self, layer: int, ids: Sequence[int]) -> list[bool]:
+        """For each of `ids`, whether that expert of `layer` is in memory now
+        (asking for it costs no read). Read by the lossy levers
+        (shared/model/levers.py) and by route traces; changes nothing."""
+        ...
+
+    def prefetch(self, layer: int, ids: Sequence[int]) -> None:
+        """A guess, made while layer-1 computes, at the experts the next
+        `experts(layer, ...)` call will ask for, best first, so their reads can
+        start early. A hint: it may be ignored and outputs never depend on it."""
+        ...
 
 
 def expert_from_bytes(layer: LayerExperts, expert_id: int, slices: dict[str, np.ndarray]) -> Expert:
     """Build an Expert from each part's bytes (uint8, one expert's share)."""
-    fields: dict[str, object] = {}
+    matrices: dict[str, QWeight] = {}
+    biases: dict[str, np.ndarray] = {}
     for part in layer.parts:
         raw = slices[part.name]
         if part.name.endswith("_bias"):
-            fields[part.name] = raw.view(np.float32)
+            biases[part.name] = raw.view(np.float32)
         else:
-            fields[part.name] = _as_matrix(part.tensor.name, part.tensor.qtype, raw.view(np.uint8), part.shape)
-    return Expert(expert_id, **fields)
+            matrices[part.name] = _as_matrix(part.tensor.name, part.tensor.qtype, raw.view(np.uint8), part.shape)
+    # Every part the layout accepts (shared/gguf/layout.py) has a field here;
+    # one it learns later must get a field too, not be dropped without a word.
+    unknown = (matrices.keys() | biases.keys()) - _EXPERT_PARTS
+    if unknown:
+        raise ValueError(f"layer {layer.layer}: expert parts {sorted(unknown)} have no Expert field")
+    return Expert(
+        expert_id,
+        matrices["down"],
+        gate=matrices.get("gate"),
+        up=matrices.get("up"),
+        gate_up=matrices.get("gate_up"),
+        gate_bias=biases.get("gate_bias"),
+        up_bias=biases.get("up_bias"),
+        gate_up_bias=biases.get("gate_up_bias"),
+        down_bias=biases.get("down_bias"),
+    )
 
 
 class FileExperts:
-    """Every expert read straight from the file mapping (all weights resident)."""
+    """Every expert read straight from the file mapping: all weights resident,
+    so nothing to prefetch (an ExpertSource)."""
 
     def __init__(self, mf: ModelFile):
         self._mf = mf
@@ -102,6 +165,12 @@ class FileExperts:
                 expert = self._experts[key] = expert_from_bytes(lay, key[1], {p.name: self._slice(p, key[1]) for p in lay.parts})
             yield expert
 
+    def resident(self, layer: int, ids: Sequence[int]) -> list[bool]:
+        return [True] * len(ids)  # the file mapping holds them all: the levers change nothing here
+
+    def prefetch(self, layer: int, ids: Sequence[int]) -> None:
+        """Nothing to read ahead: every expert is already mapped."""
+
 
 class Weights:
     """Dense tensors by GGUF name: matrices as QWeight, vectors as float32 arrays.
@@ -114,13 +183,14 @@ class Weights:
     def __init__(self, mf: ModelFile, view: Callable[[str], np.ndarray] | None = None):
         self.mf = mf
         self.view = view or mf.gguf.view
-        self._cache: dict[str, object] = {}
+        self._matrices: dict[str, QWeight] = {}
+        self._vectors: dict[str, np.ndarray] = {}
 
     def has(self, name: str) -> bool:
         return name in self.mf.gguf.tensors
 
     def matrix(self, name: str) -> QWeight:
-        w = self._cache.get(name)
+        w = self._matrices.get(name)
         if w is None:
             t = self.mf.gguf.tensor(name)
             if len(t.shape) != 2:
@@ -129,11 +199,11 @@ class Weights:
                 quant.block_format(t.qtype)
             except ValueError as exc:
                 raise GGUFError(self.mf.gguf.path, f"tensor {name!r}: {exc}") from None
-            w = self._cache[name] = _as_matrix(name, t.qtype, self.view(name), t.shape)
+            w = self._matrices[name] = _as_matrix(name, t.qtype, self.view(name), t.shape)
         return w
 
     def vector(self, name: str) -> np.ndarray:
-        v = self._cache.get(name)
+        v = self._vectors.get(name)
         if v is None:
             t = self.mf.gguf.tensor(name)
             if t.qtype.name not in _VECTOR_TYPES:
@@ -141,7 +211,7 @@ class Weights:
             raw = np.asarray(self.view(name))
             if t.qtype.name == "BF16":
                 raw = (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
-            v = self._cache[name] = np.ascontiguousarray(raw, dtype=np.float32).reshape(t.shape)
+            v = self._vectors[name] = np.ascontiguousarray(raw, dtype=np.float32).reshape(t.shape)
         return v
 
     def optional_vector(self, name: str) -> np.ndarray | None:

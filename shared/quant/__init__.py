@@ -7,7 +7,7 @@
 
 `qtype` is a ggml type id or `gguf.GGMLQuantizationType`; the 16 types of
 `blocks.SUPPORTED`. `w` holds each row's blocks back to back in the GGUF
-layout (ARCHITECTURES.md §2) and may be a read-only memmap view or a slice of
+layout (docs/formats.md § Quant blocks) and may be a read-only memmap view or a slice of
 a larger buffer: only each row has to be contiguous. Nothing is repacked or
 dequantized ahead: each call decodes blocks on the fly into a small float32
 tile and multiplies it with every activation row, so a prompt batch decodes
@@ -30,6 +30,16 @@ type the rows differ from matvec by the activation rounding).
 Kernels compile on first use of a type (numba, cached on disk under
 __pycache__ or NUMBA_CACHE_DIR), so a process using three types compiles
 three, and the next process start loads them from the cache.
+
+Two builds of the int8 dot (`INT8_DOT`, fixed at import, see _q8): "vnni"
+(AVX-512 VNNI instructions) when the CPU numba compiles for has them, else
+"portable" (the same integer sums as target-independent LLVM IR). numba's own
+target switch picks the portable one on any machine: `NUMBA_CPU_NAME=generic`
+(or `NUMBA_CPU_FEATURES` without +avx512vnni). There is no moe-pipe switch on
+purpose: numba's disk cache keys a kernel on the target CPU name and features
+but not on our environment, so a moe-pipe switch would let a process load the
+other build from the cache; tests/test_quant_portable.py runs the portable
+build this way.
 """
 
 from __future__ import annotations
@@ -43,10 +53,11 @@ from numpy.lib.stride_tricks import as_strided
 
 from moe_pipe.shared.quant import _float, _kquant, _legacy, _q8
 from moe_pipe.shared.quant._common import E8M0_HALF, F16_TABLE, LANES
-from moe_pipe.shared.quant.blocks import SUPPORTED, BlockFormat, QType, block_format, qtype_from_name
+from moe_pipe.shared.quant.blocks import QK, SUPPORTED, BlockFormat, QType, block_format, qtype_from_name
 
 __all__ = [
     "INT8_ACTIVATION_TYPES",
+    "INT8_DOT",
     "SUPPORTED",
     "QType",
     "block_format",
@@ -70,6 +81,8 @@ assert set(_KERNELS) == set(SUPPORTED), "every supported type needs kernels"
 # Types whose matvec/matmul run on int8 activations (integer block dots, _q8).
 _Q8_KERNELS = {QType[name]: pair for name, pair in _q8.KERNELS.items()}
 INT8_ACTIVATION_TYPES = tuple(_Q8_KERNELS)
+# Which build of the int8 dot this process compiles: "vnni" or "portable" (module doc).
+INT8_DOT = _q8.INT8_DOT
 _INT8_ACT = [os.environ.get("MOE_PIPE_INT8_ACT", "1") not in ("", "0")]
 # Calls with at most this many activation rows take the int8 kernels. The
 # int8 kernel redoes each block's integer dot per token, the float path
@@ -106,8 +119,10 @@ _TILE_ROWS_MATVEC = 1
 def set_threads(n: int) -> None:
     """Use n numba threads for the row loops (numba's setting is per calling thread)."""
     n = int(n)
-    if not 1 <= n <= numba.config.NUMBA_NUM_THREADS:
-        raise ValueError(f"threads must be between 1 and {numba.config.NUMBA_NUM_THREADS} (the cores numba started with), not {n}")
+    # numba.config sets its attributes from the environment at run time, out of a type checker's sight
+    most = int(vars(numba.config)["NUMBA_NUM_THREADS"])
+    if not 1 <= n <= most:
+        raise ValueError(f"threads must be between 1 and {most} (the cores numba started with), not {n}")
     numba.set_num_threads(n)
 
 
@@ -132,7 +147,7 @@ def effective_activation(x: np.ndarray, qtype: int | QType | None = None) -> np.
     """The activation (float32, [C] or [T, C]) exactly as a call of `qtype` with it uses it.
 
     For one activation row ([C] or [1, C]) on the int8-activation types (with
-    int8 activations on): x rounded to int8 per block of 32 and scaled back
+    int8 activations on): x rounded to int8 per block of QK = 32 and scaled back
     (dx·xq, in float32 — the products dx·xq are exact). For several rows, the
     other types, and with qtype None: x as float32.
     """
@@ -140,20 +155,20 @@ def effective_activation(x: np.ndarray, qtype: int | QType | None = None) -> np.
     if qtype is None or not _uses_q8(block_format(qtype).qtype, 1 if x32.ndim == 1 else x32.shape[0]):
         return x32
     X = x32.reshape(-1, x32.shape[-1])
-    if X.shape[1] % 32:
-        raise ValueError(f"effective_activation: C must be a multiple of 32, got {X.shape[1]}")
+    if X.shape[1] % QK:
+        raise ValueError(f"effective_activation: C must be a multiple of {QK}, got {X.shape[1]}")
     xq, dx = _quantize(X)[:2]
-    return (xq.reshape(X.shape[0], -1, 32) * dx.reshape(X.shape[0], -1, 1)).astype(np.float32).reshape(x32.shape)
+    return (xq.reshape(X.shape[0], -1, QK) * dx.reshape(X.shape[0], -1, 1)).astype(np.float32).reshape(x32.shape)
 
 
 def _quantize(X: np.ndarray):
     """X f32 [T, C] → (xq int8 [T·C], dx f32 [T·C/32], bs int32 [T·C/16], xs f32 [T·C/16], xs32 f32 [T·C/32])."""
     T, C = X.shape
     xq = np.empty(T * C, np.int8)
-    dx = np.empty(T * C // 32, np.float32)
-    bs = np.empty(T * C // 16, np.int32)
-    xs = np.empty(T * C // 16, np.float32)
-    xs32 = np.empty(T * C // 32, np.float32)
+    dx = np.empty(T * C // QK, np.float32)
+    bs = np.empty(T * C // (QK // 2), np.int32)
+    xs = np.empty(T * C // (QK // 2), np.float32)
+    xs32 = np.empty(T * C // QK, np.float32)
     if X.size:
         _q8.quantize_q8(X, xq, dx, bs, xs, xs32)
     return xq, dx, bs, xs, xs32

@@ -26,7 +26,9 @@ decoder on first use.
 
 Numba's disk cache is keyed on the source file of each driver, not on the
 helpers it inlines: after changing a helper or table here, also touch the type
-modules (_float, _legacy, _kquant) or clear their __pycache__.
+modules (_float, _legacy, _kquant, _q8) or clear their __pycache__. The same
+holds for the constants of blocks.py (frozen into the code as literals). CI
+(.ci/run) names its cache directory after a hash of these sources instead.
 
 Legend: R rows, C columns, T activation rows (tokens), G rows per tile,
 B blocks per row.

@@ -1,6 +1,6 @@
 """32-weight block types: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4.
 
-Byte layouts: ARCHITECTURES.md §2. "Nibble order": byte j of qs holds
+Byte layouts: docs/formats.md § Quant blocks. "Nibble order": byte j of qs holds
 element j in its low nibble and element j+16 in its high nibble.
 
 Per type: `_row_<t>(w, o, nb, dst, f16)` decodes nb blocks from byte o of the
@@ -16,16 +16,17 @@ import numpy as np
 from numba import njit, prange
 
 from moe_pipe.shared.quant._common import DRIVER, E8M0_HALF, INLINE, IQ4_VALUES, f16_at, tile_times
+from moe_pipe.shared.quant.blocks import IQ4_NL_BYTES, MXFP4_BYTES, Q4_0_BYTES, Q4_1_BYTES, Q5_0_BYTES, Q5_1_BYTES, Q8_0_BYTES, QK
 
 
 @njit(**INLINE)
 def _row_q8_0(w, o, nb, dst, f16, lanes):
     wi = w.view(np.int8)
     for b in range(nb):
-        p = o + 34 * b
+        p = o + Q8_0_BYTES * b
         d = f16_at(w, p, f16)
-        q = wi[p + 2 : p + 34]
-        y = dst[32 * b : 32 * b + 32]
+        q = wi[p + 2 : p + Q8_0_BYTES]
+        y = dst[QK * b : QK * b + QK]
         for l in range(2 * lanes):
             y[l] = d * np.float32(q[l])
 
@@ -33,10 +34,10 @@ def _row_q8_0(w, o, nb, dst, f16, lanes):
 @njit(**INLINE)
 def _row_q4_0(w, o, nb, dst, f16, lanes):
     for b in range(nb):
-        p = o + 18 * b
+        p = o + Q4_0_BYTES * b
         d = f16_at(w, p, f16)
-        q = w[p + 2 : p + 18]
-        y = dst[32 * b : 32 * b + 32]
+        q = w[p + 2 : p + Q4_0_BYTES]
+        y = dst[QK * b : QK * b + QK]
         for l in range(lanes):
             y[l] = d * np.float32(np.int32(q[l] & 15) - 8)
             y[l + 16] = d * np.float32(np.int32(q[l] >> 4) - 8)
@@ -45,11 +46,11 @@ def _row_q4_0(w, o, nb, dst, f16, lanes):
 @njit(**INLINE)
 def _row_q4_1(w, o, nb, dst, f16, lanes):
     for b in range(nb):
-        p = o + 20 * b
+        p = o + Q4_1_BYTES * b
         d = f16_at(w, p, f16)
         m = f16_at(w, p + 2, f16)
-        q = w[p + 4 : p + 20]
-        y = dst[32 * b : 32 * b + 32]
+        q = w[p + 4 : p + Q4_1_BYTES]
+        y = dst[QK * b : QK * b + QK]
         for l in range(lanes):
             y[l] = d * np.float32(q[l] & 15) + m
             y[l + 16] = d * np.float32(q[l] >> 4) + m
@@ -64,11 +65,11 @@ def _qh32(w, p):
 @njit(**INLINE)
 def _row_q5_0(w, o, nb, dst, f16, lanes):
     for b in range(nb):
-        p = o + 22 * b
+        p = o + Q5_0_BYTES * b
         d = f16_at(w, p, f16)
         qh = _qh32(w, p + 2)
-        q = w[p + 6 : p + 22]
-        y = dst[32 * b : 32 * b + 32]
+        q = w[p + 6 : p + Q5_0_BYTES]
+        y = dst[QK * b : QK * b + QK]
         for l in range(16):
             lo = np.int64(q[l] & 15) | (((qh >> l) & 1) << 4)
             hi = np.int64(q[l] >> 4) | (((qh >> (l + 16)) & 1) << 4)
@@ -79,12 +80,12 @@ def _row_q5_0(w, o, nb, dst, f16, lanes):
 @njit(**INLINE)
 def _row_q5_1(w, o, nb, dst, f16, lanes):
     for b in range(nb):
-        p = o + 24 * b
+        p = o + Q5_1_BYTES * b
         d = f16_at(w, p, f16)
         m = f16_at(w, p + 2, f16)
         qh = _qh32(w, p + 4)
-        q = w[p + 8 : p + 24]
-        y = dst[32 * b : 32 * b + 32]
+        q = w[p + 8 : p + Q5_1_BYTES]
+        y = dst[QK * b : QK * b + QK]
         for l in range(16):
             lo = np.int64(q[l] & 15) | (((qh >> l) & 1) << 4)
             hi = np.int64(q[l] >> 4) | (((qh >> (l + 16)) & 1) << 4)
@@ -95,10 +96,10 @@ def _row_q5_1(w, o, nb, dst, f16, lanes):
 @njit(**INLINE)
 def _row_iq4_nl(w, o, nb, dst, f16, lanes):
     for b in range(nb):
-        p = o + 18 * b
+        p = o + IQ4_NL_BYTES * b
         d = f16_at(w, p, f16)
-        q = w[p + 2 : p + 18]
-        y = dst[32 * b : 32 * b + 32]
+        q = w[p + 2 : p + IQ4_NL_BYTES]
+        y = dst[QK * b : QK * b + QK]
         for l in range(16):
             y[l] = d * IQ4_VALUES[q[l] & 15]
             y[l + 16] = d * IQ4_VALUES[q[l] >> 4]
@@ -106,9 +107,9 @@ def _row_iq4_nl(w, o, nb, dst, f16, lanes):
 
 @njit(**INLINE)
 def _fp4_twice(n):
-    """E2M1 code n (0..15) → twice its value as an integer: 0 1 2 3 4 6 8 12, sign bit 8.
+    """E2M1 code n (0..15) → twice its value as an integer: blocks.E2M1_TWICE, sign bit 8.
 
-    Arithmetic instead of a 16-entry table: a table lookup becomes a gather
+    Arithmetic instead of the 16-entry table: a table lookup becomes a gather
     (or stays scalar), this becomes shifts and selects (decode 1.9 → 3.9 G weights/s, one core).
     """
     m = np.int32(n & 7)
@@ -119,10 +120,10 @@ def _fp4_twice(n):
 @njit(**INLINE)
 def _row_mxfp4(w, o, nb, dst, f16, lanes):
     for b in range(nb):
-        p = o + 17 * b
+        p = o + MXFP4_BYTES * b
         half = E8M0_HALF[w[p]]  # 2^(e−128): the table holds doubled values
-        q = w[p + 1 : p + 17]
-        y = dst[32 * b : 32 * b + 32]
+        q = w[p + 1 : p + MXFP4_BYTES]
+        y = dst[QK * b : QK * b + QK]
         for l in range(16):
             y[l] = half * np.float32(_fp4_twice(q[l] & 15))
             y[l + 16] = half * np.float32(_fp4_twice(q[l] >> 4))
@@ -141,14 +142,14 @@ def _mm_q8_0(w, stride, X, G, f16, lanes, out):
         n = min(G, R - r0)
         tile = np.empty((n, C), np.float32)  # [G, C]
         for i in range(n):
-            _row_q8_0(w, (r0 + i) * stride, C // 32, tile[i], f16, lanes)
+            _row_q8_0(w, (r0 + i) * stride, C // QK, tile[i], f16, lanes)
         tile_times(tile, n, X, out, r0)
 
 
 @njit(**DRIVER)
 def _rows_q8_0(w, stride, rows, f16, lanes, out):
     for i in prange(rows.size):
-        _row_q8_0(w, rows[i] * stride, out.shape[1] // 32, out[i], f16, lanes)
+        _row_q8_0(w, rows[i] * stride, out.shape[1] // QK, out[i], f16, lanes)
 
 
 @njit(**DRIVER)
@@ -159,14 +160,14 @@ def _mm_q4_0(w, stride, X, G, f16, lanes, out):
         n = min(G, R - r0)
         tile = np.empty((n, C), np.float32)
         for i in range(n):
-            _row_q4_0(w, (r0 + i) * stride, C // 32, tile[i], f16, lanes)
+            _row_q4_0(w, (r0 + i) * stride, C // QK, tile[i], f16, lanes)
         tile_times(tile, n, X, out, r0)
 
 
 @njit(**DRIVER)
 def _rows_q4_0(w, stride, rows, f16, lanes, out):
     for i in prange(rows.size):
-        _row_q4_0(w, rows[i] * stride, out.shape[1] // 32, out[i], f16, lanes)
+        _row_q4_0(w, rows[i] * stride, out.shape[1] // QK, out[i], f16, lanes)
 
 
 @njit(**DRIVER)
@@ -177,14 +178,14 @@ def _mm_q4_1(w, stride, X, G, f16, lanes, out):
         n = min(G, R - r0)
         tile = np.empty((n, C), np.float32)
         for i in range(n):
-            _row_q4_1(w, (r0 + i) * stride, C // 32, tile[i], f16, lanes)
+            _row_q4_1(w, (r0 + i) * stride, C // QK, tile[i], f16, lanes)
         tile_times(tile, n, X, out, r0)
 
 
 @njit(**DRIVER)
 def _rows_q4_1(w, stride, rows, f16, lanes, out):
     for i in prange(rows.size):
-        _row_q4_1(w, rows[i] * stride, out.shape[1] // 32, out[i], f16, lanes)
+        _row_q4_1(w, rows[i] * stride, out.shape[1] // QK, out[i], f16, lanes)
 
 
 @njit(**DRIVER)
@@ -195,14 +196,14 @@ def _mm_q5_0(w, stride, X, G, f16, lanes, out):
         n = min(G, R - r0)
         tile = np.empty((n, C), np.float32)
         for i in range(n):
-            _row_q5_0(w, (r0 + i) * stride, C // 32, tile[i], f16, lanes)
+            _row_q5_0(w, (r0 + i) * stride, C // QK, tile[i], f16, lanes)
         tile_times(tile, n, X, out, r0)
 
 
 @njit(**DRIVER)
 def _rows_q5_0(w, stride, rows, f16, lanes, out):
     for i in prange(rows.size):
-        _row_q5_0(w, rows[i] * stride, out.shape[1] // 32, out[i], f16, lanes)
+        _row_q5_0(w, rows[i] * stride, out.shape[1] // QK, out[i], f16, lanes)
 
 
 @njit(**DRIVER)
@@ -213,14 +214,14 @@ def _mm_q5_1(w, stride, X, G, f16, lanes, out):
         n = min(G, R - r0)
         tile = np.empty((n, C), np.float32)
         for i in range(n):
-            _row_q5_1(w, (r0 + i) * stride, C // 32, tile[i], f16, lanes)
+            _row_q5_1(w, (r0 + i) * stride, C // QK, tile[i], f16, lanes)
         tile_times(tile, n, X, out, r0)
 
 
 @njit(**DRIVER)
 def _rows_q5_1(w, stride, rows, f16, lanes, out):
     for i in prange(rows.size):
-        _row_q5_1(w, rows[i] * stride, out.shape[1] // 32, out[i], f16, lanes)
+        _row_q5_1(w, rows[i] * stride, out.shape[1] // QK, out[i], f16, lanes)
 
 
 @njit(**DRIVER)
@@ -231,14 +232,14 @@ def _mm_iq4_nl(w, stride, X, G, f16, lanes, out):
         n = min(G, R - r0)
         tile = np.empty((n, C), np.float32)
         for i in range(n):
-            _row_iq4_nl(w, (r0 + i) * stride, C // 32, tile[i], f16, lanes)
+            _row_iq4_nl(w, (r0 + i) * stride, C // QK, tile[i], f16, lanes)
         tile_times(tile, n, X, out, r0)
 
 
 @njit(**DRIVER)
 def _rows_iq4_nl(w, stride, rows, f16, lanes, out):
     for i in prange(rows.size):
-        _row_iq4_nl(w, rows[i] * stride, out.shape[1] // 32, out[i], f16, lanes)
+        _row_iq4_nl(w, rows[i] * stride, out.shape[1] // QK, out[i], f16, lanes)
 
 
 @njit(**DRIVER)
@@ -249,14 +250,14 @@ def _mm_mxfp4(w, stride, X, G, f16, lanes, out):
         n = min(G, R - r0)
         tile = np.empty((n, C), np.float32)
         for i in range(n):
-            _row_mxfp4(w, (r0 + i) * stride, C // 32, tile[i], f16, lanes)
+            _row_mxfp4(w, (r0 + i) * stride, C // QK, tile[i], f16, lanes)
         tile_times(tile, n, X, out, r0)
 
 
 @njit(**DRIVER)
 def _rows_mxfp4(w, stride, rows, f16, lanes, out):
     for i in prange(rows.size):
-        _row_mxfp4(w, rows[i] * stride, out.shape[1] // 32, out[i], f16, lanes)
+        _row_mxfp4(w, rows[i] * stride, out.shape[1] // QK, out[i], f16, lanes)
 
 
 KERNELS = {

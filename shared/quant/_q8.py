@@ -24,11 +24,13 @@ code offset subtracted in exact int32 per block (an all-zero-weight block
 gives exactly 0), one 4-lane FMA. Q5_0 and the < 4-block tails keep a
 per-block IR dot (`_dot_*`: `zext(u)·sext(xq)` + `llvm.vector.reduce.add`).
 
-Where the CPU has AVX-512 VNNI (and numba targets the host) the 64-byte dot is
-the `llvm.x86.avx512.vpdpbusd.512` intrinsic; anywhere else it is the same
-sum written as target-independent IR (products in int32, pairwise adds): the
-same integer sums, only slower (the float scaling may round differently in
-the last bit, as LLVM schedules it differently). Written in numba-level Python the same
+Where the CPU numba compiles for has AVX-512 VNNI (`INT8_DOT` = "vnni") the
+64-byte dot is the `llvm.x86.avx512.vpdpbusd.512` intrinsic and the MXFP4
+code map one `vpshufb`; anywhere else (`INT8_DOT` = "portable", also forced
+by NUMBA_CPU_NAME=generic) both are target-independent IR (products in int32,
+pairwise adds; the code map by arithmetic): the same integer sums, only
+slower (the float scaling may round differently in the last bit, as LLVM
+schedules it differently). Written in numba-level Python the same
 loop is typed in int64 (numba widens small ints), and LLVM then leaves it
 scalar or widens to 32-bit lanes: 6–9 G weights/s for a block dot, against
 25–35 G weights/s for the whole-row kernels here (one core, in cache).
@@ -42,15 +44,16 @@ gives NaN/inf outputs (dx = inf or NaN), as the float path would.
 
 from __future__ import annotations
 
-import llvmlite.binding as llb
 import numba
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
+from numba.core.codegen import get_host_cpu_features
 from numba.extending import intrinsic
 
 from moe_pipe.shared.quant._common import DRIVER, INLINE, f16_at
+from moe_pipe.shared.quant.blocks import E2M1_TWICE, MXFP4_BYTES, Q4_K_BYTES, Q5_0_BYTES, Q6_K_BYTES, Q8_0_BYTES, QK, QK_K
 
 _I8 = ir.IntType(8)
 _I16 = ir.IntType(16)
@@ -58,18 +61,30 @@ _I32 = ir.IntType(32)
 _I64 = ir.IntType(64)
 _F32 = ir.FloatType()
 _HALF = ir.HalfType()
+# An activation element index → its QK-block (>> _LOG2_QK) or half-block (>> _LOG2_QK - 1).
+_LOG2_QK = QK.bit_length() - 1
+assert 1 << _LOG2_QK == QK
 
 
-def _has_vnni() -> bool:
-    """Whether the code numba emits may use AVX-512 VNNI (host CPU, or the configured target)."""
-    name, feats = numba.config.CPU_NAME, numba.config.CPU_FEATURES
-    if name in (None, "host") and not feats:
-        f = llb.get_host_cpu_features()
-        return bool(f.get("avx512vnni")) and bool(f.get("avx512bw"))
-    return bool(feats) and "+avx512vnni" in feats and "+avx512bw" in feats
+def _target_features() -> str:
+    """The LLVM feature string numba compiles for, as its codegen computes it.
+
+    NUMBA_CPU_FEATURES when set (NUMBA_CPU_NAME=generic sets it to ""), else
+    the host's features (minus AVX when NUMBA_ENABLE_AVX=0). The CPU name
+    alone does not decide: numba pairs any name with the host's features.
+    """
+    feats = vars(numba.config)["CPU_FEATURES"]  # set at run time from the environment
+    return feats if feats is not None else get_host_cpu_features()
 
 
-_VNNI = _has_vnni()
+# Fixed at import, so one process never mixes the two builds; numba's disk
+# cache keys each kernel on the target name and features, so a process with
+# another target compiles (or loads) its own build. VNNI: vpdpbusd on 512-bit
+# vectors; F16C: f16 → float32 in one instruction (every AVX-512 CPU has it).
+_FEATURES = set(_target_features().split(","))
+_VNNI = {"+avx512vnni", "+avx512bw"} <= _FEATURES
+_F16C = "+f16c" in _FEATURES
+INT8_DOT = "vnni" if _VNNI else "portable"
 
 
 def _vec(n, bits=8):
@@ -132,19 +147,35 @@ def _dot_q5_0(typingctx, w, wo, qh, x, xo):
     return types.int32(w, wo, qh, x, xo), codegen
 
 
+# E2M1 code → 2·value + 12 ≥ 0, so the codes fit u8 lanes for the u8·i8 dot
+# (12 = 2·6, the largest magnitude; the kernels subtract 12·Σ xq again).
+_FP4_OFFSET = 2 * 6
+assert E2M1_TWICE[-1] == _FP4_OFFSET
+# The same as a 16-entry table (code 8..15: the negatives), for vpshufb.
+_FP4_U = [_FP4_OFFSET + v for v in E2M1_TWICE] + [_FP4_OFFSET - v for v in E2M1_TWICE]
+
+
+def _fp4_u_arith(builder, n):
+    """<k x i8> E2M1 codes (0..15) → 2·value + 12, by arithmetic (any k, any target).
+
+    The magnitude code m = n & 7 maps to E2M1_TWICE[m]: m itself for m < 4,
+    else (2 | m&1) << (m>>1 − 1) (4 6 8 12); bit 3 is the sign.
+    """
+    k = n.type.count
+    c = lambda v: ir.Constant(_vec(k), [v] * k)  # noqa: E731
+    m = builder.and_(n, c(7))
+    big = builder.shl(builder.or_(builder.and_(m, c(1)), c(2)), builder.and_(builder.sub(builder.lshr(m, c(1)), c(1)), c(3)))
+    mag = builder.select(builder.icmp_unsigned("<", m, c(4)), m, big)
+    neg = builder.icmp_unsigned("!=", builder.and_(n, c(8)), c(0))
+    return builder.select(neg, builder.sub(c(_FP4_OFFSET), mag), builder.add(c(_FP4_OFFSET), mag))
+
+
 @intrinsic
 def _dot_fp4(typingctx, w, wo, x, xo):
     """Σ_{l<32} (2·E2M1(code_l) + 12)·x[xo+l] over an MXFP4 block's qs at wo."""
 
     def codegen(context, builder, sig, args):
-        n = _nibbles32(builder, _load(context, builder, sig.args[0], args[0], args[1], 16))
-        c = lambda v: ir.Constant(_vec(32), [v] * 32)  # noqa: E731
-        m = builder.and_(n, c(7))
-        # m < 4: m; else (2 | m&1) << (m>>1 − 1): 4 6 8 12
-        big = builder.shl(builder.or_(builder.and_(m, c(1)), c(2)), builder.and_(builder.sub(builder.lshr(m, c(1)), c(1)), c(3)))
-        mag = builder.select(builder.icmp_unsigned("<", m, c(4)), m, big)
-        neg = builder.icmp_unsigned("!=", builder.and_(n, c(8)), c(0))
-        u = builder.select(neg, builder.sub(c(12), mag), builder.add(c(12), mag))
+        u = _fp4_u_arith(builder, _nibbles32(builder, _load(context, builder, sig.args[0], args[0], args[1], 16)))
         return _dot(builder, u, _load(context, builder, sig.args[2], args[2], args[3], 32), 32)
 
     return types.int32(w, wo, x, xo), codegen
@@ -178,9 +209,23 @@ class _Emit:
         return self.b.shuffle_vector(a, b if b is not None else ir.Constant(a.type, None), ir.Constant(_vec(len(idx), 32), idx))
 
     def half(self, base, off):
-        """The f16 at byte `off` of i8 pointer `base`, as float."""
-        h = self.b.bitcast(self.load(base, off, _I16), _HALF)
-        return self.b.fpext(h, _F32)
+        """The f16 at byte `off` of i8 pointer `base`, as float (exact)."""
+        h = self.load(base, off, _I16)
+        if _F16C:
+            return self.b.fpext(self.b.bitcast(h, _HALF), _F32)
+        # Without F16C, LLVM lowers fpext half to a call of __extendhfsf2, a
+        # compiler-rt function numba's JIT cannot link ("Symbol not found").
+        # Instead, as _float's F16 decoder: exponent and mantissa moved into
+        # float32 position, times 2^112 to rebase the exponent (f16 subnormals
+        # become float32 normals exactly); all-ones exponent → inf/NaN.
+        b, x = self.b, self.b.zext(h, _I32)
+        bits = b.or_(
+            b.shl(b.and_(x, ir.Constant(_I32, 0x7FFF)), ir.Constant(_I32, 13)),
+            b.shl(b.and_(x, ir.Constant(_I32, 0x8000)), ir.Constant(_I32, 16)),
+        )
+        special = b.icmp_unsigned("==", b.and_(x, ir.Constant(_I32, 0x7C00)), ir.Constant(_I32, 0x7C00))
+        bits = b.select(special, b.or_(bits, ir.Constant(_I32, 0x7F800000)), bits)
+        return b.fmul(b.bitcast(bits, _F32), ir.Constant(_F32, 2.0**112))
 
     def fn(self, name, ret, args):
         return cgutils.get_or_insert_function(self.mod, ir.FunctionType(ret, args), name)
@@ -255,8 +300,8 @@ def _gen_block4(e: _Emit, w, o, ng, xq, xo, dx, bs, tab, *, size, codes, scale, 
     acc = e.acc(4)
     with cgutils.for_range(b, ng) as loop:
         p = b.add(o, b.mul(loop.index, e.i64(4 * size)))
-        xb = b.add(xo, b.mul(loop.index, e.i64(128)))
-        j = b.lshr(xb, e.i64(5))
+        xb = b.add(xo, b.mul(loop.index, e.i64(4 * QK)))
+        j = b.lshr(xb, e.i64(_LOG2_QK))
         u01, u23 = codes(p)
         dots = _block4_sums(e, e.dp(u01, e.load(xq, xb, _vec(64))), e.dp(u23, e.load(xq, b.add(xb, e.i64(64)), _vec(64))))
         bs8 = e.load(bs, b.shl(j, e.i64(1)), _vec(8, 32))  # Σ xq per 16 → per 32
@@ -272,35 +317,24 @@ def _gen_block4(e: _Emit, w, o, ng, xq, xo, dx, bs, tab, *, size, codes, scale, 
 
 def _gen_q8_0(e: _Emit, w, o, ng, xq, xo, dx, bs, tab):
     def codes(p):
-        q = [e.load(w, e.b.add(p, e.i64(34 * i + 2)), _vec(32)) for i in range(4)]
+        q = [e.load(w, e.b.add(p, e.i64(Q8_0_BYTES * i + 2)), _vec(32)) for i in range(4)]
         flip = e.const(_vec(64), 0x80)  # int8 q → u8 q + 128
         return (e.b.xor(e.shuf(q[0], q[1], list(range(64))), flip), e.b.xor(e.shuf(q[2], q[3], list(range(64))), flip))
 
-    return _gen_block4(e, w, o, ng, xq, xo, dx, bs, tab, size=34, codes=codes, scale=lambda p: e.half(w, p), offset=128)
-
-
-# 2·E2M1(code) + 12 for the 16 codes: 0 1 2 3 4 6 8 12, then the negatives
-_FP4_U = [12 + v for v in (0, 1, 2, 3, 4, 6, 8, 12)] + [12 - v for v in (0, 1, 2, 3, 4, 6, 8, 12)]
+    return _gen_block4(e, w, o, ng, xq, xo, dx, bs, tab, size=Q8_0_BYTES, codes=codes, scale=lambda p: e.half(w, p), offset=128)
 
 
 def _fp4_u(e: _Emit, n):
     """<64 x i8> E2M1 codes (0..15) → 2·value + 12 (u8)."""
-    b = e.b
     if _VNNI:  # one vpshufb: a 16-entry table per 128-bit lane
         f = e.fn("llvm.x86.avx512.pshuf.b.512", _vec(64), [_vec(64), _vec(64)])
-        return b.call(f, [e.const(_vec(64), _FP4_U * 4), n])
-    c = lambda v: e.const(_vec(64), v)  # noqa: E731
-    m = b.and_(n, c(7))
-    # m < 4: m; else (2 | m&1) << (m>>1 − 1): 4 6 8 12
-    big = b.shl(b.or_(b.and_(m, c(1)), c(2)), b.and_(b.sub(b.lshr(m, c(1)), c(1)), c(3)))
-    mag = b.select(b.icmp_unsigned("<", m, c(4)), m, big)
-    neg = b.icmp_unsigned("!=", b.and_(n, c(8)), c(0))
-    return b.select(neg, b.sub(c(12), mag), b.add(c(12), mag))
+        return e.b.call(f, [e.const(_vec(64), _FP4_U * 4), n])
+    return _fp4_u_arith(e.b, n)
 
 
 def _gen_mxfp4(e: _Emit, w, o, ng, xq, xo, dx, bs, half):
     def codes(p):
-        q = [e.load(w, e.b.add(p, e.i64(17 * i + 1)), _vec(16)) for i in range(4)]
+        q = [e.load(w, e.b.add(p, e.i64(MXFP4_BYTES * i + 1)), _vec(16)) for i in range(4)]
         q = e.shuf(e.shuf(q[0], q[1], list(range(32))), e.shuf(q[2], q[3], list(range(32))), list(range(64)))
         lo = _fp4_u(e, e.b.and_(q, e.const(_vec(64), 15)))
         hi = _fp4_u(e, e.b.lshr(q, e.const(_vec(64), 4)))
@@ -313,7 +347,7 @@ def _gen_mxfp4(e: _Emit, w, o, ng, xq, xo, dx, bs, half):
     def scale(p):
         return e.b.load(e.b.gep(half, [e.b.zext(e.load(w, p, _I8), _I64)]))
 
-    return _gen_block4(e, w, o, ng, xq, xo, dx, bs, half, size=17, codes=codes, scale=scale, offset=12)
+    return _gen_block4(e, w, o, ng, xq, xo, dx, bs, half, size=MXFP4_BYTES, codes=codes, scale=scale, offset=_FP4_OFFSET)
 
 
 def _gen_q4_k(e: _Emit, w, o, nb, xq, xo, dx, xs32, tab):
@@ -322,9 +356,9 @@ def _gen_q4_k(e: _Emit, w, o, nb, xq, xo, dx, xs32, tab):
     acc, acc2, accm = e.acc(16), e.acc(16), e.acc(8)
     v8 = _vec(8, 32)
     with cgutils.for_range(b, nb) as loop:
-        p = b.add(o, b.mul(loop.index, e.i64(144)))
-        xb = b.add(xo, b.mul(loop.index, e.i64(256)))
-        j = b.lshr(xb, e.i64(5))
+        p = b.add(o, b.mul(loop.index, e.i64(Q4_K_BYTES)))
+        xb = b.add(xo, b.mul(loop.index, e.i64(QK_K)))
+        j = b.lshr(xb, e.i64(_LOG2_QK))
         d, dmin = e.half(w, p), e.half(w, b.add(p, e.i64(2)))
         # 6-bit scales / mins of the 8 sub-blocks, from the 12 bytes at p+4
         s = b.zext(e.load(w, b.add(p, e.i64(4)), _vec(16)), _vec(16, 32))
@@ -354,18 +388,18 @@ def _gen_q6_k(e: _Emit, w, o, nb, xq, xo, dx, xs16, tab):
     acc, acc2, accm = e.acc(16), e.acc(16), e.acc(16)
     v64 = _vec(64)
     with cgutils.for_range(b, nb) as loop:
-        p = b.add(o, b.mul(loop.index, e.i64(210)))
-        xb = b.add(xo, b.mul(loop.index, e.i64(256)))
+        p = b.add(o, b.mul(loop.index, e.i64(Q6_K_BYTES)))
+        xb = b.add(xo, b.mul(loop.index, e.i64(QK_K)))
         d = e.half(w, b.add(p, e.i64(208)))
         scd = b.fmul(b.sitofp(e.load(w, b.add(p, e.i64(192)), _vec(16)), _fvec(16)), _splat(b, d, 16))  # d·scale per 16
-        b.store(e.fma(scd, e.load(xs16, b.lshr(xb, e.i64(4)), _fvec(16)), b.load(accm)), accm)
-        dx8 = e.load(dx, b.lshr(xb, e.i64(5)), _fvec(8))
+        b.store(e.fma(scd, e.load(xs16, b.lshr(xb, e.i64(_LOG2_QK - 1)), _fvec(16)), b.load(accm)), accm)
+        dx8 = e.load(dx, b.lshr(xb, e.i64(_LOG2_QK)), _fvec(8))
         g16 = b.fmul(scd, e.shuf(dx8, None, [i // 2 for i in range(16)]))  # d·scale·dx per 16
         a = [b.load(acc), b.load(acc2)]  # two FMA chains
         for h in range(2):
             ql = e.load(w, b.add(p, e.i64(64 * h)), v64)
             qh = e.load(w, b.add(p, e.i64(128 + 32 * h)), _vec(32))
-            sh = lambda n: b.lshr(qh, e.const(_vec(32), n))  # noqa: E731
+            sh = lambda n, qh=qh: b.lshr(qh, e.const(_vec(32), n))  # noqa: E731
             hb = (e.shuf(qh, sh(2), list(range(64))), e.shuf(sh(4), sh(6), list(range(64))))
             us = (b.and_(ql, e.const(v64, 15)), b.lshr(ql, e.const(v64, 4)))
             for k in range(2):  # elements 128h + 64k .. +64: planes 2k, 2k+1
@@ -396,13 +430,13 @@ def _quantize_into(X, XQ, DX, BS, XS, XS32):
     a block with amax < 2^-100 is flushed to zero (dx = 0).
     """
     T, C = X.shape
-    nb = C // 32
+    nb = C // QK
     for t in range(T):
         for j in range(nb):
-            xb = X[t, 32 * j : 32 * j + 32]
+            xb = X[t, QK * j : QK * j + QK]
             amax = np.float32(0.0)
             finite = True
-            for l in range(32):
+            for l in range(QK):
                 a = abs(xb[l])
                 finite = finite and np.isfinite(a)
                 amax = a if a > amax else amax
@@ -418,10 +452,10 @@ def _quantize_into(X, XQ, DX, BS, XS, XS32):
                 inv = np.float32(127.0) / amax
             s0 = 0
             s1 = 0
-            for l in range(32):
+            for l in range(QK):
                 v = np.int32(np.rint(xb[l] * inv)) if inv != 0 else np.int32(0)
-                XQ[k * 32 + l] = v
-                if l < 16:
+                XQ[k * QK + l] = v
+                if l < QK // 2:
                     s0 += v
                 else:
                     s1 += v
@@ -443,10 +477,10 @@ def _prep(X):
     """X f32 [T, C] → the rounded activation arrays of _quantize_into, allocated here."""
     T, C = X.shape
     xq = np.empty(T * C, np.int8)
-    dx = np.empty(T * C // 32, np.float32)
-    bs = np.empty(T * C // 16, np.int32)
-    xs = np.empty(T * C // 16, np.float32)
-    xs32 = np.empty(T * C // 32, np.float32)
+    dx = np.empty(T * C // QK, np.float32)
+    bs = np.empty(T * C // (QK // 2), np.int32)
+    xs = np.empty(T * C // (QK // 2), np.float32)
+    xs32 = np.empty(T * C // QK, np.float32)
     _quantize_into(X, xq, dx, bs, xs, xs32)
     return xq, dx, bs, xs, xs32
 
@@ -459,11 +493,11 @@ def _prep(X):
 def _row_q8_0(w, o, nb, xq, dx, bs, xo, f16):
     n4 = nb // 4
     acc = _rowdot4_q8_0(w, o, n4, xq, xo, dx, bs, f16)
-    j0 = xo // 32
+    j0 = xo // QK
     for b in range(4 * n4, nb):
-        p = o + 34 * b
+        p = o + Q8_0_BYTES * b
         j = np.uint64(j0 + b)
-        s = _dot_q8(w, p + 2, xq, xo + 32 * b) - 128 * (bs[2 * j] + bs[2 * j + 1])
+        s = _dot_q8(w, p + 2, xq, xo + QK * b) - 128 * (bs[2 * j] + bs[2 * j + 1])
         acc += f16_at(w, p, f16) * dx[j] * np.float32(s)
     return acc
 
@@ -471,12 +505,12 @@ def _row_q8_0(w, o, nb, xq, dx, bs, xo, f16):
 @njit(**INLINE)
 def _row_q5_0(w, o, nb, xq, dx, bs, xo, f16):
     acc = np.float32(0.0)
-    j0 = xo // 32
+    j0 = xo // QK
     for b in range(nb):
-        p = o + 22 * b
+        p = o + Q5_0_BYTES * b
         qh = np.int64(w[p + 2]) | (np.int64(w[p + 3]) << 8) | (np.int64(w[p + 4]) << 16) | (np.int64(w[p + 5]) << 24)
         j = np.uint64(j0 + b)
-        s = _dot_q5_0(w, p + 6, qh, xq, xo + 32 * b) - 16 * (bs[2 * j] + bs[2 * j + 1])
+        s = _dot_q5_0(w, p + 6, qh, xq, xo + QK * b) - 16 * (bs[2 * j] + bs[2 * j + 1])
         acc += f16_at(w, p, f16) * dx[j] * np.float32(s)
     return acc
 
@@ -485,11 +519,11 @@ def _row_q5_0(w, o, nb, xq, dx, bs, xo, f16):
 def _row_mxfp4(w, o, nb, xq, dx, bs, xo, half):
     n4 = nb // 4
     acc = _rowdot4_mxfp4(w, o, n4, xq, xo, dx, bs, half)
-    j0 = xo // 32
+    j0 = xo // QK
     for b in range(4 * n4, nb):
-        p = o + 17 * b
+        p = o + MXFP4_BYTES * b
         j = np.uint64(j0 + b)
-        s = _dot_fp4(w, p + 1, xq, xo + 32 * b) - 12 * (bs[2 * j] + bs[2 * j + 1])
+        s = _dot_fp4(w, p + 1, xq, xo + QK * b) - _FP4_OFFSET * (bs[2 * j] + bs[2 * j + 1])
         acc += half[w[np.uint64(p)]] * dx[j] * np.float32(s)
     return acc
 
@@ -508,7 +542,7 @@ def _mq_q8_0(w, stride, X, f16, out):
     xq, dx, bs, xs, xs32 = _prep(X)
     for r in prange(R):
         for t in range(T):
-            out[t, r] = _row_q8_0(w, r * stride, C // 32, xq, dx, bs, t * C, f16)
+            out[t, r] = _row_q8_0(w, r * stride, C // QK, xq, dx, bs, t * C, f16)
 
 
 @njit(**DRIVER)
@@ -518,7 +552,7 @@ def _mq_q5_0(w, stride, X, f16, out):
     xq, dx, bs, xs, xs32 = _prep(X)
     for r in prange(R):
         for t in range(T):
-            out[t, r] = _row_q5_0(w, r * stride, C // 32, xq, dx, bs, t * C, f16)
+            out[t, r] = _row_q5_0(w, r * stride, C // QK, xq, dx, bs, t * C, f16)
 
 
 @njit(**DRIVER)
@@ -528,7 +562,7 @@ def _mq_mxfp4(w, stride, X, half, out):
     xq, dx, bs, xs, xs32 = _prep(X)
     for r in prange(R):
         for t in range(T):
-            out[t, r] = _row_mxfp4(w, r * stride, C // 32, xq, dx, bs, t * C, half)
+            out[t, r] = _row_mxfp4(w, r * stride, C // QK, xq, dx, bs, t * C, half)
 
 
 @njit(**DRIVER)
@@ -538,7 +572,7 @@ def _mq_q4_k(w, stride, X, f16, out):
     xq, dx, bs, xs, xs32 = _prep(X)
     for r in prange(R):
         for t in range(T):
-            out[t, r] = _rowdot_q4_k(w, r * stride, C // 256, xq, t * C, dx, xs32, f16)
+            out[t, r] = _rowdot_q4_k(w, r * stride, C // QK_K, xq, t * C, dx, xs32, f16)
 
 
 @njit(**DRIVER)
@@ -548,7 +582,7 @@ def _mq_q6_k(w, stride, X, f16, out):
     xq, dx, bs, xs, xs32 = _prep(X)
     for r in prange(R):
         for t in range(T):
-            out[t, r] = _rowdot_q6_k(w, r * stride, C // 256, xq, t * C, dx, xs, f16)
+            out[t, r] = _rowdot_q6_k(w, r * stride, C // QK_K, xq, t * C, dx, xs, f16)
 
 
 # type name → (driver, whether it takes E8M0_HALF instead of F16_TABLE)

@@ -1,10 +1,12 @@
 """Quantized block formats: the one table of supported ggml types, and random
 valid blocks for made models and kernel tests.
 
-The byte layout of each block is in ../shared/ARCHITECTURES.md §2; here we
-only need what every caller shares: block size, bytes per block, where the
-scale fields sit (to make random blocks with a chosen spread), and shape
-arithmetic. Legend: R rows, C columns (ne0, the contiguous axis), B blocks.
+The byte layout of each block is ggml's (docs/formats.md § Quant blocks; gguf-py's `gguf.quants` decodes the
+same bytes in numpy, and the kernel tests compare against it); here we only
+need what every caller shares: block size, bytes per block, where the scale
+fields sit (to make random blocks with a chosen spread), the MXFP4 code book,
+and shape arithmetic. Legend: R rows, C columns (ne0, the contiguous axis),
+B blocks.
 """
 
 from __future__ import annotations
@@ -12,10 +14,44 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as QType  # an import, not an alias assignment: mypy then allows QType[name]
 from gguf.quants import dequantize
 
-QType = GGMLQuantizationType
+
+def _type_size(qtype: QType, block_size: int) -> int:
+    """Bytes per block of `qtype`, checking that its block holds `block_size` weights."""
+    weights, size = GGML_QUANT_SIZES[qtype]
+    if weights != block_size:
+        raise ImportError(f"gguf says a {qtype.name} block holds {weights} weights; the kernels are written for {block_size}")
+    return size
+
+
+# Block facts the kernels are compiled with (numba freezes module-level ints
+# into the machine code, as if they were literals), taken from gguf's table so
+# the kernels and the file reader cannot disagree on them.
+QK = 32  # weights per block: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4, and the int8 activation blocks
+QK_K = 256  # weights per super-block: Q2_K .. Q6_K, IQ4_XS
+Q8_0_BYTES = _type_size(QType.Q8_0, QK)  # 34: f16 d, 32 int8 codes
+Q4_0_BYTES = _type_size(QType.Q4_0, QK)  # 18: f16 d, 16 nibble bytes
+Q4_1_BYTES = _type_size(QType.Q4_1, QK)  # 20: f16 d, f16 m, 16 nibble bytes
+Q5_0_BYTES = _type_size(QType.Q5_0, QK)  # 22: f16 d, u32 high bits, 16 nibble bytes
+Q5_1_BYTES = _type_size(QType.Q5_1, QK)  # 24: f16 d, f16 m, u32 high bits, 16 nibble bytes
+IQ4_NL_BYTES = _type_size(QType.IQ4_NL, QK)  # 18: f16 d, 16 nibble bytes (code book indices)
+MXFP4_BYTES = _type_size(QType.MXFP4, QK)  # 17: E8M0 exponent byte, 16 nibble bytes (E2M1 codes)
+Q2_K_BYTES = _type_size(QType.Q2_K, QK_K)  # 84
+Q3_K_BYTES = _type_size(QType.Q3_K, QK_K)  # 110
+Q4_K_BYTES = _type_size(QType.Q4_K, QK_K)  # 144
+Q5_K_BYTES = _type_size(QType.Q5_K, QK_K)  # 176
+Q6_K_BYTES = _type_size(QType.Q6_K, QK_K)  # 210
+IQ4_XS_BYTES = _type_size(QType.IQ4_XS, QK_K)  # 136
+
+# MXFP4 elements are E2M1 codes: bit 3 the sign, codes 0..7 the magnitudes
+# 0, 0.5, 1, 1.5, 2, 3, 4, 6. Listed doubled so they are integers (the
+# decoders and the int8 kernels work on 2·value; the E8M0 table halves the
+# scale to match). The one copy of the code book: the kernels' decoders are
+# checked against it (tests/test_quant_portable.py).
+E2M1_TWICE = (0, 1, 2, 3, 4, 6, 8, 12)
 
 
 @dataclass(frozen=True)
@@ -73,21 +109,24 @@ FORMATS: dict[QType, BlockFormat] = {
 }
 
 SUPPORTED = tuple(FORMATS)
+# The same table keyed by plain int: a QType (an IntEnum) hashes and compares
+# like its int, so the hot path looks ids up with no enum construction.
+_BY_ID: dict[int, BlockFormat] = {int(q): f for q, f in FORMATS.items()}
 
 
 def block_format(qtype: int | QType) -> BlockFormat:
     """The format of a ggml type id; ValueError names unsupported ones."""
-    fmt = FORMATS.get(qtype)  # IntEnum hashes like its int: no enum construction on the hot path
+    fmt = _BY_ID.get(qtype)
     if fmt is not None:
         return fmt
-    try:
-        return FORMATS[QType(int(qtype))]
-    except (ValueError, KeyError):
-        try:
-            name = QType(int(qtype)).name
-        except ValueError:
-            name = f"unknown type id {int(qtype)}"
-        raise ValueError(f"quant type {name} is not supported (supported: {', '.join(t.name for t in SUPPORTED)})") from None
+    try:  # ids that only equal their int after int() (e.g. "12")
+        name = QType(int(qtype)).name
+        fmt = _BY_ID.get(int(qtype))
+    except ValueError:
+        name = f"unknown type id {int(qtype)}"
+    if fmt is not None:
+        return fmt
+    raise ValueError(f"quant type {name} is not supported (supported: {', '.join(t.name for t in SUPPORTED)})")
 
 
 def qtype_from_name(name: str) -> QType:
@@ -173,7 +212,7 @@ def _random_float(qtype: QType, n: int, rng: np.random.Generator, std: float) ->
 
 # E2M1 magnitudes have RMS ≈ 2.93 over uniform codes; the block exponent sets
 # the scale as a power of two, so spread comes from jittering the exponent.
-_FP4_RMS = float(np.sqrt(np.mean(np.square([0, 0.5, 1, 1.5, 2, 3, 4, 6]))))
+_FP4_RMS = float(np.sqrt(np.mean(np.square(np.array(E2M1_TWICE) / 2))))
 
 
 def _set_mxfp4_exponents(blocks: np.ndarray, rng: np.random.Generator, std: float) -> np.ndarray:

@@ -15,7 +15,7 @@ within body_timeout_s; a client that reads nothing of its answer for write_timeo
 is gone (Cancel to compute); past max_connections a new connection gets a
 canned 503 (LimitedSite).
 
-No OpenAI semantics (shared/openai_api.py) and no compute link here:
+No OpenAI semantics (shared/serve/openai_api.py) and no compute link here:
 procs/gateway.py wires these into its app and runner.
 """
 
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+from typing import Protocol, runtime_checkable
 from urllib.parse import urlsplit
 
 import orjson
@@ -131,6 +132,17 @@ async def loopback_only(request: web.Request, handler) -> web.StreamResponse:
 # ------------------------------------------------------------- connection limit
 
 
+@runtime_checkable
+class StreamTransport(Protocol):
+    """What Refusal writes through: asyncio's TCP transport and uvloop's both
+    have it, but uvloop's do not subclass asyncio.WriteTransport, so this is
+    checked by shape."""
+
+    def write(self, data: bytes) -> None: ...
+    def write_eof(self) -> None: ...
+    def close(self) -> None: ...
+
+
 class Refusal(asyncio.Protocol):
     """A connection past max_connections: a canned 503, then closed. The
     answer goes out at once and our side shuts; what the client sends is read
@@ -143,6 +155,8 @@ class Refusal(asyncio.Protocol):
         self.timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        if not isinstance(transport, StreamTransport):  # create_server gives stream transports only
+            raise TypeError(f"Refusal needs a stream transport, got {type(transport).__name__}")
         self.site.metrics.connections_refused += 1
         self.site.refusing += 1
         transport.write(self.site.refusal)

@@ -221,14 +221,17 @@ def parse_request(body: dict, chat: bool, settings: RequestDefaults) -> Completi
         raise ApiError(
             404, f"the model '{model}' does not exist; this server serves '{settings.model_name}'", "model_not_found", param="model"
         )
-    messages, prompt, template_vars = (), "", {}
+    messages: tuple[dict, ...] = ()
+    prompt = ""
+    template_vars: dict[str, Scalar] = {}
     if chat:
         messages = parse_messages(body.get("messages"))
         template_vars = parse_template_vars(body)
     else:
-        prompt = body.get("prompt")
-        if not isinstance(prompt, str) or not prompt:
-            raise bad_field("prompt", "a non-empty string", prompt)
+        text = body.get("prompt")
+        if not isinstance(text, str) or not text:
+            raise bad_field("prompt", "a non-empty string", text)
+        prompt = text
     stream = body.get("stream", False)
     if stream is not None and not isinstance(stream, bool):
         raise bad_field("stream", "true or false", stream)
@@ -242,15 +245,13 @@ def parse_request(body: dict, chat: bool, settings: RequestDefaults) -> Completi
     temperature = _number(body, "temperature", 0.0, 2.0)
     top_p = _number(body, "top_p", 0.0, 1.0, lo_open=True)
     seed = _int(body, "seed", 0, (1 << 64) - 1)
-    sampling = {
-        "temperature": settings.temperature if temperature is None else temperature,
-        "top_p": 1.0 if top_p is None else top_p,
-        "seed": settings.seed if seed is None else seed,
-    }
-    if sampling["seed"] is None and sampling["temperature"] > 0:
+    temperature = settings.temperature if temperature is None else temperature
+    seed = settings.seed if seed is None else seed
+    if seed is None and temperature > 0:
         # Random all the same, but fixed now: a retry after a compute crash
         # repeats the same text, so a stream can skip what it already sent.
-        sampling["seed"] = random.getrandbits(63)
+        seed = random.getrandbits(63)
+    sampling = {"temperature": temperature, "top_p": 1.0 if top_p is None else top_p, "seed": seed}
     return CompletionRequest(
         chat,
         messages,

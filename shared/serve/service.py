@@ -150,7 +150,7 @@ def wait_for_gateway(info: ServiceInfo, timeout_s: float, poll_s: float = 0.1) -
 def control(info: ServiceInfo, name: str, timeout_ms: int = CONTROL_TIMEOUT_MS, **args) -> m.Status:
     """One control command to the supervisor; its Status reply (ok or not).
     A supervisor that does not answer in time is a NoService error."""
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context = zmq.Context.instance()
     sock = ipc.connect(ctx, info.endpoints, "control")
     try:
         ipc.send(sock, m.Command(name, args), timeout_ms=timeout_ms)

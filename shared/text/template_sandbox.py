@@ -371,6 +371,10 @@ def _make_environment():
     class GuardedEnvironment(ImmutableSandboxedEnvironment):
         code_generator_class = GuardedCodeGenerator
         intercepted_binops = frozenset({"+", "*", "**", "%"})
+        # What GuardedCodeGenerator's `~` calls, and what Jinja joins a rendered template
+        # and block captures with (its default: "".join, unchecked).
+        guarded_join = staticmethod(_guarded_join)
+        concat = staticmethod(_guarded_join)
 
         def unsafe_undefined(self, obj, attribute):
             # plain Jinja returns an Undefined that prints as "", hiding the attempt
@@ -407,7 +411,7 @@ def _make_environment():
                 if name == "format_map":
                     if kwargs or len(args) != 1:
                         raise TypeError("format_map() takes exactly one argument, a mapping")
-                    args, kwargs = (), args[0]
+                    return type(s)(formatter.vformat(s, (), args[0]))
                 return type(s)(formatter.vformat(s, args, kwargs))
 
             return fmt
@@ -421,8 +425,6 @@ def _make_environment():
     env = GuardedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, GenerationTag], finalize=_finalize, loader=NoFiles()
     )
-    env.guarded_join = _guarded_join
-    env.concat = _guarded_join
     _guard_filters(env.filters)
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception

@@ -1,6 +1,6 @@
 """Tokenizers built from a GGUF file's `tokenizer.ggml.*` metadata.
 
-The goal is llama.cpp's token ids for the same file (ARCHITECTURES.md §4),
+The goal is llama.cpp's token ids for the same file (docs/models.md § Tokenizers),
 built with HF `tokenizers` so encoding runs in Rust:
 
     gpt2   (byte-level BPE)  Split(regex of `tokenizer.ggml.pre`, isolated)…
@@ -399,6 +399,7 @@ def _build_hf(model: str, pre: str, tokens: list[str], control: list[int], user:
     from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
     from tokenizers import Tokenizer as HFTokenizer
 
+    split: PreSplit | None = None  # set exactly when model == "gpt2"
     if model == "gpt2":
         split = PRE_SPLITS.get(pre)
         if split is None:
@@ -423,7 +424,7 @@ def _build_hf(model: str, pre: str, tokens: list[str], control: list[int], user:
                 raise GGUFError(source, f"duplicate token in vocabulary: {t!r} has ids {j} and {i}")
     pairs = _merge_pairs(merges, source)
     try:
-        if model == "gpt2":
+        if split is not None:
             bpe = models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, ignore_merges=split.ignore_merges)
         else:
             bpe = models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=True)
@@ -434,7 +435,7 @@ def _build_hf(model: str, pre: str, tokens: list[str], control: list[int], user:
 
     def configured():
         tok = HFTokenizer(bpe)
-        if model == "gpt2":
+        if split is not None:
             tok.pre_tokenizer = pre_tokenizers.Sequence(
                 [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in split.regexes]
                 + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]

@@ -34,6 +34,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar, overload
 
 import psutil
 import zmq
@@ -353,22 +354,53 @@ class DroppingSender:
         return True
 
 
-def recv(sock: zmq.Socket, timeout_ms: int | None, expect: tuple[type, ...] | None = None) -> Message | None:
+# The message classes a receiving loop `expect`s: the message it gets back is
+# typed as one of them (overloads for up to three, the most any link takes).
+_A = TypeVar("_A")
+_B = TypeVar("_B")
+_C = TypeVar("_C")
+
+
+@overload
+def recv(sock: zmq.Socket, timeout_ms: int | None, expect: None = None) -> Message | None: ...
+@overload
+def recv(sock: zmq.Socket, timeout_ms: int | None, expect: tuple[type[_A]]) -> _A | None: ...
+@overload
+def recv(sock: zmq.Socket, timeout_ms: int | None, expect: tuple[type[_A], type[_B]]) -> _A | _B | None: ...
+@overload
+def recv(sock: zmq.Socket, timeout_ms: int | None, expect: tuple[type[_A], type[_B], type[_C]]) -> _A | _B | _C | None: ...
+def recv(sock: zmq.Socket, timeout_ms: int | None, expect: tuple[type, ...] | None = None) -> Any:  # typed by the overloads
     """The next message, None on timeout (None: wait forever).
 
     ProtocolError for a frame that does not decode, or is not one of `expect`
     on this link: the caller logs it and goes on (it is already consumed)."""
-    envelope, msg = recv_routed(sock, timeout_ms, expect)
+    envelope, msg = _recv_routed(sock, timeout_ms, expect)
     if envelope:
         raise ProtocolError(f"unexpected {len(envelope)} routing frame(s) before {type(msg).__name__}")
     return msg
 
 
+@overload
+def recv_routed(sock: zmq.Socket, timeout_ms: int | None, expect: None = None) -> tuple[tuple[bytes, ...], Message | None]: ...
+@overload
+def recv_routed(sock: zmq.Socket, timeout_ms: int | None, expect: tuple[type[_A]]) -> tuple[tuple[bytes, ...], _A | None]: ...
+@overload
+def recv_routed(
+    sock: zmq.Socket, timeout_ms: int | None, expect: tuple[type[_A], type[_B]]
+) -> tuple[tuple[bytes, ...], _A | _B | None]: ...
+@overload
+def recv_routed(
+    sock: zmq.Socket, timeout_ms: int | None, expect: tuple[type[_A], type[_B], type[_C]]
+) -> tuple[tuple[bytes, ...], _A | _B | _C | None]: ...
 def recv_routed(
     sock: zmq.Socket, timeout_ms: int | None, expect: tuple[type, ...] | None = None
-) -> tuple[tuple[bytes, ...], Message | None]:
+) -> tuple[tuple[bytes, ...], Any]:  # typed by the overloads
     """(routing frames, message) for a ROUTER: reply with send(..., envelope=).
     A ProtocolError carries `.envelope` so a bad request can still be answered."""
+    return _recv_routed(sock, timeout_ms, expect)
+
+
+def _recv_routed(sock: zmq.Socket, timeout_ms: int | None, expect: tuple[type, ...] | None) -> tuple[tuple[bytes, ...], Message | None]:
     if not sock.poll(timeout_ms, zmq.POLLIN):
         return (), None
     frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=True)

@@ -56,6 +56,10 @@ _MAX_U64 = (1 << 64) - 1
 class ProtocolError(ValueError):
     """A frame that is not a valid message: log it, drop it, carry on."""
 
+    # The bad frame's routing frames, set by ipc.recv_routed so that a ROUTER can
+    # still answer the request; empty where there are none.
+    envelope: tuple[bytes, ...] = ()
+
 
 class Kind(IntEnum):
     # lifecycle, any direction
@@ -232,7 +236,9 @@ class _Message:
                 object.__setattr__(self, name, stored)
 
 
-_BY_KIND: dict[int, type[_Message]] = {}
+# Filled by @_wire; typed as the closed union (declared below) so that `decode`
+# returns a `Message`, not the bare base class.
+_BY_KIND: dict[int, type[Message]] = {}
 
 
 def _wire(kind: Kind):
@@ -395,7 +401,7 @@ class RunInfo(_Message):
 @dataclass(frozen=True, slots=True)
 class TokenRecord(_Message):
     """compute -> telemetry, one per generated token. Field order IS the CSV
-    column order: the first ten are DESIGN.md's schema (telemetry.CSV_COLUMNS
+    column order: the first ten are the fixed schema (telemetry.CSV_COLUMNS
     checks that at import), the rest are telemetry.EXTRA_COLUMNS. Meanings and
     units: docs/telemetry.md."""
 
@@ -508,7 +514,7 @@ class Token(_Message):
 class Done(_Message):
     """compute -> front end: the generation ended. ok=False: `code`/`error` say
     why (the request failed; compute keeps serving). `finish_reason` is
-    shared.generate's: "eog" (an end-of-generation token), "stop" (a stop
+    shared.text.generate's: "eog" (an end-of-generation token), "stop" (a stop
     string), "length" (max_tokens) or "context" (the context is full); an
     OpenAI front end maps eog→stop and context→length."""
 

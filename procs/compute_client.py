@@ -1,0 +1,80 @@
+"""The client's side of compute's wire, without the sockets: what the parent of
+a run (procs/pipeline.py, blocking zmq) and the gateway (procs/gateway.py,
+zmq.asyncio) both speak.
+
+    client.generate(...)  -> Generate   to send on "requests" (a new req_id)
+    client.accept(frame)  -> str | Done | None   for each frame from "tokens"
+    client.cancel()       -> Cancel     for the request in flight
+
+`accept` keeps who the compute is (the pid of its last Hello, and how many
+Hellos came: a new one is a restarted compute) and drops what belongs to no
+request in flight: the late Token or Done of a request that was given up.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from moe_pipe.shared.wire import messages as m
+
+log = logging.getLogger("moe_pipe.compute_client")
+
+
+class ComputeClient:
+    def __init__(self) -> None:
+        self.pid: int | None = None  # of the compute that sent the last Hello
+        self.hellos = 0
+        self.req_id = 0  # the request in flight (or the last one)
+        self.done: m.Done | None = None  # its end, once it came
+        # No text is kept here: a caller that wants the whole text keeps it in a local,
+        # as an attribute `+=` would copy it at every token (megabytes, for a long stream).
+
+    @property
+    def ready(self) -> bool:
+        """A compute has said Hello (it has the model loaded and takes requests)."""
+        return self.pid is not None
+
+    def generate(
+        self,
+        prompt_tokens: Sequence[int],
+        max_tokens: int,
+        sampling: dict,
+        stop: Sequence[str] = (),
+        ignore_eos: bool = False,
+    ) -> m.Generate:
+        """The next request (its frames are the only ones `accept` returns from now on)."""
+        self.req_id += 1
+        self.done = None
+        return m.Generate(self.req_id, tuple(prompt_tokens), max_tokens, sampling, tuple(stop), ignore_eos)
+
+    def cancel(self) -> m.Cancel:
+        """Compute ends the request with Done(cancelled) at its next token."""
+        return m.Cancel(self.req_id)
+
+    def accept(self, msg: m.Message) -> str | m.Done | None:
+        """A frame from compute: the text of a Token of the request in flight,
+        its Done, or None (a Hello, or a frame of no request in flight)."""
+        if isinstance(msg, m.Hello):
+            self._on_hello(msg)
+        elif isinstance(msg, (m.Token, m.Done)):
+            if msg.req_id == self.req_id and self.done is None:
+                if isinstance(msg, m.Done):
+                    self.done = msg
+                    return msg
+                return msg.text
+        else:
+            log.warning("dropped an unexpected %s from compute", type(msg).__name__)
+        return None
+
+    def _on_hello(self, hello: m.Hello) -> None:
+        if hello.role != "compute" or hello.protocol != m.PROTOCOL_VERSION:
+            log.warning("ignored a Hello from %s pid %d (protocol %d, ours %d)", hello.role, hello.pid, hello.protocol, m.PROTOCOL_VERSION)
+            return
+        log.info("compute pid %d is %s", hello.pid, "back" if self.hellos else "ready")
+        self.pid, self.hellos = hello.pid, self.hellos + 1
+
+
+def failure_text(done: m.Done) -> str:
+    """A failed Done in one line, as both clients report it."""
+    return f"generation failed ({done.code}): {done.error}"

@@ -1,0 +1,170 @@
+"""What outlives any child process: the runtime dir (ipc sockets), the slab
+arena (the expert cache), the residency index and the dense arena.
+
+`Resources.create` decides the budget (refused with the numbers before
+anything is allocated), then allocates each piece; the object exists only
+once every piece does, and a failure half-way releases what was made.
+`close()` releases everything, once, whoever calls it (the parent of a run,
+the supervisor, a test).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from moe_pipe.shared.errors import PipelineError, UserError
+from moe_pipe.shared.experts import shm
+from moe_pipe.shared.experts.budget import RUN_ROLES, CacheFloor, engine_bytes, resolve_budget, slots_for_budget
+from moe_pipe.shared.experts.dense import arena_bytes
+from moe_pipe.shared.experts.directio import ExpertFiles, describe_os_error, model_identity
+from moe_pipe.shared.experts.residency import ResidencyIndex
+from moe_pipe.shared.gguf.model_file import open_model
+from moe_pipe.shared.gguf.spec import kv_cache_bytes
+from moe_pipe.shared.model.routes import RouteReplay
+from moe_pipe.shared.model.trace import read_trace
+from moe_pipe.shared.wire import ipc
+from moe_pipe.shared.wire import messages as m
+
+from .reader import hottest_experts
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """What start-up decided, for the preamble and the summary."""
+
+    budget_bytes: int
+    budget_description: str
+    n_slots: int
+    slab_bytes: int
+    load_seconds: float
+    direct_io: bool
+    model_identity: tuple[str, ...] = ()  # of every shard at start-up: children refuse any other file
+
+
+class Resources:
+    """The runtime dir, the slab arena, the residency index and (with
+    dense_weights "anon") the dense arena, all made: see `create`."""
+
+    def __init__(
+        self,
+        rt: ipc.RuntimeDir,
+        slabs: shm.SlabArena,
+        index: ResidencyIndex,
+        dense: shm.Arena | None,
+        resolved: Resolved,
+    ):
+        self.rt, self.slabs, self.index, self.dense, self.resolved = rt, slabs, index, dense, resolved
+        self.closed = False
+
+    @classmethod
+    def create(
+        cls, cfg: Any, model_path: str | os.PathLike, progress: Callable[[str], None] | None = None, roles: tuple[str, ...] = RUN_ROLES
+    ) -> Resources:
+        """Check the settings against the model, resolve the budget, allocate.
+        `roles`: the children that will run beside the arenas (their memory is
+        left out of an auto budget)."""
+        shm.reclaim_stale()
+        ipc.RuntimeDir.reclaim_stale()
+        t0 = time.perf_counter()
+        with open_model(Path(model_path)) as mf, ExitStack() as undo:
+            layout, spec = mf.layout, mf.spec
+            top_k = cfg.compute.top_k or spec.n_expert_used
+            if top_k > spec.n_expert:
+                raise UserError(f"--top-k {top_k} is out of range: this model has {spec.n_expert} experts")
+            if cfg.compute.threads and cfg.compute.threads > (os.cpu_count() or 1):
+                raise UserError(f"--threads {cfg.compute.threads}: this machine has {os.cpu_count()} cores")
+            if cfg.cache.warm_from:  # a bad trace is the user's error, before anything starts
+                hottest_experts(str(cfg.cache.warm_from), spec, 1)
+            if cfg.compute.route_replay:
+                RouteReplay(read_trace(str(cfg.compute.route_replay)), spec)
+            # Refused here, with the numbers, rather than OOM-killed once the arenas and children exist:
+            # a budget below one token's experts says what that floor is made of (and, for auto, the
+            # memory it found); a fixed one that cannot fit beside the processes says so.
+            budget = resolve_budget(
+                cfg,
+                dense_bytes=layout.dense_bytes,
+                kv_bytes=kv_cache_bytes(spec, cfg.compute.ctx_size),
+                floor=CacheFloor.of(layout, top_k),
+                engine_bytes=engine_bytes(roles, spec.n_vocab),
+                check_memory=True,
+            )
+            # More slabs than experts would never be used.
+            n_slots = min(slots_for_budget(budget.bytes, layout.slab_bytes), spec.n_layer * spec.n_expert)
+            identity = _read_or_fail(lambda: model_identity(mf.gguf.paths), "reading the model file's header")
+            rt = ipc.RuntimeDir.create()
+            undo.callback(rt.remove)
+            # Every slab page is allocated now: the budget is committed up front
+            # (a memory limit that cannot hold it fails here, not mid-run), and
+            # no first read into a slab pays for page allocation.
+            slabs = shm.SlabArena.create(shm.segment_name("slabs"), n_slots, layout.slab_bytes, reserve=True)
+            undo.callback(_release, slabs)
+            index = ResidencyIndex.create(spec)
+            undo.callback(_release, index)
+            dense, direct = None, True
+            if cfg.io.dense_weights == "anon":
+                if progress:
+                    progress(f"reading the dense set ({layout.dense_bytes / 2**20:,.0f} MiB) into shared memory")
+                arena = dense = shm.Arena.create(shm.segment_name("dense"), max(arena_bytes(layout), 4096))
+                undo.callback(_release, arena)
+                with ExpertFiles(mf.gguf.paths, identity=identity) as files:
+                    _read_or_fail(lambda: files.read_dense(layout.dense, arena.buf), "reading the dense set")
+                    direct = files.direct
+            resolved = Resolved(budget.bytes, budget.description, n_slots, layout.slab_bytes, time.perf_counter() - t0, direct, identity)
+            res = cls(rt, slabs, index, dense, resolved)
+            undo.pop_all()  # made whole: from here close() releases it
+        return res
+
+    def close(self) -> None:
+        """Unmap and unlink the arenas, remove the runtime dir. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        for arena in (self.slabs, self.dense, self.index):
+            if arena is not None:
+                _release(arena)
+        self.rt.remove()
+
+    def __enter__(self) -> Resources:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _release(arena: shm.SlabArena | shm.Arena | ResidencyIndex) -> None:
+    arena.close()
+    arena.unlink()
+
+
+def _read_or_fail(read: Callable[[], T], what: str) -> T:
+    """A disk fault at start-up is the run's failure, in one line (exit 1), not a traceback."""
+    try:
+        return read()
+    except OSError as exc:  # DiskReadError, ModelChanged, or the open itself
+        raise PipelineError(f"{what} failed: {describe_os_error(exc)}") from exc
+
+
+def run_info(cfg: Any, res: Resources, model_path: str | os.PathLike, load_seconds: float) -> m.RunInfo:
+    """The run's header for telemetry (the CSV preamble, the JSONL's first line)."""
+    r = res.resolved
+    flat: dict[str, str | int | float | bool | None] = {
+        f"{table}.{k}": (v if isinstance(v, (int, float, str, bool)) or v is None else str(v))
+        for table, keys in cfg.to_dict().items()
+        for k, v in keys.items()
+    }
+    model: dict[str, str | int | float | bool | None] = {
+        "path": str(model_path),
+        "slab_bytes": r.slab_bytes,
+        "slots": r.n_slots,
+        "direct_io": r.direct_io,
+        "budget": r.budget_description,
+    }
+    return m.RunInfo(f"{os.getpid()}-{int(time.time())}", time.time(), flat, model, r.n_slots * r.slab_bytes, load_seconds)

@@ -1,0 +1,114 @@
+"""Both builds of the int8 dot, on any machine.
+
+The int8-activation kernels (shared/quant/_q8.py) emit one of two builds,
+chosen once at import and reported as `quant.INT8_DOT`: "vnni" (the
+vpdpbusd / vpshufb intrinsics) where the CPU numba compiles for has AVX-512
+VNNI, "portable" (target-independent LLVM IR) anywhere else. The other
+kernel tests run whichever build this machine picks; here a child process
+with NUMBA_CPU_NAME=generic (numba's own target switch: a CPU with no
+features, so numba's disk cache keeps its kernels apart from the host's)
+runs tests/test_quant.py's matvec and matmul comparisons against gguf's
+dequantizer, with the same tolerances, for every supported type with int8
+activations on and off, and reports which build it compiled: the build flag
+and the x86 intrinsics in IR numba compiled in that process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import llvmlite.binding as llb
+import numba
+import numpy as np
+import pytest
+from gguf.quants import dequantize
+
+from moe_pipe.shared import quant
+from moe_pipe.shared.quant import _legacy, _q8
+from moe_pipe.shared.quant.blocks import E2M1_TWICE, MXFP4_BYTES, QK, QK_K, SUPPORTED, QType
+
+TESTS = Path(__file__).resolve().parent
+# The intrinsics only the VNNI build calls (the int8 dot, the MXFP4 code map).
+VNNI_INTRINSICS = ("llvm.x86.avx512.vpdpbusd.512", "llvm.x86.avx512.pshuf.b.512")
+
+
+def emitted_x86_intrinsics() -> list[str]:
+    """The VNNI-build intrinsics in freshly compiled IR of the Q4_K and MXFP4 row dots.
+
+    Compiled here without the disk cache because numba shows the IR only of
+    code it compiled in this process (a kernel loaded from the cache has none).
+    """
+
+    @numba.njit(cache=False)
+    def probe(w, xq, dx, xs32, bs, half):
+        return _q8._rowdot_q4_k(w, 0, 1, xq, 0, dx, xs32, half) + _q8._rowdot4_mxfp4(w, 0, 1, xq, 0, dx, bs, half)
+
+    w = np.zeros(4 * QK_K, np.uint8)  # one Q4_K super-block, four MXFP4 blocks: all codes and scales 0
+    xq = np.zeros(QK_K, np.int8)
+    dx = np.zeros(QK_K // QK, np.float32)
+    xs32 = np.zeros(QK_K // QK, np.float32)
+    bs = np.zeros(2 * QK_K // QK, np.int32)
+    assert probe(w, xq, dx, xs32, bs, np.ones(256, np.float32)) == 0.0
+    ir = "\n".join(probe.inspect_llvm().values())
+    return [name for name in VNNI_INTRINSICS if name in ir]
+
+
+def child_main() -> None:
+    """In the NUMBA_CPU_NAME=generic child: the comparisons, then one JSON line of what ran."""
+    import test_quant  # the child has tests/ on sys.path; the comparisons and tolerances are that module's
+
+    checked = []
+    for int8 in (True, False):
+        quant.set_int8_activations(int8)
+        for qtype in SUPPORTED:
+            test_quant.test_matvec_matches_gguf_dequantize(qtype)
+            test_quant.test_matmul_matches_gguf_dequantize(qtype)
+            checked.append(f"{qtype.name}/{'int8' if int8 else 'f32'}")
+    report = {"int8_dot": quant.INT8_DOT, "cpu": numba.config.CPU_NAME, "intrinsics": emitted_x86_intrinsics(), "checked": checked}
+    print(json.dumps(report))
+
+
+def _host_has_vnni() -> bool:
+    f = llb.get_host_cpu_features()
+    return bool(f.get("avx512vnni")) and bool(f.get("avx512bw"))
+
+
+def test_this_process_compiles_the_build_its_target_allows():
+    """Without a numba target in the environment: VNNI where the host has it, and the IR says so."""
+    if any(k in os.environ for k in ("NUMBA_CPU_NAME", "NUMBA_CPU_FEATURES")) or os.environ.get("NUMBA_ENABLE_AVX") == "0":
+        pytest.skip("the environment sets numba's target; the child test covers that case")
+    want = "vnni" if _host_has_vnni() else "portable"
+    assert quant.INT8_DOT == want
+    assert emitted_x86_intrinsics() == (list(VNNI_INTRINSICS) if want == "vnni" else [])
+
+
+@pytest.mark.integration
+def test_the_portable_build_matches_gguf_dequantize_for_every_type():
+    env = dict(os.environ, NUMBA_CPU_NAME="generic")
+    env.pop("NUMBA_CPU_FEATURES", None)  # generic then means no features at all
+    env.pop("MOE_PIPE_INT8_ACT", None)  # the child switches int8 itself
+    code = "import sys; sys.path.insert(0, sys.argv[1]); import test_quant_portable; test_quant_portable.child_main()"
+    # First run compiles every type's kernels for the generic target (minutes on 2 busy cores).
+    done = subprocess.run([sys.executable, "-c", code, str(TESTS)], env=env, capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stderr[-6000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["cpu"] == "generic"
+    assert report["int8_dot"] == "portable"
+    assert report["intrinsics"] == []
+    assert report["checked"] == [f"{t.name}/{mode}" for mode in ("int8", "f32") for t in SUPPORTED]
+
+
+def test_e2m1_code_book_is_gguf_s_and_the_decoders_follow_it():
+    """blocks.E2M1_TWICE against gguf's MXFP4 dequantizer; the numba decoder and the vpshufb table against it."""
+    block = np.zeros(MXFP4_BYTES, np.uint8)
+    block[0] = 128  # E8M0 2^(128-127) = 2: gguf's values are then 2·E2M1 = the doubled code book
+    block[1:] = np.arange(16, dtype=np.uint8)  # element j (j < 16) holds code j in its low nibble
+    gguf_twice = dequantize(block[None], QType.MXFP4).reshape(-1)[:16]
+    book = [float(v) for v in E2M1_TWICE] + [-float(v) for v in E2M1_TWICE]
+    np.testing.assert_array_equal(gguf_twice, book)
+    assert [int(_legacy._fp4_twice(np.uint8(n))) for n in range(16)] == book
+    assert [u - _q8._FP4_OFFSET for u in _q8._FP4_U] == book

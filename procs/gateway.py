@@ -33,7 +33,6 @@ import logging
 import os
 import signal
 import time
-from collections import deque
 from collections.abc import AsyncIterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -42,7 +41,6 @@ from pathlib import Path
 from typing import Any, cast
 
 import orjson
-import psutil
 import zmq
 import zmq.asyncio
 from aiohttp import web
@@ -56,7 +54,6 @@ from moe_pipe.shared.serve.http_guard import (
     LINGER_S,
     MAX_BODY_BYTES,
     MAX_CONNECTIONS,
-    RETRY_AFTER_S,
     WRITE_TIMEOUT_S,
     ClientGone,
     LimitedSite,
@@ -67,7 +64,6 @@ from moe_pipe.shared.serve.http_guard import (
 )
 from moe_pipe.shared.serve.metrics import Metrics
 from moe_pipe.shared.serve.openai_api import (
-    FINISH_REASONS,
     ApiError,
     CompletionRequest,
     ResponseShape,
@@ -83,13 +79,11 @@ from moe_pipe.shared.text.tokenizer import Tokenizer
 from moe_pipe.shared.wire import ipc
 from moe_pipe.shared.wire import messages as m
 
-from .compute_client import ComputeClient, failure_text
+from .gateway_worker import POLL_S, ComputeLink, Failed, Finished, Job, RequestQueue, Worker, wait_event
 from .lifecycle import child_setup
 
 log = logging.getLogger("moe_pipe.gateway")
 
-POLL_S = 0.25  # how often a wait checks that compute lives and the client is still there
-SEND_TIMEOUT_S = 5.0  # a send that cannot be queued this long: compute is wedged
 STATUS_TIMEOUT_MS = 1_000  # the supervisor's process table, for /metrics
 SHUTDOWN_GRACE_S = 5.0  # handlers get this long to answer 503 after SIGTERM
 
@@ -143,285 +137,6 @@ def check_wire(job: Job, where: str) -> None:
             "context_length_exceeded",
             param=where,
         ) from None
-
-
-# ------------------------------------------------------------------------ jobs
-
-
-@dataclass(frozen=True)
-class Finished:
-    finish_reason: str
-    completion_tokens: int
-
-
-@dataclass(frozen=True)
-class Failed:
-    status: int
-    message: str
-    code: str
-    kind: str = "server_error"
-
-    def error(self) -> ApiError:
-        return ApiError(self.status, self.message, self.code, self.kind)
-
-
-class Job:
-    """One request from the queue to its end. The worker writes events (text
-    pieces, then one Finished or Failed); the handler reads them."""
-
-    def __init__(self, prompt_tokens: list[int], max_tokens: int, sampling: dict, stop: tuple[str, ...]):
-        self.prompt_tokens, self.max_tokens, self.sampling, self.stop = prompt_tokens, max_tokens, sampling, stop
-        self.events: deque[str | Finished | Failed] = deque()
-        self.wake = asyncio.Event()
-        self.emitted = 0  # characters of text handed out so far: a retry skips them
-        self.cancelled = False  # the client went away
-        self.ended = False
-
-    def offer_text(self, attempt_text: str) -> None:
-        """The whole text of the current attempt; hand out what is new. Greedy
-        (or seeded) output is identical on a retry, so the prefix is known."""
-        if len(attempt_text) > self.emitted:
-            self._emit(attempt_text[self.emitted :])
-            self.emitted = len(attempt_text)
-
-    def end(self, event: Finished | Failed) -> None:
-        if not self.ended:
-            self.ended = True
-            self._emit(event)
-
-    def _emit(self, event) -> None:
-        self.events.append(event)
-        self.wake.set()
-
-
-class RequestQueue:
-    """The FIFO of jobs waiting for the worker, bounded: past `size`, 429.
-    A job whose client left while it waited is skipped, and does not count."""
-
-    def __init__(self, size: int):
-        self.size = size
-        self.jobs: deque[Job] = deque()
-        self.wake = asyncio.Event()
-        self.closed = False
-
-    def offer(self, job: Job) -> None:
-        if self.closed:
-            raise ApiError(503, "the service is shutting down", "shutting_down", "server_error")
-        self.jobs = deque(j for j in self.jobs if not j.cancelled)
-        if len(self.jobs) >= self.size:
-            raise ApiError(
-                429,
-                f"{len(self.jobs)} requests are already waiting (queue_size {self.size}); retry later",
-                "queue_full",
-                "rate_limit_error",
-                headers={"Retry-After": str(RETRY_AFTER_S)},
-            )
-        self.jobs.append(job)
-        self.wake.set()
-
-    async def take(self) -> Job:
-        while True:
-            self.wake.clear()
-            while self.jobs:
-                job = self.jobs.popleft()
-                if not job.cancelled:
-                    return job
-            await self.wake.wait()
-
-    def waiting(self) -> int:
-        return sum(not j.cancelled for j in self.jobs)
-
-    def close(self, failure: Failed) -> None:
-        self.closed = True
-        while self.jobs:
-            self.jobs.popleft().end(failure)
-
-
-# --------------------------------------------------------------- the compute link
-
-
-async def wait_event(event: asyncio.Event, timeout_s: float) -> None:
-    """Until `event` is set or `timeout_s` passed. Not asyncio.wait_for: on
-    3.11 it can swallow a cancel that lands as the event fires, and a worker
-    that misses its cancel keeps the process from exiting."""
-    try:
-        async with asyncio.timeout(timeout_s):
-            await event.wait()
-    except TimeoutError:
-        pass
-
-
-def pid_alive(pid: int) -> bool:
-    """Runs and is not a zombie (a killed sibling stays one until reaped)."""
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except (psutil.NoSuchProcess, psutil.ZombieProcess):
-        return False
-    except psutil.AccessDenied:
-        return True
-
-
-class ComputeLink:
-    """The gateway's end of the requests/tokens links: the sockets and the
-    asyncio plumbing around one ComputeClient (procs/compute_client.py, shared
-    with `moe-pipe run`), which knows who the compute is (the pid of its last
-    Hello) and which frames belong to the request in flight."""
-
-    def __init__(self, ctx: zmq.asyncio.Context, endpoints: ipc.Endpoints):
-        # ipc makes the socket of the context's kind: an asyncio one here
-        self.tokens = cast(zmq.asyncio.Socket, ipc.bind(ctx, endpoints, "tokens"))
-        self.requests = cast(zmq.asyncio.Socket, ipc.connect(ctx, endpoints, "requests"))
-        self.client = ComputeClient()
-        self.events: deque[str | m.Done] = deque()  # of the request in flight, not yet taken
-        self.wake = asyncio.Event()
-
-    @property
-    def pid(self) -> int | None:
-        return self.client.pid
-
-    @property
-    def hellos(self) -> int:
-        """A new Hello means a (re)started compute."""
-        return self.client.hellos
-
-    def ready(self) -> bool:
-        return self.client.pid is not None and pid_alive(self.client.pid)
-
-    async def receive_forever(self) -> None:
-        while True:
-            frame = await self.tokens.recv()
-            try:
-                msg = m.decode(frame)
-            except m.ProtocolError as exc:
-                log.warning("dropped a bad frame on the tokens link: %s", exc)
-                continue
-            event = self.client.accept(msg)
-            if event is not None:
-                self.events.append(event)
-            self.wake.set()
-
-    async def generate(self, job: Job) -> None:
-        """Send the job as the request in flight: frames of any earlier one are dropped from now on."""
-        msg = self.client.generate(job.prompt_tokens, job.max_tokens, job.sampling, job.stop)
-        self.events.clear()
-        await self.send(msg)
-
-    async def cancel(self) -> None:
-        await self.send(self.client.cancel())
-
-    async def send(self, msg: m.Message) -> None:
-        async with asyncio.timeout(SEND_TIMEOUT_S):
-            await self.requests.send(m.encode(msg))
-
-    async def wait(self, timeout_s: float) -> None:
-        """Until a frame or Hello arrives, or `timeout_s`. Callers clear `wake`
-        before they look at the state, so nothing that arrives is missed."""
-        await wait_event(self.wake, timeout_s)
-
-
-LOST = "lost"  # run_once: the compute died (or restarted) under the request
-
-
-class Worker:
-    """Serves the queue in order, one request on compute at a time."""
-
-    def __init__(self, link: ComputeLink, queue: RequestQueue, settings: GatewaySettings, metrics: Metrics):
-        self.link, self.queue, self.settings, self.metrics = link, queue, settings, metrics
-        self.current: Job | None = None
-
-    async def run_forever(self) -> None:
-        while True:
-            job = await self.queue.take()
-            self.current = job
-            try:
-                await self.serve(job)
-            except (TimeoutError, zmq.ZMQError) as exc:
-                job.end(Failed(503, f"compute did not take the request ({type(exc).__name__}); retry later", "compute_unavailable"))
-            except Exception:  # noqa: BLE001 - a bug fails this request, never the worker
-                log.exception("request failed")
-                job.end(Failed(500, "internal error in the gateway (see the service log)", "internal"))
-            finally:
-                self.current = None
-
-    async def serve(self, job: Job) -> None:
-        newer_than = 0  # Hello count the compute must pass: any for the first try, a new one for the retry
-        for attempt in (1, 2):
-            if not await self.wait_for_compute(job, newer_than):
-                return
-            newer_than, pid = self.link.hellos, self.link.pid
-            if await self.run_once(job) != LOST:
-                return
-            log.warning(
-                "compute pid %s was lost during a request%s",
-                pid,
-                "; resending it to the restarted compute" if attempt == 1 else " again; giving up",
-            )
-        job.end(Failed(503, "the compute process died twice during this request; retry later", "compute_unavailable"))
-
-    async def wait_for_compute(self, job: Job, newer_than: int) -> bool:
-        """Until a live compute newer than `newer_than` Hellos. Before the first
-        Hello ever (the model is loading) there is no deadline; after that the
-        supervisor's restart gets `restart_wait_s`."""
-        loop = asyncio.get_running_loop()
-        wait_s = self.settings.restart_wait_s
-        deadline = None if self.link.hellos == 0 else loop.time() + wait_s
-        while True:
-            self.link.wake.clear()
-            if job.cancelled:
-                return False
-            if self.link.hellos > newer_than and self.link.ready():
-                return True
-            if deadline is not None and loop.time() >= deadline:
-                job.end(
-                    Failed(503, f"no compute process is running (waited {wait_s:g} s for a restart); retry later", "compute_unavailable")
-                )
-                return False
-            await self.link.wait(POLL_S)
-
-    async def run_once(self, job: Job) -> str | None:
-        link = self.link
-        pid, hellos = link.pid, link.hellos
-        await link.generate(job)
-        text, cancel_sent = "", False
-        while True:
-            link.wake.clear()
-            while link.events:
-                event = link.events.popleft()
-                if isinstance(event, m.Done):
-                    return self.finish(job, event)
-                text += event
-                job.offer_text(text)
-            if link.hellos != hellos or pid is None or not pid_alive(pid):
-                return LOST
-            if job.cancelled and not cancel_sent:
-                await link.cancel()  # compute ends it with Done(cancelled) at its next token
-                cancel_sent = True
-            await link.wait(POLL_S)
-
-    def finish(self, job: Job, done: m.Done) -> str | None:
-        self.metrics.on_done(done)
-        if done.ok:
-            reason = FINISH_REASONS.get(done.finish_reason, done.finish_reason or "stop")
-            job.end(Finished(reason, len(done.tokens)))
-        elif done.code == m.Code.PEER_GONE:  # the reader died; compute exits and is restarted
-            return LOST
-        elif done.code == m.Code.BAD_ARGUMENT:
-            job.end(Failed(400, done.error, done.code, "invalid_request_error"))
-        else:
-            job.end(Failed(500, failure_text(done), done.code or "internal"))
-        return None
-
-    async def abandon(self, failure: Failed) -> None:
-        """Shutdown: the running request ends now, and compute stops working on
-        it (a gateway restarted alone must not queue behind an orphan)."""
-        job = self.current
-        if job is not None:
-            job.cancelled = True
-            job.end(failure)
-            try:
-                await self.link.cancel()
-            except (TimeoutError, zmq.ZMQError):
-                pass
 
 
 # ---------------------------------------------------------------------- metrics
@@ -483,7 +198,7 @@ class Gateway:
         self.ctx = zmq.asyncio.Context()
         ep = ipc.Endpoints(Path(self.settings.runtime_dir))
         self.link = ComputeLink(self.ctx, ep)
-        self.worker = Worker(self.link, self.queue, self.settings, self.metrics)
+        self.worker = Worker(self.link, self.queue, self.settings.restart_wait_s, self.metrics)
         telemetry = cast(zmq.asyncio.Socket, ipc.connect(self.ctx, ep, "telemetry_pub"))
         self.tasks = [
             asyncio.create_task(c)

@@ -1000,7 +1000,7 @@ def test_sigterm_fails_waiting_requests_and_exits_0(start_gateway):
 
 
 def test_finish_reasons_and_failures_map_to_openai():
-    from moe_pipe.procs.gateway import LOST, Failed, Finished, Job, Metrics, Worker
+    from moe_pipe.procs.gateway_worker import LOST, Failed, Finished, Job, Metrics, Worker
     from moe_pipe.shared.wire import messages as m
 
     worker = Worker(None, None, None, Metrics())
@@ -1034,7 +1034,7 @@ def test_a_chat_template_error_is_a_400(tokenizer, model_path):
 
 
 def test_retry_text_skips_what_was_sent():
-    from moe_pipe.procs.gateway import Job
+    from moe_pipe.procs.gateway_worker import Job
 
     job = Job([1], 4, {}, ())
     job.offer_text("w0 w1 ")

@@ -61,13 +61,15 @@ from pathlib import Path
 
 import numpy as np
 
-from moe_pipe.shared.errors import UserError
+from moe_pipe.shared.errors import ConfigError, UserError
 from moe_pipe.shared.experts.budget import (
     RESIDENT_DENSE,
     RUN_ROLES,
     Budget,
+    CacheFloor,
     CgroupLimit,
     MemoryProbe,
+    check_floor,
     engine_bytes,
     probe_memory,
     resolve_budget,
@@ -142,9 +144,13 @@ class ModelFacts:
         return sum(self.expert_bytes) * self.n_expert
 
     @property
+    def floor(self) -> CacheFloor:
+        """One token's working set in slabs: the smallest cache that runs (the run's own check)."""
+        return CacheFloor(self.n_layer, self.top_k, self.slab_bytes)
+
+    @property
     def floor_bytes(self) -> int:
-        """One token's working set in slabs (Layout.min_cache_bytes): the smallest cache that runs."""
-        return self.n_layer * self.top_k * self.slab_bytes
+        return self.floor.bytes
 
     @property
     def routed_bytes_per_token(self) -> int:
@@ -260,16 +266,11 @@ def memory_fit(facts: ModelFacts, cfg, memory: MemoryProbe) -> MemoryFit:
         f"reserve/processes {reserve / MiB:,.0f} MiB + "
     )
     refusal, limit_mb = None, None
-    if budget.bytes < facts.floor_bytes and budget.clamped:
-        refusal = (
-            f"cache_ceil_mb {budget.ceil_bytes / MiB:g} is below one token's experts ({floor_mb:,.1f} MiB, "
-            f"{facts.n_layer} layers × top-{facts.top_k}); raise --cache-ceil-mb"
-        )
-    elif budget.bytes < facts.floor_bytes and budget.mode == "fixed":
-        refusal = (
-            f"cache_mb {budget.bytes / MiB:g} is below one token's experts ({floor_mb:,.1f} MiB); "
-            f"set --cache-mb {math.ceil(floor_mb)} or more"
-        )
+    if budget.bytes < facts.floor_bytes and (budget.clamped or budget.mode == "fixed"):
+        try:  # the same refusal, worded the same, as the run's own check
+            check_floor(budget, facts.floor, where="config")
+        except ConfigError as exc:
+            refusal = str(exc)
     elif avail < need:
         cache_text = f"one token's experts {floor_mb:,.1f} MiB" if budget.mode == "auto" else f"cache_mb {budget.bytes / MiB:g}"
         need_mb = math.ceil(need / MiB)

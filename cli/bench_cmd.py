@@ -10,7 +10,7 @@ from pathlib import Path
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from moe_pipe.shared.config import add_override_arguments
+    from moe_pipe.shared.config_flags import add_override_arguments
 
     p.add_argument("model", nargs="?", default=None, help="a GGUF file or a TOML config; default: the embedded tiny model")
     p.add_argument("-n", type=int, default=64, help="decode tokens per run (default 64)")
@@ -43,7 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from moe_pipe.cli.run_cmd import load_run_config
     from moe_pipe.shared.analysis.benchmark import BenchPlan, run_bench, summary_markdown
-    from moe_pipe.shared.config import overrides_from_args
+    from moe_pipe.shared.config_flags import overrides_from_args
     from moe_pipe.shared.errors import UserError
 
     if args.n < 1 or args.repeat < 1:

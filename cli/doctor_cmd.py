@@ -10,7 +10,7 @@ MIB = 1 << 20
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from moe_pipe.shared.config import add_override_arguments
+    from moe_pipe.shared.config_flags import add_override_arguments
 
     p.add_argument(
         "model", nargs="?", default=None, help="a GGUF file (any shard of a split set) or a TOML config; default: the embedded tiny model"

@@ -9,7 +9,7 @@ import sys
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from moe_pipe.shared.config import add_override_arguments
+    from moe_pipe.shared.config_flags import add_override_arguments
 
     p.add_argument(
         "model", nargs="?", default=None, help="a GGUF file (any shard of a split set) or a TOML config; default: the embedded tiny model"
@@ -35,7 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def load_run_config(args: argparse.Namespace):
     from pathlib import Path
 
-    from moe_pipe.shared.config import check_model, load_config, overrides_from_args
+    from moe_pipe.shared.config import check_model, load_config
+    from moe_pipe.shared.config_flags import overrides_from_args
 
     overrides = overrides_from_args(args)
     if args.model and Path(args.model).suffix == ".toml":

@@ -17,7 +17,7 @@ DETACHED_FLAG = "--_detached"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from moe_pipe.shared.config import add_override_arguments
+    from moe_pipe.shared.config_flags import add_override_arguments
 
     p.add_argument(
         "model", nargs="?", default=None, help="a TOML config (configs/qwen30b.toml) or a GGUF file; default: the embedded tiny model"

@@ -27,7 +27,8 @@ from moe_pipe.shared.experts.budget import RUN_ROLES, SERVICE_ROLES
 from moe_pipe.shared.wire import ipc
 from moe_pipe.shared.wire import messages as m
 
-from . import compute, reader, telemetry
+from . import reader, telemetry
+from .compute_config import ComputeConfig
 from .lifecycle import error_file, run_child
 from .resources import Resources
 
@@ -64,12 +65,13 @@ def reader_args(cfg: Any, res: Resources, model_path: str | Path) -> reader.Read
         index_arena=res.index.name,
         warm_from=str(cfg.cache.warm_from or ""),
         model_identity=r.model_identity,
+        populate=cfg.io.populate,
     )
 
 
-def compute_args(cfg: Any, res: Resources, model_path: str | Path, reader_pid: int) -> compute.ComputeConfig:
+def compute_args(cfg: Any, res: Resources, model_path: str | Path, reader_pid: int) -> ComputeConfig:
     r, c = res.resolved, cfg.compute
-    return compute.ComputeConfig(
+    return ComputeConfig(
         str(model_path),
         str(res.rt.path),
         res.slabs.arena.name,
@@ -89,6 +91,7 @@ def compute_args(cfg: Any, res: Resources, model_path: str | Path, reader_pid: i
         route_trace=str(cfg.telemetry.route_trace or ""),
         route_replay=str(c.route_replay or ""),
         model_identity=r.model_identity,
+        populate=cfg.io.populate,
     )
 
 
@@ -111,6 +114,12 @@ def gateway_args(launch: Launch) -> Any:
         no_think=gen.no_think,
         chat_template=gen.chat_template,
     )
+
+
+def compute_main(cfg: ComputeConfig) -> None:
+    from . import compute  # the model code, numba and LLVM: only the compute process loads them
+
+    compute.main(cfg)
 
 
 def gateway_main(settings: Any) -> None:
@@ -138,7 +147,7 @@ CHILDREN: dict[str, ChildSpec] = {
         ChildSpec("reader", reader.main, lambda ln, pids: reader_args(ln.cfg, ln.res, ln.model_path), shutdown_link="fetch"),
         ChildSpec(
             "compute",
-            compute.main,
+            compute_main,
             lambda ln, pids: compute_args(ln.cfg, ln.res, ln.model_path, pids["reader"]),
             needs=("reader",),
             shutdown_link="requests",

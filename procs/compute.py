@@ -23,7 +23,6 @@ import logging
 import os
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -34,6 +33,7 @@ from moe_pipe.shared.errors import UserError
 from moe_pipe.shared.experts.dense import arena_views, warm_sweep
 from moe_pipe.shared.experts.directio import ModelChanged, model_identity
 from moe_pipe.shared.experts.placement import expert_view, placement_for
+from moe_pipe.shared.experts.populate import Populator
 from moe_pipe.shared.experts.residency import ResidencyIndex
 from moe_pipe.shared.experts.shm import Arena, SlabArena
 from moe_pipe.shared.gguf.model_file import open_model
@@ -49,33 +49,11 @@ from moe_pipe.shared.text.tokenizer import Tokenizer
 from moe_pipe.shared.wire import ipc
 from moe_pipe.shared.wire import messages as m
 
+from .compute_config import ComputeConfig
 from .lifecycle import child_setup
 
 log = logging.getLogger("moe_pipe.compute")
 PEER_POLL_MS = 500  # how often a wait for the reader checks that it is still alive
-
-
-@dataclass(frozen=True)
-class ComputeConfig:
-    model_path: str
-    runtime_dir: str
-    slab_arena: str
-    slab_bytes: int
-    n_slots: int
-    reader_pid: int
-    dense_weights: str = "anon"  # anon | warm | mmap
-    dense_arena: str = ""
-    index_arena: str = ""
-    overlap: bool = True
-    prefetch: bool = False  # speculative next-layer prefetch
-    top_k: int | None = None
-    threads: int | None = None
-    ctx_size: int = 4096
-    drop_cold_experts: float = 0.0  # lossy levers (shared.model.levers); 0 = exact
-    cache_route: float = 0.0
-    route_trace: str = ""  # record routing to this file ("" = no)
-    route_replay: str = ""  # route by this trace instead of the router (benchmarks)
-    model_identity: tuple[str, ...] = ()  # directio.model_identity at start-up: refuse any other file
 
 
 class RequestFailed(Exception):
@@ -401,6 +379,11 @@ def serve(cfg: ComputeConfig, ctx: zmq.Context) -> None:
         )
     dense_arena, view = _dense_view(cfg, mf)
     source = SlabExperts(cfg, mf.layout, fetch_out, ready_in)
+    # First use of a page of either arena is a fault inside a token's compute:
+    # take them now, on a thread (the dense set first: every token reads all of it).
+    populators = [
+        Populator(a, what=w).start() for a, w in ((dense_arena, "dense set"), (source.arena.arena, "slab cache")) if a and cfg.populate
+    ]
     tracer = RouteTracer(cfg.route_trace, mf, cfg.top_k, source.resident) if cfg.route_trace else None
     options = ModelOptions(
         prefetch_next=cfg.prefetch,
@@ -432,6 +415,8 @@ def serve(cfg: ComputeConfig, ctx: zmq.Context) -> None:
                     interrupts.req_id = 0
     finally:
         front_end.close()
+        for p in populators:
+            p.stop()
         if tracer:
             tracer.close()
         source.arena.close()

@@ -55,6 +55,7 @@ from moe_pipe.shared.errors import UserError
 from moe_pipe.shared.experts.cache import CacheFull, SlotTable
 from moe_pipe.shared.experts.directio import ExpertFiles, describe_os_error
 from moe_pipe.shared.experts.policies import DEFAULT_POLICY
+from moe_pipe.shared.experts.populate import Populator
 from moe_pipe.shared.experts.readlanes import Priority, ReadLanes
 from moe_pipe.shared.experts.residency import ResidencyIndex
 from moe_pipe.shared.experts.shm import SlabArena
@@ -84,6 +85,7 @@ class ReaderConfig:
     index_arena: str = ""  # the residency index compute reads (see shared.residency)
     warm_from: str = ""  # a route trace: start by reading its most used experts (a cold cache only)
     model_identity: tuple[str, ...] = ()  # directio.model_identity at start-up: refuse any other file
+    populate: bool = True  # map the slabs ahead of the fill (shared/experts/populate.py)
 
 
 @dataclass
@@ -98,6 +100,8 @@ class Reader:
         self.mf = open_model(cfg.model_path)
         self.layout = self.mf.layout
         self.arena = SlabArena.attach(cfg.slab_arena, cfg.slab_bytes, readonly=False)
+        # Slots are handed out 0, 1, 2, ...: populating front to back stays ahead of the fill.
+        self.populator = Populator(self.arena.arena, what="slab cache").start() if cfg.populate else None
         self.files = ExpertFiles(self.mf.gguf.paths, direct=cfg.direct, identity=cfg.model_identity or None)
         self.io = IoStatus.load(cfg.runtime_dir)  # a restarted reader carries the count on
         self.next_check = 0.0
@@ -361,6 +365,8 @@ class Reader:
                     return
 
     def close(self) -> None:
+        if self.populator is not None:
+            self.populator.stop()  # before the arena is unmapped under it
         self.lanes.shutdown()
         self.index.close()
         self.files.close()

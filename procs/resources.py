@@ -23,10 +23,10 @@ from moe_pipe.shared.experts import shm
 from moe_pipe.shared.experts.budget import RUN_ROLES, CacheFloor, engine_bytes, resolve_budget, slots_for_budget
 from moe_pipe.shared.experts.dense import arena_bytes
 from moe_pipe.shared.experts.directio import ExpertFiles, describe_os_error, model_identity
+from moe_pipe.shared.experts.populate import Populator
 from moe_pipe.shared.experts.residency import ResidencyIndex
 from moe_pipe.shared.gguf.model_file import open_model
 from moe_pipe.shared.gguf.spec import kv_cache_bytes
-from moe_pipe.shared.model.routes import RouteReplay
 from moe_pipe.shared.model.trace import read_trace
 from moe_pipe.shared.wire import ipc
 from moe_pipe.shared.wire import messages as m
@@ -84,6 +84,8 @@ class Resources:
             if cfg.cache.warm_from:  # a bad trace is the user's error, before anything starts
                 hottest_experts(str(cfg.cache.warm_from), spec, 1)
             if cfg.compute.route_replay:
+                from moe_pipe.shared.model.routes import RouteReplay  # model code: only when a trace drives the run
+
                 RouteReplay(read_trace(str(cfg.compute.route_replay)), spec)
             # Refused here, with the numbers, rather than OOM-killed once the arenas and children exist:
             # a budget below one token's experts says what that floor is made of (and, for auto, the
@@ -112,11 +114,18 @@ class Resources:
             if cfg.io.dense_weights == "anon":
                 if progress:
                     progress(f"reading the dense set ({layout.dense_bytes / 2**20:,.0f} MiB) into shared memory")
-                arena = dense = shm.Arena.create(shm.segment_name("dense"), max(arena_bytes(layout), 4096))
+                arena = dense = shm.Arena.create(shm.segment_name("dense"), max(arena_bytes(layout), 4096), reserve=True)
                 undo.callback(_release, arena)
-                with ExpertFiles(mf.gguf.paths, identity=identity) as files:
-                    _read_or_fail(lambda: files.read_dense(layout.dense, arena.buf), "reading the dense set")
-                    direct = files.direct
+                # Its pages are made and mapped on a thread just ahead of the reads,
+                # which then run at the disk's rate (shared/experts/populate.py).
+                ahead = Populator(arena, what="dense set").start() if cfg.io.populate else None
+                try:
+                    with ExpertFiles(mf.gguf.paths, identity=identity) as files:
+                        _read_or_fail(lambda: files.read_dense(layout.dense, arena.buf), "reading the dense set")
+                        direct = files.direct
+                finally:
+                    if ahead is not None:
+                        ahead.stop()
             resolved = Resolved(budget.bytes, budget.description, n_slots, layout.slab_bytes, time.perf_counter() - t0, direct, identity)
             res = cls(rt, slabs, index, dense, resolved)
             undo.pop_all()  # made whole: from here close() releases it

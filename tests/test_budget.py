@@ -432,3 +432,29 @@ def test_service_in_a_tight_cgroup_answers_and_each_child_is_within_its_estimate
     finally:
         cli("down")
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_the_auto_ceiling_follows_the_platform(monkeypatch):
+    """cache_ceil_mb = "auto": 35 % of RAM on a phone, no ceiling elsewhere; a number applies everywhere."""
+    from moe_pipe.shared.config import load_config
+    from moe_pipe.shared.experts import budget as B
+
+    assert B.platform_ceil_mb(11_300 * 10**6, phone=True) == 3771
+    assert B.platform_ceil_mb(11_300 * 10**6, phone=False) == B.NO_CEIL_MB
+    mem = MemoryProbe(64 * GiB, ())
+    cfg = load_config(None, {"model.path": "tiny"}, check_model_path=False)
+    assert cfg.cache.cache_ceil_mb == "auto"
+    import math
+    from types import SimpleNamespace
+
+    import psutil
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(total=12 * GiB))
+    monkeypatch.setattr(B, "on_phone", lambda: True)
+    phone = B.resolve_budget(cfg, dense_bytes=GiB, kv_bytes=0, memory=mem)
+    assert phone.bytes == math.floor(12 * GiB * 0.35 / MiB) * MiB and phone.clamped
+    monkeypatch.setattr(B, "on_phone", lambda: False)
+    board = B.resolve_budget(cfg, dense_bytes=GiB, kv_bytes=0, memory=mem)
+    assert not board.clamped and board.bytes == 64 * GiB - GiB - 512 * MiB
+    fixed = load_config(None, {"model.path": "tiny", "cache.cache_ceil_mb": 2000}, check_model_path=False)
+    assert B.resolve_budget(fixed, dense_bytes=GiB, kv_bytes=0, memory=mem).bytes == 2000 * MiB

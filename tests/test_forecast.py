@@ -113,9 +113,10 @@ def test_no_limit_helps_when_the_machine_itself_is_short(qwen8):
 
 
 def test_resident_when_every_expert_fits_and_streaming_below(qwen8, qwen48):
-    assert fit_at(qwen8, None).resident  # 2,790 MiB of experts under the 4000 MiB ceiling
-    big = fit_at(qwen48, None)
+    assert fit_at(qwen8, None, **{"cache.cache_ceil_mb": 4000}).resident  # 2,790 MiB of experts under a 4000 MiB ceiling
+    big = fit_at(qwen48, None, **{"cache.cache_ceil_mb": 4000})
     assert big.fits and not big.resident  # 16.6 GiB of experts: the ceiling keeps it streaming
+    assert fit_at(qwen48, None).resident  # the ceiling "auto" off a phone: the 64 GiB host holds them all
     assert not fit_at(qwen8, None, **{"cache.cache_ceil_mb": 100}).fits  # below one token's 187.5 MiB
 
 

@@ -29,7 +29,7 @@ STACK = [
     ("serve",),
     ("convert",),
     ("makemodel",),
-    ("config",),
+    ("config", "config_flags"),
     ("analysis",),
     ("procs",),
     ("cli",),

@@ -131,6 +131,17 @@ def test_pipeline_tokens_equal_reference_full_product(tiny, budget, overlap, io_
     _check_identity(tiny, budget, overlap, io_threads, dense, top_k, prefetch)
 
 
+@pytest.mark.parametrize("dense", ["anon", "mmap"])
+def test_populating_ahead_or_not_gives_the_same_tokens(tiny, dense):
+    """io.populate only moves page faults off the reads' path: tokens are the reference's either way."""
+    path, prompt, reference, sizes = tiny
+    for populate in (True, False):
+        tokens, _, _ = run_pipeline(
+            path, prompt, **{"cache.cache_mb": _budget_mb(sizes, "min", None), "io.dense_weights": dense, "io.populate": populate}
+        )
+        assert tokens == reference[None], f"populate={populate} dense={dense}"
+
+
 @pytest.mark.parametrize("policy", LIVE_POLICIES)
 def test_every_live_policy_keeps_the_tokens(tiny, policy):
     """Eviction decides what is read, never what is computed: every policy the

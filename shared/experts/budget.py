@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -58,7 +59,8 @@ RESIDENT_DENSE = ("anon", "warm")  # dense policies that keep the dense set in R
 #
 #   role        tiny (vocab 2,048)   qwen30b-shape (vocab 151,936)
 #   telemetry          13                   13
-#   reader          44-45                   47
+#   reader             24                    —     (44-47 while it imported numba: 2026-12-01 it
+#                                                  no longer does, shared/quant/__init__.py)
 #   compute            78                  161     150 on tiny with a cold numba cache
 #   gateway         41-60                   82     (60 once it sandboxed chat templates)
 #
@@ -75,7 +77,7 @@ RESIDENT_DENSE = ("anon", "warm")  # dense policies that keep the dense set in R
 # the working set leaves out, and if the limit squeezes code out every kernel
 # call faults it back in (the run crawls instead of failing).
 # Not counted: KV (its own term) and the shared-memory arenas (the budget).
-ROLE_PRIVATE_MIB = {"telemetry": 16, "reader": 56, "compute": 168, "gateway": 72}
+ROLE_PRIVATE_MIB = {"telemetry": 16, "reader": 32, "compute": 168, "gateway": 72}
 VOCAB_BYTES_PER_TOKEN = {"compute": 600, "gateway": 300}
 SHARED_CODE_MIB = 120
 RUN_ROLES = ("telemetry", "reader", "compute")  # `moe-pipe run`
@@ -154,6 +156,25 @@ class Budget:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self) | {"mb": round(self.mb, 3)}
+
+
+# cache_ceil_mb = "auto": a phone keeps most of its RAM for its OS and the apps
+# beside the engine (Android kills background apps under pressure); the seed's
+# recipes left 4,000 MiB of an 11.3 GB phone to the cache, 35 %. A board or a
+# laptop running the engine has nothing to be courteous to: a ceiling there
+# leaves memory idle that the cache would turn into hits (docs/configuration.md).
+PHONE_CEIL_SHARE = 0.35
+NO_CEIL_MB = float(1 << 24)  # "no ceiling": the config's own upper bound on any size
+
+
+def on_phone() -> bool:
+    """Android, as Python reports it (3.13+) or as its filesystem shows (Termux and older Pythons)."""
+    return sys.platform == "android" or os.path.exists("/system/build.prop")
+
+
+def platform_ceil_mb(total_ram_bytes: int, phone: bool) -> float:
+    """What cache_ceil_mb = "auto" means on this device."""
+    return math.floor(total_ram_bytes * PHONE_CEIL_SHARE / MiB) if phone else NO_CEIL_MB
 
 
 def _mib(n: int) -> str:
@@ -430,9 +451,14 @@ def resolve_budget(
     c = cfg.cache
     if (c.cache_mb == "auto" or check_memory) and memory is None:
         memory = probe_memory()
+    ceil_mb = c.cache_ceil_mb
+    if ceil_mb == "auto":
+        import psutil
+
+        ceil_mb = platform_ceil_mb(psutil.virtual_memory().total, on_phone())
     budget = compute_budget(
         c.cache_mb,
-        c.cache_ceil_mb,
+        float(ceil_mb),
         memory,
         dense_bytes=dense_bytes,
         kv_bytes=kv_bytes,

@@ -1,0 +1,139 @@
+"""Whole replies from a cold start, per token, for A/B variants of moe-pipe.
+
+    python3 bench/bench_cold.py MODEL.gguf --limit-mb 11059 [-n 128] [--repeat 2]
+        [--variant NAME=FLAGS ...] [--config configs/qwen30b.toml] [-t 2]
+
+A reply begins cold, and this VM's host keeps blocks that were read before
+(a re-read runs ~1.6x faster), so a run is cold only on bytes no earlier run
+read. Each run here therefore reads its own fresh copy of MODEL (written
+before the page cache is dropped, removed after), and the variants take
+turns, the order alternating between repeats, so neither always runs first.
+Every run is one `moe-pipe bench --repeat 1` inside the memory limit; its
+per-token CSV gives, per run (medians over repeats in the table):
+
+  first token      the prompt's pass: its reads into an empty cache, and compute
+  tokens 2-50      the cache fill: mean wall per token and the disk bytes per
+                   second of wall time
+  last quarter     steady state: mean tok/s over the last quarter of the reply
+  whole            tokens / total wall, first token included: what a user waits
+
+Needs root (cgroup, drop_caches) and free disk for one more copy of MODEL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "bench" / "out"
+
+
+def read_tokens(csv_path: Path) -> list[dict]:
+    with open(csv_path) as f:
+        rows = [line for line in f if not line.startswith("#")]
+    return [{k: float(v) for k, v in r.items()} for r in csv.DictReader(rows)]
+
+
+def io_threads(jsonl: Path) -> int:
+    """The run's read lanes, from its run_info record (io_ms sums over the lanes)."""
+    import json
+
+    for line in jsonl.read_text().splitlines():
+        rec = json.loads(line)
+        if rec.get("kind") == "run_info":
+            return int(rec["config"]["io.io_threads"])
+    raise SystemExit(f"bench_cold: no run_info in {jsonl}")
+
+
+def lane_gbps(rows: list[dict], lanes: int) -> float:
+    """Disk bytes per second of reading, per lane busy: io_ms sums every lane's read time."""
+    io_s = sum(r["io_ms"] for r in rows) / 1e3 / lanes
+    return sum(r["read_bytes"] for r in rows) / io_s / 1e9 if io_s else float("nan")
+
+
+def figures(rows: list[dict], lanes: int) -> dict:
+    walls = [r["wall_ms"] for r in rows]
+    fill = rows[1:50]
+    tail = walls[-max(1, len(walls) // 4) :]
+    return {
+        "first_s": walls[0] / 1e3,
+        "first_gb": rows[0]["read_bytes"] / 1e9,
+        "first_read_gbps": lane_gbps(rows[:1], lanes),
+        "fill_ms": statistics.mean(r["wall_ms"] for r in fill),
+        "fill_gbps": sum(r["read_bytes"] for r in fill) / sum(r["wall_ms"] for r in fill) / 1e6,
+        "fill_read_gbps": lane_gbps(fill, lanes),
+        "steady_tps": 1e3 / statistics.mean(tail),
+        "steady_hit": rows[-1]["cache_hit_pct"],
+        "whole_tps": len(walls) / (sum(walls) / 1e3),
+    }
+
+
+def fresh_copy(model: Path, dest: Path) -> float:
+    t0 = time.perf_counter()
+    shutil.copyfile(model, dest)
+    subprocess.run(["sync"], check=True)
+    return time.perf_counter() - t0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model", type=Path)
+    ap.add_argument("--limit-mb", type=float, required=True, help="memory cgroup limit for every run")
+    ap.add_argument("-n", type=int, default=128)
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("--config", default="configs/qwen30b.toml")
+    ap.add_argument("--variant", action="append", default=[], help='NAME=FLAGS, e.g. "populated=--populate"')
+    ap.add_argument("--out", type=Path, default=OUT / "cold")
+    ap.add_argument("--report-only", action="store_true", help="tabulate the runs already in --out, run nothing")
+    args, extra = ap.parse_known_args(argv)
+    variants = [v.split("=", 1) for v in args.variant] or [["default", ""]]
+    if args.report_only:
+        runs = {name: [figures(read_tokens(d / "moe-pipe-1.csv"), io_threads(d / "moe-pipe-1.jsonl"))
+                       for d in sorted(args.out.glob(f"{name}-*"))] for name, _ in variants}  # fmt: skip
+        report(runs, args)
+        return 0
+    copy = args.model.with_name(args.model.stem + "-cold-copy.gguf")
+    runs: dict[str, list[dict]] = {name: [] for name, _ in variants}
+    for r in range(args.repeat):
+        order = variants if r % 2 == 0 else variants[::-1]
+        for name, flags in order:
+            took = fresh_copy(args.model, copy)
+            out = args.out / f"{name}-{r + 1}"
+            shutil.rmtree(out, ignore_errors=True)
+            cmd = [sys.executable, "-m", "moe_pipe.cli.main", "bench", args.config, "--set", f"model.path={copy}",
+                   "-n", str(args.n), "--repeat", "1", "--mem-limit-mb", str(args.limit_mb), "-t", str(args.threads),
+                   "--out", str(out), *flags.split(), *extra]  # fmt: skip
+            print(f"[{name} {r + 1}] fresh copy in {took:.0f} s; {' '.join(cmd[2:])}", file=sys.stderr)
+            try:
+                subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+            finally:
+                copy.unlink(missing_ok=True)
+            f = figures(read_tokens(out / "moe-pipe-1.csv"), io_threads(out / "moe-pipe-1.jsonl"))
+            runs[name].append(f)
+            print(f"[{name} {r + 1}] " + ", ".join(f"{k} {v:.3g}" for k, v in f.items()), file=sys.stderr)
+    report(runs, args)
+    return 0
+
+
+def report(runs: dict[str, list[dict]], args) -> None:
+    cols = ("first_s", "first_gb", "first_read_gbps", "fill_ms", "fill_gbps", "fill_read_gbps", "steady_tps", "steady_hit", "whole_tps")
+    heads = ("first token s", "its GB", "its reads GB/s", "tokens 2-50 ms", "their GB/s of wall", "their reads GB/s",
+             "last quarter tok/s", "hit %", "whole tok/s")  # fmt: skip
+    print(f"\n{args.model.name}, limit {args.limit_mb:g} MiB, {args.n} tokens, -t {args.threads}, medians of {args.repeat} cold runs:\n")
+    print("| variant | " + " | ".join(heads) + " |")
+    print("|---" * (len(heads) + 1) + "|")
+    for name, rows in runs.items():
+        print(f"| {name} | " + " | ".join(f"{statistics.median(x[c] for x in rows):.2f}" for c in cols) + " |")
+    print("\n(reads GB/s: disk bytes over the time a lane was reading; GB/s of wall: over the tokens' wall time)")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,315 @@
+"""Matrix kernels on raw GGUF quantized blocks.
+
+    y = matvec(qtype, w, x)          w uint8 [R, row_bytes], x [C]     → y float32 [R]
+    Y = matmul(qtype, w, X)          X [T, C]                          → Y float32 [T, R]
+    E = dequantize_rows(qtype, w, rows)  rows int [N]                  → E float32 [N, C]
+    set_threads(n) / get_threads()   numba threads for the row loops
+
+`qtype` is a ggml type id or `gguf.GGMLQuantizationType`; the 16 types of
+`blocks.SUPPORTED`. `w` holds each row's blocks back to back in the GGUF
+layout (docs/formats.md § Quant blocks) and may be a read-only memmap view or a slice of
+a larger buffer: only each row has to be contiguous. Nothing is repacked or
+dequantized ahead: each call decodes blocks on the fly into a small float32
+tile and multiplies it with every activation row, so a prompt batch decodes
+each block once.
+
+Activations: a call with one activation row (matvec, or matmul with T = 1:
+the decode step) on Q8_0, Q4_K, Q6_K, Q5_0 or MXFP4 (`INT8_ACTIVATION_TYPES`)
+rounds the activation to int8 per block of 32 (x̂ = dx·xq, dx = amax/127, see
+_q8) and multiplies on the integer codes. Calls with several rows (prefill),
+every other type (F32/F16/BF16 included), and everything after
+`set_int8_activations(False)` (or MOE_PIPE_INT8_ACT=0 in the environment)
+use the activation as float32 on a decoded tile. Either way
+`effective_activation(x, qtype)` returns exactly the x̂ the kernels multiply
+by, and the results differ from float64 `dequantize(w) @ x̂` by float32
+rounding only. Each output element depends only on its weight row and its
+activation row, so matmul rows equal matvec results bit for bit when both
+take the same path (matmul with T = 1 always does; with T > 1 on an int8
+type the rows differ from matvec by the activation rounding).
+
+Kernels compile on first use of a type (numba, cached on disk under
+__pycache__ or NUMBA_CACHE_DIR), so a process using three types compiles
+three, and the next process start loads them from the cache.
+
+Two builds of the int8 dot (`INT8_DOT`, fixed at import, see _q8): "vnni"
+(AVX-512 VNNI instructions) when the CPU numba compiles for has them, else
+"portable" (the same integer sums as target-independent LLVM IR). numba's own
+target switch picks the portable one on any machine: `NUMBA_CPU_NAME=generic`
+(or `NUMBA_CPU_FEATURES` without +avx512vnni). There is no moe-pipe switch on
+purpose: numba's disk cache keys a kernel on the target CPU name and features
+but not on our environment, so a moe-pipe switch would let a process load the
+other build from the cache; tests/test_quant_portable.py runs the portable
+build this way.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import numba
+import numpy as np
+from numpy.lib.stride_tricks import as_strided
+
+from moe_pipe.shared.quant import _float, _kquant, _legacy, _q8
+from moe_pipe.shared.quant._common import E8M0_HALF, F16_TABLE, LANES
+from moe_pipe.shared.quant.blocks import QK, SUPPORTED, BlockFormat, QType, block_format, qtype_from_name
+
+__all__ = [
+    "INT8_ACTIVATION_TYPES",
+    "INT8_DOT",
+    "SUPPORTED",
+    "QType",
+    "block_format",
+    "dequantize_rows",
+    "effective_activation",
+    "get_threads",
+    "kernels_for",
+    "matmul",
+    "matvec",
+    "Prepared",
+    "prepare",
+    "apply",
+    "qtype_from_name",
+    "int8_activations",
+    "set_int8_activations",
+    "set_threads",
+]
+
+_KERNELS = {QType[name]: pair for mod in (_float, _legacy, _kquant) for name, pair in mod.KERNELS.items()}
+assert set(_KERNELS) == set(SUPPORTED), "every supported type needs kernels"
+# Types whose matvec/matmul run on int8 activations (integer block dots, _q8).
+_Q8_KERNELS = {QType[name]: pair for name, pair in _q8.KERNELS.items()}
+INT8_ACTIVATION_TYPES = tuple(_Q8_KERNELS)
+# Which build of the int8 dot this process compiles: "vnni" or "portable" (module doc).
+INT8_DOT = _q8.INT8_DOT
+_INT8_ACT = [os.environ.get("MOE_PIPE_INT8_ACT", "1") not in ("", "0")]
+# Calls with at most this many activation rows take the int8 kernels. The
+# int8 kernel redoes each block's integer dot per token, the float path
+# decodes a block once into a tile for all tokens: from two tokens on, the
+# tile is as fast or faster (docs/kernels.md), and prefill keeps float numerics.
+INT8_MAX_TOKENS = 1
+
+
+def set_int8_activations(on: bool) -> None:
+    """Int8 activations for one-row calls on INT8_ACTIVATION_TYPES (default on; process-wide)."""
+    _INT8_ACT[0] = bool(on)
+
+
+def int8_activations() -> bool:
+    return _INT8_ACT[0]
+
+
+def _uses_q8(qtype, n_tokens: int) -> bool:
+    return _INT8_ACT[0] and n_tokens <= INT8_MAX_TOKENS and qtype in _Q8_KERNELS
+
+
+# Float dtypes accepted in place of raw bytes for the unquantized types (what
+# gguf-py's reader hands out for F32/F16 tensors).
+_NATIVE_DTYPES = {QType.F32: np.float32, QType.F16: np.float16, QType.BF16: np.uint16}
+
+# Rows decoded per tile when there are several activation rows: four rows
+# share each activation load in tile_times; 4 × C × 4 B stays in L2.
+_TILE_ROWS = 4
+# With one activation row there is nothing to share; one row (≤ 12 KB for the
+# expert shapes) stays in L1 between its decode and its dot product.
+_TILE_ROWS_MATVEC = 1
+
+
+def set_threads(n: int) -> None:
+    """Use n numba threads for the row loops (numba's setting is per calling thread)."""
+    n = int(n)
+    # numba.config sets its attributes from the environment at run time, out of a type checker's sight
+    most = int(vars(numba.config)["NUMBA_NUM_THREADS"])
+    if not 1 <= n <= most:
+        raise ValueError(f"threads must be between 1 and {most} (the cores numba started with), not {n}")
+    numba.set_num_threads(n)
+
+
+def get_threads() -> int:
+    return numba.get_num_threads()
+
+
+def kernels_for(qtype: int | QType, n_tokens: int = 1):
+    """The numba dispatchers (product, rows) of a type; for cache checks and benchmarks.
+
+    `product` is the kernel a matvec/matmul with `n_tokens` activation rows
+    calls: the int8 one for one row on the int8-activation types (the float
+    tile kernel stays available in _KERNELS).
+    """
+    qt = block_format(qtype).qtype
+    if _uses_q8(qt, n_tokens):
+        return _Q8_KERNELS[qt][0], _KERNELS[qt][1]
+    return _KERNELS[qt]
+
+
+def effective_activation(x: np.ndarray, qtype: int | QType | None = None) -> np.ndarray:
+    """The activation (float32, [C] or [T, C]) exactly as a call of `qtype` with it uses it.
+
+    For one activation row ([C] or [1, C]) on the int8-activation types (with
+    int8 activations on): x rounded to int8 per block of QK = 32 and scaled back
+    (dx·xq, in float32 — the products dx·xq are exact). For several rows, the
+    other types, and with qtype None: x as float32.
+    """
+    x32 = np.ascontiguousarray(x, dtype=np.float32)
+    if qtype is None or not _uses_q8(block_format(qtype).qtype, 1 if x32.ndim == 1 else x32.shape[0]):
+        return x32
+    X = x32.reshape(-1, x32.shape[-1])
+    if X.shape[1] % QK:
+        raise ValueError(f"effective_activation: C must be a multiple of {QK}, got {X.shape[1]}")
+    xq, dx = _quantize(X)[:2]
+    return (xq.reshape(X.shape[0], -1, QK) * dx.reshape(X.shape[0], -1, 1)).astype(np.float32).reshape(x32.shape)
+
+
+def _quantize(X: np.ndarray):
+    """X f32 [T, C] → (xq int8 [T·C], dx f32 [T·C/32], bs int32 [T·C/16], xs f32 [T·C/16], xs32 f32 [T·C/32])."""
+    T, C = X.shape
+    xq = np.empty(T * C, np.int8)
+    dx = np.empty(T * C // QK, np.float32)
+    bs = np.empty(T * C // (QK // 2), np.int32)
+    xs = np.empty(T * C // (QK // 2), np.float32)
+    xs32 = np.empty(T * C // QK, np.float32)
+    if X.size:
+        _q8.quantize_q8(X, xq, dx, bs, xs, xs32)
+    return xq, dx, bs, xs, xs32
+
+
+def _multiply(qtype: QType, flat: np.ndarray, stride: int, X: np.ndarray, out: np.ndarray) -> None:
+    """out [T, R] = X @ W.T (T, R ≥ 1): int8 kernels for one row on the int8 types, float tiles otherwise."""
+    X = np.ascontiguousarray(X, dtype=np.float32)
+    T = X.shape[0]
+    if _uses_q8(qtype, T):
+        kernel, takes_e8m0 = _Q8_KERNELS[qtype]
+        kernel(flat, stride, X, E8M0_HALF if takes_e8m0 else F16_TABLE, out)
+    else:
+        mm, _ = _KERNELS[qtype]
+        mm(flat, stride, X, _TILE_ROWS if T > 1 else _TILE_ROWS_MATVEC, F16_TABLE, LANES, out)
+
+
+def matvec(qtype: int | QType, w: np.ndarray, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """y[R] = W @ x for raw blocks w [R, row_bytes] and x [C]."""
+    x = np.asarray(x)
+    if x.ndim != 1:
+        raise ValueError(f"matvec: x must be 1-D [C], got shape {x.shape}")
+    fmt, flat, stride, n_rows = _weights("matvec", qtype, w, x.shape[0])
+    y = _output("matvec", out, (n_rows,))
+    if n_rows:
+        _multiply(fmt.qtype, flat, stride, x.reshape(1, -1), y.reshape(1, -1))
+    return y
+
+
+def matmul(qtype: int | QType, w: np.ndarray, X: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """Y[T, R] = X @ W.T for raw blocks w [R, row_bytes] and X [T, C]."""
+    X = np.asarray(X)
+    if X.ndim != 2:
+        raise ValueError(f"matmul: X must be 2-D [T, C], got shape {X.shape}")
+    fmt, flat, stride, n_rows = _weights("matmul", qtype, w, X.shape[1])
+    Y = _output("matmul", out, (X.shape[0], n_rows))
+    if n_rows and X.shape[0]:
+        _multiply(fmt.qtype, flat, stride, X, Y)
+    return Y
+
+
+class Prepared(NamedTuple):
+    """A weight matrix checked once: what the kernels need, for the hot path."""
+
+    qtype: QType
+    flat: np.ndarray  # read-only bytes of all rows
+    stride: int
+    n_rows: int
+    n_cols: int
+
+
+def prepare(qtype: int | QType, w: np.ndarray) -> Prepared:
+    """Check w [R, row_bytes] once; `apply` then multiplies without re-checking it."""
+    fmt = block_format(qtype)
+    w = _as_bytes("prepare", fmt, w)
+    if w.shape[1] % fmt.type_size:
+        raise ValueError(f"prepare: a {fmt.name} row is whole {fmt.type_size}-byte blocks; got {w.shape[1]} bytes")
+    n_cols = w.shape[1] // fmt.type_size * fmt.block_size
+    fmt, flat, stride, n_rows = _weights("prepare", fmt.qtype, w, n_cols)
+    return Prepared(fmt.qtype, flat, stride, n_rows, n_cols)
+
+
+def apply(p: Prepared, X: np.ndarray) -> np.ndarray:
+    """Y[T, R] = X @ W.T for a prepared W: the decode hot path (~1 µs of checks)."""
+    if X.ndim != 2 or X.shape[1] != p.n_cols:
+        raise ValueError(f"apply: X must be [T, {p.n_cols}], got shape {X.shape}")
+    Y = np.empty((X.shape[0], p.n_rows), np.float32)
+    if p.n_rows and X.shape[0]:
+        _multiply(p.qtype, p.flat, p.stride, X, Y)
+    return Y
+
+
+def dequantize_rows(qtype: int | QType, w: np.ndarray, rows) -> np.ndarray:
+    """float32 [N, C]: rows `rows` of w decoded (embedding lookups)."""
+    fmt = block_format(qtype)
+    w = _as_bytes("dequantize_rows", fmt, w)
+    if w.shape[1] % fmt.type_size:
+        raise ValueError(f"dequantize_rows: a {fmt.name} row is whole {fmt.type_size}-byte blocks; got {w.shape[1]} bytes")
+    n_cols = w.shape[1] // fmt.type_size * fmt.block_size
+    fmt, flat, stride, n_rows = _weights("dequantize_rows", fmt.qtype, w, n_cols)
+    rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+    if rows.size and (rows.min() < 0 or rows.max() >= n_rows):
+        raise ValueError(f"dequantize_rows: row ids must be in [0, {n_rows}), got {rows.min()}..{rows.max()}")
+    E = np.empty((rows.size, n_cols), np.float32)  # [N, C]
+    if rows.size:
+        _, deq = _KERNELS[fmt.qtype]
+        deq(flat, stride, np.ascontiguousarray(rows), F16_TABLE, LANES, E)
+    return E
+
+
+# ---- the one dispatch check ----------------------------------------------
+
+
+def _as_bytes(op: str, fmt: BlockFormat, w) -> np.ndarray:
+    w = np.asarray(w)
+    native = _NATIVE_DTYPES.get(fmt.qtype)
+    if native is not None and w.dtype == native and w.ndim == 2 and w.strides[-1] == w.itemsize:
+        w = w.view(np.uint8)  # [R, C·itemsize]; a view, rows stay in place
+    if w.dtype != np.uint8 or w.ndim != 2:
+        raise ValueError(f"{op}: {fmt.name} weights must be uint8 [rows, row_bytes] of raw blocks, got {w.dtype} {list(w.shape)}")
+    return w
+
+
+def _weights(op: str, qtype, w, n_cols: int) -> tuple[BlockFormat, np.ndarray, int, int]:
+    """Check w against C and return (format, flat read-only bytes, row stride, R).
+
+    The kernels always get the same argument types (1-D read-only C-contiguous
+    uint8 + an int64 stride), whatever w was — memmap, read-only view, slice of
+    a bigger buffer — so one compiled, cached specialization serves them all.
+    """
+    fmt = block_format(qtype)
+    w = _as_bytes(op, fmt, w)
+    if n_cols % fmt.block_size:
+        raise ValueError(f"{op}: {fmt.name} needs C to be a multiple of {fmt.block_size}, got C={n_cols}")
+    n_rows, row_bytes = w.shape
+    if row_bytes != fmt.row_bytes(n_cols):
+        raise ValueError(
+            f"{op}: {fmt.name} rows of C={n_cols} weights are {fmt.row_bytes(n_cols)} bytes, but w has {row_bytes} bytes per row"
+        )
+    stride = int(w.strides[0]) if n_rows > 1 else row_bytes
+    if w.strides[1] != 1 or stride < 0:
+        raise ValueError(f"{op}: each row of w must be contiguous bytes in increasing order (strides {w.strides})")
+    if stride == row_bytes and w.flags.c_contiguous:  # the usual case; as_strided costs ~4 µs a call
+        flat = w.reshape(-1).view(np.ndarray)
+        flat.flags.writeable = False
+    else:
+        span = (n_rows - 1) * stride + row_bytes if n_rows else 0
+        flat = as_strided(w, shape=(span,), strides=(1,), writeable=False)
+    return fmt, flat, stride, n_rows
+
+
+def _output(op: str, out, shape: tuple[int, ...]) -> np.ndarray:
+    if out is None:
+        return np.empty(shape, np.float32)
+    if (
+        not isinstance(out, np.ndarray)
+        or out.dtype != np.float32
+        or out.shape != shape
+        or not out.flags.c_contiguous
+        or not out.flags.writeable
+    ):
+        got = f"{out.dtype} {list(out.shape)}" if isinstance(out, np.ndarray) else type(out).__name__
+        raise ValueError(f"{op}: out must be a writable C-contiguous float32 array of shape {list(shape)}, got {got}")
+    return out

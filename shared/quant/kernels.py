@@ -53,28 +53,10 @@ from numpy.lib.stride_tricks import as_strided
 
 from moe_pipe.shared.quant import _float, _kquant, _legacy, _q8
 from moe_pipe.shared.quant._common import E8M0_HALF, F16_TABLE, LANES
-from moe_pipe.shared.quant.blocks import QK, SUPPORTED, BlockFormat, QType, block_format, qtype_from_name
+from moe_pipe.shared.quant.blocks import QK, SUPPORTED, BlockFormat, QType, block_format
+from moe_pipe.shared.quant.blocks import qtype_from_name as qtype_from_name  # re-exported: quant.qtype_from_name
 
-__all__ = [
-    "INT8_ACTIVATION_TYPES",
-    "INT8_DOT",
-    "SUPPORTED",
-    "QType",
-    "block_format",
-    "dequantize_rows",
-    "effective_activation",
-    "get_threads",
-    "kernels_for",
-    "matmul",
-    "matvec",
-    "Prepared",
-    "prepare",
-    "apply",
-    "qtype_from_name",
-    "int8_activations",
-    "set_int8_activations",
-    "set_threads",
-]
+# The public names are listed once, in shared/quant/__init__.py's __all__.
 
 _KERNELS = {QType[name]: pair for mod in (_float, _legacy, _kquant) for name, pair in mod.KERNELS.items()}
 assert set(_KERNELS) == set(SUPPORTED), "every supported type needs kernels"

@@ -381,9 +381,8 @@ def serve(cfg: ComputeConfig, ctx: zmq.Context) -> None:
     source = SlabExperts(cfg, mf.layout, fetch_out, ready_in)
     # First use of a page of either arena is a fault inside a token's compute:
     # take them now, on a thread (the dense set first: every token reads all of it).
-    populators = [
-        Populator(a, what=w).start() for a, w in ((dense_arena, "dense set"), (source.arena.arena, "slab cache")) if a and cfg.populate
-    ]
+    arenas = [(dense_arena, "dense set"), (source.arena.arena, "slab cache")] if cfg.populate else []
+    populators = [Populator(a, what=w).start() for a, w in arenas if a is not None]
     tracer = RouteTracer(cfg.route_trace, mf, cfg.top_k, source.resident) if cfg.route_trace else None
     options = ModelOptions(
         prefetch_next=cfg.prefetch,

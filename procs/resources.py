@@ -114,7 +114,7 @@ class Resources:
             if cfg.io.dense_weights == "anon":
                 if progress:
                     progress(f"reading the dense set ({layout.dense_bytes / 2**20:,.0f} MiB) into shared memory")
-                arena = dense = shm.Arena.create(shm.segment_name("dense"), max(arena_bytes(layout), 4096), reserve=True)
+                arena = dense = shm.Arena.create(shm.segment_name("dense"), max(arena_bytes(layout), 4096))
                 undo.callback(_release, arena)
                 # Its pages are made and mapped on a thread just ahead of the reads,
                 # which then run at the disk's rate (shared/experts/populate.py).

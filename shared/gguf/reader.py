@@ -420,7 +420,7 @@ def _field_value(path: Path, field) -> Any:
         raise GGUFError(path, f"metadata key {_show(field.name)} holds a string that is not UTF-8") from None
 
 
-_INTS = frozenset(
+INT_TYPES = frozenset(
     {
         GGUFValueType.UINT8,
         GGUFValueType.INT8,
@@ -432,7 +432,7 @@ _INTS = frozenset(
         GGUFValueType.INT64,
     }
 )
-_FLOATS = frozenset({GGUFValueType.FLOAT32, GGUFValueType.FLOAT64})
+FLOAT_TYPES = frozenset({GGUFValueType.FLOAT32, GGUFValueType.FLOAT64})
 _STRING = frozenset({GGUFValueType.STRING})
 _BOOL = frozenset({GGUFValueType.BOOL})
 # Keys read outside spec.py (which checks the per-architecture ones itself):
@@ -441,20 +441,20 @@ _BOOL = frozenset({GGUFValueType.BOOL})
 _KNOWN_KEYS: dict[str, tuple[str, frozenset]] = {
     "general.architecture": ("a string", _STRING),
     "general.name": ("a string", _STRING),
-    "split.no": ("an integer", _INTS),
-    "split.count": ("an integer", _INTS),
-    "split.tensors.count": ("an integer", _INTS),
+    "split.no": ("an integer", INT_TYPES),
+    "split.count": ("an integer", INT_TYPES),
+    "split.tensors.count": ("an integer", INT_TYPES),
     "tokenizer.ggml.model": ("a string", _STRING),
     "tokenizer.ggml.pre": ("a string", _STRING),
     "tokenizer.ggml.tokens": ("an array of strings", _STRING),
     "tokenizer.ggml.merges": ("an array of strings", _STRING),
-    "tokenizer.ggml.token_type": ("an array of integers", _INTS),
-    "tokenizer.ggml.scores": ("an array of numbers", _FLOATS | _INTS),
+    "tokenizer.ggml.token_type": ("an array of integers", INT_TYPES),
+    "tokenizer.ggml.scores": ("an array of numbers", FLOAT_TYPES | INT_TYPES),
     "tokenizer.ggml.add_bos_token": ("a bool", _BOOL),
     "tokenizer.ggml.add_eos_token": ("a bool", _BOOL),
     "tokenizer.chat_template": ("a string", _STRING),
     **{
-        f"tokenizer.ggml.{t}_token_id": ("an integer", _INTS)
+        f"tokenizer.ggml.{t}_token_id": ("an integer", INT_TYPES)
         for t in ("bos", "eos", "eot", "eom", "unknown", "padding", "seperator", "mask")
     },
 }

@@ -22,20 +22,9 @@ from typing import Any
 from gguf import GGMLQuantizationType, GGUFValueType
 
 from moe_pipe.shared.errors import GGUFError
-from moe_pipe.shared.gguf.reader import GGUFFile
+from moe_pipe.shared.gguf.reader import FLOAT_TYPES, INT_TYPES, GGUFFile
 
-_INT_TYPES = {
-    GGUFValueType.UINT8,
-    GGUFValueType.INT8,
-    GGUFValueType.UINT16,
-    GGUFValueType.INT16,
-    GGUFValueType.UINT32,
-    GGUFValueType.INT32,
-    GGUFValueType.UINT64,
-    GGUFValueType.INT64,
-}
 _SPLIT_SUFFIX = re.compile(r"-\d{5}-of-\d{5}$")
-_FLOAT_TYPES = {GGUFValueType.FLOAT32, GGUFValueType.FLOAT64}
 
 
 @dataclass(frozen=True)
@@ -105,7 +94,7 @@ class _Meta:
             if default is None:
                 raise GGUFError(self.f.path, f"metadata key {self.key(suffix)!r} is missing")
             return int(default)
-        if types[0] not in _INT_TYPES:
+        if types[0] not in INT_TYPES:
             raise GGUFError(self.f.path, f"metadata key {self.key(suffix)!r} has type {types[0].name}, expected an integer")
         return int(value)
 
@@ -115,7 +104,7 @@ class _Meta:
             if default is None:
                 raise GGUFError(self.f.path, f"metadata key {self.key(suffix)!r} is missing")
             return float(default)
-        if types[0] not in _FLOAT_TYPES | _INT_TYPES:
+        if types[0] not in FLOAT_TYPES | INT_TYPES:
             raise GGUFError(self.f.path, f"metadata key {self.key(suffix)!r} has type {types[0].name}, expected a number")
         if not math.isfinite(value):  # a NaN epsilon or base gives NaN logits, not an error
             raise GGUFError(self.f.path, f"metadata key {self.key(suffix)!r} is {value}, expected a finite number")
@@ -134,7 +123,7 @@ class _Meta:
         key = self.key(suffix)
         if self.f.has(key) and self.f.meta_type(key)[0] == GGUFValueType.ARRAY:
             elem, n = self.f.meta_type(key)[-1], self.f.meta_len(key)
-            ok = elem in _INT_TYPES | {GGUFValueType.BOOL} if kind in (int, bool) else elem in _FLOAT_TYPES | _INT_TYPES
+            ok = elem in INT_TYPES | {GGUFValueType.BOOL} if kind in (int, bool) else elem in FLOAT_TYPES | INT_TYPES
             if not ok or n != n_layer:  # checked before decoding: the array may claim millions of entries
                 raise GGUFError(
                     self.f.path, f"metadata key {key!r} must hold {n_layer} {kind.__name__} values, one per layer (has {n} of {elem.name})"
@@ -144,7 +133,7 @@ class _Meta:
             return tuple(kind(default) for _ in range(n_layer))
         if types[0] == GGUFValueType.ARRAY:
             return tuple(kind(v) for v in value)
-        ok = types[0] in (_INT_TYPES | {GGUFValueType.BOOL} if kind in (int, bool) else _FLOAT_TYPES | _INT_TYPES)
+        ok = types[0] in (INT_TYPES | {GGUFValueType.BOOL} if kind in (int, bool) else FLOAT_TYPES | INT_TYPES)
         if not ok:
             raise GGUFError(self.f.path, f"metadata key {self.key(suffix)!r} has type {types[0].name}, expected {kind.__name__}")
         return tuple(kind(value) for _ in range(n_layer))

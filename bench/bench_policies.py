@@ -13,7 +13,23 @@ each expert its own size, as the published curves), and
     panel per trace (needs matplotlib: pip install -e '.[bench]').
 
 `--check` only compares: exit 1 if the page's block is stale. One core,
-about 15 s.
+about 25 s.
+
+    python bench/bench_policies.py --variants
+
+prints instead a table of candidates outside the registry at 2000-4000 MiB
+(nextmix's neighbours, LRU with TinyLFU's admission test) next to lru,
+nextuse, nextmix and belady.
+
+    python bench/bench_policies.py --synthetic MODEL.gguf [--top-k K] [-n 128]
+
+instead runs a made model in this process (`moe-pipe make-model`, the
+calibrated routers of docs/benchmarks.md § Synthetic routing), records its
+routing *with the router's probabilities over every expert* (a route trace
+has only the chosen ones), and prints a markdown table of decode hit % at
+cache fractions f × n_layer × n_expert for lru, nextuse, nextmix, nextmix
+reading the router's scores, and belady. Two streams after a 32-token corpus
+prompt: `text` (the corpus, forced) and `greedy` (the model's argmax).
 """
 
 from __future__ import annotations
@@ -112,8 +128,12 @@ def markdown(results: dict, pub: dict, sizes: dict, budgets) -> str:
         checked = [b for b in (2000, 3000, 4000) if (b, "lru") in res]
         margins = ", ".join(f"{b}: {_pts(res[b, DEFAULT_POLICY].hit_pct_decode - res[b, 'lru'].hit_pct_decode)}" for b in checked)
         reads = ", ".join(f"{b}: {res[b, 'lru'].read_mib:,.0f} → {res[b, DEFAULT_POLICY].read_mib:,.0f}" for b in checked)
+        prev = ""
+        if DEFAULT_POLICY != "nextuse":  # the default before it, which it had to beat
+            over = ", ".join(f"{b}: {_pts(res[b, DEFAULT_POLICY].hit_pct_decode - res[b, 'nextuse'].hit_pct_decode)}" for b in checked)
+            prev = f" Over `nextuse`: {over}."
         out += [
-            f"`{DEFAULT_POLICY}` over `lru` (slots), points of decode hit rate at {margins}. "
+            f"`{DEFAULT_POLICY}` over `lru` (slots), points of decode hit rate at {margins}.{prev} "
             f"MiB read from flash for the whole trace, `lru` → `{DEFAULT_POLICY}`, at {reads}.",
             "",
         ]
@@ -175,12 +195,182 @@ def plot(results: dict, budgets, path: Path) -> None:
     plt.close(fig)
 
 
+# ---------------------------------------------------------------- candidates outside the registry
+
+
+class TinyLRU:
+    """LRU with TinyLFU's admission test (Einziger et al. 2017) as far as an
+    expert cache allows: a miss must be read anyway, so a newcomer whose
+    decayed count (kept for every key ever seen; half-life 2x the cache in
+    uses) is below the coldest resident's is not refused but put at the cold
+    end, to go first."""
+
+    def __init__(self, n_slots: int, half_life: float = 2.0):
+        from collections import OrderedDict
+
+        self._order: OrderedDict = OrderedDict()
+        self._count: dict = {}
+        self._tick = 0
+        self.half_life = max(64.0, half_life * n_slots)
+
+    def _use(self, key) -> None:
+        self._tick += 1  # counts grow 2**(t / half_life) per use: decay without touching the others
+        self._count[key] = self._count.get(key, 0.0) + 2.0 ** (self._tick / self.half_life)
+
+    def on_hit(self, key) -> None:
+        self._use(key)
+        self._order.move_to_end(key)
+
+    def on_admit(self, key) -> None:
+        self._use(key)
+        cold = next(iter(self._order), None)
+        self._order[key] = None
+        if cold is not None and self._count[key] < self._count[cold]:
+            self._order.move_to_end(key, last=False)
+
+    def on_evict(self, key) -> None:
+        del self._order[key]
+
+    def victim(self, is_evictable):
+        return next((k for k in self._order if is_evictable(k)), None)
+
+
+def variants(d: Path) -> str:
+    from moe_pipe.shared.analysis.replay import Replayer
+    from moe_pipe.shared.experts.policies import NextMix
+    from moe_pipe.shared.model.trace import read_trace
+
+    def mix(**kw):
+        hl = kw.pop("hl", 4)
+        return lambda n: NextMix(n, half_life=max(64, hl * n), **kw)
+
+    cands = [
+        ("`lru`", "lru"),
+        ("LRU + TinyLFU admission", TinyLRU),
+        ("`nextuse`", "nextuse"),
+        ("`nextmix` (short weight 0.2, short half-life 2 passes, long 4x)", "nextmix"),
+        ("short weight 0 (no short clock), long 2x", mix(short_weight=0.0, hl=2)),
+        ("short weight 0.1", mix(short_weight=0.1)),
+        ("short weight 0.3", mix(short_weight=0.3)),
+        ("short half-life 1 pass", mix(short_half_life=1.0)),
+        ("short half-life 3 passes", mix(short_half_life=3.0)),
+        ("long half-life 2x", mix(hl=2)),
+        ("long half-life 6x", mix(hl=6)),
+        ("`belady`", "belady"),
+    ]
+    rp = {name: Replayer(read_trace(d / f"{name}.route.csv")) for name in TRACES}
+    rows = []
+    for label, p in cands:
+        cells = []
+        for name in TRACES:
+            pol = p if isinstance(p, str) else (label, p)
+            cells.append(" / ".join(f"{rp[name].run(b, pol).hit_pct_decode:.2f}" for b in (2000, 3000, 4000)))
+        rows.append([label, *cells])
+    head = ["variant", *(f"{TRACES[n].split(' (')[0]}" for n in TRACES)]
+    return "hit % decode at 2000 / 3000 / 4000 MiB (slots)\n\n" + "\n".join(_table(head, rows))
+
+
+# ---------------------------------------------------------------- router scores, on a made model
+
+FRACTIONS = (0.1, 0.2, 0.3, 0.45)
+PROMPT_TOKENS = 32
+SCORE_WEIGHT = 0.3  # nextmix's weight on the router's probabilities; 0.6 measured alike, 1.0 worse
+
+
+def record_with_scores(model_path: str, top_k: int | None, n: int, stream: str):
+    """(route trace, router probabilities [n × n_layer, n_expert] of the decoded
+    tokens, in fetch order) for a 32-token corpus prompt and n decoded tokens."""
+    import numpy as np
+
+    from moe_pipe.shared.gguf.model_file import open_model
+    from moe_pipe.shared.gguf.vocab import CORPUS
+    from moe_pipe.shared.model.load import load_model
+    from moe_pipe.shared.model.trace import DECODE, Trace, TraceHeader
+    from moe_pipe.shared.text.chat import encode_prompt
+    from moe_pipe.shared.text.tokenizer import Tokenizer
+
+    with open_model(model_path) as mf:
+        model = load_model(mf, top_k=top_k)
+        header = TraceHeader.from_layout(str(model_path), mf.layout, model.top_k)
+        ids = encode_prompt(Tokenizer.from_gguf(mf.gguf), CORPUS.read_text(encoding="utf-8")[20000:])[: PROMPT_TOKENS + n]
+        rows, probs, phase = [], [], [0]
+        routed = model.routed
+
+        def observe(i, routing, scores):  # every architecture's routing passes through `routed`
+            routing = routed(i, routing, scores)
+            rows.append((phase[0], i, routing.ids.copy(), routing.weights.copy()))
+            if phase[0] == DECODE:
+                z = np.exp(scores[0] - scores[0].max())  # the router's softmax over all experts
+                probs.append(z / z.sum())
+            return routing
+
+        model.routed = observe
+        cache = model.new_cache(PROMPT_TOKENS + n + 8)
+        logits = model.prefill(ids[:PROMPT_TOKENS], cache, batch=PROMPT_TOKENS)  # one batch, as the phone traces
+        phase[0] = DECODE
+        for j in range(n):
+            logits = model.decode_one(ids[PROMPT_TOKENS + j] if stream == "text" else int(np.argmax(logits)), cache)
+    cols: dict[str, list] = {c: [] for c in ("phase", "step", "layer", "slot", "expert", "weight")}
+    step = 0
+    for ph, layer, e, w in rows:
+        t, k = e.shape
+        cols["phase"].append(np.full(t * k, ph))
+        cols["step"].append(np.repeat(np.arange(step, step + t), k))
+        cols["layer"].append(np.full(t * k, layer))
+        cols["slot"].append(np.tile(np.arange(k), t))
+        cols["expert"].append(e.reshape(-1))
+        cols["weight"].append(w.reshape(-1))
+        if layer == header.n_layer - 1:
+            step += t
+    c = {k: np.concatenate(v).astype(np.float64 if k == "weight" else np.int64) for k, v in cols.items()}
+    m = c["phase"].size
+    nbytes = np.asarray(header.expert_bytes, np.int64)[c["layer"]]
+    trace = Trace(str(model_path), header, turn=np.zeros(m, np.int64), residency=np.zeros(m, np.int64), expert_bytes=nbytes, **c)
+    return trace, np.stack(probs)
+
+
+def synthetic(model_path: str, top_k: int | None, n: int) -> str:
+    from moe_pipe.shared.analysis.replay import MIB, Replayer, slab_bytes
+    from moe_pipe.shared.experts.policies import NextMix
+
+    out = []
+    for stream in ("text", "greedy"):
+        trace, probs = record_with_scores(model_path, top_k, n, stream)
+        h = trace.header
+        rp = Replayer(trace, scores=probs)
+        policies = ["lru", "nextuse", "nextmix", ("nextmix + scores", lambda k: NextMix(k, score_weight=SCORE_WEIGHT)), "belady"]
+        slab = slab_bytes(trace)
+        rows = []
+        for p in policies:
+            cells = []
+            for f in FRACTIONS:
+                k = max(h.n_expert_used, int(round(f * h.n_layer * h.n_expert)))
+                cells.append(f"{rp.run((k * slab + slab // 2) / MIB, p).hit_pct_decode:.2f}")
+            rows.append([f"`{p if isinstance(p, str) else p[0]}`", *cells])
+        title = f"{Path(model_path).name} ({h.arch}, {h.n_layer} layers, top-{h.n_expert_used} of {h.n_expert}), {stream}, {n} tokens"
+        out += [f"{title}: hit % decode at cache fraction", ""]
+        out += _table(["policy \\ cache", *(f"{f:.0%}" for f in FRACTIONS)], rows) + [""]
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--traces", help="folder with qwen.route.csv and gptoss.route.csv")
     ap.add_argument("--budgets", default=",".join(map(str, BUDGETS)), help="MiB, comma-separated")
     ap.add_argument("--check", action="store_true", help="exit 1 if docs/cache-policies.md's tables are stale")
+    ap.add_argument(
+        "--synthetic", metavar="MODEL", help="record a made model's routing with its router scores and print that table instead"
+    )
+    ap.add_argument("--top-k", type=int, default=None, help="--synthetic: experts per token (default: the model's)")
+    ap.add_argument("-n", type=int, default=128, help="--synthetic: decoded tokens per stream")
+    ap.add_argument("--variants", action="store_true", help="print the table of candidates outside the registry instead")
     args = ap.parse_args(argv)
+    if args.variants:
+        print(variants(traces_dir(args.traces)))
+        return 0
+    if args.synthetic:
+        print(synthetic(args.synthetic, args.top_k, args.n))
+        return 0
     d = traces_dir(args.traces)
     budgets = [int(b) for b in args.budgets.split(",")]
     t0 = time.perf_counter()

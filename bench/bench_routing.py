@@ -3,7 +3,7 @@
     python bench/bench_routing.py [--arch qwen3moe] [--preset qwen30b-shape] [--layers 8]
                                   [--model PATH] [--top-k K|model] [-n 128] [--streams text,greedy]
                                   [--fractions 0.1,0.2,0.3,0.45] [--traces DIR] [--trace-out DIR]
-                                  [--logit-scale X] [--json]
+                                  [--logit-scale X] [--cross-layer] [--json]
 
 Runs the model in this process (shared/model, every weight resident) on two
 token streams, records its routing through `route_observer`, and measures
@@ -19,6 +19,14 @@ what makes routing realistic for an expert cache (docs/benchmarks.md,
      again at t+1), within the next 4 and the next 16 tokens;
 
 and, for reference, the mean gate weight of each token's first expert.
+
+`--cross-layer` adds the cross-layer probe (what next-layer prefetch can
+hope for): on the decode tokens, for each layer i and distance d = 0..3,
+layer i+d's router applied to the input layer i's router saw (observed with
+ModelOptions.router_input_observer); its top-k against the top-k layer i+d
+then chose. Slot accuracy = share of layer i+d's chosen experts found in the
+guess; set accuracy = share of tokens whose guess is the whole set. d = 0 is
+the control (100 %).
 
 Streams: `text` prefills a prompt of corpus text (shared/data/corpus.txt)
 and then decodes the text that follows it, one forced token at a time: the
@@ -159,6 +167,11 @@ class Recorder:
 
     def __init__(self, n_layer: int):
         self.n_layer, self.phase, self.step, self.rows = n_layer, 0, 0, []
+        self.inputs: list[tuple[int, np.ndarray]] = []  # (layer, router input [1, D]) of each decoded token
+
+    def saw_input(self, layer: int, x) -> None:
+        if self.phase == 1:
+            self.inputs.append((layer, x.copy()))
 
     def __call__(self, layer: int, routing) -> None:
         ids, w = routing.ids, routing.weights  # [T, K]
@@ -207,9 +220,13 @@ class RoutesTo:
         if self.recorder is not None:
             self.recorder(layer, routing)
 
+    def saw_input(self, layer, x) -> None:
+        if self.recorder is not None:
+            self.recorder.saw_input(layer, x)
+
 
 def run_stream(model, routes: RoutesTo, tok, header, stream: str, n: int):
-    """One prompt + n decoded tokens; returns (trace, distinct decoded tokens)."""
+    """One prompt + n decoded tokens; returns (trace, distinct decoded tokens, recorder)."""
     ids = corpus_tokens(tok, PROMPT_TOKENS + n)
     rec = Recorder(model.spec.n_layer)
     routes.recorder = rec
@@ -224,7 +241,63 @@ def run_stream(model, routes: RoutesTo, tok, header, stream: str, n: int):
             logits = model.decode_one(token, cache)
     finally:
         routes.recorder = None
-    return rec.trace(header), len(set(out))
+    return rec.trace(header), len(set(out)), rec
+
+
+# ---------------------------------------------------------------- cross-layer probe
+
+MAX_DISTANCE = 3
+
+
+@dataclass(frozen=True)
+class CrossLayer:
+    """Layer i+d's router on layer i's router input, against what layer i+d chose."""
+
+    slot: dict  # d -> (per-layer slot accuracy over i, overall)
+    whole: dict  # d -> (per-layer whole-set accuracy over i, overall)
+
+    def row(self) -> dict:
+        def r(x):
+            return [round(v, 4) for v in x[0]], round(x[1], 4)
+
+        return {"slot": {d: r(v) for d, v in self.slot.items()}, "whole_set": {d: r(v) for d, v in self.whole.items()}}
+
+
+def cross_layer(model, rec: Recorder, max_d: int = MAX_DISTANCE) -> CrossLayer:
+    """The probe over a stream's decode tokens (docstring at the top)."""
+    from moe_pipe.shared.model.moe import top_k_ids
+
+    n_layer, k = model.spec.n_layer, model.top_k
+    chosen = {layer: np.concatenate([ids for ph, _, l, ids, _ in rec.rows if ph == 1 and l == layer]) for layer in range(n_layer)}
+    seen = {layer: np.concatenate([x for l, x in rec.inputs if l == layer]) for layer in range(n_layer)}  # [T, D]
+    slot, whole = {}, {}
+    for d in range(max_d + 1):
+        s_rows, w_rows = [], []
+        for i in range(n_layer - d):
+            guess = top_k_ids(model.router_logits(i + d, seen[i]), k)  # [T, K]
+            actual = chosen[i + d]
+            found = (guess[:, :, None] == actual[:, None, :]).any(1)  # [T, K]: actual slot found in the guess
+            s_rows.append(found.mean(1))
+            w_rows.append(found.all(1))
+        if s_rows:
+            slot[d] = ([float(r.mean()) for r in s_rows], float(np.concatenate(s_rows).mean()))
+            whole[d] = ([float(r.mean()) for r in w_rows], float(np.concatenate(w_rows).mean()))
+    return CrossLayer(slot, whole)
+
+
+def cross_table(probes: dict[str, CrossLayer]) -> str:
+    """Per stream: slot % / whole-set % by source layer i and distance d."""
+    lines = []
+    for name, p in probes.items():
+        ds = list(p.slot)
+        n = len(p.slot[0][0])
+        lines.append(f"cross-layer probe, {name}: router of layer i+d on layer i's router input, slot % / whole-set %")
+        lines.append("layer i  " + "  ".join(f"{f'd={d}':>11}" for d in ds))
+        for i in range(n):
+            cells = [f"{p.slot[d][0][i] * 100:5.1f}/{p.whole[d][0][i] * 100:5.1f}" if i < len(p.slot[d][0]) else "" for d in ds]
+            lines.append(f"{i:>7}  " + "  ".join(f"{c:>11}" for c in cells))
+        lines.append("overall  " + "  ".join(f"{f'{p.slot[d][1] * 100:5.1f}/{p.whole[d][1] * 100:5.1f}':>11}" for d in ds))
+    return "\n".join(lines)
 
 
 def scale_routers(model, factor: float) -> None:
@@ -309,6 +382,7 @@ def main(argv=None) -> int:
         default=1.0,
         help="multiply every router's logits (weights and bias) by this, in memory: the calibration scan",
     )
+    ap.add_argument("--cross-layer", action="store_true", help="also run the cross-layer probe (next-layer prefetch's accuracy)")
     ap.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     args = ap.parse_args(argv)
     fractions = tuple(float(f) for f in args.fractions.split(","))
@@ -336,7 +410,8 @@ def main(argv=None) -> int:
         else:
             top_k = None if args.top_k == "model" else int(args.top_k)
         routes = RoutesTo()
-        model = load_model(mf, top_k=top_k, options=ModelOptions(route_observer=routes))
+        observe_inputs = routes.saw_input if args.cross_layer else None
+        model = load_model(mf, top_k=top_k, options=ModelOptions(route_observer=routes, router_input_observer=observe_inputs))
         if args.logit_scale != 1.0:
             scale_routers(model, args.logit_scale)
         header = TraceHeader.from_layout(str(path), mf.layout, model.top_k)
@@ -344,10 +419,12 @@ def main(argv=None) -> int:
         if args.logit_scale != 1.0:
             desc += f", router logits × {args.logit_scale:g}"
         tok = Tokenizer.from_gguf(mf.gguf)
-        ours, distinct = {}, {}
+        ours, distinct, probes = {}, {}, {}
         for s in streams:
             t0 = time.perf_counter()
-            trace, distinct[s] = run_stream(model, routes, tok, header, s, args.n)
+            trace, distinct[s], rec = run_stream(model, routes, tok, header, s, args.n)
+            if args.cross_layer:
+                probes[f"ours ({s})"] = cross_layer(model, rec)
             print(f"  {s}: {args.n} tokens in {time.perf_counter() - t0:.0f} s, {distinct[s]} distinct", file=sys.stderr)
             if args.trace_out:
                 Path(args.trace_out).mkdir(parents=True, exist_ok=True)
@@ -365,6 +442,7 @@ def main(argv=None) -> int:
                     "top_k": model.top_k,
                     "distinct_tokens": distinct,
                     "stats": {k: v.row() for k, v in cols.items()},
+                    "cross_layer": {k: v.row() for k, v in probes.items()},
                 },
                 indent=1,
             )
@@ -373,6 +451,8 @@ def main(argv=None) -> int:
         print(desc)
         print("decoded tokens distinct: " + ", ".join(f"{s} {d}/{args.n}" for s, d in distinct.items()))
         print(table(cols, fractions))
+        if probes:
+            print(cross_table(probes))
     return 0
 
 

@@ -1,27 +1,30 @@
-"""moe-pipe against llama.cpp on an emulated phone, end to end.
+"""moe-pipe against llama.cpp on an emulated phone: whole replies, cold, at equal memory.
 
-    python bench/bench_vs_llama.py [--shapes qwen30b,gptoss120b] [--qwen-layers 8] [--gptoss-layers 16]
-                                   [-n 32] [--repeat 2] [--threads 2] [--no-llama]
+    python bench/bench_vs_llama.py [--shapes qwen30b,gemma26b,gptoss120b] [--qwen-layers 48]
+        [--gemma-layers 30] [--gptoss-layers 24] [-n 256] [--repeat 2] [--threads 2]
+        [--cold copy|alternate] [--peer-readahead 8192,128] [--lossy] [--no-llama]
+        [--peer-timeout S] [--doc-only]
 
 For each shape: makes the synthetic full-width model cut to the given layers
-(bench/out/, once), then runs `moe-pipe bench` twice with the shape's recipe
-(configs/qwen30b.toml, configs/gptoss120b.toml; threads set to this machine's):
+(bench/out/, once; full depth by default), then runs the real-scale protocol
+of bench/_protocol.py: each engine's whole reply from a cold start inside one
+memory cgroup limit, every run on its own fresh copy of the file (`--cold
+copy`, the default) or, where two copies do not fit on the disk, on the same
+file with the engines' order alternating between repeats (`--cold alternate`).
 
-  own/    each engine's own routing on the same file, moe-pipe and llama.cpp
-          (mmap without repacking at the machine's readahead and at 128 KiB, and
-          its default loading), in one memory cgroup limit;
-  trace/  moe-pipe driven by the real model's recorded routing
-          (--route-replay shared/data/traces/*.route.csv), same limit.
+Engines: moe-pipe with the shape's recipe (configs/), its cache ceiling
+lifted by the recipe's own `cache_ceil_mb = "auto"` off a phone so both
+engines get the same memory; llama.cpp (llama-cpp-python) mmap without
+weight repacking at each `--peer-readahead` (KiB; its default loading copies
+the weights into RAM and is killed loading under these limits, see
+docs/benchmarks.md); with `--lossy`, moe-pipe's lossy recipe beside, labelled.
 
 The limit gives the seed phone's model-to-RAM ratio: Qwen3-30B-A3B ran at
-1.6x RAM, gpt-oss-120b at 5.2x, so limit = file / ratio. A cut model keeps
-the whole embedding and output head, so its dense share is larger than the
-full model's; gpt-oss is therefore cut to 16 layers by default (27 GB), the
-fewest at which file / 5.2 still leaves a cache of about a tenth of the
-experts after the dense set, KV cache and the engine's processes, near the
-phone's 7 %. A cut whose limit cannot hold that is refused. Results go to
-bench/results/<shape>-L<layers>/{own,trace}/ (committed), and their summary.md
-files into docs/benchmarks.md between the markers.
+1.6x RAM, Gemma at 1.5x, gpt-oss-120b at 5.2x, so limit = file / ratio. A cut
+whose limit cannot hold the dense set, KV cache and processes plus a useful
+cache is refused. Results go to bench/results/<shape>-L<layers>/protocol/
+(summary.json, summary.md, per-run CSVs), and the summaries into
+docs/benchmarks.md between the markers.
 """
 
 from __future__ import annotations
@@ -46,8 +49,13 @@ MIN_CACHE_FRACTION = 0.05
 
 SHAPES = {
     "qwen30b": dict(arch="qwen3moe", preset="qwen30b-shape", config="configs/qwen30b.toml", trace="qwen.route.csv", ratio=1.6),
+    "gemma26b": dict(arch="gemma4", preset="gemma26b-shape", config="configs/gemma26b.toml", trace=None, ratio=1.5),
     "gptoss120b": dict(arch="gpt-oss", preset="gptoss120b-shape", config="configs/gptoss120b.toml", trace="gptoss.route.csv", ratio=5.2),
 }
+# The lossy recipe reported beside (changes outputs): two experts fewer a token and
+# misses of little weight skipped (docs/configuration.md, compute.top_k and drop_cold_experts).
+LOSSY = {"qwen30b": ("compute.top_k=6", "compute.drop_cold_experts=0.5"), "gemma26b": ("compute.top_k=6", "compute.drop_cold_experts=0.5"),
+         "gptoss120b": ("compute.top_k=2", "compute.drop_cold_experts=0.5")}  # fmt: skip
 
 
 def limit_mb(name: str, model: Path) -> float:
@@ -58,9 +66,9 @@ def limit_mb(name: str, model: Path) -> float:
 
     with open_model(model) as mf:
         limit = mf.gguf.file_bytes / 2**20 / SHAPES[name]["ratio"]
-        ctx = load_config(ROOT / SHAPES[name]["config"], {"model.path": str(model)}).compute.ctx_size
+        compute = load_config(ROOT / SHAPES[name]["config"], {"model.path": str(model)}).compute
         per_layer_mb = mf.spec.n_expert * mf.layout.slab_bytes / 2**20
-        fixed_mb = mf.layout.dense_bytes / 2**20 + kv_cache_bytes(mf.spec, ctx) / 2**20 + PROCESSES_MB
+        fixed_mb = mf.layout.dense_bytes / 2**20 + kv_cache_bytes(mf.spec, compute.ctx_size, compute.kv_type) / 2**20 + PROCESSES_MB
         n_layer = mf.spec.n_layer
     if limit - fixed_mb < MIN_CACHE_FRACTION * n_layer * per_layer_mb:
         sys.exit(
@@ -105,20 +113,13 @@ def moe_pipe_bench(name: str, model: Path, out: Path, args, limit: float | None,
     return out / "summary.md"
 
 
-def bench(name: str, model: Path, limit: float, args, kind: str) -> Path:
-    if kind == "trace":
-        extra = ["--route-replay", str(TRACES / SHAPES[name]["trace"])]
-    else:
-        extra = [] if args.no_llama else ["--vs", "llama.cpp", "--peer-timeout", str(args.peer_timeout)]
-    return moe_pipe_bench(name, model, results_dir(model) / kind, args, limit, extra)
-
-
-def shape_arguments(description: str, n: int, repeat: int) -> argparse.ArgumentParser:
-    """The flags both end-to-end scripts take: which shapes, their cuts, the generation and overrides."""
+def shape_arguments(description: str, n: int, repeat: int, layers: tuple[int, int, int] = (8, 30, 16)) -> argparse.ArgumentParser:
+    """The flags the end-to-end scripts take: which shapes, their cuts, the generation and overrides."""
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--shapes", default="qwen30b,gptoss120b")
-    p.add_argument("--qwen-layers", type=int, default=8)
-    p.add_argument("--gptoss-layers", type=int, default=16)
+    p.add_argument("--qwen-layers", type=int, default=layers[0])
+    p.add_argument("--gemma-layers", type=int, default=layers[1])
+    p.add_argument("--gptoss-layers", type=int, default=layers[2])
     p.add_argument("-n", type=int, default=n)
     p.add_argument("--repeat", type=int, default=repeat)
     p.add_argument("--threads", type=int, default=2)
@@ -126,22 +127,80 @@ def shape_arguments(description: str, n: int, repeat: int) -> argparse.ArgumentP
     return p
 
 
+def shape_layers(name: str, args) -> int:
+    return {"qwen30b": args.qwen_layers, "gemma26b": args.gemma_layers, "gptoss120b": args.gptoss_layers}[name]
+
+
+def spec_trace(name: str) -> str | None:
+    return SHAPES[name]["trace"]
+
+
+def engines(name: str, args) -> list:
+    from _protocol import Engine
+
+    out = [Engine("moe-pipe", "moe-pipe", tuple(args.set))]
+    if args.trace and spec_trace(name):
+        out.append(
+            Engine("moe-pipe trace-driven", "moe-pipe", (*args.set, f"compute.route_replay={TRACES / spec_trace(name)}"), lossy=True)
+        )
+    if args.lossy:
+        out.append(Engine("moe-pipe lossy (" + ", ".join(LOSSY[name]) + ")", "moe-pipe", (*args.set, *LOSSY[name]), lossy=True))
+    if not args.no_llama:
+        out += [Engine(f"llama.cpp mmap ra{ra}", "llama.cpp", readahead_kb=int(ra)) for ra in args.peer_readahead.split(",")]
+    return out
+
+
 def main(argv=None) -> int:
-    p = shape_arguments(__doc__.splitlines()[0], n=32, repeat=2)
-    p.add_argument("--peer-timeout", type=float, default=600)
+    from _protocol import markdown, run_protocol
+
+    from moe_pipe.shared.config import load_config
+
+    p = shape_arguments(__doc__.splitlines()[0], n=256, repeat=2, layers=(48, 30, 24))
+    p.set_defaults(shapes="qwen30b,gemma26b,gptoss120b")
+    p.add_argument("--cold", choices=("copy", "alternate"), default="copy", help="fresh copy per run, or engines alternating on one file")
+    p.add_argument("--peer-readahead", default="8192,128", help="llama.cpp runs: readaheads in KiB, comma-separated")
+    p.add_argument("--peer-timeout", type=float, default=900)
+    p.add_argument("--lossy", action="store_true", help="also run the shape's lossy moe-pipe recipe (labelled)")
+    p.add_argument("--trace", action="store_true", help="also run moe-pipe driven by the phone's recorded routing (labelled)")
     p.add_argument("--no-llama", action="store_true")
-    p.add_argument("--kinds", default="own,trace", help="which runs: own (vs llama.cpp), trace (route-replayed)")
     p.add_argument("--doc-only", action="store_true", help="only rewrite docs/benchmarks.md from the committed results")
     args = p.parse_args(argv)
+    import json
+
     for name in [] if args.doc_only else args.shapes.split(","):
         spec = SHAPES[name]
-        layers = args.qwen_layers if name == "qwen30b" else args.gptoss_layers
+        layers = shape_layers(name, args)
         model = shape_model(None, layers, spec["arch"], spec["preset"])
         limit = limit_mb(name, model)
-        for kind in args.kinds.split(","):
-            bench(name, model, limit, args, kind)
+        config = ROOT / spec["config"]
+        lanes = load_config(config, {"model.path": str(model)}).io.io_threads
+        out = results_dir(model) / "protocol"
+        summary = run_protocol(
+            model, config, engines(name, args), limit_mb=limit, n=args.n, repeat=args.repeat, threads=args.threads,
+            out=out, cold=args.cold, peer_timeout_s=args.peer_timeout, lanes=lanes,
+        )  # fmt: skip
+        summary["forecast"] = doctor_forecast(config, model, limit)
+        (out / "summary.json").write_text(json.dumps(summary, indent=1))
+        (out / "summary.md").write_text(
+            markdown(summary, f"{name}-shape, {layers} layers, memory limit {limit:,.0f} MiB (file / {spec['ratio']})")
+        )
+        print((out / "summary.md").read_text())
     write_doc()
     return 0
+
+
+def doctor_forecast(config: Path, model: Path, limit: float) -> dict:
+    """What `moe-pipe doctor` forecasts for this run, to set beside the measured figures."""
+    from moe_pipe.shared.analysis.forecast import forecast
+    from moe_pipe.shared.config import load_config
+    from moe_pipe.shared.gguf.model_file import open_model
+
+    cfg = load_config(config, {"model.path": str(model)})
+    with open_model(model) as mf:
+        fc = forecast(mf, cfg, mem_limit_mb=limit, seconds=3.0)
+    return {
+        k: fc.get(k) for k in ("tok_s", "tok_s_1t", "hit_pct", "hit_source", "bottleneck", "budget_mb", "first_token_s", "warmup_tok_s")
+    }
 
 
 def write_doc() -> None:
@@ -151,6 +210,10 @@ def write_doc() -> None:
     parts = []
     for name, spec in SHAPES.items():
         for res in sorted(RESULTS.glob(f"{name}-L*")):
+            protocol = res / "protocol" / "summary.md"
+            if protocol.exists():
+                parts.append("\n" + protocol.read_text())
+                continue
             summaries = [res / kind / "summary.md" for kind in ("own", "trace") if (res / kind / "summary.md").exists()]
             if not summaries:
                 continue

@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 
 from _models import shape_model  # noqa: E402  (bench/ is the script's folder)
-from bench_vs_llama import ROOT, SHAPES, limit_mb, moe_pipe_bench, replace_block, results_dir, shape_arguments
+from bench_vs_llama import ROOT, SHAPES, limit_mb, moe_pipe_bench, replace_block, results_dir, shape_arguments, shape_layers
 
 DOC = ROOT / "docs" / "warmup-analysis.md"
 BEGIN, END = "<!-- bench_warmup: begin -->", "<!-- bench_warmup: end -->"
@@ -204,7 +204,7 @@ def main(argv=None) -> int:
     sections = []
     for name in args.shapes.split(","):
         spec = SHAPES[name]
-        layers = args.qwen_layers if name == "qwen30b" else args.gptoss_layers
+        layers = shape_layers(name, args)
         model = shape_model(None, layers, spec["arch"], spec["preset"])
         limit = limit_mb(name, model)
         base = results_dir(model) / "warmup"

@@ -127,7 +127,7 @@ def _run_resident(cfg, model_path, tok, prompt_tokens, params, args, on_text) ->
         if tracer:
             tracer.begin_turn()
         try:
-            options = ModelOptions(route_observer=tracer, route_replay=replay)
+            options = ModelOptions(route_observer=tracer, route_replay=replay, kv_type=cfg.compute.kv_type)
             model = load_model(mf, top_k=cfg.compute.top_k, options=options)
             result = generate(_Phases(model, tracer), tok, prompt_tokens, params, gen_cfg, on_text=on_text)
         finally:

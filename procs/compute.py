@@ -92,6 +92,49 @@ class Interrupts:
                 raise RequestFailed(m.Code.CANCELLED, "cancelled by the front end")
 
 
+# Prefetch switches itself off per layer where its guesses stop paying: a
+# layer is judged each time GUESS_WINDOW of its guessed experts have been
+# scored, and if fewer than GUESS_MIN_USED of them were then chosen it stops
+# guessing for GUESS_PAUSE tokens (a wrong guess costs a read and evicts a
+# cached expert), then guesses again and is judged afresh. Not tuned yet (no
+# quiet-machine run): the floor only stops layers whose guesses are mostly
+# wrong; the confident guesses (shared/model/base.py PREFETCH_MIN_P) were
+# right ~69 % of the time on the qwen30b-shape model.
+GUESS_WINDOW = 32
+GUESS_MIN_USED = 0.25
+GUESS_PAUSE = 64
+
+
+class GuessGate:
+    """Per layer: do its next-layer guesses still pay? Counts the guessed
+    experts issued and used since the layer was last judged, and how many
+    more of its guesses to skip."""
+
+    def __init__(self, window: int = GUESS_WINDOW, min_used: float = GUESS_MIN_USED, pause: int = GUESS_PAUSE):
+        self.window, self.min_used, self.pause = window, min_used, pause
+        self.issued: dict[int, int] = {}
+        self.used: dict[int, int] = {}
+        self.off: dict[int, int] = {}  # layer -> guesses still to skip
+        self.switched_off = 0  # times a layer was switched off (since start)
+
+    def allow(self, layer: int) -> bool:
+        """May this layer guess now? A switched-off layer's skipped guess counts down its pause."""
+        left = self.off.pop(layer, 0)
+        if left > 1:
+            self.off[layer] = left - 1
+        return left == 0
+
+    def score(self, layer: int, issued: int, used: int) -> None:
+        """A guess of `issued` experts of which `used` were then chosen."""
+        self.issued[layer] = n = self.issued.get(layer, 0) + issued
+        self.used[layer] = u = self.used.get(layer, 0) + used
+        if n >= self.window:
+            if u < self.min_used * n:
+                self.off[layer] = self.pause
+                self.switched_off += 1
+            self.issued[layer] = self.used[layer] = 0
+
+
 class SlabExperts:
     """The pipeline's ExpertSource (shared/model/weights.py): experts from the
     shared-memory cache; it reads ahead on `prefetch` and reports `resident`
@@ -108,6 +151,7 @@ class SlabExperts:
         self.guess: tuple[int, list[int]] | None = None  # the next layer's guess, sent with this layer's Fetch
         self.unsettled = 0  # a guesses-only Fetch whose Guessed has not come yet
         self.predicted: dict[int, set[int]] = {}
+        self.gate = GuessGate()
         self.views: dict[tuple[int, int], tuple[int, Expert]] = {}  # (layer, expert) -> (slot, views)
         self.reset_counters()
 
@@ -115,17 +159,27 @@ class SlabExperts:
         self.hits = self.misses = self.read_bytes = self.io_ns = 0
         self.stall_s = self.mgmt_s = self.wire_s = 0.0
         self.messages = 0
-        self.prefetch_issued = self.prefetch_used = self.prefetch_wasted_bytes = 0
+        self.prefetch_issued = self.prefetch_used = self.prefetch_wasted_bytes = self.prefetch_paused = 0
 
     def prefetch(self, layer: int, ids: Sequence[int]) -> None:
         """A guess at the next layer's experts, made before this layer's experts
         are asked for. The ones not cached ride on this layer's Fetch (one
         with no misses is sent for them alone), and compute waits for that
         Fetch's answers before it reads the index again, so the reader may
-        evict for them safely."""
+        evict for them safely. Layer 0's guess (from the token's embedding)
+        has no earlier layer to ride on: it goes at once, so its reads
+        overlap layer 0's attention. A layer whose guesses stopped paying
+        (`GuessGate`) is not guessed."""
         self._settle()
+        if not self.gate.allow(layer):
+            self.prefetch_paused += 1
+            return
         slots = self.index.slots(layer, ids)
         self.guess = (layer, [e for e, s in zip(ids, slots) if s < 0])
+        if layer == 0 and self.guess[1]:
+            t0 = time.perf_counter()
+            self._send_fetch(0, [], [])
+            self.wire_s += time.perf_counter() - t0
 
     def _score_prefetch(self, layer: int, ids: list[int]) -> None:
         guess = self.predicted.pop(layer, None)
@@ -133,6 +187,7 @@ class SlabExperts:
             used = guess & set(ids)
             self.prefetch_used += len(used)
             self.prefetch_wasted_bytes += (len(guess) - len(used)) * self.layout.expert_bytes(layer)
+            self.gate.score(layer, len(guess), len(used))
 
     def experts(self, layer: int, ids: Iterable[int]) -> Iterator[Expert]:
         ids = list(ids)
@@ -157,14 +212,7 @@ class SlabExperts:
             for e, s in zip(ids, slots):
                 yield self._view(layer, e, s)
             return
-        req, self.next_req = self.next_req, self.next_req + 1
-        ipc.send(
-            self.fetch_out, m.Fetch(req, layer, tuple(missing), tuple(resident), tuple(self.done), tuple(self.touched), *self._take_guess())
-        )
-        self.done, self.touched = [], []
-        self.messages += 1
-        if not missing:
-            self.unsettled = req  # a Fetch of guesses only: answered by one Guessed
+        req = self._send_fetch(layer, missing, resident)
         self.wire_s += time.perf_counter() - t0
         try:
             if self.cfg.overlap:  # hits at once, then each miss as it lands
@@ -180,6 +228,18 @@ class SlabExperts:
                     yield self._view(layer, e, s if s >= 0 else landed[e])
         finally:
             self.done.append(req)  # unpinned by the next message
+
+    def _send_fetch(self, layer: int, missing: list[int], resident: list[int]) -> int:
+        """One Fetch: this layer's misses and hits, what is done and touched since the last message, the guess."""
+        req, self.next_req = self.next_req, self.next_req + 1
+        ipc.send(
+            self.fetch_out, m.Fetch(req, layer, tuple(missing), tuple(resident), tuple(self.done), tuple(self.touched), *self._take_guess())
+        )
+        self.done, self.touched = [], []
+        self.messages += 1
+        if not missing:
+            self.unsettled = req  # a Fetch of guesses only: answered by one Guessed
+        return req
 
     def _settle(self) -> None:
         """Wait for the Guessed of a Fetch that carried only guesses: until it
@@ -339,6 +399,7 @@ class Recorder:
             prefetch_issued=s.prefetch_issued,
             prefetch_used=s.prefetch_used,
             prefetch_wasted_bytes=s.prefetch_wasted_bytes,
+            prefetch_paused=s.prefetch_paused,
             wire_ms=s.wire_s * 1e3,
             messages=s.messages,
             rss_bytes=self.meter.rss_bytes(),
@@ -386,9 +447,11 @@ def serve(cfg: ComputeConfig, ctx: zmq.Context) -> None:
     tracer = RouteTracer(cfg.route_trace, mf, cfg.top_k, source.resident) if cfg.route_trace else None
     options = ModelOptions(
         prefetch_next=cfg.prefetch,
+        prefetch_prompt=cfg.prefetch_prompt,
         levers=Levers(cfg.drop_cold_experts, cfg.cache_route),
         route_observer=tracer,
         route_replay=RouteReplay(read_trace(cfg.route_replay), mf.spec) if cfg.route_replay else None,
+        kv_type=cfg.kv_type,  # the model's new_cache stores K and V as the config says
     )
     model = load_model(mf, top_k=cfg.top_k, experts=source, dense_view=view, options=options)
     tok = Tokenizer.from_gguf(mf.gguf)

@@ -20,10 +20,12 @@ class ComputeConfig:
     dense_arena: str = ""
     index_arena: str = ""
     overlap: bool = True
-    prefetch: bool = False  # speculative next-layer prefetch
+    prefetch: bool = False  # speculative next-layer prefetch while decoding
+    prefetch_prompt: bool = False  # and while a prompt's batch runs
     top_k: int | None = None
     threads: int | None = None
     ctx_size: int = 4096
+    kv_type: str = "f16"  # how the KV cache stores K and V: f16 | f32 | q8_0 (shared/model/blocks.py KVCache)
     drop_cold_experts: float = 0.0  # lossy levers (shared.model.levers); 0 = exact
     cache_route: float = 0.0
     route_trace: str = ""  # record routing to this file ("" = no)

@@ -93,7 +93,7 @@ class Resources:
             budget = resolve_budget(
                 cfg,
                 dense_bytes=layout.dense_bytes,
-                kv_bytes=kv_cache_bytes(spec, cfg.compute.ctx_size),
+                kv_bytes=kv_cache_bytes(spec, cfg.compute.ctx_size, cfg.compute.kv_type),
                 floor=CacheFloor.of(layout, top_k),
                 engine_bytes=engine_bytes(roles, spec.n_vocab),
                 check_memory=True,

@@ -35,6 +35,7 @@ from moe_pipe.shared.experts.policies import DEFAULT_POLICY, LIVE_POLICIES  # on
 EMBEDDED_MODEL = "tiny"  # model.path value meaning the embedded tiny model (shared/makemodel/default_model.py)
 MAX_MB = float(1 << 24)  # 16 TiB in MiB: a sanity bound far above any device, so typos like 4e9 are caught
 RESTART_POLICIES = ("always", "on-failure", "never")
+KV_TYPES = ("f16", "f32", "q8_0")  # compute.kv_type: the keys of shared/gguf/spec.py KV_TYPE_BYTES (kept light: no gguf import here)
 CHAT_TEMPLATE_WORDS = ("model", "plain")  # generate.chat_template values that are not paths (shared/text/chat.py)
 MAX_TEXT = 4096  # longest string value (PATH_MAX on Linux); longer is a paste gone wrong
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")  # no key needs one; a newline would break one-line errors and CSV
@@ -161,10 +162,12 @@ class ComputeConfig:
     threads: int | None = setting(None, "int", "compute threads", lo=1, hi=256, unset="all cores", flags=("-t", "--threads"))
     overlap: bool = setting(True, "bool", "compute cache hits while misses are read; false waits for the whole set", flags=("--overlap",))
     prefetch: str = setting(
-        "none",
+        "prompt",
         "choice",
-        "next-layer: guess the next layer's experts with its router on this layer's hidden state and read the confident ones (p >= 0.05) not cached, after this layer's misses; off by default: a wrong guess costs a read and a cached expert (docs/benchmarks.md)",
-        choices=("none", "next-layer"),
+        "guess the next layer's experts with its router on this layer's hidden state and read the confident ones (p >= 0.05) not cached, after this layer's misses: "
+        "prompt = while a prompt's batch runs (its pass is compute-bound, the disk is free; docs/warmup-analysis.md), "
+        "next-layer = while decoding too (a wrong guess costs a read and a cached expert; docs/benchmarks.md), none = never",
+        choices=("none", "prompt", "next-layer"),
         flags=("--prefetch",),
     )
     top_k: int | None = setting(
@@ -177,6 +180,14 @@ class ComputeConfig:
         flags=("--top-k",),
     )
     ctx_size: int = setting(4096, "int", "context length in tokens (sizes the KV cache)", lo=16, hi=1 << 20, flags=("-c", "--ctx-size"))
+    kv_type: str = setting(
+        "f16",
+        "choice",
+        "how the KV cache stores keys and values: f16 = half of f32's bytes; q8_0 = int8 with a float16 scale per 32 "
+        "values (34/32 bytes a value; head widths must be multiples of 32); f32 = exact; attention math is float32 in all three",
+        choices=KV_TYPES,
+        flags=("--kv-type",),
+    )
     route_replay: str | None = setting(
         None,
         "path",

@@ -339,8 +339,9 @@ def _tiny_need(roles) -> int:
     from moe_pipe.shared.makemodel.default_model import default_model_path
 
     with open_model(default_model_path()) as mf:
-        ctx = load_config(TINY).compute.ctx_size
-        return engine_bytes(roles, mf.spec.n_vocab) + mf.layout.dense_bytes + kv_cache_bytes(mf.spec, ctx) + mf.layout.min_cache_bytes()
+        c = load_config(TINY).compute
+        kv = kv_cache_bytes(mf.spec, c.ctx_size, c.kv_type)
+        return engine_bytes(roles, mf.spec.n_vocab) + mf.layout.dense_bytes + kv + mf.layout.min_cache_bytes()
 
 
 @pytest.fixture

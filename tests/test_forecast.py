@@ -62,7 +62,7 @@ def test_facts_from_the_header_match_the_layout():
         assert f.routed_bytes_per_token == lay.routed_bytes_per_token()
         assert f.active_bytes_per_token == lay.dense_bytes + lay.routed_bytes_per_token()
         assert f.expert_bytes_total == lay.total_expert_bytes
-        assert f.kv_bytes == kv_cache_bytes(spec, 1024)
+        assert f.kv_bytes == kv_cache_bytes(spec, 1024, "f16")  # the default kv_type
         # every expert product of a token, k per layer; the dense products but not the embedding lookup
         experts = sum(spec.n_expert_used * p.shape[0] * p.shape[1] for l in lay.layers for p in l.parts)
         dense = sum(

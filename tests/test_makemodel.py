@@ -660,3 +660,40 @@ def test_deeper_qwen3moe_models_get_sharper_gates():
     assert router_std("qwen3moe", "qwen30b-shape", 8) == pytest.approx(5.0)
     assert router_std("qwen3moe", "qwen30b-shape", 48) == pytest.approx(5.0 * 6**0.4)
     assert router_std("gpt-oss", "gptoss120b-shape", 36) == pytest.approx(1.0)
+
+
+def test_only_the_shape_presets_shape_the_residual_stream():
+    """qwen30b-shape: later layers write stream_write of what layer 0's attention
+    writes, the routers' input norms are flat, layer 0's query is scaled
+    (shared/makemodel/maker.py "Cross-layer predictability"); small keeps every
+    write at full scale and its norms random."""
+    from dataclasses import replace
+
+    from moe_pipe.shared.makemodel.maker import plan_tensors
+    from moe_pipe.shared.makemodel.presets import ROUTER, get_preset
+
+    shape = ROUTER["qwen3moe"]
+    assert shape.shapes_stream
+    p = replace(get_preset("qwen3moe", "qwen30b-shape"), n_layer=2)
+    got = {s.name: s for s in plan_tensors("qwen3moe", p)}
+    full = lambda name: 1.0 / (got[name].shape[-1] ** 0.5)  # noqa: E731 - a weight's unscaled std
+    assert got["blk.0.attn_output.weight"].param == pytest.approx(full("blk.0.attn_output.weight"))
+    for name in ("blk.1.attn_output.weight", "blk.0.ffn_down_exps.weight", "blk.1.ffn_down_exps.weight"):
+        assert got[name].param == pytest.approx(full(name) * shape.stream_write), name
+    assert got["blk.0.ffn_norm.weight"].fill == got["blk.1.ffn_norm.weight"].fill == "ones"
+    assert (got["blk.0.attn_q_norm.weight"].fill, got["blk.0.attn_q_norm.weight"].param) == ("norm_scaled", shape.first_attn_q)
+    assert got["blk.1.attn_q_norm.weight"].fill == "norm"
+    small = plan_tensors("qwen3moe", get_preset("qwen3moe", "small"))
+    assert {s.fill for s in small} <= {"weight", "norm", "router"}
+    assert all(s.param == pytest.approx(1.0 / s.shape[-1] ** 0.5) for s in small if s.fill == "weight")
+    # gpt-oss: the writes' biases too, and the shaped stream's own router bias spread
+    g = ROUTER["gpt-oss"]
+    got = {s.name: s for s in plan_tensors("gpt-oss", replace(get_preset("gpt-oss", "gptoss120b-shape"), n_layer=2))}
+    assert (got["blk.1.attn_output.bias"].fill, got["blk.1.attn_output.bias"].param) == (
+        "bias_scaled",
+        pytest.approx(0.02 * g.stream_write),
+    )
+    assert got["blk.0.attn_output.bias"].fill == "bias" and got["blk.0.post_attention_norm.weight"].fill == "ones"
+    assert got["blk.0.ffn_gate_inp.bias"].param == pytest.approx(g.logit_std * g.shaped_bias_std)
+    small_bias = {s.name: s for s in plan_tensors("gpt-oss", get_preset("gpt-oss", "small"))}["blk.0.ffn_gate_inp.bias"]
+    assert small_bias.param == pytest.approx(g.logit_std * g.bias_std)

@@ -102,8 +102,80 @@ def test_options_reach_the_source_and_the_observer(tiny):
         routed.clear()
         model.decode_one(5, cache)
         assert routed == [(i, (1, k)) for i in range(n)]
-        assert [layer for layer, _ in hints] == (list(range(1, n)) if on else [])
+        assert [layer for layer, _ in hints] == (list(range(n)) if on else [])  # layer 0 from the embedding, first
         assert all(len(ids) <= k and all(0 <= e < tiny.spec.n_expert for e in ids) for _, ids in hints)
+
+
+def test_prompt_guesses_are_the_union_of_the_batch_rows(tiny):
+    """prefetch_prompt: while a prompt's batch runs, layer i tells the source
+    its guess at layer i+1: router i+1 on layer i's router input, every row's
+    top k of p >= PREFETCH_MIN_P, the union, the most probable first; and
+    nothing while decoding unless prefetch_next."""
+    from moe_pipe.shared.model.base import PREFETCH_MIN_P
+
+    hints: list[tuple[int, list[int]]] = []
+    inputs: dict[int, np.ndarray] = {}
+
+    class Hinted(FileExperts):
+        def prefetch(self, layer, ids):
+            hints.append((layer, list(ids)))
+
+    opts = ModelOptions(prefetch_prompt=True, router_input_observer=lambda i, r: inputs.__setitem__(i, r.copy()))
+    model = load_model(tiny.mf, experts=Hinted(tiny.mf), options=opts)
+    cache = model.new_cache(32)
+    model.prefill(PROMPT, cache)
+    n = model.spec.n_layer
+    assert [layer for layer, _ in hints] == list(range(1, n))
+    for layer, ids in hints:
+        logits = model.router_logits(layer, inputs[layer - 1]).astype(np.float64)
+        p = np.exp(logits - logits.max(axis=1, keepdims=True))
+        p /= p.sum(axis=1, keepdims=True)
+        best: dict[int, float] = {}
+        for row in range(len(PROMPT)):
+            for e in np.argsort(-logits[row], kind="stable")[: model.top_k]:
+                if p[row, e] >= PREFETCH_MIN_P:
+                    best[int(e)] = max(best.get(int(e), 0.0), p[row, e])
+        assert ids == sorted(best, key=best.__getitem__, reverse=True)
+        assert len(ids) > model.top_k  # a batch's union is wider than one token's guess
+    hints.clear()
+    model.decode_one(5, cache)
+    assert hints == []
+
+
+def test_layer0_guess_is_router0_on_the_token_embedding(tiny):
+    """Decoding with prefetch on, layer 0 is guessed before anything runs: its
+    router on the new token's embedding, normed as layer 0's router input is
+    (the arch's own norm), its top k of p >= PREFETCH_MIN_P."""
+    from moe_pipe.shared.model.base import PREFETCH_MIN_P
+    from moe_pipe.shared.model.blocks import rms_norm
+
+    hints: list[tuple[int, list[int]]] = []
+
+    class Hinted(FileExperts):
+        def prefetch(self, layer, ids):
+            hints.append((layer, list(ids)))
+
+    model = load_model(tiny.mf, experts=Hinted(tiny.mf), options=ModelOptions(prefetch_next=True))
+    cache = model.new_cache(32)
+    model.prefill(PROMPT, cache)
+    L0, eps = model.layers[0], model.spec.rms_eps
+    guessed = 0
+    for token in (5, 321, 1000):
+        hints.clear()
+        model.decode_one(token, cache)
+        x = model.embd.rows(np.array([token])).astype(np.float64)
+        if model.arch == "gemma4":  # the router's own scale on the plain RMS norm
+            r = rms_norm(x.astype(np.float32), None, eps) * L0["router_in_scale"] * model.router_scale
+        else:  # the pre-FFN norm
+            r = rms_norm(x.astype(np.float32), L0["ffn_norm"], eps)
+        logits = L0["router"](r)[0].astype(np.float64) + (L0["router_b"] if "router_b" in L0 else 0.0)
+        p = np.exp(logits - logits.max())
+        p /= p.sum()
+        top = np.argsort(-logits, kind="stable")[: model.top_k]
+        assert hints[0] == (0, [int(e) for e in top if p[e] >= PREFETCH_MIN_P])
+        assert [layer for layer, _ in hints] == list(range(model.spec.n_layer))
+        guessed += len(hints[0][1])
+    assert guessed > 0
 
 
 def test_context_overflow_is_an_error(tiny):

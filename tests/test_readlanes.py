@@ -93,3 +93,45 @@ def test_shutdown_drops_the_queue_and_joins_the_lanes():
 def test_at_least_one_lane():
     with pytest.raises(ValueError, match="at least one lane"):
         ReadLanes(0, lambda key, slot: None)
+
+
+def test_guesses_leave_one_lane_for_demand():
+    """Two lanes, two guesses queued: only one guess starts, so a demand read
+    submitted while it runs starts at once on the other lane, before the
+    second guess; that one starts when the first guess is done."""
+    started: list = []
+    release = {k: threading.Event() for k in ("g1", "g2", "d1")}
+    cond = threading.Condition()
+
+    def work(key, slot):
+        with cond:
+            started.append(key)
+            cond.notify_all()
+        assert release[key].wait(10)
+
+    def wait_started(n):
+        with cond:
+            assert cond.wait_for(lambda: len(started) >= n, 10), started
+
+    lanes = ReadLanes(2, work)
+    lanes.submit("g1", 1, Priority.GUESS)
+    lanes.submit("g2", 2, Priority.GUESS)
+    wait_started(1)
+    assert started == ["g1"] and lanes.queued() == ([], ["g2"], [])  # the second lane does not take g2
+    lanes.submit("d1", 3)
+    wait_started(2)
+    assert started == ["g1", "d1"]  # the demand read did not wait for g1
+    release["d1"].set()
+    release["g1"].set()
+    wait_started(3)
+    assert started == ["g1", "d1", "g2"]
+    release["g2"].set()
+    lanes.shutdown()
+
+
+def test_one_lane_still_reads_guesses():
+    done = threading.Event()
+    lanes = ReadLanes(1, lambda key, slot: done.set())
+    lanes.submit("g1", 1, Priority.GUESS)
+    assert done.wait(10)
+    lanes.shutdown()

@@ -43,7 +43,9 @@ def _serve(tmp_path: Path, **over) -> tuple[list, int]:
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 def test_replaying_the_engines_trace_gives_the_engines_hit_rate(tmp_path, policy):
     trace_path = tmp_path / "run.trace"
-    dones, n_slots = _serve(tmp_path, **{"cache.cache_mb": 1.2, "cache.policy": policy, "telemetry.route_trace": str(trace_path)})
+    # no prompt read-ahead: the replay models demand reads only
+    over = {"cache.cache_mb": 1.2, "cache.policy": policy, "telemetry.route_trace": str(trace_path), "compute.prefetch": "none"}
+    dones, n_slots = _serve(tmp_path, **over)
     trace = read_trace(trace_path)
     _, spec = _prompts()
     assert sorted(set(trace.turn.tolist())) == [0, 1, 2]

@@ -189,7 +189,7 @@ def model_facts(mf, cfg) -> ModelFacts:
         dense_bytes=layout.dense_bytes,
         expert_bytes=tuple(layout.expert_bytes(i) for i in range(spec.n_layer)),
         slab_bytes=layout.slab_bytes,
-        kv_bytes=kv_cache_bytes(spec, cfg.compute.ctx_size),
+        kv_bytes=kv_cache_bytes(spec, cfg.compute.ctx_size, cfg.compute.kv_type),
         classes=kernel_classes(mf, top_k),
         read_bytes_per_expert=tuple(aligned_bytes(l.extents(0)) for l in layout.layers),
         engine_bytes=engine_bytes(RUN_ROLES, spec.n_vocab),

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -58,6 +58,22 @@ class Fetch:
     layer: int
     keys: tuple[Key, ...]  # distinct (layer, expert), routing order
     weights: tuple[float, ...] = ()  # decode: each key's router weight (for the drop-cold lever)
+    # decode, when recorded: the router's probabilities over all the layer's experts [n_expert]
+    # (not in a route trace; bench/bench_policies.py records them on a made model)
+    scores: np.ndarray | None = field(default=None, compare=False)
+
+
+def with_scores(fs: list[Fetch], scores) -> list[Fetch]:
+    """The fetches with router probabilities [n_decode_fetches, n_expert] given to
+    the decode fetches, in order; a count mismatch is a ReplayError."""
+    scores = np.asarray(scores)
+    dec = [i for i, f in enumerate(fs) if f.phase == DECODE]
+    if len(dec) != len(scores):
+        raise ReplayError(f"{len(scores)} rows of router scores for {len(dec)} decode fetches")
+    out = list(fs)
+    for i, row in zip(dec, scores):
+        out[i] = replace(fs[i], scores=row)
+    return out
 
 
 def fetches(trace: Trace) -> list[Fetch]:
@@ -214,8 +230,11 @@ def run_fetches(
     order; returns (prompt, decode) hits, lookups and bytes read."""
     hits, looks, read = [0, 0], [0, 0], [0, 0]
     lookup, admit, pin, unpin = table.lookup, table.admit, table.pin, table.unpin
+    on_scores = getattr(table.policy, "on_scores", None)  # a policy that reads the router (NextMix)
     for f in fs:
         nbytes = expert_bytes[f.layer]
+        if on_scores is not None and f.scores is not None:
+            on_scores(f.layer, f.scores, len(f.keys))  # routed before it is fetched
         missed = []
         keys = drop_cold_keys(f, table, drop_cold) if drop_cold else f.keys
         for key in keys:  # 1. the resident ones, refreshed and pinned first
@@ -237,12 +256,15 @@ class Replayer:
     """One trace, many (budget, policy) replays: the fetch list and the
     future (for offline policies) are computed once."""
 
-    def __init__(self, trace: Trace, accounting: str = "slots"):
+    def __init__(self, trace: Trace, accounting: str = "slots", scores=None):
+        """`scores`: the router's probabilities [decode fetches, n_expert], for a
+        policy with `on_scores` (a route trace does not hold them)."""
         if accounting not in ACCOUNTING:
             raise ReplayError(f"unknown accounting {accounting!r}; allowed: {', '.join(ACCOUNTING)}")
         self.trace, self.accounting = trace, accounting
         self.expert_bytes = trace.header.expert_bytes
-        self._fetches = {0: fetches(trace)}  # n_slots -> fetches split to that size (0: unsplit)
+        fs = fetches(trace)
+        self._fetches = {0: fs if scores is None else with_scores(fs, scores)}  # n_slots -> fetches split to that size (0: unsplit)
 
     def fetches_for(self, n_slots: int) -> list[Fetch]:
         fs = self._fetches[0]
@@ -275,12 +297,18 @@ class Replayer:
             )
         return n
 
-    def run(self, budget_mb: float, policy: str, drop_cold: float = 0.0) -> Result:
+    def run(self, budget_mb: float, policy: str | tuple[str, Callable[[int], Policy]], drop_cold: float = 0.0) -> Result:
+        """One replay; `policy` is a POLICIES name or (label, factory(n_slots)) for a
+        variant outside the registry (the bench's)."""
         n = self.capacity(budget_mb)
         # The longest fetch that always fits pinned: n slabs, or that many of the largest experts.
         fits = n if self.accounting == "slots" else int(budget_mb * MIB) // self.trace.header.max_expert_bytes
         fs = self.fetches_for(fits)
-        pol = make_policy(policy, n, future=[f.keys for f in fs] if policy in OFFLINE_POLICIES else None)
+        if isinstance(policy, tuple):
+            policy, factory = policy
+            pol = factory(n)
+        else:
+            pol = make_policy(policy, n, future=[f.keys for f in fs] if policy in OFFLINE_POLICIES else None)
         table = SlotTable(n, pol) if self.accounting == "slots" else ByteTable(int(budget_mb * MIB), pol)
         hits, looks, read = run_fetches(fs, table, self.expert_bytes, drop_cold)
         return Result(budget_mb, policy, self.accounting, n, hits, looks, read)

@@ -5,8 +5,11 @@ order of priority:
     GUESS       next-layer guesses (prefetch)
     BACKGROUND  a warm start's reads, filling free slabs
 
-each FIFO; a lane takes from a queue only when those above it are empty. A
-queued guess or background read that compute then asks for is promoted to
+each FIFO; a lane takes from a queue only when those above it are empty.
+With two lanes or more, guesses run on all lanes but one: a read once started
+cannot be taken back, so a lane is always free (or about to take a demand
+read) when compute's next miss arrives, instead of that miss waiting behind
+guesses that may be wrong. A queued guess or background read that compute then asks for is promoted to
 the demand queue. Guesses still queued when their layer's real request
 arrives without them are withdrawn (`withdraw_guesses`), so a wrong guess
 costs bandwidth only if it had already started; background reads are never
@@ -39,6 +42,8 @@ class ReadLanes:
         self._cond = threading.Condition()
         self._queues: list[OrderedDict[Key, int]] = [OrderedDict() for _ in Priority]  # key -> slot, oldest first
         self._closed = False
+        self._max_guessing = max(1, n - 1)  # lanes that may run guesses at once (one kept for demand)
+        self._guessing = 0
         self._threads = [threading.Thread(target=self._lane, name=f"{name}-{i}", daemon=True) for i in range(n)]
         for t in self._threads:
             t.start()
@@ -78,18 +83,34 @@ class ReadLanes:
         with self._cond:
             return tuple(list(q) for q in self._queues)
 
-    def _next(self) -> tuple[Key, int] | None:
+    def _take(self) -> tuple[Key, int, bool] | None:
+        """The first read this lane may start (key, slot, is a guess), or None."""
+        for priority, queue in zip(Priority, self._queues):
+            if queue and (priority != Priority.GUESS or self._guessing < self._max_guessing):
+                key, slot = queue.popitem(last=False)
+                return key, slot, priority == Priority.GUESS
+        return None
+
+    def _next(self) -> tuple[Key, int, bool] | None:
         with self._cond:
-            while not (self._closed or any(self._queues)):
+            while not self._closed:
+                job = self._take()
+                if job is not None:
+                    self._guessing += job[2]
+                    return job
                 self._cond.wait()
-            for queue in self._queues:
-                if queue:
-                    return queue.popitem(last=False)
-            return None  # closed
+            return None
 
     def _lane(self) -> None:
         while (job := self._next()) is not None:
-            self._work(*job)
+            key, slot, guess = job
+            try:
+                self._work(key, slot)
+            finally:
+                if guess:
+                    with self._cond:
+                        self._guessing -= 1
+                        self._cond.notify()  # a lane waiting for a guess slot may go
 
     def shutdown(self) -> None:
         """Drop what is queued, let the started reads finish, join the lanes."""

@@ -21,7 +21,7 @@ from typing import Any
 
 from gguf import GGMLQuantizationType, GGUFValueType
 
-from moe_pipe.shared.errors import GGUFError
+from moe_pipe.shared.errors import GGUFError, UserError
 from moe_pipe.shared.gguf.reader import FLOAT_TYPES, INT_TYPES, GGUFFile
 
 _SPLIT_SUFFIX = re.compile(r"-\d{5}-of-\d{5}$")
@@ -294,9 +294,32 @@ def _gemma4(f: GGUFFile) -> ModelSpec:
 READERS = {"qwen3moe": _qwen3moe, "gpt-oss": _gpt_oss, "gemma4": _gemma4}
 
 
-def kv_cache_bytes(spec: ModelSpec, n_ctx: int) -> int:
-    """Bytes of the float32 K and V caches compute allocates for `n_ctx` positions."""
-    return 4 * n_ctx * sum(hk * (dk + dv) for hk, dk, dv in zip(spec.n_head_kv, spec.head_dim_k, spec.head_dim_v))
+# What the KV cache stores per element, as a fraction (numerator, denominator) of bytes:
+# f32 and f16 as such; q8_0 as llama.cpp's block of 32 int8 values plus one float16 scale (34 bytes per 32).
+# The config's compute.kv_type choices (shared/config.py) are these keys.
+KV_TYPE_BYTES: dict[str, tuple[int, int]] = {"f16": (2, 1), "f32": (4, 1), "q8_0": (34, 32)}
+Q8_0_BLOCK = 32  # values per q8_0 scale, along the head dimension
+
+
+def check_kv_type(kv_type: str, head_widths: tuple[int, ...]) -> None:
+    """Refuse a KV type the model's heads cannot be stored in: q8_0 needs every
+    head width (K and V) to be whole blocks of 32."""
+    if kv_type not in KV_TYPE_BYTES:
+        raise UserError(f"unknown KV cache type {kv_type!r} (choose from {', '.join(KV_TYPE_BYTES)})")
+    odd = sorted({d for d in head_widths if d % Q8_0_BLOCK})
+    if kv_type == "q8_0" and odd:
+        raise UserError(
+            f"--kv-type q8_0 stores blocks of {Q8_0_BLOCK} values per head, but this model's attention heads are "
+            f"{', '.join(map(str, odd))} wide (not a multiple of {Q8_0_BLOCK}): use f16 or f32"
+        )
+
+
+def kv_cache_bytes(spec: ModelSpec, n_ctx: int, kv_type: str) -> int:
+    """Bytes of the K and V caches compute allocates for `n_ctx` positions stored as `kv_type`."""
+    check_kv_type(kv_type, spec.head_dim_k + spec.head_dim_v)
+    num, den = KV_TYPE_BYTES[kv_type]
+    elements = n_ctx * sum(hk * (dk + dv) for hk, dk, dv in zip(spec.n_head_kv, spec.head_dim_k, spec.head_dim_v))
+    return elements * num // den  # exact: q8_0 heads are whole blocks of 32
 
 
 def read_spec(f: GGUFFile) -> ModelSpec:

@@ -51,7 +51,7 @@ class TensorSpec:
     name: str
     shape: tuple[int, ...]
     qtype: Q
-    fill: str  # weight | norm | router | router_bias | bias | sinks | scale | rope_freqs
+    fill: str  # weight | norm | norm_scaled | ones | router | router_bias | bias | bias_scaled | sinks | scale | rope_freqs
     param: float = 0.0  # std of the random values; rope_freqs: fraction of pairs that rotate
 
     @property
@@ -279,7 +279,7 @@ def plan_tensors(arch: str, p: Preset, override: Q | None = None) -> list[Tensor
                 F(b + "ffn_down_exps.scale", (X,), "scale"),
                 F(b + "layer_output_scale.weight", (1,), "scale"),
             ]
-    return specs
+    return _shape_stream(arch, p, specs)
 
 
 # --- routers --------------------------------------------------------------------
@@ -321,6 +321,60 @@ def plan_tensors(arch: str, p: Preset, override: Q | None = None) -> list[Tensor
 # Everything stays plain weight values: llama.cpp computes the same logits.
 
 
+#
+# Cross-layer predictability (shape presets only; presets.RouterShape
+# `stream_write`, `first_attn_q`): a trained model's router of layer i+1
+# applied to layer i's router input finds ~88 % of layer i+1's experts,
+# because each layer adds only a little to a residual stream that carries
+# over. In a random model every layer writes as much as the stream already
+# holds (the probe of bench/bench_routing.py --cross-layer found 49 % at 8
+# layers). Correlating the routers of neighbouring layers would not change
+# that: the probe compares one router on two inputs, and what a layer writes
+# is random with respect to every router. So the stream is shaped instead:
+# layer 0's attention writes it (its context average plus this token's own
+# share), every later write is scaled down, and the routers' input norms are
+# flat. Layer 0's query scale then sets the share that is this token's own,
+# i.e. how fast routing turns over from token to token, which the small
+# later writes no longer do.
+
+_STREAM_WRITES = ("attn_output.weight", "attn_output.bias", "ffn_down_exps.weight", "ffn_down_exps.bias")
+_ROUTER_INPUT_NORM = {"qwen3moe": "ffn_norm.weight", "gpt-oss": "post_attention_norm.weight"}
+
+
+def _shape_stream(arch: str, p: Preset, specs: list[TensorSpec]) -> list[TensorSpec]:
+    """The shape presets' residual stream (see above); other presets' tensors unchanged."""
+    shape = ROUTER[arch]
+    if p.name not in SHAPE_PRESET_ARCH or not shape.shapes_stream:
+        return specs
+    if arch not in _ROUTER_INPUT_NORM:  # gemma4 writes through RMS norms: its weights' scale never reaches the stream
+        raise AssertionError(f"stream shaping is not defined for {arch}")
+    out = []
+    for s in specs:
+        parts = s.name.split(".", 2)
+        if parts[0] != "blk":
+            out.append(s)
+            continue
+        layer, kind = int(parts[1]), parts[2]
+        if kind in _STREAM_WRITES and (layer >= 1 or kind.startswith("ffn_")):
+            s = _scaled(s, shape.stream_write)
+        elif kind == _ROUTER_INPUT_NORM[arch]:
+            s = replace(s, fill="ones")
+        elif kind == "ffn_gate_inp.bias" and shape.shaped_bias_std:
+            s = replace(s, param=shape.logit_std_at(p.n_layer) * shape.shaped_bias_std)
+        elif layer == 0 and kind == "attn_q_norm.weight":  # qwen3moe: q is RMS-normed, its norm sets the scale
+            s = replace(s, fill="norm_scaled", param=shape.first_attn_q)
+        elif layer == 0 and kind in ("attn_q.weight", "attn_q.bias") and arch == "gpt-oss":
+            s = _scaled(s, shape.first_attn_q)
+        out.append(s)
+    return out
+
+
+def _scaled(s: TensorSpec, factor: float) -> TensorSpec:
+    if s.fill == "weight":
+        return replace(s, param=s.param * factor)
+    return replace(s, fill="bias_scaled", param=0.02 * factor)  # a bias: "bias" values are 0.02 N(0, 1)
+
+
 def _router_std(arch: str, fill: str, ne0: int, n_layer: int) -> float:
     """The random values' std for an F32 tensor: routers from the arch's RouterShape."""
     shape = ROUTER[arch]
@@ -360,6 +414,10 @@ def _generate(s: TensorSpec, seed: int) -> np.ndarray:
         x[: int(round(n * s.param))] = 1.0
     elif s.fill in ("norm", "scale"):
         x = 1.0 + 0.1 * rng.standard_normal(n, dtype=np.float32)
+    elif s.fill == "norm_scaled":
+        x = np.float32(s.param) * (1.0 + 0.1 * rng.standard_normal(n, dtype=np.float32))
+    elif s.fill == "ones":
+        x = np.ones(n, np.float32)
     elif s.fill == "router":
         x = rng.standard_normal(n, dtype=np.float32) * np.float32(s.param)
     elif s.fill == "router_bias":  # standardised: each layer gets exactly the preset's spread
@@ -367,6 +425,8 @@ def _generate(s: TensorSpec, seed: int) -> np.ndarray:
         x = ((z - z.mean()) / max(float(z.std()), 1e-12) * s.param).astype(np.float32)
     elif s.fill == "bias":
         x = 0.02 * rng.standard_normal(n, dtype=np.float32)
+    elif s.fill == "bias_scaled":
+        x = np.float32(s.param) * rng.standard_normal(n, dtype=np.float32)
     elif s.fill == "sinks":
         x = rng.standard_normal(n, dtype=np.float32)
     else:

@@ -16,6 +16,7 @@ import numpy as np
 
 from moe_pipe.shared.errors import UserError
 from moe_pipe.shared.gguf.model_file import ModelFile
+from moe_pipe.shared.gguf.spec import check_kv_type
 from moe_pipe.shared.model.blocks import KVCache, rms_norm, softmax
 from moe_pipe.shared.model.levers import Levers, apply_levers
 from moe_pipe.shared.model.moe import Routing, top_k_ids
@@ -26,9 +27,12 @@ if TYPE_CHECKING:
     from moe_pipe.shared.model.routes import RouteReplay
 
 # Next-layer guesses below this router probability are not read. On the
-# calibrated qwen30b-shape model (bench/out, 24 decode tokens) a guess's
-# accuracy falls with its rank (top-1 78 %, 4th 55 %, 8th 22 %); p >= 0.05
-# keeps ~2.9 guesses per layer at 69 % right.
+# qwen30b-shape model as made before its residual stream was shaped for
+# cross-layer predictability (bench/out, 24 decode tokens) a guess's accuracy
+# fell with its rank (top-1 78 %, 4th 55 %, 8th 22 %); p >= 0.05 kept ~2.9
+# guesses per layer at 69 % right. Not re-measured on the shaped model, whose
+# next-layer router finds 88 % of the next layer's experts
+# (bench/bench_routing.py --cross-layer).
 PREFETCH_MIN_P = 0.05
 
 
@@ -40,14 +44,23 @@ class ModelOptions:
     # Guess each next layer's experts while decoding and tell the source
     # (`ExpertSource.prefetch`); only the pipeline's source reads ahead.
     prefetch_next: bool = False
+    # The same for a prompt's batch: the union of its tokens' confident guesses for
+    # the next layer, read while this layer computes (the prompt's pass is compute-bound).
+    prefetch_prompt: bool = False
     # The lossy routing levers (shared/model/levers.py): off, i.e. exact, unless the config asks.
     levers: Levers = field(default_factory=Levers)
     # Called with (layer, routing) for every routing decision, e.g. a route-trace writer.
     route_observer: Callable[[int, Routing], None] | None = None
+    # Called with (layer, router input [T, D]) as each layer routes: the hidden state its
+    # router saw (bench/bench_routing.py --cross-layer applies later layers' routers to it).
+    router_input_observer: Callable[[int, np.ndarray], None] | None = None
     # Route by a recorded trace instead of the router (benchmarks only: the tokens are not the model's).
     route_replay: RouteReplay | None = None
     # Time each stage of the forward pass into `MoEModel.stage` (benchmarks).
     stage_timing: bool = False
+    # How `new_cache` stores K and V: f32 (exact), f16 or q8_0 (shared/model/blocks.py KVCache);
+    # the engine passes the config's compute.kv_type (default f16).
+    kv_type: str = "f32"
 
 
 class MoEModel:
@@ -71,9 +84,13 @@ class MoEModel:
         options = options or ModelOptions()
         self.stage = Stages(options.stage_timing)
         self.prefetch_next = options.prefetch_next
+        self.prefetch_prompt = options.prefetch_prompt
         self.levers = options.levers
         self.route_observer = options.route_observer
+        self.router_input_observer = options.router_input_observer
         self.route_replay = options.route_replay
+        check_kv_type(options.kv_type, self.spec.head_dim_k + self.spec.head_dim_v)  # before the layers load
+        self.kv_type = options.kv_type
         self.embd = self.w.matrix("token_embd.weight")
         self.output_norm = self.w.vector("output_norm.weight")
         self.output = self.w.matrix("output.weight") if self.w.has("output.weight") else self.embd
@@ -103,32 +120,59 @@ class MoEModel:
             self.route_observer(i, routing)
         return routing
 
+    def router_input(self, i: int, h: np.ndarray) -> np.ndarray:
+        """What layer i's router reads from the residual stream h [T, D]: its
+        pre-FFN RMS norm (qwen3moe, gpt-oss; gemma4 overrides). The layers
+        compute it inline; this is for guessing ahead of them."""
+        return rms_norm(h, self.layers[i]["ffn_norm"], self.spec.rms_eps)
+
+    def router_logits(self, i: int, router_input: np.ndarray) -> np.ndarray:
+        """Layer i's router logits [T, E] (bias included) on any router input."""
+        L = self.layers[i]
+        logits = L["router"](router_input)
+        return logits + L["router_b"] if "router_b" in L else logits
+
     def hint_next_layer(self, i: int, router_input: np.ndarray) -> None:
-        """Speculative prefetch while decoding: guess layer i+1's experts by
-        running its router on this layer's router input, and tell the source
-        so it can start reading them. Only confident guesses: of the top k,
-        those the router gives at least PREFETCH_MIN_P (a wrong guess costs a
-        read and evicts a cached expert). Under a route replay (benchmarks)
-        the guess is the trace's own next routing: a perfect predictor, for
-        the ceiling of what prefetch can give. A guess only warms the cache:
+        """Every layer calls this with its router input as it routes: an
+        observer may see it, and with prefetch on, layer i+1's experts are
+        guessed by running its router on it (`guess_layer`): for a prompt's
+        batch with `prefetch_prompt`, for a decoded token with `prefetch_next`."""
+        if self.router_input_observer is not None:
+            self.router_input_observer(i, router_input)
+        wanted = self.prefetch_next if router_input.shape[0] == 1 else self.prefetch_prompt
+        if wanted and i + 1 < self.spec.n_layer:
+            self.guess_layer(i + 1, router_input)
+
+    def guess_layer(self, j: int, router_input: np.ndarray) -> None:
+        """Speculative prefetch: guess layer j's experts with its router on an
+        earlier hidden state [T, D] and tell the source so it can start
+        reading them. Only confident guesses: of each row's top k, those the
+        router gives at least PREFETCH_MIN_P (a wrong guess costs a read and
+        evicts a cached expert); for a prompt's batch, the union over its
+        rows, the most probable first. Under a route replay (benchmarks) the
+        guess is the trace's own next routing: a perfect predictor, for the
+        ceiling of what prefetch can give. A guess only warms the cache:
         outputs never depend on it."""
-        if not self.prefetch_next or i + 1 >= self.spec.n_layer or router_input.shape[0] != 1:
-            return
+        t = router_input.shape[0]
         if self.route_replay is not None:  # routing comes from a trace: the guess is exact
-            self.source.prefetch(i + 1, self.route_replay.peek(i + 1).ids[0].tolist())
+            ids = self.route_replay.peek(j, t).ids
+            self.source.prefetch(j, list(dict.fromkeys(int(e) for e in ids.T.reshape(-1))))
             return
-        nxt = self.layers[i + 1]
-        logits = nxt["router"](router_input)  # [1, E]
-        if "router_b" in nxt:
-            logits = logits + nxt["router_b"]
-        ids = top_k_ids(logits, self.top_k)[0]
-        p = softmax(logits[0].astype(np.float64))
-        self.source.prefetch(i + 1, [int(e) for e in ids if p[e] >= PREFETCH_MIN_P])
+        logits = self.router_logits(j, router_input).astype(np.float64)  # [T, E]
+        top = top_k_ids(logits, self.top_k)  # [T, k]
+        p = softmax(logits)
+        best: dict[int, float] = {}
+        for row, ids in enumerate(top):
+            for e in ids:
+                if p[row, e] >= PREFETCH_MIN_P and p[row, e] > best.get(int(e), 0.0):
+                    best[int(e)] = float(p[row, e])
+        self.source.prefetch(j, sorted(best, key=best.__getitem__, reverse=True))
 
     # -- shared ----------------------------------------------------------------
-    def new_cache(self, n_ctx: int) -> KVCache:
+    def new_cache(self, n_ctx: int, kv_type: str | None = None) -> KVCache:
+        """An empty KV cache for `n_ctx` positions, stored as `kv_type` (default: the model's options)."""
         s = self.spec
-        return KVCache(n_ctx, s.n_head_kv, s.head_dim_k, s.head_dim_v)
+        return KVCache(n_ctx, s.n_head_kv, s.head_dim_k, s.head_dim_v, kv_type or self.kv_type)
 
     def forward(self, tokens, cache: KVCache, all_logits: bool = False) -> np.ndarray:
         """Run tokens at the cache's next positions; logits [T, V] or [1, V] (last)."""
@@ -141,6 +185,10 @@ class MoEModel:
         positions = np.arange(start, start + tokens.size)
         with self.stage("embed"):
             x = self.embed(tokens)
+        if self.prefetch_next and tokens.size == 1:
+            # Layer 0 has no earlier layer to guess from: its router on the token's
+            # embedding, so its reads start while its attention runs.
+            self.guess_layer(0, self.router_input(0, x))
         for i in range(self.spec.n_layer):
             x = self.layer(i, x, cache, start, positions)
         cache.advance(tokens.size)

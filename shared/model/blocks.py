@@ -1,8 +1,9 @@
 """Shared forward-pass blocks: RMSNorm, RoPE (plain, YaRN, per-pair factors),
 grouped-query attention over a KV cache (causal, sliding window, sinks).
 
-Everything is float32 numpy. Legend: T new tokens, N cached positions
-(including the new ones), H query heads, Hk kv heads, G = H/Hk, d head width.
+Everything is float32 numpy; the KV cache may store f16 or q8_0, but its reads
+are float32. Legend: T new tokens, N cached positions (including the new
+ones), H query heads, Hk kv heads, G = H/Hk, d head width.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from moe_pipe.shared.gguf.spec import RopeSpec
+from moe_pipe.shared.gguf.spec import Q8_0_BLOCK, RopeSpec, check_kv_type
 from moe_pipe.shared.model.fused import _rope_rotate, rms_norm, swiglu  # noqa: F401  (fused loops, part of the blocks' API)
 
 # ---- rotary position embedding --------------------------------------------------
@@ -100,13 +101,64 @@ def rope_from_spec(r: RopeSpec) -> Rope:
 # ---- attention ---------------------------------------------------------------
 
 
-class KVCache:
-    """Keys and values per layer, [Hk, n_ctx, d] float32, filled left to right."""
+class _Rows:
+    """One layer's K (or V) for every kv head, [Hk, n_ctx, d], stored as `kv_type`:
+    f32 and f16 as such; q8_0 as int8 values with one float16 scale per block
+    of 32 along d (llama.cpp's q8_0: d = max|x|/127, q = roundf(x/d))."""
 
-    def __init__(self, n_ctx: int, n_head_kv: tuple[int, ...], head_dim_k: tuple[int, ...], head_dim_v: tuple[int, ...]):
-        self.n_ctx = n_ctx
-        self.k = [np.zeros((hk, n_ctx, dk), np.float32) for hk, dk in zip(n_head_kv, head_dim_k)]
-        self.v = [np.zeros((hk, n_ctx, dv), np.float32) for hk, dv in zip(n_head_kv, head_dim_v)]
+    def __init__(self, kv_type: str, hk: int, n_ctx: int, d: int):
+        self.kv_type = kv_type
+        dtype = {"f32": np.float32, "f16": np.float16, "q8_0": np.int8}[kv_type]
+        self.data = np.zeros((hk, n_ctx, d), dtype)
+        self.scale = np.zeros((hk, n_ctx, d // Q8_0_BLOCK), np.float16) if kv_type == "q8_0" else None
+
+    def write(self, at: int, x: np.ndarray) -> None:
+        """x [Hk, T, d] float32 at positions at..at+T-1: only these rows are converted."""
+        t = x.shape[1]
+        if self.scale is None:
+            self.data[:, at : at + t] = x  # numpy casts to float16 (round to nearest) for f16
+            return
+        q, scale = quantize_q8_0(x)
+        self.data[:, at : at + t] = q
+        self.scale[:, at : at + t] = scale
+
+    def read(self, lo: int, hi: int) -> np.ndarray:
+        """Positions lo..hi-1 as float32 [Hk, hi-lo, d] (a view for f32, a converted copy otherwise)."""
+        rows = self.data[:, lo:hi]
+        if self.scale is None:
+            return rows if rows.dtype == np.float32 else rows.astype(np.float32)
+        hk, n, d = rows.shape
+        blocks = rows.reshape(hk, n, d // Q8_0_BLOCK, Q8_0_BLOCK).astype(np.float32)
+        return (blocks * self.scale[:, lo:hi, :, None].astype(np.float32)).reshape(hk, n, d)
+
+
+def quantize_q8_0(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x [..., d] float32, d a multiple of 32 → (int8 [..., d], float16 scales [..., d/32]),
+    bit for bit llama.cpp's quantize_row_q8_0_ref: the scale is computed and applied in
+    float32 and only stored as float16; roundf rounds halves away from zero."""
+    blocks = np.asarray(x, np.float32).reshape(*x.shape[:-1], x.shape[-1] // Q8_0_BLOCK, Q8_0_BLOCK)
+    d = np.abs(blocks).max(axis=-1, keepdims=True) / np.float32(127)
+    with np.errstate(divide="ignore"):
+        inv = np.where(d == 0, np.float32(0), np.float32(1) / d)
+    y = blocks * inv
+    a = np.abs(y)
+    whole = np.floor(a)
+    q = np.sign(y) * (whole + np.floor(2 * (a - whole)))  # roundf, not numpy's round-half-to-even
+    return q.astype(np.int8).reshape(x.shape), d[..., 0].astype(np.float16)
+
+
+class KVCache:
+    """Keys and values per layer, [Hk, n_ctx, d], filled left to right, stored as
+    `kv_type` (f32 | f16 | q8_0; shared/gguf/spec.py KV_TYPE_BYTES). Reads come
+    back as float32: attention's math is float32 whatever the storage."""
+
+    def __init__(
+        self, n_ctx: int, n_head_kv: tuple[int, ...], head_dim_k: tuple[int, ...], head_dim_v: tuple[int, ...], kv_type: str = "f32"
+    ):
+        check_kv_type(kv_type, tuple(head_dim_k) + tuple(head_dim_v))
+        self.n_ctx, self.kv_type = n_ctx, kv_type
+        self.k = [_Rows(kv_type, hk, n_ctx, dk) for hk, dk in zip(n_head_kv, head_dim_k)]
+        self.v = [_Rows(kv_type, hk, n_ctx, dv) for hk, dv in zip(n_head_kv, head_dim_v)]
         self.n = 0  # positions filled (all layers advance together)
 
     def store(self, layer: int, k: np.ndarray, v: np.ndarray) -> None:
@@ -114,8 +166,16 @@ class KVCache:
         t = k.shape[0]
         if self.n + t > self.n_ctx:
             raise ValueError(f"context full: {self.n} + {t} tokens > n_ctx {self.n_ctx}")
-        self.k[layer][:, self.n : self.n + t] = k.transpose(1, 0, 2)
-        self.v[layer][:, self.n : self.n + t] = v.transpose(1, 0, 2)
+        self.k[layer].write(self.n, k.transpose(1, 0, 2))
+        self.v[layer].write(self.n, v.transpose(1, 0, 2))
+
+    def keys(self, layer: int, lo: int, hi: int) -> np.ndarray:
+        """Cached keys at positions lo..hi-1, float32 [Hk, hi-lo, d]."""
+        return self.k[layer].read(lo, hi)
+
+    def values(self, layer: int, lo: int, hi: int) -> np.ndarray:
+        """Cached values at positions lo..hi-1, float32 [Hk, hi-lo, dv]."""
+        return self.v[layer].read(lo, hi)
 
     def advance(self, t: int) -> None:
         self.n += t
@@ -138,7 +198,7 @@ def attention(
     # One query (decode) sees every cached key up to itself: slice the window
     # instead of building a mask.
     lo = max(0, n - window) if (t == 1 and window) else 0
-    keys, values = cache.k[layer][:, lo:n], cache.v[layer][:, lo:n]  # [Hk, N, d], [Hk, N, dv]
+    keys, values = cache.keys(layer, lo, n), cache.values(layer, lo, n)  # float32 [Hk, N, d], [Hk, N, dv]
     hk = keys.shape[0]
     g = h // hk
     # One matmul per kv head over all its G·T query rows (not G·T separate

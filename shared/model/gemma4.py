@@ -70,6 +70,9 @@ class Model(MoEModel):
     def embed(self, tokens):
         return self.embd.rows(tokens) * self.embed_scale
 
+    def router_input(self, i, h):  # as in layer(): the router has its own scale, not the FFN's norm
+        return rms_norm(h, None, self.spec.rms_eps) * self.layers[i]["router_in_scale"] * self.router_scale
+
     def logits(self, x):
         z = super().logits(x)
         cap = self.spec.final_logit_softcap

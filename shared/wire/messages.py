@@ -47,7 +47,7 @@ import msgpack
 MAX_FRAME_BYTES = 1 << 20
 # Bumped when a message's fields change; carried in Hello so mixed versions
 # (an old compute talking to a new reader after an upgrade) are refused.
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 _MAX_DEPTH = 8  # nesting inside a dict[str, Any] value (status payloads)
 _MAX_U64 = (1 << 64) - 1
@@ -421,6 +421,7 @@ class TokenRecord(_Message):
     prefetch_issued: int = 0
     prefetch_used: int = 0
     prefetch_wasted_bytes: int = 0
+    prefetch_paused: int = 0
     wire_ms: float = 0.0
     messages: int = 0
     rss_bytes: int = 0

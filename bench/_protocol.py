@@ -1,0 +1,360 @@
+"""The real-scale protocol of bench_vs_llama.py: whole replies from a cold
+start, per engine, at equal memory, figures a user feels.
+
+A reply begins cold, and this VM's host keeps blocks that were read before
+(a re-read runs ~1.6x faster), so a run is cold only on bytes no earlier run
+read. With `cold="copy"` every engine run reads its own fresh copy of the
+model (written, synced, the page cache dropped; removed after the run); with
+`cold="alternate"` (a model too big to copy on this disk) every run reads
+the same file and the engines' order alternates between repeats, each row
+saying whether it ran first. A cold check reads one region of a fresh copy
+twice, O_DIRECT into populated pages with the engine's read lanes: the first
+read is the disk's rate on never-read blocks (the reference of the warm-up
+target), the second the re-read rate, and their ratio says whether a copy is
+really cold. It runs before and after the engine runs.
+
+Figures per run, from the per-token walls (token 1 = the prompt's pass):
+
+  first token       the prompt: its reads into an empty cache and its compute
+  steady at         the token after the last window of 8 tokens slower than
+                    1.2x the last quarter's mean wall, and the time spent until it
+  tokens 2-50       mean wall of the cache fill
+  last quarter      steady tok/s over the last quarter of the reply
+  whole             tokens / total wall, first token included
+and for moe-pipe the disk rate of its reads (bytes over the time its lanes
+were busy) during the prompt and during tokens 2-50, the hit rate and the
+expert cache's budget; for llama.cpp the page cache it held at the end.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+STEADY_WINDOW = 8
+STEADY_SLACK = 1.2
+COLD_CHECK_GIB = 1.0
+
+
+@dataclass(frozen=True)
+class Engine:
+    """One way of running the reply: moe-pipe with config overrides, or llama.cpp mmap at a readahead."""
+
+    name: str
+    kind: str  # "moe-pipe" | "llama.cpp"
+    overrides: tuple[str, ...] = ()  # moe-pipe: KEY=VALUE config overrides
+    readahead_kb: int | None = None  # llama.cpp: the block device's readahead for the run
+    lossy: bool = False
+
+    @property
+    def slug(self) -> str:
+        return "".join(c if c.isalnum() else "-" for c in self.name).strip("-")
+
+
+# -- figures --------------------------------------------------------------------------
+
+
+def reply_figures(walls_ms: list[float]) -> dict:
+    n = len(walls_ms)
+    tail = walls_ms[-max(1, n // 4) :]
+    tail_ms = statistics.mean(tail)
+    # Steady from the token after the last window of STEADY_WINDOW tokens slower
+    # than STEADY_SLACK x the last quarter's mean (a late stall counts too).
+    slow = [t for t in range(1, n) if statistics.mean(walls_ms[t : t + STEADY_WINDOW]) > STEADY_SLACK * tail_ms]
+    steady_at = slow[-1] + 2 if slow else 2  # 1-based token number
+    fill = walls_ms[1:50]
+    return {
+        "tokens": n,
+        "first_s": walls_ms[0] / 1e3,
+        "steady_at_token": steady_at,
+        "steady_at_s": sum(walls_ms[: steady_at - 1]) / 1e3,
+        "fill_ms": statistics.mean(fill) if fill else float("nan"),
+        "steady_tps": 1e3 / tail_ms,
+        "whole_tps": n / (sum(walls_ms) / 1e3),
+    }
+
+
+def moe_pipe_io_figures(csv_path: Path, jsonl_path: Path) -> dict:
+    """Read rates of the prompt and of tokens 2-50: disk bytes over the time the lanes were busy
+    (the CSV's io_ms sums every lane's read time, so it is divided by the lane count)."""
+    with open(csv_path) as f:
+        rows = [{k: float(v) for k, v in r.items()} for r in csv.DictReader(line for line in f if not line.startswith("#"))]
+    lanes = next(
+        int(rec["config"]["io.io_threads"]) for rec in map(json.loads, jsonl_path.read_text().splitlines()) if rec.get("kind") == "run_info"
+    )
+
+    def rate(rs: list[dict]) -> float:
+        busy_s = sum(r["io_ms"] for r in rs) / 1e3 / lanes
+        return sum(r["read_bytes"] for r in rs) / busy_s / 1e9 if busy_s else float("nan")
+
+    return {
+        "lanes": lanes,
+        "first_gb": rows[0]["read_bytes"] / 1e9,
+        "first_read_gbps": rate(rows[:1]),
+        "fill_read_gbps": rate(rows[1:50]),
+        "hit_pct": rows[-1]["cache_hit_pct"],
+    }
+
+
+# -- cold copies and the cold check ---------------------------------------------------
+
+
+def fresh_copy(model: Path, dest: Path) -> float:
+    """A copy of the model on blocks no run has read, out of the page cache; seconds taken."""
+    t0 = time.perf_counter()
+    shutil.copyfile(model, dest)
+    subprocess.run(["sync"], check=True)
+    return time.perf_counter() - t0
+
+
+def cold_check(model: Path, copy: Path, lanes: int, region_gib: float = COLD_CHECK_GIB) -> dict:
+    """Read one region of a fresh copy twice, O_DIRECT into populated pages: never-read rate, re-read rate."""
+    from bench_fill import run_one  # bench/ is the script's folder
+
+    from moe_pipe.shared.analysis.cgroup import drop_page_cache
+
+    fresh_copy(model, copy)
+    try:
+        drop_page_cache()
+        size = copy.stat().st_size
+        region = int(region_gib * 2**30) // 4096 * 4096
+        start = (size // 2) // 4096 * 4096  # the middle: expert bytes on every model here
+        first = run_one(copy, "populated", start, region, lanes)["gbps"]
+        drop_page_cache()
+        again = run_one(copy, "populated", start, region, lanes)["gbps"]
+    finally:
+        copy.unlink(missing_ok=True)
+    return {"never_read_gbps": first, "reread_gbps": again, "lanes": lanes, "region_gib": region_gib}
+
+
+# -- one run of one engine --------------------------------------------------------------
+
+
+def run_engine(
+    engine: Engine, model: Path, config: Path, limit_mb: float, n: int, threads: int, out: Path, prompt_tokens, peer_timeout_s: float
+) -> dict:
+    from moe_pipe.shared.analysis import benchmark as bm
+    from moe_pipe.shared.analysis.peer_llama import read_result
+
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    overrides = (f"model.path={model}", *engine.overrides)
+    plan = bm.BenchPlan(
+        model,
+        run_target=str(config),
+        n=n,
+        repeat=1,
+        threads=threads,
+        mem_limit_mb=limit_mb,
+        out=out,
+        peer_timeout_s=peer_timeout_s,
+        run_args=tuple(a for o in overrides for a in ("--set", o)),
+    )
+    if engine.kind == "moe-pipe":
+        fig = bm._in_cgroup(plan, lambda cg: bm.run_moe_pipe(plan, 1, cg))
+        walls = [float(r["wall_ms"]) for r in _csv_rows(out / fig.csv)]
+        extra = moe_pipe_io_figures(out / fig.csv, (out / fig.csv).with_suffix(".jsonl"))
+        extra["budget_mib"] = fig.budget_mib
+    else:
+        ra_file = bm.readahead_file(model)
+        machine_ra = int(ra_file.read_text()) if ra_file else None
+        if engine.readahead_kb is not None and not bm.set_readahead(ra_file, engine.readahead_kb):
+            raise SystemExit(f"bench_vs_llama: cannot set readahead {engine.readahead_kb} KiB ({ra_file} not writable)")
+        try:
+            fig = bm._in_cgroup(plan, lambda cg: bm.run_llama(plan, 1, prompt_tokens, bm.PeerRun(engine.readahead_kb), cg))
+        finally:
+            if machine_ra is not None:
+                bm.set_readahead(ra_file, machine_ra)
+        walls = read_result(out / fig.csv)["wall_ms"]
+        extra = {}
+    row = {"engine": engine.name, "kind": engine.kind, "lossy": engine.lossy, "finished": fig.finished, **reply_figures(walls), **extra}
+    row.update(peak_mem_mib=fig.peak_mem_mib, page_cache_mib=fig.page_cache_mib, oom_kills=fig.oom_kills, token_ids=fig.token_ids)
+    return row
+
+
+def _csv_rows(path: Path) -> list[dict]:
+    with open(path) as f:
+        return list(csv.DictReader(line for line in f if not line.startswith("#")))
+
+
+# -- the protocol ---------------------------------------------------------------------------
+
+
+def run_protocol(
+    model: Path,
+    config: Path,
+    engines: list[Engine],
+    *,
+    limit_mb: float,
+    n: int,
+    repeat: int,
+    threads: int,
+    out: Path,
+    cold: str,
+    peer_timeout_s: float,
+    lanes: int,
+) -> dict:
+    from moe_pipe.shared.analysis.benchmark import PROMPT
+    from moe_pipe.shared.gguf.model_file import open_model
+    from moe_pipe.shared.text.chat import encode_prompt
+    from moe_pipe.shared.text.tokenizer import Tokenizer
+
+    with open_model(model) as mf:
+        prompt_tokens = encode_prompt(Tokenizer.from_gguf(mf.gguf), PROMPT)
+    copy = model.with_name(model.stem + "-cold-copy.gguf")
+    checks = []
+    if cold == "copy":
+        say(f"cold check: a fresh copy's region read twice ({lanes} lanes) ...")
+        checks.append(cold_check(model, copy, lanes))
+        say(f"    never-read {checks[-1]['never_read_gbps']:.2f} GB/s, re-read {checks[-1]['reread_gbps']:.2f} GB/s")
+    rows = []
+    t0 = time.monotonic()
+    for r in range(repeat):
+        order = engines if r % 2 == 0 else engines[::-1]
+        for pos, engine in enumerate(order):
+            target = model
+            if cold == "copy":
+                took = fresh_copy(model, copy)
+                target = copy
+                say(f"[{engine.name} #{r + 1}] fresh copy in {took:.0f} s")
+            try:
+                row = run_engine(
+                    engine, target, config, limit_mb, n, threads, out / f"{engine.slug}-{r + 1}", prompt_tokens, peer_timeout_s
+                )
+            finally:
+                if cold == "copy":
+                    copy.unlink(missing_ok=True)
+            row.update(run=r + 1, position=pos + 1)
+            rows.append(row)
+            say(
+                f"[{engine.name} #{r + 1}] first {row['first_s']:.2f} s, 2-50 {row['fill_ms']:.0f} ms, last quarter "
+                f"{row['steady_tps']:.2f} tok/s, whole {row['whole_tps']:.2f} tok/s, {row['tokens']} tokens "
+                f"({time.monotonic() - t0:.0f} s so far)"
+            )
+    if cold == "copy":
+        say("cold check again ...")
+        checks.append(cold_check(model, copy, lanes))
+        say(f"    never-read {checks[-1]['never_read_gbps']:.2f} GB/s, re-read {checks[-1]['reread_gbps']:.2f} GB/s")
+    return summarize(model, config, engines, rows, checks, limit_mb=limit_mb, n=n, repeat=repeat, threads=threads, cold=cold)
+
+
+FIGS = ("first_s", "steady_at_token", "steady_at_s", "fill_ms", "steady_tps", "whole_tps")
+
+
+def summarize(model: Path, config: Path, engines: list[Engine], rows: list[dict], checks: list[dict], **how) -> dict:
+    med = {}
+    for e in engines:
+        mine = [r for r in rows if r["engine"] == e.name]
+        m = {k: statistics.median(r[k] for r in mine) for k in FIGS}
+        for k in ("first_read_gbps", "fill_read_gbps", "hit_pct", "budget_mib", "page_cache_mib", "first_gb"):
+            vals = [r[k] for r in mine if r.get(k) is not None]
+            m[k] = statistics.median(vals) if vals else None
+        m["finished"] = all(r["finished"] for r in mine)
+        med[e.name] = m
+    peers = [e.name for e in engines if e.kind == "llama.cpp"]
+    best = max(peers, key=lambda p: med[p]["steady_tps"]) if peers else None
+    ratios = {}
+    if best:
+        b = med[best]
+        for e in engines:
+            if e.kind == "moe-pipe":
+                m = med[e.name]
+                ratios[e.name] = {
+                    "first_token": b["first_s"] / m["first_s"],  # > 1: moe-pipe's first token is sooner
+                    "fill": b["fill_ms"] / m["fill_ms"],
+                    "steady": m["steady_tps"] / b["steady_tps"],
+                    "whole": m["whole_tps"] / b["whole_tps"],
+                }
+    ref = next((r["token_ids"] for r in rows if r["kind"] == "moe-pipe" and not r["lossy"]), [])
+    same = {
+        f"{r['engine']} #{r['run']}": next(
+            (i for i, (a, b) in enumerate(zip(r["token_ids"], ref)) if a != b), min(len(ref), len(r["token_ids"]))
+        )
+        for r in rows
+        if r["kind"] == "llama.cpp"
+    }
+    return {
+        "model": model.name,
+        "model_mib": model.stat().st_size / 2**20,
+        "config": str(config),
+        **how,
+        "cold_checks": checks,
+        "medians": med,
+        "best_llama": best,
+        "ratios_vs_best_llama": ratios,
+        "llama_tokens_equal_moe_pipe": same,
+        "runs": [{k: v for k, v in r.items() if k != "token_ids"} for r in rows],
+    }
+
+
+def markdown(s: dict, title: str) -> str:
+    lim = s["limit_mb"]
+    cold = (
+        "every run on its own fresh copy of the file (cold for real)"
+        if s["cold"] == "copy"
+        else "every run on the same file, the engines' order alternating between repeats"
+    )
+    lines = [
+        f"### {title}",
+        "",
+        f"{s['model']} ({s['model_mib']:,.0f} MiB), memory limit {lim:,.0f} MiB for every engine (the recipe's cache "
+        f"ceiling lifted: `cache_ceil_mb` auto gives no ceiling off a phone), {s['n']} greedy tokens, {s['threads']} threads, "
+        f"medians of {s['repeat']} runs, {cold}.",
+        "",
+        "| engine | first token s | steady from token (s) | tokens 2-50 ms | last quarter tok/s | whole tok/s | "
+        "prompt reads GB/s | fill reads GB/s | hit % | cache or page cache, share of limit |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def f(v, fmt="{:.2f}"):
+        return "" if v is None else fmt.format(v)
+
+    for name, m in s["medians"].items():
+        mem = m["budget_mib"] if m["budget_mib"] is not None else m["page_cache_mib"]
+        what = "expert cache" if m["budget_mib"] is not None else "page cache"
+        lines.append(
+            f"| {name}{'' if m['finished'] else ' (did not finish)'} | {f(m['first_s'])} | {m['steady_at_token']:.0f} "
+            f"({f(m['steady_at_s'], '{:.1f}')}) | {f(m['fill_ms'], '{:.0f}')} | {f(m['steady_tps'])} | {f(m['whole_tps'])} | "
+            f"{f(m['first_read_gbps'])} | {f(m['fill_read_gbps'])} | {f(m['hit_pct'], '{:.0f}')} | "
+            + (f"{what} {mem:,.0f} MiB = {mem / lim:.0%}" if mem is not None else "")
+            + " |"
+        )
+    if s["best_llama"]:
+        lines += ["", f"Against llama.cpp's best configuration here ({s['best_llama']}, by last-quarter tok/s):", ""]
+        lines += ["| moe-pipe | first token (× sooner) | tokens 2-50 (× faster) | last quarter | whole |", "|---|---|---|---|---|"]
+        for name, r in s["ratios_vs_best_llama"].items():
+            lines.append(f"| {name} | {r['first_token']:.2f}× | {r['fill']:.2f}× | {r['steady']:.2f}× | {r['whole']:.2f}× |")
+    for c in s["cold_checks"]:
+        lines.append(
+            f"\nCold check ({c['region_gib']:g} GiB of a fresh copy, O_DIRECT into populated pages, {c['lanes']} lanes): "
+            f"first read {c['never_read_gbps']:.2f} GB/s, re-read {c['reread_gbps']:.2f} GB/s."
+        )
+    if s["llama_tokens_equal_moe_pipe"]:
+        lines.append(
+            "\nGreedy tokens equal to moe-pipe's before the first difference (random weights give near-ties that float "
+            "rounding flips): " + ", ".join(f"{k}: {v}" for k, v in s["llama_tokens_equal_moe_pipe"].items())
+        )
+    lines += [
+        "",
+        "Runs:",
+        "",
+        "| engine | run | position | first s | 2-50 ms | last quarter tok/s | whole tok/s | tokens |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in s["runs"]:
+        lines.append(
+            f"| {r['engine']} | {r['run']} | {r['position']} | {r['first_s']:.2f} | {r['fill_ms']:.0f} | {r['steady_tps']:.2f} | "
+            f"{r['whole_tps']:.2f} | {r['tokens']}{'' if r['finished'] else ' (stopped)'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)

@@ -1,0 +1,226 @@
+"""compute.kv_type: the KV cache stored as f32, f16 or q8_0 (shared/model/blocks.py
+KVCache), attention still float32, and the memory budget counting the stored size."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from moe_pipe.shared.config import KEYS, load_config
+from moe_pipe.shared.errors import ConfigError, UserError
+from moe_pipe.shared.gguf.model_file import open_model
+from moe_pipe.shared.gguf.spec import KV_TYPE_BYTES, kv_cache_bytes
+from moe_pipe.shared.model.blocks import KVCache, attention, quantize_q8_0
+from moe_pipe.shared.model.load import ModelOptions, load_model
+
+MiB = 1 << 20
+
+
+def _random_kv(rng, t=20, hk=2, d=64):
+    return rng.standard_normal((t, hk, d), dtype=np.float32), rng.standard_normal((t, hk, d), dtype=np.float32)
+
+
+def _filled(kv_type, k, v, n_ctx=32):
+    """A one-layer cache holding k, v, stored in two writes (a prompt, then more tokens)."""
+    t, hk, d = k.shape
+    c = KVCache(n_ctx, (hk,), (d,), (v.shape[2],), kv_type)
+    c.store(0, k[:12], v[:12])
+    c.advance(12)
+    c.store(0, k[12:], v[12:])
+    c.advance(t - 12)
+    return c
+
+
+# ---------------------------------------------------------------- q8_0 blocks
+
+
+def _roundf(y: float) -> float:
+    """C's roundf: halves away from zero (exact in double for |y| <= 127)."""
+    return math.copysign(math.floor(abs(y) + 0.5), y)
+
+
+def test_q8_0_is_llama_cpps_block_bit_for_bit():
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((2, 3, 64), dtype=np.float32) * np.float32(3)
+    x[0, 0, :32] = 0  # an all-zero block: scale 0, values 0
+    # A block whose scale is exactly 1: halves must round away from zero (roundf), not to even.
+    x[1, 2, :32] = np.array([127, 2.5, -3.5, 0.5, -0.5, 1.5] + [0.25] * 26, np.float32)
+    q, scale = quantize_q8_0(x)
+    assert q.dtype == np.int8 and q.shape == x.shape
+    assert scale.dtype == np.float16 and scale.shape == (2, 3, 2)
+    assert q[1, 2, :6].tolist() == [127, 3, -4, 1, -1, 2]
+
+    # gguf-py's reference, which states it is bit-exact with ggml-quants.c: [d fp16][32 × int8] per block
+    ref = quantize(x.reshape(-1, 64), GGMLQuantizationType.Q8_0).reshape(-1, 34)
+    assert np.array_equal(scale.reshape(-1), ref[:, :2].copy().view(np.float16).reshape(-1))
+    assert np.array_equal(q.reshape(-1, 32), ref[:, 2:].view(np.int8))
+
+    # The formula itself, one value at a time, on a few blocks: d = max|x|/127, q = roundf(x·(1/d)) in float32.
+    blocks = x.reshape(-1, 32)
+    for b in (1, 5, 11):
+        d = np.float32(np.abs(blocks[b]).max()) / np.float32(127)
+        inv = np.float32(1) / d if d else np.float32(0)
+        assert scale.reshape(-1)[b] == np.float16(d)
+        assert q.reshape(-1, 32)[b].tolist() == [_roundf(float(np.float32(v) * inv)) for v in blocks[b]]
+
+    # And what the cache reads back is the reference dequantization: q · float(fp16 d).
+    k = x.transpose(1, 0, 2)  # [T, Hk, d] as the model stores it
+    c = KVCache(8, (2,), (64,), (64,), "q8_0")
+    c.store(0, k, k)
+    c.advance(3)
+    want = dequantize(ref.reshape(-1), GGMLQuantizationType.Q8_0).reshape(2, 3, 64)
+    assert np.array_equal(c.keys(0, 0, 3), want) and c.keys(0, 0, 3).dtype == np.float32
+
+
+# ---------------------------------------------------------------- attention on each storage
+
+
+@pytest.mark.parametrize("kv_type, tol", [("f16", 1e-3), ("q8_0", 2e-2)])
+def test_attention_on_a_smaller_cache_stays_close_to_f32(kv_type, tol):
+    # Relative L2 error of the attention output against the f32 cache, on unit-normal K and V:
+    # f16 rounds each value to 11 significant bits (≤ 2^-11 relative), measured ~2.5e-4; q8_0 to
+    # within max|block|/254 (~0.4 % of a block's largest value), measured ~7e-3. A cache that
+    # mixed up positions or heads, or lost a scale, is off by O(1).
+    rng = np.random.default_rng(2)
+    k, v = _random_kv(rng)
+    q = rng.standard_normal((20, 8, 64), dtype=np.float32)
+    exact, small = _filled("f32", k, v), _filled(kv_type, k, v)
+    scale = 1 / math.sqrt(64)
+    sinks = rng.standard_normal(8).astype(np.float32)
+    for args in [dict(), dict(window=7), dict(sinks=sinks)]:
+        want = attention(q, exact, 0, 0, scale, **args)  # prefill: all 20 queries, causal mask
+        got = attention(q, small, 0, 0, scale, **args)
+        assert got.dtype == np.float32
+        assert np.linalg.norm(got - want) / np.linalg.norm(want) <= tol
+        want1 = attention(q[-1:], exact, 0, 19, scale, **args)  # decode: the last position
+        got1 = attention(q[-1:], small, 0, 19, scale, **args)
+        assert np.linalg.norm(got1 - want1) / np.linalg.norm(want1) <= tol
+    assert small.keys(0, 0, 20).dtype == np.float32
+    assert small.k[0].data.dtype == {"f16": np.float16, "q8_0": np.int8}[kv_type]
+
+
+# ---------------------------------------------------------------- bytes
+
+
+def test_kv_cache_bytes_per_type_by_hand_and_as_allocated():
+    spec = SimpleNamespace(n_head_kv=(2, 2, 1), head_dim_k=(64, 64, 128), head_dim_v=(64, 64, 128))
+    # per position: 2·(64+64) + 2·(64+64) + 1·(128+128) = 768 values; 100 positions = 76,800 values
+    assert kv_cache_bytes(spec, 100, "f32") == 307_200
+    assert kv_cache_bytes(spec, 100, "f16") == 153_600
+    assert kv_cache_bytes(spec, 100, "q8_0") == 81_600  # 2,400 blocks of 32 × (32 int8 + 2-byte scale)
+    for kv_type in KV_TYPE_BYTES:  # what the budget counts is what KVCache allocates
+        c = KVCache(100, spec.n_head_kv, spec.head_dim_k, spec.head_dim_v, kv_type)
+        held = sum(r.data.nbytes + (r.scale.nbytes if r.scale is not None else 0) for r in c.k + c.v)
+        assert held == kv_cache_bytes(spec, 100, kv_type)
+
+
+def test_q8_0_refuses_a_head_width_not_a_multiple_of_32():
+    spec = SimpleNamespace(n_head_kv=(2,), head_dim_k=(72,), head_dim_v=(72,))
+    for make in (lambda: KVCache(16, (2,), (72,), (72,), "q8_0"), lambda: kv_cache_bytes(spec, 16, "q8_0")):
+        with pytest.raises(UserError) as e:
+            make()
+        msg = str(e.value)
+        assert "\n" not in msg and "72 wide" in msg and "q8_0" in msg and "f16" in msg
+    assert kv_cache_bytes(spec, 16, "f16") == 2 * 16 * 2 * 144  # the other types take any width
+    with pytest.raises(UserError, match="unknown KV cache type 'q4'"):
+        KVCache(16, (2,), (64,), (64,), "q4")
+
+
+# ---------------------------------------------------------------- the config
+
+
+def test_config_kv_type_default_choices_and_flag():
+    from argparse import ArgumentParser
+
+    from moe_pipe.shared.config_flags import add_override_arguments, overrides_from_args
+
+    assert load_config(None).compute.kv_type == "f16"
+    assert set(KEYS["compute.kv_type"].spec.choices) == set(KV_TYPE_BYTES)  # the names the byte counts know
+    with pytest.raises(ConfigError) as e:
+        load_config(None, {"compute.kv_type": "int4"})
+    msg = str(e.value)
+    assert "\n" not in msg and "compute.kv_type" in msg and all(f'"{t}"' in msg for t in ("f16", "f32", "q8_0"))
+    p = ArgumentParser()
+    add_override_arguments(p, tables=("compute",))
+    assert overrides_from_args(p.parse_args(["--kv-type", "q8_0"]))["compute.kv_type"] == "q8_0"
+
+
+# ---------------------------------------------------------------- a generation
+
+
+def test_tiny_model_greedy_tokens_agree_across_kv_types(tiny_model):
+    from moe_pipe.shared.text.generate import GenerationConfig, generate
+    from moe_pipe.shared.text.sampling import SamplingParams
+    from moe_pipe.shared.text.tokenizer import Tokenizer
+
+    prompt = [1, 5, 9, 20, 33, 70, 100, 200, 7, 300, 11]
+    tokens, logits = {}, {}
+    with open_model(tiny_model) as mf:
+        tok = Tokenizer.from_gguf(mf.gguf)
+        for kv_type in ("f32", "f16", "q8_0"):
+            model = load_model(mf, options=ModelOptions(kv_type=kv_type))
+            assert model.new_cache(8).kv_type == kv_type  # generate's cache is the model's
+            cfg = GenerationConfig(max_tokens=6, n_ctx=64, ignore_eos=True)
+            tokens[kv_type] = generate(model, tok, prompt, SamplingParams(temperature=0.0), cfg).tokens
+            # Every position's logits over the prompt and f32's continuation, one batch (float32 activations).
+            seq = prompt + [903, 1136, 1359, 1944, 903, 71, 1677, 644, 903, 1993, 903, 1235]
+            logits[kv_type] = model.forward(seq, model.new_cache(64), all_logits=True)
+    # Six decoded tokens: the same in f16. The seventh is a near-tie on these random weights (f32's
+    # top two 0.035 apart) and one-token products round activations to int8 (docs/kernels.md), which
+    # turns any small change in the input, f16's included, into ~2 % of the logits: it may flip there.
+    assert len(tokens["f32"]) == 6 and tokens["f16"] == tokens["f32"]
+    # Hence the logits, on the batch path: measured f16 ≤ 4.9e-3 relative L2 per row (median 8e-4),
+    # every row's greedy pick the same; q8_0 ≤ 7.4e-2 (median 2e-2: ~0.4 % per K/V value, through four
+    # layers of random weights). A misplaced position or a lost scale moves rows by O(1).
+    want = logits["f32"]
+
+    def rel(kv_type):
+        return np.linalg.norm(logits[kv_type] - want, axis=-1) / np.linalg.norm(want, axis=-1)
+
+    assert rel("f16").max() <= 1e-2 and np.array_equal(logits["f16"].argmax(-1), want.argmax(-1))
+    assert rel("q8_0").max() <= 0.15 and np.median(rel("q8_0")) <= 5e-2
+
+
+def test_run_no_stream_uses_the_configured_kv_type(monkeypatch, capsys):
+    from moe_pipe.cli.main import main
+    from moe_pipe.shared.model import base
+
+    made = []
+
+    class Spy(KVCache):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            made.append(self.kv_type)
+
+    monkeypatch.setattr(base, "KVCache", Spy)
+    assert main(["run", "--no-stream", "--kv-type", "q8_0", "-p", "hello", "-n", "2", "--output-format", "json"]) == 0
+    assert made == ["q8_0"]
+    capsys.readouterr()
+
+
+# ---------------------------------------------------------------- the budget
+
+
+def test_the_budget_gains_what_f16_saves(monkeypatch, tiny_model):
+    from moe_pipe.procs.children import compute_args
+    from moe_pipe.procs.resources import Resources
+    from moe_pipe.shared.experts import budget as B
+
+    # Auto budget against a fixed 2 GiB: the same memory for both runs, so only the KV share differs.
+    monkeypatch.setattr(B, "probe_memory", lambda: B.MemoryProbe(2048 * MiB, ()))
+    monkeypatch.setattr(B, "on_phone", lambda: False)
+    got = {}
+    for kv_type in ("f32", "f16"):
+        cfg = load_config(None, {"compute.kv_type": kv_type, "compute.ctx_size": 4096, "cache.cache_mb": "auto"})
+        with Resources.create(cfg, tiny_model) as res:
+            got[kv_type] = res.resolved.budget_bytes
+            assert compute_args(cfg, res, tiny_model, 0).kv_type == kv_type  # what compute makes its cache with
+    with open_model(tiny_model) as mf:
+        kv32, kv16 = kv_cache_bytes(mf.spec, 4096, "f32"), kv_cache_bytes(mf.spec, 4096, "f16")
+    assert kv32 == 2 * kv16 > 0
+    assert got["f16"] - got["f32"] == kv32 - kv16

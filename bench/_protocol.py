@@ -341,6 +341,14 @@ def markdown(s: dict, title: str) -> str:
             "\nGreedy tokens equal to moe-pipe's before the first difference (random weights give near-ties that float "
             "rounding flips): " + ", ".join(f"{k}: {v}" for k, v in s["llama_tokens_equal_moe_pipe"].items())
         )
+    fc, ours = s.get("forecast"), s["medians"].get("moe-pipe")
+    if fc and fc.get("tok_s") and ours:
+        lines.append(
+            f"\n`moe-pipe doctor` forecast for this limit: steady {fc['tok_s']:.2f} tok/s (hit {fc['hit_pct']:.0f} % from "
+            f"{fc['hit_source']}), measured {ours['steady_tps']:.2f} = {ours['steady_tps'] / fc['tok_s']:.2f}× the forecast; "
+            f"tokens 2-50 {fc['warmup_ms']:.0f} ms (hit {fc['warmup_hit_pct']:.0f} %), measured {ours['fill_ms']:.0f} ms = "
+            f"{ours['fill_ms'] / fc['warmup_ms']:.2f}× the forecast."
+        )
     lines += [
         "",
         "Runs:",

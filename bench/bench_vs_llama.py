@@ -198,9 +198,7 @@ def doctor_forecast(config: Path, model: Path, limit: float) -> dict:
     cfg = load_config(config, {"model.path": str(model)})
     with open_model(model) as mf:
         fc = forecast(mf, cfg, mem_limit_mb=limit, seconds=3.0)
-    return {
-        k: fc.get(k) for k in ("tok_s", "tok_s_1t", "hit_pct", "hit_source", "bottleneck", "budget_mb", "first_token_s", "warmup_tok_s")
-    }
+    return {k: fc.get(k) for k in ("tok_s", "tok_s_1t", "hit_pct", "hit_source", "bottleneck", "budget_mb", "warmup_ms", "warmup_hit_pct")}
 
 
 def write_doc() -> None:

@@ -8,6 +8,7 @@ import json
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from moe_pipe.cli.main import main
@@ -133,6 +134,25 @@ def test_hit_rate_comes_from_the_trace_and_rises_with_the_cache(qwen48):
     # real routing has locality: better than uniform routing's slots / experts
     assert all(p > 100 * floor * m / f.all_experts_slots for p, m in zip(pcts, (1, 2, 4)))
     assert fc.hit_rate(f, f.all_experts_slots, "nextuse").source == "resident"
+
+
+def test_the_warm_up_hit_rate_is_a_cold_caches_first_tokens(qwen48):
+    """decode_tokens: the trace cut to its prompt and first n decoded tokens, replayed from cold."""
+    trace = read_trace(fc.trace_path("qwen3moe", 128))
+    cut = fc.first_decode_tokens(trace, 49)
+    decoded = np.unique(cut.step[cut.phase == 1])
+    assert len(decoded) == 49 and decoded[0] == trace.step[trace.phase == 1].min()
+    assert (cut.phase == 0).sum() == (trace.phase == 0).sum()  # the whole prompt kept
+    f = facts_of(qwen48)
+    slots = 4 * f.floor_bytes // f.slab_bytes
+    warm, steady = fc.hit_rate(f, slots, "nextuse", decode_tokens=49), fc.hit_rate(f, slots, "nextuse")
+    assert warm.source == "trace" and 0 < warm.pct < steady.pct  # a filling cache hits less
+    # without a trace: uniform routing from cold, below the steady fallback
+    g = facts_of(make_model("gpt-oss", "tiny", qwen48.parent / "g.gguf", sparse=True))
+    cold = fc.hit_rate(g, g.all_experts_slots // 4, "nextuse", decode_tokens=49)
+    k_over_e = g.top_k / g.n_expert
+    want = 100 * sum(min(0.25, 1 - (1 - k_over_e) ** (t - 1)) for t in range(1, 50)) / 49
+    assert cold.source == "fallback" and cold.pct == pytest.approx(want) and cold.pct < 25.0
 
 
 def test_a_shallower_model_replays_the_traces_first_layers(qwen8):

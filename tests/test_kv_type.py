@@ -154,12 +154,26 @@ def test_config_kv_type_default_choices_and_flag():
 
 
 def test_tiny_model_greedy_tokens_agree_across_kv_types(tiny_model):
+    from moe_pipe.shared import quant
+
+    prompt = [1, 5, 9, 20, 33, 70, 100, 200, 7, 300, 11]
+    tokens, logits = {}, {}
+    # float32 activations throughout (int8 rounding, docs/kernels.md, would turn f16's tiny
+    # differences into ~2 % of the logits and flip the random weights' near-ties): the KV type alone
+    was = quant.int8_activations()
+    quant.set_int8_activations(False)
+    try:
+        _generate_each(tiny_model, prompt, tokens, logits)
+    finally:
+        quant.set_int8_activations(was)
+    _check_agreement(tokens, logits)
+
+
+def _generate_each(tiny_model, prompt, tokens, logits):
     from moe_pipe.shared.text.generate import GenerationConfig, generate
     from moe_pipe.shared.text.sampling import SamplingParams
     from moe_pipe.shared.text.tokenizer import Tokenizer
 
-    prompt = [1, 5, 9, 20, 33, 70, 100, 200, 7, 300, 11]
-    tokens, logits = {}, {}
     with open_model(tiny_model) as mf:
         tok = Tokenizer.from_gguf(mf.gguf)
         for kv_type in ("f32", "f16", "q8_0"):
@@ -170,6 +184,9 @@ def test_tiny_model_greedy_tokens_agree_across_kv_types(tiny_model):
             # Every position's logits over the prompt and f32's continuation, one batch (float32 activations).
             seq = prompt + [903, 1136, 1359, 1944, 903, 71, 1677, 644, 903, 1993, 903, 1235]
             logits[kv_type] = model.forward(seq, model.new_cache(64), all_logits=True)
+
+
+def _check_agreement(tokens, logits):
     # Six decoded tokens: the same in f16. The seventh is a near-tie on these random weights (f32's
     # top two 0.035 apart) and one-token products round activations to int8 (docs/kernels.md), which
     # turns any small change in the input, f16's included, into ~2 % of the logits: it may flip there.

@@ -24,6 +24,7 @@ from moe_pipe.shared.errors import ConfigError
 from moe_pipe.shared.experts.policies import LIVE_POLICIES
 from moe_pipe.shared.gguf.model_file import open_model
 from moe_pipe.shared.makemodel.maker import make_model
+from moe_pipe.shared.model.base import ModelOptions
 from moe_pipe.shared.model.load import load_model
 from moe_pipe.shared.model.weights import FileExperts
 from moe_pipe.shared.telemetry import CSV_COLUMNS, read_csv
@@ -58,6 +59,10 @@ def nothing_left_behind():
     assert not leftovers({os.getpid()}), f"left behind: {leftovers({os.getpid()})}"
 
 
+# The resident reference stores its KV cache as the engine does (compute.kv_type's default).
+ENGINE_KV = ModelOptions(kv_type=load_config(None, {}).compute.kv_type)
+
+
 @pytest.fixture(scope="module", params=ARCHES)
 def tiny(request, tmp_path_factory):
     path = make_model(request.param, "tiny", tmp_path_factory.mktemp("p") / f"{request.param}.gguf")
@@ -65,7 +70,8 @@ def tiny(request, tmp_path_factory):
         tok = Tokenizer.from_gguf(mf.gguf)
         prompt = tok.encode(PROMPT)
         reference = {
-            k: generate(load_model(mf, top_k=k), tok, prompt, SamplingParams(), GenerationConfig(max_tokens=N)).tokens for k in (None, 1)
+            k: generate(load_model(mf, top_k=k, options=ENGINE_KV), tok, prompt, SamplingParams(), GenerationConfig(max_tokens=N)).tokens
+            for k in (None, 1)
         }
         sizes = dict(
             min_mb=mf.layout.min_cache_bytes() / MiB,
@@ -171,7 +177,7 @@ def independent_lru(path, prompt, n_slots):
 
     with open_model(path) as mf:
         tok = Tokenizer.from_gguf(mf.gguf)
-        model = load_model(mf, experts=Recording(mf))
+        model = load_model(mf, experts=Recording(mf), options=ENGINE_KV)
 
         class Steps:  # one access list per model call = per CSV step
             def new_cache(self, n):

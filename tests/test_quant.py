@@ -314,7 +314,9 @@ def test_int8_activation_rounding(qtype, int8_mode):
     x[1, 64:96] *= 1e-35  # amax < 2^-100: the block is flushed to zero (documented)
     xh = np.stack([quant.effective_activation(row, qtype) for row in x])  # one-row calls round
     np.testing.assert_array_equal(quant.effective_activation(x[:1], qtype), xh[:1])  # [1, C] too
-    np.testing.assert_array_equal(quant.effective_activation(x, qtype), x)  # prefill batches stay float
+    np.testing.assert_array_equal(quant.effective_activation(x, qtype), xh)  # a short batch rounds each row the same way
+    many = np.repeat(x, quant.INT8_MAX_TOKENS, axis=0)
+    np.testing.assert_array_equal(quant.effective_activation(many, qtype), many)  # a longer batch stays float
     np.testing.assert_array_equal(xh[1, 64:96], 0.0)
     x[1, 64:96] = xh[1, 64:96]
     assert xh.shape == x.shape and xh.dtype == np.float32

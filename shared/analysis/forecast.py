@@ -80,6 +80,10 @@ MiB = 1 << 20
 TRACE_DIR = Path(__file__).parent.parent / "data" / "traces"
 # (arch, n_expert) -> shipped trace (data/traces/README.md says what each one recorded)
 TRACES = {("qwen3moe", 128): "qwen.route.csv", ("gpt-oss", 128): "gptoss.route.csv"}
+# The warm-up figure: the mean wall of a reply's tokens 2..50, the cache filling from
+# cold (bench/bench_vs_llama.py reports the same window), at the hit rate a replay of
+# the trace's first 49 decoded tokens gives.
+WARMUP_TOKENS = 49
 
 # One layer's trip to the reader and back (request, replies, slab lookups):
 # the wire_ms + mgmt_ms columns per layer, median of streamed decode on this
@@ -331,24 +335,48 @@ def first_layers(trace, n_layer: int):
     return Trace(trace.path, header, first_row_line=trace.first_row_line, **cols)
 
 
-def hit_rate(facts: ModelFacts, n_slots: int, policy: str, trace=None) -> HitRate:
-    """The decode hit rate of a cache of `n_slots` slabs under `policy` (module docstring: how)."""
+def first_decode_tokens(trace, n: int):
+    """`trace` cut to its first turn's prompt and first `n` decoded tokens: a reply's warm-up from a cold cache."""
+    from moe_pipe.shared.model.trace import Trace
+
+    turn = trace.turn.min()
+    decode = trace.step[(trace.turn == turn) & (trace.phase == 1)]
+    end = (decode.min() if decode.size else 0) + n
+    keep = (trace.turn == turn) & ((trace.phase == 0) | (trace.step < end))
+    cols = {
+        name: getattr(trace, name)[keep]
+        for name in ("turn", "phase", "step", "layer", "slot", "expert", "weight", "residency", "expert_bytes")
+    }
+    return Trace(trace.path, trace.header, first_row_line=trace.first_row_line, **cols)
+
+
+def hit_rate(facts: ModelFacts, n_slots: int, policy: str, trace=None, decode_tokens: int | None = None) -> HitRate:
+    """The decode hit rate of a cache of `n_slots` slabs under `policy` (module docstring: how);
+    with `decode_tokens`, over a reply's first that many decoded tokens from a cold cache (the warm-up)."""
     from moe_pipe.shared.analysis.replay import Replayer, slab_bytes
     from moe_pipe.shared.model.trace import read_trace
 
-    if n_slots >= facts.all_experts_slots:
+    if n_slots >= facts.all_experts_slots and decode_tokens is None:
         return HitRate(100.0, "resident", "every expert fits the cache: after the warm-up every lookup hits")
     path = trace_path(facts.arch, facts.n_expert)
     if trace is None and path is not None:
         trace = read_trace(path)
     if trace is None:
-        pct = 100.0 * n_slots / facts.all_experts_slots
+        share = min(1.0, n_slots / facts.all_experts_slots)
+        pct = 100.0 * share
+        if decode_tokens is not None:
+            # uniform routing from a cold cache: a lookup at token t hits if its expert was picked
+            # before (1 - (1 - k/E)^(t-1)) and is still held (at most the cache's share)
+            seen = [1.0 - (1.0 - facts.top_k / facts.n_expert) ** (t - 1) for t in range(1, decode_tokens + 1)]
+            pct = 100.0 * sum(min(share, s) for s in seen) / decode_tokens
         return HitRate(
             pct,
             "fallback",
             f"no shipped trace for {facts.arch} with {facts.n_expert} experts: "
             f"slots / experts, as uniform routing would give (a pessimistic guess)",
         )
+    if decode_tokens is not None:
+        trace = first_decode_tokens(trace, decode_tokens)
     tl = trace.header.n_layer
     if facts.n_layer < tl:
         trace, slots = first_layers(trace, facts.n_layer), n_slots
@@ -560,6 +588,7 @@ def forecast(mf, cfg, *, mem_limit_mb: float | None = None, seconds: float = 4.0
     fit = memory_fit(facts, cfg, limited_probe(mem_limit_mb, memory))
     policy = cfg.cache.policy
     hit = hit_rate(facts, fit.n_slots, policy) if fit.fits else None
+    warm = hit_rate(facts, fit.n_slots, policy, decode_tokens=WARMUP_TOKENS) if fit.fits else None
     reads = measure_reads(mf, seconds=0.4 * seconds)
     lanes = max([n for n in reads.gbps if n <= cfg.io.io_threads] or [min(reads.gbps)])
     threads = compute_threads(cfg)
@@ -571,13 +600,13 @@ def forecast(mf, cfg, *, mem_limit_mb: float | None = None, seconds: float = 4.0
     read_per_token = facts.top_k * sum(facts.read_bytes_per_expert)
     at_floor = (not fit.fits) or fit.budget.bytes < FLOOR_MARGIN * facts.floor_bytes
 
-    def speed_at(rates: Mapping[str, float]) -> Speed:
+    def speed_at(rates: Mapping[str, float], h: HitRate | None = hit) -> Speed:
         return decode_speed(
             facts.classes,
             rates,
             n_layer=facts.n_layer,
             top_k=facts.top_k,
-            hit_pct=hit.pct if hit else 0.0,
+            hit_pct=h.pct if h else 0.0,
             read_bytes_per_token=read_per_token,
             read_gbps=reads.gbps[lanes],
             at_floor=at_floor,
@@ -585,6 +614,7 @@ def forecast(mf, cfg, *, mem_limit_mb: float | None = None, seconds: float = 4.0
 
     speed = speed_at(at_n)
     speed_1t = speed_at(at_1)  # -t 1: faster when other processes hold the cores
+    warmup = speed_at(at_n, warm)  # tokens 2..WARMUP_TOKENS+1 of a reply: the cache filling
     b = fit.budget
     return {
         "model": facts.path,
@@ -641,6 +671,8 @@ def forecast(mf, cfg, *, mem_limit_mb: float | None = None, seconds: float = 4.0
         "tok_s": None if hit is None else round(speed.tok_s, 2),
         "bottleneck": speed.bottleneck,
         "tok_s_1t": None if hit is None else round(speed_1t.tok_s, 2),
+        "warmup_hit_pct": None if warm is None else round(warm.pct, 2),
+        "warmup_ms": None if warm is None else round(warmup.wall_s * 1e3, 1),
         "load_avg_1m": round(os.getloadavg()[0], 2),
         "cores": os.cpu_count(),
         "measure_s": round(time.perf_counter() - t0, 2),

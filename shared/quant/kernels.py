@@ -67,10 +67,14 @@ INT8_ACTIVATION_TYPES = tuple(_Q8_KERNELS)
 INT8_DOT = _q8.INT8_DOT
 _INT8_ACT = [os.environ.get("MOE_PIPE_INT8_ACT", "1") not in ("", "0")]
 # Calls with at most this many activation rows take the int8 kernels. The
-# int8 kernel redoes each block's integer dot per token, the float path
-# decodes a block once into a tile for all tokens: from two tokens on, the
-# tile is as fast or faster (docs/kernels.md), and prefill keeps float numerics.
-INT8_MAX_TOKENS = 1
+# int8 kernel redoes each block's integer dot per row, the float path
+# decodes a block once into a tile for all rows; measured on the expert and
+# attention shapes (2 threads, docs/kernels.md, "Numerics"), the int8 kernels
+# are faster at every row count up to 16 (Q4_K 5.3x at one row, 2.7x at two,
+# 1.04-1.4x at sixteen; Q6_K, Q8_0, MXFP4 alike) and about even at 32. A
+# prompt's experts see a few rows each, so its pass takes them too; longer
+# batches (a long prompt's dense matrices) keep the float tiles.
+INT8_MAX_TOKENS = 16
 
 
 def set_int8_activations(on: bool) -> None:

@@ -110,6 +110,7 @@ def _run_resident(cfg, model_path, tok, prompt_tokens, params, args, on_text) ->
     from moe_pipe.shared.model.load import ModelOptions, load_model
     from moe_pipe.shared.text.generate import GenerationConfig, generate
 
+    quant.one_blas_thread()
     if cfg.compute.threads:
         try:
             quant.set_threads(cfg.compute.threads)

@@ -420,6 +420,7 @@ def _dense_view(cfg: ComputeConfig, mf):
 
 
 def serve(cfg: ComputeConfig, ctx: zmq.Context) -> None:
+    quant.one_blas_thread()
     if cfg.threads:
         quant.set_threads(cfg.threads)
     ep = ipc.Endpoints(Path(cfg.runtime_dir))

@@ -335,3 +335,13 @@ def test_int8_activation_rounding(qtype, int8_mode):
     xn = rng.standard_normal(256).astype(np.float32)
     xn[5] = np.inf
     assert not np.isfinite(quant.matvec(qtype, w, xn)).any()
+
+
+def test_one_blas_thread_limits_numpys_blas():
+    """Compute keeps numpy's BLAS to one thread: its spinning workers would compete with numba's."""
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    with threadpool_limits(limits=None):  # restored after the test
+        quant.one_blas_thread()
+        blas = [p for p in threadpool_info() if p["user_api"] == "blas"]
+        assert blas and all(p["num_threads"] == 1 for p in blas)

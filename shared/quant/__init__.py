@@ -38,6 +38,7 @@ __all__ = [
     "int8_activations",
     "set_int8_activations",
     "set_threads",
+    "one_blas_thread",
 ]
 
 

@@ -112,6 +112,17 @@ def set_threads(n: int) -> None:
     numba.set_num_threads(n)
 
 
+def one_blas_thread() -> None:
+    """Keep numpy's BLAS (attention's matmuls) to one thread in this process.
+    OpenBLAS starts a worker per core for a product above its size threshold
+    and leaves it spinning after the call; beside numba's row-loop workers on
+    the same cores those spinners doubled a token's CPU time once attention
+    grew past ~150 positions (docs/benchmarks.md § The protocol (2026-12-01))."""
+    from threadpoolctl import threadpool_limits
+
+    threadpool_limits(limits=1, user_api="blas")
+
+
 def get_threads() -> int:
     return numba.get_num_threads()
 

@@ -81,24 +81,34 @@ def reply_figures(walls_ms: list[float]) -> dict:
     }
 
 
-def moe_pipe_io_figures(csv_path: Path, jsonl_path: Path) -> dict:
-    """Read rates of the prompt and of tokens 2-50: disk bytes over the time the lanes were busy
-    (the CSV's io_ms sums every lane's read time, so it is divided by the lane count)."""
+def read_rows(csv_path: Path) -> list[dict]:
+    """A moe-pipe run's per-token CSV (docs/telemetry.md) as float rows, the preamble skipped."""
     with open(csv_path) as f:
-        rows = [{k: float(v) for k, v in r.items()} for r in csv.DictReader(line for line in f if not line.startswith("#"))]
-    lanes = next(
-        int(rec["config"]["io.io_threads"]) for rec in map(json.loads, jsonl_path.read_text().splitlines()) if rec.get("kind") == "run_info"
-    )
+        return [{k: float(v) for k, v in r.items()} for r in csv.DictReader(line for line in f if not line.startswith("#"))]
 
-    def rate(rs: list[dict]) -> float:
-        busy_s = sum(r["io_ms"] for r in rs) / 1e3 / lanes
-        return sum(r["read_bytes"] for r in rs) / busy_s / 1e9 if busy_s else float("nan")
 
+def io_lanes(jsonl_path: Path) -> int:
+    """The run's read lanes, from its run_info record (the CSV's io_ms sums over them)."""
+    for line in jsonl_path.read_text().splitlines():
+        rec = json.loads(line)
+        if rec.get("kind") == "run_info":
+            return int(rec["config"]["io.io_threads"])
+    raise SystemExit(f"no run_info record in {jsonl_path}")
+
+
+def lane_gbps(rows: list[dict], lanes: int) -> float:
+    """Disk bytes per second of reading: io_ms sums every lane's read time, so it is divided by the lanes."""
+    busy_s = sum(r["io_ms"] for r in rows) / 1e3 / lanes
+    return sum(r["read_bytes"] for r in rows) / busy_s / 1e9 if busy_s else float("nan")
+
+
+def moe_pipe_io_figures(rows: list[dict], lanes: int) -> dict:
+    """Read rates of the prompt and of tokens 2-50, its bytes, the final hit rate."""
     return {
         "lanes": lanes,
         "first_gb": rows[0]["read_bytes"] / 1e9,
-        "first_read_gbps": rate(rows[:1]),
-        "fill_read_gbps": rate(rows[1:50]),
+        "first_read_gbps": lane_gbps(rows[:1], lanes),
+        "fill_read_gbps": lane_gbps(rows[1:50], lanes),
         "hit_pct": rows[-1]["cache_hit_pct"],
     }
 
@@ -159,8 +169,9 @@ def run_engine(
     )
     if engine.kind == "moe-pipe":
         fig = bm._in_cgroup(plan, lambda cg: bm.run_moe_pipe(plan, 1, cg))
-        walls = [float(r["wall_ms"]) for r in _csv_rows(out / fig.csv)]
-        extra = moe_pipe_io_figures(out / fig.csv, (out / fig.csv).with_suffix(".jsonl"))
+        rows = read_rows(out / fig.csv)
+        walls = [r["wall_ms"] for r in rows]
+        extra = moe_pipe_io_figures(rows, io_lanes((out / fig.csv).with_suffix(".jsonl")))
         extra["budget_mib"] = fig.budget_mib
     else:
         ra_file = bm.readahead_file(model)
@@ -177,11 +188,6 @@ def run_engine(
     row = {"engine": engine.name, "kind": engine.kind, "lossy": engine.lossy, "finished": fig.finished, **reply_figures(walls), **extra}
     row.update(peak_mem_mib=fig.peak_mem_mib, page_cache_mib=fig.page_cache_mib, oom_kills=fig.oom_kills, token_ids=fig.token_ids)
     return row
-
-
-def _csv_rows(path: Path) -> list[dict]:
-    with open(path) as f:
-        return list(csv.DictReader(line for line in f if not line.startswith("#")))
 
 
 # -- the protocol ---------------------------------------------------------------------------

@@ -23,39 +23,16 @@ Needs root (cgroup, drop_caches) and free disk for one more copy of MODEL.
 from __future__ import annotations
 
 import argparse
-import csv
 import shutil
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+from _protocol import fresh_copy, io_lanes, lane_gbps, read_rows  # bench/ is the script's folder
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "out"
-
-
-def read_tokens(csv_path: Path) -> list[dict]:
-    with open(csv_path) as f:
-        rows = [line for line in f if not line.startswith("#")]
-    return [{k: float(v) for k, v in r.items()} for r in csv.DictReader(rows)]
-
-
-def io_threads(jsonl: Path) -> int:
-    """The run's read lanes, from its run_info record (io_ms sums over the lanes)."""
-    import json
-
-    for line in jsonl.read_text().splitlines():
-        rec = json.loads(line)
-        if rec.get("kind") == "run_info":
-            return int(rec["config"]["io.io_threads"])
-    raise SystemExit(f"bench_cold: no run_info in {jsonl}")
-
-
-def lane_gbps(rows: list[dict], lanes: int) -> float:
-    """Disk bytes per second of reading, per lane busy: io_ms sums every lane's read time."""
-    io_s = sum(r["io_ms"] for r in rows) / 1e3 / lanes
-    return sum(r["read_bytes"] for r in rows) / io_s / 1e9 if io_s else float("nan")
 
 
 def figures(rows: list[dict], lanes: int) -> dict:
@@ -75,13 +52,6 @@ def figures(rows: list[dict], lanes: int) -> dict:
     }
 
 
-def fresh_copy(model: Path, dest: Path) -> float:
-    t0 = time.perf_counter()
-    shutil.copyfile(model, dest)
-    subprocess.run(["sync"], check=True)
-    return time.perf_counter() - t0
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", type=Path)
@@ -96,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = ap.parse_known_args(argv)
     variants = [v.split("=", 1) for v in args.variant] or [["default", ""]]
     if args.report_only:
-        runs = {name: [figures(read_tokens(d / "moe-pipe-1.csv"), io_threads(d / "moe-pipe-1.jsonl"))
+        runs = {name: [figures(read_rows(d / "moe-pipe-1.csv"), io_lanes(d / "moe-pipe-1.jsonl"))
                        for d in sorted(args.out.glob(f"{name}-*"))] for name, _ in variants}  # fmt: skip
         report(runs, args)
         return 0
@@ -116,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
                 subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
             finally:
                 copy.unlink(missing_ok=True)
-            f = figures(read_tokens(out / "moe-pipe-1.csv"), io_threads(out / "moe-pipe-1.jsonl"))
+            f = figures(read_rows(out / "moe-pipe-1.csv"), io_lanes(out / "moe-pipe-1.jsonl"))
             runs[name].append(f)
             print(f"[{name} {r + 1}] " + ", ".join(f"{k} {v:.3g}" for k, v in f.items()), file=sys.stderr)
     report(runs, args)

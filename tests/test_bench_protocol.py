@@ -59,3 +59,20 @@ def test_summary_ratios_against_the_best_peer(tmp_path):
     md = markdown(s, "a title")
     assert "| moe-pipe | 1.00× | 1.67× | 2.00× | 2.00× |" in md
     assert "expert cache 800 MiB = 40%" in md and "page cache 1,500 MiB = 75%" in md
+
+
+def test_read_rates_divide_the_lanes_summed_read_time(tmp_path):
+    from _protocol import io_lanes, moe_pipe_io_figures, read_rows
+
+    csv_path = tmp_path / "run.csv"
+    csv_path.write_text(
+        "# model: m.gguf\nstep,wall_ms,io_ms,read_bytes,cache_hit_pct\n1,5000,8000,4000000000,0\n2,200,400,100000000,50\n3,100,0,0,75\n"
+    )
+    (tmp_path / "run.jsonl").write_text('{"kind": "other"}\n{"kind": "run_info", "config": {"io.io_threads": 4}}\n')
+    rows = read_rows(csv_path)
+    assert [r["wall_ms"] for r in rows] == [5000.0, 200.0, 100.0]
+    lanes = io_lanes(tmp_path / "run.jsonl")
+    f = moe_pipe_io_figures(rows, lanes)
+    assert lanes == 4 and f["first_gb"] == 4.0 and f["hit_pct"] == 75.0
+    assert f["first_read_gbps"] == pytest.approx(4e9 / (8.0 / 4) / 1e9)  # 8 s of lane time over 4 lanes = 2 s busy
+    assert f["fill_read_gbps"] == pytest.approx(1e8 / (0.4 / 4) / 1e9)

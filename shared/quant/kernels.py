@@ -219,12 +219,7 @@ class Prepared(NamedTuple):
 
 def prepare(qtype: int | QType, w: np.ndarray) -> Prepared:
     """Check w [R, row_bytes] once; `apply` then multiplies without re-checking it."""
-    fmt = block_format(qtype)
-    w = _as_bytes("prepare", fmt, w)
-    if w.shape[1] % fmt.type_size:
-        raise ValueError(f"prepare: a {fmt.name} row is whole {fmt.type_size}-byte blocks; got {w.shape[1]} bytes")
-    n_cols = w.shape[1] // fmt.type_size * fmt.block_size
-    fmt, flat, stride, n_rows = _weights("prepare", fmt.qtype, w, n_cols)
+    fmt, flat, stride, n_rows, n_cols = _whole_rows("prepare", qtype, w)
     return Prepared(fmt.qtype, flat, stride, n_rows, n_cols)
 
 
@@ -240,12 +235,7 @@ def apply(p: Prepared, X: np.ndarray) -> np.ndarray:
 
 def dequantize_rows(qtype: int | QType, w: np.ndarray, rows) -> np.ndarray:
     """float32 [N, C]: rows `rows` of w decoded (embedding lookups)."""
-    fmt = block_format(qtype)
-    w = _as_bytes("dequantize_rows", fmt, w)
-    if w.shape[1] % fmt.type_size:
-        raise ValueError(f"dequantize_rows: a {fmt.name} row is whole {fmt.type_size}-byte blocks; got {w.shape[1]} bytes")
-    n_cols = w.shape[1] // fmt.type_size * fmt.block_size
-    fmt, flat, stride, n_rows = _weights("dequantize_rows", fmt.qtype, w, n_cols)
+    fmt, flat, stride, n_rows, n_cols = _whole_rows("dequantize_rows", qtype, w)
     rows = np.asarray(rows, dtype=np.int64).reshape(-1)
     if rows.size and (rows.min() < 0 or rows.max() >= n_rows):
         raise ValueError(f"dequantize_rows: row ids must be in [0, {n_rows}), got {rows.min()}..{rows.max()}")
@@ -257,6 +247,17 @@ def dequantize_rows(qtype: int | QType, w: np.ndarray, rows) -> np.ndarray:
 
 
 # ---- the one dispatch check ----------------------------------------------
+
+
+def _whole_rows(op: str, qtype: int | QType, w) -> tuple[BlockFormat, np.ndarray, int, int, int]:
+    """w [R, row_bytes] checked to be whole blocks per row: (format, flat bytes, stride, rows, columns)."""
+    fmt = block_format(qtype)
+    w = _as_bytes(op, fmt, w)
+    if w.shape[1] % fmt.type_size:
+        raise ValueError(f"{op}: a {fmt.name} row is whole {fmt.type_size}-byte blocks; got {w.shape[1]} bytes")
+    n_cols = w.shape[1] // fmt.type_size * fmt.block_size
+    fmt, flat, stride, n_rows = _weights(op, fmt.qtype, w, n_cols)
+    return fmt, flat, stride, n_rows, n_cols
 
 
 def _as_bytes(op: str, fmt: BlockFormat, w) -> np.ndarray:

@@ -104,6 +104,56 @@ def test_attention_on_a_smaller_cache_stays_close_to_f32(kv_type, tol):
     assert small.k[0].data.dtype == {"f16": np.float16, "q8_0": np.int8}[kv_type]
 
 
+def _reference_decode(q, stored_k, stored_v, lo, n, scale, sinks=None):
+    """float64 softmax(q·K)·V for one query row per head over stored positions lo..n-1."""
+    h, d = q.shape
+    hk = stored_k.shape[0]
+    g = h // hk
+    k = stored_k[:, lo:n].astype(np.float64)
+    v = stored_v[:, lo:n].astype(np.float64)
+    out = np.empty((h, v.shape[2]))
+    for head in range(h):
+        s = k[head // g] @ q[head].astype(np.float64) * scale
+        m = max(s.max(), sinks[head]) if sinks is not None else s.max()
+        e = np.exp(s - m)
+        total = e.sum() + (np.exp(sinks[head] - m) if sinks is not None else 0.0)
+        out[head] = (e / total) @ v[head // g]
+    return out.reshape(-1)
+
+
+@pytest.mark.parametrize("kv_type", ["f16", "f32"])
+def test_decode_attention_reads_the_stored_cache_in_place(kv_type):
+    # A decode step (one query) runs the fused loop over the cache as stored
+    # (shared/model/fused.py attend_one), converting f16 row by row; it must be
+    # softmax(q·K)·V of exactly the stored values: float32 rounding only
+    # against a float64 reference, for plain, windowed and sink attention.
+    rng = np.random.default_rng(5)
+    k, v = _random_kv(rng, t=40, hk=2, d=64)
+    cache = _filled(kv_type, k, v, n_ctx=64)
+    q = rng.standard_normal((1, 8, 64), dtype=np.float32)
+    sinks = rng.standard_normal(8).astype(np.float32)
+    scale = 1 / math.sqrt(64)
+    stored_k, stored_v = cache.stored(0)
+    assert stored_k.dtype == {"f16": np.float16, "f32": np.float32}[kv_type]
+    for window, snk, lo in [(0, None, 0), (9, None, 40 - 9), (0, sinks, 0), (9, sinks, 40 - 9)]:
+        got = attention(q, cache, 0, 39, scale, window=window, sinks=snk)
+        want = _reference_decode(q[0], stored_k, stored_v, lo, 40, scale, snk)
+        assert got.shape == (1, 8 * 64) and got.dtype == np.float32
+        np.testing.assert_allclose(got[0], want, rtol=0, atol=2e-6 * np.abs(want).max())
+
+
+def test_half_to_float_is_exact_for_every_f16():
+    from moe_pipe.shared.model.fused import _half_row
+
+    bits = np.arange(1 << 16, dtype=np.uint16)
+    want = bits.view(np.float16).astype(np.float32)
+    got = np.empty(bits.size, np.float32)
+    _half_row(bits, got)
+    nan = np.isnan(want)
+    assert np.array_equal(got.view(np.uint32)[~nan], want.view(np.uint32)[~nan])  # signed zeros, subnormals, infinities
+    assert np.isnan(got[nan]).all()
+
+
 # ---------------------------------------------------------------- bytes
 
 

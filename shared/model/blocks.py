@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from moe_pipe.shared.gguf.spec import Q8_0_BLOCK, RopeSpec, check_kv_type
-from moe_pipe.shared.model.fused import _rope_rotate, rms_norm, swiglu  # noqa: F401  (fused loops, part of the blocks' API)
+from moe_pipe.shared.model.fused import _rope_rotate, attend_one, rms_norm, swiglu  # noqa: F401  (fused loops, part of the blocks' API)
 
 # ---- rotary position embedding --------------------------------------------------
 
@@ -177,6 +177,12 @@ class KVCache:
         """Cached values at positions lo..hi-1, float32 [Hk, hi-lo, dv]."""
         return self.v[layer].read(lo, hi)
 
+    def stored(self, layer: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """The layer's K and V arrays as stored, [Hk, n_ctx, d], when they are
+        plain float32 or float16 (decode attention reads them in place); None for q8_0."""
+        k, v = self.k[layer], self.v[layer]
+        return None if k.scale is not None else (k.data, v.data)
+
     def advance(self, t: int) -> None:
         self.n += t
 
@@ -198,6 +204,11 @@ def attention(
     # One query (decode) sees every cached key up to itself: slice the window
     # instead of building a mask.
     lo = max(0, n - window) if (t == 1 and window) else 0
+    stored = cache.stored(layer)
+    if t == 1 and stored is not None:
+        hk = stored[0].shape[0]
+        out = attend_one(q.reshape(hk, h // hk, d), stored[0], stored[1], lo, n, scale, sinks)
+        return out.reshape(1, -1)
     keys, values = cache.keys(layer, lo, n), cache.values(layer, lo, n)  # float32 [Hk, N, d], [Hk, N, dv]
     hk = keys.shape[0]
     g = h // hk

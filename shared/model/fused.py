@@ -4,8 +4,12 @@ of numpy calls per SwiGLU against ~1 µs fused). Compiled once, cached on disk."
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic, overload
 
 
 @njit(cache=True, boundscheck=False)
@@ -99,3 +103,111 @@ def _rope_rotate(x, cos, sin, half):
                 c, s = cos[t, i], sin[t, i]
                 x[t, h, i] = a * c - b * s
                 x[t, h, i + half] = b * c + a * s
+
+
+# ---- decode attention over a float16 or float32 KV cache ----------------------
+#
+# One query row per head against N cached positions. numpy would first convert
+# the cache's float16 rows to float32 — all N of them, every token, every layer,
+# at ~0.1 G values/s (numpy's float16 cast has no SIMD path here): 36–43 ms a
+# token at N = 256 on Qwen3-30B's 48 layers (4 kv heads × 128), more than the
+# arithmetic. This loop converts one row at a time into a small buffer and uses
+# it at once (12 ms at N = 256, same machine and load; docs/kernels.md § Attention).
+
+
+def _load_row(src, dst):
+    """Typed by the overload below; numba calls that, never this body."""
+    raise NotImplementedError
+
+
+@overload(_load_row)
+def _load_row_typed(src, dst):
+    """dst[:] = src as float32: float16 rows come as their uint16 bits (numba has no float16)."""
+    if src.dtype == types.uint16:
+        return _half_row.py_func
+    return _copy_row.py_func
+
+
+@njit(cache=True, boundscheck=False)
+def _copy_row(src, dst):
+    for i in range(dst.size):
+        dst[i] = src[i]
+
+
+def _half_to_float_typed(typingctx, bits):
+    """float16 bits (uint16) → float32 by LLVM's own half → float extension: exact,
+    and one vcvtph2ps for 16 lanes where the CPU has F16C (numba has no float16 type)."""
+    if bits != types.uint16:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+    return types.float32(bits), codegen
+
+
+_half_to_float: Any = intrinsic(_half_to_float_typed)
+
+
+@njit(cache=True, boundscheck=False)
+def _half_row(src, dst):
+    for i in range(dst.size):
+        dst[i] = _half_to_float(src[i])
+
+
+@njit(cache=True, boundscheck=False, fastmath={"reassoc", "contract"})
+def _attend_one(q, k, v, lo, n, scale, sinks, use_sinks, out):
+    """q [Hk, G, d] float32; k [Hk, n_ctx, d], v [Hk, n_ctx, dv] float32 or float16 bits;
+    positions lo..n-1 → out [Hk, G, dv]. Softmax in float32 as the numpy path does."""
+    hk, g, d = q.shape
+    dv = v.shape[2]
+    width = n - lo
+    for h in range(hk):
+        row = np.empty(d, np.float32)
+        vrow = np.empty(dv, np.float32)
+        scores = np.empty((g, width), np.float32)
+        for j in range(width):
+            _load_row(k[h, lo + j], row)
+            for a in range(g):
+                s = np.float32(0.0)
+                for c in range(d):
+                    s += q[h, a, c] * row[c]
+                scores[a, j] = s * scale
+        for a in range(g):
+            m = scores[a, 0]
+            for j in range(1, width):
+                if scores[a, j] > m:
+                    m = scores[a, j]
+            if use_sinks and sinks[h * g + a] > m:
+                m = sinks[h * g + a]
+            total = np.float32(0.0)
+            for j in range(width):
+                e = np.exp(scores[a, j] - m)
+                scores[a, j] = e
+                total += e
+            if use_sinks:
+                total += np.exp(sinks[h * g + a] - m)
+            for j in range(width):
+                scores[a, j] /= total
+            for c in range(dv):
+                out[h, a, c] = 0.0
+        for j in range(width):
+            _load_row(v[h, lo + j], vrow)
+            for a in range(g):
+                p = scores[a, j]
+                for c in range(dv):
+                    out[h, a, c] += p * vrow[c]
+
+
+_NO_SINKS = np.zeros(1, np.float32)
+
+
+def attend_one(q: np.ndarray, k: np.ndarray, v: np.ndarray, lo: int, n: int, scale: float, sinks: np.ndarray | None) -> np.ndarray:
+    """One decode query per head over cached positions lo..n-1 of a float32 or
+    float16 cache ([Hk, n_ctx, d] arrays as stored): q [Hk, G, d] → [Hk, G, dv]."""
+    if k.dtype == np.float16:
+        k, v = k.view(np.uint16), v.view(np.uint16)
+    out = np.empty((q.shape[0], q.shape[1], v.shape[2]), np.float32)
+    s = _NO_SINKS if sinks is None else np.ascontiguousarray(sinks, np.float32)
+    _attend_one(np.ascontiguousarray(q, np.float32), k, v, lo, n, np.float32(scale), s, sinks is not None, out)
+    return out

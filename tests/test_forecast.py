@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -170,6 +171,22 @@ def test_fallback_without_a_trace_is_the_cached_fraction(tmp_path):
     assert fc.trace_path(f.arch, f.n_expert) is None  # 8 experts: no shipped trace
     h = fc.hit_rate(f, f.all_experts_slots // 4, "nextuse")
     assert h.source == "fallback" and h.pct == pytest.approx(25.0)
+
+
+def test_an_architecture_without_a_trace_replays_one_with_its_expert_count(qwen48):
+    # gemma4 has no shipped trace; with 128 experts it replays qwen's as a proxy (a real
+    # router's reuse), the same figure the qwen trace gives at the same slots per layer,
+    # and says so; steady and warm-up alike.
+    qwen = facts_of(qwen48)
+    gemma = replace(qwen, arch="gemma4")
+    assert fc.trace_path("gemma4", 128) is None and fc.proxy_trace_path(128).name == "qwen.route.csv"
+    slots = 2 * qwen.floor_bytes // qwen.slab_bytes
+    for n in (None, 49):
+        own, proxy = fc.hit_rate(qwen, slots, "nextuse", decode_tokens=n), fc.hit_rate(gemma, slots, "nextuse", decode_tokens=n)
+        assert proxy.source == "proxy" and "no trace for gemma4" in proxy.note and "qwen.route.csv" in proxy.note
+        assert proxy.pct == own.pct
+    uniform = 100 * slots / qwen.all_experts_slots
+    assert fc.hit_rate(gemma, slots, "nextuse").pct > uniform + 10  # a real router's reuse, not the uniform fallback
 
 
 # ---------------------------------------------------------------- the arithmetic

@@ -1,4 +1,5 @@
-"""`moe-pipe down`: stop the running service (in order, releasing everything)."""
+"""`moe-pipe down [--name NAME | --port P]`: stop a running service (in order,
+releasing everything); the name is needed only when several run."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ STOP_TIMEOUT_S = 120.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from moe_pipe.cli.status_cmd import add_selector_arguments
+
     p.add_argument("--timeout", type=float, default=STOP_TIMEOUT_S, help="seconds to wait for it to stop")
+    add_selector_arguments(p, "the service to stop")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -18,7 +22,7 @@ def run(args: argparse.Namespace) -> int:
     from moe_pipe.shared.errors import PipelineError
     from moe_pipe.shared.serve import service
 
-    info = service.find_service()
+    info = service.find_service(name=args.name, port=args.port)
     reply = service.control(info, "stop")
     if not reply.ok:
         raise PipelineError(f"the service refused to stop ({reply.code}): {reply.message}")
@@ -33,5 +37,5 @@ def run(args: argparse.Namespace) -> int:
     else:
         if psutil.pid_exists(info.pid):
             raise PipelineError(f"the service (pid {info.pid}) did not stop within {args.timeout:.0f} s")
-    print(f"moe-pipe: stopped the service (pid {info.pid})")
+    print(f"moe-pipe: stopped the service {info.name or '?'!r} (pid {info.pid})")
     return 0

@@ -1,28 +1,63 @@
-"""`moe-pipe status [--json]`: the running service's processes (state, pid,
-uptime, restarts, last exit, RSS), budget and hit rate."""
+"""`moe-pipe status [--json] [--name NAME | --port P]`: the running services'
+processes (state, pid, uptime, restarts, last exit, RSS), budget and hit rate.
+Every service without --name/--port; exit 1 if one is degraded (a process
+FATAL) or does not answer, 2 if none runs."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
+
+
+def add_selector_arguments(p: argparse.ArgumentParser, what: str) -> None:
+    """--name and --port: which running service a command means (status,
+    down, tail, chat); needed only when several run."""
+    p.add_argument("--name", default=None, metavar="NAME", help=f"{what}: the one `up` named so (`up --name`, or its default)")
+    p.add_argument("--port", type=int, default=None, metavar="P", help=f"{what}: the one whose HTTP API is on port P")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--json", action="store_true", help="print the control reply as JSON")
+    p.add_argument("--json", action="store_true", help="print the status as JSON")
+    add_selector_arguments(p, "show only this service")
 
 
 def run(args: argparse.Namespace) -> int:
     from moe_pipe.shared.serve import service
 
-    reply = service.control(service.find_service(), "status")
+    try:
+        if args.name is not None or args.port is not None:
+            infos = [service.find_service(name=args.name, port=args.port)]
+        else:
+            infos = service.live_services()
+            if not infos:
+                raise service.NoService("no moe-pipe service is running (start one with `moe-pipe up CONFIG`)")
+    except service.NoService:
+        if args.json:  # still JSON, for scripts; the exit code and stderr say what the plain form says
+            print(json.dumps({"services": []}))
+        raise
+    code, shown = 0, []
+    for info in infos:
+        try:
+            reply = service.control(info, "status")
+        except service.NoService as exc:  # one that does not answer: say so, show the others
+            print(f"moe-pipe: {info.name or info.pid}: {exc}", file=sys.stderr)
+            code = 1
+            continue
+        data = reply.to_dict()
+        data.setdefault("name", info.name)
+        if not reply.ok:
+            print(f"moe-pipe: {info.name or info.pid}: status failed ({reply.code}): {reply.message}", file=sys.stderr)
+            code = 1
+        elif data.get("health") == "degraded":
+            code = 1
+        shown.append(data)
     if args.json:
-        print(json.dumps(reply.to_dict(), indent=1))
-        return 0 if reply.ok else 1
-    if not reply.ok:
-        print(f"moe-pipe: status failed ({reply.code}): {reply.message}")
-        return 1
-    print(format_status(reply.data))
-    return 0
+        # One service: its object (as always); none or several answering: {"services": [...]}.
+        print(json.dumps(shown[0] if len(infos) == 1 and shown else {"services": shown}, indent=1))
+    else:
+        print("\n\n".join(format_status(d) for d in shown if d["ok"]))
+    return code
 
 
 def _mib(n) -> str:
@@ -34,9 +69,12 @@ def format_status(d: dict) -> str:
     from rich.table import Table
 
     hit = "-" if d.get("hit_pct") is None else f"{d['hit_pct']:.1f} %"
+    fatal = [p["name"] for p in d["processes"] if p["state"] == "FATAL"]
+    health = f"DEGRADED: {', '.join(fatal)} FATAL (its last error below)" if fatal else "ok"
+    api = d.get("url") or ("down" if "gateway" in fatal else "(starting)")
     head = (
-        f"moe-pipe service pid {d['pid']}, up {d['uptime_s']:.0f} s — {d['model_name']} ({d['model']})\n"
-        f"API {d.get('url') or '(starting)'}; expert cache {_mib(d['budget_bytes'])} = {d['slots']} slabs "
+        f"moe-pipe service {d.get('name') or '?'!r} pid {d['pid']}, up {d['uptime_s']:.0f} s, {health} — {d['model_name']} ({d['model']})\n"
+        f"API {api}; expert cache {_mib(d['budget_bytes'])} = {d['slots']} slabs "
         f"({d['budget']}); {d['tokens']} tokens, hit {hit}; logs {d['runtime_dir']}/moe-pipe.log"
     )
     table = Table(box=None, pad_edge=False)

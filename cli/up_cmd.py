@@ -1,6 +1,8 @@
-"""`moe-pipe up [CONFIG|MODEL]`: the service — supervisor, reader, compute,
-telemetry and the OpenAI-compatible gateway — in the foreground (Ctrl-C
-stops it) or with --detach in the background (`moe-pipe down` stops it)."""
+"""`moe-pipe up [CONFIG|MODEL] [--name NAME]`: the service — supervisor,
+reader, compute, telemetry and the OpenAI-compatible gateway — in the
+foreground (Ctrl-C stops it) or with --detach in the background (`moe-pipe
+down` stops it). A name already running or a port in use is refused first,
+in one line (exit 2); an API that cannot start ends `up` with its error."""
 
 from __future__ import annotations
 
@@ -23,29 +25,45 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "model", nargs="?", default=None, help="a TOML config (configs/qwen30b.toml) or a GGUF file; default: the embedded tiny model"
     )
     p.add_argument("--detach", action="store_true", help="run in the background; return once the HTTP API listens")
+    p.add_argument(
+        "--name",
+        default=None,
+        help="the service's name, for status/down/tail/chat --name (default: the config file's or the model's name)",
+    )
     p.add_argument(DETACHED_FLAG, dest="detached_child", action="store_true", help=argparse.SUPPRESS)
     add_override_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
     from moe_pipe.cli.run_cmd import load_run_config
+    from moe_pipe.shared.serve import service
 
     cfg = load_run_config(args)  # bad config: one line, exit 2, before anything starts
+    name = service.check_name(args.name) if args.name is not None else ""
     if args.detach:
+        from moe_pipe.procs.supervisor import preflight
+
+        # A name in use or a port taken: one line now, not after a detached start (which checks again).
+        name = name or service.default_name(cfg.source or "", cfg.model.name or cfg.model_file().stem)
+        for sock in preflight(cfg, name):
+            sock.close()
         return _detach(args.argv)
-    return _serve(cfg, detached=args.detached_child)
+    return _serve(cfg, name, detached=args.detached_child)
 
 
-def _serve(cfg, detached: bool) -> int:
+def _serve(cfg, name: str, detached: bool) -> int:
     from moe_pipe.procs.supervisor import Supervisor
+    from moe_pipe.shared.serve import service
 
     def progress(text: str) -> None:
         print(f"moe-pipe: {text}", file=sys.stderr, flush=True)
 
     def listening(url: str) -> None:
+        # `down` needs the name only when another service runs beside this one
+        down = f"moe-pipe down --name {sup.name}" if len(service.live_services()) > 1 else "moe-pipe down"
         print(
-            f"moe-pipe: serving {sup.model_name} at {url} (supervisor pid {os.getpid()}; "
-            f"{'`moe-pipe down` stops it' if detached else 'Ctrl-C stops it'})",
+            f"moe-pipe: serving {sup.model_name} at {url} as {sup.name!r} (supervisor pid {os.getpid()}; "
+            f"{f'`{down}` stops it' if detached else 'Ctrl-C stops it'})",
             flush=True,
         )
         if detached:  # the `up --detach` parent has read what it needs: go quiet
@@ -54,7 +72,7 @@ def _serve(cfg, detached: bool) -> int:
             os.dup2(devnull, 2)
             os.close(devnull)
 
-    sup = Supervisor.start(cfg, cfg.model_file(), config_source=cfg.source or "", progress=progress)
+    sup = Supervisor.start(cfg, cfg.model_file(), config_source=cfg.source or "", name=name, progress=progress)
     r = sup.res.resolved
     progress(
         f"expert cache {r.n_slots * r.slab_bytes / 2**20:,.2f} MiB = {r.n_slots} slabs ({r.budget_description}); "
@@ -64,9 +82,20 @@ def _serve(cfg, detached: bool) -> int:
     return 0
 
 
-def _worth_relaying(line: str) -> bool:
-    """Progress and problems, not every INFO line (those stay in the log)."""
-    return line.startswith("moe-pipe") or " WARNING " in line or " ERROR " in line or not line[:2].isdigit()
+class _Relay:
+    """Which lines of a detached start `up --detach` shows: progress and
+    problems, not every INFO line, nor a child's traceback (those stay in the
+    log; the ERROR line logged with it says what failed)."""
+
+    def __init__(self) -> None:
+        self.after_error = False
+
+    def wanted(self, line: str) -> bool:
+        is_log = line[:2].isdigit()  # "HH:MM:SS moe-<role>[pid] LEVEL ..."
+        if is_log or line.startswith("moe-pipe"):
+            self.after_error = is_log and " ERROR " in line
+            return not is_log or " WARNING " in line or " ERROR " in line
+        return not self.after_error  # printed by a library, or the traceback of the ERROR line above
 
 
 def _detach(argv: list[str]) -> int:
@@ -84,7 +113,7 @@ def _detach(argv: list[str]) -> int:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
-        shown = 0
+        shown, relay = 0, _Relay()
         deadline = time.monotonic() + DETACH_TIMEOUT_S
         while time.monotonic() < deadline:
             text = out_path.read_text(errors="replace")
@@ -95,7 +124,7 @@ def _detach(argv: list[str]) -> int:
                 shown += 1
                 if line.startswith("moe-pipe: serving"):
                     sys.stdout.write(line)
-                elif _worth_relaying(line):
+                elif relay.wanted(line):
                     sys.stderr.write(line)
             if any(line.startswith("moe-pipe: serving") for line in lines):
                 sys.stdout.flush()
@@ -103,7 +132,7 @@ def _detach(argv: list[str]) -> int:
             code = proc.poll()
             if code is not None:
                 rest = out_path.read_text(errors="replace").splitlines(keepends=True)[shown:]
-                sys.stderr.write("".join(rest))
+                sys.stderr.write("".join(line for line in rest if relay.wanted(line)))
                 return code or 1
             time.sleep(0.1)
         proc.terminate()

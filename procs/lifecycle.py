@@ -9,6 +9,8 @@ import signal
 import sys
 from pathlib import Path
 
+from moe_pipe.shared.errors import UserError
+
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
 
@@ -61,8 +63,10 @@ def error_file(runtime_dir: str | os.PathLike, role: str) -> Path:
 
 
 def run_child(role: str, runtime_dir: str, main, cfg) -> None:
-    """A supervised child's entry: run `main(cfg)`; an exception is logged
-    with its traceback and its last line kept for the supervisor's status."""
+    """A supervised child's entry: run `main(cfg)`; an exception's last line
+    is kept for the supervisor's status and logged — a UserError (a port in
+    use, a missing model file: already one line that says what to do) as that
+    line alone, anything else (a bug) with its traceback."""
     try:
         main(cfg)
     except BaseException as exc:
@@ -73,7 +77,11 @@ def run_child(role: str, runtime_dir: str, main, cfg) -> None:
             error_file(runtime_dir, role).write_text(line + "\n")
         except OSError:
             pass
-        logging.getLogger(f"moe_pipe.{role}").exception("%s failed", role)
+        log = logging.getLogger(f"moe_pipe.{role}")
+        if isinstance(exc, UserError):
+            log.error("%s failed: %s", role, exc)
+        else:
+            log.exception("%s failed: %s", role, line)
         sys.exit(1)
 
 

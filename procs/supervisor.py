@@ -329,6 +329,7 @@ class Supervisor:
         self.last_record: m.TokenRecord | None = None
         self.tokens_seen = 0
         self.closed = False
+        self.name = ""
 
     @classmethod
     def start(
@@ -337,15 +338,27 @@ class Supervisor:
         model_path: str | os.PathLike,
         *,
         config_source: str = "",
+        name: str = "",
         progress: Callable[[str], None] | None = None,
         starter: Callable[[Launch], ProcessStarter] = SpawnStarter,
     ) -> Supervisor:
         """Resources, logging to the runtime dir, the control and telemetry
         sockets, the service file `status`/`down` find, then every child.
-        `starter` makes the process starter from the launch (tests pass a fake)."""
+        `name` is the service's (default: `service.default_name`). `starter`
+        makes the process starter from the launch (tests pass a fake).
+
+        First of all the name must be free and the HTTP port is held
+        (`preflight`): either refused is one line, before any memory is
+        committed; the port stays held until the gateway is started."""
         t0 = time.perf_counter()
         model_path = Path(model_path)
-        res = Resources.create(cfg, model_path, progress=progress, roles=cls.ORDER)
+        name = name or service.default_name(config_source, cfg.model.name or model_path.stem)
+        port_socks = preflight(cfg, name)
+        try:
+            res = Resources.create(cfg, model_path, progress=progress, roles=cls.ORDER)
+        except BaseException:
+            _close_all(port_socks)
+            raise
         os.environ[LOG_FILE_ENV] = str(res.rt.path / service.LOG_FILE)  # children inherit it
         ctx = zmq.Context()
         try:
@@ -358,18 +371,27 @@ class Supervisor:
                 config_source=config_source,
             )
         except BaseException:
+            _close_all(port_socks)
             ctx.destroy(linger=0)
             res.close()
             os.environ.pop(LOG_FILE_ENV, None)
             raise
         try:
             configure_logging("supervisor")
-            service.write_service_info(
-                service.ServiceInfo(os.getpid(), str(res.rt.path), config_source, str(model_path), sup.model_name, sup.started_wall)
+            sup.name = name
+            if cfg.gateway.api_key:  # for `chat` of the same user; the folder is private, the file 0600
+                service.write_api_key(res.rt.path, cfg.gateway.api_key)
+            info = service.ServiceInfo(
+                os.getpid(), str(res.rt.path), config_source, str(model_path), sup.model_name, sup.started_wall, name, cfg.gateway.port
             )
+            with service.names_locked(res.rt.path.parent):  # another `up --name NAME` may have started meanwhile
+                service.check_name_free(name, res.rt.path.parent, own_pid=os.getpid())
+                service.write_service_info(info)
+            _close_all(port_socks)  # the gateway binds it next (SO_REUSEADDR: no wait)
             sup.restarter.start_all(time.monotonic())
             sup.load_seconds = time.perf_counter() - t0
         except BaseException:
+            _close_all(port_socks)
             sup.close()
             raise
         return sup
@@ -390,15 +412,24 @@ class Supervisor:
     def run(self, on_listening: Callable[[str], None] | None = None) -> None:
         """Serve until a stop command, a signal (KeyboardInterrupt / SystemExit
         from the CLI's handlers) or every child FATAL; then stop everything.
-        `on_listening(url)` is called once, when the gateway first listens."""
+        `on_listening(url)` is called once, when the gateway first listens.
+        A gateway FATAL before it ever listened ends the service with its last
+        error: a service with no API is of no use, and `up` (foreground or
+        --detach) must say why at once. Once it has listened, a FATAL child
+        leaves the service running, degraded (`status` says so)."""
+        listened = False
         try:
             while not self.stop_requested:
                 self._serve_control(TICK_MS)
                 self._drain_telemetry()
                 self.restarter.tick(time.monotonic())
-                if on_listening is not None and (addr := service.read_gateway_address(self.res.rt.path)):
-                    on_listening(addr.url)
-                    on_listening = None
+                if not listened and (addr := service.read_gateway_address(self.res.rt.path)):
+                    listened = True
+                    if on_listening is not None:
+                        on_listening(addr.url)
+                gateway = self.children.get("gateway")
+                if not listened and gateway is not None and gateway.state == State.FATAL:
+                    raise PipelineError(f"the HTTP API did not start: {gateway.last_error}")
                 if all(c.state == State.FATAL for c in self.children.values()):
                     raise PipelineError(
                         f"every process of the service failed to start; see `moe-pipe status` or {self.res.rt.path / service.LOG_FILE}"
@@ -452,7 +483,11 @@ class Supervisor:
         r = self.res.resolved
         addr = service.read_gateway_address(self.res.rt.path)
         rec = self.last_record
+        fatal = [p["name"] for p in procs if p["state"] == State.FATAL]
         return {
+            "name": self.name,
+            # degraded: a process gave up (FATAL); starting: no API yet; ok: serving
+            "health": "degraded" if fatal else "ok" if addr else "starting",
             "pid": os.getpid(),
             "uptime_s": round(time.time() - self.started_wall, 1),
             "model": str(self.model_path),
@@ -485,6 +520,20 @@ class Supervisor:
             self.ctx.destroy(linger=0)  # closes every socket of ours
             self.res.close()
             os.environ.pop(LOG_FILE_ENV, None)
+
+
+def preflight(cfg: Any, name: str) -> list:
+    """What `up` checks before anything starts: the name is free and the HTTP
+    port can be had. Returns the sockets that hold the port (close them to
+    let it go); a refusal is a one-line UserError (exit 2)."""
+    service.check_name_free(name)
+    return service.hold_port(cfg.gateway.host, cfg.gateway.port)
+
+
+def _close_all(socks: list) -> None:
+    for sock in socks:
+        sock.close()
+    socks.clear()
 
 
 def _rss(pid: int | None) -> int | None:

@@ -230,7 +230,8 @@ def test_a_started_supervisor_answers_on_its_socket_and_leaves_nothing(monkeypat
         launches.append(launch)
         return fake_start
 
-    sup = Supervisor.start(load_config(None, {"supervisor.start_secs": 0.1}), default_model_path(), starter=starter)
+    cfg = load_config(None, {"supervisor.start_secs": 0.1, "gateway.port": 0})  # port 0: nothing to hold (the fake gateway binds none)
+    sup = Supervisor.start(cfg, default_model_path(), starter=starter)
     rt = sup.res.rt.path
     assert launches[0].res is sup.res and rt.is_dir() and os.environ[sv.LOG_FILE_ENV] == str(rt / service.LOG_FILE)
     segments = {p.name for p in Path("/dev/shm").glob(f"moe-pipe-{os.getpid()}-*")}

@@ -36,7 +36,17 @@ COMMANDS = {
     "chat": ("chat_cmd", "chat with a model in the terminal (the running service, or one brought up for it)"),
     "replay": ("replay_cmd", "replay a route trace through the cache policies"),
     "doctor": ("doctor_cmd", "forecast whether a model fits this machine and its decode speed"),
+    "warmup": ("warmup_cmd", "compile every kernel a model needs into numba's cache, so its next run starts fast"),
 }
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("moe-pipe")
+    except PackageNotFoundError:  # run from a tree that was never installed
+        return "unknown (not installed)"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="moe-pipe", description="Run Mixture-of-Experts models larger than RAM by streaming experts from flash."
     )
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    parser.add_argument("--version", action="version", version=f"moe-pipe {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)

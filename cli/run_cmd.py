@@ -14,7 +14,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "model", nargs="?", default=None, help="a GGUF file (any shard of a split set) or a TOML config; default: the embedded tiny model"
     )
-    p.add_argument("-p", "--prompt", required=True, help="the prompt text")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("-p", "--prompt", help="the prompt text; - reads it from stdin")
+    source.add_argument("-f", "--file", help="read the prompt from this file")
     p.add_argument(
         "--chat",
         action="store_true",
@@ -49,24 +51,56 @@ def load_run_config(args: argparse.Namespace):
     return cfg
 
 
-def _prompt_tokens(args, cfg, tok) -> list[int]:
+def read_prompt(args: argparse.Namespace) -> str:
+    """The prompt: -p TEXT, -p - (stdin) or -f FILE."""
+    from moe_pipe.shared.errors import UserError
+
+    if args.file is not None:
+        try:
+            with open(args.file, encoding="utf-8") as fh:
+                return fh.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UserError(f"cannot read the prompt file {args.file}: {getattr(exc, 'strerror', None) or exc}") from None
+    if args.prompt == "-":
+        return sys.stdin.read()
+    return args.prompt
+
+
+def _prompt_tokens(args, cfg, tok, prompt: str) -> list[int]:
     from moe_pipe.shared.text.chat import chat_prompt_tokens, encode_prompt, use_chat_template
 
     if args.chat:
-        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": args.prompt}]
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": prompt}]
         return chat_prompt_tokens(use_chat_template(tok, cfg.generate.chat_template), messages, no_think=cfg.generate.no_think)
-    return encode_prompt(tok, args.prompt)
+    return encode_prompt(tok, prompt)
+
+
+def _model_file(cfg):
+    """The model's path; says where the embedded tiny model was made when this run made it."""
+    from moe_pipe.shared.config import EMBEDDED_MODEL
+    from moe_pipe.shared.makemodel.default_model import cache_dir
+
+    if cfg.model.path != EMBEDDED_MODEL:
+        return cfg.model_file()
+    before = set(cache_dir().glob("*.gguf"))
+    path = cfg.model_file()
+    if path not in before:
+        print(f"[made the embedded tiny model: {path}]", file=sys.stderr)
+    return path
+
+
+def kernel_text(step: int, total: int, item: str) -> str:
+    return f"compiling kernels {step}/{total}: {item}"
 
 
 def run(args: argparse.Namespace) -> int:
-    import time
-
     from moe_pipe.shared.gguf.model_file import open_model
     from moe_pipe.shared.text.sampling import SamplingParams
     from moe_pipe.shared.text.tokenizer import Tokenizer
 
+    prompt = read_prompt(args)  # first: a missing file fails before anything starts
     cfg = load_run_config(args)
-    model_path = cfg.model_file()
+    model_path = _model_file(cfg)
     g = cfg.generate
     params = SamplingParams(
         temperature=g.temperature,
@@ -78,24 +112,20 @@ def run(args: argparse.Namespace) -> int:
     )
     with open_model(model_path) as mf:
         tok = Tokenizer.from_gguf(mf.gguf)
-    prompt_tokens = _prompt_tokens(args, cfg, tok)
+    prompt_tokens = _prompt_tokens(args, cfg, tok, prompt)
     streaming_text = args.output_format == "text"
     on_text = (lambda s: (sys.stdout.write(s), sys.stdout.flush())) if streaming_text else None
-    t0 = time.perf_counter()
     if args.no_stream:
         out = _run_resident(cfg, model_path, tok, prompt_tokens, params, args, on_text)
     else:
         out = _run_pipeline(cfg, model_path, prompt_tokens, params, args, on_text)
-    out["timings"].setdefault(
-        "load_s",
-        round(time.perf_counter() - t0 - out["timings"].get("prompt_ms", 0) / 1e3 - out["timings"].get("predicted_ms", 0) / 1e3, 3),
-    )
     if streaming_text:
         t = out["timings"]
         sys.stdout.write("\n")
         print(
             f"[{t['prompt_n']} prompt tokens at {t['prompt_tok_s']:.1f} tok/s, {t['predicted_n']} generated at "
-            f"{t['predicted_tok_s']:.1f} tok/s, finish: {out['finish_reason']}]",
+            f"{t['predicted_tok_s']:.1f} tok/s, finish: {out['finish_reason']}; "
+            f"load {t['load_seconds']:.2f} s, kernels {t['compile_seconds']:.2f} s (not in the rates)]",
             file=sys.stderr,
         )
     else:
@@ -104,10 +134,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_resident(cfg, model_path, tok, prompt_tokens, params, args, on_text) -> dict:
+    import time
+
+    from moe_pipe.procs.warmup import CompileCounter, forward_pass, kernel_steps, warm_up
     from moe_pipe.shared import quant
     from moe_pipe.shared.errors import UserError
     from moe_pipe.shared.gguf.model_file import open_model
     from moe_pipe.shared.model.load import ModelOptions, load_model
+    from moe_pipe.shared.progress import StatusLine
     from moe_pipe.shared.text.generate import GenerationConfig, generate
 
     quant.one_blas_thread()
@@ -122,6 +156,7 @@ def _run_resident(cfg, model_path, tok, prompt_tokens, params, args, on_text) ->
     from moe_pipe.shared.model.routes import RouteReplay, RouteTracer
     from moe_pipe.shared.model.trace import read_trace
 
+    t0 = time.perf_counter()
     with open_model(model_path) as mf:
         replay = RouteReplay(read_trace(str(cfg.compute.route_replay)), mf.spec) if cfg.compute.route_replay else None
         tracer = RouteTracer(str(cfg.telemetry.route_trace), mf, cfg.compute.top_k) if cfg.telemetry.route_trace else None
@@ -130,11 +165,20 @@ def _run_resident(cfg, model_path, tok, prompt_tokens, params, args, on_text) ->
         try:
             options = ModelOptions(route_observer=tracer, route_replay=replay, kv_type=cfg.compute.kv_type)
             model = load_model(mf, top_k=cfg.compute.top_k, options=options)
-            result = generate(_Phases(model, tracer), tok, prompt_tokens, params, gen_cfg, on_text=on_text)
+            load_s = time.perf_counter() - t0
+            with StatusLine() as status:
+                status.update("loaded the model; compiling its kernels next")
+                steps = kernel_steps(mf, forward_pass(mf, cfg.compute.top_k, kv_type=cfg.compute.kv_type))
+                warm = warm_up(steps, lambda i, n, item: status.update(kernel_text(i, n, item)))
+                status.done(f"kernels ready in {warm.seconds:.2f} s ({warm.compiled} compiled, the rest from numba's cache)")
+            with CompileCounter() as late:
+                result = generate(_Phases(model, tracer), tok, prompt_tokens, params, gen_cfg, on_text=on_text)
         finally:
             if tracer:
                 tracer.close()
-    return result.as_json()
+    out = result.as_json()
+    out["timings"] |= {"load_seconds": round(load_s, 3), "compile_seconds": round(warm.seconds, 3), "late_compiles": late.count}
+    return out
 
 
 class _Phases:
@@ -161,6 +205,7 @@ def _run_pipeline(cfg, model_path, prompt_tokens, params, args, on_text) -> dict
     from dataclasses import asdict
 
     from moe_pipe.procs.pipeline import start_pipeline
+    from moe_pipe.shared.progress import StatusLine
 
     pieces: list[str] = []
 
@@ -169,7 +214,17 @@ def _run_pipeline(cfg, model_path, prompt_tokens, params, args, on_text) -> dict
         if on_text:
             on_text(text)
 
-    with start_pipeline(cfg, model_path) as pipe:
+    # Something at once: the dense load, compute's start and its kernels take a while on a first run.
+    with StatusLine() as status:
+        status.update("starting: dense weights, compute process, then its kernels to compile")
+
+        def show(p) -> None:
+            if p.item:
+                status.update(kernel_text(p.step, p.total, p.item))
+
+        pipe = start_pipeline(cfg, model_path, on_progress=show)
+        status.done(f"kernels ready in {pipe.compile_seconds:.2f} s ({pipe.kernels_compiled} compiled, the rest from numba's cache)")
+    with pipe:
         r = pipe.resolved
         print(
             f"[expert cache {r.n_slots * r.slab_bytes / 2**20:.2f} MiB = {r.n_slots} slabs of {r.slab_bytes / 2**20:.2f} MiB; "
@@ -178,7 +233,12 @@ def _run_pipeline(cfg, model_path, prompt_tokens, params, args, on_text) -> dict
             file=sys.stderr,
         )
         done = pipe.generate(prompt_tokens, asdict(params), cfg.generate.max_tokens, tuple(args.stop), collect, args.ignore_eos)
-    timings = dict(done.timings) | {"budget_mib": round(r.n_slots * r.slab_bytes / 2**20, 3)}
+    # One value per figure: the parent's load and budget, the same the CSV preamble and JSONL carry (docs/telemetry.md).
+    timings = dict(done.timings) | {
+        "load_seconds": r.load_seconds,
+        "compile_seconds": pipe.compile_seconds,
+        "budget_mib": round(r.n_slots * r.slab_bytes / 2**20, 3),
+    }
     return {
         "prompt_tokens": list(prompt_tokens),
         "tokens": list(done.tokens),

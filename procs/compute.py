@@ -26,6 +26,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, cast
 
+import numpy as np
 import zmq
 
 from moe_pipe.shared import quant
@@ -51,6 +52,7 @@ from moe_pipe.shared.wire import messages as m
 
 from .compute_config import ComputeConfig
 from .lifecycle import child_setup
+from .warmup import STAGE, CompileCounter, forward_pass, kernel_steps, warm_up
 
 log = logging.getLogger("moe_pipe.compute")
 PEER_POLL_MS = 500  # how often a wait for the reader checks that it is still alive
@@ -153,6 +155,7 @@ class SlabExperts:
         self.predicted: dict[int, set[int]] = {}
         self.gate = GuessGate()
         self.views: dict[tuple[int, int], tuple[int, Expert]] = {}  # (layer, expert) -> (slot, views)
+        self.layer_bytes = np.array([layout.expert_bytes(i) for i in range(len(layout.layers))], np.int64)
         self.reset_counters()
 
     def reset_counters(self) -> None:
@@ -305,6 +308,10 @@ class SlabExperts:
         """Which of these experts are cached now (for the lossy levers)."""
         return [s >= 0 for s in self.index.slots(layer, ids)]
 
+    def resident_bytes(self) -> int:
+        """Expert bytes in the cache now, by the residency index (~10 µs for 48 × 128 entries)."""
+        return int(((self.index.table >= 0).sum(axis=1) * self.layer_bytes).sum())
+
     def _view(self, layer: int, expert: int, slot: int) -> Expert:
         """The expert's weights as views into its slab. A view stays valid while
         the expert stays in that slab, so views are kept per (layer, expert)
@@ -403,6 +410,7 @@ class Recorder:
             wire_ms=s.wire_s * 1e3,
             messages=s.messages,
             rss_bytes=self.meter.rss_bytes(),
+            resident_bytes=s.resident_bytes(),
         )
         self.records.append(rec)
         self.telemetry.send(rec)
@@ -429,7 +437,6 @@ def serve(cfg: ComputeConfig, ctx: zmq.Context) -> None:
     fetch_out = ipc.connect(ctx, ep, "fetch")
     ready_in = ipc.bind(ctx, ep, "ready")
     telemetry = ipc.DroppingSender(ipc.connect(ctx, ep, "telemetry_in"))
-    t0 = time.perf_counter()
     mf = open_model(cfg.model_path)
     if cfg.model_identity and model_identity(mf.gguf.paths) != tuple(cfg.model_identity):
         # A restart after the file was replaced: its tokenizer and shapes beside the
@@ -458,7 +465,12 @@ def serve(cfg: ComputeConfig, ctx: zmq.Context) -> None:
     tok = Tokenizer.from_gguf(mf.gguf)
     interrupts = Interrupts(requests)
     recorder = Recorder(model, source, telemetry, interrupts, tracer)
-    load_s = time.perf_counter() - t0
+    # Every kernel compiled (or loaded from numba's cache) before the Hello, so no
+    # request's timings include a compile; the front end shows the progress.
+    steps = kernel_steps(mf, forward_pass(mf, cfg.top_k, view, cfg.kv_type))
+    warm = warm_up(steps, lambda i, n, item: ipc.send(tokens_out, m.Progress(STAGE, i, n, item)))
+    ipc.send(tokens_out, m.Progress(STAGE, warm.steps, warm.steps, "", warm.seconds, warm.compiled))
+    late = CompileCounter().__enter__()  # for the life of the process: compiles a request still paid for
     epoch = time.time_ns()
     front_end = FrontEndWatch(tokens_out)
     ipc.send(fetch_out, m.Hello("compute", os.getpid(), epoch))  # the reader drops a dead compute's pins
@@ -473,7 +485,7 @@ def serve(cfg: ComputeConfig, ctx: zmq.Context) -> None:
             if isinstance(msg, m.Generate):
                 interrupts.req_id = msg.req_id
                 try:
-                    handle(msg, recorder, tok, cfg, tokens_out, load_s)
+                    handle(msg, recorder, tok, cfg, tokens_out, late)
                 finally:
                     interrupts.req_id = 0
     finally:
@@ -539,7 +551,7 @@ def _next_request(requests: zmq.Socket, cfg: ComputeConfig) -> m.Generate | m.Sh
     return msg if isinstance(msg, (m.Generate, m.Shutdown)) else None  # a Cancel for a request already done
 
 
-def handle(req: m.Generate, recorder: Recorder, tok, cfg: ComputeConfig, out: zmq.Socket, load_s: float) -> None:
+def handle(req: m.Generate, recorder: Recorder, tok, cfg: ComputeConfig, out: zmq.Socket, late: CompileCounter | None = None) -> None:
     from moe_pipe.shared.telemetry import summarize
 
     try:
@@ -552,6 +564,7 @@ def handle(req: m.Generate, recorder: Recorder, tok, cfg: ComputeConfig, out: zm
     def on_text(text: str) -> None:
         ipc.send(out, m.Token(req.req_id, text))
 
+    compiles = late.count if late else 0
     try:
         result = generate(recorder, tok, list(req.prompt_tokens), params, gen_cfg, on_text=on_text)
     except RequestFailed as exc:
@@ -566,8 +579,10 @@ def handle(req: m.Generate, recorder: Recorder, tok, cfg: ComputeConfig, out: zm
         log.exception("generation failed")
         ipc.send(out, m.Done(req.req_id, False, code=m.Code.INTERNAL, error=f"{type(exc).__name__}: {exc}"))
         return
-    summary = summarize(recorder.records, load_s, 0, 0, recorder.meter.peak_rss_bytes()) if recorder.records else None
-    timings = {**result.timings, **({k: v for k, v in m.as_dict(summary).items()} if summary else {})}
+    summary = summarize(recorder.records, 0.0, 0, None, recorder.meter.peak_rss_bytes()) if recorder.records else None
+    # load_seconds and budget_mib are the front end's to know (procs/pipeline.py), not this process's.
+    figures = {k: v for k, v in m.as_dict(summary).items() if k not in ("load_seconds", "budget_mib")} if summary else {}
+    timings = {**result.timings, **figures, "late_compiles": (late.count if late else 0) - compiles}
     ipc.send(
         out,
         m.Done(

@@ -3,7 +3,7 @@ a run (procs/pipeline.py, blocking zmq) and the gateway (procs/gateway.py,
 zmq.asyncio) both speak.
 
     client.generate(...)  -> Generate   to send on "requests" (a new req_id)
-    client.accept(frame)  -> str | Done | None   for each frame from "tokens"
+    client.accept(frame)  -> str | Done | None   for each frame from "tokens" (a Progress is kept in .progress)
     client.cancel()       -> Cancel     for the request in flight
 
 `accept` keeps who the compute is (the pid of its last Hello, and how many
@@ -27,6 +27,7 @@ class ComputeClient:
         self.hellos = 0
         self.req_id = 0  # the request in flight (or the last one)
         self.done: m.Done | None = None  # its end, once it came
+        self.progress: m.Progress | None = None  # the last Progress of a starting compute
         # No text is kept here: a caller that wants the whole text keeps it in a local,
         # as an attribute `+=` would copy it at every token (megabytes, for a long stream).
 
@@ -57,6 +58,8 @@ class ComputeClient:
         its Done, or None (a Hello, or a frame of no request in flight)."""
         if isinstance(msg, m.Hello):
             self._on_hello(msg)
+        elif isinstance(msg, m.Progress):
+            self.progress = msg  # a compute still starting; the run's parent shows it (procs/pipeline.py)
         elif isinstance(msg, (m.Token, m.Done)):
             if msg.req_id == self.req_id and self.done is None:
                 if isinstance(msg, m.Done):

@@ -39,7 +39,7 @@ from .lifecycle import describe_exit, error_file
 from .resources import Resolved, Resources, run_info
 
 log = logging.getLogger("moe_pipe.pipeline")
-START_TIMEOUT_S = 120.0  # compute's start includes first-use kernel compiles
+START_TIMEOUT_S = 120.0  # of silence from compute while it starts (each Progress of its kernel warm-up restarts the clock)
 STOP_WAIT_S = 5.0
 POLL_MS = 200
 # The links the parent holds: it sends requests and reads tokens; fetch and
@@ -47,9 +47,15 @@ POLL_MS = 200
 LINKS = ("requests", "fetch", "telemetry_in")
 
 
-def start_pipeline(cfg: Any, model_path: str | os.PathLike, starter: Callable[[Launch], ProcessStarter] = SpawnStarter) -> Pipeline:
+def start_pipeline(
+    cfg: Any,
+    model_path: str | os.PathLike,
+    starter: Callable[[Launch], ProcessStarter] = SpawnStarter,
+    on_progress: Callable[[m.Progress], None] | None = None,
+) -> Pipeline:
     """A running pipeline: resources, sockets, children, and compute's Hello.
-    On any failure everything made so far is released before it raises."""
+    `on_progress` sees compute's Progress messages (its kernel warm-up) as they
+    come. On any failure everything made so far is released before it raises."""
     t0 = time.perf_counter()
     model_path = Path(model_path)
     res = Resources.create(cfg, model_path)
@@ -65,11 +71,14 @@ def start_pipeline(cfg: Any, model_path: str | os.PathLike, starter: Callable[[L
     pipe = Pipeline(cfg, model_path, res, ctx, tokens, links)
     try:
         pipe._start_children(starter(Launch(cfg, res, model_path, cfg.model.name or model_path.stem)))
-        pipe._wait_for_compute()
-        # load_seconds: everything before the first token can be computed —
-        # the dense load here and compute's own start (warm sweep, mapping).
-        pipe.resolved = replace(pipe.resolved, load_seconds=time.perf_counter() - t0)
-        ipc.send(links["telemetry_in"], run_info(cfg, res, model_path, pipe.resolved.load_seconds))
+        pipe._wait_for_compute(on_progress)
+        # load_seconds: everything before the first token can be computed — the
+        # dense load here and compute's own start (warm sweep, mapping) — but
+        # not its kernel warm-up, which is compile_seconds (docs/telemetry.md).
+        # Rounded once, here, so the summary, the JSON and the CSV preamble carry one value.
+        pipe.resolved = replace(pipe.resolved, load_seconds=round(max(time.perf_counter() - t0 - pipe.compile_seconds, 0.0), 3))
+        info = run_info(cfg, res, model_path, pipe.resolved.load_seconds)
+        ipc.send(links["telemetry_in"], replace(info, compile_seconds=pipe.compile_seconds))
     except BaseException:
         pipe.close()
         raise
@@ -88,6 +97,9 @@ class Pipeline:
         self.procs: dict[str, ChildProcess] = {}  # in start order
         self.client = ComputeClient()
         self.closed = False
+        # compute's kernel warm-up, from its last Progress: seconds, and kernels compiled (not loaded from numba's cache)
+        self.compile_seconds = 0.0
+        self.kernels_compiled = 0
 
     @property
     def rt(self) -> ipc.RuntimeDir:
@@ -105,11 +117,17 @@ class Pipeline:
             pids = {n: p.pid for n, p in self.procs.items() if p.pid is not None}
             self.procs[name] = start(name, pids)
 
-    def _wait_for_compute(self) -> None:
+    def _wait_for_compute(self, on_progress: Callable[[m.Progress], None] | None = None) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             self._check_children()
-            msg = ipc.recv(self.tokens, POLL_MS, expect=(m.Hello,))
+            msg = ipc.recv(self.tokens, POLL_MS, expect=(m.Hello, m.Progress))
+            if isinstance(msg, m.Progress):
+                deadline = time.monotonic() + START_TIMEOUT_S  # slow, not stuck
+                if msg.step == msg.total and not msg.item:  # the warm-up's end
+                    self.compile_seconds, self.kernels_compiled = round(msg.seconds, 3), msg.compiled
+                if on_progress:
+                    on_progress(msg)
             if msg is not None:
                 self.client.accept(msg)
             if self.client.ready:

@@ -53,7 +53,7 @@ class Recorder:
     def finish(self) -> m.RunSummary | None:
         if not len(self.tally) or self.info is None:
             return None
-        summary = self.tally.summary(self.info.load_seconds, self.info.budget_bytes, 0)
+        summary = self.tally.summary(self.info.load_seconds, self.info.budget_bytes)
         if self.jsonl:
             self.jsonl.write(summary)
         return summary

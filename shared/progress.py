@@ -1,9 +1,14 @@
-"""Progress bars for long work (rich), off when output is not a terminal."""
+"""Progress for long work: rich bars and spinners on a terminal; elsewhere off
+(`byte_progress`) or a plain line now and then (`StatusLine`)."""
 
 from __future__ import annotations
 
 import contextlib
+import math
+import sys
+import time
 from collections.abc import Callable, Iterator
+from typing import IO, Any
 
 
 @contextlib.contextmanager
@@ -28,3 +33,49 @@ def byte_progress(label: str, enabled: bool = True) -> Iterator[Callable[[int, i
             bar.update(task, completed=done, total=total)
 
         yield update
+
+
+class StatusLine:
+    """One line of progress for a start-up stage (loading, compiling kernels).
+
+    On a terminal: a rich spinner redrawn in place, gone when the stage ends.
+    Elsewhere (a pipe, a log, a test): plain lines on the stream, one per
+    update, at most one every `min_interval_s` (default 0: every step, so a
+    log says what the wait was for, the same on a fast machine as on a slow
+    one). `done(text)` always prints."""
+
+    def __init__(self, stream: IO[str] | None = None, terminal: bool | None = None, min_interval_s: float = 0.0):
+        self.stream = stream if stream is not None else sys.stderr
+        self.terminal = self.stream.isatty() if terminal is None else terminal
+        self.min_interval_s = min_interval_s
+        self._last = -math.inf
+        self._status: Any = None
+
+    def __enter__(self) -> StatusLine:
+        if self.terminal:
+            from rich.console import Console
+
+            self._status = Console(file=self.stream).status("")
+            self._status.start()
+        return self
+
+    def update(self, text: str) -> None:
+        if self._status is not None:
+            self._status.update(text)
+            return
+        now = time.monotonic()
+        if now - self._last >= self.min_interval_s:
+            self._last = now
+            print(f"[{text}]", file=self.stream, flush=True)
+
+    def done(self, text: str) -> None:
+        self.close()
+        print(f"[{text}]", file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self._status is not None:
+            self._status.stop()
+            self._status = None
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

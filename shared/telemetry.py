@@ -60,8 +60,9 @@ def preamble_items(info: RunInfo) -> list[tuple[str, object]]:
         ("run_id", info.run_id),
         ("started_unix", f"{info.started_unix:.3f}"),
         ("budget_bytes", info.budget_bytes),
-        ("budget_mib", f"{info.budget_bytes / MIB:.1f}"),
+        ("budget_mib", f"{info.budget_bytes / MIB:.3f}"),
         ("load_seconds", f"{info.load_seconds:.3f}"),
+        ("compile_seconds", f"{info.compile_seconds:.3f}"),
     ]
     items += [(f"config.{k}", v) for k, v in info.config.items()]
     items += [(f"model.{k}", v) for k, v in info.model.items()]
@@ -193,6 +194,7 @@ class Tally:
         self.final_hit_pct = 0.0
         self.read_bytes = 0
         self.peak_rss_bytes = 0
+        self.resident_bytes = 0  # the last record's
 
     def __len__(self) -> int:
         return len(self.walls)
@@ -205,11 +207,15 @@ class Tally:
         self.final_hit_pct = r.cache_hit_pct
         self.read_bytes += r.read_bytes
         self.peak_rss_bytes = max(self.peak_rss_bytes, r.rss_bytes)
+        self.resident_bytes = r.resident_bytes
 
-    def summary(self, load_seconds: float, budget_bytes: int, resident_bytes: int, peak_rss_bytes: int | None = None) -> RunSummary:
+    def summary(
+        self, load_seconds: float, budget_bytes: int, resident_bytes: int | None = None, peak_rss_bytes: int | None = None
+    ) -> RunSummary:
         """The run's figures. tok/s is tokens over summed wall time (a
         throughput, not a mean of per-token rates, which would overweight fast
-        tokens); the final hit % is the last record's running rate."""
+        tokens); the final hit % and resident bytes are the last record's
+        (resident_bytes None: that record's)."""
         n = len(self.walls)
         warm = steady_start(n)
         steady_s = sum(self.walls[warm:]) / 1000.0
@@ -224,13 +230,13 @@ class Tally:
             final_hit_pct=self.final_hit_pct,
             read_bytes=self.read_bytes,
             budget_mib=budget_bytes / MIB,
-            resident_mib=resident_bytes / MIB,
+            resident_mib=(self.resident_bytes if resident_bytes is None else resident_bytes) / MIB,
             peak_rss_mib=(self.peak_rss_bytes if peak_rss_bytes is None else peak_rss_bytes) / MIB,
         )
 
 
 def summarize(
-    records: Sequence[TokenRecord], load_seconds: float, budget_bytes: int, resident_bytes: int, peak_rss_bytes: int
+    records: Sequence[TokenRecord], load_seconds: float, budget_bytes: int, resident_bytes: int | None, peak_rss_bytes: int
 ) -> RunSummary:
     """The summary of a run's records (in any order: sorted by step)."""
     tally = Tally()

@@ -266,7 +266,7 @@ def test_run_no_stream_uses_the_configured_kv_type(monkeypatch, capsys):
 
     monkeypatch.setattr(base, "KVCache", Spy)
     assert main(["run", "--no-stream", "--kv-type", "q8_0", "-p", "hello", "-n", "2", "--output-format", "json"]) == 0
-    assert made == ["q8_0"]
+    assert made and set(made) == {"q8_0"}  # the run's cache, and the kernel warm-up's (procs/warmup.py) alike
     capsys.readouterr()
 
 

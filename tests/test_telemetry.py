@@ -60,7 +60,7 @@ def test_csv_preamble_header_rows(tmp_path):
     body = lines[len(pre) :]
     assert lines[: len(pre)] == pre  # the preamble comes first, all of it
     assert all(re.fullmatch(r"# [^=\n]+=.*", ln) for ln in pre[1:])
-    assert "# budget_mib=4000.0" in pre and "# config.cache.cache_mb=4000" in pre
+    assert "# budget_mib=4000.000" in pre and "# config.cache.cache_mb=4000" in pre
     assert "# model.arch=qwen3moe" in pre and "# config.note=two\\nlines" in pre
     assert tuple(body[0].split(",")) == tm.CSV_COLUMNS + tm.EXTRA_COLUMNS  # header exactly the schema
     assert tuple(body[0].split(","))[:10] == tm.CSV_COLUMNS

@@ -83,6 +83,7 @@ class Kind(IntEnum):
     TOKEN = 41
     DONE = 42
     CANCEL = 43
+    PROGRESS = 44
 
 
 class Code(StrEnum):
@@ -395,6 +396,7 @@ class RunInfo(_Message):
     model: dict[str, Scalar]
     budget_bytes: int
     load_seconds: float
+    compile_seconds: float = 0.0  # compute's kernel warm-up, apart from load_seconds (docs/telemetry.md)
 
 
 @_wire(Kind.TOKEN_RECORD)
@@ -426,6 +428,7 @@ class TokenRecord(_Message):
     messages: int = 0
     rss_bytes: int = 0
     req_id: int = 0
+    resident_bytes: int = 0
 
 
 @_wire(Kind.RUN_SUMMARY)
@@ -539,6 +542,21 @@ class Cancel(_Message):
     req_id: int
 
 
+@_wire(Kind.PROGRESS)
+@dataclass(frozen=True, slots=True)
+class Progress(_Message):
+    """compute -> front end, before its Hello: how far its start has come.
+    `step` of `total` is being done now (`item` names it); step == total
+    with `item` "" is the end, and `seconds` then the whole stage's time."""
+
+    stage: str  # "kernels": compiling (or loading from numba's cache) what the model needs
+    step: int
+    total: int
+    item: str = ""
+    seconds: float = 0.0
+    compiled: int = 0  # of the steps so far, how many compiled (the rest came from the cache)
+
+
 Message = (
     Hello
     | Shutdown
@@ -556,6 +574,7 @@ Message = (
     | Token
     | Done
     | Cancel
+    | Progress
 )
 assert set(_BY_KIND) == set(Kind), "every Kind needs exactly one message class"
 

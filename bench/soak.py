@@ -66,7 +66,7 @@ from moe_pipe.shared.experts.shm import SHM_DIR, parse_segment_name
 REPO = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "moe_pipe.cli.main"]
 CONFIG = str(REPO / "configs" / "tiny.toml")
-MODEL_NAME = "tiny qwen3moe"
+MODEL_NAME = "moe-pipe-tiny"
 PROMPTS = (
     "Tell a story",
     "The old mill by the river",

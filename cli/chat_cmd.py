@@ -15,15 +15,19 @@ Which server, first that applies:
 
 Lines: `/reset` clears the history (the --system message stays), `/exit` or
 end of input ends. Ctrl-C during a reply stops that reply; at the prompt, ends.
+A conversation that outgrows the server's context loses its oldest turns
+(the --system message stays), with a note the first time.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from moe_pipe.shared.errors import UserError
 
@@ -39,7 +43,17 @@ NO_THINK_TEMPLATE_KWARGS = {"enable_thinking": False, "reasoning_effort": "low"}
 
 
 class RequestFailed(Exception):
-    """The server refused or broke off one request; the chat goes on."""
+    """The server refused or broke off one request; the chat goes on. `code`
+    is the error's code in OpenAI's shape ("context_length_exceeded"), if any."""
+
+    def __init__(self, message: str, code: str = ""):
+        super().__init__(message)
+        self.code = code
+
+
+# The error code of a request whose prompt and reply do not fit the context
+# (shared/serve/openai_api.py fit_max_tokens; OpenAI uses the same one).
+CONTEXT_EXCEEDED = "context_length_exceeded"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -51,7 +65,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="a GGUF file or TOML config to start a service for, if none is running",
     )
     p.add_argument("--url", metavar="URL", help="the server's base URL (default: the running service's gateway)")
-    p.add_argument("--api-key", metavar="KEY", help="sent as `Authorization: Bearer KEY`")
+    p.add_argument("--api-key", metavar="KEY", help="sent as `Authorization: Bearer KEY` (default: the running service's own key)")
+    from moe_pipe.cli.status_cmd import add_selector_arguments
+
+    add_selector_arguments(p, "the service to chat with")
     p.add_argument("--system", metavar="TEXT", help="a system message at the start of the conversation")
     p.add_argument(
         "--temp",
@@ -81,7 +98,7 @@ def base_url(url: str) -> str:
 @contextmanager
 def chat_server(args: argparse.Namespace) -> Iterator[str]:
     """The base URL to talk to, bringing a service up (and down again) if needed."""
-    from moe_pipe.shared.serve.service import NoService, find_service, live_services, wait_for_gateway
+    from moe_pipe.shared.serve.service import NoService, find_service, live_services
 
     if args.url:
         yield base_url(args.url)
@@ -93,13 +110,23 @@ def chat_server(args: argparse.Namespace) -> Iterator[str]:
                 "no moe-pipe service is running; give a MODEL or CONFIG to start one "
                 "(`moe-pipe chat MODEL`), start one with `moe-pipe up CONFIG`, or pass --url"
             )
-        info = find_service()  # the one, or a one-line error if there are several
+        info = find_service(name=args.name, port=args.port)  # the one, or a one-line error naming those that run
         if args.model:
             print(f"[a service is already running ({info.model_name or info.model}); chatting with it]", file=sys.stderr)
-        yield wait_for_gateway(info, GATEWAY_START_TIMEOUT_S).url
+        yield attach(info, args)
         return
-    with service_brought_up(args.model) as url:
-        yield url
+    with service_brought_up(args.model) as info:
+        yield attach(info, args)
+
+
+def attach(info, args: argparse.Namespace) -> str:
+    """The service's gateway URL, once it listens; with no --api-key, the
+    service's own key (its private runtime folder, same user), never shown."""
+    from moe_pipe.shared.serve.service import read_api_key, wait_for_gateway
+
+    if args.api_key is None:
+        args.api_key = read_api_key(info)
+    return wait_for_gateway(info, GATEWAY_START_TIMEOUT_S).url
 
 
 def _moe_pipe(*argv: str) -> list[str]:
@@ -108,23 +135,23 @@ def _moe_pipe(*argv: str) -> list[str]:
 
 
 @contextmanager
-def service_brought_up(model: str) -> Iterator[str]:
+def service_brought_up(model: str) -> Iterator[Any]:
     """`moe-pipe up MODEL --detach` for the length of the chat. Port 0: the
     kernel picks a free one, so a chat never collides with another server;
     the gateway writes the port it got to gateway.json."""
     import subprocess
 
-    from moe_pipe.shared.serve.service import find_service, wait_for_gateway
+    from moe_pipe.shared.serve.service import find_service
 
     print(f"[starting a service for {model}]", file=sys.stderr, flush=True)
-    up = subprocess.run(_moe_pipe("up", model, "--detach", "--port", "0"))
+    name = f"chat-{os.getpid()}"  # its own name: never confused with a service started meanwhile
+    up = subprocess.run(_moe_pipe("up", model, "--detach", "--port", "0", "--name", name))
     if up.returncode != 0:
         raise UserError(f"could not start a service for {model}: `moe-pipe up` exited {up.returncode} (its error is above)")
     try:
-        info = find_service()
-        yield wait_for_gateway(info, GATEWAY_START_TIMEOUT_S).url
+        yield find_service(name=name)
     finally:
-        subprocess.run(_moe_pipe("down"))
+        subprocess.run(_moe_pipe("down", "--name", name))
 
 
 # ----------------------------------------------------------------------- HTTP
@@ -151,6 +178,15 @@ def error_message(body: bytes, fallback: str) -> str:
     return " ".join(text.split()) or fallback
 
 
+def error_code(body: bytes) -> str:
+    """The `code` of an error body in OpenAI's shape ({"error": {"code": ...}}); "" if none."""
+    try:
+        err = json.loads(body.decode("utf-8", "replace")).get("error")
+    except (ValueError, AttributeError):
+        return ""
+    return str(err.get("code") or "") if isinstance(err, dict) else ""
+
+
 def open_request(url: str, api_key: str | None, body: dict | None = None, timeout_s: float | None = None):
     """The HTTP response (a file of lines). An HTTP error status is
     RequestFailed; a server that cannot be reached is a UserError (exit 2)."""
@@ -163,7 +199,8 @@ def open_request(url: str, api_key: str | None, body: dict | None = None, timeou
         return urllib.request.urlopen(req, timeout=timeout_s)
     except urllib.error.HTTPError as exc:
         with exc:
-            raise RequestFailed(f"{exc.code}: {error_message(exc.read(), exc.reason)}") from None
+            body = exc.read()
+            raise RequestFailed(f"{exc.code}: {error_message(body, exc.reason)}", error_code(body)) from None
     except urllib.error.URLError as exc:
         reason = exc.reason.strerror if isinstance(exc.reason, OSError) and exc.reason.strerror else exc.reason
         raise UserError(f"cannot reach {url}: {reason}") from None
@@ -227,6 +264,7 @@ class Chat:
         if args.no_think:
             self.options["chat_template_kwargs"] = dict(NO_THINK_TEMPLATE_KWARGS)
         self.history: list[dict] = []
+        self.trimmed = False  # the oldest turns have been dropped to fit the context (said once)
         self.reset()
 
     def reset(self) -> None:
@@ -238,20 +276,29 @@ class Chat:
     def say(self, text: str, out) -> None:
         """Send one user message, print the reply as it streams, keep both.
 
-        A failed request leaves the history as it was. A reply stopped with
-        Ctrl-C keeps what was shown (the user saw it; the next turn answers
-        from there); one stopped before any text drops the question too, so
-        two user turns never follow each other."""
+        A conversation the server's context cannot hold loses its oldest
+        turns (the system message stays) until it fits, with a note the first
+        time. Another failed request leaves the history as it was. A reply
+        stopped with Ctrl-C keeps what was shown (the user saw it; the next
+        turn answers from there); one stopped before any text drops the
+        question too, so two user turns never follow each other."""
         import http.client
 
         self.history.append({"role": "user", "content": text})
         pieces: list[str] = []
         try:
-            with open_request(f"{self.url}/v1/chat/completions", self.api_key, self.request_body()) as resp:
-                for piece in sse_content(resp):
-                    pieces.append(piece)  # first: a Ctrl-C during the write still keeps what showed
-                    out.write(piece)
-                    out.flush()
+            while True:
+                try:
+                    with open_request(f"{self.url}/v1/chat/completions", self.api_key, self.request_body()) as resp:
+                        for piece in sse_content(resp):
+                            pieces.append(piece)  # first: a Ctrl-C during the write still keeps what showed
+                            out.write(piece)
+                            out.flush()
+                    break
+                except RequestFailed as exc:
+                    # The server counts tokens, the client cannot: its refusal is how we learn the history is too long.
+                    if pieces or exc.code != CONTEXT_EXCEEDED or not self.drop_oldest_turn():
+                        raise
         except KeyboardInterrupt:
             # Leaving the `with` closed the connection: the gateway sees the
             # client go and stops generating.
@@ -272,6 +319,26 @@ class Chat:
         out.write("\n")
         out.flush()
         self._keep_reply(pieces, complete=True)
+
+    def drop_oldest_turn(self) -> bool:
+        """Drop the oldest user message and the replies after it, keeping the
+        system message and the message being sent; False if nothing is left to drop."""
+        start = 1 if self.history and self.history[0]["role"] == "system" else 0
+        if len(self.history) - start <= 1:
+            return False
+        end = start + 1
+        while end < len(self.history) - 1 and self.history[end]["role"] != "user":
+            end += 1
+        del self.history[start:end]
+        if not self.trimmed:
+            self.trimmed = True
+            print(
+                "[the conversation outgrew the server's context: dropping the oldest turns to make room "
+                "(noted once; /reset clears the history)]",
+                file=sys.stderr,
+                flush=True,
+            )
+        return True
 
     def _keep_reply(self, pieces: list[str], complete: bool = False) -> None:
         if pieces or complete:

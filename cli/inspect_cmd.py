@@ -1,4 +1,4 @@
-"""`moe-pipe inspect MODEL [--json]`: what a model file holds and what it costs to stream."""
+"""`moe-pipe inspect MODEL|CONFIG|tiny [--json]`: what a model file holds and what it costs to stream."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ MIB = 1 << 20
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="GGUF file (or any shard of a split set)")
+    p.add_argument(
+        "model", help='GGUF file (or any shard of a split set), a TOML config (its model.path), or "tiny" (the embedded tiny model)'
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
@@ -63,10 +65,24 @@ def print_table(s: dict) -> None:
         print(f"{k:<{width}}  {v}")
 
 
+def model_path(arg: str) -> str:
+    """The GGUF file `arg` names: a config's model.path (the embedded model made
+    if it is asked for), the embedded model for its name, else `arg` itself."""
+    from moe_pipe.shared.config import EMBEDDED_MODEL, load_config
+
+    if arg == EMBEDDED_MODEL:
+        from moe_pipe.shared.makemodel.default_model import default_model_path
+
+        return str(default_model_path())
+    if arg.endswith(".toml"):
+        return str(load_config(arg, check_model_path=False).model_file())  # a bad or unset path: one line, exit 2
+    return arg
+
+
 def run(args: argparse.Namespace) -> int:
     from moe_pipe.shared.gguf.model_file import open_model
 
-    with open_model(args.model) as mf:
+    with open_model(model_path(args.model)) as mf:
         s = summary(mf)
     if args.json:
         print(json.dumps(s))

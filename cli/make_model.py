@@ -16,19 +16,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, help="cut the depth to N layers")
     p.add_argument("--quant", help="one quant type for every weight matrix (default: the preset's mix)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0); same seed, same bytes")
-    p.add_argument("-o", "--output", required=True, help="output .gguf path")
+    p.add_argument(
+        "-o", "--output", required=True, help="output .gguf path, or a folder to write the default name into (ARCH-PRESET-seedS.gguf)"
+    )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
 
 
 def run(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from moe_pipe.shared.makemodel.maker import make_model
+    from moe_pipe.shared.makemodel.maker import make_model, output_path
     from moe_pipe.shared.progress import byte_progress
 
     t0 = time.perf_counter()
-    with byte_progress(f"writing {args.output}", enabled=not args.quiet and sys.stderr.isatty()) as progress:
-        out = make_model(args.arch, args.preset, Path(args.output), layers=args.layers, quant=args.quant, seed=args.seed, progress=progress)
+    # The text as typed, not a Path: a trailing "/" means a folder to write the default name into.
+    target = output_path(args.output, args.arch, args.preset, args.layers, args.quant, args.seed)
+    with byte_progress(f"writing {target}", enabled=not args.quiet and sys.stderr.isatty()) as progress:
+        out = make_model(args.arch, args.preset, args.output, layers=args.layers, quant=args.quant, seed=args.seed, progress=progress)
     size = out.stat().st_size
     print(f"wrote {out} ({size / (1 << 20):,.1f} MiB) in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return 0

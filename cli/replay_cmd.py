@@ -1,14 +1,17 @@
-"""`moe-pipe replay TRACE --budget-mb N [N ...]`: a route trace through the cache policies."""
+"""`moe-pipe replay TRACE|NAME --budget-mb N [N ...]`: a route trace (a file, or a shipped one by name) through the cache policies."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from pathlib import Path
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("trace", help="route trace (route_trace v1 CSV, e.g. from --route-trace)")
+    p.add_argument(
+        "trace", help="route trace (route_trace v1 CSV, e.g. from --route-trace), or a shipped one by name: qwen, gptoss (the phone traces)"
+    )
     p.add_argument("--budget-mb", type=float, nargs="+", required=True, metavar="N", help="cache budgets in MiB to replay at")
     p.add_argument("--policy", nargs="+", default=["all"], metavar="NAME", help="policies to replay (default: all, belady included)")
     p.add_argument(
@@ -26,6 +29,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "F x an even share; 0 = exact (default)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
+
+def shipped_traces() -> dict[str, Path]:
+    """The route traces shipped with moe-pipe (shared/data/traces/README.md), by short name: qwen.route.csv is "qwen"."""
+    from moe_pipe.shared.analysis.forecast import TRACE_DIR
+
+    return {f.name.removesuffix(".route.csv"): f for f in sorted(TRACE_DIR.glob("*.route.csv"))}
+
+
+def trace_path(arg: str) -> Path:
+    """A trace file: a path that exists, else a shipped trace's name; neither is a one-line error listing the names."""
+    from moe_pipe.shared.errors import UserError
+
+    if Path(arg).exists():
+        return Path(arg)
+    shipped = shipped_traces()
+    if arg in shipped:
+        return shipped[arg]
+    import difflib
+
+    near = difflib.get_close_matches(arg, shipped, n=1)
+    hint = f' (did you mean "{near[0]}"?)' if near else ""
+    raise UserError(f"{arg}: no such file, nor a shipped trace's name{hint}; shipped: {', '.join(shipped)}")
 
 
 def print_table(results, default_policy: str, out=None) -> None:
@@ -69,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.drop_cold_experts <= 1:
         raise UserError(f"--drop-cold-experts {args.drop_cold_experts:g}: allowed 0 to 1")
     names = policy_names(args.policy)  # before reading: a typo fails fast
-    trace = read_trace(args.trace)
+    trace = read_trace(trace_path(args.trace))
     rp = Replayer(trace, args.accounting)
     for b in args.budget_mb:
         rp.capacity(b)  # every budget checked before the first replay

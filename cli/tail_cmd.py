@@ -45,6 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="S",
         help="give up after S seconds if no service is running (default: wait until one starts)",
     )
+    from moe_pipe.cli.status_cmd import add_selector_arguments
+
+    add_selector_arguments(p, "the service to watch")
 
 
 # ------------------------------------------------------------------ formatting
@@ -121,7 +124,7 @@ class RunSoFar:
             return self.final
         load_s = self.info.load_seconds if self.info is not None else 0.0
         budget = self.info.budget_bytes if self.info is not None else 0
-        return self.tally.summary(load_s, budget, 0)
+        return self.tally.summary(load_s, budget)
 
 
 def _tally():
@@ -239,15 +242,16 @@ def choose_output(args, service_desc: str):
 # ------------------------------------------------------------------------ run
 
 
-def find_service(wait_s: float | None):
-    """The running service; if none runs yet, say so once and wait for one."""
+def find_service(wait_s: float | None, name: str | None = None, port: int | None = None):
+    """The running service (by name or port, or the only one); if none runs
+    yet, say so once and wait for one."""
     from moe_pipe.shared.serve.service import find_service as find_now
-    from moe_pipe.shared.serve.service import live_services, wait_for_service
+    from moe_pipe.shared.serve.service import live_services, select_services, wait_for_service
 
-    if live_services():
-        return find_now()  # one (or a one-line error naming the several)
+    if select_services(live_services(), name, port):
+        return find_now(name=name, port=port)  # the one (or a one-line error naming those that run)
     print(WAITING_NOTICE, file=sys.stderr, flush=True)
-    return wait_for_service(wait_s)
+    return wait_for_service(wait_s, name=name, port=port)
 
 
 def service_gone(info) -> bool:
@@ -298,8 +302,8 @@ def run(args: argparse.Namespace) -> int:
     from moe_pipe.shared.wire import ipc
 
     try:
-        info = find_service(args.wait)
-        service_desc = f"moe-pipe service pid {info.pid}: {info.model_name or info.model}"
+        info = find_service(args.wait, args.name, args.port)
+        service_desc = f"moe-pipe service {info.name or '?'!r} pid {info.pid}: {info.model_name or info.model}"
         with ipc.context() as ctx:
             sock = ipc.connect(ctx, info.endpoints, "telemetry_pub")
             output = None

@@ -35,7 +35,7 @@ import signal
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any, cast
@@ -95,7 +95,7 @@ class GatewaySettings:
     model_name: str
     host: str = "127.0.0.1"
     port: int = 8080
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)  # a secret (shared/config.py): kept out of reprs, so out of logs
     queue_size: int = 16
     ctx_size: int = 4096
     max_tokens: int = 64

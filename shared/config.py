@@ -57,10 +57,16 @@ class Spec:
     words: tuple[str, ...] = ()  # for path: values that name no file ("tiny", "plain"), kept as typed
     pattern: str | None = None  # for str: a regular expression the whole value must match...
     pattern_text: str = ""  # ...and how the allowed values read in errors and docs
+    secret: bool = False  # never printed, written or logged: REDACTED stands in (to_dict, reprs, errors)
+
+
+REDACTED = "***"  # what a secret key's value reads as wherever the config is shown
 
 
 def setting(default: Any, kind: str, doc: str, **kw: Any) -> Any:
-    return field(default=default, metadata={"spec": Spec(kind, doc, **kw)})
+    spec = Spec(kind, doc, **kw)
+    # repr=False: a secret must not reach a log line through a dataclass repr (a Config or its table in an f-string)
+    return field(default=default, metadata={"spec": spec}, repr=not spec.secret)
 
 
 # ---------------------------------------------------------------- the schema
@@ -291,10 +297,11 @@ class GatewayConfig:
     api_key: str | None = setting(
         None,
         "str",
-        "if set, requests need `Authorization: Bearer KEY`",
+        "if set, requests need `Authorization: Bearer KEY`; a secret: telemetry, logs and errors show it as ***",
         unset="no key",
         pattern=r"[!-~]+",
         pattern_text="visible ASCII characters, no spaces (it travels in an HTTP header)",
+        secret=True,
     )
     queue_size: int = setting(16, "int", "requests waiting for the compute worker before new ones get 429", lo=1, hi=10000)
 
@@ -312,8 +319,9 @@ class Config:
     source: str | None = None  # the file it came from (not a TOML key)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
-        """Every table and key (None for unset): the record written to telemetry preambles."""
-        return {t: dataclasses.asdict(getattr(self, t)) for t in TABLES}
+        """Every table and key (None for unset): the record written to telemetry preambles
+        and shown to users, so a secret key that is set reads as REDACTED."""
+        return {t: {k: redact(KEYS[f"{t}.{k}"], v) for k, v in dataclasses.asdict(getattr(self, t)).items()} for t in TABLES}
 
     def model_file(self) -> Path:
         """The model's path, making the embedded tiny model first if it is asked for and absent."""
@@ -384,6 +392,11 @@ SCHEMA: tuple[Key, ...] = tuple(
     Key(table, f.name, f.default, f.metadata["spec"]) for table, cls in TABLES.items() for f in dataclasses.fields(cls)
 )
 KEYS: dict[str, Key] = {k.dotted: k for k in SCHEMA}
+
+
+def redact(key: Key, value: Any) -> Any:
+    """The value as it may be shown: a secret that is set reads as REDACTED, unset stays None."""
+    return REDACTED if key.spec.secret and value is not None else value
 
 
 def _num(x: float) -> str:
@@ -461,7 +474,7 @@ def _check(key: Key, value: Any) -> Any:
 
 
 def _fail(where: str, key: Key, value: Any, problem: str) -> ConfigError:
-    shown = toml_repr(value)
+    shown = toml_repr(redact(key, value))
     if len(shown) > 200:  # a pasted blob: its start is enough to recognise it
         shown = shown[:160] + f"... ({len(shown):,} characters)"
     return ConfigError(f"{where}: {key.dotted} = {shown}: {problem}; allowed: {key.allowed_text()}")

@@ -418,7 +418,7 @@ def test_service_in_a_tight_cgroup_answers_and_each_child_is_within_its_estimate
     try:
         st = json.loads(cli("status", "--json").stdout)
         body = json.dumps(
-            {"model": "tiny qwen3moe", "messages": [{"role": "user", "content": "Tell a story"}], "max_tokens": 32, "temperature": 0}
+            {"model": "moe-pipe-tiny", "messages": [{"role": "user", "content": "Tell a story"}], "max_tokens": 32, "temperature": 0}
         ).encode()
         req = urllib.request.Request(st["url"] + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=300) as resp:

@@ -404,7 +404,9 @@ def flag_text(key: C.Key, literal: str) -> str | None:
 
 
 def shown(key: C.Key, value) -> str:
-    """How the error shows a value: as TOML, numbers typed after a flag as numbers."""
+    """How the error shows a value: as TOML, numbers typed after a flag as numbers; a secret as C.REDACTED."""
+    if key.spec.secret:
+        return toml_repr(C.REDACTED)
     if isinstance(value, str) and key.spec.kind in ("int", "float", "mb"):
         try:
             value = int(value, 0) if key.spec.kind == "int" else float(value)
@@ -513,7 +515,7 @@ def test_text_values_stay_on_one_line(tmp_path):
         load_config(write(tmp_path, '[model]\nname = "two\\nlines"\n'))
     assert '"two\\u000alines": contains a control character' in str(exc.value) and "\n" not in str(exc.value)
     with pytest.raises(ConfigError, match=r"too long \(5000 characters, at most 4096\)") as exc:
-        load_config(None, {"gateway.api_key": "k" * 5000})
+        load_config(None, {"model.name": "k" * 5000})  # not a secret key: a secret's value is never shown (test_secrets.py)
     assert "(5,002 characters)" in str(exc.value) and len(str(exc.value)) < 500
     with pytest.raises(ConfigError, match="not allowed; allowed: an IP address or host name"):
         load_config(None, {"gateway.host": "local host"})

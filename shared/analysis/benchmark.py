@@ -396,9 +396,8 @@ def write_outputs(plan: BenchPlan, summary: dict, rows: list[RunFigures]) -> lis
 
 
 def write_plots(plan: BenchPlan, rows: list[RunFigures]) -> list[Path]:
-    """Per-token wall/compute/io/stall of the first moe-pipe run with each peer
-    run's walls on the same axes; hit % over tokens. Needs matplotlib (the
-    `bench` extra); without it, no plots and a note in the summary."""
+    """per-token.png and hit-rate.png (below). Needs matplotlib (the `bench`
+    extra); without it, no plots and a note in the summary."""
     try:
         import matplotlib
 
@@ -406,41 +405,95 @@ def write_plots(plan: BenchPlan, rows: list[RunFigures]) -> list[Path]:
         import matplotlib.pyplot as plt
     except ImportError:
         return []
+    paths = []
+    for name, make in (("per-token.png", per_token_figure), ("hit-rate.png", hit_rate_figure)):
+        fig = make(plan, rows)
+        if fig is None:
+            continue
+        paths.append(plan.out / name)
+        fig.savefig(paths[-1], dpi=110, bbox_inches="tight")  # tight: the legend sits outside the axes
+        plt.close(fig)
+    return paths
+
+
+def per_token_figure(plan: BenchPlan, rows: list[RunFigures]):
+    """Per-token wall/compute/io/stall of the first moe-pipe run, with each
+    peer's first run (and any run that did not finish) as walls on the same
+    axes. The legend sits outside the axes so it hides no curve; a run that
+    did not finish ends in a cross (a run killed after one token is a single
+    point, invisible as a line) and says so in its label; a caption says why
+    io can lie above wall. None without a moe-pipe run."""
+    import matplotlib.pyplot as plt
+
     from moe_pipe.shared.analysis.peer_llama import read_result
     from moe_pipe.shared.telemetry import read_csv
 
     first = next((r for r in rows if r.engine == "moe-pipe"), None)
     if first is None:
-        return []
-    _, recs = read_csv(plan.out / first.csv)
+        return None
+    preamble, recs = read_csv(plan.out / first.csv)
     steps = [r.step for r in recs]
-    fig, ax = plt.subplots(figsize=(9, 4.5))
+    fig, ax = plt.subplots(figsize=(11, 4.8))
     for name in ("wall_ms", "compute_ms", "io_ms", "stall_ms"):
         ax.plot(steps, [getattr(r, name) for r in recs], label=f"moe-pipe {name[:-3]}", lw=1.2)
     for r in rows:
-        if r.engine == "llama.cpp" and r.run == 1:
-            walls = read_result(plan.out / r.csv)["wall_ms"]
-            ax.plot(range(1, len(walls) + 1), walls, "--", label=r.label, lw=1.2)
+        if r.engine != "llama.cpp" or (r.run != 1 and r.finished):
+            continue
+        walls = read_result(plan.out / r.csv)["wall_ms"]
+        label = f"{r.label} #{r.run}"
+        if r.finished:
+            ax.plot(range(1, len(walls) + 1), walls, "--", label=label, lw=1.2)
+        elif walls:
+            ax.plot(
+                range(1, len(walls) + 1),
+                walls,
+                "--",
+                marker="X",
+                markevery=[len(walls) - 1],
+                ms=9,
+                lw=1.2,
+                label=f"{label}: ended at token {len(walls)} (x)",
+            )
+        else:  # nothing to draw: the legend still names it
+            ax.plot([], [], "X", ms=9, label=f"{label}: no token")
     ax.set_yscale("log")
     ax.set_xlabel("token (1 = the prompt)")
     ax.set_ylabel("ms")
     ax.set_title(f"{plan.model.name}: per-token times")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    p1 = plan.out / "per-token.png"
-    fig.savefig(p1, dpi=110)
-    plt.close(fig)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+    lanes = preamble.get("config.io.io_threads", "the")
+    fig.text(
+        0.01,
+        0.005,
+        f"io is read time summed over the reader's {lanes} lanes, so it can lie above wall while reads overlap "
+        "each other and compute; stall is the part of io that compute waited for (docs/telemetry.md)",
+        fontsize=7,
+        va="bottom",
+    )
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    return fig
+
+
+def hit_rate_figure(plan: BenchPlan, rows: list[RunFigures]):
+    """The running cache hit % of each moe-pipe run, titled with the model and
+    the expert cache budget (the figure depends on both). None without a moe-pipe run."""
+    import matplotlib.pyplot as plt
+
+    from moe_pipe.shared.telemetry import read_csv
+
+    ours = [r for r in rows if r.engine == "moe-pipe"]
+    if not ours:
+        return None
     fig, ax = plt.subplots(figsize=(9, 3.5))
-    for r in rows:
-        if r.engine == "moe-pipe":
-            _, rr = read_csv(plan.out / r.csv)
-            ax.plot([x.step for x in rr], [x.cache_hit_pct for x in rr], label=f"run {r.run}")
+    for r in ours:
+        _, rr = read_csv(plan.out / r.csv)
+        ax.plot([x.step for x in rr], [x.cache_hit_pct for x in rr], label=f"run {r.run}")
+    budgets = sorted({round(r.budget_mib) for r in ours if r.budget_mib is not None})
+    budget = " / ".join(f"{b:,} MiB" for b in budgets) if budgets else "unknown"
+    ax.set_title(f"{plan.model.name}: expert cache hit %, budget {budget}")
     ax.set_xlabel("token")
     ax.set_ylabel("cache hit % (running)")
     ax.set_ylim(0, 100)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    p2 = plan.out / "hit-rate.png"
-    fig.savefig(p2, dpi=110)
-    plt.close(fig)
-    return [p1, p2]
+    return fig

@@ -103,14 +103,14 @@ def make_model(
     specs = plan_tensors(arch, p, override)
     total = sum(s.nbytes for s in specs)
 
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = output_path(out, arch, preset, layers, quant, seed)
+    part = out.with_name(out.name + ".part")
+    _check_writable(out.parent, part)  # a missing folder is made
     free = shutil.disk_usage(out.parent).free
     if not sparse and total > free:
         raise UserError(
-            f"{out}: the {arch} {preset} model needs {total / 1e9:.1f} GB but only {free / 1e9:.1f} GB is free there; use --layers to cut depth"
+            f"{out}: the {arch} {preset} model needs {_size(total)} but only {_size(free)} is free there; use --layers to cut depth"
         )
-    part = out.with_name(out.name + ".part")
 
     w = GGUFWriter(part, arch)
     try:
@@ -145,6 +145,34 @@ def make_model(
         part.unlink(missing_ok=True)
         raise
     return out
+
+
+def output_path(out: Path | str, arch: str, preset: str, layers: int | None, quant: str | None, seed: int) -> Path:
+    """The file to write: `out`, or when `out` is a folder (an existing one, or
+    a path ending in "/") the default name for these arguments inside it."""
+    text = str(out)
+    path = Path(out)
+    if path.is_dir() or text.endswith(os.sep):
+        name = f"{arch}-{preset}" + (f"-L{layers}" if layers else "") + (f"-{quant}" if quant else "") + f"-seed{seed}.gguf"
+        path = path / name
+    return path
+
+
+def _check_writable(folder: Path, part: Path) -> None:
+    """The output folder exists (made if need be) and takes a file: one line
+    saying which folder is not writable, before any work and before the free
+    space check (a pseudo file system like /proc reports 0 bytes free)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        part.open("wb").close()
+        part.unlink()
+    except OSError as exc:
+        raise UserError(f"{folder} is not a writable folder ({exc.strerror or exc}); choose another with -o") from None
+
+
+def _size(n: int) -> str:
+    """Bytes as GB, or MB below 0.1 GB (a tiny model is not "0.0 GB")."""
+    return f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
 
 
 def _leave_data_as_hole(w: GGUFWriter, specs: list[TensorSpec]) -> None:

@@ -287,11 +287,16 @@ def fit_max_tokens(req: CompletionRequest, n_prompt: int, settings: RequestDefau
     ctx, where = settings.ctx_size, "messages" if req.chat else "prompt"
     if n_prompt < 1:
         raise ApiError(400, f"'{where}' is empty after tokenization", "invalid_value", param=where)
+    if n_prompt >= ctx:  # no room for one token whatever max_tokens says: the prompt is the cause, name it
+        what = "conversation" if req.chat else "prompt"
+        raise ApiError(
+            400,
+            f"the {what} is {n_prompt} tokens and the context holds {ctx}, leaving no room for a reply; "
+            f"shorten it{' or drop earlier messages' if req.chat else ''}",
+            "context_length_exceeded",
+            param=where,
+        )
     if req.max_tokens is None:
-        if n_prompt >= ctx:
-            raise ApiError(
-                400, f"the prompt is {n_prompt} tokens but the context holds {ctx}; shorten it", "context_length_exceeded", param=where
-            )
         return min(settings.max_tokens, ctx - n_prompt)
     if n_prompt + req.max_tokens > ctx:
         raise ApiError(

@@ -76,6 +76,21 @@ def test_the_tiny_model_id_is_a_clean_id():
     assert name == "moe-pipe-tiny" and re.fullmatch(r"[A-Za-z0-9._-]+", name)
 
 
+def test_an_install_leaves_the_tree_clean():
+    # `pip install .` writes moe_pipe.egg-info/ and build/ beside the sources: never
+    # tracked, always ignored, so a user's `git status` stays clean after installing.
+    import shutil
+    import subprocess
+
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    assert not [p for p in tracked if ".egg-info/" in p or p.startswith(("build/", "dist/")) or p.endswith(".whl")]
+    made = ["moe_pipe.egg-info/PKG-INFO", "build/lib/moe_pipe/__init__.py", "dist/moe_pipe-0.1.0-py3-none-any.whl"]
+    ignored = subprocess.run(["git", "check-ignore", *made], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    assert ignored == made
+
+
 def test_the_readme_usage_block_names_every_command():
     text = (ROOT / "README.md").read_text()
     block = text.split("## Usage", 1)[1].split("```", 2)[1]

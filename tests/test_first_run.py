@@ -22,6 +22,7 @@ from moe_pipe.shared.telemetry import MIB, read_csv
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.toml")
+DOC = ROOT / "docs" / "telemetry.md"
 
 
 def _moe_pipe(*argv: str, numba_cache: Path | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -99,6 +100,9 @@ def test_one_value_per_timing_figure_across_json_summary_and_csv(tmp_path):
     # the llama.cpp-style rates are their own counts over their own times
     assert t["prompt_tok_s"] == pytest.approx(t["prompt_n"] / (t["prompt_ms"] / 1e3), rel=1e-3)
     assert t["predicted_tok_s"] == pytest.approx(t["predicted_n"] / (t["predicted_ms"] / 1e3), rel=1e-3)
+    # docs/telemetry.md § Preamble names exactly the model.* keys the preamble carries
+    row = next(line for line in DOC.read_text().splitlines() if line.startswith("| model.* |"))
+    assert {f"model.{k}" for k in re.findall(r"`(\w+)` \(", row)} == {k for k in preamble if k.startswith("model.")}
 
 
 def _args(**kw) -> argparse.Namespace:

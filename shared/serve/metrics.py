@@ -10,6 +10,9 @@ from collections import Counter
 
 from moe_pipe.shared.wire import messages as m
 
+# moe_pipe_requests_total's outcomes (docs/api.md § Metrics); the gateway counts each request once
+OUTCOMES = ("ok", "invalid", "rejected", "unavailable", "failed", "cancelled")
+
 
 class Metrics:
     """Counters for /metrics: ours, compute's (Done.timings) and telemetry's."""
@@ -50,7 +53,9 @@ class Metrics:
             "moe_pipe_requests_total",
             "counter",
             "Completion requests by outcome.",
-            [(f'{{outcome="{k}"}}', v) for k, v in sorted(self.requests.items())] or [('{outcome="ok"}', 0)],
+            # every outcome from the start, at zero until it happens: a rate() over a
+            # series that appears only at its first event misses that event
+            [(f'{{outcome="{k}"}}', self.requests[k]) for k in sorted(set(OUTCOMES) | set(self.requests))],
         )
         metric("moe_pipe_decode_tokens_per_second_last", "gauge", "Decode speed of the last finished request.", [("", self.last_tok_s)])
         metric("moe_pipe_decode_tokens_per_second_mean", "gauge", "Decode tokens over decode time, all requests.", [("", mean)])

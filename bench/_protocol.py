@@ -7,14 +7,18 @@ read. With `cold="copy"` every engine run reads its own fresh copy of the
 model (written, synced, the page cache dropped; removed after the run); with
 `cold="alternate"` (a model too big to copy on this disk) every run reads
 the same file and the engines' order alternates between repeats, each row
-saying whether it ran first. A cold check reads one region of a fresh copy
-twice, O_DIRECT into populated pages with the engine's read lanes: the first
-read is the disk's rate on never-read blocks (the reference of the warm-up
-target), the second the re-read rate, and their ratio says whether a copy is
-really cold. It runs before and after the engine runs.
+saying whether it ran first. A cold check copies one region of the model
+(1 GiB of its middle: expert bytes) to a new file and reads it twice,
+O_DIRECT into populated pages with the engine's read lanes: the first read
+is the disk's rate on never-read blocks (the reference of the warm-up
+target), the second the re-read rate, and their ratio says whether a copy
+is really cold. It runs before and after the engine runs.
 
 Figures per run, from the per-token walls (token 1 = the prompt's pass):
 
+  start-up          launch to ready, before the prompt (moe-pipe: load plus the
+                    kernel warm-up; llama.cpp: its Llama() constructor, which
+                    maps the file and leaves the reading to the prompt)
   first token       the prompt: its reads into an empty cache and its compute
   steady at         the token after the last window of 8 tokens slower than
                     1.2x the last quarter's mean wall, and the time spent until it
@@ -87,6 +91,15 @@ def read_rows(csv_path: Path) -> list[dict]:
         return [{k: float(v) for k, v in r.items()} for r in csv.DictReader(line for line in f if not line.startswith("#"))]
 
 
+def start_seconds(jsonl_path: Path) -> float:
+    """Launch to ready: the run's load plus its kernel warm-up (run_info; docs/telemetry.md)."""
+    for line in jsonl_path.read_text().splitlines():
+        rec = json.loads(line)
+        if rec.get("kind") == "run_info":
+            return float(rec["load_seconds"]) + float(rec.get("compile_seconds", 0.0))
+    raise SystemExit(f"no run_info record in {jsonl_path}")
+
+
 def io_lanes(jsonl_path: Path) -> int:
     """The run's read lanes, from its run_info record (the CSV's io_ms sums over them)."""
     for line in jsonl_path.read_text().splitlines():
@@ -124,21 +137,35 @@ def fresh_copy(model: Path, dest: Path) -> float:
     return time.perf_counter() - t0
 
 
+def fresh_region(model: Path, dest: Path, start: int, length: int) -> None:
+    """Bytes start..start+length of the model copied to `dest`: blocks no run has read (a
+    region, not the whole file, so the check fits beside a model too big to copy)."""
+    with open(model, "rb") as src, open(dest, "wb") as out:
+        src.seek(start)
+        left = length
+        while left:
+            chunk = src.read(min(left, 64 << 20))
+            if not chunk:
+                raise SystemExit(f"bench_vs_llama: {model} ends before {start + length} bytes")
+            out.write(chunk)
+            left -= len(chunk)
+    subprocess.run(["sync"], check=True)
+
+
 def cold_check(model: Path, copy: Path, lanes: int, region_gib: float = COLD_CHECK_GIB) -> dict:
-    """Read one region of a fresh copy twice, O_DIRECT into populated pages: never-read rate, re-read rate."""
+    """Read a fresh copy of one region twice, O_DIRECT into populated pages: never-read rate, re-read rate."""
     from bench_fill import run_one  # bench/ is the script's folder
 
     from moe_pipe.shared.analysis.cgroup import drop_page_cache
 
-    fresh_copy(model, copy)
+    region = int(region_gib * 2**30) // 4096 * 4096
+    start = (model.stat().st_size // 2) // 4096 * 4096  # the middle: expert bytes on every model here
+    fresh_region(model, copy, start, region)
     try:
         drop_page_cache()
-        size = copy.stat().st_size
-        region = int(region_gib * 2**30) // 4096 * 4096
-        start = (size // 2) // 4096 * 4096  # the middle: expert bytes on every model here
-        first = run_one(copy, "populated", start, region, lanes)["gbps"]
+        first = run_one(copy, "populated", 0, region, lanes)["gbps"]
         drop_page_cache()
-        again = run_one(copy, "populated", start, region, lanes)["gbps"]
+        again = run_one(copy, "populated", 0, region, lanes)["gbps"]
     finally:
         copy.unlink(missing_ok=True)
     return {"never_read_gbps": first, "reread_gbps": again, "lanes": lanes, "region_gib": region_gib}
@@ -173,6 +200,7 @@ def run_engine(
         walls = [r["wall_ms"] for r in rows]
         extra = moe_pipe_io_figures(rows, io_lanes((out / fig.csv).with_suffix(".jsonl")))
         extra["budget_mib"] = fig.budget_mib
+        extra["start_s"] = start_seconds((out / fig.csv).with_suffix(".jsonl"))
     else:
         ra_file = bm.readahead_file(model)
         machine_ra = int(ra_file.read_text()) if ra_file else None
@@ -183,8 +211,9 @@ def run_engine(
         finally:
             if machine_ra is not None:
                 bm.set_readahead(ra_file, machine_ra)
-        walls = read_result(out / fig.csv)["wall_ms"]
-        extra = {}
+        peer = read_result(out / fig.csv)
+        walls = peer["wall_ms"]
+        extra = {"start_s": peer.get("load_s")}
     row = {"engine": engine.name, "kind": engine.kind, "lossy": engine.lossy, "finished": fig.finished, **reply_figures(walls), **extra}
     row.update(peak_mem_mib=fig.peak_mem_mib, page_cache_mib=fig.page_cache_mib, oom_kills=fig.oom_kills, token_ids=fig.token_ids)
     return row
@@ -259,7 +288,7 @@ def summarize(model: Path, config: Path, engines: list[Engine], rows: list[dict]
     for e in engines:
         mine = [r for r in rows if r["engine"] == e.name]
         m = {k: statistics.median(r[k] for r in mine) for k in FIGS}
-        for k in ("first_read_gbps", "fill_read_gbps", "hit_pct", "budget_mib", "page_cache_mib", "first_gb"):
+        for k in ("start_s", "first_read_gbps", "fill_read_gbps", "hit_pct", "budget_mib", "page_cache_mib", "first_gb"):
             vals = [r[k] for r in mine if r.get(k) is not None]
             m[k] = statistics.median(vals) if vals else None
         m["finished"] = all(r["finished"] for r in mine)
@@ -314,9 +343,9 @@ def markdown(s: dict, title: str) -> str:
         f"ceiling lifted: `cache_ceil_mb` auto gives no ceiling off a phone), {s['n']} greedy tokens, {s['threads']} threads, "
         f"medians of {s['repeat']} runs, {cold}.",
         "",
-        "| engine | first token s | steady from token (s) | tokens 2-50 ms | last quarter tok/s | whole tok/s | "
+        "| engine | start-up s | first token s | steady from token (s) | tokens 2-50 ms | last quarter tok/s | whole tok/s | "
         "prompt reads GB/s | fill reads GB/s | hit % | cache or page cache, share of limit |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def f(v, fmt="{:.2f}"):
@@ -326,7 +355,7 @@ def markdown(s: dict, title: str) -> str:
         mem = m["budget_mib"] if m["budget_mib"] is not None else m["page_cache_mib"]
         what = "expert cache" if m["budget_mib"] is not None else "page cache"
         lines.append(
-            f"| {name}{'' if m['finished'] else ' (did not finish)'} | {f(m['first_s'])} | {m['steady_at_token']:.0f} "
+            f"| {name}{'' if m['finished'] else ' (did not finish)'} | {f(m['start_s'], '{:.1f}')} | {f(m['first_s'])} | {m['steady_at_token']:.0f} "
             f"({f(m['steady_at_s'], '{:.1f}')}) | {f(m['fill_ms'], '{:.0f}')} | {f(m['steady_tps'])} | {f(m['whole_tps'])} | "
             f"{f(m['first_read_gbps'])} | {f(m['fill_read_gbps'])} | {f(m['hit_pct'], '{:.0f}')} | "
             + (f"{what} {mem:,.0f} MiB = {mem / lim:.0%}" if mem is not None else "")

@@ -245,10 +245,9 @@ def run_protocol(
         prompt_tokens = encode_prompt(Tokenizer.from_gguf(mf.gguf), PROMPT)
     copy = model.with_name(model.stem + "-cold-copy.gguf")
     checks = []
-    if cold == "copy":
-        say(f"cold check: a fresh copy's region read twice ({lanes} lanes) ...")
-        checks.append(cold_check(model, copy, lanes))
-        say(f"    never-read {checks[-1]['never_read_gbps']:.2f} GB/s, re-read {checks[-1]['reread_gbps']:.2f} GB/s")
+    say(f"cold check: a fresh copy of a region read twice ({lanes} lanes) ...")
+    checks.append(cold_check(model, copy, lanes))
+    say(f"    never-read {checks[-1]['never_read_gbps']:.2f} GB/s, re-read {checks[-1]['reread_gbps']:.2f} GB/s")
     rows = []
     t0 = time.monotonic()
     for r in range(repeat):
@@ -273,10 +272,9 @@ def run_protocol(
                 f"{row['steady_tps']:.2f} tok/s, whole {row['whole_tps']:.2f} tok/s, {row['tokens']} tokens "
                 f"({time.monotonic() - t0:.0f} s so far)"
             )
-    if cold == "copy":
-        say("cold check again ...")
-        checks.append(cold_check(model, copy, lanes))
-        say(f"    never-read {checks[-1]['never_read_gbps']:.2f} GB/s, re-read {checks[-1]['reread_gbps']:.2f} GB/s")
+    say("cold check again ...")
+    checks.append(cold_check(model, copy, lanes))
+    say(f"    never-read {checks[-1]['never_read_gbps']:.2f} GB/s, re-read {checks[-1]['reread_gbps']:.2f} GB/s")
     return summarize(model, config, engines, rows, checks, limit_mb=limit_mb, n=n, repeat=repeat, threads=threads, cold=cold)
 
 

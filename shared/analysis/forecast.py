@@ -45,10 +45,12 @@ an LRU-like cache, scaling every expert's request rate by the same factor
 rescales time and leaves each hit probability unchanged, so hit % depends on
 slots and the popularity spread, not on k. A model whose architecture has no
 trace but whose expert count matches one (gemma4 × 128) replays that trace as
-a proxy (source "proxy"): another real router over as many experts, whose
-reuse is much closer to a trained router's than uniform routing is — on
-gemma26b-shape at 10,673 MiB, uniform routing forecast 48 % hits against 79 %
-measured (docs/benchmarks.md § The protocol (2026-12-01)). Without any trace of
+a proxy (source "proxy"): another trained router over as many experts,
+nearer a trained router's reuse than uniform routing, which no trained
+router shows. On the gemma26b-shape file at 10,673 MiB (a synthetic router,
+not calibrated on a Gemma recording) uniform routing forecast 48 % hits and
+the Qwen proxy 96 %, against 79 % measured (docs/benchmarks.md § The
+protocol (2026-12-01)). Without any trace of
 that expert count the fallback is slots / (layers × experts): exact for
 uniform routing, which a real router beats, so it is a pessimistic guess and
 flagged as one.

@@ -214,15 +214,15 @@ def _run_pipeline(cfg, model_path, prompt_tokens, params, args, on_text) -> dict
         if on_text:
             on_text(text)
 
-    # Something at once: the dense load, compute's start and its kernels take a while on a first run.
+    # Something at once: the dense load, compute's start and its kernels take a while on a
+    # first run. The first line comes once the settings are checked, so a refusal stays one line.
     with StatusLine() as status:
-        status.update("starting: dense weights, compute process, then its kernels to compile")
 
         def show(p) -> None:
             if p.item:
                 status.update(kernel_text(p.step, p.total, p.item))
 
-        pipe = start_pipeline(cfg, model_path, on_progress=show)
+        pipe = start_pipeline(cfg, model_path, on_progress=show, on_stage=status.update)
         status.done(f"kernels ready in {pipe.compile_seconds:.2f} s ({pipe.kernels_compiled} compiled, the rest from numba's cache)")
     with pipe:
         r = pipe.resolved

@@ -52,13 +52,16 @@ def start_pipeline(
     model_path: str | os.PathLike,
     starter: Callable[[Launch], ProcessStarter] = SpawnStarter,
     on_progress: Callable[[m.Progress], None] | None = None,
+    on_stage: Callable[[str], None] | None = None,
 ) -> Pipeline:
     """A running pipeline: resources, sockets, children, and compute's Hello.
-    `on_progress` sees compute's Progress messages (its kernel warm-up) as they
-    come. On any failure everything made so far is released before it raises."""
+    `on_stage` hears start-up's stages once the settings are checked (a refusal
+    comes before any), `on_progress` compute's Progress messages (its kernel
+    warm-up) as they come. On any failure everything made so far is released
+    before it raises."""
     t0 = time.perf_counter()
     model_path = Path(model_path)
-    res = Resources.create(cfg, model_path)
+    res = Resources.create(cfg, model_path, progress=on_stage)
     ctx = zmq.Context()
     try:
         ep = res.rt.endpoints

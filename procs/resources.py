@@ -100,6 +100,8 @@ class Resources:
             )
             # More slabs than experts would never be used.
             n_slots = min(slots_for_budget(budget.bytes, layout.slab_bytes), spec.n_layer * spec.n_expert)
+            if progress:  # only now: a refusal above is the one line the user sees
+                progress("starting: dense weights, compute process, then its kernels to compile")
             identity = _read_or_fail(lambda: model_identity(mf.gguf.paths), "reading the model file's header")
             rt = ipc.RuntimeDir.create()
             undo.callback(rt.remove)

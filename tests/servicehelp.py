@@ -25,3 +25,18 @@ class StatusPolling:
                 return p
             time.sleep(0.2)
         raise AssertionError(f"{name} never reached {states}: {self.proc(name)}")
+
+
+def terminate(pid: int | None, timeout_s: float = 60.0) -> None:
+    """Stop a service's supervisor that a test started, if it still runs: SIGTERM (it
+    releases its memory and segments), SIGKILL after `timeout_s`."""
+    import psutil
+
+    if pid is None or not psutil.pid_exists(pid):
+        return
+    proc = psutil.Process(pid)
+    proc.terminate()
+    try:
+        proc.wait(timeout_s)
+    except psutil.TimeoutExpired:
+        proc.kill()

@@ -18,6 +18,8 @@ import pytest
 
 from moe_pipe.shared.serve.openai_api import ApiError, fit_max_tokens, parse_request
 
+from .servicehelp import terminate
+
 CLI = [sys.executable, "-m", "moe_pipe.cli.main"]
 TINY = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.toml")
 CTX = 96  # tokens: a few turns of the tiny model's chat template and 12-token replies
@@ -80,11 +82,5 @@ def test_a_long_chat_drops_its_oldest_turns_and_goes_on():
     finally:
         if pid is not None and psutil.pid_exists(pid):
             subprocess.run([*CLI, "down"], env=env, capture_output=True, timeout=120)
-            if psutil.pid_exists(pid):  # `down` could not stop it: SIGTERM releases its memory too
-                proc = psutil.Process(pid)
-                proc.terminate()
-                try:
-                    proc.wait(60)
-                except psutil.TimeoutExpired:
-                    proc.kill()
+            terminate(pid)  # `down` could not stop it: SIGTERM releases its memory too
         shutil.rmtree(base, ignore_errors=True)

@@ -18,12 +18,13 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-import psutil
 import pytest
 
 from moe_pipe.shared.config import REDACTED, Config, apply_overrides
 from moe_pipe.shared.errors import ConfigError
 from moe_pipe.shared.serve.service import API_KEY_FILE
+
+from .servicehelp import terminate
 
 CLI = [sys.executable, "-m", "moe_pipe.cli.main"]
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.toml"
@@ -121,13 +122,7 @@ def test_a_planted_api_key_is_in_no_output_and_still_guards_the_api():
         if tail is not None and tail.poll() is None:
             tail.kill()
             tail.communicate()
-        if pid is not None and psutil.pid_exists(pid):  # a failed test still stops its service (SIGTERM: it releases its memory)
-            proc = psutil.Process(pid)
-            proc.terminate()
-            try:
-                proc.wait(60)
-            except psutil.TimeoutExpired:
-                proc.kill()
+        terminate(pid)  # a failed test still stops its service
         files = _files_text(base)
         shutil.rmtree(base, ignore_errors=True)
     files.pop(str(config))  # where the user put it

@@ -91,22 +91,23 @@ def read_rows(csv_path: Path) -> list[dict]:
         return [{k: float(v) for k, v in r.items()} for r in csv.DictReader(line for line in f if not line.startswith("#"))]
 
 
-def start_seconds(jsonl_path: Path) -> float:
-    """Launch to ready: the run's load plus its kernel warm-up (run_info; docs/telemetry.md)."""
+def run_info(jsonl_path: Path) -> dict:
+    """The run's run_info record, the JSONL's first (docs/telemetry.md § JSONL)."""
     for line in jsonl_path.read_text().splitlines():
         rec = json.loads(line)
         if rec.get("kind") == "run_info":
-            return float(rec["load_seconds"]) + float(rec.get("compile_seconds", 0.0))
+            return rec
     raise SystemExit(f"no run_info record in {jsonl_path}")
 
 
-def io_lanes(jsonl_path: Path) -> int:
-    """The run's read lanes, from its run_info record (the CSV's io_ms sums over them)."""
-    for line in jsonl_path.read_text().splitlines():
-        rec = json.loads(line)
-        if rec.get("kind") == "run_info":
-            return int(rec["config"]["io.io_threads"])
-    raise SystemExit(f"no run_info record in {jsonl_path}")
+def start_seconds(info: dict) -> float:
+    """Launch to ready: the run's load plus its kernel warm-up."""
+    return float(info["load_seconds"]) + float(info.get("compile_seconds", 0.0))
+
+
+def io_lanes(info: dict) -> int:
+    """The run's read lanes (the CSV's io_ms sums over them)."""
+    return int(info["config"]["io.io_threads"])
 
 
 def lane_gbps(rows: list[dict], lanes: int) -> float:
@@ -198,9 +199,10 @@ def run_engine(
         fig = bm._in_cgroup(plan, lambda cg: bm.run_moe_pipe(plan, 1, cg))
         rows = read_rows(out / fig.csv)
         walls = [r["wall_ms"] for r in rows]
-        extra = moe_pipe_io_figures(rows, io_lanes((out / fig.csv).with_suffix(".jsonl")))
+        info = run_info((out / fig.csv).with_suffix(".jsonl"))
+        extra = moe_pipe_io_figures(rows, io_lanes(info))
         extra["budget_mib"] = fig.budget_mib
-        extra["start_s"] = start_seconds((out / fig.csv).with_suffix(".jsonl"))
+        extra["start_s"] = start_seconds(info)
     else:
         ra_file = bm.readahead_file(model)
         machine_ra = int(ra_file.read_text()) if ra_file else None

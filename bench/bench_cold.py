@@ -29,7 +29,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from _protocol import fresh_copy, io_lanes, lane_gbps, read_rows  # bench/ is the script's folder
+from _protocol import fresh_copy, io_lanes, lane_gbps, read_rows, run_info  # bench/ is the script's folder
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "out"
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = ap.parse_known_args(argv)
     variants = [v.split("=", 1) for v in args.variant] or [["default", ""]]
     if args.report_only:
-        runs = {name: [figures(read_rows(d / "moe-pipe-1.csv"), io_lanes(d / "moe-pipe-1.jsonl"))
+        runs = {name: [figures(read_rows(d / "moe-pipe-1.csv"), io_lanes(run_info(d / "moe-pipe-1.jsonl")))
                        for d in sorted(args.out.glob(f"{name}-*"))] for name, _ in variants}  # fmt: skip
         report(runs, args)
         return 0
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
                 subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
             finally:
                 copy.unlink(missing_ok=True)
-            f = figures(read_rows(out / "moe-pipe-1.csv"), io_lanes(out / "moe-pipe-1.jsonl"))
+            f = figures(read_rows(out / "moe-pipe-1.csv"), io_lanes(run_info(out / "moe-pipe-1.jsonl")))
             runs[name].append(f)
             print(f"[{name} {r + 1}] " + ", ".join(f"{k} {v:.3g}" for k, v in f.items()), file=sys.stderr)
     report(runs, args)

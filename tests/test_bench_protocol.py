@@ -62,7 +62,7 @@ def test_summary_ratios_against_the_best_peer(tmp_path):
 
 
 def test_read_rates_divide_the_lanes_summed_read_time(tmp_path):
-    from _protocol import io_lanes, moe_pipe_io_figures, read_rows
+    from _protocol import io_lanes, moe_pipe_io_figures, read_rows, run_info
 
     csv_path = tmp_path / "run.csv"
     csv_path.write_text(
@@ -71,7 +71,7 @@ def test_read_rates_divide_the_lanes_summed_read_time(tmp_path):
     (tmp_path / "run.jsonl").write_text('{"kind": "other"}\n{"kind": "run_info", "config": {"io.io_threads": 4}}\n')
     rows = read_rows(csv_path)
     assert [r["wall_ms"] for r in rows] == [5000.0, 200.0, 100.0]
-    lanes = io_lanes(tmp_path / "run.jsonl")
+    lanes = io_lanes(run_info(tmp_path / "run.jsonl"))
     f = moe_pipe_io_figures(rows, lanes)
     assert lanes == 4 and f["first_gb"] == 4.0 and f["hit_pct"] == 75.0
     assert f["first_read_gbps"] == pytest.approx(4e9 / (8.0 / 4) / 1e9)  # 8 s of lane time over 4 lanes = 2 s busy

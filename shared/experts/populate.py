@@ -41,8 +41,9 @@ def _yield_to_compute() -> None:
     set loads, while the kernel warm-up runs on one thread, while a token waits
     for its reads) and gives a core back at once. Measured at full depth
     (qwen30b-shape, 48 layers, file / 1.6, 256 tokens, medians of 2 fresh-copy
-    runs, docs/warmup-analysis.md § Populated slabs): first token 5.27 s and
-    tokens 2-50 281 ms at nice 19, 5.59 s and 307 ms at equal priority."""
+    runs, the kernel warm-up on one thread in both; docs/warmup-analysis.md
+    § Populated slabs): first token 5.19 s and tokens 2-50 229 ms at nice 19,
+    5.59 s and 307 ms at equal priority."""
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
     except (AttributeError, OSError):  # not Linux, or not allowed: populate at the process's priority

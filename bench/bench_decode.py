@@ -5,7 +5,8 @@
 Makes (once, under bench/out/) a qwen30b-shape model cut to `--layers` so it
 fits in RAM, then runs the same greedy generation through llama.cpp
 (llama-cpp-python, default mmap loading, the same threads) and through
-moe-pipe's single-process path, in the same run, and prints tok/s and their
+moe-pipe's single-process path (numpy's BLAS on one thread, as `run
+--no-stream` sets it), in the same run, and prints tok/s and their
 ratio, the share of moe-pipe's decode time per stage (attention, router,
 experts, head), and the Python time outside the kernels. llama-cpp-python is
 optional: without it only moe-pipe's figures print.
@@ -98,6 +99,11 @@ def run_ours(path: Path, prompt: list[int], n: int, threads: int, profile: bool,
     from moe_pipe.shared.model.load import ModelOptions, load_model
 
     quant.set_threads(threads)
+    # As `run --no-stream` and compute do (cli/run_cmd.py, procs/compute.py):
+    # without it OpenBLAS's spinning workers from a prompt's attention
+    # products take the cores from the kernels after them (prefill ran 2.5x
+    # slower on the 8-layer qwen30b-shape model, 2026-12-01).
+    quant.one_blas_thread()
     mf = open_model(path)
     model = load_model(mf, options=ModelOptions(stage_timing=profile and stages))
     model.prefill(prompt[:4], model.new_cache(16))  # compile/load kernels outside the timing

@@ -6,9 +6,10 @@ without this a run's first prompt pays 10-15 s of compiling (the tiny model:
 a dozen kernels of 0.3-2.3 s each) and its timings say so. The steps, from
 the model's tensor types:
 
-  - per quant type of a weight matrix: the float-tile matmul (prompts longer
-    than `quant.INT8_MAX_TOKENS`, and every call on a non-int8 type) and, on
-    the int8-activation types, the int8 matvec (decode, short prompts);
+  - per quant type of a weight matrix: its matmul (the int8 kernel on the
+    int8-activation types while int8 activations are on, else the float
+    tile) and, on the int8-activation types, the int8 matvec (the same
+    kernel, already compiled by then);
   - per type of an embedding table: the row decoder (`dequantize_rows`);
   - one forward pass (a 2-token prompt, then one decoded token) of the real
     model over zero-filled experts laid out as compute's slabs lay them out,
@@ -81,8 +82,8 @@ def _zeros(n_rows: int, row_bytes: int) -> np.ndarray:
 
 def _matmul_step(qt: quant.QType) -> Step:
     fmt = quant.block_format(qt)
-    # More rows than INT8_MAX_TOKENS: the float-tile kernel, whatever the type.
-    X = np.zeros((quant.INT8_MAX_TOKENS + 1, fmt.block_size), np.float32)
+    # Two rows: the int8 kernel on the int8 types (int8 on), the float tile otherwise.
+    X = np.zeros((2, fmt.block_size), np.float32)
     return Step(f"{fmt.name} matmul", lambda: quant.matmul(qt, _zeros(2, fmt.type_size), X))
 
 

@@ -5,10 +5,10 @@ float64. Two comparisons are asked of the kernels:
 
 1. layout exactness: against dequantize(w) @ x̂ with
    x̂ = effective_activation(x, qtype), exactly what the kernels multiply by:
-   x rounded to float32, and for one-row calls (matvec, matmul with T = 1)
-   on the int8-activation types (quant.INT8_ACTIVATION_TYPES: Q8_0, Q4_K,
-   Q6_K, Q5_0, MXFP4; default on) further rounded to int8 per block of 32
-   (x̂ = dx·xq, dx = amax/127). The decoded
+   x rounded to float32, and on the int8-activation types
+   (quant.INT8_ACTIVATION_TYPES: Q8_0, Q4_K, Q6_K, Q5_0, MXFP4; default on)
+   each row further rounded to int8 per block of 32 (x̂ = dx·xq,
+   dx = amax/127), in matvec and matmul alike. The decoded
    weights are exact and the integer block sums are exact, so the only error
    is float32 products and accumulation: |err| ≤ (n + 2)·u·Σ|w·x̂| with
    u = 2⁻²⁴ and n = C terms, the standard bound for a float dot product.
@@ -16,6 +16,9 @@ float64. Two comparisons are asked of the kernels:
    rounding. Float activations: |x − x̂| ≤ u·|x|. Int8 activations:
    |x − x̂| ≤ (amax₃₂/254)·(1 + 4u) + u·|x| per element (amax₃₂ the largest
    |x| in its block of 32), so |err| grows by at most Σ|w|·that.
+3. every row of a matmul equals the matvec of that row bit for bit, on every
+   type, with int8 activations on and off (the several-row kernels run each
+   row's float operations in the one-row order).
 
 Legend: R rows, C columns, T activation rows.
 """
@@ -42,7 +45,7 @@ TYPES = [pytest.param(t, id=t.name) for t in SUPPORTED]
 
 @pytest.fixture(autouse=True, params=[False, True], ids=["f32act", "int8act"])
 def int8_mode(request):
-    """Every test runs with int8 activations off (float everywhere) and on (the default: one-row calls)."""
+    """Every test runs with int8 activations off (float everywhere) and on (the default)."""
     before = quant.int8_activations()
     quant.set_int8_activations(request.param)
     yield request.param
@@ -123,9 +126,9 @@ def _assert_close(what: str, qtype: QType, w, got, ref, tol) -> None:
     pytest.fail("\n".join(lines))
 
 
-def _int8(qtype: QType, n_tokens: int) -> bool:
-    """Whether a call with n_tokens activation rows runs on int8 activations."""
-    return qtype in quant.INT8_ACTIVATION_TYPES and quant.int8_activations() and n_tokens <= quant.INT8_MAX_TOKENS
+def _int8(qtype: QType) -> bool:
+    """Whether calls on qtype run on int8 activations."""
+    return qtype in quant.INT8_ACTIVATION_TYPES and quant.int8_activations()
 
 
 def _tolerances(deq: np.ndarray, X64: np.ndarray, qtype: QType) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -134,7 +137,7 @@ def _tolerances(deq: np.ndarray, X64: np.ndarray, qtype: QType) -> tuple[np.ndar
     n = deq.shape[1]
     tol_hat = (n + 2) * U32 * (np.abs(Xh) @ np.abs(deq).T) + 1e-30  # [T, R]
     dev = U32 * np.abs(X64)  # [T, C] bound on |x − x̂| per element
-    if _int8(qtype, X64.shape[0]):
+    if _int8(qtype):
         amax = np.abs(X64).reshape(X64.shape[0], -1, 32).max(axis=2)  # [T, C/32]
         dev = dev + np.repeat(amax / 254 * (1 + 4 * U32), 32, axis=1)
     tol_raw = tol_hat + dev @ np.abs(deq).T
@@ -162,20 +165,43 @@ def test_matmul_matches_gguf_dequantize(qtype):
     n_cols = _cols(qtype)[1]
     w = _weights(qtype, 33, n_cols, rng)
     deq = _reference(qtype, w, n_cols)
-    for n_tok in (1, 3, 17):
+    # T = 2, 3: a pair / a pair and one left; 17: four tiles of 4 and one; 64: tiles only
+    for n_tok in (1, 2, 3, 17, 64):
         X = rng.standard_normal((n_tok, n_cols))
         Xh, tol_hat, tol_raw = _tolerances(deq, X, qtype)
         got = quant.matmul(qtype, w, X)
         assert got.shape == (n_tok, 33)
         _assert_close(f"matmul T={n_tok} vs deq@x̂", qtype, w, got, Xh @ deq.T, tol_hat)
         _assert_close(f"matmul T={n_tok} vs deq@x", qtype, w, got, X @ deq.T, tol_raw)
-        # a one-row matmul is the matvec, bit for bit (same kernel per output)
-        np.testing.assert_array_equal(quant.matmul(qtype, w, X[-1:])[0], quant.matvec(qtype, w, X[-1]))
-        # the multi-token path and the one-token path agree row for row, up to
-        # the int8 rounding where only the one-token call has it (checked
-        # against deq@x in test_matvec_matches_gguf_dequantize)
-        if not _int8(qtype, 1) or _int8(qtype, n_tok):
-            np.testing.assert_allclose(got[-1], quant.matvec(qtype, w, X[-1]), rtol=1e-5, atol=1e-6 * np.abs(got).max())
+        # every row is the matvec of that row, bit for bit (prefill and decode agree)
+        for t in range(n_tok):
+            np.testing.assert_array_equal(got[t], quant.matvec(qtype, w, X[t]), err_msg=f"{qtype.name} T={n_tok} row {t}")
+
+
+@pytest.mark.parametrize("qtype", [pytest.param(t, id=t.name) for t in quant.INT8_ACTIVATION_TYPES])
+def test_int8_gemm_tiles_rows_and_threads(qtype):
+    """Several weight-row tiles (the last one partial), rows inside a wider buffer, block tails: rows equal
+    matvec bit for bit, whatever the thread count, and match deq@x̂ to float32 rounding."""
+    rng = np.random.default_rng(500 + int(qtype))
+    fmt = block_format(qtype)
+    n_cols = 256 if fmt.block_size == 256 else 9 * 32  # 9 blocks: two groups of 4 and a tail of 1
+    n_rows = 16384 // fmt.row_bytes(n_cols) * 2 + 5  # rows per 16 KB tile (_q8._TILE_BYTES) × 2 + 5
+    w = _weights(qtype, n_rows, n_cols, rng)
+    wide = np.zeros((n_rows, w.shape[1] + 7), np.uint8)
+    wide[:, 3 : 3 + w.shape[1]] = w
+    deq = _reference(qtype, w, n_cols)
+    X = rng.standard_normal((23, n_cols)) * np.logspace(-3, 3, 23)[:, None]  # rows of very different scale
+    Xh, tol_hat, _ = _tolerances(deq, X, qtype)
+    got = quant.matmul(qtype, wide[:, 3 : 3 + w.shape[1]], X)
+    _assert_close("matmul T=23 vs deq@x̂", qtype, w, got, Xh @ deq.T, tol_hat)
+    for t in range(X.shape[0]):
+        np.testing.assert_array_equal(got[t], quant.matvec(qtype, w, X[t]), err_msg=f"row {t}")
+    before = quant.get_threads()
+    try:
+        quant.set_threads(1)
+        np.testing.assert_array_equal(quant.matmul(qtype, w, X), got)
+    finally:
+        quant.set_threads(before)
 
 
 @pytest.mark.parametrize("qtype", TYPES)
@@ -314,9 +340,9 @@ def test_int8_activation_rounding(qtype, int8_mode):
     x[1, 64:96] *= 1e-35  # amax < 2^-100: the block is flushed to zero (documented)
     xh = np.stack([quant.effective_activation(row, qtype) for row in x])  # one-row calls round
     np.testing.assert_array_equal(quant.effective_activation(x[:1], qtype), xh[:1])  # [1, C] too
-    np.testing.assert_array_equal(quant.effective_activation(x, qtype), xh)  # a short batch rounds each row the same way
-    many = np.repeat(x, quant.INT8_MAX_TOKENS, axis=0)
-    np.testing.assert_array_equal(quant.effective_activation(many, qtype), many)  # a longer batch stays float
+    np.testing.assert_array_equal(quant.effective_activation(x, qtype), xh)  # a batch rounds each row the same way
+    many = np.repeat(x, 40, axis=0)
+    np.testing.assert_array_equal(quant.effective_activation(many, qtype), np.repeat(xh, 40, axis=0))  # however long
     np.testing.assert_array_equal(xh[1, 64:96], 0.0)
     x[1, 64:96] = xh[1, 64:96]
     assert xh.shape == x.shape and xh.dtype == np.float32

@@ -1,6 +1,6 @@
 """Both builds of the int8 dot, on any machine.
 
-The int8-activation kernels (shared/quant/_q8.py) emit one of two builds,
+The int8-activation kernels (shared/quant/_q8.py, their IR in _q8ir.py) emit one of two builds,
 chosen once at import and reported as `quant.INT8_DOT`: "vnni" (the
 vpdpbusd / vpshufb intrinsics) where the CPU numba compiles for has AVX-512
 VNNI, "portable" (target-independent LLVM IR) anywhere else. The other
@@ -8,7 +8,9 @@ kernel tests run whichever build this machine picks; here a child process
 with NUMBA_CPU_NAME=generic (numba's own target switch: a CPU with no
 features, so numba's disk cache keeps its kernels apart from the host's)
 runs tests/test_quant.py's matvec and matmul comparisons against gguf's
-dequantizer, with the same tolerances, for every supported type with int8
+dequantizer, with the same tolerances and the same bit-for-bit equality of
+matmul rows and matvec (and its GEMM tile test on the int8 types), for every
+supported type with int8
 activations on and off, and reports which build it compiled: the build flag
 and the x86 intrinsics in IR numba compiled in that process.
 """
@@ -28,7 +30,7 @@ import pytest
 from gguf.quants import dequantize
 
 from moe_pipe.shared import quant
-from moe_pipe.shared.quant import _legacy, _q8
+from moe_pipe.shared.quant import _legacy, _q8, _q8ir
 from moe_pipe.shared.quant.blocks import E2M1_TWICE, MXFP4_BYTES, QK, QK_K, SUPPORTED, QType
 
 TESTS = Path(__file__).resolve().parent
@@ -37,22 +39,25 @@ VNNI_INTRINSICS = ("llvm.x86.avx512.vpdpbusd.512", "llvm.x86.avx512.pshuf.b.512"
 
 
 def emitted_x86_intrinsics() -> list[str]:
-    """The VNNI-build intrinsics in freshly compiled IR of the Q4_K and MXFP4 row dots.
+    """The VNNI-build intrinsics in freshly compiled IR of the Q4_K (one activation row) and MXFP4 (a tile of 4) row dots.
 
     Compiled here without the disk cache because numba shows the IR only of
     code it compiled in this process (a kernel loaded from the cache has none).
     """
 
     @numba.njit(cache=False)
-    def probe(w, xq, dx, xs32, bs, half):
-        return _q8._rowdot_q4_k(w, 0, 1, xq, 0, dx, xs32, half) + _q8._rowdot4_mxfp4(w, 0, 1, xq, 0, dx, bs, half)
+    def probe(w, xq, dx, xs32, bs, half, out):
+        _q8._q4_k_1(w, 0, 1, xq, 0, QK_K, dx, xs32, half, out, 0, 1)
+        _q8._mxfp4_4(w, 0, 4, xq, 0, QK_K, dx, bs, half, out, 1, 1)
 
     w = np.zeros(4 * QK_K, np.uint8)  # one Q4_K super-block, four MXFP4 blocks: all codes and scales 0
-    xq = np.zeros(QK_K, np.int8)
-    dx = np.zeros(QK_K // QK, np.float32)
-    xs32 = np.zeros(QK_K // QK, np.float32)
-    bs = np.zeros(2 * QK_K // QK, np.int32)
-    assert probe(w, xq, dx, xs32, bs, np.ones(256, np.float32)) == 0.0
+    xq = np.zeros(4 * QK_K, np.int8)  # 4 activation rows of QK_K
+    dx = np.zeros(4 * QK_K // QK, np.float32)
+    xs32 = np.zeros(4 * QK_K // QK, np.float32)
+    bs = np.zeros(8 * QK_K // QK, np.int32)
+    out = np.full(5, np.nan, np.float32)
+    probe(w, xq, dx, xs32, bs, np.ones(256, np.float32), out)
+    assert np.array_equal(out, np.zeros(5, np.float32)), out
     ir = "\n".join(probe.inspect_llvm().values())
     return [name for name in VNNI_INTRINSICS if name in ir]
 
@@ -67,6 +72,8 @@ def child_main() -> None:
         for qtype in SUPPORTED:
             test_quant.test_matvec_matches_gguf_dequantize(qtype)
             test_quant.test_matmul_matches_gguf_dequantize(qtype)
+            if qtype in quant.INT8_ACTIVATION_TYPES:
+                test_quant.test_int8_gemm_tiles_rows_and_threads(qtype)
             checked.append(f"{qtype.name}/{'int8' if int8 else 'f32'}")
     report = {"int8_dot": quant.INT8_DOT, "cpu": numba.config.CPU_NAME, "intrinsics": emitted_x86_intrinsics(), "checked": checked}
     print(json.dumps(report))
@@ -111,4 +118,4 @@ def test_e2m1_code_book_is_gguf_s_and_the_decoders_follow_it():
     book = [float(v) for v in E2M1_TWICE] + [-float(v) for v in E2M1_TWICE]
     np.testing.assert_array_equal(gguf_twice, book)
     assert [int(_legacy._fp4_twice(np.uint8(n))) for n in range(16)] == book
-    assert [u - _q8._FP4_OFFSET for u in _q8._FP4_U] == book
+    assert [u - _q8ir._FP4_OFFSET for u in _q8ir._FP4_U] == book

@@ -9,9 +9,9 @@ two thin parallel drivers, `_mm_<type>` (W @ x and X @ W.T) and
 a float32 tile that stays in L1/L2 and multiply it by every activation row, so
 a block is decoded once per call however many tokens there are.
 
-Activations stay float32 here (the int8-activation kernels that one-row
-calls use on Q8_0/Q4_K/Q6_K/Q5_0/MXFP4 are in _q8, written as LLVM IR for
-the reason below): the decoded weight
+Activations stay float32 here (the int8-activation kernels that every call
+on Q8_0/Q4_K/Q6_K/Q5_0/MXFP4 uses while int8 activations are on are in _q8
+and _q8ir, written as LLVM IR for the reason below): the decoded weight
 is exact in float32 (f16 scale × ≤ 8-bit code fits the 24-bit mantissa), so
 the only error is float32 accumulation. Measured on this EPYC (1 thread, data
 in cache), a float-activation Q8_0 dot ran at 6.3 G weights/s against 2.5 for

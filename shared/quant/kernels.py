@@ -9,23 +9,27 @@
 `blocks.SUPPORTED`. `w` holds each row's blocks back to back in the GGUF
 layout (docs/formats.md § Quant blocks) and may be a read-only memmap view or a slice of
 a larger buffer: only each row has to be contiguous. Nothing is repacked or
-dequantized ahead: each call decodes blocks on the fly into a small float32
-tile and multiplies it with every activation row, so a prompt batch decodes
-each block once.
+dequantized ahead: each call decodes blocks on the fly, once per call for a
+whole group of activation rows (a prompt batch does not decode a block once
+per token).
 
-Activations: a call with one activation row (matvec, or matmul with T = 1:
-the decode step) on Q8_0, Q4_K, Q6_K, Q5_0 or MXFP4 (`INT8_ACTIVATION_TYPES`)
-rounds the activation to int8 per block of 32 (x̂ = dx·xq, dx = amax/127, see
-_q8) and multiplies on the integer codes. Calls with several rows (prefill),
-every other type (F32/F16/BF16 included), and everything after
-`set_int8_activations(False)` (or MOE_PIPE_INT8_ACT=0 in the environment)
-use the activation as float32 on a decoded tile. Either way
-`effective_activation(x, qtype)` returns exactly the x̂ the kernels multiply
-by, and the results differ from float64 `dequantize(w) @ x̂` by float32
-rounding only. Each output element depends only on its weight row and its
-activation row, so matmul rows equal matvec results bit for bit when both
-take the same path (matmul with T = 1 always does; with T > 1 on an int8
-type the rows differ from matvec by the activation rounding).
+Activations: on Q8_0, Q4_K, Q6_K, Q5_0 and MXFP4 (`INT8_ACTIVATION_TYPES`)
+every call, one activation row (matvec, decode) or several (matmul:
+prefill, an expert several tokens route to), rounds each activation row to
+int8 per block of 32 (x̂ = dx·xq, dx = amax/127, see _q8) and multiplies on
+the integer codes; several rows take an integer GEMM that unpacks each
+block's codes once per 4 activation rows. Every other type (F32/F16/BF16
+included), and everything after `set_int8_activations(False)` (or
+MOE_PIPE_INT8_ACT=0 in the environment), uses the activation as float32 on a
+decoded float tile. Either way `effective_activation(x, qtype)` returns
+exactly the x̂ the kernels multiply by, and the results differ from float64
+`dequantize(w) @ x̂` by float32 rounding only. Each output element depends
+only on its weight row and its activation row, whatever the thread split,
+and matmul rows equal matvec results bit for bit on every type: the int8
+kernels run each activation row's float operations in the one-row order by
+construction (_q8ir), and the float tiles' one-row and four-row loops
+compile to the same per-pair sums (tests/test_quant.py checks both, for
+T = 2, 3, 17, 64).
 
 Kernels compile on first use of a type (numba, cached on disk under
 __pycache__ or NUMBA_CACHE_DIR), so a process using three types compiles
@@ -66,19 +70,10 @@ INT8_ACTIVATION_TYPES = tuple(_Q8_KERNELS)
 # Which build of the int8 dot this process compiles: "vnni" or "portable" (module doc).
 INT8_DOT = _q8.INT8_DOT
 _INT8_ACT = [os.environ.get("MOE_PIPE_INT8_ACT", "1") not in ("", "0")]
-# Calls with at most this many activation rows take the int8 kernels. The
-# int8 kernel redoes each block's integer dot per row, the float path
-# decodes a block once into a tile for all rows; measured on the expert and
-# attention shapes (2 threads, docs/kernels.md, "Numerics"), the int8 kernels
-# are faster at every row count up to 16 (Q4_K 5.3x at one row, 2.7x at two,
-# 1.04-1.4x at sixteen; Q6_K, Q8_0, MXFP4 alike) and about even at 32. A
-# prompt's experts see a few rows each, so its pass takes them too; longer
-# batches (a long prompt's dense matrices) keep the float tiles.
-INT8_MAX_TOKENS = 16
 
 
 def set_int8_activations(on: bool) -> None:
-    """Int8 activations for one-row calls on INT8_ACTIVATION_TYPES (default on; process-wide)."""
+    """Int8 activations for every call on INT8_ACTIVATION_TYPES (default on; process-wide)."""
     _INT8_ACT[0] = bool(on)
 
 
@@ -86,14 +81,15 @@ def int8_activations() -> bool:
     return _INT8_ACT[0]
 
 
-def _uses_q8(qtype, n_tokens: int) -> bool:
-    return _INT8_ACT[0] and n_tokens <= INT8_MAX_TOKENS and qtype in _Q8_KERNELS
+def _uses_q8(qtype) -> bool:
+    return _INT8_ACT[0] and qtype in _Q8_KERNELS
 
 
 # Float dtypes accepted in place of raw bytes for the unquantized types (what
 # gguf-py's reader hands out for F32/F16 tensors).
 _NATIVE_DTYPES = {QType.F32: np.float32, QType.F16: np.float16, QType.BF16: np.uint16}
 
+# Float tiles (the types without int8 kernels, or int8 off).
 # Rows decoded per tile when there are several activation rows: four rows
 # share each activation load in tile_times; 4 × C × 4 B stays in L2.
 _TILE_ROWS = 4
@@ -127,15 +123,15 @@ def get_threads() -> int:
     return numba.get_num_threads()
 
 
-def kernels_for(qtype: int | QType, n_tokens: int = 1):
+def kernels_for(qtype: int | QType):
     """The numba dispatchers (product, rows) of a type; for cache checks and benchmarks.
 
-    `product` is the kernel a matvec/matmul with `n_tokens` activation rows
-    calls: the int8 one for one row on the int8-activation types (the float
-    tile kernel stays available in _KERNELS).
+    `product` is the kernel a matvec/matmul calls: the int8 one on the
+    int8-activation types while int8 activations are on (the float tile
+    kernel stays available in _KERNELS).
     """
     qt = block_format(qtype).qtype
-    if _uses_q8(qt, n_tokens):
+    if _uses_q8(qt):
         return _Q8_KERNELS[qt][0], _KERNELS[qt][1]
     return _KERNELS[qt]
 
@@ -143,13 +139,13 @@ def kernels_for(qtype: int | QType, n_tokens: int = 1):
 def effective_activation(x: np.ndarray, qtype: int | QType | None = None) -> np.ndarray:
     """The activation (float32, [C] or [T, C]) exactly as a call of `qtype` with it uses it.
 
-    For one activation row ([C] or [1, C]) on the int8-activation types (with
-    int8 activations on): x rounded to int8 per block of QK = 32 and scaled back
-    (dx·xq, in float32 — the products dx·xq are exact). For several rows, the
-    other types, and with qtype None: x as float32.
+    On the int8-activation types (with int8 activations on): each row x
+    rounded to int8 per block of QK = 32 and scaled back (dx·xq, in float32 —
+    the products dx·xq are exact), the same for one row and for several. For
+    the other types, and with qtype None: x as float32.
     """
     x32 = np.ascontiguousarray(x, dtype=np.float32)
-    if qtype is None or not _uses_q8(block_format(qtype).qtype, 1 if x32.ndim == 1 else x32.shape[0]):
+    if qtype is None or not _uses_q8(block_format(qtype).qtype):
         return x32
     X = x32.reshape(-1, x32.shape[-1])
     if X.shape[1] % QK:
@@ -172,10 +168,10 @@ def _quantize(X: np.ndarray):
 
 
 def _multiply(qtype: QType, flat: np.ndarray, stride: int, X: np.ndarray, out: np.ndarray) -> None:
-    """out [T, R] = X @ W.T (T, R ≥ 1): int8 kernels for one row on the int8 types, float tiles otherwise."""
+    """out [T, R] = X @ W.T (T, R ≥ 1): int8 kernels on the int8 types, float tiles otherwise."""
     X = np.ascontiguousarray(X, dtype=np.float32)
     T = X.shape[0]
-    if _uses_q8(qtype, T):
+    if _uses_q8(qtype):
         kernel, takes_e8m0 = _Q8_KERNELS[qtype]
         kernel(flat, stride, X, E8M0_HALF if takes_e8m0 else F16_TABLE, out)
     else:

@@ -6,8 +6,8 @@ import argparse
 import sys
 import time
 
-ARCHES = ("qwen3moe", "gpt-oss", "gemma4")  # mirrors shared.makemodel.ARCHES (kept here so --help needs no numpy)
-PRESETS = ("tiny", "small", "qwen30b-shape", "gptoss120b-shape", "gemma26b-shape")
+ARCHES = ("qwen3moe", "gpt-oss", "gemma4", "qwen35moe")  # mirrors shared.makemodel.ARCHES (kept here so --help needs no numpy)
+PRESETS = ("tiny", "small", "qwen30b-shape", "gptoss120b-shape", "gemma26b-shape", "qwen35-35b-shape")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

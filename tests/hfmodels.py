@@ -33,7 +33,8 @@ SAMPLES = (
 
 def build(arch: str, out_dir: Path, seed: int = 0, **kw) -> Path:
     """Write the tiny `arch` checkpoint into `out_dir` and return it."""
-    return {"qwen3moe": build_qwen3moe, "gpt-oss": build_gpt_oss, "gemma4": build_gemma4}[arch](Path(out_dir), seed, **kw)
+    builders = {"qwen3moe": build_qwen3moe, "gpt-oss": build_gpt_oss, "gemma4": build_gemma4, "qwen35moe": build_qwen35moe}
+    return builders[arch](Path(out_dir), seed, **kw)
 
 
 # --- models -------------------------------------------------------------------------
@@ -160,6 +161,82 @@ def build_gemma4(out_dir: Path, seed: int = 0, multimodal: bool = True) -> Path:
     return _save(Gemma4ForCausalLM, Gemma4TextConfig(**tc), tok, out_dir, seed)
 
 
+def qwen35moe_text_config(vocab_size: int, eos: int | None = None, pad: int | None = None, **kw) -> dict:
+    """Linear attention on layers 0 and 2, full on 1 and 3 (interval 2); 2 key heads
+    for 4 value heads, so the converter's value-head reorder is exercised."""
+    cfg = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=32,
+        linear_value_head_dim=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=96,
+        num_experts=8,
+        num_experts_per_tok=2,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 1e6,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [2, 1, 1],
+            "mrope_interleaved": True,
+        },
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        initializer_range=0.08,
+        bos_token_id=None,
+        eos_token_id=eos,
+        pad_token_id=pad,
+    )
+    cfg.update(kw)
+    return cfg
+
+
+def build_qwen35moe(out_dir: Path, seed: int = 0, multimodal: bool = False, **kw) -> Path:
+    """`multimodal`: saved as Qwen3_5MoeForConditionalGeneration (the published layout,
+    with a one-block vision tower the converter must skip), else as Qwen3_5MoeForCausalLM."""
+    from transformers.models.qwen3_5_moe import (
+        Qwen3_5MoeConfig,
+        Qwen3_5MoeForCausalLM,
+        Qwen3_5MoeForConditionalGeneration,
+        Qwen3_5MoeTextConfig,
+    )
+
+    tok = _qwen_tokenizer("qwen35moe")
+    tc = qwen35moe_text_config(_round_up(len(tok), 64), tok.eos_token_id, tok.pad_token_id, **kw)
+    if multimodal:
+        vc = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4, num_position_embeddings=16)
+        cfg = Qwen3_5MoeConfig(text_config=tc, vision_config=vc, tie_word_embeddings=False)
+        _save(Qwen3_5MoeForConditionalGeneration, cfg, tok, out_dir, seed)
+    else:
+        _save(Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig(**tc), tok, out_dir, seed)
+    _tame(out_dir)
+    return out_dir
+
+
+def _tame(out_dir: Path) -> None:
+    """Qwen3.5's RMSNorms scale by (1 + w) (its gated norm by w): _save's randomized
+    1 + 0.2·N weights would double every layer's scale, and the random model would
+    become chaotic enough that q8_0 rounding alone (in llama.cpp too) moves its logits
+    by tens of percent more. Make them 0.2·N, i.e. scales of 1 + 0.2·N, like the others'."""
+    from safetensors.numpy import load_file, save_file
+
+    path = out_dir / "model.safetensors"
+    sd = load_file(path)
+    for name, t in sd.items():
+        if name.endswith("norm.weight") and "visual" not in name and not name.endswith("linear_attn.norm.weight"):
+            sd[name] = t - 1.0
+    save_file(sd, str(path), metadata={"format": "pt"})
+
+
 def gpt_oss_mxfp4_pair(f32_dir: Path, mx_dir: Path, twin_dir: Path, seed: int = 0) -> tuple[Path, Path]:
     """From the tiny gpt-oss checkpoint, write an MXFP4 one (experts as random HF-layout
     `*_blocks`/`*_scales`, as the published checkpoints store them) and its dequantized
@@ -276,14 +353,14 @@ def _wrap(tok, **special):
     return PreTrainedTokenizerFast(tokenizer_object=tok, **special)
 
 
-def _qwen_tokenizer():
+def _qwen_tokenizer(arch: str = "qwen3moe"):
     from moe_pipe.shared.gguf.vocab import _QWEN_ADDED, QWEN2_REGEX
     from moe_pipe.shared.makemodel.maker import chat_template
 
     tok = _byte_level(QWEN2_REGEX, _QWEN_HF_REGEX, 600)
     for t in _QWEN_ADDED:  # <|...|> are special; <think>, <tool_call> ... are plain added tokens, as in Qwen3
         _add(tok, t, t.startswith("<|"))
-    return _wrap(tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=chat_template("qwen3moe"))
+    return _wrap(tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=chat_template(arch))
 
 
 def _harmony_tokenizer():

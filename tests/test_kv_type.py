@@ -157,8 +157,13 @@ def test_half_to_float_is_exact_for_every_f16():
 # ---------------------------------------------------------------- bytes
 
 
+def attention_only(**heads) -> SimpleNamespace:
+    """The fields kv_cache_bytes reads, for a model whose every layer attends (no recurrent state)."""
+    return SimpleNamespace(**heads, n_layer=len(heads["n_head_kv"]), is_recurrent=lambda i: False)
+
+
 def test_kv_cache_bytes_per_type_by_hand_and_as_allocated():
-    spec = SimpleNamespace(n_head_kv=(2, 2, 1), head_dim_k=(64, 64, 128), head_dim_v=(64, 64, 128))
+    spec = attention_only(n_head_kv=(2, 2, 1), head_dim_k=(64, 64, 128), head_dim_v=(64, 64, 128))
     # per position: 2·(64+64) + 2·(64+64) + 1·(128+128) = 768 values; 100 positions = 76,800 values
     assert kv_cache_bytes(spec, 100, "f32") == 307_200
     assert kv_cache_bytes(spec, 100, "f16") == 153_600
@@ -170,7 +175,7 @@ def test_kv_cache_bytes_per_type_by_hand_and_as_allocated():
 
 
 def test_q8_0_refuses_a_head_width_not_a_multiple_of_32():
-    spec = SimpleNamespace(n_head_kv=(2,), head_dim_k=(72,), head_dim_v=(72,))
+    spec = attention_only(n_head_kv=(2,), head_dim_k=(72,), head_dim_v=(72,))
     for make in (lambda: KVCache(16, (2,), (72,), (72,), "q8_0"), lambda: kv_cache_bytes(spec, 16, "q8_0")):
         with pytest.raises(UserError) as e:
             make()

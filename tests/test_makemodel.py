@@ -20,7 +20,8 @@ from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader
 
 from moe_pipe.shared.errors import UserError
-from moe_pipe.shared.makemodel.maker import ARCHES, PRESETS, make_model
+from moe_pipe.shared.makemodel.maker import ARCHES as MADE_ARCHES
+from moe_pipe.shared.makemodel.maker import PRESETS, make_model
 
 CORPUS = Path(__file__).resolve().parents[1] / "shared" / "data" / "corpus.txt"
 
@@ -45,6 +46,9 @@ SPECIALS = {
     ],
     "gemma4": ["<bos>", "<eos>", "<pad>", "<|turn>", "<turn|>", "<|channel>", "<channel|>", "<|think|>"],
 }
+
+# The arches this file holds expectation tables for; qwen35moe's are in tests/test_qwen35moe.py.
+ARCHES = ("qwen3moe", "gpt-oss", "gemma4")
 
 
 # --- helpers ------------------------------------------------------------------
@@ -425,8 +429,8 @@ def test_bad_arguments_are_one_line_user_errors(kwargs, words, tmp_path):
 
 
 def test_presets_are_the_documented_ones():
-    assert ARCHES == ("qwen3moe", "gpt-oss", "gemma4")
-    assert PRESETS == ("tiny", "small", "qwen30b-shape", "gptoss120b-shape", "gemma26b-shape")
+    assert MADE_ARCHES == (*ARCHES, "qwen35moe")
+    assert PRESETS == ("tiny", "small", "qwen30b-shape", "gptoss120b-shape", "gemma26b-shape", "qwen35-35b-shape")
 
 
 # --- shape presets: per-expert bytes of §6 ---------------------------------------------

@@ -172,17 +172,21 @@ def _embeddings(p: _Planner, hp: dict[str, Any]) -> None:
 
 
 def _head(p: _Planner, hp: dict[str, Any], lm_head: str) -> None:
-    V, D = hp["V"], hp["D"]
-    p.f32("output_norm.weight", "norm.weight", (D,))
+    p.f32("output_norm.weight", "norm.weight", (hp["D"],))
     if not hp["tied"]:
-        full = lm_head
-        if full not in p.ck:
-            raise UserError(f"{p.ck.dir}: tensor {full} is missing (config says tie_word_embeddings=false)")
-        shape = p.ck.shape(full)
-        if shape != (V, D):
-            raise UserError(f"{p.ck.dir}: tensor {full} has shape {list(shape)}, but config.json implies {[V, D]}")
-        p.used.add(full)
-        p.add(Out("output.weight", (V, D), True, _slabs(p.ck, full, (V, D))))
+        _head_matrix(p, hp, lm_head)
+
+
+def _head_matrix(p: _Planner, hp: dict[str, Any], full: str) -> None:
+    """The untied output head `full` (a name without the planner's prefix)."""
+    V, D = hp["V"], hp["D"]
+    if full not in p.ck:
+        raise UserError(f"{p.ck.dir}: tensor {full} is missing (config says tie_word_embeddings=false)")
+    shape = p.ck.shape(full)
+    if shape != (V, D):
+        raise UserError(f"{p.ck.dir}: tensor {full} has shape {list(shape)}, but config.json implies {[V, D]}")
+    p.used.add(full)
+    p.add(Out("output.weight", (V, D), True, _slabs(p.ck, full, (V, D))))
 
 
 # --- qwen3moe -----------------------------------------------------------------------
@@ -224,7 +228,7 @@ def _stack(p: _Planner, gg: str, names: list[str], shape: tuple[int, ...]) -> No
 
 
 def _qwen3_plan(hp: dict[str, Any], ck: Checkpoint) -> list[Out]:
-    D, H, Hk, d, X, F = hp["D"], hp["H"], hp["Hk"], hp["d"], hp["X"], hp["F"]
+    D, H, Hk, d, X = hp["D"], hp["H"], hp["Hk"], hp["d"], hp["X"]
     p = _Planner(ck, "model.")
     _embeddings(p, hp)
     _head(p, hp, "lm_head.weight")
@@ -239,17 +243,23 @@ def _qwen3_plan(hp: dict[str, Any], ck: Checkpoint) -> list[Out]:
         p.f32(b + "attn_k_norm.weight", h + "self_attn.k_norm.weight", (d,))
         p.f32(b + "ffn_norm.weight", h + "post_attention_layernorm.weight", (D,))
         p.f32(b + "ffn_gate_inp.weight", h + "mlp.gate.weight", (X, D))
-        e = h + "mlp.experts."
-        if "model." + e + "gate_up_proj" in ck:  # transformers-5 fused layout: (X, 2F, D), gate rows first
-            full = p.hf(e + "gate_up_proj", (X, 2 * F, D))
-            p.add(Out(b + "ffn_gate_exps.weight", (X, F, D), True, _expert_rows(ck, full, X, slice(0, F))))
-            p.add(Out(b + "ffn_up_exps.weight", (X, F, D), True, _expert_rows(ck, full, X, slice(F, 2 * F))))
-            p.copy(b + "ffn_down_exps.weight", e + "down_proj", (X, D, F))
-        else:  # per-expert Linear weights, as published checkpoints store them
-            _stack(p, b + "ffn_gate_exps.weight", [f"{e}{x}.gate_proj.weight" for x in range(X)], (F, D))  # X F D
-            _stack(p, b + "ffn_up_exps.weight", [f"{e}{x}.up_proj.weight" for x in range(X)], (F, D))  # X F D
-            _stack(p, b + "ffn_down_exps.weight", [f"{e}{x}.down_proj.weight" for x in range(X)], (D, F))  # X D F
+        _qwen_experts(p, b, h + "mlp.experts.", hp)
     return _finish(p, ck)
+
+
+def _qwen_experts(p: _Planner, b: str, e: str, hp: dict[str, Any]) -> None:
+    """Routed experts of qwen3moe / qwen35moe: transformers 5's fused `gate_up_proj`
+    (X, 2F, D), gate rows first, or per-expert Linear weights (as checkpoints store them)."""
+    ck, D, X, F = p.ck, hp["D"], hp["X"], hp["F"]
+    if p.prefix + e + "gate_up_proj" in ck:
+        full = p.hf(e + "gate_up_proj", (X, 2 * F, D))
+        p.add(Out(b + "ffn_gate_exps.weight", (X, F, D), True, _expert_rows(ck, full, X, slice(0, F))))
+        p.add(Out(b + "ffn_up_exps.weight", (X, F, D), True, _expert_rows(ck, full, X, slice(F, 2 * F))))
+        p.copy(b + "ffn_down_exps.weight", e + "down_proj", (X, D, F))
+    else:
+        _stack(p, b + "ffn_gate_exps.weight", [f"{e}{x}.gate_proj.weight" for x in range(X)], (F, D))  # X F D
+        _stack(p, b + "ffn_up_exps.weight", [f"{e}{x}.up_proj.weight" for x in range(X)], (F, D))  # X F D
+        _stack(p, b + "ffn_down_exps.weight", [f"{e}{x}.down_proj.weight" for x in range(X)], (D, F))  # X D F
 
 
 # --- gpt-oss ------------------------------------------------------------------------
@@ -495,6 +505,143 @@ def _gemma4_plan(hp: dict[str, Any], ck: Checkpoint) -> list[Out]:
     )
 
 
+# --- qwen35moe -----------------------------------------------------------------------
+
+
+def _qwen35_hparams(cfg: dict) -> dict[str, Any]:
+    hp = _base_hparams(cfg, 1e7)
+    L, rp = hp["L"], hp["rope"]
+    if rp["rope_type"] != "default":
+        raise UserError(f"config.json: rope type {rp['rope_type']!r} is not supported for qwen3_5_moe (only the default, mrope)")
+    types = cfg.get("layer_types") or [
+        "full_attention" if (i + 1) % int(cfg.get("full_attention_interval") or 4) == 0 else "x" for i in range(L)
+    ]
+    if len(types) != L:
+        raise UserError(f"config.json: layer_types has {len(types)} entries for {L} layers")
+    full = [t == "full_attention" for t in types]
+    interval = full.index(True) + 1 if any(full) else L + 1
+    if full != [(i + 1) % interval == 0 for i in range(L)]:
+        # The GGUF says only full_attention_interval (llama.cpp's rule): any other pattern cannot be written.
+        raise UserError("config.json: qwen3_5_moe layer_types must put full attention on every n-th layer (full_attention_interval)")
+    G, Hv = int(_get(cfg, "linear_num_key_heads")), int(_get(cfg, "linear_num_value_heads"))
+    dk, dv = int(_get(cfg, "linear_key_head_dim")), int(_get(cfg, "linear_value_head_dim"))
+    if dk != dv or Hv % G:
+        raise UserError(
+            f"config.json: linear attention needs linear_key_head_dim = linear_value_head_dim ({dk}, {dv}) "
+            f"and linear_num_value_heads a multiple of linear_num_key_heads ({Hv}, {G}), as llama.cpp does"
+        )
+    prf = float(rp.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25)))
+    sections = [int(x) for x in (rp.get("mrope_section") or [11, 11, 10])][:4]
+    hp.update(
+        X=int(_get(cfg, "num_experts")),
+        K=int(_get(cfg, "num_experts_per_tok")),
+        F=int(_get(cfg, "moe_intermediate_size")),
+        Fs=int(_get(cfg, "shared_expert_intermediate_size")),
+        interval=interval,
+        full=full,
+        G=G,
+        Hv=Hv,
+        dk=dk,
+        kernel=int(_get(cfg, "linear_conv_kernel_dim")),
+        n_rot=int(hp["d"] * prf),
+        sections=sections + [0] * (4 - len(sections)),
+    )
+    hp["Fd"] = hp["Fs"]
+    return hp
+
+
+def _qwen35_meta(w: GGUFWriter, hp: dict[str, Any]) -> None:
+    _common_meta(w, hp)
+    w.add_head_count_kv(hp["Hk"])
+    w.add_key_length(hp["d"])
+    w.add_value_length(hp["d"])
+    w.add_rope_dimension_count(hp["n_rot"])
+    w.add_rope_dimension_sections(hp["sections"])  # llama.cpp requires it; text positions make it moot
+    w.add_expert_shared_feed_forward_length(hp["Fs"])
+    w.add_full_attention_interval(hp["interval"])
+    w.add_ssm_conv_kernel(hp["kernel"])
+    w.add_ssm_state_size(hp["dk"])
+    w.add_ssm_group_count(hp["G"])
+    w.add_ssm_time_step_rank(hp["Hv"])
+    w.add_ssm_inner_size(hp["Hv"] * hp["dk"])
+
+
+def _tiled(x: np.ndarray, axis: int, groups: int, per_group: int, width: int) -> np.ndarray:
+    """Value heads from HF's order, grouped by key head (g0v0, g0v1, ..., g1v0, ...), to
+    llama.cpp's tiled order (g0v0, g1v0, ..., g0v1, ...): value head h then reads key head
+    h mod groups, so a broadcast replaces the interleaved repeat (shared/model/qwen35moe.py)."""
+    shape = x.shape
+    y = x.reshape(*shape[:axis], groups, per_group, width, *shape[axis + 1 :])
+    return np.ascontiguousarray(np.swapaxes(y, axis, axis + 1)).reshape(shape)
+
+
+def _qwen35_linear(p: _Planner, b: str, a: str, hp: dict[str, Any]) -> None:
+    ck, D, G, Hv, dk, kernel = p.ck, hp["D"], hp["G"], hp["Hv"], hp["dk"], hp["kernel"]
+    r, kd, vd = Hv // G, G * dk, Hv * dk
+    C = 2 * kd + vd
+
+    def whole(gg: str, name: str, shape: tuple[int, ...], out_shape: tuple[int, ...], fn, matrix: bool) -> None:
+        full = p.hf(name, shape)
+        p.add(Out(gg, out_shape, matrix, lambda: iter([np.ascontiguousarray(fn(ck.f32(full)), np.float32)])))
+
+    def qkv_rows(x: np.ndarray) -> np.ndarray:  # only the value rows (channels) move
+        return np.concatenate([x[: 2 * kd], _tiled(x[2 * kd :], 0, G, r, dk)])
+
+    whole(b + "attn_qkv.weight", a + "in_proj_qkv.weight", (C, D), (C, D), qkv_rows, True)
+    whole(b + "attn_gate.weight", a + "in_proj_z.weight", (vd, D), (vd, D), lambda x: _tiled(x, 0, G, r, dk), True)
+    whole(b + "ssm_beta.weight", a + "in_proj_b.weight", (Hv, D), (Hv, D), lambda x: _tiled(x, 0, G, r, 1), True)
+    whole(b + "ssm_alpha.weight", a + "in_proj_a.weight", (Hv, D), (Hv, D), lambda x: _tiled(x, 0, G, r, 1), True)
+    whole(b + "ssm_conv1d.weight", a + "conv1d.weight", (C, 1, kernel), (C, kernel), lambda x: qkv_rows(x[:, 0]), False)
+    whole(b + "ssm_dt.bias", a + "dt_bias", (Hv,), (Hv,), lambda x: _tiled(x, 0, G, r, 1), False)
+    whole(b + "ssm_a", a + "A_log", (Hv,), (Hv,), lambda x: -np.exp(_tiled(x, 0, G, r, 1)), False)  # a = -exp(A_log)
+    p.f32(b + "ssm_norm.weight", a + "norm.weight", (dk,))  # a plain weight (no 1 + w) in this gated norm
+    whole(b + "ssm_out.weight", a + "out_proj.weight", (D, vd), (D, vd), lambda x: _tiled(x, 1, G, r, dk), True)
+
+
+def _first_row(ck: Checkpoint, full: str) -> Callable[[], Iterator[np.ndarray]]:
+    return lambda: iter([ck.f32(full)[0]])
+
+
+def _qwen35_plan(hp: dict[str, Any], ck: Checkpoint) -> list[Out]:
+    D, H, Hk, d, X, Fs = hp["D"], hp["H"], hp["Hk"], hp["d"], hp["X"], hp["Fs"]
+    prefix = "model.language_model." if "model.language_model.embed_tokens.weight" in ck else "model."
+    p = _Planner(ck, prefix)
+
+    def plus_one(gg: str, name: str, n: int) -> None:  # Qwen3.5's RMSNorms scale by (1 + w): the GGUF stores 1 + w
+        full = p.hf(name, (n,))
+        p.add(Out(gg, (n,), False, lambda: iter([ck.f32(full) + np.float32(1)])))
+
+    _embeddings(p, hp)
+    full_norm = p.hf("norm.weight", (D,))
+    p.add(Out("output_norm.weight", (D,), False, lambda: iter([ck.f32(full_norm) + np.float32(1)])))
+    if not hp["tied"]:
+        _head_matrix(p, hp, "lm_head.weight")
+    for i in range(hp["L"]):
+        b, h = f"blk.{i}.", f"layers.{i}."
+        plus_one(b + "attn_norm.weight", h + "input_layernorm.weight", D)
+        if hp["full"][i]:
+            a = h + "self_attn."
+            p.copy(b + "attn_q.weight", a + "q_proj.weight", (2 * H * d, D))  # per head: query rows, then gate rows
+            p.copy(b + "attn_k.weight", a + "k_proj.weight", (Hk * d, D))
+            p.copy(b + "attn_v.weight", a + "v_proj.weight", (Hk * d, D))
+            p.copy(b + "attn_output.weight", a + "o_proj.weight", (D, H * d))
+            plus_one(b + "attn_q_norm.weight", a + "q_norm.weight", d)
+            plus_one(b + "attn_k_norm.weight", a + "k_norm.weight", d)
+        else:
+            _qwen35_linear(p, b, h + "linear_attn.", hp)
+        plus_one(b + "post_attention_norm.weight", h + "post_attention_layernorm.weight", D)
+        m = h + "mlp."
+        p.f32(b + "ffn_gate_inp.weight", m + "gate.weight", (X, D))
+        _qwen_experts(p, b, m + "experts.", hp)
+        gate = p.hf(m + "shared_expert_gate.weight", (1, D))
+        p.add(Out(b + "ffn_gate_inp_shexp.weight", (D,), False, _first_row(ck, gate)))  # [1, D] -> [D]
+        p.copy(b + "ffn_gate_shexp.weight", m + "shared_expert.gate_proj.weight", (Fs, D))
+        p.copy(b + "ffn_up_shexp.weight", m + "shared_expert.up_proj.weight", (Fs, D))
+        p.copy(b + "ffn_down_shexp.weight", m + "shared_expert.down_proj.weight", (D, Fs))
+    # The vision tower and the MTP block are not converted (llama.cpp keeps the tower in a separate mmproj file).
+    return _finish(p, ck, ignore=r"^model\.visual\.|^mtp\.")
+
+
 # --- shared -------------------------------------------------------------------------
 
 # Buffers some checkpoints carry that no GGUF needs.
@@ -524,14 +671,21 @@ ARCHES: dict[str, Arch] = {
     "qwen3_moe": Arch("qwen3moe", _qwen3_hparams, _qwen3_meta, _qwen3_plan),
     "gpt_oss": Arch("gpt-oss", _gpt_oss_hparams, _gpt_oss_meta, _gpt_oss_plan),
     "gemma4_text": Arch("gemma4", _gemma4_hparams, _gemma4_meta, _gemma4_plan),
+    "qwen3_5_moe_text": Arch("qwen35moe", _qwen35_hparams, _qwen35_meta, _qwen35_plan),
 }
+SUPPORTED = "qwen3_moe, gpt_oss, gemma4, qwen3_5_moe"
 
 
 def text_config(config: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     """(model_type, text config) — Gemma 4's multimodal config nests the text model."""
     mt = config.get("model_type")
     if not isinstance(mt, str):  # absent, or e.g. a list: no architecture's name (and unhashable)
-        raise UserError(f"config.json: model_type {mt!r} is not supported; convert handles qwen3_moe, gpt_oss, gemma4")
+        raise UserError(f"config.json: model_type {mt!r} is not supported; convert handles {SUPPORTED}")
+    if mt == "qwen3_5_moe":  # the published multimodal layout: only its text model is converted
+        tc = config.get("text_config")
+        if not isinstance(tc, dict):
+            raise UserError("config.json: model_type qwen3_5_moe without a text_config")
+        return "qwen3_5_moe_text", {**tc, "tie_word_embeddings": config.get("tie_word_embeddings", tc.get("tie_word_embeddings", False))}
     if mt == "gemma4":
         tc = config.get("text_config")
         if not isinstance(tc, dict):

@@ -30,7 +30,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf import GGUFWriter, LlamaFileType
 from gguf.quants import quantize
 
-from moe_pipe.shared.convert.arch import ARCHES, Out, text_config
+from moe_pipe.shared.convert.arch import ARCHES, SUPPORTED, Out, text_config
 from moe_pipe.shared.convert.source import Checkpoint, read_json
 from moe_pipe.shared.convert.vocab import add_vocab, read_vocab
 from moe_pipe.shared.errors import UserError
@@ -67,7 +67,7 @@ def convert(hf_dir: Path | str, out: Path | str, outtype: str = "f16", progress:
     model_type, tcfg = text_config(config)
     arch = ARCHES.get(model_type)
     if arch is None:
-        raise UserError(f"{cfg_path}: model_type {config.get('model_type')!r} is not supported; convert handles qwen3_moe, gpt_oss, gemma4")
+        raise UserError(f"{cfg_path}: model_type {config.get('model_type')!r} is not supported; convert handles {SUPPORTED}")
     hp = arch.hparams(tcfg)
     vocab = read_vocab(hf_dir, arch.gguf_arch, hp["V"], config)
 

@@ -29,7 +29,12 @@ _CONTRACTIONS_EXPANDED = "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[d
 _KNOWN_PRE = {QWEN2_REGEX.replace(_CONTRACTIONS_EXPANDED, _CONTRACTIONS_CI): "qwen2", O200K_REGEX: "gpt-4o"}
 
 # gguf arch -> (tokenizer.ggml.model, tokenizer.ggml.pre, add_bos default)
-_ARCH_TOKENIZER = {"qwen3moe": ("gpt2", "qwen2", False), "gpt-oss": ("gpt2", "gpt-4o", False), "gemma4": ("gemma4", "gemma4", True)}
+_ARCH_TOKENIZER = {
+    "qwen3moe": ("gpt2", "qwen2", False),
+    "qwen35moe": ("gpt2", "qwen2", False),
+    "gpt-oss": ("gpt2", "gpt-4o", False),
+    "gemma4": ("gemma4", "gemma4", True),
+}
 
 # llama.cpp's gemma4 converter keeps these visible (USER_DEFINED) so chat parsers see them.
 _GEMMA4_VISIBLE = {"<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", "<|tool_response>", "<tool_response|>", '<|"|>'}

@@ -65,6 +65,22 @@ class ModelSpec:
     tied_output: bool = False
     fused_gate_up: bool = False
     expert_bias: bool = False
+    # Hybrid models (qwen35moe): per layer, True = a linear-attention (gated
+    # delta rule) layer with a recurrent state instead of a KV cache; () = none.
+    recurrent_layers: tuple[bool, ...] = ()
+    ssm_conv_kernel: int = 0  # the short causal conv's width (ssm.conv_kernel)
+    ssm_state: int = 0  # key (and value) width of a linear-attention head (ssm.state_size)
+    ssm_groups: int = 0  # key heads (ssm.group_count)
+    ssm_heads: int = 0  # value heads (ssm.time_step_rank)
+    n_ff_shexp: int = 0  # the shared expert's FFN width (0: none)
+
+    def is_recurrent(self, i: int) -> bool:
+        return bool(self.recurrent_layers) and self.recurrent_layers[i]
+
+    @property
+    def ssm_conv_channels(self) -> int:
+        """Channels of the conv: q and k (groups × state each) and v (heads × state)."""
+        return (2 * self.ssm_groups + self.ssm_heads) * self.ssm_state
 
     @property
     def n_gqa(self) -> tuple[int, ...]:
@@ -291,7 +307,47 @@ def _gemma4(f: GGUFFile) -> ModelSpec:
     )
 
 
-READERS = {"qwen3moe": _qwen3moe, "gpt-oss": _gpt_oss, "gemma4": _gemma4}
+def _qwen35moe(f: GGUFFile) -> ModelSpec:
+    arch = "qwen35moe"
+    m, c = _Meta(f, arch), _common(f, arch)
+    n = c["n_layer"]
+    if m.get_int("nextn_predict_layers", 0):
+        # llama.cpp counts the MTP block in block_count and skips it; this file's
+        # layer numbering would then not be the decoder's: refused, not misread.
+        raise GGUFError(f.path, f"metadata {m.key('nextn_predict_layers')} > 0: files with the MTP block are not supported")
+    hd = _head_dim(m, "attention.key_length", c["n_embd"] // c["n_head"])
+    interval = _positive(f, m.key("full_attention_interval"), m.get_int("full_attention_interval", 4), n)
+    # llama.cpp's rule when the file has no per-layer flags: every interval-th layer attends, the rest are recurrent
+    recurrent = tuple((i + 1) % interval != 0 for i in range(n))
+    state = _positive(f, m.key("ssm.state_size"), m.get_int("ssm.state_size"), 1 << 12)
+    groups = _positive(f, m.key("ssm.group_count"), m.get_int("ssm.group_count"), 1 << 12)
+    heads = _positive(f, m.key("ssm.time_step_rank"), m.get_int("ssm.time_step_rank"), 1 << 12)
+    inner = m.get_int("ssm.inner_size")
+    if inner != heads * state or heads % groups:
+        raise GGUFError(
+            f.path,
+            f"linear attention: ssm.inner_size {inner} must be ssm.time_step_rank {heads} × ssm.state_size {state}, "
+            f"and the value heads a multiple of ssm.group_count {groups}",
+        )
+    return ModelSpec(
+        **c,
+        head_dim_k=(hd,) * n,
+        head_dim_v=(_head_dim(m, "attention.value_length", hd),) * n,
+        n_ff=0,
+        rope=_rope(m, hd),
+        sliding_window=0,
+        swa_layers=(False,) * n,
+        tied_output="output.weight" not in f.tensors,
+        recurrent_layers=recurrent,
+        ssm_conv_kernel=_positive(f, m.key("ssm.conv_kernel"), m.get_int("ssm.conv_kernel"), 64),
+        ssm_state=state,
+        ssm_groups=groups,
+        ssm_heads=heads,
+        n_ff_shexp=_positive(f, m.key("expert_shared_feed_forward_length"), m.get_int("expert_shared_feed_forward_length")),
+    )
+
+
+READERS = {"qwen3moe": _qwen3moe, "gpt-oss": _gpt_oss, "gemma4": _gemma4, "qwen35moe": _qwen35moe}
 
 
 # What the KV cache stores per element, as a fraction (numerator, denominator) of bytes:
@@ -315,11 +371,24 @@ def check_kv_type(kv_type: str, head_widths: tuple[int, ...]) -> None:
 
 
 def kv_cache_bytes(spec: ModelSpec, n_ctx: int, kv_type: str) -> int:
-    """Bytes of the K and V caches compute allocates for `n_ctx` positions stored as `kv_type`."""
+    """Bytes of the K and V caches compute allocates for `n_ctx` positions stored as
+    `kv_type`, plus a hybrid model's recurrent state (`recurrent_state_bytes`)."""
     check_kv_type(kv_type, spec.head_dim_k + spec.head_dim_v)
     num, den = KV_TYPE_BYTES[kv_type]
-    elements = n_ctx * sum(hk * (dk + dv) for hk, dk, dv in zip(spec.n_head_kv, spec.head_dim_k, spec.head_dim_v))
-    return elements * num // den  # exact: q8_0 heads are whole blocks of 32
+    layers = zip(spec.n_head_kv, spec.head_dim_k, spec.head_dim_v, range(spec.n_layer))
+    elements = n_ctx * sum(hk * (dk + dv) for hk, dk, dv, i in layers if not spec.is_recurrent(i))
+    return elements * num // den + recurrent_state_bytes(spec)  # exact: q8_0 heads are whole blocks of 32
+
+
+def recurrent_state_bytes(spec: ModelSpec) -> int:
+    """Float32 bytes of one sequence's recurrent state (shared/model/blocks.py
+    RecurrentState): per linear-attention layer the conv's last kernel-1 inputs
+    and the delta rule's [heads, state, state] matrix; fixed, whatever the context."""
+    n_recurrent = sum(spec.is_recurrent(i) for i in range(spec.n_layer))
+    if not n_recurrent:
+        return 0
+    per_layer = (spec.ssm_conv_kernel - 1) * spec.ssm_conv_channels + spec.ssm_heads * spec.ssm_state * spec.ssm_state
+    return 4 * per_layer * n_recurrent
 
 
 def read_spec(f: GGUFFile) -> ModelSpec:
@@ -404,6 +473,40 @@ _REQUIRED_PER_LAYER = {
         "ffn_down_exps.scale",
     ),
 }
+_QWEN35_COMMON = (
+    "attn_norm.weight",
+    "post_attention_norm.weight",
+    "ffn_gate_inp.weight",
+    "ffn_gate_inp_shexp.weight",
+    "ffn_gate_shexp.weight",
+    "ffn_up_shexp.weight",
+    "ffn_down_shexp.weight",
+)
+# qwen35moe: what a layer needs depends on its kind (full attention or linear attention).
+_QWEN35_ATTN = (
+    *_QWEN35_COMMON,
+    "attn_q.weight",
+    "attn_k.weight",
+    "attn_v.weight",
+    "attn_output.weight",
+    "attn_q_norm.weight",
+    "attn_k_norm.weight",
+)
+_QWEN35_LINEAR = (
+    *_QWEN35_COMMON,
+    *(f"{n}.weight" for n in ("attn_qkv", "attn_gate", "ssm_conv1d", "ssm_beta", "ssm_alpha", "ssm_norm", "ssm_out")),
+    "ssm_dt.bias",
+    "ssm_a",
+)
+
+
+def required_per_layer(spec: ModelSpec, i: int) -> tuple[str, ...]:
+    """The tensors (without "blk.i.") that layer i's forward pass asks for."""
+    if spec.arch == "qwen35moe":
+        return _QWEN35_LINEAR if spec.is_recurrent(i) else _QWEN35_ATTN
+    return _REQUIRED_PER_LAYER.get(spec.arch, ())
+
+
 _NORMS = ("attn_norm", "ffn_norm", "post_attention_norm", "post_ffw_norm", "post_ffw_norm_1", "pre_ffw_norm_2", "post_ffw_norm_2")
 
 
@@ -443,6 +546,37 @@ def expected_shapes(spec: ModelSpec) -> dict[str, tuple[str, tuple[int, ...], st
                 p + "layer_output_scale.weight": ("vector", (1,), "one scale per layer"),
             }
         )
+        if spec.arch == "qwen35moe":
+            out.update(_qwen35_shapes(spec, i))
+    return out
+
+
+def _qwen35_shapes(spec: ModelSpec, i: int) -> dict[str, tuple[str, tuple[int, ...], str]]:
+    """qwen35moe's own tensors in layer i: q carries a gate per head (2 × the
+    width), the shared expert, and the linear-attention (ssm_*) tensors."""
+    p, d, h, hk = f"blk.{i}.", spec.n_embd, spec.n_head, spec.head_dim_k[i]
+    fs, st, vh, ch = spec.n_ff_shexp, spec.ssm_state, spec.ssm_heads, spec.ssm_conv_channels
+    out: dict[str, tuple[str, tuple[int, ...], str]] = {
+        p + "attn_q.weight": ("matrix", (2 * h * hk, d), f"{h} heads × {hk} key dims × 2 (query and gate), n_embd {d}"),
+        p + "ffn_gate_shexp.weight": ("matrix", (fs, d), f"shared expert width {fs}, n_embd {d}"),
+        p + "ffn_up_shexp.weight": ("matrix", (fs, d), f"shared expert width {fs}, n_embd {d}"),
+        p + "ffn_down_shexp.weight": ("matrix", (d, fs), f"n_embd {d}, shared expert width {fs}"),
+    }
+    if spec.is_recurrent(i):
+        v = f"{vh} value heads × {st}"
+        out.update(
+            {
+                p + "attn_qkv.weight": ("matrix", (ch, d), f"{ch} conv channels, n_embd {d}"),
+                p + "attn_gate.weight": ("matrix", (vh * st, d), f"{v}, n_embd {d}"),
+                p + "ssm_beta.weight": ("matrix", (vh, d), f"{vh} value heads, n_embd {d}"),
+                p + "ssm_alpha.weight": ("matrix", (vh, d), f"{vh} value heads, n_embd {d}"),
+                p + "ssm_out.weight": ("matrix", (d, vh * st), f"n_embd {d}, {v}"),
+                p + "ssm_conv1d.weight": ("vector", (ch, spec.ssm_conv_kernel), f"{ch} channels × kernel {spec.ssm_conv_kernel}"),
+                p + "ssm_dt.bias": ("vector", (vh,), f"{vh} value heads"),
+                p + "ssm_a": ("vector", (vh,), f"{vh} value heads"),
+                p + "ssm_norm.weight": ("vector", (st,), f"state size {st}"),
+            }
+        )
     return out
 
 
@@ -455,7 +589,7 @@ def check_tensors(f: GGUFFile, spec: ModelSpec) -> None:
     for name in _REQUIRED:
         f.tensor(name)  # a GGUFError naming it when absent
     for i in range(spec.n_layer):
-        for name in _REQUIRED_PER_LAYER.get(spec.arch, ()):
+        for name in required_per_layer(spec, i):
             if f"blk.{i}.{name}" not in tensors:
                 raise GGUFError(f.path, f"missing tensor 'blk.{i}.{name}': every {spec.arch} layer needs {name}")
     for name, (kind, shape, basis) in expected_shapes(spec).items():

@@ -51,7 +51,7 @@ class TensorSpec:
     name: str
     shape: tuple[int, ...]
     qtype: Q
-    fill: str  # weight | norm | norm_scaled | ones | router | router_bias | bias | bias_scaled | sinks | scale | rope_freqs
+    fill: str  # weight | norm | norm_scaled | ones | router | router_bias | bias | bias_scaled | sinks | scale | rope_freqs | conv | ssm_a
     param: float = 0.0  # std of the random values; rope_freqs: fraction of pairs that rotate
 
     @property
@@ -99,7 +99,7 @@ def make_model(
     """
     p = _resolve(arch, preset, layers, _overrides)
     override = _parse_quant(quant)
-    vocab = build_vocab(arch, p.vocab_size, p.n_bpe)
+    vocab = build_vocab("qwen3moe" if arch == "qwen35moe" else arch, p.vocab_size, p.n_bpe)  # Qwen3.5: Qwen's byte-level BPE
     specs = plan_tensors(arch, p, override)
     total = sum(s.nbytes for s in specs)
 
@@ -219,7 +219,7 @@ def _parse_quant(quant: str | None) -> Q | None:
 
 def plan_tensors(arch: str, p: Preset, override: Q | None = None) -> list[TensorSpec]:
     """Every tensor of the model in file order, with its type and how to fill it."""
-    n_v = sum(1 for i in range(p.n_layer) if arch != "gemma4" or p.is_swa(i))  # attn_v tensors
+    n_v = sum(1 for i in range(p.n_layer) if (arch != "gemma4" or p.is_swa(i)) and not p.is_recurrent(i))  # attn_v tensors
     v_seen = 0
 
     def W(name: str, shape: tuple[int, ...], role: str, layer: int = 0) -> TensorSpec:
@@ -246,6 +246,45 @@ def plan_tensors(arch: str, p: Preset, override: Q | None = None) -> list[Tensor
 
     for i in range(p.n_layer):
         b = f"blk.{i}."
+        if arch == "qwen35moe":  # its own layer: full or linear attention, and a shared expert
+            st, vh, fs = p.ssm_state, p.ssm_heads, p.n_ff_shexp
+            ch = (2 * p.ssm_groups + vh) * st  # the conv's channels: q, k, v
+            specs.append(F(b + "attn_norm.weight", (D,), "norm"))
+            if p.is_recurrent(i):
+                specs += [
+                    W(b + "attn_qkv.weight", (ch, D), "attn_qkv", i),
+                    W(b + "attn_gate.weight", (vh * st, D), "attn_gate", i),
+                    F(b + "ssm_conv1d.weight", (ch, p.ssm_conv_kernel), "conv"),
+                    F(b + "ssm_dt.bias", (vh,), "bias"),
+                    F(b + "ssm_a", (vh,), "ssm_a"),
+                    W(b + "ssm_beta.weight", (vh, D), "ssm_beta", i),
+                    W(b + "ssm_alpha.weight", (vh, D), "ssm_alpha", i),
+                    F(b + "ssm_norm.weight", (st,), "norm"),
+                    W(b + "ssm_out.weight", (D, vh * st), "ssm_out", i),
+                ]
+            else:
+                qw = p.n_head * p.head_dim
+                specs += [
+                    W(b + "attn_q.weight", (2 * qw, D), "attn_q", i),  # per head: query rows, then gate rows
+                    W(b + "attn_k.weight", (p.n_head_kv * p.head_dim, D), "attn_k", i),
+                    W(b + "attn_v.weight", (p.n_head_kv * p.head_dim, D), "attn_v", i),
+                    W(b + "attn_output.weight", (D, qw), "attn_output", i),
+                    F(b + "attn_q_norm.weight", (p.head_dim,), "norm"),
+                    F(b + "attn_k_norm.weight", (p.head_dim,), "norm"),
+                ]
+                v_seen += 1
+            specs += [
+                F(b + "post_attention_norm.weight", (D,), "norm"),  # the pre-FFN norm
+                F(b + "ffn_gate_inp.weight", (X, D), "router"),
+                W(b + "ffn_gate_exps.weight", (X, F_exp, D), "ffn_gate_exps", i),  # X F D
+                W(b + "ffn_up_exps.weight", (X, F_exp, D), "ffn_up_exps", i),  # X F D
+                W(b + "ffn_down_exps.weight", (X, D, F_exp), "ffn_down_exps", i),  # X D F
+                F(b + "ffn_gate_inp_shexp.weight", (D,), "bias"),  # one logit: σ ≈ 0.5 gates the shared expert
+                W(b + "ffn_gate_shexp.weight", (fs, D), "ffn_gate_shexp", i),
+                W(b + "ffn_up_shexp.weight", (fs, D), "ffn_up_shexp", i),
+                W(b + "ffn_down_shexp.weight", (D, fs), "ffn_down_shexp", i),
+            ]
+            continue
         swa = p.is_swa(i)
         d = p.head_dim_full if arch == "gemma4" and not swa else p.head_dim
         hk = p.n_head_kv_full if arch == "gemma4" and not swa else p.n_head_kv
@@ -457,6 +496,10 @@ def _generate(s: TensorSpec, seed: int) -> np.ndarray:
         x = np.float32(s.param) * rng.standard_normal(n, dtype=np.float32)
     elif s.fill == "sinks":
         x = rng.standard_normal(n, dtype=np.float32)
+    elif s.fill == "conv":  # qwen35moe's short conv: a few taps of order 1/√kernel
+        x = rng.standard_normal(n, dtype=np.float32) * np.float32(1.0 / np.sqrt(s.shape[-1]))
+    elif s.fill == "ssm_a":  # a = -exp(A_log) < 0: per-head decay rates, as trained models spread them
+        x = -rng.uniform(0.5, 4.0, n).astype(np.float32)
     else:
         raise AssertionError(s.fill)
     return np.ascontiguousarray(x, np.float32).view(np.uint8).reshape(s.byte_shape)
@@ -526,6 +569,16 @@ def _add_metadata(w: GGUFWriter, arch: str, preset: str, p: Preset, v: Vocab, ov
         w.add_head_count_kv(p.n_head_kv)
         w.add_key_length(p.head_dim)
         w.add_value_length(p.head_dim)
+    if arch == "qwen35moe":
+        w.add_rope_dimension_count(int(p.head_dim * p.partial_rotary))
+        w.add_rope_dimension_sections([11, 11, 10, 0])  # llama.cpp requires it; text positions make it moot
+        w.add_expert_shared_feed_forward_length(p.n_ff_shexp)
+        w.add_full_attention_interval(p.full_attn_interval)
+        w.add_ssm_conv_kernel(p.ssm_conv_kernel)
+        w.add_ssm_state_size(p.ssm_state)
+        w.add_ssm_group_count(p.ssm_groups)
+        w.add_ssm_time_step_rank(p.ssm_heads)
+        w.add_ssm_inner_size(p.ssm_heads * p.ssm_state)
     if arch == "gpt-oss":
         w.add_sliding_window(p.sliding_window)
         w.add_rope_scaling_type(RopeScalingType.YARN)

@@ -14,9 +14,14 @@ from dataclasses import dataclass
 
 from gguf import GGMLQuantizationType as Q
 
-ARCHES = ("qwen3moe", "gpt-oss", "gemma4")
-PRESETS = ("tiny", "small", "qwen30b-shape", "gptoss120b-shape", "gemma26b-shape")
-SHAPE_PRESET_ARCH = {"qwen30b-shape": "qwen3moe", "gptoss120b-shape": "gpt-oss", "gemma26b-shape": "gemma4"}
+ARCHES = ("qwen3moe", "gpt-oss", "gemma4", "qwen35moe")
+PRESETS = ("tiny", "small", "qwen30b-shape", "gptoss120b-shape", "gemma26b-shape", "qwen35-35b-shape")
+SHAPE_PRESET_ARCH = {
+    "qwen30b-shape": "qwen3moe",
+    "gptoss120b-shape": "gpt-oss",
+    "gemma26b-shape": "gemma4",
+    "qwen35-35b-shape": "qwen35moe",
+}
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,18 @@ class Preset:
     # gpt-oss YaRN
     yarn_factor: float = 0.0
     yarn_orig_ctx: int = 0
+    # qwen35moe: full attention on every full_attn_interval-th layer, linear attention
+    # (gated delta rule) on the rest; its heads, conv and shared expert
+    full_attn_interval: int = 0
+    ssm_groups: int = 0  # key heads
+    ssm_heads: int = 0  # value heads
+    ssm_state: int = 0  # key = value head width
+    ssm_conv_kernel: int = 0
+    n_ff_shexp: int = 0
+
+    def is_recurrent(self, i: int) -> bool:
+        """Whether layer i is a linear-attention layer (qwen35moe)."""
+        return bool(self.full_attn_interval) and (i + 1) % self.full_attn_interval != 0
 
     def is_swa(self, i: int) -> bool:
         """Whether layer i uses sliding-window attention."""
@@ -245,6 +262,79 @@ _P = {
         partial_rotary=0.25,
         final_softcap=30.0,
     ),
+    # ----------------------------------------------------------------- qwen35moe
+    ("qwen35moe", "tiny"): Preset(
+        "tiny",
+        n_layer=4,
+        n_embd=256,
+        n_head=4,
+        n_head_kv=2,
+        head_dim=64,
+        n_expert=8,
+        n_expert_used=2,
+        n_ff_exp=256,
+        n_ff=256,
+        vocab_size=2048,
+        n_bpe=1600,
+        context_length=4096,
+        rms_eps=1e-6,
+        rope_base=1e7,
+        partial_rotary=0.25,
+        full_attn_interval=2,
+        ssm_groups=2,
+        ssm_heads=4,
+        ssm_state=64,
+        ssm_conv_kernel=4,
+        n_ff_shexp=256,
+    ),
+    ("qwen35moe", "small"): Preset(
+        "small",
+        n_layer=8,
+        n_embd=1024,
+        n_head=8,
+        n_head_kv=2,
+        head_dim=128,
+        n_expert=16,
+        n_expert_used=4,
+        n_ff_exp=512,
+        n_ff=512,
+        vocab_size=8192,
+        n_bpe=4096,
+        context_length=8192,
+        rms_eps=1e-6,
+        rope_base=1e7,
+        partial_rotary=0.25,
+        full_attn_interval=4,
+        ssm_groups=4,
+        ssm_heads=8,
+        ssm_state=128,
+        ssm_conv_kernel=4,
+        n_ff_shexp=512,
+    ),
+    ("qwen35moe", "qwen35-35b-shape"): Preset(  # Qwen3.5-35B-A3B (and Qwen3.6-35B-A3B)
+        "qwen35-35b-shape",
+        n_layer=40,
+        n_embd=2048,
+        n_head=16,
+        n_head_kv=2,
+        head_dim=256,
+        n_expert=256,
+        n_expert_used=8,
+        n_ff_exp=512,
+        n_ff=512,
+        vocab_size=248320,
+        n_bpe=4096,
+        context_length=262144,
+        rms_eps=1e-6,
+        rope_base=1e7,
+        partial_rotary=0.25,
+        full_attn_interval=4,
+        ssm_groups=16,
+        ssm_heads=32,
+        ssm_state=128,
+        ssm_conv_kernel=4,
+        n_ff_shexp=512,
+    ),
 }
 
 
@@ -323,6 +413,8 @@ ROUTER = {
     "qwen3moe": RouterShape(logit_std=5.0, depth_exp=0.4, stream_write=0.035, first_attn_q=0.85),
     "gpt-oss": RouterShape(logit_std=1.0, bias_std=0.9, stream_write=0.035, shaped_bias_std=0.75),
     "gemma4": RouterShape(logit_std=1.0),
+    # Not calibrated (no trace of Qwen3.5): qwen3moe's gate sharpness, its stream unshaped.
+    "qwen35moe": RouterShape(logit_std=5.0, depth_exp=0.4),
 }
 
 
@@ -361,9 +453,9 @@ def real_mix(arch: str, role: str, layer: int, n_layer: int, v_index: int, n_v: 
         return Q.Q6_K
     if role == "attn_v":
         return Q.Q6_K if use_more_bits(v_index, n_v) else Q.Q4_K
-    if role in ("ffn_down", "ffn_down_exps"):
+    if role in ("ffn_down", "ffn_down_exps", "ffn_down_shexp"):
         return Q.Q6_K if use_more_bits(layer, n_layer) else Q.Q4_K
     return Q.Q4_K
 
 
-MIX_NAME = {"qwen3moe": "Q4_K_M", "gpt-oss": "MXFP4_MOE", "gemma4": "Q4_K_M"}
+MIX_NAME = {"qwen3moe": "Q4_K_M", "gpt-oss": "MXFP4_MOE", "gemma4": "Q4_K_M", "qwen35moe": "Q4_K_M"}

@@ -160,6 +160,8 @@ class KVCache:
         self.k = [_Rows(kv_type, hk, n_ctx, dk) for hk, dk in zip(n_head_kv, head_dim_k)]
         self.v = [_Rows(kv_type, hk, n_ctx, dv) for hk, dv in zip(n_head_kv, head_dim_v)]
         self.n = 0  # positions filled (all layers advance together)
+        # A hybrid model's (qwen35moe) recurrent layers keep their state here, not in K/V.
+        self.state: RecurrentState | None = None
 
     def store(self, layer: int, k: np.ndarray, v: np.ndarray) -> None:
         """k [T, Hk, d], v [T, Hk, dv] at positions n..n+T-1 (commit with advance())."""
@@ -186,8 +188,50 @@ class KVCache:
     def advance(self, t: int) -> None:
         self.n += t
 
+    def can_truncate(self, n: int) -> bool:
+        """Whether `truncate(n)` is possible: always for a pure KV cache; with a
+        recurrent state only to 0 or to n ≥ the current length, because the state
+        has folded every position in and cannot be rewound (reuse recomputes)."""
+        return self.state is None or n <= 0 or n >= self.n
+
     def truncate(self, n: int) -> None:
-        self.n = min(self.n, n)
+        """Forget every position from n on (rows past n are overwritten by the next store)."""
+        if not self.can_truncate(n):
+            raise ValueError(f"this model's recurrent state cannot be rewound from {self.n} to {n} positions (only to 0)")
+        if self.state is not None and n <= 0:
+            self.state.reset()
+        self.n = max(0, min(self.n, n))
+
+    def parts(self) -> list[np.ndarray]:
+        """Every stored array, [Hk, n_ctx, x], in a fixed order (per layer: K, its
+        q8_0 scales if any, V, its scales): what a saved session writes and reads
+        back (shared/model/session.py), positions 0..n-1 of each."""
+        out: list[np.ndarray] = []
+        for k, v in zip(self.k, self.v):
+            for rows in (k, v):
+                out.append(rows.data)
+                if rows.scale is not None:
+                    out.append(rows.scale)
+        return out
+
+
+class RecurrentState:
+    """A hybrid model's per-sequence state of its linear-attention layers, float32:
+    `conv[i]` [kernel-1, channels] (the last inputs of the short causal conv) and
+    `delta[i]` [heads, d_k, d_v] (the gated delta rule's matrix). Its size is fixed
+    whatever the context (shared/gguf/spec.py recurrent_state_bytes)."""
+
+    def __init__(self, layers: list[int], kernel: int, channels: int, heads: int, d_k: int, d_v: int):
+        self.conv = {i: np.zeros((kernel - 1, channels), np.float32) for i in layers}
+        self.delta = {i: np.zeros((heads, d_k, d_v), np.float32) for i in layers}
+
+    def reset(self) -> None:
+        for a in (*self.conv.values(), *self.delta.values()):
+            a.fill(0)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (*self.conv.values(), *self.delta.values()))
 
 
 def attention(

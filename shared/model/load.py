@@ -8,13 +8,18 @@ import numpy as np
 
 from moe_pipe.shared.errors import GGUFError
 from moe_pipe.shared.gguf.model_file import ModelFile
-from moe_pipe.shared.model import gemma4, gpt_oss, qwen3moe
+from moe_pipe.shared.model import gemma4, gpt_oss, qwen3moe, qwen35moe
 from moe_pipe.shared.model.base import ModelOptions, MoEModel
 from moe_pipe.shared.model.weights import ExpertSource
 
 __all__ = ["ARCHITECTURES", "ModelOptions", "load_model"]
 
-ARCHITECTURES: dict[str, type[MoEModel]] = {"qwen3moe": qwen3moe.Model, "gpt-oss": gpt_oss.Model, "gemma4": gemma4.Model}
+ARCHITECTURES: dict[str, type[MoEModel]] = {
+    "qwen3moe": qwen3moe.Model,
+    "gpt-oss": gpt_oss.Model,
+    "gemma4": gemma4.Model,
+    "qwen35moe": qwen35moe.Model,
+}
 
 
 def load_model(

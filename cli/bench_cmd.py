@@ -15,6 +15,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None, help="a GGUF file or a TOML config; default: the embedded tiny model")
     p.add_argument("-n", type=int, default=64, help="decode tokens per run (default 64)")
     p.add_argument("--repeat", type=int, default=3, help="runs per engine; medians are reported (default 3)")
+    p.add_argument("-p", "--prompt", default=None, help="the prompt every run decodes after (default: the benchmark's fixed prompt)")
     p.add_argument(
         "--mem-limit-mb",
         type=float,
@@ -48,6 +49,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.n < 1 or args.repeat < 1:
         raise UserError("-n and --repeat must be at least 1")
+    if args.prompt is not None and not args.prompt.strip():
+        raise UserError("--prompt is empty")
     if args.mem_limit_mb is not None and args.mem_limit_mb <= 0:
         raise UserError(f"--mem-limit-mb {args.mem_limit_mb:g}: must be positive")
     cfg = load_run_config(args)
@@ -69,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
         cooldown_s=args.cooldown,
         peer_timeout_s=args.peer_timeout,
         run_args=run_args,
+        **({"prompt": args.prompt} if args.prompt is not None else {}),
     )
     say = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
     say("forecasting (moe-pipe doctor) ...")

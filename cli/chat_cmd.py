@@ -13,6 +13,11 @@ Which server, first that applies:
     MODEL|CONFIG given     `moe-pipe up MODEL --detach --port 0` now, and
                            `moe-pipe down` when the chat ends
 
+The model's reasoning (the server's `reasoning_content`: Qwen3's think
+block, gpt-oss's analysis channel, Gemma 4's thought channel) is shown dimmed
+before the answer when stdout is a terminal, and left out otherwise, or with
+--hide-reasoning or --no-think; it is never sent back in the history.
+
 Lines: `/reset` clears the history (the --system message stays), `/exit` or
 end of input ends. Ctrl-C during a reply stops that reply; at the prompt, ends.
 A conversation that outgrows the server's context loses its oldest turns
@@ -40,6 +45,8 @@ MODELS_TIMEOUT_S = 10
 # read enable_thinking, gpt-oss reads reasoning_effort (shared/text/chat.py
 # thinking_off). A template ignores the variable it does not use.
 NO_THINK_TEMPLATE_KWARGS = {"enable_thinking": False, "reasoning_effort": "low"}
+DIM, PLAIN = "\x1b[2m", "\x1b[0m"  # SGR faint and reset: reasoning shown dimmed on a terminal
+REASONING, CONTENT = "reasoning", "content"
 
 
 class RequestFailed(Exception):
@@ -82,7 +89,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "-n", "--max-tokens", dest="max_tokens", type=int, default=None, metavar="N", help="longest reply in tokens (default: the server's)"
     )
-    p.add_argument("--no-think", action="store_true", help="ask the model not to think before answering")
+    p.add_argument("--no-think", action="store_true", help="ask the model not to think before answering (and show no reasoning)")
+    p.add_argument(
+        "--hide-reasoning",
+        action="store_true",
+        help="let the model think but show only its answers (reasoning is shown dimmed on a terminal)",
+    )
 
 
 # --------------------------------------------------------------------- server
@@ -222,9 +234,15 @@ def first_model_id(url: str, api_key: str | None) -> str:
 
 
 def sse_content(lines) -> Iterator[str]:
-    """The text pieces of an OpenAI chat stream: `data: {...}` lines carrying
-    choices[0].delta.content, until `data: [DONE]`. Other SSE lines (blank
-    separators, `: keep-alive` comments, `event:`) carry no text."""
+    """The answer's text pieces of an OpenAI chat stream (delta.content)."""
+    return (text for kind, text in sse_deltas(lines) if kind == CONTENT)
+
+
+def sse_deltas(lines) -> Iterator[tuple[str, str]]:
+    """(kind, text) pieces of an OpenAI chat stream: `data: {...}` lines carrying
+    choices[0].delta.reasoning_content (REASONING) or .content (CONTENT), until
+    `data: [DONE]`. Other SSE lines (blank separators, `: keep-alive`
+    comments, `event:`) carry no text."""
     for raw in lines:
         line = raw.decode("utf-8", "replace").rstrip("\r\n")
         if not line.startswith("data:"):
@@ -242,9 +260,11 @@ def sse_content(lines) -> Iterator[str]:
             raise RequestFailed(error_message(json.dumps(chunk).encode(), "the server broke off the reply"))
         choices = chunk.get("choices") or []
         delta = (choices[0].get("delta") or {}) if choices and isinstance(choices[0], dict) else {}
-        piece = delta.get("content")
-        if piece:
-            yield piece
+        thought, piece = delta.get("reasoning_content"), delta.get("content")
+        if thought and isinstance(thought, str):
+            yield REASONING, thought
+        if piece and isinstance(piece, str):
+            yield CONTENT, piece
 
 
 # ----------------------------------------------------------------------- chat
@@ -256,6 +276,7 @@ class Chat:
     def __init__(self, url: str, model: str, args: argparse.Namespace):
         self.url, self.model, self.api_key = url, model, args.api_key
         self.system = args.system
+        self.show_reasoning = not (args.no_think or getattr(args, "hide_reasoning", False))
         self.options: dict = {}
         if args.temperature is not None:
             self.options["temperature"] = args.temperature
@@ -286,14 +307,15 @@ class Chat:
 
         self.history.append({"role": "user", "content": text})
         pieces: list[str] = []
+        shown = Shown(out, self.show_reasoning and out.isatty())
         try:
             while True:
                 try:
                     with open_request(f"{self.url}/v1/chat/completions", self.api_key, self.request_body()) as resp:
-                        for piece in sse_content(resp):
-                            pieces.append(piece)  # first: a Ctrl-C during the write still keeps what showed
-                            out.write(piece)
-                            out.flush()
+                        for kind, piece in sse_deltas(resp):
+                            if kind == CONTENT:
+                                pieces.append(piece)  # first: a Ctrl-C during the write still keeps what showed
+                            shown.write(kind, piece)
                     break
                 except RequestFailed as exc:
                     # The server counts tokens, the client cannot: its refusal is how we learn the history is too long.
@@ -302,12 +324,14 @@ class Chat:
         except KeyboardInterrupt:
             # Leaving the `with` closed the connection: the gateway sees the
             # client go and stops generating.
+            shown.end()
             out.write("\n")
             print("[reply stopped]", file=sys.stderr, flush=True)
             self._keep_reply(pieces)
             return
         except RequestFailed as exc:
-            if pieces:
+            shown.end()
+            if pieces or shown.thought:
                 out.write("\n")
             self.history.pop()
             print(f"moe-pipe: server error {exc}", file=sys.stderr, flush=True)
@@ -316,6 +340,8 @@ class Chat:
             raise  # our stdout closed (`| head`): main ends quietly
         except (ConnectionError, http.client.HTTPException) as exc:  # broke mid-reply: the server is gone
             raise UserError(f"lost the connection to {self.url}: {exc or type(exc).__name__}") from None
+        finally:
+            shown.end()  # never leave the terminal dimmed
         out.write("\n")
         out.flush()
         self._keep_reply(pieces, complete=True)
@@ -345,6 +371,35 @@ class Chat:
             self.history.append({"role": "assistant", "content": "".join(pieces)})
         else:
             self.history.pop()
+
+
+class Shown:
+    """What one reply prints: reasoning dimmed (when shown at all), then the
+    answer on its own line; `end()` leaves the terminal's attributes reset."""
+
+    def __init__(self, out, reasoning: bool):
+        self.out, self.reasoning = out, reasoning
+        self.dim = False  # the terminal is in faint mode
+        self.thought = False  # some reasoning was shown
+
+    def write(self, kind: str, text: str) -> None:
+        if kind == REASONING:
+            if not self.reasoning:
+                return
+            if not self.dim:
+                self.out.write(DIM)
+                self.dim = self.thought = True
+        elif self.dim:
+            self.out.write(PLAIN + "\n")  # the answer starts on a line of its own
+            self.dim = False
+        self.out.write(text)
+        self.out.flush()
+
+    def end(self) -> None:
+        if self.dim:
+            self.out.write(PLAIN)
+            self.out.flush()
+            self.dim = False
 
 
 def read_line(prompt: str) -> str | None:

@@ -1,5 +1,7 @@
 """`moe-pipe run [MODEL|CONFIG] -p PROMPT`: one generation through the streaming
-pipeline (or, with --no-stream, every weight resident in this process)."""
+pipeline (or, with --no-stream, every weight resident in this process).
+`--session FILE` starts from a saved KV cache and saves the new one
+(docs/conversations.md)."""
 
 from __future__ import annotations
 
@@ -30,6 +32,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop when this text appears (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-generation tokens (benchmarks)")
     p.add_argument("--no-stream", action="store_true", help="hold every weight resident in this process (the reference path)")
+    p.add_argument(
+        "--session",
+        metavar="FILE",
+        help="start from the KV cache saved in FILE when it exists (only the prompt past the prefix they share is computed), "
+        "and save prompt + output to FILE afterwards (llama.cpp's --prompt-cache)",
+    )
     p.add_argument("--output-format", choices=("text", "json"), default="text")
     add_override_arguments(p, tables=("cache", "io", "compute", "generate", "telemetry"))
 
@@ -123,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
         t = out["timings"]
         sys.stdout.write("\n")
         print(
-            f"[{t['prompt_n']} prompt tokens at {t['prompt_tok_s']:.1f} tok/s, {t['predicted_n']} generated at "
+            f"[{t['prompt_n']} prompt tokens{_cached(t)} at {t['prompt_tok_s']:.1f} tok/s, {t['predicted_n']} generated at "
             f"{t['predicted_tok_s']:.1f} tok/s, finish: {out['finish_reason']}; "
             f"load {t['load_seconds']:.2f} s, kernels {t['compile_seconds']:.2f} s (not in the rates)]",
             file=sys.stderr,
@@ -133,14 +141,20 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cached(t: dict) -> str:
+    return f" ({t['prompt_cached']} from the session)" if t.get("prompt_cached") else ""
+
+
 def _run_resident(cfg, model_path, tok, prompt_tokens, params, args, on_text) -> dict:
     import time
 
     from moe_pipe.procs.warmup import CompileCounter, forward_pass, kernel_steps, warm_up
     from moe_pipe.shared import quant
     from moe_pipe.shared.errors import UserError
+    from moe_pipe.shared.experts.directio import model_identity
     from moe_pipe.shared.gguf.model_file import open_model
     from moe_pipe.shared.model.load import ModelOptions, load_model
+    from moe_pipe.shared.model.session import save_session
     from moe_pipe.shared.progress import StatusLine
     from moe_pipe.shared.text.generate import GenerationConfig, generate
 
@@ -151,7 +165,12 @@ def _run_resident(cfg, model_path, tok, prompt_tokens, params, args, on_text) ->
         except ValueError as exc:
             raise UserError(f"--threads: {exc}") from None
     gen_cfg = GenerationConfig(
-        max_tokens=cfg.generate.max_tokens, stop=tuple(args.stop), n_ctx=cfg.compute.ctx_size, ignore_eos=args.ignore_eos
+        max_tokens=cfg.generate.max_tokens,
+        stop=tuple(args.stop),
+        n_ctx=cfg.compute.ctx_size,
+        ignore_eos=args.ignore_eos,
+        context_shift=cfg.generate.context_shift,
+        n_keep=cfg.generate.n_keep,
     )
     from moe_pipe.shared.model.routes import RouteReplay, RouteTracer
     from moe_pipe.shared.model.trace import read_trace
@@ -165,6 +184,7 @@ def _run_resident(cfg, model_path, tok, prompt_tokens, params, args, on_text) ->
         try:
             options = ModelOptions(route_observer=tracer, route_replay=replay, kv_type=cfg.compute.kv_type)
             model = load_model(mf, top_k=cfg.compute.top_k, options=options)
+            session = _open_session(args.session, model, mf, gen_cfg.n_ctx)  # a refused file: before the kernels compile
             load_s = time.perf_counter() - t0
             with StatusLine() as status:
                 status.update("loaded the model; compiling its kernels next")
@@ -172,13 +192,28 @@ def _run_resident(cfg, model_path, tok, prompt_tokens, params, args, on_text) ->
                 warm = warm_up(steps, lambda i, n, item: status.update(kernel_text(i, n, item)))
                 status.done(f"kernels ready in {warm.seconds:.2f} s ({warm.compiled} compiled, the rest from numba's cache)")
             with CompileCounter() as late:
-                result = generate(_Phases(model, tracer), tok, prompt_tokens, params, gen_cfg, on_text=on_text)
+                result = generate(_Phases(model, tracer), tok, prompt_tokens, params, gen_cfg, on_text=on_text, session=session)
+            if args.session:
+                save_session(args.session, session, model_identity(mf.gguf.paths), model.arch)
         finally:
             if tracer:
                 tracer.close()
     out = result.as_json()
     out["timings"] |= {"load_seconds": round(load_s, 3), "compile_seconds": round(warm.seconds, 3), "late_compiles": late.count}
     return out
+
+
+def _open_session(path, model, mf, n_ctx):
+    """The session of --session FILE: read when the file exists (refused with one
+    line if it is another model's, truncated, ...), else a new one."""
+    import os
+
+    from moe_pipe.shared.experts.directio import model_identity
+    from moe_pipe.shared.model.session import Session, load_session
+
+    if path and os.path.exists(path):
+        return load_session(path, model, n_ctx, model_identity(mf.gguf.paths))
+    return Session()
 
 
 class _Phases:
@@ -203,6 +238,7 @@ class _Phases:
 
 def _run_pipeline(cfg, model_path, prompt_tokens, params, args, on_text) -> dict:
     from dataclasses import asdict
+    from pathlib import Path
 
     from moe_pipe.procs.pipeline import start_pipeline
     from moe_pipe.shared.progress import StatusLine
@@ -232,7 +268,12 @@ def _run_pipeline(cfg, model_path, prompt_tokens, params, args, on_text) -> dict
             f"{'' if r.direct_io else '; O_DIRECT refused, buffered reads'}]",
             file=sys.stderr,
         )
+        session = str(Path(args.session).resolve()) if args.session else ""  # compute reads and writes it: an absolute path
+        if session and Path(session).exists():
+            pipe.slot("restore", session)
         done = pipe.generate(prompt_tokens, asdict(params), cfg.generate.max_tokens, tuple(args.stop), collect, args.ignore_eos)
+        if session:
+            pipe.slot("save", session)
     # One value per figure: the parent's load and budget, the same the CSV preamble and JSONL carry (docs/telemetry.md).
     timings = dict(done.timings) | {
         "load_seconds": r.load_seconds,

@@ -94,6 +94,8 @@ def compute_args(cfg: Any, res: Resources, model_path: str | Path, reader_pid: i
         route_replay=str(c.route_replay or ""),
         model_identity=r.model_identity,
         populate=cfg.io.populate,
+        context_shift=cfg.generate.context_shift,
+        n_keep=cfg.generate.n_keep,
     )
 
 
@@ -115,6 +117,8 @@ def gateway_args(launch: Launch) -> Any:
         seed=gen.seed,
         no_think=gen.no_think,
         chat_template=gen.chat_template,
+        context_shift=gen.context_shift,
+        slot_save_path=str(g.slot_save_path or ""),
     )
 
 

@@ -1,7 +1,9 @@
 """The compute process: the forward pass and the KV cache.
 
 Loop:
-  1. a Generate from the front end: prefill, then decode token by token;
+  1. a Generate from the front end: prefill what the prompt does not share
+     with the session's KV cache (kept between requests: docs/conversations.md),
+     then decode token by token; a Slot saves, restores or erases that session;
   2. per MoE layer the model asks `SlabExperts` for its k experts: the hits
      come from the residency index with no message at all; a layer with
      misses sends one Fetch (naming its hits, to be pinned, and carrying the
@@ -41,6 +43,7 @@ from moe_pipe.shared.gguf.model_file import open_model
 from moe_pipe.shared.model.levers import Levers
 from moe_pipe.shared.model.load import ModelOptions, load_model
 from moe_pipe.shared.model.routes import RouteReplay, RouteTracer
+from moe_pipe.shared.model.session import Session, slot_action
 from moe_pipe.shared.model.trace import read_trace
 from moe_pipe.shared.model.weights import Expert
 from moe_pipe.shared.telemetry import ResourceMeter
@@ -51,6 +54,7 @@ from moe_pipe.shared.wire import ipc
 from moe_pipe.shared.wire import messages as m
 
 from .compute_config import ComputeConfig
+from .guess_gate import GuessGate
 from .lifecycle import child_setup
 from .warmup import STAGE, CompileCounter, forward_pass, kernel_steps, warm_up
 
@@ -74,67 +78,24 @@ class Interrupts:
         self.requests = requests
         self.req_id = 0
         self.shutdown = False
-        self.pending: list[m.Generate] = []  # a front end that did not wait for Done
+        self.pending: list[m.Generate | m.Slot] = []  # a front end that did not wait for Done
 
     def check(self) -> None:
         while True:
             try:
-                msg = ipc.recv(self.requests, 0, expect=(m.Cancel, m.Shutdown, m.Generate))
+                msg = ipc.recv(self.requests, 0, expect=(m.Cancel, m.Shutdown, m.Generate, m.Slot))
             except m.ProtocolError as exc:
                 log.warning("dropped a bad frame: %s", exc)
                 continue
             if msg is None:
                 return
-            if isinstance(msg, m.Generate):
+            if isinstance(msg, (m.Generate, m.Slot)):
                 self.pending.append(msg)
             elif isinstance(msg, m.Shutdown):
                 self.shutdown = True
                 raise RequestFailed(m.Code.CANCELLED, "the service is shutting down")
             elif msg.req_id == self.req_id:
                 raise RequestFailed(m.Code.CANCELLED, "cancelled by the front end")
-
-
-# Prefetch switches itself off per layer where its guesses stop paying: a
-# layer is judged each time GUESS_WINDOW of its guessed experts have been
-# scored, and if fewer than GUESS_MIN_USED of them were then chosen it stops
-# guessing for GUESS_PAUSE tokens (a wrong guess costs a read and evicts a
-# cached expert), then guesses again and is judged afresh. Not tuned yet (no
-# quiet-machine run): the floor only stops layers whose guesses are mostly
-# wrong; the confident guesses (shared/model/base.py PREFETCH_MIN_P) were
-# right ~69 % of the time on the qwen30b-shape model.
-GUESS_WINDOW = 32
-GUESS_MIN_USED = 0.25
-GUESS_PAUSE = 64
-
-
-class GuessGate:
-    """Per layer: do its next-layer guesses still pay? Counts the guessed
-    experts issued and used since the layer was last judged, and how many
-    more of its guesses to skip."""
-
-    def __init__(self, window: int = GUESS_WINDOW, min_used: float = GUESS_MIN_USED, pause: int = GUESS_PAUSE):
-        self.window, self.min_used, self.pause = window, min_used, pause
-        self.issued: dict[int, int] = {}
-        self.used: dict[int, int] = {}
-        self.off: dict[int, int] = {}  # layer -> guesses still to skip
-        self.switched_off = 0  # times a layer was switched off (since start)
-
-    def allow(self, layer: int) -> bool:
-        """May this layer guess now? A switched-off layer's skipped guess counts down its pause."""
-        left = self.off.pop(layer, 0)
-        if left > 1:
-            self.off[layer] = left - 1
-        return left == 0
-
-    def score(self, layer: int, issued: int, used: int) -> None:
-        """A guess of `issued` experts of which `used` were then chosen."""
-        self.issued[layer] = n = self.issued.get(layer, 0) + issued
-        self.used[layer] = u = self.used.get(layer, 0) + used
-        if n >= self.window:
-            if u < self.min_used * n:
-                self.off[layer] = self.pause
-                self.switched_off += 1
-            self.issued[layer] = self.used[layer] = 0
 
 
 class SlabExperts:
@@ -360,11 +321,14 @@ class Recorder:
         self.records: list[m.TokenRecord] = []
         self.total_hits = self.total_misses = 0
 
-    def new_cache(self, n_ctx):
+    def begin(self) -> None:
+        """A new request: its own records and counters, a new turn in the route trace."""
         self.records, self.total_hits, self.total_misses = [], 0, 0
         self.meter.delta()
         if self.tracer:
             self.tracer.begin_turn()
+
+    def new_cache(self, n_ctx):
         return self.model.new_cache(n_ctx)
 
     def prefill(self, tokens, cache, batch=64):
@@ -465,6 +429,9 @@ def serve(cfg: ComputeConfig, ctx: zmq.Context) -> None:
     tok = Tokenizer.from_gguf(mf.gguf)
     interrupts = Interrupts(requests)
     recorder = Recorder(model, source, telemetry, interrupts, tracer)
+    # The KV cache and the ids it holds, kept between requests (prefix reuse, slots);
+    # a session file is bound to the model file's identity.
+    session, identity = Session(), tuple(cfg.model_identity) or model_identity(mf.gguf.paths)
     # Every kernel compiled (or loaded from numba's cache) before the Hello, so no
     # request's timings include a compile; the front end shows the progress.
     steps = kernel_steps(mf, forward_pass(mf, cfg.top_k, view, cfg.kv_type))
@@ -482,10 +449,12 @@ def serve(cfg: ComputeConfig, ctx: zmq.Context) -> None:
             msg = interrupts.pending.pop(0) if interrupts.pending else _next_request(requests, cfg)
             if isinstance(msg, m.Shutdown):
                 return
-            if isinstance(msg, m.Generate):
+            if isinstance(msg, m.Slot):
+                ipc.send(tokens_out, handle_slot(msg, session, model, cfg, identity))
+            elif isinstance(msg, m.Generate):
                 interrupts.req_id = msg.req_id
                 try:
-                    handle(msg, recorder, tok, cfg, tokens_out, late)
+                    handle(msg, recorder, tok, cfg, tokens_out, late, session)
                 finally:
                     interrupts.req_id = 0
     finally:
@@ -538,25 +507,58 @@ class FrontEndWatch:
         self.monitor.close(linger=0)
 
 
-def _next_request(requests: zmq.Socket, cfg: ComputeConfig) -> m.Generate | m.Shutdown | None:
+def _next_request(requests: zmq.Socket, cfg: ComputeConfig) -> m.Generate | m.Slot | m.Shutdown | None:
     """The next request; while idle, also notice a dead reader and end this
     process (its supervisor restarts both; a later request would only fail)."""
     try:
-        msg = ipc.recv(requests, PEER_POLL_MS, expect=(m.Generate, m.Shutdown, m.Cancel))
+        msg = ipc.recv(requests, PEER_POLL_MS, expect=(m.Generate, m.Slot, m.Shutdown, m.Cancel))
     except m.ProtocolError as exc:
         log.warning("dropped a bad frame: %s", exc)
         return None
     if msg is None and not _alive(cfg.reader_pid):
         raise RequestFailed(m.Code.PEER_GONE, "the reader process died")
-    return msg if isinstance(msg, (m.Generate, m.Shutdown)) else None  # a Cancel for a request already done
+    return msg if isinstance(msg, (m.Generate, m.Slot, m.Shutdown)) else None  # a Cancel for a request already done
 
 
-def handle(req: m.Generate, recorder: Recorder, tok, cfg: ComputeConfig, out: zmq.Socket, late: CompileCounter | None = None) -> None:
+def handle_slot(req: m.Slot, session: Session, model, cfg: ComputeConfig, identity: tuple[str, ...]) -> m.Done:
+    """Save, restore or erase the session; a refused file is the request's fault."""
+    try:
+        return m.Done(req.req_id, True, timings=dict(slot_action(session, req.action, req.path, model, cfg.ctx_size, identity)))
+    except UserError as exc:
+        return m.Done(req.req_id, False, code=m.Code.BAD_ARGUMENT, error=str(exc))
+    except Exception as exc:  # noqa: BLE001 - a bug fails this request, and the session is not trusted after it
+        log.exception("slot %s failed", req.action)
+        session.reset()
+        return m.Done(req.req_id, False, code=m.Code.INTERNAL, error=f"{type(exc).__name__}: {exc}")
+
+
+def handle(
+    req: m.Generate,
+    recorder: Recorder,
+    tok,
+    cfg: ComputeConfig,
+    out: zmq.Socket,
+    late: CompileCounter | None = None,
+    session: Session | None = None,
+) -> None:
     from moe_pipe.shared.telemetry import summarize
 
     try:
         params = SamplingParams(**cast(dict[str, Any], req.sampling))  # values checked by SamplingParams itself
-        gen_cfg = GenerationConfig(max_tokens=req.max_tokens, stop=tuple(req.stop), n_ctx=cfg.ctx_size, ignore_eos=req.ignore_eos)
+        gen_cfg = GenerationConfig(
+            max_tokens=req.max_tokens,
+            stop=tuple(req.stop),
+            n_ctx=cfg.ctx_size,
+            ignore_eos=req.ignore_eos,
+            cache_prompt=req.cache_prompt,
+            context_shift=cfg.context_shift,
+            n_keep=cfg.n_keep,
+        )
+        constraint = None
+        if req.grammar:  # response_format: llguidance loads only in a compute that serves one
+            from moe_pipe.shared.text.constrain import constraint_for
+
+            constraint = constraint_for(tok, req.grammar)
     except (UserError, TypeError) as exc:  # a setting it lacks or of the wrong kind: the request's fault, not this process's
         ipc.send(out, m.Done(req.req_id, False, code=m.Code.BAD_ARGUMENT, error=f"bad request: {exc}"))
         return
@@ -565,8 +567,9 @@ def handle(req: m.Generate, recorder: Recorder, tok, cfg: ComputeConfig, out: zm
         ipc.send(out, m.Token(req.req_id, text))
 
     compiles = late.count if late else 0
+    recorder.begin()
     try:
-        result = generate(recorder, tok, list(req.prompt_tokens), params, gen_cfg, on_text=on_text)
+        result = generate(recorder, tok, list(req.prompt_tokens), params, gen_cfg, on_text=on_text, session=session, constraint=constraint)
     except RequestFailed as exc:
         ipc.send(out, m.Done(req.req_id, False, code=str(exc.code), error=str(exc)))
         if exc.code == m.Code.PEER_GONE:
@@ -577,6 +580,8 @@ def handle(req: m.Generate, recorder: Recorder, tok, cfg: ComputeConfig, out: zm
         return
     except Exception as exc:  # noqa: BLE001 - a bad request fails that request
         log.exception("generation failed")
+        if session is not None:
+            session.reset()  # a bug's leftovers are not reused
         ipc.send(out, m.Done(req.req_id, False, code=m.Code.INTERNAL, error=f"{type(exc).__name__}: {exc}"))
         return
     summary = summarize(recorder.records, 0.0, 0, None, recorder.meter.peak_rss_bytes()) if recorder.records else None

@@ -43,11 +43,19 @@ class ComputeClient:
         sampling: dict,
         stop: Sequence[str] = (),
         ignore_eos: bool = False,
+        cache_prompt: bool = True,
+        grammar: str = "",
     ) -> m.Generate:
         """The next request (its frames are the only ones `accept` returns from now on)."""
         self.req_id += 1
         self.done = None
-        return m.Generate(self.req_id, tuple(prompt_tokens), max_tokens, sampling, tuple(stop), ignore_eos)
+        return m.Generate(self.req_id, tuple(prompt_tokens), max_tokens, sampling, tuple(stop), ignore_eos, cache_prompt, grammar=grammar)
+
+    def slot(self, action: str, path: str = "") -> m.Slot:
+        """The next request: save, restore or erase compute's session (answered by a Done)."""
+        self.req_id += 1
+        self.done = None
+        return m.Slot(self.req_id, action, path)
 
     def cancel(self) -> m.Cancel:
         """Compute ends the request with Done(cancelled) at its next token."""

@@ -32,3 +32,5 @@ class ComputeConfig:
     route_replay: str = ""  # route by this trace instead of the router (benchmarks)
     model_identity: tuple[str, ...] = ()  # directio.model_identity at start-up: refuse any other file
     populate: bool = True  # map the slab and dense arenas ahead of first use (shared/experts/populate.py)
+    context_shift: bool = False  # generate.context_shift: a full KV cache drops its oldest tokens instead of ending the reply
+    n_keep: int = 0  # generate.n_keep: tokens at the start a context shift keeps (-1 = the whole prompt)

@@ -65,6 +65,7 @@ from moe_pipe.shared.serve.http_guard import (
 from moe_pipe.shared.serve.metrics import Metrics
 from moe_pipe.shared.serve.openai_api import (
     ApiError,
+    ChatOutput,
     CompletionRequest,
     ResponseShape,
     fit_max_tokens,
@@ -75,6 +76,7 @@ from moe_pipe.shared.serve.openai_api import (
     usage_of,
 )
 from moe_pipe.shared.text.chat import encode_prompt, render_chat, use_chat_template
+from moe_pipe.shared.text.reasoning import framing_for
 from moe_pipe.shared.text.tokenizer import Tokenizer
 from moe_pipe.shared.wire import ipc
 from moe_pipe.shared.wire import messages as m
@@ -85,6 +87,7 @@ from .lifecycle import child_setup
 log = logging.getLogger("moe_pipe.gateway")
 
 STATUS_TIMEOUT_MS = 1_000  # the supervisor's process table, for /metrics
+PROMPT_TAIL_TOKENS = 32  # where a reply starts (in a think block, a harmony header) is in the prompt's last few tokens
 SHUTDOWN_GRACE_S = 5.0  # handlers get this long to answer 503 after SIGTERM
 
 
@@ -104,6 +107,8 @@ class GatewaySettings:
     no_think: bool = False
     chat_template: str = "model"  # generate.chat_template: the model's, "plain", or a file
     restart_wait_s: float = 60.0
+    context_shift: bool = False  # generate.context_shift: max_tokens may run past the context (shared/serve/openai_api.py)
+    slot_save_path: str = ""  # gateway.slot_save_path: where /slots/0 keeps session files ("" = the endpoints answer 501)
     max_connections: int = MAX_CONNECTIONS
     idle_timeout_s: float = IDLE_TIMEOUT_S
     body_timeout_s: float = BODY_TIMEOUT_S
@@ -111,6 +116,28 @@ class GatewaySettings:
 
 
 # ------------------------------------------------------------------ HTTP glue
+
+SLOT_ACTIONS = ("save", "restore", "erase")
+MAX_SLOT_NAME = 255  # a file name's limit on Linux
+
+
+def slot_filename(body: dict) -> str:
+    """A slot file's name: bare (no folder, no '..'), as llama.cpp's server requires."""
+    name = body.get("filename")
+    if (
+        not isinstance(name, str)
+        or not name
+        or len(name) > MAX_SLOT_NAME
+        or "/" in name
+        or "\\" in name
+        or "\0" in name
+        or name in (".", "..")
+    ):
+        shown = name[:40] if isinstance(name, str) else type(name).__name__
+        raise ApiError(400, f"'filename' must be a bare file name (no '/', not '..'); got {shown!r}", "invalid_value", param="filename")
+    if ".." in name:
+        raise ApiError(400, f"'filename' may not contain '..'; got {name[:40]!r}", "invalid_value", param="filename")
+    return name
 
 
 def json_response(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
@@ -129,7 +156,7 @@ def check_wire(job: Job, where: str) -> None:
     compute drops it and the request would wait forever: encode and decode it
     here once (the frame and array caps of shared/wire/messages.py)."""
     try:
-        m.decode(m.encode(m.Generate(0, tuple(job.prompt_tokens), job.max_tokens, job.sampling, job.stop)))
+        m.decode(m.encode(m.Generate(0, tuple(job.prompt_tokens), job.max_tokens, job.sampling, job.stop, grammar=job.grammar)))
     except m.ProtocolError as exc:
         raise ApiError(
             400,
@@ -180,6 +207,7 @@ class Gateway:
 
     def __init__(self, settings: GatewaySettings, tokenizer: Tokenizer):
         self.settings, self.tok = settings, tokenizer
+        self.framing = framing_for(tokenizer)  # how replies frame reasoning and tool calls (shared/text/reasoning.py)
         self.metrics = Metrics()
         self.queue = RequestQueue(settings.queue_size)
         self.started = int(time.time())
@@ -243,6 +271,43 @@ class Gateway:
         text = self.metrics.render(self.link is not None and self.link.ready(), self.queue.waiting(), processes, connections)
         return web.Response(body=text.encode(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
+    # -- slots: llama.cpp's server API for compute's session ------------------------
+    async def slot(self, request: web.Request) -> web.Response:
+        """POST /slots/0?action=save|restore (body {"filename": NAME}) or
+        ?action=erase: through the queue like a generation, so it never lands
+        in the middle of one (docs/api.md § Slots)."""
+        action = request.query.get("action", "")
+        if action not in SLOT_ACTIONS:
+            raise ApiError(400, f"'action' must be {', '.join(SLOT_ACTIONS)}; got {action!r}", "invalid_value", param="action")
+        if request.match_info["id"] != "0":
+            raise ApiError(400, f"there is one slot, 0; got {request.match_info['id'][:20]!r}", "invalid_value", param="id_slot")
+        if not self.settings.slot_save_path:
+            raise ApiError(
+                501,
+                "slot actions are off: start the service with a folder for them (gateway.slot_save_path, --slot-save-path DIR)",
+                "not_supported",
+                "not_supported_error",
+            )
+        name, path = "", ""
+        if action != "erase":
+            name = slot_filename(parse_body(await read_body(request, self.settings.body_timeout_s)))
+            folder = Path(self.settings.slot_save_path)
+            folder.mkdir(parents=True, exist_ok=True)
+            path = str(folder / name)
+            if action == "restore" and not Path(path).is_file():
+                raise ApiError(404, f"no saved slot named {name!r} in gateway.slot_save_path", "not_found", param="filename")
+        job = Job([], 0, {}, (), slot=(action, path))
+        self.queue.offer(job)
+        async for event in self.events(request, job):
+            if isinstance(event, Failed):
+                return error_response(event.error())
+            if isinstance(event, Finished):
+                t = event.timings
+                ms = {k: t[k] for k in ("save_ms", "restore_ms") if k in t}
+                figures = {k: v for k, v in t.items() if k.startswith("n_")}
+                return json_response({"id_slot": 0, **({"filename": name} if name else {}), **figures, **({"timings": ms} if ms else {})})
+        raise ClientGone()  # not reached: events() ends with an end event or raises
+
     # -- completions -------------------------------------------------------------
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self.complete(request, chat=True)
@@ -254,7 +319,14 @@ class Gateway:
         try:
             req = parse_request(parse_body(await read_body(request, self.settings.body_timeout_s)), chat, self.settings)
             prompt = await self.tokenize(req)
-            job = Job(prompt, fit_max_tokens(req, len(prompt), self.settings), req.sampling, req.stop)
+            job = Job(
+                prompt,
+                fit_max_tokens(req, len(prompt), self.settings),
+                req.sampling,
+                req.stop,
+                grammar=req.grammar,
+                cache_prompt=req.cache_prompt,
+            )
             check_wire(job, "messages" if chat else "prompt")
             self.queue.offer(job)
         except ApiError as err:
@@ -263,7 +335,8 @@ class Gateway:
         except ConnectionError:  # it hung up while sending its body
             self.metrics.requests["cancelled"] += 1
             return web.Response(status=499)
-        shape = ResponseShape(chat, self.settings.model_name, req.include_usage)
+        output = ChatOutput(self.framing, self.tok.decode(prompt[-PROMPT_TAIL_TOKENS:]), bool(req.tools)) if chat else None
+        shape = ResponseShape(chat, self.settings.model_name, req.include_usage, output)
         try:
             if req.stream:
                 return await self.stream(request, job, shape)
@@ -289,6 +362,7 @@ class Gateway:
                 list(req.messages),
                 add_generation_prompt=True,
                 no_think=self.settings.no_think,
+                tools=list(req.tools) or None,
                 **cast(dict[str, Any], req.template_vars),
             )
         else:
@@ -319,7 +393,7 @@ class Gateway:
                 return error_response(event.error())
             else:
                 self.count(200)
-                usage = usage_of(len(job.prompt_tokens), event.completion_tokens)
+                usage = usage_of(len(job.prompt_tokens), event.completion_tokens, event.prompt_cached)
                 resp = json_response(shape.whole("".join(pieces), event.finish_reason, usage))
                 await self.write(request, resp, None)
                 return resp
@@ -339,15 +413,18 @@ class Gateway:
                 )
                 await self.write(request, resp, b"".join(sse(chunk) for chunk in shape.opening()))
             if isinstance(event, str):
-                await self.write(request, resp, sse(shape.chunk(event)))
+                chunks = shape.chunks(event)  # none while the reply splitter holds a partial marker back
+                if chunks:
+                    await self.write(request, resp, b"".join(sse(chunk) for chunk in chunks))
             elif isinstance(event, Failed):  # the status is sent: the error becomes an event
                 self.count(event.status)
                 await self.write(request, resp, sse(event.error().body()))
             else:
                 self.count(200)
-                closing = [sse(shape.chunk(None, event.finish_reason))]
+                closing = [sse(chunk) for chunk in shape.closing(event.finish_reason)]
                 if shape.include_usage:
-                    closing.append(sse(shape.usage_chunk(usage_of(len(job.prompt_tokens), event.completion_tokens))))
+                    usage = usage_of(len(job.prompt_tokens), event.completion_tokens, event.prompt_cached)
+                    closing.append(sse(shape.usage_chunk(usage)))
                 await self.write(request, resp, b"".join(closing) + b"data: [DONE]\n\n")
         if resp is None:
             raise ClientGone()  # not reached: events() ends with an end event or raises
@@ -388,7 +465,7 @@ def require_key(api_key: str):
 
     @web.middleware
     async def check_key(request: web.Request, handler) -> web.StreamResponse:
-        if request.path == "/v1" or request.path.startswith("/v1/"):
+        if request.path == "/v1" or request.path.startswith(("/v1/", "/slots")):  # a slot action writes files: keyed too
             given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
             if not hmac.compare_digest(given, expected):  # constant time: the key cannot be guessed byte by byte
                 raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'", "invalid_api_key")
@@ -426,6 +503,7 @@ async def create_app(settings: GatewaySettings, tokenizer: Tokenizer | None = No
     app.router.add_get("/v1/models/{name}", gateway.model)
     app.router.add_get("/health", gateway.health)
     app.router.add_get("/metrics", gateway.metrics_text)
+    app.router.add_post("/slots/{id}", gateway.slot)
     app.on_startup.append(gateway.start)
     app.on_shutdown.append(gateway.stop_serving)  # after the listener closes, before handlers are awaited
     app.on_cleanup.append(gateway.close)

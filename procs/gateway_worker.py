@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import cast
 
 import psutil
@@ -39,6 +39,8 @@ SEND_TIMEOUT_S = 5.0  # a send that cannot be queued this long: compute is wedge
 class Finished:
     finish_reason: str
     completion_tokens: int
+    prompt_cached: int = 0  # prompt tokens reused from compute's KV cache (usage.prompt_tokens_details.cached_tokens)
+    timings: dict = field(default_factory=dict)  # compute's Done timings (a slot action's figures)
 
 
 @dataclass(frozen=True)
@@ -56,8 +58,20 @@ class Job:
     """One request from the queue to its end. The worker writes events (text
     pieces, then one Finished or Failed); the handler reads them."""
 
-    def __init__(self, prompt_tokens: list[int], max_tokens: int, sampling: dict, stop: tuple[str, ...]):
+    def __init__(
+        self,
+        prompt_tokens: list[int],
+        max_tokens: int,
+        sampling: dict,
+        stop: tuple[str, ...],
+        grammar: str = "",
+        cache_prompt: bool = True,
+        slot: tuple[str, str] | None = None,
+    ):
         self.prompt_tokens, self.max_tokens, self.sampling, self.stop = prompt_tokens, max_tokens, sampling, stop
+        self.cache_prompt = cache_prompt  # reuse compute's cached prefix (docs/conversations.md)
+        self.slot = slot  # (action, path): a Slot request for compute's session instead of a generation
+        self.grammar = grammar  # response_format's grammar for compute ("" = free text)
         self.events: deque[str | Finished | Failed] = deque()
         self.wake = asyncio.Event()
         self.emitted = 0  # characters of text handed out so far: a retry skips them
@@ -189,7 +203,12 @@ class ComputeLink:
 
     async def generate(self, job: Job) -> None:
         """Send the job as the request in flight: frames of any earlier one are dropped from now on."""
-        msg = self.client.generate(job.prompt_tokens, job.max_tokens, job.sampling, job.stop)
+        if job.slot is not None:
+            msg: m.Generate | m.Slot = self.client.slot(*job.slot)
+        else:
+            msg = self.client.generate(
+                job.prompt_tokens, job.max_tokens, job.sampling, job.stop, cache_prompt=job.cache_prompt, grammar=job.grammar
+            )
         self.events.clear()
         await self.send(msg)
 
@@ -289,7 +308,8 @@ class Worker:
         self.metrics.on_done(done)
         if done.ok:
             reason = FINISH_REASONS.get(done.finish_reason, done.finish_reason or "stop")
-            job.end(Finished(reason, len(done.tokens)))
+            cached = done.timings.get("prompt_cached")
+            job.end(Finished(reason, len(done.tokens), int(cached) if isinstance(cached, (int, float)) else 0, dict(done.timings)))
         elif done.code == m.Code.PEER_GONE:  # the reader died; compute exits and is restarted
             return LOST
         elif done.code == m.Code.BAD_ARGUMENT:

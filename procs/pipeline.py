@@ -29,7 +29,7 @@ from typing import Any
 
 import zmq
 
-from moe_pipe.shared.errors import PipelineError
+from moe_pipe.shared.errors import PipelineError, UserError
 from moe_pipe.shared.wire import ipc
 from moe_pipe.shared.wire import messages as m
 
@@ -148,6 +148,14 @@ class Pipeline:
         ignore_eos: bool = False,
     ) -> m.Done:
         ipc.send(self.links["requests"], self.client.generate(prompt_tokens, max_tokens, sampling, stop, ignore_eos))
+        return self._answer(on_text)
+
+    def slot(self, action: str, path: str = "") -> m.Done:
+        """Save, restore or erase compute's session (docs/conversations.md); a refused file is a UserError."""
+        ipc.send(self.links["requests"], self.client.slot(action, str(path)))
+        return self._answer(None)
+
+    def _answer(self, on_text: Callable[[str], None] | None) -> m.Done:
         while True:
             self._check_children()
             msg = ipc.recv(self.tokens, POLL_MS, expect=(m.Token, m.Done, m.Hello))
@@ -157,6 +165,8 @@ class Pipeline:
                     on_text(event)
             elif event is not None:
                 if not event.ok:
+                    if event.code == m.Code.BAD_ARGUMENT:  # the user's input (a refused session file): one line, exit 2
+                        raise UserError(event.error)
                     raise PipelineError(failure_text(event))
                 return event
 

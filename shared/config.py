@@ -243,6 +243,21 @@ class GenerateConfig:
         words=CHAT_TEMPLATE_WORDS,
         flags=("--chat-template",),
     )
+    context_shift: bool = setting(
+        False,
+        "bool",
+        "when the context fills while generating, drop the oldest half of the tokens past n_keep and go on "
+        '(the kept tail is recomputed; docs/conversations.md); false = stop with finish_reason "length"',
+        flags=("--context-shift",),
+    )
+    n_keep: int = setting(
+        0,
+        "int",
+        "tokens at the start of the context a context shift always keeps (a BOS is kept on top); -1 = the whole prompt",
+        lo=-1,
+        hi=1 << 20,
+        flags=("--keep",),
+    )
 
 
 @dataclass(frozen=True)
@@ -304,6 +319,13 @@ class GatewayConfig:
         secret=True,
     )
     queue_size: int = setting(16, "int", "requests waiting for the compute worker before new ones get 429", lo=1, hi=10000)
+    slot_save_path: str | None = setting(
+        None,
+        "path",
+        "folder where POST /slots/0?action=save|restore keeps session files (made if missing; docs/api.md)",
+        unset="the slot endpoints answer 501",
+        flags=("--slot-save-path",),
+    )
 
 
 @dataclass(frozen=True)

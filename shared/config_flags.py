@@ -34,7 +34,7 @@ def add_override_arguments(parser: Any, tables: Iterable[str] | None = None) -> 
     for key in SCHEMA:
         if key.table not in wanted or not key.spec.flags:
             continue
-        help_text = f"{key.dotted}: {key.spec.doc}"
+        help_text = f"{key.dotted}: {key.spec.doc}".replace("%", "%%")  # argparse formats help with %
         if key.spec.kind == "bool":
             if key.name == "no_think":
                 group.add_argument("--no-think", dest=key.dest, action="store_const", const=True, default=None, help=help_text)

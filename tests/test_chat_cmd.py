@@ -6,6 +6,7 @@ and records every request, so the tests can read the history that was sent.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -19,7 +20,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from moe_pipe.cli.chat_cmd import base_url, error_message, sse_content
+from moe_pipe.cli.chat_cmd import DIM, PLAIN, Chat, base_url, error_message, sse_content, sse_deltas
 
 TIMEOUT_S = 15
 MODEL_ID = "fake-moe"
@@ -46,6 +47,8 @@ class FakeOpenAI(BaseHTTPRequestHandler):
         n = sum(1 for m in body["messages"] if m["role"] == "user")
         if last == "slow":  # a reply that never ends: for Ctrl-C
             return self._stream(["partial "] + ["more "] * 1000, delay_s=0.05)
+        if last == "think":  # a model that reasons first (delta.reasoning_content)
+            return self._stream(["The ", "answer."], reasoning=["Pon", "dering."])
         self._stream(["Reply ", f"{n} ", "to ", last])
 
     def _json(self, status: int, obj: dict) -> None:
@@ -56,12 +59,13 @@ class FakeOpenAI(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
-    def _stream(self, pieces: list[str], delay_s: float = 0.0) -> None:
+    def _stream(self, pieces: list[str], delay_s: float = 0.0, reasoning: list[str] | None = None) -> None:
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
         events = [{"choices": [{"index": 0, "delta": {"role": "assistant"}}]}]
+        events += [{"choices": [{"index": 0, "delta": {"reasoning_content": p}}]} for p in reasoning or []]
         events += [{"choices": [{"index": 0, "delta": {"content": p}}]} for p in pieces]
         events += [{"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}]
         try:
@@ -118,6 +122,49 @@ def test_sse_content_reads_deltas_until_done():
         b'data: {"choices":[{"delta":{"content":"after"}}]}\n',
     ]
     assert list(sse_content(lines)) == ["Hel", "lo"]
+
+
+def test_sse_deltas_tell_reasoning_from_answer():
+    lines = [
+        b'data: {"choices":[{"delta":{"role":"assistant","content":""}}]}\n',
+        b'data: {"choices":[{"delta":{"reasoning_content":"hmm"}}]}\n',
+        b'data: {"choices":[{"delta":{"content":"Hi","tool_calls":null}}]}\n',
+        b"data: [DONE]\n",
+    ]
+    assert list(sse_deltas(lines)) == [("reasoning", "hmm"), ("content", "Hi")]
+    assert list(sse_content(lines)) == ["Hi"]
+
+
+class Terminal(io.StringIO):
+    def __init__(self, tty: bool):
+        super().__init__()
+        self.tty = tty
+
+    def isatty(self) -> bool:
+        return self.tty
+
+
+def say_think(server, tty: bool, *flags: str) -> tuple[str, list[dict]]:
+    import argparse
+
+    from moe_pipe.cli.chat_cmd import add_arguments
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    chat = Chat(server.url, MODEL_ID, p.parse_args(["--url", server.url, *flags]))
+    out = Terminal(tty)
+    chat.say("think", out)
+    return out.getvalue(), chat.history
+
+
+def test_reasoning_is_dimmed_on_a_terminal_and_left_out_otherwise(server):
+    shown, history = say_think(server, True)
+    assert shown == DIM + "Pondering." + PLAIN + "\n" + "The answer." + "\n"
+    assert history[-1] == {"role": "assistant", "content": "The answer."}  # reasoning is never sent back
+    for tty, flags in ((False, ()), (True, ("--hide-reasoning",)), (True, ("--no-think",))):
+        shown, history = say_think(server, tty, *flags)
+        assert shown == "The answer.\n", (tty, flags)
+        assert history[-1] == {"role": "assistant", "content": "The answer."}
 
 
 def test_error_message_takes_the_servers_words_on_one_line():

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from moe_pipe.cli.main import main
+from moe_pipe.cli.main import COMMANDS, main
 
 from .ggufgen import write_qwen_like
 
@@ -162,3 +162,12 @@ def test_every_command_and_flag_is_documented():
                 if flag.startswith("--") and flag != "--help" and flag not in config_flags and flag not in cli_doc:
                     missing.append(f"{name} {flag}")
     assert not missing, f"docs/cli.md does not mention: {missing}"
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_every_command_prints_its_help(command, capsys):
+    # argparse formats help text with %: a literal "%" in a setting's doc once made `run --help` a traceback.
+    with pytest.raises(SystemExit) as e:
+        main([command, "--help"])
+    assert e.value.code == 0
+    assert f"usage: moe-pipe {command}" in capsys.readouterr().out

@@ -37,10 +37,14 @@ REPO = Path(__file__).resolve().parents[1]
 # ----------------------------------------------------------------- fake compute
 
 
-def fake_compute(runtime_dir: str, log_path: str, delay_s: float, die_after: int, die_on: int, pad: int = 0) -> None:
+def fake_compute(
+    runtime_dir: str, log_path: str, delay_s: float, die_after: int, die_on: int, pad: int = 0, script: list | None = None
+) -> None:
     """Serve Generate frames like procs/compute.py does, with made-up text;
     SIGKILL itself after `die_after` pieces of its `die_on`-th request (from 0);
-    `pad` characters of "." after each piece."""
+    `pad` characters of "." after each piece. With a `script` (a list of
+    replies, each a list of text pieces), request k gets reply k (the last
+    one again after that) and Done "eog", as a model that stopped itself."""
     import zmq
 
     from moe_pipe.shared.wire import ipc
@@ -72,6 +76,11 @@ def fake_compute(runtime_dir: str, log_path: str, delay_s: float, die_after: int
             n_prompt=len(msg.prompt_tokens),
             prompt=list(msg.prompt_tokens),
         )
+        if script:
+            for piece in script[min(served, len(script) - 1)]:
+                ipc.send(tokens, m.Token(msg.req_id, piece))
+            ipc.send(tokens, m.Done(msg.req_id, True, "eog", tuple(range(len(script[min(served, len(script) - 1)])))))
+            continue
         t0 = time.perf_counter()
         for i in range(msg.max_tokens):
             if i == die_after and served == die_on:
@@ -101,7 +110,7 @@ def words(n: int) -> str:
 class FakeComputes:
     """Plays the supervisor for fake computes: runs `plans` one after another,
     starting the next when one dies. A plan: {"delay_s", "die_after", "die_on",
-    "pad"} (the arguments of fake_compute)."""
+    "pad", "script"} (the arguments of fake_compute)."""
 
     def __init__(self, runtime_dir: Path, log_path: Path, plans: list[dict]):
         self.runtime_dir, self.log_path, self.plans = runtime_dir, log_path, list(plans)
@@ -125,6 +134,7 @@ class FakeComputes:
                     str(plan.get("die_after", -1)),
                     str(plan.get("die_on", 0)),
                     str(plan.get("pad", 0)),
+                    json.dumps(plan.get("script", [])),
                 ],
                 cwd=REPO,
             )
@@ -1122,6 +1132,116 @@ def test_template_vars_win_over_no_think_and_reach_gpt_oss_style_templates(token
     assert prompt(tok, True) == encode_prompt(tok, "Reasoning: low hi")  # no_think's gpt-oss switch
 
 
+# --------------------------------------------- reasoning and tool calls (scripted compute)
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "the weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+# What the tiny model (qwen3moe framing) would write to think and then call a
+# tool, cut inside its markers as a stream can be; then an answer.
+THINK_AND_CALL = [
+    "<thi",
+    "nk>\nLet me ",
+    "check.\n</th",
+    "ink>\n\n",
+    "<tool_",
+    'call>\n{"name": "get_weather", ',
+    '"arguments": {"city": "Paris"}}\n</tool',
+    "_call>",
+]
+ANSWER = ["It is ", "sunny in ", "Paris."]
+
+
+def test_reasoning_and_tool_calls_in_responses_streamed_and_not(start_gateway, tokenizer):
+    """A scripted compute writes Qwen3's think block and a <tool_call>: the
+    response carries reasoning_content and tool_calls, not the markup; without
+    `tools` the call stays answer text."""
+    from moe_pipe.shared.text.chat import chat_prompt_tokens
+
+    svc = start_gateway()
+    computes = svc.start_computes({"script": [THINK_AND_CALL]})
+    svc.wait_ready()
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    body = {"model": "tiny", "messages": msgs, "tools": [WEATHER_TOOL]}
+
+    status, _, r = svc.request("POST", "/v1/chat/completions", body)
+    assert status == 200, r
+    choice = r["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    msg = choice["message"]
+    assert msg["content"] is None and msg["reasoning_content"] == "Let me check."
+    [call] = msg["tool_calls"]
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+    assert computes.events("generate")[-1]["prompt"] == chat_prompt_tokens(tokenizer, msgs, tools=[WEATHER_TOOL])
+
+    status, _, raw = svc.request("POST", "/v1/chat/completions", {**body, "stream": True})
+    assert status == 200
+    events = sse_events(raw)
+    assert events[-1] == "[DONE]"
+    deltas = [e["choices"][0]["delta"] for e in events[:-1]]
+    assert deltas[0] == {"role": "assistant", "content": ""}
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == "Let me check."
+    assert "".join(d.get("content") or "" for d in deltas) == ""
+    [streamed] = [d["tool_calls"] for d in deltas if "tool_calls" in d]
+    assert streamed[0]["index"] == 0 and streamed[0]["function"] == call["function"]
+    assert events[-2]["choices"][0]["finish_reason"] == "tool_calls"
+
+    status, _, r = svc.request("POST", "/v1/chat/completions", {**body, "tools": None})
+    msg = r["choices"][0]["message"]
+    assert msg["reasoning_content"] == "Let me check." and msg["content"].startswith("<tool_call>") and "tool_calls" not in msg
+    assert r["choices"][0]["finish_reason"] == "stop"
+    assert computes.events("generate")[-1]["prompt"] == chat_prompt_tokens(tokenizer, msgs)  # no tools in the prompt
+
+
+def test_openai_client_tool_calling_loop(start_gateway, tokenizer):
+    """The official client's loop: tools -> tool_calls -> a role "tool" reply
+    -> the final answer; the result reaches compute through the template."""
+    from moe_pipe.shared.text.chat import chat_prompt_tokens
+
+    svc = start_gateway()
+    computes = svc.start_computes({"script": [THINK_AND_CALL, ANSWER, THINK_AND_CALL]})
+    svc.wait_ready()
+    client = svc.openai()
+    messages: list = [{"role": "user", "content": "Weather in Paris?"}]
+
+    r = client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER_TOOL])
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert choice.message.model_extra.get("reasoning_content") == "Let me check."
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+
+    messages.append(choice.message)  # the client's own message object, as its docs do it
+    messages.append({"role": "tool", "tool_call_id": call.id, "content": '{"sky": "sunny"}'})
+    r = client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER_TOOL])
+    assert r.choices[0].message.content == "It is sunny in Paris." and r.choices[0].finish_reason == "stop"
+    assert r.choices[0].message.tool_calls is None
+    prompt = computes.events("generate")[-1]["prompt"]
+    sent = [
+        messages[0],
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"id": call.id, "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}],
+        },
+        {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "sunny"}'},
+    ]
+    assert prompt == chat_prompt_tokens(tokenizer, sent, tools=[WEATHER_TOOL])
+    text = tokenizer.decode(prompt)
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
+    assert '<tool_response>\n{"sky": "sunny"}\n</tool_response>' in text
+
+    stream = client.chat.completions.create(model="tiny", messages=messages[:1], tools=[WEATHER_TOOL], stream=True)
+    calls = [tc for chunk in stream for tc in (chunk.choices[0].delta.tool_calls or []) if chunk.choices]
+    assert [(tc.index, tc.function.name, json.loads(tc.function.arguments)) for tc in calls] == [(0, "get_weather", {"city": "Paris"})]
+
+
 if __name__ == "__main__" and sys.argv[1:2] == ["fake-compute"]:
-    _, _, rt_dir, log_file, delay, die_after, die_on, pad = sys.argv
-    fake_compute(rt_dir, log_file, float(delay), int(die_after), int(die_on), int(pad))
+    _, _, rt_dir, log_file, delay, die_after, die_on, pad, script = sys.argv
+    fake_compute(rt_dir, log_file, float(delay), int(die_after), int(die_on), int(pad), json.loads(script))

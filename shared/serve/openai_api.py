@@ -14,12 +14,17 @@ from __future__ import annotations
 
 import math
 import random
+import re
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import orjson
+
+from moe_pipe.shared.text.constrain import GrammarError, grammar_for
+from moe_pipe.shared.text.reasoning import REASONING, TOOL, Framing, OutputSplitter
+from moe_pipe.shared.text.tools import ToolCall, messages_for_template, parse_call, tools_for_template
 
 MAX_STOPS = 16
 # A stop string is held back from the stream while it may still match, so a
@@ -29,6 +34,9 @@ MAX_STOP_CHARS = 256
 MAX_TOKENS_FIELD = (1 << 31) - 1  # above any context; what fits is checked against ctx_size after tokenizing
 MAX_TEMPLATE_VARS = 32  # far above the two or three switches a chat template reads
 REASONING_EFFORTS = ("low", "medium", "high")  # what gpt-oss's template knows
+MAX_TOOLS = 128  # OpenAI's own limit on `tools`
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
+TOOL_CHOICES = ("none", "auto", "required")
 # Names a client may not pass in chat_template_kwargs: shared.chat's own
 # arguments (time_limit_s and max_chars guard against a hostile template, and
 # a duplicate argument would be a TypeError) and the template context the
@@ -118,6 +126,9 @@ class CompletionRequest:
     sampling: dict[str, Any]
     stop: tuple[str, ...]
     template_vars: dict[str, Scalar]  # chat: chat_template_kwargs and reasoning_effort, for the template
+    tools: tuple[dict, ...] = ()  # chat: the tools the template shows (after tool_choice); none: no tool calls parsed
+    grammar: str = ""  # response_format as llguidance's grammar JSON (shared/text/constrain.py); "" = free text
+    cache_prompt: bool = True  # llama.cpp's field: false = compute the whole prompt, reusing no cached prefix
 
 
 def parse_body(raw: bytes) -> dict:
@@ -167,8 +178,100 @@ def parse_messages(value: Any) -> tuple[dict, ...]:
     for i, msg in enumerate(value):
         if not isinstance(msg, dict) or not isinstance(msg.get("role"), str) or not msg["role"]:
             raise bad_field(f"messages[{i}]", "an object with a string 'role'", msg)
-        out.append({"role": msg["role"], "content": _text_of(msg.get("content"), f"messages[{i}].content")})
-    return tuple(out)
+        out.append(_message(i, msg))
+    return tuple(messages_for_template(out))
+
+
+def _message(i: int, msg: dict) -> dict:
+    """One message with the fields templates read: an assistant's `tool_calls`
+    and `reasoning_content`, a tool result's `tool_call_id` and `name`."""
+    where = f"messages[{i}]"
+    out: dict[str, Any] = {"role": msg["role"], "content": _text_of(msg.get("content"), f"{where}.content")}
+    if msg["role"] == "assistant":
+        if msg.get("tool_calls") is not None:
+            out["tool_calls"] = _tool_calls(msg["tool_calls"], f"{where}.tool_calls")
+        reasoning = msg.get("reasoning_content", msg.get("reasoning"))  # llama.cpp's and vLLM's names
+        if isinstance(reasoning, str) and reasoning:
+            out["reasoning_content"] = reasoning
+    elif msg["role"] == "tool":
+        call_id, name = msg.get("tool_call_id"), msg.get("name")
+        if not isinstance(call_id, str) or not call_id:
+            raise bad_field(f"{where}.tool_call_id", "the id of the tool call this result answers", call_id)
+        out["tool_call_id"] = call_id
+        if name is not None:
+            if not isinstance(name, str):
+                raise bad_field(f"{where}.name", "a string", name)
+            out["name"] = name
+    return out
+
+
+def _tool_calls(value: Any, where: str) -> list[dict]:
+    """An assistant message's calls, {"id", "type": "function", "function": {"name", "arguments"}};
+    the arguments a JSON object (OpenAI's JSON text of one, or the object)."""
+    if not isinstance(value, list):
+        raise bad_field(where, 'an array of {"id", "type": "function", "function": {"name", "arguments"}} objects', value)
+    calls = []
+    for j, call in enumerate(value):
+        at = f"{where}[{j}]"
+        f = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(f, dict) or call.get("type", "function") != "function":
+            raise bad_field(at, 'an object {"id", "type": "function", "function": {"name", "arguments"}}', call)
+        if not isinstance(f.get("name"), str) or not f["name"]:
+            raise bad_field(f"{at}.function.name", "a function name", f.get("name"))
+        args = f.get("arguments", "{}")
+        try:
+            parsed = orjson.loads(args) if isinstance(args, str) else args
+        except orjson.JSONDecodeError:
+            parsed = None
+        if not isinstance(parsed, dict):
+            raise bad_field(f"{at}.function.arguments", "a JSON object (as text)", args)
+        call_id = call.get("id")
+        calls.append(
+            {"id": call_id if isinstance(call_id, str) else "", "type": "function", "function": {"name": f["name"], "arguments": parsed}}
+        )
+    return calls
+
+
+def parse_tools(body: dict) -> tuple[dict, ...]:
+    """`tools` and `tool_choice`, checked; the tools the template is to show.
+
+    tool_choice "none": none (and no tool calls are parsed from the output);
+    "auto" (the default with tools) and "required": all; a named function
+    ({"type": "function", "function": {"name"}}): that one alone. Nothing
+    forces the model to call: "required" and a named function are prompts, not
+    constraints (docs/api.md § Tool calls)."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    one = '{"type": "function", "function": {"name", "description", "parameters"}}'
+    if tools is None:
+        tools = []
+    if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
+        raise bad_field("tools", f"an array of at most {MAX_TOOLS} {one} objects", tools)
+    out: list[dict[str, Any]] = []
+    for j, tool in enumerate(tools):
+        f = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(f, dict) or tool.get("type") != "function":
+            raise bad_field(f"tools[{j}]", f"an object {one}", tool)
+        if not isinstance(f.get("name"), str) or not TOOL_NAME.fullmatch(f["name"]):
+            raise bad_field(f"tools[{j}].function.name", "1 to 64 letters, digits, _ or -", f.get("name"))
+        if not isinstance(f.get("description", ""), (str, type(None))):
+            raise bad_field(f"tools[{j}].function.description", "a string", f["description"])
+        if not isinstance(f.get("parameters", {}), (dict, type(None))):
+            raise bad_field(f"tools[{j}].function.parameters", "a JSON Schema object", f["parameters"])
+        out.append({"type": "function", "function": {k: f[k] for k in ("name", "description", "parameters") if f.get(k) is not None}})
+    names = [t["function"]["name"] for t in out]
+    if choice is None:
+        choice = "auto" if out else "none"
+    if isinstance(choice, dict):
+        f = choice.get("function")
+        name = f.get("name") if isinstance(f, dict) and choice.get("type") == "function" else None
+        if name not in names:
+            allowed = f"one of the tools' names ({', '.join(names[:8])})" if names else "a tool given in 'tools' (there are none)"
+            raise bad_field("tool_choice.function.name" if isinstance(name, str) else "tool_choice", allowed, name if name else choice)
+    elif choice not in TOOL_CHOICES:
+        raise bad_field("tool_choice", '"none", "auto", "required" or {"type": "function", "function": {"name": ...}}', choice)
+    elif choice == "required" and not out:
+        raise ApiError(400, "'tool_choice' is \"required\" but the request has no 'tools'", "invalid_value", param="tool_choice")
+    return tuple(tools_for_template(out, choice) or ())
 
 
 def parse_stop(value: Any) -> tuple[str, ...]:
@@ -224,9 +327,11 @@ def parse_request(body: dict, chat: bool, settings: RequestDefaults) -> Completi
     messages: tuple[dict, ...] = ()
     prompt = ""
     template_vars: dict[str, Scalar] = {}
+    tools: tuple[dict, ...] = ()
     if chat:
         messages = parse_messages(body.get("messages"))
         template_vars = parse_template_vars(body)
+        tools = parse_tools(body)
     else:
         text = body.get("prompt")
         if not isinstance(text, str) or not text:
@@ -252,6 +357,19 @@ def parse_request(body: dict, chat: bool, settings: RequestDefaults) -> Completi
         # repeats the same text, so a stream can skip what it already sent.
         seed = random.getrandbits(63)
     sampling = {"temperature": temperature, "top_p": 1.0 if top_p is None else top_p, "seed": seed}
+    grammar = parse_response_format(body.get("response_format"))
+    if grammar and tools:
+        raise ApiError(
+            400,
+            "'response_format' with 'tools' is not supported: the format covers the whole reply, so no tool call could be made",
+            "invalid_value",
+            param="response_format",
+        )
+    if grammar and chat:
+        # The reply is JSON from its first token, so a thinking model's
+        # reasoning could not be written: render the template's no-thinking
+        # turn (Qwen3, Gemma 4 read this), unless the request says otherwise.
+        template_vars.setdefault("enable_thinking", False)
     return CompletionRequest(
         chat,
         messages,
@@ -262,7 +380,29 @@ def parse_request(body: dict, chat: bool, settings: RequestDefaults) -> Completi
         sampling,
         parse_stop(body.get("stop")),
         template_vars,
+        tools=tools,
+        grammar=grammar,
+        cache_prompt=_cache_prompt(body),
     )
+
+
+def _cache_prompt(body: dict) -> bool:
+    value = body.get("cache_prompt", True)
+    if not isinstance(value, bool):
+        raise bad_field("cache_prompt", "true or false", value)
+    return value
+
+
+def parse_response_format(value: Any) -> str:
+    """OpenAI's `response_format` as a grammar for compute ("" = free text):
+    refused here, with the library's own message, when it is malformed or the
+    library cannot enforce the schema, so compute only sees what it can run."""
+    if value is None:
+        return ""
+    try:
+        return grammar_for(value)
+    except GrammarError as exc:
+        raise ApiError(400, str(exc), "invalid_value", param=exc.param) from None
 
 
 def refuse_unfit_text(text: str, longest_token_bytes: int, settings: RequestDefaults, where: str) -> None:
@@ -297,8 +437,8 @@ def fit_max_tokens(req: CompletionRequest, n_prompt: int, settings: RequestDefau
             param=where,
         )
     if req.max_tokens is None:
-        return min(settings.max_tokens, ctx - n_prompt)
-    if n_prompt + req.max_tokens > ctx:
+        return settings.max_tokens if _shifts(settings) else min(settings.max_tokens, ctx - n_prompt)
+    if n_prompt + req.max_tokens > ctx and not _shifts(settings):
         raise ApiError(
             400,
             f"the prompt ({n_prompt} tokens) plus max_tokens ({req.max_tokens}) is over the context "
@@ -312,15 +452,83 @@ def fit_max_tokens(req: CompletionRequest, n_prompt: int, settings: RequestDefau
 # ------------------------------------------------------------- response shapes
 
 
-def usage_of(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+def _shifts(settings: RequestDefaults) -> bool:
+    """generate.context_shift: a reply may run past the context (docs/conversations.md)."""
+    return bool(getattr(settings, "context_shift", False))
+
+
+def usage_of(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+    usage: dict[str, Any] = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+    if cached_tokens is not None:  # of prompt_tokens, reused from the KV cache of earlier requests
+        usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return usage
+
+
+class ChatOutput:
+    """One chat reply's text as OpenAI's message fields: reasoning, answer and
+    tool calls (shared/text/reasoning.py splits, shared/text/tools.py parses).
+
+    `feed` and `finish` give stream deltas — `{"reasoning_content": ...}`,
+    `{"content": ...}`, or `{"tool_calls": [one whole call, with its index]}`
+    as llama.cpp's server and vLLM send them — and keep the totals for `message`.
+    """
+
+    def __init__(self, framing: Framing, prompt_tail: str, tools: bool):
+        self.framing = framing
+        self.splitter = OutputSplitter(framing, prompt_tail, tools)
+        self.content: list[str] = []
+        self.reasoning: list[str] = []
+        self.calls: list[ToolCall] = []
+
+    def feed(self, text: str) -> list[dict]:
+        return self._deltas(self.splitter.feed(text))
+
+    def finish(self) -> list[dict]:
+        return self._deltas(self.splitter.finish())
+
+    def _deltas(self, pieces: list[tuple[str, str]]) -> list[dict]:
+        out: list[dict] = []
+        for kind, text in pieces:
+            if kind == TOOL:
+                call = parse_call(self.framing, text)
+                if call is not None:
+                    self.calls.append(call)
+                    out.append({"tool_calls": [call.as_openai(len(self.calls) - 1)]})
+                    continue
+                kind, text = "content", self.framing.tool_markup(text)  # not a call after all: show what the model wrote
+            if kind == REASONING:
+                self.reasoning.append(text)
+                out.append({"reasoning_content": text})
+            else:
+                self.content.append(text)
+                out.append({"content": text})
+        return out
+
+    def finish_reason(self, finish_reason: str) -> str:
+        return "tool_calls" if self.calls and finish_reason == "stop" else finish_reason
+
+    def message(self) -> dict:
+        """The non-streamed message: content null when the reply is only calls, as OpenAI's."""
+        content = "".join(self.content)
+        msg: dict[str, Any] = {"role": "assistant", "content": content if content or not self.calls else None}
+        if self.reasoning:
+            msg["reasoning_content"] = "".join(self.reasoning)
+        if self.calls:
+            msg["tool_calls"] = [c.as_openai() for c in self.calls]
+        return msg
 
 
 class ResponseShape:
-    """OpenAI's JSON for one endpoint: the whole response and stream chunks."""
+    """OpenAI's JSON for one endpoint: the whole response and stream chunks.
+    With `output` (chat), the text is split into reasoning, answer and tool calls."""
 
-    def __init__(self, chat: bool, model: str, include_usage: bool):
+    def __init__(self, chat: bool, model: str, include_usage: bool, output: ChatOutput | None = None):
         self.chat, self.model, self.include_usage = chat, model, include_usage
+        self.output = output
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
 
@@ -351,12 +559,35 @@ class ResponseShape:
     def opening(self) -> list[dict]:
         return [self.chunk(None, first=True)] if self.chat else []
 
+    def _delta_chunk(self, delta: dict, finish_reason: str | None = None) -> dict:
+        extra = {"usage": None} if self.include_usage else {}
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return self._envelope("chat.completion.chunk", [choice], **extra)
+
+    def chunks(self, text: str) -> list[dict]:
+        """The stream chunks of one text piece (none while a marker is held back)."""
+        if self.output is None:
+            return [self.chunk(text)]
+        return [self._delta_chunk(d) for d in self.output.feed(text)]
+
+    def closing(self, finish_reason: str) -> list[dict]:
+        """What the splitter still held, then the chunk with the finish reason."""
+        if self.output is None:
+            return [self.chunk(None, finish_reason)]
+        held = [self._delta_chunk(d) for d in self.output.finish()]
+        return held + [self._delta_chunk({}, self.output.finish_reason(finish_reason))]
+
     def usage_chunk(self, usage: dict) -> dict:
         return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [], usage=usage)
 
     def whole(self, text: str, finish_reason: str, usage: dict) -> dict:
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish_reason}
+            message = {"role": "assistant", "content": text}
+            if self.output is not None:
+                self.output.feed(text)
+                self.output.finish()
+                message, finish_reason = self.output.message(), self.output.finish_reason(finish_reason)
+            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
             return self._envelope("chat.completion", [choice], usage=usage)
         return self._envelope("text_completion", [self._choice(text, finish_reason)], usage=usage)
 

@@ -3,6 +3,13 @@ end-of-generation token, a stop string, the token limit or the context end.
 
 Text streams out through `on_text` as tokens are produced; text that might be
 the start of a stop string is held back until it is known not to be.
+
+Given a `Session` (shared/model/session.py), the generation starts from what
+its KV cache already holds: only the prompt past the common prefix is
+computed (`cache_prompt`), and the cache is left holding prompt + output for
+the next request. When the cache fills, `context_shift` drops the oldest
+tokens past `n_keep` and goes on; without it the generation ends with
+finish_reason "context" (docs/conversations.md).
 """
 
 from __future__ import annotations
@@ -12,7 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from moe_pipe.shared.errors import UserError
-from moe_pipe.shared.text.sampling import Sampler, SamplingParams
+from moe_pipe.shared.model.session import Session
+from moe_pipe.shared.text.sampling import Constraint, Sampler, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -22,6 +30,9 @@ class GenerationConfig:
     n_ctx: int = 4096
     prefill_batch: int = 64
     ignore_eos: bool = False  # keep going past end-of-generation tokens (benchmarks, soak tests)
+    cache_prompt: bool = True  # reuse the session's common prefix (no effect without a session)
+    context_shift: bool = False  # a full cache drops its oldest tokens past n_keep instead of ending the generation
+    n_keep: int = 0  # tokens at the start kept by a shift (after a BOS, which is always kept); -1 = the whole prompt
 
     def __post_init__(self):
         if self.max_tokens < 0:
@@ -30,6 +41,8 @@ class GenerationConfig:
             raise UserError(f"context size must be ≥ 1, not {self.n_ctx}")
         if self.prefill_batch < 1:
             raise UserError(f"prefill batch must be ≥ 1, not {self.prefill_batch}")
+        if self.n_keep < -1:
+            raise UserError(f"n_keep must be ≥ -1 (-1 = the whole prompt), not {self.n_keep}")
 
 
 @dataclass
@@ -67,8 +80,24 @@ class _StopScanner:
         return len(text) - self.hold if self.stops else len(text)
 
 
+def _n_keep(cfg: GenerationConfig, prompt: list[int], tokenizer) -> int:
+    """llama.cpp server's n_keep: -1 keeps the whole prompt; otherwise that
+    many tokens, plus the BOS when the prompt starts with one."""
+    if cfg.n_keep < 0:
+        return len(prompt)
+    bos = getattr(tokenizer, "bos_id", None)
+    return cfg.n_keep + (1 if bos is not None and prompt[0] == bos else 0)
+
+
 def generate(
-    model, tokenizer, prompt_tokens: list[int], params: SamplingParams, cfg: GenerationConfig, on_text: Callable[[str], None] | None = None
+    model,
+    tokenizer,
+    prompt_tokens: list[int],
+    params: SamplingParams,
+    cfg: GenerationConfig,
+    on_text: Callable[[str], None] | None = None,
+    session: Session | None = None,
+    constraint: Constraint | None = None,
 ) -> Generation:
     if not prompt_tokens:
         raise UserError("the prompt is empty after tokenization")
@@ -77,13 +106,16 @@ def generate(
             f"the prompt is {len(prompt_tokens)} tokens but the context holds {cfg.n_ctx}; shorten it or raise the context size"
         )
     out = Generation(list(prompt_tokens))
-    sampler, scanner = Sampler(params), _StopScanner(cfg.stop)
+    sampler, scanner = Sampler(params, constraint), _StopScanner(cfg.stop)  # constraint: a grammar the output must follow
     decoder = tokenizer.stream()
-    cache = model.new_cache(cfg.n_ctx)
-    emitted = 0
+    session = session if session is not None else Session()
+    session.cache_for(model, cfg.n_ctx)
+    cached = session.reuse(prompt_tokens, cfg.cache_prompt, align=cfg.prefill_batch)
+    n_keep = _n_keep(cfg, prompt_tokens, tokenizer)
+    emitted = shifts = 0
 
     t0 = time.perf_counter()
-    logits = model.prefill(prompt_tokens, cache, batch=cfg.prefill_batch)
+    logits = session.feed(model, prompt_tokens[cached:], batch=cfg.prefill_batch)
     t1 = time.perf_counter()
     history = list(prompt_tokens)
     while True:
@@ -109,21 +141,26 @@ def generate(
         if len(out.tokens) >= cfg.max_tokens:  # no forward pass for a token nobody will read
             out.finish_reason = "length"
             break
-        if cache.n >= cfg.n_ctx:
-            out.finish_reason = "context"
-            break
-        logits = model.decode_one(token, cache)
+        if session.n >= cfg.n_ctx:
+            if not (cfg.context_shift and session.shift(model, n_keep, cfg.prefill_batch)):
+                out.finish_reason = "context"
+                break
+            shifts += 1
+        logits = session.feed(model, [token])
     out.text += decoder.flush() if out.finish_reason != "stop" else ""
     if on_text and len(out.text) > emitted:
         on_text(out.text[emitted:])
     t2 = time.perf_counter()
     n_dec = len(out.tokens)
+    computed = len(prompt_tokens) - cached
     out.timings = {
         "prompt_n": len(prompt_tokens),
+        "prompt_cached": cached,  # of prompt_n, taken from the session's cache: not computed
         "prompt_ms": round((t1 - t0) * 1e3, 3),
-        "prompt_tok_s": round(len(prompt_tokens) / max(t1 - t0, 1e-9), 3),
+        "prompt_tok_s": round(computed / max(t1 - t0, 1e-9), 3),  # computed tokens only
         "predicted_n": n_dec,
         "predicted_ms": round((t2 - t1) * 1e3, 3),
         "predicted_tok_s": round(n_dec / max(t2 - t1, 1e-9), 3) if n_dec else 0.0,
+        "context_shifts": shifts,
     }
     return out

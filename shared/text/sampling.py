@@ -4,11 +4,16 @@ top-p and min-p truncation, a repetition penalty, and a seed.
 The order is llama.cpp's: repetition penalty → top-k → top-p → min-p →
 temperature → draw. Temperature 0 (the default) is greedy: argmax, ties to
 the lowest id, no random numbers drawn.
+
+A constraint (a grammar: shared/text/constrain.py) comes before all of them:
+the logits of the tokens it does not allow next become -inf, so no
+truncation or draw can pick one, and it is told the chosen token after.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -43,14 +48,34 @@ class SamplingParams:
         return self.temperature == 0
 
 
+class Constraint(Protocol):
+    """What the Sampler needs of a grammar (shared/text/constrain.py's JsonConstraint)."""
+
+    def mask(self, z: np.ndarray) -> None:
+        """In place: the logits of the tokens not allowed next become -inf
+        (once the grammar is complete, all but end-of-generation)."""
+
+    def accept(self, token: int) -> None:
+        """The token chosen: advance the grammar past it."""
+
+
 class Sampler:
-    def __init__(self, params: SamplingParams):
+    def __init__(self, params: SamplingParams, constraint: Constraint | None = None):
         self.params = params
         self.rng = np.random.default_rng(params.seed)
+        self.constraint = constraint
 
     def __call__(self, logits: np.ndarray, history: list[int] | None = None) -> int:
+        token = self._draw(logits, history)
+        if self.constraint is not None:
+            self.constraint.accept(token)
+        return token
+
+    def _draw(self, logits: np.ndarray, history: list[int] | None) -> int:
         p = self.params
         z = np.array(logits, dtype=np.float64)  # [V]
+        if self.constraint is not None:
+            self.constraint.mask(z)
         if p.repeat_penalty != 1.0 and history and p.repeat_last_n:
             z = penalize_repeats(z, history[-p.repeat_last_n :], p.repeat_penalty)
         if p.greedy:

@@ -359,6 +359,7 @@ class DroppingSender:
 _A = TypeVar("_A")
 _B = TypeVar("_B")
 _C = TypeVar("_C")
+_D = TypeVar("_D")
 
 
 @overload
@@ -369,6 +370,8 @@ def recv(sock: zmq.Socket, timeout_ms: int | None, expect: tuple[type[_A]]) -> _
 def recv(sock: zmq.Socket, timeout_ms: int | None, expect: tuple[type[_A], type[_B]]) -> _A | _B | None: ...
 @overload
 def recv(sock: zmq.Socket, timeout_ms: int | None, expect: tuple[type[_A], type[_B], type[_C]]) -> _A | _B | _C | None: ...
+@overload
+def recv(sock: zmq.Socket, timeout_ms: int | None, expect: tuple[type[_A], type[_B], type[_C], type[_D]]) -> _A | _B | _C | _D | None: ...
 def recv(sock: zmq.Socket, timeout_ms: int | None, expect: tuple[type, ...] | None = None) -> Any:  # typed by the overloads
     """The next message, None on timeout (None: wait forever).
 

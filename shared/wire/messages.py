@@ -47,7 +47,7 @@ import msgpack
 MAX_FRAME_BYTES = 1 << 20
 # Bumped when a message's fields change; carried in Hello so mixed versions
 # (an old compute talking to a new reader after an upgrade) are refused.
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 _MAX_DEPTH = 8  # nesting inside a dict[str, Any] value (status payloads)
 _MAX_U64 = (1 << 64) - 1
@@ -84,6 +84,7 @@ class Kind(IntEnum):
     DONE = 42
     CANCEL = 43
     PROGRESS = 44
+    SLOT = 45
 
 
 class Code(StrEnum):
@@ -501,6 +502,8 @@ class Generate(_Message):
     sampling: dict[str, Scalar]
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    cache_prompt: bool = True  # start from the KV compute holds when it shares a prefix with the prompt (docs/conversations.md)
+    grammar: str = ""  # llguidance grammar JSON the output must follow (shared/text/constrain.py); "" = free text
 
 
 @_wire(Kind.TOKEN)
@@ -520,7 +523,9 @@ class Done(_Message):
     why (the request failed; compute keeps serving). `finish_reason` is
     shared.text.generate's: "eog" (an end-of-generation token), "stop" (a stop
     string), "length" (max_tokens) or "context" (the context is full); an
-    OpenAI front end maps eog→stop and context→length."""
+    OpenAI front end maps eog→stop and context→length. `timings` carries
+    `prompt_cached`, the prompt tokens reused from compute's KV (not computed).
+    Also the answer to a Slot: its figures in `timings`."""
 
     req_id: int
     ok: bool
@@ -557,6 +562,20 @@ class Progress(_Message):
     compiled: int = 0  # of the steps so far, how many compiled (the rest came from the cache)
 
 
+@_wire(Kind.SLOT)
+@dataclass(frozen=True, slots=True)
+class Slot(_Message):
+    """front end -> compute (on the requests link): act on compute's session,
+    the KV cache and token ids it keeps between generations: "save" it to
+    `path`, "restore" it from `path`, or "erase" it (`path` ""). Answered by
+    a Done: ok with n_saved / n_restored / n_erased and bytes in `timings`,
+    or the error (a refused file is code bad_argument)."""
+
+    req_id: int
+    action: str  # save | restore | erase
+    path: str = ""
+
+
 Message = (
     Hello
     | Shutdown
@@ -575,6 +594,7 @@ Message = (
     | Done
     | Cancel
     | Progress
+    | Slot
 )
 assert set(_BY_KIND) == set(Kind), "every Kind needs exactly one message class"
 

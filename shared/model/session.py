@@ -1,0 +1,277 @@
+"""A conversation's state between generations: a KV cache and the token ids it
+holds, so the next request computes only what it does not share with them
+(prefix reuse), a context shift when the cache fills, and the versioned file a
+session is saved to and restored from (docs/conversations.md).
+
+    session.reuse(prompt)        keep the common prefix, return its length
+    session.feed(model, ids)     run ids at the next positions, remembering them
+    session.shift(model, keep)   drop half of what lies past `keep`, recompute the rest
+    save_session(path, session, identity)   /   load_session(path, model, n_ctx, identity)
+
+Invariant: `ids[:cache.n]` are the tokens whose K and V the cache holds. A
+step records its ids before it runs and the cache counts a batch only once
+every layer has stored it, so a step that fails half way (a cancel, a read
+error) leaves a consistent session: the positions it did not finish are
+simply not held.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from moe_pipe.shared.errors import UserError
+from moe_pipe.shared.model.blocks import KVCache
+
+SESSION_MAGIC = b"MOEPSESS"
+SESSION_VERSION = 1
+_PREAMBLE = struct.Struct("<8sII")  # magic, version, header bytes
+MAX_HEADER_BYTES = 1 << 20  # the JSON header is a few hundred bytes; more is not a session file
+MIN_KEEP_FREE = 4  # a shift always frees some positions (llama.cpp clamps n_keep to n_ctx - 4)
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class Session:
+    """One KV cache and the token ids it holds, kept across generations."""
+
+    def __init__(self, cache: KVCache | None = None, ids: Sequence[int] = ()):
+        self.cache = cache
+        self.ids: list[int] = list(ids)
+
+    @property
+    def n(self) -> int:
+        return self.cache.n if self.cache is not None else 0
+
+    @property
+    def tokens(self) -> list[int]:
+        """The ids the cache holds, position by position."""
+        return self.ids[: self.n]
+
+    def cache_for(self, model, n_ctx: int):
+        """The cache, made on first use (or when the context size changed)."""
+        if self.cache is None or self.cache.n_ctx != n_ctx:
+            self.cache, self.ids = model.new_cache(n_ctx), []
+        return self.cache
+
+    def truncate(self, n: int) -> None:
+        if self.cache is not None and n < self.cache.n:
+            self.cache.truncate(n)
+        del self.ids[max(n, 0) :]
+
+    def reset(self) -> None:
+        """Forget everything (the cache's memory is kept for the next request)."""
+        self.truncate(0)
+
+    def reuse(self, prompt: Sequence[int], enabled: bool = True, align: int = 1) -> int:
+        """Keep the longest prefix the cache shares with `prompt` and drop the
+        rest; return how many prompt tokens need no computing. At most
+        len(prompt) - 1: the last prompt token always runs, so there are
+        logits to sample the first new token from. Cut down to a multiple of
+        `align` (the prefill batch): positions a prompt computed are then
+        recomputed in the batches a fresh run uses, so a prefix shared as a
+        prompt gives a fresh run's exact numbers (docs/conversations.md).
+        Disabled, or nothing in common: start from position 0."""
+        keep = min(common_prefix(self.tokens, prompt), len(prompt) - 1) if enabled else 0
+        if self.cache is not None and self.cache.state is not None:
+            # A recurrent state cannot be rewound: all of the cache goes on, or none of it.
+            keep = self.n if keep >= self.n else 0
+        else:
+            keep -= keep % max(align, 1)
+        self.truncate(max(keep, 0))
+        return self.n
+
+    def feed(self, model, ids: Sequence[int], batch: int = 0) -> np.ndarray:
+        """Run `ids` at the next positions: a prompt's batches of `batch`, or
+        with batch 0 one decoded token; the last position's logits [V]."""
+        self.ids[self.n :] = [int(t) for t in ids]
+        if batch == 0:
+            return model.decode_one(int(ids[0]), self.cache)
+        return model.prefill(list(ids), self.cache, batch=batch)
+
+    def shift(self, model, n_keep: int, batch: int) -> int:
+        """The cache is full: keep its first `n_keep` positions, drop half of
+        the rest (the oldest), and recompute the kept tail from its ids at its
+        new positions, as if the kept ids had been the prompt (so the result
+        equals a fresh run on them, for every RoPE variant and sliding window:
+        docs/conversations.md § Context shift). Returns the positions freed, 0
+        when nothing can be dropped."""
+        n = self.n
+        n_ctx = self.cache.n_ctx if self.cache is not None else n
+        keep = max(0, min(n_keep, n_ctx - MIN_KEEP_FREE, n))
+        discard = (n - keep) // 2
+        if discard <= 0:
+            return 0
+        tail = self.ids[keep + discard : n]
+        if self.cache is not None and not self.cache.can_truncate(keep):
+            # A recurrent state cannot be rewound to `keep`: recompute the kept head too.
+            tail = self.ids[:keep] + tail
+            keep = 0
+        self.truncate(keep)
+        self.feed(model, tail, batch)  # never empty: discard <= (n - keep) / 2
+        return discard
+
+
+# ----------------------------------------------------------------- saved sessions
+
+
+def _parts_layout(cache: KVCache) -> list[list]:
+    return [[int(p.shape[0]), int(p.shape[2]), p.dtype.str] for p in cache.parts()]
+
+
+def save_session(path: str | os.PathLike, session: Session, identity: Sequence[str], arch: str = "") -> int:
+    """Write the session to `path` (a temporary file renamed over it, so a
+    crash never leaves half a session under the name); the bytes written."""
+    if session.cache is None:
+        raise UserError("there is no session to save yet: generate something first")
+    if session.cache.state is not None:
+        # The file format holds KV rows only; a hybrid model's recurrent state would be lost.
+        raise UserError(
+            f"saving a session is not supported for {arch or 'this model'}: its linear-attention state is not in the file format"
+        )
+    cache, n = session.cache, session.n
+    header = {
+        "model": list(identity),
+        "arch": arch,
+        "kv_type": cache.kv_type,
+        "n_ctx": cache.n_ctx,
+        "n_tokens": n,
+        "parts": _parts_layout(cache),
+    }
+    head = json.dumps(header, separators=(",", ":")).encode()
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(_PREAMBLE.pack(SESSION_MAGIC, SESSION_VERSION, len(head)))
+            fh.write(head)
+            fh.write(np.asarray(session.tokens, "<i4").tobytes())
+            for part in cache.parts():
+                fh.write(np.ascontiguousarray(part[:, :n]).tobytes())
+            fh.flush()
+            os.fsync(fh.fileno())
+            written = fh.tell()
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise UserError(f"cannot write the session file {path}: {exc.strerror or exc}") from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return written
+
+
+def _expected_bytes(header: dict, head_len: int) -> int:
+    n = header["n_tokens"]
+    size = _PREAMBLE.size + head_len + 4 * n
+    for hk, width, dtype in header["parts"]:
+        size += hk * n * width * np.dtype(dtype).itemsize
+    return size
+
+
+def read_header(path: str | os.PathLike) -> tuple[dict, int]:
+    """The header of a session file and where its data starts, checked for
+    the magic, the version, and the file's length against the header."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as fh:
+            pre = fh.read(_PREAMBLE.size)
+            if len(pre) < _PREAMBLE.size or not pre.startswith(SESSION_MAGIC):
+                if SESSION_MAGIC.startswith(pre[: len(SESSION_MAGIC)]) and len(pre) < _PREAMBLE.size:
+                    raise UserError(f"the session file {path} is truncated ({len(pre)} bytes)")
+                raise UserError(f"{path} is not a moe-pipe session file")
+            _, version, head_len = _PREAMBLE.unpack(pre)
+            if version != SESSION_VERSION:
+                raise UserError(f"the session file {path} is version {version}; this moe-pipe reads version {SESSION_VERSION}")
+            if head_len > MAX_HEADER_BYTES:
+                raise UserError(f"{path} is not a moe-pipe session file (a {head_len}-byte header)")
+            raw = fh.read(head_len)
+            size = os.fstat(fh.fileno()).st_size
+    except OSError as exc:
+        raise UserError(f"cannot read the session file {path}: {exc.strerror or exc}") from None
+    if len(raw) < head_len:
+        raise UserError(f"the session file {path} is truncated ({size} bytes, inside its header)")
+    try:
+        header = json.loads(raw)
+        n = header["n_tokens"]
+        want = _expected_bytes(header, head_len)
+        if not (isinstance(n, int) and n >= 0 and isinstance(header["model"], list) and isinstance(header["kv_type"], str)):
+            raise ValueError(n)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"the session file {path} has a corrupt header ({type(exc).__name__})") from None
+    if size < want:
+        raise UserError(f"the session file {path} is truncated ({size} bytes; its header says {want})")
+    if size > want:
+        raise UserError(f"the session file {path} is corrupt ({size - want} bytes after its end)")
+    return header, _PREAMBLE.size + head_len
+
+
+def load_session(path: str | os.PathLike, model, n_ctx: int, identity: Sequence[str], into: KVCache | None = None) -> Session:
+    """A session read from `path` into a cache of `n_ctx` positions for
+    `model` (`into`, when it is one, so a restore never holds two caches),
+    refused with one line if it belongs to another model file, was stored as
+    another kv_type, is truncated, of another version or does not fit. Every
+    check comes before `into` is touched: a refused file leaves it as it was."""
+    header, data_at = read_header(path)
+    if list(header["model"]) != list(identity):
+        arch = f" ({header.get('arch')})" if header.get("arch") else ""
+        raise UserError(
+            f"the session file {path} was saved with another model file{arch}; a session only restores on the model it was made with"
+        )
+    if header["kv_type"] != model.kv_type:
+        raise UserError(
+            f"the session file {path} stores its KV cache as {header['kv_type']} but this model runs with {model.kv_type}; "
+            f"set compute.kv_type = {header['kv_type']} to restore it"
+        )
+    n = header["n_tokens"]
+    if n >= n_ctx:
+        raise UserError(f"the session file {path} holds {n} tokens, more than fit a context of {n_ctx}; raise compute.ctx_size")
+    reuse = into is not None and into.n_ctx == n_ctx and into.kv_type == model.kv_type
+    cache = into if reuse and into is not None else model.new_cache(n_ctx)
+    if header["parts"] != _parts_layout(cache):
+        raise UserError(f"the session file {path} does not match this model's KV cache shapes; it was saved with another model")
+    cache.truncate(0)  # from here a failure leaves an empty cache, never a mix of two sessions
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(data_at)
+            ids = np.fromfile(fh, "<i4", n)
+            for part in cache.parts():
+                hk, _, width = part.shape
+                rows = np.fromfile(fh, part.dtype, hk * n * width)
+                part[:, :n] = rows.reshape(hk, n, width)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"cannot read the session file {path}: {getattr(exc, 'strerror', None) or exc}") from None
+    if n and (ids.min() < 0 or ids.max() >= model.spec.n_vocab):
+        raise UserError(f"the session file {path} is corrupt (a token id out of the vocabulary)")
+    cache.advance(n)
+    return Session(cache, ids.tolist())
+
+
+def slot_action(session: Session, action: str, path: str, model, n_ctx: int, identity: Sequence[str]) -> dict[str, int | float]:
+    """llama.cpp's slot actions on `session`: save it to `path`, restore it
+    from `path`, or erase it; the figures its server reports."""
+    t0 = time.perf_counter()
+    if action == "save":
+        written = save_session(path, session, identity, getattr(model, "arch", ""))
+        return {"n_saved": session.n, "n_written": written, "save_ms": round((time.perf_counter() - t0) * 1e3, 3)}
+    if action == "restore":
+        restored = load_session(path, model, n_ctx, identity, into=session.cache)
+        session.cache, session.ids = restored.cache, restored.ids
+        return {"n_restored": session.n, "n_read": os.path.getsize(path), "restore_ms": round((time.perf_counter() - t0) * 1e3, 3)}
+    if action == "erase":
+        n = session.n
+        session.reset()
+        return {"n_erased": n}
+    raise UserError(f"unknown slot action {action!r} (save, restore or erase)")

@@ -1,7 +1,7 @@
 """A scripted chat through the gateway, with prompt reuse on and off.
 
     python bench/bench_chat.py [--model FILE | --layers 8] [--turns 6] [--max-tokens 48]
-                               [--cache-mb 1024] [--order off,on] [--json OUT]
+                               [--cache-mb 1024] [-t THREADS] [--order off,on] [--json OUT]
 
 What a user of a chat front end feels on turn N is the time to the first
 token, and without reuse it grows with the conversation: every turn the
@@ -95,11 +95,11 @@ class ModeReport:
 class Service:
     """One `moe-pipe up --detach` in a private runtime folder, stopped on exit."""
 
-    def __init__(self, model: Path, cache_mb: float, port: int):
+    def __init__(self, model: Path, cache_mb: float, port: int, threads: int):
         self.base = Path(tempfile.mkdtemp(prefix="mpc", dir="/tmp"))  # short: unix socket paths <= 107 bytes
         self.env = {**os.environ, "XDG_RUNTIME_DIR": str(self.base)}
         self.url = f"http://127.0.0.1:{port}"
-        settings = ["--set", f"model.path={model}", "--cache-mb", str(cache_mb), "--port", str(port)]
+        settings = ["--set", f"model.path={model}", "--cache-mb", str(cache_mb), "--port", str(port), "--threads", str(threads)]
         r = self.cli("up", CONFIG, "--detach", *settings, timeout=900)
         if r.returncode != 0:
             shutil.rmtree(self.base, ignore_errors=True)
@@ -115,6 +115,12 @@ class Service:
         self.cli("down", timeout=120)
         shutil.rmtree(self.base, ignore_errors=True)
 
+    def model_id(self) -> str:
+        if not hasattr(self, "_model_id"):
+            with urllib.request.urlopen(self.url + "/v1/models", timeout=30) as resp:
+                self._model_id = json.loads(resp.read())["data"][0]["id"]
+        return self._model_id
+
     def read_bytes(self) -> float:
         time.sleep(METRICS_SETTLE_S)
         with urllib.request.urlopen(self.url + "/metrics", timeout=30) as resp:
@@ -126,6 +132,7 @@ class Service:
     def chat(self, messages: list[dict], max_tokens: int, **extra) -> tuple[str, float, float, dict]:
         """One streamed chat completion: (text, time to first text, total time, usage)."""
         body = {
+            "model": self.model_id(),
             "messages": messages,
             "max_tokens": max_tokens,
             "temperature": 0,
@@ -138,7 +145,11 @@ class Service:
         )
         t0 = time.perf_counter()
         ttft, pieces, usage = None, [], {}
-        with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as resp:
+        try:
+            resp = urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S)
+        except urllib.error.HTTPError as e:
+            raise SystemExit(f"bench_chat: HTTP {e.code}: {e.read().decode(errors='replace').strip()}") from None
+        with resp:
             for raw in resp:
                 line = raw.decode().strip()
                 if not line.startswith("data: ") or line == "data: [DONE]":
@@ -225,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--cache-mb", type=float, default=1024, help="expert cache size for both modes")
+    p.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1, help="compute threads (default: every core)")
     p.add_argument("--order", default="off,on", help="modes in the order they run (each starts its own service)")
     p.add_argument("--constrained-repeat", type=int, default=3, help="requests per kind for the JSON-schema cost (0: skip)")
     p.add_argument("--json", help="write the figures here")
@@ -235,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     model = shape_model(args.model, args.layers)
     reports, cost = [], None
     for mode in modes:
-        with Service(model, args.cache_mb, free_port()) as svc:
+        with Service(model, args.cache_mb, free_port(), args.threads) as svc:
             reports.append(converse(svc, mode, args.turns, args.max_tokens))
             if mode == "on" and args.constrained_repeat:
                 cost = constrained_cost(svc, args.max_tokens, args.constrained_repeat)

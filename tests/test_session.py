@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import struct
 
+import numpy as np
 import pytest
 
 from moe_pipe.shared.errors import UserError
@@ -107,19 +108,44 @@ def test_whole_prompt_cached_recomputes_only_its_last_token(loaded):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_a_prefix_shared_as_a_prompt_is_reused_in_whole_batches_and_exactly(loaded, arch):
-    """With real batches: the reuse is cut to whole prefill batches, so the
-    remainder runs in the batches a fresh run uses and the tokens are a fresh
-    run's, whatever the batched kernels round."""
-    _, model, tok, _ = loaded[arch]
-    system = ids(tok, "You are a terse assistant who answers about mills and rivers only.")
-    session = Session()
-    run(model, tok, system + ids(tok, " Q: what is a mill?"), 6, session, prefill_batch=4)
-    prompt = system + ids(tok, " Q: where is the river?")
-    shared = next(i for i, (a, b) in enumerate(zip(system + ids(tok, " Q: what is a mill?"), prompt)) if a != b)
-    again = run(model, tok, prompt, 6, session, prefill_batch=4)
-    assert again.timings["prompt_cached"] == shared - shared % 4 > 0
-    assert again.tokens == run(model, tok, prompt, 6, prefill_batch=4).tokens
+@pytest.mark.parametrize("kv_type", ["f16", "f32"])
+def test_with_real_batches_reuse_keeps_every_shared_position_and_is_exact(files, arch, kv_type):
+    """Prompts in batches of 4 and a reply decoded one token at a time, then a
+    turn that shares all of it but the last token: every shared position is
+    kept (none dropped to batch boundaries) and the logits equal a fresh run's
+    bit for bit, because each position is computed alike in any batch
+    (attention row by row, docs/kernels.md § Attention; int8 GEMM rows equal
+    matvec, docs/kernels.md). The default f16 cache and f32 both."""
+    with open_model(files[arch]) as mf:
+        model, tok = load_model(mf, options=ModelOptions(kv_type=kv_type)), Tokenizer.from_gguf(mf.gguf)
+        system = ids(tok, "You are a terse assistant who answers about mills and rivers only.")
+        first = system + ids(tok, " Q: what is a mill?")
+        session = Session()
+        reply = run(model, tok, first, 6, session, prefill_batch=4)
+        prompt = first + reply.tokens + ids(tok, " Q: where is the river?")
+        again = run(model, tok, prompt, 6, session, prefill_batch=4)
+        assert again.timings["prompt_cached"] == len(first) + len(reply.tokens) - 1
+        fresh = run(model, tok, prompt, 6, prefill_batch=4)
+        assert again.tokens == fresh.tokens
+        cont = session.feed(model, again.tokens[-1:])
+        ref = Session()
+        ref.cache_for(model, 256)
+        assert np.array_equal(cont, ref.feed(model, prompt + again.tokens, batch=7))
+
+
+def test_a_q8_0_cache_is_reused_in_whole_batches(files):
+    """q8_0's batched attention rounds unlike one row's: the kept prefix is cut to
+    whole prefill batches, and the rest runs in the batches a fresh run uses."""
+    with open_model(files["qwen3moe"]) as mf:
+        model, tok = load_model(mf, options=ModelOptions(kv_type="q8_0")), Tokenizer.from_gguf(mf.gguf)
+        system = ids(tok, "You are a terse assistant who answers about mills and rivers only.")
+        session = Session()
+        run(model, tok, system + ids(tok, " Q: what is a mill?"), 6, session, prefill_batch=4)
+        prompt = system + ids(tok, " Q: where is the river?")
+        shared = next(i for i, (a, b) in enumerate(zip(system + ids(tok, " Q: what is a mill?"), prompt)) if a != b)
+        again = run(model, tok, prompt, 6, session, prefill_batch=4)
+        assert again.timings["prompt_cached"] == shared - shared % 4 > 0
+        assert again.tokens == run(model, tok, prompt, 6, prefill_batch=4).tokens
 
 
 def test_cache_prompt_false_and_an_unrelated_prompt_start_from_position_zero(loaded):

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from moe_pipe.shared.gguf.spec import Q8_0_BLOCK, RopeSpec, check_kv_type
-from moe_pipe.shared.model.fused import _rope_rotate, attend_one, rms_norm, swiglu  # noqa: F401  (fused loops, part of the blocks' API)
+from moe_pipe.shared.model.fused import _rope_rotate, attend_one, attend_rows, rms_norm, swiglu  # noqa: F401  (fused loops, part of the blocks' API)
 
 # ---- rotary position embedding --------------------------------------------------
 
@@ -249,10 +249,11 @@ def attention(
     # instead of building a mask.
     lo = max(0, n - window) if (t == 1 and window) else 0
     stored = cache.stored(layer)
-    if t == 1 and stored is not None:
+    if stored is not None:  # f32/f16: every row as a decode step computes it, whatever the batch
         hk = stored[0].shape[0]
-        out = attend_one(q.reshape(hk, h // hk, d), stored[0], stored[1], lo, n, scale, sinks)
-        return out.reshape(1, -1)
+        if t == 1:
+            return attend_one(q.reshape(hk, h // hk, d), stored[0], stored[1], lo, n, scale, sinks).reshape(1, -1)
+        return attend_rows(q.reshape(t, hk, h // hk, d), stored[0], stored[1], start, window, scale, sinks).reshape(t, -1)
     keys, values = cache.keys(layer, lo, n), cache.values(layer, lo, n)  # float32 [Hk, N, d], [Hk, N, dv]
     hk = keys.shape[0]
     g = h // hk

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
 
@@ -200,6 +200,31 @@ def _attend_one(q, k, v, lo, n, scale, sinks, use_sinks, out):
 
 
 _NO_SINKS = np.zeros(1, np.float32)
+
+
+@njit(cache=True, boundscheck=False, parallel=True)
+def _attend_rows(q, k, v, start, window, scale, sinks, use_sinks, out):
+    """A prompt batch's queries, each exactly as a decode step at its position
+    computes it (`_attend_one` on the same cache and bounds): q [T, Hk, G, d] →
+    out [T, Hk, G, dv]. Rows are independent, so they split across threads."""
+    for t in prange(q.shape[0]):
+        n = start + t + 1
+        lo = max(0, n - window) if window > 0 else 0
+        _attend_one(q[t], k, v, lo, n, scale, sinks, use_sinks, out[t])
+
+
+def attend_rows(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, window: int, scale: float, sinks: np.ndarray | None) -> np.ndarray:
+    """Causal attention of T queries at positions start..start+T-1 over a float32 or
+    float16 cache as stored, each row bit for bit what `attend_one` gives for that
+    position: q [T, Hk, G, d] → [T, Hk, G, dv]. So a position's numbers do not
+    depend on how a prompt was cut into batches, or on whether it was a prompt's
+    or a decoded token (prefix reuse relies on it: docs/conversations.md)."""
+    if k.dtype == np.float16:
+        k, v = k.view(np.uint16), v.view(np.uint16)
+    out = np.empty((q.shape[0], q.shape[1], q.shape[2], v.shape[2]), np.float32)
+    s = _NO_SINKS if sinks is None else np.ascontiguousarray(sinks, np.float32)
+    _attend_rows(np.ascontiguousarray(q, np.float32), k, v, start, window, np.float32(scale), s, sinks is not None, out)
+    return out
 
 
 def attend_one(q: np.ndarray, k: np.ndarray, v: np.ndarray, lo: int, n: int, scale: float, sinks: np.ndarray | None) -> np.ndarray:

@@ -80,9 +80,10 @@ class Session:
         rest; return how many prompt tokens need no computing. At most
         len(prompt) - 1: the last prompt token always runs, so there are
         logits to sample the first new token from. Cut down to a multiple of
-        `align` (the prefill batch): positions a prompt computed are then
-        recomputed in the batches a fresh run uses, so a prefix shared as a
-        prompt gives a fresh run's exact numbers (docs/conversations.md).
+        `align` (generate passes the prefill batch for a q8_0 cache, whose
+        batched attention rounds unlike a single row's: positions a prompt
+        computed are then recomputed in the batches a fresh run uses;
+        docs/conversations.md § Prefix reuse).
         Disabled, or nothing in common: start from position 0."""
         keep = min(common_prefix(self.tokens, prompt), len(prompt) - 1) if enabled else 0
         if self.cache is not None and self.cache.state is not None:

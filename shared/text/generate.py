@@ -110,7 +110,10 @@ def generate(
     decoder = tokenizer.stream()
     session = session if session is not None else Session()
     session.cache_for(model, cfg.n_ctx)
-    cached = session.reuse(prompt_tokens, cfg.cache_prompt, align=cfg.prefill_batch)
+    # f32/f16 caches compute every position alike in any batch (attention row by row, int8 GEMM rows equal
+    # matvec), so any prefix can be kept; a q8_0 cache's batched attention rounds otherwise: whole batches only.
+    align = cfg.prefill_batch if session.cache is not None and session.cache.kv_type == "q8_0" else 1
+    cached = session.reuse(prompt_tokens, cfg.cache_prompt, align=align)
     n_keep = _n_keep(cfg, prompt_tokens, tokenizer)
     emitted = shifts = 0
 

@@ -26,7 +26,7 @@ class ScriptedModel:
         self.script, self.n_vocab, self.i = list(script), n_vocab, 0
 
     def new_cache(self, n_ctx):
-        return type("C", (), {"n": 0})()
+        return type("C", (), {"n": 0, "n_ctx": n_ctx, "kv_type": "f32", "state": None})()
 
     def _logits(self):
         z = np.zeros(self.n_vocab, np.float32)

@@ -89,6 +89,7 @@ def test_route_replay_follows_the_trace_layer_by_layer_and_cycles(tmp_path):
 
 
 @pytest.mark.integration
+@pytest.mark.slow  # a whole bench run of the pipeline: ~18 s
 def test_a_trace_driven_run_routes_like_the_trace(tmp_path):
     first, second = tmp_path / "a.trace", tmp_path / "b.trace"
     base = [*CLI, "run", TINY, "-n", "10", "--ignore-eos", "--output-format", "json"]

@@ -94,6 +94,7 @@ def test_this_process_compiles_the_build_its_target_allows():
 
 
 @pytest.mark.integration
+@pytest.mark.slow  # compiles every kernel again for a generic CPU in a child: ~70 s cold
 def test_the_portable_build_matches_gguf_dequantize_for_every_type():
     env = dict(os.environ, NUMBA_CPU_NAME="generic")
     env.pop("NUMBA_CPU_FEATURES", None)  # generic then means no features at all

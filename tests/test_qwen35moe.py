@@ -41,7 +41,7 @@ def ours_greedy(model, ids, n):
 # -- transformers ----------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=["text", "multimodal"])
+@pytest.fixture(scope="module", params=["text", pytest.param("multimodal", marks=pytest.mark.slow)])
 def pair(request, tmp_path_factory):
     pytest.importorskip("torch", reason="oracle tests need torch (pip install '.[oracle]')")
     pytest.importorskip("transformers", reason="oracle tests need transformers (pip install '.[oracle]')")
@@ -335,12 +335,13 @@ def tiny_pipe(made):
 @pytest.mark.parametrize(
     "budget,overlap,io_threads,dense,top_k,prefetch",
     [
-        pytest.param(*c, id="-".join(map(str, c)))
-        for c in [
-            ("min", True, 1, "anon", None, False),
-            ("min", False, 4, "warm", None, True),
-            ("mid", False, 1, "anon", 1, False),
-            ("all", False, 1, "mmap", 1, True),
+        pytest.param(*c, id="-".join(map(str, c)), marks=[pytest.mark.slow] if slow else [])
+        for c, slow in [
+            (("min", True, 1, "anon", None, False), False),
+            # the other settings are the original families' tests too (tests/test_pipeline.py): slow tier here
+            (("min", False, 4, "warm", None, True), True),
+            (("mid", False, 1, "anon", 1, False), True),
+            (("all", False, 1, "mmap", 1, True), True),
         ]
     ],
 )

@@ -200,7 +200,9 @@ def test_200_bounded_concurrent_requests_are_all_answered(svc):
 # -- restarts ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("victim", ["compute", "reader", "telemetry"])
+@pytest.mark.parametrize(
+    "victim", ["compute", pytest.param("reader", marks=pytest.mark.slow), pytest.param("telemetry", marks=pytest.mark.slow)]
+)
 def test_kill9_mid_stream_restarts_and_the_request_completes(svc, victim):
     client = svc.client()
     chat(client, "Tell a story", LONG)  # every expert it uses is cached now (the tiny cache holds them all)

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
 ARCHES = ("qwen3moe", "gpt-oss", "gemma4")
 
 # Prompts shared by the tokenizer and greedy-prediction checks.
@@ -281,6 +283,23 @@ def load_model(hf_dir: Path):
     cls = json.loads((Path(hf_dir) / "config.json").read_text())["architectures"][0]
     model = getattr(transformers, cls).from_pretrained(hf_dir, dtype="float32", attn_implementation="eager")
     return model.eval()
+
+
+def hf_logits(ref, ids) -> np.ndarray:
+    """The transformers model's logits [T, V] for one sequence of ids."""
+    import torch
+
+    with torch.no_grad():
+        return ref(torch.tensor([ids])).logits[0].float().numpy()
+
+
+def hf_greedy(ref, ids, n: int) -> list[int]:
+    """n greedy tokens after ids, never stopping early."""
+    import torch
+
+    with torch.no_grad():
+        out = ref.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, min_new_tokens=n, eos_token_id=None, pad_token_id=0)
+    return out[0, len(ids) :].tolist()
 
 
 _RANDOMIZED = ("norm", "layer_scalar", "router.scale", "per_expert_scale")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch", reason="oracle tests need torch (pip install '.[oracle]')")
+pytest.importorskip("torch", reason="oracle tests need torch (pip install '.[oracle]')")
 pytest.importorskip("transformers", reason="oracle tests need transformers (pip install '.[oracle]')")
 
 from moe_pipe.shared.convert.converter import convert  # noqa: E402
@@ -37,17 +37,6 @@ def pair(request, tmp_path_factory):
     return request.param, ref, ggufs
 
 
-def hf_logits(ref, ids):
-    with torch.no_grad():
-        return ref(torch.tensor([ids])).logits[0].float().numpy()  # [T, V]
-
-
-def hf_greedy(ref, ids, n):
-    with torch.no_grad():
-        out = ref.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, min_new_tokens=n, eos_token_id=None, pad_token_id=0)
-    return out[0, len(ids) :].tolist()
-
-
 def ours_greedy(model, ids, n):
     cache = model.new_cache(len(ids) + n + 1)
     logits, out = model.prefill(ids, cache), []
@@ -63,11 +52,11 @@ def test_f32_logits_and_greedy_match_transformers(pair):
     with open_model(ggufs["f32"]) as mf:
         model = load_model(mf)
         for ids in PROMPTS:
-            want = hf_logits(ref, ids)[-1]
+            want = hfmodels.hf_logits(ref, ids)[-1]
             got = model.forward(ids, model.new_cache(64))[-1]
             rel = np.abs(got - want).max() / np.abs(want).max()
             assert rel < 1e-4, f"{arch}: last-position logits differ by {rel:.2e} relative (prompt {ids[:5]}...)"
-            assert ours_greedy(model, ids, N_GREEDY) == hf_greedy(ref, ids, N_GREEDY), f"{arch}: greedy tokens differ"
+            assert ours_greedy(model, ids, N_GREEDY) == hfmodels.hf_greedy(ref, ids, N_GREEDY), f"{arch}: greedy tokens differ"
 
 
 def common_prefix(a, b):
@@ -84,10 +73,10 @@ def test_q8_0_stays_close(pair, capsys):
     with open_model(ggufs["q8_0"]) as mf:
         model = load_model(mf)
         for ids in PROMPTS:
-            want = hf_logits(ref, ids)[-1]
+            want = hfmodels.hf_logits(ref, ids)[-1]
             got = model.forward(ids, model.new_cache(64))[-1]
             errs.append(float(np.abs(got - want).max() / np.abs(want).max()))
-            prefixes.append(common_prefix(ours_greedy(model, ids, 8), hf_greedy(ref, ids, 8)))
+            prefixes.append(common_prefix(ours_greedy(model, ids, 8), hfmodels.hf_greedy(ref, ids, 8)))
     with capsys.disabled():
         print(
             f"\n{arch} q8_0: max relative logit error {max(errs):.2e}; greedy tokens agreeing before the first difference (of 8): {prefixes}"

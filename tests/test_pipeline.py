@@ -65,7 +65,12 @@ ENGINE_KV = ModelOptions(kv_type=load_config(None, {}).compute.kv_type)
 
 @pytest.fixture(scope="module", params=ARCHES)
 def tiny(request, tmp_path_factory):
-    path = make_model(request.param, "tiny", tmp_path_factory.mktemp("p") / f"{request.param}.gguf")
+    return with_reference(make_model(request.param, "tiny", tmp_path_factory.mktemp("p") / f"{request.param}.gguf"))
+
+
+def with_reference(path):
+    """(path, prompt ids, the resident reference's greedy tokens at top-k None and 1,
+    the cache sizes the budgets are made of): what the pipeline tests compare against."""
     with open_model(path) as mf:
         tok = Tokenizer.from_gguf(mf.gguf)
         prompt = tok.encode(PROMPT)

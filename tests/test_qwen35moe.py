@@ -54,21 +54,6 @@ def pair(request, tmp_path_factory):
     return request.param, ref, ggufs
 
 
-def hf_logits(ref, ids):
-    import torch
-
-    with torch.no_grad():
-        return ref(torch.tensor([ids])).logits[0].float().numpy()  # [T, V]
-
-
-def hf_greedy(ref, ids, n):
-    import torch
-
-    with torch.no_grad():
-        out = ref.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, min_new_tokens=n, eos_token_id=None, pad_token_id=0)
-    return out[0, len(ids) :].tolist()
-
-
 @pytest.mark.oracle
 def test_f32_logits_and_greedy_match_transformers(pair):
     """Prefill logits, and 32 tokens decoded one at a time (transformers' cached
@@ -78,11 +63,11 @@ def test_f32_logits_and_greedy_match_transformers(pair):
         assert mf.spec.recurrent_layers == (True, False, True, False)
         model = load_model(mf)
         for ids in PROMPTS:
-            want = hf_logits(ref, ids)
+            want = hfmodels.hf_logits(ref, ids)
             got = model.forward(ids, model.new_cache(64), all_logits=True)
             rel = np.abs(got - want).max() / np.abs(want).max()
             assert rel < 1e-4, f"{layout}: logits differ by {rel:.2e} relative (prompt {ids[:5]}...)"
-            assert ours_greedy(model, ids, N_GREEDY) == hf_greedy(ref, ids, N_GREEDY), f"{layout}: greedy tokens differ"
+            assert ours_greedy(model, ids, N_GREEDY) == hfmodels.hf_greedy(ref, ids, N_GREEDY), f"{layout}: greedy tokens differ"
 
 
 @pytest.mark.oracle
@@ -99,7 +84,7 @@ def test_q8_0_is_as_close_as_llama_cpps_own_q8_0(pair, capsys):
         with open_model(ggufs["q8_0"]) as mf:
             model = load_model(mf)
             for ids in PROMPTS:
-                want = hf_logits(ref, ids)[-1]
+                want = hfmodels.hf_logits(ref, ids)[-1]
                 ours.append(float(np.abs(model.forward(ids, model.new_cache(64))[-1] - want).max() / np.abs(want).max()))
                 llm.reset()
                 llm.eval(ids)
@@ -309,26 +294,9 @@ def test_made_model_chat_template_opens_the_think_block(made):
 @pytest.fixture(scope="module")
 def tiny_pipe(made):
     """The (path, prompt, reference tokens, sizes) tuple of tests/test_pipeline.py for the made model."""
-    from moe_pipe.shared.text.generate import GenerationConfig, generate
-    from moe_pipe.shared.text.sampling import SamplingParams
-    from moe_pipe.shared.text.tokenizer import Tokenizer
+    from .test_pipeline import with_reference
 
-    from .test_pipeline import ENGINE_KV, PROMPT, MiB, N
-
-    with open_model(made) as mf:
-        tok = Tokenizer.from_gguf(mf.gguf)
-        prompt = tok.encode(PROMPT)
-        reference = {
-            k: generate(load_model(mf, top_k=k, options=ENGINE_KV), tok, prompt, SamplingParams(), GenerationConfig(max_tokens=N)).tokens
-            for k in (None, 1)
-        }
-        sizes = dict(
-            min_mb=mf.layout.min_cache_bytes() / MiB,
-            slab=mf.layout.slab_bytes,
-            all_mb=mf.spec.n_layer * mf.spec.n_expert * mf.layout.slab_bytes / MiB,
-            min1_mb=mf.layout.min_cache_bytes(1) / MiB,
-        )
-    return made, prompt, reference, sizes
+    return with_reference(made)
 
 
 @pytest.mark.integration

@@ -487,9 +487,9 @@ def test_llama_cpp_runs_the_mxfp4_conversion_like_the_dequantized_twin(hf, tmp_p
 
 
 def test_row_slabs_do_not_change_the_bytes(hf, gguf, tmp_path, monkeypatch):
-    from moe_pipe.shared.convert import arch as convert_arch
+    from moe_pipe.shared.convert import plan as convert_plan
 
-    monkeypatch.setattr(convert_arch, "_SLAB_ELEMS", 100)  # 2-D tensors in 1-2 row slabs
+    monkeypatch.setattr(convert_plan, "_SLAB_ELEMS", 100)  # 2-D tensors in 1-2 row slabs
     a, b = read_tensors(convert(hf["gemma4"], tmp_path / "slabs.gguf", "q8_0")), read_tensors(gguf("gemma4", "q8_0"))
     for n in b:
         assert a[n][1].tobytes() == b[n][1].tobytes(), n

@@ -1,5 +1,9 @@
 """Per-architecture rules of `moe-pipe convert`: HF config -> GGUF keys, HF tensors -> GGUF tensors.
 
+The families of the first round live here; later ones have a module each
+(shared/convert/<family>.py) built from the same blocks (shared/convert/plan.py)
+and registered in `ARCHES` below.
+
 One `Arch` per supported model_type, each giving (docs/models.md § From Hugging Face names):
 * `hparams(config)`: the text config read into a flat dict, with unsupported
   variants rejected as UserErrors naming the config key;
@@ -13,192 +17,40 @@ Hk kv heads, d head dim, X experts, F expert ff width, Fd dense ff width.
 
 from __future__ import annotations
 
-import re
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from gguf import GGMLQuantizationType as Q
-from gguf import GGUFWriter, RopeScalingType
+from gguf import GGUFWriter
 
+from moe_pipe.shared.convert.plan import (
+    Arch,
+    Out,
+    Planner,
+    add_rope_scaling,
+    base_hparams,
+    cfg_get,
+    common_meta,
+    embeddings,
+    finish,
+    first_row,
+    head,
+    head_matrix,
+    qwen_experts,
+)
 from moe_pipe.shared.convert.source import Checkpoint
 from moe_pipe.shared.errors import UserError
-
-
-@dataclass(frozen=True)
-class Out:
-    """One GGUF tensor to write. `parts()` yields float32 slabs along axis 0 whose
-    concatenation is the tensor (one per expert for stacked experts), or raw
-    bytes shaped (..., row_bytes) when `raw_qtype` is set."""
-
-    name: str
-    shape: tuple[int, ...]
-    matrix: bool  # a weight matrix: takes --outtype (else kept F32)
-    parts: Callable[[], Iterator[np.ndarray]]
-    raw_qtype: Q | None = None
-
-
-class _Planner:
-    """Builds `Out`s from checkpoint tensors, checking shapes and recording what was used."""
-
-    def __init__(self, ck: Checkpoint, prefix: str):
-        self.ck, self.prefix = ck, prefix
-        self.used: set[str] = set()
-        self.outs: list[Out] = []
-
-    def hf(self, name: str, shape: tuple[int, ...]) -> str:
-        """Check that checkpoint tensor `prefix+name` exists with `shape`; return its full name."""
-        full = self.prefix + name
-        if full not in self.ck:
-            raise UserError(f"{self.ck.dir}: tensor {full} is missing from the checkpoint (expected shape {list(shape)})")
-        got = self.ck.shape(full)
-        if got != tuple(shape):
-            raise UserError(f"{self.ck.dir}: tensor {full} has shape {list(got)}, but config.json implies {list(shape)}")
-        self.used.add(full)
-        return full
-
-    def copy(self, gg: str, name: str, shape: tuple[int, ...], matrix: bool | None = None) -> None:
-        """A tensor stored as GGUF wants it (rows = outputs)."""
-        full = self.hf(name, shape)
-        self.outs.append(Out(gg, tuple(shape), len(shape) >= 2 if matrix is None else matrix, _slabs(self.ck, full, shape)))
-
-    def add(self, out: Out) -> None:
-        self.outs.append(out)
-
-    def f32(self, gg: str, name: str, shape: tuple[int, ...]) -> None:
-        self.copy(gg, name, shape, matrix=False)
-
-
-# --- config helpers -----------------------------------------------------------------
-
-
-# Rows per slab of a 2-D tensor: bounds the float32 temporaries for a 262144-row
-# embedding to ~64 MB instead of ~3 GB. Rows are independent for every outtype.
-_SLAB_ELEMS = 16 << 20
-
-
-def _slabs(ck: Checkpoint, full: str, shape: tuple[int, ...]) -> Callable[[], Iterator[np.ndarray]]:
-    """Parts of a tensor stored as GGUF wants it: one per expert (3-D) or row slabs (2-D)."""
-    if len(shape) == 3:
-        return lambda: (ck.f32(full, e) for e in range(shape[0]))
-    if len(shape) == 2:
-        step = max(1, _SLAB_ELEMS // max(1, shape[1]))
-        return lambda: (ck.f32(full, slice(r, r + step)) for r in range(0, shape[0], step))
-    return lambda: iter([ck.f32(full)])
-
-
-def _expert_rows(ck: Checkpoint, full: str, n_expert: int, rows: slice) -> Callable[[], Iterator[np.ndarray]]:
-    """Rows `rows` of every expert of a fused (X, rows, in) tensor, one expert per part."""
-    return lambda: (ck.f32(full, (x, rows)) for x in range(n_expert))
-
-
-def _get(cfg: dict, key: str, default: Any = ..., *alts: str) -> Any:
-    for k in (key, *alts):
-        if cfg.get(k) is not None:
-            return cfg[k]
-    if default is ...:
-        raise UserError(f"config.json: key {key!r} is missing")
-    return default
-
-
-def _rope(cfg: dict, default_theta: float) -> dict[str, Any]:
-    """rope_parameters (transformers 5) or rope_theta + rope_scaling (4.x) as one dict."""
-    rp = cfg.get("rope_parameters")
-    if isinstance(rp, dict) and rp and not any(isinstance(v, dict) for v in rp.values()):
-        d = dict(rp)
-    else:
-        d = dict(cfg.get("rope_scaling") or {})
-        d.setdefault("rope_theta", cfg.get("rope_theta", default_theta))
-    d["rope_type"] = d.get("rope_type") or d.get("type") or "default"
-    d.setdefault("rope_theta", default_theta)
-    return d
-
-
-def _add_rope_scaling(w: GGUFWriter, rp: dict[str, Any], ctx: int) -> None:
-    kind = rp["rope_type"]
-    if kind == "default":
-        return
-    if kind == "linear":
-        w.add_rope_scaling_type(RopeScalingType.LINEAR)
-        w.add_rope_scaling_factor(float(rp["factor"]))
-        return
-    if kind == "yarn":
-        w.add_rope_scaling_type(RopeScalingType.YARN)
-        w.add_rope_scaling_factor(float(rp["factor"]))
-        w.add_rope_scaling_orig_ctx_len(int(rp.get("original_max_position_embeddings") or ctx))
-        if float(rp.get("beta_fast", 32.0)) != 32.0:
-            w.add_rope_scaling_yarn_beta_fast(float(rp["beta_fast"]))
-        if float(rp.get("beta_slow", 1.0)) != 1.0:
-            w.add_rope_scaling_yarn_beta_slow(float(rp["beta_slow"]))
-        return
-    raise UserError(f"config.json: rope type {kind!r} is not supported by convert (supported: default, linear, yarn)")
-
-
-def _common_meta(w: GGUFWriter, hp: dict[str, Any]) -> None:
-    w.add_context_length(hp["ctx"])
-    w.add_embedding_length(hp["D"])
-    w.add_block_count(hp["L"])
-    w.add_feed_forward_length(hp["Fd"])
-    w.add_expert_feed_forward_length(hp["F"])
-    w.add_expert_count(hp["X"])
-    w.add_expert_used_count(hp["K"])
-    w.add_head_count(hp["H"])
-    w.add_layer_norm_rms_eps(hp["eps"])
-    w.add_rope_freq_base(hp["theta"])
-
-
-def _base_hparams(cfg: dict, default_theta: float) -> dict[str, Any]:
-    D, H = int(_get(cfg, "hidden_size")), int(_get(cfg, "num_attention_heads"))
-    rp = _rope(cfg, default_theta)
-    return dict(
-        D=D,
-        H=H,
-        L=int(_get(cfg, "num_hidden_layers")),
-        Hk=int(_get(cfg, "num_key_value_heads", H)),
-        d=int(_get(cfg, "head_dim", D // H)),
-        V=int(_get(cfg, "vocab_size")),
-        ctx=int(_get(cfg, "max_position_embeddings", 4096)),
-        eps=float(_get(cfg, "rms_norm_eps", 1e-6)),
-        tied=bool(cfg.get("tie_word_embeddings", False)),
-        rope=rp,
-        theta=float(rp["rope_theta"]),
-    )
-
-
-def _embeddings(p: _Planner, hp: dict[str, Any]) -> None:
-    V, D = hp["V"], hp["D"]
-    p.copy("token_embd.weight", "embed_tokens.weight", (V, D))
-
-
-def _head(p: _Planner, hp: dict[str, Any], lm_head: str) -> None:
-    p.f32("output_norm.weight", "norm.weight", (hp["D"],))
-    if not hp["tied"]:
-        _head_matrix(p, hp, lm_head)
-
-
-def _head_matrix(p: _Planner, hp: dict[str, Any], full: str) -> None:
-    """The untied output head `full` (a name without the planner's prefix)."""
-    V, D = hp["V"], hp["D"]
-    if full not in p.ck:
-        raise UserError(f"{p.ck.dir}: tensor {full} is missing (config says tie_word_embeddings=false)")
-    shape = p.ck.shape(full)
-    if shape != (V, D):
-        raise UserError(f"{p.ck.dir}: tensor {full} has shape {list(shape)}, but config.json implies {[V, D]}")
-    p.used.add(full)
-    p.add(Out("output.weight", (V, D), True, _slabs(p.ck, full, (V, D))))
-
 
 # --- qwen3moe -----------------------------------------------------------------------
 
 
 def _qwen3_hparams(cfg: dict) -> dict[str, Any]:
-    hp = _base_hparams(cfg, 10000.0)
+    hp = base_hparams(cfg, 10000.0)
     hp.update(
-        X=int(_get(cfg, "num_experts", ..., "num_local_experts")),
-        K=int(_get(cfg, "num_experts_per_tok")),
-        F=int(_get(cfg, "moe_intermediate_size")),
-        Fd=int(_get(cfg, "intermediate_size", 0)),
+        X=int(cfg_get(cfg, "num_experts", ..., "num_local_experts")),
+        K=int(cfg_get(cfg, "num_experts_per_tok")),
+        F=int(cfg_get(cfg, "moe_intermediate_size")),
+        Fd=int(cfg_get(cfg, "intermediate_size", 0)),
     )
     if cfg.get("mlp_only_layers") or int(cfg.get("decoder_sparse_step") or 1) != 1:
         raise UserError(
@@ -213,25 +65,18 @@ def _qwen3_hparams(cfg: dict) -> dict[str, Any]:
 
 
 def _qwen3_meta(w: GGUFWriter, hp: dict[str, Any]) -> None:
-    _common_meta(w, hp)
+    common_meta(w, hp)
     w.add_head_count_kv(hp["Hk"])
     w.add_key_length(hp["d"])
     w.add_value_length(hp["d"])
-    _add_rope_scaling(w, hp["rope"], hp["ctx"])
-
-
-def _stack(p: _Planner, gg: str, names: list[str], shape: tuple[int, ...]) -> None:
-    """Per-expert 2-D tensors stacked along a new leading axis (X, out, in)."""
-    full = [p.hf(n, shape) for n in names]
-    ck = p.ck
-    p.add(Out(gg, (len(names), *shape), True, lambda: (ck.f32(f) for f in full)))
+    add_rope_scaling(w, hp["rope"], hp["ctx"])
 
 
 def _qwen3_plan(hp: dict[str, Any], ck: Checkpoint) -> list[Out]:
     D, H, Hk, d, X = hp["D"], hp["H"], hp["Hk"], hp["d"], hp["X"]
-    p = _Planner(ck, "model.")
-    _embeddings(p, hp)
-    _head(p, hp, "lm_head.weight")
+    p = Planner(ck, "model.")
+    embeddings(p, hp)
+    head(p, hp, "lm_head.weight")
     for i in range(hp["L"]):
         b, h = f"blk.{i}.", f"layers.{i}."
         p.f32(b + "attn_norm.weight", h + "input_layernorm.weight", (D,))
@@ -243,35 +88,20 @@ def _qwen3_plan(hp: dict[str, Any], ck: Checkpoint) -> list[Out]:
         p.f32(b + "attn_k_norm.weight", h + "self_attn.k_norm.weight", (d,))
         p.f32(b + "ffn_norm.weight", h + "post_attention_layernorm.weight", (D,))
         p.f32(b + "ffn_gate_inp.weight", h + "mlp.gate.weight", (X, D))
-        _qwen_experts(p, b, h + "mlp.experts.", hp)
-    return _finish(p, ck)
-
-
-def _qwen_experts(p: _Planner, b: str, e: str, hp: dict[str, Any]) -> None:
-    """Routed experts of qwen3moe / qwen35moe: transformers 5's fused `gate_up_proj`
-    (X, 2F, D), gate rows first, or per-expert Linear weights (as checkpoints store them)."""
-    ck, D, X, F = p.ck, hp["D"], hp["X"], hp["F"]
-    if p.prefix + e + "gate_up_proj" in ck:
-        full = p.hf(e + "gate_up_proj", (X, 2 * F, D))
-        p.add(Out(b + "ffn_gate_exps.weight", (X, F, D), True, _expert_rows(ck, full, X, slice(0, F))))
-        p.add(Out(b + "ffn_up_exps.weight", (X, F, D), True, _expert_rows(ck, full, X, slice(F, 2 * F))))
-        p.copy(b + "ffn_down_exps.weight", e + "down_proj", (X, D, F))
-    else:
-        _stack(p, b + "ffn_gate_exps.weight", [f"{e}{x}.gate_proj.weight" for x in range(X)], (F, D))  # X F D
-        _stack(p, b + "ffn_up_exps.weight", [f"{e}{x}.up_proj.weight" for x in range(X)], (F, D))  # X F D
-        _stack(p, b + "ffn_down_exps.weight", [f"{e}{x}.down_proj.weight" for x in range(X)], (D, F))  # X D F
+        qwen_experts(p, b, h + "mlp.experts.", hp)
+    return finish(p, ck)
 
 
 # --- gpt-oss ------------------------------------------------------------------------
 
 
 def _gpt_oss_hparams(cfg: dict) -> dict[str, Any]:
-    hp = _base_hparams(cfg, 150000.0)
+    hp = base_hparams(cfg, 150000.0)
     L = hp["L"]
     hp.update(
-        X=int(_get(cfg, "num_local_experts", ..., "num_experts")),
-        K=int(_get(cfg, "num_experts_per_tok")),
-        F=int(_get(cfg, "intermediate_size")),
+        X=int(cfg_get(cfg, "num_local_experts", ..., "num_experts")),
+        K=int(cfg_get(cfg, "num_experts_per_tok")),
+        F=int(cfg_get(cfg, "intermediate_size")),
         window=int(cfg.get("sliding_window") or 0),
     )
     hp["Fd"] = hp["F"]
@@ -289,13 +119,13 @@ def _gpt_oss_hparams(cfg: dict) -> dict[str, Any]:
 
 
 def _gpt_oss_meta(w: GGUFWriter, hp: dict[str, Any]) -> None:
-    _common_meta(w, hp)
+    common_meta(w, hp)
     w.add_head_count_kv(hp["Hk"])
     w.add_key_length(hp["d"])
     w.add_value_length(hp["d"])
     if hp["window"]:
         w.add_sliding_window(hp["window"])
-    _add_rope_scaling(w, hp["rope"], hp["ctx"])
+    add_rope_scaling(w, hp["rope"], hp["ctx"])
 
 
 def _mxfp4_repack(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
@@ -314,7 +144,7 @@ def _mxfp4_repack(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     return out.reshape(*blocks.shape[:-2], blocks.shape[-2] * 17)
 
 
-def _gpt_oss_experts(p: _Planner, b: str, e: str, hp: dict[str, Any]) -> None:
+def _gpt_oss_experts(p: Planner, b: str, e: str, hp: dict[str, Any]) -> None:
     ck, D, X, F = p.ck, hp["D"], hp["X"], hp["F"]
     gu_b = p.hf(e + "gate_up_proj_bias", (X, 2 * F))
     dn_b = p.hf(e + "down_proj_bias", (X, D))
@@ -351,9 +181,9 @@ def _gpt_oss_experts(p: _Planner, b: str, e: str, hp: dict[str, Any]) -> None:
 
 def _gpt_oss_plan(hp: dict[str, Any], ck: Checkpoint) -> list[Out]:
     D, H, Hk, d, X = hp["D"], hp["H"], hp["Hk"], hp["d"], hp["X"]
-    p = _Planner(ck, "model.")
-    _embeddings(p, hp)
-    _head(p, hp, "lm_head.weight")
+    p = Planner(ck, "model.")
+    embeddings(p, hp)
+    head(p, hp, "lm_head.weight")
     for i in range(hp["L"]):
         b, h = f"blk.{i}.", f"layers.{i}."
         a = h + "self_attn."
@@ -368,7 +198,7 @@ def _gpt_oss_plan(hp: dict[str, Any], ck: Checkpoint) -> list[Out]:
         p.f32(b + "ffn_gate_inp.weight", h + "mlp.router.weight", (X, D))
         p.f32(b + "ffn_gate_inp.bias", h + "mlp.router.bias", (X,))
         _gpt_oss_experts(p, b, h + "mlp.experts.", hp)
-    return _finish(p, ck)
+    return finish(p, ck)
 
 
 # --- gemma4 -------------------------------------------------------------------------
@@ -390,7 +220,7 @@ def _gemma4_hparams(cfg: dict) -> dict[str, Any]:
         "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6},
     }
     rs, rf = rope_all.get("sliding_attention") or {}, rope_all.get("full_attention") or {}
-    hp = _base_hparams({**cfg, "rope_parameters": rf}, 1e6)
+    hp = base_hparams({**cfg, "rope_parameters": rf}, 1e6)
     L = hp["L"]
     types = cfg.get("layer_types") or ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(L)]
     if len(types) != L:
@@ -421,10 +251,10 @@ def _gemma4_hparams(cfg: dict) -> dict[str, Any]:
     if rf.get("factor") not in (None, 1, 1.0) and kind != "proportional":
         raise UserError("config.json: full-layer rope factor is only supported with proportional rope")
     hp.update(
-        X=int(_get(cfg, "num_experts")),
-        K=int(_get(cfg, "top_k_experts")),
-        F=int(_get(cfg, "moe_intermediate_size")),
-        Fd=int(_get(cfg, "intermediate_size")),
+        X=int(cfg_get(cfg, "num_experts")),
+        K=int(cfg_get(cfg, "top_k_experts")),
+        F=int(cfg_get(cfg, "moe_intermediate_size")),
+        Fd=int(cfg_get(cfg, "intermediate_size")),
         swa=swa,
         k_eq_v=k_eq_v,
         d_full=d_full,
@@ -442,12 +272,12 @@ def _gemma4_hparams(cfg: dict) -> dict[str, Any]:
         softcap=float(cfg.get("final_logit_softcapping") or 0.0),
         tied=bool(cfg.get("tie_word_embeddings", True)),
     )
-    hp["ctx"] = int(_get(cfg, "max_position_embeddings", 131072))
+    hp["ctx"] = int(cfg_get(cfg, "max_position_embeddings", 131072))
     return hp
 
 
 def _gemma4_meta(w: GGUFWriter, hp: dict[str, Any]) -> None:
-    _common_meta(w, hp)
+    common_meta(w, hp)
     w.add_head_count_kv(hp["Hk_layer"])
     w.add_key_length(hp["d_full"])
     w.add_value_length(hp["d_full"])
@@ -467,13 +297,13 @@ def _gemma4_meta(w: GGUFWriter, hp: dict[str, Any]) -> None:
 def _gemma4_plan(hp: dict[str, Any], ck: Checkpoint) -> list[Out]:
     D, H, X, F, Fd = hp["D"], hp["H"], hp["X"], hp["F"], hp["Fd"]
     prefix = "model.language_model." if "model.language_model.embed_tokens.weight" in ck else "model."
-    p = _Planner(ck, prefix)
-    _embeddings(p, hp)
+    p = Planner(ck, prefix)
+    embeddings(p, hp)
     n_pairs = hp["d_full"] // 2
     freqs = np.full(n_pairs, 1e30, np.float32)
     freqs[: hp["rot_pairs"]] = hp["rope_factor"]
     p.add(Out("rope_freqs.weight", (n_pairs,), False, lambda: iter([freqs])))
-    _head(p, hp, "lm_head.weight")
+    head(p, hp, "lm_head.weight")
     for i in range(hp["L"]):
         b, h = f"blk.{i}.", f"layers.{i}."
         a, d, Hk = h + "self_attn.", hp["d_layer"][i], hp["Hk_layer"][i]
@@ -500,7 +330,7 @@ def _gemma4_plan(hp: dict[str, Any], ck: Checkpoint) -> list[Out]:
         p.copy(b + "ffn_down_exps.weight", h + "experts.down_proj", (X, D, F))
         p.f32(b + "ffn_down_exps.scale", h + "router.per_expert_scale", (X,))
         p.f32(b + "layer_output_scale.weight", h + "layer_scalar", (1,))
-    return _finish(
+    return finish(
         p, ck, ignore=r"model\.(vision_tower|embed_vision|audio_tower|embed_audio|vision_model|multi_modal_projector)\.|lm_head\.weight$"
     )
 
@@ -509,7 +339,7 @@ def _gemma4_plan(hp: dict[str, Any], ck: Checkpoint) -> list[Out]:
 
 
 def _qwen35_hparams(cfg: dict) -> dict[str, Any]:
-    hp = _base_hparams(cfg, 1e7)
+    hp = base_hparams(cfg, 1e7)
     L, rp = hp["L"], hp["rope"]
     if rp["rope_type"] != "default":
         raise UserError(f"config.json: rope type {rp['rope_type']!r} is not supported for qwen3_5_moe (only the default, mrope)")
@@ -523,8 +353,8 @@ def _qwen35_hparams(cfg: dict) -> dict[str, Any]:
     if full != [(i + 1) % interval == 0 for i in range(L)]:
         # The GGUF says only full_attention_interval (llama.cpp's rule): any other pattern cannot be written.
         raise UserError("config.json: qwen3_5_moe layer_types must put full attention on every n-th layer (full_attention_interval)")
-    G, Hv = int(_get(cfg, "linear_num_key_heads")), int(_get(cfg, "linear_num_value_heads"))
-    dk, dv = int(_get(cfg, "linear_key_head_dim")), int(_get(cfg, "linear_value_head_dim"))
+    G, Hv = int(cfg_get(cfg, "linear_num_key_heads")), int(cfg_get(cfg, "linear_num_value_heads"))
+    dk, dv = int(cfg_get(cfg, "linear_key_head_dim")), int(cfg_get(cfg, "linear_value_head_dim"))
     if dk != dv or Hv % G:
         raise UserError(
             f"config.json: linear attention needs linear_key_head_dim = linear_value_head_dim ({dk}, {dv}) "
@@ -533,16 +363,16 @@ def _qwen35_hparams(cfg: dict) -> dict[str, Any]:
     prf = float(rp.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25)))
     sections = [int(x) for x in (rp.get("mrope_section") or [11, 11, 10])][:4]
     hp.update(
-        X=int(_get(cfg, "num_experts")),
-        K=int(_get(cfg, "num_experts_per_tok")),
-        F=int(_get(cfg, "moe_intermediate_size")),
-        Fs=int(_get(cfg, "shared_expert_intermediate_size")),
+        X=int(cfg_get(cfg, "num_experts")),
+        K=int(cfg_get(cfg, "num_experts_per_tok")),
+        F=int(cfg_get(cfg, "moe_intermediate_size")),
+        Fs=int(cfg_get(cfg, "shared_expert_intermediate_size")),
         interval=interval,
         full=full,
         G=G,
         Hv=Hv,
         dk=dk,
-        kernel=int(_get(cfg, "linear_conv_kernel_dim")),
+        kernel=int(cfg_get(cfg, "linear_conv_kernel_dim")),
         n_rot=int(hp["d"] * prf),
         sections=sections + [0] * (4 - len(sections)),
     )
@@ -551,7 +381,7 @@ def _qwen35_hparams(cfg: dict) -> dict[str, Any]:
 
 
 def _qwen35_meta(w: GGUFWriter, hp: dict[str, Any]) -> None:
-    _common_meta(w, hp)
+    common_meta(w, hp)
     w.add_head_count_kv(hp["Hk"])
     w.add_key_length(hp["d"])
     w.add_value_length(hp["d"])
@@ -575,7 +405,7 @@ def _tiled(x: np.ndarray, axis: int, groups: int, per_group: int, width: int) ->
     return np.ascontiguousarray(np.swapaxes(y, axis, axis + 1)).reshape(shape)
 
 
-def _qwen35_linear(p: _Planner, b: str, a: str, hp: dict[str, Any]) -> None:
+def _qwen35_linear(p: Planner, b: str, a: str, hp: dict[str, Any]) -> None:
     ck, D, G, Hv, dk, kernel = p.ck, hp["D"], hp["G"], hp["Hv"], hp["dk"], hp["kernel"]
     r, kd, vd = Hv // G, G * dk, Hv * dk
     C = 2 * kd + vd
@@ -598,24 +428,20 @@ def _qwen35_linear(p: _Planner, b: str, a: str, hp: dict[str, Any]) -> None:
     whole(b + "ssm_out.weight", a + "out_proj.weight", (D, vd), (D, vd), lambda x: _tiled(x, 1, G, r, dk), True)
 
 
-def _first_row(ck: Checkpoint, full: str) -> Callable[[], Iterator[np.ndarray]]:
-    return lambda: iter([ck.f32(full)[0]])
-
-
 def _qwen35_plan(hp: dict[str, Any], ck: Checkpoint) -> list[Out]:
     D, H, Hk, d, X, Fs = hp["D"], hp["H"], hp["Hk"], hp["d"], hp["X"], hp["Fs"]
     prefix = "model.language_model." if "model.language_model.embed_tokens.weight" in ck else "model."
-    p = _Planner(ck, prefix)
+    p = Planner(ck, prefix)
 
     def plus_one(gg: str, name: str, n: int) -> None:  # Qwen3.5's RMSNorms scale by (1 + w): the GGUF stores 1 + w
         full = p.hf(name, (n,))
         p.add(Out(gg, (n,), False, lambda: iter([ck.f32(full) + np.float32(1)])))
 
-    _embeddings(p, hp)
+    embeddings(p, hp)
     full_norm = p.hf("norm.weight", (D,))
     p.add(Out("output_norm.weight", (D,), False, lambda: iter([ck.f32(full_norm) + np.float32(1)])))
     if not hp["tied"]:
-        _head_matrix(p, hp, "lm_head.weight")
+        head_matrix(p, hp, "lm_head.weight")
     for i in range(hp["L"]):
         b, h = f"blk.{i}.", f"layers.{i}."
         plus_one(b + "attn_norm.weight", h + "input_layernorm.weight", D)
@@ -632,40 +458,17 @@ def _qwen35_plan(hp: dict[str, Any], ck: Checkpoint) -> list[Out]:
         plus_one(b + "post_attention_norm.weight", h + "post_attention_layernorm.weight", D)
         m = h + "mlp."
         p.f32(b + "ffn_gate_inp.weight", m + "gate.weight", (X, D))
-        _qwen_experts(p, b, m + "experts.", hp)
+        qwen_experts(p, b, m + "experts.", hp)
         gate = p.hf(m + "shared_expert_gate.weight", (1, D))
-        p.add(Out(b + "ffn_gate_inp_shexp.weight", (D,), False, _first_row(ck, gate)))  # [1, D] -> [D]
+        p.add(Out(b + "ffn_gate_inp_shexp.weight", (D,), False, first_row(ck, gate)))  # [1, D] -> [D]
         p.copy(b + "ffn_gate_shexp.weight", m + "shared_expert.gate_proj.weight", (Fs, D))
         p.copy(b + "ffn_up_shexp.weight", m + "shared_expert.up_proj.weight", (Fs, D))
         p.copy(b + "ffn_down_shexp.weight", m + "shared_expert.down_proj.weight", (D, Fs))
     # The vision tower and the MTP block are not converted (llama.cpp keeps the tower in a separate mmproj file).
-    return _finish(p, ck, ignore=r"^model\.visual\.|^mtp\.")
+    return finish(p, ck, ignore=r"^model\.visual\.|^mtp\.")
 
 
 # --- shared -------------------------------------------------------------------------
-
-# Buffers some checkpoints carry that no GGUF needs.
-_ALWAYS_IGNORED = r"\.rotary_emb\.inv_freq$|\.rotary_emb\.|^lm_head\.weight$"
-
-
-def _finish(p: _Planner, ck: Checkpoint, ignore: str = "") -> list[Out]:
-    pat = re.compile(_ALWAYS_IGNORED + (f"|{ignore}" if ignore else ""))
-    left = [n for n in ck.names() if n not in p.used and not pat.search(n)]
-    if left:
-        more = f" (and {len(left) - 1} more)" if len(left) > 1 else ""
-        raise UserError(
-            f"{ck.dir}: tensor {left[0]}{more} is not used by convert; the checkpoint has parts this model type does not map (an unsupported variant?)"
-        )
-    return p.outs
-
-
-@dataclass(frozen=True)
-class Arch:
-    gguf_arch: str
-    hparams: Callable[[dict], dict[str, Any]]
-    metadata: Callable[[GGUFWriter, dict[str, Any]], None]
-    plan: Callable[[dict[str, Any], Checkpoint], list[Out]]
-
 
 ARCHES: dict[str, Arch] = {
     "qwen3_moe": Arch("qwen3moe", _qwen3_hparams, _qwen3_meta, _qwen3_plan),

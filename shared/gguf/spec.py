@@ -73,6 +73,24 @@ class ModelSpec:
     ssm_groups: int = 0  # key heads (ssm.group_count)
     ssm_heads: int = 0  # value heads (ssm.time_step_rank)
     n_ff_shexp: int = 0  # the shared expert's FFN width (0: none)
+    # Layers 0..n_dense_lead-1 have a dense FFN (width n_ff) and no experts
+    # (deepseek2, glm4moe, lfm2moe): nothing of theirs is streamed or cached.
+    n_dense_lead: int = 0
+    # Routing beyond softmax-top-k (model/moe.py gated_group_top_k; read by `moe_routing`).
+    expert_gating: str = "softmax"  # softmax | sigmoid (llama.cpp expert_gating_func 1 | 2)
+    expert_weights_norm: bool = True  # renormalize the chosen weights to sum 1
+    expert_weights_scale: float = 1.0  # routed scaling factor
+    expert_groups: int = 1  # expert_group_count
+    expert_groups_used: int = 1  # expert_group_used_count
+    n_expert_shared: int = 0  # always-on shared experts (expert_shared_count)
+
+    def has_experts(self, i: int) -> bool:
+        """Whether layer i has routed experts (the leading dense layers have none)."""
+        return i >= self.n_dense_lead
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        return tuple(range(self.n_dense_lead, self.n_layer))
 
     def is_recurrent(self, i: int) -> bool:
         return bool(self.recurrent_layers) and self.recurrent_layers[i]
@@ -236,6 +254,42 @@ def _common(f: GGUFFile, arch: str) -> dict[str, Any]:
         n_expert_used=n_used,
         n_ff_exp=_positive(f, f"{arch}.expert_feed_forward_length", m.get_int("expert_feed_forward_length")),
         rms_eps=_in_range(f, f"{arch}.attention.layer_norm_rms_epsilon", m.get_float("attention.layer_norm_rms_epsilon", 1e-6), 0, 1),
+    )
+
+
+_GATING = {1: "softmax", 2: "sigmoid"}  # llama.cpp's expert_gating_func values
+
+
+def moe_routing(m: _Meta, n_layer: int, n_expert: int, norm_default: bool = True) -> dict[str, Any]:
+    """The leading dense layers and the routing keys of the DeepSeek-style families
+    (ModelSpec fields of the same names), checked: a family reader passes them on."""
+    f = m.f
+    lead = m.get_int("leading_dense_block_count", 0)
+    if not 0 <= lead < n_layer:
+        raise GGUFError(f.path, f"metadata {m.key('leading_dense_block_count')} = {lead} is out of range (0..{n_layer - 1})")
+    func = m.get_int("expert_gating_func", 1)
+    if func not in _GATING:
+        raise GGUFError(f.path, f"metadata {m.key('expert_gating_func')} = {func} is not supported (1 softmax, 2 sigmoid)")
+    groups = m.get_int("expert_group_count", 1)
+    used = m.get_int("expert_group_used_count", groups)
+    if groups < 1 or n_expert % groups or not 0 < used <= groups:
+        raise GGUFError(
+            f.path,
+            f"metadata expert_group_count {groups} must divide expert_count {n_expert}, and expert_group_used_count {used} be 1..{groups}",
+        )
+    key = m.key("expert_weights_norm")
+    norm = bool(f.meta(key)) if f.has(key) else norm_default
+    scale = m.get_float("expert_weights_scale", 1.0)
+    if not 0 < scale < 1e6:
+        raise GGUFError(f.path, f"metadata {m.key('expert_weights_scale')} = {scale} is out of range (above 0)")
+    return dict(
+        n_dense_lead=lead,
+        expert_gating=_GATING[func],
+        expert_weights_norm=norm,
+        expert_weights_scale=scale,
+        expert_groups=groups,
+        expert_groups_used=used,
+        n_expert_shared=m.get_int("expert_shared_count", 0),
     )
 
 

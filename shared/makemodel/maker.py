@@ -34,6 +34,7 @@ from gguf import GGUFWriter, LlamaFileType, RopeScalingType
 
 from moe_pipe.shared.errors import UserError
 from moe_pipe.shared.gguf.vocab import DATA_DIR, Vocab, build_vocab
+from moe_pipe.shared.makemodel.families import FAMILY_LAYERS, count_attn_v
 from moe_pipe.shared.makemodel.presets import ARCHES, MIX_NAME, PRESETS, ROUTER, SHAPE_PRESET_ARCH, Preset, fit_type, get_preset, real_mix
 from moe_pipe.shared.quant.blocks import block_format, qtype_from_name, random_blocks
 
@@ -219,12 +220,14 @@ def _parse_quant(quant: str | None) -> Q | None:
 
 def plan_tensors(arch: str, p: Preset, override: Q | None = None) -> list[TensorSpec]:
     """Every tensor of the model in file order, with its type and how to fill it."""
-    n_v = sum(1 for i in range(p.n_layer) if (arch != "gemma4" or p.is_swa(i)) and not p.is_recurrent(i))  # attn_v tensors
+    n_v = count_attn_v(arch, p)
     v_seen = 0
 
     def W(name: str, shape: tuple[int, ...], role: str, layer: int = 0) -> TensorSpec:
+        nonlocal v_seen
         ne0 = shape[-1]
         qtype = override if override is not None else real_mix(arch, role, layer, p.n_layer, v_seen, n_v)
+        v_seen += role == "attn_v"  # llama.cpp's mix counts the attn_v tensors in file order
         fitted = fit_type(qtype, ne0)
         bs = block_format(fitted).block_size
         if ne0 % bs:
@@ -246,6 +249,9 @@ def plan_tensors(arch: str, p: Preset, override: Q | None = None) -> list[Tensor
 
     for i in range(p.n_layer):
         b = f"blk.{i}."
+        if arch in FAMILY_LAYERS:  # the later families: one module each (shared/makemodel/families.py)
+            specs += FAMILY_LAYERS[arch](p, i, W, F)
+            continue
         if arch == "qwen35moe":  # its own layer: full or linear attention, and a shared expert
             st, vh, fs = p.ssm_state, p.ssm_heads, p.n_ff_shexp
             ch = (2 * p.ssm_groups + vh) * st  # the conv's channels: q, k, v
@@ -272,7 +278,6 @@ def plan_tensors(arch: str, p: Preset, override: Q | None = None) -> list[Tensor
                     F(b + "attn_q_norm.weight", (p.head_dim,), "norm"),
                     F(b + "attn_k_norm.weight", (p.head_dim,), "norm"),
                 ]
-                v_seen += 1
             specs += [
                 F(b + "post_attention_norm.weight", (D,), "norm"),  # the pre-FFN norm
                 F(b + "ffn_gate_inp.weight", (X, D), "router"),
@@ -296,7 +301,6 @@ def plan_tensors(arch: str, p: Preset, override: Q | None = None) -> list[Tensor
         ]
         if arch != "gemma4" or swa:  # gemma4 full layers use K as V
             specs.append(W(b + "attn_v.weight", (kw, D), "attn_v", i))
-            v_seen += 1
         specs.append(W(b + "attn_output.weight", (D, qw), "attn_output", i))
 
         if arch == "qwen3moe":

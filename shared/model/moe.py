@@ -55,6 +55,46 @@ def top_k_then_softmax(logits: np.ndarray, k: int) -> Routing:
     return Routing(ids, softmax(np.take_along_axis(logits, ids, axis=-1)).astype(np.float32))
 
 
+def gated_group_top_k(
+    logits: np.ndarray,
+    k: int,
+    *,
+    gating: str = "sigmoid",
+    bias: np.ndarray | None = None,
+    n_group: int = 1,
+    topk_group: int = 1,
+    norm: bool = True,
+    scale: float = 1.0,
+) -> Routing:
+    """DeepSeek-V3-style routing (deepseek2, glm4moe, lfm2moe; docs/models.md § Routing):
+    p = gating(logits) (softmax or sigmoid over all experts); the experts are
+    *chosen* on p + bias (the correction bias steers selection only), among the
+    `topk_group` best of `n_group` groups (a group's score: the sum of its two best);
+    their weights are the unbiased p, renormalized to sum 1 when `norm`, times `scale`.
+    Ties: the lower group, then the lower expert id."""
+    logits = np.asarray(logits, dtype=np.float32)  # [T, E]
+    if gating == "softmax":
+        p = softmax(logits).astype(np.float32)
+    elif gating == "sigmoid":
+        p = (1.0 / (1.0 + np.exp(-logits))).astype(np.float32)
+    else:
+        raise ValueError(f"expert gating {gating!r} is not softmax or sigmoid")
+    choose = p if bias is None else p + bias.astype(np.float32)  # [T, E]
+    if n_group > 1 and topk_group < n_group:
+        t, e = choose.shape
+        groups = choose.reshape(t, n_group, e // n_group)
+        best2 = -np.sort(-groups, axis=-1)[:, :, :2].sum(axis=-1)  # [T, G]
+        keep = top_k_ids(best2, topk_group)  # [T, topk_group]
+        mask = np.zeros((t, n_group), bool)
+        np.put_along_axis(mask, keep, True, axis=-1)
+        choose = np.where(np.repeat(mask, e // n_group, axis=-1), choose, -np.inf)
+    ids = top_k_ids(choose, k)
+    w = np.take_along_axis(p, ids, axis=-1)
+    if norm:
+        w = w / w.sum(axis=-1, keepdims=True)
+    return Routing(ids.astype(np.int64), (w * np.float32(scale)).astype(np.float32))
+
+
 def apply_experts(
     x: np.ndarray, routing: Routing, source: ExpertSource, layer: int, ffn: Callable[[Expert, np.ndarray], np.ndarray]
 ) -> np.ndarray:

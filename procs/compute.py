@@ -130,9 +130,9 @@ class SlabExperts:
         are asked for. The ones not cached ride on this layer's Fetch (one
         with no misses is sent for them alone), and compute waits for that
         Fetch's answers before it reads the index again, so the reader may
-        evict for them safely. Layer 0's guess (from the token's embedding)
-        has no earlier layer to ride on: it goes at once, so its reads
-        overlap layer 0's attention. A layer whose guesses stopped paying
+        evict for them safely. The first MoE layer's guess (from the token's
+        embedding) has no earlier layer to ride on: it goes at once, so its
+        reads overlap that layer's attention. A layer whose guesses stopped paying
         (`GuessGate`) is not guessed."""
         self._settle()
         if not self.gate.allow(layer):
@@ -140,9 +140,9 @@ class SlabExperts:
             return
         slots = self.index.slots(layer, ids)
         self.guess = (layer, [e for e, s in zip(ids, slots) if s < 0])
-        if layer == 0 and self.guess[1]:
+        if layer == self.layout.spec.n_dense_lead and self.guess[1]:  # the first MoE layer
             t0 = time.perf_counter()
-            self._send_fetch(0, [], [])
+            self._send_fetch(layer, [], [])
             self.wire_s += time.perf_counter() - t0
 
     def _score_prefetch(self, layer: int, ids: list[int]) -> None:

@@ -36,6 +36,7 @@ def write_qwen_like(
     split_max_tensors=0,
     meta_expert_count=None,
     block_count_as_string=False,
+    dense_lead=0,
 ) -> Path:
     """A qwen3moe-shaped model with random weights; returns the (first) path."""
     rng = np.random.default_rng(1)
@@ -70,6 +71,11 @@ def write_qwen_like(
         w.add_tensor(p + "attn_q_norm.weight", f32(head_dim))
         w.add_tensor(p + "attn_k_norm.weight", f32(head_dim))
         w.add_tensor(p + "ffn_norm.weight", f32(n_embd))
+        if i < dense_lead:  # a leading dense layer (deepseek2-style): a plain FFN, no experts
+            w.add_tensor(p + "ffn_gate.weight", _quant(rng, QT.Q8_0, (n_ff, n_embd)), raw_dtype=QT.Q8_0)
+            w.add_tensor(p + "ffn_up.weight", _quant(rng, QT.Q8_0, (n_ff, n_embd)), raw_dtype=QT.Q8_0)
+            w.add_tensor(p + "ffn_down.weight", _quant(rng, QT.Q8_0, (n_embd, n_ff)), raw_dtype=QT.Q8_0)
+            continue
         w.add_tensor(p + "ffn_gate_inp.weight", f32(n_expert, n_embd))
         w.add_tensor(p + "ffn_gate_exps.weight", _quant(rng, expert_qtype, (n_expert, n_ff, n_embd)), raw_dtype=expert_qtype)
         w.add_tensor(p + "ffn_up_exps.weight", _quant(rng, expert_qtype, (n_expert, n_ff, n_embd)), raw_dtype=expert_qtype)

@@ -71,6 +71,33 @@ def test_sizes_and_working_set(tmp_path):
         assert lay.min_cache_bytes() == 3 * 2 * lay.slab_bytes
 
 
+def test_leading_dense_layers_hold_no_experts_and_no_cache(tmp_path):
+    from dataclasses import replace
+
+    from moe_pipe.shared.errors import GGUFError
+    from moe_pipe.shared.experts.budget import CacheFloor
+    from moe_pipe.shared.gguf.layout import build_layout
+    from moe_pipe.shared.gguf.reader import GGUFFile
+    from moe_pipe.shared.gguf.spec import read_spec
+
+    q = write_qwen_like(tmp_path / "e.gguf", n_layer=3)  # the same model with experts in every layer
+    with GGUFFile(q) as f:
+        spec = replace(read_spec(f), n_dense_lead=1)
+        with pytest.raises(GGUFError, match="layer 0 is a dense layer .* but has expert tensors"):
+            build_layout(f, spec)
+    p = write_qwen_like(tmp_path / "m.gguf", n_layer=3, dense_lead=1)
+    with GGUFFile(p) as f:
+        with pytest.raises(GGUFError, match="layer 0 lacks expert tensors"):
+            build_layout(f, replace(spec, n_dense_lead=0))
+        lay = build_layout(f, spec)
+        per_expert = 3 * (32 * 64 // 32 * 34)
+        assert lay.layers[0].parts == () and lay.expert_bytes(0) == 0 and lay.expert_bytes(1) == per_expert
+        assert lay.routed_bytes_per_token() == 2 * 2 * per_expert  # two MoE layers x top-2
+        assert lay.min_cache_bytes() == 2 * 2 * lay.slab_bytes == CacheFloor.of(lay).bytes
+        assert not any(n.startswith("blk.0.") for n in lay.expert_tensor_names)
+        assert any(d.offset <= f.tensor("blk.0.ffn_up.weight").offset < d.end for d in lay.dense)
+
+
 @pytest.mark.parametrize("offset,length", [(0, 1), (4095, 2), (4096, 4096), (123456, 884736), (32, 4406400)])
 def test_aligned_read_covers_extent(offset, length):
     start, n, skip = aligned(Extent(0, offset, length))

@@ -156,9 +156,14 @@ class ModelFacts:
         return sum(self.expert_bytes) * self.n_expert
 
     @property
+    def moe_layers(self) -> int:
+        """Layers with experts (leading dense layers have none)."""
+        return sum(1 for b in self.expert_bytes if b)
+
+    @property
     def floor(self) -> CacheFloor:
         """One token's working set in slabs: the smallest cache that runs (the run's own check)."""
-        return CacheFloor(self.n_layer, self.top_k, self.slab_bytes)
+        return CacheFloor(self.moe_layers, self.top_k, self.slab_bytes)
 
     @property
     def floor_bytes(self) -> int:
@@ -175,7 +180,7 @@ class ModelFacts:
 
     @property
     def all_experts_slots(self) -> int:
-        return self.n_layer * self.n_expert
+        return self.moe_layers * self.n_expert
 
 
 def model_facts(mf, cfg) -> ModelFacts:
@@ -452,7 +457,7 @@ def measure_reads(mf, lanes: Sequence[int] = READ_LANES, seconds: float = 1.5, s
         for n in lanes:
             best = 0.0
             for _ in range(rounds):
-                work = [lay.expert_extents(rng.randrange(spec.n_layer), rng.randrange(spec.n_expert)) for _ in range(2048)]
+                work = [lay.expert_extents(rng.choice(spec.moe_layers), rng.randrange(spec.n_expert)) for _ in range(2048)]
                 nbytes, secs = read_lanes(ef, arena, work, n, seconds / len(lanes) / rounds)
                 best = max(best, nbytes / secs / 1e9)
             out[n] = best

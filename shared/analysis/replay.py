@@ -286,7 +286,8 @@ class Replayer:
             what = f"{n} slab(s) of {slab_bytes(self.trace) / MIB:.2f} MiB"
             ok = n >= need
         else:
-            n = int(budget // (sum(h.expert_bytes) / h.n_layer))
+            moe_layers = max(1, sum(1 for b in h.expert_bytes if b))  # leading dense layers hold no experts
+            n = int(budget // (sum(h.expert_bytes) / moe_layers))
             what = f"{budget / MIB:.2f} MiB"
             ok = budget >= h.n_expert_used * h.max_expert_bytes
         if not ok:

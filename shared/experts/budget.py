@@ -239,18 +239,18 @@ def compute_budget(
 @dataclass(frozen=True)
 class CacheFloor:
     """The smallest expert cache that runs well: one token's working set, every
-    layer's top-k experts, one slab each. Progress alone needs only one layer's
+    MoE layer's top-k experts, one slab each (leading dense layers have none). Progress alone needs only one layer's
     top_k pinned slabs, but below a token's set LRU evicts each expert before
     the next token can reuse it, and every lookup misses."""
 
-    n_layer: int
+    n_layer: int  # the layers with experts
     top_k: int
     slab_bytes: int
 
     @classmethod
     def of(cls, layout: Any, top_k: int | None = None) -> CacheFloor:
         """From a gguf Layout; `top_k` None is the model's own n_expert_used."""
-        return cls(layout.spec.n_layer, layout.spec.n_expert_used if top_k is None else top_k, layout.slab_bytes)
+        return cls(len(layout.spec.moe_layers), layout.spec.n_expert_used if top_k is None else top_k, layout.slab_bytes)
 
     @property
     def bytes(self) -> int:

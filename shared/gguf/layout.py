@@ -119,12 +119,12 @@ class Layout:
     @property
     def slab_bytes(self) -> int:
         """The cache slab size: the largest page-rounded expert in the file."""
-        return max(aligned_bytes(l.extents(e)) for l in self.layers for e in range(self.spec.n_expert))
+        return max(aligned_bytes(l.extents(e)) for l in self.layers if l.parts for e in range(self.spec.n_expert))
 
     def min_cache_bytes(self, top_k: int | None = None) -> int:
-        """One token's working set: every layer's top-k experts, in slabs."""
+        """One token's working set: every MoE layer's top-k experts, in slabs."""
         k = self.spec.n_expert_used if top_k is None else top_k
-        return self.spec.n_layer * k * self.slab_bytes
+        return len(self.spec.moe_layers) * k * self.slab_bytes
 
 
 def _expected_shape(spec: ModelSpec, proj: str, kind: str) -> tuple[int, ...]:
@@ -214,6 +214,13 @@ def build_layout(f: GGUFFile, spec: ModelSpec) -> Layout:
     parts, names = _layer_parts(f, spec)
     layers = []
     for i, layer_parts in enumerate(parts):
+        if not spec.has_experts(i):  # a leading dense layer: nothing to stream
+            if layer_parts:
+                raise GGUFError(
+                    f.path, f"layer {i} is a dense layer (leading_dense_block_count {spec.n_dense_lead}) but has expert tensors"
+                )
+            layers.append(LayerExperts(i, ()))
+            continue
         _check_complete(f, spec, i, layer_parts)
         layers.append(LayerExperts(i, tuple(sorted(layer_parts, key=_sort_key))))
     dense_bytes = sum(t.nbytes for t in f.tensors.values() if t.name not in names)

@@ -65,6 +65,7 @@ class ModelOptions:
 
 class MoEModel:
     arch: str = ""
+    output_norm_name = "output_norm.weight"  # the final norm's tensor (lfm2moe: token_embd_norm.weight)
 
     def __init__(
         self,
@@ -92,7 +93,7 @@ class MoEModel:
         check_kv_type(options.kv_type, self.spec.head_dim_k + self.spec.head_dim_v)  # before the layers load
         self.kv_type = options.kv_type
         self.embd = self.w.matrix("token_embd.weight")
-        self.output_norm = self.w.vector("output_norm.weight")
+        self.output_norm = self.w.vector(self.output_norm_name)
         self.output = self.w.matrix("output.weight") if self.w.has("output.weight") else self.embd
         self.layers = [self.load_layer(i) for i in range(self.spec.n_layer)]
 
@@ -186,9 +187,10 @@ class MoEModel:
         with self.stage("embed"):
             x = self.embed(tokens)
         if self.prefetch_next and tokens.size == 1:
-            # Layer 0 has no earlier layer to guess from: its router on the token's
-            # embedding, so its reads start while its attention runs.
-            self.guess_layer(0, self.router_input(0, x))
+            # The first MoE layer has no earlier router input to guess from: its router
+            # on the token's embedding, so its reads start while the layers before it run.
+            first = self.spec.n_dense_lead
+            self.guess_layer(first, self.router_input(first, x))
         for i in range(self.spec.n_layer):
             x = self.layer(i, x, cache, start, positions)
         cache.advance(tokens.size)

@@ -37,6 +37,8 @@ COMMANDS = {
     "replay": ("replay_cmd", "replay a route trace through the cache policies"),
     "doctor": ("doctor_cmd", "forecast whether a model fits this machine and its decode speed"),
     "warmup": ("warmup_cmd", "compile every kernel a model needs into numba's cache, so its next run starts fast"),
+    "pull": ("pull_cmd", "download a GGUF model from the Hugging Face Hub (resumable, sha256-verified)"),
+    "models": ("models_cmd", "list the models on this machine (and the catalog) with a fit-and-speed forecast for each"),
 }
 
 

@@ -22,7 +22,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from moe_pipe.shared.config_flags import add_override_arguments
 
     p.add_argument(
-        "model", nargs="?", default=None, help="a TOML config (configs/qwen30b.toml) or a GGUF file; default: the embedded tiny model"
+        "model",
+        nargs="?",
+        default=None,
+        help="a TOML config (configs/qwen30b.toml), a GGUF file or a pulled catalog model (qwen3-30b-a3b); default: the embedded tiny model",
     )
     p.add_argument("--detach", action="store_true", help="run in the background; return once the HTTP API listens")
     p.add_argument(
@@ -38,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     from moe_pipe.cli.run_cmd import load_run_config
     from moe_pipe.shared.serve import service
 
-    cfg = load_run_config(args)  # bad config: one line, exit 2, before anything starts
+    cfg = _catalog_config(args) or load_run_config(args)  # bad config: one line, exit 2, before anything starts
     name = service.check_name(args.name) if args.name is not None else ""
     if args.detach:
         from moe_pipe.procs.supervisor import preflight
@@ -49,6 +52,30 @@ def run(args: argparse.Namespace) -> int:
             sock.close()
         return _detach(args.argv)
     return _serve(cfg, name, detached=args.detached_child)
+
+
+def _catalog_config(args: argparse.Namespace):
+    """`up NAME` for a catalog entry (shared/hub/catalog.py): its recipe over the file `moe-pipe pull`
+    fetched for it, served as NAME; not pulled yet: the pull command, exit 2. None: not a catalog name."""
+    from moe_pipe.shared.config import load_config
+    from moe_pipe.shared.config_flags import overrides_from_args
+    from moe_pipe.shared.errors import UserError
+    from moe_pipe.shared.hub import catalog, store
+
+    if not args.model or Path(args.model).suffix or "/" in args.model or Path(args.model).exists() or args.model == "tiny":
+        return None
+    entry = catalog.find(args.model)
+    if entry is None:
+        raise UserError(f"{args.model}: no such file, and not a catalog model; the catalog: {', '.join(catalog.BY_NAME)}")
+    pulled = store.find_pulled(entry.repo, entry.quant)
+    if pulled is None:
+        raise UserError(f"{entry.name} ({entry.model}) has not been pulled; run `{entry.pull_command}` first")
+    overrides = overrides_from_args(args)
+    overrides.setdefault("model.path", str(pulled.path))
+    recipe = entry.recipe_path()
+    if args.name is None:
+        args.name = entry.name
+    return load_config(recipe if recipe.is_file() else None, overrides)
 
 
 def _serve(cfg, name: str, detached: bool) -> int:

@@ -85,6 +85,13 @@ class ModelConfig:
         words=(EMBEDDED_MODEL,),
     )
     name: str = setting("", "str", "what model this preset is for; shown in errors and telemetry", allow_empty=True)
+    catalog: str = setting(
+        "",
+        "str",
+        'the catalog entry this preset runs (`moe-pipe models --catalog`); with path "" the file `moe-pipe pull` '
+        "fetched for it is used, and when there is none the error gives the pull command",
+        allow_empty=True,
+    )
 
 
 @dataclass(frozen=True)
@@ -601,6 +608,13 @@ def check_model(cfg: Config) -> None:
         "`moe-pipe make-model --arch qwen3moe --preset tiny -o model.gguf`, convert a checkpoint with "
         '`moe-pipe convert HF_DIR -o model.gguf`, or use path = "tiny" (the embedded tiny model)'
     )
+    if not path and cfg.model.catalog:
+        from moe_pipe.shared.hub import catalog
+
+        entry = catalog.get(cfg.model.catalog)
+        raise ConfigError(
+            f"{where}: model.path is not set and {entry.name} ({entry.model}) has not been pulled: run `{entry.pull_command}`; or {how}"
+        )
     if not path:
         raise ConfigError(f"{where}: model.path is not set: {how}")
     p = Path(path)
@@ -648,10 +662,31 @@ def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | N
         cfg = _build(_validate_tables(doc, str(p), text), Config(), p.resolve().parent, str(p))
     if overrides:
         cfg = apply_overrides(cfg, overrides)
+    cfg = _with_pulled_model(cfg)
     if check_model_path:
         check_model(cfg)
         _check_chat_template(cfg)
     return cfg
+
+
+def _with_pulled_model(cfg: Config) -> Config:
+    """model.catalog names a catalog entry (checked here); with model.path unset, its pulled file stands in."""
+    if not cfg.model.catalog:
+        return cfg
+    from moe_pipe.shared.hub import catalog, store
+
+    entry = catalog.find(cfg.model.catalog)
+    if entry is None:
+        raise ConfigError(
+            f"{cfg.source or 'command line'}: model.catalog = {toml_repr(cfg.model.catalog)} is not in the catalog; "
+            f"allowed: {', '.join(catalog.BY_NAME)}"
+        )
+    if cfg.model.path:
+        return cfg
+    pulled = store.find_pulled(entry.repo, entry.quant)
+    if pulled is None:
+        return cfg  # check_model says how to pull it
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=str(pulled.path)))
 
 
 def _check_chat_template(cfg: Config) -> None:

@@ -29,6 +29,7 @@ STACK = [
     ("serve",),
     ("convert",),
     ("makemodel",),
+    ("hub",),
     ("config", "config_flags"),
     ("analysis",),
     ("procs",),

@@ -1,0 +1,298 @@
+"""`moe-pipe models [MODEL ...] [--catalog] [--measure] [--json]`: the GGUFs moe-pipe
+knows on this machine (pulled ones and any given), each with size, architecture,
+quant and the doctor's fit-and-speed forecast; or, with --catalog, the known models.
+
+The forecast is the doctor's (shared/analysis/forecast.py): the fit and the
+budget from this machine's memory now (cgroup-aware), the hit rate from the
+shipped traces, and tok/s from read bandwidth and kernel speed. Those two are
+measured only with --measure (the doctor measures every time, ~4 s a model)
+and kept in `measurements.json` in moe-pipe's cache folder: read GB/s per
+filesystem, kernel weights/s per (quant type, shape, threads). Without a
+stored measurement that covers a model, its tok/s is null and says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+MEASUREMENTS = "measurements.json"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("models", nargs="*", metavar="MODEL", help="GGUF files to list besides the pulled ones (any shard of a split set)")
+    p.add_argument("--catalog", action="store_true", help="list the catalog of known models instead (moe-pipe pull NAME fetches one)")
+    p.add_argument("--measure", action="store_true", help="measure read speed and kernel speed now (and store them), as the doctor does")
+    p.add_argument("--seconds", type=float, default=4.0, metavar="S", help="with --measure: seconds of measuring per model (default 4)")
+    p.add_argument("--mem-limit-mb", type=float, default=None, metavar="M", help="forecast as if in a new memory cgroup of M MiB")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+
+
+# ---------------------------------------------------------------- stored measurements
+
+
+def _store_path() -> Path:
+    from moe_pipe.shared.makemodel.default_model import cache_dir
+
+    return cache_dir() / MEASUREMENTS
+
+
+def load_measurements() -> dict:
+    try:
+        data = json.loads(_store_path().read_text())
+    except (OSError, ValueError):
+        return {"reads": {}, "kernels": {}}
+    if not isinstance(data, dict):
+        return {"reads": {}, "kernels": {}}
+    return {"reads": dict(data.get("reads") or {}), "kernels": dict(data.get("kernels") or {})}
+
+
+def save_measurements(data: dict) -> None:
+    path = _store_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{MEASUREMENTS}.{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)  # whole or not at all
+
+
+def device_key(path: Path) -> str:
+    """The filesystem a file lives on: read speed is a property of the disk, not of the model."""
+    st = os.stat(path)
+    return f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+
+
+def _kernel_key(class_key: str, threads: int) -> str:
+    return f"{class_key} @{threads}t"
+
+
+# ---------------------------------------------------------------- one model
+
+
+def _model_config(path: Path, entry):
+    """The recipe of its catalog entry (ctx, reserve, dense policy), else the defaults, over this file."""
+    from moe_pipe.shared.config import load_config
+
+    recipe = entry.recipe_path() if entry else None
+    return load_config(recipe if recipe and recipe.is_file() else None, {"model.path": str(path)}, check_model_path=False)
+
+
+def file_type_name(mf) -> str:
+    """general.file_type as llama.cpp names it (Q4_K_M, MXFP4_MOE), else the experts' commonest type."""
+    from gguf import LlamaFileType
+
+    ft = mf.gguf.meta("general.file_type")
+    try:
+        return LlamaFileType(int(ft)).name.removeprefix("MOSTLY_") if ft is not None else _commonest_expert_type(mf)
+    except ValueError:
+        return _commonest_expert_type(mf)
+
+
+def _commonest_expert_type(mf) -> str:
+    counts: dict[str, int] = {}
+    for layer in mf.layout.layers:
+        for part in layer.parts:
+            counts[part.tensor.qtype.name] = counts.get(part.tensor.qtype.name, 0) + 1
+    return max(counts, key=lambda k: counts[k]) if counts else "?"
+
+
+def describe(path: Path, pulled, entry, store: dict, *, measure: bool, seconds: float, mem_limit_mb: float | None) -> dict:
+    """One model's row: what it is, and the doctor's forecast from stored (or, measuring, fresh) speeds."""
+    from moe_pipe.shared.analysis.forecast import (
+        FLOOR_MARGIN,
+        ROTATE_BYTES,
+        compute_threads,
+        decode_speed,
+        hit_rate,
+        limited_probe,
+        measure_kernels,
+        measure_reads,
+        memory_fit,
+        model_facts,
+    )
+    from moe_pipe.shared.gguf.model_file import open_model
+
+    cfg = _model_config(path, entry)
+    with open_model(path) as mf:
+        facts = model_facts(mf, cfg)
+        quant = file_type_name(mf)
+        shards = len(mf.gguf.paths)
+        dev = device_key(path)
+        threads = compute_threads(cfg)
+        if measure:
+            reads = measure_reads(mf, seconds=0.4 * seconds)
+            store["reads"][dev] = {
+                "gbps": {str(n): g for n, g in reads.gbps.items()},
+                "source": reads.source,
+                "note": reads.note,
+                "at": time.time(),
+            }
+            rotate = min(ROTATE_BYTES, facts.active_bytes_per_token)
+            rates = measure_kernels(facts.classes, sorted({1, threads}), seconds=0.6 * seconds, rotate_bytes=rotate)
+            store["kernels"].update({_kernel_key(k, n): r for (k, n), r in rates.items()})
+    fit = memory_fit(facts, cfg, limited_probe(mem_limit_mb))
+    hit = hit_rate(facts, fit.n_slots, cfg.cache.policy) if fit.fits else None
+    row = {
+        "path": str(path),
+        "repo": pulled.repo if pulled else None,
+        "catalog": entry.name if entry else None,
+        "arch": facts.arch,
+        "quant": quant,
+        "file_bytes": facts.file_bytes,
+        "shards": shards,
+        "routed_bytes_per_token": facts.routed_bytes_per_token,
+        "config": cfg.source or "",
+        "available_bytes": fit.available_bytes,
+        "budget_mb": round(fit.budget.mb, 1),
+        "n_slots": fit.n_slots,
+        "fits": fit.fits,
+        "resident": fit.resident,
+        "refusal": fit.refusal,
+        "hit_pct": None if hit is None else round(hit.pct, 2),
+        "hit_source": None if hit is None else hit.source,
+        "read_gbps": None,
+        "read_measured_at": None,
+        "tok_s": None,
+        "bottleneck": None,
+        "speed_note": None,
+    }
+    read = store["reads"].get(dev)
+    rates_at = {c.key: store["kernels"].get(_kernel_key(c.key, threads)) for c in facts.classes}
+    if read is None or any(r is None for r in rates_at.values()):
+        row["speed_note"] = "speed not measured on this machine yet: moe-pipe models --measure"
+        return row
+    gbps = {int(n): float(g) for n, g in read["gbps"].items()}
+    lanes = max([n for n in gbps if n <= cfg.io.io_threads] or [min(gbps)])
+    row["read_gbps"], row["read_measured_at"] = round(gbps[lanes], 3), read.get("at")
+    if hit is None:
+        row["bottleneck"] = "memory"
+        return row
+    # the doctor's own arithmetic (forecast.decode_speed), on the stored figures
+    speed = decode_speed(
+        facts.classes,
+        {k: float(v) for k, v in rates_at.items() if v is not None},
+        n_layer=facts.n_layer,
+        top_k=facts.top_k,
+        hit_pct=hit.pct,
+        read_bytes_per_token=facts.top_k * sum(facts.read_bytes_per_expert),
+        read_gbps=gbps[lanes],
+        at_floor=fit.budget.bytes < FLOOR_MARGIN * facts.floor_bytes,
+    )
+    row["tok_s"], row["bottleneck"] = round(speed.tok_s, 2), speed.bottleneck
+    return row
+
+
+# ---------------------------------------------------------------- the command
+
+
+def _catalog_rows() -> list[dict]:
+    from moe_pipe.shared.hub import catalog, store
+
+    rows = []
+    for e in catalog.CATALOG:
+        p = store.find_pulled(e.repo, e.quant)
+        rows.append(
+            {
+                "name": e.name,
+                "model": e.model,
+                "arch": e.arch,
+                "repo": e.repo,
+                "quant": e.quant,
+                "pull": e.pull_command,
+                "recipe": f"configs/{e.recipe}",
+                "file_bytes": e.file_bytes,
+                "routed_bytes_per_token": e.routed_bytes_per_token,
+                "shards": e.shards,
+                "sizes": e.sizes,
+                "pulled": str(p.path) if p else None,
+            }
+        )
+    return rows
+
+
+def _print_table(title: str, columns: list[str], rows: list[list[str]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left")
+    for c in columns:
+        table.add_column(c, overflow="fold")
+    for r in rows:
+        table.add_row(*r)
+    Console(width=max(160, Console().width)).print(table)
+
+
+def run(args: argparse.Namespace) -> int:
+    from moe_pipe.shared.errors import UserError
+    from moe_pipe.shared.hub import catalog, store
+
+    if args.catalog:
+        rows = _catalog_rows()
+        if args.json:
+            print(json.dumps({"catalog": rows}))
+        else:
+            _print_table(
+                "the catalog (moe-pipe pull NAME, then moe-pipe up NAME)",
+                ["name", "repository:quant", "GB", "routed MB/token", "recipe", "pulled"],
+                [
+                    [
+                        r["name"],
+                        f"{r['repo']}:{r['quant']}",
+                        f"{r['file_bytes'] / 1e9:.1f}",
+                        f"{r['routed_bytes_per_token'] / 1e6:,.0f}",
+                        r["recipe"],
+                        r["pulled"] or "-",
+                    ]
+                    for r in rows
+                ],
+            )
+        return 0
+    if args.measure and args.seconds <= 0:
+        raise UserError(f"--seconds must be positive, got {args.seconds:g}")
+    found: list[tuple[Path, object]] = [(p.path, p) for p in store.pulled()]
+    for m in args.models:
+        path = Path(m).expanduser().resolve()
+        if not path.is_file():
+            raise UserError(f"{m}: no such GGUF file")
+        if all(path != q for q, _ in found):
+            found.append((path, None))
+    measurements = load_measurements()
+    rows = []
+    for path, pulled in found:
+        entry = next((e for e in catalog.CATALOG if pulled and e.repo.lower() == pulled.repo.lower() and e.quant == pulled.quant), None)
+        rows.append(describe(path, pulled, entry, measurements, measure=args.measure, seconds=args.seconds, mem_limit_mb=args.mem_limit_mb))
+    if args.measure:
+        save_measurements(measurements)
+    if args.json:
+        print(json.dumps({"models": rows}))
+        return 0
+    if not rows:
+        print("no models yet: `moe-pipe pull REPO[:QUANT]` fetches one (`moe-pipe models --catalog` lists the known ones)")
+        return 0
+
+    def speed(r: dict) -> str:
+        if not r["fits"]:
+            return "does not fit"
+        return f"{r['tok_s']:.1f} tok/s ({r['bottleneck']})" if r["tok_s"] is not None else "not measured (--measure)"
+
+    _print_table(
+        "models on this machine",
+        ["model", "arch", "quant", "GB", "fits", "cache MiB", "hit %", "forecast", "path"],
+        [
+            [
+                r["catalog"] or Path(r["path"]).name,
+                r["arch"],
+                r["quant"],
+                f"{r['file_bytes'] / 1e9:.2f}",
+                ("resident" if r["resident"] else "streaming") if r["fits"] else "no",
+                f"{r['budget_mb']:,.0f}",
+                "-" if r["hit_pct"] is None else f"{r['hit_pct']:.0f}",
+                speed(r),
+                r["path"],
+            ]
+            for r in rows
+        ],
+    )
+    return 0

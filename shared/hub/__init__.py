@@ -1,0 +1,9 @@
+"""Getting a model: the catalog of models moe-pipe knows, the Hugging Face
+Hub client of `moe-pipe pull` (listing a repository's GGUFs, resumable
+verified downloads), and where pulled models are kept and found again.
+
+Owns: `catalog` (the known models, their repositories, quants and recipes),
+`client` (the Hub: listing, choosing a quant, downloading, verifying),
+`store` (the models folder and the record of what was pulled).
+May import: errors, progress, data, gguf, makemodel (its cache folder).
+"""

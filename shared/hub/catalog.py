@@ -1,0 +1,197 @@
+"""The models moe-pipe knows: for each, the repository and quant `moe-pipe
+pull` fetches, the recipe in configs/ that runs it, and its size.
+
+The repositories are the usual GGUF repositories for each model as of
+writing (late 2026); they were not checked against the Hub from here, so a
+renamed one shows up as a one-line "no such repository" from `pull`.
+
+Sizes: `file_bytes` is the whole GGUF (all shards), `routed_bytes_per_token`
+what one token reads with no cache (every layer's top-k experts), both as
+`moe-pipe inspect --json` reports them. Where a shape preset of
+shared/makemodel/presets.py matches the model they come from it (`sizes`
+names it; made with `sparse=True` at full depth and inspected); otherwise
+they are estimates from the model's published shape at the quant's mix
+(llama.cpp's Q4_K_M: gate and up Q4_K, down Q6_K in half the layers and
+Q4_K in the rest, with its Q5_0 / Q8_0 fallbacks on rows not a multiple of
+256 wide), and `sizes` says "estimate".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from moe_pipe.shared.errors import UserError
+
+# The recipes: configs/ beside shared/ in the source tree, and moe_pipe/configs (package data) when installed
+CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str  # what `moe-pipe up NAME` takes: lower case, digits, '-', '.'
+    model: str  # the model's own name
+    arch: str  # general.architecture of its GGUF
+    repo: str  # the Hugging Face repository of its GGUFs
+    quant: str  # the quant `pull` fetches (a file-name tag: Q4_K_M, MXFP4)
+    recipe: str  # the config file in configs/ that runs it
+    file_bytes: int
+    routed_bytes_per_token: int
+    shards: int  # files in the set: 1, or a split set's count
+    sizes: str  # where file_bytes and routed_bytes_per_token come from
+
+    @property
+    def pull_ref(self) -> str:
+        return f"{self.repo}:{self.quant}"
+
+    @property
+    def pull_command(self) -> str:
+        return f"moe-pipe pull {self.pull_ref}"
+
+    def recipe_path(self) -> Path:
+        return CONFIGS_DIR / self.recipe
+
+
+ESTIMATE = "estimate from the published shape"
+
+CATALOG: tuple[Entry, ...] = (
+    Entry(
+        "qwen3-30b-a3b",
+        "Qwen3-30B-A3B",
+        "qwen3moe",
+        "unsloth/Qwen3-30B-A3B-GGUF",
+        "Q4_K_M",
+        "qwen30b.toml",
+        18_554_177_856,
+        1_097_072_640,
+        1,
+        "shape preset qwen30b-shape",
+    ),
+    Entry(
+        "gpt-oss-120b",
+        "gpt-oss-120b",
+        "gpt-oss",
+        "ggml-org/gpt-oss-120b-GGUF",
+        "MXFP4",
+        "gptoss120b.toml",
+        63_380_502_400,
+        1_908_541_440,
+        3,
+        "shape preset gptoss120b-shape",
+    ),
+    Entry(
+        "gpt-oss-20b",
+        "gpt-oss-20b",
+        "gpt-oss",
+        "ggml-org/gpt-oss-20b-GGUF",
+        "MXFP4",
+        "gptoss20b.toml",
+        12_102_722_816,
+        1_272_360_960,
+        1,
+        "shape preset gptoss120b-shape at 24 layers x 32 experts",
+    ),
+    Entry(
+        "gemma-4-26b-a4b",
+        "Gemma-4-26B-A4B",
+        "gemma4",
+        "unsloth/gemma-4-26B-A4B-it-GGUF",
+        "Q4_K_M",
+        "gemma26b.toml",
+        16_786_979_712,
+        945_635_328,
+        1,
+        "shape preset gemma26b-shape",
+    ),
+    Entry(
+        "qwen3.5-35b-a3b",
+        "Qwen3.5-35B-A3B",
+        "qwen35moe",
+        "unsloth/Qwen3.5-35B-A3B-GGUF",
+        "Q4_K_M",
+        "qwen35-35b.toml",
+        21_100_632_000,
+        609_484_800,
+        1,
+        "shape preset qwen35-35b-shape",
+    ),
+    # 26 MoE layers (the first is dense) x top-6 of 64, 2048 x 1408 experts
+    Entry(
+        "deepseek-v2-lite",
+        "DeepSeek-V2-Lite-Chat",
+        "deepseek2",
+        "bartowski/DeepSeek-V2-Lite-Chat-GGUF",
+        "Q4_K_M",
+        "deepseek-v2-lite.toml",
+        10_400_000_000,
+        899_678_208,
+        1,
+        ESTIMATE,
+    ),
+    # 45 MoE layers (the first is dense) x top-8 of 128, 4096 x 1408 experts; unsloth keeps it in a Q4_K_M/ folder, 2 shards
+    Entry(
+        "glm-4.5-air",
+        "GLM-4.5-Air",
+        "glm4moe",
+        "unsloth/GLM-4.5-Air-GGUF",
+        "Q4_K_M",
+        "glm45air.toml",
+        72_900_000_000,
+        4_152_360_960,
+        2,
+        ESTIMATE,
+    ),
+    # 32 layers x top-2 of 8, 4096 x 14336 experts
+    Entry(
+        "mixtral-8x7b",
+        "Mixtral-8x7B-Instruct-v0.1",
+        "llama",
+        "TheBloke/Mixtral-8x7B-Instruct-v0.1-GGUF",
+        "Q4_K_M",
+        "mixtral-8x7b.toml",
+        26_440_000_000,
+        6_826_229_760,
+        1,
+        ESTIMATE,
+    ),
+    # 22 MoE layers (the first 2 are dense) x top-4 of 32, 2048 x 1792 experts
+    Entry(
+        "lfm2-8b-a1b",
+        "LFM2-8B-A1B",
+        "lfm2moe",
+        "LiquidAI/LFM2-8B-A1B-GGUF",
+        "Q4_K_M",
+        "lfm2-8b.toml",
+        5_040_000_000,
+        586_629_120,
+        1,
+        ESTIMATE,
+    ),
+    # 24 layers x top-4 of 60, 2048 x 1408 experts (the 5632-wide shared expert stays resident)
+    Entry(
+        "qwen1.5-moe-a2.7b",
+        "Qwen1.5-MoE-A2.7B-Chat",
+        "qwen2moe",
+        "Qwen/Qwen1.5-MoE-A2.7B-Chat-GGUF",
+        "Q4_K_M",
+        "qwen2moe.toml",
+        8_840_000_000,
+        553_648_128,
+        1,
+        ESTIMATE,
+    ),
+)
+
+BY_NAME = {e.name: e for e in CATALOG}
+
+
+def find(name: str) -> Entry | None:
+    return BY_NAME.get(name.lower())
+
+
+def get(name: str, where: str = "catalog") -> Entry:
+    """The entry called `name`, or a one-line error listing the names."""
+    entry = find(name)
+    if entry is None:
+        raise UserError(f"{where}: {name!r} is not in the catalog; known: {', '.join(BY_NAME)} (moe-pipe models --catalog)")
+    return entry

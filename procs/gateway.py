@@ -6,7 +6,8 @@
 
 One event loop (uvloop) owns every zmq socket of the process (zmq.asyncio),
 so no socket is touched by two threads; what would block the loop runs in
-threads: tokenizing (chat templates) and the supervisor's status for /metrics.
+threads: tokenizing (chat templates) and the supervisor's status for /metrics
+and the web page. The page at / and its event stream are procs/gateway_events.py.
 
   1. a handler checks the body (the OpenAI wire format is shared/serve/openai_api.py),
      tokenizes the prompt and queues a Job (a full queue: 429);
@@ -36,7 +37,6 @@ import time
 from collections.abc import AsyncIterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import Any, cast
 
@@ -81,12 +81,12 @@ from moe_pipe.shared.text.tokenizer import Tokenizer
 from moe_pipe.shared.wire import ipc
 from moe_pipe.shared.wire import messages as m
 
+from .gateway_events import WebView, add_routes, supervisor_status
 from .gateway_worker import POLL_S, ComputeLink, Failed, Finished, Job, RequestQueue, Worker, wait_event
 from .lifecycle import child_setup
 
 log = logging.getLogger("moe_pipe.gateway")
 
-STATUS_TIMEOUT_MS = 1_000  # the supervisor's process table, for /metrics
 PROMPT_TAIL_TOKENS = 32  # where a reply starts (in a think block, a harmony header) is in the prompt's last few tokens
 SHUTDOWN_GRACE_S = 5.0  # handlers get this long to answer 503 after SIGTERM
 
@@ -113,6 +113,8 @@ class GatewaySettings:
     idle_timeout_s: float = IDLE_TIMEOUT_S
     body_timeout_s: float = BODY_TIMEOUT_S
     write_timeout_s: float = WRITE_TIMEOUT_S
+    # The resolved config as the web page shows it: shared/config.py to_dict(), secrets already REDACTED.
+    config: dict = field(default_factory=dict)
 
 
 # ------------------------------------------------------------------ HTTP glue
@@ -171,20 +173,13 @@ def check_wire(job: Job, where: str) -> None:
 
 async def supervisor_processes(runtime_dir: str) -> list[dict] | None:
     """The supervisor's process table, or None (no supervisor, no answer)."""
-    info = service.read_service_info(Path(runtime_dir))
-    if info is None:
-        return None
-    ask = partial(service.control, info, "status", timeout_ms=STATUS_TIMEOUT_MS)
-    try:  # control() blocks: a thread, so the event loop never waits on it
-        async with asyncio.timeout(STATUS_TIMEOUT_MS / 1e3 + 0.5):
-            status = await asyncio.get_running_loop().run_in_executor(None, ask)
-    except (TimeoutError, UserError, zmq.ZMQError, m.ProtocolError, OSError):
-        return None
-    processes = status.data.get("processes") if status.ok else None
+    status = await supervisor_status(runtime_dir)
+    processes = status.get("processes") if status is not None else None
     return processes if isinstance(processes, list) else None
 
 
-async def follow_telemetry(sock: zmq.asyncio.Socket, metrics: Metrics) -> None:
+async def follow_telemetry(sock: zmq.asyncio.Socket, metrics: Metrics, view: WebView, link: ComputeLink) -> None:
+    """Telemetry's feed (the one `tail` reads): counted for /metrics and passed to the web page's browsers."""
     while True:
         frame = await sock.recv()
         try:
@@ -193,6 +188,7 @@ async def follow_telemetry(sock: zmq.asyncio.Socket, metrics: Metrics) -> None:
             continue  # a tail-only frame we cannot read is no reason to stop counting
         if isinstance(msg, m.TokenRecord):
             metrics.on_record(msg)
+            view.feed.on_record(msg, link.pid)
 
 
 # ------------------------------------------------------------------ the service
@@ -220,6 +216,7 @@ class Gateway:
         self.link: ComputeLink | None = None
         self.worker: Worker | None = None
         self.tasks: list[asyncio.Task] = []
+        self.web = WebView(self)  # the page at / and its event stream (procs/gateway_events.py)
 
     # -- lifetime (aiohttp signals) ----------------------------------------------
     async def start(self, app: web.Application) -> None:
@@ -230,12 +227,19 @@ class Gateway:
         telemetry = cast(zmq.asyncio.Socket, ipc.connect(self.ctx, ep, "telemetry_pub"))
         self.tasks = [
             asyncio.create_task(c)
-            for c in (self.link.receive_forever(), self.worker.run_forever(), follow_telemetry(telemetry, self.metrics))
+            for c in (
+                self.link.receive_forever(),
+                self.worker.run_forever(),
+                follow_telemetry(telemetry, self.metrics, self.web, self.link),
+                self.web.residency_loop(),
+                self.web.status_loop(),
+            )
         ]
 
     async def stop_serving(self, app: web.Application) -> None:
         failure = Failed(503, "the service is shutting down", "shutting_down")
         self.queue.close(failure)
+        self.web.close()  # the page's event streams end, so shutdown does not wait on them
         if self.worker is not None:
             await self.worker.abandon(failure)
 
@@ -465,7 +469,8 @@ def require_key(api_key: str):
 
     @web.middleware
     async def check_key(request: web.Request, handler) -> web.StreamResponse:
-        if request.path == "/v1" or request.path.startswith(("/v1/", "/slots")):  # a slot action writes files: keyed too
+        # a slot action writes files, the event stream shows the config and the engine: keyed too; the page itself is not (it asks)
+        if request.path in ("/v1", "/events") or request.path.startswith(("/v1/", "/slots")):
             given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
             if not hmac.compare_digest(given, expected):  # constant time: the key cannot be guessed byte by byte
                 raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'", "invalid_api_key")
@@ -504,6 +509,7 @@ async def create_app(settings: GatewaySettings, tokenizer: Tokenizer | None = No
     app.router.add_get("/health", gateway.health)
     app.router.add_get("/metrics", gateway.metrics_text)
     app.router.add_post("/slots/{id}", gateway.slot)
+    add_routes(app, gateway.web)
     app.on_startup.append(gateway.start)
     app.on_shutdown.append(gateway.stop_serving)  # after the listener closes, before handlers are awaited
     app.on_cleanup.append(gateway.close)

@@ -6,8 +6,21 @@ import argparse
 import sys
 import time
 
-ARCHES = ("qwen3moe", "gpt-oss", "gemma4", "qwen35moe")  # mirrors shared.makemodel.ARCHES (kept here so --help needs no numpy)
-PRESETS = ("tiny", "small", "qwen30b-shape", "gptoss120b-shape", "gemma26b-shape", "qwen35-35b-shape")
+# These mirror shared.makemodel's ARCHES and PRESETS (kept here so --help needs no numpy).
+ARCHES = ("qwen3moe", "gpt-oss", "gemma4", "qwen35moe", "llama", "glm4moe", "lfm2moe", "deepseek2", "qwen2moe")
+PRESETS = (
+    "tiny",
+    "small",
+    "qwen30b-shape",
+    "gptoss120b-shape",
+    "gemma26b-shape",
+    "qwen35-35b-shape",
+    "mixtral-8x7b-shape",
+    "glm45air-shape",
+    "lfm2-8b-shape",
+    "deepseek-v2-lite-shape",
+    "qwen15-moe-shape",
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

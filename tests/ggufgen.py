@@ -115,3 +115,24 @@ def patch_tensor_info(path: Path, name: str, *, raw_type: int | None = None, rel
         patch(path, type_at, int(raw_type).to_bytes(4, "little"))
     if rel_offset is not None:
         patch(path, type_at + 4, int(rel_offset).to_bytes(8, "little"))
+
+
+def with_metadata(src: Path, dst: Path, changes: dict) -> Path:
+    """`src` copied to `dst` with some metadata keys replaced: `changes` maps a key to
+    (value, GGUFValueType). Tensors and every other key stay as they are."""
+    r = GGUFReader(src)
+    arch = str(r.fields["general.architecture"].contents())
+    w = GGUFWriter(str(dst), arch)
+    for f in r.fields.values():
+        if f.name.startswith("GGUF.") or f.name == "general.architecture" or f.name in changes:
+            continue
+        w.add_key_value(f.name, f.contents(), f.types[0], f.types[-1] if len(f.types) > 1 else None)
+    for key, (value, vtype) in changes.items():
+        w.add_key_value(key, value, vtype)
+    for t in r.tensors:
+        w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst

@@ -36,6 +36,11 @@ SAMPLES = (
 def build(arch: str, out_dir: Path, seed: int = 0, **kw) -> Path:
     """Write the tiny `arch` checkpoint into `out_dir` and return it."""
     builders = {"qwen3moe": build_qwen3moe, "gpt-oss": build_gpt_oss, "gemma4": build_gemma4, "qwen35moe": build_qwen35moe}
+    builders["glm4moe"] = build_glm4moe
+    builders["lfm2moe"] = build_lfm2moe
+    builders["deepseek2"] = build_deepseek2
+    builders["mixtral"] = build_mixtral
+    builders["qwen2moe"] = build_qwen2moe
     return builders[arch](Path(out_dir), seed, **kw)
 
 
@@ -224,6 +229,97 @@ def build_qwen35moe(out_dir: Path, seed: int = 0, multimodal: bool = False, **kw
     return out_dir
 
 
+def glm4moe_config(vocab_size: int, **kw) -> dict:
+    """GLM-4.5-Air's structure, tiny: 1 leading dense layer, 16 experts in 4 groups
+    (the best 2 groups kept), sigmoid routing with a correction bias (randomized by
+    _save), a shared expert, q/k/v biases, partial rotary 0.5, no qk-norm; `kw`
+    varies it (first_k_dense_replace, use_qk_norm, n_group, ...)."""
+    cfg = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=160,
+        moe_intermediate_size=48,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        n_routed_experts=16,
+        num_experts_per_tok=4,
+        n_shared_experts=1,
+        n_group=4,
+        topk_group=2,
+        first_k_dense_replace=1,
+        norm_topk_prob=True,
+        routed_scaling_factor=1.5,
+        attention_bias=True,
+        use_qk_norm=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5},
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        initializer_range=0.08,
+        num_nextn_predict_layers=1,
+    )
+    cfg.update(kw)
+    return cfg
+
+
+def build_glm4moe(out_dir: Path, seed: int = 0, **kw) -> Path:
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+
+    tok = _glm4_tokenizer()
+    cfg = Glm4MoeConfig(**glm4moe_config(_round_up(len(tok), 64), **kw))
+    return _save(Glm4MoeForCausalLM, cfg, tok, out_dir, seed)
+
+
+def deepseek_config(vocab_size: int, v3: bool = True, **kw) -> dict:
+    """DeepSeek's structure, tiny: MLA (kv_lora 64, rope 32, nope 32, v 32), 4 heads,
+    16 experts top-4 with a shared expert; V3: sigmoid + correction bias, 4 groups
+    (best 2 kept), 1 leading dense layer, q_lora 48. V2: softmax, greedy, no q_lora."""
+    cfg = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=160,
+        moe_intermediate_size=48,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=64,
+        q_lora_rank=48 if v3 else None,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=32,
+        v_head_dim=32,
+        n_routed_experts=16,
+        num_experts_per_tok=4,
+        n_shared_experts=1,
+        first_k_dense_replace=1 if v3 else 0,
+        routed_scaling_factor=1.5 if v3 else 1.0,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        initializer_range=0.08,
+    )
+    if v3:
+        cfg.update(n_group=4, topk_group=2, norm_topk_prob=True)
+    else:
+        cfg.update(topk_method="greedy", norm_topk_prob=False)
+    cfg.update(kw)
+    return cfg
+
+
+def build_deepseek2(out_dir: Path, seed: int = 0, v3: bool = True, **kw) -> Path:
+    """Saved as DeepseekV3ForCausalLM (`v3`) or DeepseekV2ForCausalLM; both convert to deepseek2."""
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
+
+    tok = _qwen_tokenizer()
+    special = dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None)
+    cfg = deepseek_config(_round_up(len(tok), 64), v3, **special, **kw)
+    if v3:
+        return _save(DeepseekV3ForCausalLM, DeepseekV3Config(**cfg), tok, out_dir, seed)
+    return _save(DeepseekV2ForCausalLM, DeepseekV2Config(**cfg), tok, out_dir, seed)
+
+
 def _tame(out_dir: Path) -> None:
     """Qwen3.5's RMSNorms scale by (1 + w) (its gated norm by w): _save's randomized
     1 + 0.2·N weights would double every layer's scale, and the random model would
@@ -294,11 +390,16 @@ def hf_logits(ref, ids) -> np.ndarray:
 
 
 def hf_greedy(ref, ids, n: int) -> list[int]:
-    """n greedy tokens after ids, never stopping early."""
+    """n greedy tokens after ids, never stopping early. The attention mask is explicit: without
+    one, generate masks every prompt token equal to pad_token_id (id 0, "!" in the byte-level
+    test vocabularies)."""
     import torch
 
+    mask = torch.ones(1, len(ids), dtype=torch.long)
     with torch.no_grad():
-        out = ref.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, min_new_tokens=n, eos_token_id=None, pad_token_id=0)
+        out = ref.generate(
+            torch.tensor([ids]), attention_mask=mask, max_new_tokens=n, do_sample=False, min_new_tokens=n, eos_token_id=None, pad_token_id=0
+        )
     return out[0, len(ids) :].tolist()
 
 
@@ -342,6 +443,10 @@ def _round_up(n: int, k: int) -> int:
 _QWEN_HF_REGEX = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 
 
+# GLM-4.5's split as its tokenizer.json spells it (llama3's, digits in groups of 1-3).
+_GLM4_HF_REGEX = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+
+
 def _byte_level(regex_train: str, regex_hf: str, n_bpe: int):
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
@@ -380,6 +485,15 @@ def _qwen_tokenizer(arch: str = "qwen3moe"):
     for t in _QWEN_ADDED:  # <|...|> are special; <think>, <tool_call> ... are plain added tokens, as in Qwen3
         _add(tok, t, t.startswith("<|"))
     return _wrap(tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=chat_template(arch))
+
+
+def _glm4_tokenizer():
+    from moe_pipe.shared.gguf.vocab import _GLM4_ADDED, LLAMA3_REGEX
+
+    tok = _byte_level(LLAMA3_REGEX, _GLM4_HF_REGEX, 600)
+    for t in _GLM4_ADDED:
+        _add(tok, t, True)  # GLM-4.5's tokenizer.json marks every added token special
+    return _wrap(tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
 
 
 def _harmony_tokenizer():
@@ -432,3 +546,202 @@ def _gemma_tokenizer():
             _add(tok, text, True)
     tok.post_processor = processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A <bos> $B", special_tokens=[("<bos>", 2)])
     return _wrap(tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>", chat_template=chat_template("gemma4"))
+
+
+# --- lfm2moe ------------------------------------------------------------------------
+
+
+def lfm2moe_config(vocab_size: int, **kw) -> dict:
+    """conv, attention, conv, attention, conv: layer 0 dense (num_dense_layers 1), the
+    rest MoE with the expert bias; 4 heads over 2 kv heads of 16."""
+    cfg = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=48,
+        num_hidden_layers=5,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        conv_L_cache=3,
+        num_dense_layers=1,
+        num_experts=8,
+        num_experts_per_tok=2,
+        use_expert_bias=True,
+        layer_types=["conv", "full_attention", "conv", "full_attention", "conv"],
+        max_position_embeddings=512,
+        norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        tie_word_embeddings=True,
+        initializer_range=0.08,
+        bos_token_id=1,
+        eos_token_id=7,
+        pad_token_id=0,
+    )
+    cfg.update(kw)
+    return cfg
+
+
+def build_lfm2moe(out_dir: Path, seed: int = 0, **kw) -> Path:
+    """A tiny Lfm2MoeForCausalLM; its expert bias (zeros at init) randomized so the
+    selection-only bias is exercised (_save randomizes "bias" names)."""
+    from transformers import Lfm2MoeConfig, Lfm2MoeForCausalLM
+
+    tok = _lfm2_tokenizer()
+    return _save(Lfm2MoeForCausalLM, Lfm2MoeConfig(**lfm2moe_config(_round_up(len(tok), 64), **kw)), tok, out_dir, seed)
+
+
+# LFM2's tokenizer.json split: llama3's (1-3 digit groups), contractions spelled case-insensitively.
+_LFM2_HF_REGEX = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+# LFM2's first ids: <|pad|> 0, <|startoftext|> 1, <|endoftext|> 2, ..., <|im_start|> 6, <|im_end|> 7.
+LFM2_SPECIALS = ("<|pad|>", "<|startoftext|>", "<|endoftext|>", "<|fim_pre|>", "<|fim_mid|>", "<|fim_suf|>", "<|im_start|>", "<|im_end|>")
+
+
+def _lfm2_tokenizer():
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    from moe_pipe.shared.gguf.vocab import train_byte_level
+    from moe_pipe.shared.makemodel.maker import chat_template
+    from moe_pipe.shared.text.tokenizer import LLAMA3_REGEX
+
+    bpe, merges = train_byte_level(LLAMA3_REGEX, 600)
+    tokens = list(LFM2_SPECIALS) + [t for t in bpe if t not in LFM2_SPECIALS]
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=[tuple(m.split(" ", 1)) for m in merges]))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_LFM2_HF_REGEX), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    for t in LFM2_SPECIALS:
+        _add(tok, t, True)
+    tok.post_processor = processors.TemplateProcessing(single="<|startoftext|> $A", special_tokens=[("<|startoftext|>", 1)])
+    return _wrap(tok, bos_token="<|startoftext|>", eos_token="<|im_end|>", pad_token="<|pad|>", chat_template=chat_template("lfm2moe"))
+
+
+# --- mixtral ------------------------------------------------------------------------
+
+
+def build_mixtral(out_dir: Path, seed: int = 0, experts: int = 4, used: int = 2, per_expert: bool = False) -> Path:
+    """Tiny Mixtral: GQA (4 heads, 2 kv), head_dim 32 ≠ hidden/heads, `used` of `experts`
+    experts, a SentencePiece tokenizer. `per_expert`: rewrite the experts as the published
+    checkpoints store them (block_sparse_moe.experts.N.w1/w3/w2)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    tok = _spm_tokenizer()
+    cfg = MixtralConfig(
+        vocab_size=_round_up(len(tok), 64),
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_local_experts=experts,
+        num_experts_per_tok=used,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        max_position_embeddings=512,
+        sliding_window=None,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        initializer_range=0.08,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    _save(MixtralForCausalLM, cfg, tok, out_dir, seed)
+    if per_expert:
+        from safetensors.numpy import load_file, save_file
+
+        sd = load_file(out_dir / "model.safetensors")
+        out = {}
+        for name, t in sd.items():
+            if ".mlp.experts.gate_up_proj" in name:
+                m = name.replace("mlp.experts.gate_up_proj", "block_sparse_moe.experts.")
+                f = t.shape[1] // 2
+                for x in range(t.shape[0]):
+                    out[f"{m}{x}.w1.weight"], out[f"{m}{x}.w3.weight"] = t[x, :f], t[x, f:]
+            elif ".mlp.experts.down_proj" in name:
+                m = name.replace("mlp.experts.down_proj", "block_sparse_moe.experts.")
+                for x in range(t.shape[0]):
+                    out[f"{m}{x}.w2.weight"] = t[x]
+            else:
+                out[name.replace(".mlp.gate.", ".block_sparse_moe.gate.")] = t
+        save_file({k: np.ascontiguousarray(v) for k, v in out.items()}, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    return out_dir
+
+
+def _spm_tokenizer():
+    """A Llama/Mistral-style tokenizer.json as transformers converts a tokenizer.model:
+    BPE with byte fallback whose merges are every split of every piece ranked by its
+    score (shared/gguf/vocab.py spm_merges), "▁" prepended and for spaces, <s> added."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, processors
+
+    from moe_pipe.shared.gguf.vocab import SPACE, build_vocab, spm_merges
+    from moe_pipe.shared.makemodel.maker import chat_template
+
+    v = build_vocab("llama", 900, 600)
+    n = max(i for i, ty in enumerate(v.types) if ty != 5) + 1  # drop the unused tail
+    tokens, types, scores = list(v.tokens[:n]), list(v.types[:n]), list(v.scores[:n])
+    tok = Tokenizer(
+        models.BPE(
+            vocab={t: i for i, t in enumerate(tokens)},
+            merges=spm_merges(tokens, scores, types),
+            byte_fallback=True,
+            unk_token="<unk>",
+            fuse_unk=True,
+        )
+    )
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend(SPACE), normalizers.Replace(" ", SPACE)])
+    tok.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    for t in ("<unk>", "<s>", "</s>"):
+        _add(tok, t, True)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)])
+    return _wrap(tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", chat_template=chat_template("llama"))
+
+
+# --- qwen2moe -----------------------------------------------------------------------
+
+
+def build_qwen2moe(out_dir: Path, seed: int = 0, norm_topk_prob: bool = False, fused: bool = False, **kw) -> Path:
+    """Tiny Qwen1.5-MoE: q/k/v biases, GQA (4 heads, 2 kv), 8 experts top-2 (`kw` overrides any
+    config key), a shared expert wider than the routed ones behind its sigmoid gate,
+    `norm_topk_prob` as given (Qwen1.5-MoE: false). transformers saves the experts one by one
+    (the published layout); `fused` rewrites them as its in-memory `gate_up_proj`/`down_proj`."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    tok = _qwen_tokenizer("qwen2moe")
+    cfg = dict(
+        vocab_size=_round_up(len(tok), 64),
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=norm_topk_prob,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        initializer_range=0.08,
+        bos_token_id=None,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    cfg.update(kw)
+    _save(Qwen2MoeForCausalLM, Qwen2MoeConfig(**cfg), tok, out_dir, seed)
+    if fused:
+        from safetensors.numpy import load_file, save_file
+
+        sd = load_file(out_dir / "model.safetensors")
+        out = {k: v for k, v in sd.items() if ".mlp.experts." not in k}
+        for i in range(cfg["num_hidden_layers"]):
+            e = f"model.layers.{i}.mlp.experts."
+            xs = range(cfg["num_experts"])
+            out[e + "gate_up_proj"] = np.stack([np.concatenate([sd[f"{e}{x}.gate_proj.weight"], sd[f"{e}{x}.up_proj.weight"]]) for x in xs])
+            out[e + "down_proj"] = np.stack([sd[f"{e}{x}.down_proj.weight"] for x in xs])
+        save_file(out, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    return out_dir

@@ -197,7 +197,9 @@ def test_policy_registry():
 
 
 def fake_layout(n_layer=48, top_k=8, slab_bytes=3 * MIB + 4096):
-    return SimpleNamespace(spec=SimpleNamespace(n_layer=n_layer, moe_layers=tuple(range(n_layer)), n_expert_used=top_k), slab_bytes=slab_bytes)
+    return SimpleNamespace(
+        spec=SimpleNamespace(n_layer=n_layer, moe_layers=tuple(range(n_layer)), n_expert_used=top_k), slab_bytes=slab_bytes
+    )
 
 
 def test_slots_for_budget():

@@ -412,7 +412,7 @@ def test_quant_override_keeps_norms_f32_and_applies_the_fallback(tmp_path):
 @pytest.mark.parametrize(
     "kwargs, words",
     [
-        (dict(arch="llama", preset="tiny"), "unknown arch"),
+        (dict(arch="mamba", preset="tiny"), "unknown arch"),
         (dict(arch="qwen3moe", preset="huge"), "unknown preset"),
         (dict(arch="gpt-oss", preset="qwen30b-shape"), "qwen30b-shape goes with --arch qwen3moe"),
         (dict(arch="qwen3moe", preset="gemma26b-shape"), "gemma26b-shape goes with --arch gemma4"),
@@ -429,8 +429,13 @@ def test_bad_arguments_are_one_line_user_errors(kwargs, words, tmp_path):
 
 
 def test_presets_are_the_documented_ones():
-    assert MADE_ARCHES == (*ARCHES, "qwen35moe")
-    assert PRESETS == ("tiny", "small", "qwen30b-shape", "gptoss120b-shape", "gemma26b-shape", "qwen35-35b-shape")
+    from moe_pipe.cli import make_model as cli
+
+    # the first round, then the later families in the order they landed
+    assert MADE_ARCHES == (*ARCHES, "qwen35moe", "llama", "glm4moe", "lfm2moe", "deepseek2", "qwen2moe")
+    assert PRESETS[:6] == ("tiny", "small", "qwen30b-shape", "gptoss120b-shape", "gemma26b-shape", "qwen35-35b-shape")
+    assert set(PRESETS[6:]) == {"mixtral-8x7b-shape", "glm45air-shape", "lfm2-8b-shape", "deepseek-v2-lite-shape", "qwen15-moe-shape"}
+    assert (cli.ARCHES, cli.PRESETS) == (MADE_ARCHES, PRESETS)  # the CLI's copies (its --help imports no numpy)
 
 
 # --- shape presets: per-expert bytes of §6 ---------------------------------------------

@@ -288,6 +288,43 @@ def test_made_model_chat_template_opens_the_think_block(made):
     assert text == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n"
 
 
+# Combining marks (\p{M}) split words under qwen2's regex and stay inside them under qwen35's.
+_MARKED = ["cafe\u0301 au lait", "नमस्ते दुनिया", "Ελληνικά ά́", "x\u0308y\u0308 don't 12345"]
+
+
+@pytest.mark.oracle
+def test_qwen35_split_keeps_combining_marks_in_words_as_llama_cpp_does(made, tmp_path):
+    """Real Qwen3.5 GGUFs carry tokenizer.ggml.pre "qwen35": our split of it gives llama.cpp's ids."""
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python not installed (optional extra)")
+    from gguf import GGUFValueType
+
+    from moe_pipe.shared.gguf.reader import GGUFFile
+    from moe_pipe.shared.text.tokenizer import Tokenizer
+
+    from .ggufgen import with_metadata
+
+    path = with_metadata(made, tmp_path / "qwen35.gguf", {"tokenizer.ggml.pre": ("qwen35", GGUFValueType.STRING)})
+    with GGUFFile(path) as f:
+        ours = Tokenizer.from_gguf(f)
+    assert ours.pre == "qwen35"
+    llm = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
+    try:
+        for text in _MARKED:
+            assert ours.encode(text, add_bos=False) == llm.tokenize(text.encode(), add_bos=False, special=True), text
+    finally:
+        llm.close()
+    # The samples split differently under the two regexes (the made vocab was trained on qwen2's
+    # split, so its ids mostly agree either way: the pieces are what tells the regexes apart).
+    from tokenizers import Regex, pre_tokenizers
+
+    from moe_pipe.shared.text.tokenizer import QWEN2_REGEX, QWEN35_REGEX
+
+    def pieces(regex, text):
+        return [p for p, _ in pre_tokenizers.Split(Regex(regex), behavior="isolated").pre_tokenize_str(text)]
+
+    assert pieces(QWEN35_REGEX, "नमस्ते दुनिया") == ["नमस्ते", " दुनिया"] != pieces(QWEN2_REGEX, "नमस्ते दुनिया")
+
+
 # -- the streaming pipeline --------------------------------------------------------
 
 

@@ -203,8 +203,8 @@ def test_gemma4_newline_run_in_vocab_is_one_token_without_a_merge():
 def test_unknown_pre_and_model_are_clear_errors():
     with pytest.raises(GGUFError, match="tokenizer.ggml.pre 'nonsense' is not supported"):
         _tiny(model="gpt2", pre="nonsense", tokens=["a"])
-    with pytest.raises(GGUFError, match="tokenizer.ggml.model 'llama'"):
-        _tiny(model="llama", pre="default", tokens=["a"])
+    with pytest.raises(GGUFError, match="tokenizer.ggml.model 'rwkv'"):
+        _tiny(model="rwkv", pre="default", tokens=["a"])
     with pytest.raises(GGUFError, match="duplicate token"):
         _tiny(model="gpt2", pre="qwen2", tokens=["a", "b", "a"])
     with pytest.raises(GGUFError, match="merges"):

@@ -23,6 +23,9 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFWriter
 
+from moe_pipe.shared.convert import deepseek2, glm4moe, mixtral
+from moe_pipe.shared.convert import lfm2moe as _lfm2moe
+from moe_pipe.shared.convert import qwen2moe as _qwen2moe
 from moe_pipe.shared.convert.plan import (
     Arch,
     Out,
@@ -475,8 +478,14 @@ ARCHES: dict[str, Arch] = {
     "gpt_oss": Arch("gpt-oss", _gpt_oss_hparams, _gpt_oss_meta, _gpt_oss_plan),
     "gemma4_text": Arch("gemma4", _gemma4_hparams, _gemma4_meta, _gemma4_plan),
     "qwen3_5_moe_text": Arch("qwen35moe", _qwen35_hparams, _qwen35_meta, _qwen35_plan),
+    "glm4_moe": Arch("glm4moe", glm4moe.hparams, glm4moe.metadata, glm4moe.plan),
+    "deepseek_v2": Arch("deepseek2", deepseek2.hparams_v2, deepseek2.metadata, deepseek2.plan),
+    "deepseek_v3": Arch("deepseek2", deepseek2.hparams_v3, deepseek2.metadata, deepseek2.plan),
+    "mixtral": Arch("llama", mixtral.hparams, mixtral.metadata, mixtral.plan),
+    "lfm2_moe": _lfm2moe.ARCH,
+    "qwen2_moe": _qwen2moe.ARCH,
 }
-SUPPORTED = "qwen3_moe, gpt_oss, gemma4, qwen3_5_moe"
+SUPPORTED = "qwen3_moe, gpt_oss, gemma4, qwen3_5_moe, glm4_moe, deepseek_v2, deepseek_v3, lfm2_moe, mixtral, qwen2_moe"
 
 
 def text_config(config: dict[str, Any]) -> tuple[str, dict[str, Any]]:

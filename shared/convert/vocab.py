@@ -19,14 +19,19 @@ from typing import Any
 
 from moe_pipe.shared.convert.source import read_json
 from moe_pipe.shared.errors import UserError
-from moe_pipe.shared.gguf.vocab import BYTE, CONTROL, NORMAL, O200K_REGEX, QWEN2_REGEX, UNKNOWN, UNUSED, USER_DEFINED
+from moe_pipe.shared.gguf.vocab import BYTE, CONTROL, LLAMA3_REGEX, NORMAL, O200K_REGEX, QWEN2_REGEX, UNKNOWN, UNUSED, USER_DEFINED
+from moe_pipe.shared.text.tokenizer import QWEN35_REGEX
 
 log = logging.getLogger(__name__)
 
 # The tokenizer.json spelling of the contraction group vs the expanded one llama.cpp uses.
 _CONTRACTIONS_CI = "(?i:'s|'t|'re|'ve|'m|'ll|'d)"
 _CONTRACTIONS_EXPANDED = "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
-_KNOWN_PRE = {QWEN2_REGEX.replace(_CONTRACTIONS_EXPANDED, _CONTRACTIONS_CI): "qwen2", O200K_REGEX: "gpt-4o"}
+_KNOWN_PRE = {
+    QWEN2_REGEX.replace(_CONTRACTIONS_EXPANDED, _CONTRACTIONS_CI): "qwen2",
+    QWEN35_REGEX.replace(_CONTRACTIONS_EXPANDED, _CONTRACTIONS_CI): "qwen35",  # Qwen3.5/3.6's tokenizer.json
+    O200K_REGEX: "gpt-4o",
+}
 
 # gguf arch -> (tokenizer.ggml.model, tokenizer.ggml.pre, add_bos default)
 _ARCH_TOKENIZER = {
@@ -34,7 +39,21 @@ _ARCH_TOKENIZER = {
     "qwen35moe": ("gpt2", "qwen2", False),
     "gpt-oss": ("gpt2", "gpt-4o", False),
     "gemma4": ("gemma4", "gemma4", True),
+    "llama": ("llama", "default", True),  # Mixtral: SentencePiece (scores, no merges in the GGUF)
+    "glm4moe": ("gpt2", "glm4", False),
+    "lfm2moe": ("gpt2", "lfm2", True),  # LFM2 starts every prompt with <|startoftext|>
+    "deepseek2": ("gpt2", "deepseek-llm", True),  # DeepSeek prompts start with <｜begin▁of▁sentence｜>
+    "qwen2moe": ("gpt2", "qwen2", False),  # Qwen1.5: the Qwen2 split, no BOS
 }
+# GLM-4.5's split is llama3's regex, which llama.cpp calls "glm4" for this arch (no BOS, merges as usual).
+_ARCH_KNOWN_PRE = {
+    "glm4moe": {LLAMA3_REGEX.replace(_CONTRACTIONS_EXPANDED, _CONTRACTIONS_CI): "glm4"},
+    "lfm2moe": {LLAMA3_REGEX.replace(_CONTRACTIONS_EXPANDED, _CONTRACTIONS_CI): "lfm2"},  # LFM2: llama3's split, merges as usual
+    # DeepSeek's splits are sequences; within this arch their first regexes tell V2's from V3's
+    "deepseek2": {"[\r\n]": "deepseek-llm", r"\p{N}{1,3}": "deepseek-v3"},
+}
+# llama.cpp's converter sets these for GLM-4.5 (bos, eot, eom); its loader then stops on eot and eom too.
+_GLM4_SPECIALS = {"bos": "[gMASK]", "eot": "<|user|>", "eom": "<|observation|>"}
 
 # llama.cpp's gemma4 converter keeps these visible (USER_DEFINED) so chat parsers see them.
 _GEMMA4_VISIBLE = {"<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", "<|tool_response>", "<tool_response|>", '<|"|>'}
@@ -55,6 +74,10 @@ class HFVocab:
     add_bos: bool
     add_eos: bool | None
     chat_template: str | None
+    eot: int | None = None
+    eom: int | None = None
+    scores: list[float] | None = None  # llama (SentencePiece): each piece's merge priority
+    add_space_prefix: bool = True  # llama: a space before the text, as SentencePiece's dummy prefix
 
 
 def read_vocab(hf_dir: Path, arch: str, n_vocab: int, config: dict[str, Any]) -> HFVocab:
@@ -70,8 +93,12 @@ def read_vocab(hf_dir: Path, arch: str, n_vocab: int, config: dict[str, Any]) ->
         raise UserError(f"{path}: tokenizer model is {model.get('type')!r}; convert supports BPE tokenizers only")
 
     gg_model, pre, add_bos_default = _ARCH_TOKENIZER[arch]
+    if arch == "deepseek2" and config.get("model_type") == "deepseek_v3":
+        pre = "deepseek-v3"  # V3, R1, V3.1 ship V3's split (llama.cpp's name); V2's is deepseek-llm
     if gg_model == "gpt2" and "ByteLevel" not in json.dumps(tj.get("pre_tokenizer")):
         raise UserError(f"{path}: {arch} needs a byte-level BPE tokenizer (no ByteLevel pre-tokenizer found)")
+    if gg_model == "llama" and not model.get("byte_fallback"):
+        raise UserError(f"{path}: {arch} needs a SentencePiece-style BPE tokenizer (byte_fallback with <0xXX> pieces); this one has none")
     pre = _check_pre(path, tj, arch, pre)
 
     by_id: dict[int, str] = {int(i): t for t, i in model.get("vocab", {}).items()}
@@ -100,7 +127,7 @@ def read_vocab(hf_dir: Path, arch: str, n_vocab: int, config: dict[str, Any]) ->
             types.append(CONTROL if added[i].get("special") else USER_DEFINED)
         elif text == unk_text:
             types.append(UNKNOWN)
-        elif gg_model == "gemma4" and _BYTE_PIECE.fullmatch(text):
+        elif gg_model in ("gemma4", "llama") and _BYTE_PIECE.fullmatch(text):
             types.append(BYTE)
         else:
             types.append(NORMAL)
@@ -130,20 +157,45 @@ def read_vocab(hf_dir: Path, arch: str, n_vocab: int, config: dict[str, Any]) ->
     if add_bos is None:
         add_bos = _post_processor_adds_bos(tj) or add_bos_default
     add_eos = tc.get("add_eos_token")
+    glm = {k: ids.get(t) for k, t in _GLM4_SPECIALS.items()} if arch == "glm4moe" else {}
     return HFVocab(
         model=gg_model,
         pre=pre,
         tokens=tokens,
         types=types,
-        merges=merges,
-        bos=special("bos_token"),
+        merges=[] if gg_model == "llama" else merges,  # llama.cpp's SPM files have scores instead
+        bos=glm.get("bos") if glm.get("bos") is not None else special("bos_token"),
         eos=special("eos_token"),
         pad=special("pad_token"),
         unk=ids.get(unk_text) if unk_text else special("unk_token"),
         add_bos=bool(add_bos),
         add_eos=None if add_eos is None else bool(add_eos),
         chat_template=_chat_template(hf_dir, tc),
+        eot=glm.get("eot"),
+        eom=glm.get("eom"),
+        **(_sentencepiece(tj, tokens, merges) if gg_model == "llama" else {}),
     )
+
+
+def _sentencepiece(tj: dict, tokens: list[str], merges: list[str]) -> dict[str, Any]:
+    """A SentencePiece tokenizer.json (BPE, byte fallback, as transformers converts
+    tokenizer.model) as llama.cpp's SPM fields: a score per piece instead of merges.
+    transformers lists every split of every piece, ranked by the piece's score, so a
+    piece's first merge gives its rank: score = -rank orders the pieces as their
+    SentencePiece scores do, and llama.cpp's SPM merge then splits text as the merges
+    do (checked against llama.cpp in tests/test_mixtral.py). Pieces no merge makes get
+    the lowest score (single characters: 0, never a merge's result)."""
+    rank: dict[str, int] = {}
+    for r, m in enumerate(merges):
+        cut = m.index(" ", 1)
+        rank.setdefault(m[:cut] + m[cut + 1 :], r)
+    low = -float(len(merges) + 1)
+    scores = [-float(rank[t]) if t in rank else (0.0 if len(t) == 1 else low) for t in tokens]
+    # the dummy prefix: legacy files prepend "▁" in the normalizer, newer ones in a Metaspace pre-tokenizer
+    pre_tok = tj.get("pre_tokenizer") or {}
+    scheme = pre_tok.get("prepend_scheme", "never") if isinstance(pre_tok, dict) and pre_tok.get("type") == "Metaspace" else "never"
+    prefix = "Prepend" in json.dumps(tj.get("normalizer")) or scheme in ("first", "always")
+    return dict(scores=scores, add_space_prefix=prefix)
 
 
 def _split_regexes(node: Any) -> list[str]:
@@ -166,7 +218,8 @@ def _check_pre(path: Path, tj: dict, arch: str, pre: str) -> str:
     regexes = _split_regexes(tj.get("pre_tokenizer"))
     if not regexes:
         return pre
-    known = _KNOWN_PRE.get(regexes[0].replace(_CONTRACTIONS_EXPANDED, _CONTRACTIONS_CI))
+    ci = regexes[0].replace(_CONTRACTIONS_EXPANDED, _CONTRACTIONS_CI)
+    known = _ARCH_KNOWN_PRE.get(arch, {}).get(ci) or _KNOWN_PRE.get(ci)
     if known is None:
         # A pre-split llama.cpp does not know: keep the arch's, but say so.
         log.warning("%s: unrecognised pre-tokenizer regex; writing tokenizer.ggml.pre=%r (the %s default)", path, pre, arch)
@@ -213,10 +266,18 @@ def add_vocab(w, v: HFVocab) -> None:
     for value, add in ((v.bos, w.add_bos_token_id), (v.eos, w.add_eos_token_id), (v.pad, w.add_pad_token_id), (v.unk, w.add_unk_token_id)):
         if value is not None:
             add(value)
+    if v.eot is not None:
+        w.add_eot_token_id(v.eot)
+    if v.eom is not None:
+        w.add_eom_token_id(v.eom)
     w.add_add_bos_token(v.add_bos)
     if v.add_eos is not None:
         w.add_add_eos_token(v.add_eos)
     if v.model == "gemma4":
         w.add_add_space_prefix(False)
+    if v.scores is not None:
+        w.add_token_scores(v.scores)
+    if v.model == "llama":
+        w.add_add_space_prefix(v.add_space_prefix)
     if v.chat_template:
         w.add_chat_template(v.chat_template)

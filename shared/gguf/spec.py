@@ -73,6 +73,8 @@ class ModelSpec:
     ssm_groups: int = 0  # key heads (ssm.group_count)
     ssm_heads: int = 0  # value heads (ssm.time_step_rank)
     n_ff_shexp: int = 0  # the shared expert's FFN width (0: none)
+    # lfm2moe's short-conv layers: a conv over this many channels (n_embd) and no delta rule.
+    shortconv_channels: int = 0
     # Layers 0..n_dense_lead-1 have a dense FFN (width n_ff) and no experts
     # (deepseek2, glm4moe, lfm2moe): nothing of theirs is streamed or cached.
     n_dense_lead: int = 0
@@ -83,6 +85,17 @@ class ModelSpec:
     expert_groups: int = 1  # expert_group_count
     expert_groups_used: int = 1  # expert_group_used_count
     n_expert_shared: int = 0  # always-on shared experts (expert_shared_count)
+    # NextN/MTP blocks the file holds after the decoder's n_layer blocks (glm4moe:
+    # llama.cpp's converter counts them in block_count): never run, loaded or streamed.
+    n_layer_nextn: int = 0
+    # deepseek2's multi-head latent attention: the cache holds one latent head of
+    # kv_lora_rank + rope dims per position (head_dim_k; head_dim_v 0: V is K's first
+    # kv_lora_rank values); per head, q·k spans head_dim_k_mla dims and V head_dim_v_mla.
+    q_lora_rank: int = 0  # 0: a plain attn_q
+    kv_lora_rank: int = 0
+    head_dim_k_mla: int = 0
+    head_dim_v_mla: int = 0
+    rope_yarn_log_mul: float = 0.0  # YaRN's mscale_all_dim (the GGUF stores 0.1 × it)
 
     def has_experts(self, i: int) -> bool:
         """Whether layer i has routed experts (the leading dense layers have none)."""
@@ -97,8 +110,9 @@ class ModelSpec:
 
     @property
     def ssm_conv_channels(self) -> int:
-        """Channels of the conv: q and k (groups × state each) and v (heads × state)."""
-        return (2 * self.ssm_groups + self.ssm_heads) * self.ssm_state
+        """Channels of the conv: q and k (groups × state each) and v (heads × state);
+        lfm2moe's short conv: B·x, n_embd channels."""
+        return self.shortconv_channels or (2 * self.ssm_groups + self.ssm_heads) * self.ssm_state
 
     @property
     def n_gqa(self) -> tuple[int, ...]:
@@ -228,13 +242,34 @@ def _rope(m: _Meta, head_dim: int) -> RopeSpec:
     return rope
 
 
-def _common(f: GGUFFile, arch: str) -> dict[str, Any]:
+def _ff_exp_key(f: GGUFFile, arch: str) -> str:
+    """Where the experts' width is: llama.cpp writes Mixtral (arch llama) without
+    expert_feed_forward_length, its experts being feed_forward_length wide."""
+    if arch == "llama" and not f.has("llama.expert_feed_forward_length"):
+        return "feed_forward_length"
+    return "expert_feed_forward_length"
+
+
+def _n_ff_exp(m: _Meta, n_used: int) -> int:
+    """The experts' width. llama.cpp's converter wrote none for qwen2moe before 2024-06
+    (the official Qwen1.5-MoE GGUFs): its loader then takes feed_forward_length / expert_used_count."""
+    key = _ff_exp_key(m.f, m.arch)
+    if m.arch == "qwen2moe" and not m.f.has(m.key(key)):
+        return _positive(m.f, m.key("feed_forward_length"), m.get_int("feed_forward_length") // n_used)
+    return _positive(m.f, m.key(key), m.get_int(key))
+
+
+def _common(f: GGUFFile, arch: str, no_attention_kv0: bool = False) -> dict[str, Any]:
+    """The keys every family shares. `no_attention_kv0`: a layer with 0 kv heads is
+    a layer without attention (lfm2moe's short-conv layers), not an error."""
     m = _Meta(f, arch)
     n_layer = _positive(f, f"{arch}.block_count", m.get_int("block_count"), 1024)
     n_embd = _positive(f, f"{arch}.embedding_length", m.get_int("embedding_length"))
     n_head = _positive(f, f"{arch}.attention.head_count", m.get_int("attention.head_count"), 4096)
     n_head_kv = m.per_layer("attention.head_count_kv", n_layer, n_head)
     for kv in n_head_kv:
+        if no_attention_kv0 and kv == 0:
+            continue
         if kv <= 0 or n_head % kv:
             raise GGUFError(f.path, f"attention.head_count_kv {kv} does not divide head_count {n_head}")
     n_expert = _positive(f, f"{arch}.expert_count", m.get_int("expert_count"), 4096)
@@ -252,7 +287,7 @@ def _common(f: GGUFFile, arch: str) -> dict[str, Any]:
         n_head_kv=n_head_kv,
         n_expert=n_expert,
         n_expert_used=n_used,
-        n_ff_exp=_positive(f, f"{arch}.expert_feed_forward_length", m.get_int("expert_feed_forward_length")),
+        n_ff_exp=_n_ff_exp(m, n_used),
         rms_eps=_in_range(f, f"{arch}.attention.layer_norm_rms_epsilon", m.get_float("attention.layer_norm_rms_epsilon", 1e-6), 0, 1),
     )
 
@@ -401,7 +436,175 @@ def _qwen35moe(f: GGUFFile) -> ModelSpec:
     )
 
 
-READERS = {"qwen3moe": _qwen3moe, "gpt-oss": _gpt_oss, "gemma4": _gemma4, "qwen35moe": _qwen35moe}
+def _glm4moe(f: GGUFFile) -> ModelSpec:
+    arch = "glm4moe"
+    m, c = _Meta(f, arch), _common(f, arch)
+    # llama.cpp's converter counts the NextN/MTP blocks in block_count and puts them
+    # last; the decoder is the blocks before them (llama.cpp skips them too).
+    nextn = m.get_int("nextn_predict_layers", 0)
+    if not 0 <= nextn < c["n_layer"]:
+        raise GGUFError(f.path, f"metadata {m.key('nextn_predict_layers')} = {nextn} is out of range (0..{c['n_layer'] - 1})")
+    n = c["n_layer"] - nextn
+    c.update(n_layer=n, n_head_kv=c["n_head_kv"][:n])
+    hd = _head_dim(m, "attention.key_length", c["n_embd"] // c["n_head"])
+    routing = moe_routing(m, n, c["n_expert"], norm_default=False)  # llama.cpp's defaults when the keys are absent
+    if not f.has(m.key("expert_gating_func")):
+        routing["expert_gating"] = "sigmoid"  # llama.cpp: GLM-4.5 routes by sigmoid unless the file says otherwise
+    shared = routing["n_expert_shared"]
+    return ModelSpec(
+        **c,
+        **routing,
+        head_dim_k=(hd,) * n,
+        head_dim_v=(_head_dim(m, "attention.value_length", hd),) * n,
+        n_ff=_positive(f, m.key("feed_forward_length"), m.get_int("feed_forward_length")) if routing["n_dense_lead"] else 0,
+        rope=_rope(m, hd),
+        sliding_window=0,
+        swa_layers=(False,) * n,
+        tied_output="output.weight" not in f.tensors,
+        n_ff_shexp=c["n_ff_exp"] * shared,  # llama.cpp: the shared experts as one FFN of n_ff_exp × count
+        n_layer_nextn=nextn,
+    )
+
+
+def _lfm2moe(f: GGUFFile) -> ModelSpec:
+    """LFM2-MoE: a layer with 0 kv heads is a short-conv layer (llama.cpp's rule), the
+    rest attend; the first leading_dense_block_count layers have a dense FFN."""
+    arch = "lfm2moe"
+    m, c = _Meta(f, arch), _common(f, arch, no_attention_kv0=True)
+    n, kv = c["n_layer"], c["n_head_kv"]
+    attn_kv = {h for h in kv if h}
+    if len(attn_kv) != 1:
+        raise GGUFError(
+            f.path, f"metadata {m.key('attention.head_count_kv')} must give every attention layer one nonzero count (has {sorted(set(kv))})"
+        )
+    hd = c["n_embd"] // c["n_head"]
+    routing = moe_routing(m, n, c["n_expert"])
+    lead = routing["n_dense_lead"]
+    return ModelSpec(
+        **{**c, "n_head_kv": (attn_kv.pop(),) * n},  # a conv layer's 0 lives on as recurrent_layers: it gets no K/V rows
+        **routing,
+        head_dim_k=(hd,) * n,
+        head_dim_v=(hd,) * n,
+        n_ff=_positive(f, m.key("feed_forward_length"), m.get_int("feed_forward_length")) if lead else 0,
+        rope=_rope(m, hd),
+        sliding_window=0,
+        swa_layers=(False,) * n,
+        tied_output="output.weight" not in f.tensors,
+        recurrent_layers=tuple(h == 0 for h in kv),
+        ssm_conv_kernel=_positive(f, m.key("shortconv.l_cache"), m.get_int("shortconv.l_cache"), 64),
+        shortconv_channels=c["n_embd"],
+    )
+
+
+def _deepseek2(f: GGUFFile) -> ModelSpec:
+    """DeepSeek-V2/V3: MLA (llama.cpp's MQA form: one kv head of key_length =
+    kv_lora_rank + rope dims, value_length = kv_lora_rank), leading dense layers,
+    shared experts of n_ff_exp × expert_shared_count, DeepSeek routing."""
+    arch = "deepseek2"
+    m, c = _Meta(f, arch), _common(f, arch)
+    n = c["n_layer"]
+    if m.get_int("nextn_predict_layers", 0):
+        raise GGUFError(f.path, f"metadata {m.key('nextn_predict_layers')} > 0: files with the MTP block are not supported")
+    if set(c["n_head_kv"]) != {1}:
+        raise GGUFError(f.path, f"metadata {m.key('attention.head_count_kv')} must be 1 (MLA caches one latent head)")
+    if "blk.0.attn_kv_b.weight" in f.tensors and "blk.0.attn_k_b.weight" not in f.tensors:
+        raise GGUFError(f.path, "tensor 'blk.0.attn_kv_b.weight' without attn_k_b/attn_v_b: an MLA file from before the split")
+    if not f.has(m.key("attention.key_length_mla")):
+        raise GGUFError(f.path, f"metadata key {m.key('attention.key_length_mla')!r} is missing (an MLA file from before the split)")
+    kv_lora = _head_dim(m, "attention.kv_lora_rank")
+    rope = _rope(m, 0)
+    if _head_dim(m, "attention.key_length") != kv_lora + rope.dim or _head_dim(m, "attention.value_length") != kv_lora:
+        raise GGUFError(f.path, "MLA: attention.key_length must be kv_lora_rank + rope.dimension_count and value_length kv_lora_rank")
+    log_mul = m.get_float("rope.scaling.yarn_log_multiplier", 0.0) / 0.1  # llama.cpp's converter stores 0.1 × mscale_all_dim
+    if rope.scaling == "yarn" and not log_mul:
+        raise GGUFError(f.path, f"metadata {m.key('rope.scaling.yarn_log_multiplier')} is missing: deepseek2 YaRN needs it")
+    routing = moe_routing(m, n, c["n_expert"], norm_default=False)  # llama.cpp's default: no renormalization
+    lead = routing["n_dense_lead"]
+    return ModelSpec(
+        **c,
+        **routing,
+        head_dim_k=(kv_lora + rope.dim,) * n,
+        head_dim_v=(0,) * n,  # V is a view of the cached latent: nothing more is stored
+        n_ff=_positive(f, m.key("feed_forward_length"), m.get_int("feed_forward_length")) if lead else 0,
+        rope=rope,
+        sliding_window=0,
+        swa_layers=(False,) * n,
+        tied_output="output.weight" not in f.tensors,
+        n_ff_shexp=c["n_ff_exp"] * routing["n_expert_shared"],
+        q_lora_rank=m.get_int("attention.q_lora_rank", 0),
+        kv_lora_rank=kv_lora,
+        head_dim_k_mla=_head_dim(m, "attention.key_length_mla"),
+        head_dim_v_mla=_head_dim(m, "attention.value_length_mla"),
+        rope_yarn_log_mul=log_mul,
+    )
+
+
+def _llama(f: GGUFFile) -> ModelSpec:
+    """Mixtral: llama.cpp writes it as arch `llama` with experts (docs/models.md § mixtral)."""
+    arch = "llama"
+    m = _Meta(f, arch)
+    if m.get_int("expert_count", 0) == 0:
+        raise GGUFError(f.path, "is a dense Llama (llama.expert_count is 0 or absent): moe-pipe runs Mixture-of-Experts models only")
+    if "blk.0.ffn_gate.0.weight" in f.tensors or "blk.0.ffn_down.0.weight" in f.tensors:
+        raise GGUFError(
+            f.path,
+            "stores each expert as its own tensor (blk.N.ffn_gate.E.weight, llama.cpp's layout before 2024-04): "
+            "not supported; re-convert the model with a current llama.cpp or moe-pipe convert",
+        )
+    c = _common(f, arch)
+    n = c["n_layer"]
+    hd = _head_dim(m, "attention.key_length", c["n_embd"] // c["n_head"])
+    if _window(m):  # llama.cpp's llama graph has no sliding window either: a file that asks for one is refused
+        raise GGUFError(f.path, f"metadata {m.key('attention.sliding_window')} is set: sliding-window attention is not supported for llama")
+    return ModelSpec(
+        **c,
+        head_dim_k=(hd,) * n,
+        head_dim_v=(_head_dim(m, "attention.value_length", hd),) * n,
+        n_ff=0,
+        rope=_rope(m, hd),
+        sliding_window=0,
+        swa_layers=(False,) * n,
+        tied_output="output.weight" not in f.tensors,
+    )
+
+
+def _qwen2moe(f: GGUFFile) -> ModelSpec:
+    """Qwen1.5-MoE / Qwen2-MoE: qwen3moe's layout with q/k/v biases, no q/k norm and a
+    gated shared expert; the top-k weights are renormalized only when the file says so."""
+    arch = "qwen2moe"
+    m, c = _Meta(f, arch), _common(f, arch)
+    n = c["n_layer"]
+    hd = _head_dim(m, "attention.key_length", c["n_embd"] // c["n_head"])
+    norm = m.key("expert_weights_norm")
+    shexp = m.key("expert_shared_feed_forward_length")
+    return ModelSpec(
+        **c,
+        head_dim_k=(hd,) * n,
+        head_dim_v=(_head_dim(m, "attention.value_length", hd),) * n,
+        n_ff=0,
+        rope=_rope(m, hd),
+        sliding_window=0,
+        swa_layers=(False,) * n,
+        tied_output="output.weight" not in f.tensors,
+        # llama.cpp's loader: without the key (files before 2024-06) the shared expert is feed_forward_length wide
+        n_ff_shexp=_positive(f, shexp, m.get_int("expert_shared_feed_forward_length" if f.has(shexp) else "feed_forward_length")),
+        # llama.cpp's qwen2moe graph never renormalizes (Qwen1.5-MoE's norm_topk_prob is false); moe-pipe convert
+        # writes the key true for a checkpoint that renormalizes, which llama.cpp then runs without
+        expert_weights_norm=bool(f.meta(norm)) if f.has(norm) else False,
+    )
+
+
+READERS = {
+    "qwen3moe": _qwen3moe,
+    "qwen2moe": _qwen2moe,
+    "gpt-oss": _gpt_oss,
+    "gemma4": _gemma4,
+    "qwen35moe": _qwen35moe,
+    "llama": _llama,
+    "glm4moe": _glm4moe,
+    "lfm2moe": _lfm2moe,
+    "deepseek2": _deepseek2,
+}
 
 
 # What the KV cache stores per element, as a fraction (numerator, denominator) of bytes:
@@ -494,9 +697,25 @@ _VECTOR_TYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16, G
 # What each architecture's load_layer (shared/model/<arch>.py) asks for, so a
 # missing tensor fails at open rather than when a worker builds the model.
 _REQUIRED = ("token_embd.weight", "output_norm.weight")
+# lfm2moe's final norm keeps llama.cpp's name (LFM2's "embedding_norm", applied after the last layer).
+_REQUIRED_TOP = {"lfm2moe": ("token_embd.weight", "token_embd_norm.weight")}
 _ATTN = ("attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_output.weight")
 _REQUIRED_PER_LAYER = {
     "qwen3moe": (*_ATTN, "attn_v.weight", "attn_q_norm.weight", "attn_k_norm.weight", "ffn_norm.weight", "ffn_gate_inp.weight"),
+    "llama": (*_ATTN, "attn_v.weight", "ffn_norm.weight", "ffn_gate_inp.weight"),
+    "qwen2moe": (
+        *_ATTN,
+        "attn_v.weight",
+        "attn_q.bias",
+        "attn_k.bias",
+        "attn_v.bias",
+        "ffn_norm.weight",
+        "ffn_gate_inp.weight",
+        "ffn_gate_inp_shexp.weight",
+        "ffn_gate_shexp.weight",
+        "ffn_up_shexp.weight",
+        "ffn_down_shexp.weight",
+    ),
     "gpt-oss": (
         *_ATTN,
         "attn_v.weight",
@@ -552,12 +771,37 @@ _QWEN35_LINEAR = (
     "ssm_dt.bias",
     "ssm_a",
 )
+# glm4moe: the leading dense layers have a dense FFN, the others a router with its
+# selection bias (and the shared expert when expert_shared_count > 0).
+_GLM4_ATTN = (*_ATTN, "attn_v.weight", "post_attention_norm.weight")
+_GLM4_DENSE = (*_GLM4_ATTN, "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
+_GLM4_MOE = (*_GLM4_ATTN, "ffn_gate_inp.weight", "exp_probs_b.bias")
+_GLM4_SHARED = ("ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight")
+# deepseek2: MLA (attn_q, or attn_q_a → norm → attn_q_b), then a dense FFN or router (+ shared experts).
+_DS2_ATTN: tuple[str, ...] = ("attn_norm.weight", "attn_kv_a_mqa.weight", "attn_kv_a_norm.weight", "attn_k_b.weight")
+_DS2_ATTN += ("attn_v_b.weight", "attn_output.weight", "ffn_norm.weight")
+
+
+def _deepseek2_required(spec: ModelSpec, i: int) -> tuple[str, ...]:
+    q = ("attn_q_a.weight", "attn_q_a_norm.weight", "attn_q_b.weight") if spec.q_lora_rank else ("attn_q.weight",)
+    if not spec.has_experts(i):
+        return (*_DS2_ATTN, *q, "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
+    return (*_DS2_ATTN, *q, "ffn_gate_inp.weight", *(_GLM4_SHARED if spec.n_expert_shared else ()))
 
 
 def required_per_layer(spec: ModelSpec, i: int) -> tuple[str, ...]:
     """The tensors (without "blk.i.") that layer i's forward pass asks for."""
+    if spec.arch == "lfm2moe":  # a short-conv or attention operator, then a dense FFN or the routed experts
+        op = _LFM2_CONV if spec.is_recurrent(i) else _LFM2_ATTN
+        return ("attn_norm.weight", *op, "ffn_norm.weight", *(("ffn_gate_inp.weight",) if spec.has_experts(i) else _LFM2_DENSE))
     if spec.arch == "qwen35moe":
         return _QWEN35_LINEAR if spec.is_recurrent(i) else _QWEN35_ATTN
+    if spec.arch == "deepseek2":
+        return _deepseek2_required(spec, i)
+    if spec.arch == "glm4moe":
+        if not spec.has_experts(i):
+            return _GLM4_DENSE
+        return _GLM4_MOE + (_GLM4_SHARED if spec.n_expert_shared else ())
     return _REQUIRED_PER_LAYER.get(spec.arch, ())
 
 
@@ -600,9 +844,84 @@ def expected_shapes(spec: ModelSpec) -> dict[str, tuple[str, tuple[int, ...], st
                 p + "layer_output_scale.weight": ("vector", (1,), "one scale per layer"),
             }
         )
+        if spec.arch == "lfm2moe":
+            out.update(_lfm2moe_shapes(spec, i))
         if spec.arch == "qwen35moe":
             out.update(_qwen35_shapes(spec, i))
+        if spec.arch == "qwen2moe":  # the shared expert (its gate, [D] or [1, D], is checked when it loads)
+            fs, pi = spec.n_ff_shexp, f"blk.{i}."
+            out[pi + "ffn_gate_shexp.weight"] = ("matrix", (fs, d), f"shared expert width {fs}, n_embd {d}")
+            out[pi + "ffn_up_shexp.weight"] = ("matrix", (fs, d), f"shared expert width {fs}, n_embd {d}")
+            out[pi + "ffn_down_shexp.weight"] = ("matrix", (d, fs), f"n_embd {d}, shared expert width {fs}")
+        if spec.arch == "glm4moe":
+            out.update(_glm4moe_shapes(spec, i))
+        if spec.arch == "deepseek2":
+            out.update(_deepseek2_shapes(spec, i))
     return out
+
+
+def _deepseek2_shapes(spec: ModelSpec, i: int) -> dict[str, tuple[str, tuple[int, ...], str]]:
+    """deepseek2's MLA tensors in layer i (numpy order), and its FFNs as glm4moe's
+    (a leading dense layer's n_ff-wide FFN, or the shared experts)."""
+    p, d, h, r = f"blk.{i}.", spec.n_embd, spec.n_head, spec.kv_lora_rank
+    qk, rope, v, ql = spec.head_dim_k_mla, spec.rope.dim, spec.head_dim_v_mla, spec.q_lora_rank
+    nope, heads = qk - rope, f"{h} heads"
+    out = _glm4moe_shapes(spec, i)
+    out.pop(p + "exp_probs_b.bias", None)  # optional here (V2 has none); its shape is checked below when present
+    out.update(
+        {
+            p + "attn_q.weight": ("matrix", (h * qk, d), f"{heads} × {qk} (nope + rope), n_embd {d}"),
+            p + "attn_q_a.weight": ("matrix", (ql, d), f"q_lora_rank {ql}, n_embd {d}"),
+            p + "attn_q_a_norm.weight": ("vector", (ql,), f"q_lora_rank {ql}"),
+            p + "attn_q_b.weight": ("matrix", (h * qk, ql), f"{heads} × {qk}, q_lora_rank {ql}"),
+            p + "attn_kv_a_mqa.weight": ("matrix", (r + rope, d), f"kv_lora_rank {r} + {rope} rope dims, n_embd {d}"),
+            p + "attn_kv_a_norm.weight": ("vector", (r,), f"kv_lora_rank {r}"),
+            p + "attn_k_b.weight": ("matrix", (h, r, nope), f"{heads}, kv_lora_rank {r}, {nope} nope dims"),
+            p + "attn_v_b.weight": ("matrix", (h, v, r), f"{heads}, {v} value dims, kv_lora_rank {r}"),
+            p + "attn_output.weight": ("matrix", (d, h * v), f"n_embd {d}, {heads} × {v} value dims"),
+        }
+    )
+    if spec.has_experts(i):
+        out[p + "exp_probs_b.bias"] = ("vector", (spec.n_expert,), f"{spec.n_expert} experts")
+    return out
+
+
+def _glm4moe_shapes(spec: ModelSpec, i: int) -> dict[str, tuple[str, tuple[int, ...], str]]:
+    """glm4moe's own tensors in layer i: a leading dense layer's FFN (n_ff wide), or
+    the routed layer's selection bias and shared expert (n_ff_exp × expert_shared_count)."""
+    p, d, e = f"blk.{i}.", spec.n_embd, spec.n_expert
+    if not spec.has_experts(i):
+        f = spec.n_ff
+        return {
+            p + "ffn_gate.weight": ("matrix", (f, d), f"feed_forward_length {f}, n_embd {d}"),
+            p + "ffn_up.weight": ("matrix", (f, d), f"feed_forward_length {f}, n_embd {d}"),
+            p + "ffn_down.weight": ("matrix", (d, f), f"n_embd {d}, feed_forward_length {f}"),
+        }
+    fs = spec.n_ff_shexp
+    return {
+        p + "exp_probs_b.bias": ("vector", (e,), f"{e} experts"),
+        p + "ffn_gate_shexp.weight": ("matrix", (fs, d), f"shared expert width {fs}, n_embd {d}"),
+        p + "ffn_up_shexp.weight": ("matrix", (fs, d), f"shared expert width {fs}, n_embd {d}"),
+        p + "ffn_down_shexp.weight": ("matrix", (d, fs), f"n_embd {d}, shared expert width {fs}"),
+    }
+
+
+_LFM2_CONV = ("shortconv.in_proj.weight", "shortconv.conv.weight", "shortconv.out_proj.weight")
+_LFM2_ATTN = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight", "attn_q_norm.weight", "attn_k_norm.weight")
+_LFM2_DENSE = ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
+
+
+def _lfm2moe_shapes(spec: ModelSpec, i: int) -> dict[str, tuple[str, tuple[int, ...], str]]:
+    """lfm2moe's own tensors in layer i: the short conv (in_proj → B, C, x; a depthwise
+    conv of width l_cache), the experts' selection bias; and the final norm."""
+    p, d, e, k = f"blk.{i}.", spec.n_embd, spec.n_expert, spec.ssm_conv_kernel
+    return {
+        "token_embd_norm.weight": ("vector", (d,), f"n_embd {d}"),
+        p + "shortconv.in_proj.weight": ("matrix", (3 * d, d), f"3 × n_embd {d} (B, C, x), n_embd {d}"),
+        p + "shortconv.conv.weight": ("vector", (d, k), f"n_embd {d} channels × l_cache {k}"),
+        p + "shortconv.out_proj.weight": ("matrix", (d, d), f"n_embd {d}, n_embd {d}"),
+        p + "exp_probs_b.bias": ("vector", (e,), f"{e} experts"),
+    }
 
 
 def _qwen35_shapes(spec: ModelSpec, i: int) -> dict[str, tuple[str, tuple[int, ...], str]]:
@@ -640,7 +959,7 @@ def check_tensors(f: GGUFFile, spec: ModelSpec) -> None:
     from moe_pipe.shared.quant.blocks import FORMATS  # lazy: the quant package brings numba (~0.2 s) with it
 
     tensors = f.tensors
-    for name in _REQUIRED:
+    for name in _REQUIRED_TOP.get(spec.arch, _REQUIRED):
         f.tensor(name)  # a GGUFError naming it when absent
     for i in range(spec.n_layer):
         for name in required_per_layer(spec, i):

@@ -78,6 +78,54 @@ _QWEN_ADDED = [
 ]
 QWEN_REAL = {"vocab": 151936, "first_special": 151643}
 
+# GLM-4.5's added tokens from id 151329, in order (its tokenizer_config.json).
+# The <|...|>, [xMASK], <sop>, <eop> ones are control tokens; the tag-like ones
+# are plain added tokens (their text shows in output: <think>, <tool_call>, ...).
+_GLM4_ADDED = [
+    "<|endoftext|>",
+    "[MASK]",
+    "[gMASK]",
+    "[sMASK]",
+    "<sop>",
+    "<eop>",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|observation|>",
+    "<|begin_of_image|>",
+    "<|end_of_image|>",
+    "<|begin_of_video|>",
+    "<|end_of_video|>",
+    "<|begin_of_audio|>",
+    "<|end_of_audio|>",
+    "<|begin_of_transcription|>",
+    "<|end_of_transcription|>",
+    "<|code_prefix|>",
+    "<|code_middle|>",
+    "<|code_suffix|>",
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+    "<arg_key>",
+    "</arg_key>",
+    "<arg_value>",
+    "</arg_value>",
+    "/nothink",
+    "<|begin_of_box|>",
+    "<|end_of_box|>",
+    "<|image|>",
+    "<|video|>",
+]
+GLM4_REAL = {"vocab": 151552, "first_special": 151329}
+# llama.cpp's "glm4" pre-split: llama3's (1-3 digit groups), contraction group expanded.
+LLAMA3_REGEX = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
 # o200k_harmony ids 199998..200018; None = <|reserved_n|> (control).
 _HARMONY = [
     "<|startoftext|>",
@@ -144,6 +192,9 @@ class Vocab:
     pad: int
     unk: int | None
     add_bos: bool
+    eot: int | None = None  # tokenizer.ggml.eot_token_id / eom_token_id (glm4moe), also end-of-generation
+    eom: int | None = None
+    scores: tuple[float, ...] = ()  # tokenizer.ggml.scores (llama SPM: the merge priority of each piece)
 
     def id(self, token: str) -> int:
         return self.tokens.index(token)
@@ -161,6 +212,10 @@ def build_vocab(arch: str, size: int, n_bpe: int) -> Vocab:
         return _harmony_vocab(size, n_bpe)
     if arch == "gemma4":
         return _gemma_vocab(size, n_bpe)
+    if arch == "llama":
+        return _llama_vocab(size, n_bpe)
+    if arch == "glm4moe":
+        return _glm4_vocab(size, n_bpe)
     raise ValueError(f"no vocab for arch {arch!r}")
 
 
@@ -260,6 +315,29 @@ def _harmony_vocab(size: int, n_bpe: int) -> Vocab:
     )
 
 
+def _glm4_vocab(size: int, n_bpe: int) -> Vocab:
+    bpe, merges = train_byte_level(LLAMA3_REGEX, n_bpe)
+    block = [(t, CONTROL if t.startswith(("<|", "[", "<sop", "<eop")) else USER_DEFINED) for t in _GLM4_ADDED]
+    _check_fits("glm4moe", size, len(bpe), len(block))
+    at = GLM4_REAL["first_special"] if size == GLM4_REAL["vocab"] else len(bpe)
+    tokens, types = _fill(size, bpe, block, at, lambda i: f"[PAD{i}]")
+    return Vocab(
+        model="gpt2",
+        pre="glm4",
+        regex=LLAMA3_REGEX,
+        tokens=tuple(tokens),
+        types=tuple(types),
+        merges=merges,
+        bos=at + 2,  # [gMASK], as llama.cpp's converter sets it (its "glm4" loader then adds no BOS)
+        eos=at,  # <|endoftext|>
+        pad=at,
+        unk=at,
+        add_bos=False,
+        eot=at + 7,  # <|user|>: the model's turn is over
+        eom=at + 9,  # <|observation|>: a tool call waits for its result
+    )
+
+
 # --- SPM-style BPE (gemma4) ---------------------------------------------------
 
 
@@ -316,6 +394,63 @@ def _gemma_vocab(size: int, n_bpe: int) -> Vocab:
         unk=3,
         add_bos=True,
     )
+
+
+# --- SentencePiece (llama: Mixtral) -------------------------------------------
+
+_LLAMA_LOW = [("<unk>", UNKNOWN), ("<s>", CONTROL), ("</s>", CONTROL)]
+
+
+def _llama_vocab(size: int, n_bpe: int) -> Vocab:
+    """Llama/Mistral's layout: <unk> <s> </s>, the 256 byte pieces, then the pieces,
+    each scored by when training made it (earlier = higher), as SentencePiece's
+    BPE scores are; run by llama.cpp's SPM merge (`spm_merges`)."""
+    pieces, _ = train_spm_style(n_bpe)
+    tokens = [t for t, _ in _LLAMA_LOW] + [f"<0x{b:02X}>" for b in range(256)]
+    types = [ty for _, ty in _LLAMA_LOW] + [BYTE] * 256
+    seen = set(tokens)
+    tokens += [p for p in pieces if p not in seen]
+    types += [NORMAL] * (len(tokens) - len(types))
+    if len(tokens) > size:
+        raise ValueError(f"llama: vocab size {size} cannot hold {len(tokens)} tokens")
+    scores = [0.0] * len(_LLAMA_LOW) + [0.0] * 256 + [-float(k) for k in range(len(tokens) - len(_LLAMA_LOW) - 256)]
+    for i in range(len(tokens), size):
+        tokens.append(f"<unused{i}>")
+        types.append(UNUSED)
+        scores.append(0.0)
+    return Vocab(
+        model="llama",
+        pre="default",
+        regex="",
+        tokens=tuple(tokens),
+        types=tuple(types),
+        merges=(),
+        bos=1,
+        eos=2,
+        pad=0,
+        unk=0,
+        add_bos=True,
+        scores=tuple(scores),
+    )
+
+
+def spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
+    """llama.cpp's SentencePiece merge as BPE merges: SPM repeatedly joins the
+    adjacent pair whose concatenation is a piece with the highest score (ties:
+    leftmost); a BPE whose merges are every split (a, b) of every piece, ranked
+    by that piece's score, does the same. Byte and unused pieces are never made
+    by a merge. The splits of one piece keep their left part's length order."""
+    ids = {t: i for i, t in enumerate(tokens)}
+    found: list[tuple[float, int, int, str, str]] = []
+    for i, piece in enumerate(tokens):
+        if types[i] in (BYTE, UNUSED) or len(piece) < 2:
+            continue
+        for cut in range(1, len(piece)):
+            a, b = piece[:cut], piece[cut:]
+            if a in ids and b in ids:
+                found.append((-scores[i], i, cut, a, b))
+    found.sort()
+    return [(a, b) for _, _, _, a, b in found]
 
 
 def hf_tokenizer(vocab: Vocab):

@@ -123,10 +123,10 @@ CATALOG: tuple[Entry, ...] = (
         "bartowski/DeepSeek-V2-Lite-Chat-GGUF",
         "Q4_K_M",
         "deepseek-v2-lite.toml",
-        10_400_000_000,
-        899_678_208,
+        10_366_269_888,
+        893_190_144,
         1,
-        ESTIMATE,
+        "shape preset deepseek-v2-lite-shape",
     ),
     # 45 MoE layers (the first is dense) x top-8 of 128, 4096 x 1408 experts; unsloth keeps it in a Q4_K_M/ folder, 2 shards
     Entry(
@@ -136,10 +136,10 @@ CATALOG: tuple[Entry, ...] = (
         "unsloth/GLM-4.5-Air-GGUF",
         "Q4_K_M",
         "glm45air.toml",
-        72_900_000_000,
-        4_152_360_960,
+        70_442_319_552,
+        4_126_408_704,
         2,
-        ESTIMATE,
+        "shape preset glm45air-shape (without the NextN block)",
     ),
     # 32 layers x top-2 of 8, 4096 x 14336 experts
     Entry(
@@ -149,10 +149,10 @@ CATALOG: tuple[Entry, ...] = (
         "TheBloke/Mixtral-8x7B-Instruct-v0.1-GGUF",
         "Q4_K_M",
         "mixtral-8x7b.toml",
-        26_440_000_000,
+        28_448_643_040,
         6_826_229_760,
         1,
-        ESTIMATE,
+        "shape preset mixtral-8x7b-shape",
     ),
     # 22 MoE layers (the first 2 are dense) x top-4 of 32, 2048 x 1792 experts
     Entry(
@@ -162,10 +162,10 @@ CATALOG: tuple[Entry, ...] = (
         "LiquidAI/LFM2-8B-A1B-GGUF",
         "Q4_K_M",
         "lfm2-8b.toml",
-        5_040_000_000,
-        586_629_120,
+        5_044_370_560,
+        582_844_416,
         1,
-        ESTIMATE,
+        "shape preset lfm2-8b-shape",
     ),
     # 24 layers x top-4 of 60, 2048 x 1408 experts (the 5632-wide shared expert stays resident)
     Entry(

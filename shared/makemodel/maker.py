@@ -34,7 +34,7 @@ from gguf import GGUFWriter, LlamaFileType, RopeScalingType
 
 from moe_pipe.shared.errors import UserError
 from moe_pipe.shared.gguf.vocab import DATA_DIR, Vocab, build_vocab
-from moe_pipe.shared.makemodel.families import FAMILY_LAYERS, count_attn_v
+from moe_pipe.shared.makemodel.families import FAMILY_KV, FAMILY_LAYERS, FAMILY_META, FAMILY_VOCAB, FINAL_NORM, TIED_HEAD, count_attn_v
 from moe_pipe.shared.makemodel.presets import ARCHES, MIX_NAME, PRESETS, ROUTER, SHAPE_PRESET_ARCH, Preset, fit_type, get_preset, real_mix
 from moe_pipe.shared.quant.blocks import block_format, qtype_from_name, random_blocks
 
@@ -100,7 +100,10 @@ def make_model(
     """
     p = _resolve(arch, preset, layers, _overrides)
     override = _parse_quant(quant)
-    vocab = build_vocab("qwen3moe" if arch == "qwen35moe" else arch, p.vocab_size, p.n_bpe)  # Qwen3.5: Qwen's byte-level BPE
+    if arch in FAMILY_VOCAB:
+        vocab = FAMILY_VOCAB[arch](p.vocab_size, p.n_bpe)
+    else:
+        vocab = build_vocab("qwen3moe" if arch == "qwen35moe" else arch, p.vocab_size, p.n_bpe)  # Qwen3.5: Qwen's byte-level BPE
     specs = plan_tensors(arch, p, override)
     total = sum(s.nbytes for s in specs)
 
@@ -243,8 +246,8 @@ def plan_tensors(arch: str, p: Preset, override: Q | None = None) -> list[Tensor
     specs = [W("token_embd.weight", (V, D), "embd")]
     if arch == "gemma4":
         specs.append(TensorSpec("rope_freqs.weight", (p.head_dim_full // 2,), Q.F32, "rope_freqs", p.partial_rotary))
-    specs.append(F("output_norm.weight", (D,), "norm"))
-    if arch != "gemma4":  # gemma4 ties the output head to token_embd
+    specs.append(F(FINAL_NORM.get(arch, "output_norm.weight"), (D,), "norm"))
+    if arch not in TIED_HEAD:  # gemma4, lfm2moe tie the output head to token_embd
         specs.append(W("output.weight", (V, D), "output"))
 
     for i in range(p.n_layer):
@@ -569,8 +572,12 @@ def _add_metadata(w: GGUFWriter, arch: str, preset: str, p: Preset, v: Vocab, ov
         w.add_shared_kv_layers(0)
         w.add_embedding_length_per_layer_input(0)
         w.add_final_logit_softcapping(p.final_softcap)
+    elif arch == "deepseek2":  # MLA as one cached head: K = the latent and the rope part, V = the latent
+        w.add_head_count_kv(1)
+        w.add_key_length(p.kv_lora_rank + p.qk_rope_dim)
+        w.add_value_length(p.kv_lora_rank)
     else:
-        w.add_head_count_kv(p.n_head_kv)
+        w.add_head_count_kv(FAMILY_KV[arch](p) if arch in FAMILY_KV else p.n_head_kv)
         w.add_key_length(p.head_dim)
         w.add_value_length(p.head_dim)
     if arch == "qwen35moe":
@@ -583,6 +590,8 @@ def _add_metadata(w: GGUFWriter, arch: str, preset: str, p: Preset, v: Vocab, ov
         w.add_ssm_group_count(p.ssm_groups)
         w.add_ssm_time_step_rank(p.ssm_heads)
         w.add_ssm_inner_size(p.ssm_heads * p.ssm_state)
+    if arch in FAMILY_META:  # the later families' own keys (shared/makemodel/families.py)
+        FAMILY_META[arch](w, p)
     if arch == "gpt-oss":
         w.add_sliding_window(p.sliding_window)
         w.add_rope_scaling_type(RopeScalingType.YARN)
@@ -593,12 +602,19 @@ def _add_metadata(w: GGUFWriter, arch: str, preset: str, p: Preset, v: Vocab, ov
     w.add_tokenizer_pre(v.pre)
     w.add_token_list(list(v.tokens))
     w.add_token_types([int(t) for t in v.types])
-    w.add_token_merges(list(v.merges))
+    if v.merges:  # a SentencePiece (llama) vocab has scores instead
+        w.add_token_merges(list(v.merges))
+    if v.scores:
+        w.add_token_scores(list(v.scores))
     w.add_bos_token_id(v.bos)
     w.add_eos_token_id(v.eos)
     w.add_pad_token_id(v.pad)
     if v.unk is not None:
         w.add_unk_token_id(v.unk)
+    if v.eot is not None:  # glm4moe: llama.cpp ends generation on these too
+        w.add_eot_token_id(v.eot)
+    if v.eom is not None:
+        w.add_eom_token_id(v.eom)
     w.add_add_bos_token(v.add_bos)
     if arch == "gemma4":
         w.add_add_space_prefix(False)

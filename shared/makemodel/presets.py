@@ -14,13 +14,30 @@ from dataclasses import dataclass
 
 from gguf import GGMLQuantizationType as Q
 
-ARCHES = ("qwen3moe", "gpt-oss", "gemma4", "qwen35moe")
-PRESETS = ("tiny", "small", "qwen30b-shape", "gptoss120b-shape", "gemma26b-shape", "qwen35-35b-shape")
+ARCHES = ("qwen3moe", "gpt-oss", "gemma4", "qwen35moe", "llama", "glm4moe", "lfm2moe", "deepseek2", "qwen2moe")
+PRESETS = (
+    "tiny",
+    "small",
+    "qwen30b-shape",
+    "gptoss120b-shape",
+    "gemma26b-shape",
+    "qwen35-35b-shape",
+    "mixtral-8x7b-shape",
+    "glm45air-shape",
+    "lfm2-8b-shape",
+    "deepseek-v2-lite-shape",
+    "qwen15-moe-shape",
+)
 SHAPE_PRESET_ARCH = {
     "qwen30b-shape": "qwen3moe",
     "gptoss120b-shape": "gpt-oss",
     "gemma26b-shape": "gemma4",
     "qwen35-35b-shape": "qwen35moe",
+    "mixtral-8x7b-shape": "llama",
+    "glm45air-shape": "glm4moe",
+    "lfm2-8b-shape": "lfm2moe",
+    "deepseek-v2-lite-shape": "deepseek2",
+    "qwen15-moe-shape": "qwen2moe",
 }
 
 
@@ -61,9 +78,34 @@ class Preset:
     ssm_state: int = 0  # key = value head width
     ssm_conv_kernel: int = 0
     n_ff_shexp: int = 0
+    # glm4moe: leading dense layers (width n_ff), shared experts (n_ff_exp each),
+    # grouped routing, routed scaling, q/k/v biases, per-head q/k norms
+    n_dense_lead: int = 0
+    n_expert_shared: int = 0
+    expert_groups: int = 1
+    expert_groups_used: int = 1
+    expert_weights_scale: float = 1.0
+    attn_bias: bool = False
+    qk_norm: bool = False
+    # lfm2moe: the attention layers (the others are short convolutions of width ssm_conv_kernel)
+    attn_layers: tuple[int, ...] = ()
+    # deepseek2: multi-head latent attention (head_dim is the value head width, n_head_kv 1),
+    # V3-style sigmoid routing with a selection bias (else V2's softmax, never renormalized),
+    # YaRN's magnitude term as the GGUF stores it (0.1 × mscale_all_dim)
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_nope_dim: int = 0
+    qk_rope_dim: int = 0
+    expert_gating_sigmoid: bool = False
+    yarn_log_mul: float = 0.0
 
     def is_recurrent(self, i: int) -> bool:
-        """Whether layer i is a linear-attention layer (qwen35moe)."""
+        """Whether layer i is a linear-attention (qwen35moe) or short-conv (lfm2moe) layer."""
+        if self.attn_layers:
+            # A depth cut above the first attention layer (lfm2-8b-shape --layers 2) makes its
+            # last layer attend: a model must attend somewhere (llama.cpp, the spec reader).
+            last_attends = i == self.n_layer - 1 and min(self.attn_layers) >= self.n_layer
+            return i not in self.attn_layers and not last_attends
         return bool(self.full_attn_interval) and (i + 1) % self.full_attn_interval != 0
 
     def is_swa(self, i: int) -> bool:
@@ -335,7 +377,355 @@ _P = {
         ssm_conv_kernel=4,
         n_ff_shexp=512,
     ),
+    # --------------------------------------------------------- llama (Mixtral)
+    # llama.cpp writes Mixtral as arch llama; its experts are feed_forward_length wide (n_ff = n_ff_exp).
+    ("llama", "tiny"): Preset(
+        "tiny",
+        n_layer=4,
+        n_embd=256,
+        n_head=8,
+        n_head_kv=2,
+        head_dim=32,
+        n_expert=8,
+        n_expert_used=2,
+        n_ff_exp=256,
+        n_ff=256,
+        vocab_size=2048,
+        n_bpe=1600,
+        context_length=4096,
+        rms_eps=1e-5,
+        rope_base=1e6,
+    ),
+    ("llama", "small"): Preset(
+        "small",
+        n_layer=8,
+        n_embd=1024,
+        n_head=16,
+        n_head_kv=4,
+        head_dim=64,
+        n_expert=8,
+        n_expert_used=2,
+        n_ff_exp=1024,
+        n_ff=1024,
+        vocab_size=8192,
+        n_bpe=4096,
+        context_length=8192,
+        rms_eps=1e-5,
+        rope_base=1e6,
+    ),
+    ("llama", "mixtral-8x7b-shape"): Preset(  # Mixtral-8x7B-v0.1 / Instruct-v0.1
+        "mixtral-8x7b-shape",
+        n_layer=32,
+        n_embd=4096,
+        n_head=32,
+        n_head_kv=8,
+        head_dim=128,
+        n_expert=8,
+        n_expert_used=2,
+        n_ff_exp=14336,
+        n_ff=14336,
+        vocab_size=32000,
+        n_bpe=4096,
+        context_length=32768,
+        rms_eps=1e-5,
+        rope_base=1e6,
+    ),
 }
+
+_P.update(
+    {
+        # ------------------------------------------------------------------- glm4moe
+        # tiny and small: one leading dense layer, grouped routing (2 of 4 groups), biases on, qk-norm off (as in Air)
+        ("glm4moe", "tiny"): Preset(
+            "tiny",
+            n_layer=4,
+            n_embd=256,
+            n_head=8,
+            n_head_kv=2,
+            head_dim=32,
+            n_expert=16,
+            n_expert_used=4,
+            n_ff_exp=128,
+            n_ff=512,
+            vocab_size=2048,
+            n_bpe=1600,
+            context_length=4096,
+            rms_eps=1e-5,
+            rope_base=1e6,
+            partial_rotary=0.5,
+            n_dense_lead=1,
+            n_expert_shared=1,
+            expert_groups=4,
+            expert_groups_used=2,
+            attn_bias=True,
+        ),
+        ("glm4moe", "small"): Preset(
+            "small",
+            n_layer=8,
+            n_embd=1024,
+            n_head=16,
+            n_head_kv=4,
+            head_dim=64,
+            n_expert=32,
+            n_expert_used=4,
+            n_ff_exp=256,
+            n_ff=2048,
+            vocab_size=8192,
+            n_bpe=4096,
+            context_length=8192,
+            rms_eps=1e-5,
+            rope_base=1e6,
+            partial_rotary=0.5,
+            n_dense_lead=1,
+            n_expert_shared=1,
+            expert_groups=4,
+            expert_groups_used=2,
+            attn_bias=True,
+        ),
+        # GLM-4.5-Air (zai-org/GLM-4.5-Air config.json; transformers' Glm4MoeConfig defaults agree):
+        # 46 decoder layers (+1 NextN block not made), layer 0 dense, 128 experts top-8, 1 shared,
+        # no expert groups, routed scaling 1.0, q/k/v biases, no qk-norm, half the head rotated.
+        ("glm4moe", "glm45air-shape"): Preset(
+            "glm45air-shape",
+            n_layer=46,
+            n_embd=4096,
+            n_head=96,
+            n_head_kv=8,
+            head_dim=128,
+            n_expert=128,
+            n_expert_used=8,
+            n_ff_exp=1408,
+            n_ff=10944,
+            vocab_size=151552,
+            n_bpe=4096,
+            context_length=131072,
+            rms_eps=1e-5,
+            rope_base=1e6,
+            partial_rotary=0.5,
+            n_dense_lead=1,
+            n_expert_shared=1,
+            attn_bias=True,
+        ),
+    }
+)
+
+_P.update(
+    {
+        # ------------------------------------------------------------------- lfm2moe
+        # Heads are n_embd / n_head wide (llama.cpp's lfm2moe has no head-width key).
+        # tiny: conv, attention, conv, attention; layer 0 dense.
+        ("lfm2moe", "tiny"): Preset(
+            "tiny",
+            n_layer=4,
+            n_embd=256,
+            n_head=4,
+            n_head_kv=2,
+            head_dim=64,
+            n_expert=8,
+            n_expert_used=2,
+            n_ff_exp=256,
+            n_ff=512,
+            vocab_size=2048,
+            n_bpe=1600,
+            context_length=4096,
+            rms_eps=1e-5,
+            rope_base=1e6,
+            ssm_conv_kernel=3,
+            n_dense_lead=1,
+            attn_layers=(1, 3),
+        ),
+        ("lfm2moe", "small"): Preset(
+            "small",
+            n_layer=8,
+            n_embd=1024,
+            n_head=16,
+            n_head_kv=4,
+            head_dim=64,
+            n_expert=16,
+            n_expert_used=4,
+            n_ff_exp=512,
+            n_ff=2048,
+            vocab_size=8192,
+            n_bpe=4096,
+            context_length=8192,
+            rms_eps=1e-5,
+            rope_base=1e6,
+            ssm_conv_kernel=3,
+            n_dense_lead=2,
+            attn_layers=(2, 5),
+        ),
+        # LFM2-8B-A1B (LiquidAI/LFM2-8B-A1B config.json; transformers' Lfm2MoeConfig defaults agree
+        # but for its 32 layers): 24 layers, attention at 2, 6, 10, 14, 18, 21 (the other 18 short
+        # convolutions of width 3), layers 0-1 dense (7168 wide), 32 experts of 1792 top-4, tied head.
+        ("lfm2moe", "lfm2-8b-shape"): Preset(
+            "lfm2-8b-shape",
+            n_layer=24,
+            n_embd=2048,
+            n_head=32,
+            n_head_kv=8,
+            head_dim=64,
+            n_expert=32,
+            n_expert_used=4,
+            n_ff_exp=1792,
+            n_ff=7168,
+            vocab_size=65536,
+            n_bpe=4096,
+            context_length=128000,
+            rms_eps=1e-5,
+            rope_base=1e6,
+            ssm_conv_kernel=3,
+            n_dense_lead=2,
+            attn_layers=(2, 6, 10, 14, 18, 21),
+        ),
+    }
+)
+
+# ---------------------------------------------------------------------- deepseek2
+# All three in DeepSeek-V2-Lite's form: q_lora_rank 0 (plain attn_q), one leading dense
+# layer, 2 shared experts, softmax top-k never renormalized, routed scale 1.0. tiny and
+# small have 16 experts, not 8: llama.cpp's quantizer gives 8-expert models other attention types.
+_P.update(
+    {
+        ("deepseek2", "tiny"): Preset(
+            "tiny",
+            n_layer=4,
+            n_embd=256,
+            n_head=4,
+            n_head_kv=1,
+            head_dim=64,
+            n_expert=16,
+            n_expert_used=4,
+            n_ff_exp=128,
+            n_ff=512,
+            vocab_size=2048,
+            n_bpe=1600,
+            context_length=4096,
+            rms_eps=1e-6,
+            rope_base=10000.0,
+            n_dense_lead=1,
+            n_expert_shared=2,
+            kv_lora_rank=128,
+            qk_nope_dim=64,
+            qk_rope_dim=32,
+        ),
+        ("deepseek2", "small"): Preset(
+            "small",
+            n_layer=8,
+            n_embd=1024,
+            n_head=8,
+            n_head_kv=1,
+            head_dim=128,
+            n_expert=32,
+            n_expert_used=6,
+            n_ff_exp=512,
+            n_ff=4096,
+            vocab_size=8192,
+            n_bpe=4096,
+            context_length=8192,
+            rms_eps=1e-6,
+            rope_base=10000.0,
+            n_dense_lead=1,
+            n_expert_shared=2,
+            kv_lora_rank=256,
+            qk_nope_dim=128,
+            qk_rope_dim=64,
+        ),
+        # DeepSeek-V2-Lite (and -Chat; deepseek-ai's config.json): 27 layers, layer 0 dense
+        # (10944 wide), 64 experts top-6 of 1408, 2 shared, 16 heads of 128 nope + 64 rope
+        # (values 128), kv_lora_rank 512, no q_lora, YaRN ×40 over 4096 (mscale_all_dim 0.707).
+        ("deepseek2", "deepseek-v2-lite-shape"): Preset(
+            "deepseek-v2-lite-shape",
+            n_layer=27,
+            n_embd=2048,
+            n_head=16,
+            n_head_kv=1,
+            head_dim=128,
+            n_expert=64,
+            n_expert_used=6,
+            n_ff_exp=1408,
+            n_ff=10944,
+            vocab_size=102400,
+            n_bpe=4096,
+            context_length=163840,
+            rms_eps=1e-6,
+            rope_base=10000.0,
+            yarn_factor=40.0,
+            yarn_orig_ctx=4096,
+            yarn_log_mul=0.0707,
+            n_dense_lead=1,
+            n_expert_shared=2,
+            kv_lora_rank=512,
+            qk_nope_dim=128,
+            qk_rope_dim=64,
+        ),
+    }
+)
+
+
+# ----------------------------------------------------------------------- qwen2moe
+# q/k/v biases and a shared expert on every layer; tiny and small have 16 and 32 experts
+# (llama.cpp's quantizer gives 8-expert models other attention types) and expert widths
+# that are not whole K-quant rows, so the down projections fall back as the real 1408's do.
+_P.update(
+    {
+        ("qwen2moe", "tiny"): Preset(
+            "tiny",
+            n_layer=4,
+            n_embd=256,
+            n_head=4,
+            n_head_kv=2,
+            head_dim=64,
+            n_expert=16,
+            n_expert_used=4,
+            n_ff_exp=128,
+            n_ff=256,
+            vocab_size=2048,
+            n_bpe=1600,
+            context_length=4096,
+            rms_eps=1e-6,
+            rope_base=1e6,
+            n_ff_shexp=256,
+        ),
+        ("qwen2moe", "small"): Preset(
+            "small",
+            n_layer=8,
+            n_embd=1024,
+            n_head=16,
+            n_head_kv=4,
+            head_dim=64,
+            n_expert=32,
+            n_expert_used=4,
+            n_ff_exp=352,
+            n_ff=1408,
+            vocab_size=8192,
+            n_bpe=4096,
+            context_length=8192,
+            rms_eps=1e-6,
+            rope_base=1e6,
+            n_ff_shexp=1408,
+        ),
+        # Qwen1.5-MoE-A2.7B (Qwen's config.json): 24 layers, D 2048, 16 heads of 128 (16 kv heads),
+        # 60 experts top-4 of 1408 (never renormalized), a 5632-wide shared expert, dense width 5632.
+        ("qwen2moe", "qwen15-moe-shape"): Preset(
+            "qwen15-moe-shape",
+            n_layer=24,
+            n_embd=2048,
+            n_head=16,
+            n_head_kv=16,
+            head_dim=128,
+            n_expert=60,
+            n_expert_used=4,
+            n_ff_exp=1408,
+            n_ff=5632,
+            vocab_size=151936,
+            n_bpe=4096,
+            context_length=8192,
+            rms_eps=1e-6,
+            rope_base=1e6,
+            n_ff_shexp=5632,
+        ),
+    }
+)
 
 
 def get_preset(arch: str, preset: str) -> Preset | None:
@@ -415,6 +805,23 @@ ROUTER = {
     "gemma4": RouterShape(logit_std=1.0),
     # Not calibrated (no trace of Qwen3.5): qwen3moe's gate sharpness, its stream unshaped.
     "qwen35moe": RouterShape(logit_std=5.0, depth_exp=0.4),
+    # Not calibrated (no Mixtral trace): qwen3moe's gate sharpness, its stream unshaped.
+    "llama": RouterShape(logit_std=5.0, depth_exp=0.4),
+    # Not calibrated (no GLM trace). Sigmoid gates: logits of unit spread keep the chosen
+    # experts' σ in its sensitive range (≈ 0.85-0.95), where the selection bias nudges
+    # rather than decides; qwen3moe's 5.0 would saturate σ and leave the choice to the bias.
+    "glm4moe": RouterShape(logit_std=1.0),
+    # Not calibrated (no LFM2 trace). Sigmoid gates as glm4moe's, unit logit spread. Its stream
+    # holds little context average (short convs span 3 tokens; 1 layer in 4 attends), so
+    # routing turns over like gpt-oss's rather than freezing: lfm2-8b-shape cut to 8 layers,
+    # 40 greedy tokens after corpus text were all distinct, decode LRU hit at a 20 % cache
+    # 16-17 % (near-uniform routing) at logit scales 0.5-4 alike.
+    "lfm2moe": RouterShape(logit_std=1.0),
+    # Not calibrated (no DeepSeek trace): softmax gates as qwen3moe's, its sharpness and depth rule.
+    "deepseek2": RouterShape(logit_std=5.0, depth_exp=0.4),
+    # Not calibrated (no Qwen1.5-MoE trace): qwen3moe's softmax sharpness and depth rule, its stream
+    # unshaped; the top-k weights are not renormalized, so the routed sum is p-weighted as in the real model.
+    "qwen2moe": RouterShape(logit_std=5.0, depth_exp=0.4),
 }
 
 
@@ -442,14 +849,22 @@ def real_mix(arch: str, role: str, layer: int, n_layer: int, v_index: int, n_v: 
     """The type of weight matrix `role` in the real file's quant mix, before the ne0 fallback.
 
     Roles: embd, output, attn_q, attn_k, attn_v, attn_output, ffn_gate, ffn_up,
-    ffn_down, ffn_gate_exps, ffn_up_exps, ffn_gate_up_exps, ffn_down_exps.
+    ffn_down, ffn_gate_exps, ffn_up_exps, ffn_gate_up_exps, ffn_down_exps,
+    shortconv_in, shortconv_out (lfm2moe: no rule of their own, the mix's Q4_K),
+    attn_q_a, attn_q_b, attn_kv_a_mqa, attn_k_b, attn_v_b (deepseek2: none of them is in
+    llama.cpp's attn_v class, which only attn_kv_b would join, so all take Q4_K).
     `v_index`/`n_v` count attn_v tensors (gemma4's full layers have none; the
     quantizer counts tensors, not layers).
     """
     if arch == "gpt-oss":  # ggml-org MXFP4 MoE: experts MXFP4, everything else Q8_0
         return Q.MXFP4 if role.endswith("_exps") else Q.Q8_0
+    if arch == "llama" and role in ("attn_k", "attn_v", "attn_output"):
+        # llama.cpp's quantizer for an 8-expert model (every llama preset has 8, as Mixtral does):
+        # attn_k and attn_v Q8_0 in every mix, attn_output Q5_K in Q4_K_M
+        return Q.Q5_K if role == "attn_output" else Q.Q8_0
     # Q4_K_M (qwen3moe: confirmed by load log; gemma4: same rules, tied embd = output rule)
-    if role == "output" or (role == "embd" and arch == "gemma4"):
+    # gemma4, lfm2moe: the head is tied to token_embd, which takes the output rule
+    if role == "output" or (role == "embd" and arch in ("gemma4", "lfm2moe")):
         return Q.Q6_K
     if role == "attn_v":
         return Q.Q6_K if use_more_bits(v_index, n_v) else Q.Q4_K
@@ -458,4 +873,14 @@ def real_mix(arch: str, role: str, layer: int, n_layer: int, v_index: int, n_v: 
     return Q.Q4_K
 
 
-MIX_NAME = {"qwen3moe": "Q4_K_M", "gpt-oss": "MXFP4_MOE", "gemma4": "Q4_K_M", "qwen35moe": "Q4_K_M"}
+MIX_NAME = {
+    "qwen3moe": "Q4_K_M",
+    "gpt-oss": "MXFP4_MOE",
+    "gemma4": "Q4_K_M",
+    "qwen35moe": "Q4_K_M",
+    "llama": "Q4_K_M",
+    "glm4moe": "Q4_K_M",
+    "lfm2moe": "Q4_K_M",
+    "deepseek2": "Q4_K_M",
+    "qwen2moe": "Q4_K_M",
+}

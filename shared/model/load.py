@@ -8,7 +8,7 @@ import numpy as np
 
 from moe_pipe.shared.errors import GGUFError
 from moe_pipe.shared.gguf.model_file import ModelFile
-from moe_pipe.shared.model import gemma4, gpt_oss, qwen3moe, qwen35moe
+from moe_pipe.shared.model import deepseek2, gemma4, glm4moe, gpt_oss, lfm2moe, mixtral, qwen2moe, qwen3moe, qwen35moe
 from moe_pipe.shared.model.base import ModelOptions, MoEModel
 from moe_pipe.shared.model.weights import ExpertSource
 
@@ -19,6 +19,11 @@ ARCHITECTURES: dict[str, type[MoEModel]] = {
     "gpt-oss": gpt_oss.Model,
     "gemma4": gemma4.Model,
     "qwen35moe": qwen35moe.Model,
+    "glm4moe": glm4moe.Model,
+    "lfm2moe": lfm2moe.Model,
+    "deepseek2": deepseek2.Model,
+    "llama": mixtral.Model,
+    "qwen2moe": qwen2moe.Model,
 }
 
 

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from moe_pipe.shared.model.blocks import softmax
+from moe_pipe.shared.errors import GGUFError
+from moe_pipe.shared.model.blocks import sigmoid, softmax, swiglu
 from moe_pipe.shared.model.fused import _softmax_top_k
-from moe_pipe.shared.model.weights import Expert, ExpertSource
+from moe_pipe.shared.model.weights import Expert, ExpertSource, Weights
 
 
 @dataclass(frozen=True)
@@ -116,3 +118,34 @@ def apply_experts(
     for s in range(1, k):  # fixed slot order: deterministic sums
         out += contrib[:, s] * routing.weights[:, s : s + 1]
     return out
+
+
+def load_shared_expert(w: Weights, p: str, n_embd: int) -> dict[str, Any]:
+    """The always-on shared expert behind a sigmoid gate (qwen35moe, qwen2moe) of the
+    layer with tensor prefix `p`: `ffn_{gate,up,down}_shexp`, and the gate
+    `ffn_gate_inp_shexp` as a function n [T, D] → [T, 1]. Files store the gate as [D]
+    (moe-pipe convert, made models) or as llama.cpp's converter leaves HF's [1, D]
+    (possibly quantized); both are read."""
+    name = p + "ffn_gate_inp_shexp.weight"
+    shape = tuple(w.mf.gguf.tensor(name).shape)
+    if shape not in ((n_embd,), (1, n_embd)):
+        raise GGUFError(w.mf.gguf.path, f"tensor {name!r} has shape {list(shape)}, expected [{n_embd}] (n_embd)")
+    if len(shape) == 2:
+        gate: Callable[[np.ndarray], np.ndarray] = w.matrix(name)
+    else:
+        v = w.vector(name)
+        # a row-wise sum, not n @ v: BLAS sums a batch's rows in another order than one row's,
+        # and a position must compute the same alone or in a batch (attend_rows)
+        gate = lambda n: np.sum(n * v, axis=-1, keepdims=True)  # noqa: E731
+    return dict(
+        sh_gate=w.matrix(p + "ffn_gate_shexp.weight"),
+        sh_up=w.matrix(p + "ffn_up_shexp.weight"),
+        sh_down=w.matrix(p + "ffn_down_shexp.weight"),
+        sh_inp=gate,
+    )
+
+
+def gated_shared_expert(L: dict[str, Any], n: np.ndarray) -> np.ndarray:
+    """σ(`ffn_gate_inp_shexp`·n) · `ffn_down_shexp`·(silu(`ffn_gate_shexp`·n) ⊙ `ffn_up_shexp`·n),
+    with L's entries from `load_shared_expert`; n [T, D] → [T, D]."""
+    return L["sh_down"](swiglu(L["sh_gate"](n), L["sh_up"](n))) * sigmoid(L["sh_inp"](n))

@@ -25,11 +25,10 @@ from typing import Any
 
 import numpy as np
 
-from moe_pipe.shared.errors import GGUFError
 from moe_pipe.shared.gguf.model_file import ModelFile
 from moe_pipe.shared.model.base import MoEModel
-from moe_pipe.shared.model.blocks import KVCache, RecurrentState, attention, rms_norm, rope_from_spec, sigmoid, swiglu
-from moe_pipe.shared.model.moe import apply_experts, softmax_then_top_k
+from moe_pipe.shared.model.blocks import KVCache, RecurrentState, attention, rms_norm, rope_from_spec, sigmoid
+from moe_pipe.shared.model.moe import apply_experts, gated_shared_expert, load_shared_expert, softmax_then_top_k
 from moe_pipe.shared.model.qwen3moe import swiglu_expert
 
 
@@ -57,10 +56,7 @@ class Model(MoEModel):
             attn_norm=w.vector(p + "attn_norm.weight"),
             ffn_norm=w.vector(p + "post_attention_norm.weight"),  # the pre-FFN norm, despite the name
             router=w.matrix(p + "ffn_gate_inp.weight"),
-            sh_gate=w.matrix(p + "ffn_gate_shexp.weight"),
-            sh_up=w.matrix(p + "ffn_up_shexp.weight"),
-            sh_down=w.matrix(p + "ffn_down_shexp.weight"),
-            sh_inp=self._shared_gate(p + "ffn_gate_inp_shexp.weight"),
+            **load_shared_expert(w, p, s.n_embd),
         )
         if s.is_recurrent(i):
             L.update(
@@ -84,17 +80,6 @@ class Model(MoEModel):
                 k_norm=w.vector(p + "attn_k_norm.weight"),
             )
         return L
-
-    def _shared_gate(self, name: str):
-        """The shared expert's gate, one logit per token: files store it as [D] or as a
-        [1, D] matrix (possibly quantized); either way a function n [T, D] → [T, 1]."""
-        t = self.mf.gguf.tensor(name)
-        if tuple(t.shape) not in ((self.spec.n_embd,), (1, self.spec.n_embd)):
-            raise GGUFError(self.mf.gguf.path, f"tensor {name!r} has shape {list(t.shape)}, expected [{self.spec.n_embd}] (n_embd)")
-        if len(t.shape) == 2:
-            return self.w.matrix(name)
-        v = self.w.vector(name).reshape(-1, 1)
-        return lambda n: n @ v
 
     def new_cache(self, n_ctx: int, kv_type: str | None = None) -> KVCache:
         """KV rows for the full-attention layers only, and the recurrent state of the others."""
@@ -124,7 +109,7 @@ class Model(MoEModel):
         with self.stage("experts"):
             y = apply_experts(n2, routing, self.source, i, swiglu_expert)
         with self.stage("dense_mlp"):  # the shared expert: always on, resident
-            shared = L["sh_down"](swiglu(L["sh_gate"](n2), L["sh_up"](n2))) * sigmoid(L["sh_inp"](n2))
+            shared = gated_shared_expert(L, n2)
         return h + (y + shared)
 
     def full_attention(self, i: int, n: np.ndarray, cache: KVCache, start: int, positions: np.ndarray) -> np.ndarray:

@@ -60,6 +60,8 @@ SPACE = "\u2581"  # ▁, SentencePiece's visible space
 _CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
 QWEN2_REGEX = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 LLAMA3_REGEX = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+# llama.cpp's "qwen35" (Qwen3.5/3.6): qwen2's split with combining marks (\p{M}) kept inside words.
+QWEN35_REGEX = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 _O200K_SUFFIX = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?"
 O200K_REGEX = (
     r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
@@ -95,13 +97,46 @@ _GPT2 = PreSplit((GPT2_REGEX,))
 _DEFAULT = PreSplit(
     (r"[\p{P}\$\+<=>\^~\|]+", r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)", r"\p{N}+", r"[0-9][0-9][0-9]")
 )
+# llama.cpp's DEEPSEEK_LLM ("deepseek-llm": DeepSeek-V2, V2-Lite, V2.5): newlines alone, then
+# runs of cased letters (Latin, Greek, Cyrillic, ... as explicit ranges) with one optional
+# leading space, runs of ASCII and full-width punctuation, trailing spaces, CJK and Hangul
+# runs, digit runs. Code points spelled \uXXXX: the same ranges as llama.cpp's literals.
+DEEPSEEK_LLM_REGEXES = (
+    "[\r\n]",
+    "\\s?[A-Za-z\u00b5\u00c0-\u00d6\u00d8-\u00f6\u00f8-\u01ba\u01bc-\u01bf\u01c4-\u0293\u0295-\u02af\u0370-\u0373\u0376\u0377"
+    "\u037b-\u037d\u037f\u0386\u0388-\u038a\u038c\u038e-\u03a1\u03a3-\u03f5\u03f7-\u0481\u048a-\u052f\u0531-\u0556\u10a0-\u10c5"
+    "\u13a0-\u13f5\u13f8-\u13fd\u1c90-\u1cba\u1cbd-\u1cbf\u1d00-\u1d2b\u1d6b-\u1d77\u1d79-\u1d9a\u1e00-\u1f15\u1f18-\u1f1d"
+    "\u1f20-\u1f45\u1f48-\u1f4d\u1f50-\u1f57\u1f59\u1f5b\u1f5d\u1f5f-\u1f7d\u1f80-\u1fb4\u1fb6-\u1fbc\u1fbe\u1fc2-\u1fc4"
+    "\u1fc6-\u1fcc\u1fd0-\u1fd3\u1fd6-\u1fdb\u1fe0-\u1fec\u1ff2-\u1ff4\u1ff6-\u1ffc\u2102\u2107\u210a-\u2113\u2115\u2119-\u211d"
+    "\u2124\u2126\u2128\u212a-\u212d\u212f-\u2134\u2139\u213c-\u213f\u2145-\u2149\u214e\u2183\u2184\u2c00-\u2c7b\u2c7e-\u2ce4"
+    "\u2ceb-\u2cee\u2cf2\u2cf3\ua640-\ua66d\ua680-\ua69b\ua722-\ua76f\ua771-\ua787\ua78b-\ua78e\uab70-\uabbf\ufb00-\ufb06"
+    "\ufb13-\ufb17\uff21-\uff3a\uff41-\uff5a\U00010400-\U0001044f\U000104b0-\U000104d3\U000104d8-\U000104fb\U00010c80-\U00010cb2"
+    "\U00010cc0-\U00010cf2\U000118a0-\U000118df\U0001e900-\U0001e943]+",
+    "\\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+",
+    "\\s+$",
+    "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+",
+    "\\p{N}+",
+)
+# llama.cpp's DEEPSEEK3_LLM ("deepseek-v3": DeepSeek-V3, R1, V3.1): 1-3 digit groups, CJK and
+# kana runs, then words (an ASCII punctuation mark may lead a Latin word), punctuation runs, spaces.
+DEEPSEEK_V3_REGEXES = (
+    r"\p{N}{1,3}",
+    "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+    r"""[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""",
+)
 
 PRE_SPLITS: dict[str, PreSplit] = {
     "qwen2": _QWEN2,
+    "qwen35": PreSplit((QWEN35_REGEX,)),
     "deepseek-r1-qwen": _QWEN2,
     "megrez": _QWEN2,
     "gpt-4o": _O200K,
     "llama4": _O200K,
+    "glm4": PreSplit((LLAMA3_REGEX,)),  # llama.cpp's CHATGLM4: llama3's split, merges as usual, no BOS
+    "chatglm-bpe": PreSplit((LLAMA3_REGEX,)),
+    "lfm2": PreSplit((LLAMA3_REGEX,)),  # llama.cpp's LFM2: llama3's split, merges as usual
+    "deepseek-llm": PreSplit(DEEPSEEK_LLM_REGEXES),
+    "deepseek-v3": PreSplit(DEEPSEEK_V3_REGEXES),
     "llama3": _LLAMA3,
     "llama-v3": _LLAMA3,
     "llama-bpe": _LLAMA3,
@@ -181,6 +216,8 @@ class Tokenizer:
         eom_id: int | None = None,
         chat_template: str | None = None,
         source: str = "<tokens>",
+        scores: list[float] | None = None,
+        add_space_prefix: bool = True,
     ):
         self.model = model
         self.pre = pre
@@ -196,7 +233,11 @@ class Tokenizer:
         user = [i for i, t in enumerate(types) if t == USER_DEFINED]
         self._special = frozenset(control)
         self.eog_ids = _eog_ids(tokens, eos_id, eot_id, eom_id)
-        self.hf, self._hf_plain = _build_hf(model, pre, tokens, control, user, merges, source)
+        if model == "llama":  # SentencePiece: merges from the scores (shared/gguf/vocab.py spm_merges)
+            from moe_pipe.shared.gguf.vocab import spm_merges
+
+            merges = [f"{a} {b}" for a, b in spm_merges(tokens, list(scores or [0.0] * len(tokens)), types)]
+        self.hf, self._hf_plain = _build_hf(model, pre, tokens, control, user, merges, source, add_space_prefix)
         # gemma4: newline runs that are vocabulary entries are one token (see
         # module doc). Splitting them off before HF is only equivalent while
         # no matched token contains "\n".
@@ -222,7 +263,7 @@ class Tokenizer:
             pre = "gemma4"  # llama.cpp forces it, whatever the file says
         add_bos = f.meta("tokenizer.ggml.add_bos_token")
         if add_bos is None:
-            add_bos = PRE_SPLITS[pre].add_bos if pre in PRE_SPLITS else False
+            add_bos = model == "llama" or (PRE_SPLITS[pre].add_bos if pre in PRE_SPLITS else False)  # llama.cpp: SPM adds BOS by default
         if model == "gemma4":
             add_bos = True  # llama.cpp overrides a false flag for gemma4 (PR 21500)
 
@@ -244,6 +285,8 @@ class Tokenizer:
             add_bos=bool(add_bos),
             chat_template=f.meta("tokenizer.chat_template"),
             source=str(f.path),
+            scores=list(f.meta("tokenizer.ggml.scores", []) or []) if model == "llama" else None,
+            add_space_prefix=bool(f.meta("tokenizer.ggml.add_space_prefix", True)),
         )
 
     # -- encoding ---------------------------------------------------------
@@ -308,7 +351,7 @@ class Tokenizer:
         text, typ = self._tokens[i], self._types[i]
         if typ in (CONTROL, USER_DEFINED, UNKNOWN):
             return text.encode("utf-8")  # matched as raw text, so they render as it
-        if self.model == "gemma4":
+        if self.model in ("gemma4", "llama"):
             if typ == BYTE and len(text) == 6 and text.startswith("<0x") and text.endswith(">"):
                 return bytes([int(text[3:5], 16)])
             return text.replace(SPACE, " ").encode("utf-8")
@@ -390,7 +433,9 @@ def _first_bad_merge(pairs: list[tuple[str, str]], vocab: dict[str, int]) -> str
     return None
 
 
-def _build_hf(model: str, pre: str, tokens: list[str], control: list[int], user: list[int], merges: list[str], source: str):
+def _build_hf(
+    model: str, pre: str, tokens: list[str], control: list[int], user: list[int], merges: list[str], source: str, space_prefix: bool = True
+):
     """(tokenizer with specials matched, the same with control tokens as plain text).
 
     Both share one BPE model object, so the second costs only its added-token
@@ -408,8 +453,11 @@ def _build_hf(model: str, pre: str, tokens: list[str], control: list[int], user:
                 source,
                 f"tokenizer.ggml.pre {pre!r} is not supported (known: {known}); its pre-split regex would have to be added to moe_pipe.shared.text.tokenizer.PRE_SPLITS",
             )
-    elif model != "gemma4":
-        raise GGUFError(source, f"tokenizer.ggml.model {model!r} is not supported (supported: gpt2 byte-level BPE, gemma4 SPM-style BPE)")
+    elif model not in ("gemma4", "llama"):
+        raise GGUFError(
+            source,
+            f"tokenizer.ggml.model {model!r} is not supported (supported: gpt2 byte-level BPE, gemma4 SPM-style BPE, llama SentencePiece)",
+        )
 
     vocab = dict(zip(tokens, range(len(tokens))))
     if "" in vocab:  # llama.cpp renames empty entries the same way
@@ -441,6 +489,13 @@ def _build_hf(model: str, pre: str, tokens: list[str], control: list[int], user:
                 + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
             )
             tok.decoder = decoders.ByteLevel()
+        elif model == "llama":
+            # llama.cpp: a space before every text fragment that starts the text or follows a
+            # special token (added tokens split the text into such fragments here too), then
+            # spaces as "▁"; no pre-split: SPM merges over the whole fragment.
+            escape = normalizers.Replace(" ", SPACE)
+            tok.normalizer = normalizers.Sequence([normalizers.Prepend(SPACE), escape]) if space_prefix else escape
+            tok.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
         else:
             tok.normalizer = normalizers.Replace(" ", SPACE)
             tok.pre_tokenizer = pre_tokenizers.Split(Regex(GEMMA4_REGEX), behavior="isolated")

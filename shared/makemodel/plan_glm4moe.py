@@ -1,0 +1,67 @@
+"""make-model's glm4moe (GLM-4.5 / GLM-4.5-Air) layer plan and metadata.
+
+Tensor names, order and keys as llama.cpp's converter writes them
+(docs/models.md § glm4moe): the leading dense layers carry ffn_gate/up/down,
+the others the router, its selection bias (`exp_probs_b`), the routed experts
+and the shared expert. Made files hold no NextN/MTP block (the decoder's
+layers only; moe-pipe never loads it, llama.cpp does not run it by default).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from gguf import ExpertGatingFuncType, GGUFWriter
+
+from moe_pipe.shared.makemodel.presets import Preset
+
+
+def layer(p: Preset, i: int, W: Callable[..., Any], F: Callable[..., Any]) -> list:
+    b, D, X, Fe, d = f"blk.{i}.", p.n_embd, p.n_expert, p.n_ff_exp, p.head_dim
+    qw, kw = p.n_head * d, p.n_head_kv * d
+    out = [
+        F(b + "attn_norm.weight", (D,), "norm"),
+        W(b + "attn_q.weight", (qw, D), "attn_q", i),
+        W(b + "attn_k.weight", (kw, D), "attn_k", i),
+        W(b + "attn_v.weight", (kw, D), "attn_v", i),
+    ]
+    if p.attn_bias:
+        out += [F(b + "attn_q.bias", (qw,), "bias"), F(b + "attn_k.bias", (kw,), "bias"), F(b + "attn_v.bias", (kw,), "bias")]
+    out.append(W(b + "attn_output.weight", (D, qw), "attn_output", i))
+    if p.qk_norm:
+        out += [F(b + "attn_q_norm.weight", (d,), "norm"), F(b + "attn_k_norm.weight", (d,), "norm")]
+    out.append(F(b + "post_attention_norm.weight", (D,), "norm"))  # the pre-FFN norm
+    if i < p.n_dense_lead:
+        return out + [
+            W(b + "ffn_gate.weight", (p.n_ff, D), "ffn_gate", i),  # Fd D
+            W(b + "ffn_up.weight", (p.n_ff, D), "ffn_up", i),  # Fd D
+            W(b + "ffn_down.weight", (D, p.n_ff), "ffn_down", i),  # D Fd
+        ]
+    fs = Fe * p.n_expert_shared
+    return out + [
+        F(b + "ffn_gate_inp.weight", (X, D), "router"),
+        # The selection bias: trained ones spread the load; a small random spread
+        # (bias fill, 0.02) nudges which experts win without deciding it.
+        F(b + "exp_probs_b.bias", (X,), "bias"),
+        W(b + "ffn_gate_exps.weight", (X, Fe, D), "ffn_gate_exps", i),  # X F D
+        W(b + "ffn_up_exps.weight", (X, Fe, D), "ffn_up_exps", i),  # X F D
+        W(b + "ffn_down_exps.weight", (X, D, Fe), "ffn_down_exps", i),  # X D F
+        W(b + "ffn_gate_shexp.weight", (fs, D), "ffn_gate_shexp", i),
+        W(b + "ffn_up_shexp.weight", (fs, D), "ffn_up_shexp", i),
+        W(b + "ffn_down_shexp.weight", (D, fs), "ffn_down_shexp", i),
+    ]
+
+
+def metadata(w: GGUFWriter, p: Preset) -> None:
+    """The glm4moe keys beyond every family's (maker._add_metadata writes those)."""
+    w.add_rope_dimension_count(int(p.head_dim * p.partial_rotary))
+    w.add_expert_shared_count(p.n_expert_shared)
+    w.add_leading_dense_block_count(p.n_dense_lead)
+    w.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
+    w.add_expert_weights_scale(p.expert_weights_scale)
+    w.add_expert_weights_norm(True)
+    if p.expert_groups > 1:
+        w.add_expert_group_count(p.expert_groups)
+        w.add_expert_group_used_count(p.expert_groups_used)
+    w.add_nextn_predict_layers(0)

@@ -1,0 +1,127 @@
+"""make-model's lfm2moe (LFM2-MoE, Liquid's LFM2-8B-A1B) layer plan, metadata and vocabulary.
+
+Tensor names, order and keys as llama.cpp's converter writes them (docs/models.md
+§ lfm2moe): a short-conv layer carries `shortconv.in_proj` (B, C, x), the depthwise
+`shortconv.conv` kernel (F32: llama.cpp's quantizer never quantizes it) and
+`shortconv.out_proj`; an attention layer q/k/v/output with per-head q/k norms; then
+`ffn_norm` and a dense FFN (the leading layers) or the router, the experts and
+their selection bias `exp_probs_b`. The final norm is `token_embd_norm` and the
+head is tied to `token_embd` (maker.py plans both, shared/makemodel/families.py).
+Which layers attend is `head_count_kv` per layer, 0 for a short-conv layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from gguf import ExpertGatingFuncType, GGUFWriter
+
+from moe_pipe.shared.gguf.vocab import CONTROL, LLAMA3_REGEX, NORMAL, UNUSED, USER_DEFINED, Vocab, train_byte_level
+from moe_pipe.shared.makemodel.presets import Preset
+
+
+def dense_lead(p: Preset) -> int:
+    """The leading dense layers, leaving at least one routed layer: a shape preset
+    cut to fewer layers than the real model's dense lead (lfm2-8b-shape --layers 2)
+    still streams experts, and the spec reader requires lead < block_count."""
+    return min(p.n_dense_lead, p.n_layer - 1)
+
+
+def layer(p: Preset, i: int, W: Callable[..., Any], F: Callable[..., Any]) -> list:
+    b, D, X, Fe, d = f"blk.{i}.", p.n_embd, p.n_expert, p.n_ff_exp, p.head_dim
+    out = [F(b + "attn_norm.weight", (D,), "norm")]
+    if p.is_recurrent(i):
+        out += [
+            W(b + "shortconv.in_proj.weight", (3 * D, D), "shortconv_in", i),  # 3D D: B, C, x
+            F(b + "shortconv.conv.weight", (D, p.ssm_conv_kernel), "conv"),  # D L
+            W(b + "shortconv.out_proj.weight", (D, D), "shortconv_out", i),
+        ]
+    else:
+        qw, kw = p.n_head * d, p.n_head_kv * d
+        out += [
+            W(b + "attn_q.weight", (qw, D), "attn_q", i),
+            W(b + "attn_k.weight", (kw, D), "attn_k", i),
+            W(b + "attn_v.weight", (kw, D), "attn_v", i),
+            W(b + "attn_output.weight", (D, qw), "attn_output", i),
+            F(b + "attn_q_norm.weight", (d,), "norm"),
+            F(b + "attn_k_norm.weight", (d,), "norm"),
+        ]
+    out.append(F(b + "ffn_norm.weight", (D,), "norm"))
+    if i < dense_lead(p):
+        return out + [
+            W(b + "ffn_gate.weight", (p.n_ff, D), "ffn_gate", i),  # Fd D
+            W(b + "ffn_up.weight", (p.n_ff, D), "ffn_up", i),  # Fd D
+            W(b + "ffn_down.weight", (D, p.n_ff), "ffn_down", i),  # D Fd
+        ]
+    return out + [
+        F(b + "ffn_gate_inp.weight", (X, D), "router"),
+        W(b + "ffn_gate_exps.weight", (X, Fe, D), "ffn_gate_exps", i),  # X F D
+        W(b + "ffn_up_exps.weight", (X, Fe, D), "ffn_up_exps", i),  # X F D
+        W(b + "ffn_down_exps.weight", (X, D, Fe), "ffn_down_exps", i),  # X D F
+        # The selection bias: a trained one spreads the load; a small random spread
+        # (bias fill, 0.02) nudges which experts win without deciding it.
+        F(b + "exp_probs_b.bias", (X,), "bias"),
+    ]
+
+
+def head_count_kv(p: Preset) -> list[int]:
+    """llama.cpp's per-layer kv heads: 0 marks a short-conv layer."""
+    return [0 if p.is_recurrent(i) else p.n_head_kv for i in range(p.n_layer)]
+
+
+def metadata(w: GGUFWriter, p: Preset) -> None:
+    """The lfm2moe keys beyond every family's (maker._add_metadata writes those), as
+    shared/convert/lfm2moe.py writes them; llama.cpp always renormalizes the top-k
+    weights and never scales them, so no expert_weights_* keys."""
+    w.add_leading_dense_block_count(dense_lead(p))
+    w.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
+    w.add_vocab_size(p.vocab_size)
+    w.add_shortconv_l_cache(p.ssm_conv_kernel)
+
+
+# LFM2's first ids (the published tokenizer): the ChatML-like markers its template uses.
+# The tool-call markers stay visible in text (USER_DEFINED) so a reply's calls can be parsed.
+_SPECIALS = (
+    ("<|pad|>", CONTROL),
+    ("<|startoftext|>", CONTROL),
+    ("<|endoftext|>", CONTROL),
+    ("<|fim_pre|>", CONTROL),
+    ("<|fim_mid|>", CONTROL),
+    ("<|fim_suf|>", CONTROL),
+    ("<|im_start|>", CONTROL),
+    ("<|im_end|>", CONTROL),
+    ("<|tool_list_start|>", CONTROL),
+    ("<|tool_list_end|>", CONTROL),
+    ("<|tool_call_start|>", USER_DEFINED),
+    ("<|tool_call_end|>", USER_DEFINED),
+    ("<|tool_response_start|>", CONTROL),
+    ("<|tool_response_end|>", CONTROL),
+)
+
+
+def vocab(size: int, n_bpe: int) -> Vocab:
+    """[14 specials at LFM2's ids | BPE ... | <|reserved_n|> ...]: byte-level BPE on
+    llama3's split, which llama.cpp calls "lfm2"; every prompt starts with
+    <|startoftext|> (id 1), a reply ends with <|im_end|> (id 7)."""
+    bpe, merges = train_byte_level(LLAMA3_REGEX, n_bpe)
+    names = {t for t, _ in _SPECIALS}
+    tokens = [t for t, _ in _SPECIALS] + [t for t in bpe if t not in names]
+    types = [typ for _, typ in _SPECIALS] + [NORMAL] * (len(tokens) - len(_SPECIALS))
+    if len(tokens) > size:
+        raise ValueError(f"lfm2moe: vocab size {size} cannot hold {len(tokens) - len(_SPECIALS)} BPE tokens + {len(_SPECIALS)} specials")
+    tokens += [f"<|reserved_{i}|>" for i in range(len(tokens), size)]
+    types += [UNUSED] * (size - len(types))
+    return Vocab(
+        model="gpt2",
+        pre="lfm2",
+        regex=LLAMA3_REGEX,
+        tokens=tuple(tokens),
+        types=tuple(types),
+        merges=merges,
+        bos=1,
+        eos=7,
+        pad=0,
+        unk=None,
+        add_bos=True,
+    )

@@ -590,7 +590,7 @@ META_CASES = {
     "alignment 0": (_set("general.alignment", VT.UINT32, u32(0)), "must be a power of two up to"),
     "alignment 2**31": (_set("general.alignment", VT.UINT32, u32(2**31)), "not 2147483648"),
     "alignment as a string": (_set("general.alignment", VT.STRING, gstr("32")), "'general.alignment' is STRING, expected UINT32"),
-    "unsupported architecture": (_set("general.architecture", VT.STRING, gstr("llama")), "'llama' is not supported"),
+    "unsupported architecture": (_set("general.architecture", VT.STRING, gstr("mamba")), "'mamba' is not supported"),
     "GGUF version 1": (lambda g: setattr(g, "version", 1), "GGUF version 1 is not supported"),
     "big-endian": (lambda g: setattr(g, "version", 3 << 24), "big-endian GGUF files are not supported"),
 }

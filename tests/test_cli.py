@@ -64,7 +64,7 @@ def test_unknown_command_and_bad_flag():
     r = subprocess.run([sys.executable, "-m", "moe_pipe.cli.main", "frobnicate"], capture_output=True, text=True)
     assert r.returncode == 2
     r = subprocess.run(
-        [sys.executable, "-m", "moe_pipe.cli.main", "make-model", "--arch", "llama", "-o", "x.gguf"], capture_output=True, text=True
+        [sys.executable, "-m", "moe_pipe.cli.main", "make-model", "--arch", "mamba", "-o", "x.gguf"], capture_output=True, text=True
     )
     assert r.returncode == 2 and "invalid choice" in r.stderr
 

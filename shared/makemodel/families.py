@@ -1,7 +1,7 @@
 """make-model's tensor plans for the families added after the first four.
 
-Each family has a module `shared/makemodel/plan_<family>.py` with one function,
-`layer(p, i, W, F)`, that lists layer i's tensors in file order, built with the
+Each family has a module `shared/makemodel/plan_<family>.py` with its presets
+(`PRESETS`) and a function `layer(p, i, W, F)` that lists layer i's tensors in file order, built with the
 two constructors `plan_tensors` (maker.py) passes in: `W(name, shape, role, i)`
 for a weight matrix typed by the family's quant mix (presets.real_mix), and
 `F(name, shape, fill)` for an F32 vector or router filled as `fill` says.
@@ -26,6 +26,14 @@ FAMILY_LAYERS: dict[str, LayerPlan] = {
     "lfm2moe": plan_lfm2moe.layer,
     "deepseek2": plan_deepseek2.layer,
     "qwen2moe": plan_qwen2moe.layer,
+}
+# GGUF arch -> its presets by name (presets.get_preset looks here for the later families).
+FAMILY_PRESETS: dict[str, dict[str, Preset]] = {
+    "llama": plan_mixtral.PRESETS,
+    "glm4moe": plan_glm4moe.PRESETS,
+    "lfm2moe": plan_lfm2moe.PRESETS,
+    "deepseek2": plan_deepseek2.PRESETS,
+    "qwen2moe": plan_qwen2moe.PRESETS,
 }
 # GGUF arch -> the family's own metadata keys, written after every family's
 # (maker._add_metadata): (writer, preset) -> None.

@@ -65,3 +65,80 @@ def metadata(w: GGUFWriter, p: Preset) -> None:
         w.add_expert_group_count(p.expert_groups)
         w.add_expert_group_used_count(p.expert_groups_used)
     w.add_nextn_predict_layers(0)
+
+
+# make-model presets: tiny, small and the real model's shape (presets.get_preset finds them here)
+PRESETS: dict[str, Preset] = {
+    # ------------------------------------------------------------------- glm4moe
+    # tiny and small: one leading dense layer, grouped routing (2 of 4 groups), biases on, qk-norm off (as in Air)
+    "tiny": Preset(
+        "tiny",
+        n_layer=4,
+        n_embd=256,
+        n_head=8,
+        n_head_kv=2,
+        head_dim=32,
+        n_expert=16,
+        n_expert_used=4,
+        n_ff_exp=128,
+        n_ff=512,
+        vocab_size=2048,
+        n_bpe=1600,
+        context_length=4096,
+        rms_eps=1e-5,
+        rope_base=1e6,
+        partial_rotary=0.5,
+        n_dense_lead=1,
+        n_expert_shared=1,
+        expert_groups=4,
+        expert_groups_used=2,
+        attn_bias=True,
+    ),
+    "small": Preset(
+        "small",
+        n_layer=8,
+        n_embd=1024,
+        n_head=16,
+        n_head_kv=4,
+        head_dim=64,
+        n_expert=32,
+        n_expert_used=4,
+        n_ff_exp=256,
+        n_ff=2048,
+        vocab_size=8192,
+        n_bpe=4096,
+        context_length=8192,
+        rms_eps=1e-5,
+        rope_base=1e6,
+        partial_rotary=0.5,
+        n_dense_lead=1,
+        n_expert_shared=1,
+        expert_groups=4,
+        expert_groups_used=2,
+        attn_bias=True,
+    ),
+    # GLM-4.5-Air (zai-org/GLM-4.5-Air config.json; transformers' Glm4MoeConfig defaults agree):
+    # 46 decoder layers (+1 NextN block not made), layer 0 dense, 128 experts top-8, 1 shared,
+    # no expert groups, routed scaling 1.0, q/k/v biases, no qk-norm, half the head rotated.
+    "glm45air-shape": Preset(
+        "glm45air-shape",
+        n_layer=46,
+        n_embd=4096,
+        n_head=96,
+        n_head_kv=8,
+        head_dim=128,
+        n_expert=128,
+        n_expert_used=8,
+        n_ff_exp=1408,
+        n_ff=10944,
+        vocab_size=151552,
+        n_bpe=4096,
+        context_length=131072,
+        rms_eps=1e-5,
+        rope_base=1e6,
+        partial_rotary=0.5,
+        n_dense_lead=1,
+        n_expert_shared=1,
+        attn_bias=True,
+    ),
+}

@@ -125,3 +125,74 @@ def vocab(size: int, n_bpe: int) -> Vocab:
         unk=None,
         add_bos=True,
     )
+
+
+# make-model presets: tiny, small and the real model's shape (presets.get_preset finds them here)
+PRESETS: dict[str, Preset] = {
+    # ------------------------------------------------------------------- lfm2moe
+    # Heads are n_embd / n_head wide (llama.cpp's lfm2moe has no head-width key).
+    # tiny: conv, attention, conv, attention; layer 0 dense.
+    "tiny": Preset(
+        "tiny",
+        n_layer=4,
+        n_embd=256,
+        n_head=4,
+        n_head_kv=2,
+        head_dim=64,
+        n_expert=8,
+        n_expert_used=2,
+        n_ff_exp=256,
+        n_ff=512,
+        vocab_size=2048,
+        n_bpe=1600,
+        context_length=4096,
+        rms_eps=1e-5,
+        rope_base=1e6,
+        ssm_conv_kernel=3,
+        n_dense_lead=1,
+        attn_layers=(1, 3),
+    ),
+    "small": Preset(
+        "small",
+        n_layer=8,
+        n_embd=1024,
+        n_head=16,
+        n_head_kv=4,
+        head_dim=64,
+        n_expert=16,
+        n_expert_used=4,
+        n_ff_exp=512,
+        n_ff=2048,
+        vocab_size=8192,
+        n_bpe=4096,
+        context_length=8192,
+        rms_eps=1e-5,
+        rope_base=1e6,
+        ssm_conv_kernel=3,
+        n_dense_lead=2,
+        attn_layers=(2, 5),
+    ),
+    # LFM2-8B-A1B (LiquidAI/LFM2-8B-A1B config.json; transformers' Lfm2MoeConfig defaults agree
+    # but for its 32 layers): 24 layers, attention at 2, 6, 10, 14, 18, 21 (the other 18 short
+    # convolutions of width 3), layers 0-1 dense (7168 wide), 32 experts of 1792 top-4, tied head.
+    "lfm2-8b-shape": Preset(
+        "lfm2-8b-shape",
+        n_layer=24,
+        n_embd=2048,
+        n_head=32,
+        n_head_kv=8,
+        head_dim=64,
+        n_expert=32,
+        n_expert_used=4,
+        n_ff_exp=1792,
+        n_ff=7168,
+        vocab_size=65536,
+        n_bpe=4096,
+        context_length=128000,
+        rms_eps=1e-5,
+        rope_base=1e6,
+        ssm_conv_kernel=3,
+        n_dense_lead=2,
+        attn_layers=(2, 6, 10, 14, 18, 21),
+    ),
+}

@@ -22,3 +22,61 @@ def layer(p: Preset, i: int, W, F) -> list:
         W(b + "ffn_up_exps.weight", (X, Fe, D), "ffn_up_exps", i),
         W(b + "ffn_down_exps.weight", (X, D, Fe), "ffn_down_exps", i),
     ]
+
+
+# make-model presets: tiny, small and the real model's shape (presets.get_preset finds them here)
+PRESETS: dict[str, Preset] = {
+    # --------------------------------------------------------- llama (Mixtral)
+    # llama.cpp writes Mixtral as arch llama; its experts are feed_forward_length wide (n_ff = n_ff_exp).
+    "tiny": Preset(
+        "tiny",
+        n_layer=4,
+        n_embd=256,
+        n_head=8,
+        n_head_kv=2,
+        head_dim=32,
+        n_expert=8,
+        n_expert_used=2,
+        n_ff_exp=256,
+        n_ff=256,
+        vocab_size=2048,
+        n_bpe=1600,
+        context_length=4096,
+        rms_eps=1e-5,
+        rope_base=1e6,
+    ),
+    "small": Preset(
+        "small",
+        n_layer=8,
+        n_embd=1024,
+        n_head=16,
+        n_head_kv=4,
+        head_dim=64,
+        n_expert=8,
+        n_expert_used=2,
+        n_ff_exp=1024,
+        n_ff=1024,
+        vocab_size=8192,
+        n_bpe=4096,
+        context_length=8192,
+        rms_eps=1e-5,
+        rope_base=1e6,
+    ),
+    "mixtral-8x7b-shape": Preset(  # Mixtral-8x7B-v0.1 / Instruct-v0.1
+        "mixtral-8x7b-shape",
+        n_layer=32,
+        n_embd=4096,
+        n_head=32,
+        n_head_kv=8,
+        head_dim=128,
+        n_expert=8,
+        n_expert_used=2,
+        n_ff_exp=14336,
+        n_ff=14336,
+        vocab_size=32000,
+        n_bpe=4096,
+        context_length=32768,
+        rms_eps=1e-5,
+        rope_base=1e6,
+    ),
+}

@@ -51,3 +51,64 @@ def metadata(w: GGUFWriter, p: Preset) -> None:
 def vocab(size: int, n_bpe: int) -> Vocab:
     """Qwen's byte-level BPE and added tokens (eos <|im_end|>, no BOS), as Qwen1.5's tokenizer has them."""
     return build_vocab("qwen3moe", size, n_bpe)
+
+
+# make-model presets: tiny, small and the real model's shape (presets.get_preset finds them here)
+PRESETS: dict[str, Preset] = {
+    "tiny": Preset(
+        "tiny",
+        n_layer=4,
+        n_embd=256,
+        n_head=4,
+        n_head_kv=2,
+        head_dim=64,
+        n_expert=16,
+        n_expert_used=4,
+        n_ff_exp=128,
+        n_ff=256,
+        vocab_size=2048,
+        n_bpe=1600,
+        context_length=4096,
+        rms_eps=1e-6,
+        rope_base=1e6,
+        n_ff_shexp=256,
+    ),
+    "small": Preset(
+        "small",
+        n_layer=8,
+        n_embd=1024,
+        n_head=16,
+        n_head_kv=4,
+        head_dim=64,
+        n_expert=32,
+        n_expert_used=4,
+        n_ff_exp=352,
+        n_ff=1408,
+        vocab_size=8192,
+        n_bpe=4096,
+        context_length=8192,
+        rms_eps=1e-6,
+        rope_base=1e6,
+        n_ff_shexp=1408,
+    ),
+    # Qwen1.5-MoE-A2.7B (Qwen's config.json): 24 layers, D 2048, 16 heads of 128 (16 kv heads),
+    # 60 experts top-4 of 1408 (never renormalized), a 5632-wide shared expert, dense width 5632.
+    "qwen15-moe-shape": Preset(
+        "qwen15-moe-shape",
+        n_layer=24,
+        n_embd=2048,
+        n_head=16,
+        n_head_kv=16,
+        head_dim=128,
+        n_expert=60,
+        n_expert_used=4,
+        n_ff_exp=1408,
+        n_ff=5632,
+        vocab_size=151936,
+        n_bpe=4096,
+        context_length=8192,
+        rms_eps=1e-6,
+        rope_base=1e6,
+        n_ff_shexp=5632,
+    ),
+}

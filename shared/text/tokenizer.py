@@ -48,18 +48,15 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from moe_pipe.shared.errors import GGUFError, UserError
-
-# gguf token_type values
-NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+from moe_pipe.shared.gguf.vocab import BYTE, CONTROL, LLAMA3_REGEX, NORMAL, QWEN2_REGEX, UNKNOWN, USER_DEFINED
 
 SPACE = "\u2581"  # ▁, SentencePiece's visible space
 
 # --- pre-split regexes ---------------------------------------------------------
 # The forms llama.cpp runs (case-insensitive contraction groups spelled out:
 # `(?i:'s)` would also match "'ſ", llama.cpp's does not).
+# qwen2's and llama3's are shared/gguf/vocab.py's (made files are trained on them).
 _CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
-QWEN2_REGEX = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-LLAMA3_REGEX = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 # llama.cpp's "qwen35" (Qwen3.5/3.6): qwen2's split with combining marks (\p{M}) kept inside words.
 QWEN35_REGEX = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 _O200K_SUFFIX = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?"

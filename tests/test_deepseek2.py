@@ -5,7 +5,7 @@ up-projections, leading dense layers, shared experts, softmax (V2) or sigmoid
 Oracles: transformers on tiny random models converted by `moe-pipe convert`
 (saved as deepseek_v3 and as deepseek_v2), llama.cpp on the same converted
 GGUFs and on made models (their logits, quant mix and tokenizer pre-splits).
-Then the latent cache and its budget, and the streaming pipeline against the
+Then the latent cache and its budget, and the streaming pipeline (in tests/test_family_pipelines.py) against the
 resident reference (docs/models.md § deepseek2).
 """
 
@@ -411,52 +411,6 @@ def _with_pre(src, dst, pre: str):
     from .ggufgen import with_metadata
 
     return with_metadata(src, dst, {"tokenizer.ggml.pre": (pre, GGUFValueType.STRING)})
-
-
-# -- the streaming pipeline --------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def tiny_pipe(made):
-    """The (path, prompt, reference tokens, sizes) tuple of tests/test_pipeline.py for the made model."""
-    from .test_pipeline import with_reference
-
-    return with_reference(made)
-
-
-def _cover():
-    from .test_pipeline import COVER
-
-    # the first setting in the default tier; the rest are the original families' tests too (tests/test_pipeline.py)
-    return [pytest.param(*c, id="-".join(map(str, c)), marks=[pytest.mark.slow] if k else []) for k, c in enumerate(COVER)]
-
-
-@pytest.mark.integration
-@pytest.mark.parametrize("budget,overlap,io_threads,dense,top_k,prefetch", _cover())
-def test_pipeline_tokens_equal_resident_reference(tiny_pipe, budget, overlap, io_threads, dense, top_k, prefetch):
-    """Streamed routed experts (the dense layer, the shared experts and the latent cache stay
-    resident) give the resident reference's tokens: tests/test_pipeline.py's check, on deepseek2."""
-    from .test_pipeline import _check_identity
-
-    _check_identity(tiny_pipe, budget, overlap, io_threads, dense, top_k, prefetch)
-
-
-@pytest.mark.integration
-@pytest.mark.slow  # CI time: the original families check the CSV in the default tier
-def test_pipeline_csv_counts_agree_with_independent_lru(tiny_pipe, tmp_path):
-    from moe_pipe.shared.telemetry import read_csv
-
-    from .test_pipeline import _budget_mb, independent_lru, run_pipeline
-
-    path, prompt, _, sizes = tiny_pipe
-    csv = tmp_path / "run.csv"
-    _, _, resolved = run_pipeline(
-        path,
-        prompt,
-        **{"cache.cache_mb": _budget_mb(sizes, "mid", None), "telemetry.csv": str(csv), "cache.policy": "lru", "compute.prefetch": "none"},
-    )
-    _, records = read_csv(csv)
-    assert [(r.hits, r.misses, r.read_bytes, r.messages) for r in records] == independent_lru(path, prompt, resolved.n_slots)
 
 
 def test_converter_names_deepseeks_pre_splits(built, tmp_path):

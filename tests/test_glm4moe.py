@@ -3,8 +3,8 @@ selection bias and expert groups, a shared expert, q/k/v biases, optional
 qk-norm, partial rotary; its NextN/MTP blocks are never loaded or streamed.
 
 Oracles: transformers on tiny random models converted by `moe-pipe convert`,
-llama.cpp on the same converted GGUFs and on made models; then the streaming
-pipeline against the resident reference (docs/models.md § glm4moe).
+llama.cpp on the same converted GGUFs and on made models; then the streaming pipeline
+(tests/test_family_pipelines.py) against the resident reference (docs/models.md § glm4moe).
 """
 
 from __future__ import annotations
@@ -223,55 +223,3 @@ def test_shape_preset_has_the_real_per_expert_bytes(tmp_path):
         assert lay.expert_bytes(0) == 0
         assert {lay.expert_bytes(i) for i in range(1, 46)} == {2 * gate + down_q5_0, 2 * gate + down_q8_0}
         assert lay.routed_bytes_per_token() == sum(8 * lay.expert_bytes(i) for i in range(1, 46))
-
-
-# -- the streaming pipeline --------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def tiny_pipe(made):
-    """The (path, prompt, reference tokens, sizes) tuple of tests/test_pipeline.py for the made model."""
-    from .test_pipeline import with_reference
-
-    return with_reference(made)
-
-
-@pytest.mark.integration
-@pytest.mark.parametrize(
-    "budget,overlap,io_threads,dense,top_k,prefetch",
-    [
-        pytest.param(*c, id="-".join(map(str, c)), marks=[pytest.mark.slow] if slow else [])
-        for c, slow in [
-            (("min", True, 1, "anon", None, True), False),
-            # the other settings are the original families' tests too (tests/test_pipeline.py): slow tier here
-            (("min", False, 4, "warm", None, False), True),
-            (("mid", False, 1, "anon", 1, False), True),
-            (("mid", True, 2, "mmap", None, True), True),
-            (("all", False, 1, "mmap", 1, True), True),
-        ]
-    ],
-)
-def test_pipeline_tokens_equal_resident_reference(tiny_pipe, budget, overlap, io_threads, dense, top_k, prefetch):
-    """Streamed routed experts (the dense layer and the shared expert stay resident)
-    give the resident reference's tokens: tests/test_pipeline.py's check, on glm4moe."""
-    from .test_pipeline import _check_identity
-
-    _check_identity(tiny_pipe, budget, overlap, io_threads, dense, top_k, prefetch)
-
-
-@pytest.mark.integration
-@pytest.mark.slow  # CI time: the original families check the CSV in the default tier
-def test_pipeline_csv_counts_agree_with_independent_lru(tiny_pipe, tmp_path):
-    from moe_pipe.shared.telemetry import read_csv
-
-    from .test_pipeline import _budget_mb, independent_lru, run_pipeline
-
-    path, prompt, _, sizes = tiny_pipe
-    csv = tmp_path / "run.csv"
-    _, _, resolved = run_pipeline(
-        path,
-        prompt,
-        **{"cache.cache_mb": _budget_mb(sizes, "mid", None), "telemetry.csv": str(csv), "cache.policy": "lru", "compute.prefetch": "none"},
-    )
-    _, records = read_csv(csv)
-    assert [(r.hits, r.misses, r.read_bytes, r.messages) for r in records] == independent_lru(path, prompt, resolved.n_slots)

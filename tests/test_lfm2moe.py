@@ -5,7 +5,7 @@ Oracles: transformers on tiny random models converted by `moe-pipe convert`
 (the conv/attention pattern, leading dense layers, the expert bias on and off,
 the published per-expert checkpoint layout and the fused one), llama.cpp on the same GGUFs and on
 a made model. Then the conv state (batches, reuse rules, budget), the made shape
-preset, and the streaming pipeline against the resident reference, on the
+preset, and the streaming pipeline (in tests/test_family_pipelines.py) against the resident reference, on the
 make-model tiny preset (docs/models.md § lfm2moe).
 """
 
@@ -323,53 +323,3 @@ def test_made_model_chat_template_and_end_of_generation(made):
         text = render_chat(mf.gguf, [{"role": "user", "content": "Hi"}])
         assert text == "<|startoftext|><|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
         assert tok.is_eog(7) and tok.encode("Hi")[0] == 1
-
-
-# -- the streaming pipeline --------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def tiny_pipe(made):
-    """The (path, prompt, reference tokens, sizes) tuple of tests/test_pipeline.py for the made model."""
-    from .test_pipeline import with_reference
-
-    return with_reference(made)
-
-
-@pytest.mark.integration
-@pytest.mark.parametrize(
-    "budget,overlap,io_threads,dense,top_k,prefetch",
-    [
-        pytest.param(*c, id="-".join(map(str, c)), marks=[pytest.mark.slow] if slow else [])
-        for c, slow in [
-            (("min", True, 1, "anon", None, True), False),
-            (("min", False, 4, "warm", None, True), True),
-            (("mid", False, 1, "anon", 1, False), True),
-            (("all", False, 1, "mmap", 1, True), True),
-        ]
-    ],
-)
-def test_pipeline_tokens_equal_resident_reference(tiny_pipe, budget, overlap, io_threads, dense, top_k, prefetch):
-    """Streamed routed experts (the dense layer, the conv layers and attention stay
-    resident) give the resident reference's tokens: tests/test_pipeline.py's check."""
-    from .test_pipeline import _check_identity
-
-    _check_identity(tiny_pipe, budget, overlap, io_threads, dense, top_k, prefetch)
-
-
-@pytest.mark.integration
-@pytest.mark.slow
-def test_pipeline_csv_counts_agree_with_independent_lru(tiny_pipe, tmp_path):
-    from moe_pipe.shared.telemetry import read_csv
-
-    from .test_pipeline import _budget_mb, independent_lru, run_pipeline
-
-    path, prompt, _, sizes = tiny_pipe
-    csv = tmp_path / "run.csv"
-    _, _, resolved = run_pipeline(
-        path,
-        prompt,
-        **{"cache.cache_mb": _budget_mb(sizes, "mid", None), "telemetry.csv": str(csv), "cache.policy": "lru", "compute.prefetch": "none"},
-    )
-    _, records = read_csv(csv)
-    assert [(r.hits, r.misses, r.read_bytes, r.messages) for r in records] == independent_lru(path, prompt, resolved.n_slots)

@@ -5,7 +5,7 @@ behind a sigmoid gate.
 Oracles: transformers on tiny random models converted by `moe-pipe convert` (the
 published per-expert layout and transformers 5's fused one; norm_topk_prob false and
 true; biases and none), llama.cpp on the same converted GGUFs and on a made model.
-Then what is refused, the shape preset, and the streaming pipeline against the
+Then what is refused, the shape preset, and the streaming pipeline (in tests/test_family_pipelines.py) against the
 resident reference (docs/models.md § qwen2moe).
 """
 
@@ -281,50 +281,3 @@ def test_made_model_chat_template_is_qwen15_chatml_and_ends_on_im_end(made):
         tok = Tokenizer.from_gguf(mf.gguf)
     assert text == "<|im_start|>system\nYou are a helpful assistant<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
     assert {tok.decode([i]) for i in tok.eog_ids} >= {"<|im_end|>", "<|endoftext|>"}
-
-
-# -- the streaming pipeline --------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def tiny_pipe(made):
-    from .test_pipeline import with_reference
-
-    return with_reference(made)
-
-
-@pytest.mark.integration
-@pytest.mark.parametrize(
-    "budget,overlap,io_threads,dense,top_k,prefetch",
-    [
-        pytest.param(*c, id="-".join(map(str, c)), marks=[pytest.mark.slow] if slow else [])
-        for c, slow in [
-            (("min", True, 1, "anon", None, False), False),
-            (("min", False, 4, "warm", None, True), True),
-            (("mid", False, 1, "anon", 1, False), True),
-            (("all", False, 1, "mmap", 1, True), True),
-        ]
-    ],
-)
-def test_pipeline_tokens_equal_resident_reference(tiny_pipe, budget, overlap, io_threads, dense, top_k, prefetch):
-    from .test_pipeline import _check_identity
-
-    _check_identity(tiny_pipe, budget, overlap, io_threads, dense, top_k, prefetch)
-
-
-@pytest.mark.integration
-@pytest.mark.slow  # CI time: the default tier runs the pipeline once (the token identity above)
-def test_pipeline_csv_counts_agree_with_independent_lru(tiny_pipe, tmp_path):
-    from moe_pipe.shared.telemetry import read_csv
-
-    from .test_pipeline import _budget_mb, independent_lru, run_pipeline
-
-    path, prompt, _, sizes = tiny_pipe
-    csv = tmp_path / "run.csv"
-    _, _, resolved = run_pipeline(
-        path,
-        prompt,
-        **{"cache.cache_mb": _budget_mb(sizes, "mid", None), "telemetry.csv": str(csv), "cache.policy": "lru", "compute.prefetch": "none"},
-    )
-    _, records = read_csv(csv)
-    assert [(r.hits, r.misses, r.read_bytes, r.messages) for r in records] == independent_lru(path, prompt, resolved.n_slots)

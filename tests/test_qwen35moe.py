@@ -4,7 +4,7 @@ gated-delta-rule linear attention, with a shared expert.
 Oracles: transformers on tiny random models converted by `moe-pipe convert`
 (text-only and the published multimodal layout), llama.cpp on the same
 converted GGUFs and on made models. Then the recurrent state (cache
-semantics, batching, budget) and the streaming pipeline against the resident
+semantics, batching, budget) and the streaming pipeline (in tests/test_family_pipelines.py) against the resident
 reference (docs/models.md § qwen35moe).
 """
 
@@ -323,53 +323,3 @@ def test_qwen35_split_keeps_combining_marks_in_words_as_llama_cpp_does(made, tmp
         return [p for p, _ in pre_tokenizers.Split(Regex(regex), behavior="isolated").pre_tokenize_str(text)]
 
     assert pieces(QWEN35_REGEX, "नमस्ते दुनिया") == ["नमस्ते", " दुनिया"] != pieces(QWEN2_REGEX, "नमस्ते दुनिया")
-
-
-# -- the streaming pipeline --------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def tiny_pipe(made):
-    """The (path, prompt, reference tokens, sizes) tuple of tests/test_pipeline.py for the made model."""
-    from .test_pipeline import with_reference
-
-    return with_reference(made)
-
-
-@pytest.mark.integration
-@pytest.mark.parametrize(
-    "budget,overlap,io_threads,dense,top_k,prefetch",
-    [
-        pytest.param(*c, id="-".join(map(str, c)), marks=[pytest.mark.slow] if slow else [])
-        for c, slow in [
-            (("min", True, 1, "anon", None, False), False),
-            # the other settings are the original families' tests too (tests/test_pipeline.py): slow tier here
-            (("min", False, 4, "warm", None, True), True),
-            (("mid", False, 1, "anon", 1, False), True),
-            (("all", False, 1, "mmap", 1, True), True),
-        ]
-    ],
-)
-def test_pipeline_tokens_equal_resident_reference(tiny_pipe, budget, overlap, io_threads, dense, top_k, prefetch):
-    """Streamed routed experts (the shared expert and the recurrent layers stay resident)
-    give the resident reference's tokens: tests/test_pipeline.py's check, on qwen35moe."""
-    from .test_pipeline import _check_identity
-
-    _check_identity(tiny_pipe, budget, overlap, io_threads, dense, top_k, prefetch)
-
-
-@pytest.mark.integration
-def test_pipeline_csv_counts_agree_with_independent_lru(tiny_pipe, tmp_path):
-    from moe_pipe.shared.telemetry import read_csv
-
-    from .test_pipeline import _budget_mb, independent_lru, run_pipeline
-
-    path, prompt, _, sizes = tiny_pipe
-    csv = tmp_path / "run.csv"
-    _, _, resolved = run_pipeline(
-        path,
-        prompt,
-        **{"cache.cache_mb": _budget_mb(sizes, "mid", None), "telemetry.csv": str(csv), "cache.policy": "lru", "compute.prefetch": "none"},
-    )
-    _, records = read_csv(csv)
-    assert [(r.hits, r.misses, r.read_bytes, r.messages) for r in records] == independent_lru(path, prompt, resolved.n_slots)

@@ -83,6 +83,17 @@ def test_f32_logits_and_greedy_match_transformers(pair):
             got = model.forward(ids, model.new_cache(64), all_logits=True)
             rel = np.abs(got - want).max() / np.abs(want).max()
             assert rel < 1e-4, f"{name}: logits differ by {rel:.2e} relative (prompt {ids[:5]}...)"
+        # CI time: 8 greedy tokens on one prompt here, the 32 on each prompt behind -m slow
+        assert ours_greedy(model, PROMPTS[0], 8) == hfmodels.hf_greedy(ref, PROMPTS[0], 8), f"{name}: greedy tokens differ"
+
+
+@pytest.mark.oracle
+@pytest.mark.slow
+def test_f32_32_greedy_tokens_match_transformers_on_every_prompt(pair):
+    name, ref, ggufs, _ = pair
+    with open_model(ggufs["f32"]) as mf:
+        model = load_model(mf)
+        for ids in PROMPTS:
             assert ours_greedy(model, ids, N_GREEDY) == hfmodels.hf_greedy(ref, ids, N_GREEDY), f"{name}: greedy tokens differ"
 
 

@@ -14,6 +14,9 @@ connection is dropped) while telemetry and compute go on (the gateway's
 telemetry subscription drops too: ipc's PUB never blocks its sender).
 
 The residency and status loops run only while some browser is connected.
+The heatmap's pinned and in-flight cells come from the states the reader keeps
+beside the index (shared/experts/residency.py): read from shared memory like
+the index, never asked of the reader.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from aiohttp import web
 
 from moe_pipe.shared.errors import UserError
 from moe_pipe.shared.experts.budget import probe_memory
-from moe_pipe.shared.experts.residency import ResidencyIndex
+from moe_pipe.shared.experts.residency import INFLIGHT, PINNED, ResidencyIndex
 from moe_pipe.shared.experts.shm import segment_name
 from moe_pipe.shared.gguf.model_file import open_model
 from moe_pipe.shared.gguf.spec import kv_cache_bytes
@@ -210,26 +213,38 @@ class Residency:
         return True
 
     def snapshot(self) -> dict[str, Any] | None:
-        """Resident cells as a bitmask, and those that landed since the last snapshot."""
+        """Resident, pinned and in-flight cells as bitmasks, and those that landed since the last snapshot."""
         if not self.attach():
             return None
         assert self.index is not None
-        now = self.index.table.copy()  # one copy: the reader keeps writing
+        now = self.index.table.copy()  # one copy of each: the reader keeps writing
+        states = self.index.states.copy()
         resident = now > 0
+        pinned = (states & PINNED) != 0  # as the reader's slot table counts them: its in-flight reads hold a pin too
+        inflight = (states & INFLIGHT) != 0
         landed = resident & ((self.prev != now) if self.prev is not None else np.zeros_like(resident))
         self.prev = now
         return {
             "layers": self.facts.n_layer,
             "experts": self.facts.n_expert,
-            "resident": base64.b64encode(np.packbits(resident, axis=None).tobytes()).decode(),
-            "landed": base64.b64encode(np.packbits(landed, axis=None).tobytes()).decode(),
+            "resident": _bitmask(resident),
+            "pinned": _bitmask(pinned),
+            "inflight": _bitmask(inflight),
+            "landed": _bitmask(landed),
             "count": int(resident.sum()),
+            "pinned_count": int(pinned.sum()),
+            "inflight_count": int(inflight.sum()),
         }
 
     def close(self) -> None:
         if self.index is not None:
             self.index.close()
             self.index = None
+
+
+def _bitmask(cells: np.ndarray) -> str:
+    """A bit per cell, layer-major, first cell in the high bit, as base64 (the page's bitAt)."""
+    return base64.b64encode(np.packbits(cells, axis=None).tobytes()).decode()
 
 
 def _static(name: str) -> bytes:

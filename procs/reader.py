@@ -86,6 +86,7 @@ class ReaderConfig:
     warm_from: str = ""  # a route trace: start by reading its most used experts (a cold cache only)
     model_identity: tuple[str, ...] = ()  # directio.model_identity at start-up: refuse any other file
     populate: bool = True  # map the slabs ahead of the fill (shared/experts/populate.py)
+    io_align: int = 0  # the parent's Layout.align (shared/gguf/alignment.py); 0 = resolve here
 
 
 @dataclass
@@ -97,16 +98,18 @@ class _Waiter:
 class Reader:
     def __init__(self, cfg: ReaderConfig, ctx: zmq.Context):
         self.cfg = cfg
-        self.mf = open_model(cfg.model_path)
+        self.mf = open_model(cfg.model_path, cfg.io_align or None)
         self.layout = self.mf.layout
         self.arena = SlabArena.attach(cfg.slab_arena, cfg.slab_bytes, readonly=False)
         # Slots are handed out 0, 1, 2, ...: populating front to back stays ahead of the fill.
         self.populator = Populator(self.arena.arena, what="slab cache").start() if cfg.populate else None
-        self.files = ExpertFiles(self.mf.gguf.paths, direct=cfg.direct, identity=cfg.model_identity or None)
+        self.files = ExpertFiles(self.mf.gguf.paths, direct=cfg.direct, identity=cfg.model_identity or None, align=self.layout.align)
         self.io = IoStatus.load(cfg.runtime_dir)  # a restarted reader carries the count on
         self.next_check = 0.0
         self.table = SlotTable(cfg.n_slots, cfg.policy)
         self.index = ResidencyIndex.attach(cfg.index_arena, self.layout.spec, writable=True)
+        self.index.clear_states()  # the pins and reads of a reader before us died with it
+        self.table.on_pinned = self.index.mark_pinned  # the web page's heatmap shows pins (docs/web.md)
         self.restored = self.restore_from_index()
         self.warm_keys = hottest_experts(cfg.warm_from, self.layout.spec, cfg.n_slots) if cfg.warm_from and not self.restored else []
         ep = ipc.Endpoints(Path(cfg.runtime_dir))
@@ -216,6 +219,7 @@ class Reader:
             key = cast(ExpertKey, guess)  # the lanes hold what the reader submitted
             if self.inflight.pop(key, None):
                 raise RuntimeError(f"withdrew guess {key} that a request waits for")
+            self.index.mark_inflight(key, False)
             self.table.unpin(key)  # the read's own pin
             self.table.drop(key)
             self.guesses_withdrawn += 1
@@ -242,6 +246,7 @@ class Reader:
             self.table.pin(key)
             self.pinned[waiter.req_id].append(key)
         self.inflight[key] = [waiter] if waiter else []
+        self.index.mark_inflight(key, True)
         self.lanes.submit(key, slot, priority)
 
     # -- 2. a lane's read ------------------------------------------------------
@@ -260,6 +265,7 @@ class Reader:
 
     def on_read_done(self, key, slot: int, io_ns: int, regions, error: str | None) -> None:
         waiters = self.inflight.pop(key, [])
+        self.index.mark_inflight(key, False)
         if error is not None:
             self.forget(key)
             self.io.failed(self.cfg.runtime_dir, error)
@@ -319,7 +325,7 @@ class Reader:
     def send_ready(self, req_id: int, key, slot: int, hit: bool, io_ns: int) -> None:
         from moe_pipe.shared.experts.placement import placement_for
 
-        regions = placement_for(self.layout.expert_extents(*key)).regions
+        regions = placement_for(self.layout.expert_extents(*key), self.layout.align).regions
         self.send(m.Ready(req_id, key[0], key[1], slot, regions, hit, io_ns, *self.take_guess_io()))
 
     def send(self, msg) -> None:

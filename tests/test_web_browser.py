@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -158,18 +159,22 @@ def shoot(driver, folder: Path, name: str) -> None:
 @pytest.mark.slow
 def test_live_view_of_a_real_service(browser, tmp_path):
     """`moe-pipe up` on the tiny model: the charts gain one point per token,
-    the heatmap shows the residency index's count, kill -9 of compute shows in
-    the process panel and the page carries on without a reload."""
-    from moe_pipe.shared.experts.residency import ResidencyIndex
+    the heatmap shows the residency index's count and, while compute works,
+    pinned or in-flight experts, and once idle the counts of the reader's
+    shared states; kill -9 of compute shows in the process panel and the page
+    carries on without a reload."""
+    from moe_pipe.shared.experts.residency import INFLIGHT, PINNED, ResidencyIndex
     from moe_pipe.shared.experts.shm import segment_name
     from moe_pipe.shared.gguf.model_file import open_model
     from moe_pipe.shared.makemodel.default_model import default_model_path
 
-    from .test_service import Service
+    from .test_service import Service, chat
 
     shots = Path(os.environ.get("MOE_PIPE_WEB_SCREENSHOTS") or tmp_path)
     default_model_path()
-    svc = Service()
+    # A cache of 18 of the tiny model's 32 experts: it never holds them all, so every token still
+    # pins and reads (the heatmap's states; with the whole model cached a warm service does neither).
+    svc = Service("--cache-mb", "2.5")
     try:
         with open_model(default_model_path()) as mf:
             index = ResidencyIndex.attach(segment_name("index", svc.pid), mf.spec)
@@ -195,14 +200,43 @@ def test_live_view_of_a_real_service(browser, tmp_path):
         tab(browser, "live")
         shoot(browser, shots, "live")
         tab(browser, "cache")
+
+        def shown() -> tuple[int, ...]:  # the page's counts, from the cells it drew: read at once, it redraws 4 times a second
+            d = browser.execute_script("const d = document.getElementById('heatmap').dataset; return [d.resident, d.pinned, d.inflight]")
+            return tuple(int(x) for x in d)
+
+        def shared() -> tuple[int, ...]:  # the index and the reader's states, in shared memory
+            return int((index.table > 0).sum()), int(((index.states & PINNED) != 0).sum()), int(((index.states & INFLIGHT) != 0).sum())
+
         want = int((index.table > 0).sum())
         assert want > 0
-        wait(
-            lambda: int(browser.find_element(By.ID, "heatmap").get_attribute("data-resident")) == int((index.table > 0).sum()),
-            10,
-            "the heatmap",
-        )
-        shoot(browser, shots, "cache")
+        wait(lambda: shown()[0] == int((index.table > 0).sum()), 10, "the heatmap")
+        # Pins and reads last only while compute works: generate until a frame shows some, then the screenshot.
+        stop = threading.Event()
+
+        def churn() -> None:
+            client = svc.client()
+            while not stop.is_set():
+                chat(client, "Tell me a long story about experts", 64)
+
+        worker = threading.Thread(target=churn, daemon=True)
+        worker.start()
+        try:
+
+            def caught(want) -> bool:  # pins come and go within a token: keep the shot only if they were there before and after it
+                if not want(*shown()[1:]):
+                    return False
+                browser.save_screenshot(str(shots / "web-cache.png"))
+                return want(*shown()[1:])
+
+            try:  # for the picture: a frame with both states (reads are short: such a frame is a matter of luck)
+                wait(lambda: caught(lambda pinned, inflight: pinned and inflight), 20, "pinned and in-flight experts")
+            except AssertionError:
+                wait(lambda: caught(lambda pinned, inflight: pinned or inflight), 60, "a pinned or in-flight expert on the heatmap")
+        finally:
+            stop.set()
+            worker.join(60)
+        wait(lambda: shown() == shared(), 10, "the heatmap's counts equal to the shared index and states once idle")
         tab(browser, "config")
         assert "cache.policy" in browser.find_element(By.ID, "config").text
         shoot(browser, shots, "config")

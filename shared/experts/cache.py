@@ -10,6 +10,8 @@ only writer (so it needs no locks); the slabs themselves live in a
                         unpinned slots (policy.on_evict, then on_admit);
                         every slot pinned → CacheFull
     pin/unpin: counts; a slot named by an unfinished request is never evicted.
+    on_pinned(key, bool): told when a key's first pin comes and its last goes
+                          (the reader mirrors it into the residency index's states).
 
 A miss is counted by `admit`, a hit by `lookup`; the hit rate is therefore
 over the experts actually requested. Eviction policies plug in through the
@@ -18,7 +20,9 @@ over the experts actually requested. Eviction policies plug in through the
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from moe_pipe.shared.experts.policies import Key, Policy, make_policy
 
@@ -55,6 +59,8 @@ class SlotTable:
         self._key_of: list[Key | None] = [None] * n_slots
         self._free: list[int] = list(range(n_slots - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
         self._pins: dict[Key, int] = {}
+        # a key became pinned (True) or unpinned (False); typed Any: it gets the owner's own keys (the reader's (layer, expert))
+        self.on_pinned: Callable[[Any, bool], None] | None = None
         self._hits = self._misses = self._evictions = self._bytes = 0
 
     # -- lookups and admissions -------------------------------------------
@@ -127,7 +133,10 @@ class SlotTable:
     def pin(self, key: Key) -> None:
         if key not in self._slot_of:
             raise KeyError(f"cannot pin {key!r}: not resident")
-        self._pins[key] = self._pins.get(key, 0) + 1
+        n = self._pins.get(key, 0)
+        self._pins[key] = n + 1
+        if n == 0 and self.on_pinned is not None:
+            self.on_pinned(key, True)
 
     def unpin(self, key: Key) -> None:
         n = self._pins.get(key, 0)
@@ -135,6 +144,8 @@ class SlotTable:
             raise ValueError(f"{key!r} is not pinned")
         if n == 1:
             del self._pins[key]
+            if self.on_pinned is not None:
+                self.on_pinned(key, False)
         else:
             self._pins[key] = n - 1
 

@@ -1,16 +1,25 @@
 """The residency index: which slab holds each (layer, expert), published by
 the reader in shared memory so that compute finds cache hits without a round
-trip.
+trip; beside it, what the reader is doing with each expert, for the web page.
 
-    index arena:  int32 [n_layer, n_expert]   0 = not resident, s + 1 = in slab s
+    index arena:  table   int32 [n_layer, n_expert]   0 = not resident, s + 1 = in slab s
+                  states  uint8 [n_layer, n_expert]   PINNED | INFLIGHT bits (after the table)
+
+`states` mirrors the reader's slot table: PINNED while the key has any pin
+(a request using it, or its own read), INFLIGHT while its read is under way.
+Compute never reads it; the gateway copies it a few times a second
+(procs/gateway_events.py). One byte store per change, by the one writer, so
+the reader never waits on a reader of it; a copy may mix two moments, which a
+picture refreshed four times a second can afford.
 
 The reader is the only writer. It publishes an entry only when the slab's
 bytes are complete, and clears it before the slab is given to another expert.
 Compute reads the entries of one layer, computes the resident experts at once
 and lists them in its Fetch (`resident`) so the reader pins them before it
 admits anything; only misses get a Ready. This is safe because slabs are
-evicted only while the reader handles compute's own fetches, in order — a
-prefetch never evicts (it only fills free slabs).
+evicted only while the reader handles compute's own fetches, in order (a
+next-layer guess is admitted while its Fetch is handled too; a warm start
+only fills free slabs): docs/architecture.md § Wire protocol.
 """
 
 from __future__ import annotations
@@ -19,11 +28,16 @@ import numpy as np
 
 from moe_pipe.shared.experts.shm import Arena, segment_name
 
+PINNED = 1  # states bit: the reader's slot table holds a pin on the key
+INFLIGHT = 2  # states bit: the key's read is under way (its slab is not complete yet)
+
 
 class ResidencyIndex:
     def __init__(self, arena: Arena, n_layer: int, n_expert: int):
         self.arena = arena
-        self._table: np.ndarray | None = arena.buf[: 4 * n_layer * n_expert].view(np.int32).reshape(n_layer, n_expert)
+        cells = n_layer * n_expert
+        self._table: np.ndarray | None = arena.buf[: 4 * cells].view(np.int32).reshape(n_layer, n_expert)
+        self._states: np.ndarray | None = arena.buf[4 * cells : 5 * cells].reshape(n_layer, n_expert)
 
     @property
     def table(self) -> np.ndarray:
@@ -32,9 +46,16 @@ class ResidencyIndex:
             raise ValueError(f"residency index {self.arena.name!r} is closed")
         return self._table
 
+    @property
+    def states(self) -> np.ndarray:
+        """The reader's PINNED / INFLIGHT bits, uint8 [n_layer, n_expert] (see the module docstring)."""
+        if self._states is None:
+            raise ValueError(f"residency index {self.arena.name!r} is closed")
+        return self._states
+
     @staticmethod
     def nbytes(spec) -> int:
-        return max(4 * spec.n_layer * spec.n_expert, 4096)
+        return max(5 * spec.n_layer * spec.n_expert, 4096)
 
     @classmethod
     def create(cls, spec) -> ResidencyIndex:
@@ -55,6 +76,20 @@ class ResidencyIndex:
     def clear(self, key: tuple[int, int]) -> None:
         self.table[key] = 0
 
+    def mark_pinned(self, key: tuple[int, int], on: bool) -> None:
+        self._mark(key, PINNED, on)
+
+    def mark_inflight(self, key: tuple[int, int], on: bool) -> None:
+        self._mark(key, INFLIGHT, on)
+
+    def _mark(self, key: tuple[int, int], bit: int, on: bool) -> None:
+        states = self.states
+        states[key] = (states[key] | bit) if on else (states[key] & (0xFF ^ bit))
+
+    def clear_states(self) -> None:
+        """Forget every pin and read: a new reader starts with none (the last one's died with it)."""
+        self.states[:] = 0
+
     def slots(self, layer: int, experts) -> list[int]:
         """Slab of each expert of `layer`, or -1 where it is not resident."""
         row = self.table[layer]
@@ -67,7 +102,7 @@ class ResidencyIndex:
         return [((int(l), int(e)), int(self.table[l, e]) - 1) for l, e in zip(layers, experts)]
 
     def close(self) -> None:
-        self._table = None  # drop our view first: the arena unmaps only once no view points in
+        self._table = self._states = None  # drop our views first: the arena unmaps only once no view points in
         self.arena.close()
 
     def unlink(self) -> None:

@@ -367,19 +367,51 @@
   }
   const bitAt = (bytes, i) => (bytes[i >> 3] >> (7 - (i & 7))) & 1; // numpy packbits: first cell in the high bit
 
+  // A cell's colour, the first that applies: its read is under way, a request pins it (an in-flight
+  // read pins too, so in flight goes first), it landed since the last frame, it is resident.
+  const CELL_STATES = [
+    { name: "not cached", color: "--empty" },
+    { name: "resident", color: "--resident" },
+    { name: "landed since the last frame", color: "--landed" },
+    { name: "pinned", color: "--pinned" },
+    { name: "read in flight", color: "--inflight" },
+  ];
+  const cellMasks = (r) => ({
+    resident: bits(r.resident),
+    landed: bits(r.landed),
+    pinned: bits(r.pinned),
+    inflight: bits(r.inflight),
+  });
+  function cellState(m, i) {
+    if (bitAt(m.inflight, i)) return 4;
+    if (bitAt(m.pinned, i)) return 3;
+    if (bitAt(m.landed, i)) return 2;
+    return bitAt(m.resident, i);
+  }
+
   function drawHeatmap() {
     const r = state.residency;
     const canvas = $("heatmap");
     if (!r) return;
-    const resident = bits(r.resident);
-    const landed = bits(r.landed);
+    const masks = cellMasks(r);
     const cells = r.layers * r.experts;
     let count = 0;
-    for (let i = 0; i < cells; i++) count += bitAt(resident, i);
-    canvas.dataset.resident = count; // what the page shows, counted from the cells themselves
+    let pinned = 0;
+    let inflight = 0;
+    for (let i = 0; i < cells; i++) {
+      count += bitAt(masks.resident, i);
+      pinned += bitAt(masks.pinned, i);
+      inflight += bitAt(masks.inflight, i);
+    }
+    // what the page shows, counted from the cells themselves
+    canvas.dataset.resident = count;
+    canvas.dataset.pinned = pinned;
+    canvas.dataset.inflight = inflight;
     const sup = state.status && state.status.supervisor;
     const cache = sup && sup.slab_bytes ? ` · ${mib(count * sup.slab_bytes)} of the ${mib(sup.budget_bytes)} expert cache` : "";
-    $("heat-caption").textContent = `${count} of ${r.layers} × ${r.experts} experts resident${cache} (rows: layers, columns: experts)`;
+    $("heat-caption").textContent =
+      `${count} of ${r.layers} × ${r.experts} experts resident, ${pinned} pinned, ${inflight} in flight${cache} ` +
+      "(rows: layers, columns: experts)";
     if ($("view-cache").hidden) return;
     const cell = Math.max(2, Math.min(24, Math.floor(canvas.clientWidth / r.experts)));
     const got = sizeCanvas(canvas, cell * r.layers);
@@ -387,11 +419,10 @@
     canvas.style.height = cell * r.layers + "px";
     const { ctx, w } = got;
     ctx.clearRect(0, 0, w, cell * r.layers);
-    const colors = [css("--empty"), css("--resident"), css("--landed")];
+    const colors = CELL_STATES.map((s) => css(s.color));
     for (let l = 0; l < r.layers; l++) {
       for (let e = 0; e < r.experts; e++) {
-        const i = l * r.experts + e;
-        ctx.fillStyle = colors[bitAt(landed, i) ? 2 : bitAt(resident, i)];
+        ctx.fillStyle = colors[cellState(masks, l * r.experts + e)];
         ctx.fillRect(e * cell, l * cell, cell - (cell > 3 ? 1 : 0), cell - (cell > 3 ? 1 : 0));
       }
     }
@@ -405,8 +436,8 @@
     const l = Math.floor(e.offsetY / cell);
     const x = Math.floor(e.offsetX / cell);
     if (l >= r.layers || x >= r.experts) return;
-    const on = bitAt(bits(r.resident), l * r.experts + x);
-    $("heat-cell").textContent = `layer ${l}, expert ${x}: ${on ? "resident" : "not cached"}`;
+    const s = CELL_STATES[cellState(cellMasks(r), l * r.experts + x)];
+    $("heat-cell").textContent = `layer ${l}, expert ${x}: ${s.name}`;
   });
 
   // -- tables --------------------------------------------------------------------

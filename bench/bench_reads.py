@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
 
         shapes = {"model": model_expert, "gpt-oss": gptoss_expert}
         # the worst page rounding of a 32-aligned extent: it starts 32 B before a page ends
-        slab_bytes = max(lay.slab_bytes, aligned_bytes(tuple(Extent(0, 4096 - 32, GPT_OSS_EXTENT) for _ in range(3))))
+        slab_bytes = max(lay.slab_bytes, aligned_bytes(tuple(Extent(0, lay.align - 32, GPT_OSS_EXTENT) for _ in range(3)), lay.align))
         max_lanes = max(args.lanes)
         print(f"{'shape':8} {'lanes':>5} {'experts':>8} {'GB/s':>6} {'ms/expert p50':>14} {'p90':>6}")
         with SlabArena.create(segment_name("bench-reads"), max_lanes, slab_bytes) as arena:
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
                     )
             first = rng.randrange(start, size - (args.dense_mb << 20)) // 4096 * 4096
             dense = [Extent(0, first, args.dense_mb << 20)]
-            dest = aligned_buffer(aligned_bytes(dense))
+            dest = aligned_buffer(aligned_bytes(dense, lay.align))
             t0 = time.perf_counter()
             pl = ef.read_dense(dense, dest)
             secs = time.perf_counter() - t0

@@ -17,7 +17,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def summary(mf) -> dict:
     """The inspect record; the JSON keys are part of the CLI contract (docs/cli.md)."""
+    from moe_pipe.shared.gguf.alignment import io_alignment
+
     spec, layout = mf.spec, mf.layout
+    found = io_alignment(mf.gguf.paths)  # only to say where layout.align came from: the same call built it
     return {
         "arch": spec.arch,
         "name": spec.name,
@@ -34,6 +37,8 @@ def summary(mf) -> dict:
         "shards": len(mf.gguf.paths),
         "routed_bytes_per_token": layout.routed_bytes_per_token(),
         "slab_bytes": layout.slab_bytes,
+        "io_align": layout.align,
+        "io_align_source": found.describe(),
         "min_cache_bytes": layout.min_cache_bytes(),
         "quant_types": mf.quant_types(),
     }
@@ -55,7 +60,8 @@ def print_table(s: dict) -> None:
         ("dense bytes", f"{s['dense_bytes'] / MIB:,.1f} MiB ({s['dense_bytes']:,} B)"),
         ("file bytes", f"{s['file_bytes'] / MIB:,.1f} MiB in {s['shards']} file(s)"),
         ("routed per token", f"{s['routed_bytes_per_token'] / MIB:,.1f} MiB (top-{s['n_expert_used']}, all layers, no cache)"),
-        ("cache slab", f"{s['slab_bytes']:,} B (page-rounded largest expert)"),
+        ("I/O alignment", s["io_align_source"]),
+        ("cache slab", f"{s['slab_bytes']:,} B (largest expert rounded to the I/O alignment)"),
         ("smallest useful cache", f"{s['min_cache_bytes'] / MIB:,.1f} MiB (one token's working set)"),
         ("expert quant types", _types(s["quant_types"]["experts"])),
         ("dense quant types", _types(s["quant_types"]["dense"])),

@@ -66,6 +66,7 @@ def reader_args(cfg: Any, res: Resources, model_path: str | Path) -> reader.Read
         warm_from=str(cfg.cache.warm_from or ""),
         model_identity=r.model_identity,
         populate=cfg.io.populate,
+        io_align=r.io_align,
     )
 
 
@@ -96,6 +97,7 @@ def compute_args(cfg: Any, res: Resources, model_path: str | Path, reader_pid: i
         populate=cfg.io.populate,
         context_shift=cfg.generate.context_shift,
         n_keep=cfg.generate.n_keep,
+        io_align=r.io_align,
     )
 
 
@@ -119,6 +121,7 @@ def gateway_args(launch: Launch) -> Any:
         chat_template=gen.chat_template,
         context_shift=gen.context_shift,
         slot_save_path=str(g.slot_save_path or ""),
+        config=cfg.to_dict(),  # secrets REDACTED: the web page shows it (procs/gateway_events.py)
     )
 
 

@@ -281,7 +281,7 @@ class SlabExperts:
         cached = self.views.get((layer, expert))
         if cached is None or cached[0] != slot:
             lay = self.layout.layers[layer]
-            view = expert_view(lay, expert, self.arena.slab(slot), placement_for(lay.extents(expert)))
+            view = expert_view(lay, expert, self.arena.slab(slot), placement_for(lay.extents(expert), self.layout.align))
             cached = self.views[(layer, expert)] = (slot, view)
         self.mgmt_s += time.perf_counter() - t0
         return cached[1]
@@ -401,7 +401,7 @@ def serve(cfg: ComputeConfig, ctx: zmq.Context) -> None:
     fetch_out = ipc.connect(ctx, ep, "fetch")
     ready_in = ipc.bind(ctx, ep, "ready")
     telemetry = ipc.DroppingSender(ipc.connect(ctx, ep, "telemetry_in"))
-    mf = open_model(cfg.model_path)
+    mf = open_model(cfg.model_path, cfg.io_align or None)
     if cfg.model_identity and model_identity(mf.gguf.paths) != tuple(cfg.model_identity):
         # A restart after the file was replaced: its tokenizer and shapes beside the
         # old file's dense set and cached experts would give wrong answers, quietly.

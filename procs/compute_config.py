@@ -34,3 +34,4 @@ class ComputeConfig:
     populate: bool = True  # map the slab and dense arenas ahead of first use (shared/experts/populate.py)
     context_shift: bool = False  # generate.context_shift: a full KV cache drops its oldest tokens instead of ending the reply
     n_keep: int = 0  # generate.n_keep: tokens at the start a context shift keeps (-1 = the whole prompt)
+    io_align: int = 0  # the parent's Layout.align (shared/gguf/alignment.py); 0 = resolve here

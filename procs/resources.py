@@ -47,6 +47,7 @@ class Resolved:
     load_seconds: float
     direct_io: bool
     model_identity: tuple[str, ...] = ()  # of every shard at start-up: children refuse any other file
+    io_align: int = 4096  # Layout.align resolved here once; children open the model with it (shared/gguf/alignment.py)
 
 
 class Resources:
@@ -122,13 +123,15 @@ class Resources:
                 # which then run at the disk's rate (shared/experts/populate.py).
                 ahead = Populator(arena, what="dense set").start() if cfg.io.populate else None
                 try:
-                    with ExpertFiles(mf.gguf.paths, identity=identity) as files:
+                    with ExpertFiles(mf.gguf.paths, identity=identity, align=layout.align) as files:
                         _read_or_fail(lambda: files.read_dense(layout.dense, arena.buf), "reading the dense set")
                         direct = files.direct
                 finally:
                     if ahead is not None:
                         ahead.stop()
-            resolved = Resolved(budget.bytes, budget.description, n_slots, layout.slab_bytes, time.perf_counter() - t0, direct, identity)
+            resolved = Resolved(
+                budget.bytes, budget.description, n_slots, layout.slab_bytes, time.perf_counter() - t0, direct, identity, layout.align
+            )
             res = cls(rt, slabs, index, dense, resolved)
             undo.pop_all()  # made whole: from here close() releases it
         return res

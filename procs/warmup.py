@@ -124,7 +124,7 @@ class ZeroExperts:
     def experts(self, layer: int, ids: Iterable[int]) -> Iterator[Expert]:
         lay = self.layout.layers[layer]
         for e in ids:
-            yield expert_view(lay, int(e), self.slab, placement_for(lay.extents(int(e))))
+            yield expert_view(lay, int(e), self.slab, placement_for(lay.extents(int(e)), self.layout.align))
 
     def resident(self, layer: int, ids: Sequence[int]) -> list[bool]:
         return [True] * len(ids)

@@ -65,7 +65,7 @@ class Harness:
         """Slab `slot` holds exactly the file's bytes of expert `key`."""
         lay = self.mf.layout.layers[key[0]]
         slab = self.reader.arena.slab(slot)
-        for part, (at, n) in zip(lay.parts, placement_for(lay.extents(key[1])).regions):
+        for part, (at, n) in zip(lay.parts, placement_for(lay.extents(key[1]), self.mf.layout.align).regions):
             want = np.asarray(self.mf.gguf.view(part.tensor.name)[key[1]]).reshape(-1).view(np.uint8)
             assert np.array_equal(slab[at : at + n], want), (key, part.name)
 
@@ -78,7 +78,7 @@ class Harness:
 
 def hold_reads_of(h: Harness, key, fail: bool):
     """A fault hook that holds the reads of `key` until released, then fails them (EIO) or lets them go."""
-    start = directio.aligned(h.mf.layout.expert_extents(*key)[0])[0]
+    start = directio.aligned(h.mf.layout.expert_extents(*key)[0], h.mf.layout.align)[0]
     entered, release = threading.Event(), threading.Event()
 
     def hook(path, offset, length):

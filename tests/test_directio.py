@@ -17,7 +17,8 @@ from moe_pipe.shared.experts import directio
 from moe_pipe.shared.experts.directio import DiskReadError, ExpertFiles, aligned_buffer
 from moe_pipe.shared.experts.placement import expert_view, placement_for
 from moe_pipe.shared.experts.shm import SlabArena, segment_name
-from moe_pipe.shared.gguf.layout import PAGE, Extent, aligned_bytes
+from moe_pipe.shared.gguf.alignment import PAGE_SIZE as PAGE  # ExpertFiles' alignment here (no MOE_PIPE_IO_ALIGN set)
+from moe_pipe.shared.gguf.layout import Extent, aligned_bytes
 from moe_pipe.shared.gguf.model_file import open_model
 from moe_pipe.shared.model.weights import FileExperts
 
@@ -104,9 +105,9 @@ def check_every_expert(mf, ef, arena) -> int:
             slab = sa.slab(n % sa.n_slots)
             slab[:] = 0xEE  # stale bytes from the last occupant must not matter
             pl = ef.read_expert(lay.extents(e), slab)
-            assert pl.regions == placement_for(lay.extents(e)).regions  # compute can rebuild it
+            assert pl.regions == placement_for(lay.extents(e), mf.layout.align).regions  # compute can rebuild it
             assert len(pl.regions) == len(lay.parts)
-            assert pl.disk_bytes <= aligned_bytes(lay.extents(e))
+            assert pl.disk_bytes <= aligned_bytes(lay.extents(e), mf.layout.align)
             for part, (at, length) in zip(lay.parts, pl.regions):
                 want = expected_part(mf, part, e)
                 assert length == want.size, (lay.layer, e, part.name)
@@ -209,7 +210,7 @@ def test_expert_view_biases(models, arena):
 def test_bad_slabs_are_refused(models, arena):
     with open_model(models["qwen3moe"]) as mf, ExpertFiles(mf.gguf.paths) as ef:
         ext = mf.layout.expert_extents(0, 0)
-        need = aligned_bytes(ext)
+        need = aligned_bytes(ext, PAGE)
         with pytest.raises(ValueError, match="too small"):
             ef.read_expert(ext, aligned_buffer(need - PAGE))
         with pytest.raises(ValueError, match="aligned"):
@@ -236,7 +237,7 @@ def raw_file(request, direct_dir):
 @pytest.mark.parametrize("offset,length", [(2 * PAGE + 50, PAGE + 50), (3 * PAGE, 100), (10, 3 * PAGE + 90), (0, 1)])
 def test_short_read_at_end_of_file(raw_file, offset, length):
     ef, data = raw_file
-    dest = aligned_buffer(aligned_bytes((Extent(0, offset, length),)))
+    dest = aligned_buffer(aligned_bytes((Extent(0, offset, length),), PAGE))
     pl = ef.read_expert([Extent(0, offset, length)], dest)
     at, n = pl.regions[0]
     assert n == length and np.array_equal(dest[at : at + n], data[offset : offset + length])
@@ -293,7 +294,7 @@ def test_fault_hook_fires_as_a_disk_error(models, arena):
         with pytest.raises(DiskReadError) as err:
             ef.read_expert(ext, arena(1, mf.layout.slab_bytes).slab(0))
         assert err.value.errno == errno.EIO and str(mf.gguf.path) in str(err.value)
-        assert seen == [(str(mf.gguf.path), *directio.aligned(ext[0])[:2])]
+        assert seen == [(str(mf.gguf.path), *directio.aligned(ext[0], PAGE)[:2])]
         directio.set_fault_hook(None)
         ef.read_expert(ext, arena(1, mf.layout.slab_bytes).slab(0))  # off again: reads work
 
@@ -409,7 +410,7 @@ def test_buffered_fallback_drops_the_pages_it_read(models, arena, monkeypatch):
         with ExpertFiles([path]) as ef:
             assert not ef.direct
             assert cached_after(lambda: ef.read_expert(ext, sa.slab(0))) == 0
-            for part, (at, n) in zip(lay.parts, placement_for(ext).regions):
+            for part, (at, n) in zip(lay.parts, placement_for(ext, mf.layout.align).regions):
                 assert np.array_equal(sa.slab(0)[at : at + n], expected_part(mf, part, 3))
 
 

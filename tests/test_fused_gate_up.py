@@ -69,10 +69,10 @@ class SlabExperts:
         lay = self.mf.layout.layers[layer]
         for e in ids:
             extents = lay.extents(e)
-            slab = np.zeros(aligned_bytes(extents), np.uint8)
-            for part, (at, n) in zip(lay.parts, placement_for(extents).regions):
+            slab = np.zeros(aligned_bytes(extents, lay_align := self.mf.layout.align), np.uint8)
+            for part, (at, n) in zip(lay.parts, placement_for(extents, lay_align).regions):
                 slab[at : at + n] = np.asarray(self.mf.gguf.view(part.tensor.name)[e]).reshape(-1).view(np.uint8)
-            yield expert_view(lay, e, slab, placement_for(extents))
+            yield expert_view(lay, e, slab, placement_for(extents, lay_align))
 
     def resident(self, layer: int, ids: Sequence[int]) -> list[bool]:
         return [True] * len(ids)

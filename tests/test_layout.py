@@ -7,7 +7,8 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 from gguf import GGUFReader
 
-from moe_pipe.shared.gguf.layout import PAGE, Extent, aligned
+from moe_pipe.shared.gguf.alignment import PAGE_SIZE as PAGE
+from moe_pipe.shared.gguf.layout import Extent, aligned
 from moe_pipe.shared.gguf.model_file import open_model
 
 from .ggufgen import write_qwen_like
@@ -100,7 +101,7 @@ def test_leading_dense_layers_hold_no_experts_and_no_cache(tmp_path):
 
 @pytest.mark.parametrize("offset,length", [(0, 1), (4095, 2), (4096, 4096), (123456, 884736), (32, 4406400)])
 def test_aligned_read_covers_extent(offset, length):
-    start, n, skip = aligned(Extent(0, offset, length))
+    start, n, skip = aligned(Extent(0, offset, length), PAGE)
     assert start % PAGE == 0 and n % PAGE == 0
     assert start + skip == offset and skip + length <= n and skip < PAGE
     assert n - (skip + length) < PAGE

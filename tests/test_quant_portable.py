@@ -30,7 +30,7 @@ import pytest
 from gguf.quants import dequantize
 
 from moe_pipe.shared import quant
-from moe_pipe.shared.quant import _legacy, _q8, _q8ir
+from moe_pipe.shared.quant import _legacy, _q8, _q8ir, _target
 from moe_pipe.shared.quant.blocks import E2M1_TWICE, MXFP4_BYTES, QK, QK_K, SUPPORTED, QType
 
 TESTS = Path(__file__).resolve().parent
@@ -88,7 +88,8 @@ def test_this_process_compiles_the_build_its_target_allows():
     """Without a numba target in the environment: VNNI where the host has it, and the IR says so."""
     if any(k in os.environ for k in ("NUMBA_CPU_NAME", "NUMBA_CPU_FEATURES")) or os.environ.get("NUMBA_ENABLE_AVX") == "0":
         pytest.skip("the environment sets numba's target; the child test covers that case")
-    want = "vnni" if _host_has_vnni() else "portable"
+    # aarch64: "sdot" where HWCAP/cpuinfo report the dot product (tests/aarch64/run.sh runs it emulated)
+    want = "vnni" if _host_has_vnni() else "sdot" if _target.ARM and _target.arm_dotprod() else "portable"
     assert quant.INT8_DOT == want
     assert emitted_x86_intrinsics() == (list(VNNI_INTRINSICS) if want == "vnni" else [])
 

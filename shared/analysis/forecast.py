@@ -208,7 +208,7 @@ def model_facts(mf, cfg) -> ModelFacts:
         slab_bytes=layout.slab_bytes,
         kv_bytes=kv_cache_bytes(spec, cfg.compute.ctx_size, cfg.compute.kv_type),
         classes=kernel_classes(mf, top_k),
-        read_bytes_per_expert=tuple(aligned_bytes(l.extents(0)) for l in layout.layers),
+        read_bytes_per_expert=tuple(aligned_bytes(l.extents(0), layout.align) for l in layout.layers),
         engine_bytes=engine_bytes(RUN_ROLES, spec.n_vocab),
     )
 
@@ -453,7 +453,7 @@ def measure_reads(mf, lanes: Sequence[int] = READ_LANES, seconds: float = 1.5, s
     rng = random.Random(seed)
     out = {}
     # the arena is unlinked on the way out, whatever happens
-    with ExpertFiles(paths) as ef, SlabArena.create(segment_name("doctor-reads"), max(lanes), lay.slab_bytes) as arena:
+    with ExpertFiles(paths, align=lay.align) as ef, SlabArena.create(segment_name("doctor-reads"), max(lanes), lay.slab_bytes) as arena:
         for n in lanes:
             best = 0.0
             for _ in range(rounds):

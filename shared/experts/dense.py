@@ -24,15 +24,15 @@ from moe_pipe.shared.gguf.reader import GGUFFile, TensorInfo
 
 
 def arena_bytes(layout: Layout) -> int:
-    """Size of the dense arena: every dense extent read page-rounded."""
-    return aligned_bytes(layout.dense)
+    """Size of the dense arena: every dense extent read rounded to `layout.align`."""
+    return aligned_bytes(layout.dense, layout.align)
 
 
 def arena_views(f: GGUFFile, layout: Layout, buf: np.ndarray) -> Callable[[str], np.ndarray]:
     """`view(name)` over the arena: the same dtype and shape as `f.view(name)`.
     The placement is a pure function of the extents (`placement_for`), so compute
     finds the tensors without being told where the reader put them."""
-    placement = placement_for(layout.dense)
+    placement = placement_for(layout.dense, layout.align)
 
     def view(name: str) -> np.ndarray:
         t: TensorInfo = f.tensor(name)

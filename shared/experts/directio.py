@@ -1,9 +1,11 @@
 """Reading experts (and the dense set) from the model file into shared memory.
 
-Every read is the page-rounded superset of one extent (`layout.aligned`),
-issued with `os.preadv` on an O_DIRECT fd straight into a page-aligned region
-of the destination: no page cache, so the kernel never holds a second copy of
-a streamed expert and the cache budget is the only memory experts use.
+Every read is the superset of one extent rounded to the I/O alignment
+(`layout.aligned`, `Layout.align`: the page size or the device's block,
+whichever is larger; shared/gguf/alignment.py), issued with `os.preadv` on an
+O_DIRECT fd straight into a page-aligned region of the destination: no page
+cache, so the kernel never holds a second copy of a streamed expert and the
+cache budget is the only memory experts use.
 
 Where a read puts each part of an expert in its slab is `placement.py`'s.
 
@@ -49,7 +51,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from moe_pipe.shared.experts.placement import Placement, placement_for
-from moe_pipe.shared.gguf.layout import PAGE, Extent, aligned, aligned_bytes
+from moe_pipe.shared.gguf.alignment import IDENTITY_PAGE, PAGE_SIZE, io_alignment, round_up
+from moe_pipe.shared.gguf.layout import Extent, aligned, aligned_bytes
 
 log = logging.getLogger(__name__)
 
@@ -209,7 +212,8 @@ def file_identity(path: str | os.PathLike) -> FileIdentity:
         ranges = [(0, min(size, IDENTITY_HEAD_BYTES))]
         if size > IDENTITY_HEAD_BYTES:
             step = (size - IDENTITY_HEAD_BYTES) // IDENTITY_SAMPLES
-            ranges += [((IDENTITY_HEAD_BYTES + k * step) // PAGE * PAGE, PAGE) for k in range(IDENTITY_SAMPLES)]
+            # a fixed sample size, not the machine's alignment: the identity string must compare equal everywhere
+            ranges += [((IDENTITY_HEAD_BYTES + k * step) // IDENTITY_PAGE * IDENTITY_PAGE, IDENTITY_PAGE) for k in range(IDENTITY_SAMPLES)]
         for at, n in ranges:
             h.update(os.pread(fd, n, at))
             os.posix_fadvise(fd, at, n, os.POSIX_FADV_DONTNEED)  # only what this read brought in
@@ -232,10 +236,15 @@ def model_identity(paths: Sequence[str | os.PathLike]) -> tuple[str, ...]:
 # -- destinations ------------------------------------------------------------------
 
 
-def aligned_buffer(nbytes: int) -> np.ndarray:
-    """A page-aligned, zero-filled uint8 buffer (anonymous mapping) for O_DIRECT reads."""
-    mm = mmap.mmap(-1, max(PAGE, -(-nbytes // PAGE) * PAGE))
-    return np.frombuffer(mm, np.uint8)[:nbytes]
+def aligned_buffer(nbytes: int, align: int = PAGE_SIZE) -> np.ndarray:
+    """A zero-filled uint8 buffer (anonymous mapping) for O_DIRECT reads whose
+    address is a multiple of `align` (mmap gives a page; a larger alignment
+    maps that much more and starts inside it)."""
+    size = round_up(max(nbytes, 1), align)
+    mm = mmap.mmap(-1, size + max(0, align - PAGE_SIZE))
+    arr = np.frombuffer(mm, np.uint8)
+    at = -arr.ctypes.data % align
+    return arr[at : at + nbytes]
 
 
 def _as_dest(buf, what: str) -> np.ndarray:
@@ -255,13 +264,26 @@ class ExpertFiles:
 
     Safe to share between I/O lanes (threads): preadv carries its own offset.
     `direct=False` forces the buffered path (tests, filesystems that lie).
+    `align`: the I/O alignment reads are rounded to (`Layout.align` of the
+    model these files are; None resolves it from this machine).
     `identity` (from `model_identity`, taken when the run started) makes the
     open refuse a file that is no longer that one (`ModelChanged`), and lets
     `recover()` take the file back once it is at its path again.
     """
 
-    def __init__(self, paths: Sequence[str | os.PathLike], *, direct: bool = True, identity: Sequence[str] | None = None):
+    def __init__(
+        self,
+        paths: Sequence[str | os.PathLike],
+        *,
+        direct: bool = True,
+        identity: Sequence[str] | None = None,
+        align: int | None = None,
+    ):
         self.paths = [os.fspath(p) for p in paths]
+        self.align = io_alignment(self.paths).value if align is None else align
+        # Where the buffer must start: O_DIRECT's memory alignment (statx dio_mem_align) is at
+        # most a page, and an arena's slabs are only as aligned as its mmap'd base (a page).
+        self.mem_align = min(self.align, PAGE_SIZE)
         self._fds: list[int] = []
         self._direct: list[bool] = []
         self._proven: list[bool] = []  # a direct read on this file has succeeded
@@ -376,7 +398,8 @@ class ExpertFiles:
 
     # -- reads ---------------------------------------------------------------
     def read_expert(self, extents: Iterable[Extent], slab) -> Placement:
-        """Read one expert's extents into `slab` (page-aligned, writable); one preadv per part."""
+        """Read one expert's extents into `slab` (page-aligned, writable); one preadv per part,
+        each rounded to `self.align`."""
         extents = tuple(extents)
         dest = self._check_dest(extents, slab, "slab")
         return self._read(extents, dest, chunk_bytes=None, progress=None)
@@ -384,21 +407,21 @@ class ExpertFiles:
     def read_dense(
         self, extents: Iterable[Extent], dest, *, chunk_bytes: int = DENSE_CHUNK_BYTES, progress: Callable[[int, int], None] | None = None
     ) -> Placement:
-        """Read the dense set into `dest` (page-aligned, ≥ aligned_bytes(extents)) in
+        """Read the dense set into `dest` (page-aligned, ≥ aligned_bytes(extents, align)) in
         sequential `chunk_bytes` reads; progress(bytes_done, bytes_total) after each."""
-        if chunk_bytes <= 0 or chunk_bytes % PAGE:
-            raise ValueError(f"chunk size {chunk_bytes} is not a positive multiple of {PAGE}")
+        if chunk_bytes <= 0 or chunk_bytes % self.align:
+            raise ValueError(f"chunk size {chunk_bytes} is not a positive multiple of the I/O alignment {self.align}")
         extents = tuple(extents)
         arr = self._check_dest(extents, dest, "dense destination")
         return self._read(extents, arr, chunk_bytes=chunk_bytes, progress=progress)
 
     def _check_dest(self, extents: tuple[Extent, ...], buf, what: str) -> np.ndarray:
         arr = _as_dest(buf, what)
-        need = aligned_bytes(extents)
+        need = aligned_bytes(extents, self.align)
         if need > arr.size:
-            raise ValueError(f"{what} of {arr.size} B is too small: these extents need {need} B read page-rounded")
-        if arr.ctypes.data % PAGE:
-            raise ValueError(f"{what} at address {arr.ctypes.data:#x} is not {PAGE}-aligned, as O_DIRECT needs")
+            raise ValueError(f"{what} of {arr.size} B is too small: these extents need {need} B read {self.align}-aligned")
+        if arr.ctypes.data % self.mem_align:
+            raise ValueError(f"{what} at address {arr.ctypes.data:#x} is not {self.mem_align}-aligned, as O_DIRECT needs")
         for e in extents:
             if not 0 <= e.shard < len(self._fds):
                 raise ValueError(f"extent {e} names shard {e.shard}, but {len(self._fds)} file(s) are open")
@@ -408,9 +431,9 @@ class ExpertFiles:
         self, extents: tuple[Extent, ...], dest: np.ndarray, chunk_bytes: int | None, progress: Callable[[int, int], None] | None
     ) -> Placement:
         at, disk = 0, 0
-        total = aligned_bytes(extents)
+        total = aligned_bytes(extents, self.align)
         for e in extents:
-            start, n, skip = aligned(e)
+            start, n, skip = aligned(e, self.align)
             need = skip + e.length  # bytes of this read that must arrive; the rest may lie past EOF
             step = chunk_bytes or n
             for c in range(0, n, step):
@@ -419,11 +442,11 @@ class ExpertFiles:
                 if progress is not None:
                     progress(at + c + m, total)
             at += n
-        planned = placement_for(extents)
+        planned = placement_for(extents, self.align)
         return Placement(extents, planned.regions, disk)
 
     def _read_region(self, shard: int, view: np.ndarray, offset: int, need: int) -> int:
-        """Fill `view` from file `shard` at `offset` (both page-aligned); bytes past
+        """Fill `view` from file `shard` at `offset` (both aligned); bytes past
         `need` may be missing at end of file. Returns the bytes read."""
         path, got, n = self.paths[shard], 0, view.size
         while got < n:
@@ -448,10 +471,10 @@ class ExpertFiles:
             got += r
             if got < n and offset + got >= self.sizes[shard]:
                 break  # the file's last, partial page: nothing more to come
-            if got < n and got % PAGE and is_direct:
-                # A short read mid-file that is not page-sized: O_DIRECT cannot
-                # resume at an unaligned offset, so re-read from the page start.
-                got -= got % PAGE
+            if got < n and got % self.align and is_direct:
+                # A short read mid-file that is not a whole number of aligned blocks: O_DIRECT
+                # cannot resume at an unaligned offset, so re-read from the block's start.
+                got -= got % self.align
         if got < need:
             raise DiskReadError(path, offset, need, f"the file ends at byte {offset + got} (truncated since it was opened?)")
         return got

@@ -1,15 +1,17 @@
 """Slab placement: where a read of an expert's extents puts each part's bytes
 in its slab, and the expert as zero-copy views of that slab.
 
-One expert in its slab (S = slab_bytes; each part read page-rounded, in the
-order of `LayerExperts.parts`; `skip` = the part's offset inside its first page):
+One expert in its slab (S = slab_bytes; each part read rounded to the I/O
+alignment `Layout.align`, in the order of `LayerExperts.parts`; `skip` = the
+part's offset inside its first aligned block):
 
     slab:  | page-rounded read of part 0 | read of part 1 | ... |  unused  |
            0     ^skip0                  r0   ^skip1              ...      S
                  └ part 0's bytes: Placement.regions[0] = (skip0, length0)
 
-The placement is a function of the extents alone, so the reader and compute
-agree on it without sending it: only the slab id crosses the wire.
+The placement is a function of the extents and the alignment alone, so the
+reader and compute agree on it without sending it (both got the alignment
+from the parent's config): only the slab id crosses the wire.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ class Placement:
 
     extents: tuple[Extent, ...]
     regions: tuple[tuple[int, int], ...]  # (offset in destination, length) per extent
-    disk_bytes: int  # bytes read from disk (page-rounded reads, cut short at end of file)
+    disk_bytes: int  # bytes read from disk (aligned reads, cut short at end of file)
 
     def locate(self, shard: int, offset: int, length: int) -> int:
         """Destination offset of file bytes [offset, offset + length) of `shard`."""
@@ -39,14 +41,15 @@ class Placement:
         raise KeyError(f"bytes [{offset}, {offset + length}) of shard {shard} were not read")
 
 
-def placement_for(extents: Iterable[Extent]) -> Placement:
-    """Where a read of `extents` puts their bytes: a function of the extents
-    alone, so compute can rebuild it from (layer, expert) and only the slab id
-    needs to cross the wire. disk_bytes is 0 (nothing read)."""
+def placement_for(extents: Iterable[Extent], align: int) -> Placement:
+    """Where a read of `extents` rounded to `align` (`Layout.align`) puts their
+    bytes: a function of the extents and the alignment alone, so compute can
+    rebuild it from (layer, expert) and only the slab id needs to cross the
+    wire. disk_bytes is 0 (nothing read)."""
     extents = tuple(extents)
     regions, at = [], 0
     for e in extents:
-        _start, n, skip = aligned(e)
+        _start, n, skip = aligned(e, align)
         regions.append((at + skip, e.length))
         at += n
     return Placement(extents, tuple(regions), 0)

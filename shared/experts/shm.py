@@ -17,11 +17,13 @@ size comes from the model's layout, slab ids cross the wire):
 
     offset 0          S                 2S                     (n-1)S         nS
            | slab 0 ......... | slab 1 ......... | ... | slab n-1 ....... |
-           ^ page-aligned     ^ page-aligned             (S = slab_bytes, a multiple of 4096)
+           ^ page-aligned     ^ page-aligned             (S = slab_bytes, a multiple of the I/O alignment)
 
-mmap returns a page-aligned address and S is a multiple of the page size, so
-every slab starts on a page boundary: O_DIRECT reads land in it directly. One
-expert inside a slab is its parts' page-rounded reads, one after another
+mmap returns a page-aligned address and S is a multiple of the I/O alignment
+(`Layout.align`, itself a multiple of the page size: shared/gguf/alignment.py),
+so every slab starts on a page boundary: O_DIRECT reads land in it directly
+(their memory alignment, statx's dio_mem_align, is at most a page on Linux).
+One expert inside a slab is its parts' aligned reads, one after another
 (see directio.read_expert for where the wanted bytes sit).
 """
 
@@ -35,8 +37,10 @@ from pathlib import Path
 
 import numpy as np
 
+from moe_pipe.shared.gguf.alignment import PAGE_SIZE
+
 SHM_DIR = Path("/dev/shm")
-PAGE = 4096
+PAGE = PAGE_SIZE  # the OS page (os.sysconf, once): mapping granularity and madvise ranges
 # madvise advice (Linux 5.14+; Python 3.11's mmap does not name them): fault a
 # range's pages into this process's page tables now, writable or readable.
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)

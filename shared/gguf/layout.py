@@ -13,9 +13,11 @@ gate_up/down, plus biases), one per tensor; they are never adjacent.
 
 The dense set is the complement of the expert tensors inside each shard's
 data section (it includes alignment padding between tensors, which costs a
-few bytes and saves many small reads). O_DIRECT needs 4096-aligned reads, and
-tensor starts are only 32-aligned: `aligned()` gives the page-rounded
-superset of an extent and where the wanted bytes sit inside it.
+few bytes and saves many small reads). O_DIRECT needs reads aligned to the
+machine's I/O alignment (`Layout.align`: the page size or the device's
+block, shared/gguf/alignment.py), and tensor starts are only 32-aligned:
+`aligned()` gives the rounded superset of an extent and where the wanted
+bytes sit inside it.
 """
 
 from __future__ import annotations
@@ -26,10 +28,10 @@ from dataclasses import dataclass
 from gguf import GGMLQuantizationType
 
 from moe_pipe.shared.errors import GGUFError
+from moe_pipe.shared.gguf.alignment import io_alignment
 from moe_pipe.shared.gguf.reader import GGUFFile, TensorInfo
 from moe_pipe.shared.gguf.spec import ModelSpec
 
-PAGE = 4096
 _EXPERT_TENSOR = re.compile(r"^blk\.(?P<layer>\d+)\.ffn_(?P<proj>gate_up|gate|up|down)_exps\.(?P<kind>weight|bias)$")
 # Read order inside one expert: the order the forward pass needs them.
 _PART_ORDER = ("gate_up", "gate", "up", "down")
@@ -75,17 +77,17 @@ class LayerExperts:
         return next((p for p in self.parts if p.name == name), None)
 
 
-def aligned(extent: Extent, page: int = PAGE) -> tuple[int, int, int]:
-    """(start, length, skip): the page-rounded read that covers `extent`;
+def aligned(extent: Extent, align: int) -> tuple[int, int, int]:
+    """(start, length, skip): the `align`-rounded read that covers `extent`;
     the wanted bytes are [skip, skip + extent.length) of what it returns."""
-    start = extent.offset // page * page
-    end = -(-extent.end // page) * page
+    start = extent.offset // align * align
+    end = -(-extent.end // align) * align
     return start, end - start, extent.offset - start
 
 
-def aligned_bytes(extents: tuple[Extent, ...], page: int = PAGE) -> int:
-    """Bytes a slab needs to hold `extents` read page-rounded, one after another."""
-    return sum(aligned(e, page)[1] for e in extents)
+def aligned_bytes(extents: tuple[Extent, ...], align: int) -> int:
+    """Bytes a slab needs to hold `extents` read `align`-rounded, one after another."""
+    return sum(aligned(e, align)[1] for e in extents)
 
 
 @dataclass(frozen=True)
@@ -95,6 +97,7 @@ class Layout:
     dense: tuple[Extent, ...]  # merged, sorted by (shard, offset)
     dense_bytes: int  # exact bytes of the non-expert tensors
     expert_tensor_names: frozenset[str]
+    align: int  # the I/O alignment every read and slab is rounded to (shared/gguf/alignment.py)
 
     def expert_extents(self, layer: int, expert: int) -> tuple[Extent, ...]:
         if not 0 <= expert < self.spec.n_expert:
@@ -118,8 +121,8 @@ class Layout:
 
     @property
     def slab_bytes(self) -> int:
-        """The cache slab size: the largest page-rounded expert in the file."""
-        return max(aligned_bytes(l.extents(e)) for l in self.layers if l.parts for e in range(self.spec.n_expert))
+        """The cache slab size: the largest `align`-rounded expert in the file (a multiple of `align`)."""
+        return max(aligned_bytes(l.extents(e), self.align) for l in self.layers if l.parts for e in range(self.spec.n_expert))
 
     def min_cache_bytes(self, top_k: int | None = None) -> int:
         """One token's working set: every MoE layer's top-k experts, in slabs."""
@@ -155,12 +158,23 @@ def _expert_part(f: GGUFFile, spec: ModelSpec, t: TensorInfo, proj: str, kind: s
     return ExpertPart(name, t, t.shape[1:], stride)
 
 
+_BLOCK = re.compile(r"^blk\.(\d+)\.")
+
+
+def unused_tensors(f: GGUFFile, spec: ModelSpec) -> set[str]:
+    """Tensors of the blocks after the decoder's layers that the file counts in block_count
+    but nothing runs (glm4moe's NextN/MTP block, as llama.cpp by default): never read."""
+    extra = range(spec.n_layer, spec.n_layer + spec.n_layer_nextn)
+    return {n for n in f.tensors if (m := _BLOCK.match(n)) and int(m[1]) in extra}
+
+
 def _layer_parts(f: GGUFFile, spec: ModelSpec) -> tuple[list[list[ExpertPart]], set[str]]:
     parts: list[list[ExpertPart]] = [[] for _ in range(spec.n_layer)]
     names: set[str] = set()
+    skip = unused_tensors(f, spec)
     for t in f.tensors.values():
         m = _EXPERT_TENSOR.match(t.name)
-        if not m:
+        if not m or t.name in skip:
             continue
         layer = int(m["layer"])
         if layer >= spec.n_layer:
@@ -210,7 +224,13 @@ def _dense_extents(f: GGUFFile, expert_names: set[str]) -> tuple[Extent, ...]:
     return tuple(out)
 
 
-def build_layout(f: GGUFFile, spec: ModelSpec) -> Layout:
+def build_layout(f: GGUFFile, spec: ModelSpec, align: int | None = None) -> Layout:
+    """The byte-range map. `align`: the I/O alignment another process resolved
+    (a child passes its parent's); None resolves it here, from this machine."""
+    if align is None:
+        align = io_alignment(f.paths).value
+    elif align <= 0 or align & (align - 1):
+        raise ValueError(f"I/O alignment {align} is not a power of two")
     parts, names = _layer_parts(f, spec)
     layers = []
     for i, layer_parts in enumerate(parts):
@@ -223,5 +243,6 @@ def build_layout(f: GGUFFile, spec: ModelSpec) -> Layout:
             continue
         _check_complete(f, spec, i, layer_parts)
         layers.append(LayerExperts(i, tuple(sorted(layer_parts, key=_sort_key))))
-    dense_bytes = sum(t.nbytes for t in f.tensors.values() if t.name not in names)
-    return Layout(spec, tuple(layers), _dense_extents(f, names), dense_bytes, frozenset(names))
+    unused = unused_tensors(f, spec)  # neither streamed nor in the dense set
+    dense_bytes = sum(t.nbytes for t in f.tensors.values() if t.name not in names and t.name not in unused)
+    return Layout(spec, tuple(layers), _dense_extents(f, names | unused), dense_bytes, frozenset(names), align)

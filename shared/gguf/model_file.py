@@ -35,12 +35,14 @@ class ModelFile:
         return {"experts": dict(sorted(experts.items())), "dense": dict(sorted(dense.items()))}
 
 
-def open_model(path: str | os.PathLike) -> ModelFile:
-    """Open and validate a GGUF model (one file or any shard of a split set)."""
+def open_model(path: str | os.PathLike, align: int | None = None) -> ModelFile:
+    """Open and validate a GGUF model (one file or any shard of a split set).
+    `align`: the I/O alignment the parent resolved (a child's config carries
+    it); None resolves it from this machine (shared/gguf/alignment.py)."""
     f = GGUFFile(path)
     try:
         spec = read_spec(f)
-        return ModelFile(f, spec, build_layout(f, spec))
+        return ModelFile(f, spec, build_layout(f, spec, align))
     except BaseException:
         f.close()
         raise

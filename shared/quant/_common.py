@@ -39,6 +39,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+import moe_pipe.shared.quant._target  # noqa: F401  (before any jit: the ARM dot-product target, shared/quant/_target.py)
+
 # No nnan/ninf: an inf or NaN weight must propagate like in numpy, not be
 # assumed away. reassoc lets LLVM vectorize the dot reductions; contract
 # makes d·q − m one FMA.

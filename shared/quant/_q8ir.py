@@ -28,7 +28,13 @@ and a scalar multiply-add.
 
 Where the CPU numba compiles for has AVX-512 VNNI (`INT8_DOT` = "vnni") the
 64-byte dot is the `llvm.x86.avx512.vpdpbusd.512` intrinsic and the MXFP4
-code map one `vpshufb`; anywhere else (`INT8_DOT` = "portable", also forced
+code map one `vpshufb`. On aarch64 with the dot-product extension
+(FEAT_DotProd: HWCAP `asimddp`, LLVM `+dotprod`; `INT8_DOT` = "sdot") it is
+four `llvm.aarch64.neon.sdot` on 16-byte quarters (i8·i8, sums of 4 into 4
+int32 lanes each): codes below 128 (Q4_K, Q6_K, MXFP4) go in as they are;
+the u8 codes of Q8_0 (q + 128) go in as q (xor 0x80) and 128·Σ4 xq (one more
+sdot against ones) is added back, so every branch returns the same integer
+sums. Anywhere else (`INT8_DOT` = "portable", also forced
 by NUMBA_CPU_NAME=generic) both are target-independent IR (products in int32,
 pairwise adds; the code map by arithmetic): the same integer sums, only
 slower (the float scaling may round differently in the last bit, as LLVM
@@ -51,6 +57,7 @@ from numba.core import cgutils
 from numba.core.codegen import get_host_cpu_features
 from numba.extending import intrinsic
 
+from moe_pipe.shared.quant._target import ARM as _ARM
 from moe_pipe.shared.quant.blocks import E2M1_TWICE, MXFP4_BYTES, Q4_K_BYTES, Q5_0_BYTES, Q6_K_BYTES, Q8_0_BYTES, QK, QK_K
 
 _I8 = ir.IntType(8)
@@ -81,8 +88,9 @@ def _target_features() -> str:
 # vectors; F16C: f16 → float32 in one instruction (every AVX-512 CPU has it).
 _FEATURES = set(_target_features().split(","))
 _VNNI = {"+avx512vnni", "+avx512bw"} <= _FEATURES
+_SDOT = _ARM and "+dotprod" in _FEATURES
 _F16C = "+f16c" in _FEATURES
-INT8_DOT = "vnni" if _VNNI else "portable"
+INT8_DOT = "vnni" if _VNNI else "sdot" if _SDOT else "portable"
 
 
 def _vec(n, bits=8):
@@ -186,15 +194,36 @@ class _Emit:
         n = a.type.count
         return self.b.call(self.fn(f"llvm.fma.v{n}f32", _fvec(n), [_fvec(n)] * 3), [a, b, c])
 
-    def dp(self, u, x):
-        """<16 x i32>: lane i = Σ_{k<4} zext(u[4i+k])·sext(x[4i+k]) for 64 u8 (u) / i8 (x) lanes."""
+    def dp(self, u, x, below128: bool = False):
+        """<16 x i32>: lane i = Σ_{k<4} zext(u[4i+k])·sext(x[4i+k]) for 64 u8 (u) / i8 (x) lanes.
+        `below128`: every u is < 128 (so it is also its own i8: one sdot on aarch64)."""
         zero = ir.Constant(_vec(16, 32), [0] * 16)
         if _VNNI:
             f = self.fn("llvm.x86.avx512.vpdpbusd.512", _vec(16, 32), [_vec(16, 32)] * 3)
             return self.b.call(f, [zero, self.b.bitcast(u, _vec(16, 32)), self.b.bitcast(x, _vec(16, 32))])
+        if _SDOT:
+            return self._sdot64(u, x, below128)
         p = self.b.mul(self.b.zext(u, _vec(64, 32)), self.b.sext(x, _vec(64, 32)))
         p = self.b.add(self.shuf(p, None, list(range(0, 64, 2))), self.shuf(p, None, list(range(1, 64, 2))))
         return self.b.add(self.shuf(p, None, list(range(0, 32, 2))), self.shuf(p, None, list(range(1, 32, 2))))
+
+    def _sdot64(self, u, x, below128: bool):
+        """dp on aarch64: four sdot (i8·i8 → 4 x i32, sums of 4) on 16-byte quarters."""
+        f = self.fn("llvm.aarch64.neon.sdot.v4i32.v16i8", _vec(4, 32), [_vec(4, 32), _vec(16), _vec(16)])
+        z4 = ir.Constant(_vec(4, 32), [0] * 4)
+        quarters = []
+        for k in range(4):
+            uk, xk = self.shuf(u, None, list(range(16 * k, 16 * k + 16))), self.shuf(x, None, list(range(16 * k, 16 * k + 16)))
+            if below128:
+                quarters.append(self.b.call(f, [z4, uk, xk]))
+                continue
+            # u = (u xor 0x80 as i8) + 128 for every u8: Σ u·x = sdot(u ^ 0x80, x) + 128·Σ x
+            d = self.b.call(f, [z4, self.b.xor(uk, self.const(_vec(16), 0x80)), xk])
+            s = self.b.call(f, [z4, self.const(_vec(16), 1), xk])
+            quarters.append(self.b.add(d, self.b.shl(s, self.const(_vec(4, 32), 7))))
+        lo = self.shuf(quarters[0], quarters[1], list(range(8)))
+        hi = self.shuf(quarters[2], quarters[3], list(range(8)))
+        return self.shuf(lo, hi, list(range(16)))
 
     def hsum(self, v):
         """Σ lanes of a float vector, as a fixed pairwise tree."""
@@ -277,7 +306,8 @@ def _gen_blocks(e: _Emit, w, o, nb, xq, xo, cs, dx, bs, nt, *, size, codes4, cod
             sc = b.insert_element(sc, scale(b.add(p, e.i64(size * k))), ir.Constant(_I32, k))
         for i, xb in enumerate(_rows(e, b.add(xo, b.mul(loop.index, e.i64(4 * QK))), cs, nt)):
             j = b.lshr(xb, e.i64(_LOG2_QK))
-            dots = _block4_sums(e, e.dp(u01, e.load(xq, xb, _vec(64))), e.dp(u23, e.load(xq, b.add(xb, e.i64(64)), _vec(64))))
+            small = offset < 128  # MXFP4's codes (≤ 24); Q8_0's q + 128 are not
+            dots = _block4_sums(e, e.dp(u01, e.load(xq, xb, _vec(64)), small), e.dp(u23, e.load(xq, b.add(xb, e.i64(64)), _vec(64)), small))
             bs8 = e.load(bs, b.shl(j, e.i64(1)), _vec(8, 32))  # Σ xq per 16 → per 32
             bsum = b.add(e.shuf(bs8, None, [0, 2, 4, 6]), e.shuf(bs8, None, [1, 3, 5, 7]))
             ints = b.sub(dots, b.mul(bsum, e.const(_vec(4, 32), offset)))
@@ -385,7 +415,7 @@ def _gen_q4_k(e: _Emit, w, o, nb, xq, xo, cs, dx, xs32, tab, nt):
             a = [b.load(acc), b.load(acc2)]  # two chains: each FMA waits on the one before last
             for c in range(4):  # elements 64c .. 64c+64; chain k = c % 2
                 x = e.load(xq, b.add(xb, e.i64(64 * c)), _vec(64))
-                a[c % 2] = e.fma(b.sitofp(e.dp(us[c], x), _fvec(16)), e.shuf(f8, None, [2 * c] * 8 + [2 * c + 1] * 8), a[c % 2])
+                a[c % 2] = e.fma(b.sitofp(e.dp(us[c], x, True), _fvec(16)), e.shuf(f8, None, [2 * c] * 8 + [2 * c + 1] * 8), a[c % 2])
             b.store(a[0], acc)
             b.store(a[1], acc2)
     return [b.fsub(e.hsum(b.fadd(b.load(acc), b.load(acc2))), e.hsum(b.load(accm))) for acc, acc2, accm in accs]
@@ -415,7 +445,9 @@ def _gen_q6_k(e: _Emit, w, o, nb, xq, xo, cs, dx, xs16, tab, nt):
             a = [b.load(acc), b.load(acc2)]  # two FMA chains
             for c in range(4):
                 x = e.load(xq, b.add(xb, e.i64(64 * c)), v64)
-                a[c % 2] = e.fma(b.sitofp(e.dp(us[c], x), _fvec(16)), e.shuf(g16, None, [4 * c + i // 4 for i in range(16)]), a[c % 2])
+                a[c % 2] = e.fma(
+                    b.sitofp(e.dp(us[c], x, True), _fvec(16)), e.shuf(g16, None, [4 * c + i // 4 for i in range(16)]), a[c % 2]
+                )
             b.store(a[0], acc)
             b.store(a[1], acc2)
     return [

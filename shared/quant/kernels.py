@@ -35,9 +35,10 @@ Kernels compile on first use of a type (numba, cached on disk under
 __pycache__ or NUMBA_CACHE_DIR), so a process using three types compiles
 three, and the next process start loads them from the cache.
 
-Two builds of the int8 dot (`INT8_DOT`, fixed at import, see _q8): "vnni"
-(AVX-512 VNNI instructions) when the CPU numba compiles for has them, else
-"portable" (the same integer sums as target-independent LLVM IR). numba's own
+Three builds of the int8 dot (`INT8_DOT`, fixed at import, see _q8ir): "vnni"
+(AVX-512 VNNI instructions) when the CPU numba compiles for has them, "sdot"
+(the ARM dot-product instructions) on aarch64 CPUs with them, else "portable"
+(the same integer sums as target-independent LLVM IR). numba's own
 target switch picks the portable one on any machine: `NUMBA_CPU_NAME=generic`
 (or `NUMBA_CPU_FEATURES` without +avx512vnni). There is no moe-pipe switch on
 purpose: numba's disk cache keys a kernel on the target CPU name and features
@@ -67,7 +68,7 @@ assert set(_KERNELS) == set(SUPPORTED), "every supported type needs kernels"
 # Types whose matvec/matmul run on int8 activations (integer block dots, _q8).
 _Q8_KERNELS = {QType[name]: pair for name, pair in _q8.KERNELS.items()}
 INT8_ACTIVATION_TYPES = tuple(_Q8_KERNELS)
-# Which build of the int8 dot this process compiles: "vnni" or "portable" (module doc).
+# Which build of the int8 dot this process compiles: "vnni", "sdot" or "portable" (module doc).
 INT8_DOT = _q8.INT8_DOT
 _INT8_ACT = [os.environ.get("MOE_PIPE_INT8_ACT", "1") not in ("", "0")]
 

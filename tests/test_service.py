@@ -55,7 +55,8 @@ class Service(StatusPolling):
         return st
 
     def client(self, **kw):
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0, timeout=120, **kw)
+        # a generous timeout: the 1500-token replies share the two cores with the other test worker
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0, timeout=600, **kw)
 
     def close(self) -> None:
         if psutil.pid_exists(getattr(self, "pid", -1)):

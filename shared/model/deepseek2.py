@@ -29,7 +29,7 @@ from moe_pipe.shared.gguf.model_file import ModelFile
 from moe_pipe.shared.model.base import MoEModel
 from moe_pipe.shared.model.blocks import KVCache, Rope, plain_inv_freq, rms_norm, swiglu, yarn_rope
 from moe_pipe.shared.model.fused import attend_one, attend_rows
-from moe_pipe.shared.model.moe import apply_experts, gated_group_top_k
+from moe_pipe.shared.model.moe import apply_experts, route_as_spec
 from moe_pipe.shared.model.qwen3moe import swiglu_expert
 from moe_pipe.shared.model.weights import QWeight, _as_matrix
 
@@ -128,17 +128,7 @@ class Model(MoEModel):
                 return h + L["down"](swiglu(L["gate"](n2), L["up"](n2)))
         with self.stage("router"):
             scores = L["router"](n2)
-            chosen = gated_group_top_k(
-                scores,
-                self.top_k,
-                gating=s.expert_gating,
-                bias=L["bias"],
-                n_group=s.expert_groups,
-                topk_group=s.expert_groups_used,
-                norm=s.expert_weights_norm,
-                scale=s.expert_weights_scale,
-            )
-            routing = self.routed(i, chosen, scores)
+            routing = self.routed(i, route_as_spec(s, scores, self.top_k, L["bias"]), scores)
             self.hint_next_layer(i, n2)
         with self.stage("experts"):
             y = apply_experts(n2, routing, self.source, i, swiglu_expert)

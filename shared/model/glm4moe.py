@@ -27,7 +27,7 @@ import numpy as np
 from moe_pipe.shared.gguf.model_file import ModelFile
 from moe_pipe.shared.model.base import PREFETCH_MIN_P, MoEModel
 from moe_pipe.shared.model.blocks import attention, rms_norm, rope_from_spec, swiglu
-from moe_pipe.shared.model.moe import Routing, apply_experts, gated_group_top_k
+from moe_pipe.shared.model.moe import Routing, apply_experts, route_as_spec
 from moe_pipe.shared.model.qwen3moe import swiglu_expert
 
 
@@ -68,17 +68,7 @@ class Model(MoEModel):
         return L
 
     def route(self, i: int, logits: np.ndarray, k: int) -> Routing:
-        s = self.spec
-        return gated_group_top_k(
-            logits,
-            k,
-            gating=s.expert_gating,
-            bias=self.layers[i]["probs_b"],
-            n_group=s.expert_groups,
-            topk_group=s.expert_groups_used,
-            norm=s.expert_weights_norm,
-            scale=s.expert_weights_scale,
-        )
+        return route_as_spec(self.spec, logits, k, self.layers[i]["probs_b"])
 
     def layer(self, i, x, cache, start, positions):
         L, eps = self.layers[i], self.spec.rms_eps

@@ -26,7 +26,7 @@ import numpy as np
 from moe_pipe.shared.gguf.model_file import ModelFile
 from moe_pipe.shared.model.base import MoEModel
 from moe_pipe.shared.model.blocks import KVCache, RecurrentState, attention, rms_norm, rope_from_spec, swiglu
-from moe_pipe.shared.model.moe import apply_experts, gated_group_top_k
+from moe_pipe.shared.model.moe import apply_experts, route_as_spec
 from moe_pipe.shared.model.qwen3moe import swiglu_expert
 
 
@@ -94,17 +94,7 @@ class Model(MoEModel):
                 return h + L["down"](swiglu(L["gate"](n2), L["up"](n2)))
         with self.stage("router"):
             scores = L["router"](n2)
-            chosen = gated_group_top_k(
-                scores,
-                self.top_k,
-                gating=s.expert_gating,
-                bias=L["exp_probs_b"],
-                n_group=s.expert_groups,
-                topk_group=s.expert_groups_used,
-                norm=s.expert_weights_norm,
-                scale=s.expert_weights_scale,
-            )
-            routing = self.routed(i, chosen, scores)
+            routing = self.routed(i, route_as_spec(s, scores, self.top_k, L["exp_probs_b"]), scores)
             self.hint_next_layer(i, n2)
         with self.stage("experts"):
             return h + apply_experts(n2, routing, self.source, i, swiglu_expert)

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from moe_pipe.shared.errors import GGUFError
+from moe_pipe.shared.gguf.spec import ModelSpec
 from moe_pipe.shared.model.blocks import sigmoid, softmax, swiglu
 from moe_pipe.shared.model.fused import _softmax_top_k
 from moe_pipe.shared.model.weights import Expert, ExpertSource, Weights
@@ -95,6 +96,20 @@ def gated_group_top_k(
     if norm:
         w = w / w.sum(axis=-1, keepdims=True)
     return Routing(ids.astype(np.int64), (w * np.float32(scale)).astype(np.float32))
+
+
+def route_as_spec(spec: ModelSpec, logits: np.ndarray, k: int, bias: np.ndarray | None) -> Routing:
+    """gated_group_top_k with the file's routing keys (ModelSpec's expert_* fields)."""
+    return gated_group_top_k(
+        logits,
+        k,
+        gating=spec.expert_gating,
+        bias=bias,
+        n_group=spec.expert_groups,
+        topk_group=spec.expert_groups_used,
+        norm=spec.expert_weights_norm,
+        scale=spec.expert_weights_scale,
+    )
 
 
 def apply_experts(

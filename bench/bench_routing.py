@@ -44,7 +44,7 @@ gptoss120b-shape cut to 4 is 8.1 GB (~40 s). 128 tokens of each stream take
 5 s at 8 layers, 20 s at 48.
 
 `--logit-scale X` multiplies the routers' logits in memory: the scan that
-calibrated shared/makemodel/presets.py ROUTER (qwen3moe's logit spread).
+calibrated qwen3moe's router (its logit spread: shared/families/qwen3moe/plan.py).
 """
 
 from __future__ import annotations
@@ -314,10 +314,10 @@ def model_path(args) -> Path:
     if args.model:
         return Path(args.model)
     from moe_pipe.shared.makemodel.maker import make_model
-    from moe_pipe.shared.makemodel.presets import ROUTER
+    from moe_pipe.shared.makemodel.plans import plan_part
 
     # The router shape in the name: a file made before a calibration change is not reused.
-    tag = hashlib.blake2b(repr(ROUTER[args.arch]).encode(), digest_size=3).hexdigest()
+    tag = hashlib.blake2b(repr(plan_part(args.arch).router).encode(), digest_size=3).hexdigest()
     path = OUT / f"routing-{args.arch}-{args.preset}-L{args.layers}-{tag}.gguf"
     if not path.exists():
         print(f"making {path} ...", file=sys.stderr)
@@ -391,7 +391,7 @@ def main(argv=None) -> int:
         ap.error("--streams takes text and/or greedy")
 
     from moe_pipe.shared.gguf.model_file import open_model
-    from moe_pipe.shared.makemodel.presets import SHAPE_PRESET_ARCH, get_preset
+    from moe_pipe.shared.makemodel.plans import SHAPE_PRESET_ARCH, get_preset
     from moe_pipe.shared.model.load import ModelOptions, load_model
     from moe_pipe.shared.model.trace import TraceHeader, read_trace, write_trace
     from moe_pipe.shared.text.tokenizer import Tokenizer

@@ -10,7 +10,7 @@ from pathlib import Path
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from moe_pipe.shared.config_flags import add_override_arguments
+    from ..shared.config_flags import add_override_arguments
 
     p.add_argument("model", nargs="?", default=None, help="a GGUF file or a TOML config; default: the embedded tiny model")
     p.add_argument("-n", type=int, default=64, help="decode tokens per run (default 64)")
@@ -42,10 +42,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moe_pipe.cli.run_cmd import load_run_config
-    from moe_pipe.shared.analysis.benchmark import BenchPlan, run_bench, summary_markdown
-    from moe_pipe.shared.config_flags import overrides_from_args
-    from moe_pipe.shared.errors import UserError
+    from ..shared.analysis.benchmark import BenchPlan, run_bench, summary_markdown
+    from ..shared.config_flags import overrides_from_args
+    from ..shared.errors import UserError
+    from ..shared.hub.resolve import model_file
+    from .run_cmd import load_run_config
 
     if args.n < 1 or args.repeat < 1:
         raise UserError("-n and --repeat must be at least 1")
@@ -60,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     # With a config, `run` gets the config and every override (model.path too); with a model file, the file.
     run_args = tuple(a for k, v in overrides.items() if cfg.source or k != "model.path" for a in ("--set", f"{k}={_toml(v)}"))
     plan = BenchPlan(
-        cfg.model_file(),
+        model_file(cfg),
         run_target=cfg.source or "",
         n=args.n,
         repeat=args.repeat,
@@ -76,8 +77,8 @@ def run(args: argparse.Namespace) -> int:
     )
     say = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
     say("forecasting (moe-pipe doctor) ...")
-    from moe_pipe.shared.analysis.forecast import forecast
-    from moe_pipe.shared.gguf.model_file import open_model
+    from ..shared.analysis.forecast import forecast
+    from ..shared.gguf.model_file import open_model
 
     with open_model(plan.model) as mf:
         fc = forecast(mf, cfg, mem_limit_mb=args.mem_limit_mb, seconds=3.0)

@@ -34,7 +34,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from moe_pipe.shared.errors import UserError
+from ..shared.errors import UserError
 
 GATEWAY_START_TIMEOUT_S = 30
 # /v1/models answers at once from a live gateway. A completion gets no read
@@ -73,7 +73,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--url", metavar="URL", help="the server's base URL (default: the running service's gateway)")
     p.add_argument("--api-key", metavar="KEY", help="sent as `Authorization: Bearer KEY` (default: the running service's own key)")
-    from moe_pipe.cli.status_cmd import add_selector_arguments
+    from .status_cmd import add_selector_arguments
 
     add_selector_arguments(p, "the service to chat with")
     p.add_argument("--system", metavar="TEXT", help="a system message at the start of the conversation")
@@ -110,7 +110,7 @@ def base_url(url: str) -> str:
 @contextmanager
 def chat_server(args: argparse.Namespace) -> Iterator[str]:
     """The base URL to talk to, bringing a service up (and down again) if needed."""
-    from moe_pipe.shared.serve.service import NoService, find_service, live_services
+    from ..shared.serve.service import NoService, find_service, live_services
 
     if args.url:
         yield base_url(args.url)
@@ -134,7 +134,7 @@ def chat_server(args: argparse.Namespace) -> Iterator[str]:
 def attach(info, args: argparse.Namespace) -> str:
     """The service's gateway URL, once it listens; with no --api-key, the
     service's own key (its private runtime folder, same user), never shown."""
-    from moe_pipe.shared.serve.service import read_api_key, wait_for_gateway
+    from ..shared.serve.service import read_api_key, wait_for_gateway
 
     if args.api_key is None:
         args.api_key = read_api_key(info)
@@ -153,7 +153,7 @@ def service_brought_up(model: str) -> Iterator[Any]:
     the gateway writes the port it got to gateway.json."""
     import subprocess
 
-    from moe_pipe.shared.serve.service import find_service
+    from ..shared.serve.service import find_service
 
     print(f"[starting a service for {model}]", file=sys.stderr, flush=True)
     name = f"chat-{os.getpid()}"  # its own name: never confused with a service started meanwhile
@@ -211,8 +211,8 @@ def open_request(url: str, api_key: str | None, body: dict | None = None, timeou
         return urllib.request.urlopen(req, timeout=timeout_s)
     except urllib.error.HTTPError as exc:
         with exc:
-            body = exc.read()
-            raise RequestFailed(f"{exc.code}: {error_message(body, exc.reason)}", error_code(body)) from None
+            reply = exc.read()
+            raise RequestFailed(f"{exc.code}: {error_message(reply, exc.reason)}", error_code(reply)) from None
     except urllib.error.URLError as exc:
         reason = exc.reason.strerror if isinstance(exc.reason, OSError) and exc.reason.strerror else exc.reason
         raise UserError(f"cannot reach {url}: {reason}") from None

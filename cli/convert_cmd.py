@@ -19,8 +19,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moe_pipe.shared.convert.converter import convert
-    from moe_pipe.shared.progress import byte_progress
+    from ..shared.convert.converter import convert
+    from ..shared.progress import byte_progress
 
     t0 = time.perf_counter()
     with byte_progress(f"converting {args.hf_dir}", enabled=not args.quiet and sys.stderr.isatty()) as progress:

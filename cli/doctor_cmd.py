@@ -10,7 +10,7 @@ MIB = 1 << 20
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from moe_pipe.shared.config_flags import add_override_arguments
+    from ..shared.config_flags import add_override_arguments
 
     p.add_argument(
         "model", nargs="?", default=None, help="a GGUF file (any shard of a split set) or a TOML config; default: the embedded tiny model"
@@ -117,15 +117,16 @@ def print_report(f: dict) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moe_pipe.cli.run_cmd import load_run_config
-    from moe_pipe.shared.analysis.forecast import forecast
-    from moe_pipe.shared.errors import UserError
-    from moe_pipe.shared.gguf.model_file import open_model
+    from ..shared.analysis.forecast import forecast
+    from ..shared.errors import UserError
+    from ..shared.gguf.model_file import open_model
+    from ..shared.hub.resolve import model_file
+    from .run_cmd import load_run_config
 
     if args.seconds <= 0:
         raise UserError(f"--seconds must be positive, got {args.seconds:g}")
     cfg = load_run_config(args)
-    with open_model(cfg.model_file()) as mf:
+    with open_model(model_file(cfg)) as mf:
         f = forecast(mf, cfg, mem_limit_mb=args.mem_limit_mb, seconds=args.seconds)
     if args.json:
         print(json.dumps(f))

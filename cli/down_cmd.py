@@ -10,7 +10,7 @@ STOP_TIMEOUT_S = 120.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from moe_pipe.cli.status_cmd import add_selector_arguments
+    from .status_cmd import add_selector_arguments
 
     p.add_argument("--timeout", type=float, default=STOP_TIMEOUT_S, help="seconds to wait for it to stop")
     add_selector_arguments(p, "the service to stop")
@@ -19,8 +19,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import psutil
 
-    from moe_pipe.shared.errors import PipelineError
-    from moe_pipe.shared.serve import service
+    from ..shared.errors import PipelineError
+    from ..shared.serve import service
 
     info = service.find_service(name=args.name, port=args.port)
     reply = service.control(info, "stop")

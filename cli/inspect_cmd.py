@@ -17,7 +17,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def summary(mf) -> dict:
     """The inspect record; the JSON keys are part of the CLI contract (docs/cli.md)."""
-    from moe_pipe.shared.gguf.alignment import io_alignment
+    from ..shared.gguf.alignment import io_alignment
 
     spec, layout = mf.spec, mf.layout
     found = io_alignment(mf.gguf.paths)  # only to say where layout.align came from: the same call built it
@@ -74,19 +74,20 @@ def print_table(s: dict) -> None:
 def model_path(arg: str) -> str:
     """The GGUF file `arg` names: a config's model.path (the embedded model made
     if it is asked for), the embedded model for its name, else `arg` itself."""
-    from moe_pipe.shared.config import EMBEDDED_MODEL, load_config
+    from ..shared.config import EMBEDDED_MODEL, load_config
+    from ..shared.hub.resolve import model_file, resolve_model
 
     if arg == EMBEDDED_MODEL:
-        from moe_pipe.shared.makemodel.default_model import default_model_path
+        from ..shared.makemodel.default_model import default_model_path
 
         return str(default_model_path())
     if arg.endswith(".toml"):
-        return str(load_config(arg, check_model_path=False).model_file())  # a bad or unset path: one line, exit 2
+        return str(model_file(resolve_model(load_config(arg))))  # a bad or unset path: one line, exit 2
     return arg
 
 
 def run(args: argparse.Namespace) -> int:
-    from moe_pipe.shared.gguf.model_file import open_model
+    from ..shared.gguf.model_file import open_model
 
     with open_model(model_path(args.model)) as mf:
         s = summary(mf)

@@ -12,6 +12,8 @@ import importlib
 import signal
 import sys
 
+from .. import __version__
+
 
 class _Terminated(BaseException):
     """Raised by the SIGTERM handler (a BaseException, like KeyboardInterrupt,
@@ -42,21 +44,12 @@ COMMANDS = {
 }
 
 
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("moe-pipe")
-    except PackageNotFoundError:  # run from a tree that was never installed
-        return "unknown (not installed)"
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="moe-pipe", description="Run Mixture-of-Experts models larger than RAM by streaming experts from flash."
     )
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
-    parser.add_argument("--version", action="version", version=f"moe-pipe {_version()}")
+    parser.add_argument("--version", action="version", version=f"moe-pipe {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
@@ -72,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "_module", None):
         parser.print_help()
         return 2
-    from moe_pipe.shared.errors import UserError
+    from ..shared.errors import UserError
 
     # SIGTERM unwinds like Ctrl-C, so every context manager releases what it
     # holds (shared memory, sockets, child processes) on the way out.

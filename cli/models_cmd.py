@@ -18,6 +18,10 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..shared.config import Config
 
 MEASUREMENTS = "measurements.json"
 
@@ -35,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _store_path() -> Path:
-    from moe_pipe.shared.makemodel.default_model import cache_dir
+    from ..shared.makemodel.default_model import cache_dir
 
     return cache_dir() / MEASUREMENTS
 
@@ -71,12 +75,13 @@ def _kernel_key(class_key: str, threads: int) -> str:
 # ---------------------------------------------------------------- one model
 
 
-def _model_config(path: Path, entry):
+def _model_config(path: Path, entry) -> Config:
     """The recipe of its catalog entry (ctx, reserve, dense policy), else the defaults, over this file."""
-    from moe_pipe.shared.config import load_config
+    from ..shared.config import load_config
+    from ..shared.hub.resolve import resolve_model
 
     recipe = entry.recipe_path() if entry else None
-    return load_config(recipe if recipe and recipe.is_file() else None, {"model.path": str(path)}, check_model_path=False)
+    return resolve_model(load_config(recipe if recipe and recipe.is_file() else None, {"model.path": str(path)}))
 
 
 def file_type_name(mf) -> str:
@@ -100,7 +105,7 @@ def _commonest_expert_type(mf) -> str:
 
 def describe(path: Path, pulled, entry, store: dict, *, measure: bool, seconds: float, mem_limit_mb: float | None) -> dict:
     """One model's row: what it is, and the doctor's forecast from stored (or, measuring, fresh) speeds."""
-    from moe_pipe.shared.analysis.forecast import (
+    from ..shared.analysis.forecast import (
         FLOOR_MARGIN,
         ROTATE_BYTES,
         compute_threads,
@@ -112,7 +117,7 @@ def describe(path: Path, pulled, entry, store: dict, *, measure: bool, seconds: 
         memory_fit,
         model_facts,
     )
-    from moe_pipe.shared.gguf.model_file import open_model
+    from ..shared.gguf.model_file import open_model
 
     cfg = _model_config(path, entry)
     with open_model(path) as mf:
@@ -188,7 +193,7 @@ def describe(path: Path, pulled, entry, store: dict, *, measure: bool, seconds: 
 
 
 def _catalog_rows() -> list[dict]:
-    from moe_pipe.shared.hub import catalog, store
+    from ..shared.hub import catalog, store
 
     rows = []
     for e in catalog.CATALOG:
@@ -225,8 +230,8 @@ def _print_table(title: str, columns: list[str], rows: list[list[str]]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moe_pipe.shared.errors import UserError
-    from moe_pipe.shared.hub import catalog, store
+    from ..shared.errors import UserError
+    from ..shared.hub import catalog, store
 
     if args.catalog:
         rows = _catalog_rows()
@@ -251,7 +256,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.measure and args.seconds <= 0:
         raise UserError(f"--seconds must be positive, got {args.seconds:g}")
-    found: list[tuple[Path, object]] = [(p.path, p) for p in store.pulled()]
+    found: list[tuple[Path, store.Pulled | None]] = [(p.path, p) for p in store.pulled()]
     for m in args.models:
         path = Path(m).expanduser().resolve()
         if not path.is_file():

@@ -22,8 +22,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moe_pipe.shared.hub import catalog, client, store
-    from moe_pipe.shared.progress import byte_progress
+    from ..shared.hub import catalog, client, store
+    from ..shared.progress import byte_progress
 
     entry = catalog.find(args.ref) if "/" not in args.ref else None
     repo, quant = (entry.repo, entry.quant) if entry else client.parse_ref(args.ref)

@@ -26,21 +26,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=0.0,
         metavar="F",
         help="LOSSY lever (changes outputs in a real run): skip a decode miss whose router weight is below "
-        "F x an even share; 0 = exact (default)",
+        "F x an even share, as compute.drop_cold_experts (0 to 1); 0 = exact (default)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
 def shipped_traces() -> dict[str, Path]:
     """The route traces shipped with moe-pipe (shared/data/traces/README.md), by short name: qwen.route.csv is "qwen"."""
-    from moe_pipe.shared.analysis.forecast import TRACE_DIR
+    from ..shared.analysis.forecast import TRACE_DIR
 
     return {f.name.removesuffix(".route.csv"): f for f in sorted(TRACE_DIR.glob("*.route.csv"))}
 
 
 def trace_path(arg: str) -> Path:
     """A trace file: a path that exists, else a shipped trace's name; neither is a one-line error listing the names."""
-    from moe_pipe.shared.errors import UserError
+    from ..shared.errors import UserError
 
     if Path(arg).exists():
         return Path(arg)
@@ -87,19 +87,19 @@ def print_table(results, default_policy: str, out=None) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moe_pipe.shared.analysis.replay import Replayer, policy_names, slab_bytes
-    from moe_pipe.shared.errors import UserError
-    from moe_pipe.shared.experts.policies import DEFAULT_POLICY
-    from moe_pipe.shared.model.trace import read_trace
+    from ..shared.analysis.replay import Replayer, policy_names, slab_bytes
+    from ..shared.config import Config, apply_overrides
+    from ..shared.experts.policies import DEFAULT_POLICY
+    from ..shared.model.trace import read_trace
 
-    if not 0 <= args.drop_cold_experts <= 1:
-        raise UserError(f"--drop-cold-experts {args.drop_cold_experts:g}: allowed 0 to 1")
+    # the lever's range is the config key's, checked by its schema (one line, exit 2)
+    drop_cold = apply_overrides(Config(), {"compute.drop_cold_experts": args.drop_cold_experts}).compute.drop_cold_experts
     names = policy_names(args.policy)  # before reading: a typo fails fast
     trace = read_trace(trace_path(args.trace))
     rp = Replayer(trace, args.accounting)
     for b in args.budget_mb:
         rp.capacity(b)  # every budget checked before the first replay
-    results = [rp.run(b, name, args.drop_cold_experts) for b in args.budget_mb for name in names]
+    results = [rp.run(b, name, drop_cold) for b in args.budget_mb for name in names]
     if args.json:
         print(json.dumps({"default_policy": DEFAULT_POLICY, "rows": [r.row() for r in results]}))
         return 0

@@ -8,10 +8,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..shared.config import Config
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from moe_pipe.shared.config_flags import add_override_arguments
+    from ..shared.config_flags import add_override_arguments
 
     p.add_argument(
         "model", nargs="?", default=None, help="a GGUF file (any shard of a split set) or a TOML config; default: the embedded tiny model"
@@ -42,26 +47,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_override_arguments(p, tables=("cache", "io", "compute", "generate", "telemetry"))
 
 
-def load_run_config(args: argparse.Namespace):
-    from pathlib import Path
-
-    from moe_pipe.shared.config import check_model, load_config
-    from moe_pipe.shared.config_flags import overrides_from_args
+def load_run_config(args: argparse.Namespace) -> Config:
+    from ..shared.config_flags import overrides_from_args
+    from ..shared.hub.resolve import load_runnable
 
     overrides = overrides_from_args(args)
     if args.model and Path(args.model).suffix == ".toml":
-        cfg = load_config(args.model, overrides)
-    else:
-        if args.model:
-            overrides["model.path"] = args.model if args.model == "tiny" else str(Path(args.model).resolve())
-        cfg = load_config(None, overrides)
-    check_model(cfg)
-    return cfg
+        return load_runnable(args.model, overrides)
+    if args.model:
+        overrides["model.path"] = args.model if args.model == "tiny" else str(Path(args.model).resolve())
+    return load_runnable(None, overrides)
 
 
 def read_prompt(args: argparse.Namespace) -> str:
     """The prompt: -p TEXT, -p - (stdin) or -f FILE."""
-    from moe_pipe.shared.errors import UserError
+    from ..shared.errors import UserError
 
     if args.file is not None:
         try:
@@ -74,8 +74,8 @@ def read_prompt(args: argparse.Namespace) -> str:
     return args.prompt
 
 
-def _prompt_tokens(args, cfg, tok, prompt: str) -> list[int]:
-    from moe_pipe.shared.text.chat import chat_prompt_tokens, encode_prompt, use_chat_template
+def _prompt_tokens(args, cfg: Config, tok, prompt: str) -> list[int]:
+    from ..shared.text.chat import chat_prompt_tokens, encode_prompt, use_chat_template
 
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": prompt}]
@@ -83,15 +83,16 @@ def _prompt_tokens(args, cfg, tok, prompt: str) -> list[int]:
     return encode_prompt(tok, prompt)
 
 
-def _model_file(cfg):
+def _model_file(cfg: Config) -> Path:
     """The model's path; says where the embedded tiny model was made when this run made it."""
-    from moe_pipe.shared.config import EMBEDDED_MODEL
-    from moe_pipe.shared.makemodel.default_model import cache_dir
+    from ..shared.config import EMBEDDED_MODEL
+    from ..shared.hub.resolve import model_file
+    from ..shared.makemodel.default_model import cache_dir
 
     if cfg.model.path != EMBEDDED_MODEL:
-        return cfg.model_file()
+        return model_file(cfg)
     before = set(cache_dir().glob("*.gguf"))
-    path = cfg.model_file()
+    path = model_file(cfg)
     if path not in before:
         print(f"[made the embedded tiny model: {path}]", file=sys.stderr)
     return path
@@ -102,9 +103,9 @@ def kernel_text(step: int, total: int, item: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moe_pipe.shared.gguf.model_file import open_model
-    from moe_pipe.shared.text.sampling import SamplingParams
-    from moe_pipe.shared.text.tokenizer import Tokenizer
+    from ..shared.gguf.model_file import open_model
+    from ..shared.text.sampling import SamplingParams
+    from ..shared.text.tokenizer import Tokenizer
 
     prompt = read_prompt(args)  # first: a missing file fails before anything starts
     cfg = load_run_config(args)
@@ -145,18 +146,18 @@ def _cached(t: dict) -> str:
     return f" ({t['prompt_cached']} from the session)" if t.get("prompt_cached") else ""
 
 
-def _run_resident(cfg, model_path, tok, prompt_tokens, params, args, on_text) -> dict:
+def _run_resident(cfg: Config, model_path, tok, prompt_tokens, params, args, on_text) -> dict:
     import time
 
-    from moe_pipe.procs.warmup import CompileCounter, forward_pass, kernel_steps, warm_up
-    from moe_pipe.shared import quant
-    from moe_pipe.shared.errors import UserError
-    from moe_pipe.shared.experts.directio import model_identity
-    from moe_pipe.shared.gguf.model_file import open_model
-    from moe_pipe.shared.model.load import ModelOptions, load_model
-    from moe_pipe.shared.model.session import save_session
-    from moe_pipe.shared.progress import StatusLine
-    from moe_pipe.shared.text.generate import GenerationConfig, generate
+    from ..procs.warmup import CompileCounter, forward_pass, kernel_steps, warm_up
+    from ..shared import quant
+    from ..shared.errors import UserError
+    from ..shared.experts.directio import model_identity
+    from ..shared.gguf.model_file import open_model
+    from ..shared.model.load import ModelOptions, load_model
+    from ..shared.model.session import save_session
+    from ..shared.progress import StatusLine
+    from ..shared.text.generate import GenerationConfig, generate
 
     quant.one_blas_thread()
     if cfg.compute.threads:
@@ -172,8 +173,8 @@ def _run_resident(cfg, model_path, tok, prompt_tokens, params, args, on_text) ->
         context_shift=cfg.generate.context_shift,
         n_keep=cfg.generate.n_keep,
     )
-    from moe_pipe.shared.model.routes import RouteReplay, RouteTracer
-    from moe_pipe.shared.model.trace import read_trace
+    from ..shared.model.routes import RouteReplay, RouteTracer
+    from ..shared.model.trace import read_trace
 
     t0 = time.perf_counter()
     with open_model(model_path) as mf:
@@ -208,8 +209,8 @@ def _open_session(path, model, mf, n_ctx):
     line if it is another model's, truncated, ...), else a new one."""
     import os
 
-    from moe_pipe.shared.experts.directio import model_identity
-    from moe_pipe.shared.model.session import Session, load_session
+    from ..shared.experts.directio import model_identity
+    from ..shared.model.session import Session, load_session
 
     if path and os.path.exists(path):
         return load_session(path, model, n_ctx, model_identity(mf.gguf.paths))
@@ -236,12 +237,11 @@ class _Phases:
         return self.model.decode_one(token, cache)
 
 
-def _run_pipeline(cfg, model_path, prompt_tokens, params, args, on_text) -> dict:
+def _run_pipeline(cfg: Config, model_path, prompt_tokens, params, args, on_text) -> dict:
     from dataclasses import asdict
-    from pathlib import Path
 
-    from moe_pipe.procs.pipeline import start_pipeline
-    from moe_pipe.shared.progress import StatusLine
+    from ..procs.pipeline import start_pipeline
+    from ..shared.progress import StatusLine
 
     pieces: list[str] = []
 

@@ -23,7 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moe_pipe.shared.serve import service
+    from ..shared.serve import service
 
     try:
         if args.name is not None or args.port is not None:

@@ -22,6 +22,10 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..shared.wire.messages import RunInfo, RunSummary
 
 MIB = 1 << 20
 SPARK_BLOCKS = "▁▂▃▄▅▆▇█"
@@ -45,7 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="S",
         help="give up after S seconds if no service is running (default: wait until one starts)",
     )
-    from moe_pipe.cli.status_cmd import add_selector_arguments
+    from .status_cmd import add_selector_arguments
 
     add_selector_arguments(p, "the service to watch")
 
@@ -79,7 +83,7 @@ def format_line(rec) -> str:
 
 
 def csv_header() -> str:
-    from moe_pipe.shared.telemetry import CSV_COLUMNS
+    from ..shared.telemetry import CSV_COLUMNS
 
     return ",".join(CSV_COLUMNS)
 
@@ -87,7 +91,7 @@ def csv_header() -> str:
 def csv_row(rec) -> str:
     """The schema's columns of one record, formatted as the run CSV writes them
     (floats to 3 decimals: ms to the microsecond), so the two compare as text."""
-    from moe_pipe.shared.telemetry import CSV_COLUMNS
+    from ..shared.telemetry import CSV_COLUMNS
 
     values = (getattr(rec, c) for c in CSV_COLUMNS)
     return ",".join(f"{v:.3f}" if isinstance(v, float) else str(v) for v in values)
@@ -101,12 +105,12 @@ class RunSoFar:
     """What a tail has seen of the current run. A RunInfo starts a new run
     (as it does in the telemetry process's recorder)."""
 
-    info: object | None = None  # messages.RunInfo
+    info: RunInfo | None = None
     # the last rows for the table; the summary keeps a Tally: a tail may watch a service for hours
     records: deque = field(default_factory=lambda: deque(maxlen=TABLE_ROWS))
-    tally: object = field(default_factory=lambda: _tally())
+    tally: Any = field(default_factory=lambda: _tally())  # analysis.benchmark.Tally, imported late
     tok_s: deque = field(default_factory=lambda: deque(maxlen=SPARK_TOKENS))
-    final: object | None = None  # messages.RunSummary, once the run ended
+    final: RunSummary | None = None  # once the run ended
 
     def start_run(self, info) -> None:
         self.info, self.final, self.tally = info, None, _tally()
@@ -128,7 +132,7 @@ class RunSoFar:
 
 
 def _tally():
-    from moe_pipe.shared.telemetry import Tally
+    from ..shared.telemetry import Tally
 
     return Tally()
 
@@ -159,7 +163,7 @@ class TextOutput:
 
     def on_run_event(self, run: RunSoFar) -> None:
         if run.final is not None:
-            from moe_pipe.shared.telemetry import format_summary
+            from ..shared.telemetry import format_summary
 
             print(format_summary(run.final), flush=True)
 
@@ -207,7 +211,7 @@ class LiveOutput:
         from rich.table import Table
         from rich.text import Text
 
-        from moe_pipe.shared.telemetry import format_summary
+        from ..shared.telemetry import format_summary
 
         table = Table(title=self.service_desc, title_justify="left", expand=False)
         for name in ("step", "tok/s", "wall ms", "compute ms", "io ms", "stall ms", "hit %", "MiB read", "majflt"):
@@ -245,8 +249,8 @@ def choose_output(args, service_desc: str):
 def find_service(wait_s: float | None, name: str | None = None, port: int | None = None):
     """The running service (by name or port, or the only one); if none runs
     yet, say so once and wait for one."""
-    from moe_pipe.shared.serve.service import find_service as find_now
-    from moe_pipe.shared.serve.service import live_services, select_services, wait_for_service
+    from ..shared.serve.service import find_service as find_now
+    from ..shared.serve.service import live_services, select_services, wait_for_service
 
     if select_services(live_services(), name, port):
         return find_now(name=name, port=port)  # the one (or a one-line error naming those that run)
@@ -258,7 +262,7 @@ def service_gone(info) -> bool:
     """The supervisor exited. A removed runtime dir counts as gone on its own:
     with no owner file, `is_live` falls back to "does the pid run", which a
     supervisor that has cleaned up but not yet exited still passes."""
-    from moe_pipe.shared.wire import ipc
+    from ..shared.wire import ipc
 
     path = Path(info.runtime_dir)
     return not path.is_dir() or not ipc.RuntimeDir(path, info.pid).is_live()
@@ -266,8 +270,8 @@ def service_gone(info) -> bool:
 
 def follow(sock, info, output) -> None:
     """Show records until the service goes away (returns) or we are stopped."""
-    from moe_pipe.shared.wire import ipc
-    from moe_pipe.shared.wire import messages as m
+    from ..shared.wire import ipc
+    from ..shared.wire import messages as m
 
     run = RunSoFar()
     while True:
@@ -299,7 +303,7 @@ def detach_from_closed_pipe() -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moe_pipe.shared.wire import ipc
+    from ..shared.wire import ipc
 
     try:
         info = find_service(args.wait, args.name, args.port)

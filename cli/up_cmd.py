@@ -13,13 +13,17 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..shared.config import Config
 
 DETACH_TIMEOUT_S = 600.0  # a first start may read a large dense set and compile kernels
 DETACHED_FLAG = "--_detached"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from moe_pipe.shared.config_flags import add_override_arguments
+    from ..shared.config_flags import add_override_arguments
 
     p.add_argument(
         "model",
@@ -38,29 +42,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moe_pipe.cli.run_cmd import load_run_config
-    from moe_pipe.shared.serve import service
+    from ..shared.serve import service
+    from .run_cmd import load_run_config
 
     cfg = _catalog_config(args) or load_run_config(args)  # bad config: one line, exit 2, before anything starts
     name = service.check_name(args.name) if args.name is not None else ""
     if args.detach:
-        from moe_pipe.procs.supervisor import preflight
+        from ..procs.supervisor import preflight
+        from ..shared.hub.resolve import model_file
 
         # A name in use or a port taken: one line now, not after a detached start (which checks again).
-        name = name or service.default_name(cfg.source or "", cfg.model.name or cfg.model_file().stem)
+        name = name or service.default_name(cfg.source or "", cfg.model.name or model_file(cfg).stem)
         for sock in preflight(cfg, name):
             sock.close()
         return _detach(args.argv)
     return _serve(cfg, name, detached=args.detached_child)
 
 
-def _catalog_config(args: argparse.Namespace):
+def _catalog_config(args: argparse.Namespace) -> Config | None:
     """`up NAME` for a catalog entry (shared/hub/catalog.py): its recipe over the file `moe-pipe pull`
     fetched for it, served as NAME; not pulled yet: the pull command, exit 2. None: not a catalog name."""
-    from moe_pipe.shared.config import load_config
-    from moe_pipe.shared.config_flags import overrides_from_args
-    from moe_pipe.shared.errors import UserError
-    from moe_pipe.shared.hub import catalog, store
+    from ..shared.config_flags import overrides_from_args
+    from ..shared.errors import UserError
+    from ..shared.hub import catalog, store
+    from ..shared.hub.resolve import load_runnable
 
     if not args.model or Path(args.model).suffix or "/" in args.model or Path(args.model).exists() or args.model == "tiny":
         return None
@@ -75,12 +80,13 @@ def _catalog_config(args: argparse.Namespace):
     recipe = entry.recipe_path()
     if args.name is None:
         args.name = entry.name
-    return load_config(recipe if recipe.is_file() else None, overrides)
+    return load_runnable(recipe if recipe.is_file() else None, overrides)
 
 
-def _serve(cfg, name: str, detached: bool) -> int:
-    from moe_pipe.procs.supervisor import Supervisor
-    from moe_pipe.shared.serve import service
+def _serve(cfg: Config, name: str, detached: bool) -> int:
+    from ..procs.supervisor import Supervisor
+    from ..shared.hub.resolve import model_file
+    from ..shared.serve import service
 
     def progress(text: str) -> None:
         print(f"moe-pipe: {text}", file=sys.stderr, flush=True)
@@ -99,7 +105,7 @@ def _serve(cfg, name: str, detached: bool) -> int:
             os.dup2(devnull, 2)
             os.close(devnull)
 
-    sup = Supervisor.start(cfg, cfg.model_file(), config_source=cfg.source or "", name=name, progress=progress)
+    sup = Supervisor.start(cfg, model_file(cfg), config_source=cfg.source or "", name=name, progress=progress)
     r = sup.res.resolved
     progress(
         f"expert cache {r.n_slots * r.slab_bytes / 2**20:,.2f} MiB = {r.n_slots} slabs ({r.budget_description}); "

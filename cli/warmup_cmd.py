@@ -10,7 +10,7 @@ import sys
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from moe_pipe.shared.config_flags import add_override_arguments
+    from ..shared.config_flags import add_override_arguments
 
     p.add_argument(
         "model", nargs="?", default=None, help="a GGUF file (any shard of a split set) or a TOML config; default: the embedded tiny model"
@@ -19,14 +19,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moe_pipe.procs.warmup import forward_pass, kernel_steps, warm_up
-    from moe_pipe.shared.gguf.model_file import open_model
-    from moe_pipe.shared.progress import StatusLine
-
+    from ..procs.warmup import forward_pass, kernel_steps, warm_up
+    from ..shared.gguf.model_file import open_model
+    from ..shared.hub.resolve import model_file
+    from ..shared.progress import StatusLine
     from .run_cmd import kernel_text, load_run_config
 
     cfg = load_run_config(args)
-    with open_model(cfg.model_file()) as mf, StatusLine() as status:
+    with open_model(model_file(cfg)) as mf, StatusLine() as status:
         steps = kernel_steps(mf, forward_pass(mf, cfg.compute.top_k, kv_type=cfg.compute.kv_type))
         warm = warm_up(steps, lambda i, n, item: status.update(kernel_text(i, n, item)))
         status.done(

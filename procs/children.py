@@ -2,15 +2,16 @@
 stop them. `moe-pipe run` (procs/pipeline.py) starts RUN_ORDER, `moe-pipe up`
 (procs/supervisor.py) SERVICE_ORDER, both through a ProcessStarter:
 
-    CHILDREN[name] = ChildSpec(entry, args(launch, pids), needs, shutdown_link)
+    CHILDREN[name] = ChildSpec(entry, needs, shutdown_link)
     SpawnStarter(launch)(name, pids) -> a started process running
-        lifecycle.run_child(name, runtime_dir, entry, args)
+        lifecycle.run_child(name, entry, config, facts)
     stop_child(process, spec, links, ...)  Shutdown on its link, wait;
         SIGTERM, wait; SIGKILL
 
-A child's arguments are built when it starts, from the launch (config,
-resources, model) and the pids of the children already running: compute
-needs its reader's pid, to notice when the reader dies.
+Every child's entry is `main(config, facts)`: the frozen Config whole, and
+the RunFacts (procs/run_facts.py) the parent resolved, made when it starts
+from the launch (resources, model) and the pids of the children already
+running: compute needs its reader's pid, to notice when the reader dies.
 """
 
 from __future__ import annotations
@@ -19,122 +20,62 @@ import multiprocessing as mp
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import zmq
 
-from moe_pipe.shared.experts.budget import RUN_ROLES, SERVICE_ROLES
-from moe_pipe.shared.wire import ipc
-from moe_pipe.shared.wire import messages as m
-
+from ..shared.config import Config
+from ..shared.experts.budget import RUN_ROLES, SERVICE_ROLES
+from ..shared.wire import ipc
+from ..shared.wire import messages as m
 from . import reader, telemetry
-from .compute_config import ComputeConfig
 from .lifecycle import error_file, run_child
 from .resources import Resources
+from .run_facts import RunFacts
 
 SHUTDOWN_SEND_MS = 200  # a child whose link cannot take a Shutdown this fast gets SIGTERM instead
 
 
 @dataclass(frozen=True)
 class Launch:
-    """What every child's arguments are made from."""
+    """What every child is started from: the config, what the parent made, the model."""
 
-    cfg: Any
+    cfg: Config
     res: Resources
     model_path: Path
     model_name: str
 
-
-# -- each child's arguments ----------------------------------------------------------
-
-
-def telemetry_args(cfg: Any, res: Resources) -> telemetry.TelemetryConfig:
-    return telemetry.TelemetryConfig(str(res.rt.path), str(cfg.telemetry.csv or ""))
-
-
-def reader_args(cfg: Any, res: Resources, model_path: str | Path) -> reader.ReaderConfig:
-    r = res.resolved
-    return reader.ReaderConfig(
-        str(model_path),
-        str(res.rt.path),
-        res.slabs.arena.name,
-        r.slab_bytes,
-        r.n_slots,
-        cfg.io.io_threads,
-        cfg.cache.policy,
-        index_arena=res.index.name,
-        warm_from=str(cfg.cache.warm_from or ""),
-        model_identity=r.model_identity,
-        populate=cfg.io.populate,
-        io_align=r.io_align,
-    )
+    def facts(self, pids: Mapping[str, int]) -> RunFacts:
+        """The run's facts for a child starting now, beside `pids`, the children running."""
+        r = self.res.resolved
+        return RunFacts(
+            runtime_dir=str(self.res.rt.path),
+            model_path=str(self.model_path),
+            model_name=self.model_name,
+            slab_arena=self.res.slabs.arena.name,
+            slab_bytes=r.slab_bytes,
+            n_slots=r.n_slots,
+            index_arena=self.res.index.name,
+            dense_arena=self.res.dense.name if self.res.dense is not None else "",
+            model_identity=r.model_identity,
+            io_align=r.io_align,
+            reader_pid=pids.get("reader", 0),
+        )
 
 
-def compute_args(cfg: Any, res: Resources, model_path: str | Path, reader_pid: int) -> ComputeConfig:
-    r, c = res.resolved, cfg.compute
-    return ComputeConfig(
-        str(model_path),
-        str(res.rt.path),
-        res.slabs.arena.name,
-        r.slab_bytes,
-        r.n_slots,
-        reader_pid,
-        dense_weights=cfg.io.dense_weights,
-        dense_arena=res.dense.name if res.dense is not None else "",
-        index_arena=res.index.name,
-        overlap=c.overlap,
-        prefetch=c.prefetch == "next-layer",
-        prefetch_prompt=c.prefetch in ("prompt", "next-layer"),
-        top_k=c.top_k,
-        threads=c.threads,
-        ctx_size=c.ctx_size,
-        kv_type=c.kv_type,
-        drop_cold_experts=c.drop_cold_experts,
-        cache_route=c.cache_route,
-        route_trace=str(cfg.telemetry.route_trace or ""),
-        route_replay=str(c.route_replay or ""),
-        model_identity=r.model_identity,
-        populate=cfg.io.populate,
-        context_shift=cfg.generate.context_shift,
-        n_keep=cfg.generate.n_keep,
-        io_align=r.io_align,
-    )
+# -- the entries that load their code in the child --------------------------------------
 
 
-def gateway_args(launch: Launch) -> Any:
-    from . import gateway  # aiohttp and the chat templates: only `up` needs them
-
-    cfg, g, gen = launch.cfg, launch.cfg.gateway, launch.cfg.generate
-    return gateway.GatewaySettings(
-        runtime_dir=str(launch.res.rt.path),
-        model_path=str(launch.model_path),
-        model_name=launch.model_name,
-        host=g.host,
-        port=g.port,
-        api_key=g.api_key,
-        queue_size=g.queue_size,
-        ctx_size=cfg.compute.ctx_size,
-        max_tokens=gen.max_tokens,
-        temperature=gen.temperature,
-        seed=gen.seed,
-        no_think=gen.no_think,
-        chat_template=gen.chat_template,
-        context_shift=gen.context_shift,
-        slot_save_path=str(g.slot_save_path or ""),
-        config=cfg.to_dict(),  # secrets REDACTED: the web page shows it (procs/gateway_events.py)
-    )
-
-
-def compute_main(cfg: ComputeConfig) -> None:
+def compute_main(config: Config, facts: RunFacts) -> None:
     from . import compute  # the model code, numba and LLVM: only the compute process loads them
 
-    compute.main(cfg)
+    compute.main(config, facts)
 
 
-def gateway_main(settings: Any) -> None:
-    from . import gateway
+def gateway_main(config: Config, facts: RunFacts) -> None:
+    from . import gateway  # aiohttp and the chat templates: only `up` needs them
 
-    gateway.main(settings)
+    gateway.main(config, facts)
 
 
 # -- the table ---------------------------------------------------------------------------
@@ -143,8 +84,7 @@ def gateway_main(settings: Any) -> None:
 @dataclass(frozen=True)
 class ChildSpec:
     name: str
-    entry: Callable[[Any], None]  # runs in the child, with what `args` built
-    args: Callable[[Launch, Mapping[str, int]], Any]  # (launch, pids of the running children) -> the entry's argument
+    entry: Callable[[Config, RunFacts], None]  # runs in the child: main(config, facts)
     needs: tuple[str, ...] = ()  # started only while these run; their pids are in `pids`
     shutdown_link: str = ""  # the endpoint on which a Shutdown asks it to stop ("": SIGTERM is its stop)
 
@@ -152,16 +92,10 @@ class ChildSpec:
 CHILDREN: dict[str, ChildSpec] = {
     spec.name: spec
     for spec in (
-        ChildSpec("telemetry", telemetry.main, lambda ln, pids: telemetry_args(ln.cfg, ln.res), shutdown_link="telemetry_in"),
-        ChildSpec("reader", reader.main, lambda ln, pids: reader_args(ln.cfg, ln.res, ln.model_path), shutdown_link="fetch"),
-        ChildSpec(
-            "compute",
-            compute_main,
-            lambda ln, pids: compute_args(ln.cfg, ln.res, ln.model_path, pids["reader"]),
-            needs=("reader",),
-            shutdown_link="requests",
-        ),
-        ChildSpec("gateway", gateway_main, lambda ln, pids: gateway_args(ln)),
+        ChildSpec("telemetry", telemetry.main, shutdown_link="telemetry_in"),
+        ChildSpec("reader", reader.main, shutdown_link="fetch"),
+        ChildSpec("compute", compute_main, needs=("reader",), shutdown_link="requests"),
+        ChildSpec("gateway", gateway_main),
     )
 }
 RUN_ORDER: tuple[str, ...] = RUN_ROLES  # start order; stop is the reverse
@@ -221,10 +155,9 @@ class SpawnStarter:
         missing = [n for n in spec.needs if n not in pids]
         if missing:
             raise ValueError(f"{name} cannot start before {', '.join(missing)}")
-        args = spec.args(self.launch, pids)
-        runtime_dir = str(self.launch.res.rt.path)
-        error_file(runtime_dir, name).unlink(missing_ok=True)
-        process = self._ctx.Process(target=run_child, name=f"moe-pipe-{name}", daemon=True, args=(name, runtime_dir, spec.entry, args))
+        facts = self.launch.facts(pids)
+        error_file(facts.runtime_dir, name).unlink(missing_ok=True)
+        process = self._ctx.Process(target=run_child, name=f"moe-pipe-{name}", daemon=True, args=(name, spec.entry, self.launch.cfg, facts))
         process.start()
         return process
 

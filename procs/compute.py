@@ -31,38 +31,42 @@ from typing import Any, cast
 import numpy as np
 import zmq
 
-from moe_pipe.shared import quant
-from moe_pipe.shared.errors import UserError
-from moe_pipe.shared.experts.dense import arena_views, warm_sweep
-from moe_pipe.shared.experts.directio import ModelChanged, model_identity
-from moe_pipe.shared.experts.placement import expert_view, placement_for
-from moe_pipe.shared.experts.populate import Populator
-from moe_pipe.shared.experts.residency import ResidencyIndex
-from moe_pipe.shared.experts.shm import Arena, SlabArena
-from moe_pipe.shared.gguf.model_file import open_model
-from moe_pipe.shared.model.levers import Levers
-from moe_pipe.shared.model.load import ModelOptions, load_model
-from moe_pipe.shared.model.routes import RouteReplay, RouteTracer
-from moe_pipe.shared.model.session import Session, slot_action
-from moe_pipe.shared.model.trace import read_trace
-from moe_pipe.shared.model.weights import Expert
-from moe_pipe.shared.telemetry import ResourceMeter
-from moe_pipe.shared.text.generate import GenerationConfig, generate
-from moe_pipe.shared.text.sampling import SamplingParams
-from moe_pipe.shared.text.tokenizer import Tokenizer
-from moe_pipe.shared.wire import ipc
-from moe_pipe.shared.wire import messages as m
-
-from .compute_config import ComputeConfig
+from ..shared import quant
+from ..shared.config import ComputeConfig, Config
+from ..shared.errors import UserError
+from ..shared.experts.dense import arena_views, warm_sweep
+from ..shared.experts.directio import ModelChanged, model_identity
+from ..shared.experts.placement import expert_view, placement_for
+from ..shared.experts.populate import Populator
+from ..shared.experts.residency import ResidencyIndex
+from ..shared.experts.shm import Arena, SlabArena
+from ..shared.gguf.model_file import open_model
+from ..shared.model.levers import Levers
+from ..shared.model.load import ModelOptions, load_model
+from ..shared.model.routes import RouteReplay, RouteTracer
+from ..shared.model.session import Session, slot_action
+from ..shared.model.trace import read_trace
+from ..shared.model.weights import Expert
+from ..shared.telemetry import ResourceMeter
+from ..shared.text.generate import GenerationConfig, generate
+from ..shared.text.sampling import SamplingParams
+from ..shared.text.tokenizer import Tokenizer
+from ..shared.wire import ipc
+from ..shared.wire import messages as m
 from .guess_gate import GuessGate
-from .lifecycle import child_setup
+from .lifecycle import FrontEndWatch, child_setup, pid_alive
+from .run_facts import RunFacts
 from .warmup import STAGE, CompileCounter, forward_pass, kernel_steps, warm_up
 
 log = logging.getLogger("moe_pipe.compute")
 PEER_POLL_MS = 500  # how often a wait for the reader checks that it is still alive
 
 
-class RequestFailed(Exception):
+class GenerationAborted(Exception):
+    """The request being served ends early with `code` (a read failed, the
+    reader died, the front end cancelled it, the service is stopping); the
+    process goes on serving unless its peer is gone."""
+
     def __init__(self, code: str, message: str):
         super().__init__(message)
         self.code = code
@@ -93,9 +97,9 @@ class Interrupts:
                 self.pending.append(msg)
             elif isinstance(msg, m.Shutdown):
                 self.shutdown = True
-                raise RequestFailed(m.Code.CANCELLED, "the service is shutting down")
+                raise GenerationAborted(m.Code.CANCELLED, "the service is shutting down")
             elif msg.req_id == self.req_id:
-                raise RequestFailed(m.Code.CANCELLED, "cancelled by the front end")
+                raise GenerationAborted(m.Code.CANCELLED, "cancelled by the front end")
 
 
 class SlabExperts:
@@ -103,10 +107,11 @@ class SlabExperts:
     shared-memory cache; it reads ahead on `prefetch` and reports `resident`
     from the residency index."""
 
-    def __init__(self, cfg: ComputeConfig, layout, fetch_out: zmq.Socket, ready_in: zmq.Socket):
-        self.cfg, self.layout = cfg, layout
-        self.arena = SlabArena.attach(cfg.slab_arena, cfg.slab_bytes, readonly=True)
-        self.index = ResidencyIndex.attach(cfg.index_arena, layout.spec)
+    def __init__(self, facts: RunFacts, overlap: bool, layout, fetch_out: zmq.Socket, ready_in: zmq.Socket):
+        """`facts`: the arenas and the reader to watch; `overlap`: compute.overlap."""
+        self.n_slots, self.reader_pid, self.overlap, self.layout = facts.n_slots, facts.reader_pid, overlap, layout
+        self.arena = SlabArena.attach(facts.slab_arena, facts.slab_bytes, readonly=True)
+        self.index = ResidencyIndex.attach(facts.index_arena, layout.spec)
         self.fetch_out, self.ready_in = fetch_out, ready_in
         self.next_req = 1
         self.done: list[int] = []  # fetches finished since the last message (their pins go)
@@ -158,8 +163,8 @@ class SlabExperts:
         self._score_prefetch(layer, ids)
         # A prompt batch can route to more experts than the cache has slabs (the
         # budget floor is one *token's* working set): fetch in slab-sized groups.
-        for start in range(0, len(ids), self.cfg.n_slots):
-            yield from self._fetch_group(layer, ids[start : start + self.cfg.n_slots])
+        for start in range(0, len(ids), self.n_slots):
+            yield from self._fetch_group(layer, ids[start : start + self.n_slots])
 
     def _fetch_group(self, layer: int, ids: list[int]) -> Iterator[Expert]:
         self._settle()
@@ -179,7 +184,7 @@ class SlabExperts:
         req = self._send_fetch(layer, missing, resident)
         self.wire_s += time.perf_counter() - t0
         try:
-            if self.cfg.overlap:  # hits at once, then each miss as it lands
+            if self.overlap:  # hits at once, then each miss as it lands
                 for e, s in zip(ids, slots):
                     if s >= 0:
                         yield self._view(layer, e, s)
@@ -252,8 +257,8 @@ class SlabExperts:
         while True:
             msg = ipc.recv(self.ready_in, PEER_POLL_MS, expect=(m.Ready, m.FetchFailed, m.Guessed))
             if msg is None:
-                if not _alive(self.cfg.reader_pid):
-                    raise RequestFailed(m.Code.PEER_GONE, "the reader process died")
+                if not pid_alive(self.reader_pid):
+                    raise GenerationAborted(m.Code.PEER_GONE, "the reader process died")
                 continue
             if not isinstance(msg, m.FetchFailed):  # reads of guesses that landed unasked: this token's too
                 self.read_bytes += msg.guess_bytes
@@ -261,7 +266,7 @@ class SlabExperts:
             if msg.req_id != req:  # a late answer to an abandoned request
                 continue
             if isinstance(msg, m.FetchFailed):
-                raise RequestFailed(msg.code, f"expert {msg.expert} of layer {msg.layer}: {msg.error}")
+                raise GenerationAborted(msg.code, f"expert {msg.expert} of layer {msg.layer}: {msg.error}")
             if isinstance(msg, want):
                 return msg
 
@@ -287,23 +292,9 @@ class SlabExperts:
         return cached[1]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie child of our parent still answers kill(0)
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-class Recorder:
-    """Wraps the model: one TokenRecord per generated token (step 1 = the
-    prefill that produced it, then one decode each)."""
+class MeteredModel:
+    """The model, metered: one TokenRecord per generated token to telemetry
+    (step 1 = the prefill that produced it, then one decode each)."""
 
     def __init__(
         self,
@@ -381,60 +372,66 @@ class Recorder:
         return out
 
 
-def _dense_view(cfg: ComputeConfig, mf):
-    """Where compute reads dense tensors, per the dense policy."""
-    if cfg.dense_weights == "anon":
-        arena = Arena.attach(cfg.dense_arena, readonly=True)
+def _dense_view(config: Config, facts: RunFacts, mf):
+    """Where compute reads dense tensors, per io.dense_weights."""
+    if config.io.dense_weights == "anon":
+        arena = Arena.attach(facts.dense_arena, readonly=True)
         return arena, arena_views(mf.gguf, mf.layout, arena.buf)
-    if cfg.dense_weights == "warm":
+    if config.io.dense_weights == "warm":
         warm_sweep(mf.gguf.paths, mf.layout.dense)
     return None, None  # the file mapping
 
 
-def serve(cfg: ComputeConfig, ctx: zmq.Context) -> None:
+def model_options(c: ComputeConfig, route_trace: RouteTracer | None, mf) -> ModelOptions:
+    """How the model runs, from the [compute] table: prefetch, the lossy levers, route replay, the KV cache's type."""
+    return ModelOptions(
+        prefetch_next=c.prefetch == "next-layer",
+        prefetch_prompt=c.prefetch in ("prompt", "next-layer"),
+        levers=Levers(c.drop_cold_experts, c.cache_route),
+        route_observer=route_trace,
+        route_replay=RouteReplay(read_trace(str(c.route_replay)), mf.spec) if c.route_replay else None,
+        kv_type=c.kv_type,  # the model's new_cache stores K and V as the config says
+    )
+
+
+def serve(config: Config, facts: RunFacts, ctx: zmq.Context) -> None:
+    c = config.compute
     quant.one_blas_thread()
-    if cfg.threads:
-        quant.set_threads(cfg.threads)
-    ep = ipc.Endpoints(Path(cfg.runtime_dir))
+    if c.threads:
+        quant.set_threads(c.threads)
+    ep = ipc.Endpoints(Path(facts.runtime_dir))
     requests = ipc.bind(ctx, ep, "requests")
     tokens_out = ipc.connect(ctx, ep, "tokens")
     fetch_out = ipc.connect(ctx, ep, "fetch")
     ready_in = ipc.bind(ctx, ep, "ready")
     telemetry = ipc.DroppingSender(ipc.connect(ctx, ep, "telemetry_in"))
-    mf = open_model(cfg.model_path, cfg.io_align or None)
-    if cfg.model_identity and model_identity(mf.gguf.paths) != tuple(cfg.model_identity):
+    mf = open_model(facts.model_path, facts.io_align or None)
+    if facts.model_identity and model_identity(mf.gguf.paths) != tuple(facts.model_identity):
         # A restart after the file was replaced: its tokenizer and shapes beside the
         # old file's dense set and cached experts would give wrong answers, quietly.
         mf.close()
         raise ModelChanged(
-            cfg.model_path,
+            facts.model_path,
             "is not the file this service started with (changed or replaced since); put the original back or restart the service",
         )
-    dense_arena, view = _dense_view(cfg, mf)
-    source = SlabExperts(cfg, mf.layout, fetch_out, ready_in)
+    dense_arena, view = _dense_view(config, facts, mf)
+    source = SlabExperts(facts, c.overlap, mf.layout, fetch_out, ready_in)
     # First use of a page of either arena is a fault inside a token's compute:
     # take them now, on a thread (the dense set first: every token reads all of it).
-    arenas = [(dense_arena, "dense set"), (source.arena.arena, "slab cache")] if cfg.populate else []
+    arenas = [(dense_arena, "dense set"), (source.arena.arena, "slab cache")] if config.io.populate else []
     populators = [Populator(a, what=w).start() for a, w in arenas if a is not None]
-    tracer = RouteTracer(cfg.route_trace, mf, cfg.top_k, source.resident) if cfg.route_trace else None
-    options = ModelOptions(
-        prefetch_next=cfg.prefetch,
-        prefetch_prompt=cfg.prefetch_prompt,
-        levers=Levers(cfg.drop_cold_experts, cfg.cache_route),
-        route_observer=tracer,
-        route_replay=RouteReplay(read_trace(cfg.route_replay), mf.spec) if cfg.route_replay else None,
-        kv_type=cfg.kv_type,  # the model's new_cache stores K and V as the config says
-    )
-    model = load_model(mf, top_k=cfg.top_k, experts=source, dense_view=view, options=options)
+    route_trace = config.telemetry.route_trace
+    tracer = RouteTracer(str(route_trace), mf, c.top_k, source.resident) if route_trace else None
+    model = load_model(mf, top_k=c.top_k, experts=source, dense_view=view, options=model_options(c, tracer, mf))
     tok = Tokenizer.from_gguf(mf.gguf)
     interrupts = Interrupts(requests)
-    recorder = Recorder(model, source, telemetry, interrupts, tracer)
+    metered = MeteredModel(model, source, telemetry, interrupts, tracer)
     # The KV cache and the ids it holds, kept between requests (prefix reuse, slots);
     # a session file is bound to the model file's identity.
-    session, identity = Session(), tuple(cfg.model_identity) or model_identity(mf.gguf.paths)
+    session, identity = Session(), tuple(facts.model_identity) or model_identity(mf.gguf.paths)
     # Every kernel compiled (or loaded from numba's cache) before the Hello, so no
     # request's timings include a compile; the front end shows the progress.
-    steps = kernel_steps(mf, forward_pass(mf, cfg.top_k, view, cfg.kv_type))
+    steps = kernel_steps(mf, forward_pass(mf, c.top_k, view, c.kv_type))
     warm = warm_up(steps, lambda i, n, item: ipc.send(tokens_out, m.Progress(STAGE, i, n, item)))
     ipc.send(tokens_out, m.Progress(STAGE, warm.steps, warm.steps, "", warm.seconds, warm.compiled))
     late = CompileCounter().__enter__()  # for the life of the process: compiles a request still paid for
@@ -446,15 +443,15 @@ def serve(cfg: ComputeConfig, ctx: zmq.Context) -> None:
         while not interrupts.shutdown:
             if front_end.came_back():
                 ipc.send(tokens_out, m.Hello("compute", os.getpid(), epoch))  # a restarted gateway missed the first
-            msg = interrupts.pending.pop(0) if interrupts.pending else _next_request(requests, cfg)
+            msg = interrupts.pending.pop(0) if interrupts.pending else _next_request(requests, facts.reader_pid)
             if isinstance(msg, m.Shutdown):
                 return
             if isinstance(msg, m.Slot):
-                ipc.send(tokens_out, handle_slot(msg, session, model, cfg, identity))
+                ipc.send(tokens_out, handle_slot(msg, session, model, c.ctx_size, identity))
             elif isinstance(msg, m.Generate):
                 interrupts.req_id = msg.req_id
                 try:
-                    handle(msg, recorder, tok, cfg, tokens_out, late, session)
+                    handle(msg, metered, tok, config, tokens_out, late, session)
                 finally:
                     interrupts.req_id = 0
     finally:
@@ -470,44 +467,7 @@ def serve(cfg: ComputeConfig, ctx: zmq.Context) -> None:
         mf.close()
 
 
-class FrontEndWatch:
-    """Notices the front end that binds the tokens link coming back after it
-    went away (a gateway killed and restarted alone). The new one never saw
-    this process's Hello and, without one, takes the model for still loading
-    and holds every request; so compute says Hello again (when idle: the
-    request it was serving belonged to the dead one). Found by bench/soak.py:
-    before this, one gateway kill left the service answering nothing until
-    compute itself restarted. Only a connect after a disconnect counts: the
-    first connect is answered by the first Hello, already queued."""
-
-    def __init__(self, sock: zmq.Socket):
-        self.sock = sock
-        self.monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-        self.lost = False
-
-    def came_back(self) -> bool:
-        from zmq.utils.monitor import recv_monitor_message
-
-        back = False
-        while True:
-            try:
-                event = recv_monitor_message(self.monitor, zmq.NOBLOCK)["event"]
-            except zmq.Again:
-                return back
-            if event == zmq.EVENT_DISCONNECTED:
-                self.lost = True
-            elif event == zmq.EVENT_CONNECTED and self.lost:
-                self.lost, back = False, True
-
-    def close(self) -> None:
-        try:
-            self.sock.disable_monitor()
-        except zmq.ZMQError:
-            pass
-        self.monitor.close(linger=0)
-
-
-def _next_request(requests: zmq.Socket, cfg: ComputeConfig) -> m.Generate | m.Slot | m.Shutdown | None:
+def _next_request(requests: zmq.Socket, reader_pid: int) -> m.Generate | m.Slot | m.Shutdown | None:
     """The next request; while idle, also notice a dead reader and end this
     process (its supervisor restarts both; a later request would only fail)."""
     try:
@@ -515,15 +475,15 @@ def _next_request(requests: zmq.Socket, cfg: ComputeConfig) -> m.Generate | m.Sl
     except m.ProtocolError as exc:
         log.warning("dropped a bad frame: %s", exc)
         return None
-    if msg is None and not _alive(cfg.reader_pid):
-        raise RequestFailed(m.Code.PEER_GONE, "the reader process died")
+    if msg is None and not pid_alive(reader_pid):
+        raise GenerationAborted(m.Code.PEER_GONE, "the reader process died")
     return msg if isinstance(msg, (m.Generate, m.Slot, m.Shutdown)) else None  # a Cancel for a request already done
 
 
-def handle_slot(req: m.Slot, session: Session, model, cfg: ComputeConfig, identity: tuple[str, ...]) -> m.Done:
-    """Save, restore or erase the session; a refused file is the request's fault."""
+def handle_slot(req: m.Slot, session: Session, model, ctx_size: int, identity: tuple[str, ...]) -> m.Done:
+    """Save, restore or erase the session (compute.ctx_size bounds a restored one); a refused file is the request's fault."""
     try:
-        return m.Done(req.req_id, True, timings=dict(slot_action(session, req.action, req.path, model, cfg.ctx_size, identity)))
+        return m.Done(req.req_id, True, timings=dict(slot_action(session, req.action, req.path, model, ctx_size, identity)))
     except UserError as exc:
         return m.Done(req.req_id, False, code=m.Code.BAD_ARGUMENT, error=str(exc))
     except Exception as exc:  # noqa: BLE001 - a bug fails this request, and the session is not trusted after it
@@ -534,29 +494,29 @@ def handle_slot(req: m.Slot, session: Session, model, cfg: ComputeConfig, identi
 
 def handle(
     req: m.Generate,
-    recorder: Recorder,
+    metered: MeteredModel,
     tok,
-    cfg: ComputeConfig,
+    config: Config,
     out: zmq.Socket,
     late: CompileCounter | None = None,
     session: Session | None = None,
 ) -> None:
-    from moe_pipe.shared.telemetry import summarize
+    from ..shared.telemetry import summarize
 
     try:
         params = SamplingParams(**cast(dict[str, Any], req.sampling))  # values checked by SamplingParams itself
         gen_cfg = GenerationConfig(
             max_tokens=req.max_tokens,
             stop=tuple(req.stop),
-            n_ctx=cfg.ctx_size,
+            n_ctx=config.compute.ctx_size,
             ignore_eos=req.ignore_eos,
             cache_prompt=req.cache_prompt,
-            context_shift=cfg.context_shift,
-            n_keep=cfg.n_keep,
+            context_shift=config.generate.context_shift,
+            n_keep=config.generate.n_keep,
         )
         constraint = None
         if req.grammar:  # response_format: llguidance loads only in a compute that serves one
-            from moe_pipe.shared.text.constrain import constraint_for
+            from ..shared.text.constrain import constraint_for
 
             constraint = constraint_for(tok, req.grammar)
     except (UserError, TypeError) as exc:  # a setting it lacks or of the wrong kind: the request's fault, not this process's
@@ -567,10 +527,10 @@ def handle(
         ipc.send(out, m.Token(req.req_id, text))
 
     compiles = late.count if late else 0
-    recorder.begin()
+    metered.begin()
     try:
-        result = generate(recorder, tok, list(req.prompt_tokens), params, gen_cfg, on_text=on_text, session=session, constraint=constraint)
-    except RequestFailed as exc:
+        result = generate(metered, tok, list(req.prompt_tokens), params, gen_cfg, on_text=on_text, session=session, constraint=constraint)
+    except GenerationAborted as exc:
         ipc.send(out, m.Done(req.req_id, False, code=str(exc.code), error=str(exc)))
         if exc.code == m.Code.PEER_GONE:
             raise
@@ -584,7 +544,7 @@ def handle(
             session.reset()  # a bug's leftovers are not reused
         ipc.send(out, m.Done(req.req_id, False, code=m.Code.INTERNAL, error=f"{type(exc).__name__}: {exc}"))
         return
-    summary = summarize(recorder.records, 0.0, 0, None, recorder.meter.peak_rss_bytes()) if recorder.records else None
+    summary = summarize(metered.records, 0.0, 0, None, metered.meter.peak_rss_bytes()) if metered.records else None
     # load_seconds and budget_mib are the front end's to know (procs/pipeline.py), not this process's.
     figures = {k: v for k, v in m.as_dict(summary).items() if k not in ("load_seconds", "budget_mib")} if summary else {}
     timings = {**result.timings, **figures, "late_compiles": (late.count if late else 0) - compiles}
@@ -600,7 +560,7 @@ def handle(
     )
 
 
-def main(cfg: ComputeConfig) -> None:
+def main(config: Config, facts: RunFacts) -> None:
     child_setup("compute")
     with ipc.context() as ctx:
-        serve(cfg, ctx)
+        serve(config, facts, ctx)

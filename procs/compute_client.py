@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from moe_pipe.shared.wire import messages as m
+from ..shared.wire import messages as m
 
 log = logging.getLogger("moe_pipe.compute_client")
 

@@ -36,7 +36,7 @@ import signal
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -45,10 +45,11 @@ import zmq
 import zmq.asyncio
 from aiohttp import web
 
-from moe_pipe.shared.errors import UserError
-from moe_pipe.shared.gguf.model_file import open_model
-from moe_pipe.shared.serve import service
-from moe_pipe.shared.serve.http_guard import (
+from ..shared.config import Config
+from ..shared.errors import UserError
+from ..shared.gguf.model_file import open_model
+from ..shared.serve import service
+from ..shared.serve.http_guard import (
     BODY_TIMEOUT_S,
     IDLE_TIMEOUT_S,
     LINGER_S,
@@ -62,8 +63,8 @@ from moe_pipe.shared.serve.http_guard import (
     read_body,
     write_within,
 )
-from moe_pipe.shared.serve.metrics import Metrics
-from moe_pipe.shared.serve.openai_api import (
+from ..shared.serve.metrics import Metrics
+from ..shared.serve.openai_api import (
     ApiError,
     ChatOutput,
     CompletionRequest,
@@ -75,15 +76,15 @@ from moe_pipe.shared.serve.openai_api import (
     sse,
     usage_of,
 )
-from moe_pipe.shared.text.chat import encode_prompt, render_chat, use_chat_template
-from moe_pipe.shared.text.reasoning import framing_for
-from moe_pipe.shared.text.tokenizer import Tokenizer
-from moe_pipe.shared.wire import ipc
-from moe_pipe.shared.wire import messages as m
-
+from ..shared.text.chat import encode_prompt, render_chat, use_chat_template
+from ..shared.text.reasoning import framing_for
+from ..shared.text.tokenizer import Tokenizer
+from ..shared.wire import ipc
+from ..shared.wire import messages as m
 from .gateway_events import WebView, add_routes, supervisor_status
 from .gateway_worker import POLL_S, ComputeLink, Failed, Finished, Job, RequestQueue, Worker, wait_event
 from .lifecycle import child_setup
+from .run_facts import RunFacts
 
 log = logging.getLogger("moe_pipe.gateway")
 
@@ -92,29 +93,46 @@ SHUTDOWN_GRACE_S = 5.0  # handlers get this long to answer 503 after SIGTERM
 
 
 @dataclass(frozen=True)
-class GatewaySettings:
-    runtime_dir: str
-    model_path: str
-    model_name: str
-    host: str = "127.0.0.1"
-    port: int = 8080
-    api_key: str | None = field(default=None, repr=False)  # a secret (shared/config.py): kept out of reprs, so out of logs
-    queue_size: int = 16
-    ctx_size: int = 4096
-    max_tokens: int = 64
-    temperature: float = 0.0
-    seed: int | None = None
-    no_think: bool = False
-    chat_template: str = "model"  # generate.chat_template: the model's, "plain", or a file
+class HttpLimits:
+    """How long and how many the HTTP side allows (shared/serve/http_guard.py's
+    figures), and how long a request waits for a restarted compute. Not config
+    keys (docs/api.md § Limits and slow clients): the defaults stand in the
+    service; tests shorten them."""
+
     restart_wait_s: float = 60.0
-    context_shift: bool = False  # generate.context_shift: max_tokens may run past the context (shared/serve/openai_api.py)
-    slot_save_path: str = ""  # gateway.slot_save_path: where /slots/0 keeps session files ("" = the endpoints answer 501)
     max_connections: int = MAX_CONNECTIONS
     idle_timeout_s: float = IDLE_TIMEOUT_S
     body_timeout_s: float = BODY_TIMEOUT_S
     write_timeout_s: float = WRITE_TIMEOUT_S
-    # The resolved config as the web page shows it: shared/config.py to_dict(), secrets already REDACTED.
-    config: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ConfigDefaults:
+    """What the server fills in for what a request leaves out
+    (shared/serve/openai_api.py RequestDefaults), read from the config."""
+
+    config: Config
+    model_name: str
+
+    @property
+    def ctx_size(self) -> int:
+        return self.config.compute.ctx_size
+
+    @property
+    def max_tokens(self) -> int:
+        return self.config.generate.max_tokens
+
+    @property
+    def temperature(self) -> float:
+        return self.config.generate.temperature
+
+    @property
+    def seed(self) -> int | None:
+        return self.config.generate.seed
+
+    @property
+    def context_shift(self) -> bool:
+        return self.config.generate.context_shift
 
 
 # ------------------------------------------------------------------ HTTP glue
@@ -199,13 +217,14 @@ def client_gone(request: web.Request) -> bool:
 
 
 class Gateway:
-    """The app's state: settings, tokenizer, queue, worker and links."""
+    """The app's state: the config and the run's facts, tokenizer, queue, worker and links."""
 
-    def __init__(self, settings: GatewaySettings, tokenizer: Tokenizer):
-        self.settings, self.tok = settings, tokenizer
+    def __init__(self, config: Config, facts: RunFacts, tokenizer: Tokenizer, http_limits: HttpLimits = HttpLimits()):
+        self.config, self.facts, self.http_limits, self.tok = config, facts, http_limits, tokenizer
+        self.defaults = ConfigDefaults(config, facts.model_name)
         self.framing = framing_for(tokenizer)  # how replies frame reasoning and tool calls (shared/text/reasoning.py)
         self.metrics = Metrics()
-        self.queue = RequestQueue(settings.queue_size)
+        self.queue = RequestQueue(config.gateway.queue_size)
         self.started = int(time.time())
         # One thread: templates render one at a time, and the event loop never does it.
         self.tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
@@ -221,9 +240,9 @@ class Gateway:
     # -- lifetime (aiohttp signals) ----------------------------------------------
     async def start(self, app: web.Application) -> None:
         self.ctx = zmq.asyncio.Context()
-        ep = ipc.Endpoints(Path(self.settings.runtime_dir))
+        ep = ipc.Endpoints(Path(self.facts.runtime_dir))
         self.link = ComputeLink(self.ctx, ep)
-        self.worker = Worker(self.link, self.queue, self.settings.restart_wait_s, self.metrics)
+        self.worker = Worker(self.link, self.queue, self.http_limits.restart_wait_s, self.metrics)
         telemetry = cast(zmq.asyncio.Socket, ipc.connect(self.ctx, ep, "telemetry_pub"))
         self.tasks = [
             asyncio.create_task(c)
@@ -259,18 +278,18 @@ class Gateway:
         return json_response({"status": "loading"}, 503)
 
     def _model(self) -> dict:
-        return {"id": self.settings.model_name, "object": "model", "created": self.started, "owned_by": "moe-pipe"}
+        return {"id": self.facts.model_name, "object": "model", "created": self.started, "owned_by": "moe-pipe"}
 
     async def models(self, request: web.Request) -> web.Response:
         return json_response({"object": "list", "data": [self._model()]})
 
     async def model(self, request: web.Request) -> web.Response:
-        if request.match_info["name"] != self.settings.model_name:
+        if request.match_info["name"] != self.facts.model_name:
             raise ApiError(404, f"the model '{request.match_info['name']}' does not exist", "model_not_found")
         return json_response(self._model())
 
     async def metrics_text(self, request: web.Request) -> web.Response:
-        processes = await supervisor_processes(self.settings.runtime_dir)
+        processes = await supervisor_processes(self.facts.runtime_dir)
         connections = self.site.open if self.site is not None else 0
         text = self.metrics.render(self.link is not None and self.link.ready(), self.queue.waiting(), processes, connections)
         return web.Response(body=text.encode(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
@@ -285,7 +304,8 @@ class Gateway:
             raise ApiError(400, f"'action' must be {', '.join(SLOT_ACTIONS)}; got {action!r}", "invalid_value", param="action")
         if request.match_info["id"] != "0":
             raise ApiError(400, f"there is one slot, 0; got {request.match_info['id'][:20]!r}", "invalid_value", param="id_slot")
-        if not self.settings.slot_save_path:
+        slot_save_path = self.config.gateway.slot_save_path
+        if not slot_save_path:
             raise ApiError(
                 501,
                 "slot actions are off: start the service with a folder for them (gateway.slot_save_path, --slot-save-path DIR)",
@@ -294,8 +314,8 @@ class Gateway:
             )
         name, path = "", ""
         if action != "erase":
-            name = slot_filename(parse_body(await read_body(request, self.settings.body_timeout_s)))
-            folder = Path(self.settings.slot_save_path)
+            name = slot_filename(parse_body(await read_body(request, self.http_limits.body_timeout_s)))
+            folder = Path(slot_save_path)
             folder.mkdir(parents=True, exist_ok=True)
             path = str(folder / name)
             if action == "restore" and not Path(path).is_file():
@@ -321,11 +341,11 @@ class Gateway:
 
     async def complete(self, request: web.Request, chat: bool) -> web.StreamResponse:
         try:
-            req = parse_request(parse_body(await read_body(request, self.settings.body_timeout_s)), chat, self.settings)
+            req = parse_request(parse_body(await read_body(request, self.http_limits.body_timeout_s)), chat, self.defaults)
             prompt = await self.tokenize(req)
             job = Job(
                 prompt,
-                fit_max_tokens(req, len(prompt), self.settings),
+                fit_max_tokens(req, len(prompt), self.defaults),
                 req.sampling,
                 req.stop,
                 grammar=req.grammar,
@@ -340,7 +360,7 @@ class Gateway:
             self.metrics.requests["cancelled"] += 1
             return web.Response(status=499)
         output = ChatOutput(self.framing, self.tok.decode(prompt[-PROMPT_TAIL_TOKENS:]), bool(req.tools)) if chat else None
-        shape = ResponseShape(chat, self.settings.model_name, req.include_usage, output)
+        shape = ResponseShape(chat, self.facts.model_name, req.include_usage, output)
         try:
             if req.stream:
                 return await self.stream(request, job, shape)
@@ -365,13 +385,13 @@ class Gateway:
                 self.tok,
                 list(req.messages),
                 add_generation_prompt=True,
-                no_think=self.settings.no_think,
+                no_think=self.config.generate.no_think,
                 tools=list(req.tools) or None,
                 **cast(dict[str, Any], req.template_vars),
             )
         else:
             text = req.prompt
-        refuse_unfit_text(text, self.longest_token.result(), self.settings, "messages" if req.chat else "prompt")
+        refuse_unfit_text(text, self.longest_token.result(), self.defaults, "messages" if req.chat else "prompt")
         return encode_prompt(self.tok, text)
 
     async def events(self, request: web.Request, job: Job) -> AsyncIterator[str | Finished | Failed]:
@@ -436,7 +456,7 @@ class Gateway:
         return resp
 
     async def write(self, request: web.Request, resp: web.StreamResponse, data: bytes | None) -> None:
-        await write_within(request, resp, data, self.settings.write_timeout_s)
+        await write_within(request, resp, data, self.http_limits.write_timeout_s)
 
     def count(self, status: int) -> None:
         outcome = {200: "ok", 429: "rejected", 503: "unavailable"}.get(status)
@@ -493,14 +513,14 @@ def longest_token_bytes(tok: Tokenizer) -> int:
     return max((len(tok.token_bytes(i)) for i in range(tok.n_vocab)), default=1)
 
 
-async def create_app(settings: GatewaySettings, tokenizer: Tokenizer | None = None) -> web.Application:
+async def create_app(
+    config: Config, facts: RunFacts, tokenizer: Tokenizer | None = None, http_limits: HttpLimits = HttpLimits()
+) -> web.Application:
     """The HTTP app; its background tasks start with it and stop at cleanup."""
-    gateway = Gateway(settings, use_chat_template(tokenizer or load_tokenizer(settings.model_path), settings.chat_template))
-    middlewares = (
-        [errors_as_json]
-        + ([loopback_only] if is_loopback(settings.host) else [])
-        + ([require_key(settings.api_key)] if settings.api_key else [])
-    )
+    tok = use_chat_template(tokenizer or load_tokenizer(facts.model_path), config.generate.chat_template)
+    gateway = Gateway(config, facts, tok, http_limits)
+    g = config.gateway
+    middlewares = [errors_as_json] + ([loopback_only] if is_loopback(g.host) else []) + ([require_key(g.api_key)] if g.api_key else [])
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)
     app.router.add_post("/v1/chat/completions", gateway.chat_completions)
     app.router.add_post("/v1/completions", gateway.completions)
@@ -517,45 +537,44 @@ async def create_app(settings: GatewaySettings, tokenizer: Tokenizer | None = No
     return app
 
 
-async def serve(settings: GatewaySettings) -> None:
+async def serve(config: Config, facts: RunFacts, http_limits: HttpLimits) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         if signal.getsignal(sig) is not signal.SIG_IGN:  # child_setup ignores SIGINT: the supervisor stops us in order
             loop.add_signal_handler(sig, stop.set)
-    app = await create_app(settings)
+    app = await create_app(config, facts, http_limits=http_limits)
+    g, limits = config.gateway, http_limits
     # keepalive_timeout: aiohttp arms it after each answer (3.14: also when a connection opens) and closes
     # the connection if no whole request (headers) has come by then: the idle and slow-headers timeout.
     runner = web.AppRunner(
-        app, access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S, keepalive_timeout=settings.idle_timeout_s, lingering_time=LINGER_S
+        app, access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S, keepalive_timeout=limits.idle_timeout_s, lingering_time=LINGER_S
     )
     await runner.setup()
-    address_file = Path(settings.runtime_dir) / service.GATEWAY_FILE
+    address_file = Path(facts.runtime_dir) / service.GATEWAY_FILE
     try:
-        site = app[GATEWAY].site = LimitedSite(
-            runner, settings.host, settings.port, settings.max_connections, settings.idle_timeout_s, app[GATEWAY].metrics
-        )
+        site = app[GATEWAY].site = LimitedSite(runner, g.host, g.port, limits.max_connections, limits.idle_timeout_s, app[GATEWAY].metrics)
         try:
             await site.start()
         except OSError as exc:
-            raise UserError(f"gateway: cannot listen on {settings.host}:{settings.port}: {exc.strerror or exc}") from None
+            raise UserError(f"gateway: cannot listen on {g.host}:{g.port}: {exc.strerror or exc}") from None
         host, port = runner.addresses[0][:2]
         address = service.GatewayAddress(host, port, os.getpid())
-        service.write_gateway_address(Path(settings.runtime_dir), address)
+        service.write_gateway_address(Path(facts.runtime_dir), address)
         log.info("listening on %s", address.url)
         await stop.wait()
         log.info("stopping; %d waiting request(s) get 503", app[GATEWAY].queue.waiting())
     finally:
         await runner.cleanup()
-        ours = service.read_gateway_address(Path(settings.runtime_dir))
+        ours = service.read_gateway_address(Path(facts.runtime_dir))
         if ours is not None and ours.pid == os.getpid():  # a stale address would send clients to nobody
             address_file.unlink(missing_ok=True)
 
 
-def main(settings: GatewaySettings) -> None:
+def main(config: Config, facts: RunFacts, http_limits: HttpLimits = HttpLimits()) -> None:
     """The gateway child of `moe-pipe up`. A port in use or an unreadable
     model is a UserError with one line that says so (the supervisor shows it)."""
     child_setup("gateway")
     import uvloop
 
-    uvloop.run(serve(settings))
+    uvloop.run(serve(config, facts, http_limits))

@@ -30,24 +30,26 @@ from dataclasses import dataclass
 from functools import partial
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import orjson
 import zmq
 from aiohttp import web
 
-from moe_pipe.shared.errors import UserError
-from moe_pipe.shared.experts.budget import probe_memory
-from moe_pipe.shared.experts.residency import INFLIGHT, PINNED, ResidencyIndex
-from moe_pipe.shared.experts.shm import segment_name
-from moe_pipe.shared.gguf.model_file import open_model
-from moe_pipe.shared.gguf.spec import kv_cache_bytes
-from moe_pipe.shared.serve import service
-from moe_pipe.shared.serve.http_guard import ClientGone, write_within
-from moe_pipe.shared.wire import messages as m
-
+from ..shared.errors import UserError
+from ..shared.experts.budget import probe_memory
+from ..shared.experts.residency import INFLIGHT, PINNED, ResidencyIndex
+from ..shared.experts.shm import segment_name
+from ..shared.gguf.model_file import open_model
+from ..shared.gguf.spec import kv_cache_bytes
+from ..shared.serve import service
+from ..shared.serve.http_guard import ClientGone, write_within
+from ..shared.wire import messages as m
 from .gateway_worker import wait_event
+
+if TYPE_CHECKING:
+    from .gateway import Gateway
 
 log = logging.getLogger("moe_pipe.gateway")
 
@@ -254,7 +256,7 @@ def _static(name: str) -> bytes:
 class WebView:
     """The page's handlers and the loops that feed it; the Gateway owns one."""
 
-    def __init__(self, gateway: Any):
+    def __init__(self, gateway: Gateway):
         self.gw = gateway
         self.feed = Feed()
         self.files = {name: _static(name) for name in WEB_FILES}  # read once: the package does not change under us
@@ -271,14 +273,13 @@ class WebView:
 
     # -- the event stream --------------------------------------------------------------
     def hello(self) -> dict[str, Any]:
-        s = self.gw.settings
         facts = self.facts
         return {
-            "model": s.model_name,
+            "model": self.gw.facts.model_name,
             "layers": facts.n_layer if facts else None,
             "experts": facts.n_expert if facts else None,
             "top_k": facts.top_k if facts else None,
-            "config": s.config,  # redacted when it was made (shared/config.py to_dict)
+            "config": self.gw.config.to_dict(),  # secrets REDACTED (shared/config.py to_dict)
             "history": list(self.feed.history),
             "first": self.feed.first,
         }
@@ -302,9 +303,9 @@ class WebView:
                         client.put(b": keep-alive\n\n")
                 if request.transport is None or request.transport.is_closing():
                     break
-                await write_within(request, resp, client.take(), self.gw.settings.write_timeout_s)
+                await write_within(request, resp, client.take(), self.gw.http_limits.write_timeout_s)
             if resp.prepared:
-                await write_within(request, resp, None, self.gw.settings.write_timeout_s)
+                await write_within(request, resp, None, self.gw.http_limits.write_timeout_s)
         except (ClientGone, ConnectionError):
             pass
         finally:
@@ -314,15 +315,14 @@ class WebView:
     # -- the loops (gateway tasks) -----------------------------------------------------
     async def residency_loop(self) -> None:
         loop = asyncio.get_running_loop()
-        s = self.gw.settings
-        kv_type = str(s.config.get("compute", {}).get("kv_type", "f16"))
+        run, c = self.gw.facts, self.gw.config.compute
         try:
-            self.facts = await loop.run_in_executor(None, ModelFacts.read, s.model_path, s.ctx_size, kv_type)
+            self.facts = await loop.run_in_executor(None, ModelFacts.read, run.model_path, c.ctx_size, c.kv_type)
             self.limits = await loop.run_in_executor(None, memory_limits)
         except (OSError, UserError) as exc:
             log.warning("web view: cannot read the model's shape (%s); no heatmap", exc)
             return
-        self.residency = Residency(s.runtime_dir, self.facts)
+        self.residency = Residency(run.runtime_dir, self.facts)
         last: dict[str, Any] | None = None
         while True:
             await asyncio.sleep(RESIDENCY_S)
@@ -341,7 +341,7 @@ class WebView:
 
     async def status(self) -> dict[str, Any]:
         """The supervisor's `status` (processes, budget; None without one), the gateway's own view, memory."""
-        sup = await supervisor_status(self.gw.settings.runtime_dir)
+        sup = await supervisor_status(self.gw.facts.runtime_dir)
         link, facts = self.gw.link, self.facts
         return {
             "supervisor": sup,

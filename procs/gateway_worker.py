@@ -18,12 +18,11 @@ import psutil
 import zmq
 import zmq.asyncio
 
-from moe_pipe.shared.serve.http_guard import RETRY_AFTER_S
-from moe_pipe.shared.serve.metrics import Metrics
-from moe_pipe.shared.serve.openai_api import FINISH_REASONS, ApiError
-from moe_pipe.shared.wire import ipc
-from moe_pipe.shared.wire import messages as m
-
+from ..shared.serve.http_guard import RETRY_AFTER_S
+from ..shared.serve.metrics import Metrics
+from ..shared.serve.openai_api import FINISH_REASONS, ApiError
+from ..shared.wire import ipc
+from ..shared.wire import messages as m
 from .compute_client import ComputeClient, failure_text
 
 log = logging.getLogger("moe_pipe.gateway")

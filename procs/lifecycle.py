@@ -1,4 +1,6 @@
-"""What every child process does first, and how the parent watches children."""
+"""What every child process does first, and how processes watch each other:
+the parent its children (exit codes, last error lines), a child its peers
+(`pid_alive`, `FrontEndWatch`)."""
 
 from __future__ import annotations
 
@@ -7,9 +9,14 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
-from moe_pipe.shared.errors import UserError
+import zmq
+
+from ..shared.config import Config
+from ..shared.errors import UserError
+from .run_facts import RunFacts
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
@@ -62,19 +69,19 @@ def error_file(runtime_dir: str | os.PathLike, role: str) -> Path:
     return Path(runtime_dir) / f"{role}.last-error"
 
 
-def run_child(role: str, runtime_dir: str, main, cfg) -> None:
-    """A supervised child's entry: run `main(cfg)`; an exception's last line
+def run_child(role: str, main: Callable[[Config, RunFacts], None], config: Config, facts: RunFacts) -> None:
+    """A supervised child's entry: run `main(config, facts)`; an exception's last line
     is kept for the supervisor's status and logged — a UserError (a port in
     use, a missing model file: already one line that says what to do) as that
     line alone, anything else (a bug) with its traceback."""
     try:
-        main(cfg)
+        main(config, facts)
     except BaseException as exc:
         if isinstance(exc, SystemExit) and not exc.code:
             raise
         line = f"{type(exc).__name__}: {exc}".splitlines()[0][:500] if str(exc) else type(exc).__name__
         try:
-            error_file(runtime_dir, role).write_text(line + "\n")
+            error_file(facts.runtime_dir, role).write_text(line + "\n")
         except OSError:
             pass
         log = logging.getLogger(f"moe_pipe.{role}")
@@ -94,3 +101,55 @@ def describe_exit(exitcode: int | None) -> str:
         except ValueError:
             return f"was killed by signal {-exitcode}"
     return f"exited with code {exitcode}"
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie does not): how a child watches a peer that kill -9 ends without a word."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie child of our parent still answers kill(0)
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+class FrontEndWatch:
+    """Notices the front end that binds the tokens link coming back after it
+    went away (a gateway killed and restarted alone). The new one never saw
+    this process's Hello and, without one, takes the model for still loading
+    and holds every request; so compute says Hello again (when idle: the
+    request it was serving belonged to the dead one). Found by bench/soak.py:
+    before this, one gateway kill left the service answering nothing until
+    compute itself restarted. Only a connect after a disconnect counts: the
+    first connect is answered by the first Hello, already queued."""
+
+    def __init__(self, sock: zmq.Socket):
+        self.sock = sock
+        self.monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        self.lost = False
+
+    def came_back(self) -> bool:
+        from zmq.utils.monitor import recv_monitor_message
+
+        back = False
+        while True:
+            try:
+                event = recv_monitor_message(self.monitor, zmq.NOBLOCK)["event"]
+            except zmq.Again:
+                return back
+            if event == zmq.EVENT_DISCONNECTED:
+                self.lost = True
+            elif event == zmq.EVENT_CONNECTED and self.lost:
+                self.lost, back = False, True
+
+    def close(self) -> None:
+        try:
+            self.sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        self.monitor.close(linger=0)

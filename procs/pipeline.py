@@ -25,14 +25,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import zmq
 
-from moe_pipe.shared.errors import PipelineError, UserError
-from moe_pipe.shared.wire import ipc
-from moe_pipe.shared.wire import messages as m
-
+from ..shared.config import Config
+from ..shared.errors import PipelineError, UserError
+from ..shared.wire import ipc
+from ..shared.wire import messages as m
 from .children import RUN_ORDER, ChildProcess, Launch, ProcessStarter, SpawnStarter, stop_child
 from .compute_client import ComputeClient, failure_text
 from .lifecycle import describe_exit, error_file
@@ -48,7 +47,7 @@ LINKS = ("requests", "fetch", "telemetry_in")
 
 
 def start_pipeline(
-    cfg: Any,
+    cfg: Config,
     model_path: str | os.PathLike,
     starter: Callable[[Launch], ProcessStarter] = SpawnStarter,
     on_progress: Callable[[m.Progress], None] | None = None,
@@ -92,7 +91,7 @@ class Pipeline:
     """A run's parent side, built whole by `start_pipeline`; a context manager
     that closes it."""
 
-    def __init__(self, cfg: Any, model_path: Path, res: Resources, ctx: zmq.Context, tokens: zmq.Socket, links: dict[str, zmq.Socket]):
+    def __init__(self, cfg: Config, model_path: Path, res: Resources, ctx: zmq.Context, tokens: zmq.Socket, links: dict[str, zmq.Socket]):
         self.cfg, self.model_path = cfg, model_path
         self.res = res
         self.resolved: Resolved = res.resolved

@@ -51,42 +51,25 @@ from typing import cast
 
 import zmq
 
-from moe_pipe.shared.errors import UserError
-from moe_pipe.shared.experts.cache import CacheFull, SlotTable
-from moe_pipe.shared.experts.directio import ExpertFiles, describe_os_error
-from moe_pipe.shared.experts.policies import DEFAULT_POLICY
-from moe_pipe.shared.experts.populate import Populator
-from moe_pipe.shared.experts.readlanes import Priority, ReadLanes
-from moe_pipe.shared.experts.residency import ResidencyIndex
-from moe_pipe.shared.experts.shm import SlabArena
-from moe_pipe.shared.gguf.model_file import open_model
-from moe_pipe.shared.wire import ipc
-from moe_pipe.shared.wire import messages as m
-
+from ..shared.config import Config
+from ..shared.errors import UserError
+from ..shared.experts.cache import CacheFull, SlotTable
+from ..shared.experts.directio import ExpertFiles, describe_os_error
+from ..shared.experts.populate import Populator
+from ..shared.experts.readlanes import Priority, ReadLanes
+from ..shared.experts.residency import ResidencyIndex
+from ..shared.experts.shm import SlabArena
+from ..shared.gguf.model_file import open_model
+from ..shared.wire import ipc
+from ..shared.wire import messages as m
 from .lifecycle import child_setup
+from .run_facts import RunFacts
 
 ExpertKey = tuple[int, int]  # (layer, expert)
 
 log = logging.getLogger("moe_pipe.reader")
 FAULT_CHECK_S = 1.0  # while a read fault lasts: how often to look for the file's return
 IO_STATUS_FILE = "reader.io.json"
-
-
-@dataclass(frozen=True)
-class ReaderConfig:
-    model_path: str
-    runtime_dir: str
-    slab_arena: str
-    slab_bytes: int
-    n_slots: int
-    io_threads: int
-    policy: str = DEFAULT_POLICY
-    direct: bool = True
-    index_arena: str = ""  # the residency index compute reads (see shared.residency)
-    warm_from: str = ""  # a route trace: start by reading its most used experts (a cold cache only)
-    model_identity: tuple[str, ...] = ()  # directio.model_identity at start-up: refuse any other file
-    populate: bool = True  # map the slabs ahead of the fill (shared/experts/populate.py)
-    io_align: int = 0  # the parent's Layout.align (shared/gguf/alignment.py); 0 = resolve here
 
 
 @dataclass
@@ -96,23 +79,29 @@ class _Waiter:
 
 
 class Reader:
-    def __init__(self, cfg: ReaderConfig, ctx: zmq.Context):
-        self.cfg = cfg
-        self.mf = open_model(cfg.model_path, cfg.io_align or None)
+    """The loop's state: the slot table over the slab arena, the read lanes,
+    who waits for which read and which fetch pinned what. Settings come from
+    `config` (cache.policy, cache.warm_from, io.io_threads, io.populate), the
+    arenas and the model's identity from `facts`."""
+
+    def __init__(self, config: Config, facts: RunFacts, ctx: zmq.Context):
+        self.runtime_dir, self.n_slots = facts.runtime_dir, facts.n_slots
+        self.warm_from = str(config.cache.warm_from or "")
+        self.mf = open_model(facts.model_path, facts.io_align or None)
         self.layout = self.mf.layout
-        self.arena = SlabArena.attach(cfg.slab_arena, cfg.slab_bytes, readonly=False)
+        self.arena = SlabArena.attach(facts.slab_arena, facts.slab_bytes, readonly=False)
         # Slots are handed out 0, 1, 2, ...: populating front to back stays ahead of the fill.
-        self.populator = Populator(self.arena.arena, what="slab cache").start() if cfg.populate else None
-        self.files = ExpertFiles(self.mf.gguf.paths, direct=cfg.direct, identity=cfg.model_identity or None, align=self.layout.align)
-        self.io = IoStatus.load(cfg.runtime_dir)  # a restarted reader carries the count on
+        self.populator = Populator(self.arena.arena, what="slab cache").start() if config.io.populate else None
+        self.files = ExpertFiles(self.mf.gguf.paths, identity=facts.model_identity or None, align=self.layout.align)
+        self.io = IoStatus.load(facts.runtime_dir)  # a restarted reader carries the count on
         self.next_check = 0.0
-        self.table = SlotTable(cfg.n_slots, cfg.policy)
-        self.index = ResidencyIndex.attach(cfg.index_arena, self.layout.spec, writable=True)
+        self.table = SlotTable(facts.n_slots, config.cache.policy)
+        self.index = ResidencyIndex.attach(facts.index_arena, self.layout.spec, writable=True)
         self.index.clear_states()  # the pins and reads of a reader before us died with it
         self.table.on_pinned = self.index.mark_pinned  # the web page's heatmap shows pins (docs/web.md)
         self.restored = self.restore_from_index()
-        self.warm_keys = hottest_experts(cfg.warm_from, self.layout.spec, cfg.n_slots) if cfg.warm_from and not self.restored else []
-        ep = ipc.Endpoints(Path(cfg.runtime_dir))
+        self.warm_keys = hottest_experts(self.warm_from, self.layout.spec, facts.n_slots) if self.warm_from and not self.restored else []
+        ep = ipc.Endpoints(Path(facts.runtime_dir))
         self.fetch_in = ipc.bind(ctx, ep, "fetch")
         self.ready_out = ipc.connect(ctx, ep, "ready")
         self.done_addr = f"inproc://reader-done-{os.getpid()}"
@@ -121,7 +110,7 @@ class Reader:
         self.done_in.bind(self.done_addr)
         self.ctx = ctx
         self._lane_sockets = threading.local()
-        self.lanes = ReadLanes(cfg.io_threads, self._read_lane)
+        self.lanes = ReadLanes(config.io.io_threads, self._read_lane)
         self.inflight: dict[tuple[int, int], list[_Waiter]] = {}  # key -> who waits for its bytes
         self.pinned: dict[int, list[tuple[int, int]]] = defaultdict(list)  # req_id -> keys it pinned
         self.guesses_read = self.guesses_withdrawn = 0
@@ -132,7 +121,7 @@ class Reader:
         take it over, so the cache survives (its eviction order does not)."""
         n = 0
         for key, slot in self.index.entries():
-            if 0 <= slot < self.cfg.n_slots and self.table.key_of(slot) is None:
+            if 0 <= slot < self.n_slots and self.table.key_of(slot) is None:
                 self.table.restore(key, slot)
                 n += 1
             else:  # an entry that cannot be ours (a smaller arena): never serve it
@@ -226,7 +215,7 @@ class Reader:
 
     def fill_free(self, key) -> None:
         """Read `key` into a free slab, if there is one (warm start): never evicts."""
-        if key in self.table or key in self.inflight or len(self.table) >= self.cfg.n_slots:
+        if key in self.table or key in self.inflight or len(self.table) >= self.n_slots:
             return
         self.start_read(key, None, Priority.BACKGROUND)
 
@@ -268,7 +257,7 @@ class Reader:
         self.index.mark_inflight(key, False)
         if error is not None:
             self.forget(key)
-            self.io.failed(self.cfg.runtime_dir, error)
+            self.io.failed(self.runtime_dir, error)
             self.next_check = time.monotonic() + FAULT_CHECK_S
             log.info("read of expert %s failed: %s", key, error)
             for w in waiters:
@@ -300,9 +289,9 @@ class Reader:
         problem = self.files.recover()
         if problem is None:
             log.warning("the model file is readable again; the read fault is over")
-            self.io.cleared(self.cfg.runtime_dir)
+            self.io.cleared(self.runtime_dir)
         elif problem != self.io.fault:
-            self.io.failed(self.cfg.runtime_dir, problem, count=False)
+            self.io.failed(self.runtime_dir, problem, count=False)
 
     # -- 3. release ---------------------------------------------------------------
     def on_release(self, msg: m.Release) -> None:
@@ -323,7 +312,7 @@ class Reader:
 
     # -- sending --------------------------------------------------------------------
     def send_ready(self, req_id: int, key, slot: int, hit: bool, io_ns: int) -> None:
-        from moe_pipe.shared.experts.placement import placement_for
+        from ..shared.experts.placement import placement_for
 
         regions = placement_for(self.layout.expert_extents(*key), self.layout.align).regions
         self.send(m.Ready(req_id, key[0], key[1], slot, regions, hit, io_ns, *self.take_guess_io()))
@@ -339,7 +328,7 @@ class Reader:
         for key in self.warm_keys:
             self.fill_free(key)
         if self.warm_keys:
-            log.info("warm start: reading %d experts from %s", len(self.warm_keys), self.cfg.warm_from)
+            log.info("warm start: reading %d experts from %s", len(self.warm_keys), self.warm_from)
 
     def run(self) -> None:
         self.warm_start()
@@ -434,7 +423,7 @@ def hottest_experts(trace_path: str, spec, n: int) -> list[tuple[int, int]]:
     trace must be of this model's shape."""
     import numpy as np
 
-    from moe_pipe.shared.model.trace import read_trace
+    from ..shared.model.trace import read_trace
 
     trace = read_trace(trace_path)
     h = trace.header
@@ -451,10 +440,10 @@ def hottest_experts(trace_path: str, spec, n: int) -> list[tuple[int, int]]:
     return [(int(k) // spec.n_expert, int(k) % spec.n_expert) for k in order if decode[k] + prompt[k] > 0]
 
 
-def main(cfg: ReaderConfig) -> None:
+def main(config: Config, facts: RunFacts) -> None:
     child_setup("reader")
     with ipc.context() as ctx:
-        reader = Reader(cfg, ctx)
+        reader = Reader(config, facts, ctx)
         try:
             reader.run()
         finally:

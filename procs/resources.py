@@ -16,21 +16,21 @@ from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
-from moe_pipe.shared.errors import PipelineError, UserError
-from moe_pipe.shared.experts import shm
-from moe_pipe.shared.experts.budget import RUN_ROLES, CacheFloor, engine_bytes, resolve_budget, slots_for_budget
-from moe_pipe.shared.experts.dense import arena_bytes
-from moe_pipe.shared.experts.directio import ExpertFiles, describe_os_error, model_identity
-from moe_pipe.shared.experts.populate import Populator
-from moe_pipe.shared.experts.residency import ResidencyIndex
-from moe_pipe.shared.gguf.model_file import open_model
-from moe_pipe.shared.gguf.spec import kv_cache_bytes
-from moe_pipe.shared.model.trace import read_trace
-from moe_pipe.shared.wire import ipc
-from moe_pipe.shared.wire import messages as m
-
+from ..shared.config import Config
+from ..shared.errors import PipelineError, UserError
+from ..shared.experts import shm
+from ..shared.experts.budget import RUN_ROLES, CacheFloor, engine_bytes, resolve_budget, slots_for_budget
+from ..shared.experts.dense import arena_bytes
+from ..shared.experts.directio import ExpertFiles, describe_os_error, model_identity
+from ..shared.experts.populate import Populator
+from ..shared.experts.residency import ResidencyIndex
+from ..shared.gguf.model_file import open_model
+from ..shared.gguf.spec import kv_cache_bytes
+from ..shared.model.trace import read_trace
+from ..shared.wire import ipc
+from ..shared.wire import messages as m
 from .reader import hottest_experts
 
 T = TypeVar("T")
@@ -67,7 +67,7 @@ class Resources:
 
     @classmethod
     def create(
-        cls, cfg: Any, model_path: str | os.PathLike, progress: Callable[[str], None] | None = None, roles: tuple[str, ...] = RUN_ROLES
+        cls, cfg: Config, model_path: str | os.PathLike, progress: Callable[[str], None] | None = None, roles: tuple[str, ...] = RUN_ROLES
     ) -> Resources:
         """Check the settings against the model, resolve the budget, allocate.
         `roles`: the children that will run beside the arenas (their memory is
@@ -85,7 +85,7 @@ class Resources:
             if cfg.cache.warm_from:  # a bad trace is the user's error, before anything starts
                 hottest_experts(str(cfg.cache.warm_from), spec, 1)
             if cfg.compute.route_replay:
-                from moe_pipe.shared.model.routes import RouteReplay  # model code: only when a trace drives the run
+                from ..shared.model.routes import RouteReplay  # model code: only when a trace drives the run
 
                 RouteReplay(read_trace(str(cfg.compute.route_replay)), spec)
             # Refused here, with the numbers, rather than OOM-killed once the arenas and children exist:
@@ -166,7 +166,7 @@ def _read_or_fail(read: Callable[[], T], what: str) -> T:
         raise PipelineError(f"{what} failed: {describe_os_error(exc)}") from exc
 
 
-def run_info(cfg: Any, res: Resources, model_path: str | os.PathLike, load_seconds: float) -> m.RunInfo:
+def run_info(cfg: Config, res: Resources, model_path: str | os.PathLike, load_seconds: float) -> m.RunInfo:
     """The run's header for telemetry (the CSV preamble, the JSONL's first line)."""
     r = res.resolved
     flat: dict[str, str | int | float | bool | None] = {

@@ -50,11 +50,11 @@ from typing import Any
 import psutil
 import zmq
 
-from moe_pipe.shared.errors import PipelineError
-from moe_pipe.shared.serve import service
-from moe_pipe.shared.wire import ipc
-from moe_pipe.shared.wire import messages as m
-
+from ..shared.config import Config, SupervisorConfig
+from ..shared.errors import PipelineError
+from ..shared.serve import service
+from ..shared.wire import ipc
+from ..shared.wire import messages as m
 from . import reader
 from .children import CHILDREN, SERVICE_ORDER, ChildProcess, Launch, ProcessStarter, SpawnStarter, stop_child
 from .lifecycle import LOG_FILE_ENV, configure_logging, describe_exit, error_file
@@ -142,6 +142,16 @@ def backoff_delay(retries: int, base_s: float, cap_s: float) -> float:
     return min(base_s * 2 ** max(retries - 1, 0), cap_s)
 
 
+def restart_policies(sup: SupervisorConfig) -> dict[str, str]:
+    """Each child's restart policy (always, on-failure, never), from [supervisor]."""
+    return {
+        "reader": sup.reader_restart,
+        "compute": sup.compute_restart,
+        "telemetry": sup.telemetry_restart,
+        "gateway": sup.gateway_restart,
+    }
+
+
 class Restarter:
     """The children's lives: started through a ProcessStarter (procs/children.py),
     watched at every `tick(now)`, restarted or left FATAL by their policy. No
@@ -150,7 +160,7 @@ class Restarter:
 
     def __init__(
         self,
-        cfg: Any,
+        cfg: Config,
         model_path: Path,
         runtime_dir: Path,
         starter: ProcessStarter,
@@ -160,8 +170,8 @@ class Restarter:
         self.cfg, self.model_path, self.runtime_dir = cfg, Path(model_path), Path(runtime_dir)
         self.starter, self.order = starter, order
         self.on_started = on_started or (lambda name: None)
-        sup = cfg.supervisor
-        self.children = {name: Child(name, getattr(sup, f"{name}_restart"), needs=CHILDREN[name].needs) for name in order}
+        policy = restart_policies(cfg.supervisor)
+        self.children = {name: Child(name, policy[name], needs=CHILDREN[name].needs) for name in order}
         self._model_seen: tuple[tuple | None, float] = (None, 0.0)  # signature, since when (monotonic)
         self._next_model_check = 0.0
 
@@ -308,7 +318,7 @@ class Supervisor:
 
     def __init__(
         self,
-        cfg: Any,
+        cfg: Config,
         model_path: Path,
         res: Resources,
         ctx: zmq.Context,
@@ -334,7 +344,7 @@ class Supervisor:
     @classmethod
     def start(
         cls,
-        cfg: Any,
+        cfg: Config,
         model_path: str | os.PathLike,
         *,
         config_source: str = "",
@@ -522,7 +532,7 @@ class Supervisor:
             os.environ.pop(LOG_FILE_ENV, None)
 
 
-def preflight(cfg: Any, name: str) -> list:
+def preflight(cfg: Config, name: str) -> list:
     """What `up` checks before anything starts: the name is free and the HTTP
     port can be had. Returns the sockets that hold the port (close them to
     let it go); a refusal is a one-line UserError (exit 2)."""

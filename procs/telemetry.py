@@ -8,27 +8,24 @@ process falls behind (the drop count is in compute's own accounting).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
-from moe_pipe.shared.telemetry import CsvWriter, JsonlWriter, Tally, format_summary
-from moe_pipe.shared.wire import ipc
-from moe_pipe.shared.wire import messages as m
-
+from ..shared.config import Config, TelemetryConfig
+from ..shared.telemetry import CsvWriter, JsonlWriter, Tally, format_summary
+from ..shared.wire import ipc
+from ..shared.wire import messages as m
 from .lifecycle import child_setup
+from .run_facts import RunFacts
 
 log = logging.getLogger("moe_pipe.telemetry")
 
 
-@dataclass(frozen=True)
-class TelemetryConfig:
-    runtime_dir: str
-    csv_path: str = ""  # "" = no files; records are still republished
+class RecordWriter:
+    """Per-token records into the run's CSV and JSONL (telemetry.csv; none when
+    unset) and a tally for the run summary."""
 
-
-class Recorder:
-    def __init__(self, cfg: TelemetryConfig):
-        self.cfg = cfg
+    def __init__(self, table: TelemetryConfig):
+        self.csv_path = table.csv or ""  # "" = no files; records are still republished
         self.csv: CsvWriter | None = None
         self.jsonl: JsonlWriter | None = None
         self.info: m.RunInfo | None = None
@@ -37,8 +34,8 @@ class Recorder:
     def on_run_info(self, info: m.RunInfo) -> None:
         self.close()
         self.info, self.tally = info, Tally()
-        if self.cfg.csv_path:
-            path = Path(self.cfg.csv_path)
+        if self.csv_path:
+            path = Path(self.csv_path)
             self.csv = CsvWriter(path, info)
             self.jsonl = JsonlWriter(path.with_suffix(".jsonl"))
             self.jsonl.write(info)
@@ -65,13 +62,13 @@ class Recorder:
         self.csv = self.jsonl = None
 
 
-def main(cfg: TelemetryConfig) -> None:
+def main(config: Config, facts: RunFacts) -> None:
     child_setup("telemetry")
     with ipc.context() as ctx:
-        ep = ipc.Endpoints(Path(cfg.runtime_dir))
+        ep = ipc.Endpoints(Path(facts.runtime_dir))
         inbox = ipc.bind(ctx, ep, "telemetry_in")
         pub = ipc.DroppingSender(ipc.bind(ctx, ep, "telemetry_pub"))
-        rec = Recorder(cfg)
+        rec = RecordWriter(config.telemetry)
         try:
             while True:
                 try:
@@ -95,4 +92,4 @@ def main(cfg: TelemetryConfig) -> None:
             rec.close()
 
 
-__all__ = ["main", "TelemetryConfig", "format_summary"]
+__all__ = ["main", "RecordWriter", "format_summary"]

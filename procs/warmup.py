@@ -30,11 +30,11 @@ from dataclasses import dataclass
 import numpy as np
 from numba.core import event as numba_event
 
-from moe_pipe.shared import quant
-from moe_pipe.shared.experts.placement import expert_view, placement_for
-from moe_pipe.shared.gguf.model_file import ModelFile
-from moe_pipe.shared.model.load import ModelOptions, load_model
-from moe_pipe.shared.model.weights import Expert
+from ..shared import quant
+from ..shared.experts.placement import expert_view, placement_for
+from ..shared.gguf.model_file import ModelFile
+from ..shared.model.load import ModelOptions, load_model
+from ..shared.model.weights import Expert
 
 STAGE = "kernels"
 # (step, total, item) as each step starts

@@ -6,10 +6,14 @@ everything else — validation, the argparse flags, the docs table in
 docs/configuration.md, the error messages — is derived from those fields.
 
     load_config(path, overrides)  -> Config          file + overrides, validated
-    add_override_arguments(parser)                    the override flags
-    overrides_from_args(args)     -> {dotted: value}  what the user typed
     apply_overrides(cfg, mapping) -> Config          a new frozen Config
+    check_chat_template(cfg)                          the template file is there (start-up)
     SCHEMA                                            every key, in table order
+
+Its flags and docs tables are shared/config_flags.py; which model file a
+config names (the catalog's pulled file, the embedded tiny model) is
+shared/hub/resolve.py. This module imports nothing of the project but its
+errors, so every layer may read the typed config.
 
 Config is never edited after start-up (docs/configuration.md § Rules): runtime facts (the
 resolved budget, the model's own top_k) travel back in messages and records.
@@ -29,12 +33,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from moe_pipe.shared.errors import ConfigError
-from moe_pipe.shared.experts.policies import DEFAULT_POLICY, LIVE_POLICIES  # one place for the policy names and the default
+from .errors import ConfigError
 
 EMBEDDED_MODEL = "tiny"  # model.path value meaning the embedded tiny model (shared/makemodel/default_model.py)
 MAX_MB = float(1 << 24)  # 16 TiB in MiB: a sanity bound far above any device, so typos like 4e9 are caught
 RESTART_POLICIES = ("always", "on-failure", "never")
+# cache.policy values: the live eviction policies, each a factory in shared/experts/policies.py POLICIES
+# (which adds the simulator-only ones). Measured (docs/cache-policies.md): on both phone traces at
+# 2000-4000 MiB, in slots and in bytes, nextmix beats nextuse by 0.04-0.9
+# points of decode hit rate and lru by 1.9-7.8, and every other live policy.
+LIVE_POLICIES = ("lru", "lfu", "arc", "s3fifo", "nextuse", "nextmix")
+DEFAULT_POLICY = "nextmix"
 KV_TYPES = ("f16", "f32", "q8_0")  # compute.kv_type: the keys of shared/gguf/spec.py KV_TYPE_BYTES (kept light: no gguf import here)
 CHAT_TEMPLATE_WORDS = ("model", "plain")  # generate.chat_template values that are not paths (shared/text/chat.py)
 MAX_TEXT = 4096  # longest string value (PATH_MAX on Linux); longer is a paste gone wrong
@@ -352,15 +361,6 @@ class Config:
         and shown to users, so a secret key that is set reads as REDACTED."""
         return {t: {k: redact(KEYS[f"{t}.{k}"], v) for k, v in dataclasses.asdict(getattr(self, t)).items()} for t in TABLES}
 
-    def model_file(self) -> Path:
-        """The model's path, making the embedded tiny model first if it is asked for and absent."""
-        check_model(self)
-        if self.model.path == EMBEDDED_MODEL:
-            from moe_pipe.shared.makemodel.default_model import default_model_path
-
-            return default_model_path()
-        return Path(self.model.path)
-
 
 TABLES: dict[str, type] = {
     f.name: f.type if isinstance(f.type, type) else globals()[f.type] for f in dataclasses.fields(Config) if f.name != "source"
@@ -596,36 +596,6 @@ def _cross_check(cfg: Config, where: str) -> None:
         )
 
 
-def check_model(cfg: Config) -> None:
-    """Raise a ConfigError that says how to get a model when model.path names none."""
-    where = cfg.source or "command line"  # with no file, a model path can only have come from the command line
-    path = cfg.model.path
-    if path == EMBEDDED_MODEL:
-        return
-    what = f"a {cfg.model.name} GGUF" if cfg.model.name else "a GGUF model"
-    how = (
-        f"download {what} and set path under [model] or pass --set model.path=FILE; or make a test model with "
-        "`moe-pipe make-model --arch qwen3moe --preset tiny -o model.gguf`, convert a checkpoint with "
-        '`moe-pipe convert HF_DIR -o model.gguf`, or use path = "tiny" (the embedded tiny model)'
-    )
-    if not path and cfg.model.catalog:
-        from moe_pipe.shared.hub import catalog
-
-        entry = catalog.get(cfg.model.catalog)
-        raise ConfigError(
-            f"{where}: model.path is not set and {entry.name} ({entry.model}) has not been pulled: run `{entry.pull_command}`; or {how}"
-        )
-    if not path:
-        raise ConfigError(f"{where}: model.path is not set: {how}")
-    p = Path(path)
-    if p.is_dir():
-        raise ConfigError(
-            f"{where}: model.path = {toml_repr(path)} is a folder; point it at the .gguf file (the first shard of a split set)"
-        )
-    if not p.exists():
-        raise ConfigError(f"{where}: model.path = {toml_repr(path)}: no such file; {how}")
-
-
 # ---------------------------------------------------------------- loading
 
 
@@ -649,10 +619,11 @@ def parse_toml(path: Path) -> tuple[dict[str, Any], str]:
         raise ConfigError(f"{path}: invalid TOML: {msg}") from None
 
 
-def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | None = None, *, check_model_path: bool = True) -> Config:
+def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | None = None) -> Config:
     """The config in `path` (None: every default) with `overrides` ({"cache.cache_mb": 0.5, ...}) applied.
 
-    With check_model_path, a model.path that names no file is an error here, before anything starts.
+    Parsed and validated only: which model file it names, and whether the files
+    a run reads are there, are the caller's to check (shared/hub/resolve.py).
     """
     if path is None:
         cfg = Config()
@@ -662,34 +633,10 @@ def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | N
         cfg = _build(_validate_tables(doc, str(p), text), Config(), p.resolve().parent, str(p))
     if overrides:
         cfg = apply_overrides(cfg, overrides)
-    cfg = _with_pulled_model(cfg)
-    if check_model_path:
-        check_model(cfg)
-        _check_chat_template(cfg)
     return cfg
 
 
-def _with_pulled_model(cfg: Config) -> Config:
-    """model.catalog names a catalog entry (checked here); with model.path unset, its pulled file stands in."""
-    if not cfg.model.catalog:
-        return cfg
-    from moe_pipe.shared.hub import catalog, store
-
-    entry = catalog.find(cfg.model.catalog)
-    if entry is None:
-        raise ConfigError(
-            f"{cfg.source or 'command line'}: model.catalog = {toml_repr(cfg.model.catalog)} is not in the catalog; "
-            f"allowed: {', '.join(catalog.BY_NAME)}"
-        )
-    if cfg.model.path:
-        return cfg
-    pulled = store.find_pulled(entry.repo, entry.quant)
-    if pulled is None:
-        return cfg  # check_model says how to pull it
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=str(pulled.path)))
-
-
-def _check_chat_template(cfg: Config) -> None:
+def check_chat_template(cfg: Config) -> None:
     """A chat template file that is not there fails at start-up, not at the first chat request."""
     value = cfg.generate.chat_template
     p = Path(value)

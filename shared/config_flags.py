@@ -16,8 +16,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from moe_pipe.shared.config import SCHEMA, TABLES, Key, _check, _fail, _Invalid, _known, toml_repr
-from moe_pipe.shared.errors import ConfigError
+from .config import SCHEMA, TABLES, Key, _check, _fail, _Invalid, _known, toml_repr
+from .errors import ConfigError
 
 # ---------------------------------------------------------------- command line
 

@@ -28,7 +28,7 @@ from typing import IO, Any
 import orjson
 import psutil
 
-from moe_pipe.shared.wire.messages import RunInfo, RunSummary, TokenRecord, as_dict, field_names
+from .wire.messages import RunInfo, RunSummary, TokenRecord, as_dict, field_names
 
 # The fixed schema (docs/telemetry.md § Per-token CSV columns), in its order. Never reorder; add new columns as extras.
 CSV_COLUMNS = ("step", "wall_ms", "compute_ms", "io_ms", "read_bytes", "cache_hit_pct", "stall_ms", "mgmt_ms", "majflt", "cpu_ms")

@@ -1,6 +1,10 @@
 """What the test modules share: fixtures pytest hands to any test that names
-them (no module imports a fixture), and the `integration` marker for tests in
-modules that mix in-process tests with ones that start processes.
+them (no module imports a fixture).
+
+A test that starts a process (a subprocess, multiprocessing, the CLI, the
+service) is marked `integration` where it is written: `pytestmark` for a module
+whose every test does, `@pytest.mark.integration` on the test otherwise
+(`no_process_outside_integration` below fails a test that starts one unmarked).
 
 Tiers (pyproject.toml [tool.pytest.ini_options]):
     python -m pytest -q -m "not integration and not slow"   the unit tests: no process started
@@ -10,7 +14,9 @@ Tiers (pyproject.toml [tool.pytest.ini_options]):
 
 from __future__ import annotations
 
+import multiprocessing.process
 import shutil
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -21,38 +27,37 @@ import pytest
 # the tree then fails the tests that use it, not the collection of every file.
 DIRECTIO = "moe_pipe.shared.experts.directio"
 
-# Tests that start a process, in modules whose other tests run in this one.
-# A module whose every test starts one says so itself (`pytestmark`); these
-# modules' decorators are not ours to edit, so their tests are named here.
-# A name that no longer exists fails the collection: the list cannot go stale.
-INTEGRATION = {
-    "test_budget.py": {
-        "test_real_cgroup_v1_child_sees_its_limit",
-        "test_run_near_its_limit_fits_and_a_smaller_limit_is_refused_with_the_numbers",
-        "test_service_in_a_tight_cgroup_answers_and_each_child_is_within_its_estimate",
-    },
-    "test_generate.py": {
-        "test_run_json",
-        "test_run_chat_seeded_sampling_is_reproducible",
-        "test_run_text_streams_and_reports",
-        "test_run_bad_values_exit_2",
-    },
-    "test_quant.py": {"test_kernels_load_from_the_disk_cache_on_the_second_start"},
-}
+
+@pytest.fixture(autouse=True, scope="session")
+def llama_cpp_without_repacking():
+    """llama.cpp loads the tests' files as the benchmark's peer does (mmap, no weight
+    repacking: shared/analysis/peer_llama.py set_repack). llama-cpp-python 0.3.36
+    crashes in its AMX repacked buffers on quantized files where the CPU has AMX."""
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:  # the llama.cpp oracle tests skip
+        yield
+        return
+    from moe_pipe.shared.analysis.peer_llama import set_repack
+
+    set_repack(False)
+    yield
 
 
-@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
-def pytest_collection_modifyitems(config, items):
-    stale: set[str] = set()
-    for item in items:
-        names = INTEGRATION.get(item.path.name)
-        if names is None:
-            continue
-        stale |= {f"{item.path.name}::{name}" for name in names if not hasattr(item.module, name)}
-        if item.originalname in names:
-            item.add_marker(pytest.mark.integration)
-    if stale:
-        raise pytest.UsageError(f"tests/conftest.py INTEGRATION names tests that do not exist: {sorted(stale)}")
+@pytest.fixture(autouse=True)
+def no_process_outside_integration(request, monkeypatch):
+    """A test not marked `integration` that starts a process fails, so the unit
+    tier (-m "not integration and not slow") stays in-process and the marker
+    cannot go stale. Process-starting fixtures of a wider scope belong to
+    modules marked `integration` as a whole."""
+    if request.node.get_closest_marker("integration") is None:
+
+        def refuse(*args, **kwargs):
+            raise AssertionError(f"{request.node.nodeid} starts a process: mark it @pytest.mark.integration")
+
+        monkeypatch.setattr(subprocess.Popen, "_execute_child", refuse)
+        monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
+    yield
 
 
 @pytest.fixture(autouse=True)

@@ -34,8 +34,9 @@ SAMPLES = (
 
 
 def build(arch: str, out_dir: Path, seed: int = 0, **kw) -> Path:
-    """Write the tiny `arch` checkpoint into `out_dir` and return it."""
+    """Write the tiny checkpoint of `arch` (a family's name; gpt-oss also by its GGUF arch) into `out_dir` and return it."""
     builders = {"qwen3moe": build_qwen3moe, "gpt-oss": build_gpt_oss, "gemma4": build_gemma4, "qwen35moe": build_qwen35moe}
+    builders["gpt_oss"] = build_gpt_oss
     builders["glm4moe"] = build_glm4moe
     builders["lfm2moe"] = build_lfm2moe
     builders["deepseek2"] = build_deepseek2
@@ -590,6 +591,25 @@ def build_lfm2moe(out_dir: Path, seed: int = 0, **kw) -> Path:
     return _save(Lfm2MoeForCausalLM, Lfm2MoeConfig(**lfm2moe_config(_round_up(len(tok), 64), **kw)), tok, out_dir, seed)
 
 
+def fuse_lfm2moe_experts(hf_dir: Path) -> None:
+    """Rewrite a saved lfm2moe checkpoint's per-expert w1 (gate), w3 (up), w2 (down)
+    tensors as transformers 5's fused `gate_up_proj` (X, 2F, D), gate rows first, and
+    `down_proj` (X, D, F): the same weights in its in-memory layout."""
+    import json
+
+    from safetensors.numpy import load_file, save_file
+
+    path = hf_dir / "model.safetensors"
+    sd = load_file(path)
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    for i in range(cfg["num_dense_layers"], cfg["num_hidden_layers"]):
+        e = f"model.layers.{i}.feed_forward.experts."
+        per = [[sd.pop(f"{e}{x}.{w}.weight") for w in ("w1", "w3", "w2")] for x in range(cfg["num_experts"])]
+        sd[e + "gate_up_proj"] = np.stack([np.concatenate([g, u]) for g, u, _ in per])
+        sd[e + "down_proj"] = np.stack([d for _, _, d in per])
+    save_file(sd, str(path), metadata={"format": "pt"})
+
+
 # LFM2's tokenizer.json split: llama3's (1-3 digit groups), contractions spelled case-insensitively.
 _LFM2_HF_REGEX = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 # LFM2's first ids: <|pad|> 0, <|startoftext|> 1, <|endoftext|> 2, ..., <|im_start|> 6, <|im_end|> 7.
@@ -676,10 +696,10 @@ def _spm_tokenizer():
     score (shared/gguf/vocab.py spm_merges), "▁" prepended and for spaces, <s> added."""
     from tokenizers import Tokenizer, decoders, models, normalizers, processors
 
-    from moe_pipe.shared.gguf.vocab import SPACE, build_vocab, spm_merges
+    from moe_pipe.shared.gguf.vocab import SPACE, llama_vocab, spm_merges
     from moe_pipe.shared.makemodel.maker import chat_template
 
-    v = build_vocab("llama", 900, 600)
+    v = llama_vocab(900, 600)
     n = max(i for i, ty in enumerate(v.types) if ty != 5) + 1  # drop the unused tail
     tokens, types, scores = list(v.tokens[:n]), list(v.types[:n]), list(v.scores[:n])
     tok = Tokenizer(

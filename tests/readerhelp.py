@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import zmq
 
-from moe_pipe.procs.children import reader_args
+from moe_pipe.procs.children import Launch
 from moe_pipe.procs.reader import Reader
 from moe_pipe.procs.resources import Resources
 from moe_pipe.shared.config import load_config
@@ -34,7 +34,7 @@ class Harness:
         self.res = Resources.create(self.cfg, model)
         self.ctx = zmq.Context()
         self.ready = ipc.bind(self.ctx, self.res.rt.endpoints, "ready")
-        self.reader = Reader(reader_args(self.cfg, self.res, model), self.ctx)
+        self.reader = Reader(self.cfg, Launch(self.cfg, self.res, model, model.stem).facts({}), self.ctx)
         # Expected bytes come from the pristine original: a mapping of the copy would
         # SIGBUS once a test truncates it.
         self.mf = open_model(default_model_path())

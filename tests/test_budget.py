@@ -225,6 +225,7 @@ def _own_v1_memory_cgroup() -> Path | None:
     return root if root.is_dir() else None
 
 
+@pytest.mark.integration
 def test_real_cgroup_v1_child_sees_its_limit():
     parent = _own_v1_memory_cgroup()
     if parent is None or not (parent / "memory.limit_in_bytes").exists():
@@ -366,6 +367,7 @@ def _segments_of(pid: int) -> list[str]:
     return [p.name for p in Path("/dev/shm").glob(f"moe-pipe-{pid}-*")]
 
 
+@pytest.mark.integration
 def test_run_near_its_limit_fits_and_a_smaller_limit_is_refused_with_the_numbers(cgroup):
     from moe_pipe.shared.experts.budget import RUN_ROLES
 
@@ -394,6 +396,7 @@ def _private_mib(pid: int) -> float:
     raise AssertionError(f"no Anonymous line for pid {pid}")
 
 
+@pytest.mark.integration
 def test_service_in_a_tight_cgroup_answers_and_each_child_is_within_its_estimate(cgroup, tmp_path):
     """`up` in a cgroup its estimate barely fits: it answers, never reaches the
     limit, and no child holds more private memory than ROLE_PRIVATE_MIB allows
@@ -443,7 +446,7 @@ def test_the_auto_ceiling_follows_the_platform(monkeypatch):
     assert B.platform_ceil_mb(11_300 * 10**6, phone=True) == 3771
     assert B.platform_ceil_mb(11_300 * 10**6, phone=False) == B.NO_CEIL_MB
     mem = MemoryProbe(64 * GiB, ())
-    cfg = load_config(None, {"model.path": "tiny"}, check_model_path=False)
+    cfg = load_config(None, {"model.path": "tiny"})
     assert cfg.cache.cache_ceil_mb == "auto"
     import math
     from types import SimpleNamespace
@@ -457,5 +460,5 @@ def test_the_auto_ceiling_follows_the_platform(monkeypatch):
     monkeypatch.setattr(B, "on_phone", lambda: False)
     board = B.resolve_budget(cfg, dense_bytes=GiB, kv_bytes=0, memory=mem)
     assert not board.clamped and board.bytes == 64 * GiB - GiB - 512 * MiB
-    fixed = load_config(None, {"model.path": "tiny", "cache.cache_ceil_mb": 2000}, check_model_path=False)
+    fixed = load_config(None, {"model.path": "tiny", "cache.cache_ceil_mb": 2000})
     assert B.resolve_budget(fixed, dense_bytes=GiB, kv_bytes=0, memory=mem).bytes == 2000 * MiB

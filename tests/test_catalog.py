@@ -9,13 +9,14 @@ from moe_pipe.shared.config import load_config
 from moe_pipe.shared.errors import ConfigError
 from moe_pipe.shared.hub import catalog
 from moe_pipe.shared.hub.client import quant_of
+from moe_pipe.shared.hub.resolve import load_runnable, resolve_model
 
 
 @pytest.mark.parametrize("entry", catalog.CATALOG, ids=lambda e: e.name)
 def test_every_entry_has_a_recipe_that_parses(entry):
     recipe = entry.recipe_path()
     assert recipe.is_file(), f"{entry.name}: no recipe configs/{entry.recipe}"
-    cfg = load_config(recipe, check_model_path=False)
+    cfg = load_config(recipe)
     assert cfg.model.catalog in ("", entry.name), f"configs/{entry.recipe} names catalog entry {cfg.model.catalog!r}"
 
 
@@ -34,7 +35,7 @@ def test_names_are_unique():
 
 def test_recipes_that_name_an_entry_point_at_a_real_one():
     for recipe in sorted(catalog.CONFIGS_DIR.glob("*.toml")):
-        cfg = load_config(recipe, check_model_path=False)
+        cfg = load_config(recipe)
         if cfg.model.catalog:
             assert catalog.find(cfg.model.catalog) is not None, recipe
 
@@ -42,9 +43,9 @@ def test_recipes_that_name_an_entry_point_at_a_real_one():
 def test_an_unpulled_catalog_model_says_the_pull_command(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # nothing pulled here
     with pytest.raises(ConfigError, match=r"has not been pulled: run `moe-pipe pull unsloth/Qwen3-30B-A3B-GGUF:Q4_K_M`"):
-        load_config(catalog.CONFIGS_DIR / "qwen30b.toml")
+        load_runnable(catalog.CONFIGS_DIR / "qwen30b.toml")
 
 
 def test_an_unknown_catalog_name_lists_the_known_ones():
     with pytest.raises(ConfigError, match="is not in the catalog; allowed: qwen3-30b-a3b, gpt-oss-120b"):
-        load_config(None, {"model.catalog": "qwen-9000"}, check_model_path=False)
+        resolve_model(load_config(None, {"model.catalog": "qwen-9000"}))

@@ -16,6 +16,7 @@ from moe_pipe.shared import config as C
 from moe_pipe.shared import config_flags as F
 from moe_pipe.shared.config import KEYS, SCHEMA, TABLES, Config, load_config, toml_repr
 from moe_pipe.shared.errors import ConfigError
+from moe_pipe.shared.hub.resolve import load_runnable, model_file
 
 ROOT = Path(__file__).resolve().parent.parent
 PRESETS = sorted((ROOT / "configs").glob("*.toml"))
@@ -57,7 +58,7 @@ def out_of_range(key: C.Key) -> list[str]:
 def test_wrong_type_names_key_file_value_and_allowed(tmp_path, key):
     p = one_key(tmp_path, key, wrong_type(key))
     with pytest.raises(ConfigError) as exc:
-        load_config(p, check_model_path=False)
+        load_config(p)
     msg = str(exc.value)
     assert key.dotted in msg and str(p) in msg and "wrong type" in msg and "allowed:" in msg, msg
     assert f"{p}:3:" in msg, msg  # the line of the key
@@ -69,7 +70,7 @@ def test_out_of_range_names_key_file_value_and_allowed(tmp_path, key):
     for bad in out_of_range(key):
         p = one_key(tmp_path, key, bad)
         with pytest.raises(ConfigError) as exc:
-            load_config(p, check_model_path=False)
+            load_config(p)
         msg = str(exc.value)
         assert key.dotted in msg and str(p) in msg and "allowed:" in msg, msg
         assert "out of range" in msg or "not allowed" in msg, msg
@@ -82,7 +83,7 @@ def test_default_is_valid_and_round_trips(tmp_path, key):
     assert C._check(key, key.default) == key.default
     if key.default is not None:
         p = one_key(tmp_path, key, toml_repr(key.default))
-        cfg = load_config(p, check_model_path=False)
+        cfg = load_config(p)
         assert getattr(getattr(cfg, key.table), key.name) == key.default
 
 
@@ -131,7 +132,7 @@ def test_types_are_strict(tmp_path):
     for table, name, value, want in cases:
         p = write(tmp_path, f"[{table}]\n{name} = {value}\n")
         with pytest.raises(ConfigError, match=re.escape(want)):
-            load_config(p, check_model_path=False)
+            load_config(p)
 
 
 def test_fractional_cache_and_ints_for_floats(tmp_path):
@@ -157,7 +158,7 @@ def test_fractional_cache_and_ints_for_floats(tmp_path):
 def test_unknown_names_suggest(tmp_path, text, want):
     p = write(tmp_path, text)
     with pytest.raises(ConfigError) as exc:
-        load_config(p, check_model_path=False)
+        load_config(p)
     assert want in str(exc.value) and str(p) in str(exc.value)
 
 
@@ -191,12 +192,13 @@ def test_cross_check_backoff(tmp_path):
 
 def test_model_path_missing_says_how_to_get_one(tmp_path):
     p = write(tmp_path, '[model]\npath = "nope.gguf"\n')
+    assert load_config(p).model.path == str(tmp_path / "nope.gguf")  # parsed only: the file is the runner's to find
     with pytest.raises(ConfigError) as exc:
-        load_config(p)
+        load_runnable(p)
     msg = str(exc.value)
     assert str(tmp_path / "nope.gguf") in msg and "moe-pipe make-model" in msg and "moe-pipe convert" in msg
     with pytest.raises(ConfigError, match="is a folder"):
-        load_config(write(tmp_path, '[model]\npath = "."\n'))
+        load_runnable(write(tmp_path, '[model]\npath = "."\n'))
 
 
 def test_relative_model_path_is_read_from_the_config_folder(tmp_path, monkeypatch):
@@ -206,7 +208,7 @@ def test_relative_model_path_is_read_from_the_config_folder(tmp_path, monkeypatc
     monkeypatch.chdir("/")
     cfg = load_config(p)
     assert cfg.model.path == str(tmp_path / "m" / "x.gguf") and cfg.telemetry.csv == str(tmp_path / "m" / "out" / "run.csv")
-    assert cfg.model_file() == tmp_path / "m" / "x.gguf"
+    assert model_file(cfg) == tmp_path / "m" / "x.gguf"
     # a path typed on the command line is the shell's: relative to the current folder
     monkeypatch.chdir(tmp_path)
     cfg2 = load_config(p, {"telemetry.csv": "here.csv"})
@@ -220,7 +222,7 @@ def test_embedded_model_is_the_default():
 
 @pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.name)
 def test_every_preset_loads(preset):
-    cfg = load_config(preset, check_model_path=False)
+    cfg = load_config(preset)
     assert cfg.source == str(preset)
     if preset.name == "tiny.toml":
         assert load_config(preset).model.path == "tiny"
@@ -231,9 +233,9 @@ def test_every_preset_loads(preset):
     assert cfg.cache.cache_ceil_mb == "auto"  # the platform decides: docs/configuration.md
     assert cfg.generate.no_think == ("gptoss" in preset.name)
     with pytest.raises(ConfigError) as exc:
-        load_config(preset)
+        load_runnable(preset)
     assert "model.path is not set" in str(exc.value) and cfg.model.name in str(exc.value) and str(preset) in str(exc.value)
-    fixed = load_config(preset, {"model.path": "tiny"})
+    fixed = load_runnable(preset, {"model.path": "tiny"})
     assert fixed.model.path == "tiny"
 
 
@@ -295,7 +297,7 @@ def test_cli_overrides_apply_without_mutation(tmp_path):
         ]
     )
     ov = F.overrides_from_args(args)
-    base = load_config(ROOT / "configs" / "qwen30b.toml", check_model_path=False)
+    base = load_config(ROOT / "configs" / "qwen30b.toml")
     before = base.to_dict()
     cfg = C.apply_overrides(base, ov, base=tmp_path)
     assert base.to_dict() == before  # the original is untouched
@@ -535,12 +537,26 @@ def test_chat_template_words_and_files(tmp_path, monkeypatch):
     (tmp_path / "sub" / "mine.jinja").write_text("{{ messages }}")
     cfg = load_config(write(tmp_path / "sub", '[generate]\nchat_template = "mine.jinja"\n'))
     assert cfg.generate.chat_template == str(tmp_path / "sub" / "mine.jinja")
-    assert load_config(None, {"generate.chat_template": "./plain.jinja"}, check_model_path=False)  # not checked
+    assert load_config(None, {"generate.chat_template": "./plain.jinja"})  # parsed only: a run checks it (load_runnable)
     with pytest.raises(ConfigError) as exc:
-        load_config(write(tmp_path, '[generate]\nchat_template = "absent.jinja"\n'))
+        load_runnable(write(tmp_path, '[generate]\nchat_template = "absent.jinja"\n'))
     assert str(exc.value) == (
         f'{tmp_path / "c.toml"}: generate.chat_template = "{tmp_path / "absent.jinja"}": no such file; '
         'allowed: "model", "plain" or a file path'
     )
     with pytest.raises(ConfigError, match="chat_template = .*: is a folder"):
-        load_config(None, {"generate.chat_template": str(tmp_path)})
+        load_runnable(None, {"generate.chat_template": str(tmp_path)})
+
+
+# ---------------------------------------------------------------- its place in the stack
+
+
+def test_the_config_imports_only_the_errors():
+    """Every layer and process reads the typed Config, so the schema sits just
+    above the leaves: it parses and validates, and finds no model (shared/hub/resolve.py)."""
+    import ast
+
+    for module in ("config.py", "config_flags.py"):
+        tree = ast.parse((ROOT / "shared" / module).read_text())
+        project = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level}
+        assert project <= {"errors", "config"}, f"shared/{module} imports {sorted(project - {'errors', 'config'})}"

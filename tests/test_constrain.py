@@ -242,6 +242,7 @@ def test_openai_parse_helper_against_a_running_service():
         shutil.rmtree(base, ignore_errors=True)
 
 
+@pytest.mark.integration
 def test_llguidance_loads_only_where_a_grammar_is_used():
     code = (
         "import sys; import moe_pipe.procs.gateway, moe_pipe.procs.compute, moe_pipe.cli.main; "

@@ -1,7 +1,7 @@
 """convert: tiny random HF checkpoints -> GGUF, checked against the HF side.
 
 Expected tensors are rebuilt here from the safetensors with the mapping
-written out from docs/models.md § From Hugging Face names (not from shared/convert/arch.py), and every
+written out from docs/models.md § From Hugging Face names (not from the families' convert parts), and every
 GGUF tensor is read back with gguf-py and dequantized with gguf.quants.
 llama.cpp (oracle marker) must load the files, tokenize like the HF
 tokenizer and predict the same greedy next token as transformers.
@@ -19,8 +19,8 @@ from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader
 from gguf.quants import dequantize, quantize
 
-from moe_pipe.shared.convert.arch import Out
 from moe_pipe.shared.convert.converter import convert, tensor_qtype
+from moe_pipe.shared.convert.plan import Out
 from moe_pipe.shared.errors import UserError
 from moe_pipe.shared.gguf.model_file import open_model
 

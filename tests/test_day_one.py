@@ -76,6 +76,7 @@ def test_the_tiny_model_id_is_a_clean_id():
     assert name == "moe-pipe-tiny" and re.fullmatch(r"[A-Za-z0-9._-]+", name)
 
 
+@pytest.mark.integration
 def test_an_install_leaves_the_tree_clean():
     # `pip install .` writes moe_pipe.egg-info/ and build/ beside the sources: never
     # tracked, always ignored, so a user's `git status` stays clean after installing.

@@ -2,11 +2,13 @@
 up-projections, leading dense layers, shared experts, softmax (V2) or sigmoid
 + correction bias + grouped top-k (V3) routing.
 
-Oracles: transformers on tiny random models converted by `moe-pipe convert`
-(saved as deepseek_v3 and as deepseek_v2), llama.cpp on the same converted
-GGUFs and on made models (their logits, quant mix and tokenizer pre-splits).
-Then the latent cache and its budget, and the streaming pipeline (in tests/test_family_pipelines.py) against the
-resident reference (docs/models.md § deepseek2).
+Its checkpoints (saved as deepseek_v3 and as deepseek_v2) are held to
+transformers and llama.cpp with every family's checks in
+tests/test_families_oracle.py (its entry in tests/oracle.py). Here: llama.cpp
+on V2-Lite's form and on made files of both forms (their logits, quant mix and
+tokenizer pre-splits), the latent cache and its budget, what the converter
+refuses; the streaming pipeline is in tests/test_family_pipelines.py
+(docs/models.md § deepseek2).
 """
 
 from __future__ import annotations
@@ -20,150 +22,16 @@ from moe_pipe.shared.gguf.spec import kv_cache_bytes
 from moe_pipe.shared.makemodel.maker import make_model
 from moe_pipe.shared.model.load import load_model
 
-from . import hfmodels
+from . import hfmodels, oracle
+from . import oracle_checks as checks
 
-PROMPTS = [
-    list(range(3, 40, 3)),
-    [5, 17, 2, 99, 140, 7, 7, 7, 30],
-    [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31],
-]
-N_GREEDY = 32
-N_GREEDY_DEFAULT = 8  # the default tier's greedy check (one prompt); the 32-token one on all three is slow
-
-# name -> (hfmodels.build_deepseek2 keywords, the special cases it covers)
-CONFIGS = {
-    # V3: q_lora > 0, 1 leading dense layer, sigmoid + bias, 4 groups (best 2), a shared expert, scale 1.5
-    "v3": dict(v3=True),
-    # V2-Lite's form: q_lora 0 (plain attn_q), no dense layer, softmax greedy, no renormalization, 2 shared experts
-    "v2": dict(v3=False, n_shared_experts=2),
-    # V3 with 2 leading dense layers, no shared expert, no renormalization, no groups
-    "v3-dense2": dict(v3=True, first_k_dense_replace=2, n_shared_experts=0, norm_topk_prob=False, n_group=1, topk_group=1),
-    # YaRN as DeepSeek ships it (mscale = mscale_all_dim): the score's mscale² and the ramped frequencies
-    "v3-yarn": dict(
-        v3=True,
-        max_position_embeddings=256,
-        rope_parameters={
-            "rope_type": "yarn",
-            "rope_theta": 10000.0,
-            "factor": 4.0,
-            "original_max_position_embeddings": 64,
-            "mscale": 0.707,
-            "mscale_all_dim": 0.707,
-            "beta_fast": 32.0,
-            "beta_slow": 1.0,
-        },
-    ),
-}
-
-
-def ours_greedy(model, ids, n):
-    cache = model.new_cache(len(ids) + n + 1)
-    logits, out = model.prefill(ids, cache), []
-    for _ in range(n):
-        out.append(int(np.argmax(logits)))
-        logits = model.decode_one(out[-1], cache)
-    return out
-
-
-def _llama(path, n_ctx=128, **kw):
-    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python not installed (optional extra)")
-    return llama_cpp.Llama(str(path), n_ctx=n_ctx, n_threads=2, logits_all=True, verbose=False, type_k=0, type_v=0, flash_attn=False, **kw)
+PROMPTS = [list(p) for p in oracle.IDS]
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    """name -> (transformers model, f32 GGUF, convert(outtype)): each config built once per module."""
-    pytest.importorskip("torch", reason="oracle tests need torch (pip install '.[oracle]')")
-    pytest.importorskip("transformers", reason="oracle tests need transformers (pip install '.[oracle]')")
-    from moe_pipe.shared.convert.converter import convert
-
-    done: dict = {}
-
-    def get(name):
-        if name not in done:
-            root = tmp_path_factory.mktemp(f"ds2-{name}")
-            hf_dir = hfmodels.build("deepseek2", root / "hf", **CONFIGS[name])
-            ggufs = {"f32": convert(hf_dir, root / "m-f32.gguf", outtype="f32")}
-
-            def converted(t):
-                return ggufs.get(t) or ggufs.setdefault(t, convert(hf_dir, root / f"m-{t}.gguf", outtype=t))
-
-            done[name] = (hfmodels.load_model(hf_dir), ggufs["f32"], converted)
-        return done[name]
-
-    return get
-
-
-@pytest.fixture(scope="module", params=[pytest.param(c, marks=[] if c == "v3" else [pytest.mark.slow]) for c in CONFIGS])
-def pair(request, built):
-    return (request.param, *built(request.param))
-
-
-@pytest.mark.oracle
-def test_f32_logits_and_first_greedy_tokens_match_transformers(pair):
-    name, ref, f32, _ = pair
-    with open_model(f32) as mf:
-        model = load_model(mf)
-        for ids in PROMPTS:
-            want = hfmodels.hf_logits(ref, ids)
-            got = model.forward(ids, model.new_cache(64), all_logits=True)
-            rel = np.abs(got - want).max() / np.abs(want).max()
-            assert rel < 1e-4, f"{name}: logits differ by {rel:.2e} relative (prompt {ids[:5]}...)"
-        ids, n = PROMPTS[0], N_GREEDY_DEFAULT  # transformers' generate is the slow part: one prompt here
-        assert ours_greedy(model, ids, n) == hfmodels.hf_greedy(ref, ids, n), f"{name}: greedy tokens differ"
-
-
-@pytest.mark.oracle
-@pytest.mark.slow
-def test_f32_32_greedy_tokens_match_transformers(pair):
-    name, ref, f32, _ = pair
-    with open_model(f32) as mf:
-        model = load_model(mf)
-        for ids in PROMPTS:
-            assert ours_greedy(model, ids, N_GREEDY) == hfmodels.hf_greedy(ref, ids, N_GREEDY), f"{name}: greedy tokens differ"
-
-
-@pytest.mark.oracle
-@pytest.mark.slow
-def test_q8_0_stays_close_to_transformers(pair):
-    """The first families' q8_0 bounds (tests/test_hf_oracle.py): logits within 0.1
-    relative, and greedy output agreeing for its first 3 of 8 tokens on 2 of 3 prompts."""
-    name, ref, _, converted = pair
-    errs, prefixes = [], []
-    with open_model(converted("q8_0")) as mf:
-        model = load_model(mf)
-        for ids in PROMPTS:
-            want = hfmodels.hf_logits(ref, ids)[-1]
-            errs.append(float(np.abs(model.forward(ids, model.new_cache(64))[-1] - want).max() / np.abs(want).max()))
-            ours, theirs = ours_greedy(model, ids, 8), hfmodels.hf_greedy(ref, ids, 8)
-            prefixes.append(next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), 8))
-    assert max(errs) < 0.1, (name, errs)
-    assert sum(p >= 3 for p in prefixes) >= 2, (name, prefixes)
-
-
-@pytest.mark.oracle
-def test_llama_cpp_greedy_tokens_match_ours_on_converted_model(pair):
-    name, _, f32, _ = pair
-    if name == "v2":
-        # llama.cpp 0.3.36 takes a file without q_lora_rank for V2-Lite only by its 27 layers: tests/test_deepseek2.py
-        # test_llama_cpp_runs_v2_lite_form checks that form at 27 layers (made files write the key: see the made-model tests).
-        pytest.skip("q_lora_rank 0 at 3 layers: see test_llama_cpp_runs_v2_lite_form")
-    if name == "v3-dense2":
-        pytest.skip("llama.cpp 0.3.36 refuses a deepseek2 file without shared-expert tensors (expert_shared_count 0)")
-    llm = _llama(f32)
-    try:
-        with open_model(f32) as mf:
-            model = load_model(mf)
-            for ids in PROMPTS:
-                llm.reset()
-                llm.eval(ids)
-                theirs = []
-                for _ in range(16):
-                    theirs.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
-                    llm.eval([theirs[-1]])
-                assert ours_greedy(model, ids, 16) == theirs, f"{name}: greedy tokens differ from llama.cpp"
-    finally:
-        llm.close()
+def v3(tmp_path_factory):
+    """The V3 checkpoint (q_lora, a dense layer, groups, a shared expert), converted."""
+    return oracle.checkpoint("deepseek2", "v3", tmp_path_factory)
 
 
 @pytest.mark.oracle
@@ -171,13 +39,13 @@ def test_llama_cpp_greedy_tokens_match_ours_on_converted_model(pair):
 def test_llama_cpp_runs_v2_lite_form(tmp_path):
     """V2-Lite's attention (plain attn_q, no q_lora_rank key): llama.cpp 0.3.36 recognizes
     it by the layer count (27), so the tiny model gets 27 layers here."""
-    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python not installed (optional extra)")
+    pytest.importorskip("llama_cpp", reason=oracle.LLAMA_CPP_REASON)
     pytest.importorskip("transformers", reason="oracle tests need transformers (pip install '.[oracle]')")
     from moe_pipe.shared.convert.converter import convert
 
     hf_dir = hfmodels.build("deepseek2", tmp_path / "hf", v3=False, num_hidden_layers=27, first_k_dense_replace=1)
     path = convert(hf_dir, tmp_path / "m.gguf", outtype="f32")
-    llm = llama_cpp.Llama(str(path), n_ctx=64, n_threads=2, logits_all=True, verbose=False, type_k=0, type_v=0, flash_attn=False)
+    llm = checks.llama(path, 64)
     try:
         with open_model(path) as mf:
             model = load_model(mf)
@@ -194,8 +62,8 @@ def test_llama_cpp_runs_v2_lite_form(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def v3_gguf(built):
-    return built("v3")[1]
+def v3_gguf(v3):
+    return v3.gguf()
 
 
 def test_cache_holds_one_latent_row_per_position_and_the_budget_counts_it(v3_gguf):
@@ -280,32 +148,26 @@ def made(tmp_path_factory):
 V3_FORM = dict(q_lora_rank=96, expert_gating_sigmoid=True, expert_groups=4, expert_groups_used=2, expert_weights_scale=2.5)
 
 
+def test_made_tiny_is_v2_lites_form(made):
+    """The tiny preset as make-model writes it: V2-Lite's plain attn_q, softmax, no renormalization, no YaRN."""
+    with open_model(made) as mf:
+        s = mf.spec
+    assert (s.q_lora_rank, s.expert_gating, s.expert_weights_norm, s.rope.scaling) == (0, "softmax", False, "none")
+
+
 @pytest.mark.oracle
 @pytest.mark.slow  # the default tier's llama.cpp check is the converted model's
-@pytest.mark.parametrize("form", ["v2-lite", "v3", "v2-lite-yarn"])
-def test_llama_cpp_loads_made_model_and_agrees_on_f32(tmp_path, form):
-    """Made files in both forms (and V2-Lite's YaRN) load in llama.cpp at 4 layers, with
-    the same tensor bytes, and give its logits."""
-    overrides = {"v2-lite": {}, "v3": V3_FORM, "v2-lite-yarn": dict(yarn_factor=40.0, yarn_orig_ctx=1024, yarn_log_mul=0.0707)}[form]
+@pytest.mark.parametrize("form", ["v3", "v2-lite-yarn"])
+def test_llama_cpp_loads_made_model_in_the_other_forms_and_agrees_on_f32(tmp_path, form):
+    """Made files in V3's form and with V2-Lite's YaRN load in llama.cpp at 4 layers, with
+    the same tensor bytes, and give its logits (V2-Lite's own form: tests/test_families_oracle.py)."""
+    overrides = {"v3": V3_FORM, "v2-lite-yarn": dict(yarn_factor=40.0, yarn_orig_ctx=1024, yarn_log_mul=0.0707)}[form]
     path = make_model("deepseek2", "tiny", tmp_path / "m.gguf", quant="F32", _overrides=overrides)
     with open_model(path) as mf:
         s = mf.spec
         assert (s.q_lora_rank, s.expert_gating, s.expert_weights_norm) == ((96, "sigmoid", True) if form == "v3" else (0, "softmax", False))
         assert s.rope.scaling == ("yarn" if form == "v2-lite-yarn" else "none")
-        tensor_bytes = sum(t.nbytes for t in mf.gguf.tensors.values())
-        assert tensor_bytes == mf.layout.dense_bytes + mf.layout.total_expert_bytes
-        model = load_model(mf)
-        ours = model.forward(PROMPTS[1], model.new_cache(64), all_logits=True)
-    llm = _llama(path, 64)
-    try:
-        assert llm._model.size() == tensor_bytes
-        llm.eval(PROMPTS[1])
-        ref = np.asarray(llm.scores[: len(PROMPTS[1])])
-    finally:
-        llm.close()
-    err = np.abs(ours - ref).max() / np.abs(ref).max()
-    assert err < 1e-4, f"{form}: max relative logit error {err:.3g}"
-    assert (ours.argmax(-1) == ref.argmax(-1)).all()
+    checks.check_made_f32(path, PROMPTS[1], oracle.ORACLES["deepseek2"].made.tol)
 
 
 @pytest.mark.oracle
@@ -393,7 +255,7 @@ def test_pre_splits_tokenize_as_llama_cpp(made, tmp_path, pre):
     from moe_pipe.shared.text.tokenizer import Tokenizer
 
     path = made if pre == "deepseek-llm" else _with_pre(made, tmp_path / "v3.gguf", pre)
-    llm = _llama(path, 64, vocab_only=True)
+    llm = checks.llama(path, 64, vocab_only=True)
     try:
         with GGUFFile(path) as f:
             tok = Tokenizer.from_gguf(f)
@@ -413,7 +275,7 @@ def _with_pre(src, dst, pre: str):
     return with_metadata(src, dst, {"tokenizer.ggml.pre": (pre, GGUFValueType.STRING)})
 
 
-def test_converter_names_deepseeks_pre_splits(built, tmp_path):
+def test_converter_names_deepseeks_pre_splits(v3, tmp_path):
     """tokenizer.ggml.pre: the split the tokenizer.json says when it is DeepSeek's (V2's
     starts with "[\\r\\n]", V3's with "\\p{N}{1,3}"), else V3 configs deepseek-v3, V2 deepseek-llm."""
     import json
@@ -422,8 +284,7 @@ def test_converter_names_deepseeks_pre_splits(built, tmp_path):
     from moe_pipe.shared.convert.vocab import read_vocab
     from moe_pipe.shared.text.tokenizer import DEEPSEEK_LLM_REGEXES, DEEPSEEK_V3_REGEXES
 
-    _, f32, _ = built("v3")
-    hf_dir = f32.parent / "hf"
+    hf_dir = v3.hf_dir
     for name, splits, model_type, want in (
         ("v2-split", DEEPSEEK_LLM_REGEXES, "deepseek_v3", "deepseek-llm"),
         ("v3-split", DEEPSEEK_V3_REGEXES, "deepseek_v2", "deepseek-v3"),

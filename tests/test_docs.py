@@ -60,6 +60,12 @@ def test_protocol_version_in_the_docs_is_the_code_s():
     assert {int(v) for v in stated} == {m.PROTOCOL_VERSION}
 
 
+def test_every_protocol_version_says_what_changed():
+    section = _section((ROOT / "docs" / "architecture.md").read_text(), "Wire protocol")
+    versions = [int(v) for v in re.findall(r"^\| (\d+) \| \S", section, re.M)]
+    assert versions == list(range(1, m.PROTOCOL_VERSION + 1)), f"docs/architecture.md lists protocol versions {versions}"
+
+
 def test_the_protocol_is_stated_once():
     # Other pages point to architecture.md rather than restating the rules.
     for doc in DOCS:
@@ -158,3 +164,34 @@ def test_every_section_citation_names_a_section():
 def test_cited_docs_are_cited(doc):
     # The citation check must be exercising the new pages.
     assert any(d == doc for _w, d, _r in _citations())
+
+
+def test_the_generated_tables_are_the_code_s():
+    """README.md, docs/cli.md and docs/configuration.md list the families, presets, catalog names
+    and recipes as the registry, the plan parts, the catalog and configs/ have them."""
+    from moe_pipe.cli.reference import BLOCKS, render
+
+    for rel, name, make in BLOCKS:
+        text = (ROOT / rel).read_text()
+        assert render(text, name, make()) == text, f"{rel}'s {name} table is stale: run python -m moe_pipe.cli.reference"
+
+
+def test_the_cli_and_the_docs_list_the_same_families(capsys, tmp_path):
+    """make-model --help, convert's error, README.md and docs/cli.md: the nine families of the registry."""
+    import json
+
+    from moe_pipe.cli.main import main
+    from moe_pipe.shared.families.registry import FAMILIES
+
+    with pytest.raises(SystemExit):
+        main(["make-model", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "not-a-family"}))
+    assert main(["convert", str(tmp_path), "-o", str(tmp_path / "x.gguf")]) == 2
+    convert_error = capsys.readouterr().err
+    readme, cli_md = (ROOT / "README.md").read_text(), (ROOT / "docs" / "cli.md").read_text()
+    for f in FAMILIES:
+        assert f.arch in help_text, f"make-model --help does not offer {f.arch}"
+        assert all(t in convert_error for t in f.hf_model_types), f"convert's error does not list {f.hf_model_types}"
+        row = f"| {f.name} | `{f.arch}` |"
+        assert row in readme and row in cli_md, f"README.md or docs/cli.md has no row for {f.name}"

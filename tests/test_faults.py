@@ -87,7 +87,7 @@ def test_a_slab_is_visible_only_once_its_read_completed(harness):
 
 def test_a_failed_read_fails_its_waiters_and_leaves_the_slab_free(harness):
     h, key, other = harness, (2, 5), (2, 6)
-    free_before = h.reader.cfg.n_slots - len(h.reader.table)
+    free_before = h.reader.n_slots - len(h.reader.table)
     entered, release = hold_reads_of(h, key, fail=True)
     first = h.fetch(key[0], [key[1], other[1]])  # two misses: one fails, one lands
     assert entered.wait(10)
@@ -103,7 +103,7 @@ def test_a_failed_read_fails_its_waiters_and_leaves_the_slab_free(harness):
     assert isinstance(answers[(first, other[1])], m.Ready)
     # The failed key is gone: no table entry, no pin, no index entry; its slab is free again.
     assert key not in h.reader.table and h.reader.table.pins(key) == 0 and not h.visible(key)
-    assert h.reader.cfg.n_slots - len(h.reader.table) == free_before - 1  # only `other` holds a slab
+    assert h.reader.n_slots - len(h.reader.table) == free_before - 1  # only `other` holds a slab
     assert all(key not in keys for keys in h.reader.pinned.values())
     # Releases of both requests are harmless, and `other` (still cached) is unpinned by its own.
     h.reader.on_release(m.Release((first,)))

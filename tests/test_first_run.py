@@ -137,6 +137,9 @@ def test_version(capsys):
         main(["--version"])
     assert exc.value.code == 0
     assert capsys.readouterr().out.strip() == f"moe-pipe {version('moe-pipe')}"
+    import moe_pipe
+
+    assert version("moe-pipe") == moe_pipe.__version__, "pyproject.toml reads the version from the package's __init__.py"
 
 
 def test_run_says_where_it_made_the_embedded_model(tmp_path, monkeypatch, capsys):

@@ -225,24 +225,43 @@ class Service:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=self.key or "none", max_retries=0, timeout=30)
 
 
+def defaults(config: dict | None = None):
+    """What the gateway fills in for what a request leaves out, from a config with these dotted keys set."""
+    from moe_pipe.procs.gateway import ConfigDefaults
+    from moe_pipe.shared.config import Config, apply_overrides
+
+    return ConfigDefaults(apply_overrides(Config(), config or {}), "tiny")
+
+
+def gateway_of(tokenizer, model_path: Path, config: dict | None = None):
+    """A Gateway in this process (no sockets, no listener) over a config with these dotted keys set."""
+    from moe_pipe.procs.gateway import Gateway
+    from moe_pipe.procs.run_facts import RunFacts
+    from moe_pipe.shared.config import Config, apply_overrides
+
+    facts = RunFacts(runtime_dir="/nonexistent", model_path=str(model_path), model_name="tiny")
+    return Gateway(apply_overrides(Config(), config or {}), facts, tokenizer)
+
+
 @pytest.fixture
 def start_gateway(tmp_path_factory, model_path):
-    """start_gateway(**settings) -> Service; everything is stopped and checked after."""
+    """start_gateway({dotted config key: value}, **http_limits) -> Service; everything is stopped and checked after."""
     from moe_pipe.procs import gateway
+    from moe_pipe.procs.run_facts import RunFacts
+    from moe_pipe.shared.config import Config, apply_overrides
     from moe_pipe.shared.serve import service
     from moe_pipe.shared.wire import ipc
 
     started: list[Service] = []
     rts = []
 
-    def start(**overrides) -> Service:
+    def start(config: dict | None = None, **http_limits) -> Service:
         rt = ipc.RuntimeDir.create(base=tmp_path_factory.mktemp("rt"))
         rts.append(rt)
-        settings = gateway.GatewaySettings(
-            runtime_dir=str(rt.path), model_path=str(model_path), model_name="tiny", port=0, restart_wait_s=10.0
-        )
-        settings = replace(settings, **overrides)
-        proc = multiprocessing.get_context("spawn").Process(target=gateway.main, args=(settings,), daemon=True)
+        cfg = apply_overrides(Config(), {"gateway.port": 0, **(config or {})})
+        facts = RunFacts(runtime_dir=str(rt.path), model_path=str(model_path), model_name="tiny")
+        limits = replace(gateway.HttpLimits(restart_wait_s=10.0), **http_limits)
+        proc = multiprocessing.get_context("spawn").Process(target=gateway.main, args=(cfg, facts, limits), daemon=True)
         proc.start()
         deadline = time.monotonic() + 30
         while (addr := service.read_gateway_address(rt.path)) is None:
@@ -250,7 +269,7 @@ def start_gateway(tmp_path_factory, model_path):
             assert time.monotonic() < deadline, "the gateway did not write gateway.json"
             time.sleep(0.02)
         assert addr.pid == proc.pid
-        svc = Service(rt, proc, addr.url, Path(rt.path.parent / "compute.log"), settings.api_key)
+        svc = Service(rt, proc, addr.url, Path(rt.path.parent / "compute.log"), cfg.gateway.api_key)
         started.append(svc)
         return svc
 
@@ -319,7 +338,7 @@ def sse_events(raw: str) -> list:
 def test_openai_client_chat_completions_models(start_gateway, tokenizer):
     from moe_pipe.shared.text.chat import chat_prompt_tokens, encode_prompt
 
-    svc = start_gateway(api_key="sekrit", max_tokens=5, ctx_size=512)
+    svc = start_gateway({"gateway.api_key": "sekrit", "generate.max_tokens": 5, "compute.ctx_size": 512})
     computes = svc.start_computes({})
     svc.wait_ready()
     client = svc.openai()
@@ -392,7 +411,7 @@ def test_the_service_uses_the_chat_template_the_config_chose(start_gateway, toke
     template is refused) reaches the gateway: prompts are rendered with it."""
     from moe_pipe.shared.text.chat import TEMPLATE_PLAIN, chat_prompt_tokens, use_chat_template
 
-    svc = start_gateway(chat_template=TEMPLATE_PLAIN)
+    svc = start_gateway({"generate.chat_template": TEMPLATE_PLAIN})
     computes = svc.start_computes({})
     svc.wait_ready()
     messages = [{"role": "user", "content": "Say something."}]
@@ -424,7 +443,7 @@ def test_health_says_loading_until_compute_says_hello(start_gateway):
 
 
 def test_bad_requests_get_openai_errors(start_gateway):
-    svc = start_gateway(api_key="sekrit", ctx_size=64)
+    svc = start_gateway({"gateway.api_key": "sekrit", "compute.ctx_size": 64})
     svc.start_computes({})
     svc.wait_ready()
 
@@ -505,7 +524,7 @@ def test_bad_requests_get_openai_errors(start_gateway):
 
 
 def test_full_queue_answers_429(start_gateway):
-    svc = start_gateway(queue_size=1)
+    svc = start_gateway({"gateway.queue_size": 1})
     svc.start_computes({"delay_s": 0.05})
     svc.wait_ready()
     results = []
@@ -599,10 +618,9 @@ def test_field_types_and_ranges_are_checked():
     a 400 naming the field (param), never a 500 or a silent default."""
     import math
 
-    from moe_pipe.procs.gateway import GatewaySettings
     from moe_pipe.shared.serve.openai_api import ApiError, parse_request
 
-    settings = GatewaySettings(runtime_dir="/nonexistent", model_path="/nonexistent", model_name="tiny")
+    settings = defaults()
     msgs = [{"role": "user", "content": "hi"}]
     bad = {
         "model": [5, None, ["tiny"]],
@@ -660,12 +678,12 @@ def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(tokenizer, m
     """A prompt far over a 64-token context is refused on its length, untokenized
     (4 MB would take seconds of the one tokenizing thread); one nearer the
     limit is tokenized and refused with its exact token count."""
-    from moe_pipe.procs.gateway import Gateway, GatewaySettings, longest_token_bytes
+    from moe_pipe.procs.gateway import longest_token_bytes
     from moe_pipe.shared.serve.openai_api import ApiError, fit_max_tokens, parse_request
     from moe_pipe.shared.text.chat import encode_prompt
 
-    settings = GatewaySettings(runtime_dir="/nonexistent", model_path=str(model_path), model_name="tiny", ctx_size=64)
-    gateway = Gateway(settings, tokenizer)
+    gateway = gateway_of(tokenizer, model_path, {"compute.ctx_size": 64})
+    settings = gateway.defaults
     longest = longest_token_bytes(tokenizer)
     assert 1 < longest < 64
     try:
@@ -696,7 +714,7 @@ def test_a_prompt_over_the_wire_cap_is_400_not_a_hang(start_gateway):
     """With a context larger than one Generate frame can carry (the wire caps
     arrays at 65536 items), the prompt is refused at the gateway instead of
     being dropped by compute's decoder and waited on forever."""
-    svc = start_gateway(ctx_size=200_000)
+    svc = start_gateway({"compute.ctx_size": 200_000})
     computes = svc.start_computes({})
     svc.wait_ready()
     status, _, body = svc.request("POST", "/v1/completions", {"model": "tiny", "prompt": "x" * 70_000, "max_tokens": 2})
@@ -777,7 +795,7 @@ def test_a_client_that_stops_reading_its_stream_is_cancelled(start_gateway):
     """A stream whose client reads nothing more: once the socket buffers are
     full, the write waits write_timeout_s, then the request is cancelled on
     compute (instead of generating to the end for nobody) and the service goes on."""
-    svc = start_gateway(write_timeout_s=1.0, ctx_size=300_000)
+    svc = start_gateway({"compute.ctx_size": 300_000}, write_timeout_s=1.0)
     computes = svc.start_computes({"delay_s": 0.0002, "pad": 4000})  # 4 KB a token: the buffers (MBs) fill in seconds
     svc.wait_ready()
     sock = socket.socket()
@@ -961,7 +979,7 @@ def test_metrics_are_prometheus_text(start_gateway):
 def test_200_concurrent_requests_all_answered(start_gateway):
     import aiohttp
 
-    svc = start_gateway(queue_size=64)
+    svc = start_gateway({"gateway.queue_size": 64})
     svc.start_computes({})
     svc.wait_ready()
 
@@ -1031,15 +1049,14 @@ def test_finish_reasons_and_failures_map_to_openai():
 def test_a_chat_template_error_is_a_400(tokenizer, model_path):
     import copy
 
-    from moe_pipe.procs.gateway import Gateway, GatewaySettings
     from moe_pipe.shared.serve.openai_api import ApiError, parse_request
 
-    settings = GatewaySettings(runtime_dir="/nonexistent", model_path=str(model_path), model_name="tiny")
     tok = copy.copy(tokenizer)
     tok.chat_template = "{{ raise_exception('only user turns, please') }}"
-    req = parse_request({"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}, True, settings)
+    gateway = gateway_of(tok, model_path)
+    req = parse_request({"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}, True, gateway.defaults)
     with pytest.raises(ApiError) as err:
-        asyncio.run(Gateway(settings, tok).tokenize(req))
+        asyncio.run(gateway.tokenize(req))
     assert err.value.status == 400 and "only user turns, please" in err.value.message
 
 
@@ -1054,10 +1071,9 @@ def test_retry_text_skips_what_was_sent():
 
 
 def test_template_vars_are_parsed_and_checked():
-    from moe_pipe.procs.gateway import GatewaySettings
     from moe_pipe.shared.serve.openai_api import ApiError, parse_request
 
-    settings = GatewaySettings(runtime_dir="/nonexistent", model_path="/nonexistent", model_name="tiny")
+    settings = defaults()
     msgs = [{"role": "user", "content": "hi"}]
 
     def template_vars(prompt: bool = False, **fields):
@@ -1105,16 +1121,14 @@ def test_reserved_template_vars_cover_the_chat_functions():
 def test_template_vars_win_over_no_think_and_reach_gpt_oss_style_templates(tokenizer, model_path):
     import copy
 
-    from moe_pipe.procs.gateway import Gateway, GatewaySettings
     from moe_pipe.shared.serve.openai_api import parse_request
     from moe_pipe.shared.text.chat import chat_prompt_tokens, encode_prompt
 
     msgs = [{"role": "user", "content": "hi"}]
 
     def prompt(tok, no_think: bool, **fields) -> list[int]:
-        settings = GatewaySettings(runtime_dir="/nonexistent", model_path=str(model_path), model_name="tiny", no_think=no_think)
-        req = parse_request({"model": "tiny", "messages": msgs, **fields}, True, settings)
-        gateway = Gateway(settings, tok)
+        gateway = gateway_of(tok, model_path, {"generate.no_think": no_think})
+        req = parse_request({"model": "tiny", "messages": msgs, **fields}, True, gateway.defaults)
         try:
             return asyncio.run(gateway.tokenize(req))
         finally:

@@ -96,6 +96,7 @@ def test_streamed_text_equals_result_on_a_real_model(tiny_path, tok):
     assert again.tokens == out.tokens  # greedy is deterministic
 
 
+@pytest.mark.integration
 def test_run_json(tiny_path, capsys):
     assert main(["run", str(tiny_path), "-p", "Hello there", "-n", "6", "--output-format", "json"]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -104,6 +105,7 @@ def test_run_json(tiny_path, capsys):
     assert out["timings"]["predicted_n"] == 6
 
 
+@pytest.mark.integration
 def test_run_chat_seeded_sampling_is_reproducible(tiny_path, capsys):
     args = ["run", str(tiny_path), "-p", "Hi", "--chat", "--no-think", "-n", "8", "--temp", "0.9", "--seed", "5", "--output-format", "json"]
     assert main(args) == 0
@@ -113,6 +115,7 @@ def test_run_chat_seeded_sampling_is_reproducible(tiny_path, capsys):
     assert first["prompt_tokens"][-1] != first["prompt_tokens"][0]
 
 
+@pytest.mark.integration
 def test_run_text_streams_and_reports(tiny_path):
     r = subprocess.run(
         [sys.executable, "-m", "moe_pipe.cli.main", "run", str(tiny_path), "-p", "Once", "-n", "5"], capture_output=True, text=True
@@ -120,6 +123,7 @@ def test_run_text_streams_and_reports(tiny_path):
     assert r.returncode == 0 and "generated" in r.stderr and r.stdout.endswith("\n")
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("extra,needle", [(["--temp", "-1"], "temperature"), (["--top-k", "99"], "top-k"), (["-t", "999"], "threads")])
 def test_run_bad_values_exit_2(tiny_path, extra, needle):
     r = subprocess.run(

@@ -279,7 +279,7 @@ def test_run_no_stream_uses_the_configured_kv_type(monkeypatch, capsys):
 
 
 def test_the_budget_gains_what_f16_saves(monkeypatch, tiny_model):
-    from moe_pipe.procs.children import compute_args
+    from moe_pipe.procs.compute import model_options
     from moe_pipe.procs.resources import Resources
     from moe_pipe.shared.experts import budget as B
 
@@ -291,7 +291,8 @@ def test_the_budget_gains_what_f16_saves(monkeypatch, tiny_model):
         cfg = load_config(None, {"compute.kv_type": kv_type, "compute.ctx_size": 4096, "cache.cache_mb": "auto"})
         with Resources.create(cfg, tiny_model) as res:
             got[kv_type] = res.resolved.budget_bytes
-            assert compute_args(cfg, res, tiny_model, 0).kv_type == kv_type  # what compute makes its cache with
+            with open_model(tiny_model) as mf:  # what compute makes its cache with, from the config it is sent whole
+                assert model_options(cfg.compute, None, mf).kv_type == kv_type
     with open_model(tiny_model) as mf:
         kv32, kv16 = kv_cache_bytes(mf.spec, 4096, "f32"), kv_cache_bytes(mf.spec, 4096, "f16")
     assert kv32 == 2 * kv16 > 0

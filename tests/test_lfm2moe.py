@@ -1,17 +1,16 @@
 """lfm2moe (LFM2-8B-A1B): short-conv + attention hybrid, leading dense layers,
 sigmoid routing with a selection-only expert bias.
 
-Oracles: transformers on tiny random models converted by `moe-pipe convert`
-(the conv/attention pattern, leading dense layers, the expert bias on and off,
-the published per-expert checkpoint layout and the fused one), llama.cpp on the same GGUFs and on
-a made model. Then the conv state (batches, reuse rules, budget), the made shape
-preset, and the streaming pipeline (in tests/test_family_pipelines.py) against the resident reference, on the
-make-model tiny preset (docs/models.md § lfm2moe).
+Its checkpoints (the conv/attention pattern, leading dense layers, the expert bias
+on and off, the published per-expert layout and the fused one) are held to
+transformers and llama.cpp with every family's checks in
+tests/test_families_oracle.py (its entry in tests/oracle.py). Here: the converted
+spec, the tokenizer against llama.cpp, what the converter refuses, the conv state
+(batches, reuse rules, budget), the made shape preset; the streaming pipeline is
+in tests/test_family_pipelines.py (docs/models.md § lfm2moe).
 """
 
 from __future__ import annotations
-
-import json
 
 import numpy as np
 import pytest
@@ -22,165 +21,48 @@ from moe_pipe.shared.gguf.spec import kv_cache_bytes, recurrent_state_bytes
 from moe_pipe.shared.makemodel.maker import make_model
 from moe_pipe.shared.model.load import load_model
 
-from . import hfmodels
+from . import hfmodels, oracle
+from . import oracle_checks as checks
 
-PROMPTS = [
-    [1, *range(3, 40, 3)],
-    [1, 5, 17, 2, 99, 140, 7, 7, 7, 30],
-    [1, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31],
-]
-N_GREEDY = 32
+PROMPTS = [list(p) for p in oracle.ORACLES["lfm2moe"].prompts.ids]
 
-# name -> (config overrides, slow?): the default one has a dense layer 0, conv/attention
-# alternating and the expert bias; the others turn the bias off, put attention first
-# and two dense layers, or fuse the experts. transformers 5.24 saves them one by one as
-# the published checkpoint does (w1, w3, w2 per expert); the fused form is its in-memory one.
-CONFIGS = {
-    "bias": ({}, False),
-    "nobias-dense2": (
-        dict(use_expert_bias=False, num_dense_layers=2, layer_types=["full_attention", "conv", "conv", "full_attention", "conv"]),
-        True,
-    ),
-    "fused": ({}, True),
-}
+ck = oracle.checkpoints("lfm2moe")
 
 
-def ours_greedy(model, ids, n):
-    cache = model.new_cache(len(ids) + n + 1)
-    logits, out = model.prefill(ids, cache), []
-    for _ in range(n):
-        out.append(int(np.argmax(logits)))
-        logits = model.decode_one(out[-1], cache)
-    return out
-
-
-def _fuse_experts(hf_dir, n_layer: int, lead: int) -> None:
-    """Rewrite the saved per-expert w1 (gate), w3 (up), w2 (down) tensors as transformers
-    5's fused `gate_up_proj` (X, 2F, D), gate rows first, and `down_proj` (X, D, F)."""
-    from safetensors.numpy import load_file, save_file
-
-    path = hf_dir / "model.safetensors"
-    sd = load_file(path)
-    n_expert = json.loads((hf_dir / "config.json").read_text())["num_experts"]
-    for i in range(lead, n_layer):
-        e = f"model.layers.{i}.feed_forward.experts."
-        per = [[sd.pop(f"{e}{x}.{w}.weight") for w in ("w1", "w3", "w2")] for x in range(n_expert)]
-        sd[e + "gate_up_proj"] = np.stack([np.concatenate([g, u]) for g, u, _ in per])
-        sd[e + "down_proj"] = np.stack([d for _, _, d in per])
-    save_file(sd, str(path), metadata={"format": "pt"})
-
-
-@pytest.fixture(scope="module", params=[pytest.param(k, marks=[pytest.mark.slow] if slow else []) for k, (_, slow) in CONFIGS.items()])
-def pair(request, tmp_path_factory):
-    torch = pytest.importorskip("torch", reason="oracle tests need torch (pip install '.[oracle]')")
-    pytest.importorskip("transformers", reason="oracle tests need transformers (pip install '.[oracle]')")
-    from moe_pipe.shared.convert.converter import convert
-
-    # One torch thread: this model's ops are tiny, and two threads on a loaded 2-core
-    # machine made transformers' decode ~10x slower (0.3 s a token, 0.03 s on one).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    name = request.param
-    root = tmp_path_factory.mktemp(f"lfm2-{name}")
-    hf_dir = hfmodels.build("lfm2moe", root / "hf", **CONFIGS[name][0])
-    ref = hfmodels.load_model(hf_dir)
-    if name == "fused":
-        cfg = json.loads((hf_dir / "config.json").read_text())
-        _fuse_experts(hf_dir, cfg["num_hidden_layers"], cfg["num_dense_layers"])
-    try:
-        yield name, ref, convert(hf_dir, root / "m-f32.gguf", outtype="f32"), hf_dir
-    finally:
-        torch.set_num_threads(threads)
+# -- converted checkpoints --------------------------------------------------------
 
 
 @pytest.mark.oracle
-def test_f32_logits_and_greedy_match_transformers(pair):
-    """Prefill logits, and 32 tokens decoded one at a time (transformers' cached conv
-    path against our conv state)."""
-    name, ref, f32, _ = pair
-    with open_model(f32) as mf:
+def test_converted_spec_has_the_configs_layers_and_expert_bias(ck):
+    build = ck.config.build
+    with open_model(ck.gguf()) as mf:
         s = mf.spec
-        layer_types = CONFIGS[name][0].get("layer_types") or hfmodels.lfm2moe_config(64)["layer_types"]
+        layer_types = build.get("layer_types") or hfmodels.lfm2moe_config(64)["layer_types"]
         assert s.recurrent_layers == tuple(t == "conv" for t in layer_types)
-        assert s.n_dense_lead == CONFIGS[name][0].get("num_dense_layers", 1) and s.expert_gating == "sigmoid"
+        assert s.n_dense_lead == build.get("num_dense_layers", 1) and s.expert_gating == "sigmoid"
         # without the expert bias the file carries zeros (llama.cpp requires the tensor)
         bias = mf.gguf.view("blk.4.exp_probs_b.bias").view(np.float32)
-        assert bool(bias.any()) == CONFIGS[name][0].get("use_expert_bias", True)
-        model = load_model(mf)
-        for ids in PROMPTS:
-            want = hfmodels.hf_logits(ref, ids)
-            got = model.forward(ids, model.new_cache(64), all_logits=True)
-            rel = np.abs(got - want).max() / np.abs(want).max()
-            assert rel < 1e-4, f"{name}: logits differ by {rel:.2e} relative (prompt {ids[:5]}...)"
-        # the other prompts' greedy runs are slow-tier (CI time)
-        ids = PROMPTS[0]
-        assert ours_greedy(model, ids, N_GREEDY) == hfmodels.hf_greedy(ref, ids, N_GREEDY), f"{name}: greedy tokens differ"
+        assert bool(bias.any()) == build.get("use_expert_bias", True)
 
 
 @pytest.mark.oracle
-@pytest.mark.slow
-def test_f32_greedy_matches_transformers_on_the_other_prompts(pair):
-    name, ref, f32, _ = pair
-    with open_model(f32) as mf:
-        model = load_model(mf)
-        for ids in PROMPTS[1:]:
-            assert ours_greedy(model, ids, N_GREEDY) == hfmodels.hf_greedy(ref, ids, N_GREEDY), f"{name}: greedy tokens differ"
-
-
-@pytest.mark.oracle
-@pytest.mark.slow
-def test_q8_0_logits_stay_close_to_transformers(pair, tmp_path):
-    """q8_0 weights: within the 0.1 relative bound the first families state, or, where
-    rounding flips a near-tied expert choice (nobias-dense2's third prompt: 0.28, in
-    llama.cpp as much), no further from transformers than llama.cpp's q8_0 of the file."""
-    from moe_pipe.shared.convert.converter import convert
-
-    name, ref, _, hf_dir = pair
-    path = convert(hf_dir, tmp_path / "m-q8_0.gguf", outtype="q8_0")
-    with open_model(path) as mf:
-        model = load_model(mf)
-        for ids in PROMPTS:
-            want = hfmodels.hf_logits(ref, ids)[-1]
-            ours = np.abs(model.forward(ids, model.new_cache(64))[-1] - want).max() / np.abs(want).max()
-            if ours < 0.1:
-                continue
-            llama_cpp = pytest.importorskip("llama_cpp", reason=f"{name}: q8_0 off by {ours:.2f}; llama.cpp would say if it is too")
-            llm = llama_cpp.Llama(str(path), n_ctx=128, n_threads=2, logits_all=True, verbose=False, type_k=0, type_v=0, flash_attn=False)
-            try:
-                llm.eval(ids)
-                theirs = np.abs(np.array(llm.scores[len(ids) - 1]) - want).max() / np.abs(want).max()
-            finally:
-                llm.close()
-            assert ours <= 1.1 * theirs, f"{name}: q8_0 off by {ours:.3f}, llama.cpp's by {theirs:.3f}"
-
-
-@pytest.mark.oracle
-def test_llama_cpp_greedy_tokens_and_tokenizer_match_ours_on_converted_model(pair):
-    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python not installed (optional extra)")
+def test_tokenizer_matches_llama_cpp_on_converted_model(ck):
+    """llama.cpp's lfm2 pre-split (llama3's, 1-3 digit groups) and its BOS."""
     from moe_pipe.shared.text.tokenizer import Tokenizer
 
-    name, _, f32, _ = pair
-    llm = llama_cpp.Llama(str(f32), n_ctx=128, n_threads=2, logits_all=True, verbose=False, type_k=0, type_v=0, flash_attn=False)
+    llm = checks.llama(ck.gguf())
     try:
-        with open_model(f32) as mf:
-            model, tok = load_model(mf), Tokenizer.from_gguf(mf.gguf)
+        with open_model(ck.gguf()) as mf:
+            tok = Tokenizer.from_gguf(mf.gguf)
             assert mf.gguf.meta("tokenizer.ggml.pre") == "lfm2"
-            for text in hfmodels.SAMPLES:  # llama.cpp's lfm2 pre-split (llama3's, 1-3 digit groups) and its BOS
-                assert tok.encode(text) == llm.tokenize(text.encode(), add_bos=True, special=False), text
-            for ids in PROMPTS:
-                llm.reset()
-                llm.eval(ids)
-                theirs = []
-                for _ in range(16):
-                    theirs.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
-                    llm.eval([theirs[-1]])
-                assert ours_greedy(model, ids, 16) == theirs, f"{name}: greedy tokens differ from llama.cpp"
+        for text in hfmodels.SAMPLES:
+            assert tok.encode(text) == llm.tokenize(text.encode(), add_bos=True, special=False), text
     finally:
         llm.close()
 
 
 def test_converter_refuses_what_llama_cpp_cannot_express():
-    from moe_pipe.shared.convert.lfm2moe import hparams
+    from moe_pipe.shared.families.lfm2moe.convert import hparams
 
     base = hfmodels.lfm2moe_config(128)
     for change, word in (
@@ -269,32 +151,6 @@ def test_conversations_reuse_a_whole_cache_or_none_and_sessions_are_refused(made
 
 
 # -- make-model --------------------------------------------------------------------
-
-
-@pytest.mark.oracle
-@pytest.mark.slow
-def test_llama_cpp_loads_made_model_and_agrees_on_f32(tmp_path):
-    """The made file is what llama.cpp reads as lfm2moe: per-layer kv heads (0 = short
-    conv), token_embd_norm, the tied head, the "lfm2" tokenizer with its BOS."""
-    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python not installed (optional extra)")
-    from moe_pipe.shared.text.tokenizer import Tokenizer
-
-    path = make_model("lfm2moe", "tiny", tmp_path / "m.gguf", quant="F32")
-    llm = llama_cpp.Llama(str(path), n_ctx=128, n_threads=2, logits_all=True, verbose=False, type_k=0, type_v=0, flash_attn=False)
-    try:
-        with open_model(path) as mf:
-            model, tok = load_model(mf), Tokenizer.from_gguf(mf.gguf)
-            text = "The history of the city begins"
-            ids = tok.encode(text)
-            assert ids[0] == 1 and ids == llm.tokenize(text.encode(), add_bos=True, special=False)
-            llm.eval(ids)
-            theirs = []
-            for _ in range(16):
-                theirs.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
-                llm.eval([theirs[-1]])
-            assert ours_greedy(model, ids, 16) == theirs
-    finally:
-        llm.close()
 
 
 @pytest.mark.slow

@@ -429,13 +429,29 @@ def test_bad_arguments_are_one_line_user_errors(kwargs, words, tmp_path):
 
 
 def test_presets_are_the_documented_ones():
-    from moe_pipe.cli import make_model as cli
-
     # the first round, then the later families in the order they landed
     assert MADE_ARCHES == (*ARCHES, "qwen35moe", "llama", "glm4moe", "lfm2moe", "deepseek2", "qwen2moe")
     assert PRESETS[:6] == ("tiny", "small", "qwen30b-shape", "gptoss120b-shape", "gemma26b-shape", "qwen35-35b-shape")
     assert set(PRESETS[6:]) == {"mixtral-8x7b-shape", "glm45air-shape", "lfm2-8b-shape", "deepseek-v2-lite-shape", "qwen15-moe-shape"}
-    assert (cli.ARCHES, cli.PRESETS) == (MADE_ARCHES, PRESETS)  # the CLI's copies (its --help imports no numpy)
+
+
+@pytest.mark.integration
+def test_the_cli_offers_every_family_and_imports_no_numpy_for_it():
+    """--arch takes each family's GGUF arch and its own name; building the parser
+    (as `moe-pipe --help` does) loads no plan part, so neither numpy nor gguf."""
+    code = (
+        "import argparse, sys; from moe_pipe.cli import make_model as cli\n"
+        "p = argparse.ArgumentParser(); cli.add_arguments(p)\n"
+        "arch = next(a for a in p._actions if a.dest == 'arch')\n"
+        "print(' '.join(arch.choices)); print('numpy' in sys.modules, 'gguf' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.splitlines()
+    assert out[0].split() == [*MADE_ARCHES, "gpt_oss", "mixtral"]
+    assert out[1] == "False False"
+
+
+def test_a_family_is_made_by_its_own_name_too(tmp_path):
+    assert make_model("mixtral", "tiny", tmp_path, layers=1).name == "llama-tiny-L1-seed0.gguf"
 
 
 # --- shape presets: per-expert bytes of §6 ---------------------------------------------
@@ -520,7 +536,7 @@ def test_full_depth_plan_matches_real_load_logs(arch, preset, counts, gib):
     from collections import Counter
 
     from moe_pipe.shared.makemodel.maker import plan_tensors
-    from moe_pipe.shared.makemodel.presets import get_preset
+    from moe_pipe.shared.makemodel.plans import get_preset
 
     specs = plan_tensors(arch, get_preset(arch, preset))
     assert Counter(s.qtype for s in specs) == counts
@@ -630,9 +646,9 @@ def test_router_tensors_follow_the_router_shape(arch, tiny):
     # logits = W·x (+ b): W Gaussian with the arch's logit spread over |x|
     # (√D after an RMS norm; gemma4 divides x by √D first); gpt-oss's bias
     # standardised per layer, each layer with its own popular experts.
-    from moe_pipe.shared.makemodel.presets import ROUTER
+    from moe_pipe.shared.makemodel.plans import plan_part
 
-    shape = ROUTER[arch]
+    shape = plan_part(arch).router
     r = GGUFReader(tiny[arch])
     D, n_layer = kv(r, f"{arch}.embedding_length"), kv(r, f"{arch}.block_count")
     logit_std = shape.logit_std_at(n_layer)
@@ -656,7 +672,7 @@ def test_deeper_qwen3moe_models_get_sharper_gates():
     # The attention's context average builds up with depth; sharper gates keep
     # routing turning over (8 layers: logit spread 5; 48: 5 × 6^0.4 ≈ 10.2).
     from moe_pipe.shared.makemodel.maker import plan_tensors
-    from moe_pipe.shared.makemodel.presets import get_preset
+    from moe_pipe.shared.makemodel.plans import get_preset
 
     def router_std(arch, preset, layers):
         p = get_preset(arch, preset)
@@ -679,9 +695,9 @@ def test_only_the_shape_presets_shape_the_residual_stream():
     from dataclasses import replace
 
     from moe_pipe.shared.makemodel.maker import plan_tensors
-    from moe_pipe.shared.makemodel.presets import ROUTER, get_preset
+    from moe_pipe.shared.makemodel.plans import get_preset, plan_part
 
-    shape = ROUTER["qwen3moe"]
+    shape = plan_part("qwen3moe").router
     assert shape.shapes_stream
     p = replace(get_preset("qwen3moe", "qwen30b-shape"), n_layer=2)
     got = {s.name: s for s in plan_tensors("qwen3moe", p)}
@@ -696,7 +712,7 @@ def test_only_the_shape_presets_shape_the_residual_stream():
     assert {s.fill for s in small} <= {"weight", "norm", "router"}
     assert all(s.param == pytest.approx(1.0 / s.shape[-1] ** 0.5) for s in small if s.fill == "weight")
     # gpt-oss: the writes' biases too, and the shaped stream's own router bias spread
-    g = ROUTER["gpt-oss"]
+    g = plan_part("gpt-oss").router
     got = {s.name: s for s in plan_tensors("gpt-oss", replace(get_preset("gpt-oss", "gptoss120b-shape"), n_layer=2))}
     assert (got["blk.1.attn_output.bias"].fill, got["blk.1.attn_output.bias"].param) == (
         "bias_scaled",
@@ -706,3 +722,11 @@ def test_only_the_shape_presets_shape_the_residual_stream():
     assert got["blk.0.ffn_gate_inp.bias"].param == pytest.approx(g.logit_std * g.shaped_bias_std)
     small_bias = {s.name: s for s in plan_tensors("gpt-oss", get_preset("gpt-oss", "small"))}["blk.0.ffn_gate_inp.bias"]
     assert small_bias.param == pytest.approx(g.logit_std * g.bias_std)
+
+
+def test_the_cli_docs_name_every_family_and_preset():
+    from moe_pipe.shared.families.registry import FAMILIES
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "cli.md").read_text()
+    section = text[text.index("## make-model") : text.index("## inspect")]
+    assert all(f"`{name}`" in section for name in (*PRESETS, *(f.arch for f in FAMILIES)))

@@ -2,11 +2,12 @@
 permuted q/k and adjacent-pair RoPE, softmax top-k routing renormalized, a
 SentencePiece tokenizer.
 
-Oracles: transformers on tiny random models converted by `moe-pipe convert`
-(transformers 5's fused experts and the published per-expert layout),
-llama.cpp on the same converted GGUFs and on made models (tokens and
-tokenizer). Then what is refused, the shape preset, and the streaming pipeline
-(tests/test_family_pipelines.py) against the resident reference (docs/models.md § mixtral).
+Its checkpoints (transformers 5's fused experts and the published per-expert
+layout) are held to transformers and llama.cpp with every family's checks in
+tests/test_families_oracle.py (its entry in tests/oracle.py). Here: the
+converted file's arch, the tokenizer against both, what is refused, the shape
+preset; the streaming pipeline is in tests/test_family_pipelines.py
+(docs/models.md § mixtral).
 """
 
 from __future__ import annotations
@@ -20,85 +21,31 @@ from moe_pipe.shared.makemodel.maker import make_model
 from moe_pipe.shared.model.load import load_model
 from moe_pipe.shared.text.tokenizer import Tokenizer
 
-from . import hfmodels
+from . import hfmodels, oracle
+from . import oracle_checks as checks
 
-N_GREEDY = 32
 TEXTS = (*hfmodels.SAMPLES, "ü€ 😀 naïve café\n", "[INST] hi [/INST]</s><s>x", " leading  spaces", "")
 
-
-def ours_greedy(model, ids, n):
-    cache = model.new_cache(len(ids) + n + 1)
-    logits, out = model.prefill(ids, cache), []
-    for _ in range(n):
-        out.append(int(np.argmax(logits)))
-        logits = model.decode_one(out[-1], cache)
-    return out
+ck = oracle.checkpoints("mixtral")
 
 
-def _llama(path, **kw):
-    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python not installed (optional extra)")
-    return llama_cpp.Llama(str(path), n_ctx=128, n_threads=2, logits_all=True, verbose=False, type_k=0, type_v=0, flash_attn=False, **kw)
-
-
-# -- transformers ----------------------------------------------------------------
-
-CONFIGS = {
-    "x4k2": dict(experts=4, used=2),  # GQA, 2 of 4
-    "x8k4-per-expert": dict(experts=8, used=4, per_expert=True),  # 4 of 8, the published checkpoint layout
-}
-
-
-@pytest.fixture(scope="module", params=["x4k2", pytest.param("x8k4-per-expert", marks=pytest.mark.slow)])
-def pair(request, tmp_path_factory):
-    pytest.importorskip("torch", reason="oracle tests need torch (pip install '.[oracle]')")
-    pytest.importorskip("transformers", reason="oracle tests need transformers (pip install '.[oracle]')")
-    from moe_pipe.shared.convert.converter import convert
-
-    root = tmp_path_factory.mktemp(f"mixtral-{request.param}")
-    hf_dir = hfmodels.build("mixtral", root / "hf", **CONFIGS[request.param])
-    ref = hfmodels.load_model(hf_dir)
-    ggufs = {t: convert(hf_dir, root / f"m-{t}.gguf", outtype=t) for t in ("f32", "q8_0")}
-    prompts = [Tokenizer.from_gguf(open_model(ggufs["f32"]).gguf).encode(t)[:12] for t in hfmodels.SAMPLES]  # short: CI time
-    return request.param, hf_dir, ref, ggufs, prompts
+# -- converted checkpoints --------------------------------------------------------
 
 
 @pytest.mark.oracle
-def test_f32_logits_and_greedy_match_transformers(pair):
-    name, _, ref, ggufs, prompts = pair
-    with open_model(ggufs["f32"]) as mf:
-        assert mf.spec.arch == "llama" and mf.spec.n_expert == CONFIGS[name]["experts"]
-        model = load_model(mf)
-        for ids in prompts:
-            want = hfmodels.hf_logits(ref, ids)
-            got = model.forward(ids, model.new_cache(128), all_logits=True)
-            rel = np.abs(got - want).max() / np.abs(want).max()
-            assert rel < 1e-4, f"{name}: logits differ by {rel:.2e} relative (prompt {ids[:5]}...)"
-            assert ours_greedy(model, ids, N_GREEDY) == hfmodels.hf_greedy(ref, ids, N_GREEDY), f"{name}: greedy tokens differ"
+def test_converted_file_is_llama_with_the_checkpoints_experts(ck):
+    with open_model(ck.gguf()) as mf:
+        assert mf.spec.arch == "llama" and mf.spec.n_expert == ck.config.build["experts"]
 
 
 @pytest.mark.oracle
-@pytest.mark.slow
-def test_q8_0_logits_stay_close_to_transformers(pair):
-    """q8_0 weights, f32 activations: within the 0.1 relative bound of the original families (tests/test_convert.py)."""
-    name, _, ref, ggufs, prompts = pair
-    with open_model(ggufs["q8_0"]) as mf:
-        model = load_model(mf)
-        for ids in prompts:
-            want = hfmodels.hf_logits(ref, ids)[-1]
-            got = model.forward(ids, model.new_cache(128))[-1]
-            assert np.abs(got - want).max() / np.abs(want).max() < 0.1, name
-            assert int(np.argmax(got)) == int(np.argmax(want)), name
-
-
-@pytest.mark.oracle
-def test_tokenizer_matches_transformers_and_llama_cpp(pair):
+def test_tokenizer_matches_transformers_and_llama_cpp(ck):
     """The SentencePiece tokenizer: our ids = transformers' on the checkpoint = llama.cpp's on the GGUF."""
     from transformers import AutoTokenizer
 
-    _, hf_dir, _, ggufs, _ = pair
-    hf = AutoTokenizer.from_pretrained(hf_dir)
-    tok = Tokenizer.from_gguf(open_model(ggufs["f32"]).gguf)
-    llm = _llama(ggufs["f32"])
+    hf = AutoTokenizer.from_pretrained(ck.hf_dir)
+    tok = Tokenizer.from_gguf(open_model(ck.gguf()).gguf)
+    llm = checks.llama(ck.gguf())
     try:
         for text in TEXTS:
             ours = tok.encode(text)
@@ -112,27 +59,8 @@ def test_tokenizer_matches_transformers_and_llama_cpp(pair):
         llm.close()
 
 
-@pytest.mark.oracle
-def test_llama_cpp_greedy_tokens_match_ours_on_converted_model(pair):
-    name, _, _, ggufs, prompts = pair
-    llm = _llama(ggufs["f32"])
-    try:
-        with open_model(ggufs["f32"]) as mf:
-            model = load_model(mf)
-            for ids in prompts:
-                llm.reset()
-                llm.eval(ids)
-                theirs = []
-                for _ in range(16):
-                    theirs.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
-                    llm.eval([theirs[-1]])
-                assert ours_greedy(model, ids, 16) == theirs, f"{name}: greedy tokens differ from llama.cpp"
-    finally:
-        llm.close()
-
-
 def test_convert_refuses_a_sliding_window(tmp_path):
-    from moe_pipe.shared.convert.mixtral import hparams
+    from moe_pipe.shared.families.mixtral.convert import hparams
 
     cfg = dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=128, num_local_experts=4)
     cfg.update(num_experts_per_tok=2, intermediate_size=96, max_position_embeddings=512)
@@ -148,24 +76,6 @@ def test_convert_refuses_a_sliding_window(tmp_path):
 @pytest.fixture(scope="module")
 def made(tmp_path_factory):
     return make_model("llama", "tiny", tmp_path_factory.mktemp("mixtral") / "tiny.gguf")
-
-
-@pytest.mark.oracle
-@pytest.mark.slow
-def test_llama_cpp_agrees_on_made_f32_model(tmp_path):
-    path = make_model("llama", "tiny", tmp_path / "m.gguf", quant="F32")
-    ids = Tokenizer.from_gguf(open_model(path).gguf).encode(hfmodels.SAMPLES[0])
-    with open_model(path) as mf:
-        model = load_model(mf)
-        ours = model.forward(ids, model.new_cache(64), all_logits=True)
-    llm = _llama(path)
-    try:
-        llm.eval(ids)
-        ref = np.asarray(llm.scores[: len(ids)])
-    finally:
-        llm.close()
-    assert np.abs(ours - ref).max() / np.abs(ref).max() < 1e-5
-    assert (ours.argmax(-1) == ref.argmax(-1)).all()
 
 
 def _rewrite(src, dst, drop_keys=(), add_tensors=None):

@@ -162,11 +162,11 @@ def test_config_accepts_every_live_policy_and_refuses_others_in_one_line(tmp_pat
     p = tmp_path / "c.toml"
     for name in LIVE_POLICIES:
         p.write_text(f'[cache]\npolicy = "{name}"\n')
-        assert load_config(p, check_model_path=False).cache.policy == name
+        assert load_config(p).cache.policy == name
     for bad in ("nextmax", "belady"):
         p.write_text(f'[cache]\npolicy = "{bad}"\n')
         with pytest.raises(ConfigError) as exc:
-            load_config(p, check_model_path=False)
+            load_config(p)
         msg = str(exc.value)
         assert "\n" not in msg and bad in msg and "allowed:" in msg, msg
         assert all(f'"{name}"' in msg for name in LIVE_POLICIES), msg

@@ -257,6 +257,7 @@ def test_default_quant_is_q4_k_m_and_a_missing_one_lists_those_there(hub, tmp_pa
     assert "no Q2_K GGUF; quants here: Q8_0, Q4_K_M" in err and "mmproj" not in err
 
 
+@pytest.mark.integration
 def test_ctrl_c_mid_shard_then_pull_again_fetches_only_the_rest(hub, repo_files, tmp_path):
     shard2 = "Q8_0/Tiny-Q8_0-00002-of-00003.gguf"
     size = len(repo_files[shard2])
@@ -326,6 +327,7 @@ def test_bad_repository_names_are_refused(capsys):
     assert code == 2 and "ORG/NAME[:QUANT]" in err
 
 
+@pytest.mark.integration
 def test_disk_short_is_refused_before_the_first_byte(hub, tmp_path, capsys):
     small = tmp_path / "small"
     small.mkdir()

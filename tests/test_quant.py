@@ -313,6 +313,7 @@ _CACHE_PROBE = textwrap.dedent(
 )
 
 
+@pytest.mark.integration
 def test_kernels_load_from_the_disk_cache_on_the_second_start(tmp_path):
     env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "numba"))
 

@@ -2,11 +2,12 @@
 top-k renormalized only when `norm_topk_prob` (Qwen1.5-MoE: not), and a shared expert
 behind a sigmoid gate.
 
-Oracles: transformers on tiny random models converted by `moe-pipe convert` (the
-published per-expert layout and transformers 5's fused one; norm_topk_prob false and
-true; biases and none), llama.cpp on the same converted GGUFs and on a made model.
-Then what is refused, the shape preset, and the streaming pipeline (in tests/test_family_pipelines.py) against the
-resident reference (docs/models.md § qwen2moe).
+Its checkpoints (the published per-expert layout and transformers 5's fused one;
+norm_topk_prob false and true; biases and none) are held to transformers and llama.cpp
+with every family's checks in tests/test_families_oracle.py (its entry in
+tests/oracle.py). Here: the converted spec, that the renormalization flag matters, the
+tokenizer, what is refused, the shape preset; the streaming pipeline is in
+tests/test_family_pipelines.py (docs/models.md § qwen2moe).
 """
 
 from __future__ import annotations
@@ -20,98 +21,33 @@ from moe_pipe.shared.makemodel.maker import make_model
 from moe_pipe.shared.model.load import load_model
 from moe_pipe.shared.text.tokenizer import Tokenizer
 
-from . import hfmodels
+from . import hfmodels, oracle
+from . import oracle_checks as checks
 
-N_GREEDY = 32
-
-
-def ours_greedy(model, ids, n):
-    cache = model.new_cache(len(ids) + n + 1)
-    logits, out = model.prefill(ids, cache), []
-    for _ in range(n):
-        out.append(int(np.argmax(logits)))
-        logits = model.decode_one(out[-1], cache)
-    return out
+ck = oracle.checkpoints("qwen2moe")
 
 
-def _llama(path, **kw):
-    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python not installed (optional extra)")
-    return llama_cpp.Llama(str(path), n_ctx=128, n_threads=2, logits_all=True, verbose=False, type_k=0, type_v=0, flash_attn=False, **kw)
-
-
-def _llama_greedy(llm, ids, n):
-    llm.reset()
-    llm.eval(ids)
-    out = []
-    for _ in range(n):
-        out.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
-        llm.eval([out[-1]])
-    return out
-
-
-# -- transformers ----------------------------------------------------------------
-
-CONFIGS = {
-    "plain": dict(),  # Qwen1.5-MoE's routing (no renormalization), biases, GQA, per-expert checkpoint
-    "norm-fused": dict(norm_topk_prob=True, fused=True),  # Qwen2-style renormalized top-k; transformers 5's fused experts
-    "nobias-mha": dict(qkv_bias=False, num_key_value_heads=4, num_experts_per_tok=4),  # zero biases written; MHA as Qwen1.5
-}
-
-
-@pytest.fixture(
-    scope="module", params=["plain", pytest.param("norm-fused", marks=pytest.mark.slow), pytest.param("nobias-mha", marks=pytest.mark.slow)]
-)
-def pair(request, tmp_path_factory):
-    pytest.importorskip("torch", reason="oracle tests need torch (pip install '.[oracle]')")
-    pytest.importorskip("transformers", reason="oracle tests need transformers (pip install '.[oracle]')")
-    from moe_pipe.shared.convert.converter import convert
-
-    root = tmp_path_factory.mktemp(f"qwen2moe-{request.param}")
-    hf_dir = hfmodels.build("qwen2moe", root / "hf", **CONFIGS[request.param])
-    ref = hfmodels.load_model(hf_dir)
-    ggufs = {"f32": convert(hf_dir, root / "m-f32.gguf", outtype="f32")}  # q8_0: converted by its (slow) test
-    prompts = [Tokenizer.from_gguf(open_model(ggufs["f32"]).gguf).encode(t) for t in hfmodels.SAMPLES]
-    return request.param, hf_dir, ref, ggufs, prompts
+# -- converted checkpoints --------------------------------------------------------
 
 
 @pytest.mark.oracle
-def test_f32_logits_match_transformers(pair):
-    """Every position's logits on the 3 prompts, and (CI time) 8 greedy tokens on the first."""
-    name, _, ref, ggufs, prompts = pair
-    with open_model(ggufs["f32"]) as mf:
+def test_converted_spec_says_whether_to_renormalize(ck):
+    with open_model(ck.gguf()) as mf:
         s = mf.spec
-        assert s.arch == "qwen2moe" and s.expert_weights_norm == (name == "norm-fused") and s.n_ff_shexp == 96
-        model = load_model(mf)
-        for ids in prompts:
-            want = hfmodels.hf_logits(ref, ids)
-            got = model.forward(ids, model.new_cache(128), all_logits=True)
-            rel = np.abs(got - want).max() / np.abs(want).max()
-            assert rel < 1e-4, f"{name}: logits differ by {rel:.2e} relative (prompt {ids[:5]}...)"
-        assert ours_greedy(model, prompts[0], 8) == hfmodels.hf_greedy(ref, prompts[0], 8), f"{name}: greedy tokens differ"
+        assert s.arch == "qwen2moe" and s.expert_weights_norm == (ck.config.name == "norm-fused") and s.n_ff_shexp == 96
 
 
 @pytest.mark.oracle
 @pytest.mark.slow
-def test_f32_greedy_matches_transformers_for_32_tokens(pair):
-    name, _, ref, ggufs, prompts = pair
-    with open_model(ggufs["f32"]) as mf:
-        model = load_model(mf)
-        for ids in prompts:
-            assert ours_greedy(model, ids, N_GREEDY) == hfmodels.hf_greedy(ref, ids, N_GREEDY), f"{name}: greedy tokens differ"
-
-
-@pytest.mark.oracle
-@pytest.mark.slow
-def test_renormalization_is_what_separates_the_configs(pair):
+def test_renormalization_is_what_separates_the_configs(ck):
     """The flag matters on these models: flipping transformers' norm_topk_prob moves its
-    logits far beyond the 1e-4 both settings are matched to above."""
-    _, _, ref, _, prompts = pair
-    gates = [layer.mlp.gate for layer in ref.model.layers]
-    want = hfmodels.hf_logits(ref, prompts[0])
+    logits far beyond the 1e-4 both settings are matched to (tests/test_families_oracle.py)."""
+    gates = [layer.mlp.gate for layer in ck.ref.model.layers]
+    want = ck.hf_logits(ck.prompts[0])
     for g in gates:
         g.norm_topk_prob = not g.norm_topk_prob
     try:
-        flipped = hfmodels.hf_logits(ref, prompts[0])
+        flipped = ck.hf_logits(ck.prompts[0])
     finally:
         for g in gates:
             g.norm_topk_prob = not g.norm_topk_prob
@@ -120,48 +56,14 @@ def test_renormalization_is_what_separates_the_configs(pair):
 
 @pytest.mark.oracle
 @pytest.mark.slow
-def test_q8_0_logits_stay_close_to_transformers(pair, tmp_path):
-    """q8_0 weights, f32 activations: within the 0.1 relative bound of the original families (tests/test_convert.py)."""
-    from moe_pipe.shared.convert.converter import convert
-
-    name, hf_dir, ref, _, prompts = pair
-    with open_model(convert(hf_dir, tmp_path / "m-q8_0.gguf", outtype="q8_0")) as mf:
-        model = load_model(mf)
-        for ids in prompts:
-            want = hfmodels.hf_logits(ref, ids)[-1]
-            got = model.forward(ids, model.new_cache(128))[-1]
-            assert np.abs(got - want).max() / np.abs(want).max() < 0.1, name
-            assert int(np.argmax(got)) == int(np.argmax(want)), name
-
-
-@pytest.mark.oracle
-def test_llama_cpp_greedy_tokens_match_ours_on_converted_model(pair):
-    """llama.cpp's qwen2moe graph never renormalizes: a file that says expert_weights_norm
-    (norm-fused) runs differently there, so only the others are compared."""
-    name, _, _, ggufs, prompts = pair
-    if name == "norm-fused":
-        pytest.skip("llama.cpp ignores expert_weights_norm for qwen2moe (docs/models.md § qwen2moe)")
-    llm = _llama(ggufs["f32"])
-    try:
-        with open_model(ggufs["f32"]) as mf:
-            model = load_model(mf)
-            for ids in prompts:
-                assert ours_greedy(model, ids, 16) == _llama_greedy(llm, ids, 16), f"{name}: greedy tokens differ from llama.cpp"
-    finally:
-        llm.close()
-
-
-@pytest.mark.oracle
-@pytest.mark.slow
-def test_tokenizer_matches_transformers_and_llama_cpp(pair):
+def test_tokenizer_matches_transformers_and_llama_cpp(ck):
     from transformers import AutoTokenizer
 
-    _, hf_dir, _, ggufs, _ = pair
-    hf = AutoTokenizer.from_pretrained(hf_dir)
-    with open_model(ggufs["f32"]) as mf:
+    hf = AutoTokenizer.from_pretrained(ck.hf_dir)
+    with open_model(ck.gguf()) as mf:
         tok = Tokenizer.from_gguf(mf.gguf)
         assert mf.gguf.meta("tokenizer.ggml.pre") == "qwen2"
-    llm = _llama(ggufs["f32"])
+    llm = checks.llama(ck.gguf())
     try:
         for text in (*hfmodels.SAMPLES, "ü€ 😀 naïve café\n", "<|im_start|>user\nhi<|im_end|>", ""):
             ours = tok.encode(text)
@@ -171,7 +73,7 @@ def test_tokenizer_matches_transformers_and_llama_cpp(pair):
 
 
 def test_convert_refuses_dense_layers_sliding_windows_and_no_shared_expert():
-    from moe_pipe.shared.convert.qwen2moe import hparams
+    from moe_pipe.shared.families.qwen2moe.convert import hparams
 
     cfg = dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=4, vocab_size=128, num_experts=4, num_experts_per_tok=2)
     cfg.update(moe_intermediate_size=32, shared_expert_intermediate_size=96, intermediate_size=96)
@@ -193,24 +95,6 @@ def test_convert_refuses_dense_layers_sliding_windows_and_no_shared_expert():
 @pytest.fixture(scope="module")
 def made(tmp_path_factory):
     return make_model("qwen2moe", "tiny", tmp_path_factory.mktemp("qwen2moe") / "tiny.gguf")
-
-
-@pytest.mark.oracle
-@pytest.mark.slow
-def test_llama_cpp_agrees_on_made_f32_model(tmp_path):
-    path = make_model("qwen2moe", "tiny", tmp_path / "m.gguf", quant="F32")
-    ids = Tokenizer.from_gguf(open_model(path).gguf).encode(hfmodels.SAMPLES[0])
-    with open_model(path) as mf:
-        model = load_model(mf)
-        ours = model.forward(ids, model.new_cache(64), all_logits=True)
-    llm = _llama(path)
-    try:
-        llm.eval(ids)
-        ref = np.asarray(llm.scores[: len(ids)])
-    finally:
-        llm.close()
-    assert np.abs(ours - ref).max() / np.abs(ref).max() < 1e-5
-    assert (ours.argmax(-1) == ref.argmax(-1)).all()
 
 
 def test_only_routed_experts_stream_and_batches_equal_decode_steps(made):

@@ -10,7 +10,8 @@ import subprocess
 
 import pytest
 
-from moe_pipe.procs.gateway import GatewaySettings, slot_filename
+from moe_pipe.procs.gateway import ConfigDefaults, slot_filename
+from moe_pipe.shared.config import Config, apply_overrides
 from moe_pipe.shared.serve.openai_api import ApiError, fit_max_tokens, parse_request
 
 from .test_service import CLI, CONFIG, MODEL, Service
@@ -56,10 +57,10 @@ def test_slot_filenames_and_the_context_shift_budget():
         assert (err.value.status, err.value.param) == (400, "filename")
     assert slot_filename({"filename": "chat-1.bin"}) == "chat-1.bin"
     body = {"model": "tiny", "prompt": "hi", "max_tokens": 500}
-    plain = GatewaySettings(runtime_dir="/x", model_path="/x", model_name="tiny", ctx_size=64)
+    plain = ConfigDefaults(apply_overrides(Config(), {"compute.ctx_size": 64}), "tiny")
     with pytest.raises(ApiError, match="over the context"):
         fit_max_tokens(parse_request(body, False, plain), 10, plain)
-    shifting = GatewaySettings(runtime_dir="/x", model_path="/x", model_name="tiny", ctx_size=64, context_shift=True)
+    shifting = ConfigDefaults(apply_overrides(Config(), {"compute.ctx_size": 64, "generate.context_shift": True}), "tiny")
     assert fit_max_tokens(parse_request(body, False, shifting), 10, shifting) == 500
     assert parse_request({**body, "cache_prompt": False}, False, plain).cache_prompt is False
     with pytest.raises(ApiError, match="'cache_prompt' must be true or false"):

@@ -186,17 +186,18 @@ def test_doc_lists_every_summary_field():
 
 
 def test_the_telemetry_process_keeps_a_tally_not_the_records():
-    """A service sends records for hours: the recorder keeps ~16 bytes a token
+    """A service sends records for hours: the record writer keeps ~16 bytes a token
     (wall and step), not the records, and sums to the same summary."""
     import tracemalloc
 
-    from moe_pipe.procs.telemetry import Recorder, TelemetryConfig
+    from moe_pipe.procs.telemetry import RecordWriter
+    from moe_pipe.shared.config import TelemetryConfig
 
-    def record(i):  # made on arrival, as the decoder makes them: kept only if the recorder keeps it
+    def record(i):  # made on arrival, as the decoder makes them: kept only if the writer keeps it
         return rec(i, 100.0 + (i % 7), hit_pct=i / 1000, rss_bytes=i)
 
     n = 20_000
-    r = Recorder(TelemetryConfig(runtime_dir="/nonexistent"))
+    r = RecordWriter(TelemetryConfig())  # no csv: the tally alone
     r.on_run_info(INFO)
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]

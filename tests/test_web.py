@@ -19,6 +19,7 @@ import pytest
 from aiohttp import web
 
 from moe_pipe.procs import gateway_events as ge
+from moe_pipe.shared.config import Config
 from moe_pipe.shared.wire import messages as m
 
 from . import test_gateway
@@ -79,7 +80,7 @@ def test_a_stalled_browser_neither_grows_memory_nor_holds_the_feed():
     and the rest of its frames are dropped, not kept."""
 
     async def main() -> tuple[list[int], list[int], list[int]]:
-        gw = SimpleNamespace(settings=SimpleNamespace(model_name="t", config={}, write_timeout_s=30.0))
+        gw = SimpleNamespace(facts=SimpleNamespace(model_name="t"), config=Config(), http_limits=SimpleNamespace(write_timeout_s=30.0))
         view = ge.WebView(gw)
         view.feed = ge.Feed(cap=16)
         app = web.Application()
@@ -141,12 +142,13 @@ def read_events(resp, want: int, kinds: tuple[str, ...] = ("token",)) -> list[tu
     return out
 
 
+@pytest.mark.integration
 def test_page_and_events_through_the_gateway(start_gateway):
     import zmq
 
     from moe_pipe.shared.wire import ipc
 
-    svc = start_gateway(config={"gateway": {"api_key": "***", "port": 0}})
+    svc = start_gateway()
     status, headers, body = get(svc, "/")
     assert status == 200 and headers["Content-Security-Policy"] == ge.CSP and b'<script src="/web/app.js"' in body
     assert headers["X-Content-Type-Options"] == "nosniff" and headers["Content-Type"].startswith("text/html")
@@ -169,7 +171,7 @@ def test_page_and_events_through_the_gateway(start_gateway):
     (_, hello), *_ = read_events(resp, 1, ("hello",))
     assert (
         hello["model"] == "tiny"
-        and hello["config"] == {"gateway": {"api_key": "***", "port": 0}}
+        and hello["config"]["gateway"] == {**Config().to_dict()["gateway"], "port": 0}
         and hello["layers"] > 0
         and hello["experts"] > 0
     )
@@ -201,8 +203,9 @@ def test_page_and_events_through_the_gateway(start_gateway):
     ctx.term()
 
 
+@pytest.mark.integration
 def test_with_an_api_key_the_page_loads_but_its_events_need_the_key(start_gateway):
-    svc = start_gateway(api_key="s3cret")
+    svc = start_gateway({"gateway.api_key": "s3cret"})
     assert get(svc, "/")[0] == 200  # the page itself asks for the key
     status, _, body = get(svc, "/events")
     assert status == 401 and json.loads(body)["error"]["code"] == "invalid_api_key"
@@ -212,7 +215,7 @@ def test_with_an_api_key_the_page_loads_but_its_events_need_the_key(start_gatewa
     resp = conn.getresponse()
     assert resp.status == 200
     (_, hello), *_ = read_events(resp, 1, ("hello",))
-    assert hello["model"] == "tiny"
+    assert hello["model"] == "tiny" and hello["config"]["gateway"]["api_key"] == "***"  # the config, its secret redacted
     conn.close()
 
 

@@ -129,7 +129,7 @@ def test_a_reply_streams_and_stop_cancels_it_on_compute(start_gateway, browser):
 
 @pytest.mark.slow
 def test_with_an_api_key_the_page_refuses_until_the_key_is_given(start_gateway, browser):
-    svc = start_gateway(api_key="k3y")
+    svc = start_gateway({"gateway.api_key": "k3y"})
     svc.start_computes({"script": [["hello", " there"]]})
     svc.wait_ready()
     open_page(browser, svc.url, live=False)

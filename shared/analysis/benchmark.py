@@ -26,8 +26,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from moe_pipe.shared.analysis.cgroup import MemoryCgroup, MemoryLimitError, drop_page_cache
-from moe_pipe.shared.errors import UserError
+from ..errors import UserError
+from .cgroup import MemoryCgroup, MemoryLimitError, drop_page_cache
 
 PROMPT = "The old mill by the river had stood there for a hundred years, and every spring"
 FORECAST_KEYS = ("tok_s", "tok_s_1t", "hit_pct", "hit_source", "bottleneck", "budget_mb", "read_gbps", "compute_ms", "io_ms")
@@ -78,7 +78,7 @@ class RunFigures:
 def wall_figures(walls_ms: list[float]) -> dict:
     """tok/s over all tokens, over the steady window (warm-up discarded, as the
     telemetry summary does), and the first-5 wall average."""
-    from moe_pipe.shared.telemetry import steady_start
+    from ..telemetry import steady_start
 
     if not walls_ms:
         return {"tok_s_mean": 0.0, "tok_s_steady": 0.0, "first5_wall_ms": 0.0, "steady_wall_ms": 0.0}
@@ -117,7 +117,7 @@ def _in_cgroup(plan: BenchPlan, fn: Callable[[MemoryCgroup | None], RunFigures])
 
 
 def run_moe_pipe(plan: BenchPlan, k: int, cg: MemoryCgroup | None) -> RunFigures:
-    from moe_pipe.shared.telemetry import read_csv
+    from ..telemetry import read_csv
 
     csv = plan.out / f"moe-pipe-{k}.csv"
     cmd = [
@@ -198,7 +198,7 @@ def peer_repeats(peer: PeerRun, repeat: int) -> int:
 
 
 def run_llama(plan: BenchPlan, k: int, prompt_tokens: list[int], peer: PeerRun, cg: MemoryCgroup | None) -> RunFigures:
-    from moe_pipe.shared.analysis.peer_llama import read_result
+    from .peer_llama import read_result
 
     csv = plan.out / f"llama.cpp-{peer.tag}-{k}.csv"
     req = plan.out / f".llama-request-{k}.json"
@@ -304,9 +304,9 @@ def run_bench(plan: BenchPlan, say: Callable[[str], None], forecast: dict | None
 
 
 def _prompt_tokens(plan: BenchPlan) -> list[int]:
-    from moe_pipe.shared.gguf.model_file import open_model
-    from moe_pipe.shared.text.chat import encode_prompt
-    from moe_pipe.shared.text.tokenizer import Tokenizer
+    from ..gguf.model_file import open_model
+    from ..text.chat import encode_prompt
+    from ..text.tokenizer import Tokenizer
 
     with open_model(plan.model) as mf:
         return encode_prompt(Tokenizer.from_gguf(mf.gguf), plan.prompt)
@@ -425,8 +425,8 @@ def per_token_figure(plan: BenchPlan, rows: list[RunFigures]):
     io can lie above wall. None without a moe-pipe run."""
     import matplotlib.pyplot as plt
 
-    from moe_pipe.shared.analysis.peer_llama import read_result
-    from moe_pipe.shared.telemetry import read_csv
+    from ..telemetry import read_csv
+    from .peer_llama import read_result
 
     first = next((r for r in rows if r.engine == "moe-pipe"), None)
     if first is None:
@@ -479,7 +479,7 @@ def hit_rate_figure(plan: BenchPlan, rows: list[RunFigures]):
     the expert cache budget (the figure depends on both). None without a moe-pipe run."""
     import matplotlib.pyplot as plt
 
-    from moe_pipe.shared.telemetry import read_csv
+    from ..telemetry import read_csv
 
     ours = [r for r in rows if r.engine == "moe-pipe"]
     if not ours:

@@ -69,8 +69,9 @@ from pathlib import Path
 
 import numpy as np
 
-from moe_pipe.shared.errors import ConfigError, UserError
-from moe_pipe.shared.experts.budget import (
+from ..config import Config
+from ..errors import ConfigError, UserError
+from ..experts.budget import (
     RESIDENT_DENSE,
     RUN_ROLES,
     Budget,
@@ -82,7 +83,7 @@ from moe_pipe.shared.experts.budget import (
     probe_memory,
     resolve_budget,
 )
-from moe_pipe.shared.gguf.layout import aligned_bytes
+from ..gguf.layout import aligned_bytes
 
 MiB = 1 << 20
 TRACE_DIR = Path(__file__).parent.parent / "data" / "traces"
@@ -183,14 +184,14 @@ class ModelFacts:
         return self.moe_layers * self.n_expert
 
 
-def model_facts(mf, cfg) -> ModelFacts:
+def model_facts(mf, cfg: Config) -> ModelFacts:
     """Everything the forecast needs from the model, read from its header (no weight is touched)."""
-    from moe_pipe.shared.gguf.spec import kv_cache_bytes  # the KV size the pipeline allocates
+    from ..gguf.spec import kv_cache_bytes  # the KV size the pipeline allocates
 
     spec, layout = mf.spec, mf.layout
     top_k = cfg.compute.top_k or spec.n_expert_used
     if cfg.compute.route_replay:  # a trace-driven run routes the trace's k experts a layer, not the model's
-        from moe_pipe.shared.model.trace import read_trace_header
+        from ..model.trace import read_trace_header
 
         top_k = read_trace_header(cfg.compute.route_replay).n_expert_used
     if top_k > spec.n_expert:
@@ -267,7 +268,7 @@ def limited_probe(mem_limit_mb: float | None, memory: MemoryProbe | None = None)
     return MemoryProbe(memory.host_available_bytes, memory.cgroups + (limit,))
 
 
-def memory_fit(facts: ModelFacts, cfg, memory: MemoryProbe) -> MemoryFit:
+def memory_fit(facts: ModelFacts, cfg: Config, memory: MemoryProbe) -> MemoryFit:
     """The budget `moe-pipe run` would resolve here, and whether the model runs in it."""
     budget = resolve_budget(cfg, dense_bytes=facts.dense_bytes, kv_bytes=facts.kv_bytes, memory=memory, engine_bytes=facts.engine_bytes)
     avail = memory.available_bytes
@@ -340,7 +341,7 @@ def proxy_trace_path(n_expert: int) -> Path | None:
 
 def first_layers(trace, n_layer: int):
     """`trace` cut to its first n_layer layers (rows and header)."""
-    from moe_pipe.shared.model.trace import Trace
+    from ..model.trace import Trace
 
     h = trace.header
     if n_layer >= h.n_layer:
@@ -356,7 +357,7 @@ def first_layers(trace, n_layer: int):
 
 def first_decode_tokens(trace, n: int):
     """`trace` cut to its first turn's prompt and first `n` decoded tokens: a reply's warm-up from a cold cache."""
-    from moe_pipe.shared.model.trace import Trace
+    from ..model.trace import Trace
 
     turn = trace.turn.min()
     decode = trace.step[(trace.turn == turn) & (trace.phase == 1)]
@@ -372,8 +373,8 @@ def first_decode_tokens(trace, n: int):
 def hit_rate(facts: ModelFacts, n_slots: int, policy: str, trace=None, decode_tokens: int | None = None) -> HitRate:
     """The decode hit rate of a cache of `n_slots` slabs under `policy` (module docstring: how);
     with `decode_tokens`, over a reply's first that many decoded tokens from a cold cache (the warm-up)."""
-    from moe_pipe.shared.analysis.replay import Replayer, slab_bytes
-    from moe_pipe.shared.model.trace import read_trace
+    from ..model.trace import read_trace
+    from .replay import Replayer, slab_bytes
 
     if n_slots >= facts.all_experts_slots and decode_tokens is None:
         return HitRate(100.0, "resident", "every expert fits the cache: after the warm-up every lookup hits")
@@ -437,8 +438,8 @@ def measure_reads(mf, lanes: Sequence[int] = READ_LANES, seconds: float = 1.5, s
     the slabs of a shared-memory slab arena, one per lane), `seconds` split over the lane counts,
     each in `rounds` short rounds; the best round counts (lanes are threads: on two busy
     cores a round can lose whole scheduler slices)."""
-    from moe_pipe.shared.experts.directio import ExpertFiles
-    from moe_pipe.shared.experts.shm import SlabArena, segment_name
+    from ..experts.directio import ExpertFiles
+    from ..experts.shm import SlabArena, segment_name
 
     paths = list(mf.gguf.paths)
     if is_sparse(paths):
@@ -504,8 +505,8 @@ def measure_kernels(
     in decode each matrix is read from DRAM once per token). Timed in windows of about
     WINDOW_BYTES; the rate is the best window (timeit's rule: slower ones are interference):
     on two shared cores another process stalls a 2-thread call by whole scheduler slices."""
-    from moe_pipe.shared import quant
-    from moe_pipe.shared.quant.blocks import random_blocks
+    from .. import quant
+    from ..quant.blocks import random_blocks
 
     rng = np.random.default_rng(0)
     before = quant.get_threads()
@@ -540,7 +541,7 @@ def measure_kernels(
     return out
 
 
-def compute_threads(cfg) -> int:
+def compute_threads(cfg: Config) -> int:
     import numba
 
     n_max = numba.config.NUMBA_NUM_THREADS  # type: ignore[attr-defined]  # numba.config sets its NUMBA_* names at import time (globals), unseen by mypy
@@ -604,7 +605,7 @@ def _gws(classes, rates, role) -> float | None:
 # ---------------------------------------------------------------- all of it
 
 
-def forecast(mf, cfg, *, mem_limit_mb: float | None = None, seconds: float = 4.0, memory: MemoryProbe | None = None) -> dict:
+def forecast(mf, cfg: Config, *, mem_limit_mb: float | None = None, seconds: float = 4.0, memory: MemoryProbe | None = None) -> dict:
     """The doctor's record: one flat dict (keys documented in docs/cli.md, ## doctor).
     About `seconds` go to measuring: 40 % reads, 60 % kernels."""
     t0 = time.perf_counter()

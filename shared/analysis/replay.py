@@ -38,10 +38,10 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from moe_pipe.shared.errors import UserError
-from moe_pipe.shared.experts.cache import CacheFull, SlotTable
-from moe_pipe.shared.experts.policies import OFFLINE_POLICIES, POLICIES, Key, Policy, make_policy
-from moe_pipe.shared.model.trace import DECODE, Trace
+from ..errors import UserError
+from ..experts.cache import CacheFull, SlotTable
+from ..experts.policies import OFFLINE_POLICIES, POLICIES, Key, Policy, make_policy
+from ..model.trace import DECODE, Trace
 
 MIB = 1 << 20
 PAGE = 4096

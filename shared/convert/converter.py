@@ -1,10 +1,12 @@
 """`moe-pipe convert`: a Hugging Face checkpoint -> a GGUF file llama.cpp and moe-pipe can run.
 
-Supported model types: `qwen3_moe`, `gpt_oss`, `gemma4` (the multimodal
-config; only its text model is converted) and `gemma4_text`. The output uses
-llama.cpp's tensor names, shapes and metadata keys (docs/models.md § From Hugging Face names);
-the per-arch rules live in arch.py, the tokenizer in vocab.py, the
-safetensors reader in source.py (all in shared/convert/).
+Supported model types: every `hf_model_types` of the family registry
+(shared/families/registry.py); of a multimodal config only the text model is
+converted. The output uses llama.cpp's tensor names, shapes and metadata keys
+(docs/models.md § From Hugging Face names). Each family's rules are its convert
+part (shared/families/<family>/convert.py, found through rules.py and built from
+the blocks in plan.py); the tokenizer is copied by vocab.py, the safetensors
+read by source.py (those in shared/convert/).
 
 Types (`outtype`): f32 keeps every tensor F32. Otherwise weight matrices
 (2-D and up) take the type, while norms, biases, routers (`ffn_gate_inp`),
@@ -30,11 +32,12 @@ from gguf import GGMLQuantizationType as Q
 from gguf import GGUFWriter, LlamaFileType
 from gguf.quants import quantize
 
-from moe_pipe.shared.convert.arch import ARCHES, SUPPORTED, Out, text_config
-from moe_pipe.shared.convert.source import Checkpoint, read_json
-from moe_pipe.shared.convert.vocab import add_vocab, read_vocab
-from moe_pipe.shared.errors import UserError
-from moe_pipe.shared.quant.blocks import block_format
+from ..errors import UserError
+from ..quant.blocks import block_format
+from .plan import Out
+from .rules import arch_for
+from .source import Checkpoint, read_json
+from .vocab import add_vocab, read_vocab
 
 __all__ = ["OUTTYPES", "convert", "tensor_qtype"]
 
@@ -64,11 +67,8 @@ def convert(hf_dir: Path | str, out: Path | str, outtype: str = "f16", progress:
     if not cfg_path.is_file():
         raise UserError(f"{hf_dir}: config.json is missing; is this a Hugging Face model folder?")
     config = read_json(cfg_path)
-    model_type, tcfg = text_config(config)
-    arch = ARCHES.get(model_type)
-    if arch is None:
-        raise UserError(f"{cfg_path}: model_type {config.get('model_type')!r} is not supported; convert handles {SUPPORTED}")
-    hp = arch.hparams(tcfg)
+    arch = arch_for(config, cfg_path)
+    hp = arch.hparams(arch.text_config(config))
     vocab = read_vocab(hf_dir, arch.gguf_arch, hp["V"], config)
 
     ck = Checkpoint(hf_dir)

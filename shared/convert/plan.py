@@ -1,9 +1,8 @@
-"""The building blocks of `moe-pipe convert`'s per-architecture rules (shared/convert/arch.py).
+"""The building blocks of the families' `moe-pipe convert` rules (shared/families/<family>/convert.py).
 
 `Planner` turns checkpoint tensors into `Out`s (GGUF tensors to write), checking
 every name and shape against config.json before anything is written; the
-config helpers read the keys every family shares. One `Arch` per HF model_type
-bundles a family's three rules. docs/models.md § From Hugging Face names.
+config helpers read the keys every family shares. docs/models.md § From Hugging Face names.
 
 Legend (numpy order, last axis = ggml ne0): V vocab, D hidden, H q heads,
 Hk kv heads, d head dim, X experts, F expert ff width, Fd dense ff width.
@@ -20,8 +19,8 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFWriter, RopeScalingType
 
-from moe_pipe.shared.convert.source import Checkpoint
-from moe_pipe.shared.errors import UserError
+from ..errors import UserError
+from .source import Checkpoint
 
 
 @dataclass(frozen=True)
@@ -195,8 +194,9 @@ def stack(p: Planner, gg: str, names: list[str], shape: tuple[int, ...]) -> None
 
 
 def qwen_experts(p: Planner, b: str, e: str, hp: dict[str, Any]) -> None:
-    """Routed experts of qwen3moe / qwen35moe: transformers 5's fused `gate_up_proj`
-    (X, 2F, D), gate rows first, or per-expert Linear weights (as checkpoints store them)."""
+    """Routed experts stored as Qwen's MoE checkpoints store them (and most others since):
+    transformers 5's fused `gate_up_proj` (X, 2F, D), gate rows first, or per-expert
+    `gate_proj`/`up_proj`/`down_proj` Linear weights."""
     ck, D, X, F = p.ck, hp["D"], hp["X"], hp["F"]
     if p.prefix + e + "gate_up_proj" in ck:
         full = p.hf(e + "gate_up_proj", (X, 2 * F, D))
@@ -226,11 +226,3 @@ def finish(p: Planner, ck: Checkpoint, ignore: str = "") -> list[Out]:
             f"{ck.dir}: tensor {left[0]}{more} is not used by convert; the checkpoint has parts this model type does not map (an unsupported variant?)"
         )
     return p.outs
-
-
-@dataclass(frozen=True)
-class Arch:
-    gguf_arch: str
-    hparams: Callable[[dict], dict[str, Any]]
-    metadata: Callable[[GGUFWriter, dict[str, Any]], None]
-    plan: Callable[[dict[str, Any], Checkpoint], list[Out]]

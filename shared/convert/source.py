@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from moe_pipe.shared.errors import UserError
+from ..errors import UserError
 
 # safetensors dtype -> (numpy dtype of the stored bits, how to read it as float32)
 _DTYPES: dict[str, np.dtype] = {

@@ -4,8 +4,9 @@ Follows the conventions of shared/gguf/vocab.py (and llama.cpp's converter):
 ids are list indices; ids the tokenizer does not define, up to the model's
 embedding rows, become "[PAD<id>]" UNUSED entries; added tokens are CONTROL
 when `special` and USER_DEFINED otherwise; merges are "A B" strings. The
-pre-split name comes from the arch, cross-checked against the tokenizer's own
-Split regex when it has one (docs/models.md § Tokenizers).
+pre-split name comes from the model type's `TokenizerFacts` (its family's convert
+part, shared/convert/rules.py), cross-checked against the tokenizer's own Split
+regex when it has one (docs/models.md § Tokenizers).
 """
 
 from __future__ import annotations
@@ -17,46 +18,30 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from moe_pipe.shared.convert.source import read_json
-from moe_pipe.shared.errors import UserError
-from moe_pipe.shared.gguf.vocab import BYTE, CONTROL, LLAMA3_REGEX, NORMAL, O200K_REGEX, QWEN2_REGEX, UNKNOWN, UNUSED, USER_DEFINED
-from moe_pipe.shared.text.tokenizer import QWEN35_REGEX
+from ..errors import UserError
+from ..gguf.vocab import BYTE, CONTROL, NORMAL, O200K_REGEX, QWEN2_REGEX, UNKNOWN, UNUSED, USER_DEFINED
+from ..text.tokenizer import QWEN35_REGEX
+from .rules import TokenizerFacts, arch_for
+from .source import read_json
 
 log = logging.getLogger(__name__)
 
 # The tokenizer.json spelling of the contraction group vs the expanded one llama.cpp uses.
 _CONTRACTIONS_CI = "(?i:'s|'t|'re|'ve|'m|'ll|'d)"
 _CONTRACTIONS_EXPANDED = "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+
+
+def as_written(regex: str) -> str:
+    """A Split regex as tokenizer.json files spell it (the keys of `TokenizerFacts.known_pre`)."""
+    return regex.replace(_CONTRACTIONS_EXPANDED, _CONTRACTIONS_CI)
+
+
+# Splits llama.cpp names alike for every family (a family's own are its `TokenizerFacts.known_pre`).
 _KNOWN_PRE = {
-    QWEN2_REGEX.replace(_CONTRACTIONS_EXPANDED, _CONTRACTIONS_CI): "qwen2",
-    QWEN35_REGEX.replace(_CONTRACTIONS_EXPANDED, _CONTRACTIONS_CI): "qwen35",  # Qwen3.5/3.6's tokenizer.json
+    as_written(QWEN2_REGEX): "qwen2",
+    as_written(QWEN35_REGEX): "qwen35",  # Qwen3.5/3.6's tokenizer.json
     O200K_REGEX: "gpt-4o",
 }
-
-# gguf arch -> (tokenizer.ggml.model, tokenizer.ggml.pre, add_bos default)
-_ARCH_TOKENIZER = {
-    "qwen3moe": ("gpt2", "qwen2", False),
-    "qwen35moe": ("gpt2", "qwen2", False),
-    "gpt-oss": ("gpt2", "gpt-4o", False),
-    "gemma4": ("gemma4", "gemma4", True),
-    "llama": ("llama", "default", True),  # Mixtral: SentencePiece (scores, no merges in the GGUF)
-    "glm4moe": ("gpt2", "glm4", False),
-    "lfm2moe": ("gpt2", "lfm2", True),  # LFM2 starts every prompt with <|startoftext|>
-    "deepseek2": ("gpt2", "deepseek-llm", True),  # DeepSeek prompts start with <｜begin▁of▁sentence｜>
-    "qwen2moe": ("gpt2", "qwen2", False),  # Qwen1.5: the Qwen2 split, no BOS
-}
-# GLM-4.5's split is llama3's regex, which llama.cpp calls "glm4" for this arch (no BOS, merges as usual).
-_ARCH_KNOWN_PRE = {
-    "glm4moe": {LLAMA3_REGEX.replace(_CONTRACTIONS_EXPANDED, _CONTRACTIONS_CI): "glm4"},
-    "lfm2moe": {LLAMA3_REGEX.replace(_CONTRACTIONS_EXPANDED, _CONTRACTIONS_CI): "lfm2"},  # LFM2: llama3's split, merges as usual
-    # DeepSeek's splits are sequences; within this arch their first regexes tell V2's from V3's
-    "deepseek2": {"[\r\n]": "deepseek-llm", r"\p{N}{1,3}": "deepseek-v3"},
-}
-# llama.cpp's converter sets these for GLM-4.5 (bos, eot, eom); its loader then stops on eot and eom too.
-_GLM4_SPECIALS = {"bos": "[gMASK]", "eot": "<|user|>", "eom": "<|observation|>"}
-
-# llama.cpp's gemma4 converter keeps these visible (USER_DEFINED) so chat parsers see them.
-_GEMMA4_VISIBLE = {"<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", "<|tool_response>", "<tool_response|>", '<|"|>'}
 _BYTE_PIECE = re.compile(r"<0x[0-9A-F]{2}>")
 
 
@@ -76,12 +61,14 @@ class HFVocab:
     chat_template: str | None
     eot: int | None = None
     eom: int | None = None
-    scores: list[float] | None = None  # llama (SentencePiece): each piece's merge priority
-    add_space_prefix: bool = True  # llama: a space before the text, as SentencePiece's dummy prefix
+    scores: list[float] | None = None  # SentencePiece: each piece's merge priority
+    add_space_prefix: bool | None = None  # a space before the text (SentencePiece's dummy prefix); None: not written
 
 
 def read_vocab(hf_dir: Path, arch: str, n_vocab: int, config: dict[str, Any]) -> HFVocab:
-    """The tokenizer of `hf_dir` as GGUF tokenizer fields for `n_vocab` embedding rows."""
+    """The tokenizer of `hf_dir` as GGUF tokenizer fields for `n_vocab` embedding rows, by the
+    `TokenizerFacts` of `config`'s model_type; `arch` (the GGUF arch) names it in messages."""
+    facts = arch_for(config).tokenizer
     path = hf_dir / "tokenizer.json"
     if not path.is_file():
         raise UserError(f"{hf_dir}: tokenizer.json is missing (convert needs the fast-tokenizer file)")
@@ -92,14 +79,11 @@ def read_vocab(hf_dir: Path, arch: str, n_vocab: int, config: dict[str, Any]) ->
     if model.get("type") != "BPE":
         raise UserError(f"{path}: tokenizer model is {model.get('type')!r}; convert supports BPE tokenizers only")
 
-    gg_model, pre, add_bos_default = _ARCH_TOKENIZER[arch]
-    if arch == "deepseek2" and config.get("model_type") == "deepseek_v3":
-        pre = "deepseek-v3"  # V3, R1, V3.1 ship V3's split (llama.cpp's name); V2's is deepseek-llm
-    if gg_model == "gpt2" and "ByteLevel" not in json.dumps(tj.get("pre_tokenizer")):
+    if facts.model == "gpt2" and "ByteLevel" not in json.dumps(tj.get("pre_tokenizer")):
         raise UserError(f"{path}: {arch} needs a byte-level BPE tokenizer (no ByteLevel pre-tokenizer found)")
-    if gg_model == "llama" and not model.get("byte_fallback"):
+    if facts.sentencepiece and not model.get("byte_fallback"):
         raise UserError(f"{path}: {arch} needs a SentencePiece-style BPE tokenizer (byte_fallback with <0xXX> pieces); this one has none")
-    pre = _check_pre(path, tj, arch, pre)
+    pre = _check_pre(path, tj, arch, facts)
 
     by_id: dict[int, str] = {int(i): t for t, i in model.get("vocab", {}).items()}
     added: dict[int, dict] = {}
@@ -121,13 +105,13 @@ def read_vocab(hf_dir: Path, arch: str, n_vocab: int, config: dict[str, Any]) ->
             types.append(UNUSED)
             continue
         tokens.append(text)
-        if gg_model == "gemma4" and text in _GEMMA4_VISIBLE:
+        if text in facts.visible:
             types.append(USER_DEFINED)
         elif i in added:
             types.append(CONTROL if added[i].get("special") else USER_DEFINED)
         elif text == unk_text:
             types.append(UNKNOWN)
-        elif gg_model in ("gemma4", "llama") and _BYTE_PIECE.fullmatch(text):
+        elif facts.byte_pieces and _BYTE_PIECE.fullmatch(text):
             types.append(BYTE)
         else:
             types.append(NORMAL)
@@ -155,25 +139,25 @@ def read_vocab(hf_dir: Path, arch: str, n_vocab: int, config: dict[str, Any]) ->
 
     add_bos = tc.get("add_bos_token")
     if add_bos is None:
-        add_bos = _post_processor_adds_bos(tj) or add_bos_default
+        add_bos = _post_processor_adds_bos(tj) or facts.add_bos
     add_eos = tc.get("add_eos_token")
-    glm = {k: ids.get(t) for k, t in _GLM4_SPECIALS.items()} if arch == "glm4moe" else {}
+    fixed = {k: ids.get(t) for k, t in facts.specials.items()}
     return HFVocab(
-        model=gg_model,
+        model=facts.model,
         pre=pre,
         tokens=tokens,
         types=types,
-        merges=[] if gg_model == "llama" else merges,  # llama.cpp's SPM files have scores instead
-        bos=glm.get("bos") if glm.get("bos") is not None else special("bos_token"),
+        merges=[] if facts.sentencepiece else merges,  # llama.cpp's SPM files have scores instead
+        bos=fixed.get("bos") if fixed.get("bos") is not None else special("bos_token"),
         eos=special("eos_token"),
         pad=special("pad_token"),
         unk=ids.get(unk_text) if unk_text else special("unk_token"),
         add_bos=bool(add_bos),
         add_eos=None if add_eos is None else bool(add_eos),
         chat_template=_chat_template(hf_dir, tc),
-        eot=glm.get("eot"),
-        eom=glm.get("eom"),
-        **(_sentencepiece(tj, tokens, merges) if gg_model == "llama" else {}),
+        eot=fixed.get("eot"),
+        eom=fixed.get("eom"),
+        **(_sentencepiece(tj, tokens, merges) if facts.sentencepiece else {"add_space_prefix": facts.space_prefix}),
     )
 
 
@@ -212,18 +196,18 @@ def _split_regexes(node: Any) -> list[str]:
     return found
 
 
-def _check_pre(path: Path, tj: dict, arch: str, pre: str) -> str:
-    if arch == "gemma4":  # llama.cpp forces its own newline split for gemma4
-        return pre
+def _check_pre(path: Path, tj: dict, arch: str, facts: TokenizerFacts) -> str:
+    if facts.pre_fixed:
+        return facts.pre
     regexes = _split_regexes(tj.get("pre_tokenizer"))
     if not regexes:
-        return pre
-    ci = regexes[0].replace(_CONTRACTIONS_EXPANDED, _CONTRACTIONS_CI)
-    known = _ARCH_KNOWN_PRE.get(arch, {}).get(ci) or _KNOWN_PRE.get(ci)
+        return facts.pre
+    ci = as_written(regexes[0])
+    known = facts.known_pre.get(ci) or _KNOWN_PRE.get(ci)
     if known is None:
         # A pre-split llama.cpp does not know: keep the arch's, but say so.
-        log.warning("%s: unrecognised pre-tokenizer regex; writing tokenizer.ggml.pre=%r (the %s default)", path, pre, arch)
-        return pre
+        log.warning("%s: unrecognised pre-tokenizer regex; writing tokenizer.ggml.pre=%r (the %s default)", path, facts.pre, arch)
+        return facts.pre
     return known
 
 
@@ -273,11 +257,9 @@ def add_vocab(w, v: HFVocab) -> None:
     w.add_add_bos_token(v.add_bos)
     if v.add_eos is not None:
         w.add_add_eos_token(v.add_eos)
-    if v.model == "gemma4":
-        w.add_add_space_prefix(False)
     if v.scores is not None:
         w.add_token_scores(v.scores)
-    if v.model == "llama":
+    if v.add_space_prefix is not None:  # after the scores, as llama.cpp's SPM files have it
         w.add_add_space_prefix(v.add_space_prefix)
     if v.chat_template:
         w.add_chat_template(v.chat_template)

@@ -3,5 +3,6 @@ the residency index and the shared-memory arenas, slab placement, the
 O_DIRECT reads and their lanes, the dense set, and the memory budget.
 
 Owns: where each expert's bytes live and how they get there. May import:
-errors, quant, gguf, model (the expert views it hands to the forward pass).
+errors, config (the policy names), quant, gguf, model (the expert views it hands
+to the forward pass).
 """

@@ -42,7 +42,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from moe_pipe.shared.errors import ConfigError
+from ..config import Config
+from ..errors import ConfigError
 
 MiB = 1 << 20
 # cgroup v1 writes "no limit" as PAGE_COUNTER_MAX rounded to a page (9223372036854771712);
@@ -433,7 +434,7 @@ def probe_memory(
 
 
 def resolve_budget(
-    cfg: Any,
+    cfg: Config,
     *,
     dense_bytes: int,
     kv_bytes: int,

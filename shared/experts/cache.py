@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from moe_pipe.shared.experts.policies import Key, Policy, make_policy
+from .policies import Key, Policy, make_policy
 
 
 class CacheFull(RuntimeError):

@@ -18,9 +18,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from moe_pipe.shared.experts.placement import placement_for
-from moe_pipe.shared.gguf.layout import Extent, Layout, aligned_bytes
-from moe_pipe.shared.gguf.reader import GGUFFile, TensorInfo
+from ..gguf.layout import Extent, Layout, aligned_bytes
+from ..gguf.reader import GGUFFile, TensorInfo
+from .placement import placement_for
 
 
 def arena_bytes(layout: Layout) -> int:

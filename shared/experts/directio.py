@@ -50,9 +50,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from moe_pipe.shared.experts.placement import Placement, placement_for
-from moe_pipe.shared.gguf.alignment import IDENTITY_PAGE, PAGE_SIZE, io_alignment, round_up
-from moe_pipe.shared.gguf.layout import Extent, aligned, aligned_bytes
+from ..gguf.alignment import IDENTITY_PAGE, PAGE_SIZE, io_alignment, round_up
+from ..gguf.layout import Extent, aligned, aligned_bytes
+from .placement import Placement, placement_for
 
 log = logging.getLogger(__name__)
 

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from moe_pipe.shared.gguf.layout import Extent, LayerExperts, aligned
-from moe_pipe.shared.model.weights import Expert, expert_from_bytes
+from ..gguf.layout import Extent, LayerExperts, aligned
+from ..model.weights import Expert, expert_from_bytes
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,11 @@ from typing import Protocol
 
 import numpy as np
 
-from moe_pipe.shared.errors import ConfigError
+# The names cache.policy accepts and its default belong to the config schema; POLICIES gives each
+# a factory (tests/test_cache.py checks that the two agree).
+from ..config import DEFAULT_POLICY as DEFAULT_POLICY
+from ..config import LIVE_POLICIES as LIVE_POLICIES
+from ..errors import ConfigError
 
 Key = Hashable  # (layer, expert) in the engine; anything hashable here
 
@@ -594,11 +598,6 @@ POLICIES: dict[str, Callable[..., Policy]] = {
     "belady": Belady,
 }
 OFFLINE_POLICIES = frozenset(name for name, f in POLICIES.items() if getattr(f, "offline", False))
-LIVE_POLICIES = tuple(name for name in POLICIES if name not in OFFLINE_POLICIES)  # what the reader may run
-# Measured (docs/cache-policies.md): on both phone traces at 2000-4000 MiB, in slots
-# and in bytes, nextmix beats nextuse (the default before it) by 0.04-0.9 points of
-# decode hit rate and lru by 1.9-7.8, and every other live policy.
-DEFAULT_POLICY = "nextmix"
 
 
 def make_policy(name: str, n_slots: int, future: Iterable[Iterable[Key]] | None = None) -> Policy:

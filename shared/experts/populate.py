@@ -25,7 +25,7 @@ import os
 import threading
 import time
 
-from moe_pipe.shared.experts.shm import Arena
+from .shm import Arena
 
 log = logging.getLogger(__name__)
 

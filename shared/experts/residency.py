@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moe_pipe.shared.experts.shm import Arena, segment_name
+from .shm import Arena, segment_name
 
 PINNED = 1  # states bit: the reader's slot table holds a pin on the key
 INFLIGHT = 2  # states bit: the key's read is under way (its slab is not complete yet)

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moe_pipe.shared.gguf.alignment import PAGE_SIZE
+from ..gguf.alignment import PAGE_SIZE
 
 SHM_DIR = Path("/dev/shm")
 PAGE = PAGE_SIZE  # the OS page (os.sysconf, once): mapping granularity and madvise ranges

@@ -27,10 +27,10 @@ from dataclasses import dataclass
 
 from gguf import GGMLQuantizationType
 
-from moe_pipe.shared.errors import GGUFError
-from moe_pipe.shared.gguf.alignment import io_alignment
-from moe_pipe.shared.gguf.reader import GGUFFile, TensorInfo
-from moe_pipe.shared.gguf.spec import ModelSpec
+from ..errors import GGUFError
+from .alignment import io_alignment
+from .reader import GGUFFile, TensorInfo
+from .spec import ModelSpec
 
 _EXPERT_TENSOR = re.compile(r"^blk\.(?P<layer>\d+)\.ffn_(?P<proj>gate_up|gate|up|down)_exps\.(?P<kind>weight|bias)$")
 # Read order inside one expert: the order the forward pass needs them.
@@ -137,7 +137,7 @@ def _expected_shape(spec: ModelSpec, proj: str, kind: str) -> tuple[int, ...]:
 
 
 def _expert_part(f: GGUFFile, spec: ModelSpec, t: TensorInfo, proj: str, kind: str) -> ExpertPart:
-    from moe_pipe.shared.quant.blocks import FORMATS  # lazy: the quant package brings numba with it
+    from ..quant.blocks import FORMATS  # lazy: the quant package brings numba with it
 
     want = _expected_shape(spec, proj, kind)
     if len(t.shape) != len(want) + 1 or t.shape[0] != spec.n_expert:

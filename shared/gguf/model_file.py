@@ -6,9 +6,9 @@ import os
 from collections import Counter
 from dataclasses import dataclass
 
-from moe_pipe.shared.gguf.layout import Layout, build_layout
-from moe_pipe.shared.gguf.reader import GGUFFile
-from moe_pipe.shared.gguf.spec import ModelSpec, read_spec
+from .layout import Layout, build_layout
+from .reader import GGUFFile
+from .spec import ModelSpec, read_spec
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.gguf_reader import ReaderField
 
-from moe_pipe.shared.errors import GGUFError
+from ..errors import GGUFError
 
 _U64 = struct.Struct("<Q")
 _SPLIT_NAME = re.compile(r"^(?P<prefix>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")

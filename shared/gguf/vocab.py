@@ -3,17 +3,21 @@
 Made GGUFs carry a tokenizer that llama.cpp and our own loader can both run,
 so every model gets a BPE trained with HF `tokenizers` on the bundled corpus,
 using exactly the pre-split the GGUF's `tokenizer.ggml.pre` names
-(docs/models.md § Tokenizers), and then the arch's special tokens and unused
-placeholders up to the preset's vocab size.
+(docs/models.md § Tokenizers), and then the tokenizer's special tokens and
+unused placeholders up to the preset's vocab size. One builder per tokenizer
+kind, each `(size, n_bpe) -> Vocab`; a family's plan part picks its own
+(shared/families/<family>/plan.py `vocab`).
 
 Vocab layouts (ids):
 
-    qwen3moe  [BPE ... | pad | 26 Qwen added tokens | [PADn] ...]      gpt2 / "qwen2"
-    gpt-oss   [BPE ... | pad | 21 harmony specials  | <|reserved_n|> ] gpt2 / "gpt-4o"
-    gemma4    [specials 0..107 | <0x00>..<0xFF> | BPE ... | <unusedn>]  gemma4 (SPM-style)
+    qwen_vocab     [BPE ... | pad | 26 Qwen added tokens | [PADn] ...]      gpt2 / "qwen2"
+    harmony_vocab  [BPE ... | pad | 21 harmony specials  | <|reserved_n|> ] gpt2 / "gpt-4o"
+    glm4_vocab     [BPE ... | 36 GLM-4.5 added tokens | [PADn] ...]         gpt2 / "glm4"
+    gemma_vocab    [specials 0..107 | <0x00>..<0xFF> | BPE ... | <unusedn>]  gemma4 (SPM-style)
+    llama_vocab    [<unk> <s> </s> | <0x00>..<0xFF> | pieces ... | <unusedn>] llama (SentencePiece)
 
 For the real vocab sizes the special blocks sit at their real ids (151643,
-199998); for tiny vocabularies they follow the BPE directly. Gemma's low
+199998, 151329); for tiny vocabularies they follow the BPE directly. Gemma's low
 special ids are real in every size.
 """
 
@@ -204,21 +208,6 @@ def corpus_lines() -> list[str]:
     return CORPUS.read_text(encoding="utf-8").splitlines(keepends=True)
 
 
-def build_vocab(arch: str, size: int, n_bpe: int) -> Vocab:
-    """The vocab of `arch` with exactly `size` tokens, `n_bpe` of them trained (at most)."""
-    if arch == "qwen3moe":
-        return _qwen_vocab(size, n_bpe)
-    if arch == "gpt-oss":
-        return _harmony_vocab(size, n_bpe)
-    if arch == "gemma4":
-        return _gemma_vocab(size, n_bpe)
-    if arch == "llama":
-        return _llama_vocab(size, n_bpe)
-    if arch == "glm4moe":
-        return _glm4_vocab(size, n_bpe)
-    raise ValueError(f"no vocab for arch {arch!r}")
-
-
 # --- byte-level BPE (qwen3moe, gpt-oss) ---------------------------------------
 
 
@@ -268,12 +257,12 @@ def _fill(size: int, bpe: tuple[str, ...], block: list[tuple[str, int]], block_a
     return tokens, types
 
 
-def _check_fits(arch: str, size: int, n_bpe: int, n_block: int) -> None:
+def _check_fits(label: str, size: int, n_bpe: int, n_block: int) -> None:
     if n_bpe + n_block > size:
-        raise ValueError(f"{arch}: vocab size {size} cannot hold {n_bpe} BPE tokens + {n_block} special tokens")
+        raise ValueError(f"{label}: vocab size {size} cannot hold {n_bpe} BPE tokens + {n_block} special tokens")
 
 
-def _qwen_vocab(size: int, n_bpe: int) -> Vocab:
+def qwen_vocab(size: int, n_bpe: int) -> Vocab:
     bpe, merges = train_byte_level(QWEN2_REGEX, n_bpe)
     block = [(t, CONTROL if t.startswith("<|") else USER_DEFINED) for t in _QWEN_ADDED]
     _check_fits("qwen3moe", size, len(bpe), len(block))
@@ -294,7 +283,7 @@ def _qwen_vocab(size: int, n_bpe: int) -> Vocab:
     )
 
 
-def _harmony_vocab(size: int, n_bpe: int) -> Vocab:
+def harmony_vocab(size: int, n_bpe: int) -> Vocab:
     bpe, merges = train_byte_level(O200K_REGEX, n_bpe)
     at = HARMONY_REAL["first_special"] if size == HARMONY_REAL["vocab"] else len(bpe)
     block = [(t or f"<|reserved_{at + k}|>", CONTROL) for k, t in enumerate(_HARMONY)]
@@ -315,7 +304,7 @@ def _harmony_vocab(size: int, n_bpe: int) -> Vocab:
     )
 
 
-def _glm4_vocab(size: int, n_bpe: int) -> Vocab:
+def glm4_vocab(size: int, n_bpe: int) -> Vocab:
     bpe, merges = train_byte_level(LLAMA3_REGEX, n_bpe)
     block = [(t, CONTROL if t.startswith(("<|", "[", "<sop", "<eop")) else USER_DEFINED) for t in _GLM4_ADDED]
     _check_fits("glm4moe", size, len(bpe), len(block))
@@ -361,7 +350,7 @@ def train_spm_style(n_bpe: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
     return _tokens_and_merges(tok)
 
 
-def _gemma_vocab(size: int, n_bpe: int) -> Vocab:
+def gemma_vocab(size: int, n_bpe: int) -> Vocab:
     pieces, merges = train_spm_style(n_bpe)
     tokens: list[str] = []
     types: list[int] = []
@@ -401,7 +390,7 @@ def _gemma_vocab(size: int, n_bpe: int) -> Vocab:
 _LLAMA_LOW = [("<unk>", UNKNOWN), ("<s>", CONTROL), ("</s>", CONTROL)]
 
 
-def _llama_vocab(size: int, n_bpe: int) -> Vocab:
+def llama_vocab(size: int, n_bpe: int) -> Vocab:
     """Llama/Mistral's layout: <unk> <s> </s>, the 256 byte pieces, then the pieces,
     each scored by when training made it (earlier = higher), as SentencePiece's
     BPE scores are; run by llama.cpp's SPM merge (`spm_merges`)."""

@@ -8,7 +8,7 @@ renamed one shows up as a one-line "no such repository" from `pull`.
 Sizes: `file_bytes` is the whole GGUF (all shards), `routed_bytes_per_token`
 what one token reads with no cache (every layer's top-k experts), both as
 `moe-pipe inspect --json` reports them. Where a shape preset of
-shared/makemodel/presets.py matches the model they come from it (`sizes`
+its family (shared/families/<family>/plan.py) matches the model they come from it (`sizes`
 names it; made with `sparse=True` at full depth and inspected); otherwise
 they are estimates from the model's published shape at the quant's mix
 (llama.cpp's Q4_K_M: gate and up Q4_K, down Q6_K in half the layers and
@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from moe_pipe.shared.errors import UserError
+from ..errors import UserError
 
 # The recipes: configs/ beside shared/ in the source tree, and moe_pipe/configs (package data) when installed
 CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"

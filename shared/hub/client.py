@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from moe_pipe.shared.errors import GGUFError, UserError
+from ..errors import GGUFError, UserError
 
 DEFAULT_QUANT = "Q4_K_M"
 HASH_CHUNK = 8 << 20
@@ -331,7 +331,7 @@ def fetch_file(p: Plan, i: int, on_bytes: Callable[[int], None]) -> Path:
 
 def validate(path: Path) -> str:
     """Open the pulled model with our reader (every shard, the spec checks): its architecture."""
-    from moe_pipe.shared.gguf.model_file import open_model
+    from ..gguf.model_file import open_model
 
     try:
         with open_model(path) as mf:

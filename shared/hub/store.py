@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from moe_pipe.shared.makemodel.default_model import cache_dir
+from ..makemodel.default_model import cache_dir
 
 RECORD_NAME = "pulled.json"
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-_ARCH, _PRESET, _SEED = "qwen3moe", "tiny", 0
+ARCH, PRESET, SEED = "qwen3moe", "tiny", 0  # what it is: the family, preset and seed make-model writes it from
 # The generator's version for this preset: bump it whenever make_model writes
 # different bytes for it (v2: the calibrated routers), so a cached older
 # default is not reused.
@@ -21,9 +21,9 @@ def cache_dir() -> Path:
 
 def default_model_path() -> Path:
     """The default model's path, making it first if it is not there yet (~0.2 s)."""
-    from moe_pipe.shared.makemodel import maker as makemodel
+    from . import maker as makemodel
 
-    path = cache_dir() / f"{_ARCH}-{_PRESET}-seed{_SEED}-v{_VERSION}.gguf"
+    path = cache_dir() / f"{ARCH}-{PRESET}-seed{SEED}-v{_VERSION}.gguf"
     if not path.exists():
-        makemodel.make_model(_ARCH, _PRESET, path, seed=_SEED)  # writes .part, then renames
+        makemodel.make_model(ARCH, PRESET, path, seed=SEED)  # writes .part, then renames
     return path

@@ -5,8 +5,10 @@ models: llama.cpp's tensor names, shapes and metadata for each arch
 (docs/models.md), the real quant mix (docs/formats.md § Real files' quant mixes)
 with random but *valid* quantized blocks, routers scaled so that routing moves
 from token to token like a real model's (see "routers" below), a BPE tokenizer
-trained on shared/data/corpus.txt (docs/models.md § Tokenizers) and the arch's
-chat template.
+trained on shared/data/corpus.txt (docs/models.md § Tokenizers) and the
+family's chat template. What differs from family to family is the family's
+plan part (shared/families/<family>/plan.py, part.PlanPart): this module
+plans and writes every family's file from it.
 
 Writing streams: all tensor infos go into the header first, then one tensor
 at a time is generated and written, so a 60 GB gpt-oss-120b-shaped file
@@ -25,43 +27,26 @@ import os
 import shutil
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 from gguf import GGMLQuantizationType as Q
-from gguf import GGUFWriter, LlamaFileType, RopeScalingType
+from gguf import GGUFWriter, LlamaFileType
 
-from moe_pipe.shared.errors import UserError
-from moe_pipe.shared.gguf.vocab import DATA_DIR, Vocab, build_vocab
-from moe_pipe.shared.makemodel.families import FAMILY_KV, FAMILY_LAYERS, FAMILY_META, FAMILY_VOCAB, FINAL_NORM, TIED_HEAD, count_attn_v
-from moe_pipe.shared.makemodel.presets import ARCHES, MIX_NAME, PRESETS, ROUTER, SHAPE_PRESET_ARCH, Preset, fit_type, get_preset, real_mix
-from moe_pipe.shared.quant.blocks import block_format, qtype_from_name, random_blocks
+from ..errors import UserError
+from ..families.registry import by_name
+from ..gguf.vocab import Vocab
+from ..quant.blocks import block_format, qtype_from_name, random_blocks
+from .part import PlanPart, TensorSpec
+from .plans import ARCHES, PRESETS, SHAPE_PRESET_ARCH, get_preset, plan_part
+from .presets import SHARED_PRESETS, Preset, fit_type
 
-__all__ = ["ARCHES", "PRESETS", "make_model", "plan_tensors", "TensorSpec"]
+__all__ = ["ARCHES", "PRESETS", "chat_template", "make_model", "plan_tensors", "TensorSpec"]
 
 # Generation chunk: keeps the temporaries of random_blocks small and its
 # std calibration per chunk; fixed so files stay byte-identical.
 _CHUNK_BYTES = 32 << 20
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """One tensor to write. `shape` is numpy order (last axis = ggml ne0)."""
-
-    name: str
-    shape: tuple[int, ...]
-    qtype: Q
-    fill: str  # weight | norm | norm_scaled | ones | router | router_bias | bias | bias_scaled | sinks | scale | rope_freqs | conv | ssm_a
-    param: float = 0.0  # std of the random values; rope_freqs: fraction of pairs that rotate
-
-    @property
-    def byte_shape(self) -> tuple[int, ...]:
-        return (*self.shape[:-1], block_format(self.qtype).row_bytes(self.shape[-1]))
-
-    @property
-    def nbytes(self) -> int:
-        return block_format(self.qtype).tensor_bytes(self.shape)
 
 
 def make_model(
@@ -76,7 +61,8 @@ def make_model(
     sparse: bool = False,
     _overrides: dict | None = None,
 ) -> Path:
-    """Write a random-weight GGUF model of `arch` shaped like `preset` to `out`.
+    """Write a random-weight GGUF model of `arch` (a GGUF arch, or a family's own
+    name: registry.by_name) shaped like `preset` to `out`.
 
     * `layers` cuts (or extends) the depth; default = the preset's (real) depth.
       Per-layer rules (more-bits layers, sliding-window pattern) use the cut depth,
@@ -98,12 +84,10 @@ def make_model(
 
     The file is written to `<out>.part` and renamed when complete.
     """
+    arch = _gguf_arch(arch)
     p = _resolve(arch, preset, layers, _overrides)
     override = _parse_quant(quant)
-    if arch in FAMILY_VOCAB:
-        vocab = FAMILY_VOCAB[arch](p.vocab_size, p.n_bpe)
-    else:
-        vocab = build_vocab("qwen3moe" if arch == "qwen35moe" else arch, p.vocab_size, p.n_bpe)  # Qwen3.5: Qwen's byte-level BPE
+    vocab = plan_part(arch).vocab(p.vocab_size, p.n_bpe)
     specs = plan_tensors(arch, p, override)
     total = sum(s.nbytes for s in specs)
 
@@ -191,9 +175,15 @@ def _leave_data_as_hole(w: GGUFWriter, specs: list[TensorSpec]) -> None:
 # --- arguments ----------------------------------------------------------------
 
 
-def _resolve(arch: str, preset: str, layers: int | None, overrides: dict | None) -> Preset:
-    if arch not in ARCHES:
+def _gguf_arch(arch: str) -> str:
+    """The GGUF arch of the family `arch` names (its arch or its own name)."""
+    family = by_name(arch)
+    if family is None:
         raise UserError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHES)}")
+    return family.arch
+
+
+def _resolve(arch: str, preset: str, layers: int | None, overrides: dict | None) -> Preset:
     if preset not in PRESETS:
         raise UserError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
     p = get_preset(arch, preset)
@@ -223,13 +213,14 @@ def _parse_quant(quant: str | None) -> Q | None:
 
 def plan_tensors(arch: str, p: Preset, override: Q | None = None) -> list[TensorSpec]:
     """Every tensor of the model in file order, with its type and how to fill it."""
-    n_v = count_attn_v(arch, p)
+    part = plan_part(arch)
+    n_v = _count_attn_v(part, p)
     v_seen = 0
 
     def W(name: str, shape: tuple[int, ...], role: str, layer: int = 0) -> TensorSpec:
         nonlocal v_seen
         ne0 = shape[-1]
-        qtype = override if override is not None else real_mix(arch, role, layer, p.n_layer, v_seen, n_v)
+        qtype = override if override is not None else part.mix(role, layer, p.n_layer, v_seen, n_v)
         v_seen += role == "attn_v"  # llama.cpp's mix counts the attn_v tensors in file order
         fitted = fit_type(qtype, ne0)
         bs = block_format(fitted).block_size
@@ -240,120 +231,29 @@ def plan_tensors(arch: str, p: Preset, override: Q | None = None) -> list[Tensor
         return TensorSpec(name, shape, fitted, "weight", 1.0 / float(np.sqrt(ne0)))
 
     def F(name: str, shape: tuple[int, ...], fill: str) -> TensorSpec:
-        return TensorSpec(name, shape, Q.F32, fill, _router_std(arch, fill, shape[-1], p.n_layer))
+        return TensorSpec(name, shape, Q.F32, fill, _router_std(part, fill, shape[-1], p.n_layer))
 
-    D, V, X, F_exp = p.n_embd, p.vocab_size, p.n_expert, p.n_ff_exp
-    specs = [W("token_embd.weight", (V, D), "embd")]
-    if arch == "gemma4":
-        specs.append(TensorSpec("rope_freqs.weight", (p.head_dim_full // 2,), Q.F32, "rope_freqs", p.partial_rotary))
-    specs.append(F(FINAL_NORM.get(arch, "output_norm.weight"), (D,), "norm"))
-    if arch not in TIED_HEAD:  # gemma4, lfm2moe tie the output head to token_embd
+    D, V = p.n_embd, p.vocab_size
+    specs = [W("token_embd.weight", (V, D), "embd"), *part.head_tensors(p), F(part.final_norm, (D,), "norm")]
+    if not part.tied_head:
         specs.append(W("output.weight", (V, D), "output"))
+    for i in range(p.n_layer):
+        specs += part.layer(p, i, W, F)
+    return _shape_stream(part, p, specs)
+
+
+def _count_attn_v(part: PlanPart, p: Preset) -> int:
+    """The attn_v tensors of the file: llama.cpp's quant mix gives the first
+    few of them more bits, so the mix needs their count before the plan runs."""
+    roles: list[str] = []
+
+    def W(name: str, shape: tuple[int, ...], role: str, layer: int = 0) -> TensorSpec:
+        roles.append(role)
+        return TensorSpec(name, shape, Q.F32, "weight")
 
     for i in range(p.n_layer):
-        b = f"blk.{i}."
-        if arch in FAMILY_LAYERS:  # the later families: one module each (shared/makemodel/families.py)
-            specs += FAMILY_LAYERS[arch](p, i, W, F)
-            continue
-        if arch == "qwen35moe":  # its own layer: full or linear attention, and a shared expert
-            st, vh, fs = p.ssm_state, p.ssm_heads, p.n_ff_shexp
-            ch = (2 * p.ssm_groups + vh) * st  # the conv's channels: q, k, v
-            specs.append(F(b + "attn_norm.weight", (D,), "norm"))
-            if p.is_recurrent(i):
-                specs += [
-                    W(b + "attn_qkv.weight", (ch, D), "attn_qkv", i),
-                    W(b + "attn_gate.weight", (vh * st, D), "attn_gate", i),
-                    F(b + "ssm_conv1d.weight", (ch, p.ssm_conv_kernel), "conv"),
-                    F(b + "ssm_dt.bias", (vh,), "bias"),
-                    F(b + "ssm_a", (vh,), "ssm_a"),
-                    W(b + "ssm_beta.weight", (vh, D), "ssm_beta", i),
-                    W(b + "ssm_alpha.weight", (vh, D), "ssm_alpha", i),
-                    F(b + "ssm_norm.weight", (st,), "norm"),
-                    W(b + "ssm_out.weight", (D, vh * st), "ssm_out", i),
-                ]
-            else:
-                qw = p.n_head * p.head_dim
-                specs += [
-                    W(b + "attn_q.weight", (2 * qw, D), "attn_q", i),  # per head: query rows, then gate rows
-                    W(b + "attn_k.weight", (p.n_head_kv * p.head_dim, D), "attn_k", i),
-                    W(b + "attn_v.weight", (p.n_head_kv * p.head_dim, D), "attn_v", i),
-                    W(b + "attn_output.weight", (D, qw), "attn_output", i),
-                    F(b + "attn_q_norm.weight", (p.head_dim,), "norm"),
-                    F(b + "attn_k_norm.weight", (p.head_dim,), "norm"),
-                ]
-            specs += [
-                F(b + "post_attention_norm.weight", (D,), "norm"),  # the pre-FFN norm
-                F(b + "ffn_gate_inp.weight", (X, D), "router"),
-                W(b + "ffn_gate_exps.weight", (X, F_exp, D), "ffn_gate_exps", i),  # X F D
-                W(b + "ffn_up_exps.weight", (X, F_exp, D), "ffn_up_exps", i),  # X F D
-                W(b + "ffn_down_exps.weight", (X, D, F_exp), "ffn_down_exps", i),  # X D F
-                F(b + "ffn_gate_inp_shexp.weight", (D,), "bias"),  # one logit: σ ≈ 0.5 gates the shared expert
-                W(b + "ffn_gate_shexp.weight", (fs, D), "ffn_gate_shexp", i),
-                W(b + "ffn_up_shexp.weight", (fs, D), "ffn_up_shexp", i),
-                W(b + "ffn_down_shexp.weight", (D, fs), "ffn_down_shexp", i),
-            ]
-            continue
-        swa = p.is_swa(i)
-        d = p.head_dim_full if arch == "gemma4" and not swa else p.head_dim
-        hk = p.n_head_kv_full if arch == "gemma4" and not swa else p.n_head_kv
-        qw, kw = p.n_head * d, hk * d
-        specs += [
-            F(b + "attn_norm.weight", (D,), "norm"),
-            W(b + "attn_q.weight", (qw, D), "attn_q", i),
-            W(b + "attn_k.weight", (kw, D), "attn_k", i),
-        ]
-        if arch != "gemma4" or swa:  # gemma4 full layers use K as V
-            specs.append(W(b + "attn_v.weight", (kw, D), "attn_v", i))
-        specs.append(W(b + "attn_output.weight", (D, qw), "attn_output", i))
-
-        if arch == "qwen3moe":
-            specs += [
-                F(b + "attn_q_norm.weight", (d,), "norm"),
-                F(b + "attn_k_norm.weight", (d,), "norm"),
-                F(b + "ffn_norm.weight", (D,), "norm"),
-                F(b + "ffn_gate_inp.weight", (X, D), "router"),
-                W(b + "ffn_gate_exps.weight", (X, F_exp, D), "ffn_gate_exps", i),  # X F D
-                W(b + "ffn_up_exps.weight", (X, F_exp, D), "ffn_up_exps", i),  # X F D
-                W(b + "ffn_down_exps.weight", (X, D, F_exp), "ffn_down_exps", i),  # X D F
-            ]
-        elif arch == "gpt-oss":
-            specs += [
-                F(b + "attn_q.bias", (qw,), "bias"),
-                F(b + "attn_k.bias", (kw,), "bias"),
-                F(b + "attn_v.bias", (kw,), "bias"),
-                F(b + "attn_output.bias", (D,), "bias"),
-                F(b + "attn_sinks.weight", (p.n_head,), "sinks"),
-                F(b + "post_attention_norm.weight", (D,), "norm"),  # the pre-FFN norm
-                F(b + "ffn_gate_inp.weight", (X, D), "router"),
-                F(b + "ffn_gate_inp.bias", (X,), "router_bias"),
-                W(b + "ffn_gate_exps.weight", (X, F_exp, D), "ffn_gate_exps", i),
-                F(b + "ffn_gate_exps.bias", (X, F_exp), "bias"),
-                W(b + "ffn_up_exps.weight", (X, F_exp, D), "ffn_up_exps", i),
-                F(b + "ffn_up_exps.bias", (X, F_exp), "bias"),
-                W(b + "ffn_down_exps.weight", (X, D, F_exp), "ffn_down_exps", i),
-                F(b + "ffn_down_exps.bias", (X, D), "bias"),
-            ]
-        else:  # gemma4
-            specs += [
-                F(b + "attn_q_norm.weight", (d,), "norm"),
-                F(b + "attn_k_norm.weight", (d,), "norm"),
-                F(b + "post_attention_norm.weight", (D,), "norm"),
-                F(b + "ffn_norm.weight", (D,), "norm"),
-                W(b + "ffn_gate.weight", (p.n_ff, D), "ffn_gate", i),  # Fd D
-                W(b + "ffn_up.weight", (p.n_ff, D), "ffn_up", i),  # Fd D
-                W(b + "ffn_down.weight", (D, p.n_ff), "ffn_down", i),  # D Fd
-                F(b + "post_ffw_norm_1.weight", (D,), "norm"),
-                F(b + "pre_ffw_norm_2.weight", (D,), "norm"),
-                F(b + "post_ffw_norm_2.weight", (D,), "norm"),
-                F(b + "post_ffw_norm.weight", (D,), "norm"),
-                F(b + "ffn_gate_inp.weight", (X, D), "router"),
-                F(b + "ffn_gate_inp.scale", (D,), "scale"),
-                W(b + "ffn_gate_up_exps.weight", (X, 2 * F_exp, D), "ffn_gate_up_exps", i),  # X 2F D, gate rows first
-                W(b + "ffn_down_exps.weight", (X, D, F_exp), "ffn_down_exps", i),  # X D F
-                F(b + "ffn_down_exps.scale", (X,), "scale"),
-                F(b + "layer_output_scale.weight", (1,), "scale"),
-            ]
-    return _shape_stream(arch, p, specs)
+        part.layer(p, i, W, lambda name, shape, fill: TensorSpec(name, shape, Q.F32, fill))
+    return roles.count("attn_v")
 
 
 # --- routers --------------------------------------------------------------------
@@ -412,16 +312,15 @@ def plan_tensors(arch: str, p: Preset, override: Q | None = None) -> list[Tensor
 # later writes no longer do.
 
 _STREAM_WRITES = ("attn_output.weight", "attn_output.bias", "ffn_down_exps.weight", "ffn_down_exps.bias")
-_ROUTER_INPUT_NORM = {"qwen3moe": "ffn_norm.weight", "gpt-oss": "post_attention_norm.weight"}
 
 
-def _shape_stream(arch: str, p: Preset, specs: list[TensorSpec]) -> list[TensorSpec]:
+def _shape_stream(part: PlanPart, p: Preset, specs: list[TensorSpec]) -> list[TensorSpec]:
     """The shape presets' residual stream (see above); other presets' tensors unchanged."""
-    shape = ROUTER[arch]
-    if p.name not in SHAPE_PRESET_ARCH or not shape.shapes_stream:
+    shape = part.router
+    if p.name in SHARED_PRESETS or not shape.shapes_stream:
         return specs
-    if arch not in _ROUTER_INPUT_NORM:  # gemma4 writes through RMS norms: its weights' scale never reaches the stream
-        raise AssertionError(f"stream shaping is not defined for {arch}")
+    if part.router_input_norm is None:
+        raise AssertionError(f"stream shaping needs the family's router_input_norm ({type(part).__name__})")
     out = []
     for s in specs:
         parts = s.name.split(".", 2)
@@ -431,14 +330,12 @@ def _shape_stream(arch: str, p: Preset, specs: list[TensorSpec]) -> list[TensorS
         layer, kind = int(parts[1]), parts[2]
         if kind in _STREAM_WRITES and (layer >= 1 or kind.startswith("ffn_")):
             s = _scaled(s, shape.stream_write)
-        elif kind == _ROUTER_INPUT_NORM[arch]:
+        elif kind == part.router_input_norm:
             s = replace(s, fill="ones")
         elif kind == "ffn_gate_inp.bias" and shape.shaped_bias_std:
             s = replace(s, param=shape.logit_std_at(p.n_layer) * shape.shaped_bias_std)
-        elif layer == 0 and kind == "attn_q_norm.weight":  # qwen3moe: q is RMS-normed, its norm sets the scale
-            s = replace(s, fill="norm_scaled", param=shape.first_attn_q)
-        elif layer == 0 and kind in ("attn_q.weight", "attn_q.bias") and arch == "gpt-oss":
-            s = _scaled(s, shape.first_attn_q)
+        elif layer == 0 and kind in part.first_query:
+            s = replace(s, fill="norm_scaled", param=shape.first_attn_q) if s.fill == "norm" else _scaled(s, shape.first_attn_q)
         out.append(s)
     return out
 
@@ -449,13 +346,12 @@ def _scaled(s: TensorSpec, factor: float) -> TensorSpec:
     return replace(s, fill="bias_scaled", param=0.02 * factor)  # a bias: "bias" values are 0.02 N(0, 1)
 
 
-def _router_std(arch: str, fill: str, ne0: int, n_layer: int) -> float:
-    """The random values' std for an F32 tensor: routers from the arch's RouterShape."""
-    shape = ROUTER[arch]
+def _router_std(part: PlanPart, fill: str, ne0: int, n_layer: int) -> float:
+    """The random values' std for an F32 tensor: routers from the family's RouterShape."""
+    shape = part.router
     logit_std = shape.logit_std_at(n_layer)
     if fill == "router":
-        # qwen3moe/gpt-oss route on x with |x| ≈ √D (an RMS norm); gemma4 divides it by √D first.
-        return logit_std if arch == "gemma4" else logit_std / float(np.sqrt(ne0))
+        return part.router_std(logit_std, ne0)
     if fill == "router_bias":
         return logit_std * shape.bias_std
     return 0.0
@@ -535,11 +431,13 @@ _FILE_TYPE = {
 
 
 def chat_template(arch: str) -> str:
-    return (DATA_DIR / f"{arch}.jinja").read_text(encoding="utf-8")
+    """The chat template made models of this family carry (its plan part's)."""
+    return plan_part(arch).chat_template()
 
 
 def _add_metadata(w: GGUFWriter, arch: str, preset: str, p: Preset, v: Vocab, override: Q | None, seed: int) -> None:
-    mix = override.name if override is not None else MIX_NAME[arch]
+    part = plan_part(arch)
+    mix = override.name if override is not None else part.mix_name
     w.add_name(f"moe-pipe made {arch} {preset}")
     w.add_description(f"random weights (seed {seed}), not a trained model; made by moe-pipe make-model, quant {mix}")
     named = _FILE_TYPE.get(override) if override is not None else None
@@ -558,45 +456,8 @@ def _add_metadata(w: GGUFWriter, arch: str, preset: str, p: Preset, v: Vocab, ov
     w.add_head_count(p.n_head)
     w.add_layer_norm_rms_eps(p.rms_eps)
     w.add_rope_freq_base(p.rope_base)
-    if arch == "gemma4":
-        w.add_head_count_kv([int(p.n_head_kv if p.is_swa(i) else p.n_head_kv_full) for i in range(p.n_layer)])
-        w.add_key_length(p.head_dim_full)
-        w.add_value_length(p.head_dim_full)
-        w.add_key_length_swa(p.head_dim)
-        w.add_value_length_swa(p.head_dim)
-        w.add_rope_dimension_count(p.head_dim_full)
-        w.add_rope_dimension_count_swa(p.head_dim)
-        w.add_rope_freq_base_swa(p.rope_base_swa)
-        w.add_sliding_window(p.sliding_window)
-        w.add_sliding_window_pattern([bool(p.is_swa(i)) for i in range(p.n_layer)])
-        w.add_shared_kv_layers(0)
-        w.add_embedding_length_per_layer_input(0)
-        w.add_final_logit_softcapping(p.final_softcap)
-    elif arch == "deepseek2":  # MLA as one cached head: K = the latent and the rope part, V = the latent
-        w.add_head_count_kv(1)
-        w.add_key_length(p.kv_lora_rank + p.qk_rope_dim)
-        w.add_value_length(p.kv_lora_rank)
-    else:
-        w.add_head_count_kv(FAMILY_KV[arch](p) if arch in FAMILY_KV else p.n_head_kv)
-        w.add_key_length(p.head_dim)
-        w.add_value_length(p.head_dim)
-    if arch == "qwen35moe":
-        w.add_rope_dimension_count(int(p.head_dim * p.partial_rotary))
-        w.add_rope_dimension_sections([11, 11, 10, 0])  # llama.cpp requires it; text positions make it moot
-        w.add_expert_shared_feed_forward_length(p.n_ff_shexp)
-        w.add_full_attention_interval(p.full_attn_interval)
-        w.add_ssm_conv_kernel(p.ssm_conv_kernel)
-        w.add_ssm_state_size(p.ssm_state)
-        w.add_ssm_group_count(p.ssm_groups)
-        w.add_ssm_time_step_rank(p.ssm_heads)
-        w.add_ssm_inner_size(p.ssm_heads * p.ssm_state)
-    if arch in FAMILY_META:  # the later families' own keys (shared/makemodel/families.py)
-        FAMILY_META[arch](w, p)
-    if arch == "gpt-oss":
-        w.add_sliding_window(p.sliding_window)
-        w.add_rope_scaling_type(RopeScalingType.YARN)
-        w.add_rope_scaling_factor(p.yarn_factor)
-        w.add_rope_scaling_orig_ctx_len(p.yarn_orig_ctx)
+    part.attention_metadata(w, p)
+    part.metadata(w, p)
 
     w.add_tokenizer_model(v.model)
     w.add_tokenizer_pre(v.pre)
@@ -616,6 +477,6 @@ def _add_metadata(w: GGUFWriter, arch: str, preset: str, p: Preset, v: Vocab, ov
     if v.eom is not None:
         w.add_eom_token_id(v.eom)
     w.add_add_bos_token(v.add_bos)
-    if arch == "gemma4":
-        w.add_add_space_prefix(False)
-    w.add_chat_template(chat_template(arch))
+    if part.add_space_prefix is not None:
+        w.add_add_space_prefix(part.add_space_prefix)
+    w.add_chat_template(part.chat_template())

@@ -1,7 +1,10 @@
-"""The forward pass: one module per GGUF architecture (each exporting `Model`),
-built from shared blocks (norms, RoPE, attention, the MoE block), plus the
-expert sources the MoE block reads from and route traces (record, replay).
+"""The forward pass: the shared blocks every family's pass is built from
+(norms, RoPE, attention, the MoE block, the layer loop in `base`), the
+expert sources the MoE block reads from, and route traces (record, replay).
+Each family's own pass is its model part, shared/families/<family>/model.py,
+exporting `Model`; `load.load_model` finds it through the family registry.
 
-Owns: numerics of a token's pass, the KV cache, routing. `load.load_model`
-picks the architecture. May import: errors, quant, gguf.
+Owns: numerics of a token's pass, the KV cache, routing. May import: errors,
+quant, gguf, the family registry (and the families' model parts, which rank as
+this layer).
 """

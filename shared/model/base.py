@@ -1,8 +1,12 @@
-"""What every architecture shares: embedding, the layer loop, the output head.
+"""What every family's forward pass shares: embedding, the layer loop, the output head.
 
-An architecture module subclasses `MoEModel`, resolves its per-layer weights
-once in `load_layer`, and implements `layer()` for one decoder block. The
-stage-named entry points are `prefill` (a prompt batch) and `decode_one`.
+A family's model part (shared/families/<family>/model.py; load.ModelPart)
+exports `Model`, a subclass of `MoEModel` that names its `arch`, resolves its
+per-layer weights once in `load_layer`, and implements `layer()` for one
+decoder block. Where a family differs from the plain pass it overrides a hook
+whose default is that plain pass: `output_norm_name`, `embed`, `logits`,
+`router_input`, `router_logits`, `guess_layer`, `new_cache`. The stage-named
+entry points are `prefill` (a prompt batch) and `decode_one`.
 Legend: T tokens, D hidden, V vocab.
 """
 
@@ -14,17 +18,17 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from moe_pipe.shared.errors import UserError
-from moe_pipe.shared.gguf.model_file import ModelFile
-from moe_pipe.shared.gguf.spec import check_kv_type
-from moe_pipe.shared.model.blocks import KVCache, rms_norm, softmax
-from moe_pipe.shared.model.levers import Levers, apply_levers
-from moe_pipe.shared.model.moe import Routing, top_k_ids
-from moe_pipe.shared.model.stages import Stages
-from moe_pipe.shared.model.weights import ExpertSource, FileExperts, Weights
+from ..errors import UserError
+from ..gguf.model_file import ModelFile
+from ..gguf.spec import check_kv_type
+from .blocks import KVCache, rms_norm, softmax
+from .levers import Levers, apply_levers
+from .moe import Routing, top_k_ids
+from .stages import Stages
+from .weights import ExpertSource, FileExperts, Weights
 
 if TYPE_CHECKING:
-    from moe_pipe.shared.model.routes import RouteReplay
+    from .routes import RouteReplay
 
 # Next-layer guesses below this router probability are not read. On the
 # qwen30b-shape model as made before its residual stream was shaped for
@@ -64,7 +68,7 @@ class ModelOptions:
 
 
 class MoEModel:
-    arch: str = ""
+    arch: str = ""  # the GGUF general.architecture it runs (saved sessions record it)
     output_norm_name = "output_norm.weight"  # the final norm's tensor (lfm2moe: token_embd_norm.weight)
 
     def __init__(
@@ -79,7 +83,7 @@ class MoEModel:
         self.mf, self.spec = mf, mf.spec
         self.w = Weights(mf, dense_view)
         self.source: ExpertSource = experts or FileExperts(mf)
-        if top_k is not None and not 1 <= top_k <= self.spec.n_expert:
+        if top_k is not None and top_k > self.spec.n_expert:  # its range on its own is the config schema's
             raise UserError(f"--top-k {top_k} is out of range: this model has {self.spec.n_expert} experts")
         self.top_k = top_k or self.spec.n_expert_used
         options = options or ModelOptions()
@@ -97,7 +101,7 @@ class MoEModel:
         self.output = self.w.matrix("output.weight") if self.w.has("output.weight") else self.embd
         self.layers = [self.load_layer(i) for i in range(self.spec.n_layer)]
 
-    # -- per architecture ----------------------------------------------------
+    # -- per family ----------------------------------------------------------
     def load_layer(self, i: int) -> dict:
         raise NotImplementedError
 

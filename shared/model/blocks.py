@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from moe_pipe.shared.gguf.spec import Q8_0_BLOCK, RopeSpec, check_kv_type
-from moe_pipe.shared.model.fused import _rope_rotate, attend_one, attend_rows, rms_norm, swiglu  # noqa: F401  (fused loops, part of the blocks' API)
+from ..gguf.spec import Q8_0_BLOCK, RopeSpec, check_kv_type
+from .fused import _rope_rotate, attend_one, attend_rows, rms_norm, swiglu  # noqa: F401  (fused loops, part of the blocks' API)
 
 # ---- rotary position embedding --------------------------------------------------
 

@@ -11,7 +11,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
-import moe_pipe.shared.quant._target  # noqa: F401  (before any jit: the ARM dot-product target, shared/quant/_target.py)
+from ..quant import _target  # noqa: F401  (before any jit: the ARM dot-product target, shared/quant/_target.py)
 
 
 @njit(cache=True, boundscheck=False)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from moe_pipe.shared.model.moe import Routing
+from .moe import Routing
 
 Resident = Callable[[Sequence[int]], list[bool]]
 

@@ -1,30 +1,40 @@
-"""Which forward pass runs a GGUF: the architecture table and `load_model`."""
+"""Which forward pass runs a GGUF: the family's model part, and `load_model`.
+
+The family comes from the registry (shared/families/registry.py) by the file's
+`general.architecture`; its `model.py` part is imported only then, so a process
+loads the forward pass of the one family it runs.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol, cast
 
 import numpy as np
 
-from moe_pipe.shared.errors import GGUFError
-from moe_pipe.shared.gguf.model_file import ModelFile
-from moe_pipe.shared.model import deepseek2, gemma4, glm4moe, gpt_oss, lfm2moe, mixtral, qwen2moe, qwen3moe, qwen35moe
-from moe_pipe.shared.model.base import ModelOptions, MoEModel
-from moe_pipe.shared.model.weights import ExpertSource
+from ..errors import GGUFError
+from ..families.registry import ARCHES, by_arch
+from ..gguf.model_file import ModelFile
+from .base import ModelOptions, MoEModel
+from .weights import ExpertSource
 
-__all__ = ["ARCHITECTURES", "ModelOptions", "load_model"]
+__all__ = ["ModelOptions", "ModelPart", "load_model", "model_class"]
 
-ARCHITECTURES: dict[str, type[MoEModel]] = {
-    "qwen3moe": qwen3moe.Model,
-    "gpt-oss": gpt_oss.Model,
-    "gemma4": gemma4.Model,
-    "qwen35moe": qwen35moe.Model,
-    "glm4moe": glm4moe.Model,
-    "lfm2moe": lfm2moe.Model,
-    "deepseek2": deepseek2.Model,
-    "llama": mixtral.Model,
-    "qwen2moe": qwen2moe.Model,
-}
+
+class ModelPart(Protocol):
+    """What a family's model part (`shared/families/<family>/model.py`) exports."""
+
+    Model: type[MoEModel]
+    """The family's forward pass: a `MoEModel` subclass, built as
+    `Model(mf, top_k=, experts=, dense_view=, options=)` (base.py says what it overrides)."""
+
+
+def model_class(mf: ModelFile) -> type[MoEModel]:
+    """The forward pass of `mf`'s architecture; a GGUFError naming the supported ones if none runs it."""
+    family = by_arch(mf.spec.arch)
+    if family is None:
+        raise GGUFError(mf.gguf.path, f"architecture {mf.spec.arch!r} has no forward pass (supported: {', '.join(ARCHES)})")
+    return cast(ModelPart, family.part("model")).Model
 
 
 def load_model(
@@ -41,7 +51,4 @@ def load_model(
     experts come from (default: the file mapping); dense_view: where dense
     tensors are read (default: the file mapping); options: everything else
     about how it runs (default: exact and unobserved). All fixed from here on."""
-    cls = ARCHITECTURES.get(mf.spec.arch)
-    if cls is None:
-        raise GGUFError(mf.gguf.path, f"architecture {mf.spec.arch!r} has no forward pass (supported: {', '.join(ARCHITECTURES)})")
-    return cls(mf, top_k=top_k, experts=experts, dense_view=dense_view, options=options)
+    return model_class(mf)(mf, top_k=top_k, experts=experts, dense_view=dense_view, options=options)

@@ -16,11 +16,11 @@ from typing import Any
 
 import numpy as np
 
-from moe_pipe.shared.errors import GGUFError
-from moe_pipe.shared.gguf.spec import ModelSpec
-from moe_pipe.shared.model.blocks import sigmoid, softmax, swiglu
-from moe_pipe.shared.model.fused import _softmax_top_k
-from moe_pipe.shared.model.weights import Expert, ExpertSource, Weights
+from ..errors import GGUFError
+from ..gguf.spec import ModelSpec
+from .blocks import sigmoid, softmax, swiglu
+from .fused import _softmax_top_k
+from .weights import Expert, ExpertSource, Weights
 
 
 @dataclass(frozen=True)
@@ -110,6 +110,11 @@ def route_as_spec(spec: ModelSpec, logits: np.ndarray, k: int, bias: np.ndarray 
         norm=spec.expert_weights_norm,
         scale=spec.expert_weights_scale,
     )
+
+
+def swiglu_expert(e: Expert, x: np.ndarray) -> np.ndarray:
+    """The plain SwiGLU expert, down(silu(gate x) ⊙ up x), of most families; x [n, D] → [n, D]."""
+    return e.down(swiglu(*e.gate_and_up(x)))
 
 
 def apply_experts(

@@ -24,9 +24,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from moe_pipe.shared.errors import UserError
-from moe_pipe.shared.model.moe import Routing
-from moe_pipe.shared.model.trace import TraceHeader, TraceWriter
+from ..errors import UserError
+from .moe import Routing
+from .trace import TraceHeader, TraceWriter
 
 
 class RouteTracer:

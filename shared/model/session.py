@@ -26,8 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
-from moe_pipe.shared.errors import UserError
-from moe_pipe.shared.model.blocks import KVCache
+from ..errors import UserError
+from .blocks import KVCache
 
 SESSION_MAGIC = b"MOEPSESS"
 SESSION_VERSION = 1

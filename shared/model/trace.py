@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moe_pipe.shared.errors import UserError
+from ..errors import UserError
 
 MAGIC = "# route_trace v1"
 COLUMNS = ("turn", "phase", "step", "layer", "slot", "expert", "weight", "residency", "expert_bytes")

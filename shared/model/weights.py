@@ -14,10 +14,10 @@ from typing import Protocol
 
 import numpy as np
 
-from moe_pipe.shared import quant
-from moe_pipe.shared.errors import GGUFError
-from moe_pipe.shared.gguf.layout import LayerExperts
-from moe_pipe.shared.gguf.model_file import ModelFile
+from .. import quant
+from ..errors import GGUFError
+from ..gguf.layout import LayerExperts
+from ..gguf.model_file import ModelFile
 
 _VECTOR_TYPES = ("F32", "F16", "BF16")
 

@@ -17,7 +17,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the names as mypy should see them; at run time __getattr__ below
-    from moe_pipe.shared.quant.kernels import *  # noqa: F403
+    from .kernels import *  # noqa: F403
 
 __all__ = [
     "INT8_ACTIVATION_TYPES",

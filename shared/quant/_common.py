@@ -39,7 +39,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-import moe_pipe.shared.quant._target  # noqa: F401  (before any jit: the ARM dot-product target, shared/quant/_target.py)
+from . import _target  # noqa: F401  (before any jit: the ARM dot-product target, shared/quant/_target.py)
 
 # No nnan/ninf: an inf or NaN weight must propagate like in numpy, not be
 # assumed away. reassoc lets LLVM vectorize the dot reductions; contract

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from moe_pipe.shared.quant._common import DRIVER, INLINE, tile_times
+from ._common import DRIVER, INLINE, tile_times
 
 _TWO_112 = np.float32(2.0**112)
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from moe_pipe.shared.quant._common import DRIVER, INLINE, IQ4_VALUES, f16_at, k_scale_min, tile_times
-from moe_pipe.shared.quant.blocks import IQ4_XS_BYTES, Q2_K_BYTES, Q3_K_BYTES, Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, QK_K
+from ._common import DRIVER, INLINE, IQ4_VALUES, f16_at, k_scale_min, tile_times
+from .blocks import IQ4_XS_BYTES, Q2_K_BYTES, Q3_K_BYTES, Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, QK_K
 
 
 @njit(**INLINE)

@@ -15,8 +15,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from moe_pipe.shared.quant._common import DRIVER, E8M0_HALF, INLINE, IQ4_VALUES, f16_at, tile_times
-from moe_pipe.shared.quant.blocks import IQ4_NL_BYTES, MXFP4_BYTES, Q4_0_BYTES, Q4_1_BYTES, Q5_0_BYTES, Q5_1_BYTES, Q8_0_BYTES, QK
+from ._common import DRIVER, E8M0_HALF, INLINE, IQ4_VALUES, f16_at, tile_times
+from .blocks import IQ4_NL_BYTES, MXFP4_BYTES, Q4_0_BYTES, Q4_1_BYTES, Q5_0_BYTES, Q5_1_BYTES, Q8_0_BYTES, QK
 
 
 @njit(**INLINE)

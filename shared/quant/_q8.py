@@ -37,8 +37,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from moe_pipe.shared.quant._q8ir import GENERATORS, INT8_DOT, TILE_TOKENS, rowdot
-from moe_pipe.shared.quant.blocks import QK, QK_K
+from ._q8ir import GENERATORS, INT8_DOT, TILE_TOKENS, rowdot
+from .blocks import QK, QK_K
 
 INT8_DOT = INT8_DOT  # re-exported: which build of the dot this process compiles ("vnni", "sdot" or "portable")
 assert TILE_TOKENS == 4, "the drivers below spell out tiles of 4, 2 and 1 activation rows"

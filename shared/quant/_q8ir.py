@@ -57,8 +57,8 @@ from numba.core import cgutils
 from numba.core.codegen import get_host_cpu_features
 from numba.extending import intrinsic
 
-from moe_pipe.shared.quant._target import ARM as _ARM
-from moe_pipe.shared.quant.blocks import E2M1_TWICE, MXFP4_BYTES, Q4_K_BYTES, Q5_0_BYTES, Q6_K_BYTES, Q8_0_BYTES, QK, QK_K
+from ._target import ARM as _ARM
+from .blocks import E2M1_TWICE, MXFP4_BYTES, Q4_K_BYTES, Q5_0_BYTES, Q6_K_BYTES, Q8_0_BYTES, QK, QK_K
 
 _I8 = ir.IntType(8)
 _I16 = ir.IntType(16)

@@ -56,10 +56,10 @@ import numba
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from moe_pipe.shared.quant import _float, _kquant, _legacy, _q8
-from moe_pipe.shared.quant._common import E8M0_HALF, F16_TABLE, LANES
-from moe_pipe.shared.quant.blocks import QK, SUPPORTED, BlockFormat, QType, block_format
-from moe_pipe.shared.quant.blocks import qtype_from_name as qtype_from_name  # re-exported: quant.qtype_from_name
+from . import _float, _kquant, _legacy, _q8
+from ._common import E8M0_HALF, F16_TABLE, LANES
+from .blocks import QK, SUPPORTED, BlockFormat, QType, block_format
+from .blocks import qtype_from_name as qtype_from_name  # re-exported: quant.qtype_from_name
 
 # The public names are listed once, in shared/quant/__init__.py's __all__.
 

@@ -29,8 +29,8 @@ from urllib.parse import urlsplit
 import orjson
 from aiohttp import web
 
-from moe_pipe.shared.serve.metrics import Metrics
-from moe_pipe.shared.serve.openai_api import ApiError
+from .metrics import Metrics
+from .openai_api import ApiError
 
 MAX_BODY_BYTES = 4 << 20  # far above any context window's worth of text
 # Slow clients (settings defaults; a config key each would be gateway.*):

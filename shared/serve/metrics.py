@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from moe_pipe.shared.wire import messages as m
+from ..wire import messages as m
 
 # moe_pipe_requests_total's outcomes (docs/api.md § Metrics); the gateway counts each request once
 OUTCOMES = ("ok", "invalid", "rejected", "unavailable", "failed", "cancelled")

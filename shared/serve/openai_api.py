@@ -22,9 +22,9 @@ from typing import Any, Protocol
 
 import orjson
 
-from moe_pipe.shared.text.constrain import GrammarError, grammar_for
-from moe_pipe.shared.text.reasoning import REASONING, TOOL, Framing, OutputSplitter
-from moe_pipe.shared.text.tools import ToolCall, messages_for_template, parse_call, tools_for_template
+from ..text.constrain import GrammarError, grammar_for
+from ..text.reasoning import REASONING, TOOL, Framing, OutputSplitter
+from ..text.tools import ToolCall, messages_for_template, parse_call, tools_for_template
 
 MAX_STOPS = 16
 # A stop string is held back from the stream while it may still match, so a
@@ -101,7 +101,7 @@ def bad_field(name: str, allowed: str, got: Any) -> ApiError:
 
 
 class RequestDefaults(Protocol):
-    """What the server fills in for fields a request leaves out (GatewaySettings)."""
+    """What the server fills in for fields a request leaves out (procs/gateway.py ConfigDefaults: the config's generate and compute tables)."""
 
     @property
     def model_name(self) -> str: ...

@@ -36,9 +36,9 @@ from pathlib import Path
 
 import zmq
 
-from moe_pipe.shared.errors import UserError
-from moe_pipe.shared.wire import ipc
-from moe_pipe.shared.wire import messages as m
+from ..errors import UserError
+from ..wire import ipc
+from ..wire import messages as m
 
 SERVICE_FILE = "service.json"
 GATEWAY_FILE = "gateway.json"

@@ -32,8 +32,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from moe_pipe.shared.errors import UserError
-from moe_pipe.shared.text.template_sandbox import (
+from ..errors import UserError
+from .template_sandbox import (
     DEFAULT_MAX_CHARS,
     DEFAULT_TIME_LIMIT_S,
     MAX_TEMPLATE_CHARS,

@@ -25,8 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from moe_pipe.shared.errors import UserError
-from moe_pipe.shared.text.tokenizer import BYTE, NORMAL, Tokenizer
+from ..errors import UserError
+from .tokenizer import BYTE, NORMAL, Tokenizer
 
 # llguidance marks a token as special (never produced by a grammar's text,
 # only by name) by this first byte: 0xFF never occurs in UTF-8.

@@ -18,9 +18,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from moe_pipe.shared.errors import UserError
-from moe_pipe.shared.model.session import Session
-from moe_pipe.shared.text.sampling import Constraint, Sampler, SamplingParams
+from ..errors import UserError
+from ..model.session import Session
+from .sampling import Constraint, Sampler, SamplingParams
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from typing import Protocol
 
 import numpy as np
 
-from moe_pipe.shared.errors import UserError
+from ..errors import UserError
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from moe_pipe.shared.errors import UserError
+from ..errors import UserError
 
 DEFAULT_TIME_LIMIT_S = 2.0
 DEFAULT_MAX_CHARS = 4_000_000

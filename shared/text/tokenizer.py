@@ -47,8 +47,8 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from moe_pipe.shared.errors import GGUFError, UserError
-from moe_pipe.shared.gguf.vocab import BYTE, CONTROL, LLAMA3_REGEX, NORMAL, QWEN2_REGEX, UNKNOWN, USER_DEFINED
+from ..errors import GGUFError, UserError
+from ..gguf.vocab import BYTE, CONTROL, LLAMA3_REGEX, NORMAL, QWEN2_REGEX, UNKNOWN, USER_DEFINED
 
 SPACE = "\u2581"  # ▁, SentencePiece's visible space
 
@@ -231,7 +231,7 @@ class Tokenizer:
         self._special = frozenset(control)
         self.eog_ids = _eog_ids(tokens, eos_id, eot_id, eom_id)
         if model == "llama":  # SentencePiece: merges from the scores (shared/gguf/vocab.py spm_merges)
-            from moe_pipe.shared.gguf.vocab import spm_merges
+            from ..gguf.vocab import spm_merges
 
             merges = [f"{a} {b}" for a, b in spm_merges(tokens, list(scores or [0.0] * len(tokens)), types)]
         self.hf, self._hf_plain = _build_hf(model, pre, tokens, control, user, merges, source, add_space_prefix)

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from moe_pipe.shared.text.reasoning import GEMMA4, H_CALL, H_MESSAGE, HARMONY, THINK, Framing
+from .reasoning import GEMMA4, H_CALL, H_MESSAGE, HARMONY, THINK, Framing
 
 _HARMONY_RECIPIENT = re.compile(r"to=functions\.([A-Za-z0-9_.\-]+)")
 _NAME = re.compile(r"[A-Za-z0-9_.\-]+")

@@ -39,9 +39,9 @@ from typing import Any, TypeVar, overload
 import psutil
 import zmq
 
-from moe_pipe.shared.errors import UserError
-from moe_pipe.shared.wire import messages
-from moe_pipe.shared.wire.messages import Message, ProtocolError
+from ..errors import UserError
+from . import messages
+from .messages import Message, ProtocolError
 
 # Closing a socket waits at most this long to flush queued frames. Small, so a
 # shutdown with a dead peer takes 0.1 s, not forever; long enough that the last

@@ -1,0 +1,5 @@
+"""DeepSeek-V2/V3 (latent attention, grouped routing): GGUF arch deepseek2.
+
+Everything that is this family's own, one part per layer (shared/families/registry.py);
+docs/models.md § deepseek2.
+"""

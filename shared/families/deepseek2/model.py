@@ -1,0 +1,156 @@
+"""DeepSeek-V2/V3 (GGUF arch `deepseek2`; HF DeepseekV2ForCausalLM, DeepseekV3ForCausalLM).
+
+Multi-head latent attention (MLA), computed the way llama.cpp does it, with the
+up-projections absorbed, so the cache holds one compressed row per position:
+    q      = attn_q·n, or attn_q_b·RMSNorm(attn_q_a·n)          [T, H, nope + rope]
+    c, kp  = attn_kv_a_mqa·n → RMSNorm(first r values), the rest [T, r], [T, rope]
+    q̂_h    = attn_k_b[h]·q_nope_h                               [T, H, r]
+    K = [c, RoPE(kp)] (one head, cached), V = c (K's first r values: not stored again)
+    o_h    = softmax(s·[q̂_h, RoPE(q_rope_h)]·Kᵀ)·V               [T, H, r]
+    out    = attn_output·concat_h(attn_v_b[h]·o_h)
+with r = kv_lora_rank and s = mscale²/√(nope + rope) (mscale = 1 + 0.1·mscale_all_dim·ln factor
+under YaRN, else 1). RoPE is the interleaved kind (pairs 2i, 2i+1; llama.cpp's NORM mode):
+both q's and k's rope parts are de-interleaved first, after which the rotate-half kernel
+gives the same dot products. Layers 0..n_dense_lead-1 have a dense SwiGLU FFN; the others
+route (softmax or sigmoid, correction bias for the choice only, grouped top-k, norm, scale:
+model/moe.py gated_group_top_k) and add the always-on shared experts (no gate).
+docs/models.md § deepseek2. Legend: T tokens, D hidden, H heads, r kv_lora_rank.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from ...errors import GGUFError
+from ...gguf.model_file import ModelFile
+from ...model.base import MoEModel
+from ...model.blocks import KVCache, Rope, plain_inv_freq, rms_norm, swiglu, yarn_rope
+from ...model.fused import attend_one, attend_rows
+from ...model.moe import apply_experts, route_as_spec, swiglu_expert
+from ...model.weights import QWeight, _as_matrix
+
+
+def deinterleave(x: np.ndarray) -> np.ndarray:
+    """[..., 2n] with pairs (2i, 2i+1) → [..., 2n] with pairs (i, i+n): the interleaved
+    rotation becomes the rotate-half one, and q·k is unchanged (both move alike)."""
+    return np.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
+
+
+def mla_attention(q: np.ndarray, cache: KVCache, layer: int, start: int, scale: float, r: int) -> np.ndarray:
+    """Causal attention of q [T, H, r + rope] over the one cached latent head, whose
+    first r values are also the value: returns [T, H, r]."""
+    t, h, d = q.shape
+    n = start + t
+    stored = cache.stored(layer)
+    if stored is not None:  # f32 / f16: the fused loops, reading V as a view of K
+        k = stored[0]  # [1, n_ctx, r + rope]
+        v = k[:, :, :r]
+        if t == 1:
+            return attend_one(q.reshape(1, h, d), k, v, 0, n, scale, None).reshape(1, h, r)
+        return attend_rows(q.reshape(t, 1, h, d), k, v, start, 0, scale, None).reshape(t, h, r)
+    keys = cache.keys(layer, 0, n)[0]  # q8_0: float32 [N, r + rope]
+    scores = np.einsum("thd,nd->htn", q, keys) * np.float32(scale)  # [H, T, N]
+    hidden = np.arange(n)[None, :] > np.arange(start, n)[:, None]  # [T, N]
+    scores = np.where(hidden[None], np.float32(-np.inf), scores)
+    e = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    probs = e / e.sum(axis=-1, keepdims=True)
+    return np.einsum("htn,nr->thr", probs, keys[:, :r]).astype(np.float32)
+
+
+class Model(MoEModel):
+    arch = "deepseek2"
+
+    def __init__(self, mf: ModelFile, **kwargs: Any):
+        super().__init__(mf, **kwargs)
+        s, r = self.spec, self.spec.rope
+        if r.scaling == "yarn":
+            # llama.cpp's deepseek2 keeps the rotation unit-sized and puts YaRN's magnitude
+            # correction on the whole score instead (mscale², below).
+            self.rope = Rope(yarn_rope(r, r.dim, True).inv_freq, 1.0)
+            mscale = 1.0 + 0.1 * s.rope_yarn_log_mul * math.log(r.factor)
+        else:
+            self.rope = Rope(plain_inv_freq(r.freq_base, r.dim))
+            mscale = 1.0
+        self.scale = mscale * mscale / math.sqrt(s.head_dim_k_mla)
+
+    def load_layer(self, i: int) -> dict:
+        p, w, s = f"blk.{i}.", self.w, self.spec
+        L: dict[str, Any] = dict(
+            attn_norm=w.vector(p + "attn_norm.weight"),
+            kv_a=w.matrix(p + "attn_kv_a_mqa.weight"),
+            kv_norm=w.vector(p + "attn_kv_a_norm.weight"),
+            k_b=self._per_head(p + "attn_k_b.weight"),
+            v_b=self._per_head(p + "attn_v_b.weight"),
+            o=w.matrix(p + "attn_output.weight"),
+            ffn_norm=w.vector(p + "ffn_norm.weight"),
+        )
+        if s.q_lora_rank:
+            L.update(q_a=w.matrix(p + "attn_q_a.weight"), q_norm=w.vector(p + "attn_q_a_norm.weight"), q_b=w.matrix(p + "attn_q_b.weight"))
+        else:
+            L.update(q=w.matrix(p + "attn_q.weight"))
+        if not s.has_experts(i):
+            L.update(gate=w.matrix(p + "ffn_gate.weight"), up=w.matrix(p + "ffn_up.weight"), down=w.matrix(p + "ffn_down.weight"))
+            return L
+        L.update(router=w.matrix(p + "ffn_gate_inp.weight"), bias=w.optional_vector(p + "exp_probs_b.bias"))
+        if s.n_expert_shared:
+            L.update(
+                sh_gate=w.matrix(p + "ffn_gate_shexp.weight"),
+                sh_up=w.matrix(p + "ffn_up_shexp.weight"),
+                sh_down=w.matrix(p + "ffn_down_shexp.weight"),
+            )
+        return L
+
+    def _per_head(self, name: str) -> list[QWeight]:
+        """A [H, rows, cols] tensor (attn_k_b, attn_v_b) as one matrix per head, on its bytes."""
+        t = self.mf.gguf.tensor(name)
+        if len(t.shape) != 3:
+            raise GGUFError(self.mf.gguf.path, f"tensor {name!r} should be [heads, rows, cols], has shape {list(t.shape)}")
+        data = np.asarray(self.w.view(name))
+        heads, rows = t.shape[0], t.shape[1]
+        flat = data.reshape(heads * rows, -1)
+        return [_as_matrix(name, t.qtype, flat[h * rows : (h + 1) * rows], t.shape[1:]) for h in range(heads)]
+
+    def guess_layer(self, j: int, router_input: np.ndarray) -> None:
+        if self.spec.has_experts(j):  # a leading dense layer has nothing to guess
+            super().guess_layer(j, router_input)
+
+    def layer(self, i, x, cache, start, positions):
+        s, L, eps = self.spec, self.layers[i], self.spec.rms_eps
+        with self.stage("attention"):
+            h = x + self.attention(i, rms_norm(x, L["attn_norm"], eps), cache, start, positions)
+        n2 = rms_norm(h, L["ffn_norm"], eps)
+        if not s.has_experts(i):
+            with self.stage("dense_mlp"):
+                return h + L["down"](swiglu(L["gate"](n2), L["up"](n2)))
+        with self.stage("router"):
+            scores = L["router"](n2)
+            routing = self.routed(i, route_as_spec(s, scores, self.top_k, L["bias"]), scores)
+            self.hint_next_layer(i, n2)
+        with self.stage("experts"):
+            y = apply_experts(n2, routing, self.source, i, swiglu_expert)
+        if not s.n_expert_shared:
+            return h + y
+        with self.stage("dense_mlp"):  # the shared experts: always on, resident, no gate
+            shared = L["sh_down"](swiglu(L["sh_gate"](n2), L["sh_up"](n2)))
+        return h + (y + shared)
+
+    def attention(self, i: int, n: np.ndarray, cache: KVCache, start: int, positions: np.ndarray) -> np.ndarray:
+        s, L, eps = self.spec, self.layers[i], self.spec.rms_eps
+        t, heads, r, rope = n.shape[0], s.n_head, s.kv_lora_rank, s.rope.dim
+        nope = s.head_dim_k_mla - rope
+        q = L["q_b"](rms_norm(L["q_a"](n), L["q_norm"], eps)) if s.q_lora_rank else L["q"](n)
+        q = q.reshape(t, heads, nope + rope)
+        kv = L["kv_a"](n)  # [T, r + rope]
+        latent = rms_norm(kv[:, :r], L["kv_norm"], eps)
+        cos, sin = self.rope.tables(positions)
+        k_rope = self.rope.apply(deinterleave(kv[:, None, r:]), cos, sin)  # [T, 1, rope]
+        q_rope = self.rope.apply(deinterleave(q[:, :, nope:]), cos, sin)  # [T, H, rope]
+        q_nope = np.ascontiguousarray(q[:, :, :nope])
+        absorbed = np.stack([L["k_b"][h](q_nope[:, h]) for h in range(heads)], axis=1)  # [T, H, r]
+        cache.store(i, np.concatenate([latent[:, None], k_rope], axis=-1), np.empty((t, 1, 0), np.float32))
+        o = mla_attention(np.concatenate([absorbed, q_rope], axis=-1), cache, i, start, self.scale, r)  # [T, H, r]
+        out = np.concatenate([L["v_b"][h](np.ascontiguousarray(o[:, h])) for h in range(heads)], axis=-1)  # [T, H·v]
+        return L["o"](out)

@@ -1,0 +1,5 @@
+"""gpt-oss (gpt-oss-20b, gpt-oss-120b): GGUF arch gpt-oss.
+
+Everything that is this family's own, one part per layer (shared/families/registry.py);
+docs/models.md § gpt-oss.
+"""

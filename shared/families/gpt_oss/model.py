@@ -1,0 +1,83 @@
+"""gpt-oss (GGUF arch `gpt-oss`; HF GptOssForCausalLM).
+
+Per layer: RMSNorm → q,k,v with biases → NEOX YaRN RoPE → causal GQA scaled
+1/√d with a per-head sink logit, a 128-token window on sliding layers →
+output projection + bias; residual. Then RMSNorm (`post_attention_norm` is
+the pre-FFN norm) → router logits + bias → top-k logits → softmax over those →
+Σ w·(down(clamped SwiGLU) + b); residual.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from ...gguf.model_file import ModelFile
+from ...model.base import MoEModel
+from ...model.blocks import attention, rms_norm, rope_from_spec, sigmoid
+from ...model.moe import apply_experts, top_k_then_softmax
+from ...model.weights import Expert
+
+SWIGLU_LIMIT = np.float32(7.0)
+SWIGLU_ALPHA = np.float32(1.702)
+
+
+def clamped_swiglu_expert(e: Expert, x: np.ndarray) -> np.ndarray:
+    g, u = e.gate_and_up(x)  # [n, F] each, biases added
+    g = np.minimum(g, SWIGLU_LIMIT)
+    u = np.clip(u, -SWIGLU_LIMIT, SWIGLU_LIMIT)
+    a = g * sigmoid(SWIGLU_ALPHA * g) * (u + np.float32(1.0))
+    y = e.down(a)
+    if e.down_bias is not None:  # always there: the layout check requires gpt-oss's expert biases
+        y += e.down_bias
+    return y
+
+
+class Model(MoEModel):
+    arch = "gpt-oss"
+
+    def __init__(self, mf: ModelFile, **kwargs: Any):
+        super().__init__(mf, **kwargs)
+        self.rope = rope_from_spec(self.spec.rope)
+        self.scale = 1.0 / math.sqrt(self.spec.head_dim_k[0])
+
+    def load_layer(self, i: int) -> dict:
+        p, w = f"blk.{i}.", self.w
+        return dict(
+            attn_norm=w.vector(p + "attn_norm.weight"),
+            q=w.matrix(p + "attn_q.weight"),
+            q_b=w.vector(p + "attn_q.bias"),
+            k=w.matrix(p + "attn_k.weight"),
+            k_b=w.vector(p + "attn_k.bias"),
+            v=w.matrix(p + "attn_v.weight"),
+            v_b=w.vector(p + "attn_v.bias"),
+            o=w.matrix(p + "attn_output.weight"),
+            o_b=w.vector(p + "attn_output.bias"),
+            sinks=w.vector(p + "attn_sinks.weight"),
+            ffn_norm=w.vector(p + "post_attention_norm.weight"),
+            router=w.matrix(p + "ffn_gate_inp.weight"),
+            router_b=w.vector(p + "ffn_gate_inp.bias"),
+        )
+
+    def layer(self, i, x, cache, start, positions):
+        s, L, eps = self.spec, self.layers[i], self.spec.rms_eps
+        t, hd, hk = x.shape[0], s.head_dim_k[i], s.n_head_kv[i]
+        with self.stage("attention"):
+            n = rms_norm(x, L["attn_norm"], eps)
+            q = (L["q"](n) + L["q_b"]).reshape(t, s.n_head, hd)  # [T, H, d]
+            k = (L["k"](n) + L["k_b"]).reshape(t, hk, hd)
+            v = (L["v"](n) + L["v_b"]).reshape(t, hk, s.head_dim_v[i])
+            cos, sin = self.rope.tables(positions)
+            cache.store(i, self.rope.apply(k, cos, sin), v)
+            window = s.sliding_window if s.swa_layers[i] else 0
+            a = attention(self.rope.apply(q, cos, sin), cache, i, start, self.scale, window=window, sinks=L["sinks"])
+            h = x + L["o"](a) + L["o_b"]
+        with self.stage("router"):
+            n2 = rms_norm(h, L["ffn_norm"], eps)
+            scores = L["router"](n2) + L["router_b"]
+            routing = self.routed(i, top_k_then_softmax(scores, self.top_k), scores)
+            self.hint_next_layer(i, n2)
+        with self.stage("experts"):
+            return h + apply_experts(n2, routing, self.source, i, clamped_swiglu_expert)

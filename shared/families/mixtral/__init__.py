@@ -1,0 +1,5 @@
+"""Mixtral, which llama.cpp writes as a Llama with experts: GGUF arch llama.
+
+Everything that is this family's own, one part per layer (shared/families/registry.py);
+docs/models.md § mixtral.
+"""

@@ -1,0 +1,68 @@
+"""Qwen1.5-MoE / Qwen2-MoE (GGUF arch `qwen2moe`; HF Qwen2MoeForCausalLM).
+
+Per layer: x → RMSNorm → q, k, v with biases (no q/k norm); NEOX RoPE on all
+d dims; causal GQA scaled 1/√d; residual. Then RMSNorm → router softmax over
+all experts → top-k, renormalized only when the file says
+`expert_weights_norm` (Qwen1.5-MoE and Qwen2-57B-A14B have norm_topk_prob
+false, and llama.cpp's graph never renormalizes) → Σ w·down(silu(gate n) ⊙ up n),
+plus the always-on shared expert behind a sigmoid gate; residual.
+docs/models.md § qwen2moe.
+Legend: T tokens, D hidden, H/Hk heads, d head width, E experts.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ...gguf.model_file import ModelFile
+from ...model.base import MoEModel
+from ...model.blocks import attention, rms_norm, rope_from_spec
+from ...model.moe import apply_experts, gated_shared_expert, load_shared_expert, softmax_then_top_k, swiglu_expert
+
+
+class Model(MoEModel):
+    arch = "qwen2moe"
+
+    def __init__(self, mf: ModelFile, **kwargs: Any):
+        super().__init__(mf, **kwargs)
+        self.rope = rope_from_spec(self.spec.rope)
+        self.scale = 1.0 / math.sqrt(self.spec.head_dim_k[0])
+
+    def load_layer(self, i: int) -> dict:
+        p, w = f"blk.{i}.", self.w
+        return dict(
+            attn_norm=w.vector(p + "attn_norm.weight"),
+            q=w.matrix(p + "attn_q.weight"),
+            k=w.matrix(p + "attn_k.weight"),
+            v=w.matrix(p + "attn_v.weight"),
+            q_b=w.vector(p + "attn_q.bias"),
+            k_b=w.vector(p + "attn_k.bias"),
+            v_b=w.vector(p + "attn_v.bias"),
+            o=w.matrix(p + "attn_output.weight"),
+            ffn_norm=w.vector(p + "ffn_norm.weight"),
+            router=w.matrix(p + "ffn_gate_inp.weight"),
+            **load_shared_expert(w, p, self.spec.n_embd),
+        )
+
+    def layer(self, i, x, cache, start, positions):
+        s, L, eps = self.spec, self.layers[i], self.spec.rms_eps
+        t, hd, hk = x.shape[0], s.head_dim_k[i], s.n_head_kv[i]
+        with self.stage("attention"):
+            n = rms_norm(x, L["attn_norm"], eps)  # [T, D]
+            q = (L["q"](n) + L["q_b"]).reshape(t, s.n_head, hd)  # [T, H, d]
+            k = (L["k"](n) + L["k_b"]).reshape(t, hk, hd)  # [T, Hk, d]
+            v = (L["v"](n) + L["v_b"]).reshape(t, hk, s.head_dim_v[i])
+            cos, sin = self.rope.tables(positions)
+            cache.store(i, self.rope.apply(k, cos, sin), v)
+            h = x + L["o"](attention(self.rope.apply(q, cos, sin), cache, i, start, self.scale))
+        with self.stage("router"):
+            n2 = rms_norm(h, L["ffn_norm"], eps)
+            scores = L["router"](n2)
+            routing = self.routed(i, softmax_then_top_k(scores, self.top_k, renormalize=s.expert_weights_norm), scores)
+            self.hint_next_layer(i, n2)
+        with self.stage("experts"):
+            y = apply_experts(n2, routing, self.source, i, swiglu_expert)
+        with self.stage("dense_mlp"):  # the shared expert: always on, resident
+            shared = gated_shared_expert(L, n2)
+        return h + (y + shared)

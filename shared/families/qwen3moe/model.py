@@ -1,0 +1,59 @@
+"""Qwen3-MoE (GGUF arch `qwen3moe`; HF Qwen3MoeForCausalLM).
+
+Per layer: x → RMSNorm → q,k,v; per-head RMSNorm on q and k *before* NEOX
+RoPE; causal GQA scaled 1/√d; residual. Then RMSNorm → router softmax over
+all experts → top-k → renormalize → Σ w·down(silu(gate n) ⊙ up n); residual.
+Legend: T tokens, D hidden, H/Hk heads, d head width, E experts.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ...gguf.model_file import ModelFile
+from ...model.base import MoEModel
+from ...model.blocks import attention, rms_norm, rope_from_spec
+from ...model.moe import apply_experts, softmax_then_top_k, swiglu_expert
+
+
+class Model(MoEModel):
+    arch = "qwen3moe"
+
+    def __init__(self, mf: ModelFile, **kwargs: Any):
+        super().__init__(mf, **kwargs)
+        self.rope = rope_from_spec(self.spec.rope)
+        self.scale = 1.0 / math.sqrt(self.spec.head_dim_k[0])
+
+    def load_layer(self, i: int) -> dict:
+        p, w = f"blk.{i}.", self.w
+        return dict(
+            attn_norm=w.vector(p + "attn_norm.weight"),
+            q=w.matrix(p + "attn_q.weight"),
+            k=w.matrix(p + "attn_k.weight"),
+            v=w.matrix(p + "attn_v.weight"),
+            o=w.matrix(p + "attn_output.weight"),
+            q_norm=w.vector(p + "attn_q_norm.weight"),
+            k_norm=w.vector(p + "attn_k_norm.weight"),
+            ffn_norm=w.vector(p + "ffn_norm.weight"),
+            router=w.matrix(p + "ffn_gate_inp.weight"),
+        )
+
+    def layer(self, i, x, cache, start, positions):
+        s, L, eps = self.spec, self.layers[i], self.spec.rms_eps
+        t, hd, hk = x.shape[0], s.head_dim_k[i], s.n_head_kv[i]
+        with self.stage("attention"):
+            n = rms_norm(x, L["attn_norm"], eps)  # [T, D]
+            q = rms_norm(L["q"](n).reshape(t, s.n_head, hd), L["q_norm"], eps)  # [T, H, d]
+            k = rms_norm(L["k"](n).reshape(t, hk, hd), L["k_norm"], eps)  # [T, Hk, d]
+            v = L["v"](n).reshape(t, hk, s.head_dim_v[i])
+            cos, sin = self.rope.tables(positions)
+            cache.store(i, self.rope.apply(k, cos, sin), v)
+            h = x + L["o"](attention(self.rope.apply(q, cos, sin), cache, i, start, self.scale))
+        with self.stage("router"):
+            n2 = rms_norm(h, L["ffn_norm"], eps)
+            scores = L["router"](n2)
+            routing = self.routed(i, softmax_then_top_k(scores, self.top_k), scores)
+            self.hint_next_layer(i, n2)
+        with self.stage("experts"):
+            return h + apply_experts(n2, routing, self.source, i, swiglu_expert)

@@ -1,0 +1,90 @@
+"""The model file a config names, found.
+
+shared/config.py only parses and validates; what `model.path` and
+`model.catalog` point at on this machine is decided here, where the catalog,
+the record of pulled models and the embedded tiny model are known:
+
+    resolve_model(cfg)              -> Config  model.catalog checked; its pulled file stands in for an unset model.path
+    check_model(cfg)                           a ConfigError that says how to get a model when model.path names none
+    model_file(cfg)                 -> Path    the model's file, the embedded tiny model made first if it is asked for
+    load_runnable(path, overrides)  -> Config  load_config + resolve_model, then every file a run reads checked
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from ..config import EMBEDDED_MODEL, Config, check_chat_template, load_config, toml_repr
+from ..errors import ConfigError
+from . import catalog, store
+
+
+def load_runnable(path: str | Path | None = None, overrides: Mapping[str, Any] | None = None) -> Config:
+    """The config a run starts from: `load_config`, the catalog's pulled file
+    filled in, and a model path or chat template file that is not there
+    refused here, before anything starts."""
+    cfg = resolve_model(load_config(path, overrides))
+    check_model(cfg)
+    check_chat_template(cfg)
+    return cfg
+
+
+def resolve_model(cfg: Config) -> Config:
+    """model.catalog names a catalog entry (checked here); with model.path unset, its pulled file stands in."""
+    if not cfg.model.catalog:
+        return cfg
+    entry = catalog.find(cfg.model.catalog)
+    if entry is None:
+        raise ConfigError(
+            f"{_where(cfg)}: model.catalog = {toml_repr(cfg.model.catalog)} is not in the catalog; allowed: {', '.join(catalog.BY_NAME)}"
+        )
+    if cfg.model.path:
+        return cfg
+    pulled = store.find_pulled(entry.repo, entry.quant)
+    if pulled is None:
+        return cfg  # check_model says how to pull it
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=str(pulled.path)))
+
+
+def check_model(cfg: Config) -> None:
+    """Raise a ConfigError that says how to get a model when model.path names none."""
+    path = cfg.model.path
+    if path == EMBEDDED_MODEL:
+        return
+    what = f"a {cfg.model.name} GGUF" if cfg.model.name else "a GGUF model"
+    how = (
+        f"download {what} and set path under [model] or pass --set model.path=FILE; or make a test model with "
+        "`moe-pipe make-model --arch qwen3moe --preset tiny -o model.gguf`, convert a checkpoint with "
+        '`moe-pipe convert HF_DIR -o model.gguf`, or use path = "tiny" (the embedded tiny model)'
+    )
+    if not path and cfg.model.catalog:
+        entry = catalog.get(cfg.model.catalog)
+        raise ConfigError(
+            f"{_where(cfg)}: model.path is not set and {entry.name} ({entry.model}) has not been pulled: run `{entry.pull_command}`; or {how}"
+        )
+    if not path:
+        raise ConfigError(f"{_where(cfg)}: model.path is not set: {how}")
+    p = Path(path)
+    if p.is_dir():
+        raise ConfigError(
+            f"{_where(cfg)}: model.path = {toml_repr(path)} is a folder; point it at the .gguf file (the first shard of a split set)"
+        )
+    if not p.exists():
+        raise ConfigError(f"{_where(cfg)}: model.path = {toml_repr(path)}: no such file; {how}")
+
+
+def model_file(cfg: Config) -> Path:
+    """The model's path, making the embedded tiny model first if it is asked for and absent."""
+    check_model(cfg)
+    if cfg.model.path == EMBEDDED_MODEL:
+        from ..makemodel.default_model import default_model_path
+
+        return default_model_path()
+    return Path(cfg.model.path)
+
+
+def _where(cfg: Config) -> str:
+    return cfg.source or "command line"  # with no file, a model path can only have come from the command line

@@ -1,0 +1,128 @@
+"""What make-model asks of a family: the `PlanPart` every family's
+`shared/families/<family>/plan.py` provides, and the `TensorSpec` its layer
+plan lists.
+
+A plan part exports `PLAN`, an instance of a class that subclasses `PlanPart`:
+the members without a body (presets, router, layer, vocab) are the family's to
+give; the others are hooks whose defaults are what most families write, so a
+family overrides only where llama.cpp writes it differently. maker.py plans
+the file and writes its metadata from these members alone.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar, Protocol
+
+from gguf import GGMLQuantizationType as Q
+
+from ..gguf.vocab import Vocab
+from ..quant.blocks import block_format
+from .presets import Preset, RouterShape, q4_k_m
+
+if TYPE_CHECKING:
+    from gguf import GGUFWriter
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor to write. `shape` is numpy order (last axis = ggml ne0)."""
+
+    name: str
+    shape: tuple[int, ...]
+    qtype: Q
+    fill: str  # weight | norm | norm_scaled | ones | router | router_bias | bias | bias_scaled | sinks | scale | rope_freqs | conv | ssm_a
+    param: float = 0.0  # std of the random values; rope_freqs: fraction of pairs that rotate
+
+    @property
+    def byte_shape(self) -> tuple[int, ...]:
+        return (*self.shape[:-1], block_format(self.qtype).row_bytes(self.shape[-1]))
+
+    @property
+    def nbytes(self) -> int:
+        return block_format(self.qtype).tensor_bytes(self.shape)
+
+
+# The two constructors a layer plan builds its tensors with (maker.plan_tensors passes them in):
+# W(name, shape, role, layer=0): a weight matrix typed by the family's quant mix (PlanPart.mix);
+# F(name, shape, fill): an F32 vector or router filled as `fill` says (TensorSpec.fill).
+MakeWeight = Callable[..., TensorSpec]
+MakeVector = Callable[[str, tuple[int, ...], str], TensorSpec]
+
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # beside the family's plan.py
+
+
+class PlanPart(Protocol):
+    """A family's make-model plan: its presets, tensors, metadata, vocabulary and template."""
+
+    presets: Mapping[str, Preset]
+    """The family's presets by name: tiny and small (presets.SHARED_PRESETS) and the
+    real model's shape, in the order the CLI and docs list them."""
+
+    router: RouterShape
+    """How its routers are filled (maker.py "routers"; presets.RouterShape)."""
+
+    mix_name: ClassVar[str] = "Q4_K_M"
+    """The real files' quant mix, as general.description and general.file_type name it."""
+
+    final_norm: ClassVar[str] = "output_norm.weight"
+    """The final norm's tensor name."""
+
+    tied_head: ClassVar[bool] = False
+    """The output head is token_embd (no output.weight), which then takes the mix's output rule."""
+
+    router_input_norm: ClassVar[str | None] = None
+    """The per-layer norm the router reads (e.g. "ffn_norm.weight"): flat where a shape
+    preset shapes the residual stream (maker.py "Cross-layer predictability");
+    None: the family's stream is never shaped."""
+
+    first_query: ClassVar[tuple[str, ...]] = ()
+    """Layer 0's tensors that carry its query scale under stream shaping
+    (RouterShape.first_attn_q): a norm is filled at that scale, a weight or bias scaled by it."""
+
+    add_space_prefix: ClassVar[bool | None] = None
+    """tokenizer.ggml.add_space_prefix, written when not None."""
+
+    def layer(self, p: Preset, i: int, W: MakeWeight, F: MakeVector) -> list[TensorSpec]:
+        """Layer i's tensors in llama.cpp's file order, built with W and F."""
+        ...
+
+    def vocab(self, size: int, n_bpe: int) -> Vocab:
+        """The made model's vocabulary: exactly `size` tokens, at most `n_bpe` of them trained."""
+        ...
+
+    def head_tensors(self, p: Preset) -> list[TensorSpec]:
+        """The family's own tensors outside the layers, written between token_embd and the final norm."""
+        return []
+
+    def mix(self, role: str, layer: int, n_layer: int, v_index: int, n_v: int) -> Q:
+        """The real file's type for weight matrix `role` before the row-width fallback
+        (presets.q4_k_m says what the arguments are)."""
+        return q4_k_m(role, layer, n_layer, v_index, n_v, tied_head=self.tied_head)
+
+    def router_std(self, logit_std: float, ne0: int) -> float:
+        """The router weights' std for logits of spread `logit_std`: the router reads an
+        RMS-normed x of |x| ≈ √ne0."""
+        return logit_std / math.sqrt(ne0)
+
+    def head_count_kv(self, p: Preset) -> int | list[int]:
+        """attention.head_count_kv: one count, or one per layer."""
+        return p.n_head_kv
+
+    def attention_metadata(self, w: GGUFWriter, p: Preset) -> None:
+        """The attention's keys, written right after rope.freq_base."""
+        w.add_head_count_kv(self.head_count_kv(p))
+        w.add_key_length(p.head_dim)
+        w.add_value_length(p.head_dim)
+
+    def metadata(self, w: GGUFWriter, p: Preset) -> None:
+        """The family's own keys, written after the attention's and before the tokenizer's."""
+        return None  # a body, so the hook has a default (mypy takes an empty one for abstract)
+
+    def chat_template(self) -> str:
+        """The chat template made files carry: chat_template.jinja beside the family's plan.py."""
+        return (Path(inspect.getfile(type(self))).parent / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")

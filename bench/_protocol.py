@@ -176,7 +176,16 @@ def cold_check(model: Path, copy: Path, lanes: int, region_gib: float = COLD_CHE
 
 
 def run_engine(
-    engine: Engine, model: Path, config: Path, limit_mb: float, n: int, threads: int, out: Path, prompt_tokens, peer_timeout_s: float
+    engine: Engine,
+    model: Path,
+    config: Path,
+    limit_mb: float,
+    n: int,
+    threads: int,
+    out: Path,
+    prompt: str,
+    prompt_tokens: list[int],
+    peer_timeout_s: float,
 ) -> dict:
     from moe_pipe.shared.analysis import benchmark as bm
     from moe_pipe.shared.analysis.peer_llama import read_result
@@ -187,6 +196,7 @@ def run_engine(
     plan = bm.BenchPlan(
         model,
         run_target=str(config),
+        prompt=prompt,
         n=n,
         repeat=1,
         threads=threads,
@@ -237,14 +247,20 @@ def run_protocol(
     cold: str,
     peer_timeout_s: float,
     lanes: int,
+    prompt_length: int | None = None,
 ) -> dict:
+    """Every engine's runs, cold, on the fixed short prompt or, with `prompt_length`,
+    on that many tokens of ordinary prose (`prose_prompt`)."""
     from moe_pipe.shared.analysis.benchmark import PROMPT
     from moe_pipe.shared.gguf.model_file import open_model
     from moe_pipe.shared.text.chat import encode_prompt
     from moe_pipe.shared.text.tokenizer import Tokenizer
 
     with open_model(model) as mf:
-        prompt_tokens = encode_prompt(Tokenizer.from_gguf(mf.gguf), PROMPT)
+        tok = Tokenizer.from_gguf(mf.gguf)
+        prompt = PROMPT if prompt_length is None else prose_prompt(tok, prompt_length)
+        prompt_tokens = encode_prompt(tok, prompt)
+        expert_bytes = sum(mf.layout.expert_bytes(i) for i in range(mf.spec.n_layer))
     copy = model.with_name(model.stem + "-cold-copy.gguf")
     checks = []
     say(f"cold check: a fresh copy of a region read twice ({lanes} lanes) ...")
@@ -262,7 +278,7 @@ def run_protocol(
                 say(f"[{engine.name} #{r + 1}] fresh copy in {took:.0f} s")
             try:
                 row = run_engine(
-                    engine, target, config, limit_mb, n, threads, out / f"{engine.slug}-{r + 1}", prompt_tokens, peer_timeout_s
+                    engine, target, config, limit_mb, n, threads, out / f"{engine.slug}-{r + 1}", prompt, prompt_tokens, peer_timeout_s
                 )
             finally:
                 if cold == "copy":
@@ -277,7 +293,28 @@ def run_protocol(
     say("cold check again ...")
     checks.append(cold_check(model, copy, lanes))
     say(f"    never-read {checks[-1]['never_read_gbps']:.2f} GB/s, re-read {checks[-1]['reread_gbps']:.2f} GB/s")
-    return summarize(model, config, engines, rows, checks, limit_mb=limit_mb, n=n, repeat=repeat, threads=threads, cold=cold)
+    return summarize(
+        model, config, engines, rows, checks, limit_mb=limit_mb, n=n, repeat=repeat, threads=threads, cold=cold,
+        prompt_tokens=len(prompt_tokens), expert_gb=expert_bytes / 1e9,
+    )  # fmt: skip
+
+
+def prose_prompt(tok, length: int) -> str:
+    """The longest opening of the project's prose corpus (a story in plain English,
+    shipped to train the made models' tokenizers) that is at most `length` tokens,
+    cut at a word: an ordinary long prompt, the same text for every engine."""
+    from moe_pipe.shared.gguf.vocab import CORPUS
+    from moe_pipe.shared.text.chat import encode_prompt
+
+    words = " ".join(CORPUS.read_text(encoding="utf-8").split()).split(" ")
+    lo, hi = 1, len(words)
+    while lo < hi:  # the most words whose text is at most `length` tokens
+        mid = (lo + hi + 1) // 2
+        if len(encode_prompt(tok, " ".join(words[:mid]))) <= length:
+            lo = mid
+        else:
+            hi = mid - 1
+    return " ".join(words[:lo])
 
 
 FIGS = ("first_s", "steady_at_token", "steady_at_s", "fill_ms", "steady_tps", "whole_tps")
@@ -341,7 +378,7 @@ def markdown(s: dict, title: str) -> str:
         "",
         f"{s['model']} ({s['model_mib']:,.0f} MiB), memory limit {lim:,.0f} MiB for every engine (the recipe's cache "
         f"ceiling lifted: `cache_ceil_mb` auto gives no ceiling off a phone), {s['n']} greedy tokens, {s['threads']} threads, "
-        f"medians of {s['repeat']} runs, {cold}.",
+        f"medians of {s['repeat']} runs, {cold}; the prompt: {s.get('prompt_tokens', '?')} tokens.",
         "",
         "| engine | start-up s | first token s | steady from token (s) | tokens 2-50 ms | last quarter tok/s | whole tok/s | "
         "prompt reads GB/s | fill reads GB/s | hit % | cache or page cache, share of limit |",
@@ -351,7 +388,11 @@ def markdown(s: dict, title: str) -> str:
     def f(v, fmt="{:.2f}"):
         return "" if v is None else fmt.format(v)
 
+    prompt_rows = []
     for name, m in s["medians"].items():
+        n_prompt, gb = s.get("prompt_tokens"), m.get("first_gb")
+        read = f"{gb:.1f} GB = {gb / s['expert_gb']:.2f}× the experts" if gb is not None and s.get("expert_gb") else "(page cache)"
+        prompt_rows.append(f"| {name} | {f(m['first_s'])} | {f(n_prompt / m['first_s'] if n_prompt else None, '{:.1f}')} | {read} |")
         mem = m["budget_mib"] if m["budget_mib"] is not None else m["page_cache_mib"]
         what = "expert cache" if m["budget_mib"] is not None else "page cache"
         lines.append(
@@ -361,6 +402,14 @@ def markdown(s: dict, title: str) -> str:
             + (f"{what} {mem:,.0f} MiB = {mem / lim:.0%}" if mem is not None else "")
             + " |"
         )
+    lines += [
+        "",
+        "The prompt:",
+        "",
+        "| engine | first token s | prefill tok/s | expert bytes read during the prompt |",
+        "|---|---|---|---|",
+    ]
+    lines += prompt_rows
     if s["best_llama"]:
         lines += ["", f"Against llama.cpp's best configuration here ({s['best_llama']}, by last-quarter tok/s):", ""]
         lines += ["| moe-pipe | first token (× sooner) | tokens 2-50 (× faster) | last quarter | whole |", "|---|---|---|---|---|"]

@@ -31,6 +31,11 @@ def parse(argv):
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("-n", type=int, default=32, help="decode tokens")
     p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument(
+        "--prefill-chunk",
+        type=int,
+        help="prompt tokens per layer-major chunk (default: compute.prefill_chunk's, the whole prompt up to 4096)",
+    )
     p.add_argument("--repeat", type=int, default=3)
     return p.parse_args(argv)
 
@@ -91,18 +96,19 @@ class KernelClock:
             setattr(self.quant, name, fn)
 
 
-def run_ours(path: Path, prompt: list[int], n: int, threads: int, profile: bool, stages: bool = True):
+def run_ours(path: Path, prompt: list[int], n: int, threads: int, profile: bool, stages: bool = True, chunk: int | None = None):
     import numpy as np
 
     from moe_pipe.shared import quant
+    from moe_pipe.shared.config import AUTO_PREFILL_CHUNK
     from moe_pipe.shared.gguf.model_file import open_model
     from moe_pipe.shared.model.load import ModelOptions, load_model
 
     quant.set_threads(threads)
     # As `run --no-stream` and compute do (cli/run_cmd.py, procs/compute.py):
     # without it OpenBLAS's spinning workers from a prompt's attention
-    # products take the cores from the kernels after them (prefill ran 2.5x
-    # slower on the 8-layer qwen30b-shape model, 2026-12-01).
+    # products take the cores from the kernels after them (prefill runs 2.5x
+    # slower on the 8-layer qwen30b-shape model without it: docs/kernels.md).
     quant.one_blas_thread()
     mf = open_model(path)
     model = load_model(mf, options=ModelOptions(stage_timing=profile and stages))
@@ -110,7 +116,7 @@ def run_ours(path: Path, prompt: list[int], n: int, threads: int, profile: bool,
     clock = KernelClock() if profile else None
     cache = model.new_cache(len(prompt) + n + 8)
     t0 = time.perf_counter()
-    logits = model.prefill(prompt, cache, batch=64)
+    logits = model.prefill(prompt, cache, batch=chunk or min(len(prompt), AUTO_PREFILL_CHUNK))
     t1 = time.perf_counter()
     model.stage.reset()
     if clock:
@@ -173,14 +179,17 @@ def main(argv=None) -> int:
     )
     ours, peer = [], []
     for _ in range(args.repeat):
-        ours.append(run_ours(path, prompt, args.n, args.threads, profile=False))
+        ours.append(run_ours(path, prompt, args.n, args.threads, profile=False, chunk=args.prefill_chunk))
         res = run_llama(path, prompt, args.n, args.threads)
         if res:
             peer.append(res)
-    prof = run_ours(path, prompt, args.n, args.threads, profile=True)
+    prof = run_ours(path, prompt, args.n, args.threads, profile=True, chunk=args.prefill_chunk)
     # Kernel time alone (no stage timers), best of three: the Python share is
     # what the rest of a decode costs.
-    clocked = min((run_ours(path, prompt, args.n, args.threads, profile=True, stages=False) for _ in range(3)), key=lambda r: r[1])
+    clocked = min(
+        (run_ours(path, prompt, args.n, args.threads, profile=True, stages=False, chunk=args.prefill_chunk) for _ in range(3)),
+        key=lambda r: r[1],
+    )
 
     def rates(runs):
         return (statistics.median(len(prompt) / r[0] for r in runs), statistics.median(args.n / r[1] for r in runs))

@@ -10,10 +10,11 @@ This measures the fill at expert granularity, the reader's way
 consecutive slabs from `lanes` threads), into an arena prepared three ways:
 
 - `fresh`      ftruncate only: pages allocated by the reads themselves
-- `reserved`   posix_fallocate (what `moe-pipe` did before populating): pages
-               exist, but this process has not mapped them
+- `reserved`   posix_fallocate, as the supervisor creates the slab arena:
+               pages exist, but this process has not mapped them
 - `populated`  fallocate + `Arena.populate` (MADV_POPULATE_WRITE) in the
-               reading process, as the reader now does ahead of its fill
+               reading process, as the reader's Populator does ahead of its
+               fill (shared/experts/populate.py)
 
 Every region is read once only: the file is written fresh, the page cache
 dropped, and each (mode, round) reads its own never-read region, modes

@@ -4,7 +4,7 @@
 
 Replays qwen.route.csv and gptoss.route.csv (DIR: $MOE_PIPE_ROUTE_TRACES,
 else shared/data/route-traces in the repo's parent folder) through every policy at
-each budget, in both accountings (slots: the engine's equal slabs; bytes:
+each budget, in both accountings (slabs: the engine's equal slabs; bytes:
 each expert its own size, as the published curves), and
 
   - rewrites the generated block of docs/cache-policies.md (between its
@@ -77,7 +77,7 @@ def replay_all(d: Path, budgets) -> tuple[dict, dict]:
     for name in TRACES:
         trace = read_trace(d / f"{name}.route.csv")
         sizes[name] = len(set(trace.header.expert_bytes))
-        for accounting in ("slots", "bytes"):
+        for accounting in ("slabs", "bytes"):
             rp = Replayer(trace, accounting)
             out[name, accounting] = {(b, p): rp.run(b, p) for b in budgets for p in POLICIES}
     return out, sizes
@@ -98,12 +98,12 @@ def markdown(results: dict, pub: dict, sizes: dict, budgets) -> str:
     out = []
     for name, title in TRACES.items():
         out += [f"### {title}", ""]
-        one_size = sizes[name] == 1  # then bytes and slots count the same experts
-        for accounting in ("slots",) if one_size else ("slots", "bytes"):
+        one_size = sizes[name] == 1  # then bytes and slabs count the same experts
+        for accounting in ("slabs",) if one_size else ("slabs", "bytes"):
             res = results[name, accounting]
             what = (
-                "slots, equal slabs of the largest expert (the engine)"
-                if accounting == "slots"
+                "slabs, equal slabs of the largest expert (the engine)"
+                if accounting == "slabs"
                 else "bytes, each expert its own size (as the published curves)"
             )
             out += [
@@ -112,7 +112,7 @@ def markdown(results: dict, pub: dict, sizes: dict, budgets) -> str:
                 + ". Bold: the best live policy.",
                 "",
             ]
-            rows = [["slots" if accounting == "slots" else "≈ experts", *(str(res[b, "lru"].n_slots) for b in budgets)]]
+            rows = [["slabs" if accounting == "slabs" else "≈ experts", *(str(res[b, "lru"].n_slabs) for b in budgets)]]
             for p in POLICIES:
                 cells = []
                 for b in budgets:
@@ -124,7 +124,7 @@ def markdown(results: dict, pub: dict, sizes: dict, budgets) -> str:
                 for p in ("lru", "belady", "layerlfu"):
                     rows.append([f"published `{p}`", *(f"{pub[name][b, p]:.2f}" if (b, p) in pub[name] else "–" for b in budgets)])
             out += _table(["policy \\ MiB", *map(str, budgets)], rows) + [""]
-        res = results[name, "slots"]
+        res = results[name, "slabs"]
         checked = [b for b in (2000, 3000, 4000) if (b, "lru") in res]
         margins = ", ".join(f"{b}: {_pts(res[b, DEFAULT_POLICY].hit_pct_decode - res[b, 'lru'].hit_pct_decode)}" for b in checked)
         reads = ", ".join(f"{b}: {res[b, 'lru'].read_mib:,.0f} → {res[b, DEFAULT_POLICY].read_mib:,.0f}" for b in checked)
@@ -133,7 +133,7 @@ def markdown(results: dict, pub: dict, sizes: dict, budgets) -> str:
             over = ", ".join(f"{b}: {_pts(res[b, DEFAULT_POLICY].hit_pct_decode - res[b, 'nextuse'].hit_pct_decode)}" for b in checked)
             prev = f" Over `nextuse`: {over}."
         out += [
-            f"`{DEFAULT_POLICY}` over `lru` (slots), points of decode hit rate at {margins}.{prev} "
+            f"`{DEFAULT_POLICY}` over `lru` (slabs), points of decode hit rate at {margins}.{prev} "
             f"MiB read from flash for the whole trace, `lru` → `{DEFAULT_POLICY}`, at {reads}.",
             "",
         ]
@@ -145,7 +145,7 @@ def markdown(results: dict, pub: dict, sizes: dict, budgets) -> str:
                 if (b, p) not in pub.get(name, {}) or (b, p) not in results[name, "bytes"]:
                     continue
                 want = pub[name][b, p]
-                by_bytes, by_slots = (results[name, a][b, p].hit_pct_decode for a in ("bytes", "slots"))
+                by_bytes, by_slabs = (results[name, a][b, p].hit_pct_decode for a in ("bytes", "slabs"))
                 rows.append(
                     [
                         name,
@@ -154,11 +154,11 @@ def markdown(results: dict, pub: dict, sizes: dict, budgets) -> str:
                         f"{want:.2f}",
                         f"{by_bytes:.2f}",
                         _pts(by_bytes - want),
-                        f"{by_slots:.2f}",
-                        _pts(by_slots - want),
+                        f"{by_slabs:.2f}",
+                        _pts(by_slabs - want),
                     ]
                 )
-    out += _table(["trace", "MiB", "policy", "published", "bytes", "Δ bytes", "slots", "Δ slots"], rows, left=1)
+    out += _table(["trace", "MiB", "policy", "published", "bytes", "Δ bytes", "slabs", "Δ slabs"], rows, left=1)
     return "\n".join(out).rstrip() + "\n"
 
 
@@ -172,7 +172,7 @@ def plot(results: dict, budgets, path: Path) -> None:
 
     fig, axes = plt.subplots(1, len(TRACES), figsize=(12, 4.6), sharey=False)
     for ax, (name, title) in zip(axes, TRACES.items()):
-        res = results[name, "slots"]
+        res = results[name, "slabs"]
         for p in POLICIES:
             style = {"belady": dict(ls="--", color="black", lw=1.2), DEFAULT_POLICY: dict(lw=2.6)}.get(p, dict(lw=1.3))
             ax.plot(
@@ -189,7 +189,7 @@ def plot(results: dict, budgets, path: Path) -> None:
         ax.grid(alpha=0.3)
         ax.set_ylim(0, 100)
     axes[0].legend(loc="lower right", fontsize=8)
-    fig.suptitle("Expert-cache policies on real routing traces (slots: the engine's equal slabs)", fontsize=11)
+    fig.suptitle("Expert-cache policies on real routing traces (slabs: the engine's equal slabs)", fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -205,13 +205,13 @@ class TinyLRU:
     uses) is below the coldest resident's is not refused but put at the cold
     end, to go first."""
 
-    def __init__(self, n_slots: int, half_life: float = 2.0):
+    def __init__(self, n_slabs: int, half_life: float = 2.0):
         from collections import OrderedDict
 
         self._order: OrderedDict = OrderedDict()
         self._count: dict = {}
         self._tick = 0
-        self.half_life = max(64.0, half_life * n_slots)
+        self.half_life = max(64.0, half_life * n_slabs)
 
     def _use(self, key) -> None:
         self._tick += 1  # counts grow 2**(t / half_life) per use: decay without touching the others
@@ -267,7 +267,7 @@ def variants(d: Path) -> str:
             cells.append(" / ".join(f"{rp[name].run(b, pol).hit_pct_decode:.2f}" for b in (2000, 3000, 4000)))
         rows.append([label, *cells])
     head = ["variant", *(f"{TRACES[n].split(' (')[0]}" for n in TRACES)]
-    return "hit % decode at 2000 / 3000 / 4000 MiB (slots)\n\n" + "\n".join(_table(head, rows))
+    return "hit % decode at 2000 / 3000 / 4000 MiB (slabs)\n\n" + "\n".join(_table(head, rows))
 
 
 # ---------------------------------------------------------------- router scores, on a made model

@@ -71,7 +71,8 @@ def machine(model_dir: Path) -> dict:
 
 
 def kernel_rates(seconds: float) -> dict:
-    from moe_pipe.shared.analysis.forecast import KernelClass, measure_kernels
+    from moe_pipe.shared.analysis.fit import KernelClass
+    from moe_pipe.shared.analysis.forecast import measure_kernels
 
     rows, cols = SHAPE
     classes = [KernelClass("expert", t, rows, cols, rows * cols) for t in TYPES]
@@ -99,7 +100,7 @@ def streamed_run(model: Path, tokens: int) -> dict:
         "tokens": len(done.tokens),
         "wall_s": round(wall, 3),
         "tok_s_incl_prompt": round(len(done.tokens) / wall, 2),
-        "cache_bytes": r.n_slots * r.slab_bytes,
+        "cache_bytes": r.n_slabs * r.slab_bytes,
         "slab_bytes": r.slab_bytes,
         "io_align": r.io_align,
         "o_direct": r.direct_io,

@@ -10,7 +10,7 @@ token streams, records its routing through `route_observer`, and measures
 what makes routing realistic for an expert cache (docs/benchmarks.md,
 "Synthetic routing"):
 
-  1. LRU decode hit % at cache fractions f: f × n_layer × n_expert slots,
+  1. LRU decode hit % at cache fractions f: f × n_layer × n_expert slabs,
      one global LRU, replayed by shared/analysis/replay.py exactly as the engine would;
   2. popularity per layer over the decode tokens: entropy of the picks
      (1 = uniform), the share of the picks taken by the top tenth of the
@@ -24,7 +24,7 @@ and, for reference, the mean gate weight of each token's first expert.
 hope for): on the decode tokens, for each layer i and distance d = 0..3,
 layer i+d's router applied to the input layer i's router saw (observed with
 ModelOptions.router_input_observer); its top-k against the top-k layer i+d
-then chose. Slot accuracy = share of layer i+d's chosen experts found in the
+then chose. Expert accuracy = share of layer i+d's chosen experts found in the
 guess; set accuracy = share of tokens whose guess is the whole set. d = 0 is
 the control (100 %).
 
@@ -114,7 +114,7 @@ def decode_sets(trace) -> np.ndarray:
 
 
 def lru_hit_pct(trace, fraction: float) -> float:
-    """LRU decode hit % with fraction × n_layer × n_expert slots (at least one token's top-k)."""
+    """LRU decode hit % with fraction × n_layer × n_expert slabs (at least one token's top-k)."""
     from moe_pipe.shared.analysis.replay import MIB, Replayer, slab_bytes
 
     h = trace.header
@@ -154,7 +154,7 @@ def routing_stats(trace, fractions=FRACTIONS) -> RoutingStats:
         reuse=reuse,
         per_layer_top_tenth=(float(top_tenth.min()), float(top_tenth.max())),
         per_layer_reuse1=(float(reuse1_layer.min()), float(reuse1_layer.max())),
-        top_gate_weight=float(trace.weight[(trace.phase == DECODE) & (trace.slot == 0)].mean()),
+        top_gate_weight=float(trace.weight[(trace.phase == DECODE) & (trace.slot == 0)].mean()),  # slot 0: each token's first choice
     )
 
 
@@ -253,14 +253,14 @@ MAX_DISTANCE = 3
 class CrossLayer:
     """Layer i+d's router on layer i's router input, against what layer i+d chose."""
 
-    slot: dict  # d -> (per-layer slot accuracy over i, overall)
+    expert: dict  # d -> (per-layer expert accuracy over i, overall)
     whole: dict  # d -> (per-layer whole-set accuracy over i, overall)
 
     def row(self) -> dict:
         def r(x):
             return [round(v, 4) for v in x[0]], round(x[1], 4)
 
-        return {"slot": {d: r(v) for d, v in self.slot.items()}, "whole_set": {d: r(v) for d, v in self.whole.items()}}
+        return {"expert": {d: r(v) for d, v in self.expert.items()}, "whole_set": {d: r(v) for d, v in self.whole.items()}}
 
 
 def cross_layer(model, rec: Recorder, max_d: int = MAX_DISTANCE) -> CrossLayer:
@@ -270,33 +270,33 @@ def cross_layer(model, rec: Recorder, max_d: int = MAX_DISTANCE) -> CrossLayer:
     n_layer, k = model.spec.n_layer, model.top_k
     chosen = {layer: np.concatenate([ids for ph, _, l, ids, _ in rec.rows if ph == 1 and l == layer]) for layer in range(n_layer)}
     seen = {layer: np.concatenate([x for l, x in rec.inputs if l == layer]) for layer in range(n_layer)}  # [T, D]
-    slot, whole = {}, {}
+    expert, whole = {}, {}
     for d in range(max_d + 1):
         s_rows, w_rows = [], []
         for i in range(n_layer - d):
             guess = top_k_ids(model.router_logits(i + d, seen[i]), k)  # [T, K]
             actual = chosen[i + d]
-            found = (guess[:, :, None] == actual[:, None, :]).any(1)  # [T, K]: actual slot found in the guess
+            found = (guess[:, :, None] == actual[:, None, :]).any(1)  # [T, K]: the token's k-th choice found in the guess
             s_rows.append(found.mean(1))
             w_rows.append(found.all(1))
         if s_rows:
-            slot[d] = ([float(r.mean()) for r in s_rows], float(np.concatenate(s_rows).mean()))
+            expert[d] = ([float(r.mean()) for r in s_rows], float(np.concatenate(s_rows).mean()))
             whole[d] = ([float(r.mean()) for r in w_rows], float(np.concatenate(w_rows).mean()))
-    return CrossLayer(slot, whole)
+    return CrossLayer(expert, whole)
 
 
 def cross_table(probes: dict[str, CrossLayer]) -> str:
-    """Per stream: slot % / whole-set % by source layer i and distance d."""
+    """Per stream: expert % / whole-set % by source layer i and distance d."""
     lines = []
     for name, p in probes.items():
-        ds = list(p.slot)
-        n = len(p.slot[0][0])
-        lines.append(f"cross-layer probe, {name}: router of layer i+d on layer i's router input, slot % / whole-set %")
+        ds = list(p.expert)
+        n = len(p.expert[0][0])
+        lines.append(f"cross-layer probe, {name}: router of layer i+d on layer i's router input, expert % / whole-set %")
         lines.append("layer i  " + "  ".join(f"{f'd={d}':>11}" for d in ds))
         for i in range(n):
-            cells = [f"{p.slot[d][0][i] * 100:5.1f}/{p.whole[d][0][i] * 100:5.1f}" if i < len(p.slot[d][0]) else "" for d in ds]
+            cells = [f"{p.expert[d][0][i] * 100:5.1f}/{p.whole[d][0][i] * 100:5.1f}" if i < len(p.expert[d][0]) else "" for d in ds]
             lines.append(f"{i:>7}  " + "  ".join(f"{c:>11}" for c in cells))
-        lines.append("overall  " + "  ".join(f"{f'{p.slot[d][1] * 100:5.1f}/{p.whole[d][1] * 100:5.1f}':>11}" for d in ds))
+        lines.append("overall  " + "  ".join(f"{f'{p.expert[d][1] * 100:5.1f}/{p.whole[d][1] * 100:5.1f}':>11}" for d in ds))
     return "\n".join(lines)
 
 

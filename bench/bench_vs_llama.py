@@ -19,8 +19,9 @@ weight repacking at each `--peer-readahead` (KiB; its default loading copies
 the weights into RAM and is killed loading under these limits, see
 docs/benchmarks.md); with `--lossy`, moe-pipe's lossy recipe beside, labelled.
 
-The limit gives the seed phone's model-to-RAM ratio: Qwen3-30B-A3B ran at
-1.6x RAM, Gemma at 1.5x, gpt-oss-120b at 5.2x, so limit = file / ratio. A cut
+The limit gives the model-to-RAM ratio of the 11.3 GB reference phone
+(docs/benchmarks.md § The protocol (2026-12-01)): Qwen3-30B-A3B is 1.6x its
+RAM, Gemma 1.5x, gpt-oss-120b 5.2x, so limit = file / ratio. A cut
 whose limit cannot hold the dense set, KV cache and processes plus a useful
 cache is refused. Results go to bench/results/<shape>-L<layers>/protocol/
 (summary.json, summary.md, per-run CSVs), and the summaries into
@@ -164,6 +165,11 @@ def main(argv=None) -> int:
     p.add_argument("--trace", action="store_true", help="also run moe-pipe driven by the phone's recorded routing (labelled)")
     p.add_argument("--no-llama", action="store_true")
     p.add_argument("--doc-only", action="store_true", help="only rewrite docs/benchmarks.md from the committed results")
+    p.add_argument(
+        "--prompt-tokens",
+        type=int,
+        help="a prompt of this many tokens of ordinary prose (the protocol's lengths: 512, ~3,600) instead of the fixed 16-token one",
+    )
     args = p.parse_args(argv)
     import json
 
@@ -174,10 +180,10 @@ def main(argv=None) -> int:
         limit = limit_mb(name, model)
         config = ROOT / spec["config"]
         lanes = load_config(config, {"model.path": str(model)}).io.io_threads
-        out = results_dir(model) / "protocol"
+        out = results_dir(model) / ("protocol" if args.prompt_tokens is None else f"protocol-P{args.prompt_tokens}")
         summary = run_protocol(
             model, config, engines(name, args), limit_mb=limit, n=args.n, repeat=args.repeat, threads=args.threads,
-            out=out, cold=args.cold, peer_timeout_s=args.peer_timeout, lanes=lanes,
+            out=out, cold=args.cold, peer_timeout_s=args.peer_timeout, lanes=lanes, prompt_length=args.prompt_tokens,
         )  # fmt: skip
         summary["forecast"] = doctor_forecast(config, model, limit)
         (out / "summary.json").write_text(json.dumps(summary, indent=1))

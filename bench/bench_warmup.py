@@ -4,7 +4,7 @@
                                  [-n 24] [--repeat 1] [--threads 2] [--budgets 0.1,0.2,0.3,0.5]
 
 For each shape (the models and memory limits of bench_vs_llama.py: the
-seed phone's model-to-RAM ratio), `moe-pipe bench` with the shape's recipe
+reference phone's model-to-RAM ratio), `moe-pipe bench` with the shape's recipe
 is run cold, page cache dropped, once per variant:
 
   dense-anon, dense-warm, dense-mmap   io.dense_weights, under the limit

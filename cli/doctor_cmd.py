@@ -1,5 +1,5 @@
 """`moe-pipe doctor [MODEL|CONFIG] [--mem-limit-mb M] [--json]`: will this model fit
-on this machine, and how fast will it decode? (shared/analysis/forecast.py does the work.)"""
+on this machine, and how fast will it decode? (shared/analysis/fit.py and forecast.py do the work.)"""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def print_report(f: dict) -> None:
             f"one token's experts {_mib(f['floor_bytes'])} (the smallest cache), active weights {_mib(f['active_bytes_per_token'])}",
         ),
         ("memory", f"{_mib(f['available_bytes'])} available: {f['available']}"),
-        ("budget", f"{f['budget']} → {f['n_slots']:,} slabs"),
+        ("budget", f"{f['budget']} → {f['n_slabs']:,} slabs"),
     ]
     if not f["fits"]:
         rows.append(("fits", f"NO: {f['refusal']}"))
@@ -59,7 +59,7 @@ def print_report(f: dict) -> None:
                 "fits",
                 "yes, resident: every expert fits in the cache"
                 if f["resident"]
-                else f"yes, streaming: the cache holds {100 * f['n_slots'] / (f['n_layer'] * f['n_expert']):.0f} % of the experts",
+                else f"yes, streaming: the cache holds {100 * f['n_slabs'] / (f['n_layer'] * f['n_expert']):.0f} % of the experts",
             )
         )
         rows.append(("hit rate", f"{f['hit_pct']:.1f} % of decode lookups ({f['hit_source']}: {f['hit_note']})"))

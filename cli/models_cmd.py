@@ -2,7 +2,7 @@
 knows on this machine (pulled ones and any given), each with size, architecture,
 quant and the doctor's fit-and-speed forecast; or, with --catalog, the known models.
 
-The forecast is the doctor's (shared/analysis/forecast.py): the fit and the
+The forecast is the doctor's (shared/analysis/fit.py and forecast.py): the fit and the
 budget from this machine's memory now (cgroup-aware), the hit rate from the
 shipped traces, and tok/s from read bandwidth and kernel speed. Those two are
 measured only with --measure (the doctor measures every time, ~4 s a model)
@@ -103,25 +103,15 @@ def _commonest_expert_type(mf) -> str:
     return max(counts, key=lambda k: counts[k]) if counts else "?"
 
 
-def describe(path: Path, pulled, entry, store: dict, *, measure: bool, seconds: float, mem_limit_mb: float | None) -> dict:
+def model_row(path: Path, pulled, entry, store: dict, *, measure: bool, seconds: float, mem_limit_mb: float | None) -> dict:
     """One model's row: what it is, and the doctor's forecast from stored (or, measuring, fresh) speeds."""
-    from ..shared.analysis.forecast import (
-        FLOOR_MARGIN,
-        ROTATE_BYTES,
-        compute_threads,
-        decode_speed,
-        hit_rate,
-        limited_probe,
-        measure_kernels,
-        measure_reads,
-        memory_fit,
-        model_facts,
-    )
+    from ..shared.analysis.fit import hit_rate, limited_probe, memory_fit, model_footprint
+    from ..shared.analysis.forecast import FLOOR_MARGIN, ROTATE_BYTES, compute_threads, decode_speed, measure_kernels, measure_reads
     from ..shared.gguf.model_file import open_model
 
     cfg = _model_config(path, entry)
     with open_model(path) as mf:
-        facts = model_facts(mf, cfg)
+        footprint = model_footprint(mf, cfg)
         quant = file_type_name(mf)
         shards = len(mf.gguf.paths)
         dev = device_key(path)
@@ -134,24 +124,24 @@ def describe(path: Path, pulled, entry, store: dict, *, measure: bool, seconds: 
                 "note": reads.note,
                 "at": time.time(),
             }
-            rotate = min(ROTATE_BYTES, facts.active_bytes_per_token)
-            rates = measure_kernels(facts.classes, sorted({1, threads}), seconds=0.6 * seconds, rotate_bytes=rotate)
+            rotate = min(ROTATE_BYTES, footprint.active_bytes_per_token)
+            rates = measure_kernels(footprint.classes, sorted({1, threads}), seconds=0.6 * seconds, rotate_bytes=rotate)
             store["kernels"].update({_kernel_key(k, n): r for (k, n), r in rates.items()})
-    fit = memory_fit(facts, cfg, limited_probe(mem_limit_mb))
-    hit = hit_rate(facts, fit.n_slots, cfg.cache.policy) if fit.fits else None
+    fit = memory_fit(footprint, cfg, limited_probe(mem_limit_mb))
+    hit = hit_rate(footprint, fit.n_slabs, cfg.cache.policy) if fit.fits else None
     row = {
         "path": str(path),
         "repo": pulled.repo if pulled else None,
         "catalog": entry.name if entry else None,
-        "arch": facts.arch,
+        "arch": footprint.arch,
         "quant": quant,
-        "file_bytes": facts.file_bytes,
+        "file_bytes": footprint.file_bytes,
         "shards": shards,
-        "routed_bytes_per_token": facts.routed_bytes_per_token,
+        "routed_bytes_per_token": footprint.routed_bytes_per_token,
         "config": cfg.source or "",
         "available_bytes": fit.available_bytes,
         "budget_mb": round(fit.budget.mb, 1),
-        "n_slots": fit.n_slots,
+        "n_slabs": fit.n_slabs,
         "fits": fit.fits,
         "resident": fit.resident,
         "refusal": fit.refusal,
@@ -164,7 +154,7 @@ def describe(path: Path, pulled, entry, store: dict, *, measure: bool, seconds: 
         "speed_note": None,
     }
     read = store["reads"].get(dev)
-    rates_at = {c.key: store["kernels"].get(_kernel_key(c.key, threads)) for c in facts.classes}
+    rates_at = {c.key: store["kernels"].get(_kernel_key(c.key, threads)) for c in footprint.classes}
     if read is None or any(r is None for r in rates_at.values()):
         row["speed_note"] = "speed not measured on this machine yet: moe-pipe models --measure"
         return row
@@ -176,14 +166,14 @@ def describe(path: Path, pulled, entry, store: dict, *, measure: bool, seconds: 
         return row
     # the doctor's own arithmetic (forecast.decode_speed), on the stored figures
     speed = decode_speed(
-        facts.classes,
+        footprint.classes,
         {k: float(v) for k, v in rates_at.items() if v is not None},
-        n_layer=facts.n_layer,
-        top_k=facts.top_k,
+        n_layer=footprint.n_layer,
+        top_k=footprint.top_k,
         hit_pct=hit.pct,
-        read_bytes_per_token=facts.top_k * sum(facts.read_bytes_per_expert),
+        read_bytes_per_token=footprint.top_k * sum(footprint.read_bytes_per_expert),
         read_gbps=gbps[lanes],
-        at_floor=fit.budget.bytes < FLOOR_MARGIN * facts.floor_bytes,
+        at_floor=fit.budget.bytes < FLOOR_MARGIN * footprint.floor_bytes,
     )
     row["tok_s"], row["bottleneck"] = round(speed.tok_s, 2), speed.bottleneck
     return row
@@ -267,7 +257,9 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     for path, pulled in found:
         entry = next((e for e in catalog.CATALOG if pulled and e.repo.lower() == pulled.repo.lower() and e.quant == pulled.quant), None)
-        rows.append(describe(path, pulled, entry, measurements, measure=args.measure, seconds=args.seconds, mem_limit_mb=args.mem_limit_mb))
+        rows.append(
+            model_row(path, pulled, entry, measurements, measure=args.measure, seconds=args.seconds, mem_limit_mb=args.mem_limit_mb)
+        )
     if args.measure:
         save_measurements(measurements)
     if args.json:

@@ -33,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
     if broken := client.incomplete_sets([chosen]):
         raise client.PullError(f"{repo}: the split set is incomplete on the Hub: {broken[0]}")
     dest = Path(args.dir).expanduser().resolve() if args.dir else store.repo_dir(repo)
-    plan = client.plan(repo, args.revision, chosen, dest)
+    plan = client.download_plan(repo, args.revision, chosen, dest)
     client.check_space(plan)
     shards = f"{len(chosen.files)} files" if len(chosen.files) > 1 else "1 file"
     already = f", {sum(plan.have) / 1e9:.2f} GB already here" if sum(plan.have) else ""

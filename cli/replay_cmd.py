@@ -16,9 +16,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", nargs="+", default=["all"], metavar="NAME", help="policies to replay (default: all, belady included)")
     p.add_argument(
         "--accounting",
-        choices=("slots", "bytes"),
-        default="slots",
-        help="slots: equal slabs of the largest expert, as the engine; bytes: each expert its own size",
+        choices=("slabs", "bytes"),
+        default="slabs",
+        help="slabs: equal slabs of the largest expert, as the engine; bytes: each expert its own size",
     )
     p.add_argument(
         "--drop-cold-experts",
@@ -33,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def shipped_traces() -> dict[str, Path]:
     """The route traces shipped with moe-pipe (shared/data/traces/README.md), by short name: qwen.route.csv is "qwen"."""
-    from ..shared.analysis.forecast import TRACE_DIR
+    from ..shared.analysis.fit import TRACE_DIR
 
     return {f.name.removesuffix(".route.csv"): f for f in sorted(TRACE_DIR.glob("*.route.csv"))}
 
@@ -55,15 +55,15 @@ def trace_path(arg: str) -> Path:
 
 
 def print_table(results, default_policy: str, out=None) -> None:
-    """One row per (budget, policy), a blank line between budgets; slots are
-    average-size experts when the budget is counted in bytes."""
+    """One row per (budget, policy), a blank line between budgets; the count is
+    slabs, or average-size experts when the budget is counted in bytes."""
     out = out or sys.stdout  # looked up now: a default bound at import would outlive a redirect
-    count = "slots" if all(r.accounting == "slots" for r in results) else "≈ experts"
+    count = "slabs" if all(r.accounting == "slabs" for r in results) else "≈ experts"
     header = ("budget MiB", count, "policy", "hit % cum", "hit % decode", "read MiB")
     rows = [
         (
             f"{r.budget_mb:g}",
-            f"{r.n_slots}",
+            f"{r.n_slabs}",
             r.policy + (" *" if r.policy == default_policy else ""),
             f"{r.hit_pct_cum:.2f}",
             f"{r.hit_pct_decode:.2f}",
@@ -105,8 +105,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     h = trace.header
     unit = (
-        f"slots of {slab_bytes(trace) / (1 << 20):.2f} MiB (the largest expert, page-rounded)"
-        if args.accounting == "slots"
+        f"slabs of {slab_bytes(trace) / (1 << 20):.2f} MiB (the largest expert, page-rounded)"
+        if args.accounting == "slabs"
         else "bytes (each expert its own size)"
     )
     print(

@@ -169,6 +169,7 @@ def _run_resident(cfg: Config, model_path, tok, prompt_tokens, params, args, on_
         max_tokens=cfg.generate.max_tokens,
         stop=tuple(args.stop),
         n_ctx=cfg.compute.ctx_size,
+        prefill_batch=cfg.compute.prefill_tokens,
         ignore_eos=args.ignore_eos,
         context_shift=cfg.generate.context_shift,
         n_keep=cfg.generate.n_keep,
@@ -263,7 +264,7 @@ def _run_pipeline(cfg: Config, model_path, prompt_tokens, params, args, on_text)
     with pipe:
         r = pipe.resolved
         print(
-            f"[expert cache {r.n_slots * r.slab_bytes / 2**20:.2f} MiB = {r.n_slots} slabs of {r.slab_bytes / 2**20:.2f} MiB; "
+            f"[expert cache {r.n_slabs * r.slab_bytes / 2**20:.2f} MiB = {r.n_slabs} slabs of {r.slab_bytes / 2**20:.2f} MiB; "
             f"{r.budget_description}; dense {cfg.io.dense_weights}, loaded in {r.load_seconds:.2f} s"
             f"{'' if r.direct_io else '; O_DIRECT refused, buffered reads'}]",
             file=sys.stderr,
@@ -278,7 +279,7 @@ def _run_pipeline(cfg: Config, model_path, prompt_tokens, params, args, on_text)
     timings = dict(done.timings) | {
         "load_seconds": r.load_seconds,
         "compile_seconds": pipe.compile_seconds,
-        "budget_mib": round(r.n_slots * r.slab_bytes / 2**20, 3),
+        "budget_mib": round(r.n_slabs * r.slab_bytes / 2**20, 3),
     }
     return {
         "prompt_tokens": list(prompt_tokens),

@@ -74,7 +74,7 @@ def format_status(d: dict) -> str:
     api = d.get("url") or ("down" if "gateway" in fatal else "(starting)")
     head = (
         f"moe-pipe service {d.get('name') or '?'!r} pid {d['pid']}, up {d['uptime_s']:.0f} s, {health} — {d['model_name']} ({d['model']})\n"
-        f"API {api}; expert cache {_mib(d['budget_bytes'])} = {d['slots']} slabs "
+        f"API {api}; expert cache {_mib(d['budget_bytes'])} = {d['slabs']} slabs "
         f"({d['budget']}); {d['tokens']} tokens, hit {hit}; logs {d['runtime_dir']}/moe-pipe.log"
     )
     table = Table(box=None, pad_edge=False)

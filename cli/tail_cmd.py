@@ -246,14 +246,13 @@ def choose_output(args, service_desc: str):
 # ------------------------------------------------------------------------ run
 
 
-def find_service(wait_s: float | None, name: str | None = None, port: int | None = None):
+def find_or_wait_for_service(wait_s: float | None, name: str | None = None, port: int | None = None):
     """The running service (by name or port, or the only one); if none runs
     yet, say so once and wait for one."""
-    from ..shared.serve.service import find_service as find_now
-    from ..shared.serve.service import live_services, select_services, wait_for_service
+    from ..shared.serve.service import find_service, live_services, select_services, wait_for_service
 
     if select_services(live_services(), name, port):
-        return find_now(name=name, port=port)  # the one (or a one-line error naming those that run)
+        return find_service(name=name, port=port)  # the one (or a one-line error naming those that run)
     print(WAITING_NOTICE, file=sys.stderr, flush=True)
     return wait_for_service(wait_s, name=name, port=port)
 
@@ -306,7 +305,7 @@ def run(args: argparse.Namespace) -> int:
     from ..shared.wire import ipc
 
     try:
-        info = find_service(args.wait, args.name, args.port)
+        info = find_or_wait_for_service(args.wait, args.name, args.port)
         service_desc = f"moe-pipe service {info.name or '?'!r} pid {info.pid}: {info.model_name or info.model}"
         with ipc.context() as ctx:
             sock = ipc.connect(ctx, info.endpoints, "telemetry_pub")

@@ -108,7 +108,7 @@ def _serve(cfg: Config, name: str, detached: bool) -> int:
     sup = Supervisor.start(cfg, model_file(cfg), config_source=cfg.source or "", name=name, progress=progress)
     r = sup.res.resolved
     progress(
-        f"expert cache {r.n_slots * r.slab_bytes / 2**20:,.2f} MiB = {r.n_slots} slabs ({r.budget_description}); "
+        f"expert cache {r.n_slabs * r.slab_bytes / 2**20:,.2f} MiB = {r.n_slabs} slabs ({r.budget_description}); "
         f"logs: {sup.res.rt.path / 'moe-pipe.log'}"
     )
     sup.run(on_listening=listening)

@@ -54,7 +54,7 @@ class Launch:
             model_name=self.model_name,
             slab_arena=self.res.slabs.arena.name,
             slab_bytes=r.slab_bytes,
-            n_slots=r.n_slots,
+            n_slabs=r.n_slabs,
             index_arena=self.res.index.name,
             dense_arena=self.res.dense.name if self.res.dense is not None else "",
             model_identity=r.model_identity,

@@ -109,7 +109,7 @@ class SlabExperts:
 
     def __init__(self, facts: RunFacts, overlap: bool, layout, fetch_out: zmq.Socket, ready_in: zmq.Socket):
         """`facts`: the arenas and the reader to watch; `overlap`: compute.overlap."""
-        self.n_slots, self.reader_pid, self.overlap, self.layout = facts.n_slots, facts.reader_pid, overlap, layout
+        self.n_slabs, self.reader_pid, self.overlap, self.layout = facts.n_slabs, facts.reader_pid, overlap, layout
         self.arena = SlabArena.attach(facts.slab_arena, facts.slab_bytes, readonly=True)
         self.index = ResidencyIndex.attach(facts.index_arena, layout.spec)
         self.fetch_out, self.ready_in = fetch_out, ready_in
@@ -120,7 +120,7 @@ class SlabExperts:
         self.unsettled = 0  # a guesses-only Fetch whose Guessed has not come yet
         self.predicted: dict[int, set[int]] = {}
         self.gate = GuessGate()
-        self.views: dict[tuple[int, int], tuple[int, Expert]] = {}  # (layer, expert) -> (slot, views)
+        self.views: dict[tuple[int, int], tuple[int, Expert]] = {}  # (layer, expert) -> (slab, views)
         self.layer_bytes = np.array([layout.expert_bytes(i) for i in range(len(layout.layers))], np.int64)
         self.reset_counters()
 
@@ -143,8 +143,8 @@ class SlabExperts:
         if not self.gate.allow(layer):
             self.prefetch_paused += 1
             return
-        slots = self.index.slots(layer, ids)
-        self.guess = (layer, [e for e, s in zip(ids, slots) if s < 0])
+        slabs = self.index.slabs(layer, ids)
+        self.guess = (layer, [e for e, s in zip(ids, slabs) if s < 0])
         if layer == self.layout.spec.n_dense_lead and self.guess[1]:  # the first MoE layer
             t0 = time.perf_counter()
             self._send_fetch(layer, [], [])
@@ -163,37 +163,37 @@ class SlabExperts:
         self._score_prefetch(layer, ids)
         # A prompt batch can route to more experts than the cache has slabs (the
         # budget floor is one *token's* working set): fetch in slab-sized groups.
-        for start in range(0, len(ids), self.n_slots):
-            yield from self._fetch_group(layer, ids[start : start + self.n_slots])
+        for start in range(0, len(ids), self.n_slabs):
+            yield from self._fetch_group(layer, ids[start : start + self.n_slabs])
 
     def _fetch_group(self, layer: int, ids: list[int]) -> Iterator[Expert]:
         self._settle()
         t0 = time.perf_counter()
-        slots = self.index.slots(layer, ids)  # hits need no round trip
-        resident = [e for e, s in zip(ids, slots) if s >= 0]
-        missing = [e for e, s in zip(ids, slots) if s < 0]
+        slabs = self.index.slabs(layer, ids)  # hits need no round trip
+        resident = [e for e, s in zip(ids, slabs) if s >= 0]
+        missing = [e for e, s in zip(ids, slabs) if s < 0]
         self.hits += len(resident)
         if not missing and not (self.guess and self.guess[1]):
             # all cached and nothing to guess: no message; the reader hears of these hits later
             self.touched.extend((layer, e) for e in resident)
             self.guess = None
             self.mgmt_s += time.perf_counter() - t0
-            for e, s in zip(ids, slots):
+            for e, s in zip(ids, slabs):
                 yield self._view(layer, e, s)
             return
         req = self._send_fetch(layer, missing, resident)
         self.wire_s += time.perf_counter() - t0
         try:
             if self.overlap:  # hits at once, then each miss as it lands
-                for e, s in zip(ids, slots):
+                for e, s in zip(ids, slabs):
                     if s >= 0:
                         yield self._view(layer, e, s)
                 for _ in missing:
                     r = self._next_ready(req)
-                    yield self._view(r.layer, r.expert, r.slot)
+                    yield self._view(r.layer, r.expert, r.slab)
             else:  # wait for the whole set, then compute (kept for comparison)
-                landed = {r.expert: r.slot for r in (self._next_ready(req) for _ in missing)}
-                for e, s in zip(ids, slots):
+                landed = {r.expert: r.slab for r in (self._next_ready(req) for _ in missing)}
+                for e, s in zip(ids, slabs):
                     yield self._view(layer, e, s if s >= 0 else landed[e])
         finally:
             self.done.append(req)  # unpinned by the next message
@@ -272,22 +272,22 @@ class SlabExperts:
 
     def resident(self, layer: int, ids: Sequence[int]) -> list[bool]:
         """Which of these experts are cached now (for the lossy levers)."""
-        return [s >= 0 for s in self.index.slots(layer, ids)]
+        return [s >= 0 for s in self.index.slabs(layer, ids)]
 
     def resident_bytes(self) -> int:
-        """Expert bytes in the cache now, by the residency index (~10 µs for 48 × 128 entries)."""
-        return int(((self.index.table >= 0).sum(axis=1) * self.layer_bytes).sum())
+        """Expert bytes in the cache now, by the residency index (0: not resident; ~10 µs for 48 × 128 entries)."""
+        return int(((self.index.table > 0).sum(axis=1) * self.layer_bytes).sum())
 
-    def _view(self, layer: int, expert: int, slot: int) -> Expert:
+    def _view(self, layer: int, expert: int, slab: int) -> Expert:
         """The expert's weights as views into its slab. A view stays valid while
         the expert stays in that slab, so views are kept per (layer, expert)
         and rebuilt only when it has moved to another slab."""
         t0 = time.perf_counter()
         cached = self.views.get((layer, expert))
-        if cached is None or cached[0] != slot:
+        if cached is None or cached[0] != slab:
             lay = self.layout.layers[layer]
-            view = expert_view(lay, expert, self.arena.slab(slot), placement_for(lay.extents(expert), self.layout.align))
-            cached = self.views[(layer, expert)] = (slot, view)
+            view = expert_view(lay, expert, self.arena.slab(slab), placement_for(lay.extents(expert), self.layout.align))
+            cached = self.views[(layer, expert)] = (slab, view)
         self.mgmt_s += time.perf_counter() - t0
         return cached[1]
 
@@ -509,6 +509,7 @@ def handle(
             max_tokens=req.max_tokens,
             stop=tuple(req.stop),
             n_ctx=config.compute.ctx_size,
+            prefill_batch=config.compute.prefill_tokens,
             ignore_eos=req.ignore_eos,
             cache_prompt=req.cache_prompt,
             context_shift=config.generate.context_shift,

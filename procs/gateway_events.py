@@ -167,7 +167,10 @@ class Feed:
 
 
 @dataclass(frozen=True)
-class ModelFacts:
+class PageFacts:
+    """What the web page shows of the model: its shape (the heatmap's layers and
+    experts, top-k) and what its dense weights and KV cache take of the memory."""
+
     n_layer: int
     n_expert: int
     top_k: int
@@ -175,7 +178,7 @@ class ModelFacts:
     kv_bytes: int | None
 
     @classmethod
-    def read(cls, model_path: str, ctx_size: int, kv_type: str) -> ModelFacts:
+    def read(cls, model_path: str, ctx_size: int, kv_type: str) -> PageFacts:
         with open_model(model_path) as mf:
             spec = mf.spec
             try:
@@ -197,7 +200,7 @@ def memory_limits() -> dict[str, Any]:
 class Residency:
     """The residency index, attached read-only once the supervisor's segment is found."""
 
-    def __init__(self, runtime_dir: str, facts: ModelFacts):
+    def __init__(self, runtime_dir: str, facts: PageFacts):
         self.runtime_dir, self.facts = runtime_dir, facts
         self.index: ResidencyIndex | None = None
         self.prev: np.ndarray | None = None
@@ -222,7 +225,7 @@ class Residency:
         now = self.index.table.copy()  # one copy of each: the reader keeps writing
         states = self.index.states.copy()
         resident = now > 0
-        pinned = (states & PINNED) != 0  # as the reader's slot table counts them: its in-flight reads hold a pin too
+        pinned = (states & PINNED) != 0  # as the reader's slab table counts them: its in-flight reads hold a pin too
         inflight = (states & INFLIGHT) != 0
         landed = resident & ((self.prev != now) if self.prev is not None else np.zeros_like(resident))
         self.prev = now
@@ -260,7 +263,7 @@ class WebView:
         self.gw = gateway
         self.feed = Feed()
         self.files = {name: _static(name) for name in WEB_FILES}  # read once: the package does not change under us
-        self.facts: ModelFacts | None = None
+        self.facts: PageFacts | None = None
         self.residency: Residency | None = None
         self.limits: dict[str, Any] = {}
 
@@ -317,7 +320,7 @@ class WebView:
         loop = asyncio.get_running_loop()
         run, c = self.gw.facts, self.gw.config.compute
         try:
-            self.facts = await loop.run_in_executor(None, ModelFacts.read, run.model_path, c.ctx_size, c.kv_type)
+            self.facts = await loop.run_in_executor(None, PageFacts.read, run.model_path, c.ctx_size, c.kv_type)
             self.limits = await loop.run_in_executor(None, memory_limits)
         except (OSError, UserError) as exc:
             log.warning("web view: cannot read the model's shape (%s); no heatmap", exc)

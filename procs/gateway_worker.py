@@ -14,7 +14,6 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import cast
 
-import psutil
 import zmq
 import zmq.asyncio
 
@@ -24,6 +23,7 @@ from ..shared.serve.openai_api import FINISH_REASONS, ApiError
 from ..shared.wire import ipc
 from ..shared.wire import messages as m
 from .compute_client import ComputeClient, failure_text
+from .lifecycle import pid_alive
 
 log = logging.getLogger("moe_pipe.gateway")
 
@@ -149,16 +149,6 @@ async def wait_event(event: asyncio.Event, timeout_s: float) -> None:
             await event.wait()
     except TimeoutError:
         pass
-
-
-def pid_alive(pid: int) -> bool:
-    """Runs and is not a zombie (a killed sibling stays one until reaped)."""
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except (psutil.NoSuchProcess, psutil.ZombieProcess):
-        return False
-    except psutil.AccessDenied:
-        return True
 
 
 class ComputeLink:

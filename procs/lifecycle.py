@@ -123,9 +123,9 @@ class FrontEndWatch:
     went away (a gateway killed and restarted alone). The new one never saw
     this process's Hello and, without one, takes the model for still loading
     and holds every request; so compute says Hello again (when idle: the
-    request it was serving belonged to the dead one). Found by bench/soak.py:
-    before this, one gateway kill left the service answering nothing until
-    compute itself restarted. Only a connect after a disconnect counts: the
+    request it was serving belonged to the dead one). Without it one gateway
+    kill leaves the service answering nothing until compute itself restarts
+    (bench/soak.py kills gateways and waits for answers). Only a connect after a disconnect counts: the
     first connect is answered by the first Hello, already queued."""
 
     def __init__(self, sock: zmq.Socket):

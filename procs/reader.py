@@ -1,6 +1,6 @@
 """The reader process: the expert cache's only writer.
 
-It owns the slot table (which slab holds which (layer, expert), the eviction
+It owns the slab table (which slab holds which (layer, expert), the eviction
 order, the pins), so it needs no locks. Loop:
 
   1. a Fetch from compute (a layer with misses): unpin the fetches compute
@@ -23,7 +23,7 @@ next Fetch arrives is withdrawn and its slab freed.
 
 A failed read (a disk error, a file truncated or replaced since start-up)
 fails the requests waiting for it with IO_ERROR and leaves its slab free:
-the key leaves the slot table, every pin on it goes, and the residency
+the key leaves the slab table, every pin on it goes, and the residency
 index never showed it (an entry is published only once a read completed).
 The reader stays up (a restart could not read the file either) and keeps
 the fault in `reader.io.json` in the runtime dir for `status`; while it
@@ -53,7 +53,7 @@ import zmq
 
 from ..shared.config import Config
 from ..shared.errors import UserError
-from ..shared.experts.cache import CacheFull, SlotTable
+from ..shared.experts.cache import CacheFull, SlabTable
 from ..shared.experts.directio import ExpertFiles, describe_os_error
 from ..shared.experts.populate import Populator
 from ..shared.experts.readlanes import Priority, ReadLanes
@@ -79,28 +79,28 @@ class _Waiter:
 
 
 class Reader:
-    """The loop's state: the slot table over the slab arena, the read lanes,
+    """The loop's state: the slab table over the slab arena, the read lanes,
     who waits for which read and which fetch pinned what. Settings come from
     `config` (cache.policy, cache.warm_from, io.io_threads, io.populate), the
     arenas and the model's identity from `facts`."""
 
     def __init__(self, config: Config, facts: RunFacts, ctx: zmq.Context):
-        self.runtime_dir, self.n_slots = facts.runtime_dir, facts.n_slots
+        self.runtime_dir, self.n_slabs = facts.runtime_dir, facts.n_slabs
         self.warm_from = str(config.cache.warm_from or "")
         self.mf = open_model(facts.model_path, facts.io_align or None)
         self.layout = self.mf.layout
         self.arena = SlabArena.attach(facts.slab_arena, facts.slab_bytes, readonly=False)
-        # Slots are handed out 0, 1, 2, ...: populating front to back stays ahead of the fill.
+        # Slabs are handed out 0, 1, 2, ...: populating front to back stays ahead of the fill.
         self.populator = Populator(self.arena.arena, what="slab cache").start() if config.io.populate else None
         self.files = ExpertFiles(self.mf.gguf.paths, identity=facts.model_identity or None, align=self.layout.align)
         self.io = IoStatus.load(facts.runtime_dir)  # a restarted reader carries the count on
         self.next_check = 0.0
-        self.table = SlotTable(facts.n_slots, config.cache.policy)
+        self.table = SlabTable(facts.n_slabs, config.cache.policy)
         self.index = ResidencyIndex.attach(facts.index_arena, self.layout.spec, writable=True)
         self.index.clear_states()  # the pins and reads of a reader before us died with it
         self.table.on_pinned = self.index.mark_pinned  # the web page's heatmap shows pins (docs/web.md)
         self.restored = self.restore_from_index()
-        self.warm_keys = hottest_experts(self.warm_from, self.layout.spec, facts.n_slots) if self.warm_from and not self.restored else []
+        self.warm_keys = hottest_experts(self.warm_from, self.layout.spec, facts.n_slabs) if self.warm_from and not self.restored else []
         ep = ipc.Endpoints(Path(facts.runtime_dir))
         self.fetch_in = ipc.bind(ctx, ep, "fetch")
         self.ready_out = ipc.connect(ctx, ep, "ready")
@@ -120,9 +120,9 @@ class Reader:
         """After a restart the slabs still hold what the last reader published:
         take it over, so the cache survives (its eviction order does not)."""
         n = 0
-        for key, slot in self.index.entries():
-            if 0 <= slot < self.n_slots and self.table.key_of(slot) is None:
-                self.table.restore(key, slot)
+        for key, slab in self.index.entries():
+            if 0 <= slab < self.n_slabs and self.table.key_of(slab) is None:
+                self.table.restore(key, slab)
                 n += 1
             else:  # an entry that cannot be ours (a smaller arena): never serve it
                 self.index.clear(key)
@@ -161,11 +161,11 @@ class Reader:
             if not self.is_expert(key):
                 self.send(m.FetchFailed(msg.req_id, msg.layer, e, m.Code.BAD_ARGUMENT, f"no expert {key}"))
                 continue
-            slot = self.table.lookup(key)
-            if slot is not None and key not in self.inflight:
+            slab = self.table.lookup(key)
+            if slab is not None and key not in self.inflight:
                 self.table.pin(key)
                 self.pinned[msg.req_id].append(key)
-                self.send_ready(msg.req_id, key, slot, hit=True, io_ns=0)
+                self.send_ready(msg.req_id, key, slab, hit=True, io_ns=0)
             elif key in self.inflight:  # its read is under way (a guess, a warm start's): wait for it, first in line
                 self.lanes.promote(key)
                 self.table.pin(key)
@@ -204,7 +204,7 @@ class Reader:
     def withdraw_guesses(self, keep=frozenset()) -> None:
         """Free the slabs of guesses whose reads have not started: their layer's
         request is here (or the token is over) and did not ask for them."""
-        for guess, _slot in self.lanes.withdraw_guesses(keep):
+        for guess, _slab in self.lanes.withdraw_guesses(keep):
             key = cast(ExpertKey, guess)  # the lanes hold what the reader submitted
             if self.inflight.pop(key, None):
                 raise RuntimeError(f"withdrew guess {key} that a request waits for")
@@ -215,7 +215,7 @@ class Reader:
 
     def fill_free(self, key) -> None:
         """Read `key` into a free slab, if there is one (warm start): never evicts."""
-        if key in self.table or key in self.inflight or len(self.table) >= self.n_slots:
+        if key in self.table or key in self.inflight or len(self.table) >= self.n_slabs:
             return
         self.start_read(key, None, Priority.BACKGROUND)
 
@@ -223,7 +223,7 @@ class Reader:
         """Admit `key` (evicting if need be) and queue its read. CacheFull when
         every slab is pinned: a waiter is answered FetchFailed, a read nobody waits for raises."""
         try:
-            slot, evicted = self.table.admit(key, self.layout.expert_bytes(key[0]), pin=True)
+            slab, evicted = self.table.admit(key, self.layout.expert_bytes(key[0]), pin=True)
             if evicted is not None:
                 self.index.clear(cast(ExpertKey, evicted))  # before its slab is overwritten
         except CacheFull:
@@ -236,10 +236,10 @@ class Reader:
             self.pinned[waiter.req_id].append(key)
         self.inflight[key] = [waiter] if waiter else []
         self.index.mark_inflight(key, True)
-        self.lanes.submit(key, slot, priority)
+        self.lanes.submit(key, slab, priority)
 
     # -- 2. a lane's read ------------------------------------------------------
-    def _read_lane(self, key, slot: int) -> None:
+    def _read_lane(self, key, slab: int) -> None:
         sock = getattr(self._lane_sockets, "sock", None)
         if sock is None:
             sock = self._lane_sockets.sock = self.ctx.socket(zmq.PUSH)
@@ -247,12 +247,12 @@ class Reader:
             sock.connect(self.done_addr)
         t0 = time.perf_counter_ns()
         try:
-            placement = self.files.read_expert(self.layout.expert_extents(*key), self.arena.slab(slot))
-            sock.send_pyobj((key, slot, time.perf_counter_ns() - t0, placement.regions, None))
+            placement = self.files.read_expert(self.layout.expert_extents(*key), self.arena.slab(slab))
+            sock.send_pyobj((key, slab, time.perf_counter_ns() - t0, placement.regions, None))
         except Exception as exc:  # noqa: BLE001 - a failed read fails the request, not the reader
-            sock.send_pyobj((key, slot, time.perf_counter_ns() - t0, (), describe_os_error(exc)))
+            sock.send_pyobj((key, slab, time.perf_counter_ns() - t0, (), describe_os_error(exc)))
 
-    def on_read_done(self, key, slot: int, io_ns: int, regions, error: str | None) -> None:
+    def on_read_done(self, key, slab: int, io_ns: int, regions, error: str | None) -> None:
         waiters = self.inflight.pop(key, [])
         self.index.mark_inflight(key, False)
         if error is not None:
@@ -264,12 +264,12 @@ class Reader:
                 self.send(m.FetchFailed(w.req_id, key[0], key[1], m.Code.IO_ERROR, error))
             return
         self.table.unpin(key)  # the read's own pin; waiters hold theirs
-        self.index.publish(key, slot)  # the slab is complete: compute may now find it
+        self.index.publish(key, slab)  # the slab is complete: compute may now find it
         if not waiters:  # a guess (or a warm-start read) nobody asked for yet: reported with the next answer
             self.guess_io[0] += self.layout.expert_bytes(key[0])
             self.guess_io[1] += io_ns
         for i, w in enumerate(waiters):
-            self.send(m.Ready(w.req_id, key[0], key[1], slot, tuple(regions), False, io_ns if i == 0 else 0, *self.take_guess_io()))
+            self.send(m.Ready(w.req_id, key[0], key[1], slab, tuple(regions), False, io_ns if i == 0 else 0, *self.take_guess_io()))
 
     def forget(self, key) -> None:
         """A failed read: its slab's bytes are partial, so the key leaves the
@@ -311,11 +311,11 @@ class Reader:
             self.table.lookup(key)  # a hit for the policy and the stats; a key gone since is skipped
 
     # -- sending --------------------------------------------------------------------
-    def send_ready(self, req_id: int, key, slot: int, hit: bool, io_ns: int) -> None:
+    def send_ready(self, req_id: int, key, slab: int, hit: bool, io_ns: int) -> None:
         from ..shared.experts.placement import placement_for
 
         regions = placement_for(self.layout.expert_extents(*key), self.layout.align).regions
-        self.send(m.Ready(req_id, key[0], key[1], slot, regions, hit, io_ns, *self.take_guess_io()))
+        self.send(m.Ready(req_id, key[0], key[1], slab, regions, hit, io_ns, *self.take_guess_io()))
 
     def send(self, msg) -> None:
         ipc.send(self.ready_out, msg)

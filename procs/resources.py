@@ -21,13 +21,13 @@ from typing import TypeVar
 from ..shared.config import Config
 from ..shared.errors import PipelineError, UserError
 from ..shared.experts import shm
-from ..shared.experts.budget import RUN_ROLES, CacheFloor, engine_bytes, resolve_budget, slots_for_budget
+from ..shared.experts.budget import RUN_ROLES, CacheFloor, engine_bytes, resolve_budget, slabs_for_budget
 from ..shared.experts.dense import arena_bytes
 from ..shared.experts.directio import ExpertFiles, describe_os_error, model_identity
 from ..shared.experts.populate import Populator
 from ..shared.experts.residency import ResidencyIndex
 from ..shared.gguf.model_file import open_model
-from ..shared.gguf.spec import kv_cache_bytes
+from ..shared.gguf.spec import kv_cache_bytes, prefill_activation_bytes
 from ..shared.model.trace import read_trace
 from ..shared.wire import ipc
 from ..shared.wire import messages as m
@@ -42,7 +42,7 @@ class Resolved:
 
     budget_bytes: int
     budget_description: str
-    n_slots: int
+    n_slabs: int
     slab_bytes: int
     load_seconds: float
     direct_io: bool
@@ -96,11 +96,11 @@ class Resources:
                 dense_bytes=layout.dense_bytes,
                 kv_bytes=kv_cache_bytes(spec, cfg.compute.ctx_size, cfg.compute.kv_type),
                 floor=CacheFloor.of(layout, top_k),
-                engine_bytes=engine_bytes(roles, spec.n_vocab),
+                engine_bytes=engine_bytes(roles, spec.n_vocab) + prefill_activation_bytes(spec, cfg.compute.prefill_tokens, top_k),
                 check_memory=True,
             )
             # More slabs than experts would never be used.
-            n_slots = min(slots_for_budget(budget.bytes, layout.slab_bytes), spec.n_layer * spec.n_expert)
+            n_slabs = min(slabs_for_budget(budget.bytes, layout.slab_bytes), spec.n_layer * spec.n_expert)
             if progress:  # only now: a refusal above is the one line the user sees
                 progress("starting: dense weights, compute process, then its kernels to compile")
             identity = _read_or_fail(lambda: model_identity(mf.gguf.paths), "reading the model file's header")
@@ -109,7 +109,7 @@ class Resources:
             # Every slab page is allocated now: the budget is committed up front
             # (a memory limit that cannot hold it fails here, not mid-run), and
             # no first read into a slab pays for page allocation.
-            slabs = shm.SlabArena.create(shm.segment_name("slabs"), n_slots, layout.slab_bytes, reserve=True)
+            slabs = shm.SlabArena.create(shm.segment_name("slabs"), n_slabs, layout.slab_bytes, reserve=True)
             undo.callback(_release, slabs)
             index = ResidencyIndex.create(spec)
             undo.callback(_release, index)
@@ -130,7 +130,7 @@ class Resources:
                     if ahead is not None:
                         ahead.stop()
             resolved = Resolved(
-                budget.bytes, budget.description, n_slots, layout.slab_bytes, time.perf_counter() - t0, direct, identity, layout.align
+                budget.bytes, budget.description, n_slabs, layout.slab_bytes, time.perf_counter() - t0, direct, identity, layout.align
             )
             res = cls(rt, slabs, index, dense, resolved)
             undo.pop_all()  # made whole: from here close() releases it
@@ -177,8 +177,8 @@ def run_info(cfg: Config, res: Resources, model_path: str | os.PathLike, load_se
     model: dict[str, str | int | float | bool | None] = {
         "path": str(model_path),
         "slab_bytes": r.slab_bytes,
-        "slots": r.n_slots,
+        "slabs": r.n_slabs,
         "direct_io": r.direct_io,
         "budget": r.budget_description,
     }
-    return m.RunInfo(f"{os.getpid()}-{int(time.time())}", time.time(), flat, model, r.n_slots * r.slab_bytes, load_seconds)
+    return m.RunInfo(f"{os.getpid()}-{int(time.time())}", time.time(), flat, model, r.n_slabs * r.slab_bytes, load_seconds)

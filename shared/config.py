@@ -40,10 +40,14 @@ MAX_MB = float(1 << 24)  # 16 TiB in MiB: a sanity bound far above any device, s
 RESTART_POLICIES = ("always", "on-failure", "never")
 # cache.policy values: the live eviction policies, each a factory in shared/experts/policies.py POLICIES
 # (which adds the simulator-only ones). Measured (docs/cache-policies.md): on both phone traces at
-# 2000-4000 MiB, in slots and in bytes, nextmix beats nextuse by 0.04-0.9
+# 2000-4000 MiB, in slabs and in bytes, nextmix beats nextuse by 0.04-0.9
 # points of decode hit rate and lru by 1.9-7.8, and every other live policy.
 LIVE_POLICIES = ("lru", "lfu", "arc", "s3fifo", "nextuse", "nextmix")
 DEFAULT_POLICY = "nextmix"
+# compute.prefill_chunk's default ceiling: a 3,600-token prompt (a document, an agent's tools) goes
+# through in one chunk, each routed expert read once (docs/benchmarks.md § Long prompts); its
+# activations, ~600 MiB on qwen30b-shape, are what it costs the expert cache.
+AUTO_PREFILL_CHUNK = 4096
 KV_TYPES = ("f16", "f32", "q8_0")  # compute.kv_type: the keys of shared/gguf/spec.py KV_TYPE_BYTES (kept light: no gguf import here)
 CHAT_TEMPLATE_WORDS = ("model", "plain")  # generate.chat_template values that are not paths (shared/text/chat.py)
 MAX_TEXT = 4096  # longest string value (PATH_MAX on Linux); longer is a paste gone wrong
@@ -202,6 +206,17 @@ class ComputeConfig:
         flags=("--top-k",),
     )
     ctx_size: int = setting(4096, "int", "context length in tokens (sizes the KV cache)", lo=16, hi=1 << 20, flags=("-c", "--ctx-size"))
+    prefill_chunk: int | None = setting(
+        None,
+        "int",
+        "prompt tokens that go through the model one layer at a time: each layer's routed experts are asked for once per "
+        "chunk and each applied to all its tokens at once, so a prompt in one chunk reads each expert at most once; "
+        "the chunk's activations (about 150 KiB a token on qwen30b-shape) are left out of the expert cache",
+        lo=1,
+        hi=1 << 20,
+        unset=f"the whole context up to {AUTO_PREFILL_CHUNK} tokens",
+        flags=("--prefill-chunk",),
+    )
     kv_type: str = setting(
         "f16",
         "choice",
@@ -237,6 +252,11 @@ class ComputeConfig:
         hi=1,
         flags=("--cache-route",),
     )
+
+    @property
+    def prefill_tokens(self) -> int:
+        """The prompt chunk in tokens: the key's value, or the whole context up to AUTO_PREFILL_CHUNK."""
+        return self.prefill_chunk or min(self.ctx_size, AUTO_PREFILL_CHUNK)
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """Per-token telemetry: the CSV schema, the writers, the run summary, the meter.
 
-The CSV (one row per generated token) is the seed's format, so its analyses
-carry over; its columns come first and in this order, extras only after:
+The CSV (one row per generated token) has ten fixed columns first, in this
+order, and extras only after them, so a reader written for the ten keeps
+working (docs/telemetry.md § Per-token CSV columns):
 
     # moe-pipe telemetry v1            <- preamble: one "# key=value" per line
     # run_id=...                          (resolved config, model, budget)
@@ -164,8 +165,8 @@ class JsonlWriter:
 def steady_start(n: int) -> int:
     """How many leading tokens are warm-up, for a run of n tokens.
 
-    max(5, ceil(10 % of n)), capped at n // 2. Why: the seed's near-RAM runs
-    recover by token ~3 (5 covers that with margin); a long run keeps filling
+    max(5, ceil(10 % of n)), capped at n // 2. Why: runs of the models near
+    RAM recover by token ~3 (docs/telemetry.md § Run summary; 5 covers that with margin); a long run keeps filling
     its cache for longer (hit rate still climbing well past token 10 at
     n = 256), which a fixed count would not scale to; and the cap keeps the
     steady window at least as long as what was thrown away, so a 24-token

@@ -59,15 +59,15 @@ class Harness:
 
     def visible(self, key) -> bool:
         """What compute sees: a published residency index entry."""
-        return self.reader.index.slots(key[0], [key[1]])[0] >= 0
+        return self.reader.index.slabs(key[0], [key[1]])[0] >= 0
 
-    def assert_holds(self, key, slot: int) -> None:
-        """Slab `slot` holds exactly the file's bytes of expert `key`."""
+    def assert_holds(self, key, slab: int) -> None:
+        """Slab `slab` holds exactly the file's bytes of expert `key`."""
         lay = self.mf.layout.layers[key[0]]
-        slab = self.reader.arena.slab(slot)
+        held = self.reader.arena.slab(slab)
         for part, (at, n) in zip(lay.parts, placement_for(lay.extents(key[1]), self.mf.layout.align).regions):
             want = np.asarray(self.mf.gguf.view(part.tensor.name)[key[1]]).reshape(-1).view(np.uint8)
-            assert np.array_equal(slab[at : at + n], want), (key, part.name)
+            assert np.array_equal(held[at : at + n], want), (key, part.name)
 
     def close(self) -> None:
         self.reader.close()

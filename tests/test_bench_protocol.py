@@ -76,3 +76,22 @@ def test_read_rates_divide_the_lanes_summed_read_time(tmp_path):
     assert lanes == 4 and f["first_gb"] == 4.0 and f["hit_pct"] == 75.0
     assert f["first_read_gbps"] == pytest.approx(4e9 / (8.0 / 4) / 1e9)  # 8 s of lane time over 4 lanes = 2 s busy
     assert f["fill_read_gbps"] == pytest.approx(1e8 / (0.4 / 4) / 1e9)
+
+
+def test_a_prose_prompt_has_the_asked_length_and_is_the_corpus_opening(tiny_model):
+    """The long-prompt runs: ordinary prose, as many tokens as asked (cut at a word), the same text for every engine."""
+    from _protocol import prose_prompt
+
+    from moe_pipe.shared.gguf.model_file import open_model
+    from moe_pipe.shared.gguf.vocab import CORPUS
+    from moe_pipe.shared.text.chat import encode_prompt
+    from moe_pipe.shared.text.tokenizer import Tokenizer
+
+    with open_model(tiny_model) as mf:
+        tok = Tokenizer.from_gguf(mf.gguf)
+    for length in (16, 512, 3600):
+        text = prose_prompt(tok, length)
+        n = len(encode_prompt(tok, text))
+        assert length - 16 <= n <= length, (length, n)
+        assert " ".join(CORPUS.read_text().split()).startswith(text)
+    assert prose_prompt(tok, 3600) == prose_prompt(tok, 3600)

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 
 from moe_pipe.shared.errors import ConfigError
-from moe_pipe.shared.experts.budget import CacheFloor, check_floor, compute_budget, slots_for_budget
-from moe_pipe.shared.experts.cache import CacheFull, SlotTable
+from moe_pipe.shared.experts.budget import CacheFloor, check_floor, compute_budget, slabs_for_budget
+from moe_pipe.shared.experts.cache import CacheFull, SlabTable
 from moe_pipe.shared.experts.policies import (
     ARC,
     DEFAULT_POLICY,
@@ -28,19 +28,19 @@ from moe_pipe.shared.experts.policies import (
 MIB = 1 << 20
 
 
-def get(t: SlotTable, key, nbytes=0):
+def get(t: SlabTable, key, nbytes=0):
     """The reader's step for one expert: hit, or admit on a miss."""
-    slot = t.lookup(key)
-    if slot is None:
-        slot, _ = t.admit(key, nbytes)
-    return slot
+    slab = t.lookup(key)
+    if slab is None:
+        slab, _ = t.admit(key, nbytes)
+    return slab
 
 
 def test_lru_evicts_least_recently_used():
-    t = SlotTable(3, "lru")
+    t = SlabTable(3, "lru")
     assert [t.admit(k) for k in "abc"] == [(0, None), (1, None), (2, None)]
     assert t.lookup("a") == 0  # order now b, c, a
-    assert t.admit("d") == (1, "b")  # d takes b's slot
+    assert t.admit("d") == (1, "b")  # d takes b's slab
     assert t.lookup("b") is None
     assert t.admit("e") == (2, "c")
     assert t.policy.order() == ["a", "d", "e"]
@@ -48,8 +48,8 @@ def test_lru_evicts_least_recently_used():
     assert t.key_of(1) == "d" and "c" not in t and len(t) == 3
 
 
-def test_pinned_slots_are_never_evicted():
-    t = SlotTable(3)
+def test_pinned_slabs_are_never_evicted():
+    t = SlabTable(3)
     for k in "abc":
         t.admit(k)
     t.pin("a")
@@ -68,17 +68,17 @@ def test_pinned_slots_are_never_evicted():
 
 
 def test_cache_full_changes_nothing():
-    t = SlotTable(2)
+    t = SlabTable(2)
     t.admit("a", pin=True)
     t.admit("b", pin=True)
     before = (t.resident(), t.stats)
-    with pytest.raises(CacheFull, match="all 2 cache slots are pinned"):
+    with pytest.raises(CacheFull, match="all 2 cache slabs are pinned"):
         t.admit("c", 10)
     assert (t.resident(), t.stats) == before
 
 
 def test_pin_errors():
-    t = SlotTable(2)
+    t = SlabTable(2)
     with pytest.raises(KeyError):
         t.pin("x")
     t.admit("a")
@@ -88,8 +88,8 @@ def test_pin_errors():
         t.admit("a")  # already resident
 
 
-def test_drop_frees_the_slot_without_counting_an_eviction():
-    t = SlotTable(2)
+def test_drop_frees_the_slab_without_counting_an_eviction():
+    t = SlabTable(2)
     t.admit("a", pin=True)
     t.admit("b")
     with pytest.raises(ValueError):
@@ -99,7 +99,7 @@ def test_drop_frees_the_slot_without_counting_an_eviction():
     assert t.stats.evictions == 0
 
 
-def reference_lru(n_slots: int, accesses) -> tuple[int, int, int]:
+def reference_lru(n_slabs: int, accesses) -> tuple[int, int, int]:
     """Hand count: a list in recency order, no cleverness."""
     order: list = []
     hits = misses = evictions = 0
@@ -109,7 +109,7 @@ def reference_lru(n_slots: int, accesses) -> tuple[int, int, int]:
             order.remove(k)
         else:
             misses += 1
-            if len(order) == n_slots:
+            if len(order) == n_slabs:
                 order.pop(0)
                 evictions += 1
         order.append(k)
@@ -119,34 +119,34 @@ def reference_lru(n_slots: int, accesses) -> tuple[int, int, int]:
 @pytest.mark.parametrize("seed", range(5))
 def test_counts_match_a_hand_count_on_random_accesses(seed):
     rng = random.Random(seed)
-    n_slots = rng.randint(1, 12)
+    n_slabs = rng.randint(1, 12)
     keys = [(layer, e) for layer in range(3) for e in range(rng.randint(2, 8))]
     # Skewed, with runs: a working set that drifts, as routing does.
     accesses = [keys[min(len(keys) - 1, int(rng.expovariate(0.3)) + i // 50)] for i in range(600)]
-    t = SlotTable(n_slots)
+    t = SlabTable(n_slabs)
     for k in accesses:
         get(t, k, nbytes=100)
-    hits, misses, evictions = reference_lru(n_slots, accesses)
+    hits, misses, evictions = reference_lru(n_slabs, accesses)
     s = t.stats
     assert (s.hits, s.misses, s.evictions) == (hits, misses, evictions)
     assert s.bytes_admitted == 100 * misses and s.lookups == len(accesses)
     assert s.hit_rate == pytest.approx(hits / len(accesses))
-    assert len(t) == min(n_slots, len(set(accesses)))
-    # every slot holds a distinct key and the two maps agree
-    assert all(t.key_of(slot) == key for key, slot in t.resident().items())
+    assert len(t) == min(n_slabs, len(set(accesses)))
+    # every slab holds a distinct key and the two maps agree
+    assert all(t.key_of(slab) == key for key, slab in t.resident().items())
 
 
 def test_with_pins_a_layer_in_flight_survives_its_own_misses():
     """The reader's pattern: pin each expert of a request until compute releases the layer."""
     rng = random.Random(7)
-    t = SlotTable(8)
+    t = SlabTable(8)
     for _ in range(200):
         layer = rng.randrange(4)
         request = [(layer, e) for e in rng.sample(range(16), 4)]
         for i, key in enumerate(request):
-            slot = t.lookup(key)
-            if slot is None:
-                slot, evicted = t.admit(key, pin=True)
+            slab = t.lookup(key)
+            if slab is None:
+                slab, evicted = t.admit(key, pin=True)
                 assert evicted not in request[:i]  # what this request already holds stays
             else:
                 t.pin(key)
@@ -158,7 +158,7 @@ def test_with_pins_a_layer_in_flight_survives_its_own_misses():
 
 def test_policies_plug_in_through_the_protocol():
     class FIFO:
-        def __init__(self, n_slots=None):
+        def __init__(self, n_slabs=None):
             self.q = []
 
         def on_hit(self, key):
@@ -173,7 +173,7 @@ def test_policies_plug_in_through_the_protocol():
         def victim(self, is_evictable):
             return next((k for k in self.q if is_evictable(k)), None)
 
-    t = SlotTable(2, FIFO())
+    t = SlabTable(2, FIFO())
     t.admit("a")
     t.admit("b")
     t.lookup("a")  # FIFO ignores the hit
@@ -183,7 +183,7 @@ def test_policies_plug_in_through_the_protocol():
         def victim(self, is_evictable):
             return self.q[0]  # ignores pins
 
-    t = SlotTable(1, Bad())
+    t = SlabTable(1, Bad())
     t.admit("a", pin=True)
     with pytest.raises(RuntimeError, match="not an evictable"):
         t.admit("b")
@@ -191,7 +191,7 @@ def test_policies_plug_in_through_the_protocol():
 
 def test_policy_registry():
     assert POLICIES["lru"] is LRU
-    assert isinstance(SlotTable(4, "lru").policy, LRU)
+    assert isinstance(SlabTable(4, "lru").policy, LRU)
     with pytest.raises(ConfigError, match="allowed: lru"):
         make_policy("mru", 4)
 
@@ -202,11 +202,11 @@ def fake_layout(n_layer=48, top_k=8, slab_bytes=3 * MIB + 4096):
     )
 
 
-def test_slots_for_budget():
-    assert slots_for_budget(10 * MIB, 3 * MIB) == 3
-    assert slots_for_budget(0, 4096) == 0
+def test_slabs_for_budget():
+    assert slabs_for_budget(10 * MIB, 3 * MIB) == 3
+    assert slabs_for_budget(0, 4096) == 0
     with pytest.raises(ValueError):
-        slots_for_budget(MIB, 0)
+        slabs_for_budget(MIB, 0)
 
 
 def fixed(mb: float):
@@ -258,8 +258,8 @@ def reader_workload(seed: int, n_layer=4, n_expert=12, k=3, tokens=60) -> list[l
     return out
 
 
-def make(name: str, n_slots: int, future=None):
-    return make_policy(name, n_slots, future=future if name in OFFLINE_POLICIES else None)
+def make(name: str, n_slabs: int, future=None):
+    return make_policy(name, n_slabs, future=future if name in OFFLINE_POLICIES else None)
 
 
 @pytest.mark.parametrize("name", list(POLICIES))
@@ -269,7 +269,7 @@ def test_every_policy_respects_pins_in_the_readers_pattern(name, seed):
     a few pins held over into later fetches (a read in flight, a slow release)."""
     fs = reader_workload(seed)
     rng = random.Random(seed)
-    t = SlotTable(10, make(name, 10, fs))
+    t = SlabTable(10, make(name, 10, fs))
     held: list = []
     for fetch in fs:
         missed = [key for key in fetch if t.lookup(key) is None]
@@ -278,7 +278,7 @@ def test_every_policy_respects_pins_in_the_readers_pattern(name, seed):
                 t.pin(key)
         for key in missed:
             _, evicted = t.admit(key, pin=True)
-            assert evicted not in fetch and evicted not in held  # SlotTable checks pins too
+            assert evicted not in fetch and evicted not in held  # SlabTable checks pins too
         for key in fetch:
             if rng.random() < 0.1 and len(held) < 3:
                 held.append(key)  # keeps this pin a while
@@ -288,13 +288,13 @@ def test_every_policy_respects_pins_in_the_readers_pattern(name, seed):
             t.unpin(held.pop(0))
     s = t.stats
     assert s.lookups == sum(len(f) for f in fs) and 0 < s.hits < s.lookups
-    assert len(t) == 10 and all(t.key_of(slot) == key for key, slot in t.resident().items())
+    assert len(t) == 10 and all(t.key_of(slab) == key for key, slab in t.resident().items())
 
 
 @pytest.mark.parametrize("name", list(POLICIES))
 def test_every_policy_answers_none_when_all_is_pinned(name):
     keys = [(0, e) for e in range(4)]
-    t = SlotTable(4, make(name, 4, [[k] for k in keys] + [[(0, 9)]]))
+    t = SlabTable(4, make(name, 4, [[k] for k in keys] + [[(0, 9)]]))
     for key in keys:
         t.admit(key, pin=True)
     assert t.policy.victim(lambda k: False) is None
@@ -308,13 +308,13 @@ def test_live_policies_and_the_default():
     assert "belady" in OFFLINE_POLICIES and "belady" not in LIVE_POLICIES
     assert DEFAULT_POLICY in LIVE_POLICIES and set(LIVE_POLICIES) | OFFLINE_POLICIES == set(POLICIES)
     with pytest.raises(ConfigError, match="needs to know the future.*simulator"):
-        SlotTable(4, "belady")
+        SlabTable(4, "belady")
     with pytest.raises(ConfigError, match="allowed: lru, lfu"):
         make_policy("belad", 4)
 
 
 def test_lfu_keeps_the_frequent_key():
-    t = SlotTable(3, LFU(3, half_life=1000))
+    t = SlabTable(3, LFU(3, half_life=1000))
     for key in "abc":
         get(t, key)
     for _ in range(4):
@@ -325,17 +325,17 @@ def test_lfu_keeps_the_frequent_key():
 
 
 def test_lfu_decay_forgets_old_favourites():
-    t = SlotTable(2, LFU(2, half_life=4))
+    t = SlabTable(2, LFU(2, half_life=4))
     for _ in range(6):
         get(t, "old")
     for _ in range(40):  # 10 half-lives of other traffic: "old"'s six uses are worth ~0.006 now
         get(t, "new")
-    get(t, "x")  # 2 slots, both taken: x evicts the lower decayed count
+    get(t, "x")  # 2 slabs, both taken: x evicts the lower decayed count
     assert "old" not in t and "new" in t
 
 
 def test_arc_keeps_the_twice_used_through_a_scan_and_adapts():
-    arc, lru = SlotTable(4, ARC(4)), SlotTable(4, "lru")
+    arc, lru = SlabTable(4, ARC(4)), SlabTable(4, "lru")
     for t in (arc, lru):
         for key in ("a", "b", "a", "b"):
             get(t, key)
@@ -351,7 +351,7 @@ def test_arc_keeps_the_twice_used_through_a_scan_and_adapts():
 
 
 def test_s3fifo_filters_one_hit_wonders_and_remembers_ghosts():
-    t = SlotTable(10, S3FIFO(10))
+    t = SlabTable(10, S3FIFO(10))
     for key in ("hot1", "hot2"):
         get(t, key)
         get(t, key)  # used again while in S: moves to M on its way out
@@ -429,7 +429,7 @@ class RefNextUse:
 def test_nextuse_victims_match_a_from_scratch_reference(seed):
     fs = reader_workload(seed, n_layer=5, tokens=40)
     rng = random.Random(seed)
-    table = SlotTable(12, NextUse(12, half_life=20))
+    table = SlabTable(12, NextUse(12, half_life=20))
     ref = RefNextUse(half_life=20)
     victims = 0
     for fetch in fs:
@@ -441,7 +441,7 @@ def test_nextuse_victims_match_a_from_scratch_reference(seed):
                 ref.use(key)
                 table.pin(key)
         for key in missed:
-            if len(table) == table.n_slots:
+            if len(table) == table.n_slabs:
                 evictable = [k for k in ref.resident if not table.pins(k)]
                 best = max(ref.wait(k) for k in evictable)
                 _, evicted = table.admit(key, pin=True)
@@ -456,7 +456,7 @@ def test_nextuse_victims_match_a_from_scratch_reference(seed):
     assert victims > 50
 
 
-def brute_force_min_misses(n_slots: int, seq: list) -> int:
+def brute_force_min_misses(n_slabs: int, seq: list) -> int:
     """Fewest misses over every possible eviction choice (exponential; tiny inputs)."""
 
     @functools.cache
@@ -466,7 +466,7 @@ def brute_force_min_misses(n_slots: int, seq: list) -> int:
         k = seq[i]
         if k in cache:
             return go(i + 1, cache)
-        if len(cache) < n_slots:
+        if len(cache) < n_slabs:
             return 1 + go(i + 1, cache | {k})
         return 1 + min(go(i + 1, (cache - {v}) | {k}) for v in cache)
 
@@ -476,20 +476,20 @@ def brute_force_min_misses(n_slots: int, seq: list) -> int:
 @pytest.mark.parametrize("seed", range(8))
 def test_belady_is_optimal_against_brute_force(seed):
     rng = random.Random(seed)
-    n_slots = rng.randint(2, 3)
+    n_slabs = rng.randint(2, 3)
     seq = [rng.choice("abcde") for _ in range(14)]
-    t = SlotTable(n_slots, Belady(n_slots, [[k] for k in seq]))
+    t = SlabTable(n_slabs, Belady(n_slabs, [[k] for k in seq]))
     for k in seq:
         get(t, k)
-    assert t.stats.misses == brute_force_min_misses(n_slots, seq)
-    lru = SlotTable(n_slots)
+    assert t.stats.misses == brute_force_min_misses(n_slabs, seq)
+    lru = SlabTable(n_slabs)
     for k in seq:
         get(lru, k)
     assert t.stats.misses <= lru.stats.misses
 
 
 def test_belady_with_no_future_left_evicts_the_never_again():
-    t = SlotTable(2, Belady(2, [["a"], ["b"], ["c"], ["a"]]))
+    t = SlabTable(2, Belady(2, [["a"], ["b"], ["c"], ["a"]]))
     get(t, "a")
     get(t, "b")
     assert t.admit("c") == (1, "b")  # b is never used again, a is

@@ -82,8 +82,8 @@ def models(direct_dir):
 def arena():
     made = []
 
-    def make(n_slots, slab_bytes):
-        made.append(SlabArena.create(segment_name(f"test-dio-{uuid.uuid4().hex[:8]}"), n_slots, slab_bytes))
+    def make(n_slabs, slab_bytes):
+        made.append(SlabArena.create(segment_name(f"test-dio-{uuid.uuid4().hex[:8]}"), n_slabs, slab_bytes))
         return made[-1]
 
     yield make
@@ -102,7 +102,7 @@ def check_every_expert(mf, ef, arena) -> int:
     n = 0
     for lay in mf.layout.layers:
         for e in range(mf.spec.n_expert):
-            slab = sa.slab(n % sa.n_slots)
+            slab = sa.slab(n % sa.n_slabs)
             slab[:] = 0xEE  # stale bytes from the last occupant must not matter
             pl = ef.read_expert(lay.extents(e), slab)
             assert pl.regions == placement_for(lay.extents(e), mf.layout.align).regions  # compute can rebuild it

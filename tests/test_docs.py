@@ -101,7 +101,7 @@ def test_every_path_in_the_docs_exists():
     assert not missing, "paths in the docs that do not exist:\n" + "\n".join(missing)
 
 
-# Dotted names: `shared.experts.cache.SlotTable`, `moe_pipe.shared.config`.
+# Dotted names: `shared.experts.cache.SlabTable`, `moe_pipe.shared.config`.
 _DOTTED = re.compile(r"(?<![\w.])(?:moe_pipe\.)?(shared(?:\.\w+)+)")
 
 
@@ -126,8 +126,8 @@ def test_every_dotted_name_in_the_docs_resolves():
 
 
 def test_dotted_names_are_checked():
-    assert _resolves("shared.experts.cache.SlotTable")
-    assert not _resolves("shared.cache.SlotTable")  # the flat module of before the packages
+    assert _resolves("shared.experts.cache.SlabTable")
+    assert not _resolves("shared.cache.SlabTable")  # the flat module of before the packages
 
 
 # "docs/models.md § gpt-oss": the section must exist. Citations are written

@@ -4,7 +4,7 @@ the request (or the fallback), never in a half-written slab anyone can see,
 and the service recovers once the file is back.
 
 Three levels: the reader driven in this process (deterministic: a fault hook
-holds or fails one read while the test looks at the slot table and the
+holds or fails one read while the test looks at the slab table and the
 residency index), `moe-pipe run` in a subprocess, and `moe-pipe up` with a
 real client. The last two levels start processes: their tests are marked
 `integration`."""
@@ -70,7 +70,7 @@ def test_a_slab_is_visible_only_once_its_read_completed(harness):
     entered, release = hold_reads_of(h, key, fail=False)
     req = h.fetch(*key[:1], [key[1]])
     assert entered.wait(10)
-    # Mid-read: the slot is taken (pinned, in flight) but compute cannot find it.
+    # Mid-read: the slab is taken (pinned, in flight) but compute cannot find it.
     assert key in h.reader.table and key in h.reader.inflight and h.reader.table.pins(key) == 2  # the read's + the waiter's
     assert not h.visible(key)
     guessed = h.fetch(key[0], [], guesses=[key[1]], guess_layer=key[0])  # a guess of it starts no second read
@@ -79,15 +79,15 @@ def test_a_slab_is_visible_only_once_its_read_completed(harness):
     h.land()
     ready = h.answer()
     assert isinstance(ready, m.Ready) and (ready.req_id, ready.layer, ready.expert, ready.hit) == (req, *key, False)
-    assert h.visible(key) and h.reader.index.slots(key[0], [key[1]]) == [ready.slot]
-    h.assert_holds(key, ready.slot)
+    assert h.visible(key) and h.reader.index.slabs(key[0], [key[1]]) == [ready.slab]
+    h.assert_holds(key, ready.slab)
     h.reader.on_release(m.Release((req,)))
     assert h.reader.table.pins(key) == 0
 
 
 def test_a_failed_read_fails_its_waiters_and_leaves_the_slab_free(harness):
     h, key, other = harness, (2, 5), (2, 6)
-    free_before = h.reader.n_slots - len(h.reader.table)
+    free_before = h.reader.n_slabs - len(h.reader.table)
     entered, release = hold_reads_of(h, key, fail=True)
     first = h.fetch(key[0], [key[1], other[1]])  # two misses: one fails, one lands
     assert entered.wait(10)
@@ -103,7 +103,7 @@ def test_a_failed_read_fails_its_waiters_and_leaves_the_slab_free(harness):
     assert isinstance(answers[(first, other[1])], m.Ready)
     # The failed key is gone: no table entry, no pin, no index entry; its slab is free again.
     assert key not in h.reader.table and h.reader.table.pins(key) == 0 and not h.visible(key)
-    assert h.reader.n_slots - len(h.reader.table) == free_before - 1  # only `other` holds a slab
+    assert h.reader.n_slabs - len(h.reader.table) == free_before - 1  # only `other` holds a slab
     assert all(key not in keys for keys in h.reader.pinned.values())
     # Releases of both requests are harmless, and `other` (still cached) is unpinned by its own.
     h.reader.on_release(m.Release((first,)))
@@ -119,7 +119,7 @@ def test_a_failed_read_fails_its_waiters_and_leaves_the_slab_free(harness):
     h.land()
     ready = h.answer()
     assert isinstance(ready, m.Ready) and ready.req_id == again
-    h.assert_holds(key, ready.slot)
+    h.assert_holds(key, ready.slab)
 
 
 def miss(h: Harness, key):
@@ -154,7 +154,7 @@ def test_a_truncated_file_fails_reads_until_the_same_file_is_back(harness, model
     assert h.reader.io.fault is None, h.reader.io.fault
     ready = miss(h, late)
     assert isinstance(ready, m.Ready)
-    h.assert_holds(late, ready.slot)
+    h.assert_holds(late, ready.slab)
     assert read_io_status(h.res.rt.path)["io_errors"] == 2
 
 
@@ -168,7 +168,7 @@ def test_a_file_cut_and_rewritten_in_place_recovers(harness, model):
     assert h.reader.io.fault is None
     ready = miss(h, late)
     assert isinstance(ready, m.Ready)
-    h.assert_holds(late, ready.slot)
+    h.assert_holds(late, ready.slab)
 
 
 def test_a_file_unlinked_while_open_is_still_read(harness, model):
@@ -177,7 +177,7 @@ def test_a_file_unlinked_while_open_is_still_read(harness, model):
     model.unlink()
     ready = miss(h, (0, 4))
     assert isinstance(ready, m.Ready)
-    h.assert_holds((0, 4), ready.slot)
+    h.assert_holds((0, 4), ready.slab)
     assert "gone" in h.reader.files.recover()
 
 

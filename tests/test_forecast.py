@@ -1,4 +1,4 @@
-"""`moe-pipe doctor`: the forecast's header facts, memory verdicts and hit rates on
+"""`moe-pipe doctor`: the fit's header footprint, memory verdicts and hit rates on
 header-only full-width models, the per-token arithmetic on hand-made figures, the
 measuring part with tiny durations, and the CLI's JSON contract."""
 
@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from moe_pipe.cli.main import main
+from moe_pipe.shared.analysis import fit
 from moe_pipe.shared.analysis import forecast as fc
 from moe_pipe.shared.config import load_config
 from moe_pipe.shared.experts.budget import MemoryProbe
@@ -39,15 +40,15 @@ def qwen48(tmp_path_factory) -> Path:
     return make_model("qwen3moe", "qwen30b-shape", tmp_path_factory.mktemp("q") / "q48.gguf", sparse=True)
 
 
-def facts_of(path, **overrides) -> fc.ModelFacts:
+def facts_of(path, **overrides) -> fit.ModelFootprint:
     with open_model(path) as mf:
-        return fc.model_facts(mf, load_config(None, overrides))
+        return fit.model_footprint(mf, load_config(None, overrides))
 
 
-def fit_at(path, mem_limit_mb, **overrides) -> fc.MemoryFit:
+def fit_at(path, mem_limit_mb, **overrides) -> fit.MemoryFit:
     cfg = load_config(None, overrides)
     with open_model(path) as mf:
-        return fc.memory_fit(fc.model_facts(mf, cfg), cfg, fc.limited_probe(mem_limit_mb, HOST))
+        return fit.memory_fit(fit.model_footprint(mf, cfg), cfg, fit.limited_probe(mem_limit_mb, HOST))
 
 
 # ---------------------------------------------------------------- the header
@@ -58,7 +59,7 @@ def test_facts_from_the_header_match_the_layout():
 
     path = default_model_path()
     with open_model(path) as mf:
-        f = fc.model_facts(mf, load_config(None, {"compute.ctx_size": 1024}))
+        f = fit.model_footprint(mf, load_config(None, {"compute.ctx_size": 1024}))
         lay, spec = mf.layout, mf.spec
         assert f.floor_bytes == lay.min_cache_bytes()
         assert f.routed_bytes_per_token == lay.routed_bytes_per_token()
@@ -84,7 +85,7 @@ def test_top_k_override_scales_the_floor(qwen8):
 
 def test_a_trace_driven_run_is_forecast_at_the_traces_k(qwen8):
     """--route-replay routes the trace's k experts a layer (Qwen's phone trace: 6), not the model's 8."""
-    trace = fc.TRACE_DIR / "qwen.route.csv"
+    trace = fit.TRACE_DIR / "qwen.route.csv"
     f8, ft = facts_of(qwen8), facts_of(qwen8, **{"compute.route_replay": str(trace)})
     assert (f8.top_k, ft.top_k) == (8, 6)
     assert 6 * f8.routed_bytes_per_token == 8 * ft.routed_bytes_per_token
@@ -97,21 +98,23 @@ def test_refuses_with_the_limit_that_works_and_fits_at_it(qwen8):
     no = fit_at(qwen8, 1024)
     f = facts_of(qwen8)
     assert not no.fits and not no.resident and "does not fit" in no.refusal
-    # dense (anon: resident) + KV + reserve + one token's experts
-    assert no.need_bytes == f.dense_bytes + f.kv_bytes + 512 * MiB + f.floor_bytes
+    # dense (anon: resident) + KV + the reserve (reserve_mb, or the processes with a prompt chunk's activations
+    # where they need more) + one token's experts
+    assert f.engine_bytes > 512 * MiB  # 8 layers of qwen30b-shape width, a 4,096-token chunk: ~600 MiB of activations
+    assert no.need_bytes == f.dense_bytes + f.kv_bytes + max(512 * MiB, f.engine_bytes) + f.floor_bytes
     assert no.limit_that_works_mb == -(-no.need_bytes // MiB)
     assert f"{no.limit_that_works_mb:,} MiB" in no.refusal
     yes = fit_at(qwen8, no.limit_that_works_mb)
-    assert yes.fits and yes.refusal is None and yes.n_slots >= f.floor_bytes // f.slab_bytes
+    assert yes.fits and yes.refusal is None and yes.n_slabs >= f.floor_bytes // f.slab_bytes
     assert not fit_at(qwen8, no.limit_that_works_mb - 1).fits
 
 
 def test_no_limit_helps_when_the_machine_itself_is_short(qwen8):
     cfg = load_config(None, {})
     with open_model(qwen8) as mf:
-        f = fc.model_facts(mf, cfg)
-        fit = fc.memory_fit(f, cfg, fc.limited_probe(4096, MemoryProbe(1024 * MiB)))
-    assert not fit.fits and fit.limit_that_works_mb is None and "only 1,024 MiB" in fit.refusal
+        f = fit.model_footprint(mf, cfg)
+        verdict = fit.memory_fit(f, cfg, fit.limited_probe(4096, MemoryProbe(1024 * MiB)))
+    assert not verdict.fits and verdict.limit_that_works_mb is None and "only 1,024 MiB" in verdict.refusal
 
 
 def test_resident_when_every_expert_fits_and_streaming_below(qwen8, qwen48):
@@ -128,70 +131,70 @@ def test_resident_when_every_expert_fits_and_streaming_below(qwen8, qwen48):
 def test_hit_rate_comes_from_the_trace_and_rises_with_the_cache(qwen48):
     f = facts_of(qwen48)
     floor = f.floor_bytes // f.slab_bytes
-    hits = [fc.hit_rate(f, floor * m, "nextuse") for m in (1, 2, 4)]
+    hits = [fit.hit_rate(f, floor * m, "nextuse") for m in (1, 2, 4)]
     assert all(h.source == "trace" and "qwen.route.csv" in h.note for h in hits)
     pcts = [h.pct for h in hits]
     assert 0 < pcts[0] < pcts[1] < pcts[2] < 100, pcts
-    # real routing has locality: better than uniform routing's slots / experts
-    assert all(p > 100 * floor * m / f.all_experts_slots for p, m in zip(pcts, (1, 2, 4)))
-    assert fc.hit_rate(f, f.all_experts_slots, "nextuse").source == "resident"
+    # real routing has locality: better than uniform routing's slabs / experts
+    assert all(p > 100 * floor * m / f.all_experts_slabs for p, m in zip(pcts, (1, 2, 4)))
+    assert fit.hit_rate(f, f.all_experts_slabs, "nextuse").source == "resident"
 
 
 def test_the_warm_up_hit_rate_is_a_cold_caches_first_tokens(qwen48):
     """decode_tokens: the trace cut to its prompt and first n decoded tokens, replayed from cold."""
-    trace = read_trace(fc.trace_path("qwen3moe", 128))
-    cut = fc.first_decode_tokens(trace, 49)
+    trace = read_trace(fit.own_trace_path("qwen3moe", 128))
+    cut = fit.first_decode_tokens(trace, 49)
     decoded = np.unique(cut.step[cut.phase == 1])
     assert len(decoded) == 49 and decoded[0] == trace.step[trace.phase == 1].min()
     assert (cut.phase == 0).sum() == (trace.phase == 0).sum()  # the whole prompt kept
     f = facts_of(qwen48)
-    slots = 4 * f.floor_bytes // f.slab_bytes
-    warm, steady = fc.hit_rate(f, slots, "nextuse", decode_tokens=49), fc.hit_rate(f, slots, "nextuse")
+    slabs = 4 * f.floor_bytes // f.slab_bytes
+    warm, steady = fit.hit_rate(f, slabs, "nextuse", decode_tokens=49), fit.hit_rate(f, slabs, "nextuse")
     assert warm.source == "trace" and 0 < warm.pct < steady.pct  # a filling cache hits less
     # without a trace: uniform routing from cold, below the steady fallback
     g = facts_of(make_model("gpt-oss", "tiny", qwen48.parent / "g.gguf", sparse=True))
-    cold = fc.hit_rate(g, g.all_experts_slots // 4, "nextuse", decode_tokens=49)
+    cold = fit.hit_rate(g, g.all_experts_slabs // 4, "nextuse", decode_tokens=49)
     k_over_e = g.top_k / g.n_expert
     want = 100 * sum(min(0.25, 1 - (1 - k_over_e) ** (t - 1)) for t in range(1, 50)) / 49
     assert cold.source == "fallback" and cold.pct == pytest.approx(want) and cold.pct < 25.0
 
 
 def test_a_shallower_model_replays_the_traces_first_layers(qwen8):
-    trace = read_trace(fc.trace_path("qwen3moe", 128))
-    cut = fc.first_layers(trace, 8)
+    trace = read_trace(fit.own_trace_path("qwen3moe", 128))
+    cut = fit.first_layers(trace, 8)
     assert cut.header.n_layer == 8 and cut.header.expert_bytes == trace.header.expert_bytes[:8]
     assert int(cut.layer.max()) == 7 and len(cut) == int((trace.layer < 8).sum())
     f = facts_of(qwen8)
-    h = fc.hit_rate(f, 2 * f.floor_bytes // f.slab_bytes, "lru", trace=trace)
+    h = fit.hit_rate(f, 2 * f.floor_bytes // f.slab_bytes, "lru", trace=trace)
     assert h.source == "trace" and "first 8 of 48" in h.note and 0 < h.pct < 100
 
 
 def test_fallback_without_a_trace_is_the_cached_fraction(tmp_path):
     f = facts_of(make_model("gpt-oss", "tiny", tmp_path / "g.gguf", sparse=True))
-    assert fc.trace_path(f.arch, f.n_expert) is None  # 8 experts: no shipped trace
-    h = fc.hit_rate(f, f.all_experts_slots // 4, "nextuse")
+    assert fit.own_trace_path(f.arch, f.n_expert) is None  # 8 experts: no shipped trace
+    h = fit.hit_rate(f, f.all_experts_slabs // 4, "nextuse")
     assert h.source == "fallback" and h.pct == pytest.approx(25.0)
 
 
 def test_an_architecture_without_a_trace_replays_one_with_its_expert_count(qwen48):
     # gemma4 has no shipped trace; with 128 experts it replays qwen's as a proxy (a real
-    # router's reuse), the same figure the qwen trace gives at the same slots per layer,
+    # router's reuse), the same figure the qwen trace gives at the same slabs per layer,
     # and says so; steady and warm-up alike.
     qwen = facts_of(qwen48)
     gemma = replace(qwen, arch="gemma4")
-    assert fc.trace_path("gemma4", 128) is None and fc.proxy_trace_path(128).name == "qwen.route.csv"
-    slots = 2 * qwen.floor_bytes // qwen.slab_bytes
+    assert fit.own_trace_path("gemma4", 128) is None and fit.proxy_trace_path(128).name == "qwen.route.csv"
+    slabs = 2 * qwen.floor_bytes // qwen.slab_bytes
     for n in (None, 49):
-        own, proxy = fc.hit_rate(qwen, slots, "nextuse", decode_tokens=n), fc.hit_rate(gemma, slots, "nextuse", decode_tokens=n)
+        own, proxy = fit.hit_rate(qwen, slabs, "nextuse", decode_tokens=n), fit.hit_rate(gemma, slabs, "nextuse", decode_tokens=n)
         assert proxy.source == "proxy" and "no trace for gemma4" in proxy.note and "qwen.route.csv" in proxy.note
         assert proxy.pct == own.pct
-    uniform = 100 * slots / qwen.all_experts_slots
-    assert fc.hit_rate(gemma, slots, "nextuse").pct > uniform + 10  # a real router's reuse, not the uniform fallback
+    uniform = 100 * slabs / qwen.all_experts_slabs
+    assert fit.hit_rate(gemma, slabs, "nextuse").pct > uniform + 10  # a real router's reuse, not the uniform fallback
 
 
 # ---------------------------------------------------------------- the arithmetic
 
-CLASSES = (fc.KernelClass("expert", "Q4_K", 768, 2048, 300_000_000), fc.KernelClass("dense", "Q6_K", 151936, 2048, 400_000_000))
+CLASSES = (fit.KernelClass("expert", "Q4_K", 768, 2048, 300_000_000), fit.KernelClass("dense", "Q6_K", 151936, 2048, 400_000_000))
 RATES = {CLASSES[0].key: 30e9, CLASSES[1].key: 20e9}  # 10 ms + 20 ms of kernels
 
 
@@ -234,7 +237,7 @@ def test_decode_speed_compute_bound_resident_and_memory_bound():
 def test_measure_reads_and_kernels_briefly():
     with open_model(default_model_path()) as mf:
         reads = fc.measure_reads(mf, seconds=0.06)
-        f = fc.model_facts(mf, load_config(None, {}))
+        f = fit.model_footprint(mf, load_config(None, {}))
     assert reads.source == "measured" and set(reads.gbps) == {1, 2, 4} and all(g > 0 for g in reads.gbps.values())
     rates = fc.measure_kernels(f.classes[:2], [1], seconds=0.02, rotate_bytes=1 * MiB)
     assert set(rates) == {(c.key, 1) for c in f.classes[:2]} and all(r > 0 for r in rates.values())

@@ -156,8 +156,8 @@ def _fake_reader(runtime_dir: str) -> None:
                 if msg is None or isinstance(msg, m.Shutdown):
                     return
                 if isinstance(msg, m.Fetch):
-                    for slot, e in enumerate(msg.experts):
-                        ipc.send(ready, m.Ready(msg.req_id, msg.layer, e, slot, ((0, 64), (4096, 64)), e % 2 == 0, 1000))
+                    for slab, e in enumerate(msg.experts):
+                        ipc.send(ready, m.Ready(msg.req_id, msg.layer, e, slab, ((0, 64), (4096, 64)), e % 2 == 0, 1000))
         finally:
             fetch.close()
             ready.close()

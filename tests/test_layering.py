@@ -163,5 +163,5 @@ def test_the_detector_catches_an_upward_import(tmp_path):
     """The check itself can fail: a lazy import of the expert cache from gguf/ is found."""
     bad = tmp_path / "shared" / "gguf" / "bad.py"
     bad.parent.mkdir(parents=True)
-    bad.write_text("def f():\n    from ..experts.cache import SlotTable\n    from .. import analysis\n")
+    bad.write_text("def f():\n    from ..experts.cache import SlabTable\n    from .. import analysis\n")
     assert upward_imports(bad, tmp_path) == ["line 2: gguf imports experts", "line 3: gguf imports analysis"]

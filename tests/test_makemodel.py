@@ -583,7 +583,7 @@ def route_run(path: Path, greedy: bool = False) -> tuple[list, list, list[int], 
     return prompt, decode, out, n_expert
 
 
-def lru_decode_hit_pct(prompt: list, decode: list, n_slots: int) -> float:
+def lru_decode_hit_pct(prompt: list, decode: list, n_slabs: int) -> float:
     """One LRU over every (layer, expert); a layer's experts are fetched together
     (none of them evicts another), the prompt warms it, decode lookups count."""
     from collections import OrderedDict
@@ -598,7 +598,7 @@ def lru_decode_hit_pct(prompt: list, decode: list, n_slots: int) -> float:
                     hits += phase
             for k in keys:
                 if k not in cache:
-                    while len(cache) >= n_slots:
+                    while len(cache) >= n_slabs:
                         cache.pop(next(v for v in cache if v not in keys))
                     cache[k] = None
     return 100.0 * hits / sum(len(k) for k in decode)

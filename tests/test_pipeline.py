@@ -128,7 +128,7 @@ def _check_identity(tiny, budget, overlap, io_threads, dense, top_k, prefetch):
         },
     )
     assert tokens == reference[top_k], f"{budget} overlap={overlap} io={io_threads} dense={dense} top_k={top_k} prefetch={prefetch}"
-    assert resolved.n_slots * resolved.slab_bytes <= _budget_mb(sizes, budget, top_k) * MiB
+    assert resolved.n_slabs * resolved.slab_bytes <= _budget_mb(sizes, budget, top_k) * MiB
 
 
 @pytest.mark.parametrize("budget,overlap,io_threads,dense,top_k,prefetch", COVER)
@@ -169,9 +169,9 @@ def test_budget_below_one_token_is_refused_with_the_number(tiny):
         run_pipeline(path, prompt, **{"cache.cache_mb": sizes["min_mb"] * 0.5})
 
 
-def independent_lru(path, prompt, n_slots):
+def independent_lru(path, prompt, n_slabs):
     """Hits and misses per step from the routing alone: the resident model's expert
-    requests replayed through a plain LRU of n_slots."""
+    requests replayed through a plain LRU of n_slabs."""
     accesses: list[list[tuple[int, int]]] = []
 
     class Recording(FileExperts):
@@ -215,7 +215,7 @@ def independent_lru(path, prompt, n_slots):
                 misses += 1
                 read += bytes_of[key[0]]
                 lru[key] = None
-                if len(lru) > n_slots:
+                if len(lru) > n_slabs:
                     lru.popitem(last=False)
         out.append((hits, misses, read, messages))
     return out
@@ -234,7 +234,7 @@ def test_csv_schema_and_counts_agree_with_independent_lru(tiny, tmp_path):
     header = next(line for line in csv.read_text().splitlines() if not line.startswith("#"))
     assert header.split(",")[: len(CSV_COLUMNS)] == list(CSV_COLUMNS)
     assert preamble and all(line.startswith("#") for line in csv.read_text().splitlines()[: len(preamble)])
-    want = independent_lru(path, prompt, resolved.n_slots)
+    want = independent_lru(path, prompt, resolved.n_slabs)
     assert [(r.hits, r.misses, r.read_bytes, r.messages) for r in records] == want
     assert any(w[3] == 1 for w in want)  # a token whose experts were all cached sent only its Release
     total_hits = np.cumsum([h for h, _, _, _ in want])

@@ -10,7 +10,7 @@ import pytest
 from moe_pipe.shared.analysis.replay import Replayer, ReplayError
 from moe_pipe.shared.config import load_config
 from moe_pipe.shared.errors import ConfigError
-from moe_pipe.shared.experts.cache import SlotTable
+from moe_pipe.shared.experts.cache import SlabTable
 from moe_pipe.shared.experts.policies import DEFAULT_POLICY, LIVE_POLICIES, LRU, POLICIES, NextMix, NextUse
 from moe_pipe.shared.model.trace import DECODE, TraceHeader, TraceWriter, read_trace
 
@@ -23,9 +23,9 @@ def tokens(layer0: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
     return [f for key in layer0 for f in ([key], [X])]
 
 
-def evictions(policy, fetches, n_slots: int) -> list:
-    """Drive a SlotTable in the reader's order; the evicted keys, in order."""
-    t = SlotTable(n_slots, policy)
+def evictions(policy, fetches, n_slabs: int) -> list:
+    """Drive a SlabTable in the reader's order; the evicted keys, in order."""
+    t = SlabTable(n_slabs, policy)
     out = []
     for fetch in fetches:
         missed = [k for k in fetch if t.lookup(k) is None]
@@ -42,7 +42,7 @@ def evictions(policy, fetches, n_slots: int) -> list:
 
 
 def test_nextmix_keeps_the_frequent_key_lru_drops():
-    # A three times, then B, C once each; D needs a slot. LRU drops A, the oldest;
+    # A three times, then B, C once each; D needs a slab. LRU drops A, the oldest;
     # nextmix drops B: one use, and older than C's.
     seq = tokens([A, A, A, B, C, D])
     assert evictions(LRU(), seq, 4) == [A]
@@ -65,7 +65,7 @@ def test_nextmix_reads_the_routers_scores():
     # token and B nothing, so with scores B goes.
     def victim(scores) -> tuple:
         pol = NextMix(4, score_weight=0.5)
-        t = SlotTable(4, pol)
+        t = SlabTable(4, pol)
         for key in (A, X, B, X, C, X):
             if t.lookup(key) is None:
                 t.admit(key)
@@ -78,7 +78,7 @@ def test_nextmix_reads_the_routers_scores():
 
 
 def test_nextmix_respects_pins_and_answers_none_when_all_is_pinned():
-    t = SlotTable(2, NextMix(2))
+    t = SlabTable(2, NextMix(2))
     t.admit(A, pin=True)
     t.admit(B, pin=True)
     assert t.policy.victim(t._evictable) is None
@@ -107,7 +107,7 @@ def short_trace(tmp_path):
     return read_trace(p)
 
 
-def reference_lru_hits(fetches, n_slots: int) -> int:
+def reference_lru_hits(fetches, n_slabs: int) -> int:
     """LRU in the reader's order, from scratch: hits refreshed first, then misses admitted."""
     order: list = []  # coldest first
     hits = 0
@@ -119,7 +119,7 @@ def reference_lru_hits(fetches, n_slots: int) -> int:
             order.append(k)
         for k in keys:
             if k not in resident:
-                victim = next(v for v in order if v not in keys) if len(order) == n_slots else None
+                victim = next(v for v in order if v not in keys) if len(order) == n_slabs else None
                 if victim is not None:
                     order.remove(victim)
                 order.append(k)
@@ -127,7 +127,7 @@ def reference_lru_hits(fetches, n_slots: int) -> int:
 
 
 def test_replay_of_a_short_trace_gives_known_hit_counts(tmp_path):
-    # 48 lookups (12 tokens x 2 layers x top-2) through 5 slots of 1 MiB. lru is checked
+    # 48 lookups (12 tokens x 2 layers x top-2) through 5 slabs of 1 MiB. lru is checked
     # against a from-scratch simulation; the rest are this code's counts, held so that a
     # change in any policy shows (belady, the optimum, above all).
     t = short_trace(tmp_path)

@@ -33,7 +33,7 @@ def test_guesses_wait_behind_the_demand_and_are_not_answered(h):
     assert ipc.recv(h.ready, 200) is None  # guesses are never answered
     assert all(h.visible(k) for k in [(2, 4), (2, 5), (2, 3)]) and h.reader.guesses_read == 3
     for key in [(2, 4), (2, 5), (2, 3)]:
-        h.assert_holds(key, h.reader.index.slots(key[0], [key[1]])[0])
+        h.assert_holds(key, h.reader.index.slabs(key[0], [key[1]])[0])
         assert h.reader.table.pins(key) == 0  # a guess holds no pin once read
     # Their reads are reported with the reader's next answer, once.
     later = h.fetch(0, [7])
@@ -47,10 +47,10 @@ def test_the_next_request_promotes_wanted_guesses_and_withdraws_the_rest(h):
     entered, release = hold_reads_of(h, (1, 3), fail=False)
     first = h.fetch(1, [3], guesses=[4, 5], guess_layer=2)
     assert entered.wait(10)
-    free_before = h.reader.n_slots - len(h.reader.table)
+    free_before = h.reader.n_slabs - len(h.reader.table)
     second = h.fetch(2, [4, 6], released=[first])  # layer 2's real request: 4 was guessed, 5 was not
     assert (2, 5) not in h.reader.table and (2, 5) not in h.reader.inflight and h.reader.guesses_withdrawn == 1
-    assert h.reader.n_slots - len(h.reader.table) == free_before  # 5's slab went to 6
+    assert h.reader.n_slabs - len(h.reader.table) == free_before  # 5's slab went to 6
     assert h.reader.lanes.queued() == ([(2, 4), (2, 6)], [], [])  # 4 now waits as demand, first in line
     release.set()
     for _ in range(3):
@@ -63,7 +63,7 @@ def test_the_next_request_promotes_wanted_guesses_and_withdraws_the_rest(h):
 
 
 def test_guesses_evict_but_never_what_the_request_pinned(h):
-    n = h.reader.n_slots
+    n = h.reader.n_slabs
     assert n == 8 and h.mf.spec.n_expert == 8  # the tiny model: 4 layers of 8 experts, 8 slabs at 1.2 MB
     fills = [h.fetch(0, range(6)), h.fetch(1, [0, 1])]  # every slab taken
     for _ in range(n):

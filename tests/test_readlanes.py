@@ -18,11 +18,11 @@ class Recorder:
         self.started, self.go, self.done = threading.Event(), threading.Event(), threading.Event()
         self.expect = 0
 
-    def work(self, key, slot):
+    def work(self, key, slab):
         if not self.order:
             self.started.set()
             assert self.go.wait(10)
-        self.order.append((key, slot))
+        self.order.append((key, slab))
         if len(self.order) == self.expect:
             self.done.set()
 
@@ -53,7 +53,7 @@ def test_demand_reads_go_before_guesses_before_background_each_in_order():
     lanes.submit("d2", 4)
     assert lanes.queued() == (["d1", "d2"], ["g1", "g2"], ["b1"])
     assert finish(lanes, rec) == ["d0", "d1", "d2", "g1", "g2", "b1"]
-    assert rec.order[1:] == [("d1", 3), ("d2", 4), ("g1", 1), ("g2", 2), ("b1", 5)]  # each with its own slot
+    assert rec.order[1:] == [("d1", 3), ("d2", 4), ("g1", 1), ("g2", 2), ("b1", 5)]  # each with its own slab
 
 
 def test_a_promoted_guess_or_background_read_joins_the_demand_queue():
@@ -92,7 +92,7 @@ def test_shutdown_drops_the_queue_and_joins_the_lanes():
 
 def test_at_least_one_lane():
     with pytest.raises(ValueError, match="at least one lane"):
-        ReadLanes(0, lambda key, slot: None)
+        ReadLanes(0, lambda key, slab: None)
 
 
 def test_guesses_leave_one_lane_for_demand():
@@ -103,7 +103,7 @@ def test_guesses_leave_one_lane_for_demand():
     release = {k: threading.Event() for k in ("g1", "g2", "d1")}
     cond = threading.Condition()
 
-    def work(key, slot):
+    def work(key, slab):
         with cond:
             started.append(key)
             cond.notify_all()
@@ -131,7 +131,7 @@ def test_guesses_leave_one_lane_for_demand():
 
 def test_one_lane_still_reads_guesses():
     done = threading.Event()
-    lanes = ReadLanes(1, lambda key, slot: done.set())
+    lanes = ReadLanes(1, lambda key, slab: done.set())
     lanes.submit("g1", 1, Priority.GUESS)
     assert done.wait(10)
     lanes.shutdown()

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from moe_pipe.shared.analysis.replay import ByteTable, Replayer, ReplayError, fetches, slab_bytes, split_fetches, sweep
-from moe_pipe.shared.experts.cache import SlotTable
+from moe_pipe.shared.experts.cache import SlabTable
 from moe_pipe.shared.experts.policies import DEFAULT_POLICY, LIVE_POLICIES, POLICIES
 from moe_pipe.shared.model.trace import DECODE, PROMPT, TraceHeader, TraceWriter, read_trace
 from moe_pipe.shared.wire import messages as m
@@ -81,25 +81,25 @@ def test_a_prompt_batch_is_one_fetch_per_layer_deduplicated(tmp_path):
 
 
 def test_hits_are_refreshed_before_misses_are_admitted(tmp_path):
-    # 2 slots of 1 MiB. After [0, 1] (LRU order 0, 1) comes [2, 0]: the reader
+    # 2 slabs of 1 MiB. After [0, 1] (LRU order 0, 1) comes [2, 0]: the reader
     # refreshes and pins 0 first, so 2 evicts 1, and 0 hits again in [1, 0].
     # In routing order 2 would evict 0, and 0 would then evict 1: one hit.
     t = read_trace(small_trace(tmp_path, [[0, 1], [2, 0], [1, 0]], k=2))
     r = Replayer(t).run(2, "lru")
-    assert r.n_slots == 2
+    assert r.n_slabs == 2
     assert r.hits == (0, 2) and r.lookups == (0, 6)
 
 
 def test_byte_accounting_fits_by_size(tmp_path):
     # layer 0 experts are 3 MiB, layer 1 experts 1 MiB; a 4 MiB budget holds one of each
-    # (bytes) but only one slab of 3 MiB (slots), so a 1-token cycle hits in bytes only.
+    # (bytes) but only one slab of 3 MiB (slabs accounting), so a 1-token cycle hits in bytes only.
     p = small_trace(tmp_path, [[1], [1], [1]], n_layer=2, k=1, sizes=[3 * MIB, MIB])
     t = read_trace(p)
     by_bytes = Replayer(t, "bytes").run(4, "lru")
-    by_slots = Replayer(t, "slots").run(4, "lru")
-    assert by_bytes.hits == (0, 4) and by_slots.hits == (0, 0)
-    assert by_slots.n_slots == 1 and by_bytes.read_bytes == (0, 4 * MIB)
-    assert by_slots.read_mib == 3 * (3 + 1)
+    by_slabs = Replayer(t, "slabs").run(4, "lru")
+    assert by_bytes.hits == (0, 4) and by_slabs.hits == (0, 0)
+    assert by_slabs.n_slabs == 1 and by_bytes.read_bytes == (0, 4 * MIB)
+    assert by_slabs.read_mib == 3 * (3 + 1)
 
 
 def test_byte_table_evicts_until_the_newcomer_fits():
@@ -122,10 +122,10 @@ def test_replay_agrees_with_the_live_reader(tmp_path):
     from moe_pipe.procs.reader import Reader
 
     t = read_trace(ROOT / "shared" / "data" / "traces" / "gptoss.route.csv")  # the shipped copy: runs in CI too
-    n_slots = 160
+    n_slabs = 160
     for policy in LIVE_POLICIES:
         rd = Reader.__new__(Reader)  # no sockets, files or arena: just its bookkeeping
-        rd.table = SlotTable(n_slots, policy)
+        rd.table = SlabTable(n_slabs, policy)
         rd.inflight, rd.pinned, rd.guess_io = {}, defaultdict(list), [0, 0]
         rd.layout = type(
             "L",
@@ -136,13 +136,13 @@ def test_replay_agrees_with_the_live_reader(tmp_path):
                 "spec": type("S", (), {"n_expert": t.header.n_expert})(),
             },
         )()
-        # the residency index: what the reader writes to it (slots, and the pinned / in-flight states) is not compared here
+        # the residency index: what the reader writes to it (slabs, and the pinned / in-flight states) is not compared here
         rd.index = type(
             "I",
             (),
             {
                 "clear": lambda s, k: None,
-                "publish": lambda s, k, slot: None,
+                "publish": lambda s, k, slab: None,
                 "mark_pinned": lambda s, k, on: None,
                 "mark_inflight": lambda s, k, on: None,
             },
@@ -151,11 +151,11 @@ def test_replay_agrees_with_the_live_reader(tmp_path):
         rd.lanes = type(
             "X",
             (),
-            {"submit": lambda s, key, slot, priority=0, reads=reads: reads.append((key, slot)), "withdraw_guesses": lambda s, keep=(): []},
+            {"submit": lambda s, key, slab, priority=0, reads=reads: reads.append((key, slab)), "withdraw_guesses": lambda s, keep=(): []},
         )()
         sent = []
         rd.send = sent.append
-        rd.send_ready = lambda req, key, slot, hit, io_ns, sent=sent: sent.append(("ready", key, hit))
+        rd.send_ready = lambda req, key, slab, hit, io_ns, sent=sent: sent.append(("ready", key, hit))
         done, touched, last_layer, quiet = [], [], -1, 0
         for req, f in enumerate(fetches(t), 1):
             if f.layer <= last_layer:  # a new token: the last one's Release
@@ -176,8 +176,8 @@ def test_replay_agrees_with_the_live_reader(tmp_path):
         assert quiet > 0  # the trace has all-hit layers: the deferral is exercised
         assert not any(isinstance(x, m.FetchFailed) for x in sent)
         assert not any(rd.table.pins(k) for k in rd.table.resident())
-        r = Replayer(t).run(n_slots * slab_bytes(t) / MIB, policy)
-        assert r.n_slots == n_slots
+        r = Replayer(t).run(n_slabs * slab_bytes(t) / MIB, policy)
+        assert r.n_slabs == n_slabs
         assert (rd.table.stats.hits, rd.table.stats.misses) == (sum(r.hits), sum(r.lookups) - sum(r.hits)), policy
 
 
@@ -187,12 +187,12 @@ def test_replay_agrees_with_the_live_reader(tmp_path):
 @pytest.mark.parametrize("name", ["qwen", "gptoss"])
 def test_lru_and_belady_match_the_published_curves(name):
     """BigMoeOnEdge counted each expert at its own size (bytes): we match it to
-    0.1 point. The engine's equal slabs (slots) hold fewer Qwen experts
+    0.1 point. The engine's equal slabs (slabs accounting) hold fewer Qwen experts
     (3,059,712 and 2,654,208-byte layers share 3,059,712-byte slabs): up to
     2.2 points lower, still within 2.5."""
     t = read_trace(phone_trace(name))
     pub = published(name)
-    for accounting, tolerance in (("bytes", 0.1), ("slots", 2.5)):
+    for accounting, tolerance in (("bytes", 0.1), ("slabs", 2.5)):
         rp = Replayer(t, accounting)
         for budget in (2000, 3000, 4000):
             for policy in ("lru", "belady"):
@@ -216,7 +216,7 @@ def test_replaying_the_phone_engines_own_lru_gives_the_hit_rate_it_recorded():
 @pytest.mark.parametrize("name", ["qwen", "gptoss"])
 def test_the_default_policy_beats_lru(name):
     t = read_trace(phone_trace(name))
-    for accounting in ("slots", "bytes"):
+    for accounting in ("slabs", "bytes"):
         rp = Replayer(t, accounting)
         for budget in (2000, 3000, 4000):
             lru, best = rp.run(budget, "lru"), rp.run(budget, DEFAULT_POLICY)
@@ -293,16 +293,16 @@ def test_replay_command_errors_are_one_line_exit_2(tmp_path, capsys, argv, probl
 
 
 def test_drop_cold_skips_only_light_misses(tmp_path):
-    from moe_pipe.shared.analysis.replay import Fetch, drop_cold_keys
-    from moe_pipe.shared.experts.cache import SlotTable
+    from moe_pipe.shared.analysis.replay import TraceFetch, drop_cold_keys
+    from moe_pipe.shared.experts.cache import SlabTable
 
-    table = SlotTable(4, "lru")
+    table = SlabTable(4, "lru")
     table.admit((0, 3))
-    f = Fetch(DECODE, 0, ((0, 1), (0, 2), (0, 3)), (0.6, 0.3, 0.1))  # even share 1/3
+    f = TraceFetch(DECODE, 0, ((0, 1), (0, 2), (0, 3)), (0.6, 0.3, 0.1))  # even share 1/3
     assert drop_cold_keys(f, table, 0.0) == f.keys
     assert drop_cold_keys(f, table, 1.0) == ((0, 1), (0, 3))  # (0, 2) light and missing; (0, 3) light but cached
-    assert drop_cold_keys(Fetch(DECODE, 0, ((0, 5), (0, 6)), (0.5, 0.5)), table, 1.01) == ((0, 5),)  # never all
-    assert drop_cold_keys(Fetch(PROMPT, 0, ((0, 1),), ()), table, 1.0) == ((0, 1),)  # prompts stay exact
+    assert drop_cold_keys(TraceFetch(DECODE, 0, ((0, 5), (0, 6)), (0.5, 0.5)), table, 1.01) == ((0, 5),)  # never all
+    assert drop_cold_keys(TraceFetch(PROMPT, 0, ((0, 1),), ()), table, 1.0) == ((0, 1),)  # prompts stay exact
 
 
 def test_drop_cold_on_the_phone_trace_reads_less():

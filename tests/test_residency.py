@@ -31,10 +31,10 @@ def test_published_entries_are_seen_through_another_mapping(index):
     index.publish((2, 0), 0)
     other = ResidencyIndex.attach(index.name, SPEC)
     try:
-        assert other.slots(1, [4, 5]) == [-1, 7]
+        assert other.slabs(1, [4, 5]) == [-1, 7]
         assert sorted(other.entries()) == [((1, 5), 7), ((2, 0), 0)]
         index.clear((1, 5))
-        assert other.slots(1, [5]) == [-1]
+        assert other.slabs(1, [5]) == [-1]
     finally:
         other.close()
 
@@ -43,7 +43,7 @@ def test_a_closed_index_says_so_and_closes_twice(index):
     index.close()
     index.close()  # idempotent, like the arena under it
     with pytest.raises(ValueError, match=r"residency index '.*' is closed"):
-        index.slots(0, [0])
+        index.slabs(0, [0])
 
 
 def test_states_sit_beside_the_table_and_leave_it_alone(index):
@@ -53,8 +53,8 @@ def test_states_sit_beside_the_table_and_leave_it_alone(index):
     index.mark_pinned((2, 3), True)
     other = ResidencyIndex.attach(index.name, SPEC)
     try:
-        # what compute reads is unchanged by the states: the same slots, the same entries
-        assert other.slots(1, [5]) == [7] and other.slots(2, [3]) == [-1] and other.entries() == [((1, 5), 7)]
+        # what compute reads is unchanged by the states: the same slabs, the same entries
+        assert other.slabs(1, [5]) == [7] and other.slabs(2, [3]) == [-1] and other.entries() == [((1, 5), 7)]
         assert other.states[1, 5] == PINNED and other.states[2, 3] == PINNED | INFLIGHT and other.states.sum() == PINNED * 2 + INFLIGHT
         index.mark_inflight((2, 3), False)
         index.mark_pinned((1, 5), False)
@@ -70,7 +70,7 @@ def heatmap(h):
     from moe_pipe.procs import gateway_events as ge
 
     spec = h.mf.spec
-    view = ge.Residency("", ge.ModelFacts(spec.n_layer, spec.n_expert, spec.n_expert_used, 0, None))
+    view = ge.Residency("", ge.PageFacts(spec.n_layer, spec.n_expert, spec.n_expert_used, 0, None))
     view.index = ResidencyIndex.attach(h.reader.index.name, spec)  # as attach() finds it through the supervisor
     try:
         snap = view.snapshot()

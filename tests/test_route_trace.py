@@ -30,13 +30,13 @@ def _prompts():
 
 
 def _serve(tmp_path: Path, **over) -> tuple[list, int]:
-    """Run every prompt through one pipeline; (CSV records, n_slots)."""
+    """Run every prompt through one pipeline; (CSV records, n_slabs)."""
     prompts, _ = _prompts()
     cfg = load_config(None, {"model.path": str(default_model_path()), "telemetry.csv": str(tmp_path / "run.csv"), **over})
     with start_pipeline(cfg, default_model_path()) as pipe:
         dones = [pipe.generate(p, asdict(SamplingParams()), N, ignore_eos=True) for p in prompts]
-        n_slots = pipe.resolved.n_slots
-    return dones, n_slots
+        n_slabs = pipe.resolved.n_slabs
+    return dones, n_slabs
 
 
 @pytest.mark.integration
@@ -45,7 +45,7 @@ def test_replaying_the_engines_trace_gives_the_engines_hit_rate(tmp_path, policy
     trace_path = tmp_path / "run.trace"
     # no prompt read-ahead: the replay models demand reads only
     over = {"cache.cache_mb": 1.2, "cache.policy": policy, "telemetry.route_trace": str(trace_path), "compute.prefetch": "none"}
-    dones, n_slots = _serve(tmp_path, **over)
+    dones, n_slabs = _serve(tmp_path, **over)
     trace = read_trace(trace_path)
     _, spec = _prompts()
     assert sorted(set(trace.turn.tolist())) == [0, 1, 2]
@@ -56,9 +56,9 @@ def test_replaying_the_engines_trace_gives_the_engines_hit_rate(tmp_path, policy
     _, recs = read_csv(tmp_path / "run.csv")
     engine_hits = sum(r.hits for r in recs)
     engine_lookups = sum(r.hits + r.misses for r in recs)
-    budget_mb = n_slots * slab_bytes(trace) / MIB  # exactly the engine's slab count
+    budget_mb = n_slabs * slab_bytes(trace) / MIB  # exactly the engine's slab count
     result = Replayer(trace).run(budget_mb, policy)
-    assert result.n_slots == n_slots
+    assert result.n_slabs == n_slabs
     assert sum(result.lookups) == engine_lookups
     assert sum(result.hits) == engine_hits
 

@@ -149,7 +149,7 @@ def test_close_with_a_live_view_is_safe():
 def test_slab_arena_slabs_are_page_aligned_and_disjoint():
     name = unique("slabs")
     with SlabArena.create(name, 5, 3 * PAGE) as sa:
-        assert sa.n_slots == 5 and sa.arena.size == 15 * PAGE
+        assert sa.n_slabs == 5 and sa.arena.size == 15 * PAGE
         for k in range(5):
             s = sa.slab(k)
             assert s.size == 3 * PAGE and s.ctypes.data % PAGE == 0

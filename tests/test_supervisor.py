@@ -245,7 +245,7 @@ def test_a_started_supervisor_answers_on_its_socket_and_leaves_nothing(monkeypat
         assert status.ok
         rows = status.data["processes"]
         assert [(r["name"], r["pid"]) for r in rows] == [(n, made[n].pid) for n in Supervisor.ORDER]
-        assert status.data["slots"] == sup.res.resolved.n_slots and status.data["runtime_dir"] == str(rt)
+        assert status.data["slabs"] == sup.res.resolved.n_slabs and status.data["runtime_dir"] == str(rt)
         bad = service.control(info, "dance")
         assert not bad.ok and bad.code == m.Code.UNKNOWN_COMMAND and "status, stop" in bad.message
         assert service.control(info, "stop").ok

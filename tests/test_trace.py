@@ -171,7 +171,7 @@ def test_missing_and_empty_files(tmp_path):
 
 
 def test_the_header_alone_is_the_whole_reads_header(tmp_path):
-    from moe_pipe.shared.analysis.forecast import TRACE_DIR
+    from moe_pipe.shared.analysis.fit import TRACE_DIR
     from moe_pipe.shared.model.trace import read_trace_header
 
     for name in ("qwen.route.csv", "gptoss.route.csv"):  # the shipped traces

@@ -1,5 +1,5 @@
 """Measuring and forecasting: route-trace replay with every policy, the
-`doctor` forecast, `moe-pipe bench` (memory cgroups, cold runs), and the
+`doctor` fit and forecast, `moe-pipe bench` (memory cgroups, cold runs), and the
 llama.cpp peer.
 
 Owns: offline and benchmark-time analysis; nothing here runs in a serving

@@ -169,8 +169,8 @@ def run_moe_pipe(plan: BenchPlan, k: int, cg: MemoryCgroup | None) -> RunFigures
 class PeerRun:
     """One way of running llama.cpp. `repack` is its default CPU weight
     repacking, which copies the weights into anonymous memory at load (see
-    peer_llama.py); off, it serves them from the mapped file like the seed
-    phone's llama.cpp did, and that is the comparison the targets are about."""
+    peer_llama.py); off, it serves them from the mapped file as llama.cpp does
+    on an ARM phone, and that is the comparison the targets are about."""
 
     readahead_kb: int | None
     repack: bool = False

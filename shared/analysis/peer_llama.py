@@ -14,9 +14,9 @@ REQUEST.json: {"prompt_tokens": [...], "n": N, "threads": T, "n_ctx": C, "repack
 builds copy every Q4_K/Q4_0 tensor into anonymous memory in an interleaved
 layout at load, so the file is *not* served from the page cache: a model
 larger than the memory limit is killed while loading. Off, the weights stay
-in the mapped file and the page cache thrashes under the limit, which is the
-behaviour of llama.cpp on the seed's phone (its ARM build did not repack
-those quant types).
+in the mapped file and the page cache thrashes under the limit, which is how
+llama.cpp runs on an ARM phone (its ARM build does not repack these quant
+types).
 The generation is greedy over the same prompt token ids moe-pipe uses (argmax
 of the logits after each eval, end-of-generation ignored, as moe-pipe's
 `--ignore-eos`), so the two engines' tokens can be compared. OUT.csv gets one

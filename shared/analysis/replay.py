@@ -1,13 +1,14 @@
 """Replaying a route trace through the expert cache, exactly as the reader would.
 
 The simulator and the live reader agree because they run the same code: the
-`SlotTable` and the `POLICIES` of shared/experts/cache.py, driven in the reader's
-order. One trace group is one Fetch:
+`SlabTable` and the `POLICIES` of shared/experts/cache.py, driven in the reader's
+order. One trace group is one `TraceFetch`, what compute asks the reader for
+in one wire `Fetch` (shared/wire/messages.py):
 
     decode:  one token at one layer — its top-k rows (turn, step, layer)
     prompt:  one prompt batch at one layer — the batch's rows for that layer,
              deduplicated in order of first use (a batched prefill reads each
-             expert once per layer), split into n_slots-sized fetches as
+             expert once per layer), split into n_slabs-sized fetches as
              compute does when a batch routes to more experts than slabs
 
     per fetch:  lookup each expert in routing order; a hit is pinned
@@ -19,8 +20,8 @@ evicted by its own misses.
 
 Two ways to count the budget:
 
-    slots  (the engine)  the arena is equal slabs of the largest expert,
-                         page-rounded: n_slots = budget // slab_bytes
+    slabs  (the engine)  the arena is equal slabs of the largest expert,
+                         page-rounded: n_slabs = budget // slab_bytes
     bytes  (BigMoeOnEdge's published curves)  each expert takes its own size
                          (Qwen3-30B-A3B has 3,059,712 and 2,654,208-byte
                          experts); evict until the newcomer fits
@@ -39,13 +40,13 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from ..errors import UserError
-from ..experts.cache import CacheFull, SlotTable
+from ..experts.cache import CacheFull, SlabTable
 from ..experts.policies import OFFLINE_POLICIES, POLICIES, Key, Policy, make_policy
 from ..model.trace import DECODE, Trace
 
 MIB = 1 << 20
 PAGE = 4096
-ACCOUNTING = ("slots", "bytes")
+ACCOUNTING = ("slabs", "bytes")
 
 
 class ReplayError(UserError):
@@ -53,7 +54,9 @@ class ReplayError(UserError):
 
 
 @dataclass(frozen=True)
-class Fetch:
+class TraceFetch:
+    """One group of trace rows replayed as one wire Fetch (the module docstring: which rows)."""
+
     phase: int
     layer: int
     keys: tuple[Key, ...]  # distinct (layer, expert), routing order
@@ -63,7 +66,7 @@ class Fetch:
     scores: np.ndarray | None = field(default=None, compare=False)
 
 
-def with_scores(fs: list[Fetch], scores) -> list[Fetch]:
+def with_scores(fs: list[TraceFetch], scores) -> list[TraceFetch]:
     """The fetches with router probabilities [n_decode_fetches, n_expert] given to
     the decode fetches, in order; a count mismatch is a ReplayError."""
     scores = np.asarray(scores)
@@ -76,7 +79,7 @@ def with_scores(fs: list[Fetch], scores) -> list[Fetch]:
     return out
 
 
-def fetches(trace: Trace) -> list[Fetch]:
+def fetches(trace: Trace) -> list[TraceFetch]:
     """The trace as the reader sees it: one Fetch per token per layer (decode)
     or per prompt batch per layer, in trace order."""
     n = len(trace)
@@ -97,11 +100,11 @@ def fetches(trace: Trace) -> list[Fetch]:
         row = names[layers[a]]
         keys = tuple(dict.fromkeys(row[e] for e in experts[a:b]))  # dedup, first-use order
         decode = phases[a] == DECODE and len(keys) == b - a
-        out.append(Fetch(phases[a], layers[a], keys, tuple(weights[a:b]) if decode else ()))
+        out.append(TraceFetch(phases[a], layers[a], keys, tuple(weights[a:b]) if decode else ()))
     return out
 
 
-def drop_cold_keys(f: Fetch, table, fraction: float) -> tuple[Key, ...]:
+def drop_cold_keys(f: TraceFetch, table, fraction: float) -> tuple[Key, ...]:
     """The lever `--drop-cold-experts` (shared/model/levers.py) on one decode
     fetch: keys that are misses with weight below fraction × the even share
     are skipped; at least the heaviest stays. Prompt fetches are exact."""
@@ -112,11 +115,11 @@ def drop_cold_keys(f: Fetch, table, fraction: float) -> tuple[Key, ...]:
     return keep or (f.keys[max(range(len(f.keys)), key=f.weights.__getitem__)],)
 
 
-def split_fetches(fs: list[Fetch], n_slots: int) -> list[Fetch]:
-    """Fetches no longer than n_slots (compute's slab-sized groups)."""
-    if all(len(f.keys) <= n_slots for f in fs):
+def split_fetches(fs: list[TraceFetch], n_slabs: int) -> list[TraceFetch]:
+    """Fetches no longer than n_slabs (compute's slab-sized groups)."""
+    if all(len(f.keys) <= n_slabs for f in fs):
         return fs
-    return [Fetch(f.phase, f.layer, f.keys[i : i + n_slots]) for f in fs for i in range(0, len(f.keys), n_slots)]
+    return [TraceFetch(f.phase, f.layer, f.keys[i : i + n_slabs]) for f in fs for i in range(0, len(f.keys), n_slabs)]
 
 
 # ---------------------------------------------------------------- the tables
@@ -124,7 +127,7 @@ def split_fetches(fs: list[Fetch], n_slots: int) -> list[Fetch]:
 
 class ByteTable:
     """Simulator only: a cache whose budget is bytes, each expert taking its own
-    size (evict victims until the newcomer fits). The subset of SlotTable's API
+    size (evict victims until the newcomer fits). The subset of SlabTable's API
     a replay uses; the same Policy objects drive it."""
 
     def __init__(self, budget_bytes: int, policy: Policy):
@@ -184,7 +187,7 @@ class Result:
     budget_mb: float
     policy: str
     accounting: str
-    n_slots: int  # slots, or (bytes accounting) the budget in average-size experts
+    n_slabs: int  # slabs, or (bytes accounting) the budget in average-size experts
     hits: tuple[int, int]  # (prompt, decode)
     lookups: tuple[int, int]
     read_bytes: tuple[int, int]
@@ -210,7 +213,7 @@ class Result:
             "hit_pct_cum": round(self.hit_pct_cum, 3),
             "hit_pct_decode": round(self.hit_pct_decode, 3),
             "read_mib": round(self.read_mib, 1),
-            "n_slots": self.n_slots,
+            "n_slabs": self.n_slabs,
             "accounting": self.accounting,
             "hits": sum(self.hits),
             "lookups": sum(self.lookups),
@@ -224,9 +227,9 @@ def slab_bytes(trace: Trace) -> int:
 
 
 def run_fetches(
-    fs: Sequence[Fetch], table, expert_bytes: Sequence[int], drop_cold: float = 0.0
+    fs: Sequence[TraceFetch], table, expert_bytes: Sequence[int], drop_cold: float = 0.0
 ) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int]]:
-    """Drive `table` (SlotTable or ByteTable) through the fetches in the reader's
+    """Drive `table` (SlabTable or ByteTable) through the fetches in the reader's
     order; returns (prompt, decode) hits, lookups and bytes read."""
     hits, looks, read = [0, 0], [0, 0], [0, 0]
     lookup, admit, pin, unpin = table.lookup, table.admit, table.pin, table.unpin
@@ -256,7 +259,7 @@ class Replayer:
     """One trace, many (budget, policy) replays: the fetch list and the
     future (for offline policies) are computed once."""
 
-    def __init__(self, trace: Trace, accounting: str = "slots", scores=None):
+    def __init__(self, trace: Trace, accounting: str = "slabs", scores=None):
         """`scores`: the router's probabilities [decode fetches, n_expert], for a
         policy with `on_scores` (a route trace does not hold them)."""
         if accounting not in ACCOUNTING:
@@ -264,24 +267,24 @@ class Replayer:
         self.trace, self.accounting = trace, accounting
         self.expert_bytes = trace.header.expert_bytes
         fs = fetches(trace)
-        self._fetches = {0: fs if scores is None else with_scores(fs, scores)}  # n_slots -> fetches split to that size (0: unsplit)
+        self._fetches = {0: fs if scores is None else with_scores(fs, scores)}  # n_slabs -> fetches split to that size (0: unsplit)
 
-    def fetches_for(self, n_slots: int) -> list[Fetch]:
+    def fetches_for(self, n_slabs: int) -> list[TraceFetch]:
         fs = self._fetches[0]
-        if all(len(f.keys) <= n_slots for f in fs):
+        if all(len(f.keys) <= n_slabs for f in fs):
             return fs
-        if n_slots not in self._fetches:
-            self._fetches[n_slots] = split_fetches(fs, n_slots)
-        return self._fetches[n_slots]
+        if n_slabs not in self._fetches:
+            self._fetches[n_slabs] = split_fetches(fs, n_slabs)
+        return self._fetches[n_slabs]
 
     def capacity(self, budget_mb: float) -> int:
-        """Slots (or, bytes accounting, average-size experts) the budget holds;
+        """Slabs (or, bytes accounting, average-size experts) the budget holds;
         a ReplayError below one layer's top-k (a fetch must fit pinned)."""
         h = self.trace.header
         if not (isinstance(budget_mb, (int, float)) and math.isfinite(budget_mb) and budget_mb > 0):
             raise ReplayError(f"a cache budget must be a positive number of MiB, got {budget_mb!r}")
         budget = int(budget_mb * MIB)
-        if self.accounting == "slots":
+        if self.accounting == "slabs":
             n, need = budget // slab_bytes(self.trace), h.n_expert_used
             what = f"{n} slab(s) of {slab_bytes(self.trace) / MIB:.2f} MiB"
             ok = n >= need
@@ -291,7 +294,7 @@ class Replayer:
             what = f"{budget / MIB:.2f} MiB"
             ok = budget >= h.n_expert_used * h.max_expert_bytes
         if not ok:
-            least = math.ceil(h.n_expert_used * (slab_bytes(self.trace) if self.accounting == "slots" else h.max_expert_bytes) / MIB)
+            least = math.ceil(h.n_expert_used * (slab_bytes(self.trace) if self.accounting == "slabs" else h.max_expert_bytes) / MIB)
             raise ReplayError(
                 f"{self.trace.path}: a budget of {budget_mb:g} MiB holds {what}, fewer than one "
                 f"layer's top-{h.n_expert_used} experts; use --budget-mb {least} or more"
@@ -299,18 +302,18 @@ class Replayer:
         return n
 
     def run(self, budget_mb: float, policy: str | tuple[str, Callable[[int], Policy]], drop_cold: float = 0.0) -> Result:
-        """One replay; `policy` is a POLICIES name or (label, factory(n_slots)) for a
+        """One replay; `policy` is a POLICIES name or (label, factory(n_slabs)) for a
         variant outside the registry (the bench's)."""
         n = self.capacity(budget_mb)
         # The longest fetch that always fits pinned: n slabs, or that many of the largest experts.
-        fits = n if self.accounting == "slots" else int(budget_mb * MIB) // self.trace.header.max_expert_bytes
+        fits = n if self.accounting == "slabs" else int(budget_mb * MIB) // self.trace.header.max_expert_bytes
         fs = self.fetches_for(fits)
         if isinstance(policy, tuple):
             policy, factory = policy
             pol = factory(n)
         else:
             pol = make_policy(policy, n, future=[f.keys for f in fs] if policy in OFFLINE_POLICIES else None)
-        table = SlotTable(n, pol) if self.accounting == "slots" else ByteTable(int(budget_mb * MIB), pol)
+        table = SlabTable(n, pol) if self.accounting == "slabs" else ByteTable(int(budget_mb * MIB), pol)
         hits, looks, read = run_fetches(fs, table, self.expert_bytes, drop_cold)
         return Result(budget_mb, policy, self.accounting, n, hits, looks, read)
 
@@ -330,7 +333,7 @@ def sweep(
     trace: Trace,
     budgets_mb: Iterable[float],
     policies: Iterable[str] | None = None,
-    accounting: str = "slots",
+    accounting: str = "slabs",
     progress: Callable[[Result], None] | None = None,
 ) -> list[Result]:
     """Every budget × every policy, budget-major."""

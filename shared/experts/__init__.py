@@ -1,4 +1,4 @@
-"""The expert cache and its I/O: the slot table and its eviction policies,
+"""The expert cache and its I/O: the slab table and its eviction policies,
 the residency index and the shared-memory arenas, slab placement, the
 O_DIRECT reads and their lanes, the dense set, and the memory budget.
 

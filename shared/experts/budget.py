@@ -3,7 +3,7 @@
     probe_memory()            -> MemoryProbe   what this process tree may still use (reads /proc, /sys)
     compute_budget(...)       -> Budget        pure: probe + cache settings + dense + KV -> bytes
     resolve_budget(cfg, ...)  -> Budget        both, plus the refusal when the floor does not fit
-    check_floor(budget, floor) -> int          the slot count, or the refusal below one token's experts
+    check_floor(budget, floor) -> int          the slab count, or the refusal below one token's experts
 
 auto = min(host available, every enclosing cgroup's limit - working set)
        - dense set (when resident: dense_weights anon or warm) - KV cache
@@ -20,12 +20,13 @@ right after the model file was written or read.
 
 The reserve (cache.reserve_mb, default 512 MiB) is what is left beside the
 cache, dense set and KV cache for the processes themselves and the system.
-It used to be the only allowance for the processes, and the first thing a
-user lowers in a tight cgroup (the refusal below says so) — after which the
-budget counted on memory that reader, compute and gateway were about to
-take, and a run near its limit reclaimed its own code pages constantly. So
-the allowance is now at least `engine_bytes(roles, n_vocab)`: an estimate of
-what the children yet to be started will hold (see ROLE_PRIVATE_MIB). The
+The allowance is at least `engine_bytes(roles, n_vocab)` whatever reserve_mb
+says, because reserve_mb is the first thing a user lowers in a tight cgroup
+(the refusal below says so): below what reader, compute and gateway are about
+to take, a run near its limit would reclaim its own code pages constantly.
+engine_bytes is an estimate of what the children yet to be started will hold
+(see ROLE_PRIVATE_MIB); the pipeline adds a prompt chunk's activations
+(shared/analysis/fit.py, procs/resources.py). The
 parent needs no estimate: it is running when memory is probed, so its pages
 are already in the cgroup's usage (or gone from the host's available).
 A fixed amount rather than a percentage: the overhead is per process, not
@@ -60,10 +61,10 @@ RESIDENT_DENSE = ("anon", "warm")  # dense policies that keep the dense set in R
 #
 #   role        tiny (vocab 2,048)   qwen30b-shape (vocab 151,936)
 #   telemetry          13                   13
-#   reader             24                    —     (44-47 while it imported numba: 2026-12-01 it
-#                                                  no longer does, shared/quant/__init__.py)
+#   reader             24                    —     (44-47 if it imported numba; it imports none of the
+#                                                  kernels: shared/quant/__init__.py)
 #   compute            78                  161     150 on tiny with a cold numba cache
-#   gateway         41-60                   82     (60 once it sandboxed chat templates)
+#   gateway         41-60                   82     (60 with the chat-template sandbox loaded)
 #
 # A role's figure = a fixed part (the tiny column with ~10 % room, rounded
 # up to 8 MiB; compute's from a cold numba cache: its compiled code stays
@@ -160,8 +161,9 @@ class Budget:
 
 
 # cache_ceil_mb = "auto": a phone keeps most of its RAM for its OS and the apps
-# beside the engine (Android kills background apps under pressure); the seed's
-# recipes left 4,000 MiB of an 11.3 GB phone to the cache, 35 %. A board or a
+# beside the engine (Android kills background apps under pressure); the recipes
+# that ran fastest on the 11.3 GB reference phone leave 4,000 MiB of it to the
+# cache, 35 % (docs/configuration.md). A board or a
 # laptop running the engine has nothing to be courteous to: a ceiling there
 # leaves memory idle that the cache would turn into hits (docs/configuration.md).
 PHONE_CEIL_SHARE = 0.35
@@ -266,7 +268,7 @@ class CacheFloor:
         return f"{self.mib:.2f} MiB = {self.n_layer} layers x top-{self.top_k} experts x {self.slab_bytes / MiB:.2f} MiB slabs"
 
 
-def slots_for_budget(budget_bytes: int, slab_bytes: int) -> int:
+def slabs_for_budget(budget_bytes: int, slab_bytes: int) -> int:
     """How many whole slabs fit in the budget (the slab arena is the budget)."""
     if slab_bytes <= 0:
         raise ValueError(f"slab size must be positive, got {slab_bytes}")
@@ -274,11 +276,11 @@ def slots_for_budget(budget_bytes: int, slab_bytes: int) -> int:
 
 
 def check_floor(budget: Budget, floor: CacheFloor, where: str = "config") -> int:
-    """The slot count of `budget`, or a one-line ConfigError when it is below
+    """The slab count of `budget`, or a one-line ConfigError when it is below
     one token's working set: what the cache is (and why, for auto), what the
     floor needs and is made of, and what would work."""
     if budget.bytes >= floor.bytes:
-        return slots_for_budget(budget.bytes, floor.slab_bytes)
+        return slabs_for_budget(budget.bytes, floor.slab_bytes)
     need = f"one token's working set of {floor.describe()}"
     if budget.mode == "fixed":
         fix = f"set cache_mb to at least {floor.mib:g}" + (f" and cache_ceil_mb to at least {floor.mib:g}" if budget.clamped else "")

@@ -2,14 +2,14 @@
 
 Pure bookkeeping: no sockets, no I/O, no clock. The reader process is its
 only writer (so it needs no locks); the slabs themselves live in a
-`shm.SlabArena` and slot k here is slab k there.
+`shm.SlabArena`, and slab k here is slab k of that arena.
 
-    lookup(key) ── hit ──► slot           (policy.on_hit)
-         └─ None ──► admit(key) ──► (slot, evicted key | None)
-                        free slot, else policy.victim(is_evictable) among
-                        unpinned slots (policy.on_evict, then on_admit);
-                        every slot pinned → CacheFull
-    pin/unpin: counts; a slot named by an unfinished request is never evicted.
+    lookup(key) ── hit ──► slab           (policy.on_hit)
+         └─ None ──► admit(key) ──► (slab, evicted key | None)
+                        free slab, else policy.victim(is_evictable) among
+                        unpinned slabs (policy.on_evict, then on_admit);
+                        every slab pinned → CacheFull
+    pin/unpin: counts; a slab named by an unfinished request is never evicted.
     on_pinned(key, bool): told when a key's first pin comes and its last goes
                           (the reader mirrors it into the residency index's states).
 
@@ -28,7 +28,7 @@ from .policies import Key, Policy, make_policy
 
 
 class CacheFull(RuntimeError):
-    """Every slot is pinned by an unfinished request: nothing can be evicted."""
+    """Every slab is pinned by an unfinished request: nothing can be evicted."""
 
 
 @dataclass(frozen=True)
@@ -47,17 +47,17 @@ class CacheStats:
         return self.hits / self.lookups if self.lookups else 0.0
 
 
-class SlotTable:
-    """key → slot for `n_slots` slots, evicting by `policy` (a Policy or a POLICIES name)."""
+class SlabTable:
+    """key → slab for `n_slabs` slabs, evicting by `policy` (a Policy or a POLICIES name)."""
 
-    def __init__(self, n_slots: int, policy: Policy | str = "lru"):
-        if n_slots <= 0:
-            raise ValueError(f"a cache needs at least one slot, got {n_slots}")
-        self.n_slots = n_slots
-        self.policy: Policy = make_policy(policy, n_slots) if isinstance(policy, str) else policy
-        self._slot_of: dict[Key, int] = {}
-        self._key_of: list[Key | None] = [None] * n_slots
-        self._free: list[int] = list(range(n_slots - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
+    def __init__(self, n_slabs: int, policy: Policy | str = "lru"):
+        if n_slabs <= 0:
+            raise ValueError(f"a cache needs at least one slab, got {n_slabs}")
+        self.n_slabs = n_slabs
+        self.policy: Policy = make_policy(policy, n_slabs) if isinstance(policy, str) else policy
+        self._slab_of: dict[Key, int] = {}
+        self._key_of: list[Key | None] = [None] * n_slabs
+        self._free: list[int] = list(range(n_slabs - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
         self._pins: dict[Key, int] = {}
         # a key became pinned (True) or unpinned (False); typed Any: it gets the owner's own keys (the reader's (layer, expert))
         self.on_pinned: Callable[[Any, bool], None] | None = None
@@ -65,73 +65,73 @@ class SlotTable:
 
     # -- lookups and admissions -------------------------------------------
     def lookup(self, key: Key) -> int | None:
-        """The slot holding `key` (a hit, told to the policy), or None."""
-        slot = self._slot_of.get(key)
-        if slot is not None:
+        """The slab holding `key` (a hit, told to the policy), or None."""
+        slab = self._slab_of.get(key)
+        if slab is not None:
             self._hits += 1
             self.policy.on_hit(key)
-        return slot
+        return slab
 
     def admit(self, key: Key, nbytes: int = 0, *, pin: bool = False) -> tuple[int, Key | None]:
-        """A miss: give `key` a slot, evicting the policy's unpinned victim if
-        none is free. Returns (slot, evicted key or None). `nbytes` (the bytes
+        """A miss: give `key` a slab, evicting the policy's unpinned victim if
+        none is free. Returns (slab, evicted key or None). `nbytes` (the bytes
         that will be read into it) feeds the stats; `pin` pins it at once."""
-        if key in self._slot_of:
-            raise ValueError(f"{key!r} is already resident in slot {self._slot_of[key]}")
+        if key in self._slab_of:
+            raise ValueError(f"{key!r} is already resident in slab {self._slab_of[key]}")
         evicted = None
         if self._free:
-            slot = self._free.pop()
+            slab = self._free.pop()
         else:
             evicted = self.policy.victim(self._evictable)
             if evicted is None:
-                raise CacheFull(f"all {self.n_slots} cache slots are pinned by unfinished requests; cannot admit {key!r}")
-            if evicted not in self._slot_of or self._pins.get(evicted):
+                raise CacheFull(f"all {self.n_slabs} cache slabs are pinned by unfinished requests; cannot admit {key!r}")
+            if evicted not in self._slab_of or self._pins.get(evicted):
                 raise RuntimeError(f"policy {type(self.policy).__name__} chose {evicted!r}, which is not an evictable resident key")
-            slot = self._remove(evicted)
+            slab = self._remove(evicted)
             self._evictions += 1
-        self._slot_of[key] = slot
-        self._key_of[slot] = key
+        self._slab_of[key] = slab
+        self._key_of[slab] = key
         self.policy.on_admit(key)
         self._misses += 1
         self._bytes += nbytes
         if pin:
             self.pin(key)
-        return slot, evicted
+        return slab, evicted
 
-    def restore(self, key: Key, slot: int) -> None:
+    def restore(self, key: Key, slab: int) -> None:
         """Take back an entry a previous owner of the cache left (a restarted
-        reader re-reading the residency index): `key` is in `slot` already, so
+        reader re-reading the residency index): `key` is in `slab` already, so
         nothing is read; the policy sees it as admitted (its order is lost)."""
-        if key in self._slot_of or not 0 <= slot < self.n_slots or self._key_of[slot] is not None:
-            raise ValueError(f"cannot restore {key!r} into slot {slot}: taken or out of range")
-        self._free.remove(slot)
-        self._slot_of[key] = slot
-        self._key_of[slot] = key
+        if key in self._slab_of or not 0 <= slab < self.n_slabs or self._key_of[slab] is not None:
+            raise ValueError(f"cannot restore {key!r} into slab {slab}: taken or out of range")
+        self._free.remove(slab)
+        self._slab_of[key] = slab
+        self._key_of[slab] = key
         self.policy.on_admit(key)
 
     def drop(self, key: Key) -> int:
-        """Forget `key` (its slab's bytes are bad, e.g. a failed read); frees its slot.
+        """Forget `key` (its slab's bytes are bad, e.g. a failed read); frees its slab.
         Not an eviction in the stats. Refused while pinned."""
         if self._pins.get(key):
             raise ValueError(f"{key!r} is pinned {self._pins[key]} time(s); unpin before dropping")
-        if key not in self._slot_of:
+        if key not in self._slab_of:
             raise KeyError(key)
-        slot = self._remove(key)
-        self._free.append(slot)
-        return slot
+        slab = self._remove(key)
+        self._free.append(slab)
+        return slab
 
     def _remove(self, key: Key) -> int:
-        slot = self._slot_of.pop(key)
-        self._key_of[slot] = None
+        slab = self._slab_of.pop(key)
+        self._key_of[slab] = None
         self.policy.on_evict(key)
-        return slot
+        return slab
 
     def _evictable(self, key: Key) -> bool:
-        return key in self._slot_of and not self._pins.get(key)
+        return key in self._slab_of and not self._pins.get(key)
 
     # -- pins ---------------------------------------------------------------
     def pin(self, key: Key) -> None:
-        if key not in self._slot_of:
+        if key not in self._slab_of:
             raise KeyError(f"cannot pin {key!r}: not resident")
         n = self._pins.get(key, 0)
         self._pins[key] = n + 1
@@ -154,17 +154,17 @@ class SlotTable:
 
     # -- views ----------------------------------------------------------------
     def resident(self) -> dict[Key, int]:
-        """key → slot for every cached expert (a copy)."""
-        return dict(self._slot_of)
+        """key → slab for every cached expert (a copy)."""
+        return dict(self._slab_of)
 
-    def key_of(self, slot: int) -> Key | None:
-        return self._key_of[slot]
+    def key_of(self, slab: int) -> Key | None:
+        return self._key_of[slab]
 
     def __contains__(self, key: Key) -> bool:
-        return key in self._slot_of
+        return key in self._slab_of
 
     def __len__(self) -> int:
-        return len(self._slot_of)
+        return len(self._slab_of)
 
     @property
     def n_pinned(self) -> int:

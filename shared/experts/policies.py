@@ -1,8 +1,8 @@
 """Eviction policies for the expert cache, pluggable by name.
 
 A policy is told about every hit, admission and eviction of the cache index
-(shared/experts/cache.py's SlotTable) and asked for a victim among the keys that are
-not pinned. `POLICIES` maps a name to a factory(n_slots); the live reader and
+(shared/experts/cache.py's SlabTable) and asked for a victim among the keys that are
+not pinned. `POLICIES` maps a name to a factory(n_slabs); the live reader and
 the simulator (shared/analysis/replay.py) build them through `make_policy`, so both run
 the same code. lru, lfu (decayed counts), arc, s3fifo, nextuse (per-layer
 aware), nextmix (the default: nextuse with a short and a long clock; it can
@@ -55,7 +55,7 @@ class LRU:
     pinned keys from the cold end, so it costs O(1 + pinned keys that are
     colder), at most top_k × layers in flight."""
 
-    def __init__(self, n_slots: int | None = None):
+    def __init__(self, n_slabs: int | None = None):
         self._order: OrderedDict[Key, None] = OrderedDict()  # coldest first
 
     def on_hit(self, key: Key) -> None:
@@ -83,11 +83,11 @@ class LFU:
     count starts afresh when it is admitted. O(log n) per use; a victim
     search skips stale heap entries and sets pinned keys aside."""
 
-    def __init__(self, n_slots: int | None = None, half_life: float | None = None):
+    def __init__(self, n_slabs: int | None = None, half_life: float | None = None):
         # One cache's worth of uses, measured on the phone traces: it beats LRU
         # on both at 2000-4000 MiB; 2x is better on Qwen and worse than LRU on
         # gpt-oss, 4x falls behind LRU on both (old favourites stay too long).
-        self.half_life = float(half_life or max(64, n_slots or 0))
+        self.half_life = float(half_life or max(64, n_slabs or 0))
         self._tick = 0
         self._origin = 0  # tick at which the scores were last rescaled
         self._score: dict[Key, tuple[float, int]] = {}  # key -> (score, tick of last use)
@@ -162,8 +162,8 @@ class ARC:
     after the victim is chosen, so p adapts one miss late, and the
     (|T1| == p and x in B2) tie rule is dropped."""
 
-    def __init__(self, n_slots: int):
-        self.c = max(1, int(n_slots))
+    def __init__(self, n_slabs: int):
+        self.c = max(1, int(n_slabs))
         self.p = 0.0
         self.t1: OrderedDict[Key, None] = OrderedDict()  # LRU first
         self.t2: OrderedDict[Key, None] = OrderedDict()
@@ -206,15 +206,15 @@ class ARC:
 
 
 class S3FIFO:
-    """S3-FIFO (Yang et al., SOSP'23): a small FIFO S (10% of the slots) that
+    """S3-FIFO (Yang et al., SOSP'23): a small FIFO S (10% of the slabs) that
     new keys enter, a main FIFO M, a ghost FIFO G of keys evicted from S.
     Leaving S, a key used again since it came in moves to M, else it is
     evicted (and remembered in G; a G key re-enters straight into M). Leaving
     M, a used key is reinserted with its count (0..3) decremented. Pinned
     keys are skipped in place."""
 
-    def __init__(self, n_slots: int, small_fraction: float = 0.1):
-        self.c = max(1, int(n_slots))
+    def __init__(self, n_slabs: int, small_fraction: float = 0.1):
+        self.c = max(1, int(n_slabs))
         self.small = max(1, int(small_fraction * self.c))
         self.s: OrderedDict[Key, None] = OrderedDict()  # oldest first
         self.m: OrderedDict[Key, None] = OrderedDict()
@@ -276,7 +276,7 @@ class Belady:
 
     offline = True
 
-    def __init__(self, n_slots: int, future: Iterable[Iterable[Key]]):
+    def __init__(self, n_slabs: int, future: Iterable[Iterable[Key]]):
         uses: dict[Key, list[float]] = defaultdict(list)
         for g, keys in enumerate(future):
             for k in keys:
@@ -331,10 +331,10 @@ class NextUse:
     heap of layers, re-ranked for those touched since the last victim.
     O(log n) per use and per eviction. Keys must be (layer, expert)."""
 
-    def __init__(self, n_slots: int, half_life: float | None = None):
+    def __init__(self, n_slabs: int, half_life: float | None = None):
         # 2 x the cache in uses, measured on the phone traces at 2000-4000 MiB:
         # 1x-4x are within 1.5 points of each other; 0.5x and 8x lose up to 2.
-        self.half_life = float(half_life or max(64, 2 * n_slots))
+        self.half_life = float(half_life or max(64, 2 * n_slabs))
         self._tick = 0  # uses told so far
         self._origin = 0  # tick the scores are scaled to (rescaled to keep 2**x finite)
         self._layer = -1  # the layer being computed
@@ -470,7 +470,7 @@ class NextMix:
 
     def __init__(
         self,
-        n_slots: int,
+        n_slabs: int,
         half_life: float | None = None,
         short_half_life: float = 2.0,
         short_weight: float = 0.2,
@@ -478,7 +478,7 @@ class NextMix:
     ):
         # Measured on the phone traces at 2000-4000 MiB (docs/cache-policies.md): with the
         # short clock the long one is best longer than nextuse's 2x (4x the cache in uses).
-        self.half_life = float(half_life or max(64, 4 * n_slots))
+        self.half_life = float(half_life or max(64, 4 * n_slabs))
         self.short_half_life = float(short_half_life)
         self.short_weight = float(short_weight)
         self.score_weight = float(score_weight)
@@ -586,7 +586,7 @@ class NextMix:
         return None
 
 
-# name -> factory(n_slots). A factory with `offline = True` also needs
+# name -> factory(n_slabs). A factory with `offline = True` also needs
 # `future` (every fetch ahead) and exists only in the simulator (shared/analysis/replay.py).
 POLICIES: dict[str, Callable[..., Policy]] = {
     "lru": LRU,
@@ -600,8 +600,8 @@ POLICIES: dict[str, Callable[..., Policy]] = {
 OFFLINE_POLICIES = frozenset(name for name, f in POLICIES.items() if getattr(f, "offline", False))
 
 
-def make_policy(name: str, n_slots: int, future: Iterable[Iterable[Key]] | None = None) -> Policy:
-    """The policy `name` for `n_slots` slots; `future` (the fetches ahead) only
+def make_policy(name: str, n_slabs: int, future: Iterable[Iterable[Key]] | None = None) -> Policy:
+    """The policy `name` for `n_slabs` slabs; `future` (the fetches ahead) only
     for an offline policy, which cannot run live without it."""
     try:
         factory = POLICIES[name]
@@ -613,5 +613,5 @@ def make_policy(name: str, n_slots: int, future: Iterable[Iterable[Key]] | None 
                 f"cache policy {name!r} needs to know the future: it exists only in the "
                 f"simulator (moe-pipe replay); live policies: {', '.join(LIVE_POLICIES)}"
             )
-        return factory(n_slots, future)
-    return factory(n_slots)
+        return factory(n_slabs, future)
+    return factory(n_slabs)

@@ -8,8 +8,8 @@ docs/warmup-analysis.md § Populated slabs). A `Populator` does the same
 faulting on a thread of its own, front to back, before the reads get there:
 
     arena:  | populated ........ | ← populator | not yet mapped ............ |
-            0   ^ reads land here, slab 0, 1, 2, ... (the slot table hands
-                  out free slots in ascending order, so the fill front follows)
+            0   ^ reads land here, slab 0, 1, 2, ... (the slab table hands
+                  out free slabs in ascending order, so the fill front follows)
 
 The kernel does the work (madvise MADV_POPULATE_WRITE / _READ) with the GIL
 released, so the thread costs the process nothing but that kernel time,

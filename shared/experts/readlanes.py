@@ -15,7 +15,7 @@ arrives without them are withdrawn (`withdraw_guesses`), so a wrong guess
 costs bandwidth only if it had already started; background reads are never
 withdrawn. A read once started always runs to its end (a pread cannot be
 taken back). The queues hold keys only; what a read does is the
-`work(key, slot)` function each lane calls, outside the lock.
+`work(key, slab)` function each lane calls, outside the lock.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class ReadLanes:
             raise ValueError(f"a reader needs at least one lane, got {n}")
         self._work = work
         self._cond = threading.Condition()
-        self._queues: list[OrderedDict[Key, int]] = [OrderedDict() for _ in Priority]  # key -> slot, oldest first
+        self._queues: list[OrderedDict[Key, int]] = [OrderedDict() for _ in Priority]  # key -> slab, oldest first
         self._closed = False
         self._max_guessing = max(1, n - 1)  # lanes that may run guesses at once (one kept for demand)
         self._guessing = 0
@@ -48,11 +48,11 @@ class ReadLanes:
         for t in self._threads:
             t.start()
 
-    def submit(self, key: Key, slot: int, priority: Priority = Priority.DEMAND) -> None:
+    def submit(self, key: Key, slab: int, priority: Priority = Priority.DEMAND) -> None:
         with self._cond:
             if self._closed:
                 raise RuntimeError("the read lanes are shut down")
-            self._queues[priority][key] = slot
+            self._queues[priority][key] = slab
             self._cond.notify()
 
     def promote(self, key: Key) -> bool:
@@ -61,15 +61,15 @@ class ReadLanes:
         started, or a demand read)."""
         with self._cond:
             for queue in self._queues[Priority.GUESS :]:
-                slot = queue.pop(key, None)
-                if slot is not None:
-                    self._queues[Priority.DEMAND][key] = slot
+                slab = queue.pop(key, None)
+                if slab is not None:
+                    self._queues[Priority.DEMAND][key] = slab
                     return True
             return False
 
     def withdraw_guesses(self, keep=frozenset()) -> list[tuple[Key, int]]:
         """Take every queued (not started) guess out, except those in `keep`;
-        returns the withdrawn (key, slot)s for the caller to free."""
+        returns the withdrawn (key, slab)s for the caller to free."""
         with self._cond:
             guesses = self._queues[Priority.GUESS]
             gone = [(k, s) for k, s in guesses.items() if k not in keep]
@@ -84,11 +84,11 @@ class ReadLanes:
             return tuple(list(q) for q in self._queues)
 
     def _take(self) -> tuple[Key, int, bool] | None:
-        """The first read this lane may start (key, slot, is a guess), or None."""
+        """The first read this lane may start (key, slab, is a guess), or None."""
         for priority, queue in zip(Priority, self._queues):
             if queue and (priority != Priority.GUESS or self._guessing < self._max_guessing):
-                key, slot = queue.popitem(last=False)
-                return key, slot, priority == Priority.GUESS
+                key, slab = queue.popitem(last=False)
+                return key, slab, priority == Priority.GUESS
         return None
 
     def _next(self) -> tuple[Key, int, bool] | None:
@@ -103,14 +103,14 @@ class ReadLanes:
 
     def _lane(self) -> None:
         while (job := self._next()) is not None:
-            key, slot, guess = job
+            key, slab, guess = job
             try:
-                self._work(key, slot)
+                self._work(key, slab)
             finally:
                 if guess:
                     with self._cond:
                         self._guessing -= 1
-                        self._cond.notify()  # a lane waiting for a guess slot may go
+                        self._cond.notify()  # a lane waiting for its turn at a guess may go
 
     def shutdown(self) -> None:
         """Drop what is queued, let the started reads finish, join the lanes."""

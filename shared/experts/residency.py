@@ -5,7 +5,7 @@ trip; beside it, what the reader is doing with each expert, for the web page.
     index arena:  table   int32 [n_layer, n_expert]   0 = not resident, s + 1 = in slab s
                   states  uint8 [n_layer, n_expert]   PINNED | INFLIGHT bits (after the table)
 
-`states` mirrors the reader's slot table: PINNED while the key has any pin
+`states` mirrors the reader's slab table: PINNED while the key has any pin
 (a request using it, or its own read), INFLIGHT while its read is under way.
 Compute never reads it; the gateway copies it a few times a second
 (procs/gateway_events.py). One byte store per change, by the one writer, so
@@ -28,7 +28,7 @@ import numpy as np
 
 from .shm import Arena, segment_name
 
-PINNED = 1  # states bit: the reader's slot table holds a pin on the key
+PINNED = 1  # states bit: the reader's slab table holds a pin on the key
 INFLIGHT = 2  # states bit: the key's read is under way (its slab is not complete yet)
 
 
@@ -70,8 +70,8 @@ class ResidencyIndex:
     def name(self) -> str:
         return self.arena.name
 
-    def publish(self, key: tuple[int, int], slot: int) -> None:
-        self.table[key] = slot + 1
+    def publish(self, key: tuple[int, int], slab: int) -> None:
+        self.table[key] = slab + 1
 
     def clear(self, key: tuple[int, int]) -> None:
         self.table[key] = 0
@@ -90,13 +90,13 @@ class ResidencyIndex:
         """Forget every pin and read: a new reader starts with none (the last one's died with it)."""
         self.states[:] = 0
 
-    def slots(self, layer: int, experts) -> list[int]:
+    def slabs(self, layer: int, experts) -> list[int]:
         """Slab of each expert of `layer`, or -1 where it is not resident."""
         row = self.table[layer]
         return [int(row[e]) - 1 for e in experts]
 
     def entries(self) -> list[tuple[tuple[int, int], int]]:
-        """((layer, expert), slot) of every published entry: what a restarted
+        """((layer, expert), slab) of every published entry: what a restarted
         reader takes over (each slab's bytes were complete when published)."""
         layers, experts = np.nonzero(self.table)
         return [((int(l), int(e)), int(self.table[l, e]) - 1) for l, e in zip(layers, experts)]

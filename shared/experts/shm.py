@@ -12,7 +12,7 @@ by a dead one from a live one:
 
     /dev/shm/moe-pipe-<owner pid>-<kind>        e.g. moe-pipe-4242-slabs
 
-A slab arena is n_slots equal slabs and nothing else (no header: the slab
+A slab arena is n_slabs equal slabs and nothing else (no header: the slab
 size comes from the model's layout, slab ids cross the wire):
 
     offset 0          S                 2S                     (n-1)S         nS
@@ -192,7 +192,7 @@ def _check_name(name: str) -> None:
 
 @dataclass
 class SlabArena:
-    """An arena seen as `n_slots` slabs of `slab_bytes` each (layout in the module docstring)."""
+    """An arena seen as `n_slabs` slabs of `slab_bytes` each (layout in the module docstring)."""
 
     arena: Arena
     slab_bytes: int
@@ -204,12 +204,12 @@ class SlabArena:
             raise ValueError(f"arena {self.arena.name!r} holds {self.arena.size} B, not a whole number of {self.slab_bytes} B slabs")
 
     @classmethod
-    def create(cls, name: str, n_slots: int, slab_bytes: int, *, reserve: bool = False) -> SlabArena:
-        if n_slots <= 0:
-            raise ValueError(f"slab arena {name!r}: needs at least one slot, got {n_slots}")
+    def create(cls, name: str, n_slabs: int, slab_bytes: int, *, reserve: bool = False) -> SlabArena:
+        if n_slabs <= 0:
+            raise ValueError(f"slab arena {name!r}: needs at least one slab, got {n_slabs}")
         if slab_bytes <= 0 or slab_bytes % PAGE:
             raise ValueError(f"slab size {slab_bytes} B is not a positive multiple of {PAGE}")
-        return cls(Arena.create(name, n_slots * slab_bytes, reserve=reserve), slab_bytes)
+        return cls(Arena.create(name, n_slabs * slab_bytes, reserve=reserve), slab_bytes)
 
     @classmethod
     def attach(cls, name: str, slab_bytes: int, readonly: bool = True) -> SlabArena:
@@ -221,13 +221,13 @@ class SlabArena:
             raise
 
     @property
-    def n_slots(self) -> int:
+    def n_slabs(self) -> int:
         return self.arena.size // self.slab_bytes
 
     def slab(self, k: int) -> np.ndarray:
         """Slab k as a uint8 view [slab_bytes] (read-only if the arena is)."""
-        if not 0 <= k < self.n_slots:
-            raise IndexError(f"slab {k} out of range 0..{self.n_slots - 1}")
+        if not 0 <= k < self.n_slabs:
+            raise IndexError(f"slab {k} out of range 0..{self.n_slabs - 1}")
         return self.arena.buf[k * self.slab_bytes : (k + 1) * self.slab_bytes]
 
     def close(self) -> None:

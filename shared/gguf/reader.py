@@ -186,8 +186,8 @@ class _CheckedReader(GGUFReader):
     # -- bounded reads ----------------------------------------------------
     def _get(self, offset: int, dtype, count: int = 1, override_order=None) -> np.ndarray:
         """gguf-py's `_get` on a plain ndarray view of the same pages: numpy's
-        memmap subclass costs ~5 µs per slice (__array_finalize__), which was
-        70 % of opening a header; the views still keep the mapping alive."""
+        memmap subclass costs ~5 µs per slice (__array_finalize__), 70 % of
+        opening a header through it; the views still keep the mapping alive."""
         plain = self.__dict__.get("_plain")
         if plain is None:
             plain = self._plain = np.asarray(self.data)

@@ -181,6 +181,20 @@ def kv_cache_bytes(spec: ModelSpec, n_ctx: int, kv_type: str) -> int:
     return elements * num // den + recurrent_state_bytes(spec)  # exact: q8_0 heads are whole blocks of 32
 
 
+def prefill_activation_bytes(spec: ModelSpec, tokens: int, top_k: int) -> int:
+    """Float32 bytes a prompt chunk of `tokens` keeps alive in one layer of the
+    forward pass (shared/model/base.py `prefill`): the residual stream and its
+    norms (3·D), the query, key, value and attention output, the router's logits,
+    each token's K expert outputs before their weighted sum (K·D: the sum is taken
+    in choice order, shared/model/moe.py `apply_experts`), and an FFN's gate, up and
+    product (3·F, when every token routes to one expert). A chunk is at most this
+    much beside the KV cache; the budget leaves it to compute."""
+    d, h = spec.n_embd, spec.n_head
+    qkvo = max(h * 2 * dk + hk * (dk + dv) + h * dv for hk, dk, dv in zip(spec.n_head_kv, spec.head_dim_k, spec.head_dim_v))
+    ffn = 3 * max(spec.n_ff_exp, spec.n_ff, spec.n_ff_shexp)
+    return 4 * tokens * (d * (3 + top_k) + qkvo + spec.n_expert + ffn)
+
+
 def recurrent_state_bytes(spec: ModelSpec) -> int:
     """Float32 bytes of one sequence's recurrent state (shared/model/blocks.py
     RecurrentState): per linear-attention layer the conv's last kernel-1 inputs

@@ -230,7 +230,7 @@ class Plan:
         return self.total - sum(self.have)
 
 
-def plan(repo: str, revision: str, chosen: GgufSet, dest: Path) -> Plan:
+def download_plan(repo: str, revision: str, chosen: GgufSet, dest: Path) -> Plan:
     targets, have = [], []
     for f in chosen.files:
         target = _safe_target(dest, f)

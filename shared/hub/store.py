@@ -57,7 +57,7 @@ class Pulled:
             return False
 
 
-def _load() -> list[dict]:
+def _load_records() -> list[dict]:
     try:
         data = json.loads(record_path().read_text())
     except (OSError, ValueError):
@@ -81,7 +81,7 @@ def _entry(e: dict) -> Pulled | None:
 
 def pulled() -> list[Pulled]:
     """Every recorded pull whose files are all still there, newest first."""
-    out = [p for p in map(_entry, _load()) if p is not None and p.intact()]
+    out = [p for p in map(_entry, _load_records()) if p is not None and p.intact()]
     return sorted(out, key=lambda p: -p.pulled_at)
 
 
@@ -103,7 +103,7 @@ def record(repo: str, quant: str, files: list[Path], revision: str) -> Pulled:
         "revision": revision,
         "pulled_at": time.time(),
     }
-    kept = [e for e in _load() if e.get("path") != str(first)]
+    kept = [e for e in _load_records() if e.get("path") != str(first)]
     path = record_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     # written whole and renamed: a pull killed while writing leaves the old record, never half of one

@@ -308,8 +308,8 @@ def _count_attn_v(part: PlanPart, p: Preset) -> int:
 # layer 0's attention writes it (its context average plus this token's own
 # share), every later write is scaled down, and the routers' input norms are
 # flat. Layer 0's query scale then sets the share that is this token's own,
-# i.e. how fast routing turns over from token to token, which the small
-# later writes no longer do.
+# i.e. how fast routing turns over from token to token, which the
+# scaled-down later writes cannot.
 
 _STREAM_WRITES = ("attn_output.weight", "attn_output.bias", "ffn_down_exps.weight", "ffn_down_exps.bias")
 

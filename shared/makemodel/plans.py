@@ -10,13 +10,13 @@ from .part import PlanPart
 from .presets import SHARED_PRESETS, Preset
 
 
-def _load(family: Family) -> PlanPart:
+def _plan_part(family: Family) -> PlanPart:
     part: PlanPart = family.part("plan").PLAN
     return part
 
 
 # GGUF arch -> its family's plan part, in the registry's order.
-PARTS: dict[str, PlanPart] = {f.arch: _load(f) for f in FAMILIES}
+PARTS: dict[str, PlanPart] = {f.arch: _plan_part(f) for f in FAMILIES}
 ARCHES: tuple[str, ...] = tuple(PARTS)
 # tiny and small, then each family's real shapes, in the registry's order.
 PRESETS: tuple[str, ...] = tuple(dict.fromkeys(name for part in PARTS.values() for name in part.presets))

@@ -112,7 +112,7 @@ class RouterShape:
     offsets (gpt-oss's router bias): experts that are popular in every text,
     as a trained router has.
 
-    The shape presets only (tiny and small stay as they were): `stream_write`
+    The shape presets only (tiny and small are not shaped): `stream_write`
     scales what every layer but layer 0's attention writes into the residual
     stream (attention output of layers ≥ 1, every layer's expert down
     projection and their biases), so the stream a router reads moves little

@@ -30,13 +30,12 @@ from .weights import ExpertSource, FileExperts, Weights
 if TYPE_CHECKING:
     from .routes import RouteReplay
 
-# Next-layer guesses below this router probability are not read. On the
-# qwen30b-shape model as made before its residual stream was shaped for
-# cross-layer predictability (bench/out, 24 decode tokens) a guess's accuracy
-# fell with its rank (top-1 78 %, 4th 55 %, 8th 22 %); p >= 0.05 kept ~2.9
-# guesses per layer at 69 % right. Not re-measured on the shaped model, whose
-# next-layer router finds 88 % of the next layer's experts
-# (bench/bench_routing.py --cross-layer).
+# Next-layer guesses below this router probability are not read: a guess's
+# accuracy falls with its rank (top-1 78 %, 4th 55 %, 8th 22 % on a
+# qwen30b-shape model whose residual stream is not shaped for cross-layer
+# predictability, 24 decode tokens), and p >= 0.05 keeps ~2.9 guesses a layer
+# at 69 % right. On the shaped model the next layer's router finds 88 % of the
+# next layer's experts (bench/bench_routing.py --cross-layer; docs/warmup-analysis.md).
 PREFETCH_MIN_P = 0.05
 
 

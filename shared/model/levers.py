@@ -12,7 +12,7 @@ resident reference has everything cached, so there they do nothing.
   unrouted expert that is cached and near-tied with it: router probability
   at least (1 − MARGIN) × its own, i.e. score ≥ its score + ln(1 − MARGIN)
   (probabilities are a softmax of the scores, so this holds for logits of
-  every architecture). The swapped-in expert takes the slot's weight.
+  every architecture). The swapped-in expert takes the replaced choice's weight.
 """
 
 from __future__ import annotations
@@ -49,16 +49,16 @@ def prefer_cached(routing: Routing, scores: np.ndarray, resident: Resident, marg
     taken = set(ids)
     candidates = [e for e in order if e not in taken]
     candidate_cached = dict(zip(candidates, resident(candidates)))
-    for slot in range(len(ids) - 1, -1, -1):  # the weakest misses first
-        if cached[slot]:
+    for choice in range(len(ids) - 1, -1, -1):  # the weakest misses first
+        if cached[choice]:
             continue
-        floor = float(scores[ids[slot]]) + slack
+        floor = float(scores[ids[choice]]) + slack
         for e in candidates:
             if scores[e] < floor:
                 break  # sorted: no later candidate is close enough
             if candidate_cached[e] and e not in taken:
                 taken.add(e)
-                ids[slot], cached[slot] = e, True
+                ids[choice], cached[choice] = e, True
                 break
     return Routing(np.asarray([ids], np.int64), routing.weights)
 

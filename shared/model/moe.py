@@ -4,7 +4,8 @@ Legend: T tokens, D hidden, E experts, K experts per token.
 
 Prefill batches: each expert multiplies all the tokens routed to it at once.
 Experts may arrive in any order (cache hits first, misses as they land), but
-the per-token sum is always taken in slot order, so the result is bit-identical
+the per-token sum is always taken in choice order (column 0 of `Routing.ids`,
+the token's first choice, then column 1, ...), so the result is bit-identical
 whatever the arrival order.
 """
 
@@ -127,15 +128,15 @@ def apply_experts(
         ys = {e.id: ffn(e, x) for e in source.experts(layer, ids)}  # id -> [1, D]
         w = routing.weights[0]
         out = ys[ids[0]] * w[0]
-        for s in range(1, k):  # slot order, as below
+        for s in range(1, k):  # choice order, as below
             out += ys[ids[s]] * w[s]
         return out
     contrib = np.zeros((t, k, x.shape[1]), np.float32)  # [T, K, D]
     for expert in source.experts(layer, routing.unique_experts()):
-        rows, slots = np.nonzero(routing.ids == expert.id)  # each token picks an expert at most once
-        contrib[rows, slots] = ffn(expert, x[rows])
+        rows, choices = np.nonzero(routing.ids == expert.id)  # each token picks an expert at most once
+        contrib[rows, choices] = ffn(expert, x[rows])
     out = contrib[:, 0] * routing.weights[:, 0:1]
-    for s in range(1, k):  # fixed slot order: deterministic sums
+    for s in range(1, k):  # fixed choice order: deterministic sums
         out += contrib[:, s] * routing.weights[:, s : s + 1]
     return out
 

@@ -11,7 +11,8 @@ its published traces and ours replay through the same code:
 
 Rows: `turn` a request; `phase` 0 = prompt, 1 = decode; `step` the token's
 position in the turn (prompt tokens 0..P-1, then one per generated token);
-`slot` the expert's rank in the token's top-k; `weight` its gating weight
+`slot` the expert's rank in the token's top-k (0 = its first choice; the
+format's name, kept so that traces stay interchangeable); `weight` its gating weight
 (printf %g: 6 significant digits); `residency` 1 if the recording engine had it cached;
 `expert_bytes` the bytes that engine read for this row: the layer's expert
 size on a miss, 0 on a hit *and* for a repeat within one prompt batch (a

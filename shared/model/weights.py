@@ -99,7 +99,7 @@ class ExpertSource(Protocol):
 
     def experts(self, layer: int, ids: Iterable[int]) -> Iterator[Expert]:
         """Yield each requested expert of `layer` exactly once, in the order
-        they become usable (the MoE block sums in slot order, so the order
+        they become usable (the MoE block sums in choice order, so the order
         never changes the result)."""
         ...
 

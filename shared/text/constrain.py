@@ -160,10 +160,9 @@ class JsonConstraint:
     tokens the grammar does not allow next to -inf (once the grammar is
     complete only end-of-generation is allowed); `accept(token)` advances it.
 
-    The mask is computed when it is asked for, on the sampling thread. A
-    helper thread computing it during the next forward pass was tried: on
-    two busy cores the handoff cost more than the mask (docs/api.md
-    § Structured output)."""
+    The mask is computed when it is asked for, on the sampling thread, not by
+    a helper thread during the next forward pass: on two busy cores that
+    handoff costs more than the mask (docs/api.md § Structured output)."""
 
     def __init__(self, adapter: TokenAdapter, grammar: str):
         from llguidance import LLMatcher

@@ -22,7 +22,7 @@ A chat template is code that came with a downloaded file. It runs in Jinja's
   allocate; so is every str() of a container (printing it, `~`, `%`,
   filters), by estimating its text size without building it.
 * Memory: many values each under the size limit can still add up (a loop
-  appending 4 MB strings made 2.5 GB in 2 s before this guard), so the tracer
+  appending 4 MB strings reaches 2.5 GB in 2 s without this guard), so the tracer
   also samples the process's resident size every 2 ms and stops the render
   once it has grown by more than `max_memory_mb` (default 256 MiB).
 

@@ -7,7 +7,7 @@ wire, so a 50-field token record costs bytes, not keys):
 
     frame := msgpack [ kind:int, field_1, field_2, ... ]        len(frame) <= MAX_FRAME_BYTES
 
-Big tensors never cross ZeroMQ: a `Ready` names a slab (`slot`) of the
+Big tensors never cross ZeroMQ: a `Ready` names a slab (its index, `slab`) of the
 shared-memory arena and where the expert's parts sit inside it.
 
 Validation happens in the constructor, so a message that exists is valid on
@@ -322,7 +322,7 @@ class Fetch(_Message):
 @_wire(Kind.READY)
 @dataclass(frozen=True, slots=True)
 class Ready(_Message):
-    """reader -> compute: one expert's bytes are in slab `slot`.
+    """reader -> compute: one expert's bytes are in slab `slab` of the arena.
 
     `parts` are (offset, length) inside the slab, one per expert tensor in the
     layout's part order (gate/up/down or gate_up/down, then biases); offsets
@@ -334,7 +334,7 @@ class Ready(_Message):
     req_id: int
     layer: int
     expert: int
-    slot: int
+    slab: int
     parts: tuple[tuple[int, int], ...]
     hit: bool
     io_ns: int = 0

@@ -57,5 +57,5 @@ def test_pipeline_io_mode(tmp_path):
     path, prompt, reference, sizes = with_reference(make_model("qwen3moe", "tiny", tmp_path / "qwen3moe.gguf"))
     tokens, _, resolved = run_pipeline(path, prompt, **{"cache.cache_mb": sizes["min_mb"] + 1e-6})
     assert tokens == reference[None]
-    assert resolved.n_slots * resolved.slab_bytes <= (sizes["min_mb"] + 1e-6) * MiB
+    assert resolved.n_slabs * resolved.slab_bytes <= (sizes["min_mb"] + 1e-6) * MiB
     print(f"pipeline I/O: {'O_DIRECT' if resolved.direct_io else 'buffered fallback'}; alignment {resolved.io_align} B")

@@ -1,0 +1,53 @@
+"""Layer-major prefill: a prompt goes through the model one layer at a time in
+chunks (compute.prefill_chunk), each layer's experts applied to all of a chunk's
+tokens at once. On every family, in the real files' quant mix and in F32, the
+whole prompt in one chunk, the prompt in several chunks and the prompt fed one
+token at a time (decode steps) give the same next token, the same logits (to
+float32 rounding of the dense products) and the same KV cache."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from moe_pipe.shared.families.registry import FAMILIES
+from moe_pipe.shared.gguf.model_file import open_model
+from moe_pipe.shared.makemodel.maker import make_model
+from moe_pipe.shared.model.load import load_model
+
+PROMPT = [(7 * i + 3) % 200 + 5 for i in range(40)]  # 40 tokens: longer than the 16-token chunks below
+N_CTX = 64
+
+
+def _close(a: np.ndarray, b: np.ndarray, what: str) -> None:
+    assert a.shape == b.shape, f"{what}: shapes {a.shape} vs {b.shape}"
+    if not b.size:  # a layer with no KV rows (a recurrent layer; deepseek2's V, which is K's latent)
+        return
+    scale = max(float(np.abs(b).max()), 1e-6)
+    assert float(np.abs(a - b).max()) <= 1e-4 * scale, f"{what}: max |diff| {np.abs(a - b).max():.3g} of {scale:.3g}"
+
+
+def _kv(cache) -> list[np.ndarray]:
+    """The KV rows and, in a hybrid model, the recurrent state (conv inputs and delta-rule matrices)."""
+    state = getattr(cache, "state", None)
+    recurrent = [*state.conv.values(), *state.delta.values()] if state is not None else []
+    return [np.asarray(p, dtype=np.float32) for p in (*cache.parts(), *recurrent)]
+
+
+@pytest.mark.parametrize("quant", [None, "F32"], ids=["mix", "f32"])
+@pytest.mark.parametrize("family", FAMILIES, ids=[f.name for f in FAMILIES])
+def test_one_chunk_several_chunks_and_decode_steps_agree(family, quant, tmp_path):
+    path = make_model(family.arch, "tiny", tmp_path / "m.gguf", quant=quant)
+    with open_model(path) as mf:
+        model = load_model(mf, options=None)
+        whole_cache, chunked_cache, steps_cache = (model.new_cache(N_CTX, "f32") for _ in range(3))
+        whole = model.prefill(PROMPT, whole_cache, batch=len(PROMPT))  # layer-major: the prompt in one chunk
+        chunked = model.prefill(PROMPT, chunked_cache, batch=16)
+        steps = [model.decode_one(t, steps_cache) for t in PROMPT][-1]
+    assert int(whole.argmax()) == int(chunked.argmax()) == int(steps.argmax())
+    _close(whole, steps, "one chunk vs decode steps, logits")
+    _close(chunked, steps, "16-token chunks vs decode steps, logits")
+    assert whole_cache.n == chunked_cache.n == steps_cache.n == len(PROMPT)
+    for i, (a, b, c) in enumerate(zip(_kv(whole_cache), _kv(chunked_cache), _kv(steps_cache))):
+        _close(a, c, f"KV part {i}, one chunk vs decode steps")
+        _close(b, c, f"KV part {i}, 16-token chunks vs decode steps")

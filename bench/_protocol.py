@@ -260,7 +260,7 @@ def run_protocol(
         tok = Tokenizer.from_gguf(mf.gguf)
         prompt = PROMPT if prompt_length is None else prose_prompt(tok, prompt_length)
         prompt_tokens = encode_prompt(tok, prompt)
-        expert_bytes = sum(mf.layout.expert_bytes(i) for i in range(mf.spec.n_layer))
+        expert_bytes = sum(mf.layout.expert_bytes(i) * mf.spec.n_expert for i in mf.spec.moe_layers)  # every routed expert, once
     copy = model.with_name(model.stem + "-cold-copy.gguf")
     checks = []
     say(f"cold check: a fresh copy of a region read twice ({lanes} lanes) ...")

@@ -188,7 +188,11 @@ def main(argv=None) -> int:
         summary["forecast"] = doctor_forecast(config, model, limit)
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
         (out / "summary.md").write_text(
-            markdown(summary, f"{name}-shape, {layers} layers, memory limit {limit:,.0f} MiB (file / {spec['ratio']})")
+            markdown(
+                summary,
+                f"{name}-shape, {layers} layers, memory limit {limit:,.0f} MiB (file / {spec['ratio']})"
+                + ("" if args.prompt_tokens is None else f", a {summary['prompt_tokens']:,}-token prose prompt"),
+            )
         )
         print((out / "summary.md").read_text())
     write_doc()
@@ -215,8 +219,9 @@ def write_doc() -> None:
     for name, spec in SHAPES.items():
         for res in sorted(RESULTS.glob(f"{name}-L*")):
             protocol = res / "protocol" / "summary.md"
-            if protocol.exists():
-                parts.append("\n" + protocol.read_text())
+            long_prompts = sorted(res.glob("protocol-P*/summary.md"), key=lambda p: int(p.parent.name.removeprefix("protocol-P")))
+            if protocol.exists() or long_prompts:
+                parts += ["\n" + p.read_text() for p in ([protocol] if protocol.exists() else []) + long_prompts]
                 continue
             summaries = [res / kind / "summary.md" for kind in ("own", "trace") if (res / kind / "summary.md").exists()]
             if not summaries:

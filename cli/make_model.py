@@ -8,7 +8,7 @@ import time
 
 # The registry imports nothing but the standard library, so --help stays instant; the
 # presets are in the families' plan parts (numpy and gguf), so make_model checks them.
-from ..shared.families.registry import FAMILIES, by_name
+from ..shared.family_registry import FAMILIES, by_name
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -23,7 +23,7 @@ END = "<!-- END {name} -->"
 
 def families_table() -> str:
     """One row per family: its `--arch`, what convert reads, its shape presets, its catalog names."""
-    from ..shared.families.registry import FAMILIES
+    from ..shared.family_registry import FAMILIES
     from ..shared.hub.catalog import CATALOG
     from ..shared.makemodel.plans import plan_part
     from ..shared.makemodel.presets import SHARED_PRESETS
@@ -52,7 +52,7 @@ def recipe_summary(path: Path) -> str:
 
 def recipes_table() -> str:
     """One row per file of configs/: its model, family and catalog name (the catalog entry that runs it), and its own summary."""
-    from ..shared.families.registry import by_arch
+    from ..shared.family_registry import by_arch
     from ..shared.hub.catalog import CATALOG
     from ..shared.makemodel import default_model
 

@@ -45,18 +45,16 @@ import zmq
 import zmq.asyncio
 from aiohttp import web
 
+from .. import __version__
 from ..shared.config import Config
 from ..shared.errors import UserError
 from ..shared.gguf.model_file import open_model
 from ..shared.serve import service
 from ..shared.serve.http_guard import (
-    BODY_TIMEOUT_S,
-    IDLE_TIMEOUT_S,
     LINGER_S,
     MAX_BODY_BYTES,
-    MAX_CONNECTIONS,
-    WRITE_TIMEOUT_S,
     ClientGone,
+    HttpLimits,
     LimitedSite,
     is_loopback,
     loopback_only,
@@ -87,23 +85,10 @@ from .lifecycle import child_setup
 from .run_facts import RunFacts
 
 log = logging.getLogger("moe_pipe.gateway")
+DEFAULT_LIMITS = HttpLimits()  # the service's; tests pass shorter ones
 
 PROMPT_TAIL_TOKENS = 32  # where a reply starts (in a think block, a harmony header) is in the prompt's last few tokens
 SHUTDOWN_GRACE_S = 5.0  # handlers get this long to answer 503 after SIGTERM
-
-
-@dataclass(frozen=True)
-class HttpLimits:
-    """How long and how many the HTTP side allows (shared/serve/http_guard.py's
-    figures), and how long a request waits for a restarted compute. Not config
-    keys (docs/api.md § Limits and slow clients): the defaults stand in the
-    service; tests shorten them."""
-
-    restart_wait_s: float = 60.0
-    max_connections: int = MAX_CONNECTIONS
-    idle_timeout_s: float = IDLE_TIMEOUT_S
-    body_timeout_s: float = BODY_TIMEOUT_S
-    write_timeout_s: float = WRITE_TIMEOUT_S
 
 
 @dataclass(frozen=True)
@@ -219,7 +204,7 @@ def client_gone(request: web.Request) -> bool:
 class Gateway:
     """The app's state: the config and the run's facts, tokenizer, queue, worker and links."""
 
-    def __init__(self, config: Config, facts: RunFacts, tokenizer: Tokenizer, http_limits: HttpLimits = HttpLimits()):
+    def __init__(self, config: Config, facts: RunFacts, tokenizer: Tokenizer, http_limits: HttpLimits = DEFAULT_LIMITS):
         self.config, self.facts, self.http_limits, self.tok = config, facts, http_limits, tokenizer
         self.defaults = ConfigDefaults(config, facts.model_name)
         self.framing = framing_for(tokenizer)  # how replies frame reasoning and tool calls (shared/text/reasoning.py)
@@ -274,11 +259,11 @@ class Gateway:
     # -- plain endpoints -----------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
         if self.link is not None and self.link.ready():
-            return json_response({"status": "ok"})
-        return json_response({"status": "loading"}, 503)
+            return json_response({"status": "ok", "version": __version__})
+        return json_response({"status": "loading", "version": __version__}, 503)
 
     def _model(self) -> dict:
-        return {"id": self.facts.model_name, "object": "model", "created": self.started, "owned_by": "moe-pipe"}
+        return {"id": self.facts.model_name, "object": "model", "created": self.started, "owned_by": "moe-pipe", "version": __version__}
 
     async def models(self, request: web.Request) -> web.Response:
         return json_response({"object": "list", "data": [self._model()]})
@@ -514,7 +499,7 @@ def longest_token_bytes(tok: Tokenizer) -> int:
 
 
 async def create_app(
-    config: Config, facts: RunFacts, tokenizer: Tokenizer | None = None, http_limits: HttpLimits = HttpLimits()
+    config: Config, facts: RunFacts, tokenizer: Tokenizer | None = None, http_limits: HttpLimits = DEFAULT_LIMITS
 ) -> web.Application:
     """The HTTP app; its background tasks start with it and stop at cleanup."""
     tok = use_chat_template(tokenizer or load_tokenizer(facts.model_path), config.generate.chat_template)
@@ -571,7 +556,7 @@ async def serve(config: Config, facts: RunFacts, http_limits: HttpLimits) -> Non
             address_file.unlink(missing_ok=True)
 
 
-def main(config: Config, facts: RunFacts, http_limits: HttpLimits = HttpLimits()) -> None:
+def main(config: Config, facts: RunFacts, http_limits: HttpLimits = DEFAULT_LIMITS) -> None:
     """The gateway child of `moe-pipe up`. A port in use or an unreadable
     model is a UserError with one line that says so (the supervisor shows it)."""
     child_setup("gateway")

@@ -30,13 +30,14 @@ from dataclasses import dataclass
 from functools import partial
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import orjson
 import zmq
 from aiohttp import web
 
+from ..shared.config import Config
 from ..shared.errors import UserError
 from ..shared.experts.budget import probe_memory
 from ..shared.experts.residency import INFLIGHT, PINNED, ResidencyIndex
@@ -44,12 +45,21 @@ from ..shared.experts.shm import segment_name
 from ..shared.gguf.model_file import open_model
 from ..shared.gguf.spec import kv_cache_bytes
 from ..shared.serve import service
-from ..shared.serve.http_guard import ClientGone, write_within
+from ..shared.serve.http_guard import ClientGone, HttpLimits, write_within
 from ..shared.wire import messages as m
-from .gateway_worker import wait_event
+from .gateway_worker import ComputeLink, RequestQueue, wait_event
+from .run_facts import RunFacts
 
-if TYPE_CHECKING:
-    from .gateway import Gateway
+
+class PageSource(Protocol):
+    """What the page reads of the gateway that owns it (procs/gateway.py `Gateway`)."""
+
+    config: Config
+    facts: RunFacts
+    http_limits: HttpLimits
+    queue: RequestQueue
+    link: ComputeLink | None
+
 
 log = logging.getLogger("moe_pipe.gateway")
 
@@ -259,7 +269,7 @@ def _static(name: str) -> bytes:
 class WebView:
     """The page's handlers and the loops that feed it; the Gateway owns one."""
 
-    def __init__(self, gateway: Gateway):
+    def __init__(self, gateway: PageSource):
         self.gw = gateway
         self.feed = Feed()
         self.files = {name: _static(name) for name in WEB_FILES}  # read once: the package does not change under us

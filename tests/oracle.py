@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from moe_pipe.shared.families.registry import Family, by_name
+from moe_pipe.shared.family_registry import Family, by_name
 from moe_pipe.shared.gguf.model_file import open_model
 from moe_pipe.shared.text.tokenizer import Tokenizer
 

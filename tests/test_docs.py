@@ -181,7 +181,7 @@ def test_the_cli_and_the_docs_list_the_same_families(capsys, tmp_path):
     import json
 
     from moe_pipe.cli.main import main
-    from moe_pipe.shared.families.registry import FAMILIES
+    from moe_pipe.shared.family_registry import FAMILIES
 
     with pytest.raises(SystemExit):
         main(["make-model", "--help"])

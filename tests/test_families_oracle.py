@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from moe_pipe.shared.families.registry import FAMILIES
+from moe_pipe.shared.family_registry import FAMILIES
 
 from . import oracle_checks as checks
 from .oracle import ORACLES, cases, checkpoint, families

@@ -30,6 +30,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+import moe_pipe
+
 pytestmark = pytest.mark.integration  # the gateway and its fake computes are processes
 REPO = Path(__file__).resolve().parents[1]
 
@@ -424,7 +426,7 @@ def test_the_service_uses_the_chat_template_the_config_chose(start_gateway, toke
 def test_health_says_loading_until_compute_says_hello(start_gateway):
     svc = start_gateway()
     status, _, body = svc.request("GET", "/health")
-    assert (status, body) == (503, {"status": "loading"})
+    assert (status, body) == (503, {"status": "loading", "version": moe_pipe.__version__})
     # a request made while compute loads waits for it instead of failing
     result = {}
     waiter = threading.Thread(target=lambda: result.update(r=svc.chat(max_tokens=2)))
@@ -433,7 +435,8 @@ def test_health_says_loading_until_compute_says_hello(start_gateway):
     assert waiter.is_alive()
     svc.start_computes({})
     svc.wait_ready()
-    assert svc.request("GET", "/health")[2] == {"status": "ok"}
+    assert svc.request("GET", "/health")[2] == {"status": "ok", "version": moe_pipe.__version__}
+    assert svc.request("GET", "/v1/models")[2]["data"][0]["version"] == moe_pipe.__version__
     waiter.join(20)
     status, _, body = result["r"]
     assert status == 200 and body["choices"][0]["message"]["content"] == words(2)

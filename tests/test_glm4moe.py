@@ -74,8 +74,8 @@ def _with_nextn(src, dst, nextn: int):
 
 
 def test_nextn_blocks_are_not_decoder_layers(made, tmp_path):
+    from moe_pipe.shared.gguf.model_file import read_spec
     from moe_pipe.shared.gguf.reader import GGUFFile
-    from moe_pipe.shared.gguf.spec import read_spec
 
     path = _with_nextn(made, tmp_path / "nextn.gguf", 1)
     with GGUFFile(path) as f:

@@ -18,7 +18,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # lowest first; the same line says what each unit may import (everything before it)
 STACK = [
-    ("errors", "progress", "data", "families"),  # leaves: anyone may import them (data: package files, no code; families: the registry)
+    (
+        "errors",
+        "progress",
+        "data",
+        "family_registry",
+        "families",
+    ),  # leaves: anyone may import them (data: package files, no code; families/__init__: a docstring)
     ("config", "config_flags"),  # the typed config: every layer may read it; it parses and validates only
     ("quant",),
     ("gguf",),
@@ -38,7 +44,7 @@ STACK = [
 RANK = {unit: rank for rank, units in enumerate(STACK) for unit in units}
 MAX_ROOT_MODULES = 10
 # A family's folder (shared/families/<family>/) holds one part per layer it plugs into;
-# each part keeps that layer's rank (shared/families/registry.py PARTS).
+# each part keeps that layer's rank (shared/family_registry.py PARTS).
 FAMILY_PART_UNIT = {
     "spec": "gguf",
     "model": "model",
@@ -155,7 +161,9 @@ def test_a_family_part_keeps_its_layers_rank(tmp_path):
     """A family's GGUF reader may not import its forward pass: spec ranks as gguf, model as model."""
     bad = tmp_path / "shared" / "families" / "qwen3moe" / "spec.py"
     bad.parent.mkdir(parents=True)
-    bad.write_text("from . import model\nfrom .model import Model\nfrom ...gguf.spec import ModelSpec\nfrom ..registry import FAMILIES\n")
+    bad.write_text(
+        "from . import model\nfrom .model import Model\nfrom ...gguf.spec import ModelSpec\nfrom ...family_registry import FAMILIES\n"
+    )
     assert upward_imports(bad, tmp_path) == ["line 1: gguf imports model", "line 2: gguf imports model"]
 
 

@@ -78,8 +78,8 @@ def test_leading_dense_layers_hold_no_experts_and_no_cache(tmp_path):
     from moe_pipe.shared.errors import GGUFError
     from moe_pipe.shared.experts.budget import CacheFloor
     from moe_pipe.shared.gguf.layout import build_layout
+    from moe_pipe.shared.gguf.model_file import read_spec
     from moe_pipe.shared.gguf.reader import GGUFFile
-    from moe_pipe.shared.gguf.spec import read_spec
 
     q = write_qwen_like(tmp_path / "e.gguf", n_layer=3)  # the same model with experts in every layer
     with GGUFFile(q) as f:

@@ -725,7 +725,7 @@ def test_only_the_shape_presets_shape_the_residual_stream():
 
 
 def test_the_cli_docs_name_every_family_and_preset():
-    from moe_pipe.shared.families.registry import FAMILIES
+    from moe_pipe.shared.family_registry import FAMILIES
 
     text = (Path(__file__).resolve().parents[1] / "docs" / "cli.md").read_text()
     section = text[text.index("## make-model") : text.index("## inspect")]

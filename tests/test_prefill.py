@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moe_pipe.shared.families.registry import FAMILIES
+from moe_pipe.shared.family_registry import FAMILIES
 from moe_pipe.shared.gguf.model_file import open_model
 from moe_pipe.shared.makemodel.maker import make_model
 from moe_pipe.shared.model.load import load_model

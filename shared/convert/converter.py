@@ -1,7 +1,7 @@
 """`moe-pipe convert`: a Hugging Face checkpoint -> a GGUF file llama.cpp and moe-pipe can run.
 
 Supported model types: every `hf_model_types` of the family registry
-(shared/families/registry.py); of a multimodal config only the text model is
+(shared/family_registry.py); of a multimodal config only the text model is
 converted. The output uses llama.cpp's tensor names, shapes and metadata keys
 (docs/models.md § From Hugging Face names). Each family's rules are its convert
 part (shared/families/<family>/convert.py, found through rules.py and built from

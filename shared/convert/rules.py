@@ -18,7 +18,7 @@ from typing import Any, Protocol, cast
 from gguf import GGUFWriter
 
 from ..errors import UserError
-from ..families.registry import FAMILIES, by_hf_model_type
+from ..family_registry import FAMILIES, by_hf_model_type
 from .plan import Out
 from .source import Checkpoint
 

@@ -1,4 +1,5 @@
-"""A model file opened for use: the GGUF, its spec and its byte-range map."""
+"""A model file opened for use: the GGUF, its spec (read by its family's GGUF
+part, its tensors checked against it) and its byte-range map."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from dataclasses import dataclass
 
 from .layout import Layout, build_layout
 from .reader import GGUFFile
-from .spec import ModelSpec, read_spec
+from .spec import ModelSpec, check_rope, spec_part
+from .spec_tensors import check_tensors
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,16 @@ class ModelFile:
         for t in self.gguf.tensors.values():
             (experts if t.name in self.layout.expert_tensor_names else dense)[t.qtype.name] += 1
         return {"experts": dict(sorted(experts.items())), "dense": dict(sorted(dense.items()))}
+
+
+def read_spec(f: GGUFFile) -> ModelSpec:
+    """The file's spec from its family's reader (shared/families/<family>/spec.py),
+    its tensors checked against it (spec_tensors.py)."""
+    part = spec_part(f)
+    spec = part.read(f)
+    check_rope(f, spec)
+    check_tensors(f, spec, part)
+    return spec
 
 
 def open_model(path: str | os.PathLike, align: int | None = None) -> ModelFile:

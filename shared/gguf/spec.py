@@ -6,8 +6,8 @@ scalar or an array?". This module holds the record, what the KV cache costs,
 and `SpecPart`, what each family's GGUF part (shared/families/<family>/spec.py)
 exports: its metadata reader, built from the shared keys of spec_keys.py
 (docs/models.md, one section per family), and its tensor table, checked against
-the file by spec_tensors.py. `read_spec` finds the part by the file's arch and
-does both.
+the file by spec_tensors.py. model_file.py `read_spec` finds the part by the
+file's arch and does both.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol, cast
 
+from .. import family_registry as registry
 from ..errors import GGUFError, UserError
-from ..families import registry
 from .reader import GGUFFile
 
 
@@ -119,7 +119,7 @@ Shapes = dict[str, TensorShape]  # tensor name -> its expected shape
 
 class SpecPart(Protocol):
     """What every family's GGUF part (shared/families/<family>/spec.py) exports.
-    `read_spec` and the tensor checks (spec_tensors.py) call it for the files whose
+    model_file.read_spec and the tensor checks (spec_tensors.py) call it for the files whose
     general.architecture is the family's (registry.by_arch)."""
 
     TOP_TENSORS: tuple[str, ...]
@@ -206,19 +206,7 @@ def recurrent_state_bytes(spec: ModelSpec) -> int:
     return 4 * per_layer * n_recurrent
 
 
-def read_spec(f: GGUFFile) -> ModelSpec:
-    """The file's spec from its family's reader, its tensors checked against it
-    (spec_tensors.py)."""
-    from .spec_tensors import check_tensors  # spec_tensors builds on this module's records
-
-    part = spec_part(f)
-    spec = part.read(f)
-    _check_rope(f, spec)
-    check_tensors(f, spec, part)
-    return spec
-
-
-def _check_rope(f: GGUFFile, spec: ModelSpec) -> None:
+def check_rope(f: GGUFFile, spec: ModelSpec) -> None:
     """Rotated dims pair up inside a head: an odd count, or more than the
     heads it rotates are wide, indexes past the head."""
     r = spec.rope

@@ -35,7 +35,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf import GGUFWriter, LlamaFileType
 
 from ..errors import UserError
-from ..families.registry import by_name
+from ..family_registry import by_name
 from ..gguf.vocab import Vocab
 from ..quant.blocks import block_format, qtype_from_name, random_blocks
 from .part import PlanPart, TensorSpec

@@ -5,7 +5,7 @@ them: the archs, the preset names, and which arch each shape preset is made for.
 
 from __future__ import annotations
 
-from ..families.registry import FAMILIES, Family, by_name
+from ..family_registry import FAMILIES, Family, by_name
 from .part import PlanPart
 from .presets import SHARED_PRESETS, Preset
 

@@ -1,6 +1,6 @@
 """Which forward pass runs a GGUF: the family's model part, and `load_model`.
 
-The family comes from the registry (shared/families/registry.py) by the file's
+The family comes from the registry (shared/family_registry.py) by the file's
 `general.architecture`; its `model.py` part is imported only then, so a process
 loads the forward pass of the one family it runs.
 """
@@ -13,7 +13,7 @@ from typing import Protocol, cast
 import numpy as np
 
 from ..errors import GGUFError
-from ..families.registry import ARCHES, by_arch
+from ..family_registry import ARCHES, by_arch
 from ..gguf.model_file import ModelFile
 from .base import ModelOptions, MoEModel
 from .weights import ExpertSource

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 from urllib.parse import urlsplit
 
@@ -38,6 +39,21 @@ IDLE_TIMEOUT_S = 15.0  # request headers must arrive this soon after connecting 
 BODY_TIMEOUT_S = 30.0  # for the whole body: 4 MiB at 140 KB/s, slower than any link to a local service
 WRITE_TIMEOUT_S = 30.0  # an answer that cannot be written this long: the client stopped reading
 MAX_CONNECTIONS = 256  # open at once; each idle one costs a descriptor and ~10 KB until the idle timeout
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    """How long and how many the HTTP side allows (the figures above), and how long a request waits for a restarted compute. Not config
+    keys (docs/api.md § Limits and slow clients): the defaults stand in the
+    service; tests shorten them."""
+
+    restart_wait_s: float = 60.0
+    max_connections: int = MAX_CONNECTIONS
+    idle_timeout_s: float = IDLE_TIMEOUT_S
+    body_timeout_s: float = BODY_TIMEOUT_S
+    write_timeout_s: float = WRITE_TIMEOUT_S
+
+
 LINGER_S = 2.0  # after an early answer (413, 408), the unread body is drained this long, then the socket closes
 REFUSAL_WAIT_S = 1.0  # a refused connection gets its 503, then this long to hang up before we close it
 RETRY_AFTER_S = 1

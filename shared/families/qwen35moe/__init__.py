@@ -1,5 +1,5 @@
 """Qwen3.5/3.6 MoE, the hybrid of gated-delta-rule and full attention layers: GGUF arch qwen35moe.
 
-Everything that is this family's own, one part per layer (shared/families/registry.py);
+Everything that is this family's own, one part per layer (shared/family_registry.py);
 docs/models.md § qwen35moe.
 """

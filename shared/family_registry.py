@@ -1,7 +1,7 @@
 """The model families moe-pipe runs, one `Family` each: the one table every
 shared layer looks a family up in (docs/adding-a-family.md).
 
-A family's code lives in its folder beside this module, one part per layer it
+A family's code lives in its folder under shared/families/, one part per layer it
 plugs into, and each part keeps that layer's place in the import stack
 (tests/test_layering.py):
 
@@ -31,15 +31,15 @@ class Family:
     """One model family: its folder, the GGUF architecture llama.cpp writes for
     it, and the Hugging Face `model_type`s that `moe-pipe convert` reads."""
 
-    name: str  # the folder under shared/families/ and the name people use
+    name: str  # its folder, shared/families/<name>/, and the name people use
     arch: str  # GGUF general.architecture
     hf_model_types: tuple[str, ...]
 
     def part(self, part: str) -> ModuleType:
-        """The family's module for one layer (PARTS), imported on first use."""
+        """The family's module for one layer (PARTS), shared/families/<name>/<part>.py, imported on first use."""
         if part not in PARTS:
             raise ValueError(f"no family part {part!r} (parts: {', '.join(PARTS)})")
-        return import_module(f"{__package__}.{self.name}.{part}")
+        return import_module(f"{__package__}.families.{self.name}.{part}")
 
     @property
     def label(self) -> str:

@@ -25,7 +25,8 @@ import numpy as np
 
 from ...gguf.model_file import ModelFile
 from ...model.base import MoEModel
-from ...model.blocks import KVCache, RecurrentState, attention, rms_norm, rope_from_spec, swiglu
+from ...model.blocks import KVCache, RecurrentState, rms_norm, rope_from_spec, swiglu
+from ...model.gqa import gqa, load_gqa
 from ...model.moe import apply_experts, route_as_spec, swiglu_expert
 
 
@@ -48,14 +49,7 @@ class Model(MoEModel):
                 out_proj=w.matrix(p + "shortconv.out_proj.weight"),
             )
         else:
-            L.update(
-                q=w.matrix(p + "attn_q.weight"),
-                k=w.matrix(p + "attn_k.weight"),
-                v=w.matrix(p + "attn_v.weight"),
-                o=w.matrix(p + "attn_output.weight"),
-                q_norm=w.vector(p + "attn_q_norm.weight"),
-                k_norm=w.vector(p + "attn_k_norm.weight"),
-            )
+            L.update(load_gqa(w, p, qk_norm=True))
         if s.has_experts(i):
             L.update(router=w.matrix(p + "ffn_gate_inp.weight"), exp_probs_b=w.optional_vector(p + "exp_probs_b.bias"))
         else:
@@ -99,14 +93,7 @@ class Model(MoEModel):
             return h + apply_experts(n2, routing, self.source, i, swiglu_expert)
 
     def full_attention(self, i: int, n: np.ndarray, cache: KVCache, start: int, positions: np.ndarray) -> np.ndarray:
-        s, L, eps = self.spec, self.layers[i], self.spec.rms_eps
-        t, hd, hk = n.shape[0], s.head_dim_k[i], s.n_head_kv[i]
-        q = rms_norm(L["q"](n).reshape(t, s.n_head, hd), L["q_norm"], eps)
-        k = rms_norm(L["k"](n).reshape(t, hk, hd), L["k_norm"], eps)
-        v = L["v"](n).reshape(t, hk, hd)
-        cos, sin = self.rope.tables(positions)
-        cache.store(i, self.rope.apply(k, cos, sin), v)
-        return L["o"](attention(self.rope.apply(q, cos, sin), cache, i, start, self.scale))
+        return gqa(self.layers[i], n, self.spec, i, cache, start, positions, self.rope, self.scale)
 
     def short_conv(self, i: int, n: np.ndarray, state: RecurrentState) -> np.ndarray:
         L, t, d = self.layers[i], n.shape[0], self.spec.n_embd

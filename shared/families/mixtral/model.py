@@ -23,7 +23,8 @@ import numpy as np
 
 from ...gguf.model_file import ModelFile
 from ...model.base import MoEModel
-from ...model.blocks import attention, rms_norm, rope_from_spec
+from ...model.blocks import rms_norm, rope_from_spec
+from ...model.gqa import gqa, load_gqa
 from ...model.moe import apply_experts, softmax_then_top_k, swiglu_expert
 
 
@@ -47,25 +48,16 @@ class Model(MoEModel):
         p, w = f"blk.{i}.", self.w
         return dict(
             attn_norm=w.vector(p + "attn_norm.weight"),
-            q=w.matrix(p + "attn_q.weight"),
-            k=w.matrix(p + "attn_k.weight"),
-            v=w.matrix(p + "attn_v.weight"),
-            o=w.matrix(p + "attn_output.weight"),
+            **load_gqa(w, p),
             ffn_norm=w.vector(p + "ffn_norm.weight"),
             router=w.matrix(p + "ffn_gate_inp.weight"),
         )
 
     def layer(self, i, x, cache, start, positions):
         s, L, eps = self.spec, self.layers[i], self.spec.rms_eps
-        t, hd, hk = x.shape[0], s.head_dim_k[i], s.n_head_kv[i]
         with self.stage("attention"):
             n = rms_norm(x, L["attn_norm"], eps)  # [T, D]
-            q = L["q"](n).reshape(t, s.n_head, hd)[:, :, self.perm]  # [T, H, d], rotate-half order
-            k = L["k"](n).reshape(t, hk, hd)[:, :, self.perm]  # [T, Hk, d]
-            v = L["v"](n).reshape(t, hk, s.head_dim_v[i])
-            cos, sin = self.rope.tables(positions)
-            cache.store(i, self.rope.apply(k, cos, sin), v)
-            h = x + L["o"](attention(self.rope.apply(q, cos, sin), cache, i, start, self.scale))
+            h = x + gqa(L, n, s, i, cache, start, positions, self.rope, self.scale, perm=self.perm)  # q, k in rotate-half order
         with self.stage("router"):
             n2 = rms_norm(h, L["ffn_norm"], eps)
             scores = L["router"](n2)

@@ -75,6 +75,7 @@ from ..shared.serve.openai_api import (
     usage_of,
 )
 from ..shared.text.chat import encode_prompt, render_chat, use_chat_template
+from ..shared.text.generate import too_long_for_one_request
 from ..shared.text.reasoning import framing_for
 from ..shared.text.tokenizer import Tokenizer
 from ..shared.wire import ipc
@@ -162,13 +163,8 @@ def check_wire(job: Job, where: str) -> None:
     here once (the frame and array caps of shared/wire/messages.py)."""
     try:
         m.decode(m.encode(m.Generate(0, tuple(job.prompt_tokens), job.max_tokens, job.sampling, job.stop, grammar=job.grammar)))
-    except m.ProtocolError as exc:
-        raise ApiError(
-            400,
-            f"the prompt is {len(job.prompt_tokens)} tokens, more than one request to compute can carry ({exc}); shorten it",
-            "context_length_exceeded",
-            param=where,
-        ) from None
+    except m.ProtocolError:
+        raise ApiError(400, too_long_for_one_request(len(job.prompt_tokens)), "context_length_exceeded", param=where) from None
 
 
 # ---------------------------------------------------------------------- metrics

@@ -30,6 +30,7 @@ import zmq
 
 from ..shared.config import Config
 from ..shared.errors import PipelineError, UserError
+from ..shared.text.generate import check_prompt_fits, too_long_for_one_request
 from ..shared.wire import ipc
 from ..shared.wire import messages as m
 from .children import RUN_ORDER, ChildProcess, Launch, ProcessStarter, SpawnStarter, stop_child
@@ -146,7 +147,12 @@ class Pipeline:
         on_text: Callable[[str], None] | None = None,
         ignore_eos: bool = False,
     ) -> m.Done:
-        ipc.send(self.links["requests"], self.client.generate(prompt_tokens, max_tokens, sampling, stop, ignore_eos))
+        check_prompt_fits(len(prompt_tokens), self.cfg.compute.ctx_size)
+        request = self.client.generate(prompt_tokens, max_tokens, sampling, stop, ignore_eos)
+        try:
+            ipc.send(self.links["requests"], request)
+        except m.ProtocolError:  # past the frame cap: more ids than one request carries
+            raise UserError(too_long_for_one_request(len(prompt_tokens))) from None
         return self._answer(on_text)
 
     def slot(self, action: str, path: str = "") -> m.Done:

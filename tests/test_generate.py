@@ -130,3 +130,21 @@ def test_run_bad_values_exit_2(tiny_path, extra, needle):
         [sys.executable, "-m", "moe_pipe.cli.main", "run", str(tiny_path), "-p", "x", *extra], capture_output=True, text=True
     )
     assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.integration
+def test_run_refuses_a_100k_token_prompt_in_one_line(tiny_path, tmp_path):
+    """A prompt past the context: the same one-line context error, exit 2, before compute
+    sees it (its ids once hung the run at the wire's 65,536-item array cap)."""
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("x" * 100_000)
+    r = subprocess.run(
+        [sys.executable, "-m", "moe_pipe.cli.main", "run", str(tiny_path), "-f", str(prompt), "-n", "2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 2, r.stderr
+    lines = [line for line in r.stderr.splitlines() if line.startswith("moe-pipe: ") or "error" in line.lower()]
+    assert any("tokens but the context holds 4,096; shorten it or raise the context size (-c)" in line for line in lines), r.stderr
+    assert "Traceback" not in r.stderr and "frame" not in r.stderr

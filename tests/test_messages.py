@@ -180,3 +180,9 @@ def test_wrong_field_values_never_raise_anything_else(cls, values):
         decode(frame(int(cls.KIND), *values))
     except ProtocolError:
         pass
+
+
+def test_a_generate_of_100k_ids_round_trips():
+    """The prompt's ids are capped by the frame alone (no 65,536-item array cap)."""
+    msg = m.Generate(1, tuple(range(100_000)), 4, {}, ())
+    assert decode(encode(msg)) == msg

@@ -23,6 +23,18 @@ from ..model.session import Session
 from .sampling import Constraint, Sampler, SamplingParams
 
 
+def check_prompt_fits(n_prompt: int, n_ctx: int) -> None:
+    """The one context error of `run` and compute: a prompt that leaves no room for a reply."""
+    if n_prompt >= n_ctx:
+        raise UserError(f"the prompt is {n_prompt:,} tokens but the context holds {n_ctx:,}; shorten it or raise the context size (-c)")
+
+
+def too_long_for_one_request(n_prompt: int) -> str:
+    """Why a prompt that fits the context cannot reach compute: its ids pass in one
+    wire frame (shared/wire/messages.py MAX_FRAME_BYTES), a few bytes an id."""
+    return f"the prompt is {n_prompt:,} tokens, more than one request to compute carries (about 200,000); shorten it"
+
+
 @dataclass(frozen=True)
 class GenerationConfig:
     max_tokens: int = 128
@@ -101,10 +113,7 @@ def generate(
 ) -> Generation:
     if not prompt_tokens:
         raise UserError("the prompt is empty after tokenization")
-    if len(prompt_tokens) >= cfg.n_ctx:
-        raise UserError(
-            f"the prompt is {len(prompt_tokens)} tokens but the context holds {cfg.n_ctx}; shorten it or raise the context size"
-        )
+    check_prompt_fits(len(prompt_tokens), cfg.n_ctx)
     out = Generation(list(prompt_tokens))
     sampler, scanner = Sampler(params, constraint), _StopScanner(cfg.stop)  # constraint: a grammar the output must follow
     decoder = tokenizer.stream()

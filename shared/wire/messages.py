@@ -629,7 +629,7 @@ def decode(frame: bytes) -> Message:
             strict_map_key=True,
             max_str_len=size,
             max_bin_len=size,
-            max_array_len=min(size, 1 << 16),
+            max_array_len=size,  # an element takes at least a byte: a prompt's ids are capped by the frame alone
             max_map_len=min(size, 1 << 12),
             max_ext_len=0,  # no ext types on this wire
         )

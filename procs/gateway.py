@@ -75,7 +75,7 @@ from ..shared.serve.openai_api import (
     usage_of,
 )
 from ..shared.text.chat import encode_prompt, render_chat, use_chat_template
-from ..shared.text.generate import too_long_for_one_request
+from ..shared.text.context import too_long_for_one_request
 from ..shared.text.reasoning import framing_for
 from ..shared.text.tokenizer import Tokenizer
 from ..shared.wire import ipc

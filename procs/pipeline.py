@@ -30,7 +30,7 @@ import zmq
 
 from ..shared.config import Config
 from ..shared.errors import PipelineError, UserError
-from ..shared.text.generate import check_prompt_fits, too_long_for_one_request
+from ..shared.text.context import check_prompt_fits, too_long_for_one_request
 from ..shared.wire import ipc
 from ..shared.wire import messages as m
 from .children import RUN_ORDER, ChildProcess, Launch, ProcessStarter, SpawnStarter, stop_child

@@ -20,19 +20,8 @@ from dataclasses import dataclass, field
 
 from ..errors import UserError
 from ..model.session import Session
+from .context import check_prompt_fits
 from .sampling import Constraint, Sampler, SamplingParams
-
-
-def check_prompt_fits(n_prompt: int, n_ctx: int) -> None:
-    """The one context error of `run` and compute: a prompt that leaves no room for a reply."""
-    if n_prompt >= n_ctx:
-        raise UserError(f"the prompt is {n_prompt:,} tokens but the context holds {n_ctx:,}; shorten it or raise the context size (-c)")
-
-
-def too_long_for_one_request(n_prompt: int) -> str:
-    """Why a prompt that fits the context cannot reach compute: its ids pass in one
-    wire frame (shared/wire/messages.py MAX_FRAME_BYTES), a few bytes an id."""
-    return f"the prompt is {n_prompt:,} tokens, more than one request to compute carries (about 200,000); shorten it"
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ END = "<!-- END {name} -->"
 
 def families_table() -> str:
     """One row per family: its `--arch`, what convert reads, its shape presets, its catalog names."""
-    from ..shared.family_registry import FAMILIES
+    from ..shared.family_registry import FAMILIES, by_arch
     from ..shared.hub.catalog import CATALOG
     from ..shared.makemodel.plans import plan_part
     from ..shared.makemodel.presets import SHARED_PRESETS
@@ -34,7 +34,7 @@ def families_table() -> str:
     ]
     for f in FAMILIES:
         shapes = [f"`{name}` ({p.n_layer} layers)" for name, p in plan_part(f.arch).presets.items() if name not in SHARED_PRESETS]
-        names = [f"`{e.name}`" for e in CATALOG if e.arch == f.arch]
+        names = [f"`{e.name}`" for e in CATALOG if by_arch(e.arch) is f]
         types = ", ".join(f"`{t}`" for t in f.hf_model_types)
         rows.append(f"| {f.name} | `{f.arch}` | {types} | {', '.join(shapes) or '-'} | {', '.join(names) or '-'} |")
     return "\n".join(rows)

@@ -44,7 +44,7 @@ class Family:
     @property
     def label(self) -> str:
         """How the CLI and docs list it: the GGUF arch, with the family's own name where they differ."""
-        return self.arch if self.arch == self.name else f"{self.arch} ({self.name})"
+        return self.arch if self.name == self.arch else f"{self.arch} ({self.name})"
 
 
 # The families, in the order the CLI, the docs and the tests list them. Adding one: a folder and a line here.

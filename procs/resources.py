@@ -21,13 +21,13 @@ from typing import TypeVar
 from ..shared.config import Config
 from ..shared.errors import PipelineError, UserError
 from ..shared.experts import shm
-from ..shared.experts.budget import RUN_ROLES, CacheFloor, engine_bytes, resolve_budget, slabs_for_budget
+from ..shared.experts.budget import RUN_ROLES, CacheFloor, pipeline_bytes, resolve_budget, slabs_for_budget
 from ..shared.experts.dense import arena_bytes
 from ..shared.experts.directio import ExpertFiles, describe_os_error, model_identity
 from ..shared.experts.populate import Populator
 from ..shared.experts.residency import ResidencyIndex
 from ..shared.gguf.model_file import open_model
-from ..shared.gguf.spec import kv_cache_bytes, prefill_activation_bytes
+from ..shared.gguf.spec import kv_cache_bytes
 from ..shared.model.trace import read_trace
 from ..shared.wire import ipc
 from ..shared.wire import messages as m
@@ -96,7 +96,7 @@ class Resources:
                 dense_bytes=layout.dense_bytes,
                 kv_bytes=kv_cache_bytes(spec, cfg.compute.ctx_size, cfg.compute.kv_type),
                 floor=CacheFloor.of(layout, top_k),
-                engine_bytes=engine_bytes(roles, spec.n_vocab) + prefill_activation_bytes(spec, cfg.compute.prefill_tokens, top_k),
+                engine_bytes=pipeline_bytes(roles, spec, cfg.compute.prefill_tokens, top_k),
                 check_memory=True,
             )
             # More slabs than experts would never be used.

@@ -53,7 +53,7 @@ from ..experts.budget import (
     CgroupLimit,
     MemoryProbe,
     check_floor,
-    engine_bytes,
+    pipeline_bytes,
     probe_memory,
     resolve_budget,
 )
@@ -139,7 +139,7 @@ class ModelFootprint:
 
 def model_footprint(mf, cfg: Config) -> ModelFootprint:
     """The model's footprint under `cfg`, read from its header (no weight is touched)."""
-    from ..gguf.spec import kv_cache_bytes, prefill_activation_bytes  # what the pipeline allocates beside the cache
+    from ..gguf.spec import kv_cache_bytes  # the KV size the pipeline allocates
 
     spec, layout = mf.spec, mf.layout
     top_k = cfg.compute.top_k or spec.n_expert_used
@@ -163,7 +163,7 @@ def model_footprint(mf, cfg: Config) -> ModelFootprint:
         kv_bytes=kv_cache_bytes(spec, cfg.compute.ctx_size, cfg.compute.kv_type),
         classes=kernel_classes(mf, top_k),
         read_bytes_per_expert=tuple(aligned_bytes(l.extents(0), layout.align) for l in layout.layers),
-        engine_bytes=engine_bytes(RUN_ROLES, spec.n_vocab) + prefill_activation_bytes(spec, cfg.compute.prefill_tokens, top_k),
+        engine_bytes=pipeline_bytes(RUN_ROLES, spec, cfg.compute.prefill_tokens, top_k),
     )
 
 

@@ -25,8 +25,7 @@ says, because reserve_mb is the first thing a user lowers in a tight cgroup
 (the refusal below says so): below what reader, compute and gateway are about
 to take, a run near its limit would reclaim its own code pages constantly.
 engine_bytes is an estimate of what the children yet to be started will hold
-(see ROLE_PRIVATE_MIB); the pipeline adds a prompt chunk's activations
-(shared/analysis/fit.py, procs/resources.py). The
+(see ROLE_PRIVATE_MIB); `pipeline_bytes` adds a prompt chunk's activations. The
 parent needs no estimate: it is running when memory is probed, so its pages
 are already in the cgroup's usage (or gone from the host's available).
 A fixed amount rather than a percentage: the overhead is per process, not
@@ -45,6 +44,7 @@ from typing import Any
 
 from ..config import Config
 from ..errors import ConfigError
+from ..gguf.spec import ModelSpec, prefill_activation_bytes
 
 MiB = 1 << 20
 # cgroup v1 writes "no limit" as PAGE_COUNTER_MAX rounded to a page (9223372036854771712);
@@ -94,6 +94,13 @@ def engine_bytes(roles: tuple[str, ...] | list[str], n_vocab: int) -> int:
         raise ValueError(f"no memory estimate for process role(s) {unknown}; known: {sorted(ROLE_PRIVATE_MIB)}")
     private = sum(ROLE_PRIVATE_MIB[r] * MiB + VOCAB_BYTES_PER_TOKEN.get(r, 0) * n_vocab for r in roles)
     return private + (SHARED_CODE_MIB * MiB if roles else 0)
+
+
+def pipeline_bytes(roles: tuple[str, ...] | list[str], spec: ModelSpec, prefill_tokens: int, top_k: int) -> int:
+    """What the pipeline's children take beside the arenas and the KV cache: their
+    processes (`engine_bytes`) and compute's largest prompt chunk in flight
+    (shared/gguf/spec.py `prefill_activation_bytes`)."""
+    return engine_bytes(roles, spec.n_vocab) + prefill_activation_bytes(spec, prefill_tokens, top_k)
 
 
 @dataclass(frozen=True)

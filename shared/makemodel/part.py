@@ -56,6 +56,17 @@ MakeVector = Callable[[str, tuple[int, ...], str], TensorSpec]
 CHAT_TEMPLATE_FILE = "chat_template.jinja"  # beside the family's plan.py
 
 
+def stacked_experts(W: MakeWeight, b: str, p: Preset, i: int) -> list[TensorSpec]:
+    """Layer i's routed experts as llama.cpp stacks them, one tensor per projection
+    (gate, up, down), for a layer with tensor prefix `b`."""
+    D, X, Fe = p.n_embd, p.n_expert, p.n_ff_exp
+    return [
+        W(b + "ffn_gate_exps.weight", (X, Fe, D), "ffn_gate_exps", i),  # X F D
+        W(b + "ffn_up_exps.weight", (X, Fe, D), "ffn_up_exps", i),  # X F D
+        W(b + "ffn_down_exps.weight", (X, D, Fe), "ffn_down_exps", i),  # X D F
+    ]
+
+
 class PlanPart(Protocol):
     """A family's make-model plan: its presets, tensors, metadata, vocabulary and template."""
 

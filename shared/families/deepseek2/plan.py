@@ -19,7 +19,7 @@ from functools import lru_cache
 from gguf import ExpertGatingFuncType, GGUFWriter, RopeScalingType
 
 from ...gguf.vocab import CONTROL, NORMAL, UNUSED, Vocab, corpus_lines
-from ...makemodel.part import MakeVector, MakeWeight, PlanPart, TensorSpec
+from ...makemodel.part import MakeVector, MakeWeight, PlanPart, TensorSpec, stacked_experts
 from ...makemodel.presets import Preset, RouterShape
 from ...text.tokenizer import DEEPSEEK_LLM_REGEXES
 
@@ -165,9 +165,7 @@ class DeepSeek2Plan(PlanPart):
         if p.expert_gating_sigmoid:  # V3: the selection bias (a small random spread, as glm4moe's)
             out.append(F(b + "exp_probs_b.bias", (X,), "bias"))
         out += [
-            W(b + "ffn_gate_exps.weight", (X, Fe, D), "ffn_gate_exps", i),  # X F D
-            W(b + "ffn_up_exps.weight", (X, Fe, D), "ffn_up_exps", i),  # X F D
-            W(b + "ffn_down_exps.weight", (X, D, Fe), "ffn_down_exps", i),  # X D F
+            *stacked_experts(W, b, p, i),
         ]
         if p.n_expert_shared:
             fs = Fe * p.n_expert_shared

@@ -14,7 +14,7 @@ from __future__ import annotations
 from gguf import ExpertGatingFuncType, GGUFWriter
 
 from ...gguf.vocab import Vocab, glm4_vocab
-from ...makemodel.part import MakeVector, MakeWeight, PlanPart, TensorSpec
+from ...makemodel.part import MakeVector, MakeWeight, PlanPart, TensorSpec, stacked_experts
 from ...makemodel.presets import Preset, RouterShape
 
 # make-model presets: tiny, small and the real model's shape
@@ -127,9 +127,7 @@ class Glm4MoePlan(PlanPart):
             # The selection bias: trained ones spread the load; a small random spread
             # (bias fill, 0.02) nudges which experts win without deciding it.
             F(b + "exp_probs_b.bias", (X,), "bias"),
-            W(b + "ffn_gate_exps.weight", (X, Fe, D), "ffn_gate_exps", i),  # X F D
-            W(b + "ffn_up_exps.weight", (X, Fe, D), "ffn_up_exps", i),  # X F D
-            W(b + "ffn_down_exps.weight", (X, D, Fe), "ffn_down_exps", i),  # X D F
+            *stacked_experts(W, b, p, i),
             W(b + "ffn_gate_shexp.weight", (fs, D), "ffn_gate_shexp", i),
             W(b + "ffn_up_shexp.weight", (fs, D), "ffn_up_shexp", i),
             W(b + "ffn_down_shexp.weight", (D, fs), "ffn_down_shexp", i),

@@ -15,7 +15,7 @@ from __future__ import annotations
 from gguf import ExpertGatingFuncType, GGUFWriter
 
 from ...gguf.vocab import CONTROL, LLAMA3_REGEX, NORMAL, UNUSED, USER_DEFINED, Vocab, train_byte_level
-from ...makemodel.part import MakeVector, MakeWeight, PlanPart, TensorSpec
+from ...makemodel.part import MakeVector, MakeWeight, PlanPart, TensorSpec, stacked_experts
 from ...makemodel.presets import Preset, RouterShape
 
 # LFM2's first ids (the published tokenizer): the ChatML-like markers its template uses.
@@ -127,7 +127,7 @@ class Lfm2MoePlan(PlanPart):
     tied_head = True
 
     def layer(self, p: Preset, i: int, W: MakeWeight, F: MakeVector) -> list[TensorSpec]:
-        b, D, X, Fe, d = f"blk.{i}.", p.n_embd, p.n_expert, p.n_ff_exp, p.head_dim
+        b, D, X, d = f"blk.{i}.", p.n_embd, p.n_expert, p.head_dim
         out = [F(b + "attn_norm.weight", (D,), "norm")]
         if p.is_recurrent(i):
             out += [
@@ -154,9 +154,7 @@ class Lfm2MoePlan(PlanPart):
             ]
         return out + [
             F(b + "ffn_gate_inp.weight", (X, D), "router"),
-            W(b + "ffn_gate_exps.weight", (X, Fe, D), "ffn_gate_exps", i),  # X F D
-            W(b + "ffn_up_exps.weight", (X, Fe, D), "ffn_up_exps", i),  # X F D
-            W(b + "ffn_down_exps.weight", (X, D, Fe), "ffn_down_exps", i),  # X D F
+            *stacked_experts(W, b, p, i),
             # The selection bias: a trained one spreads the load; a small random spread
             # (bias fill, 0.02) nudges which experts win without deciding it.
             F(b + "exp_probs_b.bias", (X,), "bias"),

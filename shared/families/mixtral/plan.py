@@ -12,7 +12,7 @@ from __future__ import annotations
 from gguf import GGMLQuantizationType as Q
 
 from ...gguf.vocab import Vocab, llama_vocab
-from ...makemodel.part import MakeVector, MakeWeight, PlanPart, TensorSpec
+from ...makemodel.part import MakeVector, MakeWeight, PlanPart, TensorSpec, stacked_experts
 from ...makemodel.presets import Preset, RouterShape
 
 # make-model presets: tiny, small and the real model's shape
@@ -79,7 +79,7 @@ class MixtralPlan(PlanPart):
     def layer(self, p: Preset, i: int, W: MakeWeight, F: MakeVector) -> list[TensorSpec]:
         """Layer i in llama.cpp's file order: attention without biases or q/k norms, the
         router, and the experts stacked per projection (X F D, X F D, X D F)."""
-        b, D, X, Fe = f"blk.{i}.", p.n_embd, p.n_expert, p.n_ff_exp
+        b, D, X = f"blk.{i}.", p.n_embd, p.n_expert
         qw, kw = p.n_head * p.head_dim, p.n_head_kv * p.head_dim
         return [
             F(b + "attn_norm.weight", (D,), "norm"),
@@ -89,9 +89,7 @@ class MixtralPlan(PlanPart):
             W(b + "attn_output.weight", (D, qw), "attn_output", i),
             F(b + "ffn_norm.weight", (D,), "norm"),
             F(b + "ffn_gate_inp.weight", (X, D), "router"),
-            W(b + "ffn_gate_exps.weight", (X, Fe, D), "ffn_gate_exps", i),
-            W(b + "ffn_up_exps.weight", (X, Fe, D), "ffn_up_exps", i),
-            W(b + "ffn_down_exps.weight", (X, D, Fe), "ffn_down_exps", i),
+            *stacked_experts(W, b, p, i),
         ]
 
     def mix(self, role: str, layer: int, n_layer: int, v_index: int, n_v: int) -> Q:

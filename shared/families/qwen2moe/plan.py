@@ -12,7 +12,7 @@ from __future__ import annotations
 from gguf import GGUFWriter
 
 from ...gguf.vocab import Vocab, qwen_vocab
-from ...makemodel.part import MakeVector, MakeWeight, PlanPart, TensorSpec
+from ...makemodel.part import MakeVector, MakeWeight, PlanPart, TensorSpec, stacked_experts
 from ...makemodel.presets import Preset, RouterShape
 
 # make-model presets: tiny, small and the real model's shape
@@ -86,7 +86,7 @@ class Qwen2MoePlan(PlanPart):
     router = RouterShape(logit_std=5.0, depth_exp=0.4)
 
     def layer(self, p: Preset, i: int, W: MakeWeight, F: MakeVector) -> list[TensorSpec]:
-        b, D, X, Fe, fs = f"blk.{i}.", p.n_embd, p.n_expert, p.n_ff_exp, p.n_ff_shexp
+        b, D, X, fs = f"blk.{i}.", p.n_embd, p.n_expert, p.n_ff_shexp
         qw, kw = p.n_head * p.head_dim, p.n_head_kv * p.head_dim
         return [
             F(b + "attn_norm.weight", (D,), "norm"),
@@ -99,9 +99,7 @@ class Qwen2MoePlan(PlanPart):
             W(b + "attn_output.weight", (D, qw), "attn_output", i),
             F(b + "ffn_norm.weight", (D,), "norm"),
             F(b + "ffn_gate_inp.weight", (X, D), "router"),
-            W(b + "ffn_gate_exps.weight", (X, Fe, D), "ffn_gate_exps", i),  # X F D
-            W(b + "ffn_up_exps.weight", (X, Fe, D), "ffn_up_exps", i),  # X F D
-            W(b + "ffn_down_exps.weight", (X, D, Fe), "ffn_down_exps", i),  # X D F
+            *stacked_experts(W, b, p, i),
             F(b + "ffn_gate_inp_shexp.weight", (D,), "bias"),  # one logit: σ ≈ 0.5 gates the shared expert
             W(b + "ffn_gate_shexp.weight", (fs, D), "ffn_gate_shexp", i),
             W(b + "ffn_up_shexp.weight", (fs, D), "ffn_up_shexp", i),

@@ -13,7 +13,7 @@ from __future__ import annotations
 from gguf import GGUFWriter
 
 from ...gguf.vocab import Vocab, qwen_vocab
-from ...makemodel.part import MakeVector, MakeWeight, PlanPart, TensorSpec
+from ...makemodel.part import MakeVector, MakeWeight, PlanPart, TensorSpec, stacked_experts
 from ...makemodel.presets import Preset, RouterShape
 
 # make-model presets: tiny, small and the real model's shape
@@ -98,7 +98,7 @@ class Qwen35MoePlan(PlanPart):
     router = RouterShape(logit_std=5.0, depth_exp=0.4)  # not calibrated (no Qwen3.5 trace): qwen3moe's gate sharpness, its stream unshaped
 
     def layer(self, p: Preset, i: int, W: MakeWeight, F: MakeVector) -> list[TensorSpec]:
-        b, D, X, Fe = f"blk.{i}.", p.n_embd, p.n_expert, p.n_ff_exp
+        b, D, X = f"blk.{i}.", p.n_embd, p.n_expert
         st, vh, fs = p.ssm_state, p.ssm_heads, p.n_ff_shexp
         out = [F(b + "attn_norm.weight", (D,), "norm")]
         if p.is_recurrent(i):
@@ -127,9 +127,7 @@ class Qwen35MoePlan(PlanPart):
         return out + [
             F(b + "post_attention_norm.weight", (D,), "norm"),  # the pre-FFN norm
             F(b + "ffn_gate_inp.weight", (X, D), "router"),
-            W(b + "ffn_gate_exps.weight", (X, Fe, D), "ffn_gate_exps", i),  # X F D
-            W(b + "ffn_up_exps.weight", (X, Fe, D), "ffn_up_exps", i),  # X F D
-            W(b + "ffn_down_exps.weight", (X, D, Fe), "ffn_down_exps", i),  # X D F
+            *stacked_experts(W, b, p, i),
             F(b + "ffn_gate_inp_shexp.weight", (D,), "bias"),  # one logit: σ ≈ 0.5 gates the shared expert
             W(b + "ffn_gate_shexp.weight", (fs, D), "ffn_gate_shexp", i),
             W(b + "ffn_up_shexp.weight", (fs, D), "ffn_up_shexp", i),

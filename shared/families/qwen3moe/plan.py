@@ -9,7 +9,7 @@ Qwen's byte-level BPE and added tokens (gguf/vocab.py `qwen_vocab`).
 from __future__ import annotations
 
 from ...gguf.vocab import Vocab, qwen_vocab
-from ...makemodel.part import MakeVector, MakeWeight, PlanPart, TensorSpec
+from ...makemodel.part import MakeVector, MakeWeight, PlanPart, TensorSpec, stacked_experts
 from ...makemodel.presets import Preset, RouterShape
 
 # make-model presets: tiny, small and the real model's shape
@@ -87,7 +87,7 @@ class Qwen3MoePlan(PlanPart):
     first_query = ("attn_q_norm.weight",)  # q is RMS-normed: its norm sets the scale
 
     def layer(self, p: Preset, i: int, W: MakeWeight, F: MakeVector) -> list[TensorSpec]:
-        b, D, X, Fe, d = f"blk.{i}.", p.n_embd, p.n_expert, p.n_ff_exp, p.head_dim
+        b, D, X, d = f"blk.{i}.", p.n_embd, p.n_expert, p.head_dim
         qw, kw = p.n_head * d, p.n_head_kv * d
         return [
             F(b + "attn_norm.weight", (D,), "norm"),
@@ -99,9 +99,7 @@ class Qwen3MoePlan(PlanPart):
             F(b + "attn_k_norm.weight", (d,), "norm"),
             F(b + "ffn_norm.weight", (D,), "norm"),
             F(b + "ffn_gate_inp.weight", (X, D), "router"),
-            W(b + "ffn_gate_exps.weight", (X, Fe, D), "ffn_gate_exps", i),  # X F D
-            W(b + "ffn_up_exps.weight", (X, Fe, D), "ffn_up_exps", i),  # X F D
-            W(b + "ffn_down_exps.weight", (X, D, Fe), "ffn_down_exps", i),  # X D F
+            *stacked_experts(W, b, p, i),
         ]
 
     def vocab(self, size: int, n_bpe: int) -> Vocab:

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..gguf.spec import Q8_0_BLOCK, RopeSpec, check_kv_type
-from .fused import _rope_rotate, attend_one, attend_rows, rms_norm, swiglu  # noqa: F401  (fused loops, part of the blocks' API)
+from .attend import attend
+from .fused import _rope_rotate, rms_norm, swiglu  # noqa: F401  (fused loops, part of the blocks' API)
 
 # ---- rotary position embedding --------------------------------------------------
 
@@ -251,9 +252,7 @@ def attention(
     stored = cache.stored(layer)
     if stored is not None:  # f32/f16: every row as a decode step computes it, whatever the batch
         hk = stored[0].shape[0]
-        if t == 1:
-            return attend_one(q.reshape(hk, h // hk, d), stored[0], stored[1], lo, n, scale, sinks).reshape(1, -1)
-        return attend_rows(q.reshape(t, hk, h // hk, d), stored[0], stored[1], start, window, scale, sinks).reshape(t, -1)
+        return attend(q.reshape(t, hk, h // hk, d), stored[0], stored[1], 0, start, window, scale, sinks).reshape(t, -1)
     keys, values = cache.keys(layer, lo, n), cache.values(layer, lo, n)  # float32 [Hk, N, d], [Hk, N, dv]
     hk = keys.shape[0]
     g = h // hk

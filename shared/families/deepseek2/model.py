@@ -26,9 +26,9 @@ import numpy as np
 
 from ...errors import GGUFError
 from ...gguf.model_file import ModelFile
+from ...model.attend import attend
 from ...model.base import MoEModel
 from ...model.blocks import KVCache, Rope, plain_inv_freq, rms_norm, swiglu, yarn_rope
-from ...model.fused import attend_one, attend_rows
 from ...model.moe import apply_experts, route_as_spec, swiglu_expert
 from ...model.weights import QWeight, _as_matrix
 
@@ -48,9 +48,7 @@ def mla_attention(q: np.ndarray, cache: KVCache, layer: int, start: int, scale: 
     if stored is not None:  # f32 / f16: the fused loops, reading V as a view of K
         k = stored[0]  # [1, n_ctx, r + rope]
         v = k[:, :, :r]
-        if t == 1:
-            return attend_one(q.reshape(1, h, d), k, v, 0, n, scale, None).reshape(1, h, r)
-        return attend_rows(q.reshape(t, 1, h, d), k, v, start, 0, scale, None).reshape(t, h, r)
+        return attend(q.reshape(t, 1, h, d), k, v, 0, start, 0, scale, None).reshape(t, h, r)
     keys = cache.keys(layer, 0, n)[0]  # q8_0: float32 [N, r + rope]
     scores = np.einsum("thd,nd->htn", q, keys) * np.float32(scale)  # [H, T, N]
     hidden = np.arange(n)[None, :] > np.arange(start, n)[:, None]  # [T, N]

@@ -10,7 +10,7 @@ a float32 tile that stays in L1/L2 and multiply it by every activation row, so
 a block is decoded once per call however many tokens there are.
 
 Activations stay float32 here (the int8-activation kernels that every call
-on Q8_0/Q4_K/Q6_K/Q5_0/MXFP4 uses while int8 activations are on are in _q8
+on Q8_0/Q4_K/Q5_K/Q6_K/Q5_0/MXFP4/IQ4_XS uses while int8 activations are on are in _q8
 and _q8ir, written as LLVM IR for the reason below): the decoded weight
 is exact in float32 (f16 scale × ≤ 8-bit code fits the 24-bit mantissa), so
 the only error is float32 accumulation. Measured on this EPYC (1 thread, data
@@ -40,6 +40,7 @@ import numpy as np
 from numba import njit
 
 from . import _target  # noqa: F401  (before any jit: the ARM dot-product target, shared/quant/_target.py)
+from .blocks import IQ4_NL_VALUES
 
 # No nnan/ninf: an inf or NaN weight must propagate like in numpy, not be
 # assumed away. reassoc lets LLVM vectorize the dot reductions; contract
@@ -64,7 +65,7 @@ LANES = 16
 F16_TABLE = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)
 
 # IQ4_NL / IQ4_XS non-linear code book.
-IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.float32)
+IQ4_VALUES = np.array(IQ4_NL_VALUES, np.float32)
 # MXFP4: E8M0 exponent byte → 2^(e−128), half the block scale, because the
 # decoder produces twice each E2M1 value as an integer. Exact for every e
 # (e = 0 gives the float32 subnormal 2^−128); e = 255 (NaN in the OCP spec) → inf.

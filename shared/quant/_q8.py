@@ -1,4 +1,4 @@
-"""Integer dot products against int8 activations: Q8_0, Q4_K, Q6_K, Q5_0, MXFP4.
+"""Integer dot products against int8 activations: Q8_0, Q4_K, Q5_K, Q6_K, Q5_0, MXFP4, IQ4_XS.
 
 For these types every matvec/matmul call (decode's one activation row and
 prefill's several alike) quantizes each activation row to int8 per block of
@@ -129,6 +129,8 @@ _q8_0_1, _q8_0_2, _q8_0_4 = (_ROW["Q8_0", nt] for nt in (1, 2, 4))
 _q5_0_1, _q5_0_2, _q5_0_4 = (_ROW["Q5_0", nt] for nt in (1, 2, 4))
 _mxfp4_1, _mxfp4_2, _mxfp4_4 = (_ROW["MXFP4", nt] for nt in (1, 2, 4))
 _q4_k_1, _q4_k_2, _q4_k_4 = (_ROW["Q4_K", nt] for nt in (1, 2, 4))
+_q5_k_1, _q5_k_2, _q5_k_4 = (_ROW["Q5_K", nt] for nt in (1, 2, 4))
+_iq4_xs_1, _iq4_xs_2, _iq4_xs_4 = (_ROW["IQ4_XS", nt] for nt in (1, 2, 4))
 _q6_k_1, _q6_k_2, _q6_k_4 = (_ROW["Q6_K", nt] for nt in (1, 2, 4))
 
 
@@ -256,6 +258,54 @@ def _mm_q4_k(w, stride, X, tab, out):
 
 
 @njit(**_DRIVER)
+def _mm_q5_k(w, stride, X, tab, out):
+    xq, dx, _, _, s = _round(X)
+    T, C = X.shape
+    R, nb = out.shape[1], C // QK_K
+    if T == 1:
+        for r in prange(R):
+            _q5_k_1(w, r * stride, nb, xq, 0, C, dx, s, tab, out, r, R)
+        return
+    g = _tile_rows(stride)
+    for i in prange((R + g - 1) // g):
+        rows = range(i * g, min(R, i * g + g))
+        for t in range(0, T - 3, 4):
+            for r in rows:
+                _q5_k_4(w, r * stride, nb, xq, t * C, C, dx, s, tab, out, t * R + r, R)
+        t2 = T - T % 4
+        if T % 4 >= 2:
+            for r in rows:
+                _q5_k_2(w, r * stride, nb, xq, t2 * C, C, dx, s, tab, out, t2 * R + r, R)
+        if T % 2:
+            for r in rows:
+                _q5_k_1(w, r * stride, nb, xq, (T - 1) * C, C, dx, s, tab, out, (T - 1) * R + r, R)
+
+
+@njit(**_DRIVER)
+def _mm_iq4_xs(w, stride, X, tab, out):
+    xq, dx, s, _, _ = _round(X)
+    T, C = X.shape
+    R, nb = out.shape[1], C // QK_K
+    if T == 1:
+        for r in prange(R):
+            _iq4_xs_1(w, r * stride, nb, xq, 0, C, dx, s, tab, out, r, R)
+        return
+    g = _tile_rows(stride)
+    for i in prange((R + g - 1) // g):
+        rows = range(i * g, min(R, i * g + g))
+        for t in range(0, T - 3, 4):
+            for r in rows:
+                _iq4_xs_4(w, r * stride, nb, xq, t * C, C, dx, s, tab, out, t * R + r, R)
+        t2 = T - T % 4
+        if T % 4 >= 2:
+            for r in rows:
+                _iq4_xs_2(w, r * stride, nb, xq, t2 * C, C, dx, s, tab, out, t2 * R + r, R)
+        if T % 2:
+            for r in rows:
+                _iq4_xs_1(w, r * stride, nb, xq, (T - 1) * C, C, dx, s, tab, out, (T - 1) * R + r, R)
+
+
+@njit(**_DRIVER)
 def _mm_q6_k(w, stride, X, tab, out):
     xq, dx, _, s, _ = _round(X)
     T, C = X.shape
@@ -285,5 +335,7 @@ KERNELS = {
     "Q5_0": (_mm_q5_0, False),
     "MXFP4": (_mm_mxfp4, True),
     "Q4_K": (_mm_q4_k, False),
+    "Q5_K": (_mm_q5_k, False),
     "Q6_K": (_mm_q6_k, False),
+    "IQ4_XS": (_mm_iq4_xs, False),
 }

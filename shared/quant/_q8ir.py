@@ -58,7 +58,19 @@ from numba.core.codegen import get_host_cpu_features
 from numba.extending import intrinsic
 
 from ._target import ARM as _ARM
-from .blocks import E2M1_TWICE, MXFP4_BYTES, Q4_K_BYTES, Q5_0_BYTES, Q6_K_BYTES, Q8_0_BYTES, QK, QK_K
+from .blocks import (
+    E2M1_TWICE,
+    IQ4_NL_VALUES,
+    IQ4_XS_BYTES,
+    MXFP4_BYTES,
+    Q4_K_BYTES,
+    Q5_0_BYTES,
+    Q5_K_BYTES,
+    Q6_K_BYTES,
+    Q8_0_BYTES,
+    QK,
+    QK_K,
+)
 
 _I8 = ir.IntType(8)
 _I16 = ir.IntType(16)
@@ -390,11 +402,23 @@ def _gen_q5_0(e: _Emit, w, o, nb, xq, xo, cs, dx, bs, tab, nt):
 
 def _gen_q4_k(e: _Emit, w, o, nb, xq, xo, cs, dx, xs32, tab, nt):
     """Σ over nb Q4_K super-blocks from byte o of w · activation rows from element xo (xs = xs32)."""
+    return _gen_q45_k(e, w, o, nb, xq, xo, cs, dx, xs32, nt, size=Q4_K_BYTES, codes_at=16, fifth_bit_at=None)
+
+
+def _gen_q5_k(e: _Emit, w, o, nb, xq, xo, cs, dx, xs32, tab, nt):
+    """Q5_K: Q4_K's layout with the 32 bytes of fifth bits (qh) before the nibbles; element
+    64c + l takes bit 2c of qh[l], element 64c + 32 + l bit 2c + 1 (codes 0..31 < 128)."""
+    return _gen_q45_k(e, w, o, nb, xq, xo, cs, dx, xs32, nt, size=Q5_K_BYTES, codes_at=48, fifth_bit_at=16)
+
+
+def _gen_q45_k(e: _Emit, w, o, nb, xq, xo, cs, dx, xs32, nt, *, size, codes_at, fifth_bit_at):
+    """Σ over nb Q4_K/Q5_K super-blocks (d, dmin, 12 bytes of 6-bit scales and mins at 4, the
+    nibbles at `codes_at`, Q5_K's fifth bits at `fifth_bit_at`)."""
     b = e.b
     accs = [(e.acc(16), e.acc(16), e.acc(8)) for _ in range(nt)]
     v8 = _vec(8, 32)
     with cgutils.for_range(b, nb) as loop:
-        p = b.add(o, b.mul(loop.index, e.i64(Q4_K_BYTES)))
+        p = b.add(o, b.mul(loop.index, e.i64(size)))
         d, dmin = e.half(w, p), e.half(w, b.add(p, e.i64(2)))
         # 6-bit scales / mins of the 8 sub-blocks, from the 12 bytes at p+4
         s = b.zext(e.load(w, b.add(p, e.i64(4)), _vec(16)), _vec(16, 32))
@@ -405,9 +429,15 @@ def _gen_q4_k(e: _Emit, w, o, nb, xq, xo, cs, dx, xs32, tab, nt):
         scf, dmm = b.sitofp(sc, _fvec(8)), b.fmul(b.sitofp(m, _fvec(8)), _splat(b, dmin, 8))
         us = []  # (sub-blocks 2c, 2c+1) as 64 u8 lanes in activation order, c = 2·half + k
         for half in range(2):  # 32-byte chunks 2·half, 2·half+1 = sub-blocks 4·half .. 4·half+3
-            q = e.load(w, b.add(p, e.i64(16 + 64 * half)), _vec(64))
+            q = e.load(w, b.add(p, e.i64(codes_at + 64 * half)), _vec(64))
             lo, hi = b.and_(q, e.const(_vec(64), 15)), b.lshr(q, e.const(_vec(64), 4))
             us += [e.shuf(lo, hi, list(range(32 * k, 32 * k + 32)) + list(range(64 + 32 * k, 96 + 32 * k))) for k in range(2)]
+        if fifth_bit_at is not None:
+            qh = e.load(w, b.add(p, e.i64(fifth_bit_at)), _vec(32))
+            one = e.const(_vec(32), 1)
+            for c in range(4):
+                bits = [b.and_(b.lshr(qh, e.const(_vec(32), 2 * c + k)), one) for k in range(2)]
+                us[c] = b.or_(us[c], b.shl(e.shuf(bits[0], bits[1], list(range(64))), e.const(_vec(64), 4)))
         for (acc, acc2, accm), xb in zip(accs, _rows(e, b.add(xo, b.mul(loop.index, e.i64(QK_K))), cs, nt), strict=True):
             j = b.lshr(xb, e.i64(_LOG2_QK))
             f8 = b.fmul(b.fmul(scf, e.load(dx, j, _fvec(8))), _splat(b, d, 8))
@@ -455,8 +485,72 @@ def _gen_q6_k(e: _Emit, w, o, nb, xq, xo, cs, dx, xs16, tab, nt):
     ]
 
 
+# IQ4_XS code → its code-book value + 128 ≥ 1 (u8 lanes for the u8·i8 dot; the kernel
+# subtracts 128·Σ xq again, exactly, per 32-block).
+_IQ4_OFFSET = 128
+_IQ4_U = [_IQ4_OFFSET + v for v in IQ4_NL_VALUES]
+
+
+def _iq4_u(e: _Emit, n):
+    """<64 x i8> codes (0..15) → code-book value + 128 (u8)."""
+    if _VNNI:  # one vpshufb: a 16-entry table per 128-bit lane
+        f = e.fn("llvm.x86.avx512.pshuf.b.512", _vec(64), [_vec(64), _vec(64)])
+        return e.b.call(f, [e.const(_vec(64), _IQ4_U * 4), n])
+    out = e.const(_vec(64), _IQ4_U[0])  # any target: one select per code value
+    for code in range(1, 16):
+        out = e.b.select(e.b.icmp_unsigned("==", n, e.const(_vec(64), code)), e.const(_vec(64), _IQ4_U[code]), out)
+    return out
+
+
+def _gen_iq4_xs(e: _Emit, w, o, nb, xq, xo, cs, dx, bs, tab, nt):
+    """Σ over nb IQ4_XS super-blocks (d, 2 bytes of scale high bits, 4 of low nibbles, then
+    16 nibble bytes per 32-block: low nibbles elements 0..15, high 16..31): per 32-block
+    d·(ls − 32)·dx·(Σ u·xq − 128·Σ xq), the integer part exact, 4 blocks per vector step."""
+    b = e.b
+    accs = [e.acc(4) for _ in range(nt)]
+    v8 = _vec(8, 32)
+    with cgutils.for_range(b, nb) as loop:
+        p = b.add(o, b.mul(loop.index, e.i64(IQ4_XS_BYTES)))
+        d = e.half(w, p)
+        low = b.zext(e.load(w, b.add(p, e.i64(4)), _vec(4)), _vec(4, 32))
+        low = b.and_(b.lshr(e.shuf(low, None, [0, 0, 1, 1, 2, 2, 3, 3]), e.const(v8, [0, 4] * 4)), e.const(v8, 15))
+        high = b.lshr(_splat(b, b.zext(e.load(w, b.add(p, e.i64(2)), _I16), _I32), 8), e.const(v8, list(range(0, 16, 2))))
+        ls = b.or_(low, b.shl(b.and_(high, e.const(v8, 3)), e.const(v8, 4)))
+        sc = b.fmul(b.sitofp(b.sub(ls, e.const(v8, 32)), _fvec(8)), _splat(b, d, 8))  # d·(ls − 32) per 32-block
+        us = []
+        for g in range(2):  # blocks 4g .. 4g+3
+            q = e.load(w, b.add(p, e.i64(8 + 64 * g)), _vec(64))
+            lo = _iq4_u(e, b.and_(q, e.const(_vec(64), 15)))
+            hi = _iq4_u(e, b.lshr(q, e.const(_vec(64), 4)))
+            us.append(e.shuf(lo, hi, list(range(16)) + list(range(64, 80)) + list(range(16, 32)) + list(range(80, 96))))
+            us.append(e.shuf(lo, hi, list(range(32, 48)) + list(range(96, 112)) + list(range(48, 64)) + list(range(112, 128))))
+        for i, xb in enumerate(_rows(e, b.add(xo, b.mul(loop.index, e.i64(QK_K))), cs, nt)):
+            acc = b.load(accs[i])
+            for g in range(2):
+                xg = b.add(xb, e.i64(128 * g))
+                j = b.lshr(xg, e.i64(_LOG2_QK))
+                dots = _block4_sums(
+                    e, e.dp(us[2 * g], e.load(xq, xg, _vec(64))), e.dp(us[2 * g + 1], e.load(xq, b.add(xg, e.i64(64)), _vec(64)))
+                )
+                bs8 = e.load(bs, b.shl(j, e.i64(1)), _vec(8, 32))  # Σ xq per 16 → per 32
+                bsum = b.add(e.shuf(bs8, None, [0, 2, 4, 6]), e.shuf(bs8, None, [1, 3, 5, 7]))
+                ints = b.sub(dots, b.mul(bsum, e.const(_vec(4, 32), _IQ4_OFFSET)))
+                f = b.fmul(e.shuf(sc, None, [4 * g, 4 * g + 1, 4 * g + 2, 4 * g + 3]), e.load(dx, j, _fvec(4)))
+                acc = e.fma(b.sitofp(ints, _fvec(4)), f, acc)
+            b.store(acc, accs[i])
+    return [e.hsum(b.load(a)) for a in accs]
+
+
 # Activation rows per intrinsic call: 4 (a tile), 2 and 1 (what a tile leaves).
 # Four rows keep 4 × 3 accumulators and the block's 4 code vectors in
 # registers (32 zmm); more would spill.
 TILE_TOKENS = 4
-GENERATORS = {"Q8_0": _gen_q8_0, "Q5_0": _gen_q5_0, "MXFP4": _gen_mxfp4, "Q4_K": _gen_q4_k, "Q6_K": _gen_q6_k}
+GENERATORS = {
+    "Q8_0": _gen_q8_0,
+    "Q5_0": _gen_q5_0,
+    "MXFP4": _gen_mxfp4,
+    "Q4_K": _gen_q4_k,
+    "Q5_K": _gen_q5_k,
+    "Q6_K": _gen_q6_k,
+    "IQ4_XS": _gen_iq4_xs,
+}

@@ -52,6 +52,8 @@ IQ4_XS_BYTES = _type_size(QType.IQ4_XS, QK_K)  # 136
 # scale to match). The one copy of the code book: the kernels' decoders are
 # checked against it (tests/test_quant_portable.py).
 E2M1_TWICE = (0, 1, 2, 3, 4, 6, 8, 12)
+# IQ4_NL / IQ4_XS: the non-linear code book, code 0..15 → value (times the block's scale).
+IQ4_NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 
 @dataclass(frozen=True)

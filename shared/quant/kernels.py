@@ -13,7 +13,7 @@ dequantized ahead: each call decodes blocks on the fly, once per call for a
 whole group of activation rows (a prompt batch does not decode a block once
 per token).
 
-Activations: on Q8_0, Q4_K, Q6_K, Q5_0 and MXFP4 (`INT8_ACTIVATION_TYPES`)
+Activations: on Q8_0, Q4_K, Q5_K, Q6_K, Q5_0, MXFP4 and IQ4_XS (`INT8_ACTIVATION_TYPES`)
 every call, one activation row (matvec, decode) or several (matmul:
 prefill, an expert several tokens route to), rounds each activation row to
 int8 per block of 32 (x̂ = dx·xq, dx = amax/127, see _q8) and multiplies on

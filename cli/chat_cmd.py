@@ -18,6 +18,11 @@ block, gpt-oss's analysis channel, Gemma 4's thought channel) is shown dimmed
 before the answer when stdout is a terminal, and left out otherwise, or with
 --hide-reasoning or --no-think; it is never sent back in the history.
 
+While the server computes the prompt (minutes, for a long conversation on a
+model bigger than RAM), the request's `return_progress` (llama.cpp's field)
+brings its progress, shown on stderr when that is a terminal as one line,
+"prompt 1,536 / 3,664 tokens · 41 s left", erased when the reply starts.
+
 Lines: `/reset` clears the history (the --system message stays), `/exit` or
 end of input ends. Ctrl-C during a reply stops that reply; at the prompt, ends.
 A conversation that outgrows the server's context loses its oldest turns
@@ -46,7 +51,8 @@ MODELS_TIMEOUT_S = 10
 # thinking_off). A template ignores the variable it does not use.
 NO_THINK_TEMPLATE_KWARGS = {"enable_thinking": False, "reasoning_effort": "low"}
 DIM, PLAIN = "\x1b[2m", "\x1b[0m"  # SGR faint and reset: reasoning shown dimmed on a terminal
-REASONING, CONTENT = "reasoning", "content"
+ERASE_LINE = "\r\x1b[K"  # back to the line's start, erase it: the prompt's progress is redrawn in place
+REASONING, CONTENT, PROGRESS = "reasoning", "content", "progress"
 
 
 class RequestFailed(Exception):
@@ -240,7 +246,8 @@ def sse_content(lines) -> Iterator[str]:
 
 def sse_deltas(lines) -> Iterator[tuple[str, str]]:
     """(kind, text) pieces of an OpenAI chat stream: `data: {...}` lines carrying
-    choices[0].delta.reasoning_content (REASONING) or .content (CONTENT), until
+    choices[0].delta.reasoning_content (REASONING) or .content (CONTENT), or
+    llama.cpp's `prompt_progress` (PROGRESS, as one line of text), until
     `data: [DONE]`. Other SSE lines (blank separators, `: keep-alive`
     comments, `event:`) carry no text."""
     for raw in lines:
@@ -258,6 +265,10 @@ def sse_deltas(lines) -> Iterator[tuple[str, str]]:
             continue
         if "error" in chunk:  # failed after the 200 went out: the error comes in the stream
             raise RequestFailed(error_message(json.dumps(chunk).encode(), "the server broke off the reply"))
+        progress = progress_text(chunk.get("prompt_progress"))
+        if progress:
+            yield PROGRESS, progress
+            continue
         choices = chunk.get("choices") or []
         delta = (choices[0].get("delta") or {}) if choices and isinstance(choices[0], dict) else {}
         thought, piece = delta.get("reasoning_content"), delta.get("content")
@@ -265,6 +276,37 @@ def sse_deltas(lines) -> Iterator[tuple[str, str]]:
             yield REASONING, thought
         if piece and isinstance(piece, str):
             yield CONTENT, piece
+
+
+def progress_text(progress: Any) -> str:
+    """A `prompt_progress` object as one line; "" if it is not one (another server's field)."""
+    from ..shared.progress import prompt_progress_text
+
+    fields = ("total", "cache", "processed", "time_ms")
+    if not isinstance(progress, dict) or not all(type(progress.get(k)) is int and progress[k] >= 0 for k in fields):
+        return ""
+    return prompt_progress_text(*(progress[k] for k in fields))
+
+
+class PromptStatus:
+    """The prompt's progress, one line redrawn in place on a terminal (nothing
+    elsewhere: a log would get a line four times a second); `clear()` erases it."""
+
+    def __init__(self, stream):
+        self.stream, self.shown = stream, False
+        self.terminal = stream.isatty()
+
+    def show(self, text: str) -> None:
+        if self.terminal:
+            self.stream.write(ERASE_LINE + text)
+            self.stream.flush()
+            self.shown = True
+
+    def clear(self) -> None:
+        if self.shown:
+            self.stream.write(ERASE_LINE)
+            self.stream.flush()
+            self.shown = False
 
 
 # ----------------------------------------------------------------------- chat
@@ -292,9 +334,9 @@ class Chat:
         self.history = [{"role": "system", "content": self.system}] if self.system else []
 
     def request_body(self) -> dict:
-        return {"model": self.model, "messages": list(self.history), "stream": True, **self.options}
+        return {"model": self.model, "messages": list(self.history), "stream": True, "return_progress": True, **self.options}
 
-    def say(self, text: str, out) -> None:
+    def say(self, text: str, out, status_stream=None) -> None:
         """Send one user message, print the reply as it streams, keep both.
 
         A conversation the server's context cannot hold loses its oldest
@@ -308,11 +350,16 @@ class Chat:
         self.history.append({"role": "user", "content": text})
         pieces: list[str] = []
         shown = Shown(out, self.show_reasoning and out.isatty())
+        status = PromptStatus(status_stream if status_stream is not None else sys.stderr)
         try:
             while True:
                 try:
                     with open_request(f"{self.url}/v1/chat/completions", self.api_key, self.request_body()) as resp:
                         for kind, piece in sse_deltas(resp):
+                            if kind == PROGRESS:
+                                status.show(piece)
+                                continue
+                            status.clear()
                             if kind == CONTENT:
                                 pieces.append(piece)  # first: a Ctrl-C during the write still keeps what showed
                             shown.write(kind, piece)
@@ -323,13 +370,15 @@ class Chat:
                         raise
         except KeyboardInterrupt:
             # Leaving the `with` closed the connection: the gateway sees the
-            # client go and stops generating.
+            # client go and stops generating (a prompt too, within a second).
+            status.clear()
             shown.end()
             out.write("\n")
             print("[reply stopped]", file=sys.stderr, flush=True)
             self._keep_reply(pieces)
             return
         except RequestFailed as exc:
+            status.clear()
             shown.end()
             if pieces or shown.thought:
                 out.write("\n")
@@ -341,6 +390,7 @@ class Chat:
         except (ConnectionError, http.client.HTTPException) as exc:  # broke mid-reply: the server is gone
             raise UserError(f"lost the connection to {self.url}: {exc or type(exc).__name__}") from None
         finally:
+            status.clear()  # never leave a progress line under what comes next
             shown.end()  # never leave the terminal dimmed
         out.write("\n")
         out.flush()

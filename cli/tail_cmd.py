@@ -8,8 +8,10 @@ after it connected, not the ones before.
 Three outputs, picked by where stdout goes:
 
     --csv          header + one row per token, flushed per line (for pipes)
-    a terminal     a live table: recent tokens, a tok/s sparkline, the summary so far
-    otherwise      one plain text line per token, the summary at the end of a run
+    a terminal     a live table: recent tokens, a tok/s sparkline, the summary so far,
+                   and while a prompt is computed its progress ("prompt 1,536 / 3,664 tokens · 41 s left")
+    otherwise      one plain text line per token, the summary at the end of a run; a
+                   prompt's progress every PROMPT_LINE_S while it runs, and once when it is done
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ..shared.wire.messages import RunInfo, RunSummary
+    from ..shared.wire.messages import PromptProgress, RunInfo, RunSummary
 
 MIB = 1 << 20
 SPARK_BLOCKS = "▁▂▃▄▅▆▇█"
@@ -38,6 +40,9 @@ LIVENESS_POLL_MS = 500
 # terminal is worth repainting.
 REDRAW_INTERVAL_S = 0.1
 WAITING_NOTICE = "waiting for a moe-pipe service (start one with `moe-pipe up CONFIG`)..."
+# The text output's prompt progress: a line this often while a prompt runs (compute sends
+# four a second, for live views; a log needs far fewer), and always the one that ends it.
+PROMPT_LINE_S = 5.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -82,6 +87,13 @@ def format_line(rec) -> str:
     )
 
 
+def format_prompt(p) -> str:
+    """A prompt's progress (a PromptProgress) as one line: "prompt 1,536 / 3,664 tokens · 41 s left"."""
+    from ..shared.progress import prompt_progress_text
+
+    return prompt_progress_text(p.total, p.cache, p.processed, p.time_ms)
+
+
 def csv_header() -> str:
     from ..shared.telemetry import CSV_COLUMNS
 
@@ -111,9 +123,10 @@ class RunSoFar:
     tally: Any = field(default_factory=lambda: _tally())  # analysis.benchmark.Tally, imported late
     tok_s: deque = field(default_factory=lambda: deque(maxlen=SPARK_TOKENS))
     final: RunSummary | None = None  # once the run ended
+    prompt: PromptProgress | None = None  # the prompt being computed, until its first token
 
     def start_run(self, info) -> None:
-        self.info, self.final, self.tally = info, None, _tally()
+        self.info, self.final, self.tally, self.prompt = info, None, _tally(), None
         self.records.clear()
         self.tok_s.clear()
 
@@ -121,6 +134,7 @@ class RunSoFar:
         self.records.append(rec)
         self.tally.add(rec)
         self.tok_s.append(tok_per_s(rec.wall_ms))
+        self.prompt = None  # its prompt is done: this is its first token (or a later one)
 
     def summary(self):
         """The run summary over the records seen (the service's own at the end)."""
@@ -150,6 +164,9 @@ class CsvOutput:
     def on_run_event(self, run: RunSoFar) -> None:
         pass  # the CSV is tokens only
 
+    def on_prompt(self, run: RunSoFar, p) -> None:
+        pass
+
     def idle(self, run: RunSoFar) -> None:
         pass
 
@@ -158,8 +175,23 @@ class CsvOutput:
 
 
 class TextOutput:
+    def __init__(self, clock=time.monotonic) -> None:
+        self.clock = clock
+        self.prompt_line_at = -math.inf
+
     def on_token(self, run: RunSoFar, rec) -> None:
         print(format_line(rec), flush=True)
+
+    def on_prompt(self, run: RunSoFar, p) -> None:
+        """While a prompt runs, a line now and then (not the opening one: a short
+        prompt is over before it says anything); always the line that ends it."""
+        now = self.clock()
+        if p.processed == p.cache and p.processed < p.total:
+            self.prompt_line_at = now  # the prompt starts: its first line PROMPT_LINE_S from now
+            return
+        if p.processed >= p.total or now - self.prompt_line_at >= PROMPT_LINE_S:
+            self.prompt_line_at = now
+            print(format_prompt(p), flush=True)
 
     def on_run_event(self, run: RunSoFar) -> None:
         if run.final is not None:
@@ -195,6 +227,9 @@ class LiveOutput:
     def on_run_event(self, run: RunSoFar) -> None:
         self._draw(run)
 
+    def on_prompt(self, run: RunSoFar, p) -> None:
+        self._draw(run)  # compute sends at most four a second: every one is drawn
+
     def idle(self, run: RunSoFar) -> None:
         if self.dirty:  # the last tokens of a burst that came inside one redraw interval
             self._draw(run)
@@ -228,11 +263,12 @@ class LiveOutput:
                 f"{r.read_bytes / MIB:.2f}",
                 str(r.majflt),
             )
+        prompt = [Text(format_prompt(run.prompt), style="bold")] if run.prompt is not None else []
         if not run.records:
-            return Group(table, Text("waiting for tokens (send the service a request)...", style="dim"))
+            return Group(table, *prompt, Text("waiting for tokens (send the service a request)...", style="dim"))
         spark = Text(f"tok/s {sparkline(run.tok_s)}  last {run.tok_s[-1]:.2f}, max {max(run.tok_s):.2f}")
         heading = "run finished" if run.final is not None else "run so far"
-        return Group(table, spark, Text(f"{heading}:", style="bold"), Text(format_summary(run.summary())))
+        return Group(table, *prompt, spark, Text(f"{heading}:", style="bold"), Text(format_summary(run.summary())))
 
 
 def choose_output(args, service_desc: str):
@@ -275,7 +311,7 @@ def follow(sock, info, output) -> None:
     run = RunSoFar()
     while True:
         try:
-            msg = ipc.recv(sock, LIVENESS_POLL_MS, expect=(m.TokenRecord, m.RunInfo, m.RunSummary))
+            msg = ipc.recv(sock, LIVENESS_POLL_MS, expect=(m.TokenRecord, m.PromptProgress, m.RunInfo, m.RunSummary))
         except m.ProtocolError:
             continue  # a frame from a newer or broken peer: skip it, keep watching
         if msg is None:
@@ -285,6 +321,9 @@ def follow(sock, info, output) -> None:
         elif isinstance(msg, m.TokenRecord):
             run.add(msg)
             output.on_token(run, msg)
+        elif isinstance(msg, m.PromptProgress):
+            run.prompt = msg
+            output.on_prompt(run, msg)
         elif isinstance(msg, m.RunInfo):
             run.start_run(msg)
             output.on_run_event(run)

@@ -3,7 +3,7 @@ a run (procs/pipeline.py, blocking zmq) and the gateway (procs/gateway.py,
 zmq.asyncio) both speak.
 
     client.generate(...)  -> Generate   to send on "requests" (a new req_id)
-    client.accept(frame)  -> str | Done | None   for each frame from "tokens" (a Progress is kept in .progress)
+    client.accept(frame)  -> str | PromptProgress | Done | None   for each frame from "tokens" (a Progress is kept in .progress)
     client.cancel()       -> Cancel     for the request in flight
 
 `accept` keeps who the compute is (the pid of its last Hello, and how many
@@ -61,19 +61,20 @@ class ComputeClient:
         """Compute ends the request with Done(cancelled) at its next token."""
         return m.Cancel(self.req_id)
 
-    def accept(self, msg: m.Message) -> str | m.Done | None:
+    def accept(self, msg: m.Message) -> str | m.PromptProgress | m.Done | None:
         """A frame from compute: the text of a Token of the request in flight,
-        its Done, or None (a Hello, or a frame of no request in flight)."""
+        its prompt's progress, its Done, or None (a Hello, or a frame of no
+        request in flight)."""
         if isinstance(msg, m.Hello):
             self._on_hello(msg)
         elif isinstance(msg, m.Progress):
             self.progress = msg  # a compute still starting; the run's parent shows it (procs/pipeline.py)
-        elif isinstance(msg, (m.Token, m.Done)):
+        elif isinstance(msg, (m.Token, m.Done, m.PromptProgress)):
             if msg.req_id == self.req_id and self.done is None:
                 if isinstance(msg, m.Done):
                     self.done = msg
                     return msg
-                return msg.text
+                return msg.text if isinstance(msg, m.Token) else msg
         else:
             log.warning("dropped an unexpected %s from compute", type(msg).__name__)
         return None

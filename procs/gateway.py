@@ -13,8 +13,10 @@ and the web page. The page at / and its event stream are procs/gateway_events.py
      tokenizes the prompt and queues a Job (a full queue: 429);
   2. one Worker takes jobs in arrival order and gives compute ONE Generate at
      a time; Token frames become the job's text, which the handler streams
-     (SSE) or collects;
-  3. a client that goes away: Cancel to compute, the job is dropped;
+     (SSE) or collects; PromptProgress frames, for a stream that asked
+     (`return_progress`), become chunks with llama.cpp's `prompt_progress`;
+  3. a client that goes away: Cancel to compute (which stops even mid-prompt
+     within a second), the job is dropped;
   4. a compute that dies mid-request (kill -9 sends nothing, so its pid is
      watched): wait for the restarted compute's Hello and resend once, a
      stream skipping the text it already has; a second loss or no compute in
@@ -81,7 +83,7 @@ from ..shared.text.tokenizer import Tokenizer
 from ..shared.wire import ipc
 from ..shared.wire import messages as m
 from .gateway_events import WebView, add_routes, supervisor_status
-from .gateway_worker import POLL_S, ComputeLink, Failed, Finished, Job, RequestQueue, Worker, wait_event
+from .gateway_worker import POLL_S, ComputeLink, Event, Failed, Finished, Job, RequestQueue, Worker, wait_event
 from .lifecycle import child_setup
 from .run_facts import RunFacts
 
@@ -188,6 +190,8 @@ async def follow_telemetry(sock: zmq.asyncio.Socket, metrics: Metrics, view: Web
         if isinstance(msg, m.TokenRecord):
             metrics.on_record(msg)
             view.feed.on_record(msg, link.pid)
+        elif isinstance(msg, m.PromptProgress):
+            view.feed.on_prompt(msg)
 
 
 # ------------------------------------------------------------------ the service
@@ -331,6 +335,7 @@ class Gateway:
                 req.stop,
                 grammar=req.grammar,
                 cache_prompt=req.cache_prompt,
+                progress=req.stream and req.return_progress,  # as llama.cpp's server: streams only
             )
             check_wire(job, "messages" if chat else "prompt")
             self.queue.offer(job)
@@ -349,6 +354,8 @@ class Gateway:
         except (ClientGone, ConnectionError):
             if not job.ended:  # else it was answered (and counted) in full
                 job.cancelled = True  # the worker sends Cancel, or skips the job if it still waits
+                if self.link is not None:
+                    self.link.wake.set()  # now, not at its next poll: a Stop ends a prompt within a second
                 self.metrics.requests["cancelled"] += 1
             return web.Response(status=499)  # nobody reads it
 
@@ -375,14 +382,14 @@ class Gateway:
         refuse_unfit_text(text, self.longest_token.result(), self.defaults, "messages" if req.chat else "prompt")
         return encode_prompt(self.tok, text)
 
-    async def events(self, request: web.Request, job: Job) -> AsyncIterator[str | Finished | Failed]:
+    async def events(self, request: web.Request, job: Job) -> AsyncIterator[Event]:
         """The job's events until its end; ClientGone when the client leaves first."""
         while True:
             job.wake.clear()
             while job.events:
                 event = job.events.popleft()
                 yield event
-                if not isinstance(event, str):
+                if isinstance(event, (Finished, Failed)):
                     return
             if client_gone(request):
                 raise ClientGone()
@@ -393,6 +400,8 @@ class Gateway:
         async for event in self.events(request, job):
             if isinstance(event, str):
                 pieces.append(event)
+            elif isinstance(event, m.PromptProgress):
+                continue  # a whole response has no progress: the job never asks for it
             elif isinstance(event, Failed):
                 self.count(event.status)
                 return error_response(event.error())
@@ -405,8 +414,9 @@ class Gateway:
         raise ClientGone()  # not reached: events() ends with an end event or raises
 
     async def stream(self, request: web.Request, job: Job, shape: ResponseShape) -> web.StreamResponse:
-        """SSE. Headers go out with the first event, so a request that fails
-        before any text (no compute came in time) still gets a real status."""
+        """SSE. Headers go out with the first event (text, or the prompt's
+        progress when asked for), so a request that fails before any (no
+        compute came in time) still gets a real status."""
         resp: web.StreamResponse | None = None
         async for event in self.events(request, job):
             if resp is None:
@@ -421,6 +431,8 @@ class Gateway:
                 chunks = shape.chunks(event)  # none while the reply splitter holds a partial marker back
                 if chunks:
                     await self.write(request, resp, b"".join(sse(chunk) for chunk in chunks))
+            elif isinstance(event, m.PromptProgress):
+                await self.write(request, resp, sse(shape.progress_chunk(event.total, event.cache, event.processed, event.time_ms)))
             elif isinstance(event, Failed):  # the status is sent: the error becomes an event
                 self.count(event.status)
                 await self.write(request, resp, sse(event.error().body()))

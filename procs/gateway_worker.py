@@ -53,9 +53,13 @@ class Failed:
         return ApiError(self.status, self.message, self.code, self.kind)
 
 
+Event = str | m.PromptProgress | Finished | Failed
+
+
 class Job:
     """One request from the queue to its end. The worker writes events (text
-    pieces, then one Finished or Failed); the handler reads them."""
+    pieces, the prompt's progress when asked for, then one Finished or
+    Failed); the handler reads them."""
 
     def __init__(
         self,
@@ -66,14 +70,17 @@ class Job:
         grammar: str = "",
         cache_prompt: bool = True,
         slot: tuple[str, str] | None = None,
+        progress: bool = False,
     ):
         self.prompt_tokens, self.max_tokens, self.sampling, self.stop = prompt_tokens, max_tokens, sampling, stop
         self.cache_prompt = cache_prompt  # reuse compute's cached prefix (docs/conversations.md)
         self.slot = slot  # (action, path): a Slot request for compute's session instead of a generation
         self.grammar = grammar  # response_format's grammar for compute ("" = free text)
-        self.events: deque[str | Finished | Failed] = deque()
+        self.events: deque[Event] = deque()
         self.wake = asyncio.Event()
         self.emitted = 0  # characters of text handed out so far: a retry skips them
+        self.progress = progress  # the client asked for the prompt's progress (return_progress)
+        self.processed = -1  # the last progress handed out: a retry's events count from 0 again, and only growth is shown
         self.cancelled = False  # the client went away
         self.ended = False
 
@@ -83,6 +90,13 @@ class Job:
         if len(attempt_text) > self.emitted:
             self._emit(attempt_text[self.emitted :])
             self.emitted = len(attempt_text)
+
+    def offer_progress(self, progress: m.PromptProgress) -> None:
+        """The prompt's progress, if the client asked for it; events that do not
+        grow `processed` (a retry's prompt starting over) are not handed out."""
+        if self.progress and progress.processed > self.processed:
+            self.processed = progress.processed
+            self._emit(progress)
 
     def end(self, event: Finished | Failed) -> None:
         if not self.ended:
@@ -162,7 +176,7 @@ class ComputeLink:
         self.tokens = cast(zmq.asyncio.Socket, ipc.bind(ctx, endpoints, "tokens"))
         self.requests = cast(zmq.asyncio.Socket, ipc.connect(ctx, endpoints, "requests"))
         self.client = ComputeClient()
-        self.events: deque[str | m.Done] = deque()  # of the request in flight, not yet taken
+        self.events: deque[str | m.PromptProgress | m.Done] = deque()  # of the request in flight, not yet taken
         self.wake = asyncio.Event()
 
     @property
@@ -284,12 +298,15 @@ class Worker:
                 event = link.events.popleft()
                 if isinstance(event, m.Done):
                     return self.finish(job, event)
+                if isinstance(event, m.PromptProgress):
+                    job.offer_progress(event)
+                    continue
                 text += event
                 job.offer_text(text)
             if link.hellos != hellos or pid is None or not pid_alive(pid):
                 return LOST
             if job.cancelled and not cancel_sent:
-                await link.cancel()  # compute ends it with Done(cancelled) at its next token
+                await link.cancel()  # compute ends it with Done(cancelled): mid-prompt within a second, else at its next token
                 cancel_sent = True
             await link.wait(POLL_S)
 

@@ -146,29 +146,34 @@ class Pipeline:
         stop: tuple[str, ...] = (),
         on_text: Callable[[str], None] | None = None,
         ignore_eos: bool = False,
+        on_prompt: Callable[[m.PromptProgress], None] | None = None,
     ) -> m.Done:
+        """One generation; `on_text` hears its text as it becomes final, `on_prompt` its prompt's progress."""
         check_prompt_fits(len(prompt_tokens), self.cfg.compute.ctx_size)
         request = self.client.generate(prompt_tokens, max_tokens, sampling, stop, ignore_eos)
         try:
             ipc.send(self.links["requests"], request)
         except m.ProtocolError:  # past the frame cap: more ids than one request carries
             raise UserError(too_long_for_one_request(len(prompt_tokens))) from None
-        return self._answer(on_text)
+        return self._answer(on_text, on_prompt)
 
     def slot(self, action: str, path: str = "") -> m.Done:
         """Save, restore or erase compute's session (docs/conversations.md); a refused file is a UserError."""
         ipc.send(self.links["requests"], self.client.slot(action, str(path)))
         return self._answer(None)
 
-    def _answer(self, on_text: Callable[[str], None] | None) -> m.Done:
+    def _answer(self, on_text: Callable[[str], None] | None, on_prompt: Callable[[m.PromptProgress], None] | None = None) -> m.Done:
         while True:
             self._check_children()
-            msg = ipc.recv(self.tokens, POLL_MS, expect=(m.Token, m.Done, m.Hello))
+            msg = ipc.recv(self.tokens, POLL_MS, expect=(m.Token, m.Done, m.Hello, m.PromptProgress))
             event = self.client.accept(msg) if msg is not None else None
             if isinstance(event, str):
                 if on_text:
                     on_text(event)
-            elif event is not None:
+            elif isinstance(event, m.PromptProgress):
+                if on_prompt:
+                    on_prompt(event)
+            elif isinstance(event, m.Done):
                 if not event.ok:
                     if event.code == m.Code.BAD_ARGUMENT:  # the user's input (a refused session file): one line, exit 2
                         raise UserError(event.error)

@@ -1,5 +1,7 @@
 """The telemetry process: receives per-token records, writes the CSV and
-JSONL, republishes every record for tails, and writes the run summary.
+JSONL, republishes every record for tails, and writes the run summary. A
+prompt's progress (PromptProgress) is republished for tails only: it is no
+token, so neither file has it.
 
 It never slows compute: compute sends without blocking and drops when this
 process falls behind (the drop count is in compute's own accounting).
@@ -72,7 +74,7 @@ def main(config: Config, facts: RunFacts) -> None:
         try:
             while True:
                 try:
-                    msg = ipc.recv(inbox, None, expect=(m.RunInfo, m.TokenRecord, m.Shutdown))
+                    msg = ipc.recv(inbox, None, expect=(m.RunInfo, m.TokenRecord, m.PromptProgress, m.Shutdown))
                 except m.ProtocolError as exc:
                     log.warning("dropped a bad frame: %s", exc)
                     continue
@@ -85,7 +87,7 @@ def main(config: Config, facts: RunFacts) -> None:
                     rec.on_run_info(msg)
                 elif isinstance(msg, m.TokenRecord):
                     rec.on_record(msg)
-                else:
+                elif not isinstance(msg, m.PromptProgress):
                     continue  # None: recv waits forever, so never
                 pub.send(msg)
         finally:

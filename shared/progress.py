@@ -1,5 +1,7 @@
 """Progress for long work: rich bars and spinners on a terminal; elsewhere off
-(`byte_progress`) or a plain line now and then (`StatusLine`)."""
+(`byte_progress`) or a plain line now and then (`StatusLine`); a prompt's
+progress as one line (`prompt_progress_text`, what `chat`, `tail` and the web
+page show)."""
 
 from __future__ import annotations
 
@@ -79,3 +81,31 @@ class StatusLine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def duration_text(seconds: float) -> str:
+    """A span for people: "<1 s", "41 s", "3 min 20 s", "1 h 5 min"."""
+    s = math.floor(seconds + 0.5)  # half up, as the web page's Math.round
+    if seconds < 1:
+        return "<1 s"
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min {s % 60} s"
+    return f"{s // 3600} h {s % 3600 // 60} min"
+
+
+def prompt_progress_text(total: int, cache: int, processed: int, time_ms: int) -> str:
+    """llama.cpp's `prompt_progress` fields as one line: "prompt 1,536 / 3,664
+    tokens · 41 s left". The time left is the rate so far (tokens computed, not
+    reused, over `time_ms`) applied to what remains; none before any token is
+    done. shared/serve/web/app.js `promptProgressText` writes the same."""
+    text = f"prompt {processed:,} / {total:,} tokens"
+    if cache:
+        text += f" ({cache:,} cached)"
+    done = processed - cache
+    if processed >= total:
+        return text + f" · done in {duration_text(time_ms / 1e3)}"
+    if done > 0 and time_ms > 0:
+        return text + f" · {duration_text((total - processed) * time_ms / done / 1e3)} left"
+    return text

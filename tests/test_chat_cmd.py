@@ -20,7 +20,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from moe_pipe.cli.chat_cmd import DIM, PLAIN, Chat, base_url, error_message, sse_content, sse_deltas
+from moe_pipe.cli.chat_cmd import DIM, ERASE_LINE, PLAIN, Chat, base_url, error_message, sse_content, sse_deltas
 
 TIMEOUT_S = 15
 MODEL_ID = "fake-moe"
@@ -49,6 +49,8 @@ class FakeOpenAI(BaseHTTPRequestHandler):
             return self._stream(["partial "] + ["more "] * 1000, delay_s=0.05)
         if last == "think":  # a model that reasons first (delta.reasoning_content)
             return self._stream(["The ", "answer."], reasoning=["Pon", "dering."])
+        if last == "long" and body.get("return_progress"):  # a long prompt: its progress first, as llama.cpp's server sends it
+            return self._stream(["Done."], progress=[(0, 0), (1536, 29_700), (3664, 88_000)])
         self._stream(["Reply ", f"{n} ", "to ", last])
 
     def _json(self, status: int, obj: dict) -> None:
@@ -59,12 +61,21 @@ class FakeOpenAI(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
-    def _stream(self, pieces: list[str], delay_s: float = 0.0, reasoning: list[str] | None = None) -> None:
+    def _stream(
+        self, pieces: list[str], delay_s: float = 0.0, reasoning: list[str] | None = None, progress: list[tuple[int, int]] = ()
+    ) -> None:
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
         events = [{"choices": [{"index": 0, "delta": {"role": "assistant"}}]}]
+        events += [
+            {
+                "choices": [{"index": 0, "delta": {"role": "assistant", "content": None}}],
+                "prompt_progress": {"total": 3664, "cache": 0, "processed": n, "time_ms": ms},
+            }
+            for n, ms in progress
+        ]
         events += [{"choices": [{"index": 0, "delta": {"reasoning_content": p}}]} for p in reasoning or []]
         events += [{"choices": [{"index": 0, "delta": {"content": p}}]} for p in pieces]
         events += [{"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}]
@@ -165,6 +176,47 @@ def test_reasoning_is_dimmed_on_a_terminal_and_left_out_otherwise(server):
         shown, history = say_think(server, tty, *flags)
         assert shown == "The answer.\n", (tty, flags)
         assert history[-1] == {"role": "assistant", "content": "The answer."}
+
+
+def test_sse_deltas_read_a_prompt_s_progress_as_one_line():
+    lines = [
+        b'data: {"choices":[{"delta":{"role":"assistant","content":null}}],'
+        b'"prompt_progress":{"total":3664,"cache":0,"processed":1536,"time_ms":29700}}\n',
+        b'data: {"choices":[],"prompt_progress":{"total":"3664"}}\n',  # not llama.cpp's shape: no line
+        b'data: {"choices":[{"delta":{"content":"Hi"}}]}\n',
+    ]
+    assert list(sse_deltas(lines)) == [("progress", "prompt 1,536 / 3,664 tokens · 41 s left"), ("content", "Hi")]
+    assert list(sse_content(lines)) == ["Hi"]
+
+
+def _say(server, message: str, tty: bool) -> tuple[str, str, list[dict]]:
+    import argparse
+
+    from moe_pipe.cli.chat_cmd import add_arguments
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    chat = Chat(server.url, MODEL_ID, p.parse_args(["--url", server.url]))
+    out, status = Terminal(tty), Terminal(tty)
+    chat.say(message, out, status)
+    return out.getvalue(), status.getvalue(), chat.history
+
+
+def test_a_long_prompt_s_progress_is_a_line_on_the_terminal_erased_when_the_reply_starts(server):
+    shown, status, history = _say(server, "long", tty=True)
+    assert posts(server)[-1]["return_progress"] is True
+    assert status == (
+        ERASE_LINE
+        + "prompt 0 / 3,664 tokens"
+        + ERASE_LINE
+        + "prompt 1,536 / 3,664 tokens · 41 s left"
+        + ERASE_LINE
+        + "prompt 3,664 / 3,664 tokens · done in 1 min 28 s"
+        + ERASE_LINE  # erased before the reply
+    )
+    assert shown == "Done.\n" and history[-1] == {"role": "assistant", "content": "Done."}
+    shown, status, _ = _say(server, "long", tty=False)  # not a terminal: no progress lines in a log
+    assert (shown, status) == ("Done.\n", "")
 
 
 def test_error_message_takes_the_servers_words_on_one_line():

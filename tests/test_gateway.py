@@ -5,7 +5,9 @@ spawned process, in front of a FAKE compute that speaks the real wire
 The fake compute is this file run as a script (see the bottom): for a request
 of max_tokens N it sends the pieces "w0 ", "w1 ", ... "w{N-1} " and Done with
 finish_reason "length"; it can wait between pieces, pad them, and SIGKILL
-itself after a number of pieces, and logs every frame it gets as a JSON line.
+itself after a number of pieces, send its prompt's progress first (as
+compute's PromptProgress, `progress` steps), and logs every frame it gets as
+a JSON line.
 A small thread plays the supervisor: when a fake compute dies, it starts the
 next one.
 """
@@ -40,13 +42,24 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def fake_compute(
-    runtime_dir: str, log_path: str, delay_s: float, die_after: int, die_on: int, pad: int = 0, script: list | None = None
+    runtime_dir: str,
+    log_path: str,
+    delay_s: float,
+    die_after: int,
+    die_on: int,
+    pad: int = 0,
+    script: list | None = None,
+    progress: int = 0,
+    progress_s: float = 0.0,
 ) -> None:
     """Serve Generate frames like procs/compute.py does, with made-up text;
     SIGKILL itself after `die_after` pieces of its `die_on`-th request (from 0);
     `pad` characters of "." after each piece. With a `script` (a list of
     replies, each a list of text pieces), request k gets reply k (the last
-    one again after that) and Done "eog", as a model that stopped itself."""
+    one again after that) and Done "eog", as a model that stopped itself.
+    With `progress` N, a prompt first: N+1 PromptProgress frames, `progress_s`
+    apart, processed 0, total/N, ..., total (the prompt's length), a Cancel
+    looked for between them."""
     import zmq
 
     from moe_pipe.shared.wire import ipc
@@ -54,7 +67,7 @@ def fake_compute(
 
     def note(**event) -> None:
         with open(log_path, "a") as fh:
-            fh.write(json.dumps({"pid": os.getpid(), **event}) + "\n")
+            fh.write(json.dumps({"pid": os.getpid(), "t": time.time(), **event}) + "\n")
 
     ctx = zmq.Context()
     ep = ipc.Endpoints(Path(runtime_dir))
@@ -78,6 +91,20 @@ def fake_compute(
             n_prompt=len(msg.prompt_tokens),
             prompt=list(msg.prompt_tokens),
         )
+        total = len(msg.prompt_tokens)
+        cancelled = False
+        for k in range(progress + 1) if progress else ():
+            if k:
+                time.sleep(progress_s)
+            cancel = ipc.recv(requests, 0, expect=(m.Cancel,))
+            if cancel is not None and cancel.req_id == msg.req_id:
+                note(event="cancel", req_id=msg.req_id, during="prompt")
+                ipc.send(tokens, m.Done(msg.req_id, False, code=m.Code.CANCELLED, error="cancelled"))
+                cancelled = True
+                break
+            ipc.send(tokens, m.PromptProgress(msg.req_id, total, 0, total * k // progress, int(k * progress_s * 1e3)))
+        if cancelled:
+            continue
         if script:
             for piece in script[min(served, len(script) - 1)]:
                 ipc.send(tokens, m.Token(msg.req_id, piece))
@@ -112,7 +139,7 @@ def words(n: int) -> str:
 class FakeComputes:
     """Plays the supervisor for fake computes: runs `plans` one after another,
     starting the next when one dies. A plan: {"delay_s", "die_after", "die_on",
-    "pad", "script"} (the arguments of fake_compute)."""
+    "pad", "script", "progress", "progress_s"} (the arguments of fake_compute)."""
 
     def __init__(self, runtime_dir: Path, log_path: Path, plans: list[dict]):
         self.runtime_dir, self.log_path, self.plans = runtime_dir, log_path, list(plans)
@@ -137,6 +164,8 @@ class FakeComputes:
                     str(plan.get("die_on", 0)),
                     str(plan.get("pad", 0)),
                     json.dumps(plan.get("script", [])),
+                    str(plan.get("progress", 0)),
+                    str(plan.get("progress_s", 0.0)),
                 ],
                 cwd=REPO,
             )
@@ -584,6 +613,72 @@ def test_client_disconnect_cancels_on_compute(start_gateway):
     assert len(computes.events("generate")) == 3
     metrics = parse_prometheus(svc.request("GET", "/metrics")[2])
     assert metrics['moe_pipe_requests_total{outcome="cancelled"}'] == 3
+
+
+# ------------------------------------------------------------- prompt progress
+
+
+def _progress(events: list) -> list[tuple[int, dict]]:
+    """(index in the stream, prompt_progress) of every chunk that carries one."""
+    return [(i, e["prompt_progress"]) for i, e in enumerate(events) if isinstance(e, dict) and "prompt_progress" in e]
+
+
+def test_a_stream_that_asks_gets_its_prompt_s_progress_in_order_before_any_text(start_gateway, tokenizer):
+    from moe_pipe.shared.text.chat import chat_prompt_tokens, encode_prompt
+
+    svc = start_gateway()
+    svc.start_computes({"progress": 4})
+    svc.wait_ready()
+    msgs = [{"role": "user", "content": "Tell me about the old mill by the river."}]
+    total = len(chat_prompt_tokens(tokenizer, msgs))
+    status, headers, raw = svc.chat(msgs[0]["content"], max_tokens=3, stream=True, return_progress=True)
+    assert status == 200 and headers["Content-Type"] == "text/event-stream"
+    events = sse_events(raw)
+    progress = _progress(events)
+    assert [p["processed"] for _, p in progress] == [total * k // 4 for k in range(5)]  # in order, the last == total
+    assert all(set(p) == {"total", "cache", "processed", "time_ms"} and p["total"] == total for _, p in progress)  # llama.cpp's fields
+    first_text = next(i for i, e in enumerate(events) if isinstance(e, dict) and e["choices"] and e["choices"][0]["delta"].get("content"))
+    assert progress[-1][0] < first_text  # all of it before the first token
+    for i, _ in progress:  # shaped as llama.cpp's server shapes them
+        chunk = events[i]
+        assert chunk["object"] == "chat.completion.chunk" and chunk["id"] == events[0]["id"]
+        assert chunk["choices"] == [{"index": 0, "delta": {"role": "assistant", "content": None}, "logprobs": None, "finish_reason": None}]
+    assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events if isinstance(e, dict) and e["choices"]) == words(3)
+    assert events[-1] == "[DONE]"
+
+    # a completion's chunks: text_completion, empty text
+    prompt = "Once upon a time"
+    status, _, raw = svc.request(
+        "POST", "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 2, "stream": True, "return_progress": True}
+    )
+    events = sse_events(raw)
+    progress = _progress(events)
+    assert status == 200 and progress[-1][1]["processed"] == progress[-1][1]["total"] == len(encode_prompt(tokenizer, prompt))
+    assert all(events[i]["object"] == "text_completion" and events[i]["choices"][0]["text"] == "" for i, _ in progress)
+    assert "".join(e["choices"][0]["text"] for e in events if isinstance(e, dict)) == words(2)
+
+    # not asked for, or not streamed (as llama.cpp's server): no progress
+    assert _progress(sse_events(svc.chat(max_tokens=2, stream=True)[2])) == []
+    status, _, body = svc.chat(max_tokens=2, return_progress=True)
+    assert status == 200 and "prompt_progress" not in body and body["choices"][0]["message"]["content"] == words(2)
+    status, _, body = svc.chat(max_tokens=2, stream=True, return_progress="yes")
+    assert status == 400 and body["error"]["param"] == "return_progress" and "true or false" in body["error"]["message"]
+
+
+def test_a_client_that_leaves_mid_prompt_is_cancelled_within_a_second(start_gateway):
+    svc = start_gateway()
+    computes = svc.start_computes({"progress": 400, "progress_s": 0.05})  # a 20-second prompt
+    svc.wait_ready()
+    sock = _raw_request(svc, {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": True, "return_progress": True})
+    got = b""
+    while got.count(b"prompt_progress") < 3:  # the prompt is under way
+        got += sock.recv(4096)
+    left = time.time()
+    sock.close()
+    cancel = wait_for(lambda: computes.events("cancel"), what="a Cancel at the fake compute")[0]
+    assert cancel["during"] == "prompt" and cancel["t"] - left < 1.0, cancel["t"] - left
+    status, _, body = svc.chat(max_tokens=2)  # and the next request is served
+    assert status == 200 and body["choices"][0]["message"]["content"] == words(2)
 
 
 # ------------------------------------------------------------- hostile clients
@@ -1271,5 +1366,7 @@ def test_openai_client_tool_calling_loop(start_gateway, tokenizer):
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["fake-compute"]:
-    _, _, rt_dir, log_file, delay, die_after, die_on, pad, script = sys.argv
-    fake_compute(rt_dir, log_file, float(delay), int(die_after), int(die_on), int(pad), json.loads(script))
+    _, _, rt_dir, log_file, delay, die_after, die_on, pad, script, progress, progress_s = sys.argv
+    fake_compute(
+        rt_dir, log_file, float(delay), int(die_after), int(die_on), int(pad), json.loads(script), int(progress), float(progress_s)
+    )

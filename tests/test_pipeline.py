@@ -259,6 +259,55 @@ def test_prefetch_is_reported(tiny, tmp_path):
     assert records[0].prefetch_issued > 0  # the prompt's batch guesses too (into an empty cache)
 
 
+LONG_PROMPT = [(7 * i + 3) % 1500 + 5 for i in range(2000)]
+LONG_CHUNK = 8  # compute.prefill_chunk: 250 chunks, so a Stop lands inside one
+
+
+@pytest.fixture(scope="module")
+def long_prompt_reference(tmp_path_factory):
+    """(path, min budget MiB, the resident reference's greedy tokens for LONG_PROMPT)."""
+    path = make_model("qwen3moe", "tiny", tmp_path_factory.mktemp("long") / "qwen3moe.gguf")
+    with open_model(path) as mf:
+        tok = Tokenizer.from_gguf(mf.gguf)
+        reference = generate(load_model(mf, options=ENGINE_KV), tok, LONG_PROMPT, SamplingParams(), GenerationConfig(max_tokens=N)).tokens
+        return path, mf.layout.min_cache_bytes() / MiB + 1e-6, reference
+
+
+def test_a_stop_mid_prompt_ends_it_within_a_second_and_the_next_request_reuses_what_is_held(long_prompt_reference):
+    """Through the real processes, at the smallest cache (every layer misses, so the
+    Stop can land while a Fetch's reads are under way): the prompt's progress comes
+    in order, a Cancel ends the prompt within a second, and the same prompt again
+    reuses the chunks done and gives the resident reference's tokens."""
+    from moe_pipe.shared.errors import PipelineError
+    from moe_pipe.shared.wire import ipc
+
+    path, min_mb, reference = long_prompt_reference
+    cfg = load_config(None, {"model.path": str(path), "compute.prefill_chunk": LONG_CHUNK, "cache.cache_mb": min_mb})
+    with start_pipeline(cfg, path) as pipe:
+        seen: list = []
+        cancelled_at: list[float] = []
+
+        def stop_it(p) -> None:
+            seen.append(p)
+            if not cancelled_at:
+                time.sleep(0.15)  # the prompt runs meanwhile: some chunks are done
+                ipc.send(pipe.links["requests"], pipe.client.cancel())
+                cancelled_at.append(time.monotonic())
+
+        with pytest.raises(PipelineError, match="cancelled"):
+            pipe.generate(LONG_PROMPT, {"temperature": 0.0}, N, on_prompt=stop_it)
+        assert time.monotonic() - cancelled_at[0] < 1.0
+        assert (seen[0].total, seen[0].cache, seen[0].processed) == (len(LONG_PROMPT), 0, 0)
+        assert [p.processed for p in seen] == sorted({p.processed for p in seen}) and seen[-1].processed < len(LONG_PROMPT)
+
+        again: list = []
+        done = pipe.generate(LONG_PROMPT, {"temperature": 0.0}, N, on_prompt=again.append)
+        held = done.timings["prompt_cached"]
+        assert 0 < held < len(LONG_PROMPT) and held % LONG_CHUNK == 0  # whole chunks: the one stopped is not held
+        assert (again[0].cache, again[0].processed, again[-1].processed) == (held, held, len(LONG_PROMPT))
+        assert list(done.tokens) == reference
+
+
 def test_run_cli_pipeline_equals_no_stream(tiny):
     path = tiny[0]
     outs = []

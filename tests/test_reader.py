@@ -96,6 +96,26 @@ def test_a_fetch_of_guesses_only_is_answered_once_they_are_admitted(h):
     assert h.visible((1, 2)) and h.visible((1, 3)) and ipc.recv(h.ready, 200) is None
 
 
+def test_a_guess_of_an_expert_a_fetch_admitted_reads_nothing_and_is_answered(h):
+    """Compute's barrier after a pass stopped mid-Fetch (procs/compute.py
+    SlabExperts._barrier): a guesses-only Fetch of one of the stopped Fetch's
+    misses, whose read is still under way, starts no read and evicts nothing,
+    and its Guessed says the reader has handled both."""
+    entered, release = hold_reads_of(h, (1, 3), fail=False)
+    stopped = h.fetch(1, [3, 4])
+    assert entered.wait(10)
+    slabs = dict(h.reader.table.resident())
+    queued, guesses = h.reader.lanes.queued(), h.reader.guesses_read
+    barrier = h.fetch(1, [], guesses=[3], guess_layer=1)
+    assert h.answer() == m.Guessed(barrier)
+    assert (h.reader.lanes.queued(), h.reader.guesses_read) == (queued, guesses)
+    assert dict(h.reader.table.resident()) == slabs  # nothing admitted, nothing evicted
+    release.set()
+    h.land()
+    h.land()
+    assert {(a.req_id, a.expert) for a in (h.answer(), h.answer())} == {(stopped, 3), (stopped, 4)}
+
+
 def test_warm_start_reads_survive_requests_and_go_after_them(h):
     """A warm start fills free slabs in the background: a request's reads go
     first, and neither a Fetch nor a Release withdraws them (only guesses)."""

@@ -20,7 +20,18 @@ from pathlib import Path
 import pytest
 import zmq
 
-from moe_pipe.cli.tail_cmd import SPARK_BLOCKS, WAITING_NOTICE, csv_row, format_line, sparkline
+from moe_pipe.cli.tail_cmd import (
+    PROMPT_LINE_S,
+    SPARK_BLOCKS,
+    WAITING_NOTICE,
+    LiveOutput,
+    RunSoFar,
+    TextOutput,
+    csv_row,
+    format_line,
+    format_prompt,
+    sparkline,
+)
 from moe_pipe.shared.serve.service import ServiceInfo, write_service_info
 from moe_pipe.shared.telemetry import CSV_COLUMNS
 from moe_pipe.shared.wire import ipc, messages
@@ -187,6 +198,58 @@ def test_csv_row_is_the_schema_columns():
     assert csv_row(record(3)).split(",") == ["3", "250.000", "180.500", "90.250", str(3 << 20), "87.500", "12.000", "1.500", "2", "170.000"]
 
 
+def test_a_prompt_s_progress_is_one_line():
+    p = messages.PromptProgress(3, 3664, 0, 1536, 29_700)
+    assert format_prompt(p) == "prompt 1,536 / 3,664 tokens · 41 s left"
+    assert format_prompt(messages.PromptProgress(3, 3664, 512, 512, 0)) == "prompt 512 / 3,664 tokens (512 cached)"
+    assert (
+        format_prompt(messages.PromptProgress(3, 3664, 512, 3664, 125_000))
+        == "prompt 3,664 / 3,664 tokens (512 cached) · done in 2 min 5 s"
+    )
+
+
+def test_the_text_output_shows_a_prompt_now_and_then_and_when_it_is_done(capsys):
+    clock = type("Clock", (), {"t": 0.0, "__call__": lambda self: self.t})()
+    out = TextOutput(clock=clock)
+    run = RunSoFar()
+    for t, processed in ((0.0, 0), (0.25, 10), (4.9, 200), (5.1, 210), (5.4, 220), (10.2, 400), (10.3, 500)):
+        clock.t = t
+        out.on_prompt(run, messages.PromptProgress(1, 500, 0, processed, int(t * 1000)))
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [
+        "prompt 210 / 500 tokens · 7 s left",  # the first line PROMPT_LINE_S after the prompt began
+        "prompt 400 / 500 tokens · 3 s left",
+        "prompt 500 / 500 tokens · done in 10 s",  # always the closing one
+    ]
+    assert PROMPT_LINE_S == 5.0
+    clock.t = 11.0
+    out.on_prompt(run, messages.PromptProgress(2, 30, 0, 0, 0))  # a short prompt: its opening is silent,
+    out.on_prompt(run, messages.PromptProgress(2, 30, 0, 30, 40))  # its closing line says it all
+    assert capsys.readouterr().out.splitlines() == ["prompt 30 / 30 tokens · done in <1 s"]
+
+
+def test_the_live_table_shows_the_prompt_until_its_first_token():
+    from io import StringIO
+
+    from rich.console import Console
+
+    live = LiveOutput("svc")
+    try:
+        run = RunSoFar()
+
+        def shown() -> str:
+            text = StringIO()
+            Console(file=text, width=200).print(live._render(run))
+            return text.getvalue()
+
+        run.prompt = messages.PromptProgress(1, 3664, 0, 1536, 29_700)
+        assert "prompt 1,536 / 3,664 tokens · 41 s left" in shown()
+        run.add(record(1))  # its first token: the prompt is done
+        assert "prompt " not in shown() and "run so far" in shown()
+    finally:
+        live.close()
+
+
 # ------------------------------------------------------------- the real command
 
 
@@ -224,6 +287,22 @@ def test_plain_text_lines_when_not_a_terminal(xdg, service):
     try:
         service.publish_until(lambda: len(tail.out) >= 2)
         assert all(line.startswith("step ") and "tok/s" in line for line in tail.out)
+    finally:
+        tail.stop()
+
+
+@pytest.mark.integration
+def test_a_prompt_s_progress_reaches_a_tail_before_its_tokens(xdg, service):
+    tail = Tail(xdg)
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while not tail.out:  # a slow joiner misses what came before it connected: send until seen
+            assert time.monotonic() < deadline, f"the tail showed no prompt; stderr {tail.err}"
+            service.pub.send(messages.encode(messages.PromptProgress(1, 3664, 0, 3664, 125_000)))
+            time.sleep(0.05)
+        service.publish_until(lambda: len(tail.out) >= 3)
+        assert tail.out[0] == "prompt 3,664 / 3,664 tokens · done in 2 min 5 s"
+        assert all(line.startswith("step ") for line in tail.out[1:] if not line.startswith("prompt "))
     finally:
         tail.stop()
 

@@ -142,6 +142,32 @@ def read_events(resp, want: int, kinds: tuple[str, ...] = ("token",)) -> list[tu
     return out
 
 
+@pytest.mark.integration  # node runs the page's own function
+def test_the_page_writes_a_prompt_s_progress_as_chat_and_tail_do():
+    import shutil
+    import subprocess
+
+    from moe_pipe.shared.progress import prompt_progress_text
+
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("node is not installed: the page's promptProgressText is run with it")
+    js = WEB.joinpath("app.js").read_text()
+    assert "return_progress: true" in js  # the page's chat asks for it
+    region = js.split("// prompt-progress: begin")[1].split("\n", 1)[1].split("// prompt-progress: end")[0]
+    cases = [
+        (total, cache, processed, ms)
+        for total, cache in ((3664, 0), (3664, 512), (7, 3), (150_000, 1200))
+        for processed in sorted({cache, cache + 1, (cache + total) // 2, total - 1, total})
+        for ms in (0, 499, 500, 29_700, 59_500, 3_599_500, 7_654_321)
+    ]
+    script = region + f"\nfor (const [total, cache, processed, time_ms] of {json.dumps(cases)}) "
+    script += "console.log(promptProgressText({ total, cache, processed, time_ms }));"
+    out = subprocess.run([node, "-e", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [prompt_progress_text(*c) for c in cases]
+
+
 @pytest.mark.integration
 def test_page_and_events_through_the_gateway(start_gateway):
     import zmq
@@ -186,6 +212,10 @@ def test_page_and_events_through_the_gateway(start_gateway):
         ipc.send(pub, record(step, req_id=7))
     rows = [r for _, r in read_events(resp, 20)]
     assert [r["step"] for r in rows] == list(range(1, 21)) and rows[-1]["wall_ms"] == 30.0 and rows[-1]["req_id"] == 7
+    # a prompt's progress, any client's, for the header's line
+    ipc.send(pub, m.PromptProgress(8, 3664, 512, 1536, 29_700))
+    (_, prompt), *_ = read_events(resp, 1, ("prompt",))
+    assert prompt == {"req_id": 8, "total": 3664, "cache": 512, "processed": 1536, "time_ms": 29_700}
     (_, status_event), *_ = read_events(resp, 1, ("status",))
     first = [r["step"] for r in status_event["first"]]  # step 0 once per copy that got through, then 1, 2, ...
     assert status_event["supervisor"] is None and len(first) == ge.FIRST_TOKENS and first == sorted(first) and 1 in first

@@ -59,8 +59,11 @@ class ModelOptions:
     router_input_observer: Callable[[int, np.ndarray], None] | None = None
     # Route by a recorded trace instead of the router (benchmarks only: the tokens are not the model's).
     route_replay: RouteReplay | None = None
-    # Time each stage of the forward pass into `MoEModel.stage` (benchmarks).
+    # Time each stage of the forward pass into `MoEModel.stage` (benchmarks, and the engine's telemetry).
     stage_timing: bool = False
+    # Called with (layer, tokens) after each layer of a pass: how far a prompt's pass has come, and
+    # where a Stop may end it (by raising: the cache counts a pass only once every layer stored it).
+    layer_observer: Callable[[int, int], None] | None = None
     # How `new_cache` stores K and V: f32 (exact), f16 or q8_0 (shared/model/blocks.py KVCache);
     # the engine passes the config's compute.kv_type (default f16).
     kv_type: str = "f32"
@@ -93,6 +96,7 @@ class MoEModel:
         self.route_observer = options.route_observer
         self.router_input_observer = options.router_input_observer
         self.route_replay = options.route_replay
+        self.layer_observer = options.layer_observer
         check_kv_type(options.kv_type, self.spec.head_dim_k + self.spec.head_dim_v)  # before the layers load
         self.kv_type = options.kv_type
         self.embd = self.w.matrix("token_embd.weight")
@@ -196,6 +200,8 @@ class MoEModel:
             self.guess_layer(first, self.router_input(first, x))
         for i in range(self.spec.n_layer):
             x = self.layer(i, x, cache, start, positions)
+            if self.layer_observer is not None:
+                self.layer_observer(i, tokens.size)
         cache.advance(tokens.size)
         with self.stage("head"):
             return self.logits(x if all_logits else x[-1:])

@@ -3,6 +3,7 @@ CompletionRequest, and shaping responses and SSE chunks.
 
     body bytes ─parse_body─► dict ─parse_request─► CompletionRequest ─fit_max_tokens─► max_tokens
     text pieces, finish ─ResponseShape─► chat.completion[.chunk] / text_completion ─sse─► b"data: ...\\n\\n"
+    a prompt's progress ─ResponseShape.progress_chunk─► a chunk with llama.cpp's `prompt_progress`
 
 No sockets, no processes, no HTTP server here: procs/gateway.py reads the
 request, calls these, and writes what they return. Every refusal is an
@@ -129,6 +130,7 @@ class CompletionRequest:
     tools: tuple[dict, ...] = ()  # chat: the tools the template shows (after tool_choice); none: no tool calls parsed
     grammar: str = ""  # response_format as llguidance's grammar JSON (shared/text/constrain.py); "" = free text
     cache_prompt: bool = True  # llama.cpp's field: false = compute the whole prompt, reusing no cached prefix
+    return_progress: bool = False  # llama.cpp's field: a stream carries the prompt's progress (prompt_progress chunks)
 
 
 def parse_body(raw: bytes) -> dict:
@@ -382,14 +384,15 @@ def parse_request(body: dict, chat: bool, settings: RequestDefaults) -> Completi
         template_vars,
         tools=tools,
         grammar=grammar,
-        cache_prompt=_cache_prompt(body),
+        cache_prompt=_flag(body, "cache_prompt", True),
+        return_progress=_flag(body, "return_progress", False),
     )
 
 
-def _cache_prompt(body: dict) -> bool:
-    value = body.get("cache_prompt", True)
+def _flag(body: dict, name: str, default: bool) -> bool:
+    value = body.get(name, default)
     if not isinstance(value, bool):
-        raise bad_field("cache_prompt", "true or false", value)
+        raise bad_field(name, "true or false", value)
     return value
 
 
@@ -576,6 +579,17 @@ class ResponseShape:
             return [self.chunk(None, finish_reason)]
         held = [self._delta_chunk(d) for d in self.output.finish()]
         return held + [self._delta_chunk({}, self.output.finish_reason(finish_reason))]
+
+    def progress_chunk(self, total: int, cache: int, processed: int, time_ms: int) -> dict:
+        """A chunk with no text and llama.cpp's `prompt_progress` beside its
+        choices, shaped as its server's (tools/server: a chat delta of
+        {"role": "assistant", "content": null}, a completion's empty text)."""
+        progress = {"total": total, "cache": cache, "processed": processed, "time_ms": time_ms}
+        extra = {"usage": None} if self.include_usage else {}
+        if self.chat:
+            choice = {"index": 0, "delta": {"role": "assistant", "content": None}, "logprobs": None, "finish_reason": None}
+            return self._envelope("chat.completion.chunk", [choice], **extra, prompt_progress=progress)
+        return self._envelope("text_completion", [self._choice("", None)], **extra, prompt_progress=progress)
 
     def usage_chunk(self, usage: dict) -> dict:
         return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [], usage=usage)

@@ -47,7 +47,7 @@ import msgpack
 MAX_FRAME_BYTES = 1 << 20
 # Bumped when a message's fields change; carried in Hello so mixed versions
 # (an old compute talking to a new reader after an upgrade) are refused.
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 _MAX_DEPTH = 8  # nesting inside a dict[str, Any] value (status payloads)
 _MAX_U64 = (1 << 64) - 1
@@ -85,6 +85,7 @@ class Kind(IntEnum):
     CANCEL = 43
     PROGRESS = 44
     SLOT = 45
+    PROMPT_PROGRESS = 46
 
 
 class Code(StrEnum):
@@ -430,6 +431,8 @@ class TokenRecord(_Message):
     rss_bytes: int = 0
     req_id: int = 0
     resident_bytes: int = 0
+    attention_ms: float = 0.0
+    pass_tokens: int = 0
 
 
 @_wire(Kind.RUN_SUMMARY)
@@ -540,9 +543,10 @@ class Done(_Message):
 @dataclass(frozen=True, slots=True)
 class Cancel(_Message):
     """front end -> compute (on the requests link): stop generation `req_id`
-    (its client went away). Compute checks for it between tokens and ends the
-    request with Done(ok=False, code="cancelled"); a Cancel for a request that
-    already ended is ignored."""
+    (its client went away). Compute checks for it between tokens, and while a
+    prompt runs after every layer and between experts (at most every 50 ms),
+    and ends the request with Done(ok=False, code="cancelled"); a Cancel for a
+    request that already ended is ignored."""
 
     req_id: int
 
@@ -560,6 +564,23 @@ class Progress(_Message):
     item: str = ""
     seconds: float = 0.0
     compiled: int = 0  # of the steps so far, how many compiled (the rest came from the cache)
+
+
+@_wire(Kind.PROMPT_PROGRESS)
+@dataclass(frozen=True, slots=True)
+class PromptProgress(_Message):
+    """compute -> front end and telemetry (-> tails), while a prompt is computed:
+    llama.cpp's server `prompt_progress`. Of the prompt's `total` tokens,
+    `cache` were reused from the KV cache and `processed` (cache included) are
+    done, `time_ms` since its pass began; one with processed == cache opens a
+    prompt, one with processed == total closes it, before its first Token.
+    How processed advances under layer-major prefill: shared/model/prompt_watch.py."""
+
+    req_id: int
+    total: int
+    cache: int
+    processed: int
+    time_ms: int
 
 
 @_wire(Kind.SLOT)
@@ -595,6 +616,7 @@ Message = (
     | Cancel
     | Progress
     | Slot
+    | PromptProgress
 )
 assert set(_BY_KIND) == set(Kind), "every Kind needs exactly one message class"
 

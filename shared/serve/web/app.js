@@ -32,6 +32,26 @@
   const fixed = (v, d) => (typeof v === "number" ? v.toFixed(d) : "–");
   const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
 
+  // prompt-progress: begin. A prompt's progress (llama.cpp's prompt_progress) as one line, the text
+  // of shared/progress.py prompt_progress_text (tests/test_web.py runs both on the same figures).
+  const grouped = (n) => n.toLocaleString("en-US");
+  function durationText(s) {
+    if (s < 1) return "<1 s";
+    const r = Math.round(s);
+    if (r < 60) return r + " s";
+    if (r < 3600) return `${Math.floor(r / 60)} min ${r % 60} s`;
+    return `${Math.floor(r / 3600)} h ${Math.floor((r % 3600) / 60)} min`;
+  }
+  function promptProgressText(p) {
+    let text = `prompt ${grouped(p.processed)} / ${grouped(p.total)} tokens`;
+    if (p.cache) text += ` (${grouped(p.cache)} cached)`;
+    const done = p.processed - p.cache;
+    if (p.processed >= p.total) return text + ` · done in ${durationText(p.time_ms / 1e3)}`;
+    if (done > 0 && p.time_ms > 0) return text + ` · ${durationText(((p.total - p.processed) * p.time_ms) / done / 1e3)} left`;
+    return text;
+  }
+  // prompt-progress: end
+
   function authHeaders(extra) {
     const h = Object.assign({}, extra || {});
     const key = sessionStorage.getItem(KEY);
@@ -130,6 +150,7 @@
           model: (state.hello && state.hello.model) || "default",
           messages: state.messages,
           stream: true,
+          return_progress: true, // llama.cpp's field: chunks with prompt_progress while the prompt is computed
           chat_template_kwargs: { enable_thinking: $("think").checked },
         }),
         signal: ctrl.signal,
@@ -150,7 +171,12 @@
         if (ev.data === "[DONE]") break;
         const chunk = JSON.parse(ev.data);
         if (chunk.error) throw new Error(chunk.error.message);
+        if (chunk.prompt_progress) {
+          $("chat-status").textContent = promptProgressText(chunk.prompt_progress);
+          continue;
+        }
         const delta = (chunk.choices && chunk.choices[0] && chunk.choices[0].delta) || {};
+        if (delta.reasoning_content || delta.content) $("chat-status").textContent = "generating…";
         if (delta.reasoning_content) {
           reasoning += delta.reasoning_content;
           p.reasoning.textContent = reasoning;
@@ -261,6 +287,8 @@
       const recent = state.rows.slice(-8);
       const ms = recent.reduce((a, r) => a + r.wall_ms, 0) / recent.length;
       $("rate").textContent = ms > 0 ? (1000 / ms).toFixed(1) + " tok/s" : "";
+    } else if (kind === "prompt") {
+      $("rate").textContent = promptProgressText(data); // any client's prompt; the next token shows tok/s again
     } else if (kind === "residency") {
       state.residency = data;
     } else if (kind === "status") {

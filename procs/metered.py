@@ -1,0 +1,129 @@
+"""The model in the compute process, metered: one TokenRecord per generated
+token to telemetry (docs/telemetry.md), and the request's first pass, its
+prompt's, watched (shared/model/prompt_watch.py: its progress, a Stop
+mid-prompt). A pass that stops half way leaves the session consistent
+(`MeteredModel._abandon`)."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from ..shared.model.prompt_watch import PromptWatch
+from ..shared.model.routes import RouteTracer
+from ..shared.telemetry import ResourceMeter
+from ..shared.wire import ipc
+from ..shared.wire import messages as m
+
+if TYPE_CHECKING:
+    from .compute import Interrupts, SlabExperts
+
+
+class MeteredModel:
+    """The model, metered: one TokenRecord per generated token to telemetry
+    (step 1 = the prefill that produced it, then one decode each); the
+    request's first pass, its prompt's, watched (`watch`: progress, Stop)."""
+
+    def __init__(
+        self,
+        model,
+        source: SlabExperts,
+        telemetry: ipc.DroppingSender,
+        interrupts: Interrupts | None = None,
+        tracer: RouteTracer | None = None,
+        watch: PromptWatch | None = None,
+    ):
+        """`tracer`: the route tracer the model was built with (its
+        `route_observer`), told here where each turn and phase begins; `watch`:
+        the model's layer observer (its `layer_observer`), armed for each prompt."""
+        self.model, self.source, self.telemetry, self.interrupts = model, source, telemetry, interrupts
+        self.tracer, self.watch = tracer, watch
+        self.meter = ResourceMeter()
+        self.records: list[m.TokenRecord] = []
+        self.total_hits = self.total_misses = 0
+        self.req_id = 0
+
+    def begin(self, req_id: int = 0) -> None:
+        """A new request: its own records and counters, a new turn in the route trace."""
+        self.records, self.total_hits, self.total_misses, self.req_id = [], 0, 0, req_id
+        self.meter.delta()
+        if self.tracer:
+            self.tracer.begin_turn()
+
+    def new_cache(self, n_ctx):
+        return self.model.new_cache(n_ctx)
+
+    def prefill(self, tokens, cache, batch=64):
+        if self.tracer:
+            self.tracer.phase = 0
+        # The request's first pass is its prompt's (the uncached part); a later one is a context shift's.
+        prompt = self.watch is not None and not self.records
+        return self._step(lambda: self.model.prefill(tokens, cache, batch=batch), cache, len(tokens), prompt)
+
+    def decode_one(self, token, cache):
+        if self.tracer:
+            self.tracer.phase = 1
+        return self._step(lambda: self.model.decode_one(token, cache), cache, 1)
+
+    def _step(self, fn, cache, n_tokens: int, prompt: bool = False):
+        if self.interrupts is not None:
+            self.interrupts.check()
+        self.source.reset_counters()
+        self.model.stage.reset()
+        t0 = time.perf_counter()
+        try:
+            if prompt and self.watch is not None:
+                self.watch.begin(cache.n + n_tokens, cache.n, cache)  # the opening event, processed == cached
+            out = fn()
+        except BaseException:
+            self._abandon(cache, prompt)
+            raise
+        if prompt and self.watch is not None:
+            self.watch.end()  # the closing event, processed == total: before any text of this request
+        self.source.end_step()
+        wall = time.perf_counter() - t0
+        s = self.source
+        self.total_hits += s.hits
+        self.total_misses += s.misses
+        lookups = self.total_hits + self.total_misses
+        res = self.meter.delta()
+        rec = m.TokenRecord(
+            step=len(self.records) + 1,
+            wall_ms=wall * 1e3,
+            compute_ms=max(wall - s.stall_s - s.mgmt_s - s.wire_s, 0.0) * 1e3,
+            io_ms=s.io_ns / 1e6,
+            read_bytes=s.read_bytes,
+            cache_hit_pct=100.0 * self.total_hits / lookups if lookups else 0.0,
+            stall_ms=s.stall_s * 1e3,
+            mgmt_ms=s.mgmt_s * 1e3,
+            majflt=res.majflt,
+            cpu_ms=res.cpu_ms,
+            hits=s.hits,
+            misses=s.misses,
+            prefetch_issued=s.prefetch_issued,
+            prefetch_used=s.prefetch_used,
+            prefetch_wasted_bytes=s.prefetch_wasted_bytes,
+            prefetch_paused=s.prefetch_paused,
+            wire_ms=s.wire_s * 1e3,
+            messages=s.messages,
+            rss_bytes=self.meter.rss_bytes(),
+            req_id=self.req_id,
+            resident_bytes=s.resident_bytes(),
+            attention_ms=self.model.stage.seconds.get("attention", 0.0) * 1e3,
+            pass_tokens=n_tokens,
+        )
+        self.records.append(rec)
+        self.telemetry.send(rec)
+        return out
+
+    def _abandon(self, cache, prompt: bool) -> None:
+        """A pass that stopped half way (a Stop, a failed read). The KV cache
+        counts none of it (shared/model/session.py), but a hybrid model's
+        recurrent state was updated in place by the layers that ran: a prompt's
+        goes back to its last chunk's end (the watch's copy); any other pass's
+        cannot, so the cache starts over, consistent and empty."""
+        if prompt and self.watch is not None:
+            self.watch.abort()
+        elif getattr(cache, "state", None) is not None:
+            cache.truncate(0)
+        self.source.abandon()

@@ -33,6 +33,26 @@ def _mib(n: int) -> str:
     return f"{n / MIB:,.1f} MiB"
 
 
+def _context(f: dict) -> str:
+    """The context and what its KV cache costs here, against the longest this memory affords
+    (KV at most 1/8 of it, never past the trained context: shared/analysis/fit.py affordable_context)."""
+    from ..shared.analysis.fit import KV_SHARE
+
+    ctx, kv, avail, most = f["ctx_size"], f["kv_bytes"], max(f["available_bytes"], 1), f["ctx_affordable"]
+    text = f"{ctx:,} tokens, KV {_mib(kv)} ({100 * kv / avail:.1f} % of the memory here)"
+    if f["kv_ring_layers"]:
+        text += f"; {f['kv_ring_layers']} of {f['n_layer']} layers slide and keep {f['kv_ring_rows']:,} positions each"
+    share = f"KV at most 1/{round(1 / KV_SHARE)} of it"
+    if ctx > f["ctx_train"]:
+        return text + f"; longer than the model was trained for ({f['ctx_train']:,})"
+    if not most:
+        return text + f"; this memory affords less than 4,096 ({share})"
+    if ctx > most:
+        return text + f"; longer than this memory affords: up to {most:,} keeps the {share} (-c {most})"
+    trained = ", the model's trained context" if most == f["ctx_train"] else ""
+    return text + f"; this memory affords up to {most:,} ({share}{trained})"
+
+
 def print_report(f: dict) -> None:
     rows = [
         (
@@ -48,6 +68,7 @@ def print_report(f: dict) -> None:
             "per token",
             f"one token's experts {_mib(f['floor_bytes'])} (the smallest cache), active weights {_mib(f['active_bytes_per_token'])}",
         ),
+        ("context", _context(f)),
         ("memory", f"{_mib(f['available_bytes'])} available: {f['available']}"),
         ("budget", f"{f['budget']} → {f['n_slabs']:,} slabs"),
     ]

@@ -116,6 +116,40 @@ def test_resolve_budget_from_config(tmp_path):
     assert real.mode == "auto" and real.bytes > 0
 
 
+@pytest.mark.parametrize("arch", ["gemma4", "gpt-oss"])
+def test_the_budget_counts_a_sliding_layers_ring_and_the_expert_cache_gets_the_rest(arch, tmp_path):
+    """At 4,096 positions the tiny model's sliding layers (window 128) keep rings of 128 - 1 + 512
+    rows: the footprint and the auto budget count what the model's cache allocates, and the
+    expert cache gets what the rings save against every layer keeping the whole context."""
+    from dataclasses import replace
+
+    from moe_pipe.shared.analysis.fit import memory_fit, model_footprint
+    from moe_pipe.shared.gguf.model_file import open_model
+    from moe_pipe.shared.gguf.spec import SWA_PROMPT_BLOCK, kv_cache_bytes
+    from moe_pipe.shared.makemodel.maker import make_model
+    from moe_pipe.shared.model.load import ModelOptions, load_model
+
+    path = make_model(arch, "tiny", tmp_path / "m.gguf")
+    cfg = load_config(None, {"compute.ctx_size": 4096, "cache.cache_ceil_mb": 1e6, "cache.reserve_mb": 0})
+    with open_model(path) as mf:
+        spec, dense = mf.spec, mf.layout.dense_bytes
+        footprint = model_footprint(mf, cfg)
+        allocated = sum(a.nbytes for a in load_model(mf, options=ModelOptions(kv_type="f16")).new_cache(4096).parts())
+    ring = 128 - 1 + SWA_PROMPT_BLOCK
+    by_hand = 2 * sum(
+        (ring if swa else 4096) * hk * (dk + dv)
+        for swa, hk, dk, dv in zip(spec.swa_layers, spec.n_head_kv, spec.head_dim_k, spec.head_dim_v)
+    )
+    whole = kv_cache_bytes(replace(spec, sliding_window=0), 4096, "f16")
+    assert footprint.kv_bytes == allocated == by_hand < whole
+    assert (footprint.kv_ring_layers, footprint.kv_ring_rows) == (sum(spec.swa_layers), ring)
+    fitted = memory_fit(footprint, cfg, probe(4 * GiB))
+    assert fitted.budget.kv_bytes == by_hand and f"KV {by_hand / MiB:.3g} MiB" in fitted.budget.description
+    assert fitted.budget.bytes == 4 * GiB - dense - by_hand - footprint.engine_bytes
+    # the same budget with every layer keeping 4,096 positions: the difference is the rings' saving
+    assert fitted.budget.bytes - (4 * GiB - dense - whole - footprint.engine_bytes) == whole - by_hand
+
+
 # ---------------------------------------------------------------- probing fake trees
 
 

@@ -2,7 +2,9 @@
 § Context shift): a generation longer than the context keeps going, the
 tokens after each shift are those of a fresh run on the kept ids (greedy,
 every architecture), n_keep keeps llama.cpp's tokens, and without a shift a
-full context ends the reply with finish_reason "length" at the API."""
+full context ends the reply with finish_reason "length" at the API. On
+sliding-window rings too: a kept head whose window rows were overwritten is
+recomputed with the tail, and the tokens are still a fresh run's."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import pytest
 from moe_pipe.shared.errors import UserError
 from moe_pipe.shared.gguf.model_file import open_model
 from moe_pipe.shared.makemodel.maker import make_model
+from moe_pipe.shared.model.blocks import KVCache
 from moe_pipe.shared.model.load import ModelOptions, load_model
 from moe_pipe.shared.model.session import Session
 from moe_pipe.shared.serve.openai_api import FINISH_REASONS
@@ -92,6 +95,33 @@ def test_n_keep_follows_llama_cpp(arch_model):
     huge = Watching()  # more than the context: clamped to n_ctx - 4, still shifting
     out = generate(model, tok, prompt, SamplingParams(), cfg(80, context_shift=True, n_keep=10_000), session=huge)
     assert len(out.tokens) == 80 and huge.shifts
+
+
+@pytest.fixture(scope="module", params=("gemma4", "gpt-oss"))
+def windowed_model(request, tmp_path_factory):
+    """The tiny model with an 8-token window (its sliding layers' rings wrap inside N_CTX)."""
+    path = make_model(request.param, "tiny", tmp_path_factory.mktemp("swa") / "m.gguf", _overrides={"sliding_window": 8})
+    with open_model(path) as mf:
+        yield load_model(mf, options=ModelOptions(kv_type="f32")), Tokenizer.from_gguf(mf.gguf)
+
+
+@pytest.mark.parametrize("n_keep", [0, 4])
+def test_a_shift_on_sliding_window_rings_gives_a_fresh_runs_tokens(windowed_model, n_keep):
+    """Rings of 8 - 1 + 4 rows (prompt block 4) through a context of 64: with n_keep 0 the kept
+    tail is recomputed from position 0; with n_keep 4 the rings no longer hold the window after
+    the kept head, so head and tail are both recomputed. Every stretch between shifts equals a
+    fresh run on the kept ids with a whole-context cache."""
+    model, tok = windowed_model
+    prompt, session = prompt_of(tok), Watching()
+    session.cache = KVCache.for_spec(model.spec, N_CTX, "f32", prompt_block=4)
+    out = generate(model, tok, prompt, SamplingParams(), cfg(150, context_shift=True, n_keep=n_keep), session=session)
+    assert len(out.tokens) == 150 and len(session.shifts) >= 2
+    assert session.cache.k[0].cap == 11 and session.cache.k[0].lo > n_keep  # the rings wrapped past the head
+    ends = [at for _, at in session.shifts[1:]] + [len(out.tokens)]
+    for (kept, at), end in zip(session.shifts, ends):
+        assert kept[:n_keep] == prompt[:n_keep]
+        fresh = generate(model, tok, kept + [out.tokens[at - 1]], SamplingParams(), cfg(end - at))
+        assert fresh.tokens == out.tokens[at:end]
 
 
 def test_n_keep_below_minus_one_is_refused():

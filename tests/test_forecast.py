@@ -77,6 +77,37 @@ def test_facts_from_the_header_match_the_layout():
     assert sum(c.weights_per_token for c in f.classes if c.role == "dense") == dense
 
 
+def test_the_affordable_context_is_the_longest_whose_kv_takes_at_most_an_eighth():
+    from moe_pipe.shared.gguf.spec import kv_cache_bytes
+
+    with open_model(default_model_path()) as mf:
+        spec = replace(mf.spec, n_ctx_train=40960)
+
+    def kv(n: int) -> int:
+        return kv_cache_bytes(spec, n, "f16")
+
+    assert fit.affordable_context(spec, "f16", 8 * kv(16384)) == 16384
+    assert fit.affordable_context(spec, "f16", 8 * kv(16384) - 1) == 8192
+    assert fit.affordable_context(spec, "f16", 1 << 40) == 40960  # the trained context is the last step
+    assert fit.affordable_context(spec, "f16", 1 << 40, most=fit.RECIPE_CONTEXT) == 32768
+    assert fit.affordable_context(spec, "f16", 8 * kv(4096) - 1) == 0
+    assert fit.affordable_context(replace(spec, n_ctx_train=2048), "f16", 1 << 40) == 2048
+
+
+def test_doctor_says_the_context_and_what_this_memory_affords():
+    from moe_pipe.cli.doctor_cmd import _context
+
+    f = {"ctx_size": 32768, "ctx_train": 262144, "kv_bytes": 940 * MiB, "available_bytes": 10673 * MiB, "n_layer": 30}
+    f |= {"kv_ring_layers": 25, "kv_ring_rows": 1535, "ctx_affordable": 32768}
+    text = _context(f)
+    assert text.startswith("32,768 tokens, KV 940.0 MiB (8.8 % of the memory here); 25 of 30 layers slide and keep 1,535 positions")
+    assert text.endswith("this memory affords up to 32,768 (KV at most 1/8 of it)")
+    assert _context(f | {"ctx_affordable": 8192}).endswith(
+        "longer than this memory affords: up to 8,192 keeps the KV at most 1/8 of it (-c 8192)"
+    )
+    assert _context(f | {"ctx_train": 4096}).endswith("longer than the model was trained for (4,096)")
+
+
 def test_top_k_override_scales_the_floor(qwen8):
     f8, f4 = facts_of(qwen8), facts_of(qwen8, **{"compute.top_k": 4})
     assert (f8.top_k, f4.top_k) == (8, 4)

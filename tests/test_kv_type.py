@@ -1,5 +1,7 @@
 """compute.kv_type: the KV cache stored as f32, f16 or q8_0 (shared/model/blocks.py
-KVCache), attention still float32, and the memory budget counting the stored size."""
+KVCache), attention still float32, and the memory budget counting the stored size;
+a sliding-window layer's rows kept as a ring of its window and one prompt block,
+which gives every position the numbers of a whole-context cache."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from gguf.quants import dequantize, quantize
 from moe_pipe.shared.config import KEYS, load_config
 from moe_pipe.shared.errors import ConfigError, UserError
 from moe_pipe.shared.gguf.model_file import open_model
-from moe_pipe.shared.gguf.spec import KV_TYPE_BYTES, kv_cache_bytes
+from moe_pipe.shared.gguf.spec import KV_TYPE_BYTES, SWA_PROMPT_BLOCK, kv_cache_bytes, kv_rows, kv_windows
 from moe_pipe.shared.model.blocks import KVCache, attention, quantize_q8_0
 from moe_pipe.shared.model.load import ModelOptions, load_model
 
@@ -146,8 +148,10 @@ def test_decode_attention_reads_the_stored_cache_in_place(kv_type):
 
 
 def attention_only(**heads) -> SimpleNamespace:
-    """The fields kv_cache_bytes reads, for a model whose every layer attends (no recurrent state)."""
-    return SimpleNamespace(**heads, n_layer=len(heads["n_head_kv"]), is_recurrent=lambda i: False)
+    """The fields kv_cache_bytes reads, for a model whose every layer attends (no recurrent state);
+    no sliding window unless `sliding_window` and `swa_layers` say so."""
+    n = len(heads["n_head_kv"])
+    return SimpleNamespace(**({"sliding_window": 0, "swa_layers": (False,) * n} | heads), n_layer=n, is_recurrent=lambda i: False)
 
 
 def test_kv_cache_bytes_per_type_by_hand_and_as_allocated():
@@ -160,6 +164,111 @@ def test_kv_cache_bytes_per_type_by_hand_and_as_allocated():
         c = KVCache(100, spec.n_head_kv, spec.head_dim_k, spec.head_dim_v, kv_type)
         held = sum(r.data.nbytes + (r.scale.nbytes if r.scale is not None else 0) for r in c.k + c.v)
         assert held == kv_cache_bytes(spec, 100, kv_type)
+
+
+def test_a_sliding_layer_is_counted_and_allocated_as_its_ring():
+    # Layer 0 slides with a window of 100: a ring of 100 - 1 + 512 = 611 rows once the context is
+    # longer; below that the ring is the whole context. Layer 1 keeps every position.
+    spec = attention_only(n_head_kv=(2, 1), head_dim_k=(64, 128), head_dim_v=(64, 128), sliding_window=100, swa_layers=(True, False))
+    assert kv_windows(spec) == (100, 0) and kv_rows(100, 4096) == 611 == 100 - 1 + SWA_PROMPT_BLOCK and kv_rows(100, 300) == 300
+    assert kv_cache_bytes(spec, 4096, "f16") == 2 * (611 * 2 * 128 + 4096 * 1 * 256)
+    assert kv_cache_bytes(spec, 300, "f32") == 4 * 300 * (2 * 128 + 256)  # nothing wraps: the whole context
+    for kv_type in KV_TYPE_BYTES:
+        c = KVCache(4096, spec.n_head_kv, spec.head_dim_k, spec.head_dim_v, kv_type, windows=kv_windows(spec))
+        assert c.k[0].cap == 611 and c.k[1].cap == 4096
+        assert sum(a.nbytes for a in c.parts()) == kv_cache_bytes(spec, 4096, kv_type)
+
+
+def _ring_and_whole(kv_type, window=8, block=4, n_ctx=64):
+    """One layer kept as a ring (window 8, prompt block 4: 11 rows) and the same layer over the whole context."""
+    ring = KVCache(n_ctx, (2,), (64,), (64,), kv_type, windows=(window,), prompt_block=block)
+    whole = KVCache(n_ctx, (2,), (64,), (64,), kv_type, prompt_block=block)
+    return ring, whole
+
+
+@pytest.mark.parametrize("kv_type", ["f32", "f16", "q8_0"])
+def test_a_ring_holds_its_last_rows_exactly_and_refuses_what_it_overwrote(kv_type):
+    rng = np.random.default_rng(7)
+    k, v = _random_kv(rng, t=40)
+    ring, whole = _ring_and_whole(kv_type)
+    assert ring.k[0].cap == 11
+    steps = [3, 1, 4, 4, 2, 4, 1, 1, 4, 3, 4, 4, 1, 4]  # prompt blocks and decoded tokens, 40 in all
+    at = 0
+    for t in steps:
+        for c in (ring, whole):
+            c.store(0, k[at : at + t], v[at : at + t])
+            c.advance(t)
+        at += t
+        lo = max(0, at - 11)
+        # Every held position reads back as the whole-context cache stores it, bit for bit.
+        assert np.array_equal(ring.keys(0, lo, at), whole.keys(0, lo, at)), at
+        assert np.array_equal(ring.values(0, lo, at), whole.values(0, lo, at)), at
+        assert ring.k[0].lo == lo
+    with pytest.raises(ValueError, match="not held"):
+        ring.keys(0, 28, 40)  # position 28 was overwritten by 39
+    with pytest.raises(ValueError, match="do not fit"):
+        ring.k[0].write(40, np.zeros((2, 12, 64), np.float32))  # more rows than the ring at once
+    q = rng.standard_normal((1, 8, 64), dtype=np.float32)
+    with pytest.raises(ValueError, match="8-position window"):
+        attention(q, ring, 0, 40, 0.125, window=9)
+
+
+def test_a_ring_continues_only_from_where_it_holds_the_window():
+    # After 40 positions the ring (window 8, 11 rows) holds 29..39: a query at p needs p-7..p-1,
+    # so the cache can be cut back to 36 (needs 29..35) but not to 35 (needs 28); always to 0.
+    rng = np.random.default_rng(8)
+    k, v = _random_kv(rng, t=40)
+    ring, _ = _ring_and_whole("f32")
+    for at in range(0, 40, 4):
+        ring.store(0, k[at : at + 4], v[at : at + 4])
+        ring.advance(4)
+    assert ring.can_truncate(40) and ring.can_truncate(36) and not ring.can_truncate(35) and ring.can_truncate(0)
+    with pytest.raises(ValueError, match="sliding-window rows no longer hold the positions before 35"):
+        ring.truncate(35)
+    ring.truncate(36)
+    assert ring.n == 36 and ring.can_truncate(36)
+    # A block stored but never counted (a prompt stopped half way) overwrote 29..32, which a
+    # query at 36 needs: the cache can no longer go on from 36, and a store there is refused.
+    ring.store(0, k[:4], v[:4], at=36)
+    ring.store(0, k[:4], v[:4], at=40)
+    assert not ring.can_truncate(36) and ring.can_truncate(0)
+    with pytest.raises(ValueError, match="cannot store position 36"):
+        ring.store(0, k[:1], v[:1])
+    ring.truncate(0)
+    ring.store(0, k[:4], v[:4])  # from position 0 nothing older is needed
+    ring.advance(4)
+    assert np.array_equal(ring.keys(0, 0, 4), k[:4].transpose(1, 0, 2))
+
+
+@pytest.mark.parametrize("kv_type", ["f32", "f16", "q8_0"])
+@pytest.mark.parametrize("arch", ["gemma4", "gpt-oss"])
+def test_sliding_window_kv_equals_full_kv_on_every_position(arch, kv_type, tmp_path):
+    """The tiny model with an 8-token window, its sliding layers kept as rings of 11 rows
+    (prompt block 4), against the same model with every layer keeping the whole context: a
+    40-token prompt in 16-token chunks (longer than the window, the ring and a chunk), then
+    greedy decoding; every position's logits and every token are the same, bit for bit."""
+    from moe_pipe.shared.makemodel.maker import make_model
+
+    path = make_model(arch, "tiny", tmp_path / "m.gguf", _overrides={"sliding_window": 8})
+    prompt = [(7 * i + 3) % 200 + 5 for i in range(40)]
+    with open_model(path) as mf:
+        model, s = load_model(mf, options=ModelOptions(kv_type=kv_type)), mf.spec
+        assert s.sliding_window == 8 and any(s.swa_layers) and not all(s.swa_layers)
+        ring = KVCache.for_spec(s, 64, kv_type, prompt_block=4)
+        whole = KVCache(64, s.n_head_kv, s.head_dim_k, s.head_dim_v, kv_type, prompt_block=4)
+        assert {ring.k[i].cap for i in range(s.n_layer) if s.swa_layers[i]} == {11}
+        got = {}
+        for name, cache in (("ring", ring), ("whole", whole)):
+            logits = [model.forward(prompt[a : a + 16], cache, all_logits=True) for a in range(0, 40, 16)]
+            tokens = [int(logits[-1][-1].argmax())]
+            for _ in range(16):
+                step = model.decode_one(tokens[-1], cache)
+                logits.append(step[None])
+                tokens.append(int(step.argmax()))
+            got[name] = (np.concatenate(logits), tokens)
+    assert np.array_equal(got["ring"][0], got["whole"][0]), f"max |diff| {np.abs(got['ring'][0] - got['whole'][0]).max():.3g}"
+    assert got["ring"][1] == got["whole"][1]
+    assert ring.k[0].lo > 0  # the ring did wrap
 
 
 def test_q8_0_refuses_a_head_width_not_a_multiple_of_32():

@@ -51,3 +51,30 @@ def test_one_chunk_several_chunks_and_decode_steps_agree(family, quant, tmp_path
     for i, (a, b, c) in enumerate(zip(_kv(whole_cache), _kv(chunked_cache), _kv(steps_cache))):
         _close(a, c, f"KV part {i}, one chunk vs decode steps")
         _close(b, c, f"KV part {i}, 16-token chunks vs decode steps")
+
+
+@pytest.mark.parametrize("arch", ["gemma4", "gpt-oss"])
+def test_a_prompt_longer_than_the_window_and_a_chunk_on_sliding_window_rings(arch, tmp_path):
+    """An 8-token window kept as rings of 11 rows (prompt block 4): the 40-token prompt in one
+    chunk, in 16-token chunks and as decode steps gives the same logits and the same ring rows,
+    and the one chunk equals the whole-context cache's bit for bit (the chunk goes through each
+    sliding layer in blocks of 4; shared/model/blocks.py store_and_attend)."""
+    from moe_pipe.shared.model.blocks import KVCache
+
+    path = make_model(arch, "tiny", tmp_path / "m.gguf", _overrides={"sliding_window": 8})
+    with open_model(path) as mf:
+        model, s = load_model(mf, options=None), mf.spec
+        whole_cache, chunked_cache, steps_cache = (KVCache.for_spec(s, N_CTX, "f32", prompt_block=4) for _ in range(3))
+        whole = model.prefill(PROMPT, whole_cache, batch=len(PROMPT))
+        chunked = model.prefill(PROMPT, chunked_cache, batch=16)
+        steps = [model.decode_one(t, steps_cache) for t in PROMPT][-1]
+        full = KVCache(N_CTX, s.n_head_kv, s.head_dim_k, s.head_dim_v, "f32", prompt_block=4)
+        assert np.array_equal(model.prefill(PROMPT, full, batch=len(PROMPT)), whole)
+    assert int(whole.argmax()) == int(chunked.argmax()) == int(steps.argmax())
+    _close(whole, steps, "one chunk vs decode steps, logits")
+    _close(chunked, steps, "16-token chunks vs decode steps, logits")
+    sliding = [i for i in range(s.n_layer) if s.swa_layers[i]]
+    assert sliding and all(whole_cache.k[i].cap == 11 and whole_cache.k[i].lo == len(PROMPT) - 11 for i in sliding)
+    for i, (a, b, c) in enumerate(zip(_kv(whole_cache), _kv(chunked_cache), _kv(steps_cache))):
+        _close(a, c, f"KV part {i}, one chunk vs decode steps")
+        _close(b, c, f"KV part {i}, 16-token chunks vs decode steps")

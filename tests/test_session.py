@@ -3,7 +3,9 @@ a request computes only what its prompt does not share with the KV cache of
 the last one, and gives the tokens a fresh run gives (greedy, every
 architecture); conversations interleaved on one session never share state;
 a saved session restores in a fresh model and continues as if never stopped;
-a file of another model, truncated, of another version or kv_type is refused."""
+a file of another model, truncated, of another version or kv_type is refused.
+On sliding-window rings (gemma4, gpt-oss): what a prefix can keep past the
+window, and a saved session that holds only the rings' positions."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from moe_pipe.shared.errors import UserError
 from moe_pipe.shared.experts.directio import model_identity
 from moe_pipe.shared.gguf.model_file import open_model
 from moe_pipe.shared.makemodel.maker import make_model
+from moe_pipe.shared.model.blocks import KVCache
 from moe_pipe.shared.model.load import ModelOptions, load_model
 from moe_pipe.shared.model.session import SESSION_MAGIC, Session, load_session, save_session, slot_action
 from moe_pipe.shared.text.generate import GenerationConfig, generate
@@ -287,8 +290,13 @@ def test_another_version_kv_type_or_kind_of_file_is_refused(loaded, files, saved
     _, model, _, identity = loaded["qwen3moe"]
     data = saved.read_bytes()
     saved.write_bytes(data[:8] + struct.pack("<I", 99) + data[12:])
-    with pytest.raises(UserError, match="version 99; this moe-pipe reads version 1"):
+    with pytest.raises(UserError, match="version 99; this moe-pipe reads version 2"):
         load_session(saved, model, 256, identity)
+    # Version 1 stored every layer's rows for all N positions; a sliding layer now keeps a ring.
+    saved.write_bytes(data[:8] + struct.pack("<I", 1) + data[12:])
+    with pytest.raises(UserError, match="is version 1; this moe-pipe reads version 2") as err:
+        load_session(saved, model, 256, identity)
+    assert "\n" not in str(err.value)
     saved.write_bytes(data)
     with open_model(files["qwen3moe"]) as mf:
         f16 = load_model(mf, options=ModelOptions(kv_type="f16"))
@@ -311,3 +319,112 @@ def test_a_save_that_cannot_be_written_leaves_nothing(loaded, tmp_path):
     with pytest.raises(UserError, match="cannot write the session file"):
         save_session(tmp_path / "missing" / "x.bin", session, identity)
     assert list(tmp_path.iterdir()) == []
+
+
+# -- sliding-window rings ------------------------------------------------------------
+
+WINDOWED = ("gemma4", "gpt-oss")
+BLOCK = 4  # the rings' prompt block: 8-token windows keep 11 rows
+
+
+@pytest.fixture(scope="module")
+def windowed(tmp_path_factory):
+    """arch -> (model file, model, tokenizer, identity): the tiny model with an 8-token window."""
+    root, out = tmp_path_factory.mktemp("swa"), {}
+    for arch in WINDOWED:
+        mf = open_model(make_model(arch, "tiny", root / f"{arch}.gguf", _overrides={"sliding_window": 8}))
+        out[arch] = (mf, load_model(mf, options=ModelOptions(kv_type="f32")), Tokenizer.from_gguf(mf.gguf), model_identity(mf.gguf.paths))
+    yield out
+    for mf, *_ in out.values():
+        mf.close()
+
+
+def ring_session(model, n_ctx: int = 256) -> Session:
+    """A session whose sliding layers keep rings of 8 - 1 + BLOCK rows (the engine's block is 512)."""
+    return Session(KVCache.for_spec(model.spec, n_ctx, model.kv_type, prompt_block=BLOCK))
+
+
+@pytest.mark.parametrize("arch", WINDOWED)
+def test_reuse_past_the_window_keeps_what_the_rings_hold_and_recomputes_the_rest(windowed, arch):
+    _, model, tok, _ = windowed[arch]
+    counting, session = Counting(model), ring_session(model)
+    first = ids(tok, "The old mill stood by the river and the wheel turned")
+    turn1 = run(counting, tok, first, 12, session, prefill_batch=8)
+    ring = session.cache.k[0]
+    assert ring.cap == 8 - 1 + BLOCK and session.n > 2 * ring.cap  # the rings wrapped
+    # A turn that extends all the cache holds keeps all of it: the rings hold the window before it.
+    second = first + turn1.tokens + ids(tok, " then the miller said")
+    turn2 = run(counting, tok, second, 12, session, prefill_batch=8)
+    assert turn2.timings["prompt_cached"] == len(first) + len(turn1.tokens) - 1
+    assert turn2.tokens == run(model, tok, second, 12, prefill_batch=8).tokens  # a fresh whole-context cache
+    # Stepping back up to one prompt block keeps the prefix; one more, and the window rows before
+    # it were overwritten: the prompt runs from position 0 (llama.cpp's SWA cache does the same).
+    held = session.tokens
+    for back, kept in ((BLOCK, len(held) - BLOCK), (BLOCK + 1, 0)):
+        prompt = held[: len(held) - back] + ids(tok, " Zebras graze")
+        counting.prefilled = 0
+        again = run(counting, tok, prompt, 8, session, prefill_batch=8)
+        assert again.timings["prompt_cached"] == kept and counting.prefilled == len(prompt) - kept
+        assert again.tokens == run(model, tok, prompt, 8, prefill_batch=8).tokens
+        held = session.tokens
+    # The same request again (regenerate): a reply longer than a block moved the rings past it.
+    counting.prefilled = 0
+    assert run(counting, tok, prompt, 8, session, prefill_batch=8).timings["prompt_cached"] == 0
+
+
+class Stopped(Exception):
+    pass
+
+
+class StopsOnce:
+    """A layer observer that stops the next prompt pass after its first layer, once (a Stop mid-prompt)."""
+
+    def __init__(self):
+        self.armed = False
+
+    def __call__(self, layer: int, tokens: int) -> None:
+        if self.armed and tokens > 1:
+            self.armed = False
+            raise Stopped
+
+
+@pytest.mark.parametrize("arch", WINDOWED)
+def test_a_prompt_stopped_after_overwriting_a_ring_is_recomputed_not_reused(windowed, arch, tmp_path):
+    mf, _, tok, identity = windowed[arch]
+    stop = StopsOnce()
+    model = load_model(mf, options=ModelOptions(kv_type="f32", layer_observer=stop))
+    session = ring_session(model)
+    first = ids(tok, "The old mill stood by the river and the wheel turned")
+    reply = run(model, tok, first, 6, session, prefill_batch=16)
+    prompt = first + reply.tokens + ids(tok, " then the miller said that the river was high")
+    stop.armed = True
+    with pytest.raises(Stopped):
+        run(model, tok, prompt, 6, session, prefill_batch=16)  # layer 0 stored its new rows in blocks of 4
+    assert session.tokens == first + reply.tokens[:-1]  # the stopped pass is not counted...
+    with pytest.raises(UserError, match="no session to save") as err:  # ...but it overwrote window rows
+        save_session(tmp_path / "s.bin", session, identity, arch)
+    assert "\n" not in str(err.value) and not list(tmp_path.iterdir())
+    again = run(model, tok, prompt, 6, session, prefill_batch=16)
+    assert again.timings["prompt_cached"] == 0  # from position 0, exactly
+    assert again.tokens == run(model, tok, prompt, 6, prefill_batch=16).tokens
+
+
+@pytest.mark.parametrize("arch", WINDOWED)
+def test_a_saved_ring_session_restores_into_any_cache_and_continues_as_if_never_stopped(windowed, arch, tmp_path):
+    _, model, tok, identity = windowed[arch]
+    prompt, n = ids(tok, "The old mill stood by the river and"), 12
+    whole = run(model, tok, prompt, 2 * n, prefill_batch=8).tokens
+    session = ring_session(model)
+    head = run(model, tok, prompt, n, session, prefill_batch=8).tokens
+    path = tmp_path / "s.bin"
+    written = save_session(path, session, identity, arch)
+    # The sliding layers wrote only their rings' 11 positions, the others all of them.
+    rows = session.cache.rows()
+    assert written < sum(r.data.nbytes // r.cap * session.n for r in rows)
+    assert written > sum(r.data.nbytes // r.cap * (11 if r.window else session.n) for r in rows)
+    for into in (None, ring_session(model).cache):  # the engine's cache (no ring wraps at 256), or rings
+        restored = load_session(path, model, 256, identity, into=into)
+        assert restored.tokens == prompt + head[:-1]
+        counting = Counting(model)
+        tail = run(counting, tok, prompt + head, n, restored, prefill_batch=8)
+        assert head + tail.tokens == whole and counting.prefilled == 1

@@ -5,6 +5,7 @@ it into decode speed):
 
     model_footprint(mf, cfg)              -> ModelFootprint  sizes, floor, kernel work, from the header alone
     memory_fit(footprint, cfg, memory)    -> MemoryFit       the auto budget (resolve_budget) and fits / refuses
+    affordable_context(spec, kv_type, m)  -> int             the longest context whose KV cache a memory affords
     limited_probe(mem_limit_mb)           -> MemoryProbe     this machine as if in a new cgroup of that limit
     hit_rate(footprint, n_slabs, policy)  -> HitRate         a shipped phone trace replayed, or a stated fallback
 
@@ -103,6 +104,8 @@ class ModelFootprint:
     classes: tuple[KernelClass, ...]
     read_bytes_per_expert: tuple[int, ...]  # page-rounded disk bytes of one expert, per layer
     engine_bytes: int = 0  # what `run`'s own processes take (budget.engine_bytes): auto leaves at least this
+    kv_ring_layers: int = 0  # sliding-window layers, whose KV is a ring of kv_ring_rows positions, not ctx_size
+    kv_ring_rows: int = 0
 
     @property
     def expert_bytes_total(self) -> int:
@@ -139,7 +142,7 @@ class ModelFootprint:
 
 def model_footprint(mf, cfg: Config) -> ModelFootprint:
     """The model's footprint under `cfg`, read from its header (no weight is touched)."""
-    from ..gguf.spec import kv_cache_bytes  # the KV size the pipeline allocates
+    from ..gguf.spec import kv_cache_bytes, kv_rows, kv_windows  # the KV size the pipeline allocates
 
     spec, layout = mf.spec, mf.layout
     top_k = cfg.compute.top_k or spec.n_expert_used
@@ -164,6 +167,8 @@ def model_footprint(mf, cfg: Config) -> ModelFootprint:
         classes=kernel_classes(mf, top_k),
         read_bytes_per_expert=tuple(aligned_bytes(l.extents(0), layout.align) for l in layout.layers),
         engine_bytes=pipeline_bytes(RUN_ROLES, spec, cfg.compute.prefill_tokens, top_k),
+        kv_ring_layers=sum(1 for w in kv_windows(spec) if w),
+        kv_ring_rows=max((kv_rows(w, cfg.compute.ctx_size) for w in kv_windows(spec) if w), default=0),
     )
 
 
@@ -271,6 +276,34 @@ def memory_fit(footprint: ModelFootprint, cfg: Config, memory: MemoryProbe) -> M
         refusal,
         limit_mb,
     )
+
+
+# ---------------------------------------------------------------- context
+
+
+# How long a context a memory affords (the recipes' ctx_size, and what `doctor` says): the longest
+# whose KV cache takes at most KV_SHARE of the memory the run has, since every MiB of KV is a MiB
+# the expert cache does not get. At 4,096 tokens the recipes spent up to 8 % of the 11 GB reference
+# device on it (f16: Gemma-4 880 MiB while its sliding layers kept the whole context, Mixtral 512,
+# Qwen3-30B-A3B 384); an eighth gives the models whose sliding layers keep only their window 32k
+# there (Gemma-4 940 MiB, gpt-oss-120b 1,174 MiB) and Qwen3-30B-A3B 8k (768 MiB), not 16k (1.5 GiB).
+KV_SHARE = 1 / 8
+MIN_CONTEXT = 4096  # the steps: 4,096 × 2^k tokens, and the model's trained context
+RECIPE_CONTEXT = 32768  # the recipes go no longer (a chat, a document, an agent's tools), however much fits
+
+
+def affordable_context(spec, kv_type: str, memory_bytes: int, most: int | None = None) -> int:
+    """The longest of 4,096 × 2^k tokens and the model's trained context (at most `most`)
+    whose KV cache (`kv_cache_bytes`, rings included) is at most KV_SHARE of `memory_bytes`;
+    0 when not even the shortest is."""
+    from ..gguf.spec import kv_cache_bytes
+
+    top = min(spec.n_ctx_train, most or spec.n_ctx_train)
+    steps, c = [top], MIN_CONTEXT
+    while c < top:
+        steps.append(c)
+        c *= 2
+    return max((c for c in steps if kv_cache_bytes(spec, c, kv_type) <= KV_SHARE * memory_bytes), default=0)
 
 
 # ---------------------------------------------------------------- hit rate

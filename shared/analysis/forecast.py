@@ -41,7 +41,7 @@ import numpy as np
 
 from ..config import Config
 from ..experts.budget import MemoryProbe
-from .fit import HitRate, KernelClass, hit_rate, limited_probe, memory_fit, model_footprint
+from .fit import HitRate, KernelClass, affordable_context, hit_rate, limited_probe, memory_fit, model_footprint
 
 # The warm-up figure: the mean wall of a reply's tokens 2..50, the cache filling from
 # cold (bench/bench_vs_llama.py reports the same window), at the hit rate a replay of
@@ -303,6 +303,7 @@ def forecast(mf, cfg: Config, *, mem_limit_mb: float | None = None, seconds: flo
         "n_expert": footprint.n_expert,
         "top_k": footprint.top_k,
         "ctx_size": footprint.ctx_size,
+        "ctx_train": mf.spec.n_ctx_train,
         "file_bytes": footprint.file_bytes,
         "dense_bytes": footprint.dense_bytes,
         "expert_bytes": max(footprint.expert_bytes),
@@ -310,6 +311,9 @@ def forecast(mf, cfg: Config, *, mem_limit_mb: float | None = None, seconds: flo
         "expert_bytes_total": footprint.expert_bytes_total,
         "slab_bytes": footprint.slab_bytes,
         "kv_bytes": footprint.kv_bytes,
+        "kv_ring_layers": footprint.kv_ring_layers,
+        "kv_ring_rows": footprint.kv_ring_rows,
+        "ctx_affordable": affordable_context(mf.spec, cfg.compute.kv_type, fit.available_bytes),
         "floor_bytes": footprint.floor_bytes,
         "routed_bytes_per_token": footprint.routed_bytes_per_token,
         "active_bytes_per_token": footprint.active_bytes_per_token,

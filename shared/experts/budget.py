@@ -9,6 +9,10 @@ auto = min(host available, every enclosing cgroup's limit - working set)
        - dense set (when resident: dense_weights anon or warm) - KV cache
        - max(reserve, the engine's own processes), clamped to cache_ceil_mb.
 
+The KV cache is what compute allocates (shared/gguf/spec.py kv_cache_bytes):
+a sliding-window layer's ring of its window and one prompt block, every other
+layer the whole context, so what the rings save goes to the expert cache.
+
 Why cgroups: psutil's `available` is the host's; inside a memory cgroup (a
 container, or the benchmark's emulated 11 GB device) the limit is what the
 OOM killer enforces. Limits are hierarchical, so every level from this

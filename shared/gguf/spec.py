@@ -171,13 +171,36 @@ def check_kv_type(kv_type: str, head_widths: tuple[int, ...]) -> None:
         )
 
 
+# A sliding-window layer keeps its keys and values in a ring of W - 1 + SWA_PROMPT_BLOCK rows, not
+# the whole context: a decoded token needs only the W - 1 positions before it, and a prompt goes
+# through a sliding layer's attention in blocks of this many tokens (shared/model/blocks.py
+# `store_and_attend`), so the ring holds every key a block's queries see without a copy. llama.cpp's
+# SWA cache is likewise n_swa + n_ubatch (512 by default). The block's rows are also how far back a
+# kept prefix may step (docs/conversations.md § Past the sliding window): regenerating a reply, or a template
+# that rewrites the last reply, keeps the conversation when that reply is at most this long.
+SWA_PROMPT_BLOCK = 512
+
+
+def kv_windows(spec: ModelSpec) -> tuple[int, ...]:
+    """Per layer, the window W its attention sees (its KV rows are a ring), or 0: the whole context."""
+    w, swa = spec.sliding_window, spec.swa_layers
+    return tuple(w if w > 0 and i < len(swa) and swa[i] else 0 for i in range(spec.n_layer))
+
+
+def kv_rows(window: int, n_ctx: int, block: int = SWA_PROMPT_BLOCK) -> int:
+    """Rows one layer's K (and V) keep: `n_ctx`, or with a window a ring of window - 1 + block
+    (never more than the context: then nothing wraps)."""
+    return min(n_ctx, window - 1 + block) if window > 0 else n_ctx
+
+
 def kv_cache_bytes(spec: ModelSpec, n_ctx: int, kv_type: str) -> int:
     """Bytes of the K and V caches compute allocates for `n_ctx` positions stored as
-    `kv_type`, plus a hybrid model's recurrent state (`recurrent_state_bytes`)."""
+    `kv_type` (a sliding-window layer's ring of `kv_rows`, every other layer the whole
+    context), plus a hybrid model's recurrent state (`recurrent_state_bytes`)."""
     check_kv_type(kv_type, spec.head_dim_k + spec.head_dim_v)
     num, den = KV_TYPE_BYTES[kv_type]
-    layers = zip(spec.n_head_kv, spec.head_dim_k, spec.head_dim_v, range(spec.n_layer))
-    elements = n_ctx * sum(hk * (dk + dv) for hk, dk, dv, i in layers if not spec.is_recurrent(i))
+    layers = zip(spec.n_head_kv, spec.head_dim_k, spec.head_dim_v, kv_windows(spec), range(spec.n_layer))
+    elements = sum(kv_rows(w, n_ctx) * hk * (dk + dv) for hk, dk, dv, w, i in layers if not spec.is_recurrent(i))
     return elements * num // den + recurrent_state_bytes(spec)  # exact: q8_0 heads are whole blocks of 32
 
 

@@ -86,7 +86,8 @@ def _bits_to_float_typed(typingctx, bits):
         return None
 
     def codegen(context, builder, signature, args):
-        return builder.bitcast(builder.trunc(args[0], ir.IntType(32)) if bits.bitwidth > 32 else args[0], ir.FloatType())
+        low = args[0] if bits in (types.int32, types.uint32) else builder.trunc(args[0], ir.IntType(32))
+        return builder.bitcast(low, ir.FloatType())
 
     return types.float32(bits), codegen
 

@@ -27,6 +27,8 @@ from here: after editing this module, touch attend.py (CI hashes both, .ci/run).
 
 from __future__ import annotations
 
+from typing import Any
+
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
@@ -195,5 +197,5 @@ def _pv_tile_typed(typingctx, p, po, ps, nr, v, vo, vs, nk, dv, o, oo, os):
     return types.void(p, po, ps, nr, v, vo, vs, nk, dv, o, oo, os), codegen
 
 
-qk_tile = intrinsic(_qk_tile_typed)
-pv_tile = intrinsic(_pv_tile_typed)
+qk_tile: Any = intrinsic(_qk_tile_typed)
+pv_tile: Any = intrinsic(_pv_tile_typed)

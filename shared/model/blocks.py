@@ -1,5 +1,6 @@
 """Shared forward-pass blocks: RMSNorm, RoPE (plain, YaRN, per-pair factors),
-grouped-query attention over a KV cache (causal, sliding window, sinks).
+grouped-query attention over a KV cache (causal, sliding window, sinks); the
+cache keeps a sliding-window layer's rows as a ring (`KVCache`, `store_and_attend`).
 
 Everything is float32 numpy; the KV cache may store f16 or q8_0, but its reads
 are float32. Legend: T new tokens, N cached positions (including the new
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..gguf.spec import Q8_0_BLOCK, RopeSpec, check_kv_type
+from ..gguf.spec import Q8_0_BLOCK, SWA_PROMPT_BLOCK, ModelSpec, RopeSpec, check_kv_type, kv_rows, kv_windows
 from .attend import attend
 from .fused import _rope_rotate, rms_norm, swiglu  # noqa: F401  (fused loops, part of the blocks' API)
 
@@ -103,34 +104,80 @@ def rope_from_spec(r: RopeSpec) -> Rope:
 
 
 class _Rows:
-    """One layer's K (or V) for every kv head, [Hk, n_ctx, d], stored as `kv_type`:
+    """One layer's K (or V) for every kv head, [Hk, rows, d], stored as `kv_type`:
     f32 and f16 as such; q8_0 as int8 values with one float16 scale per block
-    of 32 along d (llama.cpp's q8_0: d = max|x|/127, q = roundf(x/d))."""
+    of 32 along d (llama.cpp's q8_0: d = max|x|/127, q = roundf(x/d)).
 
-    def __init__(self, kv_type: str, hk: int, n_ctx: int, d: int):
-        self.kv_type = kv_type
+    Position j lives in row j mod rows. With rows = n_ctx that is row j; a
+    sliding-window layer (`window` W > 0) keeps a ring of W - 1 + one prompt
+    block (shared/gguf/spec.py kv_rows), where each position overwrites the
+    one `rows` before it. `lo` is the oldest position still held: the rows
+    hold positions lo..top-1 (top: one past the last written), so a read of
+    older ones is refused rather than served from an overwritten row.
+    `attend` (shared/model/attend.py) reads the same map in place: base 0."""
+
+    def __init__(self, kv_type: str, hk: int, rows: int, d: int, window: int = 0):
+        self.kv_type, self.window, self.lo = kv_type, window, 0
         dtype = {"f32": np.float32, "f16": np.float16, "q8_0": np.int8}[kv_type]
-        self.data = np.zeros((hk, n_ctx, d), dtype)
-        self.scale = np.zeros((hk, n_ctx, d // Q8_0_BLOCK), np.float16) if kv_type == "q8_0" else None
+        self.data = np.zeros((hk, rows, d), dtype)
+        self.scale = np.zeros((hk, rows, d // Q8_0_BLOCK), np.float16) if kv_type == "q8_0" else None
+
+    @property
+    def cap(self) -> int:
+        return self.data.shape[1]
+
+    def arrays(self) -> list[np.ndarray]:
+        """What is stored, [Hk, rows, x]: the values, and q8_0's scales."""
+        return [self.data] if self.scale is None else [self.data, self.scale]
+
+    def _at(self, lo: int, hi: int) -> slice | np.ndarray:
+        """The rows of positions lo..hi-1 (at most `cap` of them), in position order."""
+        r0 = lo % self.cap
+        return slice(r0, r0 + hi - lo) if r0 + hi - lo <= self.cap else np.arange(lo, hi) % self.cap
+
+    def holds(self, lo: int, hi: int) -> bool:
+        """Whether positions lo..hi-1 are all still in the rows (an empty range always is)."""
+        return hi <= lo or (lo >= self.lo and hi - lo <= self.cap)
 
     def write(self, at: int, x: np.ndarray) -> None:
         """x [Hk, T, d] float32 at positions at..at+T-1: only these rows are converted."""
         t = x.shape[1]
+        if t > self.cap:
+            raise ValueError(f"{t} positions do not fit {self.cap} rows of KV cache at once")
+        rows = self._at(at, at + t)
         if self.scale is None:
-            self.data[:, at : at + t] = x  # numpy casts to float16 (round to nearest) for f16
-            return
-        q, scale = quantize_q8_0(x)
-        self.data[:, at : at + t] = q
-        self.scale[:, at : at + t] = scale
+            self.data[:, rows] = x  # numpy casts to float16 (round to nearest) for f16
+        else:
+            self.data[:, rows], self.scale[:, rows] = quantize_q8_0(x)
+        # Positions below at + t - cap were just overwritten; anything at or past `at` was
+        # forgotten (a truncation) and is now these rows.
+        self.lo = max(min(self.lo, at), at + t - self.cap)
 
     def read(self, lo: int, hi: int) -> np.ndarray:
-        """Positions lo..hi-1 as float32 [Hk, hi-lo, d] (a view for f32, a converted copy otherwise)."""
-        rows = self.data[:, lo:hi]
+        """Positions lo..hi-1 as float32 [Hk, hi-lo, d] (a view for f32 rows that do not wrap,
+        a converted copy otherwise)."""
+        if not self.holds(lo, hi):
+            raise ValueError(f"KV positions {lo}..{hi - 1} are not held: these {self.cap} rows keep {self.lo} on")
+        rows = self._at(lo, hi)
+        data = self.data[:, rows]
         if self.scale is None:
-            return rows if rows.dtype == np.float32 else rows.astype(np.float32)
-        hk, n, d = rows.shape
-        blocks = rows.reshape(hk, n, d // Q8_0_BLOCK, Q8_0_BLOCK).astype(np.float32)
-        return (blocks * self.scale[:, lo:hi, :, None].astype(np.float32)).reshape(hk, n, d)
+            return data if data.dtype == np.float32 else data.astype(np.float32)
+        hk, n, d = data.shape
+        blocks = data.reshape(hk, n, d // Q8_0_BLOCK, Q8_0_BLOCK).astype(np.float32)
+        return (blocks * self.scale[:, rows, :, None].astype(np.float32)).reshape(hk, n, d)
+
+    def export(self, lo: int, hi: int) -> list[np.ndarray]:
+        """Positions lo..hi-1 as stored, one [Hk, hi-lo, x] array per `arrays()` (a saved session)."""
+        rows = self._at(lo, hi)
+        return [np.ascontiguousarray(a[:, rows]) for a in self.arrays()]
+
+    def restore(self, lo: int, hi: int, stored: list[np.ndarray]) -> None:
+        """Put back what `export(lo, hi)` gave (maybe from rows of another size): the rows
+        then hold exactly positions lo..hi-1."""
+        rows = self._at(lo, hi)
+        for a, x in zip(self.arrays(), stored):
+            a[:, rows] = x
+        self.lo = lo
 
 
 def quantize_q8_0(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -149,28 +196,55 @@ def quantize_q8_0(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 class KVCache:
-    """Keys and values per layer, [Hk, n_ctx, d], filled left to right, stored as
-    `kv_type` (f32 | f16 | q8_0; shared/gguf/spec.py KV_TYPE_BYTES). Reads come
-    back as float32: attention's math is float32 whatever the storage."""
+    """Keys and values per layer, filled left to right, stored as `kv_type`
+    (f32 | f16 | q8_0; shared/gguf/spec.py KV_TYPE_BYTES). Reads come back as
+    float32: attention's math is float32 whatever the storage.
+
+    A layer with a window W (`windows`, per layer; 0 or () = the whole context)
+    keeps a ring of W - 1 + `prompt_block` rows instead of n_ctx (`for_spec`
+    gives a model's: gemma4's and gpt-oss's sliding layers), and takes a prompt
+    in blocks of `prompt_block` tokens (`store_and_attend`). The cache can then
+    continue from a position only while its rings still hold the W - 1 before
+    it: `can_truncate` says where."""
 
     def __init__(
-        self, n_ctx: int, n_head_kv: tuple[int, ...], head_dim_k: tuple[int, ...], head_dim_v: tuple[int, ...], kv_type: str = "f32"
+        self,
+        n_ctx: int,
+        n_head_kv: tuple[int, ...],
+        head_dim_k: tuple[int, ...],
+        head_dim_v: tuple[int, ...],
+        kv_type: str = "f32",
+        windows: tuple[int, ...] = (),
+        prompt_block: int = SWA_PROMPT_BLOCK,
     ):
         check_kv_type(kv_type, tuple(head_dim_k) + tuple(head_dim_v))
-        self.n_ctx, self.kv_type = n_ctx, kv_type
-        self.k = [_Rows(kv_type, hk, n_ctx, dk) for hk, dk in zip(n_head_kv, head_dim_k)]
-        self.v = [_Rows(kv_type, hk, n_ctx, dv) for hk, dv in zip(n_head_kv, head_dim_v)]
+        windows = tuple(windows) or (0,) * len(n_head_kv)
+        if len(windows) != len(n_head_kv) or prompt_block < 1 or min(windows, default=0) < 0:
+            raise ValueError(f"KVCache: {len(windows)} windows for {len(n_head_kv)} layers, prompt block {prompt_block}")
+        self.n_ctx, self.kv_type, self.windows, self.prompt_block = n_ctx, kv_type, windows, prompt_block
+        rows = [kv_rows(w, n_ctx, prompt_block) for w in windows]
+        self.k = [_Rows(kv_type, hk, r, dk, w) for hk, r, dk, w in zip(n_head_kv, rows, head_dim_k, windows)]
+        self.v = [_Rows(kv_type, hk, r, dv, w) for hk, r, dv, w in zip(n_head_kv, rows, head_dim_v, windows)]
         self.n = 0  # positions filled (all layers advance together)
         # A hybrid model's (qwen35moe) recurrent layers keep their state here, not in K/V.
         self.state: RecurrentState | None = None
 
-    def store(self, layer: int, k: np.ndarray, v: np.ndarray) -> None:
-        """k [T, Hk, d], v [T, Hk, dv] at positions n..n+T-1 (commit with advance())."""
-        t = k.shape[0]
-        if self.n + t > self.n_ctx:
-            raise ValueError(f"context full: {self.n} + {t} tokens > n_ctx {self.n_ctx}")
-        self.k[layer].write(self.n, k.transpose(1, 0, 2))
-        self.v[layer].write(self.n, v.transpose(1, 0, 2))
+    @classmethod
+    def for_spec(cls, spec: ModelSpec, n_ctx: int, kv_type: str, prompt_block: int = SWA_PROMPT_BLOCK) -> KVCache:
+        """A model's cache: a ring on each sliding-window layer (what kv_cache_bytes counts)."""
+        return cls(n_ctx, spec.n_head_kv, spec.head_dim_k, spec.head_dim_v, kv_type, kv_windows(spec), prompt_block)
+
+    def store(self, layer: int, k: np.ndarray, v: np.ndarray, at: int | None = None) -> None:
+        """k [T, Hk, d], v [T, Hk, dv] at positions at..at+T-1, `at` the next position by
+        default (commit with advance()). A ring must still hold the W - 1 positions before `at`."""
+        t, at = k.shape[0], self.n if at is None else at
+        if at + t > self.n_ctx:
+            raise ValueError(f"context full: {at} + {t} tokens > n_ctx {self.n_ctx}")
+        rows = self.k[layer]
+        if at < self.n or not rows.holds(max(0, at - rows.window + 1) if rows.window else at, at):
+            raise ValueError(f"layer {layer} cannot store position {at}: the cache holds {self.n}, its rows keep {rows.lo} on")
+        rows.write(at, k.transpose(1, 0, 2))
+        self.v[layer].write(at, v.transpose(1, 0, 2))
 
     def keys(self, layer: int, lo: int, hi: int) -> np.ndarray:
         """Cached keys at positions lo..hi-1, float32 [Hk, hi-lo, d]."""
@@ -181,39 +255,54 @@ class KVCache:
         return self.v[layer].read(lo, hi)
 
     def stored(self, layer: int) -> tuple[np.ndarray, np.ndarray] | None:
-        """The layer's K and V arrays as stored, [Hk, n_ctx, d], when they are
-        plain float32 or float16 (decode attention reads them in place); None for q8_0."""
+        """The layer's K and V arrays as stored, [Hk, rows, d] with position j in row
+        j mod rows (attend's base 0), when they are plain float32 or float16 (decode
+        attention reads them in place); None for q8_0."""
         k, v = self.k[layer], self.v[layer]
         return None if k.scale is not None else (k.data, v.data)
+
+    def rows(self) -> list[_Rows]:
+        """Every layer's K and V rows in a fixed order (per layer: K, V): what a saved
+        session writes and reads back (shared/model/session.py)."""
+        return [r for kv in zip(self.k, self.v) for r in kv]
 
     def advance(self, t: int) -> None:
         self.n += t
 
+    def holds_window(self, p: int) -> bool:
+        """Whether the keys a query at position p sees before itself (p-W+1..p-1 on a
+        ring; a whole-context layer keeps everything) are all still held."""
+        return all(r.holds(max(0, p - r.window + 1), p) for r in self.k if r.window)
+
     def can_truncate(self, n: int) -> bool:
-        """Whether `truncate(n)` is possible: always for a pure KV cache; with a
-        recurrent state only to 0 or to n ≥ the current length, because the state
-        has folded every position in and cannot be rewound (reuse recomputes)."""
-        return self.state is None or n <= 0 or n >= self.n
+        """Whether `truncate(n)` leaves a cache that can go on from position n (n at or past
+        the current length: from where it is). Always to 0. A recurrent state has folded
+        every position in and cannot be rewound, so only to 0 or on; a ring only while it
+        still holds the window before n: a prefix whose window rows were overwritten is
+        recomputed (docs/conversations.md § Prefix reuse)."""
+        if n <= 0:
+            return True
+        if self.state is not None and n < self.n:
+            return False
+        return self.holds_window(min(n, self.n))
 
     def truncate(self, n: int) -> None:
         """Forget every position from n on (rows past n are overwritten by the next store)."""
         if not self.can_truncate(n):
-            raise ValueError(f"this model's recurrent state cannot be rewound from {self.n} to {n} positions (only to 0)")
+            if self.state is not None and n < self.n:
+                raise ValueError(f"this model's recurrent state cannot be rewound from {self.n} to {n} positions (only to 0)")
+            lo = max(r.lo for r in self.k)
+            raise ValueError(
+                f"this model's sliding-window rows no longer hold the positions before {n} (they keep {lo} on): only back to 0"
+            )
         if self.state is not None and n <= 0:
             self.state.reset()
         self.n = max(0, min(self.n, n))
 
     def parts(self) -> list[np.ndarray]:
-        """Every stored array, [Hk, n_ctx, x], in a fixed order (per layer: K, its
-        q8_0 scales if any, V, its scales): what a saved session writes and reads
-        back (shared/model/session.py), positions 0..n-1 of each."""
-        out: list[np.ndarray] = []
-        for k, v in zip(self.k, self.v):
-            for rows in (k, v):
-                out.append(rows.data)
-                if rows.scale is not None:
-                    out.append(rows.scale)
-        return out
+        """Every stored array, [Hk, rows, x], in a fixed order (per layer: K, its
+        q8_0 scales if any, V, its scales)."""
+        return [a for r in self.rows() for a in r.arrays()]
 
 
 class RecurrentState:
@@ -235,6 +324,12 @@ class RecurrentState:
         return sum(a.nbytes for a in (*self.conv.values(), *self.delta.values()))
 
 
+# The q8_0 path's scores are [Hk, G, T', N] float32 for a block of T' queries over N keys: blocks
+# keep them near this many elements (16 MiB), where a 4,096-token chunk over a 32k context at once
+# would be 8 GiB on Gemma's full layers.
+Q8_SCORE_ELEMENTS = 1 << 22
+
+
 def attention(
     q: np.ndarray, cache: KVCache, layer: int, start: int, scale: float, window: int = 0, sinks: np.ndarray | None = None
 ) -> np.ndarray:
@@ -242,42 +337,86 @@ def attention(
 
     q [T, H, d]; returns [T, H·dv]. Key j is visible to query p when j ≤ p and,
     with a window W, p − W < j. `sinks` [H] adds a per-head logit column that
-    takes probability mass and is then dropped (gpt-oss).
+    takes probability mass and is then dropped (gpt-oss). Every key the queries
+    see must be held (a ring keeps W - 1 + prompt_block rows: `store_and_attend`).
     """
     t, h, d = q.shape
     n = start + t
-    # One query (decode) sees every cached key up to itself: slice the window
-    # instead of building a mask.
-    lo = max(0, n - window) if (t == 1 and window) else 0
+    first = max(0, start - window + 1) if window else 0  # the first key any of these queries sees
+    kept = cache.k[layer]
+    if kept.window and not 0 < window <= kept.window:
+        raise ValueError(f"layer {layer} keeps a {kept.window}-position window; attention over {window or 'the whole context'} needs more")
+    if not kept.holds(first, n):
+        raise ValueError(f"layer {layer}: keys {first}..{n - 1} are not all held (its {kept.cap} rows keep {kept.lo} on)")
     stored = cache.stored(layer)
     if stored is not None:  # f32/f16: every row as a decode step computes it, whatever the batch
         hk = stored[0].shape[0]
         return attend(q.reshape(t, hk, h // hk, d), stored[0], stored[1], 0, start, window, scale, sinks).reshape(t, -1)
-    keys, values = cache.keys(layer, lo, n), cache.values(layer, lo, n)  # float32 [Hk, N, d], [Hk, N, dv]
-    hk = keys.shape[0]
+    keys, values = cache.keys(layer, first, n), cache.values(layer, first, n)  # float32 [Hk, N, d], [Hk, N, dv]
+    hk, dv = keys.shape[0], values.shape[2]
     g = h // hk
-    # One matmul per kv head over all its G·T query rows (not G·T separate
-    # products): [Hk, G·T, d] @ [Hk, d, N].
-    qg = np.ascontiguousarray(q.reshape(t, hk, g, d).transpose(1, 2, 0, 3)).reshape(hk, g * t, d)
-    scores = (np.matmul(qg, keys.transpose(0, 2, 1)) * np.float32(scale)).reshape(hk, g, t, -1)  # [Hk, G, T, N]
-    if t > 1:
-        pos = np.arange(start, n)[:, None]  # [T, 1]
-        j = np.arange(n)[None, :]  # [1, N]
-        hidden = j > pos
-        if window:
-            hidden |= j <= pos - window
-        scores = np.where(hidden, np.float32(-np.inf), scores)
-    m = scores.max(axis=-1, keepdims=True)
-    if sinks is not None:
-        s = sinks.reshape(hk, g, 1, 1).astype(np.float32)
-        m = np.maximum(m, s)
-        e = np.exp(scores - m)
-        probs = e / (e.sum(axis=-1, keepdims=True) + np.exp(s - m))
-    else:
-        e = np.exp(scores - m)
-        probs = e / e.sum(axis=-1, keepdims=True)
-    out = np.matmul(probs.reshape(hk, g * t, -1), values).reshape(hk, g, t, -1)  # [Hk, G, T, dv]
-    return out.transpose(2, 0, 1, 3).reshape(t, -1)  # [T, H·dv]
+    out = np.empty((t, hk, g, dv), np.float32)
+    # Queries in blocks (a decode step is one): the same blocks for the same (start, T), so a
+    # position's numbers repeat in a fresh run chunked alike (docs/conversations.md § Prefix reuse).
+    step = max(1, Q8_SCORE_ELEMENTS // max(1, h * (n - first)))
+    for a in range(0, t, step):
+        b = min(t, a + step)
+        lo = max(0, start + a - window + 1) if window else 0  # this block's first key
+        kb, vb = keys[:, lo - first : start + b - first], values[:, lo - first : start + b - first]  # [Hk, N', d]
+        # One matmul per kv head over all its G·T' query rows: [Hk, G·T', d] @ [Hk, d, N'].
+        qg = np.ascontiguousarray(q[a:b].reshape(b - a, hk, g, d).transpose(1, 2, 0, 3)).reshape(hk, g * (b - a), d)
+        scores = (np.matmul(qg, kb.transpose(0, 2, 1)) * np.float32(scale)).reshape(hk, g, b - a, -1)  # [Hk, G, T', N']
+        if b - a > 1:
+            pos = np.arange(start + a, start + b)[:, None]  # [T', 1]
+            j = np.arange(lo, start + b)[None, :]  # [1, N']
+            hidden = j > pos
+            if window:
+                hidden |= j <= pos - window
+            scores = np.where(hidden, np.float32(-np.inf), scores)
+        m = scores.max(axis=-1, keepdims=True)
+        if sinks is not None:
+            s = sinks.reshape(hk, g, 1, 1).astype(np.float32)
+            m = np.maximum(m, s)
+            e = np.exp(scores - m)
+            probs = e / (e.sum(axis=-1, keepdims=True) + np.exp(s - m))
+        else:
+            e = np.exp(scores - m)
+            probs = e / e.sum(axis=-1, keepdims=True)
+        out[a:b] = np.matmul(probs.reshape(hk, g * (b - a), -1), vb).reshape(hk, g, b - a, dv).transpose(2, 0, 1, 3)
+    return out.reshape(t, -1)  # [T, H·dv]
+
+
+def store_and_attend(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    cache: KVCache,
+    layer: int,
+    start: int,
+    scale: float,
+    window: int = 0,
+    sinks: np.ndarray | None = None,
+) -> np.ndarray:
+    """Store the new tokens' k [T, Hk, d] and v [T, Hk, dv] at positions start..start+T-1
+    and attend q [T, H, d] over the cache (`attention`): [T, H·dv].
+
+    With a window, a prompt goes in blocks of `cache.prompt_block` tokens: a block's
+    rows are stored, then its queries attend, then the next block. So a ring of
+    W - 1 + prompt_block rows holds every key a block sees, read in place, with no
+    copy; the later blocks overwrite what the earlier ones no longer need. A
+    whole-context cache runs the same blocks and gets the same numbers, q8_0's too.
+    """
+    t = q.shape[0]
+    step = cache.prompt_block if window else t
+    if t <= step:
+        cache.store(layer, k, v, at=start)
+        return attention(q, cache, layer, start, scale, window, sinks)
+    out = []
+    for a in range(0, t, step):
+        b = min(t, a + step)
+        cache.store(layer, k[a:b], v[a:b], at=start + a)
+        out.append(attention(q[a:b], cache, layer, start + a, scale, window, sinks))
+    return np.concatenate(out)
 
 
 # ---- activations -------------------------------------------------------------

@@ -12,7 +12,10 @@ Invariant: `ids[:cache.n]` are the tokens whose K and V the cache holds. A
 step records its ids before it runs and the cache counts a batch only once
 every layer has stored it, so a step that fails half way (a cancel, a read
 error) leaves a consistent session: the positions it did not finish are
-simply not held.
+simply not held. On a sliding-window ring such a step may have overwritten
+rows the held positions' window needs (a chunk longer than one prompt
+block): the cache then says it cannot go on from them (KVCache.can_truncate),
+and the next request starts from position 0 rather than read those rows.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from ..errors import UserError
 from .blocks import KVCache
 
 SESSION_MAGIC = b"MOEPSESS"
-SESSION_VERSION = 1
+SESSION_VERSION = 2  # 2: a sliding-window layer keeps its ring's positions (docs/conversations.md § Saved sessions)
 _PREAMBLE = struct.Struct("<8sII")  # magic, version, header bytes
 MAX_HEADER_BYTES = 1 << 20  # the JSON header is a few hundred bytes; more is not a session file
 MIN_KEEP_FREE = 4  # a shift always frees some positions (llama.cpp clamps n_keep to n_ctx - 4)
@@ -84,13 +87,19 @@ class Session:
         batched attention rounds unlike a single row's: positions a prompt
         computed are then recomputed in the batches a fresh run uses;
         docs/conversations.md § Prefix reuse).
-        Disabled, or nothing in common: start from position 0."""
+        Disabled, nothing in common, or a prefix whose sliding-window rows were
+        overwritten (KVCache.can_truncate): start from position 0."""
         keep = min(common_prefix(self.tokens, prompt), len(prompt) - 1) if enabled else 0
         if self.cache is not None and self.cache.state is not None:
             # A recurrent state cannot be rewound: all of the cache goes on, or none of it.
             keep = self.n if keep >= self.n else 0
         else:
             keep -= keep % max(align, 1)
+        if self.cache is not None and not self.cache.can_truncate(keep):
+            # A sliding-window ring no longer holds the window before `keep` (the cache went
+            # on more than a prompt block past it, or a prompt stopped part way overwrote it):
+            # no shorter prefix has its window either, so the prompt runs from position 0.
+            keep = 0
         self.truncate(max(keep, 0))
         return self.n
 
@@ -129,12 +138,24 @@ class Session:
 
 
 def _parts_layout(cache: KVCache) -> list[list]:
-    return [[int(p.shape[0]), int(p.shape[2]), p.dtype.str] for p in cache.parts()]
+    """Per stored array (per layer: K, its q8_0 scales, V, its scales): kv heads, width, dtype, window (0: whole context)."""
+    return [[int(a.shape[0]), int(a.shape[2]), a.dtype.str, r.window] for r in cache.rows() for a in r.arrays()]
+
+
+def _per_array(cache: KVCache, per_rows: list[int]) -> list[int]:
+    return [x for r, x in zip(cache.rows(), per_rows) for _ in r.arrays()]
+
+
+def _first_held(cache: KVCache, n: int) -> list[int]:
+    """Per rows of `cache.rows()`, the first of the positions 0..n-1 a file keeps: 0, or a ring's oldest held."""
+    return [min(r.lo, n) if r.window else 0 for r in cache.rows()]
 
 
 def save_session(path: str | os.PathLike, session: Session, identity: Sequence[str], arch: str = "") -> int:
     """Write the session to `path` (a temporary file renamed over it, so a
-    crash never leaves half a session under the name); the bytes written."""
+    crash never leaves half a session under the name); the bytes written.
+    Each array keeps the positions its rows hold: all N on a whole-context
+    layer, a sliding-window layer's ring from its oldest held position."""
     if session.cache is None:
         raise UserError("there is no session to save yet: generate something first")
     if session.cache.state is not None:
@@ -143,13 +164,19 @@ def save_session(path: str | os.PathLike, session: Session, identity: Sequence[s
             f"saving a session is not supported for {arch or 'this model'}: its linear-attention state is not in the file format"
         )
     cache, n = session.cache, session.n
+    if not cache.can_truncate(n):
+        raise UserError(
+            "there is no session to save: the last prompt stopped part way and overwrote sliding-window rows it needed; "
+            "send a request first"
+        )
+    firsts = _first_held(cache, n)
     header = {
         "model": list(identity),
         "arch": arch,
         "kv_type": cache.kv_type,
         "n_ctx": cache.n_ctx,
         "n_tokens": n,
-        "parts": _parts_layout(cache),
+        "parts": [[*layout, first] for layout, first in zip(_parts_layout(cache), _per_array(cache, firsts))],
     }
     head = json.dumps(header, separators=(",", ":")).encode()
     path = Path(path)
@@ -159,8 +186,9 @@ def save_session(path: str | os.PathLike, session: Session, identity: Sequence[s
             fh.write(_PREAMBLE.pack(SESSION_MAGIC, SESSION_VERSION, len(head)))
             fh.write(head)
             fh.write(np.asarray(session.tokens, "<i4").tobytes())
-            for part in cache.parts():
-                fh.write(np.ascontiguousarray(part[:, :n]).tobytes())
+            for rows, first in zip(cache.rows(), firsts):
+                for part in rows.export(first, n):
+                    fh.write(part.tobytes())
             fh.flush()
             os.fsync(fh.fileno())
             written = fh.tell()
@@ -175,10 +203,14 @@ def save_session(path: str | os.PathLike, session: Session, identity: Sequence[s
 
 
 def _expected_bytes(header: dict, head_len: int) -> int:
+    """The file's length by its header; a part that is not [heads, width, dtype, window, first]
+    with 0 <= first <= N (0 on a whole-context layer) is a ValueError (a corrupt header)."""
     n = header["n_tokens"]
     size = _PREAMBLE.size + head_len + 4 * n
-    for hk, width, dtype in header["parts"]:
-        size += hk * n * width * np.dtype(dtype).itemsize
+    for hk, width, dtype, window, first in header["parts"]:
+        if not all(isinstance(x, int) and x >= 0 for x in (hk, width, window, first)) or first > n or (first and not window):
+            raise ValueError(f"part {[hk, width, dtype, window, first]}")
+        size += hk * (n - first) * width * np.dtype(dtype).itemsize
     return size
 
 
@@ -241,17 +273,30 @@ def load_session(path: str | os.PathLike, model, n_ctx: int, identity: Sequence[
         raise UserError(f"the session file {path} holds {n} tokens, more than fit a context of {n_ctx}; raise compute.ctx_size")
     reuse = into is not None and into.n_ctx == n_ctx and into.kv_type == model.kv_type
     cache = into if reuse and into is not None else model.new_cache(n_ctx)
-    if header["parts"] != _parts_layout(cache):
+    if [p[:4] for p in header["parts"]] != _parts_layout(cache):
         raise UserError(f"the session file {path} does not match this model's KV cache shapes; it was saved with another model")
+    firsts = _first_held(cache, n)  # per rows; the file's must be the same for K's values and scales, and hold the window
+    at = 0
+    for i, rows in enumerate(cache.rows()):
+        count, first = len(rows.arrays()), header["parts"][at][4]
+        if [p[4] for p in header["parts"][at : at + count]] != [first] * count or (rows.window and first > max(0, n - rows.window + 1)):
+            raise UserError(
+                f"the session file {path} is corrupt (a sliding-window layer's rows do not hold the window before its last token)"
+            )
+        firsts[i], at = first, at + count
     cache.truncate(0)  # from here a failure leaves an empty cache, never a mix of two sessions
     try:
         with open(path, "rb") as fh:
             fh.seek(data_at)
             ids = np.fromfile(fh, "<i4", n)
-            for part in cache.parts():
-                hk, _, width = part.shape
-                rows = np.fromfile(fh, part.dtype, hk * n * width)
-                part[:, :n] = rows.reshape(hk, n, width)
+            for rows, first in zip(cache.rows(), firsts):
+                keep = max(first, n - rows.cap)  # a smaller ring (a shorter context) keeps the newest positions
+                held = []
+                for part in rows.arrays():
+                    hk, _, width = part.shape
+                    saved = np.fromfile(fh, part.dtype, hk * (n - first) * width).reshape(hk, n - first, width)
+                    held.append(saved[:, keep - first :])
+                rows.restore(keep, n, held)
     except (OSError, ValueError) as exc:
         raise UserError(f"cannot read the session file {path}: {getattr(exc, 'strerror', None) or exc}") from None
     if n and (ids.min() < 0 or ids.max() >= model.spec.n_vocab):

@@ -8,7 +8,8 @@ rotate (rope_freqs). Output projection → post_attention_norm → residual.
 FFN: an always-on GELU-tanh MLP on ffn_norm(h) (→ post_ffw_norm_1) plus the
 routed experts on pre_ffw_norm_2(h) (→ post_ffw_norm_2), routed from
 RMSNorm_noweight(h)·scale/√D; sum → post_ffw_norm → residual → × layer scalar.
-Output head tied to the embeddings; logits soft-capped.
+Output head tied to the embeddings; logits soft-capped. The KV cache keeps a
+sliding layer's window as a ring, a full layer's whole context (`new_cache`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import numpy as np
 
 from ...gguf.model_file import ModelFile
 from ...model.base import MoEModel
-from ...model.blocks import Rope, attention, gelu_tanh, plain_inv_freq, rms_norm
+from ...model.blocks import KVCache, Rope, gelu_tanh, plain_inv_freq, rms_norm, store_and_attend
 from ...model.moe import apply_experts, softmax_then_top_k
 from ...model.weights import Expert
 
@@ -67,6 +68,10 @@ class Model(MoEModel):
             out_scale=w.vector(p + "layer_output_scale.weight") if w.has(p + "layer_output_scale.weight") else np.ones(1, np.float32),
         )
 
+    def new_cache(self, n_ctx: int, kv_type: str | None = None) -> KVCache:
+        """The sliding layers keep a ring of their window, the full layers the whole context."""
+        return KVCache.for_spec(self.spec, n_ctx, kv_type or self.kv_type)
+
     def embed(self, tokens):
         return self.embd.rows(tokens) * self.embed_scale
 
@@ -91,8 +96,8 @@ class Model(MoEModel):
             v = rms_norm(v, None, eps)
             k = rms_norm(k_raw, L["k_norm"], eps)
             cos, sin = rope.tables(positions)
-            cache.store(i, rope.apply(k, cos, sin), v)
-            a = attention(rope.apply(q, cos, sin), cache, i, start, 1.0, window=s.sliding_window if sliding else 0)
+            window = s.sliding_window if sliding else 0
+            a = store_and_attend(rope.apply(q, cos, sin), rope.apply(k, cos, sin), v, cache, i, start, 1.0, window)
             h = x + rms_norm(L["o"](a), L["post_attn_norm"], eps)
         with self.stage("dense_mlp"):  # always on
             n1 = rms_norm(h, L["ffn_norm"], eps)

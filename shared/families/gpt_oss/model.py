@@ -4,7 +4,8 @@ Per layer: RMSNorm → q,k,v with biases → NEOX YaRN RoPE → causal GQA scale
 1/√d with a per-head sink logit, a 128-token window on sliding layers →
 output projection + bias; residual. Then RMSNorm (`post_attention_norm` is
 the pre-FFN norm) → router logits + bias → top-k logits → softmax over those →
-Σ w·(down(clamped SwiGLU) + b); residual.
+Σ w·(down(clamped SwiGLU) + b); residual. The KV cache keeps a sliding layer's
+window as a ring, a full layer's whole context (`new_cache`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import numpy as np
 
 from ...gguf.model_file import ModelFile
 from ...model.base import MoEModel
-from ...model.blocks import attention, rms_norm, rope_from_spec, sigmoid
+from ...model.blocks import KVCache, rms_norm, rope_from_spec, sigmoid, store_and_attend
 from ...model.moe import apply_experts, top_k_then_softmax
 from ...model.weights import Expert
 
@@ -42,6 +43,10 @@ class Model(MoEModel):
         super().__init__(mf, **kwargs)
         self.rope = rope_from_spec(self.spec.rope)
         self.scale = 1.0 / math.sqrt(self.spec.head_dim_k[0])
+
+    def new_cache(self, n_ctx: int, kv_type: str | None = None) -> KVCache:
+        """The sliding layers keep a ring of their 128-token window, the others the whole context."""
+        return KVCache.for_spec(self.spec, n_ctx, kv_type or self.kv_type)
 
     def load_layer(self, i: int) -> dict:
         p, w = f"blk.{i}.", self.w
@@ -70,9 +75,9 @@ class Model(MoEModel):
             k = (L["k"](n) + L["k_b"]).reshape(t, hk, hd)
             v = (L["v"](n) + L["v_b"]).reshape(t, hk, s.head_dim_v[i])
             cos, sin = self.rope.tables(positions)
-            cache.store(i, self.rope.apply(k, cos, sin), v)
             window = s.sliding_window if s.swa_layers[i] else 0
-            a = attention(self.rope.apply(q, cos, sin), cache, i, start, self.scale, window=window, sinks=L["sinks"])
+            q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
+            a = store_and_attend(q, k, v, cache, i, start, self.scale, window, L["sinks"])
             h = x + L["o"](a) + L["o_b"]
         with self.stage("router"):
             n2 = rms_norm(h, L["ffn_norm"], eps)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moe_pipe.shared.model.attend import _half_row, attend, exp32
+from moe_pipe.shared.model.attend import PARALLEL_DECODE_KEYS, _half_row, attend, exp32
 
 
 def _reference(q, k, v, start, window, scale, sinks):
@@ -55,6 +55,22 @@ def test_a_position_computes_the_same_alone_or_in_a_prompt_block(case, dtype):
     assert np.array_equal(whole, alone) and np.array_equal(whole, split)
     want = _reference(q, k, v, start, window, scale, sinks)
     np.testing.assert_allclose(whole, want, rtol=0, atol=3e-6 * np.abs(want).max())
+
+
+def test_a_long_decode_step_splits_its_heads_across_threads_and_computes_the_same():
+    # Past PARALLEL_DECODE_KEYS positions a decode step runs its kv heads on numba's
+    # threads (the prompt blocks' driver with blocks of one token): the same numbers.
+    rng = np.random.default_rng(2)
+    hk, g, d, start, t_count = 3, 4, 64, PARALLEL_DECODE_KEYS + 40, 5
+    k = rng.standard_normal((hk, start + t_count, d)).astype(np.float16)
+    v = rng.standard_normal((hk, start + t_count, d)).astype(np.float16)
+    q = rng.standard_normal((t_count, hk, g, d)).astype(np.float32)
+    whole = attend(q, k, v, 0, start, 0, 0.125, None)
+    alone = np.stack([attend(q[t : t + 1], k, v, 0, start + t, 0, 0.125, None)[0] for t in range(t_count)])
+    short = attend(q[:1], k[:, : start + 1], v[:, : start + 1], 0, start, PARALLEL_DECODE_KEYS - 1, 0.125, None)  # a window: serial
+    windowed = attend(q[:2], k, v, 0, start, PARALLEL_DECODE_KEYS - 1, 0.125, None)
+    assert np.array_equal(whole, alone)
+    assert np.array_equal(short[0], windowed[0])
 
 
 def test_a_ring_of_rows_gives_what_the_whole_cache_gives():

@@ -46,6 +46,10 @@ from .attend_ir import LANES, TILE, pv_tile, qk_tile
 
 # Keys converted to float32 at a time: 32 rows of d = 128 are 16 KB, in L1 beside the block's queries.
 KEY_CHUNK = 32
+# A decode step over at least this many keys splits its kv heads across threads (the
+# same per-head work, so the same numbers): ~1 ms a layer at 3k positions on one core,
+# where a parallel region costs a few µs.
+PARALLEL_DECODE_KEYS = 1024
 # Query rows (tokens × the kv head's G query heads) a prompt block aims at: enough to reuse each
 # converted key row many times, few enough that the block's scores (rows × keys × 4 B) stay in L2
 # for prompts of a few thousand tokens.
@@ -389,10 +393,10 @@ def attend(
     s = _NO_SINKS if sinks is None else np.ascontiguousarray(sinks, np.float32)
     q = np.ascontiguousarray(q, np.float32)
     args = (q, k, v, int(base), int(start))
-    if t == 1:
+    if t == 1 and (hk == 1 or start + 1 - first < PARALLEL_DECODE_KEYS):
         _attend_token(*args, int(window), np.float32(scale), s, sinks is not None, out)
-    else:
-        _attend_blocks(*args, _block_tokens(g), int(window), np.float32(scale), s, sinks is not None, out)
+    else:  # a prompt's blocks, or a long decode step's kv heads, on numba's threads
+        _attend_blocks(*args, _block_tokens(g) if t > 1 else 1, int(window), np.float32(scale), s, sinks is not None, out)
     return out
 
 

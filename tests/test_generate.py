@@ -19,6 +19,19 @@ from moe_pipe.shared.text.sampling import SamplingParams
 from moe_pipe.shared.text.tokenizer import Tokenizer
 
 
+class ScriptedCache:
+    """What a session asks of a cache, with nothing stored: positions only."""
+
+    def __init__(self, n_ctx):
+        self.n, self.n_ctx, self.kv_type, self.state = 0, n_ctx, "f32", None
+
+    def can_truncate(self, n):
+        return True
+
+    def truncate(self, n):
+        self.n = max(0, min(self.n, n))
+
+
 class ScriptedModel:
     """Emits a fixed token sequence: logits put all mass on the next scripted id."""
 
@@ -26,7 +39,7 @@ class ScriptedModel:
         self.script, self.n_vocab, self.i = list(script), n_vocab, 0
 
     def new_cache(self, n_ctx):
-        return type("C", (), {"n": 0, "n_ctx": n_ctx, "kv_type": "f32", "state": None})()
+        return ScriptedCache(n_ctx)
 
     def _logits(self):
         z = np.zeros(self.n_vocab, np.float32)

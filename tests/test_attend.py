@@ -35,6 +35,7 @@ CASES = [  # T, Hk, G, d, window, sinks
     (70, 1, 16, 96, 0, True),
     (5, 3, 1, 32, 3, False),
     (19, 1, 8, 576, 0, False),  # deepseek2's latent head: d = 512 + 64
+    (23, 2, 3, 40, 6, True),  # a head width that is not whole vectors: the numba loops, not the IR tiles
 ]
 
 

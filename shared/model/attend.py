@@ -243,22 +243,23 @@ def _sum(s, part):
 
 
 @njit(inline="always", boundscheck=False)
-def _add_values(p, a, b, vrows, o):
-    """o[g, :] += Σ_j p[g, j]·vrows[j] for j = a..b-1 in that order, for every row g:
+def _add_values(p, vrows, o):
+    """o[g, :] += Σ_j p[g, j]·vrows[j] for j = 0, 1, ... in that order, for every row g:
     one fused multiply-add per value, so four keys per pass over a row round as one
     at a time do; the rows' independent chains interleave (g inside the key loop)."""
     g_count, dv = o.shape
-    j = a
-    while j + 4 <= b:
-        v0, v1, v2, v3 = vrows[j - a], vrows[j - a + 1], vrows[j - a + 2], vrows[j - a + 3]
+    n = vrows.shape[0]
+    j = 0
+    while j + 4 <= n:
+        v0, v1, v2, v3 = vrows[j], vrows[j + 1], vrows[j + 2], vrows[j + 3]
         for g in range(g_count):
             p0, p1, p2, p3 = p[g, j], p[g, j + 1], p[g, j + 2], p[g, j + 3]
             og = o[g]
             for c in range(dv):
                 og[c] = _fma(p3, v3[c], _fma(p2, v2[c], _fma(p1, v1[c], _fma(p0, v0[c], og[c]))))
         j += 4
-    while j < b:
-        vj = vrows[j - a]
+    while j < n:
+        vj = vrows[j]
         for g in range(g_count):
             pj = p[g, j]
             og = o[g]
@@ -275,18 +276,24 @@ def _first_key(p, window):
     return max(0, p - window + 1) if window > 0 else 0
 
 
+@njit(inline="always", boundscheck=False)
+def _load_rows(x, h, c0, c1, base, rows, width):
+    """rows[j − c0, :width] = position j's row of kv head h as float32, for j = c0..c1-1."""
+    for j in range(c0, c1):
+        _load_row(x[h, (j - base) % x.shape[1]], rows[j - c0, :width])
+
+
 @njit(cache=True, boundscheck=False, nogil=True)
 def _block_scores(q, k, base, start, t0, t1, h, window, scale, s, rows, tiled):
     """s[t − t0, g, j − first key] = q[t, h, g] · key j × scale for every key each
     query sees, chunk by chunk of keys, each key row converted once for the block;
     4 query rows × 4 keys a tile where the head width allows (attend_ir)."""
-    hk, g_count, d, cap = q.shape[1], q.shape[2], q.shape[3], k.shape[1]
+    hk, g_count, d = q.shape[1], q.shape[2], q.shape[3]
     span, width = s.shape[2], rows.shape[1]
     jlo = _first_key(start + t0, window)
     for c0 in range(jlo, start + t1, KEY_CHUNK):
         c1 = min(c0 + KEY_CHUNK, start + t1)
-        for j in range(c0, c1):
-            _load_row(k[h, (j - base) % cap], rows[j - c0, :d])
+        _load_rows(k, h, c0, c1, base, rows, d)
         for t in range(t0, t1):
             p = start + t
             a, b = max(c0, _first_key(p, window)), min(c1, p + 1)
@@ -308,7 +315,7 @@ def _block_scores(q, k, base, start, t0, t1, h, window, scale, s, rows, tiled):
 def _block_values(v, base, start, t0, t1, h, window, sinks, use_sinks, s, rows, out, tiled):
     """Each query's softmax over its scores, then out[t, h, g] = Σ p_j · value j in
     position order, chunk by chunk of values, each value row converted once for the block."""
-    g_count, dv, cap = s.shape[1], v.shape[2], v.shape[1]
+    g_count, dv = s.shape[1], v.shape[2]
     hk, span, width = out.shape[1], s.shape[2], rows.shape[1]
     jlo = _first_key(start + t0, window)
     part = np.empty(16, np.float32)
@@ -320,8 +327,7 @@ def _block_values(v, base, start, t0, t1, h, window, sinks, use_sinks, s, rows, 
             out[t, h, g, :] = 0.0
     for c0 in range(jlo, start + t1, KEY_CHUNK):
         c1 = min(c0 + KEY_CHUNK, start + t1)
-        for j in range(c0, c1):
-            _load_row(v[h, (j - base) % cap], rows[j - c0, :dv])
+        _load_rows(v, h, c0, c1, base, rows, dv)
         for t in range(t0, t1):
             p = start + t
             a, b = max(c0, _first_key(p, window)), min(c1, p + 1)
@@ -335,7 +341,7 @@ def _block_values(v, base, start, t0, t1, h, window, sinks, use_sinks, s, rows, 
                         out, ((t * hk + h) * g_count + g0) * dv, dv,
                     )  # fmt: skip
             else:
-                _add_values(s[t - t0, :, a - jlo : b - jlo], 0, b - a, rows[a - c0 : b - c0, :dv], out[t, h])
+                _add_values(s[t - t0, :, a - jlo : b - jlo], rows[a - c0 : b - c0, :dv], out[t, h])
 
 
 @njit(cache=True, boundscheck=False, nogil=True)
@@ -382,7 +388,7 @@ def attend(
     t, hk, g, d = q.shape
     if k.shape[0] != hk or k.shape[2] != d or v.shape[:2] != k.shape[:2]:
         raise ValueError(f"attend: q {q.shape} does not match k {k.shape} and v {v.shape}")
-    first = _first_key_py(start, window)
+    first = _first_key(int(start), int(window))
     if t and (first < base or start + t - 1 - first >= k.shape[1]):
         raise ValueError(f"attend: positions {first}..{start + t - 1} are not all held by {k.shape[1]} rows from position {base}")
     if k.dtype == np.float16:
@@ -398,7 +404,3 @@ def attend(
     else:  # a prompt's blocks, or a long decode step's kv heads, on numba's threads
         _attend_blocks(*args, _block_tokens(g) if t > 1 else 1, int(window), np.float32(scale), s, sinks is not None, out)
     return out
-
-
-def _first_key_py(p: int, window: int) -> int:
-    return max(0, p - window + 1) if window > 0 else 0

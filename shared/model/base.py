@@ -178,9 +178,10 @@ class MoEModel:
 
     # -- shared ----------------------------------------------------------------
     def new_cache(self, n_ctx: int, kv_type: str | None = None) -> KVCache:
-        """An empty KV cache for `n_ctx` positions, stored as `kv_type` (default: the model's options)."""
-        s = self.spec
-        return KVCache(n_ctx, s.n_head_kv, s.head_dim_k, s.head_dim_v, kv_type or self.kv_type)
+        """An empty KV cache for `n_ctx` positions, stored as `kv_type` (default: the model's options):
+        a sliding-window layer's a ring of its window, every other layer's the whole context
+        (what the budget counts: shared/gguf/spec.py kv_cache_bytes)."""
+        return KVCache.for_spec(self.spec, n_ctx, kv_type or self.kv_type)
 
     def forward(self, tokens, cache: KVCache, all_logits: bool = False) -> np.ndarray:
         """Run tokens at the cache's next positions; logits [T, V] or [1, V] (last)."""

@@ -20,7 +20,7 @@ import numpy as np
 
 from ...gguf.model_file import ModelFile
 from ...model.base import MoEModel
-from ...model.blocks import KVCache, Rope, gelu_tanh, plain_inv_freq, rms_norm, store_and_attend
+from ...model.blocks import Rope, gelu_tanh, plain_inv_freq, rms_norm, store_and_attend
 from ...model.moe import apply_experts, softmax_then_top_k
 from ...model.weights import Expert
 
@@ -67,10 +67,6 @@ class Model(MoEModel):
             expert_scale=w.vector(p + "ffn_down_exps.scale"),
             out_scale=w.vector(p + "layer_output_scale.weight") if w.has(p + "layer_output_scale.weight") else np.ones(1, np.float32),
         )
-
-    def new_cache(self, n_ctx: int, kv_type: str | None = None) -> KVCache:
-        """The sliding layers keep a ring of their window, the full layers the whole context."""
-        return KVCache.for_spec(self.spec, n_ctx, kv_type or self.kv_type)
 
     def embed(self, tokens):
         return self.embd.rows(tokens) * self.embed_scale

@@ -17,7 +17,7 @@ import numpy as np
 
 from ...gguf.model_file import ModelFile
 from ...model.base import MoEModel
-from ...model.blocks import KVCache, rms_norm, rope_from_spec, sigmoid, store_and_attend
+from ...model.blocks import rms_norm, rope_from_spec, sigmoid, store_and_attend
 from ...model.moe import apply_experts, top_k_then_softmax
 from ...model.weights import Expert
 
@@ -43,10 +43,6 @@ class Model(MoEModel):
         super().__init__(mf, **kwargs)
         self.rope = rope_from_spec(self.spec.rope)
         self.scale = 1.0 / math.sqrt(self.spec.head_dim_k[0])
-
-    def new_cache(self, n_ctx: int, kv_type: str | None = None) -> KVCache:
-        """The sliding layers keep a ring of their 128-token window, the others the whole context."""
-        return KVCache.for_spec(self.spec, n_ctx, kv_type or self.kv_type)
 
     def load_layer(self, i: int) -> dict:
         p, w = f"blk.{i}.", self.w

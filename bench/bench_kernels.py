@@ -1,10 +1,12 @@
 """Quantized matvec/matmul throughput next to numpy float32 on the same shapes.
 
-    python3 bench/bench_kernels.py [--types Q8_0,Q4_K] [--threads 2] [--quick] [--no-int8]
+    python3 bench/bench_kernels.py [--types Q8_0,Q4_K] [--threads 2] [--tokens 16,128] [--quick] [--no-int8]
 
 Per type and shape [R×C]: G weights/s and GB/s of quantized bytes read by
-`matvec`, numpy float32 `W @ x` in the same run, and their ratio; then one
-`matmul` line at T=16 against numpy `X @ W.T`. matvec runs on int8
+`matvec`, numpy float32 `W @ x` in the same run, and their ratio; then a
+`matmul` line per --tokens T against numpy `X @ W.T` (for these, G w/s × T
+is G multiply-adds/s: the int8 GEMM at T = 128 is a prompt's expert with
+its share of a 2,048-token chunk). matvec runs on int8
 activations for the integer types (the default, as in decode); `--no-int8`
 measures the float-activation tile path instead.
 
@@ -42,19 +44,20 @@ def main(argv: list[str] | None = None) -> int:
     types = [quant.qtype_from_name(t) for t in args.types.split(",")] if args.types else list(quant.SUPPORTED)
     shapes = [(QUICK_HEAD_ROWS if r > 100_000 and args.quick else r, c) for r, c in SHAPES]
     repeats = 3 if args.quick else 7
+    tokens = [int(t) for t in args.tokens.split(",")]
     rng = np.random.default_rng(0)
     print(
         f"threads={args.threads} repeats={repeats} (median); int8 activations {'on' if quant.int8_activations() else 'off'}; "
-        "G w/s = 1e9 weights per second; ratio = kernel / numpy fp32"
+        "G w/s = 1e9 weights per second (per activation row on mm lines: G multiply-adds/s); ratio = kernel / numpy fp32"
     )
     print(f"{'type':7s} {'op':6s} {'shape':>12s} {'mats':>4s} {'G w/s':>7s} {'GB/s':>6s} {'numpy Gw/s':>10s} {'ratio':>6s}")
     for r, c in shapes:
         n_mats = max(1, int(ROTATE_BYTES // (r * c * 4)))
         mats = [rng.standard_normal((r, c), dtype=np.float32) for _ in range(n_mats)]
         x = rng.standard_normal(c, dtype=np.float32)
-        X = rng.standard_normal((16, c), dtype=np.float32)
+        Xs = {t: rng.standard_normal((t, c), dtype=np.float32) for t in tokens}
         np_mv = _median_pass(lambda m, x=x: m @ x, mats, repeats)
-        np_mm = _median_pass(lambda m, X=X: X @ m.T, mats, repeats)
+        np_mm = {t: _median_pass(lambda m, X=X: X @ m.T, mats, repeats) for t, X in Xs.items()}
         # OpenBLAS worker threads busy-wait for a while after a call; on two
         # cores they would steal the numba threads' time slices (8 ms stalls).
         time.sleep(1.0)
@@ -65,14 +68,17 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             qmats = [random_blocks(qtype, r * c, rng).reshape(r, -1) for _ in range(n_mats)]
             y = np.empty(r, np.float32)
-            Y = np.empty((16, r), np.float32)
             quant.matvec(qtype, qmats[0], x, out=y)  # compile / load from cache outside the timing
-            quant.matmul(qtype, qmats[0], X, out=Y)
             t_mv = _median_pass(lambda m, qtype=qtype, x=x, y=y: quant.matvec(qtype, m, x, out=y), qmats, repeats)
-            t_mm = _median_pass(lambda m, qtype=qtype, X=X, Y=Y: quant.matmul(qtype, m, X, out=Y), qmats, repeats)
+            rows = [("matvec", t_mv, np_mv)]
+            for t, X in Xs.items():
+                Y = np.empty((t, r), np.float32)
+                quant.matmul(qtype, qmats[0], X, out=Y)
+                t_mm = _median_pass(lambda m, qtype=qtype, X=X, Y=Y: quant.matmul(qtype, m, X, out=Y), qmats, repeats)
+                rows.append((f"mm T{t}", t_mm / t, np_mm[t] / t))
             row_bytes = fmt.row_bytes(c)
             shape = f"{r}x{c}"
-            for op, t, t_np in (("matvec", t_mv, np_mv), ("mm T16", t_mm, np_mm)):
+            for op, t, t_np in rows:
                 gw, gw_np = r * c / t / 1e9, r * c / t_np / 1e9
                 print(
                     f"{fmt.name:7s} {op:6s} {shape:>12s} {n_mats:4d} {gw:7.2f} {r * row_bytes / t / 1e9:6.2f} {gw_np:10.2f} {gw / gw_np:6.2f}",
@@ -99,6 +105,7 @@ def _parse(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--types", default="", help="comma-separated type names (default: all 16)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--tokens", default="16,128", help="matmul activation rows, comma-separated (default: 16,128)")
     p.add_argument("--quick", action="store_true", help=f"fewer repeats, output head cut to {QUICK_HEAD_ROWS} rows")
     p.add_argument("--no-int8", action="store_true", help="float activations everywhere (quant.set_int8_activations(False))")
     return p.parse_args(argv)

@@ -165,8 +165,9 @@ def test_matmul_matches_gguf_dequantize(qtype):
     n_cols = _cols(qtype)[1]
     w = _weights(qtype, 33, n_cols, rng)
     deq = _reference(qtype, w, n_cols)
-    # T = 2, 3: a pair / a pair and one left; 17: four tiles of 4 and one; 64: tiles only
-    for n_tok in (1, 2, 3, 17, 64):
+    # T = 1, 2: the row kernel; 3, 5: one tile call of 4 / 8 over zero rows; 12: 8 and 4;
+    # 17: two of 8 and one of 4 holding one row; 64: calls of 8 only
+    for n_tok in (1, 2, 3, 5, 12, 17, 64):
         X = rng.standard_normal((n_tok, n_cols))
         Xh, tol_hat, tol_raw = _tolerances(deq, X, qtype)
         got = quant.matmul(qtype, w, X)
@@ -180,12 +181,13 @@ def test_matmul_matches_gguf_dequantize(qtype):
 
 @pytest.mark.parametrize("qtype", [pytest.param(t, id=t.name) for t in quant.INT8_ACTIVATION_TYPES])
 def test_int8_gemm_tiles_rows_and_threads(qtype):
-    """Several weight-row tiles (the last one partial), rows inside a wider buffer, block tails: rows equal
-    matvec bit for bit, whatever the thread count, and match deq@x̂ to float32 rounding."""
+    """Several 16-row tiles (the last one partial), rows inside a wider buffer, a row ending in part of
+    a 256-weight unit: rows equal matvec bit for bit, whatever the thread count, and match deq@x̂ to
+    float32 rounding."""
     rng = np.random.default_rng(500 + int(qtype))
     fmt = block_format(qtype)
-    n_cols = 256 if fmt.block_size == 256 else 9 * 32  # 9 blocks: two groups of 4 and a tail of 1
-    n_rows = 16384 // fmt.row_bytes(n_cols) * 2 + 5  # rows per 16 KB tile (_q8._TILE_BYTES) × 2 + 5
+    n_cols = 256 if fmt.block_size == 256 else 9 * 32  # 9 blocks: a unit of 8 and a part unit of 1
+    n_rows = 2 * 16 + 5  # two whole tiles of 16 weight rows and a part tile
     w = _weights(qtype, n_rows, n_cols, rng)
     wide = np.zeros((n_rows, w.shape[1] + 7), np.uint8)
     wide[:, 3 : 3 + w.shape[1]] = w

@@ -39,25 +39,27 @@ VNNI_INTRINSICS = ("llvm.x86.avx512.vpdpbusd.512", "llvm.x86.avx512.pshuf.b.512"
 
 
 def emitted_x86_intrinsics() -> list[str]:
-    """The VNNI-build intrinsics in freshly compiled IR of the Q4_K (one activation row) and MXFP4 (a tile of 4) row dots.
+    """The VNNI-build intrinsics in freshly compiled IR of the Q4_K row kernel (one activation row)
+    and the MXFP4 repack and tile kernel (a tile of 16 weight rows × 8 activation rows).
 
     Compiled here without the disk cache because numba shows the IR only of
     code it compiled in this process (a kernel loaded from the cache has none).
     """
 
     @numba.njit(cache=False)
-    def probe(w, xq, dx, xs32, bs, half, out):
-        _q8._q4_k_1(w, 0, 1, xq, 0, QK_K, dx, xs32, half, out, 0, 1)
-        _q8._mxfp4_4(w, 0, 4, xq, 0, QK_K, dx, bs, half, out, 1, 1)
+    def probe(w, xq, dx, bs16, bs32, xs32, half, buf, out):
+        _q8._q4_k_r1(w, 0, QK_K // QK, xq, 0, QK_K, dx, bs16, bs32, xs32, half, out, 0, 1)
+        _q8._mxfp4_pack(w, 8 * MXFP4_BYTES, 0, 16, QK_K // QK, half, buf)
+        _q8._mxfp4_t8(buf, 1, xq, 0, QK_K, dx, bs16, bs32, xs32, out, 1, 16, 16, 8)
 
-    w = np.zeros(4 * QK_K, np.uint8)  # one Q4_K super-block, four MXFP4 blocks: all codes and scales 0
-    xq = np.zeros(4 * QK_K, np.int8)  # 4 activation rows of QK_K
-    dx = np.zeros(4 * QK_K // QK, np.float32)
-    xs32 = np.zeros(4 * QK_K // QK, np.float32)
-    bs = np.zeros(8 * QK_K // QK, np.int32)
-    out = np.full(5, np.nan, np.float32)
-    probe(w, xq, dx, xs32, bs, np.ones(256, np.float32), out)
-    assert np.array_equal(out, np.zeros(5, np.float32)), out
+    w = np.zeros(16 * 8 * MXFP4_BYTES, np.uint8)  # a Q4_K super-block; 16 rows of 8 MXFP4 blocks: codes and scales 0
+    xq = np.zeros(8 * QK_K, np.int8)  # 8 activation rows of QK_K
+    dx = np.zeros(8 * QK_K // QK, np.float32)
+    bs16, bs32 = np.zeros(16 * QK_K // QK, np.int32), np.zeros(8 * QK_K // QK, np.int32)
+    xs32 = np.zeros(8 * QK_K // QK, np.float32)
+    out = np.full(1 + 8 * 16, np.nan, np.float32)
+    probe(w, xq, dx, bs16, bs32, xs32, np.ones(256, np.float32), np.zeros(_q8ir.PACKED_UNIT, np.uint8), out)
+    assert np.array_equal(out, np.zeros_like(out)), out
     ir = "\n".join(probe.inspect_llvm().values())
     return [name for name in VNNI_INTRINSICS if name in ir]
 

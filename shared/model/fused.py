@@ -29,6 +29,29 @@ def swiglu(g: np.ndarray, u: np.ndarray) -> np.ndarray:
 
 
 @njit(cache=True, boundscheck=False)
+def _choice_sum(ys, at, weights, out):
+    rows, k = at.shape
+    cols = ys.shape[1]
+    for t in range(rows):
+        y, w0 = ys[at[t, 0]], weights[t, 0]
+        for c in range(cols):
+            out[t, c] = y[c] * w0
+        for s in range(1, k):
+            y, ws = ys[at[t, s]], weights[t, s]
+            for c in range(cols):
+                out[t, c] = out[t, c] + y[c] * ws
+
+
+def choice_sum(ys: np.ndarray, at: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """Σ_s weights[t, s] · ys[at[t, s]] for ys f32 [N, D] (each token's chosen experts' outputs,
+    at [T, K] their rows), added in choice order s = 0, 1, ... with each product rounded
+    first (what decode's `out += y · w` does): [T, D]."""
+    out = np.empty((at.shape[0], ys.shape[1]), np.float32)
+    _choice_sum(ys, at, np.ascontiguousarray(weights, dtype=np.float32), out)
+    return out
+
+
+@njit(cache=True, boundscheck=False)
 def _rms_norm(x, w, use_w, eps, out):
     rows, cols = x.shape
     for r in range(rows):

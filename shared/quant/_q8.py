@@ -1,35 +1,34 @@
 """Integer dot products against int8 activations: Q8_0, Q4_K, Q5_K, Q6_K, Q5_0, MXFP4, IQ4_XS.
 
 For these types every matvec/matmul call (decode's one activation row and
-prefill's several alike) quantizes each activation row to int8 per block of
-32 (x̂ = dx·xq, dx = amax/127, xq = rint(x/dx), the q8_0 rounding) and
-multiplies on the raw small integers. Per call, row-independent sums of the
-codes are computed once: bs (int32, per 16), xs16 = dx·bs (float, per 16)
-and xs32 (float, per 32), the Σ x̂ that the weight offsets multiply.
+prefill's several alike) rounds each activation row to int8 per block of 32
+(x̂ = dx·xq, dx = amax/127, xq = rint(x/dx), the q8_0 rounding; _q8ir.round_row)
+and multiplies on the raw small integers. Per call, row-independent sums of
+the codes are computed once: bs16 and bs32 (int32, per 16 and per 32), which
+the weight codes' integer offsets multiply, and xs32 = dx·bs32 (float), the
+Σ x̂ that Q4_K's and Q5_K's mins multiply. Rows are padded with zeros to whole
+units of 256 (and a call's rows to a whole tile-kernel call).
 
-The row dots are LLVM IR (_q8ir, which says how and why). With one
-activation row (decode) the weight rows are split across threads, one
-intrinsic call per row. With several (a prompt batch, an expert several
-tokens route to) the call is a GEMM: weight rows are grouped into tiles of
-about 16 KB (they stay in L1 while used) split across threads, and each
-tile is multiplied by 4 activation rows at a time (`TILE_TOKENS`; then 2
-and 1 for what is left): each block's codes are unpacked once per 4 rows
-instead of once per row, and the 4 rows' int8 codes (4·C bytes) stay in L1
-across the tile. Each activation row's float operations are those of the
-one-row call, in the same order, so every row of a matmul equals the matvec
+The kernels are LLVM IR (_q8ir, which says how and why). With one or two
+activation rows (decode) the row kernel takes each weight row as stored, the
+rows split across threads. With three or more (a prompt batch, an expert
+several tokens route to) the call is a GEMM: tiles of 16 weight rows, split
+across threads, are each repacked once so that a vector holds 4 codes of
+each of the 16 rows, then multiplied by 8 activation rows at a time. Both
+compute the same float operations per (weight row, activation row) in the
+same order (_q8ir's module doc), so every row of a matmul equals the matvec
 of that row bit for bit.
 
-The drivers carry no fast-math flags (unlike the float-tile ones, _common):
-the rounding of x̂ must be exactly `quantize_q8`'s (what
-`effective_activation` returns; `arcp` would let LLVM turn amax/127 into a
-multiply by 1/127), and the few scalar float steps here must not be
-reassociated differently in the one-row and several-row paths.
+Nothing here carries fast-math flags (unlike the float-tile kernels, _common):
+the rounding of x̂ must be exactly what `effective_activation` returns (`arcp`
+would let LLVM turn amax/127 into a multiply by 1/127), and the float steps
+must not be reassociated differently in the two kernels.
 
 Numerics: weights are decoded exactly; the activation is rounded to int8
 (|x − x̂| ≤ dx/2 = amax₃₂/254 per element); the integer sums are exact and
 the float scaling adds a few float32 roundings per block.
 `effective_activation(x, qtype)` returns x̂. A non-finite activation block
-gives NaN/inf outputs (dx = inf or NaN), as the float path would.
+gives NaN/inf outputs (dx = NaN), as the float path would.
 """
 
 from __future__ import annotations
@@ -37,296 +36,257 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ._q8ir import GENERATORS, INT8_DOT, TILE_TOKENS, rowdot
-from .blocks import QK, QK_K
+from ._q8ir import INT8_DOT, PACKED_UNIT, UNIT, pack_kernel, round_row, row_kernel, tile_kernel
+from .blocks import QK
 
 INT8_DOT = INT8_DOT  # re-exported: which build of the dot this process compiles ("vnni", "sdot" or "portable")
-assert TILE_TOKENS == 4, "the drivers below spell out tiles of 4, 2 and 1 activation rows"
 
 _DRIVER = dict(cache=True, parallel=True, boundscheck=False, error_model="numpy", nogil=True)
-# Bytes of weight rows per GEMM tile: with the 4 activation rows' codes (≤ 4·C
-# bytes, 8 KB at C = 2048) it stays within a 32 KB L1.
-_TILE_BYTES = 16384
+# From this many activation rows a call repacks its weight rows (pack + tile kernels):
+# the repack costs about what two rows cost on the stored layout.
+GEMM_ROWS = 3
+# Activation rows per tile-kernel call (then 4, then 1 at a time for what is left): 8 rows
+# keep 8 × (integer sum, accumulator, mins accumulator) and a block's 8 code vectors and 2
+# scale vectors in the 32 vector registers, and the tile's packed bytes (5 KB per 256
+# columns) are read once per 8 rows (4: the tile comes from L2 too often; 12: spills).
+TILE_TOKENS = 8
 
 # ---- activation quantization ---------------------------------------------
 
 
-@njit(inline="always", boundscheck=False, error_model="numpy")
-def _quantize_row(X, t, XQ, DX, BS, XS, XS32):
-    """Row t of X f32 [T, C] → XQ int8 [T·C], DX f32 [T·C/32] (block scales), BS int32 [T·C/16] (sums of 16 codes),
-    XS f32 [T·C/16] (dx·BS: Σ x̂ per 16), XS32 f32 [T·C/32] (Σ x̂ per 32), at row t's offsets.
-
-    A block with a non-finite element gets dx = NaN (so its outputs are NaN);
-    a block with amax < 2^-100 is flushed to zero (dx = 0).
-    """
-    C = X.shape[1]
-    nb = C // QK
-    for j in range(nb):
-        xb = X[t, QK * j : QK * j + QK]
-        amax = np.float32(0.0)
-        finite = True
-        for l in range(QK):
-            a = abs(xb[l])
-            finite = finite and np.isfinite(a)
-            amax = a if a > amax else amax
-        k = t * nb + j
-        if not finite:
-            DX[k] = np.float32(np.nan)
-            inv = np.float32(0.0)
-        elif amax < np.float32(2.0**-100):
-            DX[k] = np.float32(0.0)
-            inv = np.float32(0.0)
-        else:
-            DX[k] = amax / np.float32(127.0)
-            inv = np.float32(127.0) / amax
-        s0 = 0
-        s1 = 0
-        for l in range(QK):
-            v = np.int32(np.rint(xb[l] * inv)) if inv != 0 else np.int32(0)
-            XQ[k * QK + l] = v
-            if l < QK // 2:
-                s0 += v
-            else:
-                s1 += v
-        BS[2 * k] = s0
-        BS[2 * k + 1] = s1
-        XS[2 * k] = DX[k] * np.float32(s0)
-        XS[2 * k + 1] = DX[k] * np.float32(s1)
-        XS32[k] = DX[k] * np.float32(s0 + s1)
+_round_row = round_row()
 
 
 @njit(cache=True, boundscheck=False, error_model="numpy", nogil=True)
-def quantize_q8(X, XQ, DX, BS, XS, XS32):
-    """The activation rounding alone (for effective_activation); see _quantize_row."""
+def quantize_q8(X, XQ, DX, BS16, BS32, XS32):
+    """The activation rounding alone, rows unpadded (for effective_activation): row t of X
+    f32 [T, C] → XQ int8 from element t·C, DX f32 (block scales), BS16 int32 (Σ xq per 16),
+    BS32 int32 and XS32 f32 (Σ xq and Σ x̂ per 32) from block t·C/32 (_q8ir.round_row)."""
+    C = X.shape[1]
     for t in range(X.shape[0]):
-        _quantize_row(X, t, XQ, DX, BS, XS, XS32)
+        _round_row(X, t * C, C, XQ, t * C, DX, BS16, BS32, XS32)
 
 
-@njit(inline="always")
-def _alloc(T, C):
-    """The arrays _quantize_row fills, for T rows of C."""
-    return (
-        np.empty(T * C, np.int8),
-        np.empty(T * C // QK, np.float32),
-        np.empty(T * C // (QK // 2), np.int32),
-        np.empty(T * C // (QK // 2), np.float32),
-        np.empty(T * C // QK, np.float32),
-    )
-
-
-# ---- drivers: out[t, r] = weight row r · activation row t ------------------
-# _mm_<t>(w u8[bytes], stride, X f32[T, C], table, out f32[T, R], C-contiguous);
-# table is F16_TABLE (E8M0_HALF for MXFP4). The activation is rounded first
-# (on one thread; from _PARALLEL_ROUNDING_ROWS rows on, one row per thread), then (one row) weight rows
-# split across threads, or (several) tiles of weight rows split across
-# threads, each tile × 4 activation rows at a time. Spelled out per type: an
-# intrinsic cannot be passed to a cached njit function (_common says why).
-# `s` is the sum array the type's offsets need: xs32 (Q4_K), xs16 (Q6_K),
-# bs (the single-scale types).
-
-_ROW = {(name, nt): rowdot(gen, nt) for name, gen in GENERATORS.items() for nt in (1, 2, 4)}
-_q8_0_1, _q8_0_2, _q8_0_4 = (_ROW["Q8_0", nt] for nt in (1, 2, 4))
-_q5_0_1, _q5_0_2, _q5_0_4 = (_ROW["Q5_0", nt] for nt in (1, 2, 4))
-_mxfp4_1, _mxfp4_2, _mxfp4_4 = (_ROW["MXFP4", nt] for nt in (1, 2, 4))
-_q4_k_1, _q4_k_2, _q4_k_4 = (_ROW["Q4_K", nt] for nt in (1, 2, 4))
-_q5_k_1, _q5_k_2, _q5_k_4 = (_ROW["Q5_K", nt] for nt in (1, 2, 4))
-_iq4_xs_1, _iq4_xs_2, _iq4_xs_4 = (_ROW["IQ4_XS", nt] for nt in (1, 2, 4))
-_q6_k_1, _q6_k_2, _q6_k_4 = (_ROW["Q6_K", nt] for nt in (1, 2, 4))
-
-
-# Activation rows from which the rounding is split across threads. Rounding
-# costs ~1 ns per element on one thread (~10 µs for an expert's 5 rows of
-# 2048), less than a second parallel region's start and barrier, which on
-# busy cores waits for a scheduler slice; a prompt batch's 64 rows (~150 µs)
-# are worth splitting.
+# Activation rows from which the rounding is split across threads: below, a
+# second parallel region's start and barrier (which on busy cores waits for a
+# scheduler slice) costs more than the rounding of a few rows.
 _PARALLEL_ROUNDING_ROWS = 16
 
 
 @njit(inline="always")
 def _round(X):
-    """X rounded to int8 per 32 (_quantize_row), rows across threads when there are many."""
+    """X rounded to int8 per 32 (_quantize_row), each row padded with zeros to whole units of
+    256 (cp elements) and the rows with zero rows to a whole tile-kernel call (TILE_TOKENS),
+    rows across threads when there are many."""
     T, C = X.shape
-    xq, dx, bs, xs, xs32 = _alloc(T, C)
+    cp = (C + UNIT - 1) // UNIT * UNIT
+    n = (T + TILE_TOKENS - 1) // TILE_TOKENS * TILE_TOKENS * cp
+    xq = np.zeros(n, np.int8)
+    dx = np.zeros(n // QK, np.float32)
+    bs16 = np.zeros(n // (QK // 2), np.int32)
+    bs32 = np.zeros(n // QK, np.int32)
+    xs32 = np.zeros(n // QK, np.float32)
     if T < _PARALLEL_ROUNDING_ROWS:
         for t in range(T):
-            _quantize_row(X, t, xq, dx, bs, xs, xs32)
+            _round_row(X, t * C, C, xq, t * cp, dx, bs16, bs32, xs32)
     else:
         for t in prange(T):
-            _quantize_row(X, t, xq, dx, bs, xs, xs32)
-    return xq, dx, bs, xs, xs32
+            _round_row(X, t * C, C, xq, t * cp, dx, bs16, bs32, xs32)
+    return xq, dx, bs16, bs32, xs32, cp
 
 
-@njit(inline="always")
-def _tile_rows(stride):
-    return max(1, _TILE_BYTES // stride)
+# ---- drivers: out[t, r] = weight row r · activation row t ------------------
+# _mm_<t>(w u8[bytes], stride, X f32[T, C], table, out f32[T, R], C-contiguous);
+# table is F16_TABLE (E8M0_HALF for MXFP4). The activation is rounded first
+# (_round), then (one or two rows) weight rows split across threads on the row
+# kernel, or (more) tiles of 16 weight rows split across threads, each
+# repacked once and multiplied by 8 activation rows at a time (the last 1–4
+# rows by 4, over the zero rows _round pads with).
+# Spelled out per type: an intrinsic cannot be passed to a cached njit
+# function (_common says why).
+
+_q8_0_r1, _q8_0_r2 = row_kernel("Q8_0", 1), row_kernel("Q8_0", 2)
+_q8_0_pack = pack_kernel("Q8_0")
+_q8_0_t4, _q8_0_t8 = tile_kernel("Q8_0", TILE_TOKENS // 2), tile_kernel("Q8_0", TILE_TOKENS)
+_q5_0_r1, _q5_0_r2 = row_kernel("Q5_0", 1), row_kernel("Q5_0", 2)
+_q5_0_pack = pack_kernel("Q5_0")
+_q5_0_t4, _q5_0_t8 = tile_kernel("Q5_0", TILE_TOKENS // 2), tile_kernel("Q5_0", TILE_TOKENS)
+_mxfp4_r1, _mxfp4_r2 = row_kernel("MXFP4", 1), row_kernel("MXFP4", 2)
+_mxfp4_pack = pack_kernel("MXFP4")
+_mxfp4_t4, _mxfp4_t8 = tile_kernel("MXFP4", TILE_TOKENS // 2), tile_kernel("MXFP4", TILE_TOKENS)
+_q4_k_r1, _q4_k_r2 = row_kernel("Q4_K", 1), row_kernel("Q4_K", 2)
+_q4_k_pack = pack_kernel("Q4_K")
+_q4_k_t4, _q4_k_t8 = tile_kernel("Q4_K", TILE_TOKENS // 2), tile_kernel("Q4_K", TILE_TOKENS)
+_q5_k_r1, _q5_k_r2 = row_kernel("Q5_K", 1), row_kernel("Q5_K", 2)
+_q5_k_pack = pack_kernel("Q5_K")
+_q5_k_t4, _q5_k_t8 = tile_kernel("Q5_K", TILE_TOKENS // 2), tile_kernel("Q5_K", TILE_TOKENS)
+_q6_k_r1, _q6_k_r2 = row_kernel("Q6_K", 1), row_kernel("Q6_K", 2)
+_q6_k_pack = pack_kernel("Q6_K")
+_q6_k_t4, _q6_k_t8 = tile_kernel("Q6_K", TILE_TOKENS // 2), tile_kernel("Q6_K", TILE_TOKENS)
+_iq4_xs_r1, _iq4_xs_r2 = row_kernel("IQ4_XS", 1), row_kernel("IQ4_XS", 2)
+_iq4_xs_pack = pack_kernel("IQ4_XS")
+_iq4_xs_t4, _iq4_xs_t8 = tile_kernel("IQ4_XS", TILE_TOKENS // 2), tile_kernel("IQ4_XS", TILE_TOKENS)
 
 
 @njit(**_DRIVER)
 def _mm_q8_0(w, stride, X, tab, out):
-    xq, dx, s, _, _ = _round(X)
-    T, C = X.shape
-    R, nb = out.shape[1], C // QK
-    if T == 1:
+    xq, dx, bs16, bs32, xs32, cp = _round(X)
+    T, R, nb = X.shape[0], out.shape[1], X.shape[1] // QK
+    if T < GEMM_ROWS:
         for r in prange(R):
-            _q8_0_1(w, r * stride, nb, xq, 0, C, dx, s, tab, out, r, R)
+            if T == 2:
+                _q8_0_r2(w, r * stride, nb, xq, 0, cp, dx, bs16, bs32, xs32, tab, out, r, R)
+            else:
+                _q8_0_r1(w, r * stride, nb, xq, 0, cp, dx, bs16, bs32, xs32, tab, out, r, R)
         return
-    g = _tile_rows(stride)
-    for i in prange((R + g - 1) // g):
-        rows = range(i * g, min(R, i * g + g))
-        for t in range(0, T - 3, 4):
-            for r in rows:
-                _q8_0_4(w, r * stride, nb, xq, t * C, C, dx, s, tab, out, t * R + r, R)
-        t2 = T - T % 4
-        if T % 4 >= 2:
-            for r in rows:
-                _q8_0_2(w, r * stride, nb, xq, t2 * C, C, dx, s, tab, out, t2 * R + r, R)
-        if T % 2:
-            for r in rows:
-                _q8_0_1(w, r * stride, nb, xq, (T - 1) * C, C, dx, s, tab, out, (T - 1) * R + r, R)
+    nu = cp // UNIT
+    for i in prange((R + 15) // 16):
+        buf = np.empty(nu * PACKED_UNIT, np.uint8)
+        _q8_0_pack(w, stride, 16 * i, R, nb, tab, buf)
+        nv = min(16, R - 16 * i)
+        for t in range(0, T, TILE_TOKENS):
+            if T - t > TILE_TOKENS // 2:
+                _q8_0_t8(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, T - t)
+            else:
+                _q8_0_t4(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, T - t)
 
 
 @njit(**_DRIVER)
 def _mm_q5_0(w, stride, X, tab, out):
-    xq, dx, s, _, _ = _round(X)
-    T, C = X.shape
-    R, nb = out.shape[1], C // QK
-    if T == 1:
+    xq, dx, bs16, bs32, xs32, cp = _round(X)
+    T, R, nb = X.shape[0], out.shape[1], X.shape[1] // QK
+    if T < GEMM_ROWS:
         for r in prange(R):
-            _q5_0_1(w, r * stride, nb, xq, 0, C, dx, s, tab, out, r, R)
+            if T == 2:
+                _q5_0_r2(w, r * stride, nb, xq, 0, cp, dx, bs16, bs32, xs32, tab, out, r, R)
+            else:
+                _q5_0_r1(w, r * stride, nb, xq, 0, cp, dx, bs16, bs32, xs32, tab, out, r, R)
         return
-    g = _tile_rows(stride)
-    for i in prange((R + g - 1) // g):
-        rows = range(i * g, min(R, i * g + g))
-        for t in range(0, T - 3, 4):
-            for r in rows:
-                _q5_0_4(w, r * stride, nb, xq, t * C, C, dx, s, tab, out, t * R + r, R)
-        t2 = T - T % 4
-        if T % 4 >= 2:
-            for r in rows:
-                _q5_0_2(w, r * stride, nb, xq, t2 * C, C, dx, s, tab, out, t2 * R + r, R)
-        if T % 2:
-            for r in rows:
-                _q5_0_1(w, r * stride, nb, xq, (T - 1) * C, C, dx, s, tab, out, (T - 1) * R + r, R)
+    nu = cp // UNIT
+    for i in prange((R + 15) // 16):
+        buf = np.empty(nu * PACKED_UNIT, np.uint8)
+        _q5_0_pack(w, stride, 16 * i, R, nb, tab, buf)
+        nv = min(16, R - 16 * i)
+        for t in range(0, T, TILE_TOKENS):
+            if T - t > TILE_TOKENS // 2:
+                _q5_0_t8(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, T - t)
+            else:
+                _q5_0_t4(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, T - t)
 
 
 @njit(**_DRIVER)
 def _mm_mxfp4(w, stride, X, tab, out):
-    xq, dx, s, _, _ = _round(X)
-    T, C = X.shape
-    R, nb = out.shape[1], C // QK
-    if T == 1:
+    xq, dx, bs16, bs32, xs32, cp = _round(X)
+    T, R, nb = X.shape[0], out.shape[1], X.shape[1] // QK
+    if T < GEMM_ROWS:
         for r in prange(R):
-            _mxfp4_1(w, r * stride, nb, xq, 0, C, dx, s, tab, out, r, R)
+            if T == 2:
+                _mxfp4_r2(w, r * stride, nb, xq, 0, cp, dx, bs16, bs32, xs32, tab, out, r, R)
+            else:
+                _mxfp4_r1(w, r * stride, nb, xq, 0, cp, dx, bs16, bs32, xs32, tab, out, r, R)
         return
-    g = _tile_rows(stride)
-    for i in prange((R + g - 1) // g):
-        rows = range(i * g, min(R, i * g + g))
-        for t in range(0, T - 3, 4):
-            for r in rows:
-                _mxfp4_4(w, r * stride, nb, xq, t * C, C, dx, s, tab, out, t * R + r, R)
-        t2 = T - T % 4
-        if T % 4 >= 2:
-            for r in rows:
-                _mxfp4_2(w, r * stride, nb, xq, t2 * C, C, dx, s, tab, out, t2 * R + r, R)
-        if T % 2:
-            for r in rows:
-                _mxfp4_1(w, r * stride, nb, xq, (T - 1) * C, C, dx, s, tab, out, (T - 1) * R + r, R)
+    nu = cp // UNIT
+    for i in prange((R + 15) // 16):
+        buf = np.empty(nu * PACKED_UNIT, np.uint8)
+        _mxfp4_pack(w, stride, 16 * i, R, nb, tab, buf)
+        nv = min(16, R - 16 * i)
+        for t in range(0, T, TILE_TOKENS):
+            if T - t > TILE_TOKENS // 2:
+                _mxfp4_t8(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, T - t)
+            else:
+                _mxfp4_t4(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, T - t)
 
 
 @njit(**_DRIVER)
 def _mm_q4_k(w, stride, X, tab, out):
-    xq, dx, _, _, s = _round(X)
-    T, C = X.shape
-    R, nb = out.shape[1], C // QK_K
-    if T == 1:
+    xq, dx, bs16, bs32, xs32, cp = _round(X)
+    T, R, nb = X.shape[0], out.shape[1], X.shape[1] // QK
+    if T < GEMM_ROWS:
         for r in prange(R):
-            _q4_k_1(w, r * stride, nb, xq, 0, C, dx, s, tab, out, r, R)
+            if T == 2:
+                _q4_k_r2(w, r * stride, nb, xq, 0, cp, dx, bs16, bs32, xs32, tab, out, r, R)
+            else:
+                _q4_k_r1(w, r * stride, nb, xq, 0, cp, dx, bs16, bs32, xs32, tab, out, r, R)
         return
-    g = _tile_rows(stride)
-    for i in prange((R + g - 1) // g):
-        rows = range(i * g, min(R, i * g + g))
-        for t in range(0, T - 3, 4):
-            for r in rows:
-                _q4_k_4(w, r * stride, nb, xq, t * C, C, dx, s, tab, out, t * R + r, R)
-        t2 = T - T % 4
-        if T % 4 >= 2:
-            for r in rows:
-                _q4_k_2(w, r * stride, nb, xq, t2 * C, C, dx, s, tab, out, t2 * R + r, R)
-        if T % 2:
-            for r in rows:
-                _q4_k_1(w, r * stride, nb, xq, (T - 1) * C, C, dx, s, tab, out, (T - 1) * R + r, R)
+    nu = cp // UNIT
+    for i in prange((R + 15) // 16):
+        buf = np.empty(nu * PACKED_UNIT, np.uint8)
+        _q4_k_pack(w, stride, 16 * i, R, nb, tab, buf)
+        nv = min(16, R - 16 * i)
+        for t in range(0, T, TILE_TOKENS):
+            if T - t > TILE_TOKENS // 2:
+                _q4_k_t8(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, T - t)
+            else:
+                _q4_k_t4(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, T - t)
 
 
 @njit(**_DRIVER)
 def _mm_q5_k(w, stride, X, tab, out):
-    xq, dx, _, _, s = _round(X)
-    T, C = X.shape
-    R, nb = out.shape[1], C // QK_K
-    if T == 1:
+    xq, dx, bs16, bs32, xs32, cp = _round(X)
+    T, R, nb = X.shape[0], out.shape[1], X.shape[1] // QK
+    if T < GEMM_ROWS:
         for r in prange(R):
-            _q5_k_1(w, r * stride, nb, xq, 0, C, dx, s, tab, out, r, R)
+            if T == 2:
+                _q5_k_r2(w, r * stride, nb, xq, 0, cp, dx, bs16, bs32, xs32, tab, out, r, R)
+            else:
+                _q5_k_r1(w, r * stride, nb, xq, 0, cp, dx, bs16, bs32, xs32, tab, out, r, R)
         return
-    g = _tile_rows(stride)
-    for i in prange((R + g - 1) // g):
-        rows = range(i * g, min(R, i * g + g))
-        for t in range(0, T - 3, 4):
-            for r in rows:
-                _q5_k_4(w, r * stride, nb, xq, t * C, C, dx, s, tab, out, t * R + r, R)
-        t2 = T - T % 4
-        if T % 4 >= 2:
-            for r in rows:
-                _q5_k_2(w, r * stride, nb, xq, t2 * C, C, dx, s, tab, out, t2 * R + r, R)
-        if T % 2:
-            for r in rows:
-                _q5_k_1(w, r * stride, nb, xq, (T - 1) * C, C, dx, s, tab, out, (T - 1) * R + r, R)
-
-
-@njit(**_DRIVER)
-def _mm_iq4_xs(w, stride, X, tab, out):
-    xq, dx, s, _, _ = _round(X)
-    T, C = X.shape
-    R, nb = out.shape[1], C // QK_K
-    if T == 1:
-        for r in prange(R):
-            _iq4_xs_1(w, r * stride, nb, xq, 0, C, dx, s, tab, out, r, R)
-        return
-    g = _tile_rows(stride)
-    for i in prange((R + g - 1) // g):
-        rows = range(i * g, min(R, i * g + g))
-        for t in range(0, T - 3, 4):
-            for r in rows:
-                _iq4_xs_4(w, r * stride, nb, xq, t * C, C, dx, s, tab, out, t * R + r, R)
-        t2 = T - T % 4
-        if T % 4 >= 2:
-            for r in rows:
-                _iq4_xs_2(w, r * stride, nb, xq, t2 * C, C, dx, s, tab, out, t2 * R + r, R)
-        if T % 2:
-            for r in rows:
-                _iq4_xs_1(w, r * stride, nb, xq, (T - 1) * C, C, dx, s, tab, out, (T - 1) * R + r, R)
+    nu = cp // UNIT
+    for i in prange((R + 15) // 16):
+        buf = np.empty(nu * PACKED_UNIT, np.uint8)
+        _q5_k_pack(w, stride, 16 * i, R, nb, tab, buf)
+        nv = min(16, R - 16 * i)
+        for t in range(0, T, TILE_TOKENS):
+            if T - t > TILE_TOKENS // 2:
+                _q5_k_t8(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, T - t)
+            else:
+                _q5_k_t4(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, T - t)
 
 
 @njit(**_DRIVER)
 def _mm_q6_k(w, stride, X, tab, out):
-    xq, dx, _, s, _ = _round(X)
-    T, C = X.shape
-    R, nb = out.shape[1], C // QK_K
-    if T == 1:
+    xq, dx, bs16, bs32, xs32, cp = _round(X)
+    T, R, nb = X.shape[0], out.shape[1], X.shape[1] // QK
+    if T < GEMM_ROWS:
         for r in prange(R):
-            _q6_k_1(w, r * stride, nb, xq, 0, C, dx, s, tab, out, r, R)
+            if T == 2:
+                _q6_k_r2(w, r * stride, nb, xq, 0, cp, dx, bs16, bs32, xs32, tab, out, r, R)
+            else:
+                _q6_k_r1(w, r * stride, nb, xq, 0, cp, dx, bs16, bs32, xs32, tab, out, r, R)
         return
-    g = _tile_rows(stride)
-    for i in prange((R + g - 1) // g):
-        rows = range(i * g, min(R, i * g + g))
-        for t in range(0, T - 3, 4):
-            for r in rows:
-                _q6_k_4(w, r * stride, nb, xq, t * C, C, dx, s, tab, out, t * R + r, R)
-        t2 = T - T % 4
-        if T % 4 >= 2:
-            for r in rows:
-                _q6_k_2(w, r * stride, nb, xq, t2 * C, C, dx, s, tab, out, t2 * R + r, R)
-        if T % 2:
-            for r in rows:
-                _q6_k_1(w, r * stride, nb, xq, (T - 1) * C, C, dx, s, tab, out, (T - 1) * R + r, R)
+    nu = cp // UNIT
+    for i in prange((R + 15) // 16):
+        buf = np.empty(nu * PACKED_UNIT, np.uint8)
+        _q6_k_pack(w, stride, 16 * i, R, nb, tab, buf)
+        nv = min(16, R - 16 * i)
+        for t in range(0, T, TILE_TOKENS):
+            if T - t > TILE_TOKENS // 2:
+                _q6_k_t8(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, T - t)
+            else:
+                _q6_k_t4(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, T - t)
+
+
+@njit(**_DRIVER)
+def _mm_iq4_xs(w, stride, X, tab, out):
+    xq, dx, bs16, bs32, xs32, cp = _round(X)
+    T, R, nb = X.shape[0], out.shape[1], X.shape[1] // QK
+    if T < GEMM_ROWS:
+        for r in prange(R):
+            if T == 2:
+                _iq4_xs_r2(w, r * stride, nb, xq, 0, cp, dx, bs16, bs32, xs32, tab, out, r, R)
+            else:
+                _iq4_xs_r1(w, r * stride, nb, xq, 0, cp, dx, bs16, bs32, xs32, tab, out, r, R)
+        return
+    nu = cp // UNIT
+    for i in prange((R + 15) // 16):
+        buf = np.empty(nu * PACKED_UNIT, np.uint8)
+        _iq4_xs_pack(w, stride, 16 * i, R, nb, tab, buf)
+        nv = min(16, R - 16 * i)
+        for t in range(0, T, TILE_TOKENS):
+            if T - t > TILE_TOKENS // 2:
+                _iq4_xs_t8(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, T - t)
+            else:
+                _iq4_xs_t4(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, T - t)
 
 
 # type name → (driver, whether it takes E8M0_HALF instead of F16_TABLE)

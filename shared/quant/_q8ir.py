@@ -1,54 +1,61 @@
-"""The LLVM IR of the int8-activation row dots (the drivers and the activation rounding: _q8).
+"""The LLVM IR of the int8-activation kernels (the drivers and the activation rounding: _q8).
 
-One generator per type emits the loop over a weight row's blocks; the
-intrinsic made from it (`rowdot(gen, nt)`) multiplies that row by `nt`
-activation rows at once. Each block's integer codes are unpacked once into
-u8 vectors laid out like the activation, then every activation row takes its
-own integer dots, scale factors and accumulators. The float operations of
-activation row i are the same whatever `nt` is, in the same order (the
-per-row chains are independent; nothing here carries fast-math flags, so
-LLVM may not reorder them): a row of a several-row call equals the one-row
-call bit for bit, and decode (nt = 1) and prefill (nt = 4, 2) agree.
+Every call on these types computes, for weight row r and activation row t, the same float
+operations in the same order, whatever else is in the call (batch-exact by construction):
 
-Q4_K, Q6_K (per 256-weight super-block): the codes become four 64-byte u8
-vectors (Q4_K: low/high nibble planes interleaved by a lane shuffle; Q6_K:
-nibbles | 2-bit planes << 4), each multiplied with 64 activation bytes by one
-`vpdpbusd` (u8·i8, sums of 4 in 16 int32 lanes), converted to float and
-FMA'd into two 16-lane accumulators per activation row with a per-lane factor
-d·scale·dx. Scales and mins of all sub-blocks are decoded as one vector per
-super-block; the offset term (Q4_K dmin·m, Q6_K the −32) is an 8/16-lane FMA
-against xs32/xs16. Nothing is reduced horizontally until the row ends.
+    per block b of the row (32 weights, or 16 for Q6_K), in order:
+        isum_b = Σ u·xq − offset·Σ xq                  (int32, exact)
+        acc_{b mod L} = fma(float(isum_b), wsc_b·dx_b, acc_{b mod L})
+        accm_{b mod 8} = fma(dmm_b, Σx̂_b, accm_{b mod 8})   (Q4_K, Q5_K: the mins)
+    y = tree(acc) − tree(accm)
 
-Q8_0, MXFP4 (single scale per 32): 4 blocks per step, two vpdpbusd, a
-shuffle-add tree to the 4 block sums, the code offset subtracted in exact
-int32 per block (an all-zero-weight block gives exactly 0), one 4-lane FMA;
-MXFP4 maps E2M1 codes with one `vpshufb`. The < 4-block tail and Q5_0 take
-one 32-lane block dot each (`zext(u)·sext(xq)` + `llvm.vector.reduce.add`)
-and a scalar multiply-add.
+u are the weight's codes as u8 (a type's offset makes signed codes non-negative), wsc_b the
+block's weight scale (d·scale: exact in float32 for every K-type), dx_b the activation's
+int8 scale, L = 256 / block lanes, and tree the halving sum (lane j + lane j + L/2, ...).
+Only the integer sums may be formed in any order; everything after them is fixed.
 
-Where the CPU numba compiles for has AVX-512 VNNI (`INT8_DOT` = "vnni") the
-64-byte dot is the `llvm.x86.avx512.vpdpbusd.512` intrinsic and the MXFP4
-code map one `vpshufb`. On aarch64 with the dot-product extension
-(FEAT_DotProd: HWCAP `asimddp`, LLVM `+dotprod`; `INT8_DOT` = "sdot") it is
-four `llvm.aarch64.neon.sdot` on 16-byte quarters (i8·i8, sums of 4 into 4
-int32 lanes each): codes below 128 (Q4_K, Q6_K, MXFP4) go in as they are;
-the u8 codes of Q8_0 (q + 128) go in as q (xor 0x80) and 128·Σ4 xq (one more
-sdot against ones) is added back, so every branch returns the same integer
-sums. Anywhere else (`INT8_DOT` = "portable", also forced
-by NUMBA_CPU_NAME=generic) both are target-independent IR (products in int32,
-pairwise adds; the code map by arithmetic): the same integer sums, only
-slower (the float scaling may round differently in the last bit, as LLVM
-schedules it differently). Written in numba-level Python the same
-loop is typed in int64 (numba widens small ints), and LLVM then leaves it
-scalar or widens to 32-bit lanes: 6–9 G weights/s for a block dot, against
-25–35 G weights/s for the whole-row kernels here (one core, in cache).
+Two kernels compute it, one per layout of the work:
 
-numba's disk cache keys a driver on its own source file (_q8.py), not on the
-IR it inlines from here: after editing this module, touch _q8.py (CI hashes
-both, .ci/run).
+- row_kernel (decode: one or two activation rows): a weight row as it is stored. Per unit
+  of 256 weights, four 64-byte dots (`vpdpbusd`: 16 lanes of sums of 4) against the
+  activation, a shuffle-add tree to the L block sums in one vector (block j in lane j), one
+  L-lane multiply-add; the lanes are summed at the row's end.
+- pack_kernel + tile_kernel (a GEMM: three or more activation rows): 16 weight rows are
+  repacked once per call so that one 64-byte vector holds 4 codes of each of the 16 rows
+  (row r in lane r), a block's codes for all 16 rows in block/4 vectors; then every
+  activation row takes block/4 dots against its 4 codes broadcast, one conversion, one
+  multiply and one multiply-add per block for all 16 rows — about 12 instructions per 512
+  multiply-adds, where the row layout needs about 6 per 64. The lane-j accumulators are
+  separate vectors here, summed by the same tree.
+
+Per type a decoder turns 256 weights of a row into four <64 x i8> code vectors in element
+order and its block scales as one L-lane vector (LAYOUTS). Q4_K/Q5_K: nibble planes
+interleaved by a lane shuffle (Q5_K or's in the fifth bit); Q6_K: nibbles | 2-bit planes <<
+4, offset 32 per 16; IQ4_XS and MXFP4: code-book values through one `vpshufb`, offsets 128
+and 12; Q8_0: q + 128; Q5_0: nibble | fifth bit, offset 16. The 32-block types' rows may end
+in part of a unit: its blocks are copied to a zeroed stack buffer, and the missing blocks
+(zero scales, zero activation padding) leave every accumulator as it was.
+
+Where the CPU numba compiles for has AVX-512 VNNI (`INT8_DOT` = "vnni") the 64-byte dot is
+the `llvm.x86.avx512.vpdpbusd.512` intrinsic and the code-book maps one `vpshufb`. On
+aarch64 with the dot-product extension (FEAT_DotProd: HWCAP `asimddp`, LLVM `+dotprod`;
+`INT8_DOT` = "sdot") it is four `llvm.aarch64.neon.sdot` on 16-byte quarters (i8·i8, sums
+of 4 into 4 int32 lanes each): codes below 128 go in as they are; u8 codes ≥ 128 go in as
+u xor 0x80 and 128·Σ4 xq (one more sdot against ones) is added back, so every build returns
+the same integer sums. Anywhere else (`INT8_DOT` = "portable", also forced by
+NUMBA_CPU_NAME=generic) both are target-independent IR (products in int32, pairwise adds;
+the code maps by arithmetic or selects): the same integer sums, only slower.
+
+Nothing here carries fast-math flags: LLVM may not reorder the float steps, so the two
+kernels agree bit for bit (tests/test_quant.py). numba's disk cache keys a driver on its
+own source file (_q8.py), not on the IR it inlines from here: after editing this module,
+touch _q8.py (CI hashes both, .ci/run).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numba
 from llvmlite import ir
@@ -117,13 +124,6 @@ def _splat(builder, v, n):
     t = ir.VectorType(v.type, n)
     s = builder.insert_element(ir.Constant(t, None), v, ir.Constant(_I32, 0))
     return builder.shuffle_vector(s, ir.Constant(t, None), ir.Constant(_vec(n, 32), [0] * n))
-
-
-def _dot(builder, u, xq, n):
-    """Σ zext(u)·sext(xq) over n u8/i8 lanes → i32."""
-    prod = builder.mul(builder.zext(u, _vec(n, 32)), builder.sext(xq, _vec(n, 32)))
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_I32, [_vec(n, 32)]), f"llvm.vector.reduce.add.v{n}i32")
-    return builder.call(fn, [prod])
 
 
 def _nibbles32(builder, q16):
@@ -206,18 +206,17 @@ class _Emit:
         n = a.type.count
         return self.b.call(self.fn(f"llvm.fma.v{n}f32", _fvec(n), [_fvec(n)] * 3), [a, b, c])
 
-    def dp(self, u, x, below128: bool = False):
-        """<16 x i32>: lane i = Σ_{k<4} zext(u[4i+k])·sext(x[4i+k]) for 64 u8 (u) / i8 (x) lanes.
+    def dp(self, acc, u, x, below128: bool = False):
+        """acc + <16 x i32>: lane i = Σ_{k<4} zext(u[4i+k])·sext(x[4i+k]) for 64 u8 (u) / i8 (x) lanes.
         `below128`: every u is < 128 (so it is also its own i8: one sdot on aarch64)."""
-        zero = ir.Constant(_vec(16, 32), [0] * 16)
         if _VNNI:
             f = self.fn("llvm.x86.avx512.vpdpbusd.512", _vec(16, 32), [_vec(16, 32)] * 3)
-            return self.b.call(f, [zero, self.b.bitcast(u, _vec(16, 32)), self.b.bitcast(x, _vec(16, 32))])
+            return self.b.call(f, [acc, self.b.bitcast(u, _vec(16, 32)), self.b.bitcast(x, _vec(16, 32))])
         if _SDOT:
-            return self._sdot64(u, x, below128)
+            return self.b.add(acc, self._sdot64(u, x, below128))
         p = self.b.mul(self.b.zext(u, _vec(64, 32)), self.b.sext(x, _vec(64, 32)))
         p = self.b.add(self.shuf(p, None, list(range(0, 64, 2))), self.shuf(p, None, list(range(1, 64, 2))))
-        return self.b.add(self.shuf(p, None, list(range(0, 32, 2))), self.shuf(p, None, list(range(1, 32, 2))))
+        return self.b.add(acc, self.b.add(self.shuf(p, None, list(range(0, 32, 2))), self.shuf(p, None, list(range(1, 32, 2)))))
 
     def _sdot64(self, u, x, below128: bool):
         """dp on aarch64: four sdot (i8·i8 → 4 x i32, sums of 4) on 16-byte quarters."""
@@ -238,255 +237,121 @@ class _Emit:
         return self.shuf(lo, hi, list(range(16)))
 
     def hsum(self, v):
-        """Σ lanes of a float vector, as a fixed pairwise tree."""
+        """Σ lanes of a float vector as the fixed halving tree (lane j + lane j + n/2, ...): `tree`'s order."""
         n = v.type.count
         while n > 1:
             n //= 2
             v = self.b.fadd(self.shuf(v, None, list(range(n))), self.shuf(v, None, list(range(n, 2 * n))))
         return self.b.extract_element(v, ir.Constant(_I32, 0))
 
-    def acc(self, n):
-        return cgutils.alloca_once_value(self.b, ir.Constant(_fvec(n), [0.0] * n) if n else ir.Constant(_F32, 0.0))
+    def tree(self, vs):
+        """Σ of float vectors v_0 .. v_{L-1} lane by lane in hsum's order: v_j + v_{j+L/2}, halving."""
+        while len(vs) > 1:
+            n = len(vs) // 2
+            vs = [self.b.fadd(vs[j], vs[j + n]) for j in range(n)]
+        return vs[0]
 
-    def block_sum(self, bs, j):
-        """Σ xq over 32-block j (two int32 sums of 16 at 2j, 2j+1)."""
-        two = self.b.shl(j, self.i64(1))
-        return self.b.add(self.load(bs, two, _I32), self.load(bs, self.b.add(two, self.i64(1)), _I32))
-
-
-def rowdot(gen, nt: int):
-    """An intrinsic `f(w, o, n, xq, xo, cs, dx, s, tab, out, oo, os)` from an IR body generator.
-
-    One weight row (w u8, at byte o, n blocks or super-blocks) times `nt`
-    activation rows: row i of the int8 activation xq starts at element
-    xo + i·cs, dx are its per-32 scales, s a per-call sum array and tab a
-    lookup table (as the generator needs; unused ones are passed anyway so
-    every kernel has the same shape). Result i goes to element oo + i·os of
-    the float32 array `out` (flat index; out[t, r] of a C-contiguous [T, R] is
-    t·R + r).
-    """
-
-    def typer(typingctx, w, o, n, xq, xo, cs, dx, s, tab, out, oo, os):
-        def codegen(context, builder, sig, args):
-            e = _Emit(context, builder)
-            o_, n_, xo_, cs_, oo_, os_ = (context.cast(builder, args[i], sig.args[i], types.int64) for i in (1, 2, 4, 5, 10, 11))
-            ptr = [e.data(sig.args[i], args[i]) for i in (0, 3, 6, 7, 8, 9)]
-            res = gen(e, ptr[0], o_, n_, ptr[1], xo_, cs_, ptr[2], ptr[3], ptr[4], nt)
-            for i, v in enumerate(res):
-                builder.store(v, builder.gep(ptr[5], [builder.add(oo_, builder.mul(os_, e.i64(i)))]))
-            return context.get_dummy_value()
-
-        return types.void(w, o, n, xq, xo, cs, dx, s, tab, out, oo, os), codegen
-
-    typer.__name__ = f"{gen.__name__}_x{nt}"
-    return intrinsic(typer)
+    def splat_i32(self, v):
+        """An i32 repeated in 16 lanes, as 64 i8 lanes (4 activation codes for every row of a tile)."""
+        return self.b.bitcast(_splat(self.b, v, 16), _vec(64))
 
 
-def _rows(e: _Emit, xb, cs, nt):
-    """Element offsets of the nt activation rows' copies of position xb."""
-    return [xb if i == 0 else e.b.add(xb, e.b.mul(cs, e.i64(i))) for i in range(nt)]
+# ---- the layouts: a unit is 256 weights of one row ----------------------------------
+# A type's decoder turns one unit of a weight row into its codes, as four
+# <64 x i8> u8 vectors in element order (the activation's), and its per-block
+# scale factors as one float vector of L = 256 / block lanes (block j of the
+# unit in lane j): wsc (the weight's scale, d·scale) and, for Q4_K/Q5_K, dmm
+# (dmin·min). The integer offset of the codes (Q8_0's q + 128, Q6_K's 32, ...)
+# is subtracted per block in exact int32: isum = Σ u·xq − offset·Σ xq.
+
+UNIT = QK_K  # weights of a row decoded together
+CODE_VECTORS = UNIT // 64
+# Bytes of one unit of a 16-row tile, repacked (pack_kernel): 16 × 256 codes, then 16 scale
+# vectors (L wsc, and 8 dmm after 8 wsc; every type takes the same room).
+PACKED_UNIT = 16 * UNIT + 16 * 64
 
 
-def _block4_sums(e: _Emit, lo, hi):
-    """Two <16 x i32> dot vectors (8 lanes per 32-block: blocks 0,1 and 2,3) → <4 x i32> block sums."""
+@dataclass(frozen=True)
+class Layout:
+    unit_bytes: int  # bytes of one unit of a row
+    block: int  # weights per scale: 32, or 16 (Q6_K)
+    offset: int  # the codes' integer offset (isum = Σ u·xq − offset·Σ xq per block)
+    mins: bool  # a second per-block term, dmm·Σ x̂ (Q4_K, Q5_K)
+    below128: bool  # every code < 128 (one sdot on aarch64)
+    block_bytes: int  # > 0: the row is whole 32-blocks of this many bytes and may end in a part unit; 0: whole super-blocks
+    decode: Callable  # (e, src, p, tab) → (codes, wsc, dmm | None)
+
+    @property
+    def lanes(self) -> int:
+        return UNIT // self.block
+
+
+def _k_header(e: _Emit, w, p):
+    """Q4_K/Q5_K: d, dmin and the 8 six-bit scales and mins (12 bytes at p+4, as <8 x i32>) of
+    the super-block at p, from one 16-byte load (so d and dmin convert from a register: a
+    2-byte load is an insert into a register LLVM picks, a false dependency — once an
+    accumulator's, which serialised the row loop)."""
     b = e.b
-    s = b.add(
-        e.shuf(lo, hi, [0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27]),
-        e.shuf(lo, hi, [4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31]),
-    )
-    s = b.add(e.shuf(s, None, [0, 1, 4, 5, 8, 9, 12, 13]), e.shuf(s, None, [2, 3, 6, 7, 10, 11, 14, 15]))
-    return b.add(e.shuf(s, None, [0, 2, 4, 6]), e.shuf(s, None, [1, 3, 5, 7]))
-
-
-def _gen_blocks(e: _Emit, w, o, nb, xq, xo, cs, dx, bs, nt, *, size, codes4, codes1, scale, offset):
-    """Σ over nb single-scale 32-blocks: Σ_blocks scale·dx·(Σ u·xq − offset·Σ xq), per activation row.
-
-    Groups of 4 blocks first (`codes4(p)` → two <64 x i8> u vectors, blocks
-    0,1 and 2,3 of the group at byte p), then the < 4 left one at a time
-    (`codes1(p)` → <32 x i8>). The block sums are reduced and offset-corrected
-    in exact int32 before any float rounding (so an all-zero-weight block
-    contributes exactly 0).
-    """
-    b = e.b
-    ng = b.lshr(nb, e.i64(2))
-    accs = [e.acc(4) for _ in range(nt)]
-    with cgutils.for_range(b, ng) as loop:
-        p = b.add(o, b.mul(loop.index, e.i64(4 * size)))
-        u01, u23 = codes4(p)
-        sc = ir.Constant(_fvec(4), None)
-        for k in range(4):
-            sc = b.insert_element(sc, scale(b.add(p, e.i64(size * k))), ir.Constant(_I32, k))
-        for i, xb in enumerate(_rows(e, b.add(xo, b.mul(loop.index, e.i64(4 * QK))), cs, nt)):
-            j = b.lshr(xb, e.i64(_LOG2_QK))
-            small = offset < 128  # MXFP4's codes (≤ 24); Q8_0's q + 128 are not
-            dots = _block4_sums(e, e.dp(u01, e.load(xq, xb, _vec(64)), small), e.dp(u23, e.load(xq, b.add(xb, e.i64(64)), _vec(64)), small))
-            bs8 = e.load(bs, b.shl(j, e.i64(1)), _vec(8, 32))  # Σ xq per 16 → per 32
-            bsum = b.add(e.shuf(bs8, None, [0, 2, 4, 6]), e.shuf(bs8, None, [1, 3, 5, 7]))
-            ints = b.sub(dots, b.mul(bsum, e.const(_vec(4, 32), offset)))
-            f = b.fmul(sc, e.load(dx, j, _fvec(4)))
-            b.store(e.fma(b.sitofp(ints, _fvec(4)), f, b.load(accs[i])), accs[i])
-    sums = [cgutils.alloca_once_value(b, e.hsum(b.load(a))) for a in accs]
-    with cgutils.for_range(b, nb, start=b.shl(ng, e.i64(2))) as loop:
-        p = b.add(o, b.mul(loop.index, e.i64(size)))
-        u = codes1(p)
-        d = scale(p)
-        for i, xb in enumerate(_rows(e, b.add(xo, b.mul(loop.index, e.i64(QK))), cs, nt)):
-            j = b.lshr(xb, e.i64(_LOG2_QK))
-            s = b.sub(_dot(b, u, e.load(xq, xb, _vec(32)), 32), b.mul(e.block_sum(bs, j), ir.Constant(_I32, offset)))
-            b.store(b.fadd(b.load(sums[i]), b.fmul(b.fmul(d, e.load(dx, j, _F32)), b.sitofp(s, _F32))), sums[i])
-    return [b.load(s) for s in sums]
-
-
-def _gen_q8_0(e: _Emit, w, o, nb, xq, xo, cs, dx, bs, tab, nt):
-    flip = e.const(_vec(64), 0x80)  # int8 q → u8 q + 128
-
-    def codes4(p):
-        q = [e.load(w, e.b.add(p, e.i64(Q8_0_BYTES * i + 2)), _vec(32)) for i in range(4)]
-        return (e.b.xor(e.shuf(q[0], q[1], list(range(64))), flip), e.b.xor(e.shuf(q[2], q[3], list(range(64))), flip))
-
-    def codes1(p):
-        return e.b.xor(e.load(w, e.b.add(p, e.i64(2)), _vec(32)), e.const(_vec(32), 0x80))
-
-    return _gen_blocks(
-        e, w, o, nb, xq, xo, cs, dx, bs, nt, size=Q8_0_BYTES, codes4=codes4, codes1=codes1, scale=lambda p: e.half(w, p), offset=128
-    )
-
-
-def _fp4_u(e: _Emit, n):
-    """<64 x i8> E2M1 codes (0..15) → 2·value + 12 (u8)."""
-    if _VNNI:  # one vpshufb: a 16-entry table per 128-bit lane
-        f = e.fn("llvm.x86.avx512.pshuf.b.512", _vec(64), [_vec(64), _vec(64)])
-        return e.b.call(f, [e.const(_vec(64), _FP4_U * 4), n])
-    return _fp4_u_arith(e.b, n)
-
-
-def _gen_mxfp4(e: _Emit, w, o, nb, xq, xo, cs, dx, bs, half, nt):
-    def codes4(p):
-        q = [e.load(w, e.b.add(p, e.i64(MXFP4_BYTES * i + 1)), _vec(16)) for i in range(4)]
-        q = e.shuf(e.shuf(q[0], q[1], list(range(32))), e.shuf(q[2], q[3], list(range(32))), list(range(64)))
-        lo = _fp4_u(e, e.b.and_(q, e.const(_vec(64), 15)))
-        hi = _fp4_u(e, e.b.lshr(q, e.const(_vec(64), 4)))
-        # block i: low nibbles are elements 0..15, high nibbles 16..31
-        return (
-            e.shuf(lo, hi, list(range(16)) + list(range(64, 80)) + list(range(16, 32)) + list(range(80, 96))),
-            e.shuf(lo, hi, list(range(32, 48)) + list(range(96, 112)) + list(range(48, 64)) + list(range(112, 128))),
-        )
-
-    def codes1(p):
-        return _fp4_u_arith(e.b, _nibbles32(e.b, e.load(w, e.b.add(p, e.i64(1)), _vec(16))))
-
-    def scale(p):
-        return e.b.load(e.b.gep(half, [e.b.zext(e.load(w, p, _I8), _I64)]))
-
-    return _gen_blocks(e, w, o, nb, xq, xo, cs, dx, bs, nt, size=MXFP4_BYTES, codes4=codes4, codes1=codes1, scale=scale, offset=_FP4_OFFSET)
-
-
-def _gen_q5_0(e: _Emit, w, o, nb, xq, xo, cs, dx, bs, tab, nt):
-    """Σ over nb Q5_0 blocks: d·dx·(Σ (nibble | high bit << 4)·xq − 16·Σ xq), one block at a time."""
-    b = e.b
-    sums = [e.acc(0) for _ in range(nt)]
-    with cgutils.for_range(b, nb) as loop:
-        p = b.add(o, b.mul(loop.index, e.i64(Q5_0_BYTES)))
-        d = e.half(w, p)
-        nib = _nibbles32(b, e.load(w, b.add(p, e.i64(6)), _vec(16)))
-        qh = e.load(w, b.add(p, e.i64(2)), _I32)
-        bits = b.lshr(_splat(b, qh, 32), ir.Constant(_vec(32, 32), list(range(32))))
-        hb = b.trunc(b.and_(bits, ir.Constant(_vec(32, 32), [1] * 32)), _vec(32))
-        u = b.or_(nib, b.shl(hb, e.const(_vec(32), 4)))
-        for i, xb in enumerate(_rows(e, b.add(xo, b.mul(loop.index, e.i64(QK))), cs, nt)):
-            j = b.lshr(xb, e.i64(_LOG2_QK))
-            s = b.sub(_dot(b, u, e.load(xq, xb, _vec(32)), 32), b.mul(e.block_sum(bs, j), ir.Constant(_I32, 16)))
-            b.store(b.fadd(b.load(sums[i]), b.fmul(b.fmul(d, e.load(dx, j, _F32)), b.sitofp(s, _F32))), sums[i])
-    return [b.load(s) for s in sums]
-
-
-def _gen_q4_k(e: _Emit, w, o, nb, xq, xo, cs, dx, xs32, tab, nt):
-    """Σ over nb Q4_K super-blocks from byte o of w · activation rows from element xo (xs = xs32)."""
-    return _gen_q45_k(e, w, o, nb, xq, xo, cs, dx, xs32, nt, size=Q4_K_BYTES, codes_at=16, fifth_bit_at=None)
-
-
-def _gen_q5_k(e: _Emit, w, o, nb, xq, xo, cs, dx, xs32, tab, nt):
-    """Q5_K: Q4_K's layout with the 32 bytes of fifth bits (qh) before the nibbles; element
-    64c + l takes bit 2c of qh[l], element 64c + 32 + l bit 2c + 1 (codes 0..31 < 128)."""
-    return _gen_q45_k(e, w, o, nb, xq, xo, cs, dx, xs32, nt, size=Q5_K_BYTES, codes_at=48, fifth_bit_at=16)
-
-
-def _gen_q45_k(e: _Emit, w, o, nb, xq, xo, cs, dx, xs32, nt, *, size, codes_at, fifth_bit_at):
-    """Σ over nb Q4_K/Q5_K super-blocks (d, dmin, 12 bytes of 6-bit scales and mins at 4, the
-    nibbles at `codes_at`, Q5_K's fifth bits at `fifth_bit_at`)."""
-    b = e.b
-    accs = [(e.acc(16), e.acc(16), e.acc(8)) for _ in range(nt)]
     v8 = _vec(8, 32)
-    with cgutils.for_range(b, nb) as loop:
-        p = b.add(o, b.mul(loop.index, e.i64(size)))
+    head = e.load(w, p, _vec(16))
+    dd = e.shuf(b.bitcast(head, _vec(8, 16)), None, [0, 1])
+    if _F16C:
+        dd = b.fpext(b.bitcast(dd, ir.VectorType(_HALF, 2)), _fvec(2))
+        d, dmin = (b.extract_element(dd, ir.Constant(_I32, k)) for k in range(2))
+    else:
         d, dmin = e.half(w, p), e.half(w, b.add(p, e.i64(2)))
-        # 6-bit scales / mins of the 8 sub-blocks, from the 12 bytes at p+4
-        s = b.zext(e.load(w, b.add(p, e.i64(4)), _vec(16)), _vec(16, 32))
-        hi2 = lambda idx: b.and_(b.lshr(e.shuf(s, None, idx), e.const(v8, 2)), e.const(v8, [0] * 4 + [48] * 4))  # noqa: E731
-        sc = b.or_(b.and_(e.shuf(s, None, [0, 1, 2, 3, 8, 9, 10, 11]), e.const(v8, [63] * 4 + [15] * 4)), hi2([0, 0, 0, 0, 0, 1, 2, 3]))
-        mv = b.lshr(e.shuf(s, None, [4, 5, 6, 7, 8, 9, 10, 11]), e.const(v8, [0] * 4 + [4] * 4))
-        m = b.or_(b.and_(mv, e.const(v8, [63] * 4 + [15] * 4)), hi2([0, 0, 0, 0, 4, 5, 6, 7]))
-        scf, dmm = b.sitofp(sc, _fvec(8)), b.fmul(b.sitofp(m, _fvec(8)), _splat(b, dmin, 8))
-        us = []  # (sub-blocks 2c, 2c+1) as 64 u8 lanes in activation order, c = 2·half + k
-        for half in range(2):  # 32-byte chunks 2·half, 2·half+1 = sub-blocks 4·half .. 4·half+3
-            q = e.load(w, b.add(p, e.i64(codes_at + 64 * half)), _vec(64))
-            lo, hi = b.and_(q, e.const(_vec(64), 15)), b.lshr(q, e.const(_vec(64), 4))
-            us += [e.shuf(lo, hi, list(range(32 * k, 32 * k + 32)) + list(range(64 + 32 * k, 96 + 32 * k))) for k in range(2)]
-        if fifth_bit_at is not None:
-            qh = e.load(w, b.add(p, e.i64(fifth_bit_at)), _vec(32))
-            one = e.const(_vec(32), 1)
-            for c in range(4):
-                bits = [b.and_(b.lshr(qh, e.const(_vec(32), 2 * c + k)), one) for k in range(2)]
-                us[c] = b.or_(us[c], b.shl(e.shuf(bits[0], bits[1], list(range(64))), e.const(_vec(64), 4)))
-        for (acc, acc2, accm), xb in zip(accs, _rows(e, b.add(xo, b.mul(loop.index, e.i64(QK_K))), cs, nt), strict=True):
-            j = b.lshr(xb, e.i64(_LOG2_QK))
-            f8 = b.fmul(b.fmul(scf, e.load(dx, j, _fvec(8))), _splat(b, d, 8))
-            b.store(e.fma(dmm, e.load(xs32, j, _fvec(8)), b.load(accm)), accm)
-            a = [b.load(acc), b.load(acc2)]  # two chains: each FMA waits on the one before last
-            for c in range(4):  # elements 64c .. 64c+64; chain k = c % 2
-                x = e.load(xq, b.add(xb, e.i64(64 * c)), _vec(64))
-                a[c % 2] = e.fma(b.sitofp(e.dp(us[c], x, True), _fvec(16)), e.shuf(f8, None, [2 * c] * 8 + [2 * c + 1] * 8), a[c % 2])
-            b.store(a[0], acc)
-            b.store(a[1], acc2)
-    return [b.fsub(e.hsum(b.fadd(b.load(acc), b.load(acc2))), e.hsum(b.load(accm))) for acc, acc2, accm in accs]
+    s = b.zext(head, _vec(16, 32))
+    at = lambda idx: e.shuf(s, None, [4 + i for i in idx])  # noqa: E731  (scale byte i is head byte 4 + i)
+    # The top 2 bits of scales/mins 4..7, in lanes 4..7 over explicit zeros: lanes left
+    # undefined here become reads of a register LLVM picks, a false dependency again.
+    z4 = ir.Constant(_vec(4, 32), [0] * 4)
+    hi2 = lambda idx: e.shuf(z4, b.and_(b.lshr(at(idx), e.const(_vec(4, 32), 2)), e.const(_vec(4, 32), 48)), [0] * 4 + [4, 5, 6, 7])  # noqa: E731
+    sc = b.or_(b.and_(at([0, 1, 2, 3, 8, 9, 10, 11]), e.const(v8, [63] * 4 + [15] * 4)), hi2([0, 1, 2, 3]))
+    mv = b.lshr(at([4, 5, 6, 7, 8, 9, 10, 11]), e.const(v8, [0] * 4 + [4] * 4))
+    m = b.or_(b.and_(mv, e.const(v8, [63] * 4 + [15] * 4)), hi2([4, 5, 6, 7]))
+    return d, dmin, sc, m
 
 
-def _gen_q6_k(e: _Emit, w, o, nb, xq, xo, cs, dx, xs16, tab, nt):
-    """Σ over nb Q6_K super-blocks from byte o of w · activation rows from element xo (xs = xs16)."""
+def _unit_q45_k(e: _Emit, w, p, *, codes_at, fifth_bit_at):
+    """Q4_K/Q5_K super-block at p: d, dmin, 12 bytes of scales and mins at 4, the nibbles at
+    `codes_at` (byte l of 32-byte chunk c: element 64c + l low, 64c + 32 + l high), Q5_K's
+    fifth bits at `fifth_bit_at` (element 64c + l: bit 2c of qh[l]; 64c + 32 + l: bit 2c + 1)."""
     b = e.b
-    accs = [(e.acc(16), e.acc(16), e.acc(16)) for _ in range(nt)]
+    d, dmin, sc, m = _k_header(e, w, p)
+    wsc = b.fmul(b.sitofp(sc, _fvec(8)), _splat(b, d, 8))  # exact: 11 × 6 bits
+    dmm = b.fmul(b.sitofp(m, _fvec(8)), _splat(b, dmin, 8))
+    codes = []
+    for half in range(2):
+        q = e.load(w, b.add(p, e.i64(codes_at + 64 * half)), _vec(64))
+        lo, hi = b.and_(q, e.const(_vec(64), 15)), b.lshr(q, e.const(_vec(64), 4))
+        codes += [e.shuf(lo, hi, list(range(32 * k, 32 * k + 32)) + list(range(64 + 32 * k, 96 + 32 * k))) for k in range(2)]
+    if fifth_bit_at is not None:
+        qh = e.load(w, b.add(p, e.i64(fifth_bit_at)), _vec(32))
+        one = e.const(_vec(32), 1)
+        for c in range(4):
+            bits = [b.and_(b.lshr(qh, e.const(_vec(32), 2 * c + k)), one) for k in range(2)]
+            codes[c] = b.or_(codes[c], b.shl(e.shuf(bits[0], bits[1], list(range(64))), e.const(_vec(64), 4)))
+    return codes, wsc, dmm
+
+
+def _unit_q6_k(e: _Emit, w, p, tab):
+    """Q6_K super-block at p: ql (128 B), qh (64 B), 16 int8 scales at 192, d at 208; codes 0..63, offset 32."""
+    b = e.b
     v64 = _vec(64)
-    with cgutils.for_range(b, nb) as loop:
-        p = b.add(o, b.mul(loop.index, e.i64(Q6_K_BYTES)))
-        d = e.half(w, b.add(p, e.i64(208)))
-        scd = b.fmul(b.sitofp(e.load(w, b.add(p, e.i64(192)), _vec(16)), _fvec(16)), _splat(b, d, 16))  # d·scale per 16
-        us = []  # elements 64c .. 64c+64 as 64 u8 lanes, c = 2h + k: planes 2k, 2k+1 of half h
-        for h in range(2):
-            ql = e.load(w, b.add(p, e.i64(64 * h)), v64)
-            qh = e.load(w, b.add(p, e.i64(128 + 32 * h)), _vec(32))
-            sh = lambda n, qh=qh: b.lshr(qh, e.const(_vec(32), n))  # noqa: E731
-            hb = (e.shuf(qh, sh(2), list(range(64))), e.shuf(sh(4), sh(6), list(range(64))))
-            lo4 = (b.and_(ql, e.const(v64, 15)), b.lshr(ql, e.const(v64, 4)))
-            us += [b.or_(lo4[k], b.shl(b.and_(hb[k], e.const(v64, 3)), e.const(v64, 4))) for k in range(2)]
-        for (acc, acc2, accm), xb in zip(accs, _rows(e, b.add(xo, b.mul(loop.index, e.i64(QK_K))), cs, nt), strict=True):
-            b.store(e.fma(scd, e.load(xs16, b.lshr(xb, e.i64(_LOG2_QK - 1)), _fvec(16)), b.load(accm)), accm)
-            dx8 = e.load(dx, b.lshr(xb, e.i64(_LOG2_QK)), _fvec(8))
-            g16 = b.fmul(scd, e.shuf(dx8, None, [i // 2 for i in range(16)]))  # d·scale·dx per 16
-            a = [b.load(acc), b.load(acc2)]  # two FMA chains
-            for c in range(4):
-                x = e.load(xq, b.add(xb, e.i64(64 * c)), v64)
-                a[c % 2] = e.fma(
-                    b.sitofp(e.dp(us[c], x, True), _fvec(16)), e.shuf(g16, None, [4 * c + i // 4 for i in range(16)]), a[c % 2]
-                )
-            b.store(a[0], acc)
-            b.store(a[1], acc2)
-    return [
-        b.fsub(e.hsum(b.fadd(b.load(acc), b.load(acc2))), b.fmul(ir.Constant(_F32, 32.0), e.hsum(b.load(accm)))) for acc, acc2, accm in accs
-    ]
+    d = e.half(w, b.add(p, e.i64(208)))
+    wsc = b.fmul(b.sitofp(e.load(w, b.add(p, e.i64(192)), _vec(16)), _fvec(16)), _splat(b, d, 16))  # exact: 11 × 8 bits
+    codes = []  # elements 64c .. 64c+64, c = 2h + k: planes 2k, 2k+1 of half h
+    for h in range(2):
+        ql = e.load(w, b.add(p, e.i64(64 * h)), v64)
+        qh = e.load(w, b.add(p, e.i64(128 + 32 * h)), _vec(32))
+        sh = lambda n, qh=qh: b.lshr(qh, e.const(_vec(32), n))  # noqa: E731
+        hb = (e.shuf(qh, sh(2), list(range(64))), e.shuf(sh(4), sh(6), list(range(64))))
+        lo4 = (b.and_(ql, e.const(v64, 15)), b.lshr(ql, e.const(v64, 4)))
+        codes += [b.or_(lo4[k], b.shl(b.and_(hb[k], e.const(v64, 3)), e.const(v64, 4))) for k in range(2)]
+    return codes, wsc, None
 
 
-# IQ4_XS code → its code-book value + 128 ≥ 1 (u8 lanes for the u8·i8 dot; the kernel
-# subtracts 128·Σ xq again, exactly, per 32-block).
+# IQ4_XS code → its code-book value + 128 ≥ 1 (u8 lanes for the u8·i8 dot).
 _IQ4_OFFSET = 128
 _IQ4_U = [_IQ4_OFFSET + v for v in IQ4_NL_VALUES]
 
@@ -502,55 +367,426 @@ def _iq4_u(e: _Emit, n):
     return out
 
 
-def _gen_iq4_xs(e: _Emit, w, o, nb, xq, xo, cs, dx, bs, tab, nt):
-    """Σ over nb IQ4_XS super-blocks (d, 2 bytes of scale high bits, 4 of low nibbles, then
-    16 nibble bytes per 32-block: low nibbles elements 0..15, high 16..31): per 32-block
-    d·(ls − 32)·dx·(Σ u·xq − 128·Σ xq), the integer part exact, 4 blocks per vector step."""
+# Two 64-byte nibble vectors (4 blocks of 16 bytes: low nibbles elements 0..15, high 16..31) → element order.
+_NIBBLE_BLOCKS = (
+    list(range(16)) + list(range(64, 80)) + list(range(16, 32)) + list(range(80, 96)),
+    list(range(32, 48)) + list(range(96, 112)) + list(range(48, 64)) + list(range(112, 128)),
+)
+
+
+def _unit_iq4_xs(e: _Emit, w, p, tab):
+    """IQ4_XS super-block at p: d, 2 bytes of scale high bits, 4 of low nibbles, then 16 nibble
+    bytes per 32-block; scale of block j: d·(ls_j − 32)."""
     b = e.b
-    accs = [e.acc(4) for _ in range(nt)]
     v8 = _vec(8, 32)
-    with cgutils.for_range(b, nb) as loop:
-        p = b.add(o, b.mul(loop.index, e.i64(IQ4_XS_BYTES)))
-        d = e.half(w, p)
-        low = b.zext(e.load(w, b.add(p, e.i64(4)), _vec(4)), _vec(4, 32))
-        low = b.and_(b.lshr(e.shuf(low, None, [0, 0, 1, 1, 2, 2, 3, 3]), e.const(v8, [0, 4] * 4)), e.const(v8, 15))
-        high = b.lshr(_splat(b, b.zext(e.load(w, b.add(p, e.i64(2)), _I16), _I32), 8), e.const(v8, list(range(0, 16, 2))))
-        ls = b.or_(low, b.shl(b.and_(high, e.const(v8, 3)), e.const(v8, 4)))
-        sc = b.fmul(b.sitofp(b.sub(ls, e.const(v8, 32)), _fvec(8)), _splat(b, d, 8))  # d·(ls − 32) per 32-block
-        us = []
-        for g in range(2):  # blocks 4g .. 4g+3
-            q = e.load(w, b.add(p, e.i64(8 + 64 * g)), _vec(64))
-            lo = _iq4_u(e, b.and_(q, e.const(_vec(64), 15)))
-            hi = _iq4_u(e, b.lshr(q, e.const(_vec(64), 4)))
-            us.append(e.shuf(lo, hi, list(range(16)) + list(range(64, 80)) + list(range(16, 32)) + list(range(80, 96))))
-            us.append(e.shuf(lo, hi, list(range(32, 48)) + list(range(96, 112)) + list(range(48, 64)) + list(range(112, 128))))
-        for i, xb in enumerate(_rows(e, b.add(xo, b.mul(loop.index, e.i64(QK_K))), cs, nt)):
-            acc = b.load(accs[i])
-            for g in range(2):
-                xg = b.add(xb, e.i64(128 * g))
-                j = b.lshr(xg, e.i64(_LOG2_QK))
-                dots = _block4_sums(
-                    e, e.dp(us[2 * g], e.load(xq, xg, _vec(64))), e.dp(us[2 * g + 1], e.load(xq, b.add(xg, e.i64(64)), _vec(64)))
-                )
-                bs8 = e.load(bs, b.shl(j, e.i64(1)), _vec(8, 32))  # Σ xq per 16 → per 32
-                bsum = b.add(e.shuf(bs8, None, [0, 2, 4, 6]), e.shuf(bs8, None, [1, 3, 5, 7]))
-                ints = b.sub(dots, b.mul(bsum, e.const(_vec(4, 32), _IQ4_OFFSET)))
-                f = b.fmul(e.shuf(sc, None, [4 * g, 4 * g + 1, 4 * g + 2, 4 * g + 3]), e.load(dx, j, _fvec(4)))
-                acc = e.fma(b.sitofp(ints, _fvec(4)), f, acc)
-            b.store(acc, accs[i])
-    return [e.hsum(b.load(a)) for a in accs]
+    d = e.half(w, p)
+    low = b.zext(e.load(w, b.add(p, e.i64(4)), _vec(4)), _vec(4, 32))
+    low = b.and_(b.lshr(e.shuf(low, None, [0, 0, 1, 1, 2, 2, 3, 3]), e.const(v8, [0, 4] * 4)), e.const(v8, 15))
+    high = b.lshr(_splat(b, b.zext(e.load(w, b.add(p, e.i64(2)), _I16), _I32), 8), e.const(v8, list(range(0, 16, 2))))
+    ls = b.or_(low, b.shl(b.and_(high, e.const(v8, 3)), e.const(v8, 4)))
+    wsc = b.fmul(b.sitofp(b.sub(ls, e.const(v8, 32)), _fvec(8)), _splat(b, d, 8))  # exact: 11 × 6 bits
+    codes = []
+    for g in range(2):
+        q = e.load(w, b.add(p, e.i64(8 + 64 * g)), _vec(64))
+        lo, hi = _iq4_u(e, b.and_(q, e.const(_vec(64), 15))), _iq4_u(e, b.lshr(q, e.const(_vec(64), 4)))
+        codes += [e.shuf(lo, hi, idx) for idx in _NIBBLE_BLOCKS]
+    return codes, wsc, None
 
 
-# Activation rows per intrinsic call: 4 (a tile), 2 and 1 (what a tile leaves).
-# Four rows keep 4 × 3 accumulators and the block's 4 code vectors in
-# registers (32 zmm); more would spill.
-TILE_TOKENS = 4
-GENERATORS = {
-    "Q8_0": _gen_q8_0,
-    "Q5_0": _gen_q5_0,
-    "MXFP4": _gen_mxfp4,
-    "Q4_K": _gen_q4_k,
-    "Q5_K": _gen_q5_k,
-    "Q6_K": _gen_q6_k,
-    "IQ4_XS": _gen_iq4_xs,
+def _gather8(e: _Emit, scale, p, size):
+    """<8 x float>: scale(byte offset of block k) for the 8 blocks of a unit at p."""
+    v = ir.Constant(_fvec(8), None)
+    for k in range(8):
+        v = e.b.insert_element(v, scale(e.b.add(p, e.i64(size * k))), ir.Constant(_I32, k))
+    return v
+
+
+def _unit_q8_0(e: _Emit, w, p, tab):
+    """8 Q8_0 blocks at p (d, 32 int8): codes q + 128 (offset 128), scale d."""
+    b = e.b
+    q = [e.load(w, b.add(p, e.i64(Q8_0_BYTES * k + 2)), _vec(32)) for k in range(8)]
+    codes = [b.xor(e.shuf(q[2 * c], q[2 * c + 1], list(range(64))), e.const(_vec(64), 0x80)) for c in range(4)]
+    return codes, _gather8(e, lambda o: e.half(w, o), p, Q8_0_BYTES), None
+
+
+def _fp4_u(e: _Emit, n):
+    """<64 x i8> E2M1 codes (0..15) → 2·value + 12 (u8)."""
+    if _VNNI:  # one vpshufb: a 16-entry table per 128-bit lane
+        f = e.fn("llvm.x86.avx512.pshuf.b.512", _vec(64), [_vec(64), _vec(64)])
+        return e.b.call(f, [e.const(_vec(64), _FP4_U * 4), n])
+    return _fp4_u_arith(e.b, n)
+
+
+def _unit_mxfp4(e: _Emit, w, p, half):
+    """8 MXFP4 blocks at p (E8M0 byte, 16 nibble bytes): codes 2·value + 12 (offset 12), scale E8M0_HALF[e]."""
+    b = e.b
+    q = [e.load(w, b.add(p, e.i64(MXFP4_BYTES * k + 1)), _vec(16)) for k in range(8)]
+    codes = []
+    for g in range(2):  # blocks 4g .. 4g+3
+        n = e.shuf(e.shuf(q[4 * g], q[4 * g + 1], list(range(32))), e.shuf(q[4 * g + 2], q[4 * g + 3], list(range(32))), list(range(64)))
+        lo, hi = _fp4_u(e, b.and_(n, e.const(_vec(64), 15))), _fp4_u(e, b.lshr(n, e.const(_vec(64), 4)))
+        codes += [e.shuf(lo, hi, idx) for idx in _NIBBLE_BLOCKS]
+    return codes, _gather8(e, lambda o: b.load(b.gep(half, [b.zext(e.load(w, o, _I8), _I64)])), p, MXFP4_BYTES), None
+
+
+def _unit_q5_0(e: _Emit, w, p, tab):
+    """8 Q5_0 blocks at p (d, 4 bytes of fifth bits, 16 nibble bytes): codes 0..31 (offset 16), scale d."""
+    b = e.b
+    per = []
+    for k in range(8):
+        o = b.add(p, e.i64(Q5_0_BYTES * k))
+        nib = _nibbles32(b, e.load(w, b.add(o, e.i64(6)), _vec(16)))
+        bits = b.lshr(_splat(b, e.load(w, b.add(o, e.i64(2)), _I32), 32), ir.Constant(_vec(32, 32), list(range(32))))
+        per.append(b.or_(nib, b.shl(b.trunc(b.and_(bits, ir.Constant(_vec(32, 32), [1] * 32)), _vec(32)), e.const(_vec(32), 4))))
+    codes = [e.shuf(per[2 * c], per[2 * c + 1], list(range(64))) for c in range(4)]
+    return codes, _gather8(e, lambda o: e.half(w, o), p, Q5_0_BYTES), None
+
+
+LAYOUTS = {
+    "Q8_0": Layout(8 * Q8_0_BYTES, QK, 128, False, False, Q8_0_BYTES, _unit_q8_0),
+    "Q5_0": Layout(8 * Q5_0_BYTES, QK, 16, False, True, Q5_0_BYTES, _unit_q5_0),
+    "MXFP4": Layout(8 * MXFP4_BYTES, QK, _FP4_OFFSET, False, True, MXFP4_BYTES, _unit_mxfp4),
+    "Q4_K": Layout(Q4_K_BYTES, QK, 0, True, True, 0, lambda e, w, p, tab: _unit_q45_k(e, w, p, codes_at=16, fifth_bit_at=None)),
+    "Q5_K": Layout(Q5_K_BYTES, QK, 0, True, True, 0, lambda e, w, p, tab: _unit_q45_k(e, w, p, codes_at=48, fifth_bit_at=16)),
+    "Q6_K": Layout(Q6_K_BYTES, 16, 32, False, True, 0, _unit_q6_k),
+    "IQ4_XS": Layout(IQ4_XS_BYTES, QK, _IQ4_OFFSET, False, False, 0, _unit_iq4_xs),
 }
+
+
+# ---- the shared steps --------------------------------------------------------
+
+
+def _block_sums(e: _Emit, vs, per):
+    """The four dot vectors of a unit (16 lanes each: 16/per blocks × `per` partial sums, the
+    unit's blocks in order across the vectors) → one <L x i32> of its block sums, block j in
+    lane j (integer adds: exact in any order).
+
+    Interleaves within 128-bit lanes first (unpack patterns: cheap) until lane 4k + c holds
+    vector c's sum over its 128-bit lane k; then one or two lane permutes to block order.
+    """
+    b = e.b
+    assert len(vs) == 4 and per in (4, 8)
+
+    def fold(x, y, lo, hi):
+        return b.add(e.shuf(x, y, [i for k in range(4) for i in lo(4 * k)]), e.shuf(x, y, [i for k in range(4) for i in hi(4 * k)]))
+
+    a0, a1 = (fold(vs[c], vs[c + 1], lambda o: (o, 16 + o, o + 1, 17 + o), lambda o: (o + 2, 18 + o, o + 3, 19 + o)) for c in (0, 2))
+    s = fold(a0, a1, lambda o: (o, o + 1, 16 + o, 17 + o), lambda o: (o + 2, o + 3, 18 + o, 19 + o))
+    if per == 4:  # block 4c + k is vector c's 128-bit lane k
+        return e.shuf(s, None, [4 * (j % 4) + j // 4 for j in range(16)])
+    # block 2c is vector c's 128-bit lanes 0 and 1, block 2c + 1 its lanes 2 and 3
+    return b.add(e.shuf(s, None, [8 * (j % 2) + j // 2 for j in range(8)]), e.shuf(s, None, [8 * (j % 2) + 4 + j // 2 for j in range(8)]))
+
+
+def _units(e: _Emit, lay: Layout, nb, body):
+    """Call body(src, p, u) for each unit of a row of nb 32-blocks (src the row's pointer, or a
+    zero-padded copy for the last part unit of a 32-block type; p a byte offset, u the unit index).
+
+    The copy's missing blocks decode to zero scales (and codes whose integer sums with the
+    activation's zero padding are 0), so they leave every accumulator as it was.
+    """
+    b = e.b
+    full = b.lshr(nb, e.i64(3))
+
+    def run(w, o):
+        with cgutils.for_range(b, full) as loop:
+            body(w, b.add(o, b.mul(loop.index, e.i64(lay.unit_bytes))), loop.index)
+        if lay.block_bytes:
+            rem = b.and_(nb, e.i64(7))
+            with b.if_then(b.icmp_unsigned("!=", rem, e.i64(0)), likely=False):
+                tmp = b.bitcast(cgutils.alloca_once(b, ir.ArrayType(_I8, lay.unit_bytes)), _I8.as_pointer())
+                cgutils.memset(b, tmp, e.i64(lay.unit_bytes), 0)
+                cgutils.raw_memcpy(b, tmp, b.gep(w, [b.add(o, b.mul(full, e.i64(lay.unit_bytes)))]), b.mul(rem, e.i64(lay.block_bytes)), 1)
+                body(tmp, e.i64(0), full)
+
+    return run
+
+
+class _Acts:
+    """The rounded activation of a call: xq int8 [T·CP] (rows padded to a whole unit with
+    zeros), dx f32 and bs32 int32 and xs32 f32 per 32, bs16 int32 per 16 (_q8._round)."""
+
+    def __init__(self, e: _Emit, xq, dx, bs16, bs32, xs32):
+        self.e, self.xq, self.dx, self.bs16, self.bs32, self.xs32 = e, xq, dx, bs16, bs32, xs32
+
+    def bsum(self, lay: Layout, x, n):
+        """Σ xq of the n blocks of `lay` from element x (<n x i32>, or i32 when n = 0)."""
+        e = self.e
+        arr, shift = (self.bs32, _LOG2_QK) if lay.block == QK else (self.bs16, _LOG2_QK - 1)
+        return e.load(arr, e.b.lshr(x, e.i64(shift)), _vec(n, 32) if n else _I32)
+
+
+def _block_step(e: _Emit, lay: Layout, isum, wsc, dx, acc):
+    """acc + float(isum)·(wsc·dx): the one float step of a block (lane by lane)."""
+    return e.fma(e.b.sitofp(isum, wsc.type), e.b.fmul(wsc, dx), acc)
+
+
+# ---- the kernels -------------------------------------------------------------
+# Arguments shared by all: xq, dx, bs16, bs32, xs32 (_Acts), tab (F16_TABLE, or E8M0_HALF for
+# MXFP4), out f32 (flat; result i of a call goes to element oo + i·os). Activation rows are
+# element offsets xo + i·cs into xq (cs = CP, a multiple of 256).
+
+
+def _codegen_args(context, builder, sig, args, pointers, ints):
+    e = _Emit(context, builder)
+    return e, [e.data(sig.args[i], args[i]) for i in pointers], [context.cast(builder, args[i], sig.args[i], types.int64) for i in ints]
+
+
+def row_kernel(name: str, nt: int):
+    """`f(w, o, nb, xq, xo, cs, dx, bs16, bs32, xs32, tab, out, oo, os)`: the weight row at byte o
+    of w (nb 32-blocks) times nt activation rows, with no repacking (decode, a few rows).
+
+    Per unit and activation row: the four 64-byte dots of the unit's codes, reduced to the
+    L block sums in one vector, the offset subtracted, one L-lane multiply-add: lane j
+    accumulates blocks j, j + L, j + 2L, ... of the row in order; the lanes are summed by the
+    halving tree at the end. tile_kernel computes the same per row.
+    """
+    lay = LAYOUTS[name]
+    L = lay.lanes
+
+    def typer(typingctx, w, o, nb, xq, xo, cs, dx, bs16, bs32, xs32, tab, out, oo, os):
+        def codegen(context, builder, sig, args):
+            e, (w_, xq_, dx_, bs16_, bs32_, xs32_, tab_, out_), (o_, nb_, xo_, cs_, oo_, os_) = _codegen_args(
+                context, builder, sig, args, (0, 3, 6, 7, 8, 9, 10, 11), (1, 2, 4, 5, 12, 13)
+            )
+            b = e.b
+            acts = _Acts(e, xq_, dx_, bs16_, bs32_, xs32_)
+            accs = [cgutils.alloca_once_value(b, ir.Constant(_fvec(L), [0.0] * L)) for _ in range(nt)]
+            accm = [cgutils.alloca_once_value(b, ir.Constant(_fvec(8), [0.0] * 8)) for _ in range(nt)] if lay.mins else []
+            rows = [xo_ if i == 0 else b.add(xo_, b.mul(cs_, e.i64(i))) for i in range(nt)]
+
+            def body(src, p, u):
+                codes, wsc, dmm = lay.decode(e, src, p, tab_)
+                for i, xr in enumerate(rows):
+                    x = b.add(xr, b.shl(u, e.i64(8)))
+                    dots = [
+                        e.dp(ir.Constant(_vec(16, 32), [0] * 16), codes[c], e.load(xq_, b.add(x, e.i64(64 * c)), _vec(64)), lay.below128)
+                        for c in range(CODE_VECTORS)
+                    ]
+                    isum = _block_sums(e, dots, lay.block // 4)
+                    if lay.offset:
+                        isum = b.sub(isum, b.mul(acts.bsum(lay, x, L), e.const(_vec(L, 32), lay.offset)))
+                    dx8 = e.load(dx_, b.lshr(x, e.i64(_LOG2_QK)), _fvec(8))
+                    dxl = dx8 if L == 8 else e.shuf(dx8, None, [j * lay.block // QK for j in range(L)])
+                    b.store(_block_step(e, lay, isum, wsc, dxl, b.load(accs[i])), accs[i])
+                    if lay.mins:
+                        b.store(e.fma(dmm, e.load(xs32_, b.lshr(x, e.i64(_LOG2_QK)), _fvec(8)), b.load(accm[i])), accm[i])
+
+            _units(e, lay, nb_, body)(w_, o_)
+            for i in range(nt):
+                r = e.hsum(b.load(accs[i]))
+                if lay.mins:
+                    r = b.fsub(r, e.hsum(b.load(accm[i])))
+                builder.store(r, builder.gep(out_, [builder.add(oo_, builder.mul(os_, e.i64(i)))]))
+            return context.get_dummy_value()
+
+        return types.void(w, o, nb, xq, xo, cs, dx, bs16, bs32, xs32, tab, out, oo, os), codegen
+
+    typer.__name__ = f"row_{name}_x{nt}"
+    return intrinsic(typer)
+
+
+def _transpose16(e: _Emit, vs):
+    """16 vectors of 16 lanes (rows) → 16 vectors, vector k holding lane k of every row (lane r = row r)."""
+    vs = list(vs)
+    h = 8
+    while h:
+        lo = [k if not k & h else 16 + k - h for k in range(16)]
+        hi = [k + h if not k & h else 16 + k for k in range(16)]
+        new = list(vs)
+        for r in range(16):
+            if not r & h:
+                new[r], new[r + h] = e.shuf(vs[r], vs[r + h], lo), e.shuf(vs[r], vs[r + h], hi)
+        vs = new
+        h //= 2
+    return vs
+
+
+def pack_kernel(name: str):
+    """`f(w, stride, r0, R, nb, tab, buf)`: weight rows r0 .. r0+15 (rows ≥ R repeat row R − 1)
+    repacked into buf for tile_kernel, PACKED_UNIT bytes per unit: block j's codes as block/4
+    vectors of 16 rows × 4 codes (row r's 4 codes in lane r) at 16·block·j, then from 16·256
+    the L wsc vectors and, for Q4_K/Q5_K, the 8 dmm vectors (row r in lane r)."""
+    lay = LAYOUTS[name]
+    L = lay.lanes
+
+    def typer(typingctx, w, stride, r0, R, nb, tab, buf):
+        def codegen(context, builder, sig, args):
+            e, (w_, tab_, buf_), (stride_, r0_, R_, nb_) = _codegen_args(context, builder, sig, args, (0, 5, 6), (1, 2, 3, 4))
+            b = e.b
+            last = b.sub(R_, e.i64(1))
+
+            def at(off, ty):
+                return b.bitcast(b.gep(buf_, [off]), ty.as_pointer())
+
+            # pass 1: each row's units decoded, staged row by row in the unit's own space
+            with cgutils.for_range(b, e.i64(16)) as rl:
+                r = rl.index
+                row = b.add(r0_, r)
+                row = b.select(b.icmp_signed("<", row, last), row, last)
+
+                def stage(src, p, u, r=r):
+                    codes, wsc, dmm = lay.decode(e, src, p, tab_)
+                    base = b.mul(u, e.i64(PACKED_UNIT))
+                    for c in range(CODE_VECTORS):
+                        b.store(codes[c], at(b.add(base, b.add(b.mul(r, e.i64(UNIT)), e.i64(64 * c))), _vec(64)), align=1)
+                    sc = wsc if L == 16 else e.shuf(wsc, dmm, list(range(16))) if lay.mins else e.shuf(wsc, None, list(range(8)) * 2)
+                    b.store(sc, at(b.add(base, b.add(e.i64(16 * UNIT), b.mul(r, e.i64(64)))), _fvec(16)), align=1)
+
+                _units(e, lay, nb_, stage)(w_, b.mul(row, stride_))
+            # pass 2: each unit transposed through a stack copy, rows into lanes
+            st = b.bitcast(cgutils.alloca_once(b, ir.ArrayType(_I8, PACKED_UNIT)), _I8.as_pointer())
+            with cgutils.for_range(b, b.lshr(b.add(nb_, e.i64(7)), e.i64(3))) as ul:
+                base = b.mul(ul.index, e.i64(PACKED_UNIT))
+                cgutils.raw_memcpy(b, st, b.gep(buf_, [base]), e.i64(PACKED_UNIT), 1)
+                for c in range(CODE_VECTORS):
+                    vs = [e.load(st, e.i64(UNIT * rr + 64 * c), _vec(16, 32)) for rr in range(16)]
+                    for k, v in enumerate(_transpose16(e, vs)):
+                        b.store(v, at(b.add(base, e.i64(1024 * c + 64 * k)), _vec(16, 32)), align=1)
+                vs = [e.load(st, e.i64(16 * UNIT + 64 * rr), _vec(16, 32)) for rr in range(16)]
+                for k, v in enumerate(_transpose16(e, vs)[: L if not lay.mins else 16]):
+                    b.store(v, at(b.add(base, e.i64(16 * UNIT + 64 * k)), _vec(16, 32)), align=1)
+            return context.get_dummy_value()
+
+        return types.void(w, stride, r0, R, nb, tab, buf), codegen
+
+    typer.__name__ = f"pack_{name}"
+    return intrinsic(typer)
+
+
+def tile_kernel(name: str, nt: int):
+    """`f(buf, nu, xq, xo, cs, dx, bs16, bs32, xs32, out, oo, os, nv, nr)`: a packed tile of 16
+    weight rows (pack_kernel, nu units) times nt activation rows, of which the first nr are
+    stored: row i's 16 results (the first nv) go to out[oo + i·os ...]. (Rows past nr are
+    the activation's zero padding: a call's last rows take one sweep of the tile.)
+
+    Block j of each unit goes to the accumulator of lane j (blocks j, j + L, ... in order), as
+    in row_kernel, but here the 16 lanes of a vector are 16 weight rows: a block is block/4
+    dots of the 16 rows' codes against 4 activation codes broadcast, one conversion, one
+    multiply by wsc·dx and one multiply-add for all 16 rows. The L accumulators of a row are
+    summed by row_kernel's halving tree.
+    """
+    lay = LAYOUTS[name]
+    L = lay.lanes
+    nd = lay.block // 4  # dots per block
+
+    def typer(typingctx, buf, nu, xq, xo, cs, dx, bs16, bs32, xs32, out, oo, os, nv, nr):
+        def codegen(context, builder, sig, args):
+            e, (buf_, xq_, dx_, bs16_, bs32_, xs32_, out_), (nu_, xo_, cs_, oo_, os_, nv_, nr_) = _codegen_args(
+                context, builder, sig, args, (0, 2, 5, 6, 7, 8, 9), (1, 3, 4, 10, 11, 12, 13)
+            )
+            b = e.b
+            acts = _Acts(e, xq_, dx_, bs16_, bs32_, xs32_)
+            v16 = _fvec(16)
+            sums = cgutils.alloca_once(b, v16, size=e.i64(L * nt * (2 if lay.mins else 1)))
+            accs = [cgutils.alloca_once(b, v16) for _ in range(nt * (2 if lay.mins else 1))]
+            zero16 = ir.Constant(_vec(16, 32), [0] * 16)
+            rows = [xo_ if i == 0 else b.add(xo_, b.mul(cs_, e.i64(i))) for i in range(nt)]
+            with cgutils.for_range(b, e.i64(L)) as jl:
+                j = jl.index
+                for a in accs:
+                    b.store(ir.Constant(v16, [0.0] * 16), a)
+                with cgutils.for_range(b, nu_) as ul:
+                    base = b.mul(ul.index, e.i64(PACKED_UNIT))
+                    cb = b.add(base, b.mul(j, e.i64(16 * lay.block)))
+                    codes = [e.load(buf_, b.add(cb, e.i64(64 * k)), _vec(64)) for k in range(nd)]
+                    wsc = e.load(buf_, b.add(base, b.add(e.i64(16 * UNIT), b.mul(j, e.i64(64)))), v16)
+                    xu = b.add(b.shl(ul.index, e.i64(8)), b.mul(j, e.i64(lay.block)))
+                    for i, xr in enumerate(rows):
+                        x = b.add(xr, xu)
+                        ch = [zero16, zero16]
+                        for k in range(nd):
+                            ch[k % 2] = e.dp(ch[k % 2], codes[k], e.splat_i32(e.load(xq_, b.add(x, e.i64(4 * k)), _I32)), lay.below128)
+                        isum = b.add(ch[0], ch[1])
+                        if lay.offset:
+                            isum = b.sub(isum, _splat(b, b.mul(acts.bsum(lay, x, 0), ir.Constant(_I32, lay.offset)), 16))
+                        dxs = _splat(b, e.load(dx_, b.lshr(x, e.i64(_LOG2_QK)), _F32), 16)
+                        b.store(_block_step(e, lay, isum, wsc, dxs, b.load(accs[i])), accs[i])
+                if lay.mins:
+                    # the mins' chains in a loop of their own: the same operations in the same
+                    # order per chain, and the code loop keeps its registers (no spills)
+                    with cgutils.for_range(b, nu_) as ul:
+                        base = b.mul(ul.index, e.i64(PACKED_UNIT))
+                        dmm = e.load(buf_, b.add(base, b.add(e.i64(16 * UNIT + 64 * 8), b.mul(j, e.i64(64)))), v16)
+                        xu = b.add(b.shl(ul.index, e.i64(8)), b.mul(j, e.i64(lay.block)))
+                        for i, xr in enumerate(rows):
+                            x32 = b.lshr(b.add(xr, xu), e.i64(_LOG2_QK))
+                            b.store(e.fma(dmm, _splat(b, e.load(xs32_, x32, _F32), 16), b.load(accs[nt + i])), accs[nt + i])
+                for a, acc in enumerate(accs):
+                    b.store(b.load(acc), b.gep(sums, [b.add(b.mul(e.i64(a), e.i64(L)), j)]))
+            for i in range(nt):
+                r = e.tree([b.load(b.gep(sums, [e.i64(i * L + j)])) for j in range(L)])
+                if lay.mins:
+                    r = b.fsub(r, e.tree([b.load(b.gep(sums, [e.i64((nt + i) * L + j)])) for j in range(L)]))
+                dst = b.add(oo_, b.mul(os_, e.i64(i)))
+                with b.if_then(b.icmp_signed("<", e.i64(i), nr_)):
+                    with b.if_else(b.icmp_signed("==", nv_, e.i64(16))) as (full, part):
+                        with full:
+                            b.store(r, b.bitcast(b.gep(out_, [dst]), v16.as_pointer()), align=4)
+                        with part:
+                            for lane in range(16):
+                                with b.if_then(b.icmp_signed("<", e.i64(lane), nv_)):
+                                    b.store(b.extract_element(r, ir.Constant(_I32, lane)), b.gep(out_, [b.add(dst, e.i64(lane))]))
+            return context.get_dummy_value()
+
+        return types.void(buf, nu, xq, xo, cs, dx, bs16, bs32, xs32, out, oo, os, nv, nr), codegen
+
+    typer.__name__ = f"tile_{name}_x{nt}"
+    return intrinsic(typer)
+
+
+def round_row():
+    """`f(X, xo, C, xq, qo, dx, bs16, bs32, xs32)`: activation row X[xo .. xo+C] (f32) rounded
+    to int8 per block of 32 into xq from element qo, its block k (= qo/32 + block) filling
+    dx[k], bs16[2k], bs16[2k+1], bs32[k], xs32[k] — _q8._quantize_row's arithmetic, 32 lanes
+    at a time: amax of |x|; dx = amax/127 and xq = rint(x·(127/amax)) (round half to even);
+    a block with a non-finite element gets dx = NaN and zero codes; amax < 2^-100 gives dx = 0
+    and zero codes; xs32 = dx·Σ xq.
+    """
+
+    def typer(typingctx, X, xo, C, xq, qo, dx, bs16, bs32, xs32):
+        def codegen(context, builder, sig, args):
+            e, (X_, xq_, dx_, bs16_, bs32_, xs32_), (xo_, C_, qo_) = _codegen_args(
+                context, builder, sig, args, (0, 3, 5, 6, 7, 8), (1, 2, 4)
+            )
+            b = e.b
+            f32x32, i32x32 = _fvec(32), _vec(32, 32)
+            fabs = e.fn("llvm.fabs.v32f32", f32x32, [f32x32])
+            rint = e.fn("llvm.rint.v32f32", f32x32, [f32x32])
+            with cgutils.for_range(b, b.lshr(C_, e.i64(_LOG2_QK))) as loop:
+                v = e.load(X_, b.add(xo_, b.shl(loop.index, e.i64(_LOG2_QK))), f32x32)
+                a = b.call(fabs, [v])
+                finite = b.icmp_unsigned(
+                    "==", b.bitcast(b.fcmp_ordered("<", a, ir.Constant(f32x32, [float("inf")] * 32)), _I32), ir.Constant(_I32, -1)
+                )
+                m = a  # the max of a finite block by a compare-select tree (exact; NaN blocks take the other branch)
+                n = 32
+                while n > 1:
+                    n //= 2
+                    lo, hi = e.shuf(m, None, list(range(n))), e.shuf(m, None, list(range(n, 2 * n)))
+                    m = b.select(b.fcmp_ordered(">", hi, lo), hi, lo)
+                amax = b.extract_element(m, ir.Constant(_I32, 0))
+                tiny = b.fcmp_ordered("<", amax, ir.Constant(_F32, 2.0**-100))
+                dxv = b.select(
+                    finite, b.select(tiny, ir.Constant(_F32, 0.0), b.fdiv(amax, ir.Constant(_F32, 127.0))), ir.Constant(_F32, float("nan"))
+                )
+                zero = b.or_(b.not_(finite), tiny)
+                inv = b.select(zero, ir.Constant(_F32, 1.0), b.fdiv(ir.Constant(_F32, 127.0), amax))
+                q = b.fptosi(b.call(rint, [b.fmul(v, _splat(b, inv, 32))]), i32x32)
+                q = b.select(zero, ir.Constant(i32x32, [0] * 32), q)
+                k = b.add(b.lshr(qo_, e.i64(_LOG2_QK)), loop.index)
+                b.store(b.trunc(q, _vec(32)), b.bitcast(b.gep(xq_, [b.shl(k, e.i64(_LOG2_QK))]), _vec(32).as_pointer()), align=1)
+                add = e.fn("llvm.vector.reduce.add.v16i32", _I32, [_vec(16, 32)])
+                s0 = b.call(add, [e.shuf(q, None, list(range(16)))])
+                s1 = b.call(add, [e.shuf(q, None, list(range(16, 32)))])
+                b.store(dxv, b.gep(dx_, [k]))
+                b.store(s0, b.gep(bs16_, [b.shl(k, e.i64(1))]))
+                b.store(s1, b.gep(bs16_, [b.add(b.shl(k, e.i64(1)), e.i64(1))]))
+                b.store(b.add(s0, s1), b.gep(bs32_, [k]))
+                b.store(b.fmul(dxv, b.sitofp(b.add(s0, s1), _F32)), b.gep(xs32_, [k]))
+            return context.get_dummy_value()
+
+        return types.void(X, xo, C, xq, qo, dx, bs16, bs32, xs32), codegen
+
+    typer.__name__ = "round_row"
+    return intrinsic(typer)

@@ -156,16 +156,16 @@ def effective_activation(x: np.ndarray, qtype: int | QType | None = None) -> np.
 
 
 def _quantize(X: np.ndarray):
-    """X f32 [T, C] → (xq int8 [T·C], dx f32 [T·C/32], bs int32 [T·C/16], xs f32 [T·C/16], xs32 f32 [T·C/32])."""
+    """X f32 [T, C] → (xq int8 [T·C], dx f32 [T·C/32], bs16 int32 [T·C/16], bs32 int32 [T·C/32], xs32 f32 [T·C/32])."""
     T, C = X.shape
     xq = np.empty(T * C, np.int8)
     dx = np.empty(T * C // QK, np.float32)
-    bs = np.empty(T * C // (QK // 2), np.int32)
-    xs = np.empty(T * C // (QK // 2), np.float32)
+    bs16 = np.empty(T * C // (QK // 2), np.int32)
+    bs32 = np.empty(T * C // QK, np.int32)
     xs32 = np.empty(T * C // QK, np.float32)
     if X.size:
-        _q8.quantize_q8(X, xq, dx, bs, xs, xs32)
-    return xq, dx, bs, xs, xs32
+        _q8.quantize_q8(X, xq, dx, bs16, bs32, xs32)
+    return xq, dx, bs16, bs32, xs32
 
 
 def _multiply(qtype: QType, flat: np.ndarray, stride: int, X: np.ndarray, out: np.ndarray) -> None:

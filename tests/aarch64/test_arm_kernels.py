@@ -21,20 +21,21 @@ SDOT = "llvm.aarch64.neon.sdot.v4i32.v16i8"
 
 
 def emitted_ir() -> str:
-    """Freshly compiled IR of the Q4_K and Q8_0 row dots (numba shows IR only for code it compiled here)."""
+    """Freshly compiled IR of the Q4_K and Q8_0 row kernels (numba shows IR only for code it compiled here)."""
 
     @numba.njit(cache=False)
-    def probe(w, xq, dx, xs32, bs, half, out):
-        _q8._q4_k_1(w, 0, 1, xq, 0, QK_K, dx, xs32, half, out, 0, 1)
-        _q8._q8_0_1(w, 0, 4, xq, 0, QK_K, dx, bs, half, out, 1, 1)
+    def probe(w, xq, dx, bs16, bs32, xs32, half, out):
+        _q8._q4_k_r1(w, 0, QK_K // QK, xq, 0, QK_K, dx, bs16, bs32, xs32, half, out, 0, 1)
+        _q8._q8_0_r1(w, 0, QK_K // QK, xq, 0, QK_K, dx, bs16, bs32, xs32, half, out, 1, 1)
 
     w = np.zeros(4 * QK_K, np.uint8)
-    xq = np.zeros(4 * QK_K, np.int8)
-    dx = np.zeros(4 * QK_K // QK, np.float32)
-    xs32 = np.zeros(4 * QK_K // QK, np.float32)
-    bs = np.zeros(8 * QK_K // QK, np.int32)
+    xq = np.zeros(QK_K, np.int8)
+    dx = np.zeros(QK_K // QK, np.float32)
+    bs16 = np.zeros(2 * QK_K // QK, np.int32)
+    bs32 = np.zeros(QK_K // QK, np.int32)
+    xs32 = np.zeros(QK_K // QK, np.float32)
     out = np.full(2, np.nan, np.float32)
-    probe(w, xq, dx, xs32, bs, np.ones(256, np.float32), out)
+    probe(w, xq, dx, bs16, bs32, xs32, np.ones(256, np.float32), out)
     return "\n".join(probe.inspect_llvm().values())
 
 

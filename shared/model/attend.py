@@ -16,8 +16,9 @@ masked matmuls give a position other numbers than the decode step at that
 position. Here every position computes the same operations in the same order
 whatever batch it is in (prefix reuse relies on it, docs/conversations.md):
 
-- a score is one `_dot` of the query and key rows (the same compiled loop and
-  trip count d for every pair), times `scale`;
+- a score is one chain of fused multiply-adds over the head width, times
+  `scale` (attend_ir's score tile, or `_dot` where the width is not whole
+  vectors: the same chain);
 - a row's softmax is `_softmax_row` over exactly the keys it sees;
 - its output is the keys' values summed in position order by `_fma`, one key
   after another (an explicit fused multiply-add, so no grouping can change it).
@@ -42,10 +43,11 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from ..quant import _target  # noqa: F401  (before any jit: the ARM dot-product target, shared/quant/_target.py)
-from .attend_ir import LANES, TILE, pv_tile, qk_tile
+from .attend_ir import KEY_LANES, LANES, PV_ROWS, Q_ROWS, keys_t, pv_rows, qk_lanes
 
-# Keys converted to float32 at a time: 32 rows of d = 128 are 16 KB, in L1 beside the block's queries.
-KEY_CHUNK = 32
+# Keys converted to float32 at a time: 32 rows of d = 128 are 16 KB, in L1 beside the block's queries
+# (the score tile takes them transposed: 32 keys are its two vectors).
+KEY_CHUNK = KEY_LANES
 # A decode step over at least this many keys splits its kv heads across threads (the
 # same per-head work, so the same numbers): ~1 ms a layer at 3k positions on one core,
 # where a parallel region costs a few µs.
@@ -284,30 +286,39 @@ def _load_rows(x, h, c0, c1, base, rows, width):
 
 
 @njit(cache=True, boundscheck=False, nogil=True)
-def _block_scores(q, k, base, start, t0, t1, h, window, scale, s, rows, tiled):
+def _block_scores(q, k, base, start, t0, t1, h, window, scale, s, rows, kt, tiled):
     """s[t − t0, g, j − first key] = q[t, h, g] · key j × scale for every key each
-    query sees, chunk by chunk of keys, each key row converted once for the block;
-    4 query rows × 4 keys a tile where the head width allows (attend_ir)."""
+    query sees, chunk by chunk of keys, each chunk converted once for the block: where the
+    head width allows, transposed (keys in lanes) and taken by tiles of 8 query rows of
+    the block ((token, head) in order) × the chunk's 32 keys (attend_ir)."""
     hk, g_count, d = q.shape[1], q.shape[2], q.shape[3]
-    span, width = s.shape[2], rows.shape[1]
+    span = s.shape[2]
     jlo = _first_key(start + t0, window)
+    n_rows = (t1 - t0) * g_count
+    qoff, soff = np.empty(Q_ROWS, np.int64), np.empty(Q_ROWS, np.int64)
+    lo, hi = np.empty(Q_ROWS, np.int64), np.empty(Q_ROWS, np.int64)
     for c0 in range(jlo, start + t1, KEY_CHUNK):
         c1 = min(c0 + KEY_CHUNK, start + t1)
-        _load_rows(k, h, c0, c1, base, rows, d)
-        for t in range(t0, t1):
-            p = start + t
-            a, b = max(c0, _first_key(p, window)), min(c1, p + 1)
-            if tiled:
-                for g0 in range(0, g_count, TILE):
-                    for j0 in range(a, b, TILE):
-                        qk_tile(
-                            q, ((t * hk + h) * g_count + g0) * d, d, min(TILE, g_count - g0),
-                            rows, (j0 - c0) * width, width, min(TILE, b - j0), d, scale,
-                            s, ((t - t0) * g_count + g0) * span + j0 - jlo, span,
-                        )  # fmt: skip
-            else:
+        if tiled:
+            keys_t(k, h, c0, c1, base, kt)
+            for r0 in range(0, n_rows, Q_ROWS):
+                n = min(Q_ROWS, n_rows - r0)
+                seen = False
+                for i in range(n):
+                    t, g = t0 + (r0 + i) // g_count, (r0 + i) % g_count
+                    p = start + t
+                    qoff[i] = ((t * hk + h) * g_count + g) * d
+                    soff[i] = (r0 + i) * span + c0 - jlo
+                    lo[i], hi[i] = max(c0, _first_key(p, window)) - c0, min(c1, p + 1) - c0
+                    seen = seen or lo[i] < hi[i]
+                if seen:
+                    qk_lanes(q, qoff, soff, lo, hi, n, kt, d, scale, s)
+        else:
+            _load_rows(k, h, c0, c1, base, rows, d)
+            for t in range(t0, t1):
+                p = start + t
                 for g in range(g_count):
-                    for j in range(a, b):
+                    for j in range(max(c0, _first_key(p, window)), min(c1, p + 1)):
                         s[t - t0, g, j - jlo] = _dot(q[t, h, g], rows[j - c0], d) * scale
 
 
@@ -325,23 +336,35 @@ def _block_values(v, base, start, t0, t1, h, window, sinks, use_sinks, s, rows, 
         for g in range(g_count):
             _softmax_row(s[t - t0, g, lo - jlo : p + 1 - jlo], sinks[(h * g_count + g) % sinks.size], use_sinks, part)
             out[t, h, g, :] = 0.0
+    poff, ooff = np.empty(PV_ROWS, np.int64), np.empty(PV_ROWS, np.int64)
     for c0 in range(jlo, start + t1, KEY_CHUNK):
         c1 = min(c0 + KEY_CHUNK, start + t1)
         _load_rows(v, h, c0, c1, base, rows, dv)
-        for t in range(t0, t1):
+        if not tiled:
+            for t in range(t0, t1):
+                p = start + t
+                a, b = max(c0, _first_key(p, window)), min(c1, p + 1)
+                if a < b:
+                    _add_values(s[t - t0, :, a - jlo : b - jlo], rows[a - c0 : b - c0, :dv], out[t, h])
+            continue
+        # every row of the block sees the whole chunk (the usual case): tiles of any rows;
+        # else each token's rows with its own keys of the chunk
+        shared = _first_key(start + t1 - 1, window) <= c0 and c1 <= start + t0 + 1
+        t = t0
+        while t < t1:
+            tn = t1 if shared else t + 1
             p = start + t
-            a, b = max(c0, _first_key(p, window)), min(c1, p + 1)
-            if a >= b:
-                continue
-            if tiled:
-                for g0 in range(0, g_count, TILE):
-                    pv_tile(
-                        s, ((t - t0) * g_count + g0) * span + a - jlo, span, min(TILE, g_count - g0),
-                        rows, (a - c0) * width, width, b - a, dv,
-                        out, ((t * hk + h) * g_count + g0) * dv, dv,
-                    )  # fmt: skip
-            else:
-                _add_values(s[t - t0, :, a - jlo : b - jlo], rows[a - c0 : b - c0, :dv], out[t, h])
+            a, b = (c0, c1) if shared else (max(c0, _first_key(p, window)), min(c1, p + 1))
+            if a < b:
+                r_lo, r_hi = (t - t0) * g_count, (tn - t0) * g_count
+                for r0 in range(r_lo, r_hi, PV_ROWS):
+                    n = min(PV_ROWS, r_hi - r0)
+                    for i in range(n):
+                        tt, g = t0 + (r0 + i) // g_count, (r0 + i) % g_count
+                        poff[i] = (r0 + i) * span + a - jlo
+                        ooff[i] = ((tt * hk + h) * g_count + g) * dv
+                    pv_rows(s, poff, n, rows, a - c0, width, b - a, dv, out, ooff)
+            t = tn
 
 
 @njit(cache=True, boundscheck=False, nogil=True)
@@ -351,17 +374,21 @@ def _attend_block(q, k, v, base, start, t0, t1, h, window, scale, sinks, use_sin
     s = np.empty((t1 - t0, q.shape[2], span), np.float32)
     rows = np.empty((KEY_CHUNK, max(q.shape[3], v.shape[2])), np.float32)
     tiled = q.shape[3] % LANES == 0 and v.shape[2] % LANES == 0
-    _block_scores(q, k, base, start, t0, t1, h, window, scale, s, rows, tiled)
+    kt = np.empty(q.shape[3] * KEY_CHUNK if tiled else 0, np.float32)
+    _block_scores(q, k, base, start, t0, t1, h, window, scale, s, rows, kt, tiled)
     _block_values(v, base, start, t0, t1, h, window, sinks, use_sinks, s, rows, out, tiled)
 
 
 @njit(cache=True, boundscheck=False, parallel=True, nogil=True)
 def _attend_blocks(q, k, v, base, start, block, window, scale, sinks, use_sinks, out):
-    """Every (kv head, block of `block` tokens) on numba's threads."""
+    """Every (kv head, block of `block` tokens) on numba's threads. A causal block's work grows
+    with its position, and a thread takes a contiguous share of the items: they go shortest,
+    longest, second shortest, second longest, ..., so every share holds as much work."""
     t_count, hk = q.shape[0], q.shape[1]
     n_blocks = (t_count + block - 1) // block
     for item in prange(hk * n_blocks):
-        h, b = item % hk, item // hk
+        h, n = item % hk, item // hk
+        b = n // 2 if n % 2 == 0 else n_blocks - 1 - n // 2
         _attend_block(q, k, v, base, start, b * block, min(t_count, b * block + block), h, window, scale, sinks, use_sinks, out)
 
 

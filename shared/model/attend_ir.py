@@ -1,24 +1,29 @@
-"""The LLVM IR of attention's two products, as numba intrinsics (the drivers: attend.py).
+"""The LLVM IR of attention's products, as numba intrinsics (the drivers: attend.py).
 
-    qk_tile(q, qo, qs, nq, k, ko, ks, nk, d, scale, s, so, ss)
-        s[so + i·ss + j] = scale · Σ_c q[qo + i·qs + c] · k[ko + j·ks + c]   i < nq ≤ 4, j < nk ≤ 4
-    pv_tile(p, po, ps, nr, v, vo, vs, nk, dv, o, oo, os)
-        o[oo + i·os + c] += Σ_j p[po + i·ps + j] · v[vo + j·vs + c]          i < nr ≤ 4, j = 0..nk-1 in order
+    keys_t(k, h, c0, c1, base, kt)
+        kt[c·32 + j − c0] = key j of kv head h as float32 (k [Hk, cap, d], f32 or f16 bits)
+    qk_lanes(q, qoff, soff, lo, hi, nq, kt, d, scale, s)
+        s[soff[i] + j] = scale · Σ_c q[qoff[i] + c] · kt[c·32 + j]     i < nq ≤ 8, lo[i] ≤ j < hi[i]
+    pv_rows(p, poff, nr, v, vo, vs, nk, dv, o, ooff)
+        o[ooff[i] + c] += Σ_j p[poff[i] + j] · v[(vo + j)·vs + c]      i < nr ≤ 8, j = 0..nk-1 in order
 
 Offsets and strides count float32 elements of the arrays' data; d and dv are
 multiples of LANES. numba-level loops could not keep a tile's sums in
 registers (every step went through memory: ~1 multiply-add per cycle where
 the CPU does two 16-lane ones); here they are SSA values.
 
+Scores take a chunk of 32 keys transposed (keys in the lanes: 16 keys × 16
+columns loaded, widened from f16, and transposed in registers at a time), so a
+tile of 8 query rows × 32 keys is 16 accumulators, each step one query element
+broadcast against two vectors of keys: no reduction across lanes at all.
+
 Every pair's numbers are fixed by the pair alone, never by the tile it is in
 or by the target (no fast-math flags; llvm.fma rounds once in a vector lane
 or alone), which is what lets a position compute the same in a prompt block
 as in a decode step (attend.py):
 
-- a score: 16 running sums s_l = fma(q[c], k[c], s_l) over c ≡ l (mod 16)
-  in increasing c, then the lanes added 8 apart, 4, 2, 1 apart — the same
-  tree whether the 16 pairs of a tile are reduced together (as here: one
-  transposing shuffle-add tree for all of them) or one at a time; times scale;
+- a score: one chain s = fma(q[c], k[c], s) over c = 0, 1, ..., d − 1, times
+  scale (attend._dot is the same chain where d is not whole vectors);
 - a value sum: o = fma(p_j, v_j, o) for j in order, one key after another.
 
 numba's disk cache keys the drivers on attend.py, not on the IR they inline
@@ -35,8 +40,10 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 LANES = 16
-TILE = 4  # query rows × keys of a score tile, rows of a value tile
-_V_PER_ROW = 4  # 16-lane vectors of a value tile's row kept in registers (64 columns at a time)
+KEY_LANES = 32  # keys of a transposed chunk (two vectors): attend.KEY_CHUNK
+Q_ROWS = 8  # query rows of a score tile
+PV_ROWS = 8  # rows of a value tile
+_V_PER_ROW = 2  # 16-lane vectors of a value tile's row kept in registers (32 columns at a time)
 
 _I32 = ir.IntType(32)
 _I64 = ir.IntType(64)
@@ -83,104 +90,136 @@ class _Emit:
         return cgutils.if_likely(self.b, self.b.icmp_signed("<", self.i64(i), n))
 
 
-def _reduce_tree() -> list[tuple[list[int], list[int]]]:
-    """The transposing tree as shuffle masks: four rounds, lanes added 8, 4, 2, 1 apart.
-    Round r pairs vectors (2m, 2m+1) and returns one vector of their partial sums; the
-    masks pick, from the 32 lanes of the pair, the lanes each sum adds."""
-    rounds = []
-    for width in (8, 4, 2, 1):
-        first, second = [], []
-        # each vector holds 16 / (2·width) groups of 2·width lanes of one pair each;
-        # of every group the low half adds the high half
-        for group in range(LANES // (2 * width)):
-            for src in (0, 1):
-                base = src * LANES + group * 2 * width
-                first += list(range(base, base + width))
-                second += list(range(base + width, base + 2 * width))
-        rounds.append((first, second))
-    return rounds
+def _qk_lanes_typed(typingctx, q, qoff, soff, lo, hi, nq, kt, d, scale, s):
+    """For rows i < nq ≤ 8: s[soff[i] + j] = scale · Σ_c q[qoff[i] + c]·kt[c·32 + j] for the keys
+    lo[i] ≤ j < hi[i] ≤ 32 of a transposed chunk (keys in lanes): one chain of fused
+    multiply-adds over c = 0, 1, ... per pair, the query element broadcast."""
 
-
-def _lane_of_pair() -> list[int]:
-    """After the tree, which lane holds pair p's sum (p = i·4 + j), found by following labels."""
-    vectors = [[p] * LANES for p in range(LANES)]  # lane contents: the pair each partial sum belongs to
-    for first, _ in _reduce_tree():
-        nxt = []
-        for m in range(len(vectors) // 2):
-            pair = vectors[2 * m] + vectors[2 * m + 1]
-            nxt.append([pair[k] for k in first])
-        vectors = nxt
-    (final,) = vectors
-    return [final.index(p) for p in range(LANES)]
-
-
-_TREE = _reduce_tree()
-_ORDER = _lane_of_pair()
-
-
-def _qk_tile_typed(typingctx, q, qo, qs, nq, k, ko, ks, nk, d, scale, s, so, ss):
     def codegen(context, builder, sig, args):
         e = _Emit(context, builder)
         b = builder
-        qo_, qs_, nq_, ko_, ks_, nk_, d_, so_, ss_ = (e.cast(sig, args, i) for i in (1, 2, 3, 5, 6, 7, 8, 11, 12))
-        qp, kp, sp = e.ptr(sig.args[0], args[0]), e.ptr(sig.args[4], args[4]), e.ptr(sig.args[10], args[10])
-        qrow = [b.add(qo_, b.mul(e.clamp_row(i, nq_), qs_)) for i in range(TILE)]
-        krow = [b.add(ko_, b.mul(e.clamp_row(j, nk_), ks_)) for j in range(TILE)]
-        accs = [cgutils.alloca_once_value(b, ir.Constant(_VEC, [0.0] * LANES)) for _ in range(TILE * TILE)]
-        with cgutils.for_range(b, b.udiv(d_, e.i64(LANES))) as loop:
-            c = b.mul(loop.index, e.i64(LANES))
-            qv = [e.load_vec(qp, b.add(r, c)) for r in qrow]
-            kv = [e.load_vec(kp, b.add(r, c)) for r in krow]
-            for i in range(TILE):
-                for j in range(TILE):
-                    acc = accs[i * TILE + j]
-                    b.store(e.fma(qv[i], kv[j], b.load(acc)), acc)
-        vectors = [b.load(a) for a in accs]
-        for first, second in _TREE:
-            vectors = [
-                b.fadd(
-                    b.shuffle_vector(vectors[2 * m], vectors[2 * m + 1], _idx(first)),
-                    b.shuffle_vector(vectors[2 * m], vectors[2 * m + 1], _idx(second)),
-                )
-                for m in range(len(vectors) // 2)
-            ]
-        sums = b.fmul(b.shuffle_vector(vectors[0], ir.Constant(_VEC, None), _idx(_ORDER)), e.splat(args[9]))
-        for i in range(TILE):
+        nq_, d_ = e.cast(sig, args, 5), e.cast(sig, args, 7)
+        qp, kp, sp = e.ptr(sig.args[0], args[0]), e.ptr(sig.args[6], args[6]), e.ptr(sig.args[9], args[9])
+        tabs = [e.ptr(sig.args[i], args[i]) for i in (1, 2, 3, 4)]
+
+        def entry(t, i):
+            return b.load(b.gep(tabs[t], [e.clamp_row(i, nq_)]))
+
+        qrow = [entry(0, i) for i in range(Q_ROWS)]
+        accs = [cgutils.alloca_once_value(b, ir.Constant(_VEC, [0.0] * LANES)) for _ in range(2 * Q_ROWS)]
+        with cgutils.for_range(b, d_) as loop:
+            c = loop.index
+            kv = [e.load_vec(kp, b.add(b.mul(c, e.i64(KEY_LANES)), e.i64(LANES * u))) for u in range(2)]
+            for i in range(Q_ROWS):
+                qb = e.splat(b.load(b.gep(qp, [b.add(qrow[i], c)])))
+                for u in range(2):
+                    acc = accs[2 * i + u]
+                    b.store(e.fma(qb, kv[u], b.load(acc)), acc)
+        sc = e.splat(args[8])
+        for i in range(Q_ROWS):
             with e.when(i, nq_):
-                for j in range(TILE):
-                    with e.when(j, nk_):
-                        at = b.add(b.add(so_, b.mul(e.i64(i), ss_)), e.i64(j))
-                        b.store(b.extract_element(sums, ir.Constant(_I32, i * TILE + j)), b.gep(sp, [at]))
+                row, lo_, hi_ = entry(1, i), entry(2, i), entry(3, i)
+                for u in range(2):
+                    v = b.fmul(b.load(accs[2 * i + u]), sc)
+                    whole = b.and_(b.icmp_signed("<=", lo_, e.i64(LANES * u)), b.icmp_signed(">=", hi_, e.i64(LANES * (u + 1))))
+                    with b.if_else(whole) as (full, part):
+                        with full:
+                            e.store_vec(v, sp, b.add(row, e.i64(LANES * u)))
+                        with part:
+                            for lane in range(LANES):
+                                j = e.i64(LANES * u + lane)
+                                inside = b.and_(b.icmp_signed("<=", lo_, j), b.icmp_signed("<", j, hi_))
+                                with b.if_then(inside):
+                                    b.store(b.extract_element(v, ir.Constant(_I32, lane)), b.gep(sp, [b.add(row, j)]))
         return context.get_dummy_value()
 
-    return types.void(q, qo, qs, nq, k, ko, ks, nk, d, scale, s, so, ss), codegen
+    return types.void(q, qoff, soff, lo, hi, nq, kt, d, scale, s), codegen
 
 
-def _pv_tile_typed(typingctx, p, po, ps, nr, v, vo, vs, nk, dv, o, oo, os):
+def _transpose16(b, vs):
+    """16 vectors of 16 lanes → 16 vectors, vector k holding lane k of each (lane r from vector r)."""
+    vs = list(vs)
+    h = 8
+    while h:
+        lo = [k if not k & h else 16 + k - h for k in range(16)]
+        hi = [k + h if not k & h else 16 + k for k in range(16)]
+        new = list(vs)
+        for r in range(16):
+            if not r & h:
+                new[r] = b.shuffle_vector(vs[r], vs[r + h], _idx(lo))
+                new[r + h] = b.shuffle_vector(vs[r], vs[r + h], _idx(hi))
+        vs = new
+        h //= 2
+    return vs
+
+
+def _keys_t_typed(typingctx, k, h, c0, c1, base, kt):
+    """kt[c·32 + j − c0] = key j of kv head h as float32 (row (j − base) mod cap of k [Hk, cap, d],
+    float32 or float16 bits, any strides but a contiguous row), for j = c0 .. c1 − 1 ≤ c0 + 32, d a
+    multiple of 16; the lanes of keys past c1 are zero. 16 keys × 16 columns at a time: loaded,
+    widened, transposed."""
+    half = k.dtype == types.uint16
+
     def codegen(context, builder, sig, args):
         e = _Emit(context, builder)
         b = builder
-        po_, ps_, nr_, vo_, vs_, nk_, dv_, oo_, os_ = (e.cast(sig, args, i) for i in (1, 2, 3, 5, 6, 7, 8, 10, 11))
-        pp, vp, op = e.ptr(sig.args[0], args[0]), e.ptr(sig.args[4], args[4]), e.ptr(sig.args[9], args[9])
-        prow = [b.add(po_, b.mul(e.clamp_row(i, nr_), ps_)) for i in range(TILE)]
-        orow = [b.add(oo_, b.mul(e.clamp_row(i, nr_), os_)) for i in range(TILE)]
+        karr = context.make_array(sig.args[0])(context, builder, args[0])
+        _, cap, d = cgutils.unpack_tuple(b, karr.shape, 3)
+        s0, s1, _ = cgutils.unpack_tuple(b, karr.strides, 3)  # bytes: k may be a view (rows of a longer cache)
+        kp, tp = b.bitcast(karr.data, ir.IntType(8).as_pointer()), e.ptr(sig.args[5], args[5])
+        h_, c0_, c1_, base_ = (e.cast(sig, args, i) for i in (1, 2, 3, 4))
+        elem = ir.IntType(16) if half else _F32
+        src_vec = ir.VectorType(elem, LANES)
+        zero = ir.Constant(_VEC, [0.0] * LANES)
+        with cgutils.for_range(b, b.udiv(d, e.i64(LANES))) as loop:
+            cb = b.mul(loop.index, e.i64(LANES))
+            for g in range(KEY_LANES // LANES):
+                vs = []
+                for r in range(LANES):
+                    j = b.add(c0_, e.i64(LANES * g + r))
+                    row = b.urem(b.sub(b.select(b.icmp_signed("<", j, c1_), j, c0_), base_), cap)
+                    at = b.add(b.add(b.mul(h_, s0), b.mul(row, s1)), b.mul(cb, e.i64(2 if half else 4)))
+                    raw = b.load(b.bitcast(b.gep(kp, [at]), src_vec.as_pointer()), align=2 if half else 4)
+                    v = b.fpext(b.bitcast(raw, ir.VectorType(ir.HalfType(), LANES)), _VEC) if half else raw
+                    vs.append(b.select(b.icmp_signed("<", j, c1_), v, zero))
+                for r, v in enumerate(_transpose16(b, vs)):
+                    e.store_vec(v, tp, b.add(b.mul(b.add(cb, e.i64(r)), e.i64(KEY_LANES)), e.i64(LANES * g)))
+        return context.get_dummy_value()
+
+    return types.void(k, h, c0, c1, base, kt), codegen
+
+
+def _pv_rows_typed(typingctx, p, poff, nr, v, vo, vs, nk, dv, o, ooff):
+    """For rows i < nr ≤ 8: o[ooff[i] + c] += Σ_j p[poff[i] + j] · v[(vo + j)·vs + c] for j = 0 ..
+    nk − 1 in order, every column c < dv: 32 columns (two vectors) × 8 rows of sums in registers
+    across the keys, each step a value vector against a probability broadcast."""
+
+    def codegen(context, builder, sig, args):
+        e = _Emit(context, builder)
+        b = builder
+        nr_, vo_, vs_, nk_, dv_ = (e.cast(sig, args, i) for i in (2, 4, 5, 6, 7))
+        pp, vp, op = e.ptr(sig.args[0], args[0]), e.ptr(sig.args[3], args[3]), e.ptr(sig.args[8], args[8])
+        tabs = [e.ptr(sig.args[i], args[i]) for i in (1, 9)]
+        prow = [b.load(b.gep(tabs[0], [e.clamp_row(i, nr_)])) for i in range(PV_ROWS)]
+        orow = [b.load(b.gep(tabs[1], [e.clamp_row(i, nr_)])) for i in range(PV_ROWS)]
 
         def columns(c, width: int):
             """Columns c .. c + width·16 of every row: sums in registers across all nk keys."""
-            accs = []
-            for i in range(TILE):
-                for u in range(width):
-                    accs.append(cgutils.alloca_once_value(b, e.load_vec(op, b.add(orow[i], b.add(c, e.i64(LANES * u))))))
+            accs = [
+                cgutils.alloca_once_value(b, e.load_vec(op, b.add(orow[i], b.add(c, e.i64(LANES * u)))))
+                for i in range(PV_ROWS)
+                for u in range(width)
+            ]
             with cgutils.for_range(b, nk_) as loop:
                 j = loop.index
-                vrow = b.add(vo_, b.mul(j, vs_))
-                vv = [e.load_vec(vp, b.add(vrow, b.add(c, e.i64(LANES * u)))) for u in range(width)]
-                for i in range(TILE):
+                vrow = b.add(b.mul(b.add(vo_, j), vs_), c)
+                vv = [e.load_vec(vp, b.add(vrow, e.i64(LANES * u))) for u in range(width)]
+                for i in range(PV_ROWS):
                     pj = e.splat(b.load(b.gep(pp, [b.add(prow[i], j)])))
                     for u in range(width):
                         acc = accs[i * width + u]
                         b.store(e.fma(pj, vv[u], b.load(acc)), acc)
-            for i in range(TILE):
+            for i in range(PV_ROWS):
                 with e.when(i, nr_):
                     for u in range(width):
                         e.store_vec(b.load(accs[i * width + u]), op, b.add(orow[i], b.add(c, e.i64(LANES * u))))
@@ -194,8 +233,9 @@ def _pv_tile_typed(typingctx, p, po, ps, nr, v, vo, vs, nk, dv, o, oo, os):
             columns(b.add(done, b.mul(loop.index, e.i64(LANES))), 1)
         return context.get_dummy_value()
 
-    return types.void(p, po, ps, nr, v, vo, vs, nk, dv, o, oo, os), codegen
+    return types.void(p, poff, nr, v, vo, vs, nk, dv, o, ooff), codegen
 
 
-qk_tile: Any = intrinsic(_qk_tile_typed)
-pv_tile: Any = intrinsic(_pv_tile_typed)
+qk_lanes: Any = intrinsic(_qk_lanes_typed)
+keys_t: Any = intrinsic(_keys_t_typed)
+pv_rows: Any = intrinsic(_pv_rows_typed)

@@ -1,45 +1,67 @@
 """Small fused loops for the decode hot path, where a chain of numpy calls on a
 few thousand floats costs more in dispatch than in arithmetic (measured: ~10 µs
-of numpy calls per SwiGLU against ~1 µs fused). Compiled once, cached on disk."""
+of numpy calls per SwiGLU against ~1 µs fused), and for a prompt chunk's rows,
+which run on numba's threads (PARALLEL_ROWS). Compiled once, cached on disk."""
 
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 from ..quant import _target  # noqa: F401  (before any jit: the ARM dot-product target, shared/quant/_target.py)
+from .attend import _exp
+
+# From this many rows (a prompt chunk's tokens) a fused loop runs its rows on numba's threads;
+# below (decode: one row), one thread, where a parallel region would cost more than the work.
+# Each row computes the same either way: one inline function per row.
+PARALLEL_ROWS = 64
+
+
+@njit(inline="always", boundscheck=False)
+def _swiglu_row(g, u, out, r):
+    one = np.float32(1.0)
+    for i in range(g.shape[1]):
+        x = g[r, i]
+        out[r, i] = x / (one + _exp(-x)) * u[r, i]  # silu(x)·u; _exp saturates, so large -x gives -0
 
 
 @njit(cache=True, boundscheck=False)
 def _swiglu(g, u, out):
-    gf, uf, of = g.ravel(), u.ravel(), out.ravel()
-    one = np.float32(1.0)
-    for i in range(gf.size):
-        x = gf[i]
-        of[i] = x / (one + np.exp(-x)) * uf[i]  # silu(x)·u; exp(-x) = inf gives the right -0
+    for r in range(g.shape[0]):
+        _swiglu_row(g, u, out, r)
+
+
+@njit(cache=True, boundscheck=False, parallel=True)
+def _swiglu_rows(g, u, out):
+    for r in prange(g.shape[0]):
+        _swiglu_row(g, u, out, r)
 
 
 def swiglu(g: np.ndarray, u: np.ndarray) -> np.ndarray:
-    """silu(g) ⊙ u for float32 arrays of one shape."""
+    """silu(g) ⊙ u for float32 arrays of one shape (exp: the attention kernels' polynomial)."""
     g = np.ascontiguousarray(g, dtype=np.float32)
     u = np.ascontiguousarray(u, dtype=np.float32)
     out = np.empty_like(g)
-    _swiglu(g, u, out)
+    g2, u2, o2 = (a.reshape(-1, a.shape[-1]) if a.ndim else a.reshape(1, 1) for a in (g, u, out))
+    (_swiglu_rows if g2.shape[0] >= PARALLEL_ROWS else _swiglu)(g2, u2, o2)
     return out
 
 
-@njit(cache=True, boundscheck=False)
+@njit(inline="always", boundscheck=False)
+def _choice_sum_row(ys, at, weights, out, t):
+    y, w0 = ys[at[t, 0]], weights[t, 0]
+    for c in range(ys.shape[1]):
+        out[t, c] = y[c] * w0
+    for s in range(1, at.shape[1]):
+        y, ws = ys[at[t, s]], weights[t, s]
+        for c in range(ys.shape[1]):
+            out[t, c] = out[t, c] + y[c] * ws
+
+
+@njit(cache=True, boundscheck=False, parallel=True)
 def _choice_sum(ys, at, weights, out):
-    rows, k = at.shape
-    cols = ys.shape[1]
-    for t in range(rows):
-        y, w0 = ys[at[t, 0]], weights[t, 0]
-        for c in range(cols):
-            out[t, c] = y[c] * w0
-        for s in range(1, k):
-            y, ws = ys[at[t, s]], weights[t, s]
-            for c in range(cols):
-                out[t, c] = out[t, c] + y[c] * ws
+    for t in prange(at.shape[0]):
+        _choice_sum_row(ys, at, weights, out, t)
 
 
 def choice_sum(ys: np.ndarray, at: np.ndarray, weights: np.ndarray) -> np.ndarray:
@@ -51,18 +73,46 @@ def choice_sum(ys: np.ndarray, at: np.ndarray, weights: np.ndarray) -> np.ndarra
     return out
 
 
+@njit(inline="always", boundscheck=False)
+def _rms_norm_row(x, w, use_w, eps, out, r):
+    cols = x.shape[1]
+    # float64 (the mean of squares without float32 drift) in 8 running sums, element c in sum
+    # c mod 8, added pairwise at the end: a fixed order that vectorizes
+    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = 0.0
+    c = 0
+    while c + 8 <= cols:
+        v0, v1, v2, v3 = np.float64(x[r, c]), np.float64(x[r, c + 1]), np.float64(x[r, c + 2]), np.float64(x[r, c + 3])
+        v4, v5, v6, v7 = np.float64(x[r, c + 4]), np.float64(x[r, c + 5]), np.float64(x[r, c + 6]), np.float64(x[r, c + 7])
+        a0 += v0 * v0
+        a1 += v1 * v1
+        a2 += v2 * v2
+        a3 += v3 * v3
+        a4 += v4 * v4
+        a5 += v5 * v5
+        a6 += v6 * v6
+        a7 += v7 * v7
+        c += 8
+    while c < cols:  # widths that are not a multiple of 8: the rest into the first sum
+        v = np.float64(x[r, c])
+        a0 += v * v
+        c += 1
+    acc = ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7))
+    scale = np.float32(1.0 / np.sqrt(acc / cols + eps))
+    for c in range(cols):
+        y = x[r, c] * scale
+        out[r, c] = y * w[c] if use_w else y
+
+
 @njit(cache=True, boundscheck=False)
 def _rms_norm(x, w, use_w, eps, out):
-    rows, cols = x.shape
-    for r in range(rows):
-        acc = 0.0  # float64: the mean of squares without float32 drift
-        for c in range(cols):
-            v = np.float64(x[r, c])
-            acc += v * v
-        scale = np.float32(1.0 / np.sqrt(acc / cols + eps))
-        for c in range(cols):
-            y = x[r, c] * scale
-            out[r, c] = y * w[c] if use_w else y
+    for r in range(x.shape[0]):
+        _rms_norm_row(x, w, use_w, eps, out, r)
+
+
+@njit(cache=True, boundscheck=False, parallel=True)
+def _rms_norm_rows(x, w, use_w, eps, out):
+    for r in prange(x.shape[0]):
+        _rms_norm_row(x, w, use_w, eps, out, r)
 
 
 _NO_WEIGHT = np.ones(1, np.float32)
@@ -73,7 +123,8 @@ def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray
     x = np.ascontiguousarray(x, dtype=np.float32)
     flat = x.reshape(-1, x.shape[-1])
     out = np.empty_like(flat)
-    _rms_norm(flat, weight if weight is not None else _NO_WEIGHT, weight is not None, float(eps), out)
+    kernel = _rms_norm_rows if flat.shape[0] >= PARALLEL_ROWS else _rms_norm
+    kernel(flat, weight if weight is not None else _NO_WEIGHT, weight is not None, float(eps), out)
     return out.reshape(x.shape)
 
 

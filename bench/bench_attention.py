@@ -60,10 +60,13 @@ def timed(fn, repeat: int) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
+    from moe_pipe.shared import quant
     from moe_pipe.shared.model.attend import attend
-    from moe_pipe.shared.quant.kernels import set_threads
 
-    set_threads(a.threads)
+    quant.set_threads(a.threads)
+    # As the engine does (procs/compute.py): OpenBLAS's workers, spinning after the numpy
+    # reference's matmuls, would otherwise take the cores from the next case's kernel.
+    quant.one_blas_thread()
     rng = np.random.default_rng(0)
     hk, g, d = a.kv_heads, a.group, a.head_dim
     n_ctx = a.cached + a.block + 1

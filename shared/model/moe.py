@@ -140,11 +140,11 @@ def apply_experts(
     t, k = routing.ids.shape
     if t == 1:  # decode: one token, k distinct experts — no index bookkeeping
         ids = routing.ids[0].tolist()
-        ys = {e.id: ffn(e, x) for e in source.experts(layer, ids)}  # id -> [1, D]
+        by_id = {e.id: ffn(e, x) for e in source.experts(layer, ids)}  # id -> [1, D]
         w = routing.weights[0]
-        out = ys[ids[0]] * w[0]
+        out = by_id[ids[0]] * w[0]
         for s in range(1, k):  # choice order, as below
-            out += ys[ids[s]] * w[s]
+            out += by_id[ids[s]] * w[s]
         return out
     ys = _outputs_buffer(t * k, x.shape[1])  # the experts' outputs, one expert's rows after another
     at = np.empty((t, k), np.int64)  # (token, choice) → its row of ys

@@ -165,8 +165,8 @@ def test_matmul_matches_gguf_dequantize(qtype):
     n_cols = _cols(qtype)[1]
     w = _weights(qtype, 33, n_cols, rng)
     deq = _reference(qtype, w, n_cols)
-    # T = 1, 2: the row kernel; 3, 5: one tile call of 4 / 8 over zero rows; 12: 8 and 4;
-    # 17: two of 8 and one of 4 holding one row; 64: calls of 8 only
+    # T = 1, 2, 3: the row kernel; 5: one tile call of 8 over zero rows; 12: 8 and 4 of 8;
+    # 17: two calls of 8 and one holding one row; 64: whole calls of 8 only
     for n_tok in (1, 2, 3, 5, 12, 17, 64):
         X = rng.standard_normal((n_tok, n_cols))
         Xh, tol_hat, tol_raw = _tolerances(deq, X, qtype)

@@ -39,6 +39,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from ..quant._q8ir import transpose16
+
 LANES = 16
 KEY_LANES = 32  # keys of a transposed chunk (two vectors): attend.KEY_CHUNK
 Q_ROWS = 8  # query rows of a score tile
@@ -136,23 +138,6 @@ def _qk_lanes_typed(typingctx, q, qoff, soff, lo, hi, nq, kt, d, scale, s):
     return types.void(q, qoff, soff, lo, hi, nq, kt, d, scale, s), codegen
 
 
-def _transpose16(b, vs):
-    """16 vectors of 16 lanes → 16 vectors, vector k holding lane k of each (lane r from vector r)."""
-    vs = list(vs)
-    h = 8
-    while h:
-        lo = [k if not k & h else 16 + k - h for k in range(16)]
-        hi = [k + h if not k & h else 16 + k for k in range(16)]
-        new = list(vs)
-        for r in range(16):
-            if not r & h:
-                new[r] = b.shuffle_vector(vs[r], vs[r + h], _idx(lo))
-                new[r + h] = b.shuffle_vector(vs[r], vs[r + h], _idx(hi))
-        vs = new
-        h //= 2
-    return vs
-
-
 def _keys_t_typed(typingctx, k, h, c0, c1, base, kt):
     """kt[c·32 + j − c0] = key j of kv head h as float32 (row (j − base) mod cap of k [Hk, cap, d],
     float32 or float16 bits, any strides but a contiguous row), for j = c0 .. c1 − 1 ≤ c0 + 32, d a
@@ -182,7 +167,7 @@ def _keys_t_typed(typingctx, k, h, c0, c1, base, kt):
                     raw = b.load(b.bitcast(b.gep(kp, [at]), src_vec.as_pointer()), align=2 if half else 4)
                     v = b.fpext(b.bitcast(raw, ir.VectorType(ir.HalfType(), LANES)), _VEC) if half else raw
                     vs.append(b.select(b.icmp_signed("<", j, c1_), v, zero))
-                for r, v in enumerate(_transpose16(b, vs)):
+                for r, v in enumerate(transpose16(b, vs)):
                     e.store_vec(v, tp, b.add(b.mul(b.add(cb, e.i64(r)), e.i64(KEY_LANES)), e.i64(LANES * g)))
         return context.get_dummy_value()
 

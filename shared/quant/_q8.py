@@ -9,9 +9,9 @@ the weight codes' integer offsets multiply, and xs32 = dx·bs32 (float), the
 Σ x̂ that Q4_K's and Q5_K's mins multiply. Rows are padded with zeros to whole
 units of 256 (and a call's rows to a whole tile-kernel call).
 
-The kernels are LLVM IR (_q8ir, which says how and why). With one or two
+The kernels are LLVM IR (_q8ir, which says how and why). With up to three
 activation rows (decode) the row kernel takes each weight row as stored, the
-rows split across threads. With three or more (a prompt batch, an expert
+rows split across threads. With four or more (a prompt batch, an expert
 several tokens route to) the call is a GEMM: tiles of 16 weight rows, split
 across threads, are each repacked once so that a vector holds 4 codes of
 each of the 16 rows, then multiplied by 8 activation rows at a time. Both
@@ -43,9 +43,10 @@ INT8_DOT = INT8_DOT  # re-exported: which build of the dot this process compiles
 
 _DRIVER = dict(cache=True, parallel=True, boundscheck=False, error_model="numpy", nogil=True)
 # From this many activation rows a call repacks its weight rows (pack + tile kernels):
-# the repack costs about what two rows cost on the stored layout.
-GEMM_ROWS = 3
-# Activation rows per tile-kernel call (then 4, then 1 at a time for what is left): 8 rows
+# the repack and one pass of the tile kernel cost about what three rows cost on the
+# stored layout.
+GEMM_ROWS = 4
+# Activation rows per tile-kernel call (the last call's rows past T are _round's zero rows): 8 rows
 # keep 8 × (integer sum, accumulator, mins accumulator) and a block's 8 code vectors and 2
 # scale vectors in the 32 vector registers, and the tile's packed bytes (5 KB per 256
 # columns) are read once per 8 rows (4: the tile comes from L2 too often; 12: spills).
@@ -100,32 +101,32 @@ def _round(X):
 # table is F16_TABLE (E8M0_HALF for MXFP4). The activation is rounded first
 # (_round), then (one or two rows) weight rows split across threads on the row
 # kernel, or (more) tiles of 16 weight rows split across threads, each
-# repacked once and multiplied by 8 activation rows at a time (the last 1–4
-# rows by 4, over the zero rows _round pads with).
+# repacked once and multiplied by 8 activation rows at a time (the last call's
+# missing rows are the zero rows _round pads with).
 # Spelled out per type: an intrinsic cannot be passed to a cached njit
 # function (_common says why).
 
-_q8_0_r1, _q8_0_r2 = row_kernel("Q8_0", 1), row_kernel("Q8_0", 2)
+_q8_0_r1 = row_kernel("Q8_0", 1)
 _q8_0_pack = pack_kernel("Q8_0")
-_q8_0_t4, _q8_0_t8 = tile_kernel("Q8_0", TILE_TOKENS // 2), tile_kernel("Q8_0", TILE_TOKENS)
-_q5_0_r1, _q5_0_r2 = row_kernel("Q5_0", 1), row_kernel("Q5_0", 2)
+_q8_0_t8 = tile_kernel("Q8_0", TILE_TOKENS)
+_q5_0_r1 = row_kernel("Q5_0", 1)
 _q5_0_pack = pack_kernel("Q5_0")
-_q5_0_t4, _q5_0_t8 = tile_kernel("Q5_0", TILE_TOKENS // 2), tile_kernel("Q5_0", TILE_TOKENS)
-_mxfp4_r1, _mxfp4_r2 = row_kernel("MXFP4", 1), row_kernel("MXFP4", 2)
+_q5_0_t8 = tile_kernel("Q5_0", TILE_TOKENS)
+_mxfp4_r1 = row_kernel("MXFP4", 1)
 _mxfp4_pack = pack_kernel("MXFP4")
-_mxfp4_t4, _mxfp4_t8 = tile_kernel("MXFP4", TILE_TOKENS // 2), tile_kernel("MXFP4", TILE_TOKENS)
-_q4_k_r1, _q4_k_r2 = row_kernel("Q4_K", 1), row_kernel("Q4_K", 2)
+_mxfp4_t8 = tile_kernel("MXFP4", TILE_TOKENS)
+_q4_k_r1 = row_kernel("Q4_K", 1)
 _q4_k_pack = pack_kernel("Q4_K")
-_q4_k_t4, _q4_k_t8 = tile_kernel("Q4_K", TILE_TOKENS // 2), tile_kernel("Q4_K", TILE_TOKENS)
-_q5_k_r1, _q5_k_r2 = row_kernel("Q5_K", 1), row_kernel("Q5_K", 2)
+_q4_k_t8 = tile_kernel("Q4_K", TILE_TOKENS)
+_q5_k_r1 = row_kernel("Q5_K", 1)
 _q5_k_pack = pack_kernel("Q5_K")
-_q5_k_t4, _q5_k_t8 = tile_kernel("Q5_K", TILE_TOKENS // 2), tile_kernel("Q5_K", TILE_TOKENS)
-_q6_k_r1, _q6_k_r2 = row_kernel("Q6_K", 1), row_kernel("Q6_K", 2)
+_q5_k_t8 = tile_kernel("Q5_K", TILE_TOKENS)
+_q6_k_r1 = row_kernel("Q6_K", 1)
 _q6_k_pack = pack_kernel("Q6_K")
-_q6_k_t4, _q6_k_t8 = tile_kernel("Q6_K", TILE_TOKENS // 2), tile_kernel("Q6_K", TILE_TOKENS)
-_iq4_xs_r1, _iq4_xs_r2 = row_kernel("IQ4_XS", 1), row_kernel("IQ4_XS", 2)
+_q6_k_t8 = tile_kernel("Q6_K", TILE_TOKENS)
+_iq4_xs_r1 = row_kernel("IQ4_XS", 1)
 _iq4_xs_pack = pack_kernel("IQ4_XS")
-_iq4_xs_t4, _iq4_xs_t8 = tile_kernel("IQ4_XS", TILE_TOKENS // 2), tile_kernel("IQ4_XS", TILE_TOKENS)
+_iq4_xs_t8 = tile_kernel("IQ4_XS", TILE_TOKENS)
 
 
 @njit(**_DRIVER)
@@ -134,10 +135,8 @@ def _mm_q8_0(w, stride, X, tab, out):
     T, R, nb = X.shape[0], out.shape[1], X.shape[1] // QK
     if T < GEMM_ROWS:
         for r in prange(R):
-            if T == 2:
-                _q8_0_r2(w, r * stride, nb, xq, 0, cp, dx, bs16, bs32, xs32, tab, out, r, R)
-            else:
-                _q8_0_r1(w, r * stride, nb, xq, 0, cp, dx, bs16, bs32, xs32, tab, out, r, R)
+            for t in range(T):
+                _q8_0_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
         return
     nu = cp // UNIT
     for i in prange((R + 15) // 16):
@@ -145,10 +144,7 @@ def _mm_q8_0(w, stride, X, tab, out):
         _q8_0_pack(w, stride, 16 * i, R, nb, tab, buf)
         nv = min(16, R - 16 * i)
         for t in range(0, T, TILE_TOKENS):
-            if T - t > TILE_TOKENS // 2:
-                _q8_0_t8(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, T - t)
-            else:
-                _q8_0_t4(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, T - t)
+            _q8_0_t8(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, T - t)
 
 
 @njit(**_DRIVER)
@@ -157,10 +153,8 @@ def _mm_q5_0(w, stride, X, tab, out):
     T, R, nb = X.shape[0], out.shape[1], X.shape[1] // QK
     if T < GEMM_ROWS:
         for r in prange(R):
-            if T == 2:
-                _q5_0_r2(w, r * stride, nb, xq, 0, cp, dx, bs16, bs32, xs32, tab, out, r, R)
-            else:
-                _q5_0_r1(w, r * stride, nb, xq, 0, cp, dx, bs16, bs32, xs32, tab, out, r, R)
+            for t in range(T):
+                _q5_0_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
         return
     nu = cp // UNIT
     for i in prange((R + 15) // 16):
@@ -168,10 +162,7 @@ def _mm_q5_0(w, stride, X, tab, out):
         _q5_0_pack(w, stride, 16 * i, R, nb, tab, buf)
         nv = min(16, R - 16 * i)
         for t in range(0, T, TILE_TOKENS):
-            if T - t > TILE_TOKENS // 2:
-                _q5_0_t8(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, T - t)
-            else:
-                _q5_0_t4(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, T - t)
+            _q5_0_t8(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, T - t)
 
 
 @njit(**_DRIVER)
@@ -180,10 +171,8 @@ def _mm_mxfp4(w, stride, X, tab, out):
     T, R, nb = X.shape[0], out.shape[1], X.shape[1] // QK
     if T < GEMM_ROWS:
         for r in prange(R):
-            if T == 2:
-                _mxfp4_r2(w, r * stride, nb, xq, 0, cp, dx, bs16, bs32, xs32, tab, out, r, R)
-            else:
-                _mxfp4_r1(w, r * stride, nb, xq, 0, cp, dx, bs16, bs32, xs32, tab, out, r, R)
+            for t in range(T):
+                _mxfp4_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
         return
     nu = cp // UNIT
     for i in prange((R + 15) // 16):
@@ -191,10 +180,7 @@ def _mm_mxfp4(w, stride, X, tab, out):
         _mxfp4_pack(w, stride, 16 * i, R, nb, tab, buf)
         nv = min(16, R - 16 * i)
         for t in range(0, T, TILE_TOKENS):
-            if T - t > TILE_TOKENS // 2:
-                _mxfp4_t8(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, T - t)
-            else:
-                _mxfp4_t4(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, T - t)
+            _mxfp4_t8(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, T - t)
 
 
 @njit(**_DRIVER)
@@ -203,10 +189,8 @@ def _mm_q4_k(w, stride, X, tab, out):
     T, R, nb = X.shape[0], out.shape[1], X.shape[1] // QK
     if T < GEMM_ROWS:
         for r in prange(R):
-            if T == 2:
-                _q4_k_r2(w, r * stride, nb, xq, 0, cp, dx, bs16, bs32, xs32, tab, out, r, R)
-            else:
-                _q4_k_r1(w, r * stride, nb, xq, 0, cp, dx, bs16, bs32, xs32, tab, out, r, R)
+            for t in range(T):
+                _q4_k_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
         return
     nu = cp // UNIT
     for i in prange((R + 15) // 16):
@@ -214,10 +198,7 @@ def _mm_q4_k(w, stride, X, tab, out):
         _q4_k_pack(w, stride, 16 * i, R, nb, tab, buf)
         nv = min(16, R - 16 * i)
         for t in range(0, T, TILE_TOKENS):
-            if T - t > TILE_TOKENS // 2:
-                _q4_k_t8(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, T - t)
-            else:
-                _q4_k_t4(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, T - t)
+            _q4_k_t8(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, T - t)
 
 
 @njit(**_DRIVER)
@@ -226,10 +207,8 @@ def _mm_q5_k(w, stride, X, tab, out):
     T, R, nb = X.shape[0], out.shape[1], X.shape[1] // QK
     if T < GEMM_ROWS:
         for r in prange(R):
-            if T == 2:
-                _q5_k_r2(w, r * stride, nb, xq, 0, cp, dx, bs16, bs32, xs32, tab, out, r, R)
-            else:
-                _q5_k_r1(w, r * stride, nb, xq, 0, cp, dx, bs16, bs32, xs32, tab, out, r, R)
+            for t in range(T):
+                _q5_k_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
         return
     nu = cp // UNIT
     for i in prange((R + 15) // 16):
@@ -237,10 +216,7 @@ def _mm_q5_k(w, stride, X, tab, out):
         _q5_k_pack(w, stride, 16 * i, R, nb, tab, buf)
         nv = min(16, R - 16 * i)
         for t in range(0, T, TILE_TOKENS):
-            if T - t > TILE_TOKENS // 2:
-                _q5_k_t8(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, T - t)
-            else:
-                _q5_k_t4(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, T - t)
+            _q5_k_t8(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, T - t)
 
 
 @njit(**_DRIVER)
@@ -249,10 +225,8 @@ def _mm_q6_k(w, stride, X, tab, out):
     T, R, nb = X.shape[0], out.shape[1], X.shape[1] // QK
     if T < GEMM_ROWS:
         for r in prange(R):
-            if T == 2:
-                _q6_k_r2(w, r * stride, nb, xq, 0, cp, dx, bs16, bs32, xs32, tab, out, r, R)
-            else:
-                _q6_k_r1(w, r * stride, nb, xq, 0, cp, dx, bs16, bs32, xs32, tab, out, r, R)
+            for t in range(T):
+                _q6_k_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
         return
     nu = cp // UNIT
     for i in prange((R + 15) // 16):
@@ -260,10 +234,7 @@ def _mm_q6_k(w, stride, X, tab, out):
         _q6_k_pack(w, stride, 16 * i, R, nb, tab, buf)
         nv = min(16, R - 16 * i)
         for t in range(0, T, TILE_TOKENS):
-            if T - t > TILE_TOKENS // 2:
-                _q6_k_t8(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, T - t)
-            else:
-                _q6_k_t4(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, T - t)
+            _q6_k_t8(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, T - t)
 
 
 @njit(**_DRIVER)
@@ -272,10 +243,8 @@ def _mm_iq4_xs(w, stride, X, tab, out):
     T, R, nb = X.shape[0], out.shape[1], X.shape[1] // QK
     if T < GEMM_ROWS:
         for r in prange(R):
-            if T == 2:
-                _iq4_xs_r2(w, r * stride, nb, xq, 0, cp, dx, bs16, bs32, xs32, tab, out, r, R)
-            else:
-                _iq4_xs_r1(w, r * stride, nb, xq, 0, cp, dx, bs16, bs32, xs32, tab, out, r, R)
+            for t in range(T):
+                _iq4_xs_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
         return
     nu = cp // UNIT
     for i in prange((R + 15) // 16):
@@ -283,10 +252,7 @@ def _mm_iq4_xs(w, stride, X, tab, out):
         _iq4_xs_pack(w, stride, 16 * i, R, nb, tab, buf)
         nv = min(16, R - 16 * i)
         for t in range(0, T, TILE_TOKENS):
-            if T - t > TILE_TOKENS // 2:
-                _iq4_xs_t8(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, T - t)
-            else:
-                _iq4_xs_t4(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, T - t)
+            _iq4_xs_t8(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, T - t)
 
 
 # type name → (driver, whether it takes E8M0_HALF instead of F16_TABLE)

@@ -16,11 +16,11 @@ Only the integer sums may be formed in any order; everything after them is fixed
 
 Two kernels compute it, one per layout of the work:
 
-- row_kernel (decode: one or two activation rows): a weight row as it is stored. Per unit
+- row_kernel (decode: up to three activation rows, one at a time): a weight row as it is stored. Per unit
   of 256 weights, four 64-byte dots (`vpdpbusd`: 16 lanes of sums of 4) against the
   activation, a shuffle-add tree to the L block sums in one vector (block j in lane j), one
   L-lane multiply-add; the lanes are summed at the row's end.
-- pack_kernel + tile_kernel (a GEMM: three or more activation rows): 16 weight rows are
+- pack_kernel + tile_kernel (a GEMM: four or more activation rows): 16 weight rows are
   repacked once per call so that one 64-byte vector holds 4 codes of each of the 16 rows
   (row r in lane r), a block's codes for all 16 rows in block/4 vectors; then every
   activation row takes block/4 dots against its 4 codes broadcast, one conversion, one
@@ -586,17 +586,18 @@ def row_kernel(name: str, nt: int):
     return intrinsic(typer)
 
 
-def _transpose16(e: _Emit, vs):
-    """16 vectors of 16 lanes (rows) → 16 vectors, vector k holding lane k of every row (lane r = row r)."""
+def transpose16(builder, vs):
+    """16 vectors of 16 lanes → 16 vectors, vector k holding lane k of every input (lane r from
+    vector r): four rounds of two-input shuffles, halves swapped 8, 4, 2, 1 lanes apart."""
     vs = list(vs)
     h = 8
     while h:
-        lo = [k if not k & h else 16 + k - h for k in range(16)]
-        hi = [k + h if not k & h else 16 + k for k in range(16)]
+        lo = ir.Constant(_vec(16, 32), [k if not k & h else 16 + k - h for k in range(16)])
+        hi = ir.Constant(_vec(16, 32), [k + h if not k & h else 16 + k for k in range(16)])
         new = list(vs)
         for r in range(16):
             if not r & h:
-                new[r], new[r + h] = e.shuf(vs[r], vs[r + h], lo), e.shuf(vs[r], vs[r + h], hi)
+                new[r], new[r + h] = builder.shuffle_vector(vs[r], vs[r + h], lo), builder.shuffle_vector(vs[r], vs[r + h], hi)
         vs = new
         h //= 2
     return vs
@@ -641,10 +642,10 @@ def pack_kernel(name: str):
                 cgutils.raw_memcpy(b, st, b.gep(buf_, [base]), e.i64(PACKED_UNIT), 1)
                 for c in range(CODE_VECTORS):
                     vs = [e.load(st, e.i64(UNIT * rr + 64 * c), _vec(16, 32)) for rr in range(16)]
-                    for k, v in enumerate(_transpose16(e, vs)):
+                    for k, v in enumerate(transpose16(e.b, vs)):
                         b.store(v, at(b.add(base, e.i64(1024 * c + 64 * k)), _vec(16, 32)), align=1)
                 vs = [e.load(st, e.i64(16 * UNIT + 64 * rr), _vec(16, 32)) for rr in range(16)]
-                for k, v in enumerate(_transpose16(e, vs)[: L if not lay.mins else 16]):
+                for k, v in enumerate(transpose16(e.b, vs)[: L if not lay.mins else 16]):
                     b.store(v, at(b.add(base, e.i64(16 * UNIT + 64 * k)), _vec(16, 32)), align=1)
             return context.get_dummy_value()
 

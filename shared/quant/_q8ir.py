@@ -516,7 +516,7 @@ class _Acts:
         return e.load(arr, e.b.lshr(x, e.i64(shift)), _vec(n, 32) if n else _I32)
 
 
-def _block_step(e: _Emit, lay: Layout, isum, wsc, dx, acc):
+def _block_step(e: _Emit, isum, wsc, dx, acc):
     """acc + float(isum)·(wsc·dx): the one float step of a block (lane by lane)."""
     return e.fma(e.b.sitofp(isum, wsc.type), e.b.fmul(wsc, dx), acc)
 
@@ -568,7 +568,7 @@ def row_kernel(name: str, nt: int):
                         isum = b.sub(isum, b.mul(acts.bsum(lay, x, L), e.const(_vec(L, 32), lay.offset)))
                     dx8 = e.load(dx_, b.lshr(x, e.i64(_LOG2_QK)), _fvec(8))
                     dxl = dx8 if L == 8 else e.shuf(dx8, None, [j * lay.block // QK for j in range(L)])
-                    b.store(_block_step(e, lay, isum, wsc, dxl, b.load(accs[i])), accs[i])
+                    b.store(_block_step(e, isum, wsc, dxl, b.load(accs[i])), accs[i])
                     if lay.mins:
                         b.store(e.fma(dmm, e.load(xs32_, b.lshr(x, e.i64(_LOG2_QK)), _fvec(8)), b.load(accm[i])), accm[i])
 
@@ -702,7 +702,7 @@ def tile_kernel(name: str, nt: int):
                         if lay.offset:
                             isum = b.sub(isum, _splat(b, b.mul(acts.bsum(lay, x, 0), ir.Constant(_I32, lay.offset)), 16))
                         dxs = _splat(b, e.load(dx_, b.lshr(x, e.i64(_LOG2_QK)), _F32), 16)
-                        b.store(_block_step(e, lay, isum, wsc, dxs, b.load(accs[i])), accs[i])
+                        b.store(_block_step(e, isum, wsc, dxs, b.load(accs[i])), accs[i])
                 if lay.mins:
                     # the mins' chains in a loop of their own: the same operations in the same
                     # order per chain, and the code loop keeps its registers (no spills)

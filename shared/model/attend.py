@@ -17,16 +17,23 @@ position. Here every position computes the same operations in the same order
 whatever batch it is in (prefix reuse relies on it, docs/conversations.md):
 
 - a score is one chain of fused multiply-adds over the head width, times
-  `scale` (attend_ir's score tile, or `_dot` where the width is not whole
-  vectors: the same chain);
-- a row's softmax is `_softmax_row` over exactly the keys it sees;
-- its output is the keys' values summed in position order by `_fma`, one key
-  after another (an explicit fused multiply-add, so no grouping can change it).
+  `scale` (attend_ir's tiles, or `_dot` where the width is not whole vectors);
+- a row's softmax is online, over the 32-key chunks it sees, in position
+  order: chunks are aligned to positions (keys 0..31, 32..63, ...), so a decode
+  step and every prompt block meet a position's keys in the same chunks. A
+  chunk's step keeps the running max m and sum l: m' = max(m, the chunk's
+  scores), weights exp(s − m'), l' = l·exp(m − m') + Σ weights, and the output
+  row o' = o·exp(m − m') + Σ weight·value, the values one after another by
+  fused multiply-adds in position order. A key a row does not see gets weight
+  0 (its multiply-add changes nothing), so a block may take whole chunks.
+  The output is o / l at the end.
 
 What a prompt batch shares is the work around them: its queries are taken in
 blocks of tokens (`_block_tokens`) for one kv head, and each chunk of
-`KEY_CHUNK` key (then value) rows is converted to float32 once for the whole
-block instead of once per query, while the block's query rows stay in L1.
+`KEY_CHUNK` keys and values is converted to float32 once for the whole block
+instead of once per query. No score outlives its chunk: a row's 32 scores,
+weights and sums stay in registers (attend_ir `qk_softmax`), so a long prompt
+needs no memory for its score matrix.
 Blocks run on numba's threads. `exp` is `_exp`, a polynomial numba can
 vectorize (libm's expf is a call per element: a quarter of a long prompt's
 attention time before).
@@ -43,7 +50,21 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from ..quant import _target  # noqa: F401  (before any jit: the ARM dot-product target, shared/quant/_target.py)
-from .attend_ir import KEY_LANES, LANES, PV_ROWS, Q_ROWS, keys_t, pv_rows, qk_lanes
+from .attend_ir import (
+    EXP_LN2_HI,
+    EXP_LN2_LO,
+    EXP_LOG2E,
+    EXP_MAX,
+    EXP_MIN,
+    EXP_POLY,
+    KEY_LANES,
+    LANES,
+    Q_ROWS,
+    keys_t,
+    pv_rows,
+    qk_softmax,
+    values_f32,
+)
 
 # Keys converted to float32 at a time: 32 rows of d = 128 are 16 KB, in L1 beside the block's queries
 # (the score tile takes them transposed: 32 keys are its two vectors).
@@ -55,7 +76,7 @@ PARALLEL_DECODE_KEYS = 1024
 # Query rows (tokens × the kv head's G query heads) a prompt block aims at: enough to reuse each
 # converted key row many times, few enough that the block's scores (rows × keys × 4 B) stay in L2
 # for prompts of a few thousand tokens.
-BLOCK_QUERY_ROWS = 64
+BLOCK_QUERY_ROWS = 128
 
 
 # ---- scalar helpers: float16 bits, fused multiply-add, 2^n ------------------
@@ -128,18 +149,10 @@ def _half_row(src, dst):
         dst[i] = _half_to_float(src[i])
 
 
-# ---- exp -----------------------------------------------------------------------
-# Cody–Waite range reduction x = n·ln2 + r, |r| ≤ ln2/2, and the degree-7
-# minimax polynomial of Cephes' expf (relative error ~1 ulp on float32); 2^n
-# is built in the exponent bits. Arguments below ln(2^−126) give that smallest
-# normal's share (~1e−38 of the largest key's weight: nothing), NaN stays NaN.
-_LOG2E = np.float32(1.44269504088896341)
-_LN2_HI = np.float32(0.693359375)
-_LN2_LO = np.float32(-2.12194440e-4)
-_EXP_MIN = np.float32(-87.3365447505531)  # ln(2^-126)
-_EXP_MAX = np.float32(88.3762626647949)  # below ln(2^128)
-_P0, _P1, _P2 = np.float32(1.9875691500e-4), np.float32(1.3981999507e-3), np.float32(8.3334519073e-3)
-_P3, _P4, _P5 = np.float32(4.1665795894e-2), np.float32(1.6666665459e-1), np.float32(5.0000001201e-1)
+# ---- exp ----------------------------------------------------------------------
+# The constants and why: attend_ir (EXP_*), whose 16-lane exp is this one operation for operation.
+_LOG2E, _LN2_HI, _LN2_LO, _EXP_MIN, _EXP_MAX = EXP_LOG2E, EXP_LN2_HI, EXP_LN2_LO, EXP_MIN, EXP_MAX
+_P0, _P1, _P2, _P3, _P4, _P5 = EXP_POLY
 
 
 @njit(inline="always", boundscheck=False)
@@ -174,12 +187,12 @@ def exp32(x: np.ndarray) -> np.ndarray:
     return out
 
 
-# ---- the three per-position steps ---------------------------------------------
+# ---- one row's step over a chunk where the head width is not whole vectors ---------
 
 
 @njit(inline="always", boundscheck=False)
 def _dot(q, k, d):
-    """q · k for head widths that are not whole vectors (attend_ir's tiles take the rest)."""
+    """q · k: one chain of fused multiply-adds over the head width."""
     s = np.float32(0.0)
     for c in range(d):
         s = _fma(q[c], k[c], s)
@@ -187,87 +200,35 @@ def _dot(q, k, d):
 
 
 @njit(inline="always", boundscheck=False)
-def _softmax_row(s, sink, use_sink, part):
-    """In place: s[:] = softmax over s and, with use_sink, one more logit `sink` that takes
-    probability mass and is then dropped (gpt-oss). `part` is 16 floats of scratch."""
-    n = s.size
-    m = _max(s, part)
-    if use_sink and sink > m:
-        m = sink
-    for j in range(n):
-        s[j] = _exp(s[j] - m)
-    total = _sum(s, part)
-    if use_sink:
-        total += _exp(sink - m)
-    for j in range(n):
-        s[j] = s[j] / total
+def _row_step(q, rows, a, b, d, dv, scale, m, l, r, w, o):
+    """The online-softmax step of one row over keys a..b-1 of a chunk (rows[j]: key j, then its
+    value at column d): what qk_softmax and pv_rows do for a tile, one row in scalar code."""
+    m_new = m[r]
+    for j in range(a, b):
+        w[j] = _dot(q, rows[j], d) * scale
+        m_new = w[j] if w[j] > m_new else m_new
+    alpha = np.float32(1.0) if m_new == -np.inf else _exp(m[r] - m_new)
+    total = np.float32(0.0)
+    for j in range(a, b):
+        w[j] = _exp(w[j] - m_new)
+        total += w[j]
+    m[r], l[r, 0] = m_new, _fma(l[r, 0], alpha, total)
+    for c in range(dv):
+        acc = o[c] * alpha
+        for j in range(a, b):
+            acc = _fma(w[j], rows[j, d + c], acc)
+        o[c] = acc
 
 
 @njit(inline="always", boundscheck=False)
-def _max(s, part):
-    """max s (n ≥ 1), as 16 running maxima (any order gives the same maximum; this one vectorizes)."""
-    part[:] = s[0]
-    n = s.size
-    j = 0
-    while j + 16 <= n:
-        for lane in range(16):
-            x = s[j + lane]
-            part[lane] = x if x > part[lane] else part[lane]
-        j += 16
-    for lane in range(n - j):
-        x = s[j + lane]
-        part[lane] = x if x > part[lane] else part[lane]
-    m = part[0]
-    for lane in range(1, 16):
-        m = part[lane] if part[lane] > m else m
-    return m
-
-
-@njit(inline="always", boundscheck=False)
-def _sum(s, part):
-    """Σ s in a fixed order: 16 running sums of every 16th element from s[0] (one
-    vector add per 16), the rest one by one, then the 16 pairwise (8, 4, 2, 1 apart)."""
-    part[:] = 0.0
-    n = s.size
-    j = 0
-    while j + 16 <= n:
-        for lane in range(16):
-            part[lane] += s[j + lane]
-        j += 16
-    for lane in range(n - j):
-        part[lane] += s[j + lane]
+def _lanes_total(x):
+    """Σ of 16 lanes in place, pairwise 8, 4, 2, 1 apart (a fixed order)."""
     width = 8
     while width:
         for lane in range(width):
-            part[lane] += part[lane + width]
+            x[lane] += x[lane + width]
         width //= 2
-    return part[0]
-
-
-@njit(inline="always", boundscheck=False)
-def _add_values(p, vrows, o):
-    """o[g, :] += Σ_j p[g, j]·vrows[j] for j = 0, 1, ... in that order, for every row g:
-    one fused multiply-add per value, so four keys per pass over a row round as one
-    at a time do; the rows' independent chains interleave (g inside the key loop)."""
-    g_count, dv = o.shape
-    n = vrows.shape[0]
-    j = 0
-    while j + 4 <= n:
-        v0, v1, v2, v3 = vrows[j], vrows[j + 1], vrows[j + 2], vrows[j + 3]
-        for g in range(g_count):
-            p0, p1, p2, p3 = p[g, j], p[g, j + 1], p[g, j + 2], p[g, j + 3]
-            og = o[g]
-            for c in range(dv):
-                og[c] = _fma(p3, v3[c], _fma(p2, v2[c], _fma(p1, v1[c], _fma(p0, v0[c], og[c]))))
-        j += 4
-    while j < n:
-        vj = vrows[j]
-        for g in range(g_count):
-            pj = p[g, j]
-            og = o[g]
-            for c in range(dv):
-                og[c] = _fma(pj, vj[c], og[c])
-        j += 1
+    return x[0]
 
 
 # ---- one block: tokens t0..t1-1 of kv head h ------------------------------------
@@ -279,104 +240,75 @@ def _first_key(p, window):
 
 
 @njit(inline="always", boundscheck=False)
-def _load_rows(x, h, c0, c1, base, rows, width):
-    """rows[j − c0, :width] = position j's row of kv head h as float32, for j = c0..c1-1."""
-    for j in range(c0, c1):
-        _load_row(x[h, (j - base) % x.shape[1]], rows[j - c0, :width])
-
-
-@njit(cache=True, boundscheck=False, nogil=True)
-def _block_scores(q, k, base, start, t0, t1, h, window, scale, s, rows, kt, tiled):
-    """s[t − t0, g, j − first key] = q[t, h, g] · key j × scale for every key each
-    query sees, chunk by chunk of keys, each chunk converted once for the block: where the
-    head width allows, transposed (keys in lanes) and taken by tiles of 8 query rows of
-    the block ((token, head) in order) × the chunk's 32 keys (attend_ir)."""
-    hk, g_count, d = q.shape[1], q.shape[2], q.shape[3]
-    span = s.shape[2]
-    jlo = _first_key(start + t0, window)
-    n_rows = (t1 - t0) * g_count
-    qoff, soff = np.empty(Q_ROWS, np.int64), np.empty(Q_ROWS, np.int64)
-    lo, hi = np.empty(Q_ROWS, np.int64), np.empty(Q_ROWS, np.int64)
-    for c0 in range(jlo, start + t1, KEY_CHUNK):
-        c1 = min(c0 + KEY_CHUNK, start + t1)
-        if tiled:
-            keys_t(k, h, c0, c1, base, kt)
-            for r0 in range(0, n_rows, Q_ROWS):
-                n = min(Q_ROWS, n_rows - r0)
-                seen = False
-                for i in range(n):
-                    t, g = t0 + (r0 + i) // g_count, (r0 + i) % g_count
-                    p = start + t
-                    qoff[i] = ((t * hk + h) * g_count + g) * d
-                    soff[i] = (r0 + i) * span + c0 - jlo
-                    lo[i], hi[i] = max(c0, _first_key(p, window)) - c0, min(c1, p + 1) - c0
-                    seen = seen or lo[i] < hi[i]
-                if seen:
-                    qk_lanes(q, qoff, soff, lo, hi, n, kt, d, scale, s)
-        else:
-            _load_rows(k, h, c0, c1, base, rows, d)
-            for t in range(t0, t1):
-                p = start + t
-                for g in range(g_count):
-                    for j in range(max(c0, _first_key(p, window)), min(c1, p + 1)):
-                        s[t - t0, g, j - jlo] = _dot(q[t, h, g], rows[j - c0], d) * scale
-
-
-@njit(cache=True, boundscheck=False, nogil=True)
-def _block_values(v, base, start, t0, t1, h, window, sinks, use_sinks, s, rows, out, tiled):
-    """Each query's softmax over its scores, then out[t, h, g] = Σ p_j · value j in
-    position order, chunk by chunk of values, each value row converted once for the block."""
-    g_count, dv = s.shape[1], v.shape[2]
-    hk, span, width = out.shape[1], s.shape[2], rows.shape[1]
-    jlo = _first_key(start + t0, window)
-    part = np.empty(16, np.float32)
-    for t in range(t0, t1):
-        p = start + t
-        lo = _first_key(p, window)
-        for g in range(g_count):
-            _softmax_row(s[t - t0, g, lo - jlo : p + 1 - jlo], sinks[(h * g_count + g) % sinks.size], use_sinks, part)
-            out[t, h, g, :] = 0.0
-    poff, ooff = np.empty(PV_ROWS, np.int64), np.empty(PV_ROWS, np.int64)
-    for c0 in range(jlo, start + t1, KEY_CHUNK):
-        c1 = min(c0 + KEY_CHUNK, start + t1)
-        _load_rows(v, h, c0, c1, base, rows, dv)
-        if not tiled:
-            for t in range(t0, t1):
-                p = start + t
-                a, b = max(c0, _first_key(p, window)), min(c1, p + 1)
-                if a < b:
-                    _add_values(s[t - t0, :, a - jlo : b - jlo], rows[a - c0 : b - c0, :dv], out[t, h])
-            continue
-        # every row of the block sees the whole chunk (the usual case): tiles of any rows;
-        # else each token's rows with its own keys of the chunk
-        shared = _first_key(start + t1 - 1, window) <= c0 and c1 <= start + t0 + 1
-        t = t0
-        while t < t1:
-            tn = t1 if shared else t + 1
-            p = start + t
-            a, b = (c0, c1) if shared else (max(c0, _first_key(p, window)), min(c1, p + 1))
-            if a < b:
-                r_lo, r_hi = (t - t0) * g_count, (tn - t0) * g_count
-                for r0 in range(r_lo, r_hi, PV_ROWS):
-                    n = min(PV_ROWS, r_hi - r0)
-                    for i in range(n):
-                        tt, g = t0 + (r0 + i) // g_count, (r0 + i) % g_count
-                        poff[i] = (r0 + i) * span + a - jlo
-                        ooff[i] = ((tt * hk + h) * g_count + g) * dv
-                    pv_rows(s, poff, n, rows, a - c0, width, b - a, dv, out, ooff)
-            t = tn
+def _load_rows(x, h, a, c1, c0, base, rows, col):
+    """rows[j − c0, col:col + width] = position j's row of kv head h as float32, for j = a..c1-1."""
+    width = x.shape[2]
+    for j in range(a, c1):
+        _load_row(x[h, (j - base) % x.shape[1]], rows[j - c0, col : col + width])
 
 
 @njit(cache=True, boundscheck=False, nogil=True)
 def _attend_block(q, k, v, base, start, t0, t1, h, window, scale, sinks, use_sinks, out):
-    """out[t, h] for t in t0..t1-1: scores, softmax, values (module doc)."""
-    span = start + t1 - _first_key(start + t0, window)
-    s = np.empty((t1 - t0, q.shape[2], span), np.float32)
-    rows = np.empty((KEY_CHUNK, max(q.shape[3], v.shape[2])), np.float32)
-    tiled = q.shape[3] % LANES == 0 and v.shape[2] % LANES == 0
-    kt = np.empty(q.shape[3] * KEY_CHUNK if tiled else 0, np.float32)
-    _block_scores(q, k, base, start, t0, t1, h, window, scale, s, rows, kt, tiled)
-    _block_values(v, base, start, t0, t1, h, window, sinks, use_sinks, s, rows, out, tiled)
+    """out[t, h] for t in t0..t1-1 (module doc): the block's rows are (token, query head) in order;
+    chunks of 32 keys aligned to positions (multiples of 32, whatever the block: a decode step meets
+    the same chunks) are converted to float32 once for the block, and each row takes each chunk it
+    sees in one online-softmax step (running max m, sum l, output rescaled by exp(m − m')); at the
+    end the output is divided by l (gpt-oss's sink first joins the max and the sum)."""
+    hk, g_count, d = q.shape[1], q.shape[2], q.shape[3]
+    dv = v.shape[2]
+    n_rows = (t1 - t0) * g_count
+    tiled = d % LANES == 0 and dv % LANES == 0
+    m = np.full(n_rows + Q_ROWS, -np.inf, np.float32)  # running max and (16 lanes of) sum per row,
+    l = np.zeros((n_rows + Q_ROWS, LANES), np.float32)  # with a partial tile's padding
+    for t in range(t0, t1):
+        out[t, h, :, :] = 0.0
+    rows = np.empty((KEY_CHUNK, (0 if tiled else d) + dv), np.float32)  # the chunk's values (after its keys, untiled)
+    kt = np.empty(d * KEY_CHUNK if tiled else 0, np.float32)
+    w = np.empty(Q_ROWS * KEY_CHUNK, np.float32)
+    alpha = np.empty(Q_ROWS, np.float32)
+    # per row: where its query and output start, its first key and its position
+    qoff, ooff = np.empty(n_rows, np.int64), np.empty(n_rows, np.int64)
+    first, last = np.empty(n_rows, np.int64), np.empty(n_rows, np.int64)
+    for r in range(n_rows):
+        t, g = t0 + r // g_count, r % g_count
+        qoff[r], ooff[r] = ((t * hk + h) * g_count + g) * d, ((t * hk + h) * g_count + g) * dv
+        first[r], last[r] = _first_key(start + t, window), start + t
+    lo, hi = np.empty(Q_ROWS, np.int64), np.empty(Q_ROWS, np.int64)
+    jlo = first[0]
+    for c0 in range(jlo - jlo % KEY_CHUNK, start + t1, KEY_CHUNK):
+        a, c1 = max(c0, jlo), min(c0 + KEY_CHUNK, start + t1)
+        if tiled:
+            keys_t(k, h, c0, a, c1, base, kt)
+            values_f32(v, h, c0, a, c1, base, rows)
+        else:
+            _load_rows(k, h, a, c1, c0, base, rows, 0)
+            _load_rows(v, h, a, c1, c0, base, rows, d)
+        for r0 in range(0, n_rows, Q_ROWS):
+            n = min(Q_ROWS, n_rows - r0)
+            if last[r0 + n - 1] < c0 or first[r0] >= c1:  # no row of the tile sees this chunk: a step would change nothing
+                continue
+            for i in range(n):
+                lo[i], hi[i] = max(a, first[r0 + i]) - c0, min(c1, last[r0 + i] + 1) - c0
+            if tiled:
+                qk_softmax(q, qoff[r0:], lo, hi, n, kt, d, scale, m, l, r0, alpha, w)
+                pv_rows(w, a - c0, n, alpha, rows, a - c0, dv, c1 - a, dv, out, ooff[r0:])
+            else:
+                for i in range(n):
+                    if lo[i] < hi[i]:
+                        t, g = t0 + (r0 + i) // g_count, (r0 + i) % g_count
+                        _row_step(q[t, h, g], rows, lo[i], hi[i], d, dv, scale, m, l, r0 + i, w, out[t, h, g])
+    for r in range(n_rows):
+        t, g = t0 + r // g_count, r % g_count
+        total = _lanes_total(l[r])
+        if use_sinks:
+            sink = sinks[(h * g_count + g) % sinks.size]
+            if sink > m[r]:
+                f = _exp(m[r] - sink)
+                out[t, h, g, :] *= f
+                total = _fma(total, f, np.float32(1.0))
+            else:
+                total += _exp(sink - m[r])
+        out[t, h, g, :] /= total
 
 
 @njit(cache=True, boundscheck=False, parallel=True, nogil=True)

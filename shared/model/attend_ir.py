@@ -1,30 +1,37 @@
 """The LLVM IR of attention's products, as numba intrinsics (the drivers: attend.py).
 
-    keys_t(k, h, c0, c1, base, kt)
-        kt[c·32 + j − c0] = key j of kv head h as float32 (k [Hk, cap, d], f32 or f16 bits)
-    qk_lanes(q, qoff, soff, lo, hi, nq, kt, d, scale, s)
-        s[soff[i] + j] = scale · Σ_c q[qoff[i] + c] · kt[c·32 + j]     i < nq ≤ 8, lo[i] ≤ j < hi[i]
-    pv_rows(p, poff, nr, v, vo, vs, nk, dv, o, ooff)
-        o[ooff[i] + c] += Σ_j p[poff[i] + j] · v[(vo + j)·vs + c]      i < nr ≤ 8, j = 0..nk-1 in order
+    keys_t(k, h, c0, a, c1, base, kt)
+        kt[c·32 + j − c0] = key j of kv head h as float32, j = a..c1-1 (k [Hk, cap, d], f32 or f16 bits)
+    qk_softmax(q, qoff, lo, hi, nq, kt, d, scale, m, l, r0, alpha, p)
+        rows i < nq ≤ 8: scores s_j = scale · Σ_c q[qoff[i] + c] · kt[c·32 + j] for lo[i] ≤ j < hi[i],
+        then the online-softmax step: m and the 16 lanes of l of row r0 + i updated, alpha[i], weights p[32·i + j]
+    values_f32(v, h, c0, a, c1, base, rows)
+        rows[(j − c0)·dv + c] = value j of kv head h as float32, j = a..c1-1
+    pv_rows(p, pj, nr, alpha, v, vo, vs, nk, dv, o, ooff)
+        o[ooff[i] + c] = o·alpha[i] + Σ_j p[32·i + pj + j] · v[(vo + j)·vs + c]   i < nr ≤ 8, j in order
 
 Offsets and strides count float32 elements of the arrays' data; d and dv are
 multiples of LANES. numba-level loops could not keep a tile's sums in
 registers (every step went through memory: ~1 multiply-add per cycle where
-the CPU does two 16-lane ones); here they are SSA values.
+the CPU does two); here they are SSA values.
 
 Scores take a chunk of 32 keys transposed (keys in the lanes: 16 keys × 16
 columns loaded, widened from f16, and transposed in registers at a time), so a
 tile of 8 query rows × 32 keys is 16 accumulators, each step one query element
-broadcast against two vectors of keys: no reduction across lanes at all.
+broadcast against two vectors of keys: no reduction across lanes for the
+products. The softmax step then works on those registers: the row's max and
+sum across its 32 lanes (fixed trees), exp on 16 lanes at a time.
 
-Every pair's numbers are fixed by the pair alone, never by the tile it is in
-or by the target (no fast-math flags; llvm.fma rounds once in a vector lane
-or alone), which is what lets a position compute the same in a prompt block
-as in a decode step (attend.py):
+Every row's numbers are fixed by the row and the chunk alone, never by the
+tile it is in or by the target (no fast-math flags; llvm.fma rounds once in a
+vector lane or alone), which is what lets a position compute the same in a
+prompt block as in a decode step (attend.py):
 
 - a score: one chain s = fma(q[c], k[c], s) over c = 0, 1, ..., d − 1, times
   scale (attend._dot is the same chain where d is not whole vectors);
-- a value sum: o = fma(p_j, v_j, o) for j in order, one key after another.
+- a chunk's max (a fixed tree), its weights exp(s − m') (0 for a key the row
+  does not see) and its sum's 16 lanes, whatever else the tile holds;
+- a value sum: o = fma(p_j, v_j, o·alpha) for j in order, one key after another.
 
 numba's disk cache keys the drivers on attend.py, not on the IR they inline
 from here: after editing this module, touch attend.py (CI hashes both, .ci/run).
@@ -34,6 +41,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
@@ -44,8 +52,21 @@ from ..quant._q8ir import transpose16
 LANES = 16
 KEY_LANES = 32  # keys of a transposed chunk (two vectors): attend.KEY_CHUNK
 Q_ROWS = 8  # query rows of a score tile
-PV_ROWS = 8  # rows of a value tile
+PV_ROWS = Q_ROWS  # a value tile takes a score tile's rows and weights
 _V_PER_ROW = 2  # 16-lane vectors of a value tile's row kept in registers (32 columns at a time)
+
+# exp: Cody–Waite range reduction x = n·ln2 + r, |r| ≤ ln2/2, and the degree-7 minimax polynomial
+# of Cephes' expf (relative error ~1 ulp on float32); 2^n is built in the exponent bits. Arguments
+# below ln(2^−126) give that smallest normal's share (~1e−38 of the largest key's weight: nothing),
+# NaN stays NaN. attend._exp (numba) and _Emit.exp (16 lanes here) are the same operations.
+EXP_LOG2E = np.float32(1.44269504088896341)
+EXP_LN2_HI = np.float32(0.693359375)
+EXP_LN2_LO = np.float32(-2.12194440e-4)
+EXP_MIN = np.float32(-87.3365447505531)  # ln(2^-126)
+EXP_MAX = np.float32(88.3762626647949)  # below ln(2^128)
+EXP_POLY = tuple(
+    np.float32(c) for c in (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1)
+)
 
 _I32 = ir.IntType(32)
 _I64 = ir.IntType(64)
@@ -81,6 +102,54 @@ class _Emit:
         fn = cgutils.get_or_insert_function(self.b.module, ir.FunctionType(_VEC, [_VEC] * 3), f"llvm.fma.v{LANES}f32")
         return self.b.call(fn, [a, x, acc])
 
+    def vconst(self, x: float) -> ir.Constant:
+        return ir.Constant(_VEC, [x] * LANES)
+
+    def splat_i64(self, x):
+        vt = ir.VectorType(_I64, LANES)
+        v = self.b.insert_element(ir.Constant(vt, None), x, ir.Constant(_I32, 0))
+        return self.b.shuffle_vector(v, ir.Constant(vt, None), _idx([0] * LANES))
+
+    def fma_scalar(self, a, x, acc):
+        fn = cgutils.get_or_insert_function(self.b.module, ir.FunctionType(_F32, [_F32] * 3), "llvm.fma.f32")
+        return self.b.call(fn, [a, x, acc])
+
+    def max(self, a, x):
+        """The larger of each pair of lanes (a where x is not larger)."""
+        return self.b.select(self.b.fcmp_ordered(">", x, a), x, a)
+
+    def reduce(self, v, op):
+        """op over the 16 lanes in a fixed tree: lanes k and k + 8, then k and k + 4, ..., to one number."""
+        width = LANES
+        while width > 1:
+            width //= 2
+            v = op(
+                self.b.shuffle_vector(v, ir.Constant(v.type, None), _idx(list(range(width)))),
+                self.b.shuffle_vector(v, ir.Constant(v.type, None), _idx(list(range(width, 2 * width)))),
+            )
+        return self.b.extract_element(v, ir.Constant(_I32, 0))
+
+    def exp(self, x):
+        """attend._exp on 16 lanes, operation for operation (the same numbers)."""
+        b = self.b
+
+        def c(x) -> ir.Constant:
+            return self.vconst(float(x))
+
+        y = self.max(c(EXP_MIN), x)
+        y = b.select(b.fcmp_ordered(">", y, c(EXP_MAX)), c(EXP_MAX), y)
+        floor = cgutils.get_or_insert_function(b.module, ir.FunctionType(_VEC, [_VEC]), f"llvm.floor.v{LANES}f32")
+        n = b.call(floor, [self.fma(y, c(EXP_LOG2E), c(0.5))])
+        r = self.fma(n, c(-EXP_LN2_HI), y)
+        r = self.fma(n, c(-EXP_LN2_LO), r)
+        p = self.fma(c(EXP_POLY[0]), r, c(EXP_POLY[1]))
+        for coef in EXP_POLY[2:]:
+            p = self.fma(p, r, c(coef))
+        p = b.fadd(self.fma(p, b.fmul(r, r), r), c(1.0))
+        vi = ir.VectorType(_I32, LANES)
+        two_n = b.bitcast(b.shl(b.add(b.fptosi(n, vi), ir.Constant(vi, [127] * LANES)), ir.Constant(vi, [23] * LANES)), _VEC)
+        return b.select(b.fcmp_unordered("uno", x, x), x, b.fmul(p, two_n))
+
     def cast(self, sig, args, i):
         return self.context.cast(self.b, args[i], sig.args[i], types.int64)
 
@@ -92,17 +161,24 @@ class _Emit:
         return cgutils.if_likely(self.b, self.b.icmp_signed("<", self.i64(i), n))
 
 
-def _qk_lanes_typed(typingctx, q, qoff, soff, lo, hi, nq, kt, d, scale, s):
-    """For rows i < nq ≤ 8: s[soff[i] + j] = scale · Σ_c q[qoff[i] + c]·kt[c·32 + j] for the keys
-    lo[i] ≤ j < hi[i] ≤ 32 of a transposed chunk (keys in lanes): one chain of fused
-    multiply-adds over c = 0, 1, ... per pair, the query element broadcast."""
+def _qk_softmax_typed(typingctx, q, qoff, lo, hi, nq, kt, d, scale, m, l, r0, alpha, p):
+    """One online-softmax step of a tile: rows i < nq ≤ 8 of a block against a transposed chunk
+    of 32 keys (keys in lanes). Scores s_j = scale · Σ_c q[qoff[i] + c]·kt[c·32 + j] (one chain of
+    fused multiply-adds over c = 0, 1, ... per pair, the query element broadcast) for the keys
+    lo[i] ≤ j < hi[i] the row sees; then with the row's running max m[r0 + i] and sum l[r0 + i]:
+    m' = max(m, max_j s_j), alpha[i] = exp(m − m') (1 while m' is −inf), p[32·i + j] = exp(s_j − m')
+    for the keys it sees and 0 for the others, and the row's sum kept as 16 lanes,
+    l[16·(r0 + i) + k] = fma(l, alpha[i], p_k + p_{16+k}) (summed across lanes once, at the end).
+    Nothing leaves the registers but the row's 32 weights and its m, l and alpha. m and l have
+    8 rows past the block's last (a partial tile writes there)."""
 
     def codegen(context, builder, sig, args):
         e = _Emit(context, builder)
         b = builder
-        nq_, d_ = e.cast(sig, args, 5), e.cast(sig, args, 7)
-        qp, kp, sp = e.ptr(sig.args[0], args[0]), e.ptr(sig.args[6], args[6]), e.ptr(sig.args[9], args[9])
-        tabs = [e.ptr(sig.args[i], args[i]) for i in (1, 2, 3, 4)]
+        nq_, d_, r0_ = e.cast(sig, args, 4), e.cast(sig, args, 6), e.cast(sig, args, 10)
+        qp, kp = e.ptr(sig.args[0], args[0]), e.ptr(sig.args[5], args[5])
+        mp, lp, ap, pp = (e.ptr(sig.args[i], args[i]) for i in (8, 9, 11, 12))
+        tabs = [e.ptr(sig.args[i], args[i]) for i in (1, 2, 3)]
 
         def entry(t, i):
             return b.load(b.gep(tabs[t], [e.clamp_row(i, nq_)]))
@@ -117,44 +193,78 @@ def _qk_lanes_typed(typingctx, q, qoff, soff, lo, hi, nq, kt, d, scale, s):
                 for u in range(2):
                     acc = accs[2 * i + u]
                     b.store(e.fma(qb, kv[u], b.load(acc)), acc)
-        sc = e.splat(args[8])
+        # Straight-line code for all 8 rows (a partial tile's rows past nq repeat the last one and
+        # write only padding: m and l have 8 spare rows), so the core overlaps the rows' chains.
+        sc = e.splat(args[7])
+        minus_inf = e.vconst(float("-inf"))
+        zero = e.vconst(0.0)
+        seen, s, m_old, m_new = [], [], [], []
         for i in range(Q_ROWS):
-            with e.when(i, nq_):
-                row, lo_, hi_ = entry(1, i), entry(2, i), entry(3, i)
-                for u in range(2):
-                    v = b.fmul(b.load(accs[2 * i + u]), sc)
-                    whole = b.and_(b.icmp_signed("<=", lo_, e.i64(LANES * u)), b.icmp_signed(">=", hi_, e.i64(LANES * (u + 1))))
-                    with b.if_else(whole) as (full, part):
-                        with full:
-                            e.store_vec(v, sp, b.add(row, e.i64(LANES * u)))
-                        with part:
-                            for lane in range(LANES):
-                                j = e.i64(LANES * u + lane)
-                                inside = b.and_(b.icmp_signed("<=", lo_, j), b.icmp_signed("<", j, hi_))
-                                with b.if_then(inside):
-                                    b.store(b.extract_element(v, ir.Constant(_I32, lane)), b.gep(sp, [b.add(row, j)]))
+            lo_, hi_ = e.splat_i64(entry(1, i)), e.splat_i64(entry(2, i))
+            for u in range(2):
+                lanes = ir.Constant(ir.VectorType(_I64, LANES), [LANES * u + k for k in range(LANES)])
+                seen.append(b.and_(b.icmp_signed("<=", lo_, lanes), b.icmp_signed("<", lanes, hi_)))
+                s.append(b.select(seen[-1], b.fmul(b.load(accs[2 * i + u]), sc), minus_inf))
+            top = e.reduce(e.max(s[-2], s[-1]), e.max)
+            m_old.append(b.load(b.gep(mp, [b.add(r0_, e.i64(i))])))
+            m_new.append(b.select(b.fcmp_ordered(">", top, m_old[i]), top, m_old[i]))
+        step = ir.Constant(_VEC, None)
+        for i in range(Q_ROWS):
+            step = b.insert_element(step, b.fsub(m_old[i], m_new[i]), ir.Constant(_I32, i))
+        for i in range(Q_ROWS, LANES):
+            step = b.insert_element(step, ir.Constant(_F32, 0.0), ir.Constant(_I32, i))
+        shrink = e.exp(step)  # exp(m − m') of the 8 rows in one vector
+        for i in range(Q_ROWS):
+            fresh = b.fcmp_ordered("==", m_new[i], ir.Constant(_F32, float("-inf")))
+            alpha = b.select(fresh, ir.Constant(_F32, 1.0), b.extract_element(shrink, ir.Constant(_I32, i)))
+            m_vec = e.splat(m_new[i])
+            w = [b.select(seen[2 * i + u], e.exp(b.fsub(s[2 * i + u], m_vec)), zero) for u in range(2)]
+            at = b.add(r0_, e.i64(i))
+            l_at = b.mul(at, e.i64(LANES))
+            e.store_vec(e.fma(e.load_vec(lp, l_at), e.splat(alpha), b.fadd(w[0], w[1])), lp, l_at)
+            b.store(m_new[i], b.gep(mp, [at]))
+            b.store(alpha, b.gep(ap, [e.i64(i)]))
+            for u in range(2):
+                e.store_vec(w[u], pp, e.i64(KEY_LANES * i + LANES * u))
         return context.get_dummy_value()
 
-    return types.void(q, qoff, soff, lo, hi, nq, kt, d, scale, s), codegen
+    return types.void(q, qoff, lo, hi, nq, kt, d, scale, m, l, r0, alpha, p), codegen
 
 
-def _keys_t_typed(typingctx, k, h, c0, c1, base, kt):
+def _row_reader(e: _Emit, sig, args, ki: int, hi_: int, base_i: int):
+    """A function (j, column) → the 16 elements of row (j − base) mod cap of kv head h from
+    that column, widened to float32 (k [Hk, cap, d] at args[ki], f32 or f16 bits, any strides but
+    a contiguous row); and the row width d."""
+    b = e.b
+    half = sig.args[ki].dtype == types.uint16
+    karr = e.context.make_array(sig.args[ki])(e.context, b, args[ki])
+    _, cap, d = cgutils.unpack_tuple(b, karr.shape, 3)
+    s0, s1, _ = cgutils.unpack_tuple(b, karr.strides, 3)  # bytes: k may be a view (rows of a longer cache)
+    kp = b.bitcast(karr.data, ir.IntType(8).as_pointer())
+    h_, base_ = e.cast(sig, args, hi_), e.cast(sig, args, base_i)
+    src_vec = ir.VectorType(ir.IntType(16) if half else _F32, LANES)
+
+    def read(j, column):
+        row = b.urem(b.sub(j, base_), cap)
+        at = b.add(b.add(b.mul(h_, s0), b.mul(row, s1)), b.mul(column, e.i64(2 if half else 4)))
+        raw = b.load(b.bitcast(b.gep(kp, [at]), src_vec.as_pointer()), align=2 if half else 4)
+        return b.fpext(b.bitcast(raw, ir.VectorType(ir.HalfType(), LANES)), _VEC) if half else raw
+
+    return read, d
+
+
+def _keys_t_typed(typingctx, k, h, c0, a, c1, base, kt):
     """kt[c·32 + j − c0] = key j of kv head h as float32 (row (j − base) mod cap of k [Hk, cap, d],
-    float32 or float16 bits, any strides but a contiguous row), for j = c0 .. c1 − 1 ≤ c0 + 32, d a
-    multiple of 16; the lanes of keys past c1 are zero. 16 keys × 16 columns at a time: loaded,
-    widened, transposed."""
-    half = k.dtype == types.uint16
+    float32 or float16 bits, any strides but a contiguous row), for j = a .. c1 − 1 (c0 ≤ a,
+    c1 ≤ c0 + 32), d a multiple of 16; the other lanes are zero (rows the cache may not hold are
+    never read). 16 keys × 16 columns at a time: loaded, widened, transposed."""
 
     def codegen(context, builder, sig, args):
         e = _Emit(context, builder)
         b = builder
-        karr = context.make_array(sig.args[0])(context, builder, args[0])
-        _, cap, d = cgutils.unpack_tuple(b, karr.shape, 3)
-        s0, s1, _ = cgutils.unpack_tuple(b, karr.strides, 3)  # bytes: k may be a view (rows of a longer cache)
-        kp, tp = b.bitcast(karr.data, ir.IntType(8).as_pointer()), e.ptr(sig.args[5], args[5])
-        h_, c0_, c1_, base_ = (e.cast(sig, args, i) for i in (1, 2, 3, 4))
-        elem = ir.IntType(16) if half else _F32
-        src_vec = ir.VectorType(elem, LANES)
+        read, d = _row_reader(e, sig, args, 0, 1, 5)
+        tp = e.ptr(sig.args[6], args[6])
+        c0_, a_, c1_ = (e.cast(sig, args, i) for i in (2, 3, 4))
         zero = ir.Constant(_VEC, [0.0] * LANES)
         with cgutils.for_range(b, b.udiv(d, e.i64(LANES))) as loop:
             cb = b.mul(loop.index, e.i64(LANES))
@@ -162,36 +272,55 @@ def _keys_t_typed(typingctx, k, h, c0, c1, base, kt):
                 vs = []
                 for r in range(LANES):
                     j = b.add(c0_, e.i64(LANES * g + r))
-                    row = b.urem(b.sub(b.select(b.icmp_signed("<", j, c1_), j, c0_), base_), cap)
-                    at = b.add(b.add(b.mul(h_, s0), b.mul(row, s1)), b.mul(cb, e.i64(2 if half else 4)))
-                    raw = b.load(b.bitcast(b.gep(kp, [at]), src_vec.as_pointer()), align=2 if half else 4)
-                    v = b.fpext(b.bitcast(raw, ir.VectorType(ir.HalfType(), LANES)), _VEC) if half else raw
-                    vs.append(b.select(b.icmp_signed("<", j, c1_), v, zero))
+                    held = b.and_(b.icmp_signed("<=", a_, j), b.icmp_signed("<", j, c1_))
+                    vs.append(b.select(held, read(b.select(held, j, a_), cb), zero))
                 for r, v in enumerate(transpose16(b, vs)):
                     e.store_vec(v, tp, b.add(b.mul(b.add(cb, e.i64(r)), e.i64(KEY_LANES)), e.i64(LANES * g)))
         return context.get_dummy_value()
 
-    return types.void(k, h, c0, c1, base, kt), codegen
+    return types.void(k, h, c0, a, c1, base, kt), codegen
 
 
-def _pv_rows_typed(typingctx, p, poff, nr, v, vo, vs, nk, dv, o, ooff):
-    """For rows i < nr ≤ 8: o[ooff[i] + c] += Σ_j p[poff[i] + j] · v[(vo + j)·vs + c] for j = 0 ..
-    nk − 1 in order, every column c < dv: 32 columns (two vectors) × 8 rows of sums in registers
-    across the keys, each step a value vector against a probability broadcast."""
+def _values_f32_typed(typingctx, v, h, c0, a, c1, base, rows):
+    """rows[(j − c0)·dv + c] = value j of kv head h as float32 (row (j − base) mod cap of v
+    [Hk, cap, dv], as keys_t reads it), every column c < dv (a multiple of 16), j = a .. c1 − 1."""
 
     def codegen(context, builder, sig, args):
         e = _Emit(context, builder)
         b = builder
-        nr_, vo_, vs_, nk_, dv_ = (e.cast(sig, args, i) for i in (2, 4, 5, 6, 7))
-        pp, vp, op = e.ptr(sig.args[0], args[0]), e.ptr(sig.args[3], args[3]), e.ptr(sig.args[8], args[8])
-        tabs = [e.ptr(sig.args[i], args[i]) for i in (1, 9)]
-        prow = [b.load(b.gep(tabs[0], [e.clamp_row(i, nr_)])) for i in range(PV_ROWS)]
-        orow = [b.load(b.gep(tabs[1], [e.clamp_row(i, nr_)])) for i in range(PV_ROWS)]
+        read, dv = _row_reader(e, sig, args, 0, 1, 5)
+        rp = e.ptr(sig.args[6], args[6])
+        c0_, a_, c1_ = (e.cast(sig, args, i) for i in (2, 3, 4))
+        with cgutils.for_range(b, b.sub(c1_, a_)) as rl:
+            j = b.add(a_, rl.index)
+            out = b.mul(b.sub(j, c0_), dv)
+            with cgutils.for_range(b, b.udiv(dv, e.i64(LANES))) as loop:
+                cb = b.mul(loop.index, e.i64(LANES))
+                e.store_vec(read(j, cb), rp, b.add(out, cb))
+        return context.get_dummy_value()
+
+    return types.void(v, h, c0, a, c1, base, rows), codegen
+
+
+def _pv_rows_typed(typingctx, p, pj, nr, alpha, v, vo, vs, nk, dv, o, ooff):
+    """For rows i < nr ≤ 8: o[ooff[i] + c] = o[ooff[i] + c]·alpha[i] + Σ_j p[32·i + pj + j] · v[(vo + j)·vs + c]
+    for j = 0 .. nk − 1 in order, every column c < dv: 32 columns (two vectors) × 8 rows of sums in
+    registers across the keys, each step a value vector against a weight broadcast."""
+
+    def codegen(context, builder, sig, args):
+        e = _Emit(context, builder)
+        b = builder
+        pj_, nr_, vo_, vs_, nk_, dv_ = (e.cast(sig, args, i) for i in (1, 2, 5, 6, 7, 8))
+        pp, ap, vp, op = (e.ptr(sig.args[i], args[i]) for i in (0, 3, 4, 9))
+        otab = e.ptr(sig.args[10], args[10])
+        prow = [b.add(b.mul(e.clamp_row(i, nr_), e.i64(KEY_LANES)), pj_) for i in range(PV_ROWS)]
+        orow = [b.load(b.gep(otab, [e.clamp_row(i, nr_)])) for i in range(PV_ROWS)]
+        scale = [e.splat(b.load(b.gep(ap, [e.clamp_row(i, nr_)]))) for i in range(PV_ROWS)]
 
         def columns(c, width: int):
             """Columns c .. c + width·16 of every row: sums in registers across all nk keys."""
             accs = [
-                cgutils.alloca_once_value(b, e.load_vec(op, b.add(orow[i], b.add(c, e.i64(LANES * u)))))
+                cgutils.alloca_once_value(b, b.fmul(e.load_vec(op, b.add(orow[i], b.add(c, e.i64(LANES * u)))), scale[i]))
                 for i in range(PV_ROWS)
                 for u in range(width)
             ]
@@ -200,10 +329,10 @@ def _pv_rows_typed(typingctx, p, poff, nr, v, vo, vs, nk, dv, o, ooff):
                 vrow = b.add(b.mul(b.add(vo_, j), vs_), c)
                 vv = [e.load_vec(vp, b.add(vrow, e.i64(LANES * u))) for u in range(width)]
                 for i in range(PV_ROWS):
-                    pj = e.splat(b.load(b.gep(pp, [b.add(prow[i], j)])))
+                    pw = e.splat(b.load(b.gep(pp, [b.add(prow[i], j)])))
                     for u in range(width):
                         acc = accs[i * width + u]
-                        b.store(e.fma(pj, vv[u], b.load(acc)), acc)
+                        b.store(e.fma(pw, vv[u], b.load(acc)), acc)
             for i in range(PV_ROWS):
                 with e.when(i, nr_):
                     for u in range(width):
@@ -218,9 +347,10 @@ def _pv_rows_typed(typingctx, p, poff, nr, v, vo, vs, nk, dv, o, ooff):
             columns(b.add(done, b.mul(loop.index, e.i64(LANES))), 1)
         return context.get_dummy_value()
 
-    return types.void(p, poff, nr, v, vo, vs, nk, dv, o, ooff), codegen
+    return types.void(p, pj, nr, alpha, v, vo, vs, nk, dv, o, ooff), codegen
 
 
-qk_lanes: Any = intrinsic(_qk_lanes_typed)
+qk_softmax: Any = intrinsic(_qk_softmax_typed)
 keys_t: Any = intrinsic(_keys_t_typed)
+values_f32: Any = intrinsic(_values_f32_typed)
 pv_rows: Any = intrinsic(_pv_rows_typed)

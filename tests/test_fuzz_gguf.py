@@ -67,7 +67,16 @@ def make_seeds(folder: Path, quant: str = "Q8_0") -> dict[str, Path]:
         if arch == "gpt-oss":
             ov.update(sliding_window=16)
         seeds[arch] = make_model(arch, "tiny", folder / f"seed-{arch}-{quant}.gguf", layers=2, quant=quant, _overrides=ov)
+        _compile_kernels(seeds[arch])
     return seeds
+
+
+def _compile_kernels(seed: Path) -> None:
+    """Run the seed once outside any time limit: the first run of a kernel compiles it (seconds
+    with a cold numba cache on a busy machine), which is not a hang of the loader's."""
+    with open_model(seed) as mf:
+        model = load_model(mf)
+        model.decode_one(0, model.new_cache(2))
 
 
 class Broken(AssertionError):

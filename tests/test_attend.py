@@ -122,3 +122,17 @@ def test_half_to_float_is_exact_for_every_f16():
     nan = np.isnan(want)
     assert np.array_equal(got.view(np.uint32)[~nan], want.view(np.uint32)[~nan])  # signed zeros, subnormals, infinities
     assert np.isnan(got[nan]).all()
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32], ids=["f16", "f32"])
+def test_values_as_the_first_columns_of_the_keys_equal_a_copy_of_them(dtype):
+    """deepseek2's latent head: `v` an int r reads each key's first r columns as its value."""
+    rng = np.random.default_rng(5)
+    k = rng.standard_normal((1, 80, 96)).astype(dtype)
+    q = rng.standard_normal((30, 1, 4, 96)).astype(np.float32)
+    copy = np.ascontiguousarray(k[:, :, :64])
+    for start, t in ((20, 30), (49, 1)):
+        got = attend(q[:t], k, 64, 0, start, 0, 0.1, None)
+        assert got.shape == (t, 1, 4, 64) and np.array_equal(got, attend(q[:t], k, copy, 0, start, 0, 0.1, None))
+    with pytest.raises(ValueError, match="value columns"):
+        attend(q, k, 97, 0, 20, 0, 0.1, None)

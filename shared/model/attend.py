@@ -240,11 +240,11 @@ def _first_key(p, window):
 
 
 @njit(inline="always", boundscheck=False)
-def _load_rows(x, h, a, c1, c0, base, rows, col):
-    """rows[j − c0, col:col + width] = position j's row of kv head h as float32, for j = a..c1-1."""
-    width = x.shape[2]
+def _load_rows(x, h, a, c1, c0, base, rows, col, width):
+    """rows[j − c0, col:col + width] = the first `width` columns of position j's row of kv head h
+    as float32, for j = a..c1-1."""
     for j in range(a, c1):
-        _load_row(x[h, (j - base) % x.shape[1]], rows[j - c0, col : col + width])
+        _load_row(x[h, (j - base) % x.shape[1], :width], rows[j - c0, col : col + width])
 
 
 @njit(cache=True, boundscheck=False, nogil=True)
@@ -255,7 +255,7 @@ def _attend_block(q, k, v, base, start, t0, t1, h, window, scale, sinks, use_sin
     sees in one online-softmax step (running max m, sum l, output rescaled by exp(m − m')); at the
     end the output is divided by l (gpt-oss's sink first joins the max and the sum)."""
     hk, g_count, d = q.shape[1], q.shape[2], q.shape[3]
-    dv = v.shape[2]
+    dv = out.shape[3]  # v's first dv columns (v may be k itself: deepseek2's latent head)
     n_rows = (t1 - t0) * g_count
     tiled = d % LANES == 0 and dv % LANES == 0
     m = np.full(n_rows + Q_ROWS, -np.inf, np.float32)  # running max and (16 lanes of) sum per row,
@@ -279,10 +279,10 @@ def _attend_block(q, k, v, base, start, t0, t1, h, window, scale, sinks, use_sin
         a, c1 = max(c0, jlo), min(c0 + KEY_CHUNK, start + t1)
         if tiled:
             keys_t(k, h, c0, a, c1, base, kt)
-            values_f32(v, h, c0, a, c1, base, rows)
+            values_f32(v, h, c0, a, c1, base, rows, dv)
         else:
-            _load_rows(k, h, a, c1, c0, base, rows, 0)
-            _load_rows(v, h, a, c1, c0, base, rows, d)
+            _load_rows(k, h, a, c1, c0, base, rows, 0, d)
+            _load_rows(v, h, a, c1, c0, base, rows, d, dv)
         for r0 in range(0, n_rows, Q_ROWS):
             n = min(Q_ROWS, n_rows - r0)
             if last[r0 + n - 1] < c0 or first[r0] >= c1:  # no row of the tile sees this chunk: a step would change nothing
@@ -339,23 +339,32 @@ def _block_tokens(g: int) -> int:
 
 
 def attend(
-    q: np.ndarray, k: np.ndarray, v: np.ndarray, base: int, start: int, window: int, scale: float, sinks: np.ndarray | None
+    q: np.ndarray, k: np.ndarray, v: np.ndarray | int, base: int, start: int, window: int, scale: float, sinks: np.ndarray | None
 ) -> np.ndarray:
     """Causal attention of T queries at positions start..start+T-1 (module doc):
-    q [T, Hk, G, d] → [T, Hk, G, dv]. Every key a query sees must be held:
-    base ≤ its first key and its last key − that first key < cap."""
+    q [T, Hk, G, d] → [T, Hk, G, dv]. `v` is the value rows, or an int dv: each key's
+    first dv columns are its value (deepseek2's latent head). Every key a query sees
+    must be held: base ≤ its first key and its last key − that first key < cap."""
     t, hk, g, d = q.shape
-    if k.shape[0] != hk or k.shape[2] != d or v.shape[:2] != k.shape[:2]:
-        raise ValueError(f"attend: q {q.shape} does not match k {k.shape} and v {v.shape}")
+    if isinstance(v, int):
+        v, dv = k, v
+    else:
+        dv = v.shape[2]
+    if k.shape[0] != hk or k.shape[2] != d or v.shape[:2] != k.shape[:2] or not 0 < dv <= v.shape[2] or v.dtype != k.dtype:
+        raise ValueError(f"attend: q {q.shape} does not match k {k.shape} and v {v.shape} ({dv} value columns)")
     first = _first_key(int(start), int(window))
     if t and (first < base or start + t - 1 - first >= k.shape[1]):
         raise ValueError(f"attend: positions {first}..{start + t - 1} are not all held by {k.shape[1]} rows from position {base}")
+    # One type per dtype for the kernels (each type is a compile of its own): C-contiguous
+    # (a cache's arrays are; a view is copied) and writable sinks (a file's tensor is read-only).
+    k = np.ascontiguousarray(k)
+    v = k if v is k else np.ascontiguousarray(v)
     if k.dtype == np.float16:
         k, v = k.view(np.uint16), v.view(np.uint16)
-    out = np.empty((t, hk, g, v.shape[2]), np.float32)
+    out = np.empty((t, hk, g, dv), np.float32)
     if not t:
         return out
-    s = _NO_SINKS if sinks is None else np.ascontiguousarray(sinks, np.float32)
+    s = _NO_SINKS if sinks is None else np.array(sinks, np.float32)
     q = np.ascontiguousarray(q, np.float32)
     args = (q, k, v, int(base), int(start))
     if t == 1 and (hk == 1 or start + 1 - first < PARALLEL_DECODE_KEYS):

@@ -5,8 +5,8 @@
     qk_softmax(q, qoff, lo, hi, nq, kt, d, scale, m, l, r0, alpha, p)
         rows i < nq ≤ 8: scores s_j = scale · Σ_c q[qoff[i] + c] · kt[c·32 + j] for lo[i] ≤ j < hi[i],
         then the online-softmax step: m and the 16 lanes of l of row r0 + i updated, alpha[i], weights p[32·i + j]
-    values_f32(v, h, c0, a, c1, base, rows)
-        rows[(j − c0)·dv + c] = value j of kv head h as float32, j = a..c1-1
+    values_f32(v, h, c0, a, c1, base, rows, dv)
+        rows[(j − c0)·dv + c] = the first dv columns of value j of kv head h as float32, j = a..c1-1
     pv_rows(p, pj, nr, alpha, v, vo, vs, nk, dv, o, ooff)
         o[ooff[i] + c] = o·alpha[i] + Σ_j p[32·i + pj + j] · v[(vo + j)·vs + c]   i < nr ≤ 8, j in order
 
@@ -281,15 +281,15 @@ def _keys_t_typed(typingctx, k, h, c0, a, c1, base, kt):
     return types.void(k, h, c0, a, c1, base, kt), codegen
 
 
-def _values_f32_typed(typingctx, v, h, c0, a, c1, base, rows):
+def _values_f32_typed(typingctx, v, h, c0, a, c1, base, rows, dv):
     """rows[(j − c0)·dv + c] = value j of kv head h as float32 (row (j − base) mod cap of v
-    [Hk, cap, dv], as keys_t reads it), every column c < dv (a multiple of 16), j = a .. c1 − 1."""
+    [Hk, cap, ≥ dv], as keys_t reads it), its first dv columns (a multiple of 16), j = a .. c1 − 1."""
 
     def codegen(context, builder, sig, args):
         e = _Emit(context, builder)
         b = builder
-        read, dv = _row_reader(e, sig, args, 0, 1, 5)
-        rp = e.ptr(sig.args[6], args[6])
+        read, _ = _row_reader(e, sig, args, 0, 1, 5)
+        rp, dv = e.ptr(sig.args[6], args[6]), e.cast(sig, args, 7)
         c0_, a_, c1_ = (e.cast(sig, args, i) for i in (2, 3, 4))
         with cgutils.for_range(b, b.sub(c1_, a_)) as rl:
             j = b.add(a_, rl.index)
@@ -299,7 +299,7 @@ def _values_f32_typed(typingctx, v, h, c0, a, c1, base, rows):
                 e.store_vec(read(j, cb), rp, b.add(out, cb))
         return context.get_dummy_value()
 
-    return types.void(v, h, c0, a, c1, base, rows), codegen
+    return types.void(v, h, c0, a, c1, base, rows, dv), codegen
 
 
 def _pv_rows_typed(typingctx, p, pj, nr, alpha, v, vo, vs, nk, dv, o, ooff):

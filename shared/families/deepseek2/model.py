@@ -45,10 +45,9 @@ def mla_attention(q: np.ndarray, cache: KVCache, layer: int, start: int, scale: 
     t, h, d = q.shape
     n = start + t
     stored = cache.stored(layer)
-    if stored is not None:  # f32 / f16: the fused loops, reading V as a view of K
-        k = stored[0]  # [1, n_ctx, r + rope]
-        v = k[:, :, :r]
-        return attend(q.reshape(t, 1, h, d), k, v, 0, start, 0, scale, None).reshape(t, h, r)
+    if stored is not None:  # f32 / f16: the attention kernel, V the first r columns of K
+        k = stored[0]  # [1, n_ctx, r + rope]: each key's first r columns are its value
+        return attend(q.reshape(t, 1, h, d), k, r, 0, start, 0, scale, None).reshape(t, h, r)
     keys = cache.keys(layer, 0, n)[0]  # q8_0: float32 [N, r + rope]
     scores = np.einsum("thd,nd->htn", q, keys) * np.float32(scale)  # [H, T, N]
     hidden = np.arange(n)[None, :] > np.arange(start, n)[:, None]  # [T, N]

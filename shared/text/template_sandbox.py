@@ -53,6 +53,7 @@ DEFAULT_MAX_CHARS = 4_000_000
 DEFAULT_MAX_MEMORY_MB = 256
 MAX_TEMPLATE_CHARS = 256 * 1024  # the largest templates on the Hub are ~20 KiB
 MAX_CODE_CHARS = 1 << 20  # Python source Jinja makes of a template: ~3x its size; compiles in ~0.5 s here
+MAX_NESTING = 64  # blocks and brackets open at once; chat templates on the Hub stay under ~12
 MEMORY_SAMPLE_S = 0.002  # a resident-size read costs ~25 us: ~1 % of the render at this rate
 _MAX_INT_BITS = 1 << 16  # ints past 65536 bits only appear when a template computes a bomb
 _MAX_INDENT = 64
@@ -555,6 +556,7 @@ def _compile(source: str):
     if hit is not None:
         return hit
     try:
+        _check_nesting(source)
         template = _env().from_string(source)
     except _Stopped:
         raise  # time or memory: may pass on a quieter machine; not remembered
@@ -570,6 +572,38 @@ def _compile(source: str):
     if isinstance(template, str):
         raise TemplateRefused(template)
     return template
+
+
+_BLOCK_TAGS = frozenset({"if", "for", "macro", "call", "filter", "block", "with", "autoescape", "generation"})
+_OPENING, _CLOSING = frozenset("([{"), frozenset(")]}")
+
+
+def _check_nesting(source: str) -> None:
+    """Refuse a template nested deeper than MAX_NESTING before Jinja parses it.
+
+    Jinja's parser and code generator recurse once per level, so a deep
+    template ends in a RecursionError somewhere inside them, and how that
+    surfaces depends on how much stack the thread has left (sometimes an
+    error inside the error handling). The lexer is a loop: counting there
+    gives the same one-line refusal every time.
+    """
+    depth = 0
+    after_block_begin = False
+    for _, kind, value in _env().lex(source):
+        if kind == "whitespace":
+            continue
+        if kind == "block_begin":
+            after_block_begin = True
+            continue
+        if after_block_begin and kind == "name":
+            depth += value in _BLOCK_TAGS
+            depth -= value.startswith("end") and value[3:] in _BLOCK_TAGS
+        elif kind == "operator":
+            depth += value in _OPENING
+            depth -= value in _CLOSING
+        after_block_begin = False
+        if depth > MAX_NESTING:
+            raise TemplateRefused(f"chat template refused: it nests too deeply to compile (over {MAX_NESTING} levels)")
 
 
 # --- rendering -----------------------------------------------------------------

@@ -415,6 +415,7 @@ def test_service_truncated_file_fails_clearly_and_recovers_when_put_back(service
     assert s.chat(PROMPT) == (200, want)
 
 
+@pytest.mark.slow  # 40-50 s: restarts until FATAL, then back (the default tier's time)
 @pytest.mark.integration
 def test_service_file_gone_goes_fatal_without_a_crash_loop_and_recovers(service_on, model):
     s = service_on("--set", "supervisor.start_retries=2")
@@ -435,6 +436,7 @@ def test_service_file_gone_goes_fatal_without_a_crash_loop_and_recovers(service_
     assert s.chat(PROMPT) == (200, want)
 
 
+@pytest.mark.slow  # 40-50 s: restarts until FATAL, then back (the default tier's time)
 @pytest.mark.integration
 def test_service_refuses_a_different_file_put_back(service_on, model):
     s = service_on("--set", "supervisor.start_retries=1")

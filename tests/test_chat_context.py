@@ -49,6 +49,7 @@ def test_an_explicit_max_tokens_over_the_room_left_names_both():
     assert fit_max_tokens(req, 44, settings) == 20
 
 
+@pytest.mark.slow  # ~20-50 s: kept out of the default tier's 10 minutes
 @pytest.mark.integration
 def test_a_long_chat_drops_its_oldest_turns_and_goes_on():
     base = Path(tempfile.mkdtemp(prefix="mpc", dir="/tmp"))  # short: unix socket paths <= 107 bytes

@@ -105,7 +105,7 @@ def windowed_model(request, tmp_path_factory):
         yield load_model(mf, options=ModelOptions(kv_type="f32")), Tokenizer.from_gguf(mf.gguf)
 
 
-@pytest.mark.parametrize("n_keep", [0, 4])
+@pytest.mark.parametrize("n_keep", [0, pytest.param(4, marks=pytest.mark.slow)])  # 4: ~23 s
 def test_a_shift_on_sliding_window_rings_gives_a_fresh_runs_tokens(windowed_model, n_keep):
     """Rings of 8 - 1 + 4 rows (prompt block 4) through a context of 64: with n_keep 0 the kept
     tail is recomputed from position 0; with n_keep 4 the rings no longer hold the window after

@@ -380,6 +380,7 @@ def service_on(model):
 PROMPT = "Tell a story"
 
 
+@pytest.mark.slow  # ~20-50 s: kept out of the default tier's 10 minutes
 @pytest.mark.integration
 def test_service_read_error_fails_that_request_and_the_next_one_succeeds(service_on):
     s = service_on(fault="reader:5")  # the reader's 5th read fails, once
@@ -397,6 +398,7 @@ def test_service_read_error_fails_that_request_and_the_next_one_succeeds(service
         time.sleep(0.1)
 
 
+@pytest.mark.slow  # ~20-50 s: kept out of the default tier's 10 minutes
 @pytest.mark.integration
 def test_service_truncated_file_fails_clearly_and_recovers_when_put_back(service_on, model):
     s = service_on()

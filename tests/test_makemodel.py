@@ -622,6 +622,7 @@ def small(tmp_path_factory) -> dict[str, Path]:
     return {a: make_model(a, "small", d / f"{a}.gguf") for a in ("qwen3moe", "gpt-oss")}
 
 
+@pytest.mark.slow  # the small models take ~15 s each to make and run
 @pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss"])
 def test_small_routing_on_text_is_neither_collapsed_nor_uniform(arch, small):
     prompt, decode, _, n_expert = route_run(small[arch])

@@ -1,7 +1,7 @@
 """Where a prompt's compute goes: one resident prefill, by stage and by product.
 
     python bench/bench_prefill.py [--layers 8 | --model FILE] [--prompt-tokens 3600]
-                                  [--threads 2] [--top 12]
+                                  [--threads 2] [--kv-type f16] [--top 12]
 
 Prefills `--prompt-tokens` tokens in one chunk on a resident model
 (qwen30b-shape cut to `--layers`, made on first use under bench/out/; the file
@@ -33,6 +33,7 @@ def parse(argv=None):
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--prompt-tokens", type=int, default=3600)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--kv-type", default="f16", help="the KV cache's type (the engine's default: f16)")
     p.add_argument("--top", type=int, default=12, help="product groups to print, the longest first")
     return p.parse_args(argv)
 
@@ -83,7 +84,7 @@ def main(argv=None) -> None:
     n = args.prompt_tokens
     with open_model(path) as mf:
         prompt = prompt_ids(n, mf.spec.n_vocab)
-        model = load_model(mf, options=ModelOptions(stage_timing=True))
+        model = load_model(mf, options=ModelOptions(stage_timing=True, kv_type=args.kv_type))
         model.prefill(prompt[:300], model.new_cache(400), batch=300)  # compiles every kernel it uses
         model.stage.reset()
         attention_s = [0.0]

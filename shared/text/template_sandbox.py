@@ -574,6 +574,7 @@ def _compile(source: str):
     return template
 
 
+# Jinja's tags that open a block closed by end<tag>, and GenerationTag's (the environment's extension above).
 _BLOCK_TAGS = frozenset({"if", "for", "macro", "call", "filter", "block", "with", "autoescape", "generation"})
 _OPENING, _CLOSING = frozenset("([{"), frozenset(")]}")
 

@@ -195,6 +195,7 @@ def _catalog_rows() -> list[dict]:
                 "arch": e.arch,
                 "repo": e.repo,
                 "quant": e.quant,
+                "mix": e.mix,
                 "pull": e.pull_command,
                 "recipe": f"configs/{e.recipe}",
                 "file_bytes": e.file_bytes,
@@ -230,7 +231,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             _print_table(
                 "the catalog (moe-pipe pull NAME, then moe-pipe up NAME)",
-                ["name", "repository:quant", "GB", "routed MB/token", "recipe", "pulled"],
+                ["name", "repository:quant", "GB", "routed MB/token", "recipe", "pulled", "quant mix"],
                 [
                     [
                         r["name"],
@@ -239,6 +240,7 @@ def run(args: argparse.Namespace) -> int:
                         f"{r['routed_bytes_per_token'] / 1e6:,.0f}",
                         r["recipe"],
                         r["pulled"] or "-",
+                        r["mix"],
                     ]
                     for r in rows
                 ],

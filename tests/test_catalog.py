@@ -49,3 +49,8 @@ def test_an_unpulled_catalog_model_says_the_pull_command(tmp_path, monkeypatch):
 def test_an_unknown_catalog_name_lists_the_known_ones():
     with pytest.raises(ConfigError, match="is not in the catalog; allowed: qwen3-30b-a3b, gpt-oss-120b"):
         resolve_model(load_config(None, {"model.catalog": "qwen-9000"}))
+
+
+@pytest.mark.parametrize("entry", catalog.CATALOG, ids=lambda e: e.name)
+def test_every_entry_says_its_quant_mix(entry):
+    assert entry.quant in catalog.MIXES, f"{entry.name}: no quant mix for {entry.quant} in catalog.MIXES"

@@ -63,6 +63,7 @@ def test_models_takes_a_path_and_the_catalog_lists_what_is_pulled(pulled, tiny_m
     assert main(["models", "--catalog", "--json"]) == 0
     by_name = {r["name"]: r for r in json.loads(capsys.readouterr().out)["catalog"]}
     assert by_name[ENTRY.name]["pulled"] == str(pulled) and by_name["gpt-oss-120b"]["pulled"] is None
+    assert by_name["gpt-oss-120b"]["mix"].startswith("experts MXFP4") and "Q6_K" in by_name[ENTRY.name]["mix"]
     assert main(["models", "missing.gguf"]) == 2
 
 

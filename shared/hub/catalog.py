@@ -41,6 +41,11 @@ class Entry:
     sizes: str  # where file_bytes and routed_bytes_per_token come from
 
     @property
+    def mix(self) -> str:
+        """Which tensors of its file take which quant type (MIXES)."""
+        return MIXES[self.quant]
+
+    @property
     def pull_ref(self) -> str:
         return f"{self.repo}:{self.quant}"
 
@@ -53,6 +58,17 @@ class Entry:
 
 
 ESTIMATE = "estimate from the published shape"
+
+# The quant mixes the entries' files use: which tensors take which type, as llama.cpp's
+# quantizer chooses them for that file type (its llama-quant.cpp; docs/formats.md § Real
+# files' quant mixes), before its row-width fallback (Q4_K -> Q5_0, Q6_K -> Q8_0 on rows not
+# a multiple of 256 wide). moe-pipe reads each tensor's type from the file, so a mix is
+# information for choosing a download, never an assumption of the reader.
+MIXES: dict[str, str] = {
+    "Q4_K_M": "experts' gate/up Q4_K; down and attn_v Q6_K in 1/3 of the layers (the first and last eighth, every third between), "
+    "Q4_K in the rest; other matrices Q4_K; output head Q6_K",
+    "MXFP4": "experts MXFP4 (as trained); every other matrix Q8_0",
+}
 
 CATALOG: tuple[Entry, ...] = (
     Entry(

@@ -8,6 +8,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from .layout import Layout, build_layout
+from .nextn import check_nextn
 from .reader import GGUFFile
 from .spec import ModelSpec, check_rope, spec_part
 from .spec_tensors import check_tensors
@@ -39,11 +40,12 @@ class ModelFile:
 
 def read_spec(f: GGUFFile) -> ModelSpec:
     """The file's spec from its family's reader (shared/families/<family>/spec.py),
-    its tensors checked against it (spec_tensors.py)."""
+    its tensors checked against it (spec_tensors.py), and its NextN/MTP block's (nextn.py)."""
     part = spec_part(f)
     spec = part.read(f)
     check_rope(f, spec)
     check_tensors(f, spec, part)
+    check_nextn(f, spec)
     return spec
 
 

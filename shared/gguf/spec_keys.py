@@ -216,6 +216,18 @@ def common_keys(
     )
 
 
+def split_nextn(m: Meta, c: dict[str, Any]) -> int:
+    """The NextN/MTP layers llama.cpp's converter counts in block_count and puts last
+    (`nextn_predict_layers`, shared/gguf/nextn.py): `c` (from `common_keys`) is cut to the
+    decoder's layers, the blocks before them; returns how many there are."""
+    nextn = m.get_int("nextn_predict_layers", 0)
+    if not 0 <= nextn < c["n_layer"]:
+        raise GGUFError(m.f.path, f"metadata {m.key('nextn_predict_layers')} = {nextn} is out of range (0..{c['n_layer'] - 1})")
+    n = c["n_layer"] - nextn
+    c.update(n_layer=n, n_head_kv=c["n_head_kv"][:n])
+    return nextn
+
+
 _GATING = {1: "softmax", 2: "sigmoid"}  # llama.cpp's expert_gating_func values
 
 

@@ -95,6 +95,9 @@ class PlanPart(Protocol):
     """Layer 0's tensors that carry its query scale under stream shaping
     (RouterShape.first_attn_q): a norm is filled at that scale, a weight or bias scaled by it."""
 
+    nextn_key_always: ClassVar[bool] = False
+    """`nextn_predict_layers` is written without a NextN/MTP block too (as 0), as llama.cpp's converter does."""
+
     add_space_prefix: ClassVar[bool | None] = None
     """tokenizer.ggml.add_space_prefix, written when not None."""
 
@@ -105,6 +108,12 @@ class PlanPart(Protocol):
     def vocab(self, size: int, n_bpe: int) -> Vocab:
         """The made model's vocabulary: exactly `size` tokens, at most `n_bpe` of them trained."""
         ...
+
+    def nextn_layer(self, p: Preset, i: int, W: MakeWeight, F: MakeVector) -> list[TensorSpec]:
+        """Block i (= the decoder's depth: it follows the decoder's layers) as llama.cpp's
+        converter writes the family's NextN/MTP layer (shared/gguf/nextn.py); [] where that
+        converter writes none, so make-model --mtp refuses the family."""
+        return []
 
     def head_tensors(self, p: Preset) -> list[TensorSpec]:
         """The family's own tensors outside the layers, written between token_embd and the final norm."""

@@ -255,6 +255,14 @@ ORACLES: dict[str, FamilyOracle] = {
                     # layers: tests/test_deepseek2.py checks that form at 27 layers
                     no_llama_cpp="q_lora_rank 0 at 3 layers: see test_llama_cpp_runs_v2_lite_form",
                 ),
+                # V2's group_limited_greedy: softmax, a group scores its best expert (V3's rule, the
+                # sum of the best two, picks other groups here: tests/test_deepseek2.py)
+                Config(
+                    "v2-groups",
+                    dict(v3=False, topk_method="group_limited_greedy", n_group=2, topk_group=1),
+                    slow=True,
+                    no_llama_cpp="llama.cpp scores an expert group by its top-2 sum, V2 by its best expert",
+                ),
                 # V3 with 2 leading dense layers, no shared expert, no renormalization, no groups
                 Config(
                     "v3-dense2",

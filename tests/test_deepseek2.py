@@ -35,6 +35,32 @@ def v3(tmp_path_factory):
 
 
 @pytest.mark.oracle
+def test_v2_group_limited_routing_scores_a_group_by_its_best_expert(tmp_path_factory):
+    """V2's group_limited_greedy (softmax, 2 groups, the best 1 kept), converted: the file
+    says softmax gating, read as V2's rule (a group's best expert), and the logits and
+    greedy tokens are transformers'. V3's rule (a group's top-2 sum, llama.cpp's graph) on
+    the same file picks other groups on this prompt: its logits are far off."""
+    from dataclasses import replace
+
+    from moe_pipe.shared.gguf.model_file import ModelFile
+
+    ck = oracle.checkpoint("deepseek2", "v2-groups", tmp_path_factory)
+    ids = PROMPTS[1]
+    with open_model(ck.gguf()) as mf:
+        s = mf.spec
+        assert (s.expert_gating, s.expert_groups, s.expert_groups_used, s.expert_group_score) == ("softmax", 2, 1, "max")
+        model = load_model(mf)
+        got = model.forward(ids, model.new_cache(32), all_logits=True)
+        greedy = checks.ours_greedy(model, ids, 8)
+        top2 = load_model(ModelFile(mf.gguf, replace(s, expert_group_score="top2"), mf.layout))
+        other = top2.forward(ids, top2.new_cache(32), all_logits=True)
+    want = ck.hf_logits(ids)
+    assert checks.rel_err(got, want) < 1e-4
+    assert checks.rel_err(other, want) > 1e-2
+    assert greedy == ck.hf_greedy(ids, 8)
+
+
+@pytest.mark.oracle
 @pytest.mark.slow
 def test_llama_cpp_runs_v2_lite_form(tmp_path):
     """V2-Lite's attention (plain attn_q, no q_lora_rank key): llama.cpp 0.3.36 recognizes

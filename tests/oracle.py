@@ -187,6 +187,7 @@ ORACLES: dict[str, FamilyOracle] = {
             (
                 Config("x4k2", dict(experts=4, used=2)),  # GQA, 2 of 4
                 Config("x8k4-per-expert", dict(experts=8, used=4, per_expert=True), slow=True),  # the published layout
+                Config("x4k2-byte-level", dict(experts=4, used=2, byte_level=True), slow=True),  # a Llama-3-style tokenizer
             ),
             prompts=Prompts(texts=hfmodels.SAMPLES, max_len=12),  # short: CI time
             q8_0=Q8Bound(argmax=True),

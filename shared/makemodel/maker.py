@@ -461,8 +461,10 @@ def _add_metadata(w: GGUFWriter, arch: str, preset: str, p: Preset, v: Vocab, ov
     w.add_context_length(p.context_length)
     w.add_embedding_length(p.n_embd)
     w.add_block_count(p.n_layer + nextn)  # llama.cpp's converter counts the NextN/MTP block in it
-    w.add_feed_forward_length(p.n_ff)
-    w.add_expert_feed_forward_length(p.n_ff_exp)
+    if "feed_forward_length" in part.width_keys:
+        w.add_feed_forward_length(p.n_ff)
+    if "expert_feed_forward_length" in part.width_keys:
+        w.add_expert_feed_forward_length(p.n_ff_exp)
     w.add_expert_count(p.n_expert)
     w.add_expert_used_count(p.n_expert_used)
     w.add_head_count(p.n_head)

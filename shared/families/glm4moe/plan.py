@@ -156,9 +156,8 @@ class Glm4MoePlan(PlanPart):
         w.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
         w.add_expert_weights_scale(p.expert_weights_scale)
         w.add_expert_weights_norm(True)
-        if p.expert_groups > 1:
-            w.add_expert_group_count(p.expert_groups)
-            w.add_expert_group_used_count(p.expert_groups_used)
+        w.add_expert_group_count(p.expert_groups)  # GLM-4.5's config has n_group (1), so llama.cpp writes it
+        w.add_expert_group_used_count(p.expert_groups_used)
 
     def vocab(self, size: int, n_bpe: int) -> Vocab:
         return glm4_vocab(size, n_bpe)

@@ -96,6 +96,7 @@ PRESETS: dict[str, Preset] = {
 class Qwen35MoePlan(PlanPart):
     presets = PRESETS
     router = RouterShape(logit_std=5.0, depth_exp=0.4)  # not calibrated (no Qwen3.5 trace): qwen3moe's gate sharpness, its stream unshaped
+    width_keys = ("expert_feed_forward_length",)  # Qwen3.5-MoE's config has no intermediate_size
 
     def layer(self, p: Preset, i: int, W: MakeWeight, F: MakeVector) -> list[TensorSpec]:
         return self._layer(p, i, W, F, p.is_recurrent(i))

@@ -34,6 +34,31 @@ def v3(tmp_path_factory):
     return oracle.checkpoint("deepseek2", "v3", tmp_path_factory)
 
 
+def test_a_file_with_the_mtp_block_opens_and_never_reads_it(made, tmp_path, monkeypatch):
+    """A deepseek2 file whose block_count counts a NextN/MTP block after the decoder's
+    layers (llama.cpp's converter writes one for GLM-4.7-Flash; it skips V3's) opens: the
+    block is checked, kept out of the dense set and the experts, never read, and the tokens
+    are the plain file's."""
+    from moe_pipe.shared.gguf.reader import GGUFFile
+
+    from .ggufgen import with_nextn_block
+
+    path = with_nextn_block(made, tmp_path / "mtp.gguf")
+    with open_model(made) as mf:
+        want = checks.ours_greedy(load_model(mf), PROMPTS[1], 6)
+    viewed: list[str] = []
+    real_view = GGUFFile.view
+    monkeypatch.setattr(GGUFFile, "view", lambda self, name: viewed.append(name) or real_view(self, name))
+    with open_model(path) as mf:
+        n = mf.spec.n_layer
+        assert (mf.spec.n_layer_nextn, len(mf.layout.layers)) == (1, n)
+        block = mf.layout.nextn_tensor_names
+        assert block == {t for t in mf.gguf.tensors if t.startswith(f"blk.{n}.")} and mf.layout.nextn_bytes > 0
+        assert mf.layout.expert_tensor_names.isdisjoint(block)
+        got = checks.ours_greedy(load_model(mf), PROMPTS[1], 6)
+    assert got == want and f"blk.{n - 1}.ffn_gate_exps.weight" in viewed and block.isdisjoint(viewed)
+
+
 @pytest.mark.oracle
 def test_v2_group_limited_routing_scores_a_group_by_its_best_expert(tmp_path_factory):
     """V2's group_limited_greedy (softmax, 2 groups, the best 1 kept), converted: the file

@@ -143,6 +143,8 @@ def test_the_mtp_block_is_counted_checked_and_laid_aside(made_pair):
     """block_count 5 = 4 decoder layers + the MTP block (a full-attention MoE layer with
     nextn.eh_proj/enorm/hnorm/shared_head_norm); the decoder's tensors are the plain file's
     bytes; the block is neither an expert nor in the dense set."""
+    from moe_pipe.shared.analysis import fit
+
     plain, mtp = made_pair
     with open_model(plain) as a, open_model(mtp) as b:
         assert b.gguf.meta("qwen35moe.block_count") == 5 and b.gguf.meta("qwen35moe.nextn_predict_layers") == 1
@@ -159,6 +161,8 @@ def test_the_mtp_block_is_counted_checked_and_laid_aside(made_pair):
         assert b.layout.expert_tensor_names.isdisjoint(block)
         nextn = [b.gguf.tensors[n] for n in block]
         assert not any(d.offset < t.end and t.offset < d.end for t in nextn for d in b.layout.dense)
+        # what a token costs (doctor's forecast) and the types inspect lists are the plain file's
+        assert fit.kernel_classes(b, 2) == fit.kernel_classes(a, 2) and b.quant_types() == a.quant_types()
 
 
 def test_the_mtp_block_is_never_read_and_changes_no_token(made_pair, monkeypatch):

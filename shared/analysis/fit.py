@@ -186,7 +186,7 @@ def kernel_classes(mf, top_k: int) -> tuple[KernelClass, ...]:
     dense: dict[tuple[str, int], list[int]] = {}  # (type, cols) -> [tallest rows, weights]
     skip = set() if mf.spec.tied_output else {"token_embd.weight"}  # a row lookup, not a product
     for t in mf.gguf.tensors.values():
-        if t.name in mf.layout.expert_tensor_names or len(t.shape) != 2 or t.name in skip:
+        if t.name in mf.layout.expert_tensor_names or t.name in mf.layout.nextn_tensor_names or len(t.shape) != 2 or t.name in skip:
             continue
         rows, cols = t.shape
         acc = dense.setdefault((t.qtype.name, cols), [0, 0])

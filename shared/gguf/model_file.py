@@ -30,10 +30,13 @@ class ModelFile:
         self.close()
 
     def quant_types(self) -> dict[str, dict[str, int]]:
-        """Tensor counts per ggml type, split into expert and dense tensors."""
+        """Tensor counts per ggml type, split into expert and dense tensors (the NextN/MTP
+        block's, which are neither, not counted)."""
         experts: Counter[str] = Counter()
         dense: Counter[str] = Counter()
         for t in self.gguf.tensors.values():
+            if t.name in self.layout.nextn_tensor_names:
+                continue
             (experts if t.name in self.layout.expert_tensor_names else dense)[t.qtype.name] += 1
         return {"experts": dict(sorted(experts.items())), "dense": dict(sorted(dense.items()))}
 

@@ -94,6 +94,16 @@ def test_nextn_blocks_are_neither_streamed_nor_resident(tmp_path):
         assert not any(d.offset < t.end and t.offset < d.end for t in nextn for d in mf.layout.dense)  # never read
 
 
+@pytest.mark.oracle
+def test_llama_cpp_loads_the_nextn_block_and_its_tokens_do_not_change(tmp_path):
+    from .oracle_checks import llama, llama_greedy
+
+    plain = make_model("glm4moe", "tiny", tmp_path / "plain.gguf", layers=3)
+    mtp = make_model("glm4moe", "tiny", tmp_path / "mtp.gguf", layers=3, mtp=True)
+    ids = list(oracle.IDS[1])
+    assert llama_greedy(llama(mtp), ids, 6) == llama_greedy(llama(plain), ids, 6)
+
+
 def test_shape_preset_has_the_real_per_expert_bytes(tmp_path):
     """glm45air-shape at full depth (sparse: header and table exact, data a hole):
     GLM-4.5-Air's widths and its Q4_K_M expert bytes. The down projection's rows are

@@ -240,6 +240,17 @@ def test_made_keys_are_llama_cpps(arch, made):
     assert ("tokenizer.ggml.merges" in tok, "tokenizer.ggml.scores" in tok) == _MERGES_SCORES[model]
 
 
+def test_made_yarn_keys_are_llama_cpps(tmp_path):
+    """deepseek-v2-lite-shape's YaRN as llama.cpp's converter writes V2-Lite's rope_scaling
+    (type yarn, factor, original_max_position_embeddings, beta_fast, beta_slow, and
+    DeepseekV2Model's yarn_log_multiplier = 0.1 × mscale_all_dim)."""
+    path = make_model("deepseek2", "deepseek-v2-lite-shape", tmp_path / "s.gguf", sparse=True, layers=2, _overrides={"n_expert": 2})
+    with GGUFFile(path) as f:
+        rope = {k.removeprefix("deepseek2.") for k in f.fields if k.startswith("deepseek2.rope.scaling.")}
+    want = {"type", "factor", "original_context_length", "yarn_beta_fast", "yarn_beta_slow", "yarn_log_multiplier"}
+    assert rope == {f"rope.scaling.{k}" for k in want}
+
+
 @pytest.mark.parametrize("arch", sorted(TENSORS))
 def test_made_tensor_names_are_llama_cpps(arch, made):
     with GGUFFile(made(arch)) as f:

@@ -62,7 +62,8 @@ def print_report(f: dict) -> None:
         (
             "sizes",
             f"dense {_mib(f['dense_bytes'])}, experts {_mib(f['expert_bytes_total'])} "
-            f"({f['expert_bytes'] / 1e6:.2f} MB each), KV {_mib(f['kv_bytes'])} at ctx {f['ctx_size']}",
+            f"({f['expert_bytes'] / 1e6:.2f} MB each), KV {_mib(f['kv_bytes'])} at ctx {f['ctx_size']}"
+            + (f"; MTP/NextN block {_mib(f['nextn_bytes'])}, not loaded" if f["nextn_bytes"] else ""),
         ),
         (
             "per token",

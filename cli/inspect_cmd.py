@@ -33,6 +33,8 @@ def summary(mf) -> dict:
         "expert_bytes_per_layer": [layout.expert_bytes(i) for i in range(spec.n_layer)],
         "expert_bytes_total": layout.total_expert_bytes,
         "dense_bytes": layout.dense_bytes,
+        "nextn_layers": spec.n_layer_nextn,
+        "nextn_bytes": layout.nextn_bytes,
         "file_bytes": mf.gguf.file_bytes,
         "shards": len(mf.gguf.paths),
         "routed_bytes_per_token": layout.routed_bytes_per_token(),
@@ -48,6 +50,14 @@ def _types(counts: dict[str, int]) -> str:
     return ", ".join(f"{name} ×{n}" for name, n in counts.items()) or "-"
 
 
+def _nextn(s: dict) -> str:
+    n = s["nextn_layers"]
+    return (
+        f"{n} layer{'s' * (n > 1)} after the decoder's, {s['nextn_bytes'] / MIB:,.1f} MiB ({s['nextn_bytes']:,} B): "
+        "not loaded (llama.cpp's speculative-decoding draft; docs/models.md § The MTP/NextN block)"
+    )
+
+
 def print_table(s: dict) -> None:
     per_layer = sorted(set(s["expert_bytes_per_layer"]))
     rows = [
@@ -59,6 +69,7 @@ def print_table(s: dict) -> None:
         ("all experts", f"{s['expert_bytes_total'] / MIB:,.1f} MiB"),
         ("dense bytes", f"{s['dense_bytes'] / MIB:,.1f} MiB ({s['dense_bytes']:,} B)"),
         ("file bytes", f"{s['file_bytes'] / MIB:,.1f} MiB in {s['shards']} file(s)"),
+        *([("MTP/NextN block", _nextn(s))] if s["nextn_layers"] else []),
         ("routed per token", f"{s['routed_bytes_per_token'] / MIB:,.1f} MiB (top-{s['n_expert_used']}, all layers, no cache)"),
         ("I/O alignment", s["io_align_source"]),
         ("cache slab", f"{s['slab_bytes']:,} B (largest expert rounded to the I/O alignment)"),

@@ -100,9 +100,11 @@ def _rows_step(qt: quant.QType) -> Step:
 
 def kernel_steps(mf: ModelFile, forward: Callable[[], object]) -> list[Step]:
     """The steps for `mf`, the forward pass (`forward_pass`) last."""
-    matrix_types = sorted({quant.QType(int(t.qtype)) for t in mf.gguf.tensors.values() if len(t.shape) >= 2}, key=int)
+    # The NextN/MTP block is never loaded: a type only it has compiles nothing that runs.
+    used = [t for t in mf.gguf.tensors.values() if t.name not in mf.layout.nextn_tensor_names]
+    matrix_types = sorted({quant.QType(int(t.qtype)) for t in used if len(t.shape) >= 2}, key=int)
     # Embedding tables are looked up by rows (shared/model/weights.py QWeight.rows).
-    row_types = sorted({quant.QType(int(t.qtype)) for t in mf.gguf.tensors.values() if "token_embd" in t.name}, key=int)
+    row_types = sorted({quant.QType(int(t.qtype)) for t in used if "token_embd" in t.name}, key=int)
     steps = [_matmul_step(qt) for qt in matrix_types]
     if quant.int8_activations():
         steps += [_matvec_step(qt) for qt in matrix_types if qt in quant.INT8_ACTIVATION_TYPES]

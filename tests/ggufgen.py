@@ -136,3 +136,36 @@ def with_metadata(src: Path, dst: Path, changes: dict) -> Path:
     w.write_tensors_to_file()
     w.close()
     return dst
+
+
+def with_nextn_block(src: Path, dst: Path) -> Path:
+    """`src` with a NextN/MTP block appended as llama.cpp's loaders read one (e.g. a
+    deepseek2-arch GLM-4.7-Flash file): block L (L = the decoder's layers) is a copy of the
+    last layer's tensors plus nextn.eh_proj [D, 2D] and the enorm / hnorm / shared_head_norm
+    norms, block_count is L + 1 and nextn_predict_layers 1."""
+    r = GGUFReader(src)
+    arch = str(r.fields["general.architecture"].contents())
+    n = int(r.fields[f"{arch}.block_count"].contents())
+    d = int(r.fields[f"{arch}.embedding_length"].contents())
+    w = GGUFWriter(str(dst), arch)
+    for f in r.fields.values():
+        if f.name.startswith("GGUF.") or f.name in ("general.architecture", f"{arch}.block_count"):
+            continue
+        w.add_key_value(f.name, f.contents(), f.types[0], f.types[-1] if len(f.types) > 1 else None)
+    w.add_block_count(n + 1)
+    w.add_nextn_predict_layers(1)
+    for t in r.tensors:
+        w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    last = f"blk.{n - 1}."
+    for t in r.tensors:
+        if t.name.startswith(last):
+            w.add_tensor(f"blk.{n}." + t.name[len(last) :], np.asarray(t.data), raw_dtype=t.tensor_type)
+    rng = np.random.default_rng(0)
+    w.add_tensor(f"blk.{n}.nextn.eh_proj.weight", (rng.standard_normal((d, 2 * d)) / np.sqrt(2 * d)).astype(np.float32))
+    for norm in ("enorm", "hnorm", "shared_head_norm"):
+        w.add_tensor(f"blk.{n}.nextn.{norm}.weight", np.ones(d, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst

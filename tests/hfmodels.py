@@ -642,13 +642,16 @@ def _lfm2_tokenizer():
 # --- mixtral ------------------------------------------------------------------------
 
 
-def build_mixtral(out_dir: Path, seed: int = 0, experts: int = 4, used: int = 2, per_expert: bool = False) -> Path:
+def build_mixtral(
+    out_dir: Path, seed: int = 0, experts: int = 4, used: int = 2, per_expert: bool = False, byte_level: bool = False
+) -> Path:
     """Tiny Mixtral: GQA (4 heads, 2 kv), head_dim 32 ≠ hidden/heads, `used` of `experts`
-    experts, a SentencePiece tokenizer. `per_expert`: rewrite the experts as the published
-    checkpoints store them (block_sparse_moe.experts.N.w1/w3/w2)."""
+    experts, a SentencePiece tokenizer (`byte_level`: a Llama-3-style byte-level BPE).
+    `per_expert`: rewrite the experts as the published checkpoints store them
+    (block_sparse_moe.experts.N.w1/w3/w2)."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    tok = _spm_tokenizer()
+    tok = _llama3_tokenizer() if byte_level else _spm_tokenizer()
     cfg = MixtralConfig(
         vocab_size=_round_up(len(tok), 64),
         hidden_size=64,
@@ -665,8 +668,8 @@ def build_mixtral(out_dir: Path, seed: int = 0, experts: int = 4, used: int = 2,
         rms_norm_eps=1e-5,
         tie_word_embeddings=False,
         initializer_range=0.08,
-        bos_token_id=1,
-        eos_token_id=2,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
     )
     _save(MixtralForCausalLM, cfg, tok, out_dir, seed)
     if per_expert:
@@ -717,6 +720,27 @@ def _spm_tokenizer():
         _add(tok, t, True)
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)])
     return _wrap(tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", chat_template=chat_template("llama"))
+
+
+def _llama3_tokenizer():
+    """A Llama-3-style tokenizer.json: byte-level BPE on llama3's split with
+    ignore_merges (a piece that is a whole vocabulary entry is one token), its
+    <|begin_of_text|> added before every text, <|end_of_text|> and <|eot_id|>."""
+    from tokenizers import processors
+
+    from moe_pipe.shared.gguf.vocab import LLAMA3_REGEX
+
+    tok = _byte_level(LLAMA3_REGEX, _GLM4_HF_REGEX, 600)
+    model = tok.model
+    model.ignore_merges = True
+    tok.model = model
+    for t in ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"):
+        _add(tok, t, True)
+    bos = tok.token_to_id("<|begin_of_text|>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A <|begin_of_text|> $B", special_tokens=[("<|begin_of_text|>", bos)]
+    )
+    return _wrap(tok, bos_token="<|begin_of_text|>", eos_token="<|end_of_text|>")
 
 
 # --- qwen2moe -----------------------------------------------------------------------

@@ -187,6 +187,7 @@ ORACLES: dict[str, FamilyOracle] = {
             (
                 Config("x4k2", dict(experts=4, used=2)),  # GQA, 2 of 4
                 Config("x8k4-per-expert", dict(experts=8, used=4, per_expert=True), slow=True),  # the published layout
+                Config("x4k2-byte-level", dict(experts=4, used=2, byte_level=True), slow=True),  # a Llama-3-style tokenizer
             ),
             prompts=Prompts(texts=hfmodels.SAMPLES, max_len=12),  # short: CI time
             q8_0=Q8Bound(argmax=True),
@@ -254,6 +255,14 @@ ORACLES: dict[str, FamilyOracle] = {
                     # llama.cpp 0.3.36 takes a file without q_lora_rank for V2-Lite only by its 27
                     # layers: tests/test_deepseek2.py checks that form at 27 layers
                     no_llama_cpp="q_lora_rank 0 at 3 layers: see test_llama_cpp_runs_v2_lite_form",
+                ),
+                # V2's group_limited_greedy: softmax, a group scores its best expert (V3's rule, the
+                # sum of the best two, picks other groups here: tests/test_deepseek2.py)
+                Config(
+                    "v2-groups",
+                    dict(v3=False, topk_method="group_limited_greedy", n_group=2, topk_group=1),
+                    slow=True,
+                    no_llama_cpp="llama.cpp scores an expert group by its top-2 sum, V2 by its best expert",
                 ),
                 # V3 with 2 leading dense layers, no shared expert, no renormalization, no groups
                 Config(

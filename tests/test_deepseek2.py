@@ -34,6 +34,57 @@ def v3(tmp_path_factory):
     return oracle.checkpoint("deepseek2", "v3", tmp_path_factory)
 
 
+def test_a_file_with_the_mtp_block_opens_and_never_reads_it(made, tmp_path, monkeypatch):
+    """A deepseek2 file whose block_count counts a NextN/MTP block after the decoder's
+    layers (llama.cpp's converter writes one for GLM-4.7-Flash; it skips V3's) opens: the
+    block is checked, kept out of the dense set and the experts, never read, and the tokens
+    are the plain file's."""
+    from moe_pipe.shared.gguf.reader import GGUFFile
+
+    from .ggufgen import with_nextn_block
+
+    path = with_nextn_block(made, tmp_path / "mtp.gguf")
+    with open_model(made) as mf:
+        want = checks.ours_greedy(load_model(mf), PROMPTS[1], 6)
+    viewed: list[str] = []
+    real_view = GGUFFile.view
+    monkeypatch.setattr(GGUFFile, "view", lambda self, name: viewed.append(name) or real_view(self, name))
+    with open_model(path) as mf:
+        n = mf.spec.n_layer
+        assert (mf.spec.n_layer_nextn, len(mf.layout.layers)) == (1, n)
+        block = mf.layout.nextn_tensor_names
+        assert block == {t for t in mf.gguf.tensors if t.startswith(f"blk.{n}.")} and mf.layout.nextn_bytes > 0
+        assert mf.layout.expert_tensor_names.isdisjoint(block)
+        got = checks.ours_greedy(load_model(mf), PROMPTS[1], 6)
+    assert got == want and f"blk.{n - 1}.ffn_gate_exps.weight" in viewed and block.isdisjoint(viewed)
+
+
+@pytest.mark.oracle
+def test_v2_group_limited_routing_scores_a_group_by_its_best_expert(tmp_path_factory):
+    """V2's group_limited_greedy (softmax, 2 groups, the best 1 kept), converted: the file
+    says softmax gating, read as V2's rule (a group's best expert), and the logits and
+    greedy tokens are transformers'. V3's rule (a group's top-2 sum, llama.cpp's graph) on
+    the same file picks other groups on this prompt: its logits are far off."""
+    from dataclasses import replace
+
+    from moe_pipe.shared.gguf.model_file import ModelFile
+
+    ck = oracle.checkpoint("deepseek2", "v2-groups", tmp_path_factory)
+    ids = PROMPTS[1]
+    with open_model(ck.gguf()) as mf:
+        s = mf.spec
+        assert (s.expert_gating, s.expert_groups, s.expert_groups_used, s.expert_group_score) == ("softmax", 2, 1, "max")
+        model = load_model(mf)
+        got = model.forward(ids, model.new_cache(32), all_logits=True)
+        greedy = checks.ours_greedy(model, ids, 8)
+        top2 = load_model(ModelFile(mf.gguf, replace(s, expert_group_score="top2"), mf.layout))
+        other = top2.forward(ids, top2.new_cache(32), all_logits=True)
+    want = ck.hf_logits(ids)
+    assert checks.rel_err(got, want) < 1e-4
+    assert checks.rel_err(other, want) > 1e-2
+    assert greedy == ck.hf_greedy(ids, 8)
+
+
 @pytest.mark.oracle
 @pytest.mark.slow
 def test_llama_cpp_runs_v2_lite_form(tmp_path):

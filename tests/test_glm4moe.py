@@ -62,39 +62,46 @@ def test_tokenizer_and_end_of_generation_as_llama_cpp_sets_them(made):
     assert text == "[gMASK]<sop><|user|>\nHi<|assistant|>"
 
 
-def _with_nextn(src, dst, nextn: int):
-    """`src` rewritten as llama.cpp's converter writes GLM-4.5: its last `nextn` blocks
-    counted in block_count and named by nextn_predict_layers (here they are ordinary
-    blocks: what matters is that they are never run, loaded or streamed)."""
+def test_nextn_blocks_are_not_decoder_layers(tmp_path):
+    """make-model --mtp writes GLM-4.5's NextN layer as llama.cpp's converter does: counted in
+    block_count, named by nextn_predict_layers, the decoder the blocks before it."""
     from gguf import GGUFValueType
 
-    from .ggufgen import with_metadata
-
-    return with_metadata(src, dst, {"glm4moe.nextn_predict_layers": (nextn, GGUFValueType.UINT32)})
-
-
-def test_nextn_blocks_are_not_decoder_layers(made, tmp_path):
     from moe_pipe.shared.gguf.model_file import read_spec
     from moe_pipe.shared.gguf.reader import GGUFFile
 
-    path = _with_nextn(made, tmp_path / "nextn.gguf", 1)
+    from .ggufgen import with_metadata
+
+    path = make_model("glm4moe", "tiny", tmp_path / "nextn.gguf", layers=3, mtp=True)
     with GGUFFile(path) as f:
         s = read_spec(f)
+        assert f.meta("glm4moe.block_count") == 4 and f.tensors["blk.3.nextn.shared_head_head.weight"].shape == (s.n_vocab, s.n_embd)
     assert (s.n_layer, s.n_layer_nextn, s.moe_layers) == (3, 1, (1, 2))
-    bad = _with_nextn(made, tmp_path / "bad.gguf", 4)
+    bad = with_metadata(path, tmp_path / "bad.gguf", {"glm4moe.nextn_predict_layers": (4, GGUFValueType.UINT32)})
     with pytest.raises(GGUFError, match="nextn_predict_layers"), GGUFFile(bad) as f:
         read_spec(f)
 
 
-def test_nextn_blocks_are_neither_streamed_nor_resident(made, tmp_path):
-    path = _with_nextn(made, tmp_path / "nextn.gguf", 1)
+def test_nextn_blocks_are_neither_streamed_nor_resident(tmp_path):
+    path = make_model("glm4moe", "tiny", tmp_path / "nextn.gguf", layers=3, mtp=True)
     with open_model(path) as mf:
         tensors = mf.gguf.tensors
         nextn_bytes = sum(t.nbytes for n, t in tensors.items() if n.startswith("blk.3."))
         assert len(mf.layout.layers) == 3 and mf.layout.expert_tensor_names.isdisjoint(n for n in tensors if n.startswith("blk.3."))
         assert mf.layout.dense_bytes + mf.layout.total_expert_bytes == sum(t.nbytes for t in tensors.values()) - nextn_bytes
+        assert mf.layout.nextn_bytes == nextn_bytes
         nextn = [t for n, t in tensors.items() if n.startswith("blk.3.")]
         assert not any(d.offset < t.end and t.offset < d.end for t in nextn for d in mf.layout.dense)  # never read
+
+
+@pytest.mark.oracle
+def test_llama_cpp_loads_the_nextn_block_and_its_tokens_do_not_change(tmp_path):
+    from .oracle_checks import llama, llama_greedy
+
+    plain = make_model("glm4moe", "tiny", tmp_path / "plain.gguf", layers=3)
+    mtp = make_model("glm4moe", "tiny", tmp_path / "mtp.gguf", layers=3, mtp=True)
+    ids = list(oracle.IDS[1])
+    assert llama_greedy(llama(mtp), ids, 6) == llama_greedy(llama(plain), ids, 6)
 
 
 def test_shape_preset_has_the_real_per_expert_bytes(tmp_path):

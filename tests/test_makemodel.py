@@ -731,3 +731,13 @@ def test_the_cli_docs_name_every_family_and_preset():
     text = (Path(__file__).resolve().parents[1] / "docs" / "cli.md").read_text()
     section = text[text.index("## make-model") : text.index("## inspect")]
     assert all(f"`{name}`" in section for name in (*PRESETS, *(f.arch for f in FAMILIES)))
+
+
+def test_mtp_is_refused_where_llama_cpps_converter_writes_no_block(tmp_path):
+    """make-model --mtp on a family whose converter writes no NextN/MTP block: one line
+    naming the flag and the arch, and no file."""
+    from moe_pipe.shared.errors import UserError
+
+    with pytest.raises(UserError, match=r"--mtp: .*qwen3moe") as e:
+        make_model("qwen3moe", "tiny", tmp_path / "m.gguf", mtp=True)
+    assert "\n" not in str(e.value) and not list(tmp_path.iterdir())

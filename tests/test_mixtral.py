@@ -40,7 +40,7 @@ def test_converted_file_is_llama_with_the_checkpoints_experts(ck):
 
 @pytest.mark.oracle
 def test_tokenizer_matches_transformers_and_llama_cpp(ck):
-    """The SentencePiece tokenizer: our ids = transformers' on the checkpoint = llama.cpp's on the GGUF."""
+    """The tokenizer (SentencePiece, or byte-level BPE): our ids = transformers' on the checkpoint = llama.cpp's on the GGUF."""
     from transformers import AutoTokenizer
 
     hf = AutoTokenizer.from_pretrained(ck.hf_dir)
@@ -53,10 +53,41 @@ def test_tokenizer_matches_transformers_and_llama_cpp(ck):
             assert tok.encode(text, special=False) == llm.tokenize(text.encode(), add_bos=True, special=False), repr(text)
             if "<s>" not in text:  # transformers' added-token splitting differs from llama.cpp's around specials
                 assert ours == hf.encode(text), repr(text)
-            if "</s>" not in text:  # (after a special token llama.cpp adds the dummy prefix again)
+            if "</s>" not in text and not ck.config.build.get(
+                "byte_level"
+            ):  # (after a special token llama.cpp adds the dummy prefix again)
                 assert tok.decode(ours[1:]) == (" " + text if text else "")  # SentencePiece's dummy prefix shows
     finally:
         llm.close()
+
+
+@pytest.mark.oracle
+def test_a_byte_level_bpe_tokenizer_converts_as_llama_cpps_llama_bpe(tmp_path_factory):
+    """A Mixtral checkpoint with a Llama-3-style tokenizer.json (byte-level BPE): written as
+    llama.cpp's converter writes it ("gpt2", pre-split "llama-bpe", merges, BOS added); our
+    ids = transformers' = llama.cpp's, and greedy tokens are transformers'."""
+    from transformers import AutoTokenizer
+
+    ck = oracle.checkpoint("mixtral", "x4k2-byte-level", tmp_path_factory)
+    hf = AutoTokenizer.from_pretrained(ck.hf_dir)
+    with open_model(ck.gguf()) as mf:
+        f = mf.gguf
+        assert (f.meta("tokenizer.ggml.model"), f.meta("tokenizer.ggml.pre")) == ("gpt2", "llama-bpe")
+        assert f.has("tokenizer.ggml.merges") and not f.has("tokenizer.ggml.scores")
+        tok = Tokenizer.from_gguf(f)
+        model = load_model(mf)
+        ids = tok.encode(hfmodels.SAMPLES[0])[:12]
+        greedy = checks.ours_greedy(model, ids, 8)
+    llm = checks.llama(ck.gguf())
+    try:
+        for text in (*TEXTS, "<|begin_of_text|>hi<|eot_id|>x", "12345 3.14"):
+            ours = tok.encode(text)
+            assert ours == hf.encode(text), repr(text)
+            assert ours == llm.tokenize(text.encode(), add_bos=True, special=True), repr(text)
+            assert tok.decode(tok.encode(text, special=False)[1:]) == text
+    finally:
+        llm.close()
+    assert greedy == ck.hf_greedy(ids, 8)
 
 
 def test_convert_refuses_a_sliding_window(tmp_path):

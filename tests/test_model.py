@@ -196,3 +196,17 @@ def test_routing_rules():
     p = np.exp(logits) / np.exp(logits).sum()
     un = softmax_then_top_k(logits, 2, renormalize=False)
     np.testing.assert_allclose(un.weights, p[:, [1, 2]], rtol=1e-6)
+
+
+def test_group_limited_routing_scores_groups_by_the_rule_given():
+    """Two groups of 3: group 0 has the single best expert, group 1 the best pair.
+    V2's rule (a group's best) keeps group 0, V3's (its top-2 sum) group 1."""
+    from moe_pipe.shared.model.moe import gated_group_top_k
+
+    p = np.array([[0.5, 0.0, 0.0, 0.3, 0.3, 0.0]], np.float32)  # chosen on as given: sigmoid of a logit
+    logits = np.log(p / (1 - p + 1e-12) + 1e-12).astype(np.float32)
+    kw = dict(gating="sigmoid", n_group=2, topk_group=1, norm=False)
+    assert gated_group_top_k(logits, 2, group_score="max", **kw).ids[0, 0] == 0
+    assert sorted(gated_group_top_k(logits, 2, group_score="top2", **kw).ids[0].tolist()) == [3, 4]
+    with pytest.raises(ValueError, match="group score"):
+        gated_group_top_k(logits, 2, group_score="sum", **kw)

@@ -132,17 +132,93 @@ def test_only_routed_experts_stream_the_shared_expert_is_dense(made):
         assert mf.gguf.tensors["blk.0.ffn_down_shexp.weight"].name not in names
 
 
-def test_a_file_with_the_mtp_block_is_refused_by_name(tmp_path):
+@pytest.fixture(scope="module")
+def made_pair(tmp_path_factory):
+    """The tiny model without and with the MTP block, as llama.cpp's converter writes it."""
+    d = tmp_path_factory.mktemp("q35mtp")
+    return make_model("qwen35moe", "tiny", d / "plain.gguf"), make_model("qwen35moe", "tiny", d / "mtp.gguf", mtp=True)
+
+
+def test_the_mtp_block_is_counted_checked_and_laid_aside(made_pair):
+    """block_count 5 = 4 decoder layers + the MTP block (a full-attention MoE layer with
+    nextn.eh_proj/enorm/hnorm/shared_head_norm); the decoder's tensors are the plain file's
+    bytes; the block is neither an expert nor in the dense set."""
+    from moe_pipe.shared.analysis import fit
+
+    plain, mtp = made_pair
+    with open_model(plain) as a, open_model(mtp) as b:
+        assert b.gguf.meta("qwen35moe.block_count") == 5 and b.gguf.meta("qwen35moe.nextn_predict_layers") == 1
+        assert (b.spec.n_layer, b.spec.n_layer_nextn, b.spec.recurrent_layers) == (4, 1, (True, False, True, False))
+        block = {n for n in b.gguf.tensors if n.startswith("blk.4.")}
+        assert block == b.layout.nextn_tensor_names
+        assert {"blk.4.nextn.eh_proj.weight", "blk.4.attn_q.weight", "blk.4.ffn_gate_exps.weight"} <= block
+        assert b.gguf.tensors["blk.4.nextn.eh_proj.weight"].shape == (256, 512)
+        assert set(a.gguf.tensors) == set(b.gguf.tensors) - block
+        for n in a.gguf.tensors:
+            assert np.array_equal(np.asarray(a.gguf.view(n)), np.asarray(b.gguf.view(n))), n
+        assert b.layout.nextn_bytes == sum(b.gguf.tensors[n].nbytes for n in block) > 0
+        assert (b.layout.dense_bytes, b.layout.total_expert_bytes) == (a.layout.dense_bytes, a.layout.total_expert_bytes)
+        assert b.layout.expert_tensor_names.isdisjoint(block)
+        nextn = [b.gguf.tensors[n] for n in block]
+        assert not any(d.offset < t.end and t.offset < d.end for t in nextn for d in b.layout.dense)
+        # what a token costs (doctor's forecast) and the types inspect lists are the plain file's
+        assert fit.kernel_classes(b, 2) == fit.kernel_classes(a, 2) and b.quant_types() == a.quant_types()
+
+
+def test_the_mtp_block_is_never_read_and_changes_no_token(made_pair, monkeypatch):
+    """Greedy tokens with the block are the plain file's (ours, and llama.cpp's: llama-cpp-python
+    loads the file; its Q8 activations make its tokens its own); every tensor the model reads
+    goes through GGUFFile.view, and none of the block's does."""
+    from moe_pipe.shared.gguf.reader import GGUFFile
+
+    from .oracle_checks import llama, llama_greedy, ours_greedy
+
+    plain, mtp = made_pair
+    with open_model(plain) as mf:
+        want = ours_greedy(load_model(mf), PROMPTS[1], 8)
+    viewed: list[str] = []
+    real_view = GGUFFile.view
+    monkeypatch.setattr(GGUFFile, "view", lambda self, name: viewed.append(name) or real_view(self, name))
+    with open_model(mtp) as mf:
+        got = ours_greedy(load_model(mf), PROMPTS[1], 8)
+        block = mf.layout.nextn_tensor_names
+    assert got == want
+    assert "blk.3.ffn_gate_exps.weight" in viewed and "blk.0.attn_qkv.weight" in viewed  # the count sees the reads
+    assert block and block.isdisjoint(viewed)
+    assert llama_greedy(llama(mtp), PROMPTS[1], 8) == llama_greedy(llama(plain), PROMPTS[1], 8)
+
+
+def test_a_block_count_without_its_block_is_refused(made_pair, tmp_path):
+    """nextn_predict_layers naming 2 blocks where block 3 is a decoder layer: it lacks
+    nextn.eh_proj; out of range (as many as block_count): refused by key."""
     from gguf import GGUFValueType
 
     from moe_pipe.shared.errors import GGUFError
 
     from .ggufgen import with_metadata
 
-    src = make_model("qwen35moe", "tiny", tmp_path / "m.gguf", layers=2)
-    mtp = with_metadata(src, tmp_path / "mtp.gguf", {"qwen35moe.nextn_predict_layers": (1, GGUFValueType.UINT32)})
+    _, mtp = made_pair
+    two = with_metadata(mtp, tmp_path / "two.gguf", {"qwen35moe.nextn_predict_layers": (2, GGUFValueType.UINT32)})
+    with pytest.raises(GGUFError, match=r"missing tensor 'blk\.3\.nextn\.eh_proj\.weight'"):
+        open_model(two)
+    bad = with_metadata(mtp, tmp_path / "bad.gguf", {"qwen35moe.nextn_predict_layers": (5, GGUFValueType.UINT32)})
     with pytest.raises(GGUFError, match="nextn_predict_layers"):
-        open_model(mtp)
+        open_model(bad)
+
+
+def test_inspect_says_the_mtp_block_is_there_and_not_loaded(made_pair, capsys):
+    from moe_pipe.cli.inspect_cmd import print_table, summary
+
+    plain, mtp = made_pair
+    with open_model(plain) as mf:
+        assert summary(mf)["nextn_layers"] == 0
+    with open_model(mtp) as mf:
+        s = summary(mf)
+        nbytes = mf.layout.nextn_bytes
+    assert (s["nextn_layers"], s["nextn_bytes"]) == (1, nbytes)
+    print_table(s)
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("MTP/NextN block"))
+    assert f"({nbytes:,} B)" in row and "not loaded" in row
 
 
 def test_shape_preset_has_the_real_per_expert_bytes_and_state(tmp_path):

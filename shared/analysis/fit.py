@@ -106,6 +106,7 @@ class ModelFootprint:
     engine_bytes: int = 0  # what `run`'s own processes take (budget.engine_bytes): auto leaves at least this
     kv_ring_layers: int = 0  # sliding-window layers, whose KV is a ring of kv_ring_rows positions, not ctx_size
     kv_ring_rows: int = 0
+    nextn_bytes: int = 0  # the NextN/MTP block (shared/gguf/nextn.py): in the file, never read
 
     @property
     def expert_bytes_total(self) -> int:
@@ -169,6 +170,7 @@ def model_footprint(mf, cfg: Config) -> ModelFootprint:
         engine_bytes=pipeline_bytes(RUN_ROLES, spec, cfg.compute.prefill_tokens, top_k),
         kv_ring_layers=sum(1 for w in kv_windows(spec) if w),
         kv_ring_rows=max((kv_rows(w, cfg.compute.ctx_size) for w in kv_windows(spec) if w), default=0),
+        nextn_bytes=layout.nextn_bytes,
     )
 
 
@@ -184,7 +186,7 @@ def kernel_classes(mf, top_k: int) -> tuple[KernelClass, ...]:
     dense: dict[tuple[str, int], list[int]] = {}  # (type, cols) -> [tallest rows, weights]
     skip = set() if mf.spec.tied_output else {"token_embd.weight"}  # a row lookup, not a product
     for t in mf.gguf.tensors.values():
-        if t.name in mf.layout.expert_tensor_names or len(t.shape) != 2 or t.name in skip:
+        if t.name in mf.layout.expert_tensor_names or t.name in mf.layout.nextn_tensor_names or len(t.shape) != 2 or t.name in skip:
             continue
         rows, cols = t.shape
         acc = dense.setdefault((t.qtype.name, cols), [0, 0])

@@ -306,6 +306,7 @@ def forecast(mf, cfg: Config, *, mem_limit_mb: float | None = None, seconds: flo
         "ctx_train": mf.spec.n_ctx_train,
         "file_bytes": footprint.file_bytes,
         "dense_bytes": footprint.dense_bytes,
+        "nextn_bytes": footprint.nextn_bytes,
         "expert_bytes": max(footprint.expert_bytes),
         "layer_expert_bytes": max(footprint.expert_bytes) * footprint.n_expert,
         "expert_bytes_total": footprint.expert_bytes_total,

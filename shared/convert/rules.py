@@ -39,6 +39,10 @@ class TokenizerFacts:
     byte_pieces: bool = False  # "<0xXX>" pieces are BYTE tokens (byte fallback)
     sentencepiece: bool = False  # a score per piece instead of merges; the dummy prefix read from the tokenizer
     space_prefix: bool | None = None  # tokenizer.ggml.add_space_prefix when not SentencePiece (None: not written)
+    # The facts instead when the tokenizer.json is byte-level BPE (a ByteLevel pre-tokenizer, no byte
+    # fallback) although these are SentencePiece's: llama.cpp's llama converter takes both kinds
+    # (tokenizer.model, else tokenizer.json's BPE as "gpt2" with the pre-split its hash names).
+    byte_level: TokenizerFacts | None = None
 
 
 def whole_config(config: dict[str, Any]) -> dict[str, Any]:

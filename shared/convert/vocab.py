@@ -78,11 +78,15 @@ def read_vocab(hf_dir: Path, arch: str, n_vocab: int, config: dict[str, Any]) ->
     model = tj.get("model") or {}
     if model.get("type") != "BPE":
         raise UserError(f"{path}: tokenizer model is {model.get('type')!r}; convert supports BPE tokenizers only")
+    if facts.byte_level is not None and _is_byte_level(tj):
+        facts = facts.byte_level  # e.g. a Llama-3-style tokenizer on a llama-arch checkpoint
 
     if facts.model == "gpt2" and "ByteLevel" not in json.dumps(tj.get("pre_tokenizer")):
         raise UserError(f"{path}: {arch} needs a byte-level BPE tokenizer (no ByteLevel pre-tokenizer found)")
     if facts.sentencepiece and not model.get("byte_fallback"):
-        raise UserError(f"{path}: {arch} needs a SentencePiece-style BPE tokenizer (byte_fallback with <0xXX> pieces); this one has none")
+        raise UserError(
+            f"{path}: {arch} needs a SentencePiece-style BPE tokenizer (byte_fallback with <0xXX> pieces) or a byte-level one; this one is neither"
+        )
     pre = _check_pre(path, tj, arch, facts)
 
     by_id: dict[int, str] = {int(i): t for t, i in model.get("vocab", {}).items()}
@@ -159,6 +163,11 @@ def read_vocab(hf_dir: Path, arch: str, n_vocab: int, config: dict[str, Any]) ->
         eom=fixed.get("eom"),
         **(_sentencepiece(tj, tokens, merges) if facts.sentencepiece else {"add_space_prefix": facts.space_prefix}),
     )
+
+
+def _is_byte_level(tj: dict) -> bool:
+    """A byte-level BPE tokenizer.json: a ByteLevel pre-tokenizer and no byte fallback."""
+    return "ByteLevel" in json.dumps(tj.get("pre_tokenizer")) and not (tj.get("model") or {}).get("byte_fallback")
 
 
 def _sentencepiece(tj: dict, tokens: list[str], merges: list[str]) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from gguf import GGMLQuantizationType
 
 from ..errors import GGUFError
 from .alignment import io_alignment
+from .nextn import nextn_tensor_names
 from .reader import GGUFFile, TensorInfo
 from .spec import ModelSpec
 
@@ -98,6 +99,9 @@ class Layout:
     dense_bytes: int  # exact bytes of the non-expert tensors
     expert_tensor_names: frozenset[str]
     align: int  # the I/O alignment every read and slab is rounded to (shared/gguf/alignment.py)
+    # The NextN/MTP block's tensors (shared/gguf/nextn.py): in the file, in neither the dense set nor the experts.
+    nextn_tensor_names: frozenset[str] = frozenset()
+    nextn_bytes: int = 0
 
     def expert_extents(self, layer: int, expert: int) -> tuple[Extent, ...]:
         if not 0 <= expert < self.spec.n_expert:
@@ -158,14 +162,10 @@ def _expert_part(f: GGUFFile, spec: ModelSpec, t: TensorInfo, proj: str, kind: s
     return ExpertPart(name, t, t.shape[1:], stride)
 
 
-_BLOCK = re.compile(r"^blk\.(\d+)\.")
-
-
-def unused_tensors(f: GGUFFile, spec: ModelSpec) -> set[str]:
+def unused_tensors(f: GGUFFile, spec: ModelSpec) -> frozenset[str]:
     """Tensors of the blocks after the decoder's layers that the file counts in block_count
-    but nothing runs (glm4moe's NextN/MTP block, as llama.cpp by default): never read."""
-    extra = range(spec.n_layer, spec.n_layer + spec.n_layer_nextn)
-    return {n for n in f.tensors if (m := _BLOCK.match(n)) and int(m[1]) in extra}
+    but nothing runs (the NextN/MTP block, shared/gguf/nextn.py, as llama.cpp by default): never read."""
+    return nextn_tensor_names(f, spec)
 
 
 def _layer_parts(f: GGUFFile, spec: ModelSpec) -> tuple[list[list[ExpertPart]], set[str]]:
@@ -245,4 +245,5 @@ def build_layout(f: GGUFFile, spec: ModelSpec, align: int | None = None) -> Layo
         layers.append(LayerExperts(i, tuple(sorted(layer_parts, key=_sort_key))))
     unused = unused_tensors(f, spec)  # neither streamed nor in the dense set
     dense_bytes = sum(t.nbytes for t in f.tensors.values() if t.name not in names and t.name not in unused)
-    return Layout(spec, tuple(layers), _dense_extents(f, names | unused), dense_bytes, frozenset(names), align)
+    nextn_bytes = sum(f.tensors[n].nbytes for n in unused)
+    return Layout(spec, tuple(layers), _dense_extents(f, names | unused), dense_bytes, frozenset(names), align, unused, nextn_bytes)

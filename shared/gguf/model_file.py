@@ -8,6 +8,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from .layout import Layout, build_layout
+from .nextn import check_nextn
 from .reader import GGUFFile
 from .spec import ModelSpec, check_rope, spec_part
 from .spec_tensors import check_tensors
@@ -29,21 +30,25 @@ class ModelFile:
         self.close()
 
     def quant_types(self) -> dict[str, dict[str, int]]:
-        """Tensor counts per ggml type, split into expert and dense tensors."""
+        """Tensor counts per ggml type, split into expert and dense tensors (the NextN/MTP
+        block's, which are neither, not counted)."""
         experts: Counter[str] = Counter()
         dense: Counter[str] = Counter()
         for t in self.gguf.tensors.values():
+            if t.name in self.layout.nextn_tensor_names:
+                continue
             (experts if t.name in self.layout.expert_tensor_names else dense)[t.qtype.name] += 1
         return {"experts": dict(sorted(experts.items())), "dense": dict(sorted(dense.items()))}
 
 
 def read_spec(f: GGUFFile) -> ModelSpec:
     """The file's spec from its family's reader (shared/families/<family>/spec.py),
-    its tensors checked against it (spec_tensors.py)."""
+    its tensors checked against it (spec_tensors.py), and its NextN/MTP block's (nextn.py)."""
     part = spec_part(f)
     spec = part.read(f)
     check_rope(f, spec)
     check_tensors(f, spec, part)
+    check_nextn(f, spec)
     return spec
 
 

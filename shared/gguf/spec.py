@@ -77,9 +77,12 @@ class ModelSpec:
     expert_weights_scale: float = 1.0  # routed scaling factor
     expert_groups: int = 1  # expert_group_count
     expert_groups_used: int = 1  # expert_group_used_count
+    # How a group is scored when groups limit the choice: "top2" the sum of its two best
+    # (V3's noaux_tc, sigmoid gating) or "max" its best (V2's group_limited_greedy, softmax).
+    expert_group_score: str = "top2"
     n_expert_shared: int = 0  # always-on shared experts (expert_shared_count)
-    # NextN/MTP blocks the file holds after the decoder's n_layer blocks (glm4moe:
-    # llama.cpp's converter counts them in block_count): never run, loaded or streamed.
+    # NextN/MTP blocks the file holds after the decoder's n_layer blocks (llama.cpp's converter
+    # counts them in block_count; gguf/nextn.py): checked, never run, loaded or streamed.
     n_layer_nextn: int = 0
     # deepseek2's multi-head latent attention: the cache holds one latent head of
     # kv_lora_rank + rope dims per position (head_dim_k; head_dim_v 0: V is K's first

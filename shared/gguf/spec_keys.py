@@ -216,7 +216,25 @@ def common_keys(
     )
 
 
+def split_nextn(m: Meta, c: dict[str, Any]) -> int:
+    """The NextN/MTP layers llama.cpp's converter counts in block_count and puts last
+    (`nextn_predict_layers`, shared/gguf/nextn.py): `c` (from `common_keys`) is cut to the
+    decoder's layers, the blocks before them; returns how many there are."""
+    nextn = m.get_int("nextn_predict_layers", 0)
+    if not 0 <= nextn < c["n_layer"]:
+        raise GGUFError(m.f.path, f"metadata {m.key('nextn_predict_layers')} = {nextn} is out of range (0..{c['n_layer'] - 1})")
+    n = c["n_layer"] - nextn
+    c.update(n_layer=n, n_head_kv=c["n_head_kv"][:n])
+    return nextn
+
+
 _GATING = {1: "softmax", 2: "sigmoid"}  # llama.cpp's expert_gating_func values
+# How the model was trained to score an expert group (ModelSpec.expert_group_score). The file
+# has no key for it (llama.cpp's converter does not write topk_method, and llama.cpp's graph
+# always sums a group's top two), but the gating tells the two published rules apart:
+# DeepSeek-V2's group_limited_greedy gates by softmax and scores a group by its best expert;
+# V3's noaux_tc (GLM-4.5, LFM2 alike) gates by sigmoid with a correction bias and sums its best two.
+_GROUP_SCORE = {"softmax": "max", "sigmoid": "top2"}
 
 
 def moe_routing(m: Meta, n_layer: int, n_expert: int, norm_default: bool = True) -> dict[str, Any]:
@@ -244,6 +262,7 @@ def moe_routing(m: Meta, n_layer: int, n_expert: int, norm_default: bool = True)
     return dict(
         n_dense_lead=lead,
         expert_gating=_GATING[func],
+        expert_group_score=_GROUP_SCORE[_GATING[func]],
         expert_weights_norm=norm,
         expert_weights_scale=scale,
         expert_groups=groups,

@@ -377,6 +377,9 @@ def gemma_vocab(size: int, n_bpe: int) -> Vocab:
         tokens=tuple(tokens),
         types=tuple(types),
         merges=merges,
+        # llama.cpp's Gemma4Model writes a score per token (gguf-py LlamaHfVocab's -1000.0 for every
+        # token of a BPE tokenizer.json); its gemma4 tokenizer merges by the merges, not these
+        scores=(-1000.0,) * len(tokens),
         bos=2,
         eos=1,
         pad=0,

@@ -59,6 +59,7 @@ def make_model(
     progress: Callable[[int, int], None] | None = None,
     *,
     sparse: bool = False,
+    mtp: bool = False,
     _overrides: dict | None = None,
 ) -> Path:
     """Write a random-weight GGUF model of `arch` (a GGUF arch, or a family's own
@@ -79,6 +80,10 @@ def make_model(
     * `sparse` (tests, dry runs) leaves the tensor data as a hole: zeros, which
       are valid blocks with zero scales. Header, tensor table and file size are
       exact, so a full-depth shape preset can be inspected at no disk cost.
+    * `mtp` adds the NextN/MTP block after the decoder's layers, as llama.cpp's converter
+      writes it by default for the families whose checkpoints carry one (qwen35moe;
+      shared/gguf/nextn.py): block_count counts it, nextn_predict_layers is 1. Off by
+      default: nothing runs it, and the decoder's tensors are the same bytes either way.
     * `_overrides` (tests only) replaces preset fields, e.g. fewer experts or a
       smaller vocab, to check per-expert sizes of a shape preset quickly.
 
@@ -88,10 +93,10 @@ def make_model(
     p = _resolve(arch, preset, layers, _overrides)
     override = _parse_quant(quant)
     vocab = plan_part(arch).vocab(p.vocab_size, p.n_bpe)
-    specs = plan_tensors(arch, p, override)
+    specs = plan_tensors(arch, p, override, mtp=mtp)
     total = sum(s.nbytes for s in specs)
 
-    out = output_path(out, arch, preset, layers, quant, seed)
+    out = output_path(out, arch, preset, layers, quant, seed, mtp)
     part = out.with_name(out.name + ".part")
     _check_writable(out.parent, part)  # a missing folder is made
     free = shutil.disk_usage(out.parent).free
@@ -102,7 +107,7 @@ def make_model(
 
     w = GGUFWriter(part, arch)
     try:
-        _add_metadata(w, arch, preset, p, vocab, override, seed)
+        _add_metadata(w, arch, preset, p, vocab, override, seed, nextn=int(mtp))
         for s in specs:
             w.add_tensor_info(s.name, s.byte_shape, np.dtype(np.uint8), s.nbytes, raw_dtype=s.qtype)
         w.write_header_to_file()
@@ -135,13 +140,14 @@ def make_model(
     return out
 
 
-def output_path(out: Path | str, arch: str, preset: str, layers: int | None, quant: str | None, seed: int) -> Path:
+def output_path(out: Path | str, arch: str, preset: str, layers: int | None, quant: str | None, seed: int, mtp: bool = False) -> Path:
     """The file to write: `out`, or when `out` is a folder (an existing one, or
     a path ending in "/") the default name for these arguments inside it."""
     text = str(out)
     path = Path(out)
     if path.is_dir() or text.endswith(os.sep):
-        name = f"{arch}-{preset}" + (f"-L{layers}" if layers else "") + (f"-{quant}" if quant else "") + f"-seed{seed}.gguf"
+        name = f"{arch}-{preset}" + (f"-L{layers}" if layers else "") + (f"-{quant}" if quant else "") + ("-mtp" if mtp else "")
+        name += f"-seed{seed}.gguf"
         path = path / name
     return path
 
@@ -211,8 +217,9 @@ def _parse_quant(quant: str | None) -> Q | None:
 # --- the tensor plan ----------------------------------------------------------
 
 
-def plan_tensors(arch: str, p: Preset, override: Q | None = None) -> list[TensorSpec]:
-    """Every tensor of the model in file order, with its type and how to fill it."""
+def plan_tensors(arch: str, p: Preset, override: Q | None = None, *, mtp: bool = False) -> list[TensorSpec]:
+    """Every tensor of the model in file order, with its type and how to fill it;
+    `mtp`: the NextN/MTP block last (make_model)."""
     part = plan_part(arch)
     n_v = _count_attn_v(part, p)
     v_seen = 0
@@ -239,6 +246,11 @@ def plan_tensors(arch: str, p: Preset, override: Q | None = None) -> list[Tensor
         specs.append(W("output.weight", (V, D), "output"))
     for i in range(p.n_layer):
         specs += part.layer(p, i, W, F)
+    if mtp:
+        block = part.nextn_layer(p, p.n_layer, W, F)
+        if not block:
+            raise UserError(f"--mtp: llama.cpp's converter writes no NextN/MTP block for {arch}")
+        specs += block
     return _shape_stream(part, p, specs)
 
 
@@ -435,7 +447,7 @@ def chat_template(arch: str) -> str:
     return plan_part(arch).chat_template()
 
 
-def _add_metadata(w: GGUFWriter, arch: str, preset: str, p: Preset, v: Vocab, override: Q | None, seed: int) -> None:
+def _add_metadata(w: GGUFWriter, arch: str, preset: str, p: Preset, v: Vocab, override: Q | None, seed: int, nextn: int = 0) -> None:
     part = plan_part(arch)
     mix = override.name if override is not None else part.mix_name
     w.add_name(f"moe-pipe made {arch} {preset}")
@@ -448,9 +460,11 @@ def _add_metadata(w: GGUFWriter, arch: str, preset: str, p: Preset, v: Vocab, ov
 
     w.add_context_length(p.context_length)
     w.add_embedding_length(p.n_embd)
-    w.add_block_count(p.n_layer)
-    w.add_feed_forward_length(p.n_ff)
-    w.add_expert_feed_forward_length(p.n_ff_exp)
+    w.add_block_count(p.n_layer + nextn)  # llama.cpp's converter counts the NextN/MTP block in it
+    if "feed_forward_length" in part.width_keys:
+        w.add_feed_forward_length(p.n_ff)
+    if "expert_feed_forward_length" in part.width_keys:
+        w.add_expert_feed_forward_length(p.n_ff_exp)
     w.add_expert_count(p.n_expert)
     w.add_expert_used_count(p.n_expert_used)
     w.add_head_count(p.n_head)
@@ -458,6 +472,8 @@ def _add_metadata(w: GGUFWriter, arch: str, preset: str, p: Preset, v: Vocab, ov
     w.add_rope_freq_base(p.rope_base)
     part.attention_metadata(w, p)
     part.metadata(w, p)
+    if nextn or part.nextn_key_always:
+        w.add_nextn_predict_layers(nextn)
 
     w.add_tokenizer_model(v.model)
     w.add_tokenizer_pre(v.pre)

@@ -95,6 +95,18 @@ class PlanPart(Protocol):
     """Layer 0's tensors that carry its query scale under stream shaping
     (RouterShape.first_attn_q): a norm is filled at that scale, a weight or bias scaled by it."""
 
+    width_keys: ClassVar[tuple[str, ...]] = ("feed_forward_length", "expert_feed_forward_length")
+    """The FFN width keys llama.cpp's converter writes for the family: its HF config's
+    intermediate_size and moe_intermediate_size, where the config has them."""
+
+    head_dim_in_config: ClassVar[bool] = True
+    """The family's HF configs carry head_dim, from which llama.cpp's converter writes
+    attention.key_length / value_length; False: written only where the head width is not
+    n_embd / n_head (a config then has to say it)."""
+
+    nextn_key_always: ClassVar[bool] = False
+    """`nextn_predict_layers` is written without a NextN/MTP block too (as 0), as llama.cpp's converter does."""
+
     add_space_prefix: ClassVar[bool | None] = None
     """tokenizer.ggml.add_space_prefix, written when not None."""
 
@@ -105,6 +117,12 @@ class PlanPart(Protocol):
     def vocab(self, size: int, n_bpe: int) -> Vocab:
         """The made model's vocabulary: exactly `size` tokens, at most `n_bpe` of them trained."""
         ...
+
+    def nextn_layer(self, p: Preset, i: int, W: MakeWeight, F: MakeVector) -> list[TensorSpec]:
+        """Block i (= the decoder's depth: it follows the decoder's layers) as llama.cpp's
+        converter writes the family's NextN/MTP layer (shared/gguf/nextn.py); [] where that
+        converter writes none, so make-model --mtp refuses the family."""
+        return []
 
     def head_tensors(self, p: Preset) -> list[TensorSpec]:
         """The family's own tensors outside the layers, written between token_embd and the final norm."""
@@ -127,8 +145,9 @@ class PlanPart(Protocol):
     def attention_metadata(self, w: GGUFWriter, p: Preset) -> None:
         """The attention's keys, written right after rope.freq_base."""
         w.add_head_count_kv(self.head_count_kv(p))
-        w.add_key_length(p.head_dim)
-        w.add_value_length(p.head_dim)
+        if self.head_dim_in_config or p.head_dim != p.n_embd // p.n_head:
+            w.add_key_length(p.head_dim)
+            w.add_value_length(p.head_dim)
 
     def metadata(self, w: GGUFWriter, p: Preset) -> None:
         """The family's own keys, written after the attention's and before the tokenizer's."""

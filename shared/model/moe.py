@@ -70,13 +70,15 @@ def gated_group_top_k(
     topk_group: int = 1,
     norm: bool = True,
     scale: float = 1.0,
+    group_score: str = "top2",
 ) -> Routing:
-    """DeepSeek-V3-style routing (deepseek2, glm4moe, lfm2moe; docs/models.md § Routing):
+    """DeepSeek-style routing (deepseek2, glm4moe, lfm2moe; docs/models.md § Routing):
     p = gating(logits) (softmax or sigmoid over all experts); the experts are
     *chosen* on p + bias (the correction bias steers selection only), among the
-    `topk_group` best of `n_group` groups (a group's score: the sum of its two best);
-    their weights are the unbiased p, renormalized to sum 1 when `norm`, times `scale`.
-    Ties: the lower group, then the lower expert id."""
+    `topk_group` best of `n_group` groups; their weights are the unbiased p,
+    renormalized to sum 1 when `norm`, times `scale`. A group's score is the sum of
+    its two best (`group_score` "top2": V3's noaux_tc) or its best ("max": V2's
+    group_limited_greedy). Ties: the lower group, then the lower expert id."""
     logits = np.asarray(logits, dtype=np.float32)  # [T, E]
     if gating == "softmax":
         p = softmax(logits).astype(np.float32)
@@ -87,9 +89,14 @@ def gated_group_top_k(
     choose = p if bias is None else p + bias.astype(np.float32)  # [T, E]
     if n_group > 1 and topk_group < n_group:
         t, e = choose.shape
-        groups = choose.reshape(t, n_group, e // n_group)
-        best2 = -np.sort(-groups, axis=-1)[:, :, :2].sum(axis=-1)  # [T, G]
-        keep = top_k_ids(best2, topk_group)  # [T, topk_group]
+        groups = choose.reshape(t, n_group, e // n_group)  # [T, G, E/G]
+        if group_score == "top2":
+            score = -np.sort(-groups, axis=-1)[:, :, :2].sum(axis=-1)  # [T, G]
+        elif group_score == "max":
+            score = groups.max(axis=-1)  # [T, G]
+        else:
+            raise ValueError(f"group score {group_score!r} is not top2 or max")
+        keep = top_k_ids(score, topk_group)  # [T, topk_group]
         mask = np.zeros((t, n_group), bool)
         np.put_along_axis(mask, keep, True, axis=-1)
         choose = np.where(np.repeat(mask, e // n_group, axis=-1), choose, -np.inf)
@@ -111,6 +118,7 @@ def route_as_spec(spec: ModelSpec, logits: np.ndarray, k: int, bias: np.ndarray 
         topk_group=spec.expert_groups_used,
         norm=spec.expert_weights_norm,
         scale=spec.expert_weights_scale,
+        group_score=spec.expert_group_score,
     )
 
 

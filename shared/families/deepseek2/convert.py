@@ -9,7 +9,8 @@ checkpoint's interleaved order (llama.cpp's deepseek2 rotates pairs 2i, 2i+1).
 The MTP blocks of V3 (`model.layers.{L..}`) are not converted (llama.cpp skips them too).
 
 Where transformers and llama.cpp's graph would disagree, the config is refused by
-name, except V2's group-limited greedy routing (see `hparams_v2`).
+name, except V2's group-limited greedy routing (see `hparams_v2`), which moe-pipe
+routes as transformers does and llama.cpp does not.
 Legend (numpy order): D hidden, H heads, r kv_lora_rank, X experts, F expert ff width, Fd dense ff width.
 """
 
@@ -103,9 +104,10 @@ def hparams_v2(cfg: dict) -> dict[str, Any]:
         groups = used = 1  # llama.cpp's converter writes n_group anyway; greedy means no group limit
     elif method == "group_limited_greedy":
         groups, used = int(cfg_get(cfg, "n_group")), int(cfg_get(cfg, "topk_group"))
-        # transformers' V2 scores a group by its best expert, llama.cpp's graph by its best two:
-        # the GGUF (llama.cpp's meaning) cannot say the former. Converted as llama.cpp does.
-        log.warning("deepseek_v2 group_limited_greedy: written as llama.cpp reads it (a group's score is its top-2 sum, not its max)")
+        # Written as llama.cpp's converter writes it (no key says how a group scores): the
+        # softmax gating tells moe-pipe's reader it is V2's rule, a group's best expert
+        # (gguf/spec_keys.py _GROUP_SCORE); llama.cpp's graph sums a group's best two.
+        log.warning("deepseek_v2 group_limited_greedy: llama.cpp routes this file by a group's top-2 sum, not its best expert as trained")
     else:
         raise UserError(f"config.json: topk_method {method!r} is not supported for deepseek_v2 (greedy, group_limited_greedy)")
     hp.update(gating="softmax", norm=False, groups=groups, groups_used=used, bias=False)

@@ -206,6 +206,9 @@ class DeepSeek2Plan(PlanPart):
             w.add_rope_scaling_type(RopeScalingType.YARN)
             w.add_rope_scaling_factor(p.yarn_factor)
             w.add_rope_scaling_orig_ctx_len(p.yarn_orig_ctx)
+            # V2-Lite's rope_scaling has beta_fast 32 and beta_slow 1, which llama.cpp's converter writes
+            w.add_rope_scaling_yarn_beta_fast(32.0)
+            w.add_rope_scaling_yarn_beta_slow(1.0)
             w.add_rope_scaling_yarn_log_mul(p.yarn_log_mul)
 
     def vocab(self, size: int, n_bpe: int) -> Vocab:

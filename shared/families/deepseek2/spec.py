@@ -7,7 +7,7 @@ from __future__ import annotations
 from ...errors import GGUFError
 from ...gguf.reader import GGUFFile
 from ...gguf.spec import ModelSpec, Shapes
-from ...gguf.spec_keys import Meta, common_keys, head_dim, moe_routing, positive, rope_keys
+from ...gguf.spec_keys import Meta, common_keys, head_dim, moe_routing, positive, rope_keys, split_nextn
 from ...gguf.spec_tensors import (
     DENSE_FFN,
     EMBEDDING_AND_FINAL_NORM,
@@ -36,9 +36,9 @@ def read(f: GGUFFile) -> ModelSpec:
     n_ff_exp × expert_shared_count, DeepSeek routing."""
     arch = "deepseek2"
     m, c = Meta(f, arch), common_keys(f, arch)
+    # V3's MTP layer, where a converter writes it (llama.cpp's skips it): the blocks after the decoder's
+    nextn = split_nextn(m, c)
     n = c["n_layer"]
-    if m.get_int("nextn_predict_layers", 0):
-        raise GGUFError(f.path, f"metadata {m.key('nextn_predict_layers')} > 0: files with the MTP block are not supported")
     if set(c["n_head_kv"]) != {1}:
         raise GGUFError(f.path, f"metadata {m.key('attention.head_count_kv')} must be 1 (MLA caches one latent head)")
     if "blk.0.attn_kv_b.weight" in f.tensors and "blk.0.attn_k_b.weight" not in f.tensors:
@@ -70,6 +70,7 @@ def read(f: GGUFFile) -> ModelSpec:
         head_dim_k_mla=head_dim(m, "attention.key_length_mla"),
         head_dim_v_mla=head_dim(m, "attention.value_length_mla"),
         rope_yarn_log_mul=log_mul,
+        n_layer_nextn=nextn,
     )
 
 

@@ -99,6 +99,21 @@ class Glm4MoePlan(PlanPart):
     # experts' σ in its sensitive range (≈ 0.85-0.95), where the selection bias nudges
     # rather than decides; qwen3moe's 5.0 would saturate σ and leave the choice to the bias.
     router = RouterShape(logit_std=1.0)
+    nextn_key_always = True  # llama.cpp's converter writes nextn_predict_layers, 0 included
+
+    def nextn_layer(self, p: Preset, i: int, W: MakeWeight, F: MakeVector) -> list[TensorSpec]:
+        """GLM-4.5's NextN layer as llama.cpp's converter writes it: HF `model.layers.{L}` (a
+        routed layer) with its own eh_proj, enorm / hnorm, embed_tokens and shared_head.head / norm."""
+        b, D, V = f"blk.{i}.nextn.", p.n_embd, p.vocab_size
+        return [
+            *self.layer(p, i, W, F),
+            W(b + "eh_proj.weight", (D, 2 * D), "nextn_eh_proj", i),  # [embedding; hidden] → D
+            W(b + "embed_tokens.weight", (V, D), "embd", i),
+            F(b + "enorm.weight", (D,), "norm"),
+            F(b + "hnorm.weight", (D,), "norm"),
+            W(b + "shared_head_head.weight", (V, D), "output", i),
+            F(b + "shared_head_norm.weight", (D,), "norm"),
+        ]
 
     def layer(self, p: Preset, i: int, W: MakeWeight, F: MakeVector) -> list[TensorSpec]:
         b, D, X, Fe, d = f"blk.{i}.", p.n_embd, p.n_expert, p.n_ff_exp, p.head_dim
@@ -141,10 +156,8 @@ class Glm4MoePlan(PlanPart):
         w.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
         w.add_expert_weights_scale(p.expert_weights_scale)
         w.add_expert_weights_norm(True)
-        if p.expert_groups > 1:
-            w.add_expert_group_count(p.expert_groups)
-            w.add_expert_group_used_count(p.expert_groups_used)
-        w.add_nextn_predict_layers(0)
+        w.add_expert_group_count(p.expert_groups)  # GLM-4.5's config has n_group (1), so llama.cpp writes it
+        w.add_expert_group_used_count(p.expert_groups_used)
 
     def vocab(self, size: int, n_bpe: int) -> Vocab:
         return glm4_vocab(size, n_bpe)

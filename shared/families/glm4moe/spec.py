@@ -3,10 +3,9 @@ read into a `ModelSpec` and the tensors each layer needs (docs/models.md § glm4
 
 from __future__ import annotations
 
-from ...errors import GGUFError
 from ...gguf.reader import GGUFFile
 from ...gguf.spec import ModelSpec, Shapes
-from ...gguf.spec_keys import Meta, common_keys, head_dim, moe_routing, positive, rope_keys
+from ...gguf.spec_keys import Meta, common_keys, head_dim, moe_routing, positive, rope_keys, split_nextn
 from ...gguf.spec_tensors import (
     ATTN,
     DENSE_FFN,
@@ -28,13 +27,8 @@ _MOE = (*_ATTN, "ffn_gate_inp.weight", "exp_probs_b.bias")
 def read(f: GGUFFile) -> ModelSpec:
     arch = "glm4moe"
     m, c = Meta(f, arch), common_keys(f, arch)
-    # llama.cpp's converter counts the NextN/MTP blocks in block_count and puts them
-    # last; the decoder is the blocks before them (llama.cpp skips them too).
-    nextn = m.get_int("nextn_predict_layers", 0)
-    if not 0 <= nextn < c["n_layer"]:
-        raise GGUFError(f.path, f"metadata {m.key('nextn_predict_layers')} = {nextn} is out of range (0..{c['n_layer'] - 1})")
-    n = c["n_layer"] - nextn
-    c.update(n_layer=n, n_head_kv=c["n_head_kv"][:n])
+    nextn = split_nextn(m, c)  # the decoder is the blocks before the NextN/MTP ones
+    n = c["n_layer"]
     hd = head_dim(m, "attention.key_length", c["n_embd"] // c["n_head"])
     routing = moe_routing(m, n, c["n_expert"], norm_default=False)  # llama.cpp's defaults when the keys are absent
     if not f.has(m.key("expert_gating_func")):

@@ -132,6 +132,9 @@ class GptOssPlan(PlanPart):
         w.add_rope_scaling_type(RopeScalingType.YARN)
         w.add_rope_scaling_factor(p.yarn_factor)
         w.add_rope_scaling_orig_ctx_len(p.yarn_orig_ctx)
+        # gpt-oss's rope_scaling has beta_fast 32 and beta_slow 1 (YaRN's defaults), which llama.cpp's converter writes
+        w.add_rope_scaling_yarn_beta_fast(32.0)
+        w.add_rope_scaling_yarn_beta_slow(1.0)
 
     def vocab(self, size: int, n_bpe: int) -> Vocab:
         return harmony_vocab(size, n_bpe)

@@ -7,7 +7,9 @@ Like llama.cpp's converter, the rows of attn_q and attn_k are permuted from
 HF's rotate-half order to adjacent pairs (its `llama` RoPE; this family's forward pass
 undoes it). Checkpoints come in two forms: transformers 5's fused
 `mlp.experts.gate_up_proj`, and the published per-expert
-`block_sparse_moe.experts.N.w1/w3/w2` (gate, up, down). docs/models.md § mixtral.
+`block_sparse_moe.experts.N.w1/w3/w2` (gate, up, down). The tokenizer is
+Mistral's SentencePiece or, as llama.cpp's converter also takes, a Llama-3-style
+byte-level BPE (`gpt2`, pre-split `llama-bpe`). docs/models.md § mixtral.
 
 Legend (numpy order): D hidden, H q heads, Hk kv heads, d head dim, X experts, F expert ff width.
 """
@@ -34,7 +36,9 @@ from ...convert.plan import (
 )
 from ...convert.rules import Arch, TokenizerFacts
 from ...convert.source import Checkpoint
+from ...convert.vocab import as_written
 from ...errors import UserError
+from ...gguf.vocab import LLAMA3_REGEX
 
 
 def hparams(cfg: dict) -> dict[str, Any]:
@@ -105,5 +109,8 @@ def plan(hp: dict[str, Any], ck: Checkpoint) -> list[Out]:
     return finish(p, ck)
 
 
-_TOKENIZER = TokenizerFacts("llama", "default", add_bos=True, byte_pieces=True, sentencepiece=True)  # SentencePiece: scores, no merges
+# Mistral's SentencePiece (scores, no merges), or a Llama-3-style byte-level BPE, which llama.cpp's
+# converter writes as "gpt2" with the pre-split "llama-bpe" (its hash of Llama-3's tokenizer)
+_BYTE_LEVEL = TokenizerFacts("gpt2", "llama-bpe", add_bos=True, known_pre={as_written(LLAMA3_REGEX): "llama-bpe"})
+_TOKENIZER = TokenizerFacts("llama", "default", add_bos=True, byte_pieces=True, sentencepiece=True, byte_level=_BYTE_LEVEL)
 ARCHES = {"mixtral": Arch("llama", hparams, metadata, plan, _TOKENIZER)}

@@ -10,6 +10,7 @@ Llama/Mistral's SentencePiece layout (gguf/vocab.py `llama_vocab`).
 from __future__ import annotations
 
 from gguf import GGMLQuantizationType as Q
+from gguf import GGUFWriter
 
 from ...gguf.vocab import Vocab, llama_vocab
 from ...makemodel.part import MakeVector, MakeWeight, PlanPart, TensorSpec, stacked_experts
@@ -75,6 +76,15 @@ PRESETS: dict[str, Preset] = {
 class MixtralPlan(PlanPart):
     presets = PRESETS
     router = RouterShape(logit_std=5.0, depth_exp=0.4)  # not calibrated (no Mixtral trace): qwen3moe's gate sharpness, its stream unshaped
+    # llama.cpp's LlamaModel: Mixtral's config has neither moe_intermediate_size nor head_dim
+    width_keys = ("feed_forward_length",)
+    head_dim_in_config = False
+
+    def metadata(self, w: GGUFWriter, p: Preset) -> None:
+        """What llama.cpp's LlamaModel adds to every family's keys: vocab_size, and the
+        rotated dims (head_dim, or n_embd / n_head)."""
+        w.add_vocab_size(p.vocab_size)
+        w.add_rope_dimension_count(p.head_dim)
 
     def layer(self, p: Preset, i: int, W: MakeWeight, F: MakeVector) -> list[TensorSpec]:
         """Layer i in llama.cpp's file order: attention without biases or q/k norms, the

@@ -106,6 +106,8 @@ class Qwen2MoePlan(PlanPart):
             W(b + "ffn_down_shexp.weight", (D, fs), "ffn_down_shexp", i),
         ]
 
+    head_dim_in_config = False  # Qwen1.5-MoE's config has no head_dim: llama.cpp writes no key_length
+
     def metadata(self, w: GGUFWriter, p: Preset) -> None:
         """The qwen2moe keys beyond every family's (maker._add_metadata writes those). No
         expert_weights_norm: Qwen1.5-MoE does not renormalize, nor does llama.cpp's graph."""

@@ -96,12 +96,29 @@ PRESETS: dict[str, Preset] = {
 class Qwen35MoePlan(PlanPart):
     presets = PRESETS
     router = RouterShape(logit_std=5.0, depth_exp=0.4)  # not calibrated (no Qwen3.5 trace): qwen3moe's gate sharpness, its stream unshaped
+    width_keys = ("expert_feed_forward_length",)  # Qwen3.5-MoE's config has no intermediate_size
 
     def layer(self, p: Preset, i: int, W: MakeWeight, F: MakeVector) -> list[TensorSpec]:
+        return self._layer(p, i, W, F, p.is_recurrent(i))
+
+    def nextn_layer(self, p: Preset, i: int, W: MakeWeight, F: MakeVector) -> list[TensorSpec]:
+        """The MTP block as llama.cpp's converter writes Qwen3.5/3.6's (`mtp.layers.0.*` as a
+        full-attention MoE layer; mtp.fc, pre_fc_norm_embedding / _hidden and mtp.norm as
+        nextn.eh_proj, enorm / hnorm, shared_head_norm); the embedding and output head are the model's."""
+        b, D = f"blk.{i}.nextn.", p.n_embd
+        return [
+            *self._layer(p, i, W, F, recurrent=False),
+            W(b + "eh_proj.weight", (D, 2 * D), "nextn_eh_proj", i),  # [embedding; hidden] → D
+            F(b + "enorm.weight", (D,), "norm"),
+            F(b + "hnorm.weight", (D,), "norm"),
+            F(b + "shared_head_norm.weight", (D,), "norm"),
+        ]
+
+    def _layer(self, p: Preset, i: int, W: MakeWeight, F: MakeVector, recurrent: bool) -> list[TensorSpec]:
         b, D, X = f"blk.{i}.", p.n_embd, p.n_expert
         st, vh, fs = p.ssm_state, p.ssm_heads, p.n_ff_shexp
         out = [F(b + "attn_norm.weight", (D,), "norm")]
-        if p.is_recurrent(i):
+        if recurrent:
             ch = (2 * p.ssm_groups + vh) * st  # the conv's channels: q, k, v
             out += [
                 W(b + "attn_qkv.weight", (ch, D), "attn_qkv", i),

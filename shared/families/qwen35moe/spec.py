@@ -8,7 +8,7 @@ from __future__ import annotations
 from ...errors import GGUFError
 from ...gguf.reader import GGUFFile
 from ...gguf.spec import ModelSpec, Shapes
-from ...gguf.spec_keys import Meta, common_keys, head_dim, positive, rope_keys
+from ...gguf.spec_keys import Meta, common_keys, head_dim, positive, rope_keys, split_nextn
 from ...gguf.spec_tensors import EMBEDDING_AND_FINAL_NORM, SHARED_EXPERT, shared_expert_shapes
 
 TOP_TENSORS = EMBEDDING_AND_FINAL_NORM
@@ -34,11 +34,8 @@ _LINEAR = (
 def read(f: GGUFFile) -> ModelSpec:
     arch = "qwen35moe"
     m, c = Meta(f, arch), common_keys(f, arch)
+    nextn = split_nextn(m, c)  # Qwen3.5/3.6's MTP block: one full-attention MoE layer after the decoder's
     n = c["n_layer"]
-    if m.get_int("nextn_predict_layers", 0):
-        # llama.cpp counts the MTP block in block_count and skips it; this file's
-        # layer numbering would then not be the decoder's: refused, not misread.
-        raise GGUFError(f.path, f"metadata {m.key('nextn_predict_layers')} > 0: files with the MTP block are not supported")
     hd = head_dim(m, "attention.key_length", c["n_embd"] // c["n_head"])
     interval = positive(f, m.key("full_attention_interval"), m.get_int("full_attention_interval", 4), n)
     # llama.cpp's rule when the file has no per-layer flags: every interval-th layer attends, the rest are recurrent
@@ -68,6 +65,7 @@ def read(f: GGUFFile) -> ModelSpec:
         ssm_groups=groups,
         ssm_heads=heads,
         n_ff_shexp=positive(f, m.key("expert_shared_feed_forward_length"), m.get_int("expert_shared_feed_forward_length")),
+        n_layer_nextn=nextn,
     )
 
 

@@ -60,9 +60,9 @@ class Entry:
 ESTIMATE = "estimate from the published shape"
 
 # The quant mixes the entries' files use: which tensors take which type, as llama.cpp's
-# quantizer chooses them for that file type (its llama-quant.cpp; docs/formats.md § Real
-# files' quant mixes), before its row-width fallback (Q4_K -> Q5_0, Q6_K -> Q8_0 on rows not
-# a multiple of 256 wide). moe-pipe reads each tensor's type from the file, so a mix is
+# quantizer chooses them for that file type (its llama-quant.cpp), before its row-width
+# fallback (Q4_K -> Q5_0, Q6_K -> Q8_0 on rows not a multiple of 256 wide); the rules:
+# docs/formats.md § Real files' quant mixes. moe-pipe reads each tensor's type from the file, so a mix is
 # information for choosing a download, never an assumption of the reader.
 MIXES: dict[str, str] = {
     "Q4_K_M": "experts' gate/up Q4_K; down and attn_v Q6_K in 1/3 of the layers (the first and last eighth, every third between), "
@@ -126,10 +126,23 @@ CATALOG: tuple[Entry, ...] = (
         "unsloth/Qwen3.5-35B-A3B-GGUF",
         "Q4_K_M",
         "qwen35-35b.toml",
-        21_100_632_000,
+        21_647_336_640,
         609_484_800,
         1,
-        "shape preset qwen35-35b-shape",
+        "shape preset qwen35-35b-shape with its MTP block (make-model --mtp)",
+    ),
+    # the same shape as Qwen3.5-35B-A3B; its files carry the MTP block too (checked, never read)
+    Entry(
+        "qwen3.6-35b-a3b",
+        "Qwen3.6-35B-A3B",
+        "qwen35moe",
+        "unsloth/Qwen3.6-35B-A3B-GGUF",
+        "Q4_K_M",
+        "qwen36-35b.toml",
+        21_647_336_640,
+        609_484_800,
+        1,
+        "shape preset qwen35-35b-shape with its MTP block (make-model --mtp)",
     ),
     # 26 MoE layers (the first is dense) x top-6 of 64, 2048 x 1408 experts
     Entry(

@@ -296,7 +296,15 @@ ORACLES: dict[str, FamilyOracle] = {
                 # MLA on every third layer of 6 with q_lora, 2 dense layers, no groups, weights not renormalized
                 Config(
                     "qlora-dense2",
-                    dict(num_hidden_layers=6, layer_group_size=3, q_lora_rank=48, first_k_dense_replace=2, n_group=1, topk_group=1, norm_topk_prob=False),
+                    dict(
+                        num_hidden_layers=6,
+                        layer_group_size=3,
+                        q_lora_rank=48,
+                        first_k_dense_replace=2,
+                        n_group=1,
+                        topk_group=1,
+                        norm_topk_prob=False,
+                    ),
                     slow=True,
                 ),
             ),

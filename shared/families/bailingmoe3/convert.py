@@ -51,7 +51,9 @@ def _layer_kinds(cfg: dict, L: int) -> list[bool]:
 def _refuse_variants(cfg: dict) -> None:
     """What llama.cpp's bailingmoe3 graph cannot express, by name."""
     if cfg.get("hidden_act", "silu") != "silu":
-        raise UserError(f"config.json: hidden_act {cfg.get('hidden_act')!r} is not supported for bailing_hybrid (llama.cpp's graph is SwiGLU)")
+        raise UserError(
+            f"config.json: hidden_act {cfg.get('hidden_act')!r} is not supported for bailing_hybrid (llama.cpp's graph is SwiGLU)"
+        )
     if cfg.get("attention_bias"):
         raise UserError("config.json: attention_bias=true is not supported for bailing_hybrid (llama.cpp's bailingmoe3 has no biases)")
     if cfg.get("kda_safe_gate", True) is False:
@@ -155,7 +157,9 @@ def _kda(p: Planner, b: str, a: str, hp: dict[str, Any]) -> None:
     for x in "qkv":  # [H·d, 1, kernel] (or [H·d, kernel]) -> [1, H·d, 1, kernel], llama.cpp's layout
         name = a + f"{x}_conv1d.weight"
         full = p.hf(name, (inner, 1, kernel) if p.prefix + name in ck and len(ck.shape(p.prefix + name)) == 3 else (inner, kernel))
-        p.add(Out(b + f"ssm_conv1d_{x}.weight", (1, inner, 1, kernel), False, lambda f=full: iter([ck.f32(f).reshape(1, inner, 1, kernel)])))
+        p.add(
+            Out(b + f"ssm_conv1d_{x}.weight", (1, inner, 1, kernel), False, lambda f=full: iter([ck.f32(f).reshape(1, inner, 1, kernel)]))
+        )
     p.copy(b + "ssm_f_a.weight", a + "f_proj.weight", (inner, D))
     p.f32(b + "ssm_dt.bias", a + "dt_bias", (inner,))
     a_log = p.hf(a + "A_log", (H,))

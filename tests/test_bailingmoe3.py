@@ -1,0 +1,105 @@
+"""bailingmoe3 (Ling 3.0): Kimi Delta Attention with a recurrent state on most layers,
+deepseek2's latent attention with a gate per head on the rest, DeepSeek-V3 routing.
+
+Its checkpoints are held to transformers and llama.cpp with every family's checks in
+tests/test_families_oracle.py (its entry in tests/oracle.py); the streaming pipeline is
+in tests/test_family_pipelines.py. Here: the layer kinds and the KDA tensors as the
+converter writes them, the recurrent state (token by token = the whole prompt; no
+rewind), the cache's size, and what the converter refuses (docs/models.md § bailingmoe3).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from moe_pipe.shared.errors import UserError
+from moe_pipe.shared.families.bailingmoe3.convert import hparams
+from moe_pipe.shared.gguf.model_file import open_model
+from moe_pipe.shared.gguf.spec import kv_cache_bytes, recurrent_state_bytes
+from moe_pipe.shared.makemodel.maker import make_model
+from moe_pipe.shared.model.load import load_model
+
+from . import hfmodels, oracle
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """make-model's tiny preset: KDA on layers 0 and 2, MLA on 1 and 3."""
+    return make_model("bailingmoe3", "tiny", tmp_path_factory.mktemp("bailingmoe3") / "tiny.gguf")
+
+
+def test_layer_kinds_and_state_come_from_head_count_kv(tiny):
+    with open_model(tiny) as mf:
+        s = mf.spec
+        assert s.n_head_kv == (0, 1, 0, 1) and s.recurrent_layers == (True, False, True, False)
+        assert (s.ssm_heads, s.ssm_state, s.ssm_conv_channels, s.kda_gate_lower_bound) == (4, 64, 3 * 4 * 64, -5.0)
+        # two latent rows of 128 + 32 values per position, the two KDA layers' fixed state beside them
+        state = 2 * 4 * (3 * 4 * 64 * 3 + 4 * 64 * 64)
+        assert recurrent_state_bytes(s) == state
+        assert kv_cache_bytes(s, 100, "f32") == 2 * 100 * 160 * 4 + state
+
+
+def test_token_by_token_equals_the_whole_prompt_and_the_state_does_not_rewind(tiny):
+    ids = [5, 17, 2, 99, 140, 7, 30]
+    with open_model(tiny) as mf:
+        model = load_model(mf)
+        whole = model.forward(ids, model.new_cache(32), all_logits=True)
+        cache = model.new_cache(32)
+        steps = np.concatenate([model.forward([t], cache) for t in ids])
+        np.testing.assert_allclose(steps, whole, rtol=0, atol=1e-5 * np.abs(whole).max())
+        with pytest.raises(ValueError, match="cannot be rewound"):
+            cache.truncate(3)
+
+
+def _config(**kw) -> dict:
+    cfg = hfmodels.bailingmoe3_config(640)
+    cfg.update(num_experts=cfg.pop("num_local_experts"), num_shared_experts=cfg.pop("n_shared_experts"), **kw)
+    return cfg
+
+
+def test_the_kda_width_is_linear_head_dim_when_transformers_wrote_the_config():
+    assert hparams(_config(head_dim=128))["d"] == 128  # Ling's own config.json
+    assert hparams(_config(head_dim=16, linear_head_dim=32))["d"] == 32  # transformers' save: head_dim is the rope width
+
+
+def test_layer_kinds_follow_layer_types_else_the_group_rule():
+    assert hparams(_config(num_hidden_layers=6, layer_group_size=3))["mla"] == [False, False, True] * 2
+    types = ["full_attention", "linear_attention", "linear_attention", "full_attention"]
+    assert hparams(_config(layer_types=types))["mla"] == [True, False, False, True]
+
+
+@pytest.mark.parametrize(
+    "change,named",
+    [
+        (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}), "rope type"),
+        (dict(kda_safe_gate=False), "kda_safe_gate"),
+        (dict(no_kda_lora=False), "no_kda_lora"),
+        (dict(gated_attention_proj_granularity_type="element_wise"), "head_wise"),
+        (dict(expert_swiglu_limit_list=[0, 7.0, 7.0, 7.0]), "expert_swiglu_limit_list"),
+        (dict(hidden_act="gelu"), "hidden_act"),
+        (dict(layer_types=["linear_attention"] * 4), "full_attention"),
+        (dict(mlp_layer_types=["sparse"] * 4), "mlp_layer_types"),
+        (dict(score_function="softmax"), "sigmoid"),
+    ],
+)
+def test_convert_refuses_what_the_references_compute_differently(change, named):
+    with pytest.raises(UserError, match=named):
+        hparams(_config(**change))
+
+
+@pytest.mark.oracle
+def test_converted_kda_tensors_are_llama_cpps(tmp_path_factory):
+    """Each conv as [1, H·d, 1, kernel], a = exp(A_log) as [H, 1], head_count_kv 0/1 per layer."""
+    from safetensors.numpy import load_file
+
+    ck = oracle.checkpoint("bailingmoe3", "default", tmp_path_factory)
+    sd = load_file(ck.hf_dir / "model.safetensors")
+    with open_model(ck.gguf()) as mf:
+        assert mf.spec.n_head_kv == (0, 1, 0, 1)
+        conv = np.asarray(mf.gguf.view("blk.0.ssm_conv1d_k.weight"))
+        assert mf.gguf.tensor("blk.0.ssm_conv1d_k.weight").shape == (1, 64, 1, 4)
+        np.testing.assert_array_equal(conv.reshape(64, 4), sd["model.layers.0.attention.k_conv1d.weight"][:, 0])
+        a = np.asarray(mf.gguf.view("blk.2.ssm_a")).reshape(-1)
+        np.testing.assert_allclose(a, np.exp(sd["model.layers.2.attention.A_log"]), rtol=1e-6)
+        assert "blk.1.attn_gate.weight" in mf.gguf.tensors and "blk.1.ssm_g_a.weight" not in mf.gguf.tensors

@@ -149,17 +149,20 @@ def _either(p: Planner, names: tuple[str, ...]) -> str:
     return next((n for n in names if p.prefix + n in p.ck), names[0])
 
 
+def _conv(p: Planner, gg: str, name: str, inner: int, kernel: int) -> None:
+    ck = p.ck
+    found = p.prefix + name in ck and len(ck.shape(p.prefix + name)) == 3
+    full = p.hf(name, (inner, 1, kernel) if found else (inner, kernel))
+    p.add(Out(gg, (1, inner, 1, kernel), False, lambda: iter([ck.f32(full).reshape(1, inner, 1, kernel)])))
+
+
 def _kda(p: Planner, b: str, a: str, hp: dict[str, Any]) -> None:
     ck, D, H, d, kernel = p.ck, hp["D"], hp["H"], hp["d"], hp["kernel"]
     inner = H * d
     for x in "qkv":
         p.copy(b + f"attn_{x}.weight", a + f"{x}_proj.weight", (inner, D))
     for x in "qkv":  # [H·d, 1, kernel] (or [H·d, kernel]) -> [1, H·d, 1, kernel], llama.cpp's layout
-        name = a + f"{x}_conv1d.weight"
-        full = p.hf(name, (inner, 1, kernel) if p.prefix + name in ck and len(ck.shape(p.prefix + name)) == 3 else (inner, kernel))
-        p.add(
-            Out(b + f"ssm_conv1d_{x}.weight", (1, inner, 1, kernel), False, lambda f=full: iter([ck.f32(f).reshape(1, inner, 1, kernel)]))
-        )
+        _conv(p, b + f"ssm_conv1d_{x}.weight", a + f"{x}_conv1d.weight", inner, kernel)
     p.copy(b + "ssm_f_a.weight", a + "f_proj.weight", (inner, D))
     p.f32(b + "ssm_dt.bias", a + "dt_bias", (inner,))
     a_log = p.hf(a + "A_log", (H,))

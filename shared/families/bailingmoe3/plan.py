@@ -33,13 +33,6 @@ _SPECIALS = [
 ]
 _REAL = {"vocab": 157184, "first_special": 156892}
 
-_LING = dict(
-    n_head_kv=1,
-    rms_eps=1e-6,
-    rope_base=6e6,
-    expert_gating_sigmoid=True,
-    ssm_conv_kernel=4,
-)
 
 # make-model presets: tiny, small and the real model's shape
 PRESETS: dict[str, Preset] = {
@@ -69,7 +62,11 @@ PRESETS: dict[str, Preset] = {
         kv_lora_rank=128,
         qk_nope_dim=64,
         qk_rope_dim=32,
-        **_LING,
+        n_head_kv=1,
+        rms_eps=1e-6,
+        rope_base=6e6,
+        expert_gating_sigmoid=True,
+        ssm_conv_kernel=4,
     ),
     "small": Preset(
         "small",
@@ -96,7 +93,11 @@ PRESETS: dict[str, Preset] = {
         kv_lora_rank=256,
         qk_nope_dim=128,
         qk_rope_dim=64,
-        **_LING,
+        n_head_kv=1,
+        rms_eps=1e-6,
+        rope_base=6e6,
+        expert_gating_sigmoid=True,
+        ssm_conv_kernel=4,
     ),
     # Ling-3.0-flash (transformers' BailingHybridConfig defaults, llama.cpp's 124B-A5.1B):
     # 42 layers (MLA every 6th), 32 heads of 128 (KDA) / 128 nope + 64 rope, values 128,
@@ -127,7 +128,11 @@ PRESETS: dict[str, Preset] = {
         kv_lora_rank=512,
         qk_nope_dim=128,
         qk_rope_dim=64,
-        **_LING,
+        n_head_kv=1,
+        rms_eps=1e-6,
+        rope_base=6e6,
+        expert_gating_sigmoid=True,
+        ssm_conv_kernel=4,
     ),
 }
 

@@ -72,6 +72,8 @@ def _refuse_variants(cfg: dict) -> None:
 def hparams(cfg: dict) -> dict[str, Any]:
     _refuse_variants(cfg)
     hp = base_hparams(cfg, 6e6)
+    # transformers writes the context as model_max_length (its alias of max_position_embeddings)
+    hp["ctx"] = int(cfg_get(cfg, "max_position_embeddings", 4096, "model_max_length"))
     L, H, rp = hp["L"], hp["H"], hp["rope"]
     if rp["rope_type"] != "default" or float(rp.get("partial_rotary_factor", 1.0)) != 1.0:
         # transformers would scale the MLA scores by YaRN's mscale²; llama.cpp's graph does not

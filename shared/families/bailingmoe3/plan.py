@@ -99,6 +99,43 @@ PRESETS: dict[str, Preset] = {
         expert_gating_sigmoid=True,
         ssm_conv_kernel=4,
     ),
+    # Ling-3.0-tiny (7.9B total, 1.3B active; inclusionAI's config as its GGUF and ports
+    # report it): 24 layers (MLA every 4th), 16 heads of 128 (KDA) / 128 nope + 64 rope,
+    # values 128, q_lora_rank 256, kv_lora_rank 512; 1 dense layer of 4608; 128 experts
+    # top-8 of 512, 1 shared; context 131072. Its groups and scale are not in those
+    # reports: flash's 8 groups (best 4) and 2.5 are assumed.
+    "ling-3-tiny-shape": Preset(
+        "ling-3-tiny-shape",
+        n_layer=24,
+        n_embd=1536,
+        n_head=16,
+        head_dim=128,
+        n_expert=128,
+        n_expert_used=8,
+        n_ff_exp=512,
+        n_ff=4608,
+        vocab_size=157184,
+        n_bpe=4096,
+        context_length=131072,
+        full_attn_interval=4,
+        ssm_heads=16,
+        ssm_groups=16,
+        ssm_state=128,
+        n_dense_lead=1,
+        n_expert_shared=1,
+        expert_groups=8,
+        expert_groups_used=4,
+        expert_weights_scale=2.5,
+        kv_lora_rank=512,
+        q_lora_rank=256,
+        qk_nope_dim=128,
+        qk_rope_dim=64,
+        n_head_kv=1,
+        rms_eps=1e-6,
+        rope_base=6e6,
+        expert_gating_sigmoid=True,
+        ssm_conv_kernel=4,
+    ),
     # Ling-3.0-flash (transformers' BailingHybridConfig defaults, llama.cpp's 124B-A5.1B):
     # 42 layers (MLA every 6th), 32 heads of 128 (KDA) / 128 nope + 64 rope, values 128,
     # kv_lora_rank 512, no q_lora; 2 dense layers of 6144; 512 experts top-8 of 768 in 8

@@ -438,6 +438,7 @@ def test_presets_are_the_documented_ones():
         "lfm2-8b-shape",
         "deepseek-v2-lite-shape",
         "qwen15-moe-shape",
+        "ling-3-tiny-shape",
         "ling-3-flash-shape",
     }
 

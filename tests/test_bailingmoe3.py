@@ -3,9 +3,10 @@ deepseek2's latent attention with a gate per head on the rest, DeepSeek-V3 routi
 
 Its checkpoints are held to transformers and llama.cpp with every family's checks in
 tests/test_families_oracle.py (its entry in tests/oracle.py); the streaming pipeline is
-in tests/test_family_pipelines.py. Here: the layer kinds and the KDA tensors as the
-converter writes them, the recurrent state (token by token = the whole prompt; no
-rewind), the cache's size, and what the converter refuses (docs/models.md § bailingmoe3).
+in tests/test_family_pipelines.py, a prompt in one chunk, in several and token by token
+in tests/test_prefill.py. Here: the layer kinds and the KDA tensors as the converter
+writes them, the cache's and the recurrent state's size, the MTP block left out, and
+what the converter refuses (docs/models.md § bailingmoe3).
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from moe_pipe.shared.families.bailingmoe3.convert import hparams
 from moe_pipe.shared.gguf.model_file import open_model
 from moe_pipe.shared.gguf.spec import kv_cache_bytes, recurrent_state_bytes
 from moe_pipe.shared.makemodel.maker import make_model
-from moe_pipe.shared.model.load import load_model
 
 from . import hfmodels, oracle
 
@@ -38,18 +38,6 @@ def test_layer_kinds_and_state_come_from_head_count_kv(tiny):
         state = 2 * 4 * (3 * 4 * 64 * 3 + 4 * 64 * 64)
         assert recurrent_state_bytes(s) == state
         assert kv_cache_bytes(s, 100, "f32") == 2 * 100 * 160 * 4 + state
-
-
-def test_token_by_token_equals_the_whole_prompt_and_the_state_does_not_rewind(tiny):
-    ids = [5, 17, 2, 99, 140, 7, 30]
-    with open_model(tiny) as mf:
-        model = load_model(mf)
-        whole = model.forward(ids, model.new_cache(32), all_logits=True)
-        cache = model.new_cache(32)
-        steps = np.concatenate([model.forward([t], cache) for t in ids])
-        np.testing.assert_allclose(steps, whole, rtol=0, atol=1e-5 * np.abs(whole).max())
-        with pytest.raises(ValueError, match="cannot be rewound"):
-            cache.truncate(3)
 
 
 def _config(**kw) -> dict:
@@ -103,3 +91,22 @@ def test_converted_kda_tensors_are_llama_cpps(tmp_path_factory):
         a = np.asarray(mf.gguf.view("blk.2.ssm_a")).reshape(-1)
         np.testing.assert_allclose(a, np.exp(sd["model.layers.2.attention.A_log"]), rtol=1e-6)
         assert "blk.1.attn_gate.weight" in mf.gguf.tensors and "blk.1.ssm_g_a.weight" not in mf.gguf.tensors
+
+
+@pytest.mark.oracle
+def test_the_mtp_block_after_the_decoder_is_not_converted(tmp_path_factory, tmp_path):
+    """Ling-3.0-flash's checkpoint carries its MTP block as layer L: convert leaves it out, as
+    llama.cpp's converter does without --mtp."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from moe_pipe.shared.convert.converter import convert
+
+    ck = oracle.checkpoint("bailingmoe3", "default", tmp_path_factory)
+    hf = shutil.copytree(ck.hf_dir, tmp_path / "hf")
+    sd = load_file(hf / "model.safetensors")
+    sd.update({"model.layers.4.eh_proj.weight": np.ones((64, 128), np.float32), "model.layers.4.enorm.weight": np.ones(64, np.float32)})
+    save_file(sd, str(hf / "model.safetensors"), metadata={"format": "pt"})
+    with open_model(convert(hf, tmp_path / "m.gguf", outtype="f32")) as mf, open_model(ck.gguf()) as ref:
+        assert sorted(mf.gguf.tensors) == sorted(ref.gguf.tensors)

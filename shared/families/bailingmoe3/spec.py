@@ -69,6 +69,11 @@ def read(f: GGUFFile) -> ModelSpec:
     if not lower < 0:
         raise GGUFError(f.path, f"metadata {m.key('kda.gate_lower_bound')} = {lower} must be negative")
     kda = head_dim(m, "kda.head_dim")
+    for clamp in ("swiglu_clamp_exp", "swiglu_clamp_shexp"):
+        # llama.cpp's converter writes per-layer SwiGLU limits when a config has them; the forward pass has no clamp
+        limits = f.meta(m.key(clamp)) if f.has(m.key(clamp)) else 0
+        if any(float(v) for v in (limits if isinstance(limits, (list, tuple)) else [limits])):
+            raise GGUFError(f.path, f"metadata {m.key(clamp)}: clamped SwiGLU is not supported")
     routing = moe_routing(m, n, c["n_expert"], norm_default=False)
     lead = routing["n_dense_lead"]
     shexp = m.get_int("expert_shared_feed_forward_length", c["n_ff_exp"] * max(1, routing["n_expert_shared"]))

@@ -40,6 +40,26 @@ def test_layer_kinds_and_state_come_from_head_count_kv(tiny):
         assert kv_cache_bytes(s, 100, "f32") == 2 * 100 * 160 * 4 + state
 
 
+@pytest.mark.parametrize(
+    "key,value,named",
+    [
+        ("bailingmoe3.swiglu_clamp_exp", [0.0, 7.0, 7.0, 7.0], "clamped SwiGLU"),
+        ("bailingmoe3.kda.gate_lower_bound", 0.5, "must be negative"),
+        ("bailingmoe3.attention.head_count_kv", [0, 0, 0, 0], "no MLA layer"),
+    ],
+)
+def test_files_the_forward_pass_would_misread_are_refused(tiny, tmp_path, key, value, named):
+    from gguf import GGUFValueType as T
+
+    from moe_pipe.shared.errors import GGUFError
+
+    from .ggufgen import with_metadata
+
+    path = with_metadata(tiny, tmp_path / "m.gguf", {key: (value, T.ARRAY if isinstance(value, list) else T.FLOAT32)})
+    with pytest.raises(GGUFError, match=named):
+        open_model(path)
+
+
 def _config(**kw) -> dict:
     cfg = hfmodels.bailingmoe3_config(640)
     cfg.update(num_experts=cfg.pop("num_local_experts"), num_shared_experts=cfg.pop("n_shared_experts"), **kw)

@@ -31,7 +31,7 @@ from ...convert.source import Checkpoint
 from ...convert.vocab import as_written
 from ...errors import UserError
 from ...text.tokenizer import BAILINGMOE2_REGEX
-from ..deepseek2.convert import _split_kv_b
+from ..deepseek2.convert import split_kv_b
 
 ARCH = "bailingmoe3"
 
@@ -186,7 +186,7 @@ def _mla(p: Planner, b: str, a: str, hp: dict[str, Any]) -> None:
         p.copy(b + "attn_q.weight", a + "q_proj.weight", (H * qk, D))
     p.copy(b + "attn_kv_a_mqa.weight", a + "kv_a_proj_with_mqa.weight", (r + hp["rope_dim"], D))
     p.f32(b + "attn_kv_a_norm.weight", a + "kv_a_layernorm.weight", (r,))
-    _split_kv_b(p, b, a + "kv_b_proj.weight", hp)
+    split_kv_b(p, b, a + "kv_b_proj.weight", hp)
     p.copy(b + "attn_gate.weight", a + "g_proj.weight", (H, D))
     p.copy(b + "attn_output.weight", _either(p, (a + "dense.weight", a + "o_proj.weight")), (D, H * hp["v"]))
 

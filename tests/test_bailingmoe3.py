@@ -130,3 +130,21 @@ def test_the_mtp_block_after_the_decoder_is_not_converted(tmp_path_factory, tmp_
     save_file(sd, str(hf / "model.safetensors"), metadata={"format": "pt"})
     with open_model(convert(hf, tmp_path / "m.gguf", outtype="f32")) as mf, open_model(ck.gguf()) as ref:
         assert sorted(mf.gguf.tensors) == sorted(ref.gguf.tensors)
+
+
+@pytest.mark.oracle
+def test_the_bailingmoe2_split_gives_llama_cpps_token_ids(tiny):
+    """Ling's split keeps one newline per piece (`\\s*[\\r\\n]`, not Qwen2's `[\\r\\n]+`)."""
+    llama_cpp = pytest.importorskip("llama_cpp", reason=oracle.LLAMA_CPP_REASON)
+    from moe_pipe.shared.text.tokenizer import Tokenizer
+
+    texts = (*hfmodels.SAMPLES, "a\n\n\nb  \n\n c", "It's 2024; we'LL see\r\n\r\nok", "<role>HUMAN</role>hi")
+    with open_model(tiny) as mf:
+        tok = Tokenizer.from_gguf(mf.gguf)
+        assert mf.gguf.meta("tokenizer.ggml.pre") == "bailingmoe2"
+    llm = llama_cpp.Llama(str(tiny), n_ctx=64, n_threads=1, verbose=False, vocab_only=True)
+    try:
+        for text in texts:
+            assert tok.encode(text) == llm.tokenize(text.encode(), add_bos=False, special=False), text
+    finally:
+        llm.close()

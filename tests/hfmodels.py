@@ -42,6 +42,7 @@ def build(arch: str, out_dir: Path, seed: int = 0, **kw) -> Path:
     builders["deepseek2"] = build_deepseek2
     builders["mixtral"] = build_mixtral
     builders["qwen2moe"] = build_qwen2moe
+    builders["bailingmoe3"] = build_bailingmoe3
     return builders[arch](Path(out_dir), seed, **kw)
 
 
@@ -319,6 +320,56 @@ def build_deepseek2(out_dir: Path, seed: int = 0, v3: bool = True, **kw) -> Path
     if v3:
         return _save(DeepseekV3ForCausalLM, DeepseekV3Config(**cfg), tok, out_dir, seed)
     return _save(DeepseekV2ForCausalLM, DeepseekV2Config(**cfg), tok, out_dir, seed)
+
+
+def bailingmoe3_config(vocab_size: int, **kw) -> dict:
+    """Ling 3.0's structure, tiny: KDA on layers 0 and 2, gated MLA on 1 and 3 (group of 2);
+    KDA heads of 16 (transformers saves them only as wide as the rope dims: its config
+    re-reads head_dim as the KDA width), MLA kv_lora 64, nope 32, rope 16, v 32; layer 0
+    dense; 16 experts in 4 groups (best 2 kept) top-4, sigmoid + correction bias, a shared
+    expert, scale 2.5."""
+    cfg = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=160,
+        moe_intermediate_size=48,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=16,
+        short_conv_kernel_size=4,
+        layer_group_size=2,
+        kv_lora_rank=64,
+        q_lora_rank=None,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=16,
+        v_head_dim=32,
+        num_local_experts=16,
+        num_experts_per_tok=4,
+        n_shared_experts=1,
+        n_group=4,
+        topk_group=2,
+        first_k_dense_replace=1,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        num_mtp_layers=0,
+        rope_theta=6e6,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        initializer_range=0.08,
+    )
+    cfg.update(kw)
+    return cfg
+
+
+def build_bailingmoe3(out_dir: Path, seed: int = 0, **kw) -> Path:
+    from transformers import BailingHybridConfig, BailingHybridForCausalLM
+
+    tok = _qwen_tokenizer()
+    special = dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None)
+    cfg = BailingHybridConfig(**bailingmoe3_config(_round_up(len(tok), 64), **special, **kw))
+    return _save(BailingHybridForCausalLM, cfg, tok, out_dir, seed)
 
 
 def _tame(out_dir: Path) -> None:

@@ -297,6 +297,30 @@ ORACLES: dict[str, FamilyOracle] = {
             q8_0=Q8Bound(argmax=True),
             made=MadeCheck(Prompts(texts=hfmodels.SAMPLES[:1])),
         ),
+        FamilyOracle(
+            "bailingmoe3",
+            (
+                # KDA, MLA, KDA, MLA; layer 0 dense; 4 groups (best 2); a shared expert; no q_lora
+                Config("default"),
+                # MLA on every third layer of 6 with q_lora, 2 dense layers, no groups, weights not renormalized
+                Config(
+                    "qlora-dense2",
+                    dict(
+                        num_hidden_layers=6,
+                        layer_group_size=3,
+                        q_lora_rank=48,
+                        first_k_dense_replace=2,
+                        n_group=1,
+                        topk_group=1,
+                        norm_topk_prob=False,
+                    ),
+                    slow=True,
+                ),
+            ),
+            greedy_default=(8, 1),  # transformers' generate is the slow part
+            q8_0=Q8Bound(rel=None, llama_cpp=(1.5, 0.02)),
+            made=MadeCheck(Prompts(IDS[1:2]), tol=1e-4),
+        ),
     )
 }
 

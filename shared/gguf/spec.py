@@ -66,6 +66,9 @@ class ModelSpec:
     ssm_groups: int = 0  # key heads (ssm.group_count)
     ssm_heads: int = 0  # value heads (ssm.time_step_rank)
     n_ff_shexp: int = 0  # the shared expert's FFN width (0: none)
+    # bailingmoe3's Kimi Delta Attention: the bounded forget gate's floor (log decay per step,
+    # kda.gate_lower_bound < 0); its heads are ssm_heads of ssm_state, one conv per q, k and v.
+    kda_gate_lower_bound: float = 0.0
     # lfm2moe's short-conv layers: a conv over this many channels (n_embd) and no delta rule.
     shortconv_channels: int = 0
     # Layers 0..n_dense_lead-1 have a dense FFN (width n_ff) and no experts

@@ -69,6 +69,10 @@ O200K_REGEX = (
 )
 GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 GEMMA4_REGEX = r"[^\n]+|[\n]+"
+# llama.cpp's BAILINGMOE2 (Ling 2.0 and 3.0): Qwen2's, but one newline per \s*[\r\n] piece
+BAILINGMOE2_REGEX = (
+    r"'(?:[sSdDmMtT]|[lL][lL]|[vV][eE]|[rR][eE])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"
+)
 
 
 @dataclass(frozen=True)
@@ -132,6 +136,7 @@ PRE_SPLITS: dict[str, PreSplit] = {
     "glm4": PreSplit((LLAMA3_REGEX,)),  # llama.cpp's CHATGLM4: llama3's split, merges as usual, no BOS
     "chatglm-bpe": PreSplit((LLAMA3_REGEX,)),
     "lfm2": PreSplit((LLAMA3_REGEX,)),  # llama.cpp's LFM2: llama3's split, merges as usual
+    "bailingmoe2": PreSplit((BAILINGMOE2_REGEX,)),
     "deepseek-llm": PreSplit(DEEPSEEK_LLM_REGEXES),
     "deepseek-v3": PreSplit(DEEPSEEK_V3_REGEXES),
     "llama3": _LLAMA3,

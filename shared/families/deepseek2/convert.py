@@ -153,7 +153,7 @@ def metadata(w: GGUFWriter, hp: dict[str, Any]) -> None:
         w.add_rope_scaling_yarn_log_mul(0.1 * hp["mscale_all"])  # llama.cpp's convention: 0.1 × mscale_all_dim
 
 
-def _split_kv_b(p: Planner, b: str, name: str, hp: dict[str, Any]) -> None:
+def split_kv_b(p: Planner, b: str, name: str, hp: dict[str, Any]) -> None:
     """kv_b_proj [H·(nope + v), r] → attn_k_b [H, r, nope] (transposed) and attn_v_b [H, v, r]."""
     ck, H, r, nope, v = p.ck, hp["H"], hp["r"], hp["nope"], hp["v"]
     full = p.hf(name, (H * (nope + v), r))
@@ -184,7 +184,7 @@ def plan(hp: dict[str, Any], ck: Checkpoint) -> list[Out]:
             p.copy(b + "attn_q.weight", a + "q_proj.weight", (H * qk, D))
         p.copy(b + "attn_kv_a_mqa.weight", a + "kv_a_proj_with_mqa.weight", (r + hp["rope_dim"], D))
         p.f32(b + "attn_kv_a_norm.weight", a + "kv_a_layernorm.weight", (r,))
-        _split_kv_b(p, b, a + "kv_b_proj.weight", hp)
+        split_kv_b(p, b, a + "kv_b_proj.weight", hp)
         p.copy(b + "attn_output.weight", a + "o_proj.weight", (D, H * hp["v"]))
         p.f32(b + "ffn_norm.weight", h + "post_attention_layernorm.weight", (D,))
         if i < hp["lead"]:

@@ -74,20 +74,28 @@ class Model(MoEModel):
         self.scale = mscale * mscale / math.sqrt(s.head_dim_k_mla)
 
     def load_layer(self, i: int) -> dict:
+        return {**self.load_attention(i), **self.load_ffn(i)}
+
+    def load_attention(self, i: int) -> dict[str, Any]:
+        """Layer i's MLA weights (bailingmoe3 reuses them on its MLA layers)."""
         p, w, s = f"blk.{i}.", self.w, self.spec
         L: dict[str, Any] = dict(
-            attn_norm=w.vector(p + "attn_norm.weight"),
             kv_a=w.matrix(p + "attn_kv_a_mqa.weight"),
             kv_norm=w.vector(p + "attn_kv_a_norm.weight"),
             k_b=self._per_head(p + "attn_k_b.weight"),
             v_b=self._per_head(p + "attn_v_b.weight"),
             o=w.matrix(p + "attn_output.weight"),
-            ffn_norm=w.vector(p + "ffn_norm.weight"),
         )
         if s.q_lora_rank:
             L.update(q_a=w.matrix(p + "attn_q_a.weight"), q_norm=w.vector(p + "attn_q_a_norm.weight"), q_b=w.matrix(p + "attn_q_b.weight"))
         else:
             L.update(q=w.matrix(p + "attn_q.weight"))
+        return L
+
+    def load_ffn(self, i: int) -> dict[str, Any]:
+        """Layer i's norms and FFN: a leading dense layer's, or the router and the shared experts."""
+        p, w, s = f"blk.{i}.", self.w, self.spec
+        L: dict[str, Any] = dict(attn_norm=w.vector(p + "attn_norm.weight"), ffn_norm=w.vector(p + "ffn_norm.weight"))
         if not s.has_experts(i):
             L.update(gate=w.matrix(p + "ffn_gate.weight"), up=w.matrix(p + "ffn_up.weight"), down=w.matrix(p + "ffn_down.weight"))
             return L
@@ -135,6 +143,10 @@ class Model(MoEModel):
         return h + (y + shared)
 
     def attention(self, i: int, n: np.ndarray, cache: KVCache, start: int, positions: np.ndarray) -> np.ndarray:
+        return self.layers[i]["o"](self.latent_attention(i, n, cache, start, positions))
+
+    def latent_attention(self, i: int, n: np.ndarray, cache: KVCache, start: int, positions: np.ndarray) -> np.ndarray:
+        """MLA up to the output projection: each head's values, [T, H·v]."""
         s, L, eps = self.spec, self.layers[i], self.spec.rms_eps
         t, heads, r, rope = n.shape[0], s.n_head, s.kv_lora_rank, s.rope.dim
         nope = s.head_dim_k_mla - rope
@@ -149,5 +161,4 @@ class Model(MoEModel):
         absorbed = np.stack([L["k_b"][h](q_nope[:, h]) for h in range(heads)], axis=1)  # [T, H, r]
         cache.store(i, np.concatenate([latent[:, None], k_rope], axis=-1), np.empty((t, 1, 0), np.float32))
         o = mla_attention(np.concatenate([absorbed, q_rope], axis=-1), cache, i, start, self.scale, r)  # [T, H, r]
-        out = np.concatenate([L["v_b"][h](np.ascontiguousarray(o[:, h])) for h in range(heads)], axis=-1)  # [T, H·v]
-        return L["o"](out)
+        return np.concatenate([L["v_b"][h](np.ascontiguousarray(o[:, h])) for h in range(heads)], axis=-1)  # [T, H·v]

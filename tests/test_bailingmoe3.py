@@ -1,0 +1,150 @@
+"""bailingmoe3 (Ling 3.0): Kimi Delta Attention with a recurrent state on most layers,
+deepseek2's latent attention with a gate per head on the rest, DeepSeek-V3 routing.
+
+Its checkpoints are held to transformers and llama.cpp with every family's checks in
+tests/test_families_oracle.py (its entry in tests/oracle.py); the streaming pipeline is
+in tests/test_family_pipelines.py, a prompt in one chunk, in several and token by token
+in tests/test_prefill.py. Here: the layer kinds and the KDA tensors as the converter
+writes them, the cache's and the recurrent state's size, the MTP block left out, and
+what the converter refuses (docs/models.md § bailingmoe3).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from moe_pipe.shared.errors import UserError
+from moe_pipe.shared.families.bailingmoe3.convert import hparams
+from moe_pipe.shared.gguf.model_file import open_model
+from moe_pipe.shared.gguf.spec import kv_cache_bytes, recurrent_state_bytes
+from moe_pipe.shared.makemodel.maker import make_model
+
+from . import hfmodels, oracle
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """make-model's tiny preset: KDA on layers 0 and 2, MLA on 1 and 3."""
+    return make_model("bailingmoe3", "tiny", tmp_path_factory.mktemp("bailingmoe3") / "tiny.gguf")
+
+
+def test_layer_kinds_and_state_come_from_head_count_kv(tiny):
+    with open_model(tiny) as mf:
+        s = mf.spec
+        assert s.n_head_kv == (0, 1, 0, 1) and s.recurrent_layers == (True, False, True, False)
+        assert (s.ssm_heads, s.ssm_state, s.ssm_conv_channels, s.kda_gate_lower_bound) == (4, 64, 3 * 4 * 64, -5.0)
+        # two latent rows of 128 + 32 values per position, the two KDA layers' fixed state beside them
+        state = 2 * 4 * (3 * 4 * 64 * 3 + 4 * 64 * 64)
+        assert recurrent_state_bytes(s) == state
+        assert kv_cache_bytes(s, 100, "f32") == 2 * 100 * 160 * 4 + state
+
+
+@pytest.mark.parametrize(
+    "key,value,named",
+    [
+        ("bailingmoe3.swiglu_clamp_exp", [0.0, 7.0, 7.0, 7.0], "clamped SwiGLU"),
+        ("bailingmoe3.kda.gate_lower_bound", 0.5, "must be negative"),
+        ("bailingmoe3.attention.head_count_kv", [0, 0, 0, 0], "no MLA layer"),
+    ],
+)
+def test_files_the_forward_pass_would_misread_are_refused(tiny, tmp_path, key, value, named):
+    from gguf import GGUFValueType as T
+
+    from moe_pipe.shared.errors import GGUFError
+
+    from .ggufgen import with_metadata
+
+    path = with_metadata(tiny, tmp_path / "m.gguf", {key: (value, T.ARRAY if isinstance(value, list) else T.FLOAT32)})
+    with pytest.raises(GGUFError, match=named):
+        open_model(path)
+
+
+def _config(**kw) -> dict:
+    cfg = hfmodels.bailingmoe3_config(640)
+    cfg.update(num_experts=cfg.pop("num_local_experts"), num_shared_experts=cfg.pop("n_shared_experts"), **kw)
+    return cfg
+
+
+def test_the_kda_width_is_linear_head_dim_when_transformers_wrote_the_config():
+    assert hparams(_config(head_dim=128))["d"] == 128  # Ling's own config.json
+    assert hparams(_config(head_dim=16, linear_head_dim=32))["d"] == 32  # transformers' save: head_dim is the rope width
+
+
+def test_layer_kinds_follow_layer_types_else_the_group_rule():
+    assert hparams(_config(num_hidden_layers=6, layer_group_size=3))["mla"] == [False, False, True] * 2
+    types = ["full_attention", "linear_attention", "linear_attention", "full_attention"]
+    assert hparams(_config(layer_types=types))["mla"] == [True, False, False, True]
+
+
+@pytest.mark.parametrize(
+    "change,named",
+    [
+        (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}), "rope type"),
+        (dict(kda_safe_gate=False), "kda_safe_gate"),
+        (dict(no_kda_lora=False), "no_kda_lora"),
+        (dict(gated_attention_proj_granularity_type="element_wise"), "head_wise"),
+        (dict(expert_swiglu_limit_list=[0, 7.0, 7.0, 7.0]), "expert_swiglu_limit_list"),
+        (dict(hidden_act="gelu"), "hidden_act"),
+        (dict(layer_types=["linear_attention"] * 4), "full_attention"),
+        (dict(mlp_layer_types=["sparse"] * 4), "mlp_layer_types"),
+        (dict(score_function="softmax"), "sigmoid"),
+    ],
+)
+def test_convert_refuses_what_the_references_compute_differently(change, named):
+    with pytest.raises(UserError, match=named):
+        hparams(_config(**change))
+
+
+@pytest.mark.oracle
+def test_converted_kda_tensors_are_llama_cpps(tmp_path_factory):
+    """Each conv as [1, H·d, 1, kernel], a = exp(A_log) as [H, 1], head_count_kv 0/1 per layer."""
+    from safetensors.numpy import load_file
+
+    ck = oracle.checkpoint("bailingmoe3", "default", tmp_path_factory)
+    sd = load_file(ck.hf_dir / "model.safetensors")
+    with open_model(ck.gguf()) as mf:
+        assert mf.spec.n_head_kv == (0, 1, 0, 1)
+        conv = np.asarray(mf.gguf.view("blk.0.ssm_conv1d_k.weight"))
+        assert mf.gguf.tensor("blk.0.ssm_conv1d_k.weight").shape == (1, 64, 1, 4)
+        np.testing.assert_array_equal(conv.reshape(64, 4), sd["model.layers.0.attention.k_conv1d.weight"][:, 0])
+        a = np.asarray(mf.gguf.view("blk.2.ssm_a")).reshape(-1)
+        np.testing.assert_allclose(a, np.exp(sd["model.layers.2.attention.A_log"]), rtol=1e-6)
+        assert "blk.1.attn_gate.weight" in mf.gguf.tensors and "blk.1.ssm_g_a.weight" not in mf.gguf.tensors
+
+
+@pytest.mark.oracle
+def test_the_mtp_block_after_the_decoder_is_not_converted(tmp_path_factory, tmp_path):
+    """Ling-3.0-flash's checkpoint carries its MTP block as layer L: convert leaves it out, as
+    llama.cpp's converter does without --mtp."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from moe_pipe.shared.convert.converter import convert
+
+    ck = oracle.checkpoint("bailingmoe3", "default", tmp_path_factory)
+    hf = shutil.copytree(ck.hf_dir, tmp_path / "hf")
+    sd = load_file(hf / "model.safetensors")
+    sd.update({"model.layers.4.eh_proj.weight": np.ones((64, 128), np.float32), "model.layers.4.enorm.weight": np.ones(64, np.float32)})
+    save_file(sd, str(hf / "model.safetensors"), metadata={"format": "pt"})
+    with open_model(convert(hf, tmp_path / "m.gguf", outtype="f32")) as mf, open_model(ck.gguf()) as ref:
+        assert sorted(mf.gguf.tensors) == sorted(ref.gguf.tensors)
+
+
+@pytest.mark.oracle
+def test_the_bailingmoe2_split_gives_llama_cpps_token_ids(tiny):
+    """Ling's split keeps one newline per piece (`\\s*[\\r\\n]`, not Qwen2's `[\\r\\n]+`)."""
+    llama_cpp = pytest.importorskip("llama_cpp", reason=oracle.LLAMA_CPP_REASON)
+    from moe_pipe.shared.text.tokenizer import Tokenizer
+
+    texts = (*hfmodels.SAMPLES, "a\n\n\nb  \n\n c", "It's 2024; we'LL see\r\n\r\nok", "<role>HUMAN</role>hi")
+    with open_model(tiny) as mf:
+        tok = Tokenizer.from_gguf(mf.gguf)
+        assert mf.gguf.meta("tokenizer.ggml.pre") == "bailingmoe2"
+    llm = llama_cpp.Llama(str(tiny), n_ctx=64, n_threads=1, verbose=False, vocab_only=True)
+    try:
+        for text in texts:
+            assert tok.encode(text) == llm.tokenize(text.encode(), add_bos=False, special=False), text
+    finally:
+        llm.close()

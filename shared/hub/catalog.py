@@ -170,6 +170,19 @@ CATALOG: tuple[Entry, ...] = (
         2,
         "shape preset glm45air-shape (without the NextN block)",
     ),
+    # 42 layers (the first 2 dense; KDA with gated MLA every 6th) x top-8 of 512, 2560 x 768 experts, 1 shared
+    Entry(
+        "ling-3.0-flash",
+        "Ling-3.0-flash",
+        "bailingmoe3",
+        "inclusionAI/Ling-3.0-flash-GGUF",
+        "Q4_K_M",
+        "ling3-flash.toml",
+        75_274_280_992,
+        1_138_728_960,
+        1,
+        "shape preset ling-3-flash-shape",
+    ),
     # 32 layers x top-2 of 8, 4096 x 14336 experts
     Entry(
         "mixtral-8x7b",

@@ -100,7 +100,10 @@ def _rows_step(qt: quant.QType) -> Step:
 
 def kernel_steps(mf: ModelFile, forward: Callable[[], object]) -> list[Step]:
     """The steps for `mf`, the forward pass (`forward_pass`) last."""
-    matrix_types = sorted({quant.QType(int(t.qtype)) for t in mf.gguf.tensors.values() if len(t.shape) >= 2}, key=int)
+    # An I32 index table (deepseek4's token → experts) is looked up, never multiplied.
+    matrix_types = sorted(
+        {quant.QType(int(t.qtype)) for t in mf.gguf.tensors.values() if len(t.shape) >= 2 and t.qtype.name != "I32"}, key=int
+    )
     # Embedding tables are looked up by rows (shared/model/weights.py QWeight.rows).
     row_types = sorted({quant.QType(int(t.qtype)) for t in mf.gguf.tensors.values() if "token_embd" in t.name}, key=int)
     steps = [_matmul_step(qt) for qt in matrix_types]

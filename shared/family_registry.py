@@ -58,6 +58,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("lfm2moe", "lfm2moe", ("lfm2_moe",)),
     Family("deepseek2", "deepseek2", ("deepseek_v2", "deepseek_v3")),
     Family("qwen2moe", "qwen2moe", ("qwen2_moe",)),
+    Family("deepseek4", "deepseek4", ("deepseek_v4",)),
 )
 
 ARCHES: tuple[str, ...] = tuple(f.arch for f in FAMILIES)

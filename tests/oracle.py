@@ -270,6 +270,21 @@ ORACLES: dict[str, FamilyOracle] = {
             made=MadeCheck(Prompts(IDS[1:2]), tol=1e-4),
         ),
         FamilyOracle(
+            "deepseek4",
+            (
+                # sliding, CSA, HCA, CSA; HCA by 8 so that the prompts reach it
+                Config("hca8", no_llama_cpp="llama.cpp's deepseek4 compresses HCA layers by 128 only: the hca128 config runs there"),
+                # HCA by 128, as DeepSeek-V4 has it (the prompts stay short of a whole window)
+                Config("hca128", dict(hca_rate=128), slow=True),
+            ),
+            # the third prompt (21 tokens) passes the window (8), the indexer's top k (3 entries of 4)
+            # and HCA's 8; the greedy continuations pass them on every prompt
+            greedy_default=(8, 1),  # transformers' generate is the slow part
+            # the indexer's top k is a discrete choice: on the 21-token prompt (3 of 5 entries kept)
+            # q8_0 rounding flips a close pick and the logits move by 0.15-0.2
+            q8_0=Q8Bound(rel=0.25, greedy_prefix=True),
+        ),
+        FamilyOracle(
             "qwen2moe",
             (
                 Config("plain"),  # Qwen1.5-MoE's routing (no renormalization), biases, GQA, per-expert checkpoint

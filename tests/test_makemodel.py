@@ -430,9 +430,16 @@ def test_bad_arguments_are_one_line_user_errors(kwargs, words, tmp_path):
 
 def test_presets_are_the_documented_ones():
     # the first round, then the later families in the order they landed
-    assert MADE_ARCHES == (*ARCHES, "qwen35moe", "llama", "glm4moe", "lfm2moe", "deepseek2", "qwen2moe")
+    assert MADE_ARCHES == (*ARCHES, "qwen35moe", "llama", "glm4moe", "lfm2moe", "deepseek2", "qwen2moe", "deepseek4")
     assert PRESETS[:6] == ("tiny", "small", "qwen30b-shape", "gptoss120b-shape", "gemma26b-shape", "qwen35-35b-shape")
-    assert set(PRESETS[6:]) == {"mixtral-8x7b-shape", "glm45air-shape", "lfm2-8b-shape", "deepseek-v2-lite-shape", "qwen15-moe-shape"}
+    assert set(PRESETS[6:]) == {
+        "mixtral-8x7b-shape",
+        "glm45air-shape",
+        "lfm2-8b-shape",
+        "deepseek-v2-lite-shape",
+        "qwen15-moe-shape",
+        "deepseek-v4-flash-shape",
+    }
 
 
 @pytest.mark.integration

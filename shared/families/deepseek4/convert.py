@@ -37,7 +37,9 @@ def _ratios(cfg: dict, n: int) -> list[int]:
     else:
         rates = {**{"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}, **(cfg.get("compress_rates") or {})}
         if int(rates["compressed_sparse_attention"]) != CSA_RATIO:
-            raise UserError(f"config.json: compress_rates.compressed_sparse_attention must be {CSA_RATIO} (the GGUF tells CSA layers by it)")
+            raise UserError(
+                f"config.json: compress_rates.compressed_sparse_attention must be {CSA_RATIO} (the GGUF tells CSA layers by it)"
+            )
         bad = [t for t in cfg["layer_types"] if t not in _KINDS]
         if bad:
             raise UserError(f"config.json: layer_types entry {bad[0]!r} is not a DeepSeek-V4 layer type ({', '.join(_KINDS)})")
@@ -77,12 +79,16 @@ def hparams(cfg: dict) -> dict[str, Any]:
         raise UserError(f"config.json: swiglu_limit {limit} must be above 0 for {mt} (llama.cpp's deepseek4 needs the clamp)")
     factor = cfg.get("partial_rotary_factor")
     rope_dim = int(cfg["qk_rope_head_dim"]) if cfg.get("qk_rope_head_dim") else int(d * float(factor if factor is not None else 64 / 512))
-    rp = cfg.get("rope_parameters") or {}
-    main = rp.get("main") if isinstance(rp.get("main"), dict) else {"rope_type": "default", "rope_theta": cfg.get("rope_theta", 10000.0)}
-    comp = rp.get("compress") if isinstance(rp.get("compress"), dict) else {**rp, "rope_theta": cfg.get("compress_rope_theta", 160000.0)}
+    rp: dict[str, Any] = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    nested = isinstance(rp.get("main"), dict) and isinstance(rp.get("compress"), dict)
+    # transformers nests {main, compress}; DeepSeek's config has one rope_scaling for the compressing layers
+    main: dict[str, Any] = rp["main"] if nested else {"rope_type": "default", "rope_theta": cfg.get("rope_theta", 10000.0)}
+    comp: dict[str, Any] = rp["compress"] if nested else {**rp, "rope_theta": cfg.get("compress_rope_theta", 160000.0)}
     comp = {**comp, "rope_type": comp.get("rope_type") or comp.get("type") or "default"}
     if (main.get("rope_type") or "default") != "default":
-        raise UserError(f"config.json: rope_parameters.main must be the default rope for {mt} (llama.cpp scales only the compressing layers)")
+        raise UserError(
+            f"config.json: rope_parameters.main must be the default rope for {mt} (llama.cpp scales only the compressing layers)"
+        )
     if comp["rope_type"] not in ("default", "yarn"):
         raise UserError(f"config.json: rope_parameters.compress type {comp['rope_type']!r} is not supported for {mt} (default, yarn)")
     if comp["rope_type"] == "yarn" and float(comp.get("attention_factor", 1.0)) != 1.0:
@@ -116,7 +122,9 @@ def hparams(cfg: dict) -> dict[str, Any]:
     if hp["shared"] != 1:
         raise UserError(f"config.json: n_shared_experts {hp['shared']} is not supported for {mt} (one shared expert)")
     if hp["H"] % hp["groups"] or rope_dim % 2 or not 0 < rope_dim <= min(d, hp["iw"]):
-        raise UserError(f"config.json: o_groups must divide the heads and the rope dims ({rope_dim}) be even and fit head_dim and index_head_dim")
+        raise UserError(
+            f"config.json: o_groups must divide the heads and the rope dims ({rope_dim}) be even and fit head_dim and index_head_dim"
+        )
     return hp
 
 

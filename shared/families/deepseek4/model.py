@@ -104,33 +104,36 @@ def fold_entries(kv: np.ndarray, gate: np.ndarray, ape: np.ndarray, norm: np.nda
     return rms_norm((kv * p).sum(axis=1), norm, eps)
 
 
-def top_k_visible(scores: np.ndarray, visible: np.ndarray, k: int) -> np.ndarray:
-    """[T, M] bool: each row's k best-scored visible entries (fewer when fewer are visible)."""
-    masked = np.where(visible, scores, -np.inf)
-    chosen = np.zeros_like(visible)
-    ids = top_k_ids(masked, min(k, scores.shape[1]))
-    np.put_along_axis(chosen, ids, True, axis=1)
-    return chosen & visible
+def top_k_of(scores: np.ndarray, k: int) -> np.ndarray:
+    """The k best of one query's scores (all of them when fewer), as positions into `scores`."""
+    return top_k_ids(scores[None, :], min(k, scores.shape[0]))[0]
 
 
 def attend_with_entries(
-    q: np.ndarray, raw: np.ndarray, raw_lo: int, entries: np.ndarray, seen: np.ndarray, positions: np.ndarray, window: int, scale: float, sinks: np.ndarray
+    q: np.ndarray,
+    raw: np.ndarray,
+    raw_lo: int,
+    entries: np.ndarray,
+    seen: list[np.ndarray],
+    positions: np.ndarray,
+    window: int,
+    scale: float,
+    sinks: np.ndarray,
 ) -> np.ndarray:
     """q [T, H, d] over the raw keys raw [N, d] (positions raw_lo..) in each query's window and
-    the entries [M, d] it sees (seen [T, M]); keys are values; a sink logit per head. → [T, H, d]"""
-    j = np.arange(raw_lo, raw_lo + raw.shape[0])[None, :]
-    p = positions[:, None]
-    hidden = (j > p) | (j <= p - window)  # [T, N]
-    s_raw = np.einsum("thd,nd->thn", q, raw) * np.float32(scale)
-    s_raw = np.where(hidden[:, None, :], np.float32(-np.inf), s_raw)
-    s_ent = np.einsum("thd,md->thm", q, entries) * np.float32(scale)
-    s_ent = np.where(seen[:, None, :], s_ent, np.float32(-np.inf))
-    s = np.concatenate([s_raw, s_ent], axis=-1)  # [T, H, N + M]
-    sink = sinks.astype(np.float32)[None, :, None]
-    top = np.maximum(s.max(axis=-1, keepdims=True), sink)
-    e = np.exp(s - top)
-    probs = e / (e.sum(axis=-1, keepdims=True) + np.exp(sink - top))
-    return np.einsum("thn,nd->thd", probs, np.concatenate([raw, entries])).astype(np.float32)
+    the entries [M, d] it sees (seen[t]: their indices); keys are values; a sink logit per head.
+    → [T, H, d]. Row by row over exactly the keys the row sees: a row in a batch computes what
+    it computes alone (a decode step), so the matmuls after it see the same bits."""
+    out = np.empty_like(q)
+    sink = sinks.astype(np.float32)[:, None]  # [H, 1]
+    for r, p in enumerate(positions):
+        lo = max(raw_lo, int(p) - window + 1)
+        keys = np.concatenate([raw[lo - raw_lo : int(p) - raw_lo + 1], entries[seen[r]]])  # [N', d]
+        s = (q[r] @ keys.T) * np.float32(scale)  # [H, N']
+        top = np.maximum(s.max(axis=-1, keepdims=True), sink)
+        e = np.exp(s - top)
+        out[r] = (e @ keys) / (e.sum(axis=-1, keepdims=True) + np.exp(sink - top))
+    return out
 
 
 # ---- the model ---------------------------------------------------------------------------
@@ -147,12 +150,16 @@ class Model(MoEModel):
         self.inv_main = plain_inv_freq(s.rope.freq_base, s.rope.dim)
         r = s.rope
         if r.scaling == "yarn":  # the compressing layers' rope; unit-sized (llama.cpp and transformers agree)
-            self.inv_comp = yarn_rope(RopeSpec(v4.compress_rope_base, r.dim, "yarn", r.factor, r.orig_ctx, 1.0, r.beta_fast, r.beta_slow), r.dim, True).inv_freq
+            self.inv_comp = yarn_rope(
+                RopeSpec(v4.compress_rope_base, r.dim, "yarn", r.factor, r.orig_ctx, 1.0, r.beta_fast, r.beta_slow), r.dim, True
+            ).inv_freq
         else:
             self.inv_comp = plain_inv_freq(v4.compress_rope_base, r.dim)
         self.scale = 1.0 / math.sqrt(v4.head_dim)
         w = self.w
-        self.hc_head = dict(fn=w.matrix("output_hc_fn.weight"), base=w.vector("output_hc_base.weight"), scale=w.vector("output_hc_scale.weight"))
+        self.hc_head: dict[str, Any] = dict(
+            fn=w.matrix("output_hc_fn.weight"), base=w.vector("output_hc_base.weight"), scale=w.vector("output_hc_scale.weight")
+        )
 
     # -- loading --------------------------------------------------------------------------
     def load_layer(self, i: int) -> dict:
@@ -199,7 +206,9 @@ class Model(MoEModel):
         ape = w.vector(prefix + "ape.weight")
         if ape.shape != (ratio, width):
             raise GGUFError(self.mf.gguf.path, f"tensor {prefix}ape.weight should be [{ratio}, {width}], has {list(ape.shape)}")
-        return dict(kv=w.matrix(prefix + "kv.weight"), gate=w.matrix(prefix + "gate.weight"), ape=ape, norm=w.vector(prefix + "norm.weight"))
+        return dict(
+            kv=w.matrix(prefix + "kv.weight"), gate=w.matrix(prefix + "gate.weight"), ape=ape, norm=w.vector(prefix + "norm.weight")
+        )
 
     def _groups(self, name: str) -> list[QWeight]:
         """attn_output_a [G·r, H·d/G] as one [r, H·d/G] matrix per head group, on its bytes."""
@@ -251,7 +260,7 @@ class Model(MoEModel):
 
     # -- one block -----------------------------------------------------------------------
     def layer(self, i, x, cache, start, positions):
-        s, L, v4, eps = self.spec, self.layers[i], self.v4, self.spec.rms_eps
+        L, v4, eps = self.layers[i], self.v4, self.spec.rms_eps
         with self.stage("attention"):
             post, comb, a_in = hc_mix(L["hc_attn"], x, eps, v4.hc_eps, v4.hc_sinkhorn_iters)
             a = self.attention(i, rms_norm(a_in, L["attn_norm"], eps), cache, start, positions)
@@ -321,15 +330,17 @@ class Model(MoEModel):
             parts += [L["idx"]["kv"](n), L["idx"]["gate"](n)]
         return np.concatenate(parts, axis=-1).astype(np.float32)
 
-    def entries(self, i: int, cache: KVCache, qr: np.ndarray, n: np.ndarray, positions: np.ndarray, end: int) -> tuple[np.ndarray, np.ndarray]:
-        """The layer's compressed entries [M, d] (every window complete by `end`) and which
-        each query sees [T, M]: those complete by its position (HCA), of them the indexer's
-        top k (CSA)."""
+    def entries(
+        self, i: int, cache: KVCache, qr: np.ndarray, n: np.ndarray, positions: np.ndarray, end: int
+    ) -> tuple[np.ndarray, list[np.ndarray]]:
+        """The layer's compressed entries [M, d] (every window complete by `end`) and, per
+        query, the indices of those it sees: the ones complete by its position (HCA), of them
+        the indexer's top k (CSA)."""
         v4, L, eps = self.v4, self.layers[i], self.spec.rms_eps
         ratio, d, t = v4.compress_ratios[i], v4.head_dim, n.shape[0]
         m = end // ratio if ratio else 0
         if m == 0:
-            return np.zeros((0, d), np.float32), np.zeros((t, 0), bool)
+            return np.zeros((0, d), np.float32), [np.zeros(0, np.int64)] * t
         rows = cache.values(i, 0, m * ratio)[0]  # [M·ratio, state]
         cw = v4.comp_width(i)
         csa = ratio == CSA_RATIO
@@ -338,9 +349,9 @@ class Model(MoEModel):
         at = np.arange(m) * ratio
         ecos, esin = angles(self.inv_comp, at)
         entries = rotate_tail(entries[:, None], ecos, esin)[:, 0]  # [M, d]
-        seen = np.arange(m)[None, :] < ((positions + 1) // ratio)[:, None]  # complete by the query
+        visible = [np.arange(min(m, (int(p) + 1) // ratio)) for p in positions]  # complete by the query
         if not csa:
-            return entries, seen
+            return entries, visible
         ih, iw = v4.index_heads, v4.index_head_dim
         ix = L["idx"]
         keys = fold_entries(rows[:, 2 * cw : 2 * cw + 2 * iw], rows[:, 2 * cw + 2 * iw :], ix["ape"], ix["norm"], ratio, True, eps)
@@ -348,6 +359,8 @@ class Model(MoEModel):
         qcos, qsin = angles(self.inv_comp, positions)
         iq = rotate_tail(L["idx_q_b"](qr).reshape(t, ih, iw), qcos, qsin)  # [T, ih, iw]
         weights = L["idx_proj"](n) * np.float32(ih**-0.5)  # [T, ih]
-        per_head = np.maximum(np.einsum("thd,md->thm", iq, keys), 0) * np.float32(iw**-0.5)
-        scores = np.einsum("thm,th->tm", per_head, weights)  # [T, M]
-        return entries, top_k_visible(scores, seen, v4.index_top_k)
+        chosen = []
+        for r, vis in enumerate(visible):  # row by row, as `attend_with_entries`
+            per_head = np.maximum(iq[r] @ keys[vis].T, 0) * np.float32(iw**-0.5)  # [ih, M']
+            chosen.append(vis[top_k_of(weights[r] @ per_head, v4.index_top_k)])
+        return entries, chosen

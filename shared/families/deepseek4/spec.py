@@ -93,7 +93,9 @@ def facts(f: GGUFFile) -> V4Facts:
     ratios = m.per_layer("attention.compress_ratios", n)
     for r in ratios:
         if r not in (0, CSA_RATIO) and not 1 < r <= 1 << 16:
-            raise GGUFError(f.path, f"metadata {m.key('attention.compress_ratios')} holds {r}: DeepSeek-V4 compresses by 0, 4 or another ratio > 1")
+            raise GGUFError(
+                f.path, f"metadata {m.key('attention.compress_ratios')} holds {r}: DeepSeek-V4 compresses by 0, 4 or another ratio > 1"
+            )
     groups = positive(f, m.key("attention.output_group_count"), m.get_int("attention.output_group_count"), 4096)
     if c["n_head"] % groups:
         raise GGUFError(f.path, f"metadata {m.key('attention.output_group_count')} = {groups} does not divide head_count {c['n_head']}")
@@ -108,9 +110,13 @@ def facts(f: GGUFFile) -> V4Facts:
         o_groups=groups,
         o_lora_rank=positive(f, m.key("attention.output_lora_rank"), m.get_int("attention.output_lora_rank")),
         compress_ratios=ratios,
-        compress_rope_base=in_range(f, m.key("attention.compress_rope_freq_base"), m.get_float("attention.compress_rope_freq_base"), 1, 1e12),
+        compress_rope_base=in_range(
+            f, m.key("attention.compress_rope_freq_base"), m.get_float("attention.compress_rope_freq_base"), 1, 1e12
+        ),
         hc_mult=hc,
-        hc_sinkhorn_iters=positive(f, m.key("hyper_connection.sinkhorn_iterations"), m.get_int("hyper_connection.sinkhorn_iterations"), 1000),
+        hc_sinkhorn_iters=positive(
+            f, m.key("hyper_connection.sinkhorn_iterations"), m.get_int("hyper_connection.sinkhorn_iterations"), 1000
+        ),
         hc_eps=in_range(f, m.key("hyper_connection.epsilon"), m.get_float("hyper_connection.epsilon"), 0, 1),
         hash_layers=min(n, m.get_int("hash_layer_count", 0)),
         index_heads=positive(f, m.key("attention.indexer.head_count"), m.get_int("attention.indexer.head_count")) if csa else 0,
@@ -156,7 +162,7 @@ def read(f: GGUFFile) -> ModelSpec:
 
 
 def layer_kind(spec: ModelSpec, i: int) -> str:
-    """"sliding", "hca" or "csa": what layer i's cached rows say (`V4Facts.state_width`)."""
+    """ "sliding", "hca" or "csa": what layer i's cached rows say (`V4Facts.state_width`)."""
     hd, extra = spec.head_dim_k[i], spec.head_dim_v[i]
     return "sliding" if extra == 0 else "hca" if extra == 2 * hd else "csa"
 

@@ -181,6 +181,7 @@ def _v4(p: Preset) -> V4Preset:
 
 class DeepSeek4Plan(PlanPart):
     presets = PRESETS
+    mix_name = "Q4_K experts, Q8_0 attention, F16 HC"
     # not calibrated (no DeepSeek-V4 trace): sqrt-softplus scores, qwen3moe's spread and depth rule
     router = RouterShape(logit_std=5.0, depth_exp=0.4)
 
@@ -211,9 +212,9 @@ class DeepSeek4Plan(PlanPart):
             W(b + "attn_output_a.weight", (G * r, H * d // G), "attn_output", i),
             W(b + "attn_output_b.weight", (D, G * r), "attn_output", i),
         ]
-        for part in ("attn", "ffn"):  # F32 as transformers keeps them; small random mixes
+        for part in ("attn", "ffn"):
             out += [
-                TensorSpec(b + f"hc_{part}_fn.weight", (mix, n * D), Q.F32, "weight", 1.0 / (n * D) ** 0.5),
+                W(b + f"hc_{part}_fn.weight", (mix, n * D), "hc", i),
                 F(b + f"hc_{part}_base.weight", (mix,), "bias"),
                 F(b + f"hc_{part}_scale.weight", (3,), "scale"),
             ]
@@ -249,6 +250,18 @@ class DeepSeek4Plan(PlanPart):
             F(b + "ape.weight", (ratio, width), "bias"),
             F(b + "norm.weight", (norm,), "norm"),
         ]
+
+    def mix(self, role: str, layer: int, n_layer: int, v_index: int, n_v: int) -> Q:
+        """The published DeepSeek-V4-Flash q4 file's mix (antirez/deepseek-v4-gguf,
+        ...-Q4KExperts-F16HC-F16Compressor-F16Indexer-Q8Attn-Q8Shared-Q8Out-...; from its model
+        card, not a load log): routed experts Q4_K; attention projections, the shared expert and
+        the output head Q8_0; embedding, hyper-connections, compressors and indexer F16. Its
+        router and output hyper-connection are F16 too; ours stay F32."""
+        if role.endswith("_exps"):
+            return Q.Q4_K
+        if role in ("embd", "hc", "compressor", "indexer"):
+            return Q.F16
+        return Q.Q8_0
 
     def attention_metadata(self, w: GGUFWriter, p: Preset) -> None:
         """One kv head of head_dim, key and value alike."""

@@ -61,6 +61,28 @@ def test_a_truncated_cache_continues_as_a_fresh_one(made):
     assert np.array_equal(resumed, fresh)
 
 
+def test_a_file_as_llama_cpps_converter_writes_it_from_deepseeks_config(made, tmp_path):
+    """llama.cpp's converter writes nextn_predict_layers from the config but skips the MTP
+    tensors, and DeepSeek's compress_ratios has an entry for the MTP block: as llama.cpp's
+    loader, the decoder is every block, the ratios its first entries."""
+    from gguf import GGUFValueType
+
+    from .ggufgen import with_metadata
+
+    changes = {
+        "deepseek4.nextn_predict_layers": (1, GGUFValueType.UINT32),
+        "deepseek4.attention.compress_ratios": ([0, 4, 128, 4, 0], GGUFValueType.ARRAY),
+    }
+    path = with_metadata(made, tmp_path / "mtp-keys.gguf", changes)
+    logits = []
+    for p in (made, path):
+        with open_model(p) as mf:
+            assert (mf.spec.n_layer, mf.spec.n_layer_nextn) == (4, 0)
+            model = load_model(mf)
+            logits.append(model.forward(PROMPT, model.new_cache(64), all_logits=True))
+    assert np.array_equal(*logits)
+
+
 def test_made_hash_table_gives_each_token_distinct_experts(made):
     with open_model(made) as mf:
         table = np.array(mf.gguf.view("blk.0.ffn_gate_tid2eid.weight")).reshape(mf.spec.n_vocab, mf.spec.n_expert_used)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gguf import GGUFValueType
+
 from ...errors import GGUFError
 from ...gguf.reader import GGUFFile
 from ...gguf.spec import ModelSpec, Shapes
@@ -85,12 +87,34 @@ class V4Facts:
         return 0 if r == 0 else 2 * self.comp_width(i) + (4 * self.index_head_dim if r == CSA_RATIO else 0)
 
 
+def decoder_layers(f: GGUFFile) -> tuple[int, int]:
+    """(decoder blocks, MTP blocks after them), as llama.cpp's loader counts them: block_count
+    includes `nextn_predict_layers` MTP blocks only when the first one's tensors are there
+    (llama.cpp's converter writes the key from the config but skips the MTP tensors)."""
+    m, n_all = Meta(f, ARCH), common_keys(f, ARCH)["n_layer"]
+    nextn = m.get_int("nextn_predict_layers", 0)
+    if not 0 <= nextn < n_all:
+        raise GGUFError(f.path, f"metadata {m.key('nextn_predict_layers')} = {nextn} is out of range (0..{n_all - 1})")
+    if nextn and f"blk.{n_all - nextn}.nextn.eh_proj.weight" not in f.tensors:
+        nextn = 0
+    return n_all - nextn, nextn
+
+
+def _ints(f: GGUFFile, m: Meta, suffix: str, n: int) -> tuple[int, ...]:
+    """A per-layer integer array of at least n entries (DeepSeek's compress_ratios has one for
+    the MTP block too), its first n."""
+    key = m.key(suffix)
+    if not f.has(key) or f.meta_type(key)[0] != GGUFValueType.ARRAY or f.meta_len(key) < n:
+        raise GGUFError(f.path, f"metadata key {key!r} must be an array of at least {n} integers, one per layer")
+    return tuple(int(v) for v in list(f.meta(key))[:n])
+
+
 def facts(f: GGUFFile) -> V4Facts:
     """DeepSeek-V4's own keys, checked (llama.cpp's loader reads the same ones)."""
     m, c = Meta(f, ARCH), common_keys(f, ARCH)
-    n = c["n_layer"]
+    n, _ = decoder_layers(f)
     hd = head_dim(m, "attention.key_length")
-    ratios = m.per_layer("attention.compress_ratios", n)
+    ratios = _ints(f, m, "attention.compress_ratios", n)
     for r in ratios:
         if r not in (0, CSA_RATIO) and not 1 < r <= 1 << 16:
             raise GGUFError(
@@ -100,7 +124,7 @@ def facts(f: GGUFFile) -> V4Facts:
     if c["n_head"] % groups:
         raise GGUFError(f.path, f"metadata {m.key('attention.output_group_count')} = {groups} does not divide head_count {c['n_head']}")
     hc = positive(f, m.key("hyper_connection.count"), m.get_int("hyper_connection.count"), 64)
-    clamp = m.per_layer("swiglu_clamp_exp", n, 0.0, float)
+    clamp = m.per_layer("swiglu_clamp_exp", c["n_layer"], 0.0, float)[:n]
     if len(set(clamp)) > 1:
         raise GGUFError(f.path, f"metadata {m.key('swiglu_clamp_exp')}: one clamp for every layer is supported, has {sorted(set(clamp))}")
     csa = CSA_RATIO in ratios
@@ -132,9 +156,8 @@ def read(f: GGUFFile) -> ModelSpec:
     (`V4Facts.state_width`), every layer over the whole context; sqrt-softplus
     routing (the model computes it: `expert_gating` stays the neutral default)."""
     m, c = Meta(f, ARCH), common_keys(f, ARCH)
-    n = c["n_layer"]
-    if m.get_int("nextn_predict_layers", 0):
-        raise GGUFError(f.path, f"metadata {m.key('nextn_predict_layers')} > 0: files with the MTP block are not supported")
+    n, nextn = decoder_layers(f)
+    c.update(n_layer=n, n_head_kv=c["n_head_kv"][:n])
     if set(c["n_head_kv"]) != {1}:
         raise GGUFError(f.path, f"metadata {m.key('attention.head_count_kv')} must be 1 (DeepSeek-V4 shares one kv head)")
     if m.get_int("expert_gating_func", SQRT_SOFTPLUS) != SQRT_SOFTPLUS:
@@ -158,6 +181,7 @@ def read(f: GGUFFile) -> ModelSpec:
         expert_weights_norm=bool(f.meta(m.key("expert_weights_norm"))) if f.has(m.key("expert_weights_norm")) else False,
         expert_weights_scale=m.get_float("expert_weights_scale", 1.0),
         q_lora_rank=v4.q_lora_rank,
+        n_layer_nextn=nextn,  # never run, loaded or streamed
     )
 
 

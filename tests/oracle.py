@@ -164,6 +164,9 @@ DEEPSEEK2_YARN = {
     "beta_fast": 32.0,
     "beta_slow": 1.0,
 }
+# deepseek4's: YaRN for the compressing layers only (transformers' `compress` rope; llama.cpp
+# applies the file's scaling to them alone), over a short original context so the prompts reach it
+DEEPSEEK4_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 32.0, "beta_slow": 1.0}
 # The first families: q8_0 and the text checks in the default tier.
 FIRST_Q8_0 = Q8Bound(greedy_prefix=True, slow=False)
 
@@ -276,6 +279,8 @@ ORACLES: dict[str, FamilyOracle] = {
                 Config("hca8", no_llama_cpp="llama.cpp's deepseek4 compresses HCA layers by 128 only: the hca128 config runs there"),
                 # HCA by 128, as DeepSeek-V4 has it (the prompts stay short of a whole window)
                 Config("hca128", dict(hca_rate=128), slow=True),
+                # YaRN on the compressing layers (unit-sized), as DeepSeek-V4 ships it
+                Config("hca128-yarn", dict(hca_rate=128, max_position_embeddings=64, rope_parameters=DEEPSEEK4_YARN), slow=True),
             ),
             # the third prompt (21 tokens) passes the window (8), the indexer's top k (3 entries of 4)
             # and HCA's 8; the greedy continuations pass them on every prompt

@@ -92,6 +92,28 @@ def test_made_hash_table_gives_each_token_distinct_experts(made):
     assert all(len(set(row)) == len(row) for row in table.tolist())
 
 
+def test_made_chat_template_and_tokenizer_keep_deepseeks_specials_whole(made):
+    """V3's turn markers, each one token; the BOS leads every prompt."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from moe_pipe.shared.text.tokenizer import Tokenizer
+
+    with open_model(made) as mf:
+        tok = Tokenizer.from_gguf(mf.gguf)
+        template = str(mf.gguf.meta("tokenizer.chat_template"))
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    text = env.from_string(template).render(
+        messages=msgs, bos_token="", eos_token="<\uff5cend\u2581of\u2581sentence\uff5c>", add_generation_prompt=True
+    )
+    assert (
+        text == "Be brief.<\uff5cUser\uff5c>Hi<\uff5cAssistant\uff5c>Hello.<\uff5cend\u2581of\u2581sentence\uff5c><\uff5cAssistant\uff5c>"
+    )
+    ids = tok.encode(text)
+    assert ids[0] == 0 and [ids.count(i) for i in (1, 2, 3)] == [1, 1, 2]  # eos once, User once, Assistant twice
+    assert tok.decode(ids[1:]) == text
+
+
 def _config(**kw) -> dict:
     cfg = hfmodels.deepseek4_config(640, **kw)
     cfg.update(model_type="deepseek_v4", hc_eps=1e-6)  # as transformers saves it

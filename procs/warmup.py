@@ -101,7 +101,8 @@ def _rows_step(qt: quant.QType) -> Step:
 def kernel_steps(mf: ModelFile, forward: Callable[[], object]) -> list[Step]:
     """The steps for `mf`, the forward pass (`forward_pass`) last."""
     # The NextN/MTP block is never loaded: a type only it has compiles nothing that runs.
-    used = [t for t in mf.gguf.tensors.values() if t.name not in mf.layout.nextn_tensor_names]
+    # An I32 index table (deepseek4's token → experts) is looked up, never multiplied.
+    used = [t for t in mf.gguf.tensors.values() if t.name not in mf.layout.nextn_tensor_names and t.qtype.name != "I32"]
     matrix_types = sorted({quant.QType(int(t.qtype)) for t in used if len(t.shape) >= 2}, key=int)
     # Embedding tables are looked up by rows (shared/model/weights.py QWeight.rows).
     row_types = sorted({quant.QType(int(t.qtype)) for t in used if "token_embd" in t.name}, key=int)

@@ -59,6 +59,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("deepseek2", "deepseek2", ("deepseek_v2", "deepseek_v3")),
     Family("qwen2moe", "qwen2moe", ("qwen2_moe",)),
     Family("bailingmoe3", "bailingmoe3", ("bailing_hybrid",)),
+    Family("deepseek4", "deepseek4", ("deepseek_v4",)),
 )
 
 ARCHES: tuple[str, ...] = tuple(f.arch for f in FAMILIES)

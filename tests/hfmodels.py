@@ -43,6 +43,7 @@ def build(arch: str, out_dir: Path, seed: int = 0, **kw) -> Path:
     builders["mixtral"] = build_mixtral
     builders["qwen2moe"] = build_qwen2moe
     builders["bailingmoe3"] = build_bailingmoe3
+    builders["deepseek4"] = build_deepseek4
     return builders[arch](Path(out_dir), seed, **kw)
 
 
@@ -370,6 +371,79 @@ def build_bailingmoe3(out_dir: Path, seed: int = 0, **kw) -> Path:
     special = dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None)
     cfg = BailingHybridConfig(**bailingmoe3_config(_round_up(len(tok), 64), **special, **kw))
     return _save(BailingHybridForCausalLM, cfg, tok, out_dir, seed)
+
+
+def deepseek4_config(vocab_size: int, **kw) -> dict:
+    """DeepSeek-V4's structure, tiny: 4 layers (sliding, CSA, HCA, CSA), a window of 8, CSA
+    by 4 with an 8-head indexer (64 wide) keeping 3 entries, HCA by 8 (`hca_rate`; llama.cpp
+    loads only 128), 4 hyper-connection streams, one 128-wide kv head with 64 rope dims (llama.cpp
+    0.3.36 fails an assert at 64 wide with 32 rope dims), 2 output groups,
+    8 experts top-2 plus one shared, the first layer hash-routed. A prompt of a few dozen
+    tokens passes the window, the indexer's top k and both ratios."""
+    cfg = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        moe_intermediate_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=128,
+        partial_rotary_factor=0.5,
+        q_lora_rank=64,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        routed_scaling_factor=1.5,
+        layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention", "compressed_sparse_attention"],
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": kw.pop("hca_rate", 8)},
+        mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
+        sliding_window=8,
+        o_groups=2,
+        o_lora_rank=32,
+        index_n_heads=8,
+        index_head_dim=64,
+        index_topk=3,
+        hc_mult=4,
+        hc_sinkhorn_iters=20,
+        swiglu_limit=10.0,
+        rope_theta=10000.0,
+        compress_rope_theta=40000.0,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        initializer_range=0.08,
+    )
+    cfg.update(kw)
+    return cfg
+
+
+def build_deepseek4(out_dir: Path, seed: int = 0, **kw) -> Path:
+    """Saved as DeepseekV4ForCausalLM (DeepSeek's own tensor names under `model.`)."""
+    import torch
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+    tok = _qwen_tokenizer()
+    special = dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None)
+    cfg = DeepseekV4Config(**deepseek4_config(_round_up(len(tok), 64), **special, **kw))
+
+    def randomized(c):
+        # What inits to constants would hide layout mistakes: the hash table (zeros: every token
+        # on expert 0), the hyper-connection bases and scales, the compressors' position bias.
+        model = DeepseekV4ForCausalLM(c)
+        g = torch.Generator().manual_seed(seed + 2)
+        with torch.no_grad():
+            for name, t in model.state_dict().items():
+                if name.endswith("tid2eid"):
+                    t.copy_(
+                        torch.stack([torch.randperm(c.n_routed_experts, generator=g)[: c.num_experts_per_tok] for _ in range(t.shape[0])])
+                    )
+                elif name.endswith((".base", "hc_base", "position_bias")):
+                    t.copy_(0.3 * torch.randn(t.shape, generator=g))
+                elif name.endswith((".scale", "hc_scale")):
+                    t.copy_(1.0 + 0.3 * torch.randn(t.shape, generator=g))
+        return model
+
+    return _save(randomized, cfg, tok, out_dir, seed)
 
 
 def _tame(out_dir: Path) -> None:

@@ -164,6 +164,9 @@ DEEPSEEK2_YARN = {
     "beta_fast": 32.0,
     "beta_slow": 1.0,
 }
+# deepseek4's: YaRN for the compressing layers only (transformers' `compress` rope; llama.cpp
+# applies the file's scaling to them alone), over a short original context so the prompts reach it
+DEEPSEEK4_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 32.0, "beta_slow": 1.0}
 # The first families: q8_0 and the text checks in the default tier.
 FIRST_Q8_0 = Q8Bound(greedy_prefix=True, slow=False)
 
@@ -277,6 +280,23 @@ ORACLES: dict[str, FamilyOracle] = {
             greedy_default=(8, 1),  # transformers' generate is the slow part
             q8_0=Q8Bound(greedy_prefix=True),
             made=MadeCheck(Prompts(IDS[1:2]), tol=1e-4),
+        ),
+        FamilyOracle(
+            "deepseek4",
+            (
+                # sliding, CSA, HCA, CSA; HCA by 8 so that the prompts reach it
+                Config("hca8", no_llama_cpp="llama.cpp's deepseek4 compresses HCA layers by 128 only: the hca128 config runs there"),
+                # HCA by 128, as DeepSeek-V4 has it (the prompts stay short of a whole window)
+                Config("hca128", dict(hca_rate=128), slow=True),
+                # YaRN on the compressing layers (unit-sized), as DeepSeek-V4 ships it
+                Config("hca128-yarn", dict(hca_rate=128, max_position_embeddings=64, rope_parameters=DEEPSEEK4_YARN), slow=True),
+            ),
+            # the third prompt (21 tokens) passes the window (8), the indexer's top k (3 entries of 4)
+            # and HCA's 8; the greedy continuations pass them on every prompt
+            greedy_default=(8, 1),  # transformers' generate is the slow part
+            # the indexer's top k is a discrete choice: on the 21-token prompt (3 of 5 entries kept)
+            # q8_0 rounding flips a close pick and the logits move by 0.15-0.2
+            q8_0=Q8Bound(rel=0.25, greedy_prefix=True),
         ),
         FamilyOracle(
             "qwen2moe",

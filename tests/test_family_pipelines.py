@@ -18,7 +18,7 @@ from moe_pipe.shared.makemodel.maker import make_model
 from .test_pipeline import COVER, _budget_mb, _check_identity, independent_lru, run_pipeline, with_reference
 
 # GGUF arch of each later family (mixtral is `llama`)
-FAMILIES = ("qwen35moe", "deepseek2", "glm4moe", "llama", "lfm2moe", "qwen2moe", "bailingmoe3")
+FAMILIES = ("qwen35moe", "deepseek2", "glm4moe", "llama", "lfm2moe", "qwen2moe", "bailingmoe3", "deepseek4")
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

@@ -430,7 +430,7 @@ def test_bad_arguments_are_one_line_user_errors(kwargs, words, tmp_path):
 
 def test_presets_are_the_documented_ones():
     # the first round, then the later families in the order they landed
-    assert MADE_ARCHES == (*ARCHES, "qwen35moe", "llama", "glm4moe", "lfm2moe", "deepseek2", "qwen2moe", "bailingmoe3")
+    assert MADE_ARCHES == (*ARCHES, "qwen35moe", "llama", "glm4moe", "lfm2moe", "deepseek2", "qwen2moe", "bailingmoe3", "deepseek4")
     assert PRESETS[:6] == ("tiny", "small", "qwen30b-shape", "gptoss120b-shape", "gemma26b-shape", "qwen35-35b-shape")
     assert set(PRESETS[6:]) == {
         "mixtral-8x7b-shape",
@@ -440,6 +440,7 @@ def test_presets_are_the_documented_ones():
         "qwen15-moe-shape",
         "ling-3-tiny-shape",
         "ling-3-flash-shape",
+        "deepseek-v4-flash-shape",
     }
 
 

@@ -75,7 +75,7 @@ def convert(hf_dir: Path | str, out: Path | str, outtype: str = "f16", progress:
     try:
         plan = arch.plan(hp, ck)  # checks every name and shape before writing anything
         types = [tensor_qtype(o, qtype) for o in plan]
-        sizes = [block_format(t).tensor_bytes(o.shape) for o, t in zip(plan, types)]
+        sizes = [_tensor_bytes(o.shape, t) for o, t in zip(plan, types)]
         total = sum(sizes)
         out.parent.mkdir(parents=True, exist_ok=True)
         free = shutil.disk_usage(out.parent).free
@@ -123,7 +123,13 @@ def tensor_qtype(o: Out, outtype: Q) -> Q:
 
 
 def _byte_shape(shape: tuple[int, ...], t: Q) -> tuple[int, ...]:
+    if t == Q.I32:  # an index table (deepseek4's token → experts): 4 bytes a value, written raw
+        return (*shape[:-1], 4 * shape[-1])
     return (*shape[:-1], block_format(t).row_bytes(shape[-1]))
+
+
+def _tensor_bytes(shape: tuple[int, ...], t: Q) -> int:
+    return int(np.prod(_byte_shape(shape, t))) if t == Q.I32 else block_format(t).tensor_bytes(shape)
 
 
 def _encode(o: Out, t: Q, nbytes: int) -> np.ndarray:

@@ -382,6 +382,12 @@ def _generate(s: TensorSpec, seed: int) -> np.ndarray:
     """The tensor's bytes as uint8 shaped `s.byte_shape`."""
     rng = tensor_rng(seed, s.name)
     n = int(np.prod(s.shape))
+    if s.fill == "expert_ids":  # deepseek4's hash routing: each token's k distinct experts of param
+        rows, k = s.shape
+        n_expert = int(s.param)
+        step = rng.integers(1, max(1, n_expert // k) + 1, rows)  # (k - 1)·step < n_expert: distinct
+        ids = (rng.integers(0, n_expert, rows)[:, None] + np.arange(k)[None, :] * step[:, None]) % n_expert
+        return np.ascontiguousarray(ids, np.int32).view(np.uint8).reshape(s.byte_shape)
     if s.fill == "weight":
         fmt = block_format(s.qtype)
         buf = np.empty(s.nbytes, np.uint8)

@@ -35,16 +35,18 @@ class TensorSpec:
     name: str
     shape: tuple[int, ...]
     qtype: Q
-    fill: str  # weight | norm | norm_scaled | ones | router | router_bias | bias | bias_scaled | sinks | scale | rope_freqs | conv | ssm_a
+    fill: str  # weight | norm | norm_scaled | ones | router | router_bias | bias | bias_scaled | sinks | scale | rope_freqs | conv | ssm_a | expert_ids
     param: float = 0.0  # std of the random values; rope_freqs: fraction of pairs that rotate
 
     @property
     def byte_shape(self) -> tuple[int, ...]:
+        if self.qtype == Q.I32:  # an index table (deepseek4's token → experts), not a weight
+            return (*self.shape[:-1], 4 * self.shape[-1])
         return (*self.shape[:-1], block_format(self.qtype).row_bytes(self.shape[-1]))
 
     @property
     def nbytes(self) -> int:
-        return block_format(self.qtype).tensor_bytes(self.shape)
+        return 4 * math.prod(self.shape) if self.qtype == Q.I32 else block_format(self.qtype).tensor_bytes(self.shape)
 
 
 # The two constructors a layer plan builds its tensors with (maker.plan_tensors passes them in):

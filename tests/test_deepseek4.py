@@ -63,23 +63,27 @@ def test_a_truncated_cache_continues_as_a_fresh_one(made):
 
 def test_a_file_as_llama_cpps_converter_writes_it_from_deepseeks_config(made, tmp_path):
     """llama.cpp's converter writes nextn_predict_layers from the config but skips the MTP
-    tensors, and DeepSeek's compress_ratios has an entry for the MTP block: as llama.cpp's
-    loader, the decoder is every block, the ratios its first entries."""
+    tensors, and DeepSeek's compress_ratios has an entry for the MTP block; made files are
+    written so. As llama.cpp's loader, the decoder is every block, the ratios its first
+    entries: the same logits as a file without the MTP's count and entry."""
     from gguf import GGUFValueType
 
     from .ggufgen import with_metadata
 
     changes = {
-        "deepseek4.nextn_predict_layers": (1, GGUFValueType.UINT32),
-        "deepseek4.attention.compress_ratios": ([0, 4, 128, 4, 0], GGUFValueType.ARRAY),
+        "deepseek4.nextn_predict_layers": (0, GGUFValueType.UINT32),
+        "deepseek4.attention.compress_ratios": ([0, 4, 128, 4], GGUFValueType.ARRAY),
     }
-    path = with_metadata(made, tmp_path / "mtp-keys.gguf", changes)
+    path = with_metadata(made, tmp_path / "no-mtp-keys.gguf", changes)
     logits = []
     for p in (made, path):
         with open_model(p) as mf:
             assert (mf.spec.n_layer, mf.spec.n_layer_nextn) == (4, 0)
             model = load_model(mf)
             logits.append(model.forward(PROMPT, model.new_cache(64), all_logits=True))
+    with open_model(made) as mf:
+        assert mf.gguf.meta("deepseek4.nextn_predict_layers") == 1
+        assert list(mf.gguf.meta("deepseek4.attention.compress_ratios")) == [0, 4, 128, 4, 0]
     assert np.array_equal(*logits)
 
 

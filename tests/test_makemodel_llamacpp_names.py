@@ -6,17 +6,22 @@ and each family's class, named per entry) writes for a checkpoint shaped like th
 tiny preset; a key comes from the HF config field named beside it. The tensor names are
 the converter's mapping of that checkpoint's tensors (gguf-py `tensor_mapping.py`); every
 one must also be a name gguf-py's `MODEL_TENSORS` lists for the arch (the installed gguf-py
-is llama.cpp's). A made file that lacks a key or a name llama.cpp writes, or has one it
-does not, fails (docs/models.md, each family's make-model paragraph).
+is llama.cpp's; for an arch it predates, the list in `LOADER_NAMES`, cited there), and a
+tensor-name format the installed libllama knows. A made file that lacks a key or a name
+llama.cpp writes, or has one it does not, fails (docs/models.md, each family's make-model
+paragraph). Every family in the registry has an entry.
 """
 
 from __future__ import annotations
 
 import re
+from functools import lru_cache
+from pathlib import Path
 
 import pytest
 from gguf.constants import MODEL_ARCH_NAMES, MODEL_TENSORS, TENSOR_NAMES
 
+from moe_pipe.shared.family_registry import FAMILIES
 from moe_pipe.shared.gguf.reader import GGUFFile
 from moe_pipe.shared.makemodel.maker import make_model
 
@@ -143,6 +148,74 @@ KEYS: dict[str, set[str]] = {
     },
     # Qwen2MoeModel: expert_feed_forward_length, expert_shared_feed_forward_length; Qwen1.5-MoE's config has no head_dim
     "qwen2moe": _COMMON | _FF | {"expert_feed_forward_length", "expert_shared_feed_forward_length"},
+    # BailingMoeV3Model (conversion/bailingmoe3.py; read from copies in forks of ggml-org/llama.cpp,
+    # zsogitbe/llama.cpp@3733366 and despc/llama.cpp@3f3d889, which agree on these): head_count_kv per
+    # layer; vocab_size, ssm.conv_kernel (short_conv_kernel_size), kda.head_dim (head_dim), kda.safe_gate,
+    # kda.gate_lower_bound (kda_lower_bound), kv_lora_rank, rope.dimension_count (qk_rope_head_dim),
+    # key_length (kv_lora_rank + rope, over TextModel's head_dim), key_length_mla, value_length_mla,
+    # expert_feed_forward_length, expert_shared_feed_forward_length, expert_shared_count,
+    # leading_dense_block_count, expert_weights_scale, expert_weights_norm; TextModel: feed_forward_length
+    # (intermediate_size), value_length (head_dim), expert_group_count / _used_count (n_group, topk_group),
+    # expert_gating_func (score_function sigmoid). q_lora_rank only when the config has one (the tiny
+    # preset's MLA has none); swiglu_clamp_* only from Ling's expert_swiglu_limit_list;
+    # nextn_predict_layers only with the MTP block (num_nextn_predict_layers, which the tiny preset lacks).
+    "bailingmoe3": _COMMON
+    | _FF
+    | _HEAD_DIM
+    | {
+        "vocab_size",
+        "ssm.conv_kernel",
+        "kda.head_dim",
+        "kda.safe_gate",
+        "kda.gate_lower_bound",
+        "attention.kv_lora_rank",
+        "rope.dimension_count",
+        "attention.key_length_mla",
+        "attention.value_length_mla",
+        "expert_feed_forward_length",
+        "expert_shared_feed_forward_length",
+        "expert_shared_count",
+        "leading_dense_block_count",
+        "expert_weights_scale",
+        "expert_weights_norm",
+        "expert_group_count",
+        "expert_group_used_count",
+        "expert_gating_func",
+    },
+    # DeepseekV4Model (ggml-org/llama.cpp conversion/deepseek.py @01a723d), from DeepSeek's own
+    # config.json: vocab_size, rope.dimension_count (qk_rope_head_dim), q_lora_rank, output_lora_rank,
+    # output_group_count, compress_ratios, compress_rope_freq_base, expert_feed_forward_length,
+    # expert_shared_count, expert_weights_scale, hash_layer_count, expert_weights_norm, swiglu_clamp_exp
+    # (swiglu_limit), sliding_window, indexer head_count / key_length / top_k, nextn_predict_layers
+    # (num_nextn_predict_layers: written although the MTP tensors are skipped), hyper_connection
+    # count / sinkhorn_iterations / epsilon; TextModel: head_dim, expert_gating_func (sqrtsoftplus).
+    # V4's config has no intermediate_size (no feed_forward_length) and no n_group.
+    "deepseek4": _COMMON
+    | _HEAD_DIM
+    | {
+        "vocab_size",
+        "rope.dimension_count",
+        "attention.q_lora_rank",
+        "attention.output_lora_rank",
+        "attention.output_group_count",
+        "attention.compress_ratios",
+        "attention.compress_rope_freq_base",
+        "expert_feed_forward_length",
+        "expert_shared_count",
+        "expert_weights_scale",
+        "hash_layer_count",
+        "expert_weights_norm",
+        "swiglu_clamp_exp",
+        "attention.sliding_window",
+        "attention.indexer.head_count",
+        "attention.indexer.key_length",
+        "attention.indexer.top_k",
+        "nextn_predict_layers",
+        "hyper_connection.count",
+        "hyper_connection.sinkhorn_iterations",
+        "hyper_connection.epsilon",
+        "expert_gating_func",
+    },
 }
 
 # Where make-model departs on purpose (docs/models.md says why).
@@ -210,6 +283,65 @@ TENSORS: dict[str, tuple[set[str], set[str]]] = {
         | _DENSE,
     ),
     "qwen2moe": (_HEAD, _ATTN | _QKV_BIAS | _EXPERTS | _SHEXP | {"ffn_gate_inp_shexp.weight", "ffn_norm.weight"}),
+    # KDA layers (their own q/k/v convs, a = exp(A_log) as ssm_a, dt_bias as ssm_dt.bias) and gated MLA
+    # layers (kv_b_proj split into attn_k_b / attn_v_b, g_proj as attn_gate); a leading dense layer
+    "bailingmoe3": (
+        _HEAD,
+        {"attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight", "ffn_norm.weight"}
+        | {"ssm_conv1d_q.weight", "ssm_conv1d_k.weight", "ssm_conv1d_v.weight", "ssm_f_a.weight", "ssm_dt.bias", "ssm_a"}
+        | {"ssm_beta.weight", "ssm_g_a.weight", "ssm_norm.weight"}
+        | {"attn_kv_a_mqa.weight", "attn_kv_a_norm.weight", "attn_k_b.weight", "attn_v_b.weight", "attn_gate.weight"}
+        | _EXPERTS
+        | _SHEXP
+        | _DENSE
+        | {"exp_probs_b.bias"},
+    ),
+    # DeepseekV4Model._map_tensor_name_deepseek4: the head's hyper-connection; per layer attention, two
+    # hyper-connections, a compressing layer's compressor, a CSA layer's indexer, a hash layer's
+    # tid2eid table (the others' exp_probs_b), routed and shared experts
+    "deepseek4": (
+        _HEAD | {"output_hc_fn.weight", "output_hc_base.weight", "output_hc_scale.weight"},
+        {"attn_norm.weight", "attn_sinks.weight", "attn_q_a.weight", "attn_q_a_norm.weight", "attn_q_b.weight"}
+        | {"attn_kv.weight", "attn_kv_a_norm.weight", "attn_output_a.weight", "attn_output_b.weight"}
+        | {f"hc_{part}_{t}.weight" for part in ("attn", "ffn") for t in ("fn", "base", "scale")}
+        | {f"{c}_compressor_{t}.weight" for c in ("attn", "indexer") for t in ("kv", "gate", "ape", "norm")}
+        | {"indexer.proj.weight", "indexer.attn_q_b.weight"}
+        | {"ffn_gate_tid2eid.weight", "exp_probs_b.bias", "ffn_norm.weight"}
+        | _EXPERTS
+        | _SHEXP,
+    ),
+}
+
+# The names llama.cpp knows for an arch newer than the installed gguf-py (0.19), which has no
+# MODEL_TENSORS entry for it.
+LOADER_NAMES: dict[str, set[str]] = {
+    # gguf-py constants.py MODEL_TENSORS[DEEPSEEK4] with TENSOR_NAMES (ggml-org/llama.cpp @00395eb)
+    "deepseek4": {"token_embd", "output_norm", "output", "output_hc_fn", "output_hc_base", "output_hc_scale"}
+    | {
+        f"blk.{{bid}}.{n}"
+        for n in (
+            "attn_norm attn_sinks attn_q_a attn_q_b attn_q_a_norm attn_kv attn_kv_a_norm attn_output_a attn_output_b"
+            " hc_attn_fn hc_attn_base hc_attn_scale hc_ffn_fn hc_ffn_base hc_ffn_scale"
+            " attn_compressor_kv attn_compressor_gate attn_compressor_ape attn_compressor_norm"
+            " indexer.proj indexer.attn_q_b indexer_compressor_kv indexer_compressor_gate indexer_compressor_ape"
+            " indexer_compressor_norm ffn_gate_inp ffn_gate_tid2eid exp_probs_b ffn_norm ffn_gate_exps ffn_down_exps"
+            " ffn_up_exps ffn_gate_shexp ffn_down_shexp ffn_up_shexp nextn.eh_proj nextn.embed_tokens nextn.enorm"
+            " nextn.hnorm nextn.shared_head_head nextn.shared_head_norm"
+        ).split()
+    },
+    # the stored ggml-org constants.py has no BAILINGMOE3: the names its loader creates
+    # (src/models/bailingmoe3.cpp load_arch_tensors, ggml-org/llama.cpp @38d3906)
+    "bailingmoe3": {"token_embd", "output_norm", "output"}
+    | {
+        f"blk.{{bid}}.{n}"
+        for n in (
+            "attn_norm ssm_conv1d_q ssm_conv1d_k ssm_conv1d_v attn_q attn_k attn_v ssm_f_a ssm_beta ssm_a ssm_dt"
+            " ssm_g_a ssm_norm attn_output attn_q_a attn_q_a_norm attn_q_b attn_kv_a_mqa attn_kv_a_norm attn_k_b"
+            " attn_v_b attn_gate ffn_norm ffn_gate ffn_up ffn_down ffn_gate_inp exp_probs_b ffn_gate_exps"
+            " ffn_up_exps ffn_down_exps ffn_gate_shexp ffn_up_shexp ffn_down_shexp nextn.eh_proj nextn.enorm"
+            " nextn.hnorm layer_output_norm"
+        ).split()
+    },
 }
 
 # Every made file's tokenizer keys (SpecialVocab and the family's set_vocab write more where the
@@ -220,6 +352,32 @@ TENSORS: dict[str, tuple[set[str], set[str]]] = {
 _TOKENIZER = {"tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type"}
 _TOKENIZER |= {"tokenizer.ggml.eos_token_id", "tokenizer.chat_template"}
 _MERGES_SCORES = {"gpt2": (True, False), "llama": (False, True), "gemma4": (True, True)}
+
+
+def test_every_family_has_an_entry():
+    """A family added to the registry fails here until its keys and names are listed."""
+    arches = {f.arch for f in FAMILIES}
+    assert set(KEYS) == arches, f"no KEYS entry for {sorted(arches - set(KEYS))}"
+    assert set(TENSORS) == arches, f"no TENSORS entry for {sorted(arches - set(TENSORS))}"
+
+
+def _llama_cpp_names(arch: str) -> set[str]:
+    """The tensor names ("blk.{bid}.attn_q", "token_embd") llama.cpp lists for the arch."""
+    gguf_arch = next((a for a, name in MODEL_ARCH_NAMES.items() if name == arch), None)
+    if gguf_arch is None:
+        return LOADER_NAMES[arch]
+    return {TENSOR_NAMES[t] for t in MODEL_TENSORS[gguf_arch]}
+
+
+@lru_cache(maxsize=1)
+def _libllama_strings() -> bytes | None:
+    """The installed libllama's bytes, whose C strings hold the tensor-name formats it loads."""
+    try:
+        import llama_cpp
+    except ImportError:
+        return None
+    lib = Path(llama_cpp.__file__).parent / "lib" / "libllama.so"
+    return lib.read_bytes() if lib.is_file() else None
 
 
 @pytest.fixture(scope="module")
@@ -262,9 +420,10 @@ def test_made_tensor_names_are_llama_cpps(arch, made):
     assert top == want_top, f"missing {sorted(want_top - top)}, not llama.cpp's {sorted(top - want_top)}"
     assert per_layer == want_layer, f"missing {sorted(want_layer - per_layer)}, not llama.cpp's {sorted(per_layer - want_layer)}"
     assert {int(n.split(".")[1]) for n in names if n.startswith("blk.")} == set(range(n_layer))
-    gguf_arch = next(a for a, name in MODEL_ARCH_NAMES.items() if name == arch)
-    allowed = {TENSOR_NAMES[t] for t in MODEL_TENSORS[gguf_arch]}
+    allowed, lib = _llama_cpp_names(arch), _libllama_strings()
     for n in names:
         base = re.sub(r"^blk\.\d+\.", "blk.{bid}.", n)
         stem = base.rsplit(".", 1)[0] if base.rsplit(".", 1)[-1] in ("weight", "bias", "scale") else base
-        assert stem in allowed, f"{n}: not a name gguf-py's MODEL_TENSORS lists for {arch}"
+        assert stem in allowed, f"{n}: not a name llama.cpp lists for {arch}"
+        if lib is not None:  # the C string the loader formats the name from (the linker may share its tail)
+            assert stem.replace("{bid}", "%d").encode() + b"\0" in lib, f"{n}: libllama has no format {stem!r}"

@@ -51,6 +51,9 @@ class V4Preset(Preset):
     hash_layers: int = 0
     compress_rope_base: float = 160000.0
     swiglu_limit: float = 10.0
+    # the checkpoint's num_nextn_predict_layers (DeepSeek-V4's 1): llama.cpp's converter writes
+    # the count and a compress_ratios entry for each MTP layer, but none of their tensors
+    mtp_layers: int = 1
 
     def ratio(self, i: int) -> int:
         """Layer i's compression: 0, then CSA and HCA in turn."""
@@ -181,6 +184,7 @@ def _v4(p: Preset) -> V4Preset:
 
 class DeepSeek4Plan(PlanPart):
     presets = PRESETS
+    width_keys = ("expert_feed_forward_length",)  # V4's config has no intermediate_size
     mix_name = "Q4_K experts, Q8_0 attention, F16 HC"
     # not calibrated (no DeepSeek-V4 trace): sqrt-softplus scores, qwen3moe's spread and depth rule
     router = RouterShape(logit_std=5.0, depth_exp=0.4)
@@ -270,7 +274,7 @@ class DeepSeek4Plan(PlanPart):
         w.add_value_length(p.head_dim)
 
     def metadata(self, w: GGUFWriter, p: Preset) -> None:
-        """The deepseek4 keys, as convert writes them (families/deepseek4/convert.py)."""
+        """The deepseek4 keys, as llama.cpp's converter writes them (DeepseekV4Model)."""
         v, a = _v4(p), "deepseek4."
         w.add_vocab_size(p.vocab_size)
         w.add_q_lora_rank(p.q_lora_rank)
@@ -281,7 +285,8 @@ class DeepSeek4Plan(PlanPart):
             w.add_rope_scaling_orig_ctx_len(p.yarn_orig_ctx)
         w.add_uint32(a + "attention.output_lora_rank", v.o_lora_rank)
         w.add_uint32(a + "attention.output_group_count", v.o_groups)
-        w.add_array(a + "attention.compress_ratios", [v.ratio(i) for i in range(p.n_layer)])
+        # the MTP layers' entries last (0: DeepSeek-V4-Flash's), as DeepSeek's config lists them
+        w.add_array(a + "attention.compress_ratios", [v.ratio(i) for i in range(p.n_layer)] + [0] * v.mtp_layers)
         w.add_float32(a + "attention.compress_rope_freq_base", v.compress_rope_base)
         w.add_sliding_window(p.sliding_window)
         w.add_expert_shared_count(p.n_expert_shared)
@@ -296,6 +301,9 @@ class DeepSeek4Plan(PlanPart):
         w.add_uint32(a + "hyper_connection.count", v.hc_mult)
         w.add_uint32(a + "hyper_connection.sinkhorn_iterations", v.hc_sinkhorn_iters)
         w.add_float32(a + "hyper_connection.epsilon", v.hc_eps)
+        # as llama.cpp's converter: the count without the block; its loader and shared/families/
+        # deepseek4/spec.py count MTP blocks only when blk.{n}.nextn.eh_proj is there
+        w.add_nextn_predict_layers(v.mtp_layers)
 
     def vocab(self, size: int, n_bpe: int) -> Vocab:
         """[bos, eos, <｜User｜>, <｜Assistant｜> | BPE ... | [PADn] ...]: byte-level BPE on

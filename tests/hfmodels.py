@@ -914,3 +914,53 @@ def build_qwen2moe(out_dir: Path, seed: int = 0, norm_topk_prob: bool = False, f
             out[e + "down_proj"] = np.stack([sd[f"{e}{x}.down_proj.weight"] for x in xs])
         save_file(out, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     return out_dir
+
+
+def with_mtp_block(src: Path, dst: Path, family: str, seed: int = 0) -> Path:
+    """A copy of the tiny `family` checkpoint (qwen35moe text-only, glm4moe) with the one
+    NextN/MTP layer the published checkpoints carry and transformers does not save, named
+    as they name it: Qwen3.5's `mtp.layers.0.*` (a full-attention MoE layer; its decoder
+    layer 3's tensors, perturbed) and `mtp.fc` [D, 2D], `mtp.pre_fc_norm_embedding` /
+    `_hidden`, `mtp.norm` (stored as w of a 1 + w norm); GLM-4.5's `model.layers.{L}.*`
+    (a routed layer, layer L-1's perturbed) with `eh_proj`, `enorm`, `hnorm`,
+    `embed_tokens`, `shared_head.head` and `shared_head.norm`. Written to `mtp.safetensors`
+    beside the model's; the config names the layer count."""
+    import json
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    sd = load_file(dst / "model.safetensors")
+    rng = np.random.default_rng(seed)
+    L, D = cfg["num_hidden_layers"], cfg["hidden_size"]
+
+    def near(t: np.ndarray) -> np.ndarray:
+        return (t + 0.05 * rng.standard_normal(t.shape)).astype(np.float32)
+
+    def rand(*shape: int, mean: float = 0.0, std: float = 0.08) -> np.ndarray:
+        return (mean + std * rng.standard_normal(shape)).astype(np.float32)
+
+    if family == "qwen35moe":
+        src_layer, out = f"model.layers.{L - 1}.", {}
+        for name, t in sd.items():
+            if name.startswith(src_layer):
+                out["mtp.layers.0." + name[len(src_layer) :]] = near(t)
+        out |= {"mtp.fc.weight": rand(D, 2 * D), "mtp.norm.weight": rand(D, std=0.2)}
+        out |= {f"mtp.pre_fc_norm_{k}.weight": rand(D, std=0.2) for k in ("embedding", "hidden")}
+        cfg["mtp_num_hidden_layers"] = 1
+    elif family == "glm4moe":
+        src_layer, new, out = f"model.layers.{L - 1}.", f"model.layers.{L}.", {}
+        for name, t in sd.items():
+            if name.startswith(src_layer):
+                out[new + name[len(src_layer) :]] = near(t)
+        out |= {new + "eh_proj.weight": rand(D, 2 * D), new + "embed_tokens.weight": near(sd["model.embed_tokens.weight"])}
+        out |= {new + "shared_head.head.weight": near(sd["lm_head.weight"])}
+        out |= {new + f"{k}.weight": rand(D, mean=1.0, std=0.2) for k in ("enorm", "hnorm", "shared_head.norm")}
+        cfg["num_nextn_predict_layers"] = 1
+    else:
+        raise ValueError(f"no MTP layout for {family}")
+    save_file(out, str(dst / "mtp.safetensors"), metadata={"format": "pt"})
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    return dst

@@ -14,6 +14,12 @@ sinks, scales and other 1-D tensors stay F32, as llama.cpp's converter does;
 for q8_0 a matrix whose rows are not a multiple of 32 wide falls back to F16.
 MXFP4 experts of a gpt-oss checkpoint are repacked losslessly and stay MXFP4.
 
+The NextN/MTP block (Qwen3.5/3.6's `mtp.*`, GLM-4.5's `model.layers.{L..}`) is written
+after the decoder's layers when the checkpoint has it, as llama.cpp's converter does by
+default (`block_count` counts it, `nextn_predict_layers` says how many); `mtp=False`
+(`--no-mtp`, llama.cpp's flag too) leaves it out. A family's plan reads the wish as
+`hp["mtp"]`; its metadata reads what was planned as `hp["mtp_written"]`.
+
 Writing streams: the tensor table goes into the header first, then one tensor
 at a time is converted from memory-mapped safetensors and written, so peak
 RAM is about one output tensor. The file is written to `<out>.part` and
@@ -34,7 +40,7 @@ from gguf.quants import quantize
 
 from ..errors import UserError
 from ..quant.blocks import block_format
-from .plan import Out
+from .plan import Out, mtp_blocks
 from .rules import arch_for
 from .source import Checkpoint, read_json
 from .vocab import add_vocab, read_vocab
@@ -50,8 +56,16 @@ _FILE_TYPE = {
 }
 
 
-def convert(hf_dir: Path | str, out: Path | str, outtype: str = "f16", progress: Callable[[int, int], None] | None = None) -> Path:
+def convert(
+    hf_dir: Path | str,
+    out: Path | str,
+    outtype: str = "f16",
+    progress: Callable[[int, int], None] | None = None,
+    mtp: bool = True,
+) -> Path:
     """Convert the HF model in `hf_dir` to a GGUF at `out`; returns `out`.
+
+    `mtp`: write the checkpoint's NextN/MTP block, if it has one (module docstring).
 
     `progress(bytes_done, bytes_total)` is called after each tensor (output
     tensor bytes, header excluded). Any problem with the input is a one-line
@@ -68,12 +82,13 @@ def convert(hf_dir: Path | str, out: Path | str, outtype: str = "f16", progress:
         raise UserError(f"{hf_dir}: config.json is missing; is this a Hugging Face model folder?")
     config = read_json(cfg_path)
     arch = arch_for(config, cfg_path)
-    hp = arch.hparams(arch.text_config(config))
+    hp = {**arch.hparams(arch.text_config(config)), "mtp": mtp}
     vocab = read_vocab(hf_dir, arch.gguf_arch, hp["V"], config)
 
     ck = Checkpoint(hf_dir)
     try:
         plan = arch.plan(hp, ck)  # checks every name and shape before writing anything
+        hp = {**hp, "mtp_written": mtp_blocks(plan, hp["L"])}
         types = [tensor_qtype(o, qtype) for o in plan]
         sizes = [_tensor_bytes(o.shape, t) for o, t in zip(plan, types)]
         total = sum(sizes)

@@ -132,10 +132,18 @@ def add_rope_scaling(w: GGUFWriter, rp: dict[str, Any], ctx: int) -> None:
     raise UserError(f"config.json: rope type {kind!r} is not supported by convert (supported: default, linear, yarn)")
 
 
+_BLOCK = re.compile(r"^blk\.(\d+)\.")
+
+
+def mtp_blocks(outs: list[Out], n_layer: int) -> int:
+    """How many NextN/MTP blocks `outs` write: the blocks after the decoder's `n_layer`."""
+    return len({int(m[1]) for o in outs if (m := _BLOCK.match(o.name)) and int(m[1]) >= n_layer})
+
+
 def common_meta(w: GGUFWriter, hp: dict[str, Any]) -> None:
     w.add_context_length(hp["ctx"])
     w.add_embedding_length(hp["D"])
-    w.add_block_count(hp["L"])
+    w.add_block_count(hp["L"] + hp.get("mtp_written", 0))  # llama.cpp's converter counts the NextN/MTP blocks
     w.add_feed_forward_length(hp["Fd"])
     w.add_expert_feed_forward_length(hp["F"])
     w.add_expert_count(hp["X"])

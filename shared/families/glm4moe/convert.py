@@ -1,10 +1,12 @@
 """`moe-pipe convert` rules for GLM-4.5 / GLM-4.5-Air (HF model_type `glm4_moe` → GGUF `glm4moe`).
 
-Names and keys as llama.cpp's converter writes them (docs/models.md § glm4moe),
-with one departure: the NextN/MTP blocks (`num_nextn_predict_layers`, saved
-as `model.layers.{L..}`) are dropped, not appended as extra blocks, so the
-file's block_count is the decoder's and `nextn_predict_layers` is 0. llama.cpp
-does not run those blocks by default, and loads the file either way.
+Names and keys as llama.cpp's converter writes them (docs/models.md § glm4moe). The
+NextN/MTP blocks (`num_nextn_predict_layers`, saved as `model.layers.{L..}`) follow the
+decoder's layers as llama.cpp's `Glm4MoeModel` writes them: each a routed layer plus its
+`eh_proj`, `enorm`, `hnorm`, `embed_tokens`, `shared_head.head` and `shared_head.norm`
+as `nextn.*`, counted in block_count and `nextn_predict_layers`. `hp["mtp"]` false
+(`--no-mtp`) leaves them out, and so does a checkpoint without them (transformers does not
+save them); the file then says `nextn_predict_layers` 0.
 
 Legend (numpy order, last axis = ggml ne0): V vocab, D hidden, H q heads,
 Hk kv heads, d head dim, X experts, F expert ff width, Fd dense ff width.
@@ -91,44 +93,66 @@ def metadata(w: GGUFWriter, hp: dict[str, Any]) -> None:
     if hp["groups"] > 1:  # llama.cpp reads these for every arch and then routes by groups as transformers does
         w.add_expert_group_count(hp["groups"])
         w.add_expert_group_used_count(hp["groups_used"])
-    w.add_nextn_predict_layers(0)  # the MTP blocks are not written (module docstring)
+    w.add_nextn_predict_layers(hp.get("mtp_written", 0))  # the blocks written (module docstring)
+
+
+def _layer(p: Planner, i: int, hp: dict[str, Any]) -> None:
+    """HF layer i (a decoder layer, or a NextN layer's decoder part) as block i."""
+    D, H, Hk, d, X, F, Fd = hp["D"], hp["H"], hp["Hk"], hp["d"], hp["X"], hp["F"], hp["Fd"]
+    Fs = F * hp["shared"]
+    b, h = f"blk.{i}.", f"layers.{i}."
+    a, m = h + "self_attn.", h + "mlp."
+    p.f32(b + "attn_norm.weight", h + "input_layernorm.weight", (D,))
+    p.copy(b + "attn_q.weight", a + "q_proj.weight", (H * d, D))
+    p.copy(b + "attn_k.weight", a + "k_proj.weight", (Hk * d, D))
+    p.copy(b + "attn_v.weight", a + "v_proj.weight", (Hk * d, D))
+    if hp["bias"]:
+        p.f32(b + "attn_q.bias", a + "q_proj.bias", (H * d,))
+        p.f32(b + "attn_k.bias", a + "k_proj.bias", (Hk * d,))
+        p.f32(b + "attn_v.bias", a + "v_proj.bias", (Hk * d,))
+    p.copy(b + "attn_output.weight", a + "o_proj.weight", (D, H * d))
+    if hp["qk_norm"]:
+        p.f32(b + "attn_q_norm.weight", a + "q_norm.weight", (d,))
+        p.f32(b + "attn_k_norm.weight", a + "k_norm.weight", (d,))
+    p.f32(b + "post_attention_norm.weight", h + "post_attention_layernorm.weight", (D,))
+    if i < hp["lead"]:
+        p.copy(b + "ffn_gate.weight", m + "gate_proj.weight", (Fd, D))
+        p.copy(b + "ffn_up.weight", m + "up_proj.weight", (Fd, D))
+        p.copy(b + "ffn_down.weight", m + "down_proj.weight", (D, Fd))
+        return
+    p.f32(b + "ffn_gate_inp.weight", m + "gate.weight", (X, D))
+    p.f32(b + "exp_probs_b.bias", m + "gate.e_score_correction_bias", (X,))
+    qwen_experts(p, b, m + "experts.", hp)
+    p.copy(b + "ffn_gate_shexp.weight", m + "shared_experts.gate_proj.weight", (Fs, D))
+    p.copy(b + "ffn_up_shexp.weight", m + "shared_experts.up_proj.weight", (Fs, D))
+    p.copy(b + "ffn_down_shexp.weight", m + "shared_experts.down_proj.weight", (D, Fs))
+
+
+def _nextn(p: Planner, i: int, hp: dict[str, Any]) -> None:
+    """NextN layer i: its decoder part, then its own tensors (llama.cpp's tensor_mapping names)."""
+    D, V, b, h = hp["D"], hp["V"], f"blk.{i}.nextn.", f"layers.{i}."
+    _layer(p, i, hp)
+    p.copy(b + "eh_proj.weight", h + "eh_proj.weight", (D, 2 * D))  # [embedding; hidden] -> D
+    p.copy(b + "embed_tokens.weight", h + "embed_tokens.weight", (V, D))
+    p.f32(b + "enorm.weight", h + "enorm.weight", (D,))
+    p.f32(b + "hnorm.weight", h + "hnorm.weight", (D,))
+    p.copy(b + "shared_head_head.weight", h + "shared_head.head.weight", (V, D))
+    p.f32(b + "shared_head_norm.weight", h + "shared_head.norm.weight", (D,))
 
 
 def plan(hp: dict[str, Any], ck: Checkpoint) -> list[Out]:
-    D, H, Hk, d, X, F, Fd = hp["D"], hp["H"], hp["Hk"], hp["d"], hp["X"], hp["F"], hp["Fd"]
-    Fs = F * hp["shared"]
     p = Planner(ck, "model.")
     embeddings(p, hp)
     head(p, hp, "lm_head.weight")
     for i in range(hp["L"]):
-        b, h = f"blk.{i}.", f"layers.{i}."
-        a, m = h + "self_attn.", h + "mlp."
-        p.f32(b + "attn_norm.weight", h + "input_layernorm.weight", (D,))
-        p.copy(b + "attn_q.weight", a + "q_proj.weight", (H * d, D))
-        p.copy(b + "attn_k.weight", a + "k_proj.weight", (Hk * d, D))
-        p.copy(b + "attn_v.weight", a + "v_proj.weight", (Hk * d, D))
-        if hp["bias"]:
-            p.f32(b + "attn_q.bias", a + "q_proj.bias", (H * d,))
-            p.f32(b + "attn_k.bias", a + "k_proj.bias", (Hk * d,))
-            p.f32(b + "attn_v.bias", a + "v_proj.bias", (Hk * d,))
-        p.copy(b + "attn_output.weight", a + "o_proj.weight", (D, H * d))
-        if hp["qk_norm"]:
-            p.f32(b + "attn_q_norm.weight", a + "q_norm.weight", (d,))
-            p.f32(b + "attn_k_norm.weight", a + "k_norm.weight", (d,))
-        p.f32(b + "post_attention_norm.weight", h + "post_attention_layernorm.weight", (D,))
-        if i < hp["lead"]:
-            p.copy(b + "ffn_gate.weight", m + "gate_proj.weight", (Fd, D))
-            p.copy(b + "ffn_up.weight", m + "up_proj.weight", (Fd, D))
-            p.copy(b + "ffn_down.weight", m + "down_proj.weight", (D, Fd))
-            continue
-        p.f32(b + "ffn_gate_inp.weight", m + "gate.weight", (X, D))
-        p.f32(b + "exp_probs_b.bias", m + "gate.e_score_correction_bias", (X,))
-        qwen_experts(p, b, m + "experts.", hp)
-        p.copy(b + "ffn_gate_shexp.weight", m + "shared_experts.gate_proj.weight", (Fs, D))
-        p.copy(b + "ffn_up_shexp.weight", m + "shared_experts.up_proj.weight", (Fs, D))
-        p.copy(b + "ffn_down_shexp.weight", m + "shared_experts.down_proj.weight", (D, Fs))
-    # The NextN/MTP blocks follow the decoder's layers in the checkpoint: not converted.
-    mtp = "|".join(str(hp["L"] + j) for j in range(hp["nextn"]))
+        _layer(p, i, hp)
+    # The NextN/MTP blocks follow the decoder's layers in the checkpoint (module docstring).
+    L, nextn = hp["L"], range(hp["L"], hp["L"] + hp["nextn"])
+    if hp.get("mtp", True) and nextn and f"model.layers.{L}.eh_proj.weight" in ck:
+        for i in nextn:
+            _nextn(p, i, hp)
+        return finish(p, ck)
+    mtp = "|".join(str(i) for i in nextn)
     return finish(p, ck, ignore=rf"^model\.layers\.({mtp})\." if mtp else "")
 
 

@@ -2,8 +2,13 @@
 whose text model alone is converted, or `qwen3_5_moe_text` -> GGUF arch `qwen35moe`).
 
 Full attention on every n-th layer, gated linear attention (delta net) elsewhere; RMSNorms
-that scale by (1 + w) are stored as 1 + w; the vision tower and the MTP block are not
-converted. docs/models.md § From Hugging Face names.
+that scale by (1 + w) are stored as 1 + w; the vision tower is not converted. The MTP block
+(`mtp.*`, `mtp_num_hidden_layers` layers) is written after the decoder's layers as llama.cpp's
+converter (`_Qwen35MtpMixin`) writes it: `mtp.layers.j.*` as block L + j, a full-attention
+MoE layer; `mtp.fc` as `nextn.eh_proj`, `mtp.pre_fc_norm_embedding` / `_hidden` as
+`nextn.enorm` / `hnorm` and `mtp.norm` as `nextn.shared_head_norm` (each 1 + w, and in every
+block); unless `hp["mtp"]` is false (`--no-mtp`) or the checkpoint has none (transformers
+drops it when saving). docs/models.md § From Hugging Face names.
 
 Legend (numpy order, last axis = ggml ne0): D hidden, H q heads, Hk kv heads, d head dim,
 X experts, Fs shared expert width, G key heads and Hv value heads of the linear attention,
@@ -72,6 +77,7 @@ def hparams(cfg: dict) -> dict[str, Any]:
         kernel=int(cfg_get(cfg, "linear_conv_kernel_dim")),
         n_rot=int(hp["d"] * prf),
         sections=sections + [0] * (4 - len(sections)),
+        n_mtp=int(cfg.get("mtp_num_hidden_layers") or 0),
     )
     hp["Fd"] = hp["Fs"]
     return hp
@@ -91,6 +97,8 @@ def metadata(w: GGUFWriter, hp: dict[str, Any]) -> None:
     w.add_ssm_group_count(hp["G"])
     w.add_ssm_time_step_rank(hp["Hv"])
     w.add_ssm_inner_size(hp["Hv"] * hp["dk"])
+    if hp.get("mtp_written"):  # as llama.cpp's converter: only with the block
+        w.add_nextn_predict_layers(hp["mtp_written"])
 
 
 def _tiled(x: np.ndarray, axis: int, groups: int, per_group: int, width: int) -> np.ndarray:
@@ -125,44 +133,69 @@ def _qwen35_linear(p: Planner, b: str, a: str, hp: dict[str, Any]) -> None:
     whole(b + "ssm_out.weight", a + "out_proj.weight", (D, vd), (D, vd), lambda x: _tiled(x, 1, G, r, dk), True)
 
 
-def plan(hp: dict[str, Any], ck: Checkpoint) -> list[Out]:
+def _plus_one(p: Planner, gg: str, name: str, n: int) -> None:
+    """Qwen3.5's RMSNorms scale by (1 + w): the GGUF stores 1 + w."""
+    ck, full = p.ck, p.hf(name, (n,))
+    p.add(Out(gg, (n,), False, lambda: iter([ck.f32(full) + np.float32(1)])))
+
+
+def _layer(p: Planner, b: str, h: str, hp: dict[str, Any], full_attention: bool) -> None:
+    """Decoder layer `h` (a checkpoint prefix) as GGUF block `b`."""
     D, H, Hk, d, X, Fs = hp["D"], hp["H"], hp["Hk"], hp["d"], hp["X"], hp["Fs"]
+    _plus_one(p, b + "attn_norm.weight", h + "input_layernorm.weight", D)
+    if full_attention:
+        a = h + "self_attn."
+        p.copy(b + "attn_q.weight", a + "q_proj.weight", (2 * H * d, D))  # per head: query rows, then gate rows
+        p.copy(b + "attn_k.weight", a + "k_proj.weight", (Hk * d, D))
+        p.copy(b + "attn_v.weight", a + "v_proj.weight", (Hk * d, D))
+        p.copy(b + "attn_output.weight", a + "o_proj.weight", (D, H * d))
+        _plus_one(p, b + "attn_q_norm.weight", a + "q_norm.weight", d)
+        _plus_one(p, b + "attn_k_norm.weight", a + "k_norm.weight", d)
+    else:
+        _qwen35_linear(p, b, h + "linear_attn.", hp)
+    _plus_one(p, b + "post_attention_norm.weight", h + "post_attention_layernorm.weight", D)
+    m = h + "mlp."
+    p.f32(b + "ffn_gate_inp.weight", m + "gate.weight", (X, D))
+    qwen_experts(p, b, m + "experts.", hp)
+    gate = p.hf(m + "shared_expert_gate.weight", (1, D))
+    p.add(Out(b + "ffn_gate_inp_shexp.weight", (D,), False, first_row(p.ck, gate)))  # [1, D] -> [D]
+    p.copy(b + "ffn_gate_shexp.weight", m + "shared_expert.gate_proj.weight", (Fs, D))
+    p.copy(b + "ffn_up_shexp.weight", m + "shared_expert.up_proj.weight", (Fs, D))
+    p.copy(b + "ffn_down_shexp.weight", m + "shared_expert.down_proj.weight", (D, Fs))
+
+
+def _mtp(p: Planner, hp: dict[str, Any]) -> None:
+    """The MTP layers as blocks L.. (module docstring); their fc and norms are shared, so
+    every block gets its own copy, as llama.cpp's converter writes them."""
+    D = hp["D"]
+    for j in range(hp["n_mtp"]):
+        b = f"blk.{hp['L'] + j}."
+        _layer(p, b, f"layers.{j}.", hp, full_attention=True)
+        p.copy(b + "nextn.eh_proj.weight", "fc.weight", (D, 2 * D))  # [embedding; hidden] -> D
+        _plus_one(p, b + "nextn.enorm.weight", "pre_fc_norm_embedding.weight", D)
+        _plus_one(p, b + "nextn.hnorm.weight", "pre_fc_norm_hidden.weight", D)
+        _plus_one(p, b + "nextn.shared_head_norm.weight", "norm.weight", D)
+
+
+def plan(hp: dict[str, Any], ck: Checkpoint) -> list[Out]:
+    D = hp["D"]
     prefix = "model.language_model." if "model.language_model.embed_tokens.weight" in ck else "model."
     p = Planner(ck, prefix)
-
-    def plus_one(gg: str, name: str, n: int) -> None:  # Qwen3.5's RMSNorms scale by (1 + w): the GGUF stores 1 + w
-        full = p.hf(name, (n,))
-        p.add(Out(gg, (n,), False, lambda: iter([ck.f32(full) + np.float32(1)])))
-
     embeddings(p, hp)
-    full_norm = p.hf("norm.weight", (D,))
-    p.add(Out("output_norm.weight", (D,), False, lambda: iter([ck.f32(full_norm) + np.float32(1)])))
+    _plus_one(p, "output_norm.weight", "norm.weight", D)
     if not hp["tied"]:
         head_matrix(p, hp, "lm_head.weight")
     for i in range(hp["L"]):
-        b, h = f"blk.{i}.", f"layers.{i}."
-        plus_one(b + "attn_norm.weight", h + "input_layernorm.weight", D)
-        if hp["full"][i]:
-            a = h + "self_attn."
-            p.copy(b + "attn_q.weight", a + "q_proj.weight", (2 * H * d, D))  # per head: query rows, then gate rows
-            p.copy(b + "attn_k.weight", a + "k_proj.weight", (Hk * d, D))
-            p.copy(b + "attn_v.weight", a + "v_proj.weight", (Hk * d, D))
-            p.copy(b + "attn_output.weight", a + "o_proj.weight", (D, H * d))
-            plus_one(b + "attn_q_norm.weight", a + "q_norm.weight", d)
-            plus_one(b + "attn_k_norm.weight", a + "k_norm.weight", d)
-        else:
-            _qwen35_linear(p, b, h + "linear_attn.", hp)
-        plus_one(b + "post_attention_norm.weight", h + "post_attention_layernorm.weight", D)
-        m = h + "mlp."
-        p.f32(b + "ffn_gate_inp.weight", m + "gate.weight", (X, D))
-        qwen_experts(p, b, m + "experts.", hp)
-        gate = p.hf(m + "shared_expert_gate.weight", (1, D))
-        p.add(Out(b + "ffn_gate_inp_shexp.weight", (D,), False, first_row(ck, gate)))  # [1, D] -> [D]
-        p.copy(b + "ffn_gate_shexp.weight", m + "shared_expert.gate_proj.weight", (Fs, D))
-        p.copy(b + "ffn_up_shexp.weight", m + "shared_expert.up_proj.weight", (Fs, D))
-        p.copy(b + "ffn_down_shexp.weight", m + "shared_expert.down_proj.weight", (D, Fs))
-    # The vision tower and the MTP block are not converted (llama.cpp keeps the tower in a separate mmproj file).
-    return finish(p, ck, ignore=r"^model\.visual\.|^mtp\.")
+        _layer(p, f"blk.{i}.", f"layers.{i}.", hp, hp["full"][i])
+    ignore = r"^model\.visual\."  # llama.cpp keeps the vision tower in a separate mmproj file
+    if hp.get("mtp", True) and hp["n_mtp"] and "mtp.fc.weight" in ck:
+        m = Planner(ck, "mtp.")
+        _mtp(m, hp)
+        p.outs += m.outs
+        p.used |= m.used
+    else:
+        ignore += r"|^mtp\."
+    return finish(p, ck, ignore=ignore)
 
 
 _TEXT = Arch("qwen35moe", hparams, metadata, plan, TokenizerFacts("gpt2", "qwen2", add_bos=False))

@@ -69,7 +69,9 @@ class Arch:
     """The conversion rules of one Hugging Face model_type."""
 
     gguf_arch: str  # general.architecture of the output
-    # the text config read into a flat dict; unsupported variants are UserErrors naming the config key
+    # the text config read into a flat dict; unsupported variants are UserErrors naming the config key.
+    # The converter adds hp["mtp"] (False: --no-mtp) for `plan`, then hp["mtp_written"] (the NextN/MTP
+    # blocks the plan writes after the decoder's hp["L"]) for `metadata` (converter.py docstring).
     hparams: Callable[[dict], dict[str, Any]]
     metadata: Callable[[GGUFWriter, dict[str, Any]], None]  # the `<arch>.*` keys
     # every output tensor in file order, each shape checked against the checkpoint before anything is written

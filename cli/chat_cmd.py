@@ -93,6 +93,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="sampling temperature (default: the server's)",
     )
     p.add_argument(
+        "--top-k",
+        dest="top_k",
+        type=int,
+        default=None,
+        metavar="K",
+        help="sample among the K most likely tokens, 0 = off (default: the server's)",
+    )
+    p.add_argument(
         "-n", "--max-tokens", dest="max_tokens", type=int, default=None, metavar="N", help="longest reply in tokens (default: the server's)"
     )
     p.add_argument("--no-think", action="store_true", help="ask the model not to think before answering (and show no reasoning)")
@@ -322,6 +330,8 @@ class Chat:
         self.options: dict = {}
         if args.temperature is not None:
             self.options["temperature"] = args.temperature
+        if args.top_k is not None:
+            self.options["top_k"] = args.top_k
         if args.max_tokens is not None:
             self.options["max_tokens"] = args.max_tokens
         if args.no_think:

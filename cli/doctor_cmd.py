@@ -53,11 +53,16 @@ def _context(f: dict) -> str:
     return text + f"; this memory affords up to {most:,} ({share}{trained})"
 
 
+def _experts_used(f: dict) -> str:
+    k, own = f["n_expert_used"], f["n_expert_used_model"]
+    return f"{k} a token" + ("" if k == own else f" (--n-expert-used, LOSSY: the model's own is {own})")
+
+
 def print_report(f: dict) -> None:
     rows = [
         (
             "model",
-            f"{f['model']}: {f['arch']}, {f['n_layer']} layers × {f['n_expert']} experts, top-{f['top_k']}, file {_mib(f['file_bytes'])}",
+            f"{f['model']}: {f['arch']}, {f['n_layer']} layers × {f['n_expert']} experts, {_experts_used(f)}, file {_mib(f['file_bytes'])}",
         ),
         (
             "sizes",

@@ -32,7 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system", help="system message (with --chat)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1 = off)")
     p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below this fraction of the best one's probability")
-    p.add_argument("--sample-top-k", type=int, default=0, help="sample among the K most likely tokens (0 = off)")
+    p.add_argument("--sample-top-k", metavar="K", help="deprecated: --top-k (goes in the next release)")
     p.add_argument("--repeat-penalty", type=float, default=1.0, help="penalty for recently used tokens (1 = off)")
     p.add_argument("--stop", action="append", default=[], help="stop when this text appears (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-generation tokens (benchmarks)")
@@ -51,6 +51,13 @@ def load_run_config(args: argparse.Namespace) -> Config:
     from ..shared.config_flags import overrides_from_args
     from ..shared.hub.resolve import load_runnable
 
+    if getattr(args, "sample_top_k", None) is not None:  # run only
+        print(
+            "moe-pipe: --sample-top-k is now --top-k, sampling top-k as llama.cpp's (the old name goes in the next release)",
+            file=sys.stderr,
+        )
+        if args.top_k is None:
+            args.top_k = args.sample_top_k
     overrides = overrides_from_args(args)
     if args.model and Path(args.model).suffix == ".toml":
         return load_runnable(args.model, overrides)
@@ -113,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
     g = cfg.generate
     params = SamplingParams(
         temperature=g.temperature,
-        top_k=args.sample_top_k,
+        top_k=g.top_k,
         top_p=args.top_p,
         min_p=args.min_p,
         repeat_penalty=args.repeat_penalty,
@@ -154,6 +161,7 @@ def _run_resident(cfg: Config, model_path, tok, prompt_tokens, params, args, on_
     from ..shared.errors import UserError
     from ..shared.experts.directio import model_identity
     from ..shared.gguf.model_file import open_model
+    from ..shared.gguf.spec import experts_per_token, lossy_expert_count
     from ..shared.model.load import ModelOptions, load_model
     from ..shared.model.session import save_session
     from ..shared.progress import StatusLine
@@ -179,18 +187,21 @@ def _run_resident(cfg: Config, model_path, tok, prompt_tokens, params, args, on_
 
     t0 = time.perf_counter()
     with open_model(model_path) as mf:
+        experts_per_token(mf.spec, cfg.compute.n_expert_used)  # out of range: one line, before the load
+        if lossy := lossy_expert_count(mf.spec, cfg.compute.n_expert_used):
+            print(lossy, file=sys.stderr)
         replay = RouteReplay(read_trace(str(cfg.compute.route_replay)), mf.spec) if cfg.compute.route_replay else None
-        tracer = RouteTracer(str(cfg.telemetry.route_trace), mf, cfg.compute.top_k) if cfg.telemetry.route_trace else None
+        tracer = RouteTracer(str(cfg.telemetry.route_trace), mf, cfg.compute.n_expert_used) if cfg.telemetry.route_trace else None
         if tracer:
             tracer.begin_turn()
         try:
             options = ModelOptions(route_observer=tracer, route_replay=replay, kv_type=cfg.compute.kv_type)
-            model = load_model(mf, top_k=cfg.compute.top_k, options=options)
+            model = load_model(mf, top_k=cfg.compute.n_expert_used, options=options)
             session = _open_session(args.session, model, mf, gen_cfg.n_ctx)  # a refused file: before the kernels compile
             load_s = time.perf_counter() - t0
             with StatusLine() as status:
                 status.update("loaded the model; compiling its kernels next")
-                steps = kernel_steps(mf, forward_pass(mf, cfg.compute.top_k, kv_type=cfg.compute.kv_type))
+                steps = kernel_steps(mf, forward_pass(mf, cfg.compute.n_expert_used, kv_type=cfg.compute.kv_type))
                 warm = warm_up(steps, lambda i, n, item: status.update(kernel_text(i, n, item)))
                 status.done(f"kernels ready in {warm.seconds:.2f} s ({warm.compiled} compiled, the rest from numba's cache)")
             with CompileCounter() as late:

@@ -27,7 +27,7 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = load_run_config(args)
     with open_model(model_file(cfg)) as mf, StatusLine() as status:
-        steps = kernel_steps(mf, forward_pass(mf, cfg.compute.top_k, kv_type=cfg.compute.kv_type))
+        steps = kernel_steps(mf, forward_pass(mf, cfg.compute.n_expert_used, kv_type=cfg.compute.kv_type))
         warm = warm_up(steps, lambda i, n, item: status.update(kernel_text(i, n, item)))
         status.done(
             f"{mf.gguf.path.name}: {warm.steps} kernel steps ready in {warm.seconds:.2f} s: "

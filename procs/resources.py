@@ -11,6 +11,7 @@ the supervisor, a test).
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -27,7 +28,7 @@ from ..shared.experts.directio import ExpertFiles, describe_os_error, model_iden
 from ..shared.experts.populate import Populator
 from ..shared.experts.residency import ResidencyIndex
 from ..shared.gguf.model_file import open_model
-from ..shared.gguf.spec import kv_cache_bytes
+from ..shared.gguf.spec import experts_per_token, kv_cache_bytes, lossy_expert_count
 from ..shared.model.trace import read_trace
 from ..shared.wire import ipc
 from ..shared.wire import messages as m
@@ -77,9 +78,7 @@ class Resources:
         t0 = time.perf_counter()
         with open_model(Path(model_path)) as mf, ExitStack() as undo:
             layout, spec = mf.layout, mf.spec
-            top_k = cfg.compute.top_k or spec.n_expert_used
-            if top_k > spec.n_expert:
-                raise UserError(f"--top-k {top_k} is out of range: this model has {spec.n_expert} experts")
+            top_k = experts_per_token(spec, cfg.compute.n_expert_used)
             if cfg.compute.threads and cfg.compute.threads > (os.cpu_count() or 1):
                 raise UserError(f"--threads {cfg.compute.threads}: this machine has {os.cpu_count()} cores")
             if cfg.cache.warm_from:  # a bad trace is the user's error, before anything starts
@@ -101,6 +100,9 @@ class Resources:
             )
             # More slabs than experts would never be used.
             n_slabs = min(slabs_for_budget(budget.bytes, layout.slab_bytes), spec.n_layer * spec.n_expert)
+            lossy = lossy_expert_count(spec, cfg.compute.n_expert_used)
+            if lossy:  # after the checks above, so a refusal stays the one line
+                print(lossy, file=sys.stderr)
             if progress:  # only now: a refusal above is the one line the user sees
                 progress("starting: dense weights, compute process, then its kernels to compile")
             identity = _read_or_fail(lambda: model_identity(mf.gguf.paths), "reading the model file's header")

@@ -108,8 +108,8 @@ def test_doctor_says_the_context_and_what_this_memory_affords():
     assert _context(f | {"ctx_train": 4096}).endswith("longer than the model was trained for (4,096)")
 
 
-def test_top_k_override_scales_the_floor(qwen8):
-    f8, f4 = facts_of(qwen8), facts_of(qwen8, **{"compute.top_k": 4})
+def test_n_expert_used_override_scales_the_floor(qwen8):
+    f8, f4 = facts_of(qwen8), facts_of(qwen8, **{"compute.n_expert_used": 4})
     assert (f8.top_k, f4.top_k) == (8, 4)
     assert f4.floor_bytes * 2 == f8.floor_bytes == 8 * 8 * f8.slab_bytes
 

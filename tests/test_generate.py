@@ -137,7 +137,9 @@ def test_run_text_streams_and_reports(tiny_path):
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("extra,needle", [(["--temp", "-1"], "temperature"), (["--top-k", "99"], "top-k"), (["-t", "999"], "threads")])
+@pytest.mark.parametrize(
+    "extra,needle", [(["--temp", "-1"], "temperature"), (["--n-expert-used", "99"], "n-expert-used"), (["-t", "999"], "threads")]
+)
 def test_run_bad_values_exit_2(tiny_path, extra, needle):
     r = subprocess.run(
         [sys.executable, "-m", "moe_pipe.cli.main", "run", str(tiny_path), "-p", "x", *extra], capture_output=True, text=True

@@ -12,7 +12,7 @@ from pathlib import Path
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from ..shared.config_flags import add_override_arguments
 
-    p.add_argument("model", nargs="?", default=None, help="a GGUF file or a TOML config; default: the embedded tiny model")
+    p.add_argument("model", nargs="?", default=None, help="a GGUF file, a TOML config or a catalog name; default: the embedded tiny model")
     p.add_argument("-n", type=int, default=64, help="decode tokens per run (default 64)")
     p.add_argument("--repeat", type=int, default=3, help="runs per engine; medians are reported (default 3)")
     p.add_argument("-p", "--prompt", default=None, help="the prompt every run decodes after (default: the benchmark's fixed prompt)")

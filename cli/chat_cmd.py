@@ -75,7 +75,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         nargs="?",
         default=None,
         metavar="MODEL_OR_CONFIG",
-        help="a GGUF file or TOML config to start a service for, if none is running",
+        help="a GGUF file, TOML config or catalog name to start a service for, if none is running",
     )
     p.add_argument("--url", metavar="URL", help="the server's base URL (default: the running service's gateway)")
     p.add_argument("--api-key", metavar="KEY", help="sent as `Authorization: Bearer KEY` (default: the running service's own key)")
@@ -167,8 +167,11 @@ def service_brought_up(model: str) -> Iterator[Any]:
     the gateway writes the port it got to gateway.json."""
     import subprocess
 
+    from ..shared.hub.resolve import catalog_entry, pulled_path
     from ..shared.serve.service import find_service
 
+    if entry := catalog_entry(model):  # misspelt or not pulled: its one line, before anything starts
+        pulled_path(entry)
     print(f"[starting a service for {model}]", file=sys.stderr, flush=True)
     name = f"chat-{os.getpid()}"  # its own name: never confused with a service started meanwhile
     up = subprocess.run(_moe_pipe("up", model, "--detach", "--port", "0", "--name", name))

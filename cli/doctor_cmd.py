@@ -13,7 +13,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from ..shared.config_flags import add_override_arguments
 
     p.add_argument(
-        "model", nargs="?", default=None, help="a GGUF file (any shard of a split set) or a TOML config; default: the embedded tiny model"
+        "model",
+        nargs="?",
+        default=None,
+        help="a GGUF file (any shard of a split set), a TOML config or a catalog name; default: the embedded tiny model",
     )
     p.add_argument(
         "--mem-limit-mb",

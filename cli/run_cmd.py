@@ -19,7 +19,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from ..shared.config_flags import add_override_arguments
 
     p.add_argument(
-        "model", nargs="?", default=None, help="a GGUF file (any shard of a split set) or a TOML config; default: the embedded tiny model"
+        "model",
+        nargs="?",
+        default=None,
+        help="a GGUF file (any shard of a split set), a TOML config or a catalog name (moe-pipe models --catalog); "
+        "default: the embedded tiny model",
     )
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("-p", "--prompt", help="the prompt text; - reads it from stdin")
@@ -49,7 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def load_run_config(args: argparse.Namespace) -> Config:
     from ..shared.config_flags import overrides_from_args
-    from ..shared.hub.resolve import load_runnable
+    from ..shared.hub.resolve import load_model_argument
 
     if getattr(args, "sample_top_k", None) is not None:  # run only
         print(
@@ -58,12 +62,7 @@ def load_run_config(args: argparse.Namespace) -> Config:
         )
         if args.top_k is None:
             args.top_k = args.sample_top_k
-    overrides = overrides_from_args(args)
-    if args.model and Path(args.model).suffix == ".toml":
-        return load_runnable(args.model, overrides)
-    if args.model:
-        overrides["model.path"] = args.model if args.model == "tiny" else str(Path(args.model).resolve())
-    return load_runnable(None, overrides)
+    return load_model_argument(args.model, overrides_from_args(args))
 
 
 def read_prompt(args: argparse.Namespace) -> str:

@@ -42,10 +42,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..shared.hub.resolve import catalog_entry
     from ..shared.serve import service
     from .run_cmd import load_run_config
 
-    cfg = _catalog_config(args) or load_run_config(args)  # bad config: one line, exit 2, before anything starts
+    cfg = load_run_config(args)  # bad config, a catalog name not pulled: one line, exit 2, before anything starts
+    entry = catalog_entry(args.model) if args.model else None
+    if entry is not None and args.name is None:  # `up NAME` serves as NAME
+        args.name = entry.name
     name = service.check_name(args.name) if args.name is not None else ""
     if args.detach:
         from ..procs.supervisor import preflight
@@ -57,30 +61,6 @@ def run(args: argparse.Namespace) -> int:
             sock.close()
         return _detach(args.argv)
     return _serve(cfg, name, detached=args.detached_child)
-
-
-def _catalog_config(args: argparse.Namespace) -> Config | None:
-    """`up NAME` for a catalog entry (shared/hub/catalog.py): its recipe over the file `moe-pipe pull`
-    fetched for it, served as NAME; not pulled yet: the pull command, exit 2. None: not a catalog name."""
-    from ..shared.config_flags import overrides_from_args
-    from ..shared.errors import UserError
-    from ..shared.hub import catalog, store
-    from ..shared.hub.resolve import load_runnable
-
-    if not args.model or Path(args.model).suffix or "/" in args.model or Path(args.model).exists() or args.model == "tiny":
-        return None
-    entry = catalog.find(args.model)
-    if entry is None:
-        raise UserError(f"{args.model}: no such file, and not a catalog model; the catalog: {', '.join(catalog.BY_NAME)}")
-    pulled = store.find_pulled(entry.repo, entry.quant)
-    if pulled is None:
-        raise UserError(f"{entry.name} ({entry.model}) has not been pulled; run `{entry.pull_command}` first")
-    overrides = overrides_from_args(args)
-    overrides.setdefault("model.path", str(pulled.path))
-    recipe = entry.recipe_path()
-    if args.name is None:
-        args.name = entry.name
-    return load_runnable(recipe if recipe.is_file() else None, overrides)
 
 
 def _serve(cfg: Config, name: str, detached: bool) -> int:

@@ -22,6 +22,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..shared.hub import network
+
+    with network.quiet_retries():  # a retry is one short line, not the library's two long ones
+        return _pull(args)
+
+
+def _pull(args: argparse.Namespace) -> int:
     from ..shared.hub import catalog, client, store
     from ..shared.progress import byte_progress
 

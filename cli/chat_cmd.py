@@ -78,7 +78,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="a GGUF file, TOML config or catalog name to start a service for, if none is running",
     )
     p.add_argument("--url", metavar="URL", help="the server's base URL (default: the running service's gateway)")
-    p.add_argument("--api-key", metavar="KEY", help="sent as `Authorization: Bearer KEY` (default: the running service's own key)")
+    p.add_argument(
+        "--api-key",
+        metavar="KEY",
+        help="sent as `Authorization: Bearer KEY` (default: $MOE_PIPE_API_KEY, else the running service's own key)",
+    )
     from .status_cmd import add_selector_arguments
 
     add_selector_arguments(p, "the service to chat with")
@@ -499,6 +503,8 @@ def converse(chat: Chat, interactive: bool) -> int:
 
 def run(args: argparse.Namespace) -> int:
     interactive = sys.stdin.isatty()
+    if args.api_key is None:  # as `up` reads it: the key stays out of the process list
+        args.api_key = os.environ.get("MOE_PIPE_API_KEY") or None
     with chat_server(args) as url:
         model = first_model_id(url, args.api_key)
         if interactive:

@@ -353,8 +353,11 @@ class GatewayConfig:
     api_key: str | None = setting(
         None,
         "str",
-        "if set, requests need `Authorization: Bearer KEY`; a secret: telemetry, logs and errors show it as ***",
+        "if set, requests need `Authorization: Bearer KEY`; a secret: telemetry, logs and errors show it as ***. "
+        "The environment variable MOE_PIPE_API_KEY sets it too and stays out of the process list, as a flag does not; "
+        "`up` refuses a host other than loopback without a key unless given --no-api-key",
         unset="no key",
+        flags=("--api-key",),
         pattern=r"[!-~]+",
         pattern_text="visible ASCII characters, no spaces (it travels in an HTTP header)",
         secret=True,

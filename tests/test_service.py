@@ -162,11 +162,21 @@ def test_wrong_key_and_malformed_body_are_4xx_and_the_service_survives(svc):
 
 
 def test_api_key_is_required_when_set():
-    s = Service("--set", 'gateway.api_key="sekret"')
+    """--api-key: required by the gateway, and written nowhere but the 0600 file `chat` reads:
+    not in a process's command line (the detached service gets it in its environment),
+    the log, status or another runtime file."""
+    s = Service("--api-key", "sekret")
     try:
         with pytest.raises(openai.AuthenticationError):
             chat(s.client(api_key="wrong"), "hi", 4)
         assert chat(s.client(api_key="sekret"), "hi", 4).choices[0].message.content is not None
+        sup = psutil.Process(s.pid)
+        assert not [p.pid for p in [sup, *sup.children(recursive=True)] if "sekret" in " ".join(p.cmdline())]
+        status = s.status()
+        assert "sekret" not in json.dumps(status)
+        runtime = Path(status["runtime_dir"])
+        holders = [p.name for p in runtime.rglob("*") if p.is_file() and not p.is_socket() and b"sekret" in p.read_bytes()]
+        assert holders == ["api-key"]
     finally:
         pid = s.pid
         s.close()

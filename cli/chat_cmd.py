@@ -94,7 +94,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         metavar="T",
-        help="sampling temperature (default: the server's)",
+        help="sampling temperature in [0, 2] (default: the server's)",
     )
     p.add_argument(
         "--top-k",
@@ -336,6 +336,8 @@ class Chat:
         self.show_reasoning = not (args.no_think or getattr(args, "hide_reasoning", False))
         self.options: dict = {}
         if args.temperature is not None:
+            if not 0 <= args.temperature <= 2:  # the server's range (OpenAI's), said before the first turn
+                raise UserError(f"--temp {args.temperature:g}: out of range; allowed: 0 to 2 (OpenAI's range)")
             self.options["temperature"] = args.temperature
         if args.top_k is not None:
             self.options["top_k"] = args.top_k

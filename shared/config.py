@@ -266,7 +266,10 @@ class GenerateConfig:
     """Sampling defaults (a request may override them)."""
 
     max_tokens: int = setting(64, "int", "tokens to generate at most", lo=1, hi=1 << 20, flags=("-n", "--max-tokens"))
-    temperature: float = setting(0.0, "float", "sampling temperature; 0 = greedy", lo=0, hi=10, flags=("--temp", "--temperature"))
+    # OpenAI's range, the one the HTTP API checks too (shared/serve/openai_api.py): the same everywhere.
+    temperature: float = setting(
+        0.0, "float", "sampling temperature; 0 = greedy; OpenAI's range, as over HTTP", lo=0, hi=2, flags=("--temp", "--temperature")
+    )
     top_k: int = setting(
         0, "int", "sample among the K most likely tokens (llama.cpp's --top-k); 0 = off", lo=0, hi=1 << 20, flags=("--top-k",)
     )

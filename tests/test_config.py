@@ -357,6 +357,13 @@ def test_set_errors(tmp_path):
         load_config(None, {"compute.n_expert_used": 0})
 
 
+def test_temperature_has_one_range_openais():
+    """[0, 2] on the command line and in a config, as over HTTP (shared/serve/openai_api.py)."""
+    assert load_config(None, {"generate.temperature": 2}).generate.temperature == 2.0
+    with pytest.raises(ConfigError, match="generate.temperature = 2.5: out of range; allowed: a number >= 0 and <= 2"):
+        load_config(None, {"generate.temperature": 2.5})
+
+
 def test_the_old_expert_count_key_is_read_with_one_line(tmp_path, capsys, monkeypatch):
     """compute.top_k (before llama.cpp's name n_expert_used) still works for a release, in a file
     and with --set, and says so once on stderr."""

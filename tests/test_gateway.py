@@ -528,7 +528,7 @@ def test_bad_requests_get_openai_errors(start_gateway):
     assert err["code"] == "context_length_exceeded"
     error(post({"model": "tiny", "prompt": "hi", "max_tokens": 100}, "/v1/completions"), 400, "max_tokens (100)", "context of 64")
     assert error(post({"model": "gpt-4o", "messages": msgs}), 404, "gpt-4o")["code"] == "model_not_found"
-    error(post({"messages": msgs}), 400, "'model'")
+    error(post({"model": 5, "messages": msgs}), 400, "'model'")  # optional, but a string when given
     big = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x" * (4 << 20)}]})
     assert error(post(big), 413, "limit")["code"] == "body_too_large"
     error(svc.request("GET", "/v1/nowhere"), 404)
@@ -721,7 +721,7 @@ def test_field_types_and_ranges_are_checked():
     settings = defaults()
     msgs = [{"role": "user", "content": "hi"}]
     bad = {
-        "model": [5, None, ["tiny"]],
+        "model": [5, ["tiny"], True],
         "messages": ["hi", {}, [], None],
         "messages[0]": [[1], [{"content": "hi"}], [{"role": 1, "content": "x"}], [{"role": "", "content": "x"}]],
         "messages[0].content": [
@@ -771,6 +771,17 @@ def test_field_types_and_ranges_are_checked():
         settings,
     )
     assert (ok.max_tokens, ok.sampling["temperature"], ok.sampling["seed"], len(ok.stop)) == (1, 2.0, (1 << 64) - 1, 16)
+
+
+def test_model_is_optional_as_in_llama_cpps_server():
+    from moe_pipe.shared.serve.openai_api import ApiError, parse_request
+
+    msgs = [{"role": "user", "content": "hi"}]
+    assert parse_request({"messages": msgs}, True, defaults()).messages  # left out: the served model
+    assert parse_request({"model": None, "prompt": "x"}, False, defaults()).prompt == "x"
+    with pytest.raises(ApiError) as err:
+        parse_request({"model": "other", "messages": msgs}, True, defaults())
+    assert (err.value.status, err.value.code) == (404, "model_not_found")
 
 
 def test_top_k_is_sampling_top_k_as_llama_cpps_server():

@@ -322,10 +322,10 @@ def parse_template_vars(body: dict) -> dict[str, Scalar]:
 
 def parse_request(body: dict, chat: bool, settings: RequestDefaults) -> CompletionRequest:
     """Every field we act on, checked; fields we do not know are ignored."""
-    model = body.get("model")
-    if not isinstance(model, str):
+    model = body.get("model")  # optional, as in llama.cpp's server: this server serves one model
+    if model is not None and not isinstance(model, str):
         raise bad_field("model", "a string (see GET /v1/models)", model)
-    if model != settings.model_name:
+    if model is not None and model != settings.model_name:
         raise ApiError(
             404, f"the model '{model}' does not exist; this server serves '{settings.model_name}'", "model_not_found", param="model"
         )

@@ -297,11 +297,15 @@ def test_ctrl_c_of_a_foreground_up_leaves_nothing():
         shutil.rmtree(base, ignore_errors=True)
 
 
-def test_down_status_without_a_service_is_one_line_exit_2(tmp_path):
+def test_down_status_without_a_service_is_one_plain_line(tmp_path):
+    """Not an error: down exits 0 (already stopped), status 3 (LSB's "not running"), one line, no "error:"."""
     env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path)}
-    for cmd in ("down", "status"):
-        r = subprocess.run([*CLI, cmd], capture_output=True, text=True, env=env, timeout=60)
-        assert r.returncode == 2 and r.stderr.count("\n") == 1 and "no moe-pipe service is running" in r.stderr
+    for cmd, code in (("down", 0), ("status", 3), ("down --name x", 0), ("status --port 1", 3)):
+        r = subprocess.run([*CLI, *cmd.split()], capture_output=True, text=True, env=env, timeout=60)
+        assert (r.returncode, r.stderr) == (code, "") and r.stdout.count("\n") == 1, (cmd, r.stdout, r.stderr)
+        assert "no moe-pipe service" in r.stdout and "is running" in r.stdout and "error" not in r.stdout
+    r = subprocess.run([*CLI, "status", "--json"], capture_output=True, text=True, env=env, timeout=60)
+    assert (r.returncode, json.loads(r.stdout)) == (3, {"services": []})
 
 
 # -- tails ------------------------------------------------------------------------

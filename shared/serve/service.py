@@ -53,6 +53,11 @@ class NoService(UserError):
     """No live service to attach to."""
 
 
+class NothingRunning(NoService):
+    """No service at all runs, or none by the name or port asked for: not a mistake for
+    `down` (already stopped) nor `status` (it says so), as for systemctl's stop and status."""
+
+
 @dataclass(frozen=True)
 class ServiceInfo:
     pid: int
@@ -186,13 +191,13 @@ def find_service(base: Path | None = None, *, name: str | None = None, port: int
     is given; else a one-line error saying which exist or how to start one."""
     found = live_services(base)
     if not found:
-        raise NoService("no moe-pipe service is running (start one with `moe-pipe up CONFIG`)")
+        raise NothingRunning("no moe-pipe service is running (start one with `moe-pipe up CONFIG`)")
     chosen = select_services(found, name, port)
     if len(chosen) == 1:
         return chosen[0]
     running = ", ".join(describe(s) for s in found)
     if not chosen:
-        raise NoService(f"no moe-pipe service {_which(name, port)} is running; running: {running}")
+        raise NothingRunning(f"no moe-pipe service {_which(name, port)} is running; running: {running}")
     raise NoService(f"{len(chosen)} moe-pipe services are running: {running}; pick one with --name NAME")
 
 

@@ -24,7 +24,7 @@ brings its progress, shown on stderr when that is a terminal as one line,
 "prompt 1,536 / 3,664 tokens · 41 s left", erased when the reply starts.
 
 Lines: `/reset` clears the history (the --system message stays), `/exit` or
-end of input ends. Ctrl-C during a reply stops that reply; at the prompt, ends.
+end of input ends, `/help` lists the commands; an unknown `/word` is not sent. Ctrl-C during a reply stops that reply; at the prompt, ends.
 A conversation that outgrows the server's context loses its oldest turns
 (the --system message stays), with a note the first time.
 """
@@ -479,6 +479,24 @@ def read_line(prompt: str) -> str | None:
         return None
 
 
+# The chat's own commands, never sent to the model; the others are what llama.cpp's and Ollama's CLIs call them.
+CHAT_COMMANDS = {"/help": ("/?",), "/reset": ("/clear",), "/exit": ("/quit", "/bye")}
+HELP_TEXT = (
+    "[/reset (or /clear) clears the history, the --system message stays; /exit (or /quit, /bye, Ctrl-D) ends; "
+    "/help (or /?) shows this; Ctrl-C stops a reply; a line starting with // is sent with one / less]"
+)
+
+
+def chat_command(text: str) -> str | None:
+    """The command a line is ("/help", "/reset", "/exit", or the unknown "/word" itself), or None
+    for a message: a command is one word of letters after "/", so "/usr/bin?" is a message."""
+    word = text.split()[0]
+    if len(text.split()) != 1 or not (word == "/?" or (word.startswith("/") and word[1:].isalpha())):
+        return None
+    word = word.lower()
+    return next((c for c, aliases in CHAT_COMMANDS.items() if word == c or word in aliases), word)
+
+
 def converse(chat: Chat, interactive: bool) -> int:
     prompt = "> " if interactive else ""
     while True:
@@ -494,13 +512,18 @@ def converse(chat: Chat, interactive: bool) -> int:
         text = line.strip()
         if not text:
             continue
-        if text == "/exit":
+        command = chat_command(text)
+        if command is None:
+            chat.say(text[1:] if text.startswith("//") else text, sys.stdout)
+        elif command == "/exit":
             return 0
-        if text == "/reset":
+        elif command == "/reset":
             chat.reset()
             print("[history cleared]", file=sys.stderr, flush=True)
-            continue
-        chat.say(text, sys.stdout)
+        elif command == "/help":
+            print(HELP_TEXT, file=sys.stderr, flush=True)
+        else:
+            print(f"[unknown command {command}: not sent; /help lists the commands]", file=sys.stderr, flush=True)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -510,5 +533,5 @@ def run(args: argparse.Namespace) -> int:
     with chat_server(args) as url:
         model = first_model_id(url, args.api_key)
         if interactive:
-            print(f"[{model} at {url}; /reset clears the history, /exit or Ctrl-D ends]", file=sys.stderr)
+            print(f"[{model} at {url}; /help lists the commands, /exit or Ctrl-D ends]", file=sys.stderr)
         return converse(Chat(url, model, args), interactive)

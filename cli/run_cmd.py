@@ -274,8 +274,8 @@ def _run_pipeline(cfg: Config, model_path, prompt_tokens, params, args, on_text)
     with pipe:
         r = pipe.resolved
         print(
-            f"[expert cache {r.n_slabs * r.slab_bytes / 2**20:.2f} MiB = {r.n_slabs} slabs of {r.slab_bytes / 2**20:.2f} MiB; "
-            f"{r.budget_description}; dense {cfg.io.dense_weights}, loaded in {r.load_seconds:.2f} s"
+            f"[expert cache {r.n_slabs * r.slab_bytes / 2**20:.2f} MiB = {r.n_slabs} slabs of {r.slab_bytes / 2**20:.2f} MiB "
+            f"({r.budget_description}); dense {cfg.io.dense_weights}, loaded in {r.load_seconds:.2f} s"
             f"{'' if r.direct_io else '; O_DIRECT refused, buffered reads'}]",
             file=sys.stderr,
         )

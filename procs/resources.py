@@ -51,6 +51,15 @@ class Resolved:
     io_align: int = 4096  # Layout.align resolved here once; children open the model with it (shared/gguf/alignment.py)
 
 
+def cache_description(budget_text: str, n_slabs: int, budget_slabs: int) -> str:
+    """How the cache's size came about, beside the size itself in one start-up line: the
+    budget's own line, or, when the model's experts all fit in less, that they do (the
+    cache is then smaller than the budget, and the line said two sizes with no reason)."""
+    if n_slabs < budget_slabs:
+        return f"every expert of the model, under the {budget_text}"
+    return budget_text
+
+
 class Resources:
     """The runtime dir, the slab arena, the residency index and (with
     dense_weights "anon") the dense arena, all made: see `create`."""
@@ -132,7 +141,14 @@ class Resources:
                     if ahead is not None:
                         ahead.stop()
             resolved = Resolved(
-                budget.bytes, budget.description, n_slabs, layout.slab_bytes, time.perf_counter() - t0, direct, identity, layout.align
+                budget.bytes,
+                cache_description(budget.description, n_slabs, slabs_for_budget(budget.bytes, layout.slab_bytes)),
+                n_slabs,
+                layout.slab_bytes,
+                time.perf_counter() - t0,
+                direct,
+                identity,
+                layout.align,
             )
             res = cls(rt, slabs, index, dense, resolved)
             undo.pop_all()  # made whole: from here close() releases it

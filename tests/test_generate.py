@@ -134,6 +134,9 @@ def test_run_text_streams_and_reports(tiny_path):
         [sys.executable, "-m", "moe_pipe.cli.main", "run", str(tiny_path), "-p", "Once", "-n", "5"], capture_output=True, text=True
     )
     assert r.returncode == 0 and "generated" in r.stderr and r.stdout.endswith("\n")
+    # one cache size, and the budget named as such: the tiny model's experts all fit, in less than it
+    [line] = [x for x in r.stderr.splitlines() if x.startswith("[expert cache ")]
+    assert "(every expert of the model, under the budget " in line and "; cache " not in line, line
 
 
 @pytest.mark.integration

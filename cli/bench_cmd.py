@@ -76,12 +76,13 @@ def run(args: argparse.Namespace) -> int:
         **({"prompt": args.prompt} if args.prompt is not None else {}),
     )
     say = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
-    say("forecasting (moe-pipe doctor) ...")
     from ..shared.analysis.forecast import forecast
     from ..shared.gguf.model_file import open_model
+    from ..shared.progress import StatusLine
 
-    with open_model(plan.model) as mf:
-        fc = forecast(mf, cfg, mem_limit_mb=args.mem_limit_mb, seconds=3.0)
+    with StatusLine() as status, open_model(plan.model) as mf:  # live: the forecast takes seconds
+        status.update("forecasting (moe-pipe doctor) ...")
+        fc = forecast(mf, cfg, mem_limit_mb=args.mem_limit_mb, seconds=3.0, on_stage=lambda t: status.update(f"forecasting: {t}"))
     say(
         f"    forecast: {fc['tok_s']} tok/s ({fc['bottleneck']}-bound), hit {fc['hit_pct']} %"
         if fc["fits"]

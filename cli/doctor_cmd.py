@@ -147,17 +147,22 @@ def print_report(f: dict) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..shared.analysis.forecast import forecast
     from ..shared.errors import UserError
     from ..shared.gguf.model_file import open_model
     from ..shared.hub.resolve import model_file
+    from ..shared.progress import StatusLine
     from .run_cmd import load_run_config
 
     if args.seconds <= 0:
         raise UserError(f"--seconds must be positive, got {args.seconds:g}")
-    cfg = load_run_config(args)
-    with open_model(model_file(cfg)) as mf:
-        f = forecast(mf, cfg, mem_limit_mb=args.mem_limit_mb, seconds=args.seconds)
+    cfg = load_run_config(args)  # a bad config or model: its one line, before anything is shown
+    # Something at once: the imports, a first run's kernel compiles and the measuring take seconds.
+    with StatusLine() as status:
+        status.update("doctor: loading the forecast's code")
+        from ..shared.analysis.forecast import forecast
+
+        with open_model(model_file(cfg)) as mf:
+            f = forecast(mf, cfg, mem_limit_mb=args.mem_limit_mb, seconds=args.seconds, on_stage=lambda t: status.update(f"doctor: {t}"))
     if args.json:
         print(json.dumps(f))
     else:

@@ -298,6 +298,16 @@ def test_cli_json_has_the_documented_keys(capsys):
     assert out["bottleneck"] in ("compute", "flash", "memory")
 
 
+def test_doctor_says_what_it_does_at_once(capsys):
+    """Before the imports, compiles and measuring (8 s of silence on a first run), a line on stderr
+    (a spinner on a terminal) says what the doctor is doing; stdout keeps only the JSON."""
+    assert main(["doctor", str(default_model_path()), "--json", "--seconds", "0.1"]) == 0
+    out = capsys.readouterr()
+    lines = out.err.splitlines()
+    assert lines[0] == "[doctor: loading the forecast's code]" and any("measuring the kernels" in x for x in lines), out.err
+    json.loads(out.out)
+
+
 def test_cli_refusal_exits_1_and_says_what_limit_works(qwen8, capsys):
     assert main(["doctor", str(qwen8), "--mem-limit-mb", "1024", "--seconds", "0.05"]) == 1
     out = capsys.readouterr().out

@@ -42,5 +42,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         if psutil.pid_exists(info.pid):
             raise PipelineError(f"the service (pid {info.pid}) did not stop within {args.timeout:.0f} s")
-    print(f"moe-pipe: stopped the service {info.name or '?'!r} (pid {info.pid})")
+    kept = service.kept_log_path(info.name)
+    log = f"; its log: {kept}" if kept.is_file() else ""
+    print(f"moe-pipe: stopped the service {info.name or '?'!r} (pid {info.pid}){log}")
     return 0

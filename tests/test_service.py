@@ -37,7 +37,7 @@ class Service(StatusPolling):
 
     def __init__(self, *extra: str, model: str = CONFIG):
         self.base = Path(tempfile.mkdtemp(prefix="mps", dir="/tmp"))  # short: unix socket paths <= 107 bytes
-        self.env = {**os.environ, "XDG_RUNTIME_DIR": str(self.base)}
+        self.env = {**os.environ, "XDG_RUNTIME_DIR": str(self.base), "XDG_STATE_HOME": str(self.base / "state")}
         r = self.cli("up", model, "--detach", *FAST, *extra, timeout=300)
         assert r.returncode == 0, r.stderr
         self.status()  # fills pid, url
@@ -177,6 +177,11 @@ def test_api_key_is_required_when_set():
         runtime = Path(status["runtime_dir"])
         holders = [p.name for p in runtime.rglob("*") if p.is_file() and not p.is_socket() and b"sekret" in p.read_bytes()]
         assert holders == ["api-key"]
+        # down keeps the service's log (the runtime folder goes): it says where, and the key is not in it
+        down = s.cli("down", timeout=120, check=True)
+        kept = s.base / "state" / "moe-pipe" / "logs" / f"{status['name']}.log"
+        assert down.stdout.strip().endswith(f"its log: {kept}") and not runtime.exists()
+        assert "gateway" in kept.read_text() and "sekret" not in kept.read_text()
     finally:
         pid = s.pid
         s.close()

@@ -243,3 +243,17 @@ def test_chat_uses_the_services_own_api_key_and_never_shows_it(base):
     assert key not in r.stdout + r.stderr
     r = base.cli("chat", "-n", "4", "--api-key", "wrong", stdin="hi\n", timeout=120)
     assert r.returncode != 0 and key not in r.stdout + r.stderr  # a key typed wins over the service's
+
+
+def test_a_stopped_services_log_is_kept_and_the_one_before_it_too(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    for text in ("first run\n", "second run\n"):
+        rt = tmp_path / "rt"
+        rt.mkdir()
+        (rt / service.LOG_FILE).write_text(text)
+        kept = service.keep_log(rt, "tiny")
+        assert kept == tmp_path / "state" / "moe-pipe" / "logs" / "tiny.log" and not (rt / service.LOG_FILE).exists()
+        rt.rmdir()
+    assert kept.read_text() == "second run\n" and kept.with_name("tiny.log.1").read_text() == "first run\n"
+    assert oct(kept.stat().st_mode & 0o777) == "0o600"
+    assert service.keep_log(tmp_path, "tiny") is None  # no log: nothing to keep

@@ -26,6 +26,7 @@ import fcntl
 import json
 import os
 import re
+import shutil
 import socket
 import stat
 import time
@@ -305,6 +306,32 @@ def hold_port(host: str, port: int) -> list[socket.socket]:
 
 
 # ------------------------------------------------------------------------ the API key
+
+
+def kept_logs_dir() -> Path:
+    """Where a stopped service's log is kept: $XDG_STATE_HOME/moe-pipe/logs (default
+    ~/.local/state/...), the XDG home for logs that outlive a run; the runtime folder goes."""
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "moe-pipe" / "logs"
+
+
+def kept_log_path(name: str) -> Path:
+    return kept_logs_dir() / f"{name or 'service'}.log"
+
+
+def keep_log(runtime_dir: Path, name: str) -> Path | None:
+    """Move the service's log out of its runtime folder before the folder is deleted, to
+    kept_log_path(name); the one before it stays as NAME.log.1. None when there is no log."""
+    log = Path(runtime_dir) / LOG_FILE
+    if not log.is_file():
+        return None
+    dest = kept_log_path(name)
+    dest.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if dest.exists():
+        os.replace(dest, dest.with_name(dest.name + ".1"))
+    shutil.move(str(log), dest)  # the runtime folder is often a tmpfs: a copy, then the unlink
+    os.chmod(dest, 0o600)
+    return dest
 
 
 def write_api_key(runtime_dir: Path, key: str) -> None:

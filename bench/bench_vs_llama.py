@@ -54,9 +54,9 @@ SHAPES = {
     "gptoss120b": dict(arch="gpt-oss", preset="gptoss120b-shape", config="configs/gptoss120b.toml", trace="gptoss.route.csv", ratio=5.2),
 }
 # The lossy recipe reported beside (changes outputs): two experts fewer a token and
-# misses of little weight skipped (docs/configuration.md, compute.top_k and drop_cold_experts).
-LOSSY = {"qwen30b": ("compute.top_k=6", "compute.drop_cold_experts=0.5"), "gemma26b": ("compute.top_k=6", "compute.drop_cold_experts=0.5"),
-         "gptoss120b": ("compute.top_k=2", "compute.drop_cold_experts=0.5")}  # fmt: skip
+# misses of little weight skipped (docs/configuration.md, compute.n_expert_used and drop_cold_experts).
+LOSSY = {"qwen30b": ("compute.n_expert_used=6", "compute.drop_cold_experts=0.5"), "gemma26b": ("compute.n_expert_used=6", "compute.drop_cold_experts=0.5"),
+         "gptoss120b": ("compute.n_expert_used=2", "compute.drop_cold_experts=0.5")}  # fmt: skip
 
 
 def limit_mb(name: str, model: Path) -> float:

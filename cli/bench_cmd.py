@@ -12,7 +12,7 @@ from pathlib import Path
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from ..shared.config_flags import add_override_arguments
 
-    p.add_argument("model", nargs="?", default=None, help="a GGUF file or a TOML config; default: the embedded tiny model")
+    p.add_argument("model", nargs="?", default=None, help="a GGUF file, a TOML config or a catalog name; default: the embedded tiny model")
     p.add_argument("-n", type=int, default=64, help="decode tokens per run (default 64)")
     p.add_argument("--repeat", type=int, default=3, help="runs per engine; medians are reported (default 3)")
     p.add_argument("-p", "--prompt", default=None, help="the prompt every run decodes after (default: the benchmark's fixed prompt)")
@@ -76,12 +76,13 @@ def run(args: argparse.Namespace) -> int:
         **({"prompt": args.prompt} if args.prompt is not None else {}),
     )
     say = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
-    say("forecasting (moe-pipe doctor) ...")
     from ..shared.analysis.forecast import forecast
     from ..shared.gguf.model_file import open_model
+    from ..shared.progress import StatusLine
 
-    with open_model(plan.model) as mf:
-        fc = forecast(mf, cfg, mem_limit_mb=args.mem_limit_mb, seconds=3.0)
+    with StatusLine() as status, open_model(plan.model) as mf:  # live: the forecast takes seconds
+        status.update("forecasting (moe-pipe doctor) ...")
+        fc = forecast(mf, cfg, mem_limit_mb=args.mem_limit_mb, seconds=3.0, on_stage=lambda t: status.update(f"forecasting: {t}"))
     say(
         f"    forecast: {fc['tok_s']} tok/s ({fc['bottleneck']}-bound), hit {fc['hit_pct']} %"
         if fc["fits"]

@@ -24,7 +24,7 @@ brings its progress, shown on stderr when that is a terminal as one line,
 "prompt 1,536 / 3,664 tokens · 41 s left", erased when the reply starts.
 
 Lines: `/reset` clears the history (the --system message stays), `/exit` or
-end of input ends. Ctrl-C during a reply stops that reply; at the prompt, ends.
+end of input ends, `/help` lists the commands; an unknown `/word` is not sent. Ctrl-C during a reply stops that reply; at the prompt, ends.
 A conversation that outgrows the server's context loses its oldest turns
 (the --system message stays), with a note the first time.
 """
@@ -75,10 +75,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         nargs="?",
         default=None,
         metavar="MODEL_OR_CONFIG",
-        help="a GGUF file or TOML config to start a service for, if none is running",
+        help="a GGUF file, TOML config or catalog name to start a service for, if none is running",
     )
     p.add_argument("--url", metavar="URL", help="the server's base URL (default: the running service's gateway)")
-    p.add_argument("--api-key", metavar="KEY", help="sent as `Authorization: Bearer KEY` (default: the running service's own key)")
+    p.add_argument(
+        "--api-key",
+        metavar="KEY",
+        help="sent as `Authorization: Bearer KEY` (default: $MOE_PIPE_API_KEY, else the running service's own key)",
+    )
     from .status_cmd import add_selector_arguments
 
     add_selector_arguments(p, "the service to chat with")
@@ -90,7 +94,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         metavar="T",
-        help="sampling temperature (default: the server's)",
+        help="sampling temperature in [0, 2] (default: the server's)",
+    )
+    p.add_argument(
+        "--top-k",
+        dest="top_k",
+        type=int,
+        default=None,
+        metavar="K",
+        help="sample among the K most likely tokens, 0 = off (default: the server's)",
     )
     p.add_argument(
         "-n", "--max-tokens", dest="max_tokens", type=int, default=None, metavar="N", help="longest reply in tokens (default: the server's)"
@@ -159,8 +171,11 @@ def service_brought_up(model: str) -> Iterator[Any]:
     the gateway writes the port it got to gateway.json."""
     import subprocess
 
+    from ..shared.hub.resolve import catalog_entry, pulled_path
     from ..shared.serve.service import find_service
 
+    if entry := catalog_entry(model):  # misspelt or not pulled: its one line, before anything starts
+        pulled_path(entry)
     print(f"[starting a service for {model}]", file=sys.stderr, flush=True)
     name = f"chat-{os.getpid()}"  # its own name: never confused with a service started meanwhile
     up = subprocess.run(_moe_pipe("up", model, "--detach", "--port", "0", "--name", name))
@@ -321,7 +336,11 @@ class Chat:
         self.show_reasoning = not (args.no_think or getattr(args, "hide_reasoning", False))
         self.options: dict = {}
         if args.temperature is not None:
+            if not 0 <= args.temperature <= 2:  # the server's range (OpenAI's), said before the first turn
+                raise UserError(f"--temp {args.temperature:g}: out of range; allowed: 0 to 2 (OpenAI's range)")
             self.options["temperature"] = args.temperature
+        if args.top_k is not None:
+            self.options["top_k"] = args.top_k
         if args.max_tokens is not None:
             self.options["max_tokens"] = args.max_tokens
         if args.no_think:
@@ -460,6 +479,24 @@ def read_line(prompt: str) -> str | None:
         return None
 
 
+# The chat's own commands, never sent to the model; the others are what llama.cpp's and Ollama's CLIs call them.
+CHAT_COMMANDS = {"/help": ("/?",), "/reset": ("/clear",), "/exit": ("/quit", "/bye")}
+HELP_TEXT = (
+    "[/reset (or /clear) clears the history, the --system message stays; /exit (or /quit, /bye, Ctrl-D) ends; "
+    "/help (or /?) shows this; Ctrl-C stops a reply; a line starting with // is sent with one / less]"
+)
+
+
+def chat_command(text: str) -> str | None:
+    """The command a line is ("/help", "/reset", "/exit", or the unknown "/word" itself), or None
+    for a message: a command is one word of letters after "/", so "/usr/bin?" is a message."""
+    word = text.split()[0]
+    if len(text.split()) != 1 or not (word == "/?" or (word.startswith("/") and word[1:].isalpha())):
+        return None
+    word = word.lower()
+    return next((c for c, aliases in CHAT_COMMANDS.items() if word == c or word in aliases), word)
+
+
 def converse(chat: Chat, interactive: bool) -> int:
     prompt = "> " if interactive else ""
     while True:
@@ -475,19 +512,26 @@ def converse(chat: Chat, interactive: bool) -> int:
         text = line.strip()
         if not text:
             continue
-        if text == "/exit":
+        command = chat_command(text)
+        if command is None:
+            chat.say(text[1:] if text.startswith("//") else text, sys.stdout)
+        elif command == "/exit":
             return 0
-        if text == "/reset":
+        elif command == "/reset":
             chat.reset()
             print("[history cleared]", file=sys.stderr, flush=True)
-            continue
-        chat.say(text, sys.stdout)
+        elif command == "/help":
+            print(HELP_TEXT, file=sys.stderr, flush=True)
+        else:
+            print(f"[unknown command {command}: not sent; /help lists the commands]", file=sys.stderr, flush=True)
 
 
 def run(args: argparse.Namespace) -> int:
     interactive = sys.stdin.isatty()
+    if args.api_key is None:  # as `up` reads it: the key stays out of the process list
+        args.api_key = os.environ.get("MOE_PIPE_API_KEY") or None
     with chat_server(args) as url:
         model = first_model_id(url, args.api_key)
         if interactive:
-            print(f"[{model} at {url}; /reset clears the history, /exit or Ctrl-D ends]", file=sys.stderr)
+            print(f"[{model} at {url}; /help lists the commands, /exit or Ctrl-D ends]", file=sys.stderr)
         return converse(Chat(url, model, args), interactive)

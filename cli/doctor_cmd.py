@@ -13,7 +13,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from ..shared.config_flags import add_override_arguments
 
     p.add_argument(
-        "model", nargs="?", default=None, help="a GGUF file (any shard of a split set) or a TOML config; default: the embedded tiny model"
+        "model",
+        nargs="?",
+        default=None,
+        help="a GGUF file (any shard of a split set), a TOML config or a catalog name; default: the embedded tiny model",
     )
     p.add_argument(
         "--mem-limit-mb",
@@ -53,11 +56,16 @@ def _context(f: dict) -> str:
     return text + f"; this memory affords up to {most:,} ({share}{trained})"
 
 
+def _experts_used(f: dict) -> str:
+    k, own = f["n_expert_used"], f["n_expert_used_model"]
+    return f"{k} a token" + ("" if k == own else f" (--n-expert-used, LOSSY: the model's own is {own})")
+
+
 def print_report(f: dict) -> None:
     rows = [
         (
             "model",
-            f"{f['model']}: {f['arch']}, {f['n_layer']} layers × {f['n_expert']} experts, top-{f['top_k']}, file {_mib(f['file_bytes'])}",
+            f"{f['model']}: {f['arch']}, {f['n_layer']} layers × {f['n_expert']} experts, {_experts_used(f)}, file {_mib(f['file_bytes'])}",
         ),
         (
             "sizes",
@@ -139,17 +147,22 @@ def print_report(f: dict) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..shared.analysis.forecast import forecast
     from ..shared.errors import UserError
     from ..shared.gguf.model_file import open_model
     from ..shared.hub.resolve import model_file
+    from ..shared.progress import StatusLine
     from .run_cmd import load_run_config
 
     if args.seconds <= 0:
         raise UserError(f"--seconds must be positive, got {args.seconds:g}")
-    cfg = load_run_config(args)
-    with open_model(model_file(cfg)) as mf:
-        f = forecast(mf, cfg, mem_limit_mb=args.mem_limit_mb, seconds=args.seconds)
+    cfg = load_run_config(args)  # a bad config or model: its one line, before anything is shown
+    # Something at once: the imports, a first run's kernel compiles and the measuring take seconds.
+    with StatusLine() as status:
+        status.update("doctor: loading the forecast's code")
+        from ..shared.analysis.forecast import forecast
+
+        with open_model(model_file(cfg)) as mf:
+            f = forecast(mf, cfg, mem_limit_mb=args.mem_limit_mb, seconds=args.seconds, on_stage=lambda t: status.update(f"doctor: {t}"))
     if args.json:
         print(json.dumps(f))
     else:

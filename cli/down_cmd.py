@@ -1,5 +1,6 @@
 """`moe-pipe down [--name NAME | --port P]`: stop a running service (in order,
-releasing everything); the name is needed only when several run."""
+releasing everything); the name is needed only when several run. Nothing
+running is no error: one line, exit 0 (as `systemctl stop` of a stopped unit)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,11 @@ def run(args: argparse.Namespace) -> int:
     from ..shared.errors import PipelineError
     from ..shared.serve import service
 
-    info = service.find_service(name=args.name, port=args.port)
+    try:
+        info = service.find_service(name=args.name, port=args.port)
+    except service.NothingRunning as exc:  # already stopped: what down is for, as `systemctl stop`
+        print(f"moe-pipe: nothing to stop: {exc}")
+        return 0
     reply = service.control(info, "stop")
     if not reply.ok:
         raise PipelineError(f"the service refused to stop ({reply.code}): {reply.message}")
@@ -37,5 +42,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         if psutil.pid_exists(info.pid):
             raise PipelineError(f"the service (pid {info.pid}) did not stop within {args.timeout:.0f} s")
-    print(f"moe-pipe: stopped the service {info.name or '?'!r} (pid {info.pid})")
+    kept = service.kept_log_path(info.name)
+    log = f"; its log: {kept}" if kept.is_file() else ""
+    print(f"moe-pipe: stopped the service {info.name or '?'!r} (pid {info.pid}){log}")
     return 0

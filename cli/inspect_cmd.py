@@ -10,7 +10,8 @@ MIB = 1 << 20
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "model", help='GGUF file (or any shard of a split set), a TOML config (its model.path), or "tiny" (the embedded tiny model)'
+        "model",
+        help='GGUF file (or any shard of a split set), a TOML config (its model.path), a catalog name (its pulled file) or "tiny" (the embedded tiny model)',
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
@@ -84,9 +85,10 @@ def print_table(s: dict) -> None:
 
 def model_path(arg: str) -> str:
     """The GGUF file `arg` names: a config's model.path (the embedded model made
-    if it is asked for), the embedded model for its name, else `arg` itself."""
+    if it is asked for), the embedded model for its name, a catalog name's pulled
+    file, else `arg` itself."""
     from ..shared.config import EMBEDDED_MODEL, load_config
-    from ..shared.hub.resolve import model_file, resolve_model
+    from ..shared.hub.resolve import catalog_entry, model_file, pulled_path, resolve_model
 
     if arg == EMBEDDED_MODEL:
         from ..shared.makemodel.default_model import default_model_path
@@ -94,7 +96,8 @@ def model_path(arg: str) -> str:
         return str(default_model_path())
     if arg.endswith(".toml"):
         return str(model_file(resolve_model(load_config(arg))))  # a bad or unset path: one line, exit 2
-    return arg
+    entry = catalog_entry(arg)  # a word that is no file and no catalog name: the nearest names
+    return str(pulled_path(entry)) if entry else arg
 
 
 def run(args: argparse.Namespace) -> int:

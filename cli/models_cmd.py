@@ -27,7 +27,9 @@ MEASUREMENTS = "measurements.json"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("models", nargs="*", metavar="MODEL", help="GGUF files to list besides the pulled ones (any shard of a split set)")
+    p.add_argument(
+        "models", nargs="*", metavar="MODEL", help="GGUF files (any shard of a split set) or catalog names to list besides the pulled ones"
+    )
     p.add_argument("--catalog", action="store_true", help="list the catalog of known models instead (moe-pipe pull NAME fetches one)")
     p.add_argument("--measure", action="store_true", help="measure read speed and kernel speed now (and store them), as the doctor does")
     p.add_argument("--seconds", type=float, default=4.0, metavar="S", help="with --measure: seconds of measuring per model (default 4)")
@@ -223,6 +225,7 @@ def _print_table(title: str, columns: list[str], rows: list[list[str]]) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..shared.errors import UserError
     from ..shared.hub import catalog, store
+    from ..shared.hub.resolve import catalog_entry, pulled_path
 
     if args.catalog:
         rows = _catalog_rows()
@@ -250,7 +253,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--seconds must be positive, got {args.seconds:g}")
     found: list[tuple[Path, store.Pulled | None]] = [(p.path, p) for p in store.pulled()]
     for m in args.models:
-        path = Path(m).expanduser().resolve()
+        entry = catalog_entry(m)  # a catalog name: its pulled file (not pulled: the pull command)
+        path = pulled_path(entry).resolve() if entry else Path(m).expanduser().resolve()
         if not path.is_file():
             raise UserError(f"{m}: no such GGUF file")
         if all(path != q for q, _ in found):

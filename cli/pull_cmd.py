@@ -22,10 +22,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..shared.hub import network
+
+    with network.quiet_retries():  # a retry is one short line, not the library's two long ones
+        return _pull(args)
+
+
+def _pull(args: argparse.Namespace) -> int:
     from ..shared.hub import catalog, client, store
     from ..shared.progress import byte_progress
 
+    # A word with no "/" can only be a catalog name: a mistyped one gets the nearest names.
     entry = catalog.find(args.ref) if "/" not in args.ref else None
+    if entry is None and "/" not in args.ref:
+        raise client.PullError(
+            f"{args.ref!r} is not a catalog name ({catalog.names_hint(args.ref)}) nor a Hub repository (ORG/NAME[:QUANT])"
+        )
     repo, quant = (entry.repo, entry.quant) if entry else client.parse_ref(args.ref)
     files = client.list_files(repo, args.revision)
     sets = client.gguf_sets(files)

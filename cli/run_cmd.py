@@ -19,7 +19,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from ..shared.config_flags import add_override_arguments
 
     p.add_argument(
-        "model", nargs="?", default=None, help="a GGUF file (any shard of a split set) or a TOML config; default: the embedded tiny model"
+        "model",
+        nargs="?",
+        default=None,
+        help="a GGUF file (any shard of a split set), a TOML config or a catalog name (moe-pipe models --catalog); "
+        "default: the embedded tiny model",
     )
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("-p", "--prompt", help="the prompt text; - reads it from stdin")
@@ -32,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system", help="system message (with --chat)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1 = off)")
     p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below this fraction of the best one's probability")
-    p.add_argument("--sample-top-k", type=int, default=0, help="sample among the K most likely tokens (0 = off)")
+    p.add_argument("--sample-top-k", metavar="K", help="deprecated: --top-k (goes in the next release)")
     p.add_argument("--repeat-penalty", type=float, default=1.0, help="penalty for recently used tokens (1 = off)")
     p.add_argument("--stop", action="append", default=[], help="stop when this text appears (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-generation tokens (benchmarks)")
@@ -49,14 +53,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def load_run_config(args: argparse.Namespace) -> Config:
     from ..shared.config_flags import overrides_from_args
-    from ..shared.hub.resolve import load_runnable
+    from ..shared.hub.resolve import load_model_argument
 
-    overrides = overrides_from_args(args)
-    if args.model and Path(args.model).suffix == ".toml":
-        return load_runnable(args.model, overrides)
-    if args.model:
-        overrides["model.path"] = args.model if args.model == "tiny" else str(Path(args.model).resolve())
-    return load_runnable(None, overrides)
+    if getattr(args, "sample_top_k", None) is not None:  # run only
+        print(
+            "moe-pipe: --sample-top-k is now --top-k, sampling top-k as llama.cpp's (the old name goes in the next release)",
+            file=sys.stderr,
+        )
+        if args.top_k is None:
+            args.top_k = args.sample_top_k
+    return load_model_argument(args.model, overrides_from_args(args))
 
 
 def read_prompt(args: argparse.Namespace) -> str:
@@ -113,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
     g = cfg.generate
     params = SamplingParams(
         temperature=g.temperature,
-        top_k=args.sample_top_k,
+        top_k=g.top_k,
         top_p=args.top_p,
         min_p=args.min_p,
         repeat_penalty=args.repeat_penalty,
@@ -154,6 +160,7 @@ def _run_resident(cfg: Config, model_path, tok, prompt_tokens, params, args, on_
     from ..shared.errors import UserError
     from ..shared.experts.directio import model_identity
     from ..shared.gguf.model_file import open_model
+    from ..shared.gguf.spec import experts_per_token, lossy_expert_count
     from ..shared.model.load import ModelOptions, load_model
     from ..shared.model.session import save_session
     from ..shared.progress import StatusLine
@@ -179,18 +186,21 @@ def _run_resident(cfg: Config, model_path, tok, prompt_tokens, params, args, on_
 
     t0 = time.perf_counter()
     with open_model(model_path) as mf:
+        experts_per_token(mf.spec, cfg.compute.n_expert_used)  # out of range: one line, before the load
+        if lossy := lossy_expert_count(mf.spec, cfg.compute.n_expert_used):
+            print(lossy, file=sys.stderr)
         replay = RouteReplay(read_trace(str(cfg.compute.route_replay)), mf.spec) if cfg.compute.route_replay else None
-        tracer = RouteTracer(str(cfg.telemetry.route_trace), mf, cfg.compute.top_k) if cfg.telemetry.route_trace else None
+        tracer = RouteTracer(str(cfg.telemetry.route_trace), mf, cfg.compute.n_expert_used) if cfg.telemetry.route_trace else None
         if tracer:
             tracer.begin_turn()
         try:
             options = ModelOptions(route_observer=tracer, route_replay=replay, kv_type=cfg.compute.kv_type)
-            model = load_model(mf, top_k=cfg.compute.top_k, options=options)
+            model = load_model(mf, top_k=cfg.compute.n_expert_used, options=options)
             session = _open_session(args.session, model, mf, gen_cfg.n_ctx)  # a refused file: before the kernels compile
             load_s = time.perf_counter() - t0
             with StatusLine() as status:
                 status.update("loaded the model; compiling its kernels next")
-                steps = kernel_steps(mf, forward_pass(mf, cfg.compute.top_k, kv_type=cfg.compute.kv_type))
+                steps = kernel_steps(mf, forward_pass(mf, cfg.compute.n_expert_used, kv_type=cfg.compute.kv_type))
                 warm = warm_up(steps, lambda i, n, item: status.update(kernel_text(i, n, item)))
                 status.done(f"kernels ready in {warm.seconds:.2f} s ({warm.compiled} compiled, the rest from numba's cache)")
             with CompileCounter() as late:
@@ -264,8 +274,8 @@ def _run_pipeline(cfg: Config, model_path, prompt_tokens, params, args, on_text)
     with pipe:
         r = pipe.resolved
         print(
-            f"[expert cache {r.n_slabs * r.slab_bytes / 2**20:.2f} MiB = {r.n_slabs} slabs of {r.slab_bytes / 2**20:.2f} MiB; "
-            f"{r.budget_description}; dense {cfg.io.dense_weights}, loaded in {r.load_seconds:.2f} s"
+            f"[expert cache {r.n_slabs * r.slab_bytes / 2**20:.2f} MiB = {r.n_slabs} slabs of {r.slab_bytes / 2**20:.2f} MiB "
+            f"({r.budget_description}); dense {cfg.io.dense_weights}, loaded in {r.load_seconds:.2f} s"
             f"{'' if r.direct_io else '; O_DIRECT refused, buffered reads'}]",
             file=sys.stderr,
         )

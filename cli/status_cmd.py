@@ -1,13 +1,16 @@
 """`moe-pipe status [--json] [--name NAME | --port P]`: the running services'
 processes (state, pid, uptime, restarts, last exit, RSS), budget and hit rate.
 Every service without --name/--port; exit 1 if one is degraded (a process
-FATAL) or does not answer, 2 if none runs."""
+FATAL) or does not answer; none running is no error: one plain line, exit 3
+(LSB's and systemctl's "not running"), so a script can tell it from both."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+
+NOT_RUNNING = 3  # exit code: LSB init scripts' and `systemctl status`'s "program is not running"
 
 
 def add_selector_arguments(p: argparse.ArgumentParser, what: str) -> None:
@@ -31,11 +34,11 @@ def run(args: argparse.Namespace) -> int:
         else:
             infos = service.live_services()
             if not infos:
-                raise service.NoService("no moe-pipe service is running (start one with `moe-pipe up CONFIG`)")
-    except service.NoService:
-        if args.json:  # still JSON, for scripts; the exit code and stderr say what the plain form says
-            print(json.dumps({"services": []}))
-        raise
+                raise service.NothingRunning("no moe-pipe service is running (start one with `moe-pipe up CONFIG`)")
+    except service.NothingRunning as exc:
+        # still JSON for scripts; the exit code says what the plain line says
+        print(json.dumps({"services": []}) if args.json else f"moe-pipe: {exc}")
+        return NOT_RUNNING
     code, shown = 0, []
     for info in infos:
         try:

@@ -22,6 +22,7 @@ import os
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -43,6 +44,9 @@ WAITING_NOTICE = "waiting for a moe-pipe service (start one with `moe-pipe up CO
 # The text output's prompt progress: a line this often while a prompt runs (compute sends
 # four a second, for live views; a log needs far fewer), and always the one that ends it.
 PROMPT_LINE_S = 5.0
+# The service's status, for the run's budget and load time: asked once at attach, after the
+# subscription (records queue meanwhile); a supervisor answers in milliseconds.
+STATUS_TIMEOUT_MS = 1000
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -124,6 +128,9 @@ class RunSoFar:
     tok_s: deque = field(default_factory=lambda: deque(maxlen=SPARK_TOKENS))
     final: RunSummary | None = None  # once the run ended
     prompt: PromptProgress | None = None  # the prompt being computed, until its first token
+    # where the RunInfo comes from when its message went out before this tail subscribed: asked
+    # once, when a summary is first shown (a CSV or a log of lines never waits for it)
+    fetch_info: Callable[[], RunInfo | None] | None = None
 
     def start_run(self, info) -> None:
         self.info, self.final, self.tally, self.prompt = info, None, _tally(), None
@@ -140,6 +147,8 @@ class RunSoFar:
         """The run summary over the records seen (the service's own at the end)."""
         if self.final is not None:
             return self.final
+        if self.info is None and self.fetch_info is not None:
+            self.info, self.fetch_info = self.fetch_info(), None
         load_s = self.info.load_seconds if self.info is not None else 0.0
         budget = self.info.budget_bytes if self.info is not None else 0
         return self.tally.summary(load_s, budget)
@@ -303,12 +312,30 @@ def service_gone(info) -> bool:
     return not path.is_dir() or not ipc.RuntimeDir(path, info.pid).is_live()
 
 
+def service_run_info(info) -> RunInfo | None:
+    """The run's budget and load time from the service's status: its RunInfo went out
+    once, when it started, before this tail could subscribe (PUB/SUB keeps no history),
+    and without it the summary read `budget 0.0 MiB` and `load 0.00 s`. None when the
+    service does not answer (the summary then says so)."""
+    from ..shared.serve import service
+    from ..shared.wire import messages as m
+
+    try:
+        reply = service.control(info, "status", timeout_ms=STATUS_TIMEOUT_MS)
+    except service.NoService:
+        return None
+    data = reply.data if reply.ok else {}
+    if "budget_bytes" not in data or "load_seconds" not in data:
+        return None
+    return m.RunInfo("", 0.0, {}, {}, int(data["budget_bytes"] or 0), float(data["load_seconds"] or 0.0))
+
+
 def follow(sock, info, output) -> None:
     """Show records until the service goes away (returns) or we are stopped."""
     from ..shared.wire import ipc
     from ..shared.wire import messages as m
 
-    run = RunSoFar()
+    run = RunSoFar(fetch_info=lambda: service_run_info(info))
     while True:
         try:
             msg = ipc.recv(sock, LIVENESS_POLL_MS, expect=(m.TokenRecord, m.PromptProgress, m.RunInfo, m.RunSummary))

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
 DETACH_TIMEOUT_S = 600.0  # a first start may read a large dense set and compile kernels
 DETACHED_FLAG = "--_detached"
+API_KEY_ENV = "MOE_PIPE_API_KEY"  # gateway.api_key from the environment: not in the process list, as --api-key is
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -37,15 +38,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="the service's name, for status/down/tail/chat --name (default: the config file's or the model's name)",
     )
+    p.add_argument(
+        "--no-api-key",
+        action="store_true",
+        help="serve the API with no key on a host other than loopback (refused without this; "
+        f"set a key with {API_KEY_ENV}=KEY or --api-key KEY instead)",
+    )
     p.add_argument(DETACHED_FLAG, dest="detached_child", action="store_true", help=argparse.SUPPRESS)
     add_override_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..shared.hub.resolve import catalog_entry
     from ..shared.serve import service
     from .run_cmd import load_run_config
 
-    cfg = _catalog_config(args) or load_run_config(args)  # bad config: one line, exit 2, before anything starts
+    if os.environ.get(API_KEY_ENV) and args.api_key is None:  # the flag wins over the environment
+        args.api_key = os.environ[API_KEY_ENV]
+    cfg = load_run_config(args)  # bad config, a catalog name not pulled: one line, exit 2, before anything starts
+    check_exposure(cfg, args.no_api_key)
+    entry = catalog_entry(args.model) if args.model else None
+    if entry is not None and args.name is None:  # `up NAME` serves as NAME
+        args.name = entry.name
     name = service.check_name(args.name) if args.name is not None else ""
     if args.detach:
         from ..procs.supervisor import preflight
@@ -59,28 +73,36 @@ def run(args: argparse.Namespace) -> int:
     return _serve(cfg, name, detached=args.detached_child)
 
 
-def _catalog_config(args: argparse.Namespace) -> Config | None:
-    """`up NAME` for a catalog entry (shared/hub/catalog.py): its recipe over the file `moe-pipe pull`
-    fetched for it, served as NAME; not pulled yet: the pull command, exit 2. None: not a catalog name."""
-    from ..shared.config_flags import overrides_from_args
+def check_exposure(cfg: Config, no_api_key: bool) -> None:
+    """An API on a network address needs a key, or --no-api-key to say that it is meant to be open."""
     from ..shared.errors import UserError
-    from ..shared.hub import catalog, store
-    from ..shared.hub.resolve import load_runnable
+    from ..shared.serve.http_guard import is_loopback
 
-    if not args.model or Path(args.model).suffix or "/" in args.model or Path(args.model).exists() or args.model == "tiny":
-        return None
-    entry = catalog.find(args.model)
-    if entry is None:
-        raise UserError(f"{args.model}: no such file, and not a catalog model; the catalog: {', '.join(catalog.BY_NAME)}")
-    pulled = store.find_pulled(entry.repo, entry.quant)
-    if pulled is None:
-        raise UserError(f"{entry.name} ({entry.model}) has not been pulled; run `{entry.pull_command}` first")
-    overrides = overrides_from_args(args)
-    overrides.setdefault("model.path", str(pulled.path))
-    recipe = entry.recipe_path()
-    if args.name is None:
-        args.name = entry.name
-    return load_runnable(recipe if recipe.is_file() else None, overrides)
+    host = cfg.gateway.host
+    if is_loopback(host) or cfg.gateway.api_key:
+        return
+    if not no_api_key:
+        raise UserError(
+            f"--host {host} exposes the API to the network with no key: set one with {API_KEY_ENV}=KEY "
+            "(kept out of the process list) or --api-key KEY, or pass --no-api-key to serve it openly"
+        )
+    print(f"moe-pipe: warning: serving the API on {host} with no key (--no-api-key): whoever reaches the port can use it", file=sys.stderr)
+
+
+def _child_argv(argv: list[str]) -> tuple[list[str], dict[str, str]]:
+    """The detached child's argv and environment: --api-key KEY travels in the environment
+    (MOE_PIPE_API_KEY), so the long-lived service's command line does not show the key."""
+    out, env, skip = [], dict(os.environ), False
+    for i, a in enumerate(argv):
+        if skip:
+            skip = False
+        elif a == "--api-key" and i + 1 < len(argv):
+            env[API_KEY_ENV], skip = argv[i + 1], True
+        elif a.startswith("--api-key="):
+            env[API_KEY_ENV] = a.partition("=")[2]
+        elif a != "--detach":
+            out.append(a)
+    return out + [DETACHED_FLAG], env
 
 
 def _serve(cfg: Config, name: str, detached: bool) -> int:
@@ -134,7 +156,7 @@ class _Relay:
 def _detach(argv: list[str]) -> int:
     """Start `up` again without --detach in its own session; relay its output
     until its gateway listens (then return 0) or it exits (its code)."""
-    child_argv = [a for a in argv if a != "--detach"] + [DETACHED_FLAG]
+    child_argv, env = _child_argv(argv)
     with tempfile.NamedTemporaryFile("w+", prefix="moe-pipe-up-", suffix=".log", delete=False) as out:
         out_path = Path(out.name)
     try:
@@ -145,6 +167,7 @@ def _detach(argv: list[str]) -> int:
                 stdout=sink,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                env=env,
             )
         shown, relay = 0, _Relay()
         deadline = time.monotonic() + DETACH_TIMEOUT_S

@@ -13,7 +13,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from ..shared.config_flags import add_override_arguments
 
     p.add_argument(
-        "model", nargs="?", default=None, help="a GGUF file (any shard of a split set) or a TOML config; default: the embedded tiny model"
+        "model",
+        nargs="?",
+        default=None,
+        help="a GGUF file (any shard of a split set), a TOML config or a catalog name; default: the embedded tiny model",
     )
     add_override_arguments(p, tables=("compute",))
 
@@ -27,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = load_run_config(args)
     with open_model(model_file(cfg)) as mf, StatusLine() as status:
-        steps = kernel_steps(mf, forward_pass(mf, cfg.compute.top_k, kv_type=cfg.compute.kv_type))
+        steps = kernel_steps(mf, forward_pass(mf, cfg.compute.n_expert_used, kv_type=cfg.compute.kv_type))
         warm = warm_up(steps, lambda i, n, item: status.update(kernel_text(i, n, item)))
         status.done(
             f"{mf.gguf.path.name}: {warm.steps} kernel steps ready in {warm.seconds:.2f} s: "

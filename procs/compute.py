@@ -399,8 +399,8 @@ def serve(config: Config, facts: RunFacts, ctx: zmq.Context) -> None:
     arenas = [(dense_arena, "dense set"), (source.arena.arena, "slab cache")] if config.io.populate else []
     populators = [Populator(a, what=w).start() for a, w in arenas if a is not None]
     route_trace = config.telemetry.route_trace
-    tracer = RouteTracer(str(route_trace), mf, c.top_k, source.resident) if route_trace else None
-    model = load_model(mf, top_k=c.top_k, experts=source, dense_view=view, options=model_options(c, tracer, mf, watch))
+    tracer = RouteTracer(str(route_trace), mf, c.n_expert_used, source.resident) if route_trace else None
+    model = load_model(mf, top_k=c.n_expert_used, experts=source, dense_view=view, options=model_options(c, tracer, mf, watch))
     tok = Tokenizer.from_gguf(mf.gguf)
     metered = MeteredModel(model, source, telemetry, interrupts, tracer, watch)
     # The KV cache and the ids it holds, kept between requests (prefix reuse, slots);
@@ -408,7 +408,7 @@ def serve(config: Config, facts: RunFacts, ctx: zmq.Context) -> None:
     session, identity = Session(), tuple(facts.model_identity) or model_identity(mf.gguf.paths)
     # Every kernel compiled (or loaded from numba's cache) before the Hello, so no
     # request's timings include a compile; the front end shows the progress.
-    steps = kernel_steps(mf, forward_pass(mf, c.top_k, view, c.kv_type))
+    steps = kernel_steps(mf, forward_pass(mf, c.n_expert_used, view, c.kv_type))
     warm = warm_up(steps, lambda i, n, item: ipc.send(tokens_out, m.Progress(STAGE, i, n, item)))
     ipc.send(tokens_out, m.Progress(STAGE, warm.steps, warm.steps, "", warm.seconds, warm.compiled))
     late = CompileCounter().__enter__()  # for the life of the process: compiles a request still paid for

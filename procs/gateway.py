@@ -115,6 +115,10 @@ class ConfigDefaults:
         return self.config.generate.temperature
 
     @property
+    def top_k(self) -> int:
+        return self.config.generate.top_k
+
+    @property
     def seed(self) -> int | None:
         return self.config.generate.seed
 

@@ -183,11 +183,11 @@ class Feed:
 @dataclass(frozen=True)
 class PageFacts:
     """What the web page shows of the model: its shape (the heatmap's layers and
-    experts, top-k) and what its dense weights and KV cache take of the memory."""
+    experts, the model's own experts per token) and what its dense weights and KV cache take of the memory."""
 
     n_layer: int
     n_expert: int
-    top_k: int
+    n_expert_used: int
     dense_bytes: int
     kv_bytes: int | None
 
@@ -295,7 +295,9 @@ class WebView:
             "model": self.gw.facts.model_name,
             "layers": facts.n_layer if facts else None,
             "experts": facts.n_expert if facts else None,
-            "top_k": facts.top_k if facts else None,
+            # what the run uses and the model's own: the page labels a difference lossy
+            "n_expert_used": (self.gw.config.compute.n_expert_used or facts.n_expert_used) if facts else None,
+            "n_expert_used_model": facts.n_expert_used if facts else None,
             "config": self.gw.config.to_dict(),  # secrets REDACTED (shared/config.py to_dict)
             "history": list(self.feed.history),
             "first": self.feed.first,

@@ -11,6 +11,7 @@ the supervisor, a test).
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -27,7 +28,7 @@ from ..shared.experts.directio import ExpertFiles, describe_os_error, model_iden
 from ..shared.experts.populate import Populator
 from ..shared.experts.residency import ResidencyIndex
 from ..shared.gguf.model_file import open_model
-from ..shared.gguf.spec import kv_cache_bytes
+from ..shared.gguf.spec import experts_per_token, kv_cache_bytes, lossy_expert_count
 from ..shared.model.trace import read_trace
 from ..shared.wire import ipc
 from ..shared.wire import messages as m
@@ -48,6 +49,15 @@ class Resolved:
     direct_io: bool
     model_identity: tuple[str, ...] = ()  # of every shard at start-up: children refuse any other file
     io_align: int = 4096  # Layout.align resolved here once; children open the model with it (shared/gguf/alignment.py)
+
+
+def cache_description(budget_text: str, n_slabs: int, budget_slabs: int) -> str:
+    """How the cache's size came about, beside the size itself in one start-up line: the
+    budget's own line, or, when the model's experts all fit in less, that they do (the
+    cache is then smaller than the budget, and the line said two sizes with no reason)."""
+    if n_slabs < budget_slabs:
+        return f"every expert of the model, under the {budget_text}"
+    return budget_text
 
 
 class Resources:
@@ -77,9 +87,7 @@ class Resources:
         t0 = time.perf_counter()
         with open_model(Path(model_path)) as mf, ExitStack() as undo:
             layout, spec = mf.layout, mf.spec
-            top_k = cfg.compute.top_k or spec.n_expert_used
-            if top_k > spec.n_expert:
-                raise UserError(f"--top-k {top_k} is out of range: this model has {spec.n_expert} experts")
+            top_k = experts_per_token(spec, cfg.compute.n_expert_used)
             if cfg.compute.threads and cfg.compute.threads > (os.cpu_count() or 1):
                 raise UserError(f"--threads {cfg.compute.threads}: this machine has {os.cpu_count()} cores")
             if cfg.cache.warm_from:  # a bad trace is the user's error, before anything starts
@@ -101,6 +109,9 @@ class Resources:
             )
             # More slabs than experts would never be used.
             n_slabs = min(slabs_for_budget(budget.bytes, layout.slab_bytes), spec.n_layer * spec.n_expert)
+            lossy = lossy_expert_count(spec, cfg.compute.n_expert_used)
+            if lossy:  # after the checks above, so a refusal stays the one line
+                print(lossy, file=sys.stderr)
             if progress:  # only now: a refusal above is the one line the user sees
                 progress("starting: dense weights, compute process, then its kernels to compile")
             identity = _read_or_fail(lambda: model_identity(mf.gguf.paths), "reading the model file's header")
@@ -130,7 +141,14 @@ class Resources:
                     if ahead is not None:
                         ahead.stop()
             resolved = Resolved(
-                budget.bytes, budget.description, n_slabs, layout.slab_bytes, time.perf_counter() - t0, direct, identity, layout.align
+                budget.bytes,
+                cache_description(budget.description, n_slabs, slabs_for_budget(budget.bytes, layout.slab_bytes)),
+                n_slabs,
+                layout.slab_bytes,
+                time.perf_counter() - t0,
+                direct,
+                identity,
+                layout.align,
             )
             res = cls(rt, slabs, index, dense, resolved)
             undo.pop_all()  # made whole: from here close() releases it

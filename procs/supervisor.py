@@ -528,6 +528,10 @@ class Supervisor:
             self.restarter.stop_all({"telemetry_in": self.telemetry_in}, self.stop_requested or "service stopping")
         finally:
             self.ctx.destroy(linger=0)  # closes every socket of ours
+            try:  # the runtime folder goes with the service; its log is what explains a stop
+                service.keep_log(self.res.rt.path, self.name)
+            except OSError as exc:
+                log.warning("could not keep the log: %s", exc)
             self.res.close()
             os.environ.pop(LOG_FILE_ENV, None)
 

@@ -16,7 +16,7 @@ shared/hub/resolve.py. This module imports nothing of the project but its
 errors, so every layer may read the typed config.
 
 Config is never edited after start-up (docs/configuration.md § Rules): runtime facts (the
-resolved budget, the model's own top_k) travel back in messages and records.
+resolved budget, the model's own n_expert_used) travel back in messages and records.
 Paths in a file are resolved against that file's folder; paths typed on the
 command line against the current directory.
 """
@@ -27,6 +27,7 @@ import dataclasses
 import difflib
 import math
 import re
+import sys
 import tomllib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -196,14 +197,15 @@ class ComputeConfig:
         choices=("none", "prompt", "next-layer"),
         flags=("--prefetch",),
     )
-    top_k: int | None = setting(
+    n_expert_used: int | None = setting(
         None,
         "int",
-        "experts per token; fewer than trained is faster and changes outputs",
+        "LOSSY unless it is the model's own: routed experts per token (llama.cpp's --n-expert-used); fewer than trained "
+        "is faster and changes outputs, more is slower and changes them too; a run says so when it differs",
         lo=1,
         hi=256,
         unset="the model's own",
-        flags=("--top-k",),
+        flags=("--n-expert-used",),
     )
     ctx_size: int = setting(4096, "int", "context length in tokens (sizes the KV cache)", lo=16, hi=1 << 20, flags=("-c", "--ctx-size"))
     prefill_chunk: int | None = setting(
@@ -264,7 +266,13 @@ class GenerateConfig:
     """Sampling defaults (a request may override them)."""
 
     max_tokens: int = setting(64, "int", "tokens to generate at most", lo=1, hi=1 << 20, flags=("-n", "--max-tokens"))
-    temperature: float = setting(0.0, "float", "sampling temperature; 0 = greedy", lo=0, hi=10, flags=("--temp", "--temperature"))
+    # OpenAI's range, the one the HTTP API checks too (shared/serve/openai_api.py): the same everywhere.
+    temperature: float = setting(
+        0.0, "float", "sampling temperature; 0 = greedy; OpenAI's range, as over HTTP", lo=0, hi=2, flags=("--temp", "--temperature")
+    )
+    top_k: int = setting(
+        0, "int", "sample among the K most likely tokens (llama.cpp's --top-k); 0 = off", lo=0, hi=1 << 20, flags=("--top-k",)
+    )
     seed: int | None = setting(None, "int", "random seed for sampling", lo=0, hi=2**64 - 1, unset="random", flags=("--seed",))
     no_think: bool = setting(
         False, "bool", "ask the model not to think (Qwen3 enable_thinking=false, gpt-oss reasoning low)", flags=("--no-think",)
@@ -348,8 +356,11 @@ class GatewayConfig:
     api_key: str | None = setting(
         None,
         "str",
-        "if set, requests need `Authorization: Bearer KEY`; a secret: telemetry, logs and errors show it as ***",
+        "if set, requests need `Authorization: Bearer KEY`; a secret: telemetry, logs and errors show it as ***. "
+        "The environment variable MOE_PIPE_API_KEY sets it too and stays out of the process list, as a flag does not; "
+        "`up` refuses a host other than loopback without a key unless given --no-api-key",
         unset="no key",
+        flags=("--api-key",),
         pattern=r"[!-~]+",
         pattern_text="visible ASCII characters, no spaces (it travels in an HTTP header)",
         secret=True,
@@ -441,6 +452,22 @@ SCHEMA: tuple[Key, ...] = tuple(
     Key(table, f.name, f.default, f.metadata["spec"]) for table, cls in TABLES.items() for f in dataclasses.fields(cls)
 )
 KEYS: dict[str, Key] = {k.dotted: k for k in SCHEMA}
+
+
+# Old names still read for a release: each use prints one line naming the new key (to stderr, once a process).
+RENAMED_KEYS: dict[str, str] = {"compute.top_k": "compute.n_expert_used"}
+_said_renamed: set[str] = set()
+
+
+def renamed(dotted: str, where: str) -> str:
+    """The key's current name; an old one says so on stderr (once), then stands for the new."""
+    new = RENAMED_KEYS.get(dotted)
+    if new is None:
+        return dotted
+    if dotted not in _said_renamed:
+        _said_renamed.add(dotted)
+        print(f"moe-pipe: {where}: {dotted} is now {new} (the old name goes in the next release)", file=sys.stderr)
+    return new
 
 
 def redact(key: Key, value: Any) -> Any:
@@ -573,15 +600,14 @@ def _validate_tables(doc: Mapping[str, Any], origin: str, text: str) -> dict[str
     for table, body in doc.items():
         if table not in TABLES or not isinstance(body, dict):
             raise _unknown_table(origin, table, body)
-        out[table] = {}
         for name, value in body.items():
-            key = KEYS.get(f"{table}.{name}")
             line = _line_of(text, table, name)
             where = f"{origin}:{line}" if line else origin
+            key = KEYS.get(renamed(f"{table}.{name}", where))
             if key is None:
                 raise _unknown_key(where, table, name)
             try:
-                out[table][name] = _check(key, value)
+                out.setdefault(key.table, {})[key.name] = _check(key, value)
             except _Invalid as exc:
                 raise _fail(where, key, value, exc.problem) from None
     return out
@@ -682,8 +708,8 @@ def apply_overrides(cfg: Config, overrides: Mapping[str, Any], *, where: str = "
 
 
 def _known(dotted: str, where: str) -> Key:
-    """The key named `dotted`, or a ConfigError suggesting the nearest."""
-    key = KEYS.get(dotted)
+    """The key named `dotted` (an old name too), or a ConfigError suggesting the nearest."""
+    key = KEYS.get(renamed(dotted, where))
     if key is None:
         table, _, name = dotted.partition(".")
         if table not in TABLES or not name:

@@ -106,7 +106,7 @@ def overrides_from_args(args: Any) -> dict[str, Any]:
         if isinstance(value, str) and key.spec.kind in ("int", "float", "mb"):
             value = _parse_text(key, value, "--set")
         try:
-            out[dotted] = _check(key, value)
+            out[key.dotted] = _check(key, value)
         except _Invalid as exc:
             raise _fail("--set", key, value, exc.problem) from None
     return out

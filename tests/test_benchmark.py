@@ -221,3 +221,30 @@ def test_vs_llama_cpp_on_the_tiny_model(tmp_path):
     assert sorted((out).glob("llama.cpp-repack-*.csv"))
     assert s["ratio_vs_best_llama"] is not None
     assert all(v >= 1 for v in s["llama_tokens_equal_moe_pipe"].values())  # the first token agrees: same file, same math
+
+
+def test_bench_says_what_it_does_while_it_forecasts(monkeypatch, capsys, tmp_path):
+    """The forecast before the runs takes seconds (6 s of silence on a first run): each of its
+    stages is shown as it starts (a spinner on a terminal, a line elsewhere)."""
+    from moe_pipe.cli.main import main
+    from moe_pipe.shared.analysis import benchmark, forecast
+
+    def fake_forecast(mf, cfg, *, on_stage=None, **kw):
+        on_stage("measuring the kernels")
+        return {"fits": False, "refusal": "no"}
+
+    class Stop(Exception):
+        pass
+
+    def stop(*a, **kw):
+        raise Stop
+
+    monkeypatch.setattr(forecast, "forecast", fake_forecast)
+    monkeypatch.setattr(benchmark, "run_bench", stop)
+    with pytest.raises(Stop):
+        main(["bench", "-n", "1", "--out", str(tmp_path)])
+    assert capsys.readouterr().err.splitlines() == [
+        "[forecasting (moe-pipe doctor) ...]",
+        "[forecasting: measuring the kernels]",
+        "    forecast: does not fit (no)",
+    ]

@@ -100,7 +100,7 @@ def test_floor_refusal_says_what_would_work():
     with pytest.raises(ConfigError) as exc:
         check_floor(tight, CacheFloor(n_layer=4, top_k=5, slab_bytes=5 * MiB), "tiny.toml")
     msg = str(exc.value)
-    assert "not enough memory" in msg and "cache 38 MiB" in msg and "100.00 MiB = 4 layers x top-5 experts" in msg, msg
+    assert "not enough memory" in msg and "budget 38 MiB" in msg and "100.00 MiB = 4 layers x top-5 experts" in msg, msg
     assert "62 MiB short" in msg, msg
 
 
@@ -496,3 +496,12 @@ def test_the_auto_ceiling_follows_the_platform(monkeypatch):
     assert not board.clamped and board.bytes == 64 * GiB - GiB - 512 * MiB
     fixed = load_config(None, {"model.path": "tiny", "cache.cache_ceil_mb": 2000})
     assert B.resolve_budget(fixed, dense_bytes=GiB, kv_bytes=0, memory=mem).bytes == 2000 * MiB
+
+
+def test_the_cache_line_names_one_cache_size_and_says_why_it_is_below_the_budget():
+    from moe_pipe.procs.resources import cache_description
+
+    b = compute_budget(64, 1e9, None, dense_bytes=0, kv_bytes=0, dense_policy="anon")
+    assert b.description == "budget 64 MiB: fixed cache_mb 64"
+    assert cache_description(b.description, 96, 1300) == "every expert of the model, under the budget 64 MiB: fixed cache_mb 64"
+    assert cache_description(b.description, 1300, 1300) == b.description

@@ -331,3 +331,30 @@ def test_ctrl_c_stops_the_reply_and_keeps_the_chat(server):
     while server.disconnects == 0 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert server.disconnects == 1  # closing the response told the server
+
+
+def test_chat_commands_are_never_sent_to_the_model():
+    """/help, /reset, /exit and their aliases are the chat's; an unknown /word is refused, not sent;
+    a line that only starts with / (a path, //escaped) is a message."""
+    from moe_pipe.cli.chat_cmd import chat_command
+
+    assert [chat_command(t) for t in ("/help", "/?", "/HELP", "/reset", "/clear", "/exit", "/quit", "/bye")] == [
+        "/help",
+        "/help",
+        "/help",
+        "/reset",
+        "/reset",
+        "/exit",
+        "/exit",
+        "/exit",
+    ]
+    assert chat_command("/halp") == "/halp"  # unknown: refused by converse, never sent
+    assert [chat_command(t) for t in ("hello", "/usr/bin is a folder", "/usr/bin", "//help", "/2")] == [None] * 5
+
+
+@pytest.mark.integration
+def test_help_and_an_unknown_command_are_answered_by_the_chat(server):
+    r = chat(["--url", server.url], "/help\n/halp\nhello\n")
+    assert r.returncode == 0, r.stderr
+    assert "/reset" in r.stderr and "/exit" in r.stderr and "[unknown command /halp: not sent" in r.stderr
+    assert [m["content"] for m in posts(server)[-1]["messages"]] == ["hello"] and len(posts(server)) == 1

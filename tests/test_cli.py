@@ -171,3 +171,28 @@ def test_every_command_prints_its_help(command, capsys):
         main([command, "--help"])
     assert e.value.code == 0
     assert f"usage: moe-pipe {command}" in capsys.readouterr().out
+
+
+def _parsed(argv: list[str]):
+    import argparse
+
+    from moe_pipe.cli import run_cmd
+
+    p = argparse.ArgumentParser()
+    run_cmd.add_arguments(p)
+    return p.parse_args(argv)
+
+
+def test_top_k_is_sampling_and_sample_top_k_is_its_old_name(capsys):
+    """`run --top-k` is llama.cpp's sampling top-k (generate.top_k); `--sample-top-k` still works
+    for a release with one line saying so; experts per token are --n-expert-used."""
+    from moe_pipe.cli.run_cmd import load_run_config
+
+    cfg = load_run_config(_parsed(["-p", "x", "--top-k", "40", "--n-expert-used", "1"]))
+    assert (cfg.generate.top_k, cfg.compute.n_expert_used) == (40, 1)
+    assert capsys.readouterr().err == ""
+    cfg = load_run_config(_parsed(["-p", "x", "--sample-top-k", "7"]))
+    assert cfg.generate.top_k == 7 and cfg.compute.n_expert_used is None
+    assert capsys.readouterr().err.splitlines() == [
+        "moe-pipe: --sample-top-k is now --top-k, sampling top-k as llama.cpp's (the old name goes in the next release)"
+    ]

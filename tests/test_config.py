@@ -267,8 +267,10 @@ def test_cli_overrides_apply_without_mutation(tmp_path):
             "--no-overlap",
             "--dense-weights",
             "warm",
-            "--top-k",
+            "--n-expert-used",
             "2",
+            "--top-k",
+            "40",
             "--prefetch",
             "next-layer",
             "--csv",
@@ -302,7 +304,8 @@ def test_cli_overrides_apply_without_mutation(tmp_path):
     cfg = C.apply_overrides(base, ov, base=tmp_path)
     assert base.to_dict() == before  # the original is untouched
     assert (cfg.cache.cache_mb, cfg.cache.cache_ceil_mb, cfg.io.io_threads, cfg.compute.threads) == (0.5, 100.0, 1, 2)
-    assert (cfg.compute.overlap, cfg.io.dense_weights, cfg.compute.top_k, cfg.compute.prefetch) == (False, "warm", 2, "next-layer")
+    assert (cfg.compute.overlap, cfg.io.dense_weights, cfg.compute.n_expert_used, cfg.compute.prefetch) == (False, "warm", 2, "next-layer")
+    assert cfg.generate.top_k == 40  # sampling top-k, as llama.cpp's --top-k
     assert cfg.telemetry.csv == str(tmp_path / "run.csv") and cfg.compute.ctx_size == 512
     assert (cfg.generate.max_tokens, cfg.generate.temperature, cfg.generate.seed, cfg.generate.no_think) == (9, 0.7, 42, True)
     assert cfg.supervisor.start_secs == 2.5 and cfg.model.path == "tiny" and cfg.gateway.port == 0
@@ -318,11 +321,11 @@ def test_flags_left_out_change_nothing():
     parser = argparse.ArgumentParser()
     F.add_override_arguments(parser)
     assert F.overrides_from_args(parser.parse_args([])) == {}
-    args = parser.parse_args(["--overlap", "--think", "--top-k", "none", "--cache-mb", "auto"])
+    args = parser.parse_args(["--overlap", "--think", "--n-expert-used", "none", "--cache-mb", "auto"])
     assert F.overrides_from_args(args) == {
         "compute.overlap": True,
         "generate.no_think": False,
-        "compute.top_k": None,
+        "compute.n_expert_used": None,
         "cache.cache_mb": "auto",
     }
 
@@ -351,7 +354,33 @@ def test_set_errors(tmp_path):
         C.apply_overrides(Config(), {"gateway.host": 5})
     assert str(exc.value).startswith("command line: gateway.host = 5: wrong type")
     with pytest.raises(ConfigError, match="out of range"):
-        load_config(None, {"compute.top_k": 0})
+        load_config(None, {"compute.n_expert_used": 0})
+
+
+def test_temperature_has_one_range_openais():
+    """[0, 2] on the command line and in a config, as over HTTP (shared/serve/openai_api.py)."""
+    assert load_config(None, {"generate.temperature": 2}).generate.temperature == 2.0
+    with pytest.raises(ConfigError, match="generate.temperature = 2.5: out of range; allowed: a number >= 0 and <= 2"):
+        load_config(None, {"generate.temperature": 2.5})
+
+
+def test_the_old_expert_count_key_is_read_with_one_line(tmp_path, capsys, monkeypatch):
+    """compute.top_k (before llama.cpp's name n_expert_used) still works for a release, in a file
+    and with --set, and says so once on stderr."""
+    monkeypatch.setattr(C, "_said_renamed", set())
+    p = tmp_path / "old.toml"
+    p.write_text("[compute]\ntop_k = 2\n")
+    assert load_config(p).compute.n_expert_used == 2
+    assert C.apply_overrides(Config(), {"compute.top_k": 3}).compute.n_expert_used == 3
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"moe-pipe: {p}:2: compute.top_k is now compute.n_expert_used (the old name goes in the next release)"]
+    parser = argparse.ArgumentParser()
+    F.add_override_arguments(parser)
+    assert F.overrides_from_args(parser.parse_args(["--set", "compute.top_k=4"])) == {"compute.n_expert_used": 4}
+    p.write_text("[compute]\ntop_k = 0\n")
+    with pytest.raises(ConfigError) as exc:
+        load_config(p)
+    assert str(exc.value).startswith(f"{p}:2: compute.n_expert_used = 0: out of range")
 
 
 # ---------------------------------------------------------------- docs cannot drift
@@ -505,8 +534,13 @@ def test_missing_model_says_how_to_get_one(tmp_path, cli):
 @pytest.mark.integration
 def test_config_errors_from_the_real_entry_point(tmp_path):
     """No traceback, one line, exit 2 from `python -m moe_pipe.cli.main` itself (not only main())."""
-    p = one_key(tmp_path, KEYS["compute.top_k"], "0")
-    for argv in (["up", str(p)], ["run", "-p", "hi", "--top-k", "lots"], ["run", "-p", "hi", "--set", "cache.policy=lruu"]):
+    p = one_key(tmp_path, KEYS["compute.n_expert_used"], "0")
+    for argv in (
+        ["up", str(p)],
+        ["run", "-p", "hi", "--n-expert-used", "lots"],
+        ["run", "-p", "hi", "--top-k", "-1"],
+        ["run", "-p", "hi", "--set", "cache.policy=lruu"],
+    ):
         r = subprocess.run([sys.executable, "-m", "moe_pipe.cli.main", *argv], capture_output=True, text=True, timeout=60)
         assert r.returncode == 2 and r.stdout == "" and len(r.stderr.strip().splitlines()) == 1, r.stderr
         assert "Traceback" not in r.stderr and "allowed:" in r.stderr

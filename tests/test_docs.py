@@ -195,3 +195,12 @@ def test_the_cli_and_the_docs_list_the_same_families(capsys, tmp_path):
         assert all(t in convert_error for t in f.hf_model_types), f"convert's error does not list {f.hf_model_types}"
         row = f"| {f.name} | `{f.arch}` |"
         assert row in readme and row in cli_md, f"README.md or docs/cli.md has no row for {f.name}"
+
+
+def test_the_quick_start_makes_a_venv_and_names_the_web_tests_browser():
+    """README's Quick start works as written on a current distro (pip refuses the system Python,
+    PEP 668) and says what the browser tests need before they are skipped for want of it."""
+    readme = (ROOT / "README.md").read_text()
+    start = readme[readme.index("## Quick start") : readme.index("## Usage")]
+    assert start.index("python3 -m venv .venv && . .venv/bin/activate") < start.index("pip install .")
+    assert "python3-venv" in start and "apt-get install chromium chromium-driver" in start and "test_web_browser.py" in start

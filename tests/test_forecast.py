@@ -108,8 +108,8 @@ def test_doctor_says_the_context_and_what_this_memory_affords():
     assert _context(f | {"ctx_train": 4096}).endswith("longer than the model was trained for (4,096)")
 
 
-def test_top_k_override_scales_the_floor(qwen8):
-    f8, f4 = facts_of(qwen8), facts_of(qwen8, **{"compute.top_k": 4})
+def test_n_expert_used_override_scales_the_floor(qwen8):
+    f8, f4 = facts_of(qwen8), facts_of(qwen8, **{"compute.n_expert_used": 4})
     assert (f8.top_k, f4.top_k) == (8, 4)
     assert f4.floor_bytes * 2 == f8.floor_bytes == 8 * 8 * f8.slab_bytes
 
@@ -296,6 +296,16 @@ def test_cli_json_has_the_documented_keys(capsys):
     assert set(out) == _documented_keys()
     assert out["fits"] and out["resident"] and out["hit_source"] == "resident" and out["tok_s"] > 0
     assert out["bottleneck"] in ("compute", "flash", "memory")
+
+
+def test_doctor_says_what_it_does_at_once(capsys):
+    """Before the imports, compiles and measuring (8 s of silence on a first run), a line on stderr
+    (a spinner on a terminal) says what the doctor is doing; stdout keeps only the JSON."""
+    assert main(["doctor", str(default_model_path()), "--json", "--seconds", "0.1"]) == 0
+    out = capsys.readouterr()
+    lines = out.err.splitlines()
+    assert lines[0] == "[doctor: loading the forecast's code]" and any("measuring the kernels" in x for x in lines), out.err
+    json.loads(out.out)
 
 
 def test_cli_refusal_exits_1_and_says_what_limit_works(qwen8, capsys):

@@ -385,7 +385,7 @@ def test_openai_client_chat_completions_models(start_gateway, tokenizer):
     assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (n_prompt, 6, n_prompt + 6)
     gen = computes.events("generate")[-1]
     assert gen["max_tokens"] == 6 and gen["stop"] == ["zz"] and gen["n_prompt"] == n_prompt
-    assert gen["sampling"] == {"temperature": 0.5, "top_p": 0.9, "seed": 7}
+    assert gen["sampling"] == {"temperature": 0.5, "top_p": 0.9, "top_k": 0, "seed": 7}
 
     chunks = list(
         client.chat.completions.create(
@@ -528,7 +528,7 @@ def test_bad_requests_get_openai_errors(start_gateway):
     assert err["code"] == "context_length_exceeded"
     error(post({"model": "tiny", "prompt": "hi", "max_tokens": 100}, "/v1/completions"), 400, "max_tokens (100)", "context of 64")
     assert error(post({"model": "gpt-4o", "messages": msgs}), 404, "gpt-4o")["code"] == "model_not_found"
-    error(post({"messages": msgs}), 400, "'model'")
+    error(post({"model": 5, "messages": msgs}), 400, "'model'")  # optional, but a string when given
     big = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x" * (4 << 20)}]})
     assert error(post(big), 413, "limit")["code"] == "body_too_large"
     error(svc.request("GET", "/v1/nowhere"), 404)
@@ -721,7 +721,7 @@ def test_field_types_and_ranges_are_checked():
     settings = defaults()
     msgs = [{"role": "user", "content": "hi"}]
     bad = {
-        "model": [5, None, ["tiny"]],
+        "model": [5, ["tiny"], True],
         "messages": ["hi", {}, [], None],
         "messages[0]": [[1], [{"content": "hi"}], [{"role": 1, "content": "x"}], [{"role": "", "content": "x"}]],
         "messages[0].content": [
@@ -733,6 +733,7 @@ def test_field_types_and_ranges_are_checked():
         "max_completion_tokens": [-3, 2.5, False],
         "temperature": [-0.1, 2.01, math.nan, math.inf, -math.inf, "0.5", True, [0.5]],
         "top_p": [0, 1.5, math.nan, math.inf, "1", False],
+        "top_k": [-1, 1.5, "40", True, (1 << 20) + 1],
         "n": [0, 2, "1", 1.0, True],
         "stop": [5, [None], {"a": 1}, ["x"] * 17, ["x" * 257], [1]],
         "seed": ["7", 1.5, True, -1, 1 << 64],
@@ -770,6 +771,27 @@ def test_field_types_and_ranges_are_checked():
         settings,
     )
     assert (ok.max_tokens, ok.sampling["temperature"], ok.sampling["seed"], len(ok.stop)) == (1, 2.0, (1 << 64) - 1, 16)
+
+
+def test_model_is_optional_as_in_llama_cpps_server():
+    from moe_pipe.shared.serve.openai_api import ApiError, parse_request
+
+    msgs = [{"role": "user", "content": "hi"}]
+    assert parse_request({"messages": msgs}, True, defaults()).messages  # left out: the served model
+    assert parse_request({"model": None, "prompt": "x"}, False, defaults()).prompt == "x"
+    with pytest.raises(ApiError) as err:
+        parse_request({"model": "other", "messages": msgs}, True, defaults())
+    assert (err.value.status, err.value.code) == (404, "model_not_found")
+
+
+def test_top_k_is_sampling_top_k_as_llama_cpps_server():
+    """`top_k` in a request is llama.cpp's sampling field; left out, generate.top_k (`up --top-k`)."""
+    from moe_pipe.shared.serve.openai_api import parse_request
+
+    body = {"model": "tiny", "prompt": "hi"}
+    assert parse_request(body, False, defaults()).sampling["top_k"] == 0
+    assert parse_request(body, False, defaults({"generate.top_k": 40})).sampling["top_k"] == 40
+    assert parse_request(body | {"top_k": 5}, False, defaults({"generate.top_k": 40})).sampling["top_k"] == 5
 
 
 def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(tokenizer, model_path):

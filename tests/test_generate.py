@@ -134,10 +134,15 @@ def test_run_text_streams_and_reports(tiny_path):
         [sys.executable, "-m", "moe_pipe.cli.main", "run", str(tiny_path), "-p", "Once", "-n", "5"], capture_output=True, text=True
     )
     assert r.returncode == 0 and "generated" in r.stderr and r.stdout.endswith("\n")
+    # one cache size, and the budget named as such: the tiny model's experts all fit, in less than it
+    [line] = [x for x in r.stderr.splitlines() if x.startswith("[expert cache ")]
+    assert "(every expert of the model, under the budget " in line and "; cache " not in line, line
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("extra,needle", [(["--temp", "-1"], "temperature"), (["--top-k", "99"], "top-k"), (["-t", "999"], "threads")])
+@pytest.mark.parametrize(
+    "extra,needle", [(["--temp", "-1"], "temperature"), (["--n-expert-used", "99"], "n-expert-used"), (["-t", "999"], "threads")]
+)
 def test_run_bad_values_exit_2(tiny_path, extra, needle):
     r = subprocess.run(
         [sys.executable, "-m", "moe_pipe.cli.main", "run", str(tiny_path), "-p", "x", *extra], capture_output=True, text=True

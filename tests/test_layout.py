@@ -133,3 +133,22 @@ def test_made_model_expert_extents_match_reader(arch, tmp_path):
         ext = mf.layout.expert_extents(1, 3)[0]
         raw = np.memmap(p, mode="r")[ext.offset : ext.end]
         assert np.array_equal(raw, stack[3].reshape(-1).view(np.uint8))
+
+
+def test_n_expert_used_other_than_the_models_own_is_labelled_lossy(tmp_path):
+    """compute.n_expert_used: the model's own is silent; another count is one LOSSY warning line;
+    more than the model has is a one-line refusal naming the flag."""
+    from moe_pipe.shared.errors import UserError
+    from moe_pipe.shared.gguf.spec import experts_per_token, lossy_expert_count
+
+    with open_model(write_qwen_like(tmp_path / "m.gguf")) as mf:
+        spec = mf.spec
+    own = spec.n_expert_used
+    assert lossy_expert_count(spec, None) == lossy_expert_count(spec, own) == ""
+    assert experts_per_token(spec, None) == own and experts_per_token(spec, 1) == 1
+    line = lossy_expert_count(spec, 1)
+    assert line == (
+        f"warning: --n-expert-used 1 differs from the model's own {own}: LOSSY, faster and the outputs change (leave it out for the model's own)"
+    )
+    with pytest.raises(UserError, match=f"^--n-expert-used {spec.n_expert + 1} is out of range: this model has {spec.n_expert} experts"):
+        experts_per_token(spec, spec.n_expert + 1)

@@ -4,6 +4,7 @@ Qwen3-30B-A3B repository so that the catalog entry finds it)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -67,12 +68,54 @@ def test_models_takes_a_path_and_the_catalog_lists_what_is_pulled(pulled, tiny_m
     assert main(["models", "missing.gguf"]) == 2
 
 
-def test_up_a_catalog_name_not_pulled_gives_the_pull_command(tmp_path, monkeypatch, capsys):
+COMMANDS_TAKING_A_MODEL = [
+    ["run", "-p", "hi"],
+    ["doctor"],
+    ["inspect"],
+    ["bench"],
+    ["warmup"],
+    ["models"],
+    ["up"],
+    ["chat"],
+]
+
+
+@pytest.mark.parametrize("command", COMMANDS_TAKING_A_MODEL, ids=lambda c: c[0])
+def test_a_catalog_name_not_pulled_gives_the_pull_command(command, tmp_path, monkeypatch, capsys):
+    """Every command that takes a model takes a catalog name: not pulled is one short line with
+    the exact pull command; a misspelt one names the nearest catalog names."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert main(["up", "gpt-oss-20b"]) == 2
-    assert "run `moe-pipe pull ggml-org/gpt-oss-20b-GGUF:MXFP4` first" in capsys.readouterr().err
-    assert main(["up", "no-such-model"]) == 2
-    assert "not a catalog model; the catalog: qwen3-30b-a3b" in capsys.readouterr().err
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))  # chat: no service running here
+    cmd, *rest = command
+    assert main([cmd, "gpt-oss-20b", *rest]) == 2
+    assert capsys.readouterr().err == (
+        "moe-pipe: error: gpt-oss-20b is not pulled yet: `moe-pipe pull ggml-org/gpt-oss-20b-GGUF:MXFP4` fetches it (12.1 GB)\n"
+    )
+    assert main([cmd, "qwen3-30b", *rest]) == 2
+    assert capsys.readouterr().err == (
+        "moe-pipe: error: qwen3-30b: no such file, and not a catalog name; "
+        "did you mean qwen3-30b-a3b or qwen3.5-35b-a3b? (moe-pipe models --catalog lists them)\n"
+    )
+
+
+def test_pull_a_misspelt_catalog_name_names_the_nearest(capsys):
+    assert main(["pull", "qwen3-30b"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "did you mean qwen3-30b-a3b" in err and "ORG/NAME[:QUANT]" in err
+
+
+def test_a_pulled_catalog_name_is_its_file_for_every_command(pulled, capsys):
+    """run/doctor/bench/warmup/up load the entry's recipe over the pulled file; inspect and models read the file."""
+    from moe_pipe.cli import run_cmd
+    from moe_pipe.cli.inspect_cmd import model_path
+
+    assert model_path(ENTRY.name) == str(pulled)
+    args = argparse.Namespace(model=ENTRY.name, config_set=[])
+    cfg = run_cmd.load_run_config(args)
+    assert cfg.model.path == str(pulled) and cfg.source.endswith("configs/qwen30b.toml")
+    [row] = models_json(capsys, ENTRY.name)  # the pulled row, not listed twice
+    assert row["path"] == str(pulled)
+    assert main(["inspect", ENTRY.name, "--json"]) == 0 and json.loads(capsys.readouterr().out)["arch"] == "qwen3moe"
 
 
 @pytest.mark.slow  # a whole service up and down: ~15 s on 2 cores

@@ -114,7 +114,7 @@ def _budget_mb(sizes, which, top_k):
 
 def _check_identity(tiny, budget, overlap, io_threads, dense, top_k, prefetch):
     path, prompt, reference, sizes = tiny
-    extra = {"compute.top_k": top_k} if top_k else {}
+    extra = {"compute.n_expert_used": top_k} if top_k else {}
     tokens, _, resolved = run_pipeline(
         path,
         prompt,

@@ -341,3 +341,57 @@ def test_disk_short_is_refused_before_the_first_byte(hub, tmp_path, capsys):
     finally:
         subprocess.run(["umount", str(small)], check=False)
     shutil.rmtree(small, ignore_errors=True)
+
+
+def _closed_port() -> int:
+    """A localhost port nothing listens on: a connection to it is refused."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("where", ["refused", "no-such-host"])
+def test_no_network_is_one_line_within_5_s(where, tmp_path):
+    """A refused connection or a host that does not resolve: one error line with the hint,
+    within 5 s (huggingface_hub's retries took 24 s and eleven lines), from the real entry point."""
+    import time
+
+    url = f"http://127.0.0.1:{_closed_port()}" if where == "refused" else "http://nonexistent.invalid"
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")}
+    env |= {"HF_ENDPOINT": url, "XDG_CACHE_HOME": str(tmp_path), "HF_HOME": str(tmp_path / "hf")}
+    t0 = time.monotonic()
+    r = subprocess.run(
+        [sys.executable, "-m", "moe_pipe.cli.main", "pull", "test-org/tiny"], env=env, capture_output=True, text=True, timeout=60
+    )
+    took = time.monotonic() - t0
+    assert took < 5.0, f"{took:.1f} s"
+    cause = "connection refused" if where == "refused" else "nonexistent.invalid does not resolve"
+    [line] = r.stderr.splitlines()
+    assert r.returncode == 2 and r.stdout == ""
+    assert line.startswith(f"moe-pipe: error: test-org/tiny: cannot reach {url}: {cause}"), line
+    assert "HF_ENDPOINT" in line and "mirror" in line and "moe-pipe up FILE.gguf" in line, line
+
+
+def test_a_retry_is_one_short_line():
+    """huggingface_hub's two warnings per retry (the error with the whole URL, then the wait)
+    become one line while pulling, and nothing of the library's own output."""
+    import io
+    import logging
+
+    from moe_pipe.shared.hub.network import quiet_retries
+
+    log = logging.getLogger("huggingface_hub.utils._http")
+    out = io.StringIO()
+    with quiet_retries(out):
+        log.warning("'[Errno 104] Connection reset by peer' thrown while requesting GET http://hub/" + "x" * 300)
+        log.warning("Retrying in 2s [Retry 2/5].")
+        log.warning("HTTP Error 503 thrown while requesting GET http://hub/y")
+        log.warning("Retrying in 4s [Retry 3/5].")
+    assert out.getvalue().splitlines() == [
+        "moe-pipe: [Errno 104] Connection reset by peer; retry 2/5 in 2 s",
+        "moe-pipe: HTTP 503; retry 3/5 in 4 s",
+    ]
+    assert log.propagate and not any(type(h).__name__ == "RetryLines" for h in log.handlers)  # put back

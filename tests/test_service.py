@@ -37,7 +37,7 @@ class Service(StatusPolling):
 
     def __init__(self, *extra: str, model: str = CONFIG):
         self.base = Path(tempfile.mkdtemp(prefix="mps", dir="/tmp"))  # short: unix socket paths <= 107 bytes
-        self.env = {**os.environ, "XDG_RUNTIME_DIR": str(self.base)}
+        self.env = {**os.environ, "XDG_RUNTIME_DIR": str(self.base), "XDG_STATE_HOME": str(self.base / "state")}
         r = self.cli("up", model, "--detach", *FAST, *extra, timeout=300)
         assert r.returncode == 0, r.stderr
         self.status()  # fills pid, url
@@ -162,11 +162,26 @@ def test_wrong_key_and_malformed_body_are_4xx_and_the_service_survives(svc):
 
 
 def test_api_key_is_required_when_set():
-    s = Service("--set", 'gateway.api_key="sekret"')
+    """--api-key: required by the gateway, and written nowhere but the 0600 file `chat` reads:
+    not in a process's command line (the detached service gets it in its environment),
+    the log, status or another runtime file."""
+    s = Service("--api-key", "sekret")
     try:
         with pytest.raises(openai.AuthenticationError):
             chat(s.client(api_key="wrong"), "hi", 4)
         assert chat(s.client(api_key="sekret"), "hi", 4).choices[0].message.content is not None
+        sup = psutil.Process(s.pid)
+        assert not [p.pid for p in [sup, *sup.children(recursive=True)] if "sekret" in " ".join(p.cmdline())]
+        status = s.status()
+        assert "sekret" not in json.dumps(status)
+        runtime = Path(status["runtime_dir"])
+        holders = [p.name for p in runtime.rglob("*") if p.is_file() and not p.is_socket() and b"sekret" in p.read_bytes()]
+        assert holders == ["api-key"]
+        # down keeps the service's log (the runtime folder goes): it says where, and the key is not in it
+        down = s.cli("down", timeout=120, check=True)
+        kept = s.base / "state" / "moe-pipe" / "logs" / f"{status['name']}.log"
+        assert down.stdout.strip().endswith(f"its log: {kept}") and not runtime.exists()
+        assert "gateway" in kept.read_text() and "sekret" not in kept.read_text()
     finally:
         pid = s.pid
         s.close()
@@ -287,11 +302,15 @@ def test_ctrl_c_of_a_foreground_up_leaves_nothing():
         shutil.rmtree(base, ignore_errors=True)
 
 
-def test_down_status_without_a_service_is_one_line_exit_2(tmp_path):
+def test_down_status_without_a_service_is_one_plain_line(tmp_path):
+    """Not an error: down exits 0 (already stopped), status 3 (LSB's "not running"), one line, no "error:"."""
     env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path)}
-    for cmd in ("down", "status"):
-        r = subprocess.run([*CLI, cmd], capture_output=True, text=True, env=env, timeout=60)
-        assert r.returncode == 2 and r.stderr.count("\n") == 1 and "no moe-pipe service is running" in r.stderr
+    for cmd, code in (("down", 0), ("status", 3), ("down --name x", 0), ("status --port 1", 3)):
+        r = subprocess.run([*CLI, *cmd.split()], capture_output=True, text=True, env=env, timeout=60)
+        assert (r.returncode, r.stderr) == (code, "") and r.stdout.count("\n") == 1, (cmd, r.stdout, r.stderr)
+        assert "no moe-pipe service" in r.stdout and "is running" in r.stdout and "error" not in r.stdout
+    r = subprocess.run([*CLI, "status", "--json"], capture_output=True, text=True, env=env, timeout=60)
+    assert (r.returncode, json.loads(r.stdout)) == (3, {"services": []})
 
 
 # -- tails ------------------------------------------------------------------------

@@ -184,8 +184,8 @@ def test_two_services_by_name_status_lists_both_and_down_picks_one(base):
         r = base.cli(*cmd, timeout=QUICK_S, stdin="")
         line = one_line(r)
         assert r.returncode == 2 and "one (pid" in line and "two (pid" in line and "--name" in line, (cmd, line)
-    r = base.cli("down", "--name", "nope")
-    assert r.returncode == 2 and "no moe-pipe service named 'nope'" in one_line(r)
+    r = base.cli("down", "--name", "nope")  # already stopped: no error, the ones running named
+    assert r.returncode == 0 and r.stdout.startswith("moe-pipe: nothing to stop: no moe-pipe service named 'nope'"), r.stdout
 
     tail = subprocess.Popen(
         [*CLI, "tail", "--csv", "--name", "two"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=base.env
@@ -203,8 +203,7 @@ def test_two_services_by_name_status_lists_both_and_down_picks_one(base):
             tail.wait()
 
     r = base.cli("status", "--json")
-    assert r.returncode == 2 and json.loads(r.stdout) == {"services": []}
-    assert "no moe-pipe service is running" in one_line(r)
+    assert r.returncode == 3 and json.loads(r.stdout) == {"services": []} and r.stderr == ""
 
 
 # -- degraded; the API key -------------------------------------------------------------------
@@ -244,3 +243,17 @@ def test_chat_uses_the_services_own_api_key_and_never_shows_it(base):
     assert key not in r.stdout + r.stderr
     r = base.cli("chat", "-n", "4", "--api-key", "wrong", stdin="hi\n", timeout=120)
     assert r.returncode != 0 and key not in r.stdout + r.stderr  # a key typed wins over the service's
+
+
+def test_a_stopped_services_log_is_kept_and_the_one_before_it_too(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    for text in ("first run\n", "second run\n"):
+        rt = tmp_path / "rt"
+        rt.mkdir()
+        (rt / service.LOG_FILE).write_text(text)
+        kept = service.keep_log(rt, "tiny")
+        assert kept == tmp_path / "state" / "moe-pipe" / "logs" / "tiny.log" and not (rt / service.LOG_FILE).exists()
+        rt.rmdir()
+    assert kept.read_text() == "second run\n" and kept.with_name("tiny.log.1").read_text() == "first run\n"
+    assert oct(kept.stat().st_mode & 0o777) == "0o600"
+    assert service.keep_log(tmp_path, "tiny") is None  # no log: nothing to keep

@@ -385,3 +385,25 @@ def test_closed_pipe_ends_quietly(xdg, service):
             proc.kill()
     assert out.splitlines()[0] == ",".join(CSV_COLUMNS) and len(out.splitlines()) == 3
     assert "Traceback" not in err and "BrokenPipe" not in err
+
+
+def test_a_tail_attached_after_the_start_shows_the_services_budget_and_load(monkeypatch):
+    """The RunInfo went out when the service started, before the tail subscribed: the
+    budget and load time come from the service's status (they read 0.0 MiB and 0.00 s)."""
+    from moe_pipe.cli import tail_cmd
+    from moe_pipe.shared.serve import service as svc
+    from moe_pipe.shared.telemetry import format_summary
+
+    info = ServiceInfo(os.getpid(), "/nonexistent", "", "tiny", "tiny", time.time())
+    status = messages.Status.success(budget_bytes=64 << 20, load_seconds=1.25)
+    monkeypatch.setattr(svc, "control", lambda i, name, **kw: status if kw["timeout_ms"] <= 1000 else None)
+    run = tail_cmd.RunSoFar(fetch_info=lambda: tail_cmd.service_run_info(info))
+    run.add(record(0))
+    text = format_summary(run.summary())
+    assert "budget 64.0 MiB" in text and "load 1.25 s" in text
+
+    def silent(i, name, **kw):
+        raise svc.NoService("does not answer")
+
+    monkeypatch.setattr(svc, "control", silent)
+    assert tail_cmd.service_run_info(info) is None

@@ -200,6 +200,7 @@ def test_page_and_events_through_the_gateway(start_gateway):
         and hello["config"]["gateway"] == {**Config().to_dict()["gateway"], "port": 0}
         and hello["layers"] > 0
         and hello["experts"] > 0
+        and hello["n_expert_used"] == hello["n_expert_used_model"] > 0  # the model's own: not lossy
     )
     deadline = time.monotonic() + 10
     while True:  # PUB/SUB delivers only once the gateway's subscription has reached us: until then, again each second

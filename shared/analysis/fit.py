@@ -146,13 +146,13 @@ def model_footprint(mf, cfg: Config) -> ModelFootprint:
     from ..gguf.spec import kv_cache_bytes, kv_rows, kv_windows  # the KV size the pipeline allocates
 
     spec, layout = mf.spec, mf.layout
-    top_k = cfg.compute.top_k or spec.n_expert_used
+    top_k = cfg.compute.n_expert_used or spec.n_expert_used
     if cfg.compute.route_replay:  # a trace-driven run routes the trace's k experts a layer, not the model's
         from ..model.trace import read_trace_header
 
         top_k = read_trace_header(cfg.compute.route_replay).n_expert_used
     if top_k > spec.n_expert:
-        raise UserError(f"--top-k {top_k} is out of range: {mf.gguf.path} has {spec.n_expert} experts per layer")
+        raise UserError(f"--n-expert-used {top_k} is out of range: {mf.gguf.path} has {spec.n_expert} experts per layer")
     return ModelFootprint(
         path=str(mf.gguf.path),
         arch=spec.arch,
@@ -263,7 +263,7 @@ def memory_fit(footprint: ModelFootprint, cfg: Config, memory: MemoryProbe) -> M
             fix = f"this machine has only {others.available_bytes / MiB:,.0f} MiB to give ({others.describe()})"
         refusal = (
             f"does not fit: {avail / MiB:,.0f} MiB available < {parts}{cache_text} = {need_mb:,} MiB; "
-            f"{fix} (or lower --reserve-mb, -c/--ctx-size, --top-k, or use --dense-weights mmap)"
+            f"{fix} (or lower --reserve-mb, -c/--ctx-size, --n-expert-used (lossy), or use --dense-weights mmap)"
         )
     n_slabs = min(budget.bytes // footprint.slab_bytes, footprint.all_experts_slabs)
     return MemoryFit(

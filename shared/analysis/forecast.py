@@ -34,7 +34,7 @@ import os
 import random
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -260,20 +260,33 @@ def _gws(classes, rates, role) -> float | None:
 # ---------------------------------------------------------------- all of it
 
 
-def forecast(mf, cfg: Config, *, mem_limit_mb: float | None = None, seconds: float = 4.0, memory: MemoryProbe | None = None) -> dict:
+def forecast(
+    mf,
+    cfg: Config,
+    *,
+    mem_limit_mb: float | None = None,
+    seconds: float = 4.0,
+    memory: MemoryProbe | None = None,
+    on_stage: Callable[[str], None] | None = None,
+) -> dict:
     """The doctor's record: one flat dict (keys documented in docs/cli.md, ## doctor).
-    About `seconds` go to measuring: 40 % reads, 60 % kernels."""
+    About `seconds` go to measuring: 40 % reads, 60 % kernels. `on_stage(text)` hears
+    what it is doing (a first run compiles the kernels it measures: seconds of silence else)."""
+    stage = on_stage or (lambda text: None)
     t0 = time.perf_counter()
+    stage("reading the model's header; replaying a route trace for the hit rate")
     footprint = model_footprint(mf, cfg)
     fit = memory_fit(footprint, cfg, limited_probe(mem_limit_mb, memory))
     policy = cfg.cache.policy
     hit = hit_rate(footprint, fit.n_slabs, policy) if fit.fits else None
     warm = hit_rate(footprint, fit.n_slabs, policy, decode_tokens=WARMUP_TOKENS) if fit.fits else None
+    stage(f"measuring this disk's reads ({0.4 * seconds:.1f} s)")
     reads = measure_reads(mf, seconds=0.4 * seconds)
     lanes = max([n for n in reads.gbps if n <= cfg.io.io_threads] or [min(reads.gbps)])
     threads = compute_threads(cfg)
     # a model whose active weights fit in the L3 (the tiny ones) decodes from cache: measure it so
     rotate = min(ROTATE_BYTES, footprint.active_bytes_per_token)
+    stage(f"measuring the kernels ({0.6 * seconds:.1f} s; a first run compiles them first)")
     rates = measure_kernels(footprint.classes, sorted({1, threads}), seconds=0.6 * seconds, rotate_bytes=rotate)
     at_n = {c.key: rates[(c.key, threads)] for c in footprint.classes}
     at_1 = {c.key: rates[(c.key, 1)] for c in footprint.classes}
@@ -301,7 +314,8 @@ def forecast(mf, cfg: Config, *, mem_limit_mb: float | None = None, seconds: flo
         "arch": footprint.arch,
         "n_layer": footprint.n_layer,
         "n_expert": footprint.n_expert,
-        "top_k": footprint.top_k,
+        "n_expert_used": footprint.top_k,
+        "n_expert_used_model": mf.spec.n_expert_used,
         "ctx_size": footprint.ctx_size,
         "ctx_train": mf.spec.n_ctx_train,
         "file_bytes": footprint.file_bytes,

@@ -216,7 +216,7 @@ def compute_budget(
     if cache_mb != "auto":
         want = int(float(cache_mb) * MiB)
         size = min(want, ceil)
-        text = f"cache {_mib(size)}: fixed cache_mb {float(cache_mb):g}" + (
+        text = f"budget {_mib(size)}: fixed cache_mb {float(cache_mb):g}" + (
             f", clamped to cache_ceil_mb {cache_ceil_mb:g}" if want > ceil else ""
         )
         return Budget(
@@ -233,7 +233,7 @@ def compute_budget(
     reserve_text = (
         f"reserve {_mib(reserve)}" if reserve == asked else f"processes {_mib(reserve)} (estimated; more than reserve_mb {reserve_mb:g})"
     )
-    text = f"cache {_mib(size)}: auto = {memory.describe()} - {dense_text} - KV {_mib(kv_bytes)} - {reserve_text} = {_mib(free)}" + (
+    text = f"budget {_mib(size)}: auto = {memory.describe()} - {dense_text} - KV {_mib(kv_bytes)} - {reserve_text} = {_mib(free)}" + (
         f", clamped to cache_ceil_mb {cache_ceil_mb:g}" if free > ceil else ""
     )
     return Budget(
@@ -305,7 +305,7 @@ def check_floor(budget: Budget, floor: CacheFloor, where: str = "config") -> int
     lower = "lower cache.reserve_mb, " if budget.reserve_bytes > budget.engine_bytes else ""
     raise ConfigError(
         f"{where}: not enough memory for the expert cache: {budget.description}, but it needs {need} "
-        f'({short / MiB:.4g} MiB short); raise the memory limit, {lower}use dense_weights = "mmap", or a smaller top_k'
+        f'({short / MiB:.4g} MiB short); raise the memory limit, {lower}use dense_weights = "mmap", or fewer experts per token (--n-expert-used, lossy)'
     )
 
 

@@ -247,3 +247,24 @@ def check_rope(f: GGUFFile, spec: ModelSpec) -> None:
         key, dim = ("rope.dimension_count_swa", r.dim_swa) if swa and r.dim_swa else ("rope.dimension_count", r.dim)
         if dim > spec.head_dim_k[i]:
             raise GGUFError(f.path, f"metadata {spec.arch}.{key} = {dim} is wider than layer {i}'s heads ({spec.head_dim_k[i]})")
+
+
+def experts_per_token(spec: ModelSpec, chosen: int | None) -> int:
+    """The routed experts each token uses: compute.n_expert_used, else the model's own;
+    a UserError when the model has fewer experts than that."""
+    k = chosen or spec.n_expert_used
+    if k > spec.n_expert:
+        raise UserError(f"--n-expert-used {k} is out of range: this model has {spec.n_expert} experts per layer")
+    return k
+
+
+def lossy_expert_count(spec: ModelSpec, chosen: int | None) -> str:
+    """One warning line when compute.n_expert_used is not the model's own ("" when it is):
+    the router then mixes another number of experts than the model was trained with."""
+    if not chosen or chosen == spec.n_expert_used:
+        return ""
+    speed = "faster" if chosen < spec.n_expert_used else "slower"
+    return (
+        f"warning: --n-expert-used {chosen} differs from the model's own {spec.n_expert_used}: "
+        f"LOSSY, {speed} and the outputs change (leave it out for the model's own)"
+    )

@@ -4,6 +4,7 @@ verified downloads), and where pulled models are kept and found again.
 
 Owns: `catalog` (the known models, their repositories, quants and recipes),
 `client` (the Hub: listing, choosing a quant, downloading, verifying),
+`network` (failing fast when the Hub cannot be reached; retries as one line),
 `store` (the models folder and the record of what was pulled), `resolve`
 (the model file a config names: the pulled file of its catalog entry, the
 embedded tiny model, or the error that says how to get one).

@@ -18,6 +18,7 @@ Q4_K in the rest, with its Q5_0 / Q8_0 fallbacks on rows not a multiple of
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -231,9 +232,22 @@ def find(name: str) -> Entry | None:
     return BY_NAME.get(name.lower())
 
 
+def nearest(name: str, n: int = 3) -> list[str]:
+    """The catalog names closest to a mistyped one (difflib), best first; [] when none is close."""
+    return difflib.get_close_matches(name.lower(), list(BY_NAME), n=n, cutoff=0.5)
+
+
+def names_hint(name: str) -> str:
+    """What to say about a name not in the catalog: the nearest names, else all of them."""
+    near = nearest(name)
+    if near:
+        return f"did you mean {' or '.join(near)}? (moe-pipe models --catalog lists them)"
+    return f"the catalog: {', '.join(BY_NAME)}"
+
+
 def get(name: str, where: str = "catalog") -> Entry:
-    """The entry called `name`, or a one-line error listing the names."""
+    """The entry called `name`, or a one-line error with the nearest names."""
     entry = find(name)
     if entry is None:
-        raise UserError(f"{where}: {name!r} is not in the catalog; known: {', '.join(BY_NAME)} (moe-pipe models --catalog)")
+        raise UserError(f"{where}: {name!r} is not in the catalog; {names_hint(name)}")
     return entry

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from ..errors import GGUFError, UserError
+from . import network
 
 DEFAULT_QUANT = "Q4_K_M"
 HASH_CHUNK = 8 << 20
@@ -172,7 +173,7 @@ def _hub_error(repo: str, exc: Exception) -> PullError:
             return PullError(f"{repo}: not found on {where} (404)")
         return PullError(f"{repo}: {where} answered {status if status is not None else 'an error'}: {str(exc).splitlines()[0]}")
     text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    return PullError(f"{repo}: cannot reach {where}: {text}")
+    return PullError(f"{repo}: cannot reach {where}: {text}; {network.OFFLINE_HINT}")
 
 
 def _network_errors() -> tuple[type[Exception], ...]:
@@ -183,9 +184,11 @@ def _network_errors() -> tuple[type[Exception], ...]:
 
 def list_files(repo: str, revision: str = "main") -> list[RemoteFile]:
     """Every file of the repository, with its size and (LFS files) sha256."""
-    from huggingface_hub import HfApi
+    from huggingface_hub import HfApi, constants
     from huggingface_hub.hf_api import RepoFile
 
+    if not constants.HF_HUB_OFFLINE:  # offline: the library's own refusal, without a connection
+        network.check_reachable(endpoint(), repo)  # no network: one line in seconds, not 24 s of retries
     try:
         tree = list(HfApi(endpoint=endpoint()).list_repo_tree(repo, recursive=True, revision=revision))
     except _network_errors() as exc:

@@ -8,6 +8,9 @@ the record of pulled models and the embedded tiny model are known:
     check_model(cfg)                           a ConfigError that says how to get a model when model.path names none
     model_file(cfg)                 -> Path    the model's file, the embedded tiny model made first if it is asked for
     load_runnable(path, overrides)  -> Config  load_config + resolve_model, then every file a run reads checked
+    catalog_entry(arg)              -> Entry   the catalog entry a command's MODEL argument names (None: a file)
+    pulled_path(entry)              -> Path    the file `pull` fetched for it, or the pull command as the error
+    load_model_argument(arg, overrides) -> Config  a run's config from MODEL|CONFIG|NAME, as every command takes it
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import EMBEDDED_MODEL, Config, check_chat_template, load_config, toml_repr
-from ..errors import ConfigError
+from ..errors import ConfigError, UserError
 from . import catalog, store
 
 
@@ -88,3 +91,39 @@ def model_file(cfg: Config) -> Path:
 
 def _where(cfg: Config) -> str:
     return cfg.source or "command line"  # with no file, a model path can only have come from the command line
+
+
+def catalog_entry(arg: str) -> catalog.Entry | None:
+    """The catalog entry that a MODEL argument names, or None when it names a file:
+    "tiny", a .gguf or .toml, a path with a folder in it, or anything that exists.
+    A word that is neither a file nor a catalog name: one line with the nearest names."""
+    if arg == EMBEDDED_MODEL or arg.lower().endswith((".gguf", ".toml")) or "/" in arg or Path(arg).exists():
+        return None
+    entry = catalog.find(arg)
+    if entry is None:
+        raise UserError(f"{arg}: no such file, and not a catalog name; {catalog.names_hint(arg)}")
+    return entry
+
+
+def pulled_path(entry: catalog.Entry) -> Path:
+    """The first file of the entry's pulled set; not pulled yet: one short line with the pull command."""
+    pulled = store.find_pulled(entry.repo, entry.quant)
+    if pulled is None:
+        raise UserError(f"{entry.name} is not pulled yet: `{entry.pull_command}` fetches it ({entry.file_bytes / 1e9:.1f} GB)")
+    return pulled.path
+
+
+def load_model_argument(arg: str | None, overrides: Mapping[str, Any]) -> Config:
+    """The config of `COMMAND MODEL|CONFIG|NAME [flags]` (run, up, doctor, bench, warmup, chat):
+    a TOML config, a GGUF file, or a catalog name, which runs its recipe over its pulled file."""
+    overrides = dict(overrides)
+    if arg and arg.lower().endswith(".toml"):
+        return load_runnable(arg, overrides)
+    entry = catalog_entry(arg) if arg else None
+    if entry is not None:
+        overrides.setdefault("model.path", str(pulled_path(entry)))
+        recipe = entry.recipe_path()
+        return load_runnable(recipe if recipe.is_file() else None, overrides)
+    if arg:
+        overrides["model.path"] = arg if arg == EMBEDDED_MODEL else str(Path(arg).resolve())
+    return load_runnable(None, overrides)

@@ -33,6 +33,7 @@ MAX_STOPS = 16
 # the Generate frame to compute).
 MAX_STOP_CHARS = 256
 MAX_TOKENS_FIELD = (1 << 31) - 1  # above any context; what fits is checked against ctx_size after tokenizing
+MAX_TOP_K = 1 << 20  # top_k: generate.top_k's bound; above any vocabulary
 MAX_TEMPLATE_VARS = 32  # far above the two or three switches a chat template reads
 REASONING_EFFORTS = ("low", "medium", "high")  # what gpt-oss's template knows
 MAX_TOOLS = 128  # OpenAI's own limit on `tools`
@@ -112,6 +113,8 @@ class RequestDefaults(Protocol):
     def max_tokens(self) -> int: ...
     @property
     def temperature(self) -> float: ...
+    @property
+    def top_k(self) -> int: ...
     @property
     def seed(self) -> int | None: ...
 
@@ -319,10 +322,10 @@ def parse_template_vars(body: dict) -> dict[str, Scalar]:
 
 def parse_request(body: dict, chat: bool, settings: RequestDefaults) -> CompletionRequest:
     """Every field we act on, checked; fields we do not know are ignored."""
-    model = body.get("model")
-    if not isinstance(model, str):
+    model = body.get("model")  # optional, as in llama.cpp's server: this server serves one model
+    if model is not None and not isinstance(model, str):
         raise bad_field("model", "a string (see GET /v1/models)", model)
-    if model != settings.model_name:
+    if model is not None and model != settings.model_name:
         raise ApiError(
             404, f"the model '{model}' does not exist; this server serves '{settings.model_name}'", "model_not_found", param="model"
         )
@@ -351,6 +354,7 @@ def parse_request(body: dict, chat: bool, settings: RequestDefaults) -> Completi
     max_tokens = _int(body, "max_tokens", 1, MAX_TOKENS_FIELD) if max_tokens is None else max_tokens
     temperature = _number(body, "temperature", 0.0, 2.0)
     top_p = _number(body, "top_p", 0.0, 1.0, lo_open=True)
+    top_k = _int(body, "top_k", 0, MAX_TOP_K)  # llama.cpp's server field: sampling top-k, 0 = off
     seed = _int(body, "seed", 0, (1 << 64) - 1)
     temperature = settings.temperature if temperature is None else temperature
     seed = settings.seed if seed is None else seed
@@ -358,7 +362,12 @@ def parse_request(body: dict, chat: bool, settings: RequestDefaults) -> Completi
         # Random all the same, but fixed now: a retry after a compute crash
         # repeats the same text, so a stream can skip what it already sent.
         seed = random.getrandbits(63)
-    sampling = {"temperature": temperature, "top_p": 1.0 if top_p is None else top_p, "seed": seed}
+    sampling = {
+        "temperature": temperature,
+        "top_p": 1.0 if top_p is None else top_p,
+        "top_k": settings.top_k if top_k is None else top_k,
+        "seed": seed,
+    }
     grammar = parse_response_format(body.get("response_format"))
     if grammar and tools:
         raise ApiError(

@@ -26,6 +26,7 @@ import fcntl
 import json
 import os
 import re
+import shutil
 import socket
 import stat
 import time
@@ -51,6 +52,11 @@ _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 class NoService(UserError):
     """No live service to attach to."""
+
+
+class NothingRunning(NoService):
+    """No service at all runs, or none by the name or port asked for: not a mistake for
+    `down` (already stopped) nor `status` (it says so), as for systemctl's stop and status."""
 
 
 @dataclass(frozen=True)
@@ -186,13 +192,13 @@ def find_service(base: Path | None = None, *, name: str | None = None, port: int
     is given; else a one-line error saying which exist or how to start one."""
     found = live_services(base)
     if not found:
-        raise NoService("no moe-pipe service is running (start one with `moe-pipe up CONFIG`)")
+        raise NothingRunning("no moe-pipe service is running (start one with `moe-pipe up CONFIG`)")
     chosen = select_services(found, name, port)
     if len(chosen) == 1:
         return chosen[0]
     running = ", ".join(describe(s) for s in found)
     if not chosen:
-        raise NoService(f"no moe-pipe service {_which(name, port)} is running; running: {running}")
+        raise NothingRunning(f"no moe-pipe service {_which(name, port)} is running; running: {running}")
     raise NoService(f"{len(chosen)} moe-pipe services are running: {running}; pick one with --name NAME")
 
 
@@ -300,6 +306,32 @@ def hold_port(host: str, port: int) -> list[socket.socket]:
 
 
 # ------------------------------------------------------------------------ the API key
+
+
+def kept_logs_dir() -> Path:
+    """Where a stopped service's log is kept: $XDG_STATE_HOME/moe-pipe/logs (default
+    ~/.local/state/...), the XDG home for logs that outlive a run; the runtime folder goes."""
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "moe-pipe" / "logs"
+
+
+def kept_log_path(name: str) -> Path:
+    return kept_logs_dir() / f"{name or 'service'}.log"
+
+
+def keep_log(runtime_dir: Path, name: str) -> Path | None:
+    """Move the service's log out of its runtime folder before the folder is deleted, to
+    kept_log_path(name); the one before it stays as NAME.log.1. None when there is no log."""
+    log = Path(runtime_dir) / LOG_FILE
+    if not log.is_file():
+        return None
+    dest = kept_log_path(name)
+    dest.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if dest.exists():
+        os.replace(dest, dest.with_name(dest.name + ".1"))
+    shutil.move(str(log), dest)  # the runtime folder is often a tmpfs: a copy, then the unlink
+    os.chmod(dest, 0o600)
+    return dest
 
 
 def write_api_key(runtime_dir: Path, key: str) -> None:

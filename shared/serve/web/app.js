@@ -269,6 +269,11 @@
     }
   }
 
+  function expertsUsed(hello) {
+    const k = hello.n_expert_used, own = hello.n_expert_used_model;
+    return `${k} a token` + (k === own ? "" : ` (n_expert_used, LOSSY: the model's own is ${own})`);
+  }
+
   function onEvent(kind, data) {
     if (kind === "hello") {
       const gen = data.config && data.config.generate;
@@ -277,7 +282,7 @@
       state.rows = data.history.slice(-MAX_POINTS);
       state.points = data.history.length;
       state.first = data.first;
-      $("model").textContent = data.model + (data.layers ? ` · ${data.layers} layers × ${data.experts} experts, top ${data.top_k}` : "");
+      $("model").textContent = data.model + (data.layers ? ` · ${data.layers} layers × ${data.experts} experts, ${expertsUsed(data)}` : "");
       renderConfig(data.config);
       renderFirst();
     } else if (kind === "token") {

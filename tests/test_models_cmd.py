@@ -94,7 +94,7 @@ def test_a_catalog_name_not_pulled_gives_the_pull_command(command, tmp_path, mon
     assert main([cmd, "qwen3-30b", *rest]) == 2
     assert capsys.readouterr().err == (
         "moe-pipe: error: qwen3-30b: no such file, and not a catalog name; "
-        "did you mean qwen3-30b-a3b or qwen3.5-35b-a3b? (moe-pipe models --catalog lists them)\n"
+        "did you mean qwen3-30b-a3b or qwen3.6-35b-a3b or qwen3.5-35b-a3b? (moe-pipe models --catalog lists them)\n"
     )
 
 

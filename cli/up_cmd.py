@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
 def check_exposure(cfg: Config, no_api_key: bool) -> None:
     """An API on a network address needs a key, or --no-api-key to say that it is meant to be open."""
     from ..shared.errors import UserError
-    from ..shared.serve.http_guard import is_loopback
+    from ..shared.serve.hosts import is_loopback
 
     host = cfg.gateway.host
     if is_loopback(host) or cfg.gateway.api_key:

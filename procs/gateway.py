@@ -52,13 +52,13 @@ from ..shared.config import Config
 from ..shared.errors import UserError
 from ..shared.gguf.model_file import open_model
 from ..shared.serve import service
+from ..shared.serve.hosts import is_loopback
 from ..shared.serve.http_guard import (
     LINGER_S,
     MAX_BODY_BYTES,
     ClientGone,
     HttpLimits,
     LimitedSite,
-    is_loopback,
     loopback_only,
     read_body,
     write_within,

@@ -22,7 +22,6 @@ procs/gateway.py wires these into its app and runner.
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 from urllib.parse import urlsplit
@@ -30,6 +29,7 @@ from urllib.parse import urlsplit
 import orjson
 from aiohttp import web
 
+from .hosts import is_loopback
 from .metrics import Metrics
 from .openai_api import ApiError
 
@@ -98,17 +98,6 @@ async def write_within(request: web.Request, resp: web.StreamResponse, data: byt
 
 
 # ------------------------------------------------------------------- loopback
-
-
-def is_loopback(host: str) -> bool:
-    """`host` (a name or address, no port) is this machine's loopback."""
-    host = host.strip("[]").lower().rstrip(".")
-    if host == "localhost" or host.endswith(".localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _hostname(url: str) -> str:

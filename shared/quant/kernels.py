@@ -56,14 +56,14 @@ import numba
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from . import _float, _kquant, _legacy, _q8
+from . import _float, _iquant, _kquant, _legacy, _q8
 from ._common import E8M0_HALF, F16_TABLE, LANES
 from .blocks import QK, SUPPORTED, BlockFormat, QType, block_format
 from .blocks import qtype_from_name as qtype_from_name  # re-exported: quant.qtype_from_name
 
 # The public names are listed once, in shared/quant/__init__.py's __all__.
 
-_KERNELS = {QType[name]: pair for mod in (_float, _legacy, _kquant) for name, pair in mod.KERNELS.items()}
+_KERNELS = {QType[name]: pair for mod in (_float, _legacy, _kquant, _iquant) for name, pair in mod.KERNELS.items()}
 assert set(_KERNELS) == set(SUPPORTED), "every supported type needs kernels"
 # Types whose matvec/matmul run on int8 activations (integer block dots, _q8).
 _Q8_KERNELS = {QType[name]: pair for name, pair in _q8.KERNELS.items()}

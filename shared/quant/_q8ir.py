@@ -182,7 +182,10 @@ class _Emit:
 
     def half(self, base, off):
         """The f16 at byte `off` of i8 pointer `base`, as float (exact)."""
-        h = self.load(base, off, _I16)
+        return self.half_bits(self.load(base, off, _I16))
+
+    def half_bits(self, h):
+        """An i16 holding f16 bits, as float (exact)."""
         if _F16C:
             return self.b.fpext(self.b.bitcast(h, _HALF), _F32)
         # Without F16C, LLVM lowers fpext half to a call of __extendhfsf2, a
@@ -453,6 +456,17 @@ LAYOUTS = {
 }
 
 
+
+
+def layout(name: str) -> Layout:
+    """The Layout of a type: LAYOUTS above, or the i-quants' (_iqir, which builds on this module)."""
+    if name in LAYOUTS:
+        return LAYOUTS[name]
+    from ._iqir import IQ_LAYOUTS
+
+    return IQ_LAYOUTS[name]
+
+
 # ---- the shared steps --------------------------------------------------------
 
 
@@ -541,7 +555,7 @@ def row_kernel(name: str, nt: int):
     accumulates blocks j, j + L, j + 2L, ... of the row in order; the lanes are summed by the
     halving tree at the end. tile_kernel computes the same per row.
     """
-    lay = LAYOUTS[name]
+    lay = layout(name)
     L = lay.lanes
 
     def typer(typingctx, w, o, nb, xq, xo, cs, dx, bs16, bs32, xs32, tab, out, oo, os):
@@ -608,7 +622,7 @@ def pack_kernel(name: str):
     repacked into buf for tile_kernel, PACKED_UNIT bytes per unit: block j's codes as block/4
     vectors of 16 rows × 4 codes (row r's 4 codes in lane r) at 16·block·j, then from 16·256
     the L wsc vectors and, for Q4_K/Q5_K, the 8 dmm vectors (row r in lane r)."""
-    lay = LAYOUTS[name]
+    lay = layout(name)
     L = lay.lanes
 
     def typer(typingctx, w, stride, r0, R, nb, tab, buf):
@@ -667,7 +681,7 @@ def tile_kernel(name: str, nt: int):
     multiply by wsc·dx and one multiply-add for all 16 rows. The L accumulators of a row are
     summed by row_kernel's halving tree.
     """
-    lay = LAYOUTS[name]
+    lay = layout(name)
     L = lay.lanes
     nd = lay.block // 4  # dots per block
 

@@ -57,7 +57,7 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from . import _float, _iquant, _kquant, _legacy, _q8
-from ._common import E8M0_HALF, F16_TABLE, LANES
+from ._common import F16_TABLE, LANES
 from .blocks import QK, SUPPORTED, BlockFormat, QType, block_format
 from .blocks import qtype_from_name as qtype_from_name  # re-exported: quant.qtype_from_name
 
@@ -173,8 +173,8 @@ def _multiply(qtype: QType, flat: np.ndarray, stride: int, X: np.ndarray, out: n
     X = np.ascontiguousarray(X, dtype=np.float32)
     T = X.shape[0]
     if _uses_q8(qtype):
-        kernel, takes_e8m0 = _Q8_KERNELS[qtype]
-        kernel(flat, stride, X, E8M0_HALF if takes_e8m0 else F16_TABLE, out)
+        kernel, table = _Q8_KERNELS[qtype]
+        kernel(flat, stride, X, table, out)
     else:
         mm, _ = _KERNELS[qtype]
         mm(flat, stride, X, _TILE_ROWS if T > 1 else _TILE_ROWS_MATVEC, F16_TABLE, LANES, out)

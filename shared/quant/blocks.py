@@ -294,7 +294,8 @@ def iq1_m_d(blocks: np.ndarray) -> np.ndarray:
     return ((words >> 12) << np.array([0, 4, 8, 12], np.uint16)).astype(np.uint16).sum(axis=1, dtype=np.uint16)
 
 
-def _put_iq1_m_d(blocks: np.ndarray, d_bits: np.ndarray) -> None:
+def put_iq1_m_d(blocks: np.ndarray, d_bits: np.ndarray) -> None:
+    """Set IQ1_M blocks' f16 d (uint16 bits [B]) in the top nibbles of their scale words, in place."""
     words = blocks[:, 48:56].copy().view(np.uint16)  # [B, 4]
     top = (d_bits[:, None].astype(np.uint16) >> np.array([0, 4, 8, 12], np.uint16)) & 15
     blocks[:, 48:56] = ((words & 0x0FFF) | (top << 12)).astype(np.uint16).view(np.uint8)
@@ -303,8 +304,8 @@ def _put_iq1_m_d(blocks: np.ndarray, d_bits: np.ndarray) -> None:
 def _set_iq1_m_scales(blocks: np.ndarray, rng: np.random.Generator, std: float) -> np.ndarray:
     """IQ1_M has no f16 field of its own: d is spread over the scale words, set like the others' d."""
     jitter = rng.uniform(0.5, 1.5, size=blocks.shape[0]).astype(np.float16)
-    _put_iq1_m_d(blocks, jitter.view(np.uint16))
+    put_iq1_m_d(blocks, jitter.view(np.uint16))
     sample = dequantize(blocks[: min(len(blocks), 512)], QType.IQ1_M).astype(np.float64)
     factor = std / max(float(sample.std()), 1e-30)
-    _put_iq1_m_d(blocks, (jitter.astype(np.float32) * factor).astype(np.float16).view(np.uint16))
+    put_iq1_m_d(blocks, (jitter.astype(np.float32) * factor).astype(np.float16).view(np.uint16))
     return blocks

@@ -223,7 +223,9 @@ def _unit_iq1_s(e: _Emit, w, p, tab):
     d = e.half(w, p)
     qh = _u32s(e, w, b.add(p, e.i64(34)), 8, 16)
     per = _lanes(e, qh, [g // 4 for g in range(32)])
-    idx = b.or_(_u32s(e, w, b.add(p, e.i64(2)), 32, 8), b.shl(_shift_and(e, per, [3 * (g % 4) for g in range(32)], 7), e.const(_vec(32, 32), 8)))
+    idx = b.or_(
+        _u32s(e, w, b.add(p, e.i64(2)), 32, 8), b.shl(_shift_and(e, per, [3 * (g % 4) for g in range(32)], 7), e.const(_vec(32, 32), 8))
+    )
     negative = b.icmp_unsigned("!=", _shift_and(e, per, [15] * 32, 1), e.const(_vec(32, 32), 0))
     return _iq1_codes(e, tab, idx, _plus(e, negative)), _scales(e, _shift_and(e, qh, [12] * 8, 7), d, 0.125), None
 
@@ -234,7 +236,10 @@ def _unit_iq1_m(e: _Emit, w, p, tab):
     b = e.b
     sw = _u32s(e, w, b.add(p, e.i64(48)), 4, 16)
     top = b.shl(b.lshr(sw, e.const(_vec(4, 32), 12)), e.const(_vec(4, 32), [0, 4, 8, 12]))
-    bits = b.or_(b.or_(*(b.extract_element(top, ir.Constant(_I32, k)) for k in (0, 1))), b.or_(*(b.extract_element(top, ir.Constant(_I32, k)) for k in (2, 3))))
+    bits = b.or_(
+        b.or_(*(b.extract_element(top, ir.Constant(_I32, k)) for k in (0, 1))),
+        b.or_(*(b.extract_element(top, ir.Constant(_I32, k)) for k in (2, 3))),
+    )
     d = e.half_bits(b.trunc(bits, _I16))
     nib = _shift_and(e, _lanes(e, _u32s(e, w, b.add(p, e.i64(32)), 16, 8), [g // 2 for g in range(32)]), [0, 4] * 16, 15)
     idx = b.or_(_u32s(e, w, p, 32, 8), b.shl(b.and_(nib, e.const(_vec(32, 32), 7)), e.const(_vec(32, 32), 8)))

@@ -456,8 +456,6 @@ LAYOUTS = {
 }
 
 
-
-
 def layout(name: str) -> Layout:
     """The Layout of a type: LAYOUTS above, or the i-quants' (_iqir, which builds on this module)."""
     if name in LAYOUTS:

@@ -11,7 +11,6 @@ entry against gguf-py's dequantizer, and IQ1_M shares IQ1_S's grid as in ggml.
 
 from __future__ import annotations
 
-
 IQ2_XXS_VALUES = (8, 25, 43)
 IQ2_XXS_GRID_HEX = (
     "0000000200050008000a00110014002000220028002a00410044005000580061006400800082008a00a2010101040110"

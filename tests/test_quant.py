@@ -6,7 +6,8 @@ float64. Two comparisons are asked of the kernels:
 1. layout exactness: against dequantize(w) @ x̂ with
    x̂ = effective_activation(x, qtype), exactly what the kernels multiply by:
    x rounded to float32, and on the int8-activation types
-   (quant.INT8_ACTIVATION_TYPES: Q8_0, Q4_K, Q5_K, Q6_K, Q5_0, MXFP4, IQ4_XS; default on)
+   (quant.INT8_ACTIVATION_TYPES: Q8_0, Q4_K, Q5_K, Q6_K, Q5_0, MXFP4, IQ4_XS and the
+   i-quants IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S; default on)
    each row further rounded to int8 per block of 32 (x̂ = dx·xq,
    dx = amax/127), in matvec and matmul alike. The decoded
    weights are exact and the integer block sums are exact, so the only error

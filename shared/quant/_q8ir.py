@@ -32,7 +32,8 @@ Per type a decoder turns 256 weights of a row into four <64 x i8> code vectors i
 order and its block scales as one L-lane vector (LAYOUTS). Q4_K/Q5_K: nibble planes
 interleaved by a lane shuffle (Q5_K or's in the fifth bit); Q6_K: nibbles | 2-bit planes <<
 4, offset 32 per 16; IQ4_XS and MXFP4: code-book values through one `vpshufb`, offsets 128
-and 12; Q8_0: q + 128; Q5_0: nibble | fifth bit, offset 16. The 32-block types' rows may end
+and 12; Q8_0: q + 128; Q5_0: nibble | fifth bit, offset 16; the i-quants: grid entries by
+index, signed (_iqir, whose IQ_LAYOUTS `layout` finds). The 32-block types' rows may end
 in part of a unit: its blocks are copied to a zeroed stack buffer, and the missing blocks
 (zero scales, zero activation padding) leave every accumulator as it was.
 

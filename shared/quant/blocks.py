@@ -303,9 +303,10 @@ def put_iq1_m_d(blocks: np.ndarray, d_bits: np.ndarray) -> None:
 
 def _set_iq1_m_scales(blocks: np.ndarray, rng: np.random.Generator, std: float) -> np.ndarray:
     """IQ1_M has no f16 field of its own: d is spread over the scale words, set like the others' d."""
-    jitter = rng.uniform(0.5, 1.5, size=blocks.shape[0]).astype(np.float16)
+    jitter = np.asarray(rng.uniform(0.5, 1.5, size=len(blocks)), np.float16)  # [B]
     put_iq1_m_d(blocks, jitter.view(np.uint16))
     sample = dequantize(blocks[: min(len(blocks), 512)], QType.IQ1_M).astype(np.float64)
     factor = std / max(float(sample.std()), 1e-30)
-    put_iq1_m_d(blocks, (jitter.astype(np.float32) * factor).astype(np.float16).view(np.uint16))
+    scaled = jitter.astype(np.float32) * np.float32(factor)  # [B]
+    put_iq1_m_d(blocks, scaled.astype(np.float16).view(np.uint16))
     return blocks

@@ -5,7 +5,7 @@
     E = dequantize_rows(qtype, w, rows)  rows int [N]                  → E float32 [N, C]
     set_threads(n) / get_threads()   numba threads for the row loops
 
-`qtype` is a ggml type id or `gguf.GGMLQuantizationType`; the 16 types of
+`qtype` is a ggml type id or `gguf.GGMLQuantizationType`; the 23 types of
 `blocks.SUPPORTED`. `w` holds each row's blocks back to back in the GGUF
 layout (docs/formats.md § Quant blocks) and may be a read-only memmap view or a slice of
 a larger buffer: only each row has to be contiguous. Nothing is repacked or
@@ -13,7 +13,8 @@ dequantized ahead: each call decodes blocks on the fly, once per call for a
 whole group of activation rows (a prompt batch does not decode a block once
 per token).
 
-Activations: on Q8_0, Q4_K, Q5_K, Q6_K, Q5_0, MXFP4 and IQ4_XS (`INT8_ACTIVATION_TYPES`)
+Activations: on Q8_0, Q4_K, Q5_K, Q6_K, Q5_0, MXFP4, IQ4_XS and the i-quants IQ1_S, IQ1_M,
+IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S (`INT8_ACTIVATION_TYPES`)
 every call, one activation row (matvec, decode) or several (matmul:
 prefill, an expert several tokens route to), rounds each activation row to
 int8 per block of 32 (x̂ = dx·xq, dx = amax/127, see _q8) and multiplies on

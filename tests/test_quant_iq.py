@@ -1,10 +1,14 @@
-"""The i-quants' tables (shared/quant/grids.py, blocks.py) against gguf-py, without compiling a kernel.
+"""The i-quants' tables (shared/quant/grids.py, blocks.py) against gguf-py, and gguf-py's dequantizer against
+ggml's own C decoders, without compiling a kernel.
 
 The kernels themselves are checked against gguf's dequantizer in tests/test_quant.py (IQ2_XXS in
 the default tier, the other six in the slow tier) and tests/test_quant_portable.py.
 """
 
 from __future__ import annotations
+
+import ctypes
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -71,3 +75,18 @@ def test_iq1_m_d_is_the_scale_words_top_nibbles():
     twice = w.copy()
     blocks.put_iq1_m_d(twice, (d.astype(np.float32) * 2).astype(np.float16).view(np.uint16))
     np.testing.assert_array_equal(dequantize(twice, QType.IQ1_M), 2 * dequantize(w, QType.IQ1_M))
+
+
+@pytest.mark.parametrize("qtype", IQ_TYPES, ids=lambda t: t.name)
+def test_gguf_s_dequantizer_is_ggml_s_own(qtype):
+    """The kernels' reference, gguf-py's dequantizer, against ggml's C decoder (`dequantize_row_<type>` in the
+    libggml-base that llama-cpp-python ships; skipped without it): bit for bit on random blocks."""
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python (the optional llama.cpp oracle) is not installed")
+    lib = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so"))
+    decode = getattr(lib, f"dequantize_row_{qtype.name.lower()}")
+    decode.argtypes, decode.restype = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64], None
+    w = np.ascontiguousarray(blocks.random_blocks(qtype, 64 * 256, np.random.default_rng(100 + int(qtype))))  # [64, type_size]
+    w[0] = 0xFF  # the largest indices, every sign and scale bit set (IQ1_M: d then is NaN in both)
+    out = np.empty(64 * 256, np.float32)
+    decode(w.ctypes.data, out.ctypes.data, out.size)
+    np.testing.assert_array_equal(out, dequantize(w, qtype).reshape(-1))

@@ -41,7 +41,7 @@ from moe_pipe.shared.quant.blocks import SUPPORTED, QType, block_format, put_iq1
 
 U32 = 2.0**-24  # float32 unit roundoff
 FLOAT_TYPES = (QType.F32, QType.F16, QType.BF16)
-# The i-quants' kernels take 7-11 s each to compile from an empty cache (int8 and float tiles,
+# The i-quants' kernels take 7-18 s each to compile from an empty cache (int8 and float tiles,
 # 2026-12-03, this machine): IQ2_XXS (the expert type of unsloth's UD-IQ2_XXS files) runs in the
 # default tier, the other six in the slow tier.
 IQ_SLOW = (QType.IQ2_XS, QType.IQ2_S, QType.IQ3_XXS, QType.IQ3_S, QType.IQ1_S, QType.IQ1_M)

@@ -96,8 +96,6 @@ IQ2_S_GRID = _unpack_grid(IQ2_S_GRID_HEX, IQ2_S_VALUES, 8)  # [1024, 8]
 IQ3_XXS_GRID = _unpack_grid(IQ3_XXS_GRID_HEX, IQ3_XXS_VALUES, 4)  # [256, 4]
 IQ3_S_GRID = _unpack_grid(IQ3_S_GRID_HEX, IQ3_S_VALUES, 4)  # [512, 4]
 IQ1_GRID = _unpack_grid(IQ1_S_GRID_HEX, IQ1_S_VALUES, 8)  # [2048, 8]
-# IQ1's delta: every weight is d·(2s + 1)·(grid ± 1/8); the kernels work on 8·grid ± 1.
-IQ1_DELTA_EIGHTHS = 1
 
 
 def sign_bits(index7: np.ndarray) -> np.ndarray:

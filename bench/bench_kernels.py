@@ -103,7 +103,7 @@ def _median_pass(fn, mats, repeats: int) -> float:
 
 def _parse(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--types", default="", help="comma-separated type names (default: all 16)")
+    p.add_argument("--types", default="", help="comma-separated type names (default: every supported type)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--tokens", default="16,128", help="matmul activation rows, comma-separated (default: 16,128)")
     p.add_argument("--quick", action="store_true", help=f"fewer repeats, output head cut to {QUICK_HEAD_ROWS} rows")

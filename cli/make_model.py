@@ -27,6 +27,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="add the NextN/MTP block after the decoder's layers, as llama.cpp writes Qwen3.5/3.6 (qwen35moe); never loaded",
     )
+    p.add_argument(
+        "--experts",
+        metavar="TYPE",
+        help="a quant type for the routed experts' matrices only, over the mix or --quant (e.g. IQ2_XXS, as unsloth's UD-IQ2_XXS files)",
+    )
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0); same seed, same bytes")
     p.add_argument(
         "-o", "--output", required=True, help="output .gguf path, or a folder to write the default name into (ARCH-PRESET-seedS.gguf)"
@@ -42,10 +47,18 @@ def run(args: argparse.Namespace) -> int:
     family = by_name(args.arch)
     assert family is not None, args.arch  # argparse's choices are the registry's names
     # The text as typed, not a Path: a trailing "/" means a folder to write the default name into.
-    target = output_path(args.output, family.arch, args.preset, args.layers, args.quant, args.seed, args.mtp)
+    target = output_path(args.output, family.arch, args.preset, args.layers, args.quant, args.seed, args.experts, args.mtp)
     with byte_progress(f"writing {target}", enabled=not args.quiet and sys.stderr.isatty()) as progress:
         out = make_model(
-            family.arch, args.preset, args.output, layers=args.layers, quant=args.quant, seed=args.seed, progress=progress, mtp=args.mtp
+            family.arch,
+            args.preset,
+            args.output,
+            layers=args.layers,
+            quant=args.quant,
+            seed=args.seed,
+            progress=progress,
+            experts=args.experts,
+            mtp=args.mtp,
         )
     size = out.stat().st_size
     print(f"wrote {out} ({size / (1 << 20):,.1f} MiB) in {time.perf_counter() - t0:.1f} s", file=sys.stderr)

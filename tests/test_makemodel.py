@@ -409,9 +409,26 @@ def test_quant_override_keeps_norms_f32_and_applies_the_fallback(tmp_path):
     assert tensors(r)["blk.0.ffn_up_exps.bias"][0] == Q.F32
 
 
+def test_experts_type_goes_on_the_routed_experts_only(tmp_path):
+    """--experts IQ2_XXS: unsloth's UD-IQ2_XXS layout (i-quant experts, the K-quant mix elsewhere); llama.cpp's
+    file type then names the experts' type. A row the i-quant's 256-blocks can't hold takes IQ4_NL (llama.cpp's fallback)."""
+    r = GGUFReader(make_model("qwen3moe", "tiny", tmp_path / "iq2.gguf", experts="iq2_xxs"))
+    types = {n: qt for n, (qt, _, _) in tensors(r).items()}
+    assert {qt for n, qt in types.items() if "_exps." in n} == {Q.IQ2_XXS}
+    assert {qt for n, qt in types.items() if "_exps." not in n} == {Q.F32, Q.Q4_K, Q.Q6_K}  # the Q4_K_M mix
+    assert kv(r, "general.file_type") == 19  # LLAMA_FTYPE_MOSTLY_IQ2_XXS
+    assert "experts IQ2_XXS" in kv(r, "general.description")
+
+    t = tensors(GGUFReader(make_model("gemma4", "tiny", tmp_path / "iq1.gguf", quant="Q8_0", experts="IQ1_S")))
+    assert t["blk.0.ffn_gate_up_exps.weight"][0] == Q.IQ1_S
+    assert t["blk.0.ffn_down_exps.weight"][0] == Q.IQ4_NL  # ne0 192 is not a multiple of 256
+    assert t["blk.0.attn_q.weight"][0] == Q.Q8_0
+
+
 @pytest.mark.parametrize(
     "kwargs, words",
     [
+        (dict(arch="qwen3moe", preset="tiny", experts="IQ9_X"), "--experts: unknown quant type"),
         (dict(arch="mamba", preset="tiny"), "unknown arch"),
         (dict(arch="qwen3moe", preset="huge"), "unknown preset"),
         (dict(arch="gpt-oss", preset="qwen30b-shape"), "qwen30b-shape goes with --arch qwen3moe"),

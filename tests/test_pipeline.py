@@ -68,15 +68,15 @@ def tiny(request, tmp_path_factory):
     return with_reference(make_model(request.param, "tiny", tmp_path_factory.mktemp("p") / f"{request.param}.gguf"))
 
 
-def with_reference(path):
-    """(path, prompt ids, the resident reference's greedy tokens at top-k None and 1,
+def with_reference(path, top_ks=(None, 1)):
+    """(path, prompt ids, the resident reference's greedy tokens at top-k None and 1 (or `top_ks`),
     the cache sizes the budgets are made of): what the pipeline tests compare against."""
     with open_model(path) as mf:
         tok = Tokenizer.from_gguf(mf.gguf)
         prompt = tok.encode(PROMPT)
         reference = {
             k: generate(load_model(mf, top_k=k, options=ENGINE_KV), tok, prompt, SamplingParams(), GenerationConfig(max_tokens=N)).tokens
-            for k in (None, 1)
+            for k in top_ks
         }
         sizes = dict(
             min_mb=mf.layout.min_cache_bytes() / MiB,

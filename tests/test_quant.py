@@ -6,7 +6,8 @@ float64. Two comparisons are asked of the kernels:
 1. layout exactness: against dequantize(w) @ x̂ with
    x̂ = effective_activation(x, qtype), exactly what the kernels multiply by:
    x rounded to float32, and on the int8-activation types
-   (quant.INT8_ACTIVATION_TYPES: Q8_0, Q4_K, Q5_K, Q6_K, Q5_0, MXFP4, IQ4_XS; default on)
+   (quant.INT8_ACTIVATION_TYPES: Q8_0, Q4_K, Q5_K, Q6_K, Q5_0, MXFP4, IQ4_XS and the
+   i-quants IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S; default on)
    each row further rounded to int8 per block of 32 (x̂ = dx·xq,
    dx = amax/127), in matvec and matmul alike. The decoded
    weights are exact and the integer block sums are exact, so the only error
@@ -36,11 +37,21 @@ import pytest
 from gguf.quants import dequantize
 
 from moe_pipe.shared import quant
-from moe_pipe.shared.quant.blocks import SUPPORTED, QType, block_format, random_blocks
+from moe_pipe.shared.quant.blocks import SUPPORTED, QType, block_format, put_iq1_m_d, random_blocks
 
 U32 = 2.0**-24  # float32 unit roundoff
 FLOAT_TYPES = (QType.F32, QType.F16, QType.BF16)
-TYPES = [pytest.param(t, id=t.name) for t in SUPPORTED]
+# The i-quants' kernels take 7-18 s each to compile from an empty cache (int8 and float tiles,
+# 2026-12-03, this machine): IQ2_XXS (the expert type of unsloth's UD-IQ2_XXS files) runs in the
+# default tier, the other six in the slow tier.
+IQ_SLOW = (QType.IQ2_XS, QType.IQ2_S, QType.IQ3_XXS, QType.IQ3_S, QType.IQ1_S, QType.IQ1_M)
+
+
+def _params(types) -> list:
+    return [pytest.param(t, id=t.name, marks=pytest.mark.slow if t in IQ_SLOW else ()) for t in types]
+
+
+TYPES = _params(SUPPORTED)
 
 
 @pytest.fixture(autouse=True, params=[False, True], ids=["f32act", "int8act"])
@@ -85,6 +96,8 @@ def _edge_blocks(qtype: QType, rng: np.random.Generator) -> np.ndarray:
         base[0, off : off + 2] = normal
         base[1, off : off + 2] = normal
         base[2, off : off + 2] = 0
+    if qtype == QType.IQ1_M:  # d is the scale words' top nibbles: normal on the extreme-code blocks, zero on block 2
+        put_iq1_m_d(base[:3], np.array([normal.view(np.uint16)[0], normal.view(np.uint16)[0], 0], np.uint16))
     if qtype == QType.MXFP4:
         base[0, 0] = base[1, 0] = 127
         base[2:6, 0] = [0, 1, 2, 3]  # subnormal block scales 2^-127 .. 2^-124
@@ -179,7 +192,7 @@ def test_matmul_matches_gguf_dequantize(qtype):
             np.testing.assert_array_equal(got[t], quant.matvec(qtype, w, X[t]), err_msg=f"{qtype.name} T={n_tok} row {t}")
 
 
-@pytest.mark.parametrize("qtype", [pytest.param(t, id=t.name) for t in quant.INT8_ACTIVATION_TYPES])
+@pytest.mark.parametrize("qtype", _params(quant.INT8_ACTIVATION_TYPES))
 def test_int8_gemm_tiles_rows_and_threads(qtype):
     """Several 16-row tiles (the last one partial), rows inside a wider buffer, a row ending in part of
     a 256-weight unit: rows equal matvec bit for bit, whatever the thread count, and match deq@x̂ to
@@ -329,7 +342,7 @@ def test_kernels_load_from_the_disk_cache_on_the_second_start(tmp_path):
     assert second == {"hits": 1, "misses": 0}, second  # loaded, nothing recompiled
 
 
-@pytest.mark.parametrize("qtype", [pytest.param(t, id=t.name) for t in quant.INT8_ACTIVATION_TYPES])
+@pytest.mark.parametrize("qtype", _params(quant.INT8_ACTIVATION_TYPES))
 def test_int8_activation_rounding(qtype, int8_mode):
     """x̂ is x rounded per block of 32 to dx·int8 with dx = amax/127; odd blocks stay exact-ish."""
     if not int8_mode:

@@ -58,6 +58,7 @@ def make_model(
     seed: int = 0,
     progress: Callable[[int, int], None] | None = None,
     *,
+    experts: str | None = None,
     sparse: bool = False,
     mtp: bool = False,
     _overrides: dict | None = None,
@@ -72,7 +73,10 @@ def make_model(
       (token_embd, output, attention, dense and expert FFN). Norms, routers,
       biases, sinks and scales stay F32. Rows whose width the type's block can't
       divide get llama.cpp's fallback (Q4_K→Q5_0, Q5_K→Q5_1, Q6_K→Q8_0,
-      Q2_K/Q3_K/IQ4_XS→IQ4_NL); if even that can't hold them it is a UserError.
+      Q2_K/Q3_K/IQ4_XS and the i-quants→IQ4_NL); if even that can't hold them it is a UserError.
+    * `experts` gives the routed experts' matrices (ffn_*_exps) one type of their own over
+      the mix or `quant`, as the low-bit MoE files do (unsloth's UD-IQ2_XXS: IQ2_XXS experts
+      beside a K-quant mix elsewhere); general.file_type then names the experts' type.
     * Same arguments → byte-identical file: every tensor's generator is seeded
       from blake2b(seed, tensor name), and the tokenizer training is deterministic.
     * `progress(bytes_done, bytes_total)` is called after each tensor's data is
@@ -92,11 +96,12 @@ def make_model(
     arch = _gguf_arch(arch)
     p = _resolve(arch, preset, layers, _overrides)
     override = _parse_quant(quant)
+    expert_type = _parse_quant(experts, "--experts")
     vocab = plan_part(arch).vocab(p.vocab_size, p.n_bpe)
-    specs = plan_tensors(arch, p, override, mtp=mtp)
+    specs = plan_tensors(arch, p, override, expert_type, mtp=mtp)
     total = sum(s.nbytes for s in specs)
 
-    out = output_path(out, arch, preset, layers, quant, seed, mtp)
+    out = output_path(out, arch, preset, layers, quant, seed, experts, mtp)
     part = out.with_name(out.name + ".part")
     _check_writable(out.parent, part)  # a missing folder is made
     free = shutil.disk_usage(out.parent).free
@@ -107,7 +112,7 @@ def make_model(
 
     w = GGUFWriter(part, arch)
     try:
-        _add_metadata(w, arch, preset, p, vocab, override, seed, nextn=int(mtp))
+        _add_metadata(w, arch, preset, p, vocab, override, seed, expert_type, nextn=int(mtp))
         for s in specs:
             w.add_tensor_info(s.name, s.byte_shape, np.dtype(np.uint8), s.nbytes, raw_dtype=s.qtype)
         w.write_header_to_file()
@@ -140,14 +145,23 @@ def make_model(
     return out
 
 
-def output_path(out: Path | str, arch: str, preset: str, layers: int | None, quant: str | None, seed: int, mtp: bool = False) -> Path:
+def output_path(
+    out: Path | str,
+    arch: str,
+    preset: str,
+    layers: int | None,
+    quant: str | None,
+    seed: int,
+    experts: str | None = None,
+    mtp: bool = False,
+) -> Path:
     """The file to write: `out`, or when `out` is a folder (an existing one, or
     a path ending in "/") the default name for these arguments inside it."""
     text = str(out)
     path = Path(out)
     if path.is_dir() or text.endswith(os.sep):
-        name = f"{arch}-{preset}" + (f"-L{layers}" if layers else "") + (f"-{quant}" if quant else "") + ("-mtp" if mtp else "")
-        name += f"-seed{seed}.gguf"
+        name = f"{arch}-{preset}" + (f"-L{layers}" if layers else "") + (f"-{quant}" if quant else "")
+        name += (f"-exps{experts.upper()}" if experts else "") + ("-mtp" if mtp else "") + f"-seed{seed}.gguf"
         path = path / name
     return path
 
@@ -205,21 +219,22 @@ def _resolve(arch: str, preset: str, layers: int | None, overrides: dict | None)
     return p
 
 
-def _parse_quant(quant: str | None) -> Q | None:
+def _parse_quant(quant: str | None, option: str = "--quant") -> Q | None:
     if quant is None:
         return None
     try:
         return qtype_from_name(quant)
     except ValueError as e:
-        raise UserError(f"--quant: {e}") from None
+        raise UserError(f"{option}: {e}") from None
 
 
 # --- the tensor plan ----------------------------------------------------------
 
 
-def plan_tensors(arch: str, p: Preset, override: Q | None = None, *, mtp: bool = False) -> list[TensorSpec]:
-    """Every tensor of the model in file order, with its type and how to fill it;
-    `mtp`: the NextN/MTP block last (make_model)."""
+def plan_tensors(arch: str, p: Preset, override: Q | None = None, experts: Q | None = None, *, mtp: bool = False) -> list[TensorSpec]:
+    """Every tensor of the model in file order, with its type and how to fill it
+    (`experts`: the routed experts' matrices' type over the mix or `override`;
+    `mtp`: the NextN/MTP block last, make_model)."""
     part = plan_part(arch)
     n_v = _count_attn_v(part, p)
     v_seen = 0
@@ -228,12 +243,15 @@ def plan_tensors(arch: str, p: Preset, override: Q | None = None, *, mtp: bool =
         nonlocal v_seen
         ne0 = shape[-1]
         qtype = override if override is not None else part.mix(role, layer, p.n_layer, v_seen, n_v)
+        option = "--quant"
+        if experts is not None and role.endswith("_exps"):
+            qtype, option = experts, "--experts"
         v_seen += role == "attn_v"  # llama.cpp's mix counts the attn_v tensors in file order
         fitted = fit_type(qtype, ne0)
         bs = block_format(fitted).block_size
         if ne0 % bs:
             raise UserError(
-                f"--quant {qtype.name}: tensor {name} has rows {ne0} wide, not a multiple of {bs}; use a 32-block type such as Q8_0 or Q5_0, or F16"
+                f"{option} {qtype.name}: tensor {name} has rows {ne0} wide, not a multiple of {bs}; use a 32-block type such as Q8_0 or Q5_0, or F16"
             )
         return TensorSpec(name, shape, fitted, "weight", 1.0 / float(np.sqrt(ne0)))
 
@@ -445,6 +463,13 @@ _FILE_TYPE = {
     Q.IQ4_NL: "MOSTLY_IQ4_NL",
     Q.IQ4_XS: "MOSTLY_IQ4_XS",
     Q.MXFP4: "MOSTLY_MXFP4_MOE",
+    Q.IQ2_XXS: "MOSTLY_IQ2_XXS",
+    Q.IQ2_XS: "MOSTLY_IQ2_XS",
+    Q.IQ2_S: "MOSTLY_IQ2_S",
+    Q.IQ3_XXS: "MOSTLY_IQ3_XXS",
+    Q.IQ3_S: "MOSTLY_IQ3_S",
+    Q.IQ1_S: "MOSTLY_IQ1_S",
+    Q.IQ1_M: "MOSTLY_IQ1_M",
 }
 
 
@@ -453,13 +478,26 @@ def chat_template(arch: str) -> str:
     return plan_part(arch).chat_template()
 
 
-def _add_metadata(w: GGUFWriter, arch: str, preset: str, p: Preset, v: Vocab, override: Q | None, seed: int, nextn: int = 0) -> None:
+def _add_metadata(
+    w: GGUFWriter,
+    arch: str,
+    preset: str,
+    p: Preset,
+    v: Vocab,
+    override: Q | None,
+    seed: int,
+    experts: Q | None = None,
+    nextn: int = 0,
+) -> None:
     part = plan_part(arch)
     mix = override.name if override is not None else part.mix_name
     w.add_name(f"moe-pipe made {arch} {preset}")
-    w.add_description(f"random weights (seed {seed}), not a trained model; made by moe-pipe make-model, quant {mix}")
+    exps = f", experts {experts.name}" if experts is not None else ""
+    w.add_description(f"random weights (seed {seed}), not a trained model; made by moe-pipe make-model, quant {mix}{exps}")
     named = _FILE_TYPE.get(override) if override is not None else None
     ftype = "MOSTLY_Q4_K_M" if mix == "Q4_K_M" else "MOSTLY_MXFP4_MOE" if mix == "MXFP4_MOE" else named
+    if experts is not None:  # the experts are most of the file: llama.cpp's file type names theirs (unsloth's UD files do)
+        ftype = _FILE_TYPE.get(experts)
     if ftype:
         w.add_file_type(int(LlamaFileType[ftype]))
     w.add_quantization_version(2)

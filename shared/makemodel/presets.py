@@ -146,7 +146,10 @@ class RouterShape:
 # --- quant mix ----------------------------------------------------------------
 
 # llama.cpp's replacement when ne0 % 256 != 0 (docs/formats.md § Row-width fallback).
-_FALLBACK = {Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0, Q.Q2_K: Q.IQ4_NL, Q.Q3_K: Q.IQ4_NL, Q.IQ4_XS: Q.IQ4_NL}
+# The i-quants (256-weight blocks) take IQ4_NL too (llama-quant.cpp's fallback switch).
+_FALLBACK = {Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0, Q.Q2_K: Q.IQ4_NL, Q.Q3_K: Q.IQ4_NL, Q.IQ4_XS: Q.IQ4_NL} | {
+    q: Q.IQ4_NL for q in (Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S, Q.IQ1_M)
+}
 
 
 def fit_type(qtype: Q, ne0: int) -> Q:

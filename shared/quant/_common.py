@@ -10,7 +10,7 @@ a float32 tile that stays in L1/L2 and multiply it by every activation row, so
 a block is decoded once per call however many tokens there are.
 
 Activations stay float32 here (the int8-activation kernels that every call
-on Q8_0/Q4_K/Q5_K/Q6_K/Q5_0/MXFP4/IQ4_XS uses while int8 activations are on are in _q8
+on Q8_0/Q4_K/Q5_K/Q6_K/Q5_0/MXFP4/IQ4_XS and the i-quants (_iqir) uses while int8 activations are on are in _q8
 and _q8ir, written as LLVM IR for the reason below): the decoded weight
 is exact in float32 (f16 scale × ≤ 8-bit code fits the 24-bit mantissa), so
 the only error is float32 accumulation. Measured on this EPYC (1 thread, data

@@ -1,4 +1,5 @@
-"""Integer dot products against int8 activations: Q8_0, Q4_K, Q5_K, Q6_K, Q5_0, MXFP4, IQ4_XS.
+"""Integer dot products against int8 activations: Q8_0, Q4_K, Q5_K, Q6_K, Q5_0, MXFP4, IQ4_XS
+and the i-quants IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S (their decoders: _iqir).
 
 For these types every matvec/matmul call (decode's one activation row and
 prefill's several alike) rounds each activation row to int8 per block of 32
@@ -36,6 +37,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from ._common import E8M0_HALF, F16_TABLE
+from ._iqir import TABLES
 from ._q8ir import INT8_DOT, PACKED_UNIT, UNIT, pack_kernel, round_row, row_kernel, tile_kernel
 from .blocks import QK
 
@@ -98,7 +101,7 @@ def _round(X):
 
 # ---- drivers: out[t, r] = weight row r · activation row t ------------------
 # _mm_<t>(w u8[bytes], stride, X f32[T, C], table, out f32[T, R], C-contiguous);
-# table is F16_TABLE (E8M0_HALF for MXFP4). The activation is rounded first
+# table is KERNELS' (F16_TABLE, E8M0_HALF for MXFP4, an i-quant's grid). The activation is rounded first
 # (_round), then (one or two rows) weight rows split across threads on the row
 # kernel, or (more) tiles of 16 weight rows split across threads, each
 # repacked once and multiplied by 8 activation rows at a time (the last call's
@@ -127,6 +130,27 @@ _q6_k_t8 = tile_kernel("Q6_K", TILE_TOKENS)
 _iq4_xs_r1 = row_kernel("IQ4_XS", 1)
 _iq4_xs_pack = pack_kernel("IQ4_XS")
 _iq4_xs_t8 = tile_kernel("IQ4_XS", TILE_TOKENS)
+_iq2_xxs_r1 = row_kernel("IQ2_XXS", 1)
+_iq2_xxs_pack = pack_kernel("IQ2_XXS")
+_iq2_xxs_t8 = tile_kernel("IQ2_XXS", TILE_TOKENS)
+_iq2_xs_r1 = row_kernel("IQ2_XS", 1)
+_iq2_xs_pack = pack_kernel("IQ2_XS")
+_iq2_xs_t8 = tile_kernel("IQ2_XS", TILE_TOKENS)
+_iq2_s_r1 = row_kernel("IQ2_S", 1)
+_iq2_s_pack = pack_kernel("IQ2_S")
+_iq2_s_t8 = tile_kernel("IQ2_S", TILE_TOKENS)
+_iq3_xxs_r1 = row_kernel("IQ3_XXS", 1)
+_iq3_xxs_pack = pack_kernel("IQ3_XXS")
+_iq3_xxs_t8 = tile_kernel("IQ3_XXS", TILE_TOKENS)
+_iq3_s_r1 = row_kernel("IQ3_S", 1)
+_iq3_s_pack = pack_kernel("IQ3_S")
+_iq3_s_t8 = tile_kernel("IQ3_S", TILE_TOKENS)
+_iq1_s_r1 = row_kernel("IQ1_S", 1)
+_iq1_s_pack = pack_kernel("IQ1_S")
+_iq1_s_t8 = tile_kernel("IQ1_S", TILE_TOKENS)
+_iq1_m_r1 = row_kernel("IQ1_M", 1)
+_iq1_m_pack = pack_kernel("IQ1_M")
+_iq1_m_t8 = tile_kernel("IQ1_M", TILE_TOKENS)
 
 
 @njit(**_DRIVER)
@@ -255,13 +279,146 @@ def _mm_iq4_xs(w, stride, X, tab, out):
             _iq4_xs_t8(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, T - t)
 
 
-# type name → (driver, whether it takes E8M0_HALF instead of F16_TABLE)
+@njit(**_DRIVER)
+def _mm_iq2_xxs(w, stride, X, tab, out):
+    xq, dx, bs16, bs32, xs32, cp = _round(X)
+    T, R, nb = X.shape[0], out.shape[1], X.shape[1] // QK
+    if T < GEMM_ROWS:
+        for r in prange(R):
+            for t in range(T):
+                _iq2_xxs_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
+        return
+    nu = cp // UNIT
+    for i in prange((R + 15) // 16):
+        buf = np.empty(nu * PACKED_UNIT, np.uint8)
+        _iq2_xxs_pack(w, stride, 16 * i, R, nb, tab, buf)
+        nv = min(16, R - 16 * i)
+        for t in range(0, T, TILE_TOKENS):
+            _iq2_xxs_t8(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, T - t)
+
+
+@njit(**_DRIVER)
+def _mm_iq2_xs(w, stride, X, tab, out):
+    xq, dx, bs16, bs32, xs32, cp = _round(X)
+    T, R, nb = X.shape[0], out.shape[1], X.shape[1] // QK
+    if T < GEMM_ROWS:
+        for r in prange(R):
+            for t in range(T):
+                _iq2_xs_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
+        return
+    nu = cp // UNIT
+    for i in prange((R + 15) // 16):
+        buf = np.empty(nu * PACKED_UNIT, np.uint8)
+        _iq2_xs_pack(w, stride, 16 * i, R, nb, tab, buf)
+        nv = min(16, R - 16 * i)
+        for t in range(0, T, TILE_TOKENS):
+            _iq2_xs_t8(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, T - t)
+
+
+@njit(**_DRIVER)
+def _mm_iq2_s(w, stride, X, tab, out):
+    xq, dx, bs16, bs32, xs32, cp = _round(X)
+    T, R, nb = X.shape[0], out.shape[1], X.shape[1] // QK
+    if T < GEMM_ROWS:
+        for r in prange(R):
+            for t in range(T):
+                _iq2_s_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
+        return
+    nu = cp // UNIT
+    for i in prange((R + 15) // 16):
+        buf = np.empty(nu * PACKED_UNIT, np.uint8)
+        _iq2_s_pack(w, stride, 16 * i, R, nb, tab, buf)
+        nv = min(16, R - 16 * i)
+        for t in range(0, T, TILE_TOKENS):
+            _iq2_s_t8(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, T - t)
+
+
+@njit(**_DRIVER)
+def _mm_iq3_xxs(w, stride, X, tab, out):
+    xq, dx, bs16, bs32, xs32, cp = _round(X)
+    T, R, nb = X.shape[0], out.shape[1], X.shape[1] // QK
+    if T < GEMM_ROWS:
+        for r in prange(R):
+            for t in range(T):
+                _iq3_xxs_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
+        return
+    nu = cp // UNIT
+    for i in prange((R + 15) // 16):
+        buf = np.empty(nu * PACKED_UNIT, np.uint8)
+        _iq3_xxs_pack(w, stride, 16 * i, R, nb, tab, buf)
+        nv = min(16, R - 16 * i)
+        for t in range(0, T, TILE_TOKENS):
+            _iq3_xxs_t8(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, T - t)
+
+
+@njit(**_DRIVER)
+def _mm_iq3_s(w, stride, X, tab, out):
+    xq, dx, bs16, bs32, xs32, cp = _round(X)
+    T, R, nb = X.shape[0], out.shape[1], X.shape[1] // QK
+    if T < GEMM_ROWS:
+        for r in prange(R):
+            for t in range(T):
+                _iq3_s_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
+        return
+    nu = cp // UNIT
+    for i in prange((R + 15) // 16):
+        buf = np.empty(nu * PACKED_UNIT, np.uint8)
+        _iq3_s_pack(w, stride, 16 * i, R, nb, tab, buf)
+        nv = min(16, R - 16 * i)
+        for t in range(0, T, TILE_TOKENS):
+            _iq3_s_t8(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, T - t)
+
+
+@njit(**_DRIVER)
+def _mm_iq1_s(w, stride, X, tab, out):
+    xq, dx, bs16, bs32, xs32, cp = _round(X)
+    T, R, nb = X.shape[0], out.shape[1], X.shape[1] // QK
+    if T < GEMM_ROWS:
+        for r in prange(R):
+            for t in range(T):
+                _iq1_s_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
+        return
+    nu = cp // UNIT
+    for i in prange((R + 15) // 16):
+        buf = np.empty(nu * PACKED_UNIT, np.uint8)
+        _iq1_s_pack(w, stride, 16 * i, R, nb, tab, buf)
+        nv = min(16, R - 16 * i)
+        for t in range(0, T, TILE_TOKENS):
+            _iq1_s_t8(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, T - t)
+
+
+@njit(**_DRIVER)
+def _mm_iq1_m(w, stride, X, tab, out):
+    xq, dx, bs16, bs32, xs32, cp = _round(X)
+    T, R, nb = X.shape[0], out.shape[1], X.shape[1] // QK
+    if T < GEMM_ROWS:
+        for r in prange(R):
+            for t in range(T):
+                _iq1_m_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
+        return
+    nu = cp // UNIT
+    for i in prange((R + 15) // 16):
+        buf = np.empty(nu * PACKED_UNIT, np.uint8)
+        _iq1_m_pack(w, stride, 16 * i, R, nb, tab, buf)
+        nv = min(16, R - 16 * i)
+        for t in range(0, T, TILE_TOKENS):
+            _iq1_m_t8(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, T - t)
+
+
+# type name → (driver, its table: F16_TABLE, E8M0_HALF for MXFP4, the grid for an i-quant)
 KERNELS = {
-    "Q8_0": (_mm_q8_0, False),
-    "Q5_0": (_mm_q5_0, False),
-    "MXFP4": (_mm_mxfp4, True),
-    "Q4_K": (_mm_q4_k, False),
-    "Q5_K": (_mm_q5_k, False),
-    "Q6_K": (_mm_q6_k, False),
-    "IQ4_XS": (_mm_iq4_xs, False),
+    "Q8_0": (_mm_q8_0, F16_TABLE),
+    "Q5_0": (_mm_q5_0, F16_TABLE),
+    "MXFP4": (_mm_mxfp4, E8M0_HALF),
+    "Q4_K": (_mm_q4_k, F16_TABLE),
+    "Q5_K": (_mm_q5_k, F16_TABLE),
+    "Q6_K": (_mm_q6_k, F16_TABLE),
+    "IQ4_XS": (_mm_iq4_xs, F16_TABLE),
+    "IQ2_XXS": (_mm_iq2_xxs, TABLES["IQ2_XXS"]),
+    "IQ2_XS": (_mm_iq2_xs, TABLES["IQ2_XS"]),
+    "IQ2_S": (_mm_iq2_s, TABLES["IQ2_S"]),
+    "IQ3_XXS": (_mm_iq3_xxs, TABLES["IQ3_XXS"]),
+    "IQ3_S": (_mm_iq3_s, TABLES["IQ3_S"]),
+    "IQ1_S": (_mm_iq1_s, TABLES["IQ1_S"]),
+    "IQ1_M": (_mm_iq1_m, TABLES["IQ1_M"]),
 }

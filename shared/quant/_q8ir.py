@@ -32,7 +32,8 @@ Per type a decoder turns 256 weights of a row into four <64 x i8> code vectors i
 order and its block scales as one L-lane vector (LAYOUTS). Q4_K/Q5_K: nibble planes
 interleaved by a lane shuffle (Q5_K or's in the fifth bit); Q6_K: nibbles | 2-bit planes <<
 4, offset 32 per 16; IQ4_XS and MXFP4: code-book values through one `vpshufb`, offsets 128
-and 12; Q8_0: q + 128; Q5_0: nibble | fifth bit, offset 16. The 32-block types' rows may end
+and 12; Q8_0: q + 128; Q5_0: nibble | fifth bit, offset 16; the i-quants: grid entries by
+index, signed (_iqir, whose IQ_LAYOUTS `layout` finds). The 32-block types' rows may end
 in part of a unit: its blocks are copied to a zeroed stack buffer, and the missing blocks
 (zero scales, zero activation padding) leave every accumulator as it was.
 
@@ -182,7 +183,10 @@ class _Emit:
 
     def half(self, base, off):
         """The f16 at byte `off` of i8 pointer `base`, as float (exact)."""
-        h = self.load(base, off, _I16)
+        return self.half_bits(self.load(base, off, _I16))
+
+    def half_bits(self, h):
+        """An i16 holding f16 bits, as float (exact)."""
         if _F16C:
             return self.b.fpext(self.b.bitcast(h, _HALF), _F32)
         # Without F16C, LLVM lowers fpext half to a call of __extendhfsf2, a
@@ -453,6 +457,15 @@ LAYOUTS = {
 }
 
 
+def layout(name: str) -> Layout:
+    """The Layout of a type: LAYOUTS above, or the i-quants' (_iqir, which builds on this module)."""
+    if name in LAYOUTS:
+        return LAYOUTS[name]
+    from ._iqir import IQ_LAYOUTS
+
+    return IQ_LAYOUTS[name]
+
+
 # ---- the shared steps --------------------------------------------------------
 
 
@@ -541,7 +554,7 @@ def row_kernel(name: str, nt: int):
     accumulates blocks j, j + L, j + 2L, ... of the row in order; the lanes are summed by the
     halving tree at the end. tile_kernel computes the same per row.
     """
-    lay = LAYOUTS[name]
+    lay = layout(name)
     L = lay.lanes
 
     def typer(typingctx, w, o, nb, xq, xo, cs, dx, bs16, bs32, xs32, tab, out, oo, os):
@@ -608,7 +621,7 @@ def pack_kernel(name: str):
     repacked into buf for tile_kernel, PACKED_UNIT bytes per unit: block j's codes as block/4
     vectors of 16 rows × 4 codes (row r's 4 codes in lane r) at 16·block·j, then from 16·256
     the L wsc vectors and, for Q4_K/Q5_K, the 8 dmm vectors (row r in lane r)."""
-    lay = LAYOUTS[name]
+    lay = layout(name)
     L = lay.lanes
 
     def typer(typingctx, w, stride, r0, R, nb, tab, buf):
@@ -667,7 +680,7 @@ def tile_kernel(name: str, nt: int):
     multiply by wsc·dx and one multiply-add for all 16 rows. The L accumulators of a row are
     summed by row_kernel's halving tree.
     """
-    lay = LAYOUTS[name]
+    lay = layout(name)
     L = lay.lanes
     nd = lay.block // 4  # dots per block
 

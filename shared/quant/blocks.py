@@ -4,8 +4,9 @@ valid blocks for made models and kernel tests.
 The byte layout of each block is ggml's (docs/formats.md § Quant blocks; gguf-py's `gguf.quants` decodes the
 same bytes in numpy, and the kernel tests compare against it); here we only
 need what every caller shares: block size, bytes per block, where the scale
-fields sit (to make random blocks with a chosen spread), the MXFP4 code book,
-and shape arithmetic. Legend: R rows, C columns (ne0, the contiguous axis),
+fields sit (to make random blocks with a chosen spread), the MXFP4 and IQ4
+code books, the i-quants' grids (data in grids.py, unpacked here) and sign
+rule, and shape arithmetic. Legend: R rows, C columns (ne0, the contiguous axis),
 B blocks.
 """
 
@@ -17,6 +18,21 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QType  # an import, not an alias assignment: mypy then allows QType[name]
 from gguf.quants import dequantize
+
+from .grids import (
+    IQ1_S_GRID_HEX,
+    IQ1_S_VALUES,
+    IQ2_S_GRID_HEX,
+    IQ2_S_VALUES,
+    IQ2_XS_GRID_HEX,
+    IQ2_XS_VALUES,
+    IQ2_XXS_GRID_HEX,
+    IQ2_XXS_VALUES,
+    IQ3_S_GRID_HEX,
+    IQ3_S_VALUES,
+    IQ3_XXS_GRID_HEX,
+    IQ3_XXS_VALUES,
+)
 
 
 def _type_size(qtype: QType, block_size: int) -> int:
@@ -45,6 +61,14 @@ Q4_K_BYTES = _type_size(QType.Q4_K, QK_K)  # 144
 Q5_K_BYTES = _type_size(QType.Q5_K, QK_K)  # 176
 Q6_K_BYTES = _type_size(QType.Q6_K, QK_K)  # 210
 IQ4_XS_BYTES = _type_size(QType.IQ4_XS, QK_K)  # 136
+# The i-quants: 256-weight super-blocks of grid indices, signs and small scales (docs/formats.md).
+IQ2_XXS_BYTES = _type_size(QType.IQ2_XXS, QK_K)  # 66: f16 d, 8 × (4 index bytes, u32 of 4 sign indices + scale)
+IQ2_XS_BYTES = _type_size(QType.IQ2_XS, QK_K)  # 74: f16 d, 32 u16 (9-bit index, 7-bit sign index), 8 scale bytes
+IQ2_S_BYTES = _type_size(QType.IQ2_S, QK_K)  # 82: f16 d, 32 index bytes, 32 sign bytes, 8 high-bit bytes, 8 scale bytes
+IQ3_XXS_BYTES = _type_size(QType.IQ3_XXS, QK_K)  # 98: f16 d, 64 index bytes, 8 u32 of 4 sign indices + scale
+IQ3_S_BYTES = _type_size(QType.IQ3_S, QK_K)  # 110: f16 d, 64 index bytes, 8 high-bit bytes, 32 sign bytes, 4 scale bytes
+IQ1_S_BYTES = _type_size(QType.IQ1_S, QK_K)  # 50: f16 d, 32 index bytes, 8 u16 (index high bits, scale, delta sign)
+IQ1_M_BYTES = _type_size(QType.IQ1_M, QK_K)  # 56: 32 index bytes, 16 high-bit/delta bytes, 4 u16 of scales and d
 
 # MXFP4 elements are E2M1 codes: bit 3 the sign, codes 0..7 the magnitudes
 # 0, 0.5, 1, 1.5, 2, 3, 4, 6. Listed doubled so they are integers (the
@@ -54,6 +78,35 @@ IQ4_XS_BYTES = _type_size(QType.IQ4_XS, QK_K)  # 136
 E2M1_TWICE = (0, 1, 2, 3, 4, 6, 8, 12)
 # IQ4_NL / IQ4_XS: the non-linear code book, code 0..15 → value (times the block's scale).
 IQ4_NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+
+
+def _unpack_grid(hex_words: str, values: tuple[int, ...], width: int) -> np.ndarray:
+    """grids.py's packing (one 16-bit word per entry, element j at bits j·b) → int16 [N, width] values."""
+    words = np.array([int(hex_words[i : i + 4], 16) for i in range(0, len(hex_words), 4)], np.int64)  # [N]
+    bits = 3 if width == 4 else 2
+    idx = (words[:, None] >> (bits * np.arange(width))) & ((1 << bits) - 1)  # [N, width]
+    return np.asarray(values, np.int16)[idx]
+
+
+# The i-quants' grids, entry → its 8 (IQ3: 4) weights before sign and scale. IQ2: 8, 25, 43;
+# IQ3_XXS: 4 .. 62; IQ3_S: 1, 3, .. 15; IQ1 (S and M share one): -1, 0, 1.
+IQ2_XXS_GRID = _unpack_grid(IQ2_XXS_GRID_HEX, IQ2_XXS_VALUES, 8)  # [256, 8]
+IQ2_XS_GRID = _unpack_grid(IQ2_XS_GRID_HEX, IQ2_XS_VALUES, 8)  # [512, 8]
+IQ2_S_GRID = _unpack_grid(IQ2_S_GRID_HEX, IQ2_S_VALUES, 8)  # [1024, 8]
+IQ3_XXS_GRID = _unpack_grid(IQ3_XXS_GRID_HEX, IQ3_XXS_VALUES, 4)  # [256, 4]
+IQ3_S_GRID = _unpack_grid(IQ3_S_GRID_HEX, IQ3_S_VALUES, 4)  # [512, 4]
+IQ1_GRID = _unpack_grid(IQ1_S_GRID_HEX, IQ1_S_VALUES, 8)  # [2048, 8]
+
+
+def sign_bits(index7: np.ndarray) -> np.ndarray:
+    """IQ2_XXS / IQ2_XS / IQ3_XXS: a 7-bit sign index → the 8 sign bits of its 8 weights (bit j set:
+    weight j negative). The eighth bit is the parity of the seven, so a group always has an even
+    number of negative weights (ggml's ksigns table is this rule written out)."""
+    i = np.asarray(index7, np.int64) & 127
+    parity = np.zeros_like(i)
+    for k in range(7):
+        parity ^= (i >> k) & 1
+    return i | (parity << 7)
 
 
 @dataclass(frozen=True)
@@ -107,6 +160,13 @@ FORMATS: dict[QType, BlockFormat] = {
         _fmt(QType.IQ4_NL, 0),
         _fmt(QType.IQ4_XS, 0),
         _fmt(QType.MXFP4),  # scale is a u8 power-of-two exponent at byte 0
+        _fmt(QType.IQ2_XXS, 0),
+        _fmt(QType.IQ2_XS, 0),
+        _fmt(QType.IQ2_S, 0),
+        _fmt(QType.IQ3_XXS, 0),
+        _fmt(QType.IQ3_S, 0),
+        _fmt(QType.IQ1_S, 0),
+        _fmt(QType.IQ1_M),  # d is the top nibbles of the four scale words at 48 (random_blocks sets it)
     )
 }
 
@@ -187,6 +247,8 @@ def random_blocks(qtype: int | QType, n_weights: int, rng: np.random.Generator, 
     blocks = rng.integers(0, 256, size=(n_blocks, fmt.type_size), dtype=np.uint8)
     if qtype == QType.MXFP4:
         return _set_mxfp4_exponents(blocks, rng, std)
+    if qtype == QType.IQ1_M:
+        return _set_iq1_m_scales(blocks, rng, std)
     jitter = rng.uniform(0.5, 1.5, size=n_blocks).astype(np.float32)
     for off in fmt.f16_scales:
         blocks[:, off : off + 2] = jitter.astype(np.float16).view(np.uint8).reshape(-1, 2)
@@ -220,4 +282,29 @@ _FP4_RMS = float(np.sqrt(np.mean(np.square(np.array(E2M1_TWICE) / 2))))
 def _set_mxfp4_exponents(blocks: np.ndarray, rng: np.random.Generator, std: float) -> np.ndarray:
     centre = 127 + int(round(np.log2(std / _FP4_RMS)))
     blocks[:, 0] = np.clip(centre + rng.integers(-1, 2, size=blocks.shape[0]), 1, 254).astype(np.uint8)
+    return blocks
+
+
+def iq1_m_d(blocks: np.ndarray) -> np.ndarray:
+    """IQ1_M blocks uint8 [B, 56] → their f16 d as uint16 bits [B]: the top nibble of scale word k is
+    bits 4k..4k+3 of d."""
+    words = blocks[:, 48:56].copy().view(np.uint16)  # [B, 4]
+    return ((words >> 12) << np.array([0, 4, 8, 12], np.uint16)).astype(np.uint16).sum(axis=1, dtype=np.uint16)
+
+
+def put_iq1_m_d(blocks: np.ndarray, d_bits: np.ndarray) -> None:
+    """Set IQ1_M blocks' f16 d (uint16 bits [B]) in the top nibbles of their scale words, in place."""
+    words = blocks[:, 48:56].copy().view(np.uint16)  # [B, 4]
+    top = (d_bits[:, None].astype(np.uint16) >> np.array([0, 4, 8, 12], np.uint16)) & 15
+    blocks[:, 48:56] = ((words & 0x0FFF) | (top << 12)).astype(np.uint16).view(np.uint8)
+
+
+def _set_iq1_m_scales(blocks: np.ndarray, rng: np.random.Generator, std: float) -> np.ndarray:
+    """IQ1_M has no f16 field of its own: d is spread over the scale words, set like the others' d."""
+    jitter = np.asarray(rng.uniform(0.5, 1.5, size=len(blocks)), np.float16)  # [B]
+    put_iq1_m_d(blocks, jitter.view(np.uint16))
+    sample = dequantize(blocks[: min(len(blocks), 512)], QType.IQ1_M).astype(np.float64)
+    factor = std / max(float(sample.std()), 1e-30)
+    scaled = jitter.astype(np.float32) * np.float32(factor)  # [B]
+    put_iq1_m_d(blocks, scaled.astype(np.float16).view(np.uint16))
     return blocks

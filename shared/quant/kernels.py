@@ -5,7 +5,7 @@
     E = dequantize_rows(qtype, w, rows)  rows int [N]                  → E float32 [N, C]
     set_threads(n) / get_threads()   numba threads for the row loops
 
-`qtype` is a ggml type id or `gguf.GGMLQuantizationType`; the 16 types of
+`qtype` is a ggml type id or `gguf.GGMLQuantizationType`; the 23 types of
 `blocks.SUPPORTED`. `w` holds each row's blocks back to back in the GGUF
 layout (docs/formats.md § Quant blocks) and may be a read-only memmap view or a slice of
 a larger buffer: only each row has to be contiguous. Nothing is repacked or
@@ -13,7 +13,8 @@ dequantized ahead: each call decodes blocks on the fly, once per call for a
 whole group of activation rows (a prompt batch does not decode a block once
 per token).
 
-Activations: on Q8_0, Q4_K, Q5_K, Q6_K, Q5_0, MXFP4 and IQ4_XS (`INT8_ACTIVATION_TYPES`)
+Activations: on Q8_0, Q4_K, Q5_K, Q6_K, Q5_0, MXFP4, IQ4_XS and the i-quants IQ1_S, IQ1_M,
+IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S (`INT8_ACTIVATION_TYPES`)
 every call, one activation row (matvec, decode) or several (matmul:
 prefill, an expert several tokens route to), rounds each activation row to
 int8 per block of 32 (x̂ = dx·xq, dx = amax/127, see _q8) and multiplies on
@@ -56,14 +57,14 @@ import numba
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from . import _float, _kquant, _legacy, _q8
-from ._common import E8M0_HALF, F16_TABLE, LANES
+from . import _float, _iquant, _kquant, _legacy, _q8
+from ._common import F16_TABLE, LANES
 from .blocks import QK, SUPPORTED, BlockFormat, QType, block_format
 from .blocks import qtype_from_name as qtype_from_name  # re-exported: quant.qtype_from_name
 
 # The public names are listed once, in shared/quant/__init__.py's __all__.
 
-_KERNELS = {QType[name]: pair for mod in (_float, _legacy, _kquant) for name, pair in mod.KERNELS.items()}
+_KERNELS = {QType[name]: pair for mod in (_float, _legacy, _kquant, _iquant) for name, pair in mod.KERNELS.items()}
 assert set(_KERNELS) == set(SUPPORTED), "every supported type needs kernels"
 # Types whose matvec/matmul run on int8 activations (integer block dots, _q8).
 _Q8_KERNELS = {QType[name]: pair for name, pair in _q8.KERNELS.items()}
@@ -173,8 +174,8 @@ def _multiply(qtype: QType, flat: np.ndarray, stride: int, X: np.ndarray, out: n
     X = np.ascontiguousarray(X, dtype=np.float32)
     T = X.shape[0]
     if _uses_q8(qtype):
-        kernel, takes_e8m0 = _Q8_KERNELS[qtype]
-        kernel(flat, stride, X, E8M0_HALF if takes_e8m0 else F16_TABLE, out)
+        kernel, table = _Q8_KERNELS[qtype]
+        kernel(flat, stride, X, table, out)
     else:
         mm, _ = _KERNELS[qtype]
         mm(flat, stride, X, _TILE_ROWS if T > 1 else _TILE_ROWS_MATVEC, F16_TABLE, LANES, out)

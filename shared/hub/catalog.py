@@ -69,6 +69,8 @@ MIXES: dict[str, str] = {
     "Q4_K_M": "experts' gate/up Q4_K; down and attn_v Q6_K in 1/3 of the layers (the first and last eighth, every third between), "
     "Q4_K in the rest; other matrices Q4_K; output head Q6_K",
     "MXFP4": "experts MXFP4 (as trained); every other matrix Q8_0",
+    "IQ2_XXS": "experts IQ2_XXS (llama.cpp's rules: down Q2_K in the first eighth of the layers, attn_v Q4_K, "
+    "token embedding Q2_K, output head Q5_K; unsloth's UD files keep more tensors wider); the rest as the file says",
 }
 
 CATALOG: tuple[Entry, ...] = (
@@ -183,6 +185,19 @@ CATALOG: tuple[Entry, ...] = (
         1_138_728_960,
         1,
         "shape preset ling-3-flash-shape",
+    ),
+    # 43 layers x top-6 of 256, 4096 x 2048 experts, 1 shared; hyper-connections, CSA/HCA attention
+    Entry(
+        "deepseek-v4-flash",
+        "DeepSeek-V4-Flash",
+        "deepseek4",
+        "unsloth/DeepSeek-V4-Flash-GGUF",
+        "IQ2_XXS",
+        "deepseek-v4-flash.toml",
+        80_318_129_888,
+        1_673_920_512,
+        1,
+        "shape preset deepseek-v4-flash-shape with IQ2_XXS experts (make-model --experts IQ2_XXS), the rest the published q4 file's mix",
     ),
     # 32 layers x top-2 of 8, 4096 x 14336 experts
     Entry(

@@ -204,3 +204,14 @@ def test_the_quick_start_makes_a_venv_and_names_the_web_tests_browser():
     start = readme[readme.index("## Quick start") : readme.index("## Usage")]
     assert start.index("python3 -m venv .venv && . .venv/bin/activate") < start.index("pip install .")
     assert "python3-venv" in start and "apt-get install chromium chromium-driver" in start and "test_web_browser.py" in start
+
+
+def test_the_models_tables_list_every_family():
+    """docs/models.md's two tables at its top have a row for every registered family's arch."""
+    from moe_pipe.shared.family_registry import FAMILIES
+
+    text = (ROOT / "docs" / "models.md").read_text(encoding="utf-8")
+    head = text[: text.index("\n## ")]
+    for fam in FAMILIES:
+        rows = [line for line in head.splitlines() if line.startswith(f"| `{fam.arch}`")]
+        assert len(rows) == 2, f"docs/models.md: {fam.arch} has {len(rows)} rows in the tables at its top, not 2"

@@ -28,7 +28,7 @@ CTX = 96  # tokens: a few turns of the tiny model's chat template and 12-token r
 @pytest.mark.parametrize("chat", [True, False])
 @pytest.mark.parametrize("max_tokens", [None, 8, 500])
 def test_a_prompt_that_fills_the_context_is_named_as_the_cause(chat, max_tokens):
-    settings = SimpleNamespace(model_name="m", ctx_size=64, max_tokens=16, temperature=0.0, seed=None, no_think=False)
+    settings = SimpleNamespace(model_name="m", ctx_size=64, max_tokens=16, temperature=0.0, top_k=0, seed=None, no_think=False)
     body = {"model": "m", "max_tokens": max_tokens} if max_tokens else {"model": "m"}
     body |= {"messages": [{"role": "user", "content": "x"}]} if chat else {"prompt": "x"}
     req = parse_request(body, chat, settings)
@@ -41,7 +41,7 @@ def test_a_prompt_that_fills_the_context_is_named_as_the_cause(chat, max_tokens)
 
 
 def test_an_explicit_max_tokens_over_the_room_left_names_both():
-    settings = SimpleNamespace(model_name="m", ctx_size=64, max_tokens=16, temperature=0.0, seed=None, no_think=False)
+    settings = SimpleNamespace(model_name="m", ctx_size=64, max_tokens=16, temperature=0.0, top_k=0, seed=None, no_think=False)
     req = parse_request({"model": "m", "prompt": "x", "max_tokens": 20}, False, settings)
     with pytest.raises(ApiError) as err:
         fit_max_tokens(req, 50, settings)

@@ -150,7 +150,7 @@ def test_the_sampler_draws_only_what_the_constraint_allows_and_tells_it(params):
         assert set(drawn) == {5}
 
 
-SETTINGS = SimpleNamespace(model_name="m", ctx_size=64, max_tokens=16, temperature=0.0, seed=None, no_think=False)
+SETTINGS = SimpleNamespace(model_name="m", ctx_size=64, max_tokens=16, temperature=0.0, top_k=0, seed=None, no_think=False)
 
 
 def _refusal(response_format, **extra) -> ApiError:

@@ -34,7 +34,7 @@ USER = {"role": "user", "content": "Weather in Zürich, and the time?"}
 
 
 class Settings:
-    model_name, ctx_size, max_tokens, temperature, seed = "tiny", 4096, 64, 0.0, None
+    model_name, ctx_size, max_tokens, temperature, top_k, seed = "tiny", 4096, 64, 0.0, 0, None
 
 
 def request(**body):

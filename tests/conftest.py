@@ -28,6 +28,20 @@ import pytest
 DIRECTIO = "moe_pipe.shared.experts.directio"
 
 
+def pytest_configure(config):
+    """Compile the tiny model's kernels once, before any test starts a process: from an empty
+    numba cache every compute process a test starts compiles them itself (~30 s of two cores
+    each), and with two workers starting services at once that is minutes of the tier. Here,
+    in the controller only (xdist workers have `workerinput`), `moe-pipe warmup` writes them to
+    the cache every later process loads from (seconds when it is warm already). A run of the
+    unit tier starts no process and skips it."""
+    if hasattr(config, "workerinput") or "not integration" in (config.option.markexpr or ""):
+        return
+    if config.option.collectonly:
+        return
+    subprocess.run([sys.executable, "-m", "moe_pipe.cli.main", "warmup"], capture_output=True, check=False, timeout=900)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def llama_cpp_without_repacking():
     """llama.cpp loads the tests' files as the benchmark's peer does (mmap, no weight

@@ -31,7 +31,7 @@ from ...convert.source import Checkpoint
 from ...convert.vocab import as_written
 from ...errors import UserError
 from ...text.tokenizer import BAILINGMOE2_REGEX
-from ..deepseek2.convert import split_kv_b
+from ..deepseek2.convert import latent_attention
 
 ARCH = "bailingmoe3"
 
@@ -176,17 +176,8 @@ def _kda(p: Planner, b: str, a: str, hp: dict[str, Any]) -> None:
 
 
 def _mla(p: Planner, b: str, a: str, hp: dict[str, Any]) -> None:
-    D, H, r, ql = hp["D"], hp["H"], hp["r"], hp["ql"]
-    qk = hp["nope"] + hp["rope_dim"]
-    if ql:
-        p.copy(b + "attn_q_a.weight", a + "q_a_proj.weight", (ql, D))
-        p.f32(b + "attn_q_a_norm.weight", a + "q_a_layernorm.weight", (ql,))
-        p.copy(b + "attn_q_b.weight", a + "q_b_proj.weight", (H * qk, ql))
-    else:
-        p.copy(b + "attn_q.weight", a + "q_proj.weight", (H * qk, D))
-    p.copy(b + "attn_kv_a_mqa.weight", a + "kv_a_proj_with_mqa.weight", (r + hp["rope_dim"], D))
-    p.f32(b + "attn_kv_a_norm.weight", a + "kv_a_layernorm.weight", (r,))
-    split_kv_b(p, b, a + "kv_b_proj.weight", hp)
+    D, H = hp["D"], hp["H"]
+    latent_attention(p, b, a, hp)
     p.copy(b + "attn_gate.weight", a + "g_proj.weight", (H, D))
     p.copy(b + "attn_output.weight", _either(p, (a + "dense.weight", a + "o_proj.weight")), (D, H * hp["v"]))
 

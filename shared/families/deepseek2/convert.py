@@ -153,6 +153,22 @@ def metadata(w: GGUFWriter, hp: dict[str, Any]) -> None:
         w.add_rope_scaling_yarn_log_mul(0.1 * hp["mscale_all"])  # llama.cpp's convention: 0.1 × mscale_all_dim
 
 
+def latent_attention(p: Planner, b: str, a: str, hp: dict[str, Any]) -> None:
+    """MLA's query (plain or low-rank) and latent key/value tensors of checkpoint prefix `a`
+    into GGUF prefix `b`, `attn_kv_b` split as llama.cpp writes it; the output projection is the caller's."""
+    D, H, r, ql = hp["D"], hp["H"], hp["r"], hp["ql"]
+    qk = hp["nope"] + hp["rope_dim"]
+    if ql:
+        p.copy(b + "attn_q_a.weight", a + "q_a_proj.weight", (ql, D))
+        p.f32(b + "attn_q_a_norm.weight", a + "q_a_layernorm.weight", (ql,))
+        p.copy(b + "attn_q_b.weight", a + "q_b_proj.weight", (H * qk, ql))
+    else:
+        p.copy(b + "attn_q.weight", a + "q_proj.weight", (H * qk, D))
+    p.copy(b + "attn_kv_a_mqa.weight", a + "kv_a_proj_with_mqa.weight", (r + hp["rope_dim"], D))
+    p.f32(b + "attn_kv_a_norm.weight", a + "kv_a_layernorm.weight", (r,))
+    split_kv_b(p, b, a + "kv_b_proj.weight", hp)
+
+
 def split_kv_b(p: Planner, b: str, name: str, hp: dict[str, Any]) -> None:
     """kv_b_proj [H·(nope + v), r] → attn_k_b [H, r, nope] (transposed) and attn_v_b [H, v, r]."""
     ck, H, r, nope, v = p.ck, hp["H"], hp["r"], hp["nope"], hp["v"]
@@ -167,8 +183,8 @@ def split_kv_b(p: Planner, b: str, name: str, hp: dict[str, Any]) -> None:
 
 
 def plan(hp: dict[str, Any], ck: Checkpoint) -> list[Out]:
-    D, H, X, Fd, r = hp["D"], hp["H"], hp["X"], hp["Fd"], hp["r"]
-    qk, ql, Fs = hp["nope"] + hp["rope_dim"], hp["ql"], hp["F"] * hp["shared"]
+    D, H, X, Fd = hp["D"], hp["H"], hp["X"], hp["Fd"]
+    Fs = hp["F"] * hp["shared"]
     p = Planner(ck, "model.")
     embeddings(p, hp)
     head(p, hp, "lm_head.weight")
@@ -176,15 +192,7 @@ def plan(hp: dict[str, Any], ck: Checkpoint) -> list[Out]:
         b, h = f"blk.{i}.", f"layers.{i}."
         a, m = h + "self_attn.", h + "mlp."
         p.f32(b + "attn_norm.weight", h + "input_layernorm.weight", (D,))
-        if ql:
-            p.copy(b + "attn_q_a.weight", a + "q_a_proj.weight", (ql, D))
-            p.f32(b + "attn_q_a_norm.weight", a + "q_a_layernorm.weight", (ql,))
-            p.copy(b + "attn_q_b.weight", a + "q_b_proj.weight", (H * qk, ql))
-        else:
-            p.copy(b + "attn_q.weight", a + "q_proj.weight", (H * qk, D))
-        p.copy(b + "attn_kv_a_mqa.weight", a + "kv_a_proj_with_mqa.weight", (r + hp["rope_dim"], D))
-        p.f32(b + "attn_kv_a_norm.weight", a + "kv_a_layernorm.weight", (r,))
-        split_kv_b(p, b, a + "kv_b_proj.weight", hp)
+        latent_attention(p, b, a, hp)
         p.copy(b + "attn_output.weight", a + "o_proj.weight", (D, H * hp["v"]))
         p.f32(b + "ffn_norm.weight", h + "post_attention_layernorm.weight", (D,))
         if i < hp["lead"]:

@@ -660,6 +660,7 @@ def test_small_routing_on_text_is_neither_collapsed_nor_uniform(arch, small):
     assert 38 <= hit <= 60, f"LRU decode hit {hit:.1f} % at a 30 % cache (measured 45-51 %)"
 
 
+@pytest.mark.slow  # 19-27 s of the default tier (2026-12-03 durations)
 def test_small_qwen3moe_greedy_decoding_does_not_cycle(small):
     # The context average dominated the hidden state, so greedy decoding cycled
     # through a handful of tokens (one, on qwen30b-shape cut to 8 layers).

@@ -41,6 +41,7 @@ class Preview:
     note: str  # which source, in words, for the report's line
     fetched_bytes: int = 0
     requests: int = 0
+    offline: str | None = None  # why the Hub gave no header (source "shape"): the next preview need not ask again
 
     def close(self) -> None:
         self.mf.close()
@@ -52,8 +53,9 @@ class Preview:
         self.close()
 
 
-def open_preview(entry: Entry, on_status: Callable[[str], None] | None = None) -> Preview:
-    """The entry's header-only model: its file's header (kept or fetched), else its shape (module docstring)."""
+def open_preview(entry: Entry, on_status: Callable[[str], None] | None = None, offline: str | None = None) -> Preview:
+    """The entry's header-only model: its file's header (kept or fetched), else its shape (module docstring).
+    `offline`: why the network is not to be tried again (a previous preview's): kept headers only."""
     from huggingface_hub import constants
 
     say = on_status or (lambda text: None)
@@ -67,6 +69,8 @@ def open_preview(entry: Entry, on_status: Callable[[str], None] | None = None) -
         )
     if constants.HF_HUB_OFFLINE:
         return shape_preview(entry, "HF_HUB_OFFLINE is set", say)
+    if offline:
+        return shape_preview(entry, offline, say)
     try:
         got = remote_header.fetch_header(entry.repo, entry.quant, on_status=say)
     except GGUFError:
@@ -91,7 +95,7 @@ def shape_preview(entry: Entry, why: str, on_status: Callable[[str], None] | Non
         on_status(f"making {entry.name}'s header from the catalog's shape ({entry.shape.preset})")
     path, size = shape_header(entry)
     note = f"an estimate from the catalog's shape facts ({entry.shape.preset}, {entry.quant}; {why}): the file is not pulled"
-    return Preview(entry, open_header_model([(path, size)]), "shape", note)
+    return Preview(entry, open_header_model([(path, size)]), "shape", note, offline=why)
 
 
 def shape_header(entry: Entry) -> tuple[Path, int]:

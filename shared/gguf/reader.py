@@ -209,14 +209,12 @@ class _CheckedReader(GGUFReader):
         """The file's size: the bytes here, or the declared size of a header-only file."""
         return int(self.data.shape[0]) if self._declared is None else self._declared
 
-    def _past_end(self, end: int, what: str) -> GGUFError:
-        """Running past the bytes at hand: more to fetch (header-only, inside the declared size) or a truncated file."""
-        have = int(self.data.shape[0])
+    def _past_end(self, end: int, problem: str) -> GGUFError:
+        """Running past the bytes at hand (`problem` says what did): more to fetch (header-only,
+        inside the declared size) or a truncated file."""
         if self._declared is not None and end <= self._declared:
-            return HeaderIncomplete(self._path, end, have)
-        return self._fail(
-            f"truncated or corrupt GGUF header: {what} runs past the end of the file (needs bytes up to {end}, the file has {self.file_bytes})"
-        )
+            return HeaderIncomplete(self._path, end, int(self.data.shape[0]))
+        return self._fail(f"truncated or corrupt GGUF header: {problem}")
 
     # -- bounded reads ----------------------------------------------------
     def _get(self, offset: int, dtype, count: int = 1, override_order=None) -> np.ndarray:
@@ -237,7 +235,7 @@ class _CheckedReader(GGUFReader):
         """`count` values at `offs`, or a GGUFError if the file ends first."""
         end = offs + np.dtype(dtype).itemsize * count
         if end > self.data.shape[0]:
-            raise self._past_end(end, what)
+            raise self._past_end(end, f"{what} runs past the end of the file (needs bytes up to {end}, the file has {self.file_bytes})")
         return self._get(offs, dtype, count)
 
     def _read_str(self, offs: int, what: str, max_bytes: int | None = None) -> tuple[np.ndarray, np.ndarray, int]:
@@ -334,11 +332,11 @@ class _CheckedReader(GGUFReader):
         starts, lengths = array("q"), array("q")
         for _ in range(n):
             if offs + 8 > end:
-                raise self._past_end(offs + 8, f"metadata array {_show(name)}")
+                raise self._past_end(offs + 8, f"metadata array {_show(name)} runs past the end of the file")
             (length,) = unpack(buf, offs)
             offs += 8
             if offs + length > end:
-                raise self._past_end(offs + length, f"a string of metadata array {_show(name)}")
+                raise self._past_end(offs + length, f"metadata array {_show(name)} has a string running past the end of the file")
             starts.append(offs)
             lengths.append(length)
             offs += length

@@ -7,8 +7,8 @@ In order of trust:
 
 1. the file's own header kept from an earlier fetch (shared/hub/header.py: no request);
 2. the file's own header, fetched now by range request (a few MB) and kept;
-3. offline (HF_HUB_OFFLINE, or the Hub cannot be reached or refuses: client.list_files
-   fails within seconds) the header make-model writes for the entry's shape
+3. offline (HF_HUB_OFFLINE, or the Hub cannot be reached: network.check_reachable says so
+   within seconds), or when the Hub has no such file, the header make-model writes for the entry's shape
    (catalog.Shape: its family's shape preset at the entry's depth, expert count and
    expert type). Its tensor table has the real model's names, types, shapes and
    sizes as far as the preset knows them (the catalog's `sizes` says how near):
@@ -21,12 +21,13 @@ a silent fall back to the estimate: the file on the Hub is what `pull` would fet
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from ..errors import GGUFError, UserError
 from ..makemodel.default_model import cache_dir
+from . import client, network
 from . import header as remote_header
 from .catalog import Entry
 
@@ -41,7 +42,7 @@ class Preview:
     note: str  # which source, in words, for the report's line
     fetched_bytes: int = 0
     requests: int = 0
-    offline: str | None = None  # why the Hub gave no header (source "shape"): the next preview need not ask again
+    offline: str | None = None  # why the Hub cannot be reached (source "shape"): the next preview need not try
 
     def close(self) -> None:
         self.mf.close()
@@ -69,22 +70,28 @@ def open_preview(entry: Entry, on_status: Callable[[str], None] | None = None, o
         )
     if constants.HF_HUB_OFFLINE:
         return shape_preview(entry, "HF_HUB_OFFLINE is set", say)
+    if offline is None:
+        say(f"reaching {client.endpoint()}")
+        try:
+            network.check_reachable(client.endpoint(), entry.repo)
+        except UserError as exc:
+            offline = "offline: " + _reason(str(exc))
     if offline:
         return shape_preview(entry, offline, say)
     try:
         got = remote_header.fetch_header(entry.repo, entry.quant, on_status=say)
     except GGUFError:
         raise  # the Hub's file is not a model moe-pipe reads: say so, do not estimate around it
-    except UserError as exc:
-        return shape_preview(entry, _reason(str(exc)), say)
+    except UserError as exc:  # this entry's own (no such repository or quant, refused): the next may still fetch
+        pv = shape_preview(entry, "no header: " + _reason(str(exc)), say)
+        return replace(pv, offline=None)
     note = f"from the file's header, fetched by range request ({got.fetched_bytes / MB:.1f} MB in {got.requests} request{'s' * (got.requests > 1)}, cached)"
     return Preview(entry, got.open(), "header", note, got.fetched_bytes, got.requests)
 
 
 def _reason(message: str) -> str:
     """A fetch's one-line error without its repository and hint: why the Hub gave no header."""
-    first = message.split("; ")[0]
-    return "offline: " + first.split(": ", 1)[-1]
+    return message.split("; ")[0].split(": ", 1)[-1]
 
 
 def shape_preview(entry: Entry, why: str, on_status: Callable[[str], None] | None = None) -> Preview:

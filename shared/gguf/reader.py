@@ -416,7 +416,7 @@ def _reader_error(path: Path, exc: Exception) -> GGUFError:
     return GGUFError(path, f"unreadable GGUF ({type(exc).__name__}: {' '.join(str(exc).split())[:200]})")
 
 
-def _open_reader(path: Path, declared_bytes: int | None = None) -> GGUFReader:
+def _open_reader(path: Path, declared_bytes: int | None = None) -> _CheckedReader:
     if not path.exists():
         raise GGUFError(path, "no such file")
     if path.is_dir():
@@ -521,7 +521,7 @@ class GGUFFile:
         self.path = Path(path)
         self.paths = list(_paths) if _paths is not None else split_paths(self.path)
         self.header_only = _declared_bytes is not None  # no tensor bytes here: a forecast's header (from_headers)
-        self.readers: list[GGUFReader] = []
+        self.readers: list[_CheckedReader] = []
         self._meta_cache: dict[str, Any] = {}
         self.tensors: dict[str, TensorInfo] = {}
         self._views: dict[str, np.ndarray] = {}

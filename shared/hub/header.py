@@ -112,7 +112,11 @@ def fetch_header(repo: str, quant: str, on_status: Callable[[str], None] | None 
     fetched, requests, files = 0, 0, []
     for i, remote in enumerate(chosen.files):
         where = f"{remote.name}" + (f" ({i + 1}/{len(chosen.files)})" if len(chosen.files) > 1 else "")
-        data, n_requests = _fetch_one(repo, remote, lambda text, w=where: say(f"{w}: {text}"))
+
+        def say_where(text: str, where: str = where) -> None:
+            say(f"{where}: {text}")
+
+        data, n_requests = _fetch_one(repo, remote, say_where)
         fetched, requests = fetched + len(data), requests + n_requests
         header = f"{remote.path}.header"
         _write_whole(headers_dir(repo) / header, data)

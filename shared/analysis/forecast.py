@@ -102,8 +102,7 @@ def measure_reads(mf, lanes: Sequence[int] = READ_LANES, seconds: float = 1.5, s
             {n: ASSUMED_READ_GBPS for n in lanes},
             True,
             "assumed",
-            f"the file is not here yet (a forecast from its header): {ASSUMED_READ_GBPS} GB/s assumed "
-            "(docs/benchmarks.md, O_DIRECT on this disk)",
+            f"the file is not here yet, only its header: {ASSUMED_READ_GBPS} GB/s assumed (docs/benchmarks.md, O_DIRECT on this disk)",
         )
     if is_sparse(paths):
         return ReadFigures(

@@ -22,6 +22,7 @@ class RangeHub:
         self.served: dict[str, int] = {}  # "repo/path" -> body bytes sent
         self.garbage: set[str] = set()  # "repo/path" served as bytes that are no GGUF
         self.ignore_range = False
+        self.listed_size: dict[str, int] = {}  # "repo/path" -> the size its listing says (a file replaced since)
         self.lock = threading.Lock()
         hub = self
 
@@ -71,11 +72,12 @@ class RangeHub:
                 {
                     "type": "file",
                     "path": p,
-                    "size": f.stat().st_size,
+                    "size": n,
                     "oid": "0" * 40,
-                    "lfs": {"oid": "f" * 64, "size": f.stat().st_size, "pointerSize": 134},
+                    "lfs": {"oid": "f" * 64, "size": n, "pointerSize": 134},
                 }
                 for p, f in files.items()
+                for n in [self.listed_size.get(f"{repo}/{p}", f.stat().st_size)]
             ]
             return self._send(h, 200, json.dumps(listing).encode(), {"Content-Type": "application/json"})
         name, key = resolve.group(3), f"{repo}/{resolve.group(3)}"

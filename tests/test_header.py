@@ -109,6 +109,16 @@ def test_each_shard_of_a_split_set_gets_its_header(range_hub, tiny_model, tmp_pa
         assert len(alone.gguf.paths) == 3 and alone.gguf.tensors == whole.gguf.tensors
 
 
+def test_a_file_of_another_size_than_its_listing_is_refused(range_hub, qwen2):
+    from moe_pipe.shared.hub.client import PullError
+
+    range_hub.repos[REPO] = {FILE: qwen2}
+    range_hub.listed_size[f"{REPO}/{FILE}"] = qwen2.stat().st_size + 4096
+    with pytest.raises(PullError, match="its listing says"):
+        header.fetch_header(REPO, "Q4_K_M")
+    assert header.cached_header(REPO, "Q4_K_M") is None
+
+
 def test_garbage_served_is_a_one_line_error_and_nothing_is_kept(range_hub, qwen2):
     range_hub.repos[REPO] = {FILE: qwen2}
     range_hub.garbage.add(f"{REPO}/{FILE}")

@@ -20,14 +20,17 @@ cache folder:
 
 each written whole or not at all (a temporary name, then a rename; the
 index last), so a kept header is reused with no request at all, offline
-included. A server that ignores the Range header and sends the whole file
-is read only as far as asked: the stream is closed there.
+included. Each file's size is the listing's, checked against the total in
+each reply's Content-Range (the header is opened with it declared). A
+server that ignores the Range header and sends the whole file is read only
+as far as asked: the stream is closed there.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -170,6 +173,9 @@ def _range(repo: str, remote: client.RemoteFile, start: int, end: int) -> bytes:
         with get_session().stream("GET", url, headers=headers, timeout=REQUEST_TIMEOUT_S) as r:
             if r.status_code not in (200, 206):
                 raise client.PullError(f"{repo}: {client.endpoint()} answered {r.status_code} for {remote.path}")
+            total = _content_range_total(r.headers.get("Content-Range", ""))
+            if total is not None and total != remote.size:  # the header's declared size must be the file's
+                raise client.PullError(f"{repo}: {remote.path} is {total:,} bytes, its listing says {remote.size:,}: try again later")
             skip = start if r.status_code == 200 else 0  # the whole file from byte 0: skip to `start`
             out = bytearray()
             for chunk in r.iter_bytes():
@@ -184,3 +190,9 @@ def _range(repo: str, remote: client.RemoteFile, start: int, end: int) -> bytes:
     if len(out) < min(end, remote.size) - start:
         raise client.PullError(f"{repo}: {remote.path}: the connection ended after {start + len(out):,} of the {end:,} bytes asked for")
     return bytes(out[: end - start])
+
+
+def _content_range_total(value: str) -> int | None:
+    """The whole size in `Content-Range: bytes A-B/TOTAL`; None when absent or unknown (`*`)."""
+    m = re.match(r"bytes \d+-\d+/(\d+)$", value.strip())
+    return int(m.group(1)) if m else None

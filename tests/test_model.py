@@ -210,3 +210,29 @@ def test_group_limited_routing_scores_groups_by_the_rule_given():
     assert sorted(gated_group_top_k(logits, 2, group_score="top2", **kw).ids[0].tolist()) == [3, 4]
     with pytest.raises(ValueError, match="group score"):
         gated_group_top_k(logits, 2, group_score="sum", **kw)
+
+
+def test_a_decode_step_takes_every_expert_of_a_layer_in_two_kernel_calls(tmp_path, monkeypatch):
+    """A decoded token's resident SwiGLU experts go through quant.gather_apply (gates and ups in
+    one call, downs in another) and give the logits the one-matrix-at-a-time path gives, bit for bit."""
+    from moe_pipe.shared import quant
+    from moe_pipe.shared.model import moe
+
+    path = make_model("qwen3moe", "tiny", tmp_path / "q.gguf")
+    with open_model(path) as mf:
+        model = load_model(mf)
+        calls = []
+        real = quant.gather_apply
+        monkeypatch.setattr(quant, "gather_apply", lambda *a: calls.append(len(a[0])) or real(*a))
+
+        def decode(fused: bool):
+            if not fused:
+                monkeypatch.setattr(moe, "_glu_experts_at_once", lambda x, experts, glu: None)
+            cache = model.new_cache(32)
+            model.prefill(PROMPT, cache)
+            return np.stack([model.decode_one(t, cache) for t in (3, 4, 5)])
+
+        got = decode(True)
+        k = model.top_k
+        assert calls and set(calls) == {2 * k, k}  # every gate and up at once, then every down
+        np.testing.assert_array_equal(got, decode(False))

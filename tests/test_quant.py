@@ -219,6 +219,39 @@ def test_int8_gemm_tiles_rows_and_threads(qtype):
         quant.set_threads(before)
 
 
+GATHER_FAST = (QType.Q4_K, QType.Q6_K, QType.Q8_0)  # the default tier's; every int8 type behind -m slow (a compile each)
+
+
+@pytest.mark.parametrize(
+    "qtype", [pytest.param(q, marks=[] if q in GATHER_FAST else [pytest.mark.slow]) for q in quant.INT8_ACTIVATION_TYPES]
+)
+def test_gather_apply_rows_equal_each_matrix_alone(qtype, int8_mode):
+    """Several matrices of one type in one call, on one shared activation row (gates and ups) or
+    each on its own (downs), from a wider buffer: every row equals that matrix's own product bit
+    for bit; without int8 activations, or across types, the call declines (None)."""
+    rng = np.random.default_rng(900 + int(qtype))
+    fmt = block_format(qtype)
+    n_cols = 256 if fmt.block_size == 256 else 9 * 32
+    mats = [_weights(qtype, 19, n_cols, rng) for _ in range(5)]
+    wide = np.zeros((5, 19, mats[0].shape[1] + 5), np.uint8)
+    for m, w in zip(wide, mats):
+        m[:, 2 : 2 + w.shape[1]] = w
+    ps = [quant.prepare(qtype, m[:, 2 : 2 + w.shape[1]]) for m, w in zip(wide, mats)]
+    X = (rng.standard_normal((5, n_cols)) * np.logspace(-2, 2, 5)[:, None]).astype(np.float32)
+    for act in (np.zeros(5, np.int64), np.arange(5, dtype=np.int64), np.array([4, 0, 4, 2, 1])):
+        got = quant.gather_apply(ps, X, act)
+        if not int8_mode:
+            assert got is None
+            continue
+        for e, p in enumerate(ps):
+            np.testing.assert_array_equal(got[e], quant.apply(p, X[act[e] : act[e] + 1])[0], err_msg=f"matrix {e}, row {act[e]}")
+    other = quant.prepare(
+        QType.Q8_0 if qtype != QType.Q8_0 else QType.Q4_K, _weights(QType.Q8_0 if qtype != QType.Q8_0 else QType.Q4_K, 19, 256, rng)
+    )
+    if int8_mode and n_cols == 256:
+        assert quant.gather_apply([ps[0], other], X, np.zeros(2, np.int64)) is None
+
+
 @pytest.mark.parametrize("qtype", TYPES)
 def test_dequantize_rows_is_exact(qtype):
     rng = np.random.default_rng(200 + int(qtype))

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import quant
 from ..errors import GGUFError
 from ..gguf.spec import ModelSpec
 from .blocks import sigmoid, softmax, swiglu
@@ -127,6 +128,37 @@ def swiglu_expert(e: Expert, x: np.ndarray) -> np.ndarray:
     return e.down(swiglu(*e.gate_and_up(x)))
 
 
+def _glu_experts_at_once(x: np.ndarray, experts: list[Expert], glu: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> np.ndarray | None:
+    """A gated expert (down(glu(gate x, up x))) of each expert on one token x [1, D], [K, D] in
+    choice order, in two kernel calls (every gate and up, then every down: quant.gather_apply)
+    where a call per matrix pays a rounding of the activation and a parallel region each
+    (measured on qwen30b-shape: 16 gates and ups 0.38 ms against 0.73). Each row is what the
+    expert function gives bit for bit (glu is elementwise); None when the experts' matrices
+    do not qualify (biases, float types)."""
+    if any(e.gate_bias is not None or e.up_bias is not None or e.gate_up_bias is not None or e.down_bias is not None for e in experts):
+        return None
+    k = len(experts)
+    if all(e.gate_up is not None for e in experts):
+        gu = quant.gather_apply([e.gate_up.prep for e in experts], x, np.zeros(k, np.int64))  # type: ignore[union-attr]
+        if gu is None:
+            return None
+        f = gu.shape[1] // 2
+        g, u = gu[:, :f], gu[:, f:]
+    elif all(e.gate is not None and e.up is not None for e in experts):
+        both = quant.gather_apply([e.gate.prep for e in experts] + [e.up.prep for e in experts], x, np.zeros(2 * k, np.int64))  # type: ignore[union-attr]
+        if both is None:
+            return None
+        g, u = both[:k], both[k:]
+    else:
+        return None
+    return quant.gather_apply([e.down.prep for e in experts], glu(g, u), np.arange(k, dtype=np.int64))
+
+
+# Expert functions of the form down(glu(gate·x, up·x)) with an elementwise glu: a decode step
+# takes all of a layer's experts at once (_glu_experts_at_once). A family adds its own here.
+GLU_EXPERTS: dict[Callable[[Expert, np.ndarray], np.ndarray], Callable[[np.ndarray, np.ndarray], np.ndarray]] = {swiglu_expert: swiglu}
+
+
 _SCRATCH = threading.local()
 
 
@@ -148,8 +180,15 @@ def apply_experts(
     t, k = routing.ids.shape
     if t == 1:  # decode: one token, k distinct experts — no index bookkeeping
         ids = routing.ids[0].tolist()
-        by_id = {e.id: ffn(e, x) for e in source.experts(layer, ids)}  # id -> [1, D]
         w = routing.weights[0]
+        glu = GLU_EXPERTS.get(ffn)
+        if glu is not None and all(source.resident(layer, ids)):  # all here: nothing to overlap with reads
+            by_expert = {e.id: e for e in source.experts(layer, ids)}
+            fused = _glu_experts_at_once(x, [by_expert[i] for i in ids], glu)
+            ys = fused if fused is not None else np.concatenate([ffn(by_expert[i], x) for i in ids])
+            by_id = {i: ys[s : s + 1] for s, i in enumerate(ids)}
+        else:
+            by_id = {e.id: ffn(e, x) for e in source.experts(layer, ids)}  # id -> [1, D], as each becomes usable
         out = by_id[ids[0]] * w[0]
         for s in range(1, k):  # choice order, as below
             out += by_id[ids[s]] * w[s]

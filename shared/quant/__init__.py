@@ -34,6 +34,7 @@ __all__ = [
     "Prepared",
     "prepare",
     "apply",
+    "gather_apply",
     "qtype_from_name",
     "int8_activations",
     "set_int8_activations",

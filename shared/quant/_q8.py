@@ -405,6 +405,160 @@ def _mm_iq1_m(w, stride, X, tab, out):
             _iq1_m_t8(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, T - t)
 
 
+# ---- gather drivers: several matrices of one type in one call -------------------
+# _gather_<t>(ws (K matrices' bytes, a tuple), stride, X f32[A, C], act i64[K], table, out f32[K, R]):
+# out[e, r] = row r of matrix e · activation row act[e]. A decode step's experts of a layer
+# (their gates and ups on one activation row, then their downs each on its own) in one
+# call: one rounding of the activations and one parallel region over every matrix's rows,
+# where a call per matrix pays both per matrix. The row kernel is the matvec's, so each
+# output equals that matrix's matvec bit for bit (tests/test_quant.py).
+
+
+@njit(**_DRIVER)
+def _gather_q8_0(ws, stride, X, act, tab, out):
+    xq, dx, bs16, bs32, xs32, cp = _round(X)
+    K, R, nb = out.shape[0], out.shape[1], X.shape[1] // QK
+    for i in prange(K * R):
+        e = i // R
+        _q8_0_r1(ws[e], (i - e * R) * stride, nb, xq, act[e] * cp, cp, dx, bs16, bs32, xs32, tab, out, i, R)
+
+
+@njit(**_DRIVER)
+def _gather_q5_0(ws, stride, X, act, tab, out):
+    xq, dx, bs16, bs32, xs32, cp = _round(X)
+    K, R, nb = out.shape[0], out.shape[1], X.shape[1] // QK
+    for i in prange(K * R):
+        e = i // R
+        _q5_0_r1(ws[e], (i - e * R) * stride, nb, xq, act[e] * cp, cp, dx, bs16, bs32, xs32, tab, out, i, R)
+
+
+@njit(**_DRIVER)
+def _gather_mxfp4(ws, stride, X, act, tab, out):
+    xq, dx, bs16, bs32, xs32, cp = _round(X)
+    K, R, nb = out.shape[0], out.shape[1], X.shape[1] // QK
+    for i in prange(K * R):
+        e = i // R
+        _mxfp4_r1(ws[e], (i - e * R) * stride, nb, xq, act[e] * cp, cp, dx, bs16, bs32, xs32, tab, out, i, R)
+
+
+@njit(**_DRIVER)
+def _gather_q4_k(ws, stride, X, act, tab, out):
+    xq, dx, bs16, bs32, xs32, cp = _round(X)
+    K, R, nb = out.shape[0], out.shape[1], X.shape[1] // QK
+    for i in prange(K * R):
+        e = i // R
+        _q4_k_r1(ws[e], (i - e * R) * stride, nb, xq, act[e] * cp, cp, dx, bs16, bs32, xs32, tab, out, i, R)
+
+
+@njit(**_DRIVER)
+def _gather_q5_k(ws, stride, X, act, tab, out):
+    xq, dx, bs16, bs32, xs32, cp = _round(X)
+    K, R, nb = out.shape[0], out.shape[1], X.shape[1] // QK
+    for i in prange(K * R):
+        e = i // R
+        _q5_k_r1(ws[e], (i - e * R) * stride, nb, xq, act[e] * cp, cp, dx, bs16, bs32, xs32, tab, out, i, R)
+
+
+@njit(**_DRIVER)
+def _gather_q6_k(ws, stride, X, act, tab, out):
+    xq, dx, bs16, bs32, xs32, cp = _round(X)
+    K, R, nb = out.shape[0], out.shape[1], X.shape[1] // QK
+    for i in prange(K * R):
+        e = i // R
+        _q6_k_r1(ws[e], (i - e * R) * stride, nb, xq, act[e] * cp, cp, dx, bs16, bs32, xs32, tab, out, i, R)
+
+
+@njit(**_DRIVER)
+def _gather_iq4_xs(ws, stride, X, act, tab, out):
+    xq, dx, bs16, bs32, xs32, cp = _round(X)
+    K, R, nb = out.shape[0], out.shape[1], X.shape[1] // QK
+    for i in prange(K * R):
+        e = i // R
+        _iq4_xs_r1(ws[e], (i - e * R) * stride, nb, xq, act[e] * cp, cp, dx, bs16, bs32, xs32, tab, out, i, R)
+
+
+@njit(**_DRIVER)
+def _gather_iq2_xxs(ws, stride, X, act, tab, out):
+    xq, dx, bs16, bs32, xs32, cp = _round(X)
+    K, R, nb = out.shape[0], out.shape[1], X.shape[1] // QK
+    for i in prange(K * R):
+        e = i // R
+        _iq2_xxs_r1(ws[e], (i - e * R) * stride, nb, xq, act[e] * cp, cp, dx, bs16, bs32, xs32, tab, out, i, R)
+
+
+@njit(**_DRIVER)
+def _gather_iq2_xs(ws, stride, X, act, tab, out):
+    xq, dx, bs16, bs32, xs32, cp = _round(X)
+    K, R, nb = out.shape[0], out.shape[1], X.shape[1] // QK
+    for i in prange(K * R):
+        e = i // R
+        _iq2_xs_r1(ws[e], (i - e * R) * stride, nb, xq, act[e] * cp, cp, dx, bs16, bs32, xs32, tab, out, i, R)
+
+
+@njit(**_DRIVER)
+def _gather_iq2_s(ws, stride, X, act, tab, out):
+    xq, dx, bs16, bs32, xs32, cp = _round(X)
+    K, R, nb = out.shape[0], out.shape[1], X.shape[1] // QK
+    for i in prange(K * R):
+        e = i // R
+        _iq2_s_r1(ws[e], (i - e * R) * stride, nb, xq, act[e] * cp, cp, dx, bs16, bs32, xs32, tab, out, i, R)
+
+
+@njit(**_DRIVER)
+def _gather_iq3_xxs(ws, stride, X, act, tab, out):
+    xq, dx, bs16, bs32, xs32, cp = _round(X)
+    K, R, nb = out.shape[0], out.shape[1], X.shape[1] // QK
+    for i in prange(K * R):
+        e = i // R
+        _iq3_xxs_r1(ws[e], (i - e * R) * stride, nb, xq, act[e] * cp, cp, dx, bs16, bs32, xs32, tab, out, i, R)
+
+
+@njit(**_DRIVER)
+def _gather_iq3_s(ws, stride, X, act, tab, out):
+    xq, dx, bs16, bs32, xs32, cp = _round(X)
+    K, R, nb = out.shape[0], out.shape[1], X.shape[1] // QK
+    for i in prange(K * R):
+        e = i // R
+        _iq3_s_r1(ws[e], (i - e * R) * stride, nb, xq, act[e] * cp, cp, dx, bs16, bs32, xs32, tab, out, i, R)
+
+
+@njit(**_DRIVER)
+def _gather_iq1_s(ws, stride, X, act, tab, out):
+    xq, dx, bs16, bs32, xs32, cp = _round(X)
+    K, R, nb = out.shape[0], out.shape[1], X.shape[1] // QK
+    for i in prange(K * R):
+        e = i // R
+        _iq1_s_r1(ws[e], (i - e * R) * stride, nb, xq, act[e] * cp, cp, dx, bs16, bs32, xs32, tab, out, i, R)
+
+
+@njit(**_DRIVER)
+def _gather_iq1_m(ws, stride, X, act, tab, out):
+    xq, dx, bs16, bs32, xs32, cp = _round(X)
+    K, R, nb = out.shape[0], out.shape[1], X.shape[1] // QK
+    for i in prange(K * R):
+        e = i // R
+        _iq1_m_r1(ws[e], (i - e * R) * stride, nb, xq, act[e] * cp, cp, dx, bs16, bs32, xs32, tab, out, i, R)
+
+
+# type name → its gather driver (the table is KERNELS')
+GATHER = {
+    "Q8_0": _gather_q8_0,
+    "Q5_0": _gather_q5_0,
+    "MXFP4": _gather_mxfp4,
+    "Q4_K": _gather_q4_k,
+    "Q5_K": _gather_q5_k,
+    "Q6_K": _gather_q6_k,
+    "IQ4_XS": _gather_iq4_xs,
+    "IQ2_XXS": _gather_iq2_xxs,
+    "IQ2_XS": _gather_iq2_xs,
+    "IQ2_S": _gather_iq2_s,
+    "IQ3_XXS": _gather_iq3_xxs,
+    "IQ3_S": _gather_iq3_s,
+    "IQ1_S": _gather_iq1_s,
+    "IQ1_M": _gather_iq1_m,
+}
+
+
 # type name → (driver, its table: F16_TABLE, E8M0_HALF for MXFP4, the grid for an i-quant)
 KERNELS = {
     "Q8_0": (_mm_q8_0, F16_TABLE),

@@ -51,6 +51,7 @@ build this way.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import numba
@@ -68,6 +69,8 @@ _KERNELS = {QType[name]: pair for mod in (_float, _legacy, _kquant, _iquant) for
 assert set(_KERNELS) == set(SUPPORTED), "every supported type needs kernels"
 # Types whose matvec/matmul run on int8 activations (integer block dots, _q8).
 _Q8_KERNELS = {QType[name]: pair for name, pair in _q8.KERNELS.items()}
+_Q8_GATHER = {QType[name]: driver for name, driver in _q8.GATHER.items()}
+assert set(_Q8_GATHER) == set(_Q8_KERNELS), "every int8-activation type needs a gather driver"
 INT8_ACTIVATION_TYPES = tuple(_Q8_KERNELS)
 # Which build of the int8 dot this process compiles: "vnni", "sdot" or "portable" (module doc).
 INT8_DOT = _q8.INT8_DOT
@@ -229,6 +232,23 @@ def apply(p: Prepared, X: np.ndarray) -> np.ndarray:
     if p.n_rows and X.shape[0]:
         _multiply(p.qtype, p.flat, p.stride, X, Y)
     return Y
+
+
+def gather_apply(ps: Sequence[Prepared], X: np.ndarray, act: np.ndarray) -> np.ndarray | None:
+    """out[e] = ps[e] applied to activation row X[act[e]], [K, R], in one kernel call, for
+    prepared matrices of one int8-activation type and one shape (a decode step's experts);
+    each row equals `apply(ps[e], X[act[e]:act[e]+1])` bit for bit. None when the matrices
+    do not qualify (other types, int8 activations off, mixed shapes): multiply them one by one."""
+    p0 = ps[0]
+    if not (_uses_q8(p0.qtype) and X.ndim == 2 and X.shape[1] == p0.n_cols and p0.n_rows):
+        return None
+    if any(p.qtype != p0.qtype or p.stride != p0.stride or p.n_rows != p0.n_rows or p.n_cols != p0.n_cols for p in ps):
+        return None
+    out = np.empty((len(ps), p0.n_rows), np.float32)
+    _Q8_GATHER[p0.qtype](
+        tuple(p.flat for p in ps), p0.stride, np.ascontiguousarray(X, dtype=np.float32), act, _Q8_KERNELS[p0.qtype][1], out
+    )
+    return out
 
 
 def dequantize_rows(qtype: int | QType, w: np.ndarray, rows) -> np.ndarray:

@@ -21,13 +21,20 @@ import numpy as np
 from ...gguf.model_file import ModelFile
 from ...model.base import MoEModel
 from ...model.blocks import Rope, gelu_tanh, plain_inv_freq, rms_norm, store_and_attend
-from ...model.moe import apply_experts, softmax_then_top_k
+from ...model.moe import GLU_EXPERTS, apply_experts, softmax_then_top_k
 from ...model.weights import Expert
 
 
 def gelu_expert(e: Expert, x: np.ndarray) -> np.ndarray:
     g, u = e.gate_and_up(x)  # [n, F] each
-    return e.down(gelu_tanh(g) * u)
+    return e.down(gelu_glu(g, u))
+
+
+def gelu_glu(g: np.ndarray, u: np.ndarray) -> np.ndarray:
+    return gelu_tanh(g) * u
+
+
+GLU_EXPERTS[gelu_expert] = gelu_glu  # a decode step takes a layer's experts at once (shared/model/moe.py)
 
 
 class Model(MoEModel):

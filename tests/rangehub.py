@@ -15,6 +15,41 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 
+def serve(handle) -> tuple[ThreadingHTTPServer, str]:
+    """A loopback HTTP/1.1 server on a free port whose GETs go to `handle(request_handler)`,
+    serving on a daemon thread: (server, its URL). Shared with tests/test_pull.py's hub."""
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            handle(self)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}"
+
+
+def point_hf_at(monkeypatch, url: str, tmp_path: Path) -> None:
+    """huggingface_hub (and moe-pipe's caches) pointed at a loopback hub at `url`, online, with no token."""
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("HF_ENDPOINT", url)
+    # read once at import, and this process has imported it: as HF_ENDPOINT would have set them
+    monkeypatch.setattr(constants, "ENDPOINT", url)
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", url + "/{repo_id}/resolve/{revision}/{filename}")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.delenv("MOE_PIPE_MODELS", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+
 class RangeHub:
     def __init__(self) -> None:
         self.repos: dict[str, dict[str, Path]] = {}  # repo -> {path in the repo: file here}
@@ -24,22 +59,7 @@ class RangeHub:
         self.ignore_range = False
         self.listed_size: dict[str, int] = {}  # "repo/path" -> the size its listing says (a file replaced since)
         self.lock = threading.Lock()
-        hub = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args) -> None:
-                pass
-
-            def do_GET(self) -> None:
-                hub.handle(self)
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-        self.thread.start()
+        self.server, self.url = serve(self.handle)
 
     def close(self) -> None:
         self.server.shutdown()

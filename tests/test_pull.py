@@ -19,13 +19,14 @@ import subprocess
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
 from moe_pipe.cli.main import main
 from moe_pipe.shared.hub.client import WRITE_CHUNK
+
+from .rangehub import serve
 
 CLI = [sys.executable, "-m", "moe_pipe.cli.main"]
 REPO = "test-org/Tiny-GGUF"
@@ -86,22 +87,7 @@ class Hub:
         self.stalled = threading.Event()
         self.release = threading.Event()
         self.lock = threading.Lock()
-        hub = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args) -> None:
-                pass
-
-            def do_GET(self) -> None:
-                hub.handle(self)
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-        self.thread.start()
+        self.server, self.url = serve(self.handle)
 
     def close(self) -> None:
         self.release.set()
@@ -193,20 +179,11 @@ class Hub:
 @pytest.fixture
 def hub(repo_files, tmp_path, monkeypatch):
     """The hub, with REPO on it, and this test's HF_ENDPOINT, HF_HOME and moe-pipe cache folder."""
-    from huggingface_hub import constants
+    from .rangehub import point_hf_at
 
     h = Hub()
     h.repos[REPO] = dict(repo_files)
-    monkeypatch.setenv("HF_ENDPOINT", h.url)
-    # read once at import, and this process has imported it: as HF_ENDPOINT would have set them
-    monkeypatch.setattr(constants, "ENDPOINT", h.url)
-    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", h.url + "/{repo_id}/resolve/{revision}/{filename}")
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.delenv("HF_TOKEN", raising=False)
-    monkeypatch.delenv("MOE_PIPE_MODELS", raising=False)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    point_hf_at(monkeypatch, h.url, tmp_path)
     yield h
     h.close()
 

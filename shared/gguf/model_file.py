@@ -58,20 +58,18 @@ def open_model(path: str | os.PathLike, align: int | None = None) -> ModelFile:
     """Open and validate a GGUF model (one file or any shard of a split set).
     `align`: the I/O alignment the parent resolved (a child's config carries
     it); None resolves it from this machine (shared/gguf/alignment.py)."""
-    f = GGUFFile(path)
-    try:
-        spec = read_spec(f)
-        return ModelFile(f, spec, build_layout(f, spec, align))
-    except BaseException:
-        f.close()
-        raise
+    return _validated(GGUFFile(path), align)
 
 
 def open_header_model(headers: Sequence[tuple[str | os.PathLike, int]], align: int | None = None) -> ModelFile:
     """A model from its header alone (GGUFFile.from_headers: each shard's first bytes and its
     whole size), validated and mapped as `open_model` does; it has no tensor bytes, so it
     forecasts and inspects but does not run."""
-    f = GGUFFile.from_headers([(Path(p), n) for p, n in headers])
+    return _validated(GGUFFile.from_headers([(Path(p), n) for p, n in headers]), align)
+
+
+def _validated(f: GGUFFile, align: int | None) -> ModelFile:
+    """`f`'s spec and layout read and checked; `f` closed if they are refused."""
     try:
         spec = read_spec(f)
         return ModelFile(f, spec, build_layout(f, spec, align))

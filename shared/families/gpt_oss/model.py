@@ -18,7 +18,7 @@ import numpy as np
 from ...gguf.model_file import ModelFile
 from ...model.base import MoEModel
 from ...model.blocks import rms_norm, rope_from_spec, sigmoid, store_and_attend
-from ...model.moe import apply_experts, top_k_then_softmax
+from ...model.moe import GLU_EXPERTS, apply_experts, top_k_then_softmax
 from ...model.weights import Expert
 
 SWIGLU_LIMIT = np.float32(7.0)
@@ -26,14 +26,19 @@ SWIGLU_ALPHA = np.float32(1.702)
 
 
 def clamped_swiglu_expert(e: Expert, x: np.ndarray) -> np.ndarray:
-    g, u = e.gate_and_up(x)  # [n, F] each, biases added
-    g = np.minimum(g, SWIGLU_LIMIT)
-    u = np.clip(u, -SWIGLU_LIMIT, SWIGLU_LIMIT)
-    a = g * sigmoid(SWIGLU_ALPHA * g) * (u + np.float32(1.0))
-    y = e.down(a)
+    y = e.down(clamped_swiglu(*e.gate_and_up(x)))  # [n, F] each, biases added
     if e.down_bias is not None:  # always there: the layout check requires gpt-oss's expert biases
         y += e.down_bias
     return y
+
+
+def clamped_swiglu(g: np.ndarray, u: np.ndarray) -> np.ndarray:
+    g = np.minimum(g, SWIGLU_LIMIT)
+    u = np.clip(u, -SWIGLU_LIMIT, SWIGLU_LIMIT)
+    return g * sigmoid(SWIGLU_ALPHA * g) * (u + np.float32(1.0))
+
+
+GLU_EXPERTS[clamped_swiglu_expert] = clamped_swiglu  # a decode step takes a layer's experts at once (shared/model/moe.py)
 
 
 class Model(MoEModel):

@@ -128,6 +128,24 @@ def swiglu_expert(e: Expert, x: np.ndarray) -> np.ndarray:
     return e.down(swiglu(*e.gate_and_up(x)))
 
 
+def _glu_decode(x: np.ndarray, experts, here: set[int], ffn, glu) -> dict[int, np.ndarray]:
+    """id -> [1, D] for a decoded token's experts as `source.experts` yields them: the ones in
+    memory (`here`) together in two kernel calls once all of them have come, each other one
+    alone as it lands, so its read still overlaps the work on the rest."""
+    by_id: dict[int, np.ndarray] = {}
+    waiting: list[Expert] = []
+    for e in experts:
+        if e.id not in here:
+            by_id[e.id] = ffn(e, x)
+            continue
+        waiting.append(e)
+        if len(waiting) == len(here):
+            ys = _glu_experts_at_once(x, waiting, glu)
+            for j, w in enumerate(waiting):
+                by_id[w.id] = ys[j : j + 1] if ys is not None else ffn(w, x)
+    return by_id
+
+
 def _glu_experts_at_once(x: np.ndarray, experts: list[Expert], glu: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> np.ndarray | None:
     """A gated expert (down(glu(gate x, up x))) of each expert on one token x [1, D], [K, D] in
     choice order, in two kernel calls (every gate and up, then every down: quant.gather_apply)
@@ -192,11 +210,9 @@ def apply_experts(
         ids = routing.ids[0].tolist()
         w = routing.weights[0]
         glu = GLU_EXPERTS.get(ffn)
-        if glu is not None and all(source.resident(layer, ids)):  # all here: nothing to overlap with reads
-            by_expert = {e.id: e for e in source.experts(layer, ids)}
-            fused = _glu_experts_at_once(x, [by_expert[i] for i in ids], glu)
-            ys = fused if fused is not None else np.concatenate([ffn(by_expert[i], x) for i in ids])
-            by_id = {i: ys[s : s + 1] for s, i in enumerate(ids)}
+        here = [i for i, r in zip(ids, source.resident(layer, ids)) if r] if glu is not None else []
+        if glu is not None and len(here) > 1:
+            by_id = _glu_decode(x, source.experts(layer, ids), set(here), ffn, glu)
         else:
             by_id = {e.id: ffn(e, x) for e in source.experts(layer, ids)}  # id -> [1, D], as each becomes usable
         out = by_id[ids[0]] * w[0]

@@ -43,7 +43,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +52,7 @@ import zmq
 
 from ..shared.config import Config, SupervisorConfig
 from ..shared.errors import PipelineError
+from ..shared.experts.hotset import hot_set_path, read_warm_progress
 from ..shared.serve import service
 from ..shared.wire import ipc
 from ..shared.wire import messages as m
@@ -377,7 +378,9 @@ class Supervisor:
                 model_path,
                 res,
                 ctx,
-                starter=starter(Launch(cfg, res, model_path, cfg.model.name or model_path.stem)),
+                starter=starter(
+                    Launch(cfg, res, model_path, cfg.model.name or model_path.stem, hot_set=str(hot_set_path(res.resolved.model_identity)))
+                ),
                 config_source=config_source,
             )
         except BaseException:
@@ -515,6 +518,8 @@ class Supervisor:
             "rss_bytes": _rss(os.getpid()),
             "processes": procs,
             "io": io,
+            "warming": warming_status(self.res.rt.path),
+            "hot_set": str(hot_set_path(r.model_identity)),
         }
 
     # -- stop ----------------------------------------------------------------------------
@@ -534,6 +539,12 @@ class Supervisor:
                 log.warning("could not keep the log: %s", exc)
             self.res.close()
             os.environ.pop(LOG_FILE_ENV, None)
+
+
+def warming_status(runtime_dir: Path) -> dict[str, Any] | None:
+    """The reader's warm start as `status` shows it (docs/cli.md § status), None without one."""
+    warm = read_warm_progress(runtime_dir)
+    return None if warm is None else {**asdict(warm), "text": warm.text()}
 
 
 def preflight(cfg: Config, name: str) -> list:

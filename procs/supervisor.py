@@ -332,6 +332,7 @@ class Supervisor:
         endpoints = res.rt.endpoints
         self.control = ipc.bind(ctx, endpoints, "control")
         self.telemetry_in = ipc.connect(ctx, endpoints, "telemetry_in")
+        self.fetch_out = ipc.connect(ctx, endpoints, "fetch")  # only for the reader's Shutdown: it saves the hot set on it
         self.telemetry_sub = ipc.connect(ctx, endpoints, "telemetry_pub")
         self.restarter = Restarter(cfg, self.model_path, res.rt.path, starter, self.ORDER, on_started=self._on_started)
         self.stop_requested = ""
@@ -524,13 +525,15 @@ class Supervisor:
 
     # -- stop ----------------------------------------------------------------------------
     def close(self) -> None:
-        """Stop children in reverse start order (telemetry asked by a Shutdown,
-        so it writes the run summary), then release everything. Idempotent."""
+        """Stop children in reverse start order (telemetry and the reader asked by a
+        Shutdown, so telemetry writes the run summary and the reader the hot set),
+        then release everything. Idempotent."""
         if self.closed:
             return
         self.closed = True
         try:
-            self.restarter.stop_all({"telemetry_in": self.telemetry_in}, self.stop_requested or "service stopping")
+            links = {"telemetry_in": self.telemetry_in, "fetch": self.fetch_out}
+            self.restarter.stop_all(links, self.stop_requested or "service stopping")
         finally:
             self.ctx.destroy(linger=0)  # closes every socket of ours
             try:  # the runtime folder goes with the service; its log is what explains a stop

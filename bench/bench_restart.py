@@ -141,9 +141,21 @@ def main(argv: list[str] | None = None) -> int:
 
 def report(runs: dict[str, list[dict]], args) -> None:
     cols = ("first_s", "fill_ms", "steady_tps", "whole_tps", "tokens", "hit_last", "warm_done", "warm_s", "peak_mib")
-    heads = ("first token s", "tokens 2-50 ms", "last quarter tok/s", "whole tok/s", "tokens", "hit %", "warmed experts", "warm start s", "peak MiB")
+    heads = (
+        "first token s",
+        "tokens 2-50 ms",
+        "last quarter tok/s",
+        "whole tok/s",
+        "tokens",
+        "hit %",
+        "warmed experts",
+        "warm start s",
+        "peak MiB",
+    )
     when = "after the warm start ended" if args.wait_warm else "at once after `up`"
-    print(f"\n{args.model.name}, limit {args.limit_mb:g} MiB, {args.n} tokens, -t {args.threads}, request {when}, medians of {args.repeat}:\n")
+    print(
+        f"\n{args.model.name}, limit {args.limit_mb:g} MiB, {args.n} tokens, -t {args.threads}, request {when}, medians of {args.repeat}:\n"
+    )
     print("| start | " + " | ".join(heads) + " |")
     print("|---" * (len(heads) + 1) + "|")
     for label, rows in runs.items():

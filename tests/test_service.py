@@ -286,6 +286,7 @@ def test_kill9_of_the_supervisor_is_reclaimed_by_the_next_up():
         s.status()  # the new supervisor's pid and url
         assert not leftovers({old}) and not (s.base / "moe-pipe" / str(old)).exists()
         assert wait_warmed(s) == {"state": "done", "done": len(saved), "total": len(saved)}  # before any request
+        assert s.status()["hot_set"] == str(hot_sets(s)[0])
         assert chat(s.client(), "hi", 4).choices
         assert s.status()["hit_pct"] == 100.0  # what it routes to was read back
         chat(s.client(), "Once upon a time, in a faraway land", 24)  # new experts, not saved before `down`

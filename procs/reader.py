@@ -45,17 +45,16 @@ import os
 import threading
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
 import zmq
 
 from ..shared.config import Config
-from ..shared.errors import UserError
 from ..shared.experts.cache import CacheFull, SlabTable
 from ..shared.experts.directio import ExpertFiles, describe_os_error
-from ..shared.experts.hotset import Heat, HotSet, Unusable, WarmProgress, load_hot_set, save_hot_set
+from ..shared.experts.hotset import Heat, HotSet, Unusable, WarmStart, hottest_experts, load_hot_set, save_hot_set
 from ..shared.experts.populate import Populator
 from ..shared.experts.readlanes import Priority, ReadLanes
 from ..shared.experts.residency import ResidencyIndex
@@ -78,31 +77,6 @@ IO_STATUS_FILE = "reader.io.json"
 class _Waiter:
     req_id: int
     layer: int
-
-
-@dataclass
-class WarmStart:
-    """A warm start under way: the experts to read, hottest first, fed to the
-    lanes' background queue a few at a time (`window`), so that at most that
-    many slabs are held by warm reads when a request needs slabs."""
-
-    keys: list[ExpertKey]
-    source: str  # the hot-set file or route trace they came from
-    started: float  # monotonic
-    next: int = 0  # keys[:next] were started or found cached
-    done: int = 0  # of those, now cached (read, or read by a request first)
-    reading: set[ExpertKey] = field(default_factory=set)
-    state: str = "warming"  # warming | done | stopped
-    note: str = ""
-    written_at: float = 0.0  # when the progress file was last written
-
-    @property
-    def pending(self) -> list[ExpertKey]:
-        """The experts not started yet (what a save made now keeps for the next start)."""
-        return self.keys[self.next :] if self.state == "warming" else []
-
-    def progress(self, now: float) -> WarmProgress:
-        return WarmProgress(self.state, self.done, len(self.keys), self.source, round(now - self.started, 3), self.note)
 
 
 class Reader:
@@ -576,29 +550,6 @@ def read_io_status(runtime_dir: str) -> dict:
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
-
-
-def hottest_experts(trace_path: str, spec, n: int) -> list[tuple[int, int]]:
-    """The `n` (layer, expert) a route trace used most, most used first: by
-    decode uses (the steady state), ties and the rest by prompt uses. The
-    trace must be of this model's shape."""
-    import numpy as np
-
-    from ..shared.model.trace import read_trace
-
-    trace = read_trace(trace_path)
-    h = trace.header
-    if (h.n_layer, h.n_expert) != (spec.n_layer, spec.n_expert):
-        raise UserError(
-            f"{trace_path}: a trace of a {h.n_layer}-layer, {h.n_expert}-expert model cannot warm "
-            f"this {spec.n_layer}-layer, {spec.n_expert}-expert one"
-        )
-    keys = trace.layer * spec.n_expert + trace.expert
-    size = spec.n_layer * spec.n_expert
-    decode = np.bincount(keys[trace.phase == 1], minlength=size)
-    prompt = np.bincount(keys[trace.phase != 1], minlength=size)
-    order = np.lexsort((-prompt, -decode))[:n]  # last key sorts first: decode uses, then prompt uses
-    return [(int(k) // spec.n_expert, int(k) % spec.n_expert) for k in order if decode[k] + prompt[k] > 0]
 
 
 def main(config: Config, facts: RunFacts) -> None:

@@ -24,8 +24,10 @@ use. `Heat.seed` gives the experts of a hot set read back their old order
 below one use, so experts warmed but not yet used keep their rank and any
 real use outranks them.
 
-The warm-up's progress lives in `warm.json` in the service's runtime folder
-(`WarmProgress`), for `status`, `tail`, /metrics and the web page.
+What a warm start reads: a hot set, or a route trace's most used experts
+(`hottest_experts`, cache.warm_from); how it goes (`WarmStart`, the reader's
+bookkeeping) lives in `warm.json` in the runtime folder (`WarmProgress`), for
+`status`, `tail`, /metrics and the web page.
 """
 
 from __future__ import annotations
@@ -34,8 +36,10 @@ import hashlib
 import json
 import os
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from ..errors import UserError
 
 FORMAT = "moe-pipe hot set"
 VERSION = 1
@@ -195,6 +199,57 @@ class Heat:
         """`keys` hottest first; ties in (layer, expert) order."""
         counts = self.counts
         return sorted(keys, key=lambda k: (-counts.get(k, 0.0), k))
+
+
+# -- a warm start -------------------------------------------------------------------------
+
+
+def hottest_experts(trace_path: str, spec, n: int) -> list[ExpertKey]:
+    """The `n` (layer, expert) a route trace used most, most used first: by
+    decode uses (the steady state), ties and the rest by prompt uses. The
+    trace must be of this model's shape."""
+    import numpy as np
+
+    from ..model.trace import read_trace
+
+    trace = read_trace(trace_path)
+    h = trace.header
+    if (h.n_layer, h.n_expert) != (spec.n_layer, spec.n_expert):
+        raise UserError(
+            f"{trace_path}: a trace of a {h.n_layer}-layer, {h.n_expert}-expert model cannot warm "
+            f"this {spec.n_layer}-layer, {spec.n_expert}-expert one"
+        )
+    keys = trace.layer * spec.n_expert + trace.expert
+    size = spec.n_layer * spec.n_expert
+    decode = np.bincount(keys[trace.phase == 1], minlength=size)
+    prompt = np.bincount(keys[trace.phase != 1], minlength=size)
+    order = np.lexsort((-prompt, -decode))[:n]  # last key sorts first: decode uses, then prompt uses
+    return [(int(k) // spec.n_expert, int(k) % spec.n_expert) for k in order if decode[k] + prompt[k] > 0]
+
+
+@dataclass
+class WarmStart:
+    """The reader's warm start under way (procs/reader.py): the experts to read,
+    hottest first, fed to its lanes' background queue a few at a time, so that
+    at most that many slabs are held by warm reads when a request needs slabs."""
+
+    keys: list[ExpertKey]
+    source: str  # the hot-set file or route trace they came from
+    started: float  # monotonic
+    next: int = 0  # keys[:next] were started or found cached
+    done: int = 0  # of those, now cached (read, or read by a request first)
+    reading: set[ExpertKey] = field(default_factory=set)
+    state: str = "warming"  # warming | done | stopped
+    note: str = ""
+    written_at: float = 0.0  # when the progress file was last written
+
+    @property
+    def pending(self) -> list[ExpertKey]:
+        """The experts not started yet (what a save made now keeps for the next start)."""
+        return self.keys[self.next :] if self.state == "warming" else []
+
+    def progress(self, now: float) -> WarmProgress:
+        return WarmProgress(self.state, self.done, len(self.keys), self.source, round(now - self.started, 3), self.note)
 
 
 # -- the warm-up's progress ---------------------------------------------------------------

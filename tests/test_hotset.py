@@ -286,3 +286,23 @@ def _identity(model) -> tuple[str, ...]:
     from moe_pipe.shared.experts.directio import model_identity
 
     return model_identity([model])
+
+
+def test_status_shows_the_warm_start_under_its_heading():
+    from moe_pipe.cli.status_cmd import format_status
+
+    proc = {
+        "name": "reader",
+        "state": "RUNNING",
+        "pid": 7,
+        "uptime_s": 3.0,
+        "restarts": 0,
+        "rss_bytes": None,
+        "last_error": "",
+        "last_exit": "",
+    }
+    d = {"name": "tiny", "pid": 1, "uptime_s": 3.0, "model_name": "m", "model": "m.gguf", "url": "http://x", "budget_bytes": 1 << 20}
+    d |= {"slabs": 1, "budget": "b", "tokens": 0, "hit_pct": None, "runtime_dir": "/r", "processes": [proc]}
+    assert "warming" not in format_status(d | {"warming": None})
+    w = hs.WarmProgress("warming", 812, 3071)
+    assert format_status(d | {"warming": {"text": w.text()}}).splitlines()[2] == "warming 812/3,071 experts"

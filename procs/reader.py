@@ -106,7 +106,9 @@ class Reader:
         self.heat = Heat(max(64, 4 * facts.n_slabs))
         self.hot_set, self.identity, self.model_name = facts.hot_set, tuple(facts.model_identity), facts.model_name
         self.save_every_s = config.cache.warm_save_s
-        self.warm_window = max(1, min(config.io.io_threads - 1, facts.n_slabs // 4))
+        # Warm reads queued or running at once: the lanes that may run them, and one queued
+        # behind so a lane never waits for the loop; a few slabs at most (they are pinned).
+        self.warm_window = min(max(1, config.io.io_threads - 1) + 1, max(1, facts.n_slabs // 4))
         self.warm: WarmStart | None = None
         self.warm_keys, self.warm_source = self.plan_warm_start(config)
         self.saved = self.save_version()  # what is on disk already: nothing new to save yet
@@ -265,6 +267,8 @@ class Reader:
             if evicted is not None:
                 self.index.clear(cast(ExpertKey, evicted))  # before its slab is overwritten
         except CacheFull:
+            if waiter is not None and self.withdraw_warm_reads():
+                return self.start_read(key, waiter, priority)  # a warm read queued gave its slab
             if waiter is None:
                 raise
             self.send(m.FetchFailed(waiter.req_id, key[0], key[1], m.Code.INTERNAL, "every cache slab is pinned"))
@@ -314,8 +318,12 @@ class Reader:
         for i, w in enumerate(waiters):
             self.send(m.Ready(w.req_id, key[0], key[1], slab, tuple(regions), False, io_ns if i == 0 else 0, *self.take_guess_io()))
         if warm:
-            cast(WarmStart, self.warm).done += 1
-            self.feed_warm_start()
+            w = cast(WarmStart, self.warm)
+            w.done += 1
+            if w.state == "warming":
+                self.feed_warm_start()
+            else:  # a read under way when it stopped: the count the progress file says
+                self.write_warm_progress(force=True)
 
     def forget(self, key) -> None:
         """A failed read: its slab's bytes are partial, so the key leaves the
@@ -403,6 +411,24 @@ class Reader:
             self.end_warm_start("done")
         else:
             self.write_warm_progress()
+
+    def withdraw_warm_reads(self) -> bool:
+        """A request needs a slab and every one is pinned: free the slabs of the
+        warm reads still queued (their pins are the read's own) and end the warm
+        start, the cache being full. False if there were none."""
+        gone = self.lanes.withdraw_background()
+        for queued, _slab in gone:
+            key = cast(ExpertKey, queued)
+            if self.inflight.pop(key, None):
+                raise RuntimeError(f"withdrew warm read {key} that a request waits for")
+            self.index.mark_inflight(key, False)
+            self.table.unpin(key)
+            self.table.drop(key)
+            if self.warm is not None:
+                self.warm.reading.discard(key)
+        if gone and self.warm is not None and self.warm.state == "warming":
+            self.end_warm_start("stopped", "the cache filled first")
+        return bool(gone)
 
     def end_warm_start(self, state: str, note: str = "") -> None:
         w = cast(WarmStart, self.warm)

@@ -166,7 +166,8 @@ def test_a_warm_read_never_goes_in_front_of_a_demand_read(model, hot_path):
         entered, release = hold_reads_of(h, (0, 0), fail=False)
         h.reader.warm_start()
         assert entered.wait(10)
-        assert h.reader.lanes.queued() == ([], [], [])  # the window: one warm read at a time on two lanes
+        # the window: two warm reads, of which one runs (one lane of two is kept for demand reads)
+        assert h.reader.lanes.queued() == ([], [], [(0, 1)])
         req = h.fetch(3, [5, 6])
         h.land()
         h.land()
@@ -202,22 +203,28 @@ def test_a_demand_for_a_queued_warm_read_promotes_it(model, hot_path):
 
 
 def test_the_warm_start_stops_when_requests_fill_the_cache_first(model, hot_path):
+    """Eight slabs, a hot set of eight: one warm read runs (held here), one is
+    queued. A request's seven misses take the six free slabs and the queued
+    warm read's (withdrawn: a request never fails for a warm read's slab), and
+    the warm start stops."""
     hs.save_hot_set(hot_path, hs.HotSet(_identity(model), 4, 8, tuple((3, e) for e in range(8))))
     h = reader_with_hot_set(model, hot_path, io_threads=1)
     try:
         entered, release = hold_reads_of(h, (3, 0), fail=False)
         h.reader.warm_start()
-        assert entered.wait(10)
-        req = h.fetch(0, range(7))  # the seven other slabs
+        assert entered.wait(10) and h.reader.lanes.queued() == ([], [], [(3, 1)])
+        req = h.fetch(0, range(7))
+        assert (3, 1) not in h.reader.table and h.reader.lanes.queued()[2] == []
         release.set()
         for _ in range(8):
             h.land()
-        for _ in range(7):
-            h.answer()
+        answers = [h.answer() for _ in range(7)]
+        assert all(isinstance(a, m.Ready) for a in answers) and {a.expert for a in answers} == set(range(7))
         w = h.reader.warm
         assert (w.state, w.done, w.note) == ("stopped", 1, "the cache filled first")
         assert hs.read_warm_progress(h.res.rt.path).text().startswith("warm start: 1/8 experts")
         h.reader.on_release(m.Release((req,)))
+        assert h.reader.table.n_pinned == 0 and len(h.reader.table) == 8
     finally:
         h.close()
 

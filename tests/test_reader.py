@@ -123,10 +123,10 @@ def test_warm_start_reads_survive_requests_and_go_after_them(h):
     entered, release = hold_reads_of(h, (0, 0), fail=False)
     h.reader.warm_keys, h.reader.warm_source = [(0, 0), (1, 1), (1, 2)], "a test"
     h.reader.warm_start()
-    assert entered.wait(10)  # the lane holds the first warm read; the next waits for it (the window)
+    assert entered.wait(10)  # the lane holds the first warm read; the next is queued (the window: two)
     req = h.fetch(3, [5])
     h.reader.on_release(m.Release((req,)))
-    assert h.reader.lanes.queued() == ([(3, 5)], [], [])
+    assert h.reader.lanes.queued() == ([(3, 5)], [], [(1, 1)])
     release.set()
     for _ in range(4):
         h.land()

@@ -169,3 +169,12 @@ def test_background_reads_share_the_guesses_lanes_and_leave_one_for_demand():
     for e in release.values():
         e.set()
     lanes.shutdown()
+
+
+def test_queued_background_reads_can_be_withdrawn_and_started_ones_run_on():
+    lanes, rec = busy_lane(2)
+    lanes.submit("b1", 1, Priority.BACKGROUND)
+    lanes.submit("g1", 2, Priority.GUESS)
+    lanes.submit("b2", 3, Priority.BACKGROUND)
+    assert lanes.withdraw_background() == [("b1", 1), ("b2", 3)] and lanes.withdraw_background() == []
+    assert finish(lanes, rec) == ["d0", "g1"]

@@ -14,8 +14,8 @@ start's reads. With one lane a demand read waits for at most the one read
 under way. A queued guess or background read that compute then asks for is promoted to
 the demand queue. Guesses still queued when their layer's real request
 arrives without them are withdrawn (`withdraw_guesses`), so a wrong guess
-costs bandwidth only if it had already started; background reads are never
-withdrawn. A read once started always runs to its end (a pread cannot be
+costs bandwidth only if it had already started; background reads are
+withdrawn only when a request needs their slabs (`withdraw_background`). A read once started always runs to its end (a pread cannot be
 taken back). The queues hold keys only; what a read does is the
 `work(key, slab)` function each lane calls, outside the lock.
 """
@@ -77,6 +77,14 @@ class ReadLanes:
             gone = [(k, s) for k, s in guesses.items() if k not in keep]
             for k, _ in gone:
                 del guesses[k]
+            return gone
+
+    def withdraw_background(self) -> list[tuple[Key, int]]:
+        """Take every queued (not started) background read out; returns their
+        (key, slab)s for the caller to free (a request needs the slabs)."""
+        with self._cond:
+            gone = list(self._queues[Priority.BACKGROUND].items())
+            self._queues[Priority.BACKGROUND].clear()
             return gone
 
     def queued(self) -> tuple[list[Key], ...]:

@@ -318,9 +318,9 @@ class Reader:
         for i, w in enumerate(waiters):
             self.send(m.Ready(w.req_id, key[0], key[1], slab, tuple(regions), False, io_ns if i == 0 else 0, *self.take_guess_io()))
         if warm:
-            w = cast(WarmStart, self.warm)
-            w.done += 1
-            if w.state == "warming":
+            plan = cast(WarmStart, self.warm)
+            plan.done += 1
+            if plan.state == "warming":
                 self.feed_warm_start()
             else:  # a read under way when it stopped: the count the progress file says
                 self.write_warm_progress(force=True)

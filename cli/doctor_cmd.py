@@ -146,25 +146,50 @@ def print_report(f: dict) -> None:
         print(f"{k:<{width}}  {v}")
 
 
+def print_source(f: dict) -> None:
+    """Where a forecast before the download came from, and how to get the file."""
+    if f["source"] == "file":
+        return
+    print(f"{'source':<10}  {f['source_note']}")
+    print(f"{'pull':<10}  `{f['pull']}` fetches it ({f['file_bytes'] / 1e9:.1f} GB)")
+
+
 def run(args: argparse.Namespace) -> int:
+    from ..shared.config_flags import overrides_from_args
     from ..shared.errors import UserError
     from ..shared.gguf.model_file import open_model
-    from ..shared.hub.resolve import model_file
+    from ..shared.hub.resolve import model_file, unpulled_model
     from ..shared.progress import StatusLine
     from .run_cmd import load_run_config
 
     if args.seconds <= 0:
         raise UserError(f"--seconds must be positive, got {args.seconds:g}")
-    cfg = load_run_config(args)  # a bad config or model: its one line, before anything is shown
+    # a catalog model not pulled yet is forecast from its header (shared/hub/preview.py)
+    unpulled = unpulled_model(args.model, overrides_from_args(args))
+    cfg = unpulled[0] if unpulled else load_run_config(args)  # a bad config or model: its one line, before anything is shown
     # Something at once: the imports, a first run's kernel compiles and the measuring take seconds.
     with StatusLine() as status:
-        status.update("doctor: loading the forecast's code")
+
+        def stage(text: str) -> None:
+            status.update(f"doctor: {text}")
+
+        stage("loading the forecast's code")
         from ..shared.analysis.forecast import forecast
 
-        with open_model(model_file(cfg)) as mf:
-            f = forecast(mf, cfg, mem_limit_mb=args.mem_limit_mb, seconds=args.seconds, on_stage=lambda t: status.update(f"doctor: {t}"))
+        if unpulled:
+            from ..shared.hub.preview import open_preview
+
+            with open_preview(unpulled[1], on_status=stage) as pv:
+                f = forecast(pv.mf, cfg, mem_limit_mb=args.mem_limit_mb, seconds=args.seconds, on_stage=stage)
+            e = pv.entry
+            f.update(model=f"{e.name} ({e.repo}:{e.quant})", source=pv.source, source_note=pv.note, pull=e.pull_command)
+        else:
+            with open_model(model_file(cfg)) as mf:
+                f = forecast(mf, cfg, mem_limit_mb=args.mem_limit_mb, seconds=args.seconds, on_stage=stage)
+            f.update(source="file", source_note=None, pull=None)
     if args.json:
         print(json.dumps(f))
     else:
         print_report(f)
+        print_source(f)
     return 0 if f["fits"] else 1  # a verdict scripts can test; 2 stays "bad input"

@@ -31,6 +31,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "models", nargs="*", metavar="MODEL", help="GGUF files (any shard of a split set) or catalog names to list besides the pulled ones"
     )
     p.add_argument("--catalog", action="store_true", help="list the catalog of known models instead (moe-pipe pull NAME fetches one)")
+    p.add_argument(
+        "--forecast",
+        action="store_true",
+        help="with --catalog: the doctor's fit and tok/s for each entry, before the download (from its GGUF header, "
+        "fetched by range request and kept; offline, from the catalog's shape)",
+    )
     p.add_argument("--measure", action="store_true", help="measure read speed and kernel speed now (and store them), as the doctor does")
     p.add_argument("--seconds", type=float, default=4.0, metavar="S", help="with --measure: seconds of measuring per model (default 4)")
     p.add_argument("--mem-limit-mb", type=float, default=None, metavar="M", help="forecast as if in a new memory cgroup of M MiB")
@@ -107,18 +113,39 @@ def _commonest_expert_type(mf) -> str:
 
 def model_row(path: Path, pulled, entry, store: dict, *, measure: bool, seconds: float, mem_limit_mb: float | None) -> dict:
     """One model's row: what it is, and the doctor's forecast from stored (or, measuring, fresh) speeds."""
-    from ..shared.analysis.fit import hit_rate, limited_probe, memory_fit, model_footprint
-    from ..shared.analysis.forecast import FLOOR_MARGIN, ROTATE_BYTES, compute_threads, decode_speed, measure_kernels, measure_reads
     from ..shared.gguf.model_file import open_model
 
     cfg = _model_config(path, entry)
     with open_model(path) as mf:
-        footprint = model_footprint(mf, cfg)
-        quant = file_type_name(mf)
-        shards = len(mf.gguf.paths)
-        dev = device_key(path)
-        threads = compute_threads(cfg)
-        if measure:
+        row = {"path": str(path), "repo": pulled.repo if pulled else None, "catalog": entry.name if entry else None}
+        return row | forecast_row(mf, cfg, store, device_key(path), measure=measure, seconds=seconds, mem_limit_mb=mem_limit_mb)
+
+
+def forecast_row(
+    mf, cfg: Config, store: dict, dev: str, *, measure: bool, seconds: float, mem_limit_mb: float | None, kernels_if_missing: bool = False
+) -> dict:
+    """The doctor's forecast of an opened model (a file, or a header before the download) from the
+    speeds stored for its disk `dev` and its kernels; measuring them first with `measure` (with
+    `kernels_if_missing`, the kernels only when some are not stored). A header-only model's
+    reads cannot be measured: the stored figure of the disk it would land on stands in, else
+    the doctor's assumed one."""
+    from ..shared.analysis.fit import hit_rate, limited_probe, memory_fit, model_footprint
+    from ..shared.analysis.forecast import (
+        ASSUMED_READ_GBPS,
+        FLOOR_MARGIN,
+        ROTATE_BYTES,
+        compute_threads,
+        decode_speed,
+        measure_kernels,
+        measure_reads,
+    )
+
+    footprint = model_footprint(mf, cfg)
+    header_only = mf.gguf.header_only
+    threads = compute_threads(cfg)
+    missing = any(_kernel_key(c.key, n) not in store["kernels"] for c in footprint.classes for n in {1, threads})
+    if measure or (kernels_if_missing and missing):
+        if measure and not header_only:
             reads = measure_reads(mf, seconds=0.4 * seconds)
             store["reads"][dev] = {
                 "gbps": {str(n): g for n, g in reads.gbps.items()},
@@ -126,19 +153,16 @@ def model_row(path: Path, pulled, entry, store: dict, *, measure: bool, seconds:
                 "note": reads.note,
                 "at": time.time(),
             }
-            rotate = min(ROTATE_BYTES, footprint.active_bytes_per_token)
-            rates = measure_kernels(footprint.classes, sorted({1, threads}), seconds=0.6 * seconds, rotate_bytes=rotate)
-            store["kernels"].update({_kernel_key(k, n): r for (k, n), r in rates.items()})
+        rotate = min(ROTATE_BYTES, footprint.active_bytes_per_token)
+        rates = measure_kernels(footprint.classes, sorted({1, threads}), seconds=0.6 * seconds, rotate_bytes=rotate)
+        store["kernels"].update({_kernel_key(k, n): r for (k, n), r in rates.items()})
     fit = memory_fit(footprint, cfg, limited_probe(mem_limit_mb))
     hit = hit_rate(footprint, fit.n_slabs, cfg.cache.policy) if fit.fits else None
     row = {
-        "path": str(path),
-        "repo": pulled.repo if pulled else None,
-        "catalog": entry.name if entry else None,
         "arch": footprint.arch,
-        "quant": quant,
+        "quant": file_type_name(mf),
         "file_bytes": footprint.file_bytes,
-        "shards": shards,
+        "shards": len(mf.gguf.paths),
         "routed_bytes_per_token": footprint.routed_bytes_per_token,
         "config": cfg.source or "",
         "available_bytes": fit.available_bytes,
@@ -156,6 +180,8 @@ def model_row(path: Path, pulled, entry, store: dict, *, measure: bool, seconds:
         "speed_note": None,
     }
     read = store["reads"].get(dev)
+    if read is None and header_only:
+        read = {"gbps": {"1": ASSUMED_READ_GBPS, "2": ASSUMED_READ_GBPS, "4": ASSUMED_READ_GBPS}, "at": None}
     rates_at = {c.key: store["kernels"].get(_kernel_key(c.key, threads)) for c in footprint.classes}
     if read is None or any(r is None for r in rates_at.values()):
         row["speed_note"] = "speed not measured on this machine yet: moe-pipe models --measure"
@@ -179,6 +205,16 @@ def model_row(path: Path, pulled, entry, store: dict, *, measure: bool, seconds:
     )
     row["tok_s"], row["bottleneck"] = round(speed.tok_s, 2), speed.bottleneck
     return row
+
+
+def landing_device(entry) -> str:
+    """The disk a pull of `entry` writes to (its folder, or the nearest one that exists)."""
+    from ..shared.hub import store
+
+    where = store.repo_dir(entry.repo)
+    while not where.exists():
+        where = where.parent
+    return device_key(where)
 
 
 # ---------------------------------------------------------------- the command
@@ -210,6 +246,70 @@ def _catalog_rows() -> list[dict]:
     return rows
 
 
+FORECAST_KEYS = ("fits", "resident", "refusal", "budget_mb", "hit_pct", "read_gbps", "tok_s", "bottleneck", "speed_note")
+
+
+def _forecast_catalog(rows: list[dict], *, measure: bool, seconds: float, mem_limit_mb: float | None) -> None:
+    """Each catalog row's `forecast` (or `forecast_error`): a pulled entry's from its file, the
+    rest before the download (shared/hub/preview.py), one status line saying which as it works.
+    Once the Hub cannot be reached, the rest go straight to their shapes."""
+    from ..shared.errors import UserError
+    from ..shared.hub import catalog, store
+    from ..shared.hub.preview import open_preview
+    from ..shared.hub.resolve import unpulled_model
+    from ..shared.progress import StatusLine
+
+    measurements, offline = load_measurements(), None
+    with StatusLine() as status:
+        for i, (e, r) in enumerate(zip(catalog.CATALOG, rows)):
+
+            def say(text: str, e=e, i=i) -> None:
+                status.update(f"models: {e.name} ({i + 1}/{len(rows)}): {text}")
+
+            say("forecasting")
+            try:
+                pulled = store.find_pulled(e.repo, e.quant)
+                if pulled is not None:
+                    f = model_row(pulled.path, pulled, e, measurements, measure=measure, seconds=seconds, mem_limit_mb=mem_limit_mb)
+                    source, note, why = "file", f"from the pulled file {pulled.path}", None
+                else:
+                    found = unpulled_model(e.name, {})
+                    assert found is not None  # not pulled: checked just above
+                    with open_preview(e, on_status=say, offline=offline) as pv:
+                        offline = offline or pv.offline
+                        say("forecasting from its header (a first look at a shape measures its kernels)")
+                        f = forecast_row(
+                            pv.mf,
+                            found[0],
+                            measurements,
+                            landing_device(e),
+                            measure=measure,
+                            seconds=seconds,
+                            mem_limit_mb=mem_limit_mb,
+                            kernels_if_missing=True,  # the kernels of a shape not measured here yet: ~0.6 × --seconds
+                        )
+                        source, note, why = pv.source, pv.note, pv.offline
+            except UserError as exc:
+                r["forecast"], r["forecast_error"] = None, str(exc)
+                continue
+            r["forecast"] = {"source": source, "source_note": note, "offline": why, **{k: f[k] for k in FORECAST_KEYS}}
+            r["forecast_error"] = None
+    save_measurements(measurements)  # kernels measured for shapes new here: the next listing is instant
+
+
+def _forecast_cell(r: dict) -> str:
+    f = r.get("forecast")
+    if f is None:
+        return f"error: {r['forecast_error']}"
+    if not f["fits"]:
+        return "does not fit"
+    fit = "fits, resident" if f["resident"] else "fits, streaming"
+    return f"{fit}, {f['tok_s']:.1f} tok/s ({f['bottleneck']})" if f["tok_s"] is not None else f"{fit}; tok/s not measured (--measure)"
+
+
+_SOURCE_CELL = {"file": "the file", "header": "its header", "shape": "catalog shape (estimate)"}
+
+
 def _print_table(title: str, columns: list[str], rows: list[list[str]]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -227,10 +327,33 @@ def run(args: argparse.Namespace) -> int:
     from ..shared.hub import catalog, store
     from ..shared.hub.resolve import catalog_entry, pulled_path
 
+    if args.forecast and not args.catalog:
+        raise UserError("--forecast goes with --catalog (the models here are forecast without it)")
     if args.catalog:
         rows = _catalog_rows()
+        if args.forecast:
+            _forecast_catalog(rows, measure=args.measure, seconds=args.seconds, mem_limit_mb=args.mem_limit_mb)
         if args.json:
             print(json.dumps({"catalog": rows}))
+        elif args.forecast:
+            _print_table(
+                "the catalog, forecast before the download (moe-pipe doctor NAME says more)",
+                ["name", "repository:quant", "GB", "forecast here", "from", "pulled"],
+                [
+                    [
+                        r["name"],
+                        f"{r['repo']}:{r['quant']}",
+                        f"{r['file_bytes'] / 1e9:.1f}",
+                        _forecast_cell(r),
+                        _SOURCE_CELL[r["forecast"]["source"]] if r["forecast"] else "-",
+                        r["pulled"] or "-",
+                    ]
+                    for r in rows
+                ],
+            )
+            why = next((r["forecast"]["offline"] for r in rows if r["forecast"] and r["forecast"]["offline"]), None)
+            if why:
+                print(f"no header from the Hub ({why}): a 'catalog shape' forecast is an estimate from the catalog's shape facts")
         else:
             _print_table(
                 "the catalog (moe-pipe pull NAME, then moe-pipe up NAME)",

@@ -139,13 +139,21 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
         print(
             f"[{t['prompt_n']} prompt tokens{_cached(t)} at {t['prompt_tok_s']:.1f} tok/s, {t['predicted_n']} generated at "
-            f"{t['predicted_tok_s']:.1f} tok/s, finish: {out['finish_reason']}; "
+            f"{t['predicted_tok_s']:.1f} tok/s{_drafts(t)}, finish: {out['finish_reason']}; "
             f"load {t['load_seconds']:.2f} s, kernels {t['compile_seconds']:.2f} s (not in the rates)]",
             file=sys.stderr,
         )
     else:
         print(json.dumps(out, ensure_ascii=False))
     return 0
+
+
+def _drafts(t: dict) -> str:
+    """Speculative decoding's acceptance, when it drafted (docs/speculative.md)."""
+    if "draft_n" not in t:
+        return ""
+    kept = f" ({t['draft_accepted'] / t['draft_n']:.0%})" if t["draft_n"] else ""
+    return f", drafts {t['draft_accepted']} of {t['draft_n']} kept{kept} in {t['draft_passes']} verify passes"
 
 
 def _cached(t: dict) -> str:
@@ -165,6 +173,7 @@ def _run_resident(cfg: Config, model_path, tok, prompt_tokens, params, args, on_
     from ..shared.model.session import save_session
     from ..shared.progress import StatusLine
     from ..shared.text.generate import GenerationConfig, generate
+    from ..shared.text.speculate import drafter_for
 
     quant.one_blas_thread()
     if cfg.compute.threads:
@@ -180,6 +189,8 @@ def _run_resident(cfg: Config, model_path, tok, prompt_tokens, params, args, on_
         ignore_eos=args.ignore_eos,
         context_shift=cfg.generate.context_shift,
         n_keep=cfg.generate.n_keep,
+        draft=cfg.compute.draft,
+        draft_adapt=cfg.compute.draft_adapt,
     )
     from ..shared.model.routes import RouteReplay, RouteTracer
     from ..shared.model.trace import read_trace
@@ -204,7 +215,10 @@ def _run_resident(cfg: Config, model_path, tok, prompt_tokens, params, args, on_
                 warm = warm_up(steps, lambda i, n, item: status.update(kernel_text(i, n, item)))
                 status.done(f"kernels ready in {warm.seconds:.2f} s ({warm.compiled} compiled, the rest from numba's cache)")
             with CompileCounter() as late:
-                result = generate(_Phases(model, tracer), tok, prompt_tokens, params, gen_cfg, on_text=on_text, session=session)
+                drafter = drafter_for(cfg.compute.draft_source, cfg.compute.draft_replay, mf.spec.n_vocab)
+                result = generate(
+                    _Phases(model, tracer), tok, prompt_tokens, params, gen_cfg, on_text=on_text, session=session, drafter=drafter
+                )
             if args.session:
                 save_session(args.session, session, model_identity(mf.gguf.paths), model.arch)
         finally:
@@ -246,6 +260,14 @@ class _Phases:
         if self.tracer:
             self.tracer.phase = 1
         return self.model.decode_one(token, cache)
+
+    def drafts_judged(self, drafted: int, kept: int) -> None:
+        self.model.drafts_judged(drafted, kept)
+
+    def verify(self, tokens, cache, redo: int = 0):
+        if self.tracer:
+            self.tracer.phase = 1
+        return self.model.verify(tokens, cache, redo)
 
 
 def _run_pipeline(cfg: Config, model_path, prompt_tokens, params, args, on_text) -> dict:

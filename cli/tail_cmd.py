@@ -73,8 +73,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 # ------------------------------------------------------------------ formatting
 
 
-def tok_per_s(wall_ms: float) -> float:
-    return 1000.0 / wall_ms if wall_ms > 0 else 0.0
+def tok_per_s(wall_ms: float, tokens: int = 1) -> float:
+    """A record's rate: its tokens (a verify pass's 1 + kept drafts) over its wall time."""
+    return 1000.0 * tokens / wall_ms if wall_ms > 0 else 0.0
 
 
 def sparkline(values, width: int = SPARK_TOKENS) -> str:
@@ -92,9 +93,10 @@ def sparkline(values, width: int = SPARK_TOKENS) -> str:
 def format_line(rec) -> str:
     """One token as plain text (the non-terminal, non-CSV output)."""
     return (
-        f"step {rec.step:>5}  {tok_per_s(rec.wall_ms):7.2f} tok/s  wall {rec.wall_ms:8.1f} ms  "
+        f"step {rec.step:>5}  {tok_per_s(rec.wall_ms, 1 + rec.accepted):7.2f} tok/s  wall {rec.wall_ms:8.1f} ms  "
         f"compute {rec.compute_ms:8.1f} ms  io {rec.io_ms:8.1f} ms  stall {rec.stall_ms:7.1f} ms  "
         f"hit {rec.cache_hit_pct:5.1f} %  read {rec.read_bytes / MIB:8.2f} MiB  majflt {rec.majflt}"
+        + (f"  drafts {rec.accepted}/{rec.drafted} kept" if rec.drafted else "")
     )
 
 
@@ -148,7 +150,7 @@ class RunSoFar:
     def add(self, rec) -> None:
         self.records.append(rec)
         self.tally.add(rec)
-        self.tok_s.append(tok_per_s(rec.wall_ms))
+        self.tok_s.append(tok_per_s(rec.wall_ms, 1 + rec.accepted))
         self.prompt = None  # its prompt is done: this is its first token (or a later one)
 
     def summary(self):
@@ -284,7 +286,7 @@ class LiveOutput:
         for r in run.records:
             table.add_row(
                 str(r.step),
-                f"{tok_per_s(r.wall_ms):.2f}",
+                f"{tok_per_s(r.wall_ms, 1 + r.accepted):.2f}",
                 f"{r.wall_ms:.1f}",
                 f"{r.compute_ms:.1f}",
                 f"{r.io_ms:.1f}",

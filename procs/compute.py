@@ -53,6 +53,7 @@ from ..shared.model.trace import read_trace
 from ..shared.model.weights import Expert
 from ..shared.text.generate import GenerationConfig, generate
 from ..shared.text.sampling import SamplingParams
+from ..shared.text.speculate import drafter_for
 from ..shared.text.tokenizer import Tokenizer
 from ..shared.wire import ipc
 from ..shared.wire import messages as m
@@ -491,6 +492,8 @@ def handle(
             cache_prompt=req.cache_prompt,
             context_shift=config.generate.context_shift,
             n_keep=config.generate.n_keep,
+            draft=config.compute.draft if req.draft == m.DRAFT_FROM_CONFIG else req.draft,
+            draft_adapt=config.compute.draft_adapt,
         )
         constraint = None
         if req.grammar:  # response_format: llguidance loads only in a compute that serves one
@@ -507,7 +510,10 @@ def handle(
     compiles = late.count if late else 0
     metered.begin(req.req_id)
     try:
-        result = generate(metered, tok, list(req.prompt_tokens), params, gen_cfg, on_text=on_text, session=session, constraint=constraint)
+        drafter = drafter_for(config.compute.draft_source, config.compute.draft_replay, metered.model.spec.n_vocab)
+        result = generate(
+            metered, tok, list(req.prompt_tokens), params, gen_cfg, on_text=on_text, session=session, constraint=constraint, drafter=drafter
+        )
     except GenerationAborted as exc:
         ipc.send(out, m.Done(req.req_id, False, code=str(exc.code), error=str(exc)))
         if exc.code == m.Code.PEER_GONE:
@@ -522,6 +528,7 @@ def handle(
             session.reset()  # a bug's leftovers are not reused
         ipc.send(out, m.Done(req.req_id, False, code=m.Code.INTERNAL, error=f"{type(exc).__name__}: {exc}"))
         return
+    metered.finish()
     summary = summarize(metered.records, 0.0, 0, None, metered.meter.peak_rss_bytes()) if metered.records else None
     # load_seconds and budget_mib are the front end's to know (procs/pipeline.py), not this process's.
     figures = {k: v for k, v in m.as_dict(summary).items() if k not in ("load_seconds", "budget_mib")} if summary else {}

@@ -45,11 +45,14 @@ class ComputeClient:
         ignore_eos: bool = False,
         cache_prompt: bool = True,
         grammar: str = "",
+        draft: int = m.DRAFT_FROM_CONFIG,
     ) -> m.Generate:
         """The next request (its frames are the only ones `accept` returns from now on)."""
         self.req_id += 1
         self.done = None
-        return m.Generate(self.req_id, tuple(prompt_tokens), max_tokens, sampling, tuple(stop), ignore_eos, cache_prompt, grammar=grammar)
+        return m.Generate(
+            self.req_id, tuple(prompt_tokens), max_tokens, sampling, tuple(stop), ignore_eos, cache_prompt, grammar=grammar, draft=draft
+        )
 
     def slot(self, action: str, path: str = "") -> m.Slot:
         """The next request: save, restore or erase compute's session (answered by a Done)."""

@@ -6,6 +6,7 @@ mid-prompt). A pass that stops half way leaves the session consistent
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import TYPE_CHECKING
 
@@ -42,9 +43,11 @@ class MeteredModel:
         self.records: list[m.TokenRecord] = []
         self.total_hits = self.total_misses = 0
         self.req_id = 0
+        self._held: m.TokenRecord | None = None  # a verify pass's record, until its kept drafts are known
 
     def begin(self, req_id: int = 0) -> None:
         """A new request: its own records and counters, a new turn in the route trace."""
+        self.finish()
         self.records, self.total_hits, self.total_misses, self.req_id = [], 0, 0, req_id
         self.meter.delta()
         if self.tracer:
@@ -65,7 +68,29 @@ class MeteredModel:
             self.tracer.phase = 1
         return self._step(lambda: self.model.decode_one(token, cache), cache, 1)
 
-    def _step(self, fn, cache, n_tokens: int, prompt: bool = False):
+    def verify(self, tokens, cache, redo: int = 0):
+        """A decoded token and its drafts in one pass (shared/text/speculate.py): one record, its drafts counted as `drafted`."""
+        if self.tracer:
+            self.tracer.phase = 1
+        return self._step(lambda: self.model.verify(tokens, cache), cache, len(tokens), drafted=max(len(tokens) - 1 - redo, 0))
+
+    def drafts_judged(self, drafted: int, kept: int) -> None:
+        """The last verify pass's drafts are settled (shared/text/speculate.py): its record goes out with them."""
+        if self._held is not None:
+            self._send(dataclasses.replace(self._held, accepted=kept))
+
+    def finish(self) -> None:
+        """The request is over: a record still held goes out as it is."""
+        if self._held is not None:
+            self._send(self._held)
+
+    def _send(self, rec: m.TokenRecord) -> None:
+        self._held = None
+        self.records.append(rec)
+        self.telemetry.send(rec)
+
+    def _step(self, fn, cache, n_tokens: int, prompt: bool = False, drafted: int = 0):
+        self.finish()  # a held record whose drafts were never judged (an interrupted pass)
         if self.interrupts is not None:
             self.interrupts.check()
         self.source.reset_counters()
@@ -111,9 +136,12 @@ class MeteredModel:
             resident_bytes=s.resident_bytes(),
             attention_ms=self.model.stage.seconds.get("attention", 0.0) * 1e3,
             pass_tokens=n_tokens,
+            drafted=drafted,
         )
-        self.records.append(rec)
-        self.telemetry.send(rec)
+        if drafted:
+            self._held = rec
+        else:
+            self._send(rec)
         return out
 
     def _abandon(self, cache, prompt: bool) -> None:

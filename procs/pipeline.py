@@ -147,10 +147,12 @@ class Pipeline:
         on_text: Callable[[str], None] | None = None,
         ignore_eos: bool = False,
         on_prompt: Callable[[m.PromptProgress], None] | None = None,
+        draft: int = m.DRAFT_FROM_CONFIG,
     ) -> m.Done:
-        """One generation; `on_text` hears its text as it becomes final, `on_prompt` its prompt's progress."""
+        """One generation; `on_text` hears its text as it becomes final, `on_prompt` its prompt's progress;
+        `draft`: drafts per verify pass for this one (default: compute.draft)."""
         check_prompt_fits(len(prompt_tokens), self.cfg.compute.ctx_size)
-        request = self.client.generate(prompt_tokens, max_tokens, sampling, stop, ignore_eos)
+        request = self.client.generate(prompt_tokens, max_tokens, sampling, stop, ignore_eos, draft=draft)
         try:
             ipc.send(self.links["requests"], request)
         except m.ProtocolError:  # past the frame cap: more ids than one request carries

@@ -49,6 +49,9 @@ DEFAULT_POLICY = "nextmix"
 # through in one chunk, each routed expert read once (docs/benchmarks.md § Long prompts); its
 # activations, ~600 MiB on qwen30b-shape, are what it costs the expert cache.
 AUTO_PREFILL_CHUNK = 4096
+# compute.draft_source and compute.draft's bound (shared/text/speculate.py; kept light: no model import here)
+DRAFT_SOURCES = ("ngram", "none")
+MAX_DRAFT = 8  # drafts per verify pass at most (docs/speculative.md: the gain measured is at 1-4)
 KV_TYPES = ("f16", "f32", "q8_0")  # compute.kv_type: the keys of shared/gguf/spec.py KV_TYPE_BYTES (kept light: no gguf import here)
 CHAT_TEMPLATE_WORDS = ("model", "plain")  # generate.chat_template values that are not paths (shared/text/chat.py)
 MAX_TEXT = 4096  # longest string value (PATH_MAX on Linux); longer is a paste gone wrong
@@ -236,6 +239,39 @@ class ComputeConfig:
         hi=1 << 20,
         unset=f"the whole context up to {AUTO_PREFILL_CHUNK} tokens",
         flags=("--prefill-chunk",),
+    )
+    draft: int = setting(
+        0,
+        "int",
+        "speculative decoding: guess up to N tokens ahead and check them with the decoded token in one pass over "
+        "the weights; the output is exactly the output without it (docs/speculative.md); 0 = off",
+        lo=0,
+        hi=MAX_DRAFT,
+        flags=("--draft",),
+    )
+    draft_adapt: bool = setting(
+        True,
+        "bool",
+        "choose each pass's drafts, 0 to --draft, from the acceptance and the pass times measured so far "
+        "(0 when no width pays, tried again now and then); false = always --draft",
+        flags=("--draft-adapt",),
+    )
+    draft_source: str = setting(
+        "ngram",
+        "choice",
+        "where --draft's guesses come from: ngram = the tokens that followed the latest earlier occurrence of the "
+        "last few tokens in the prompt and output (repeated text drafts, anything else costs nothing); none = no drafts",
+        choices=DRAFT_SOURCES,
+        flags=("--draft-source",),
+    )
+    draft_replay: str | None = setting(
+        None,
+        "path",
+        "BENCHMARKS ONLY: draft from a recorded greedy continuation (a JSON file: tokens, accuracy, seed; "
+        "bench/bench_speculate.py writes it) with each draft token made wrong at 1 - accuracy, in place of "
+        "draft_source: the mechanism's speed at a chosen acceptance on weights whose own drafts are noise",
+        unset="draft_source's drafts",
+        flags=("--draft-replay",),
     )
     kv_type: str = setting(
         "f16",

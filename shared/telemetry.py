@@ -191,6 +191,8 @@ class Tally:
     def __init__(self) -> None:
         self.walls = array("d")
         self.steps = array("q")
+        self.tokens = array("q")  # per record: 1, or a verify pass's 1 + its kept drafts
+        self.drafted = self.accepted = 0
         self.first5: list[float] = []
         self.final_hit_pct = 0.0
         self.read_bytes = 0
@@ -203,6 +205,9 @@ class Tally:
     def add(self, r: TokenRecord) -> None:
         self.walls.append(r.wall_ms)
         self.steps.append(r.step)
+        self.tokens.append(1 + r.accepted)
+        self.drafted += r.drafted
+        self.accepted += r.accepted
         if len(self.first5) < 5:
             self.first5.append(r.wall_ms)
         self.final_hit_pct = r.cache_hit_pct
@@ -217,15 +222,16 @@ class Tally:
         throughput, not a mean of per-token rates, which would overweight fast
         tokens); the final hit % and resident bytes are the last record's
         (resident_bytes None: that record's)."""
-        n = len(self.walls)
+        n = len(self.walls)  # records: one per pass
         warm = steady_start(n)
         steady_s = sum(self.walls[warm:]) / 1000.0
         all_s = sum(self.walls) / 1000.0
+        tokens, steady_tokens = sum(self.tokens), sum(self.tokens[warm:])
         return RunSummary(
-            tokens=n,
+            tokens=tokens,
             load_seconds=float(load_seconds),
-            mean_tok_s=n / all_s if all_s > 0 else 0.0,
-            steady_tok_s=(n - warm) / steady_s if steady_s > 0 else 0.0,
+            mean_tok_s=tokens / all_s if all_s > 0 else 0.0,
+            steady_tok_s=steady_tokens / steady_s if steady_s > 0 else 0.0,
             steady_from_step=self.steps[warm] if n > warm else 0,
             first5_wall_ms=sum(self.first5) / len(self.first5) if self.first5 else 0.0,
             final_hit_pct=self.final_hit_pct,
@@ -233,6 +239,8 @@ class Tally:
             budget_mib=budget_bytes / MIB,
             resident_mib=(self.resident_bytes if resident_bytes is None else resident_bytes) / MIB,
             peak_rss_mib=(self.peak_rss_bytes if peak_rss_bytes is None else peak_rss_bytes) / MIB,
+            drafted=self.drafted,
+            accepted=self.accepted,
         )
 
 
@@ -257,6 +265,7 @@ def format_summary(s: RunSummary) -> str:
             f"   budget {s.budget_mib:.1f} MiB   resident {s.resident_mib:.1f} MiB",
             f"memory peak RSS {s.peak_rss_mib:.1f} MiB",
         ]
+        + ([f"drafts {s.accepted} of {s.drafted} kept ({s.accepted / s.drafted:.0%})"] if s.drafted else [])
     )
 
 

@@ -141,3 +141,25 @@ def harness(model):
     h = Harness(model)
     yield h
     h.close()
+
+
+@pytest.fixture
+def range_hub(tmp_path, monkeypatch):
+    """The hub, and this test's HF_ENDPOINT, HF_HOME and moe-pipe cache folder (nothing pulled, no header kept)."""
+    from huggingface_hub import constants
+
+    from .rangehub import RangeHub
+
+    h = RangeHub()
+    monkeypatch.setenv("HF_ENDPOINT", h.url)
+    # read once at import, and this process has imported it: as HF_ENDPOINT would have set them
+    monkeypatch.setattr(constants, "ENDPOINT", h.url)
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", h.url + "/{repo_id}/resolve/{revision}/{filename}")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.delenv("MOE_PIPE_MODELS", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    yield h
+    h.close()

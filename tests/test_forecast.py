@@ -318,3 +318,15 @@ def test_cli_missing_model_is_one_line_exit_2(tmp_path, capsys):
     assert main(["doctor", str(tmp_path / "nope.gguf")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("moe-pipe: error:") and "\n" not in err and "nope.gguf" in err
+
+
+def test_integer_tables_are_looked_up_not_measured_as_products(tmp_path):
+    """deepseek4's token -> experts hash routing (I32, one per hash layer) is a table: no kernel class."""
+    from moe_pipe.shared.gguf.model_file import open_header_model
+    from moe_pipe.shared.makemodel.maker import make_header
+
+    size = make_header("deepseek4", "deepseek-v4-flash-shape", tmp_path / "d4.header", layers=4, experts="IQ2_XXS")
+    with open_header_model([(tmp_path / "d4.header", size)]) as mf:
+        assert any(t.qtype.name == "I32" for t in mf.gguf.tensors.values())
+        classes = fit.kernel_classes(mf, mf.spec.n_expert_used)
+    assert classes and not any(c.qtype.startswith("I") and not c.qtype.startswith("IQ") for c in classes)

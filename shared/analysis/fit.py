@@ -61,6 +61,7 @@ from ..experts.budget import (
 from ..gguf.layout import aligned_bytes
 
 MiB = 1 << 20
+INTEGER_TYPES = frozenset({"I8", "I16", "I32", "I64"})
 TRACE_DIR = Path(__file__).parent.parent / "data" / "traces"
 # (arch, n_expert) -> shipped trace (shared/data/traces/README.md says what each one recorded)
 TRACES = {("qwen3moe", 128): "qwen.route.csv", ("gpt-oss", 128): "gptoss.route.csv"}
@@ -187,6 +188,8 @@ def kernel_classes(mf, top_k: int) -> tuple[KernelClass, ...]:
     skip = set() if mf.spec.tied_output else {"token_embd.weight"}  # a row lookup, not a product
     for t in mf.gguf.tensors.values():
         if t.name in mf.layout.expert_tensor_names or t.name in mf.layout.nextn_tensor_names or len(t.shape) != 2 or t.name in skip:
+            continue
+        if t.qtype.name in INTEGER_TYPES:  # a table looked up (deepseek4's token -> experts hash routing), not multiplied
             continue
         rows, cols = t.shape
         acc = dense.setdefault((t.qtype.name, cols), [0, 0])

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import os
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from .layout import Layout, build_layout
 from .nextn import check_nextn
@@ -57,6 +59,19 @@ def open_model(path: str | os.PathLike, align: int | None = None) -> ModelFile:
     `align`: the I/O alignment the parent resolved (a child's config carries
     it); None resolves it from this machine (shared/gguf/alignment.py)."""
     f = GGUFFile(path)
+    try:
+        spec = read_spec(f)
+        return ModelFile(f, spec, build_layout(f, spec, align))
+    except BaseException:
+        f.close()
+        raise
+
+
+def open_header_model(headers: Sequence[tuple[str | os.PathLike, int]], align: int | None = None) -> ModelFile:
+    """A model from its header alone (GGUFFile.from_headers: each shard's first bytes and its
+    whole size), validated and mapped as `open_model` does; it has no tensor bytes, so it
+    forecasts and inspects but does not run."""
+    f = GGUFFile.from_headers([(Path(p), n) for p, n in headers])
     try:
         spec = read_spec(f)
         return ModelFile(f, spec, build_layout(f, spec, align))

@@ -19,6 +19,13 @@ is what the engine needs before it trusts a downloaded file:
   and a missing or mismatched shard is named;
 - every failure is a `GGUFError`: one line naming the file and the problem.
 
+A file's header alone opens too (`GGUFFile.from_headers`): the first bytes
+of each shard, as a range request fetches them before the download
+(shared/hub/header.py), with the whole file's size declared. Every check
+above runs against the declared size; a record that runs past the bytes at
+hand but not past the declared size is a `HeaderIncomplete` (how many bytes
+it needs), so the fetcher asks for more; tensors carry no data views.
+
 Tensor shapes here are numpy order (ne reversed): a ggml ne = [in, out, E]
 expert stack is shape (E, out, in).
 """
@@ -29,13 +36,14 @@ import os
 import re
 import struct
 from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
-from gguf.gguf_reader import ReaderField
+from gguf.gguf_reader import ReaderField, ReaderTensor
 
 from ..errors import GGUFError
 
@@ -62,6 +70,14 @@ _HEADER_BYTES = 24  # magic, version u32, tensor count u64, key count u64
 # left" proves a count false before anything loops over it.
 _MIN_KEY_BYTES = 8 + 4 + 1  # empty key, value type, a one-byte value
 _MIN_TENSOR_INFO_BYTES = 8 + 4 + 8 + 4 + 8  # empty name, n_dims, one dim, type, offset
+
+
+class HeaderIncomplete(GGUFError):
+    """A header-only file whose header runs past the bytes at hand (not past the file's declared size)."""
+
+    def __init__(self, path, needed: int, have: int):
+        self.needed, self.have = needed, have
+        super().__init__(path, f"the header runs past the {have:,} bytes fetched (needs at least {needed:,})")
 
 
 @dataclass(frozen=True)
@@ -133,14 +149,18 @@ def _show(name: str, limit: int = 60) -> str:
     return repr(name if len(name) <= limit else name[:limit] + "…")
 
 
-def _check_preamble(path: Path) -> None:
+def _check_preamble(path: Path, declared_bytes: int | None = None) -> None:
     """The fixed 24-byte header, read with plain file IO before gguf-py maps the
-    file: magic, version, byte order, and both counts against the file size."""
-    size = path.stat().st_size
+    file: magic, version, byte order, and both counts against the file size
+    (`declared_bytes` for a header-only file: the whole file's)."""
+    have = path.stat().st_size
+    size = have if declared_bytes is None else declared_bytes
     if size == 0:
         raise GGUFError(path, "empty file, not a GGUF model")
     with open(path, "rb") as fh:
         head = fh.read(_HEADER_BYTES)
+    if len(head) < min(size, _HEADER_BYTES):
+        raise HeaderIncomplete(path, _HEADER_BYTES, have)
     if len(head) < 4 and b"GGUF".startswith(head):
         raise GGUFError(path, f"truncated GGUF header: the file has {size} bytes, the fixed header alone needs {_HEADER_BYTES}")
     if head[:4] != b"GGUF":
@@ -177,11 +197,24 @@ class _CheckedReader(GGUFReader):
     metadata and tensor-info loops and raise a GGUFError naming the record.
     """
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, declared_bytes: int | None = None):
         self._path = path
+        self._declared = declared_bytes  # a header-only file: the whole file's size
         self._array_budget = MAX_ARRAY_ELEMENTS
-        _check_preamble(path)
+        _check_preamble(path, declared_bytes)
         super().__init__(path)
+
+    @property
+    def file_bytes(self) -> int:
+        """The file's size: the bytes here, or the declared size of a header-only file."""
+        return int(self.data.shape[0]) if self._declared is None else self._declared
+
+    def _past_end(self, end: int, problem: str) -> GGUFError:
+        """Running past the bytes at hand (`problem` says what did): more to fetch (header-only,
+        inside the declared size) or a truncated file."""
+        if self._declared is not None and end <= self._declared:
+            return HeaderIncomplete(self._path, end, int(self.data.shape[0]))
+        return self._fail(f"truncated or corrupt GGUF header: {problem}")
 
     # -- bounded reads ----------------------------------------------------
     def _get(self, offset: int, dtype, count: int = 1, override_order=None) -> np.ndarray:
@@ -202,10 +235,7 @@ class _CheckedReader(GGUFReader):
         """`count` values at `offs`, or a GGUFError if the file ends first."""
         end = offs + np.dtype(dtype).itemsize * count
         if end > self.data.shape[0]:
-            raise self._fail(
-                f"truncated or corrupt GGUF header: {what} runs past the end of the file "
-                f"(needs bytes up to {end}, the file has {int(self.data.shape[0])})"
-            )
+            raise self._past_end(end, f"{what} runs past the end of the file (needs bytes up to {end}, the file has {self.file_bytes})")
         return self._get(offs, dtype, count)
 
     def _read_str(self, offs: int, what: str, max_bytes: int | None = None) -> tuple[np.ndarray, np.ndarray, int]:
@@ -302,13 +332,11 @@ class _CheckedReader(GGUFReader):
         starts, lengths = array("q"), array("q")
         for _ in range(n):
             if offs + 8 > end:
-                raise self._fail(f"truncated or corrupt GGUF header: metadata array {_show(name)} runs past the end of the file")
+                raise self._past_end(offs + 8, f"metadata array {_show(name)} runs past the end of the file")
             (length,) = unpack(buf, offs)
             offs += 8
             if offs + length > end:
-                raise self._fail(
-                    f"truncated or corrupt GGUF header: metadata array {_show(name)} has a string running past the end of the file"
-                )
+                raise self._past_end(offs + length, f"metadata array {_show(name)} has a string running past the end of the file")
             starts.append(offs)
             lengths.append(length)
             offs += length
@@ -340,7 +368,19 @@ class _CheckedReader(GGUFReader):
     def _build_tensors(self, start_offs: int, fields: list) -> None:
         for field in fields:
             self._check_tensor_info(field, start_offs)
-        super()._build_tensors(start_offs, fields)
+        if self._declared is None:
+            super()._build_tensors(start_offs, fields)
+        else:
+            self.tensors = [self._tensor_without_data(f, start_offs) for f in fields]
+
+    def _tensor_without_data(self, field: ReaderField, start_offs: int) -> ReaderTensor:
+        """A header-only file's tensor: gguf-py's record, with its sizes and offset and no bytes."""
+        _name_len, _name_data, _n_dims, dims, raw_type, rel_offset = field.parts
+        qtype = GGMLQuantizationType(int(raw_type[0]))
+        block, size = GGML_QUANT_SIZES[qtype]
+        n = int(np.prod([int(d) for d in dims], dtype=object))
+        offset = start_offs + int(rel_offset[0])
+        return ReaderTensor(field.name, qtype, dims, n, n // block * size, offset, np.empty(0, np.uint8), field)
 
     def _check_tensor_info(self, field: ReaderField, data_start: int) -> None:
         _name_len, _name_data, _n_dims, dims, raw_type, rel_offset = field.parts
@@ -362,7 +402,7 @@ class _CheckedReader(GGUFReader):
         rel, alignment = int(rel_offset[0]), int(self.alignment)
         if rel % alignment:
             raise self._fail(f"tensor {_show(name)} offset {rel} is not aligned to {alignment}")
-        start, file_bytes = data_start + rel, int(self.data.shape[0])
+        start, file_bytes = data_start + rel, self.file_bytes
         if start + nbytes > file_bytes:
             raise self._fail(
                 f"truncated or corrupt: tensor {_show(name)} needs bytes [{start}, {start + nbytes}) but the file has {file_bytes}"
@@ -376,13 +416,13 @@ def _reader_error(path: Path, exc: Exception) -> GGUFError:
     return GGUFError(path, f"unreadable GGUF ({type(exc).__name__}: {' '.join(str(exc).split())[:200]})")
 
 
-def _open_reader(path: Path) -> GGUFReader:
+def _open_reader(path: Path, declared_bytes: int | None = None) -> _CheckedReader:
     if not path.exists():
         raise GGUFError(path, "no such file")
     if path.is_dir():
         raise GGUFError(path, "is a directory, not a GGUF file")
     try:
-        return _CheckedReader(path)
+        return _CheckedReader(path, declared_bytes)
     except GGUFError:
         raise
     except (ValueError, KeyError, IndexError, OverflowError, TypeError, UnicodeDecodeError, MemoryError) as exc:
@@ -477,18 +517,19 @@ def _check_known_keys(path: Path, fields) -> None:
 class GGUFFile:
     """A GGUF model: metadata from the first shard, tensors from every shard."""
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, *, _declared_bytes: Sequence[int] | None = None, _paths: Sequence[Path] | None = None):
         self.path = Path(path)
-        self.paths = split_paths(self.path)
-        self.readers: list[GGUFReader] = []
+        self.paths = list(_paths) if _paths is not None else split_paths(self.path)
+        self.header_only = _declared_bytes is not None  # no tensor bytes here: a forecast's header (from_headers)
+        self.readers: list[_CheckedReader] = []
         self._meta_cache: dict[str, Any] = {}
         self.tensors: dict[str, TensorInfo] = {}
         self._views: dict[str, np.ndarray] = {}
         try:
-            for p in self.paths:
-                self.readers.append(_open_reader(p))
+            for i, p in enumerate(self.paths):
+                self.readers.append(_open_reader(p, None if _declared_bytes is None else _declared_bytes[i]))
                 _check_known_keys(p, self.readers[-1].fields)
-            self.file_sizes = [int(r.data.shape[0]) for r in self.readers]
+            self.file_sizes = [int(r.file_bytes) for r in self.readers]
             for shard, reader in enumerate(self.readers):
                 self._add_shard_tensors(shard, reader)
             if len(self.paths) > 1:
@@ -497,6 +538,16 @@ class GGUFFile:
         except BaseException:
             self.close()  # unmap what was opened: a failed open leaves nothing mapped
             raise
+
+    @classmethod
+    def from_headers(cls, headers: Sequence[tuple[Path, int]]) -> GGUFFile:
+        """A model from its header alone: for each shard in order, a file holding its first
+        bytes (at least its whole header and tensor table) and the whole shard's size.
+        Everything but the tensors' bytes is there: metadata, names, types, shapes, offsets."""
+        if not headers:
+            raise ValueError("from_headers: no shards")
+        paths = [Path(p) for p, _ in headers]
+        return cls(paths[0], _declared_bytes=[int(n) for _, n in headers], _paths=paths)
 
     # -- metadata ---------------------------------------------------------
     @property
@@ -573,6 +624,8 @@ class GGUFFile:
     def view(self, name: str) -> np.ndarray:
         """Zero-copy view of a tensor's bytes (uint8 rows for quantized types)."""
         self.tensor(name)
+        if self.header_only:
+            raise GGUFError(self.path, f"only the header is here: tensor {name!r} has no bytes (pull the model to run it)")
         return self._views[name]
 
     @property

@@ -29,6 +29,26 @@ CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
 
 
 @dataclass(frozen=True)
+class Shape:
+    """The make-model arguments that give a header of the entry's shape (its family's shape
+    preset at the entry's depth, expert count and expert type): what `doctor NAME` forecasts
+    from offline, before anything is fetched (shared/hub/shape.py)."""
+
+    preset: str
+    layers: int | None = None
+    experts: str | None = None  # the routed experts' type, when the mix's own is not it
+    mtp: bool = False
+    n_expert: int | None = None  # a preset's expert count changed (gpt-oss-20b: 32 of gpt-oss-120b's 128)
+
+    def make_args(self) -> dict:
+        """Keyword arguments of makemodel.make_model / make_header."""
+        args: dict = {"layers": self.layers, "experts": self.experts, "mtp": self.mtp}
+        if self.n_expert is not None:
+            args["_overrides"] = {"n_expert": self.n_expert}
+        return args
+
+
+@dataclass(frozen=True)
 class Entry:
     name: str  # what `moe-pipe up NAME` takes: lower case, digits, '-', '.'
     model: str  # the model's own name
@@ -40,6 +60,7 @@ class Entry:
     routed_bytes_per_token: int
     shards: int  # files in the set: 1, or a split set's count
     sizes: str  # where file_bytes and routed_bytes_per_token come from
+    shape: Shape  # its shape as make-model makes it: the offline forecast's header
 
     @property
     def mix(self) -> str:
@@ -85,6 +106,7 @@ CATALOG: tuple[Entry, ...] = (
         1_097_072_640,
         1,
         "shape preset qwen30b-shape",
+        Shape("qwen30b-shape"),
     ),
     Entry(
         "gpt-oss-120b",
@@ -97,6 +119,7 @@ CATALOG: tuple[Entry, ...] = (
         1_908_541_440,
         3,
         "shape preset gptoss120b-shape",
+        Shape("gptoss120b-shape"),
     ),
     Entry(
         "gpt-oss-20b",
@@ -109,6 +132,7 @@ CATALOG: tuple[Entry, ...] = (
         1_272_360_960,
         1,
         "shape preset gptoss120b-shape at 24 layers x 32 experts",
+        Shape("gptoss120b-shape", layers=24, n_expert=32),
     ),
     Entry(
         "gemma-4-26b-a4b",
@@ -121,6 +145,7 @@ CATALOG: tuple[Entry, ...] = (
         945_635_328,
         1,
         "shape preset gemma26b-shape",
+        Shape("gemma26b-shape"),
     ),
     Entry(
         "qwen3.5-35b-a3b",
@@ -133,6 +158,7 @@ CATALOG: tuple[Entry, ...] = (
         609_484_800,
         1,
         "shape preset qwen35-35b-shape with its MTP block (make-model --mtp)",
+        Shape("qwen35-35b-shape", mtp=True),
     ),
     # the same shape as Qwen3.5-35B-A3B; its files carry the MTP block too (checked, never read)
     Entry(
@@ -146,6 +172,7 @@ CATALOG: tuple[Entry, ...] = (
         609_484_800,
         1,
         "shape preset qwen35-35b-shape with its MTP block (make-model --mtp)",
+        Shape("qwen35-35b-shape", mtp=True),
     ),
     # 26 MoE layers (the first is dense) x top-6 of 64, 2048 x 1408 experts
     Entry(
@@ -159,6 +186,7 @@ CATALOG: tuple[Entry, ...] = (
         893_190_144,
         1,
         "shape preset deepseek-v2-lite-shape",
+        Shape("deepseek-v2-lite-shape"),
     ),
     # 45 MoE layers (the first is dense) x top-8 of 128, 4096 x 1408 experts; unsloth keeps it in a Q4_K_M/ folder, 2 shards
     Entry(
@@ -172,6 +200,7 @@ CATALOG: tuple[Entry, ...] = (
         4_126_408_704,
         2,
         "shape preset glm45air-shape (without the NextN block)",
+        Shape("glm45air-shape"),
     ),
     # 42 layers (the first 2 dense; KDA with gated MLA every 6th) x top-8 of 512, 2560 x 768 experts, 1 shared
     Entry(
@@ -185,6 +214,7 @@ CATALOG: tuple[Entry, ...] = (
         1_138_728_960,
         1,
         "shape preset ling-3-flash-shape",
+        Shape("ling-3-flash-shape"),
     ),
     # 43 layers x top-6 of 256, 4096 x 2048 experts, 1 shared; hyper-connections, CSA/HCA attention
     Entry(
@@ -198,6 +228,7 @@ CATALOG: tuple[Entry, ...] = (
         1_673_920_512,
         1,
         "shape preset deepseek-v4-flash-shape with IQ2_XXS experts (make-model --experts IQ2_XXS), the rest the published q4 file's mix",
+        Shape("deepseek-v4-flash-shape", experts="IQ2_XXS"),
     ),
     # 32 layers x top-2 of 8, 4096 x 14336 experts
     Entry(
@@ -211,6 +242,7 @@ CATALOG: tuple[Entry, ...] = (
         6_826_229_760,
         1,
         "shape preset mixtral-8x7b-shape",
+        Shape("mixtral-8x7b-shape"),
     ),
     # 22 MoE layers (the first 2 are dense) x top-4 of 32, 2048 x 1792 experts
     Entry(
@@ -224,6 +256,7 @@ CATALOG: tuple[Entry, ...] = (
         582_844_416,
         1,
         "shape preset lfm2-8b-shape",
+        Shape("lfm2-8b-shape"),
     ),
     # 24 layers x top-4 of 60, 2048 x 1408 experts (the 5632-wide shared expert stays resident)
     Entry(
@@ -237,6 +270,7 @@ CATALOG: tuple[Entry, ...] = (
         553_648_128,
         1,
         ESTIMATE,
+        Shape("qwen15-moe-shape"),
     ),
 )
 

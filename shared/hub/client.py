@@ -148,7 +148,7 @@ def endpoint() -> str:
     return constants.ENDPOINT
 
 
-def _hub_error(repo: str, exc: Exception) -> PullError:
+def hub_error(repo: str, exc: Exception) -> PullError:
     """huggingface_hub's exception as one line that says what to do."""
     from huggingface_hub import errors
 
@@ -176,7 +176,7 @@ def _hub_error(repo: str, exc: Exception) -> PullError:
     return PullError(f"{repo}: cannot reach {where}: {text}; {network.OFFLINE_HINT}")
 
 
-def _network_errors() -> tuple[type[Exception], ...]:
+def network_errors() -> tuple[type[Exception], ...]:
     import httpx2  # huggingface_hub 2.x's HTTP client
 
     return (httpx2.HTTPError, OSError, ValueError)
@@ -191,8 +191,8 @@ def list_files(repo: str, revision: str = "main") -> list[RemoteFile]:
         network.check_reachable(endpoint(), repo)  # no network: one line in seconds, not 24 s of retries
     try:
         tree = list(HfApi(endpoint=endpoint()).list_repo_tree(repo, recursive=True, revision=revision))
-    except _network_errors() as exc:
-        raise _hub_error(repo, exc) from None
+    except network_errors() as exc:
+        raise hub_error(repo, exc) from None
     out = []
     for item in tree:
         if isinstance(item, RepoFile):
@@ -318,8 +318,8 @@ def fetch_file(p: Plan, i: int, on_bytes: Callable[[int], None]) -> Path:
             fh.seek(resume)
             fh.truncate()
             http_get(url, fh, resume_size=resume, headers=build_hf_headers(), expected_size=remote.size, tqdm_class=_counting_bar(on_bytes))
-    except _network_errors() as exc:
-        raise _hub_error(p.repo, exc) from None
+    except network_errors() as exc:
+        raise hub_error(p.repo, exc) from None
     if remote.sha256 is not None:
         got = sha256_of(part)
         if got != remote.sha256.lower():

@@ -11,6 +11,7 @@ the record of pulled models and the embedded tiny model are known:
     catalog_entry(arg)              -> Entry   the catalog entry a command's MODEL argument names (None: a file)
     pulled_path(entry)              -> Path    the file `pull` fetched for it, or the pull command as the error
     load_model_argument(arg, overrides) -> Config  a run's config from MODEL|CONFIG|NAME, as every command takes it
+    unpulled_model(arg, overrides)  -> (Config, Entry) | None  a catalog model not pulled yet, for a forecast before the download
 """
 
 from __future__ import annotations
@@ -127,3 +128,23 @@ def load_model_argument(arg: str | None, overrides: Mapping[str, Any]) -> Config
     if arg:
         overrides["model.path"] = arg if arg == EMBEDDED_MODEL else str(Path(arg).resolve())
     return load_runnable(None, overrides)
+
+
+def unpulled_model(arg: str | None, overrides: Mapping[str, Any]) -> tuple[Config, catalog.Entry] | None:
+    """When MODEL|CONFIG|NAME names a catalog model that is not pulled (a catalog name, or a
+    config whose model.catalog names one and no model.path): the config its run would take
+    (the recipe's, with no model file) and the entry; None for anything else, which
+    `load_model_argument` opens or refuses as before."""
+    overrides = dict(overrides)
+    if not arg or overrides.get("model.path"):
+        return None
+    if arg.lower().endswith(".toml"):
+        cfg = resolve_model(load_config(arg, overrides))
+        if not cfg.model.catalog or cfg.model.path:
+            return None
+        return cfg, catalog.get(cfg.model.catalog)
+    entry = catalog_entry(arg)
+    if entry is None or store.find_pulled(entry.repo, entry.quant) is not None:
+        return None
+    recipe = entry.recipe_path()
+    return resolve_model(load_config(recipe if recipe.is_file() else None, overrides)), entry

@@ -60,8 +60,10 @@ def make_model(
     *,
     experts: str | None = None,
     sparse: bool = False,
+    header_only: bool = False,
     mtp: bool = False,
     _overrides: dict | None = None,
+    _file_bytes: list[int] | None = None,
 ) -> Path:
     """Write a random-weight GGUF model of `arch` (a GGUF arch, or a family's own
     name: registry.by_name) shaped like `preset` to `out`.
@@ -84,6 +86,9 @@ def make_model(
     * `sparse` (tests, dry runs) leaves the tensor data as a hole: zeros, which
       are valid blocks with zero scales. Header, tensor table and file size are
       exact, so a full-depth shape preset can be inspected at no disk cost.
+    * `header_only` writes the header and tensor table and no data at all (a few MB for
+      any preset): what a forecast reads before the download (shared/hub/shape.py),
+      opened with `GGUFFile.from_headers` and the whole file's size (`make_header` returns it).
     * `mtp` adds the NextN/MTP block after the decoder's layers, as llama.cpp's converter
       writes it by default for the families whose checkpoints carry one (qwen35moe;
       shared/gguf/nextn.py): block_count counts it, nextn_predict_layers is 1. Off by
@@ -105,7 +110,7 @@ def make_model(
     part = out.with_name(out.name + ".part")
     _check_writable(out.parent, part)  # a missing folder is made
     free = shutil.disk_usage(out.parent).free
-    if not sparse and total > free:
+    if not (sparse or header_only) and total > free:
         raise UserError(
             f"{out}: the {arch} {preset} model needs {_size(total)} but only {_size(free)} is free there; use --layers to cut depth"
         )
@@ -118,7 +123,11 @@ def make_model(
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
-        if sparse:
+        if _file_bytes is not None and w.fout is not None:
+            _file_bytes.append(_data_end(w.fout[0].tell(), specs, w.data_alignment))
+        if header_only:
+            specs = []
+        elif sparse:
             _leave_data_as_hole(w, specs)
             specs = []
         done = 0
@@ -188,8 +197,20 @@ def _leave_data_as_hole(w: GGUFWriter, specs: list[TensorSpec]) -> None:
     if w.fout is None:
         raise RuntimeError("_leave_data_as_hole: the GGUF writer has no open file (call it after the header is written)")
     fout = w.fout[0]
-    start = GGUFWriter.ggml_pad(fout.tell(), w.data_alignment)
-    fout.truncate(start + sum(GGUFWriter.ggml_pad(s.nbytes, w.data_alignment) for s in specs))
+    fout.truncate(_data_end(fout.tell(), specs, w.data_alignment))
+
+
+def _data_end(header_end: int, specs: list[TensorSpec], alignment: int) -> int:
+    """The file's size once every tensor is written after a header ending at `header_end`."""
+    return GGUFWriter.ggml_pad(header_end, alignment) + sum(GGUFWriter.ggml_pad(s.nbytes, alignment) for s in specs)
+
+
+def make_header(arch: str, preset: str, out: Path | str, layers: int | None = None, **kw) -> int:
+    """`make_model(..., header_only=True)`: write the header and tensor table of that model to
+    `out` (a few MB for any preset); the whole file's size, which the header alone cannot say."""
+    sizes: list[int] = []
+    make_model(arch, preset, out, layers, header_only=True, _file_bytes=sizes, **kw)
+    return sizes[0]
 
 
 # --- arguments ----------------------------------------------------------------

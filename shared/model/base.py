@@ -103,6 +103,7 @@ class MoEModel:
         self.output_norm = self.w.vector(self.output_norm_name)
         self.output = self.w.matrix("output.weight") if self.w.has("output.weight") else self.embd
         self.layers = [self.load_layer(i) for i in range(self.spec.n_layer)]
+        self._decoding = False  # the pass running is a decode step's (one token, or a verify pass's few)
 
     # -- per family ----------------------------------------------------------
     def load_layer(self, i: int) -> dict:
@@ -147,7 +148,7 @@ class MoEModel:
         batch with `prefetch_prompt`, for a decoded token with `prefetch_next`."""
         if self.router_input_observer is not None:
             self.router_input_observer(i, router_input)
-        wanted = self.prefetch_next if router_input.shape[0] == 1 else self.prefetch_prompt
+        wanted = self.prefetch_next if self._decoding else self.prefetch_prompt
         if wanted and i + 1 < self.spec.n_layer:
             self.guess_layer(i + 1, router_input)
 
@@ -183,8 +184,10 @@ class MoEModel:
         (what the budget counts: shared/gguf/spec.py kv_cache_bytes)."""
         return KVCache.for_spec(self.spec, n_ctx, kv_type or self.kv_type)
 
-    def forward(self, tokens, cache: KVCache, all_logits: bool = False) -> np.ndarray:
-        """Run tokens at the cache's next positions; logits [T, V] or [1, V] (last)."""
+    def forward(self, tokens, cache: KVCache, all_logits: bool = False, decoding: bool = False) -> np.ndarray:
+        """Run tokens at the cache's next positions; logits [T, V] or [1, V] (last).
+        `decoding`: the rows are a decode step's (a verify pass: a token and its drafts),
+        prefetched as a decoded token is (`prefetch_next`), not as a prompt's batch."""
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
         if tokens.size == 0:
             raise ValueError("forward needs at least one token")
@@ -194,7 +197,8 @@ class MoEModel:
         positions = np.arange(start, start + tokens.size)
         with self.stage("embed"):
             x = self.embed(tokens)
-        if self.prefetch_next and tokens.size == 1:
+        self._decoding = decoding or tokens.size == 1
+        if self.prefetch_next and self._decoding:
             # The first MoE layer has no earlier router input to guess from: its router
             # on the token's embedding, so its reads start while the layers before it run.
             first = self.spec.n_dense_lead
@@ -217,3 +221,14 @@ class MoEModel:
 
     def decode_one(self, token: int, cache: KVCache) -> np.ndarray:
         return self.forward(np.array([token]), cache)[-1]
+
+    def drafts_judged(self, drafted: int, kept: int) -> None:
+        """Told when a verify pass's drafts are settled: `kept` of its `drafted` were
+        kept. Nothing to do here; a metered model's telemetry records it."""
+
+    def verify(self, tokens, cache: KVCache, redo: int = 0) -> np.ndarray:
+        """A decoded token and its drafts in one pass: every position's logits [T, V]. The
+        kernels are batch-exact, so row j is what `decode_one` gives at that position after
+        the rows before it (shared/text/speculate.py relies on it). `redo`: how many leading
+        rows are accepted tokens a rollback runs again (a hybrid model's; telemetry counts them apart)."""
+        return self.forward(tokens, cache, all_logits=True, decoding=True)

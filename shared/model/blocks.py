@@ -228,6 +228,9 @@ class KVCache:
         self.n = 0  # positions filled (all layers advance together)
         # A hybrid model's (qwen35moe) recurrent layers keep their state here, not in K/V.
         self.state: RecurrentState | None = None
+        # q8_0 attention takes a pass's queries in blocks, which round unlike one query alone; a
+        # verify pass's rows must be what decode steps compute, so it sets this (shared/model/session.py).
+        self.rows_alone = False
 
     @classmethod
     def for_spec(cls, spec: ModelSpec, n_ctx: int, kv_type: str, prompt_block: int = SWA_PROMPT_BLOCK) -> KVCache:
@@ -299,6 +302,14 @@ class KVCache:
             self.state.reset()
         self.n = max(0, min(self.n, n))
 
+    def rewind(self, n: int, snap: tuple) -> None:
+        """Go back to position n with the recurrent state as `snap` (its `snapshot` taken
+        when the cache held n): what `truncate` cannot do on a hybrid model's cache."""
+        if self.state is None or not 0 <= n <= self.n or not self.holds_window(n):
+            raise ValueError(f"cannot rewind this cache from {self.n} to {n} positions")
+        self.state.restore(snap)
+        self.n = n
+
     def parts(self) -> list[np.ndarray]:
         """Every stored array, [Hk, rows, x], in a fixed order (per layer: K, its
         q8_0 scales if any, V, its scales)."""
@@ -318,6 +329,19 @@ class RecurrentState:
     def reset(self) -> None:
         for a in (*self.conv.values(), *self.delta.values()):
             a.fill(0)
+
+    def snapshot(self) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray]]:
+        """A copy of the state, for `restore`: the state cannot be rewound, so a pass that
+        may have to be undone (a prompt's chunk, a verify pass's drafts) keeps where it began."""
+        return {i: a.copy() for i, a in self.conv.items()}, {i: a.copy() for i, a in self.delta.items()}
+
+    def restore(self, snap: tuple[dict[int, np.ndarray], dict[int, np.ndarray]]) -> None:
+        """Put a `snapshot` back, in place (the layers hold these arrays)."""
+        conv, delta = snap
+        for i, a in conv.items():
+            self.conv[i][:] = a
+        for i, a in delta.items():
+            self.delta[i][:] = a
 
     @property
     def nbytes(self) -> int:
@@ -358,7 +382,7 @@ def attention(
     out = np.empty((t, hk, g, dv), np.float32)
     # Queries in blocks (a decode step is one): the same blocks for the same (start, T), so a
     # position's numbers repeat in a fresh run chunked alike (docs/conversations.md § Prefix reuse).
-    step = max(1, Q8_SCORE_ELEMENTS // max(1, h * (n - first)))
+    step = 1 if cache.rows_alone else max(1, Q8_SCORE_ELEMENTS // max(1, h * (n - first)))
     for a in range(0, t, step):
         b = min(t, a + step)
         lo = max(0, start + a - window + 1) if window else 0  # this block's first key

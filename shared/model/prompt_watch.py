@@ -126,17 +126,13 @@ class PromptWatch:
         """The pass stopped half way: put the recurrent state back to the end of the
         last chunk done, which is where the cache's count of positions stands."""
         if self.armed and self.saved is not None and self.cache is not None and self.cache.state is not None:
-            conv, delta = self.saved
-            for i, a in conv.items():
-                self.cache.state.conv[i][:] = a
-            for i, a in delta.items():
-                self.cache.state.delta[i][:] = a
+            self.cache.state.restore(self.saved)
         self._disarm()
 
     def _save_state(self) -> None:
         state = getattr(self.cache, "state", None)
         if state is not None:
-            self.saved = ({i: a.copy() for i, a in state.conv.items()}, {i: a.copy() for i, a in state.delta.items()})
+            self.saved = state.snapshot()
 
     def _send(self, processed: int) -> None:
         now = self.clock()

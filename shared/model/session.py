@@ -53,6 +53,11 @@ class Session:
     def __init__(self, cache: KVCache | None = None, ids: Sequence[int] = ()):
         self.cache = cache
         self.ids: list[int] = list(ids)
+        # Speculative decoding (shared/text/speculate.py): where the last verify pass began and, on a
+        # recurrent model, the state there; and the accepted tokens a rollback put back to be run again.
+        self._verify_from = 0
+        self._verify_state: tuple | None = None
+        self.redo: list[int] = []
 
     @property
     def n(self) -> int:
@@ -73,6 +78,7 @@ class Session:
         if self.cache is not None and n < self.cache.n:
             self.cache.truncate(n)
         del self.ids[max(n, 0) :]
+        self.redo, self._verify_state = [], None
 
     def reset(self) -> None:
         """Forget everything (the cache's memory is kept for the next request)."""
@@ -105,11 +111,57 @@ class Session:
 
     def feed(self, model, ids: Sequence[int], batch: int = 0) -> np.ndarray:
         """Run `ids` at the next positions: a prompt's batches of `batch`, or
-        with batch 0 one decoded token; the last position's logits [V]."""
+        with batch 0 one decoded token; the last position's logits [V]. Tokens a
+        rollback put back (`redo`) run first, in the same pass."""
+        if self.redo:
+            return self.verify(model, ids)[-1]
         self.ids[self.n :] = [int(t) for t in ids]
         if batch == 0:
             return model.decode_one(int(ids[0]), self.cache)
         return model.prefill(list(ids), self.cache, batch=batch)
+
+    def verify(self, model, ids: Sequence[int]) -> np.ndarray:
+        """Run a decoded token and its drafts at the next positions in one pass (with any
+        `redo` tokens before them); their logits [len(ids), V]. `rollback` undoes the
+        drafts found wrong: a recurrent state is copied here, once per pass, to go back to."""
+        if self.cache is None:
+            raise ValueError("verify needs the session's cache (Session.cache_for)")
+        run = self.redo + [int(t) for t in ids]
+        self._verify_from = self.n
+        state = self.cache.state
+        self._verify_state = state.snapshot() if state is not None else None
+        self.ids[self.n :] = run
+        self.redo = []
+        self.cache.rows_alone = True  # q8_0 attention: each row as a decode step computes it
+        try:
+            return model.verify(run, self.cache, len(run) - len(ids))[len(run) - len(ids) :]
+        finally:
+            self.cache.rows_alone = False
+
+    def rollback(self, n: int) -> None:
+        """Forget the last `n` positions, a verify pass's drafts found wrong. KV rows are
+        simply not counted; a recurrent state, which cannot be rewound, goes back to the
+        pass's start and the accepted tokens since then wait in `redo` for the next pass,
+        which runs them as extra rows (no pass of their own)."""
+        if n <= 0:
+            return
+        keep = self.n - n
+        if self.cache is None or self.cache.state is None:
+            self.truncate(keep)
+            return
+        if self._verify_state is None or keep < self._verify_from:
+            raise ValueError(f"cannot roll back {n} positions: the last verify pass began at {self._verify_from}")
+        redo, snap = self.ids[self._verify_from : keep], self._verify_state
+        self.cache.rewind(self._verify_from, snap)
+        del self.ids[self._verify_from :]
+        self.redo, self._verify_state = redo, None
+
+    def settle(self, model) -> None:
+        """Run any `redo` tokens now, so the cache holds every token it names (the end of a
+        generation: the next request's prefix reuse compares against `tokens`)."""
+        if self.redo:
+            self.verify(model, [])
+            self._verify_state = None
 
     def shift(self, model, n_keep: int, batch: int) -> int:
         """The cache is full: keep its first `n_keep` positions, drop half of
@@ -118,6 +170,7 @@ class Session:
         equals a fresh run on them, for every RoPE variant and sliding window:
         docs/conversations.md § Context shift). Returns the positions freed, 0
         when nothing can be dropped."""
+        self.settle(model)  # tokens a rollback put back are held first: the shift keeps them
         n = self.n
         n_ctx = self.cache.n_ctx if self.cache is not None else n
         keep = max(0, min(n_keep, n_ctx - MIN_KEEP_FREE, n))

@@ -18,10 +18,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ..config import MAX_DRAFT
 from ..errors import UserError
 from ..model.session import Session
 from .context import check_prompt_fits
 from .sampling import Constraint, Sampler, SamplingParams
+from .speculate import Drafter, Speculation
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,8 @@ class GenerationConfig:
     cache_prompt: bool = True  # reuse the session's common prefix (no effect without a session)
     context_shift: bool = False  # a full cache drops its oldest tokens past n_keep instead of ending the generation
     n_keep: int = 0  # tokens at the start kept by a shift (after a BOS, which is always kept); -1 = the whole prompt
+    draft: int = 0  # speculative decoding: drafts per verify pass at most (0 = off; shared/text/speculate.py)
+    draft_adapt: bool = True  # each pass's width from the measured acceptance and pass cost (speculate.WidthChooser)
 
     def __post_init__(self):
         if self.max_tokens < 0:
@@ -42,6 +46,8 @@ class GenerationConfig:
             raise UserError(f"context size must be ≥ 1, not {self.n_ctx}")
         if self.prefill_batch < 1:
             raise UserError(f"prefill batch must be ≥ 1, not {self.prefill_batch}")
+        if not 0 <= self.draft <= MAX_DRAFT:
+            raise UserError(f"draft must be 0..{MAX_DRAFT} tokens per pass, not {self.draft}")
         if self.n_keep < -1:
             raise UserError(f"n_keep must be ≥ -1 (-1 = the whole prompt), not {self.n_keep}")
 
@@ -99,6 +105,7 @@ def generate(
     on_text: Callable[[str], None] | None = None,
     session: Session | None = None,
     constraint: Constraint | None = None,
+    drafter: Drafter | None = None,
 ) -> Generation:
     if not prompt_tokens:
         raise UserError("the prompt is empty after tokenization")
@@ -119,6 +126,9 @@ def generate(
     logits = session.feed(model, prompt_tokens[cached:], batch=cfg.prefill_batch)
     t1 = time.perf_counter()
     history = list(prompt_tokens)
+    spec = Speculation(session, drafter, cfg.draft, cfg.draft_adapt) if drafter is not None and cfg.draft > 0 else None
+    if spec is not None:
+        spec.drafter.start(history)
     while True:
         if len(out.tokens) >= cfg.max_tokens:
             out.finish_reason = "length"
@@ -142,12 +152,25 @@ def generate(
         if len(out.tokens) >= cfg.max_tokens:  # no forward pass for a token nobody will read
             out.finish_reason = "length"
             break
-        if session.n >= cfg.n_ctx:
+        if spec is not None:
+            ahead = spec.next_logits(token)  # the verify pass computed it: the token was its draft
+            if ahead is not None:
+                logits = ahead
+                continue
+        if session.n + len(session.redo) >= cfg.n_ctx:
             if not (cfg.context_shift and session.shift(model, n_keep, cfg.prefill_batch)):
                 out.finish_reason = "context"
                 break
             shifts += 1
-        logits = session.feed(model, [token])
+        if spec is not None:
+            room = min(cfg.n_ctx - session.n - len(session.redo) - 1, cfg.max_tokens - len(out.tokens) - 1)
+            logits = spec.step(model, token, history, room)
+        else:
+            logits = session.feed(model, [token])
+    if spec is not None:  # the cache holds what plain decoding leaves: the prompt and the output but its last token
+        spec.drop()
+        spec.judge(model)
+        session.settle(model)
     out.text += decoder.flush() if out.finish_reason != "stop" else ""
     if on_text and len(out.text) > emitted:
         on_text(out.text[emitted:])
@@ -164,4 +187,6 @@ def generate(
         "predicted_tok_s": round(n_dec / max(t2 - t1, 1e-9), 3) if n_dec else 0.0,
         "context_shifts": shifts,
     }
+    if spec is not None:
+        out.timings.update(draft_passes=spec.stats.passes, draft_n=spec.stats.drafted, draft_accepted=spec.stats.accepted)
     return out

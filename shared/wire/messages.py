@@ -47,7 +47,8 @@ import msgpack
 MAX_FRAME_BYTES = 1 << 20
 # Bumped when a message's fields change; carried in Hello so mixed versions
 # (an old compute talking to a new reader after an upgrade) are refused.
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
+DRAFT_FROM_CONFIG = 255  # Generate.draft: no width of the request's own, compute.draft's (the wire's ints are unsigned)
 
 _MAX_DEPTH = 8  # nesting inside a dict[str, Any] value (status payloads)
 _MAX_U64 = (1 << 64) - 1
@@ -433,6 +434,8 @@ class TokenRecord(_Message):
     resident_bytes: int = 0
     attention_ms: float = 0.0
     pass_tokens: int = 0
+    drafted: int = 0
+    accepted: int = 0  # of `drafted`, the ones the output kept: the pass gave 1 + accepted tokens
 
 
 @_wire(Kind.RUN_SUMMARY)
@@ -451,6 +454,8 @@ class RunSummary(_Message):
     budget_mib: float
     resident_mib: float
     peak_rss_mib: float
+    drafted: int = 0  # speculative decoding: drafts verified, and of them kept
+    accepted: int = 0
 
 
 # -------------------------------------------------------------------- control
@@ -507,6 +512,7 @@ class Generate(_Message):
     ignore_eos: bool = False
     cache_prompt: bool = True  # start from the KV compute holds when it shares a prefix with the prompt (docs/conversations.md)
     grammar: str = ""  # llguidance grammar JSON the output must follow (shared/text/constrain.py); "" = free text
+    draft: int = DRAFT_FROM_CONFIG  # speculative decoding's drafts per verify pass for this request
 
 
 @_wire(Kind.TOKEN)

@@ -49,6 +49,14 @@ def mla_attention(q: np.ndarray, cache: KVCache, layer: int, start: int, scale: 
         k = stored[0]  # [1, n_ctx, r + rope]: each key's first r columns are its value
         return attend(q.reshape(t, 1, h, d), k, r, 0, start, 0, scale, None).reshape(t, h, r)
     keys = cache.keys(layer, 0, n)[0]  # q8_0: float32 [N, r + rope]
+    if cache.rows_alone:  # a verify pass: each row over its own keys, as its decode step computes it
+        return np.concatenate([_mla_q8(q[a : a + 1], keys[: start + a + 1], start + a, scale, r) for a in range(t)])
+    return _mla_q8(q, keys, start, scale, r)
+
+
+def _mla_q8(q: np.ndarray, keys: np.ndarray, start: int, scale: float, r: int) -> np.ndarray:
+    """mla_attention on dequantized keys [N, r + rope] for queries at start.. (causal)."""
+    n = keys.shape[0]
     scores = np.einsum("thd,nd->htn", q, keys) * np.float32(scale)  # [H, T, N]
     hidden = np.arange(n)[None, :] > np.arange(start, n)[:, None]  # [T, N]
     scores = np.where(hidden[None], np.float32(-np.inf), scores)

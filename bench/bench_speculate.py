@@ -1,0 +1,209 @@
+"""Speculative decoding's mechanism, measured: the verify pass's cost for 1-5 rows
+and its extra expert reads, and tok/s with drafts replayed from a plain greedy run
+at a chosen acceptance, next to plain decoding in the same run.
+
+    python bench/bench_speculate.py [--layers 8] [--model PATH] [-n 64] [--widths 1,2,3,4]
+                                    [--accuracy 1,0.8,0.6,0.4] [--adaptive] [--stream --limit-mb MB]
+
+Random weights draft nothing a real model would accept, so the drafts come from
+the plain run's own tokens (shared/text/speculate.py ReplayDrafter), each made
+wrong with probability 1 - accuracy: these are mechanism figures, not a model's
+acceptance. Resident (the default): one process, the model in RAM, as `run
+--no-stream`. With --stream: the engine's pipeline (reader, compute, the expert
+cache at --cache-mb or the budget of --limit-mb) on the file, warm after a first
+plain run; each figure is the median of --repeat runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _models import shape_model  # noqa: E402  (bench/ is the script's folder)
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", help="GGUF to use (default: make a qwen30b-shape model cut to --layers)")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("-n", type=int, default=64, help="decode tokens")
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--widths", default="1,2,3,4")
+    p.add_argument("--accuracy", default="1,0.8,0.6,0.4", help="per draft token, the chance it is right")
+    p.add_argument("--adaptive", action="store_true", help="also run the adaptive width (compute.draft_adapt)")
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--stream", action="store_true", help="through the engine's pipeline instead of resident")
+    p.add_argument("--cache-mb", type=float, help="--stream: the expert cache (default: the config's auto budget)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="--stream: more config overrides")
+    return p.parse_args(argv)
+
+
+def prompt_ids(n: int, n_vocab: int) -> list[int]:
+    return [(i * 7919 + 13) % min(n_vocab, 4000) + 10 for i in range(n)]
+
+
+# -- resident -------------------------------------------------------------------------------
+
+
+class Resident:
+    """The model in this process; routing observed to count a pass's distinct experts."""
+
+    def __init__(self, path: Path, threads: int):
+        from moe_pipe.shared import quant
+        from moe_pipe.shared.gguf.model_file import open_model
+        from moe_pipe.shared.model.load import ModelOptions, load_model
+
+        quant.set_threads(threads)
+        quant.one_blas_thread()
+        self.mf = open_model(path)
+        self.routes: list[tuple[int, object]] = []
+        options = ModelOptions(kv_type="f16", route_observer=lambda i, r: self.routes.append((i, r)))
+        self.model = load_model(self.mf, options=options)
+        self.model.prefill([1, 2, 3, 4], self.model.new_cache(16))  # compile outside the timing
+
+    def generate(self, prompt, n, drafter=None, width=0):
+        from moe_pipe.shared.model.session import Session
+        from moe_pipe.shared.text.generate import GenerationConfig, generate
+        from moe_pipe.shared.text.sampling import SamplingParams
+
+        tok = _NoText()
+        cfg = GenerationConfig(max_tokens=n, ignore_eos=True, draft=width, n_ctx=len(prompt) + n + 16, prefill_batch=len(prompt))
+        g = generate(self.model, tok, prompt, SamplingParams(), cfg, session=Session(), drafter=drafter)
+        return g
+
+    def verify_cost(self, prompt, continuation, rows: int, repeat: int) -> tuple[float, int]:
+        """(median ms of a verify pass of `rows` rows after the prompt, distinct routed experts it touched)."""
+        import numpy as np
+
+        cache = self.model.new_cache(len(prompt) + 16)
+        self.model.prefill(prompt, cache, batch=len(prompt))
+        n0 = cache.n
+        times = []
+        for _ in range(repeat):
+            cache.truncate(n0)
+            self.routes.clear()
+            t0 = time.perf_counter()
+            self.model.verify(np.asarray(continuation[:rows]), cache)
+            times.append((time.perf_counter() - t0) * 1e3)
+        experts = sum(len({int(e) for e in r.ids.reshape(-1)}) for _, r in self.routes)
+        return statistics.median(times), experts
+
+
+class _NoText:
+    """The tokenizer's part generate uses, for a benchmark that never reads the text."""
+
+    eog_ids: frozenset = frozenset()
+    bos_id = None
+
+    def stream(self):
+        return self
+
+    def feed(self, token):
+        return ""
+
+    def flush(self):
+        return ""
+
+
+def resident(args, path: Path) -> None:
+    from moe_pipe.shared.text.speculate import ReplayDrafter
+
+    r = Resident(path, args.threads)
+    spec = r.mf.spec
+    prompt = prompt_ids(args.prompt_tokens, spec.n_vocab)
+    slab = r.mf.layout.slab_bytes
+    print(
+        f"model: {path.name} ({spec.arch}, {spec.n_layer} layers, {r.mf.gguf.file_bytes / 2**30:.2f} GiB), resident; "
+        f"prompt {len(prompt)} tokens, {args.n} decoded, threads {args.threads}, medians of {args.repeat}"
+    )
+    r.generate(prompt, args.n)  # the decode kernels compile outside the timing
+    plain = [r.generate(prompt, args.n) for _ in range(args.repeat)]
+    reference = plain[0].tokens
+    plain_tps = statistics.median(g.timings["predicted_tok_s"] for g in plain)
+
+    print("\n(a) one verify pass after the prompt: rows = the decoded token and its drafts")
+    print(f"{'rows':>5}{'ms':>10}{'x one row':>11}{'experts':>9}{'extra expert MiB':>18}")
+    base_ms = base_experts = None
+    for rows in range(1, 6):
+        ms, experts = r.verify_cost(prompt, reference, rows, max(5, args.repeat))
+        base_ms, base_experts = base_ms or ms, base_experts or experts
+        print(f"{rows:>5}{ms:>10.1f}{ms / base_ms:>11.2f}{experts:>9}{(experts - base_experts) * slab / 2**20:>18.1f}")
+
+    print(f"\n(b) decode with replayed drafts: plain {plain_tps:.2f} tok/s")
+    print(f"{'width':>6}{'accuracy':>10}{'accepted':>10}{'tok/s':>9}{'x plain':>9}{'passes':>8}")
+    for acc in [float(a) for a in args.accuracy.split(",")]:
+        for width in [int(w) for w in args.widths.split(",")]:
+            runs = [r.generate(prompt, args.n, ReplayDrafter(reference, acc, seed=k), width) for k in range(args.repeat)]
+            assert all(g.tokens == reference for g in runs), "speculative output differs from plain output"
+            tps = statistics.median(g.timings["predicted_tok_s"] for g in runs)
+            t = runs[0].timings
+            rate = t["draft_accepted"] / max(t["draft_n"], 1)
+            passes = len(reference) - 1 - t["draft_accepted"]  # every token after the first: a pass's, or a kept draft's
+            print(f"{width:>6}{acc:>10.2f}{rate:>10.0%}{tps:>9.2f}{tps / plain_tps:>9.2f}{passes:>8}")
+    r.mf.close()
+
+
+# -- streamed -------------------------------------------------------------------------------
+
+
+def streamed(args, path: Path) -> None:
+    from moe_pipe.procs.pipeline import start_pipeline
+    from moe_pipe.shared.config import load_config
+    from moe_pipe.shared.gguf.model_file import open_model
+
+    with open_model(path) as mf:
+        prompt = prompt_ids(args.prompt_tokens, mf.spec.n_vocab)
+        desc = f"{mf.spec.arch}, {mf.spec.n_layer} layers, {mf.gguf.file_bytes / 2**30:.2f} GiB"
+    base = {"model.path": str(path), "compute.threads": args.threads, **dict(kv.split("=", 1) for kv in args.set)}
+    if args.cache_mb:
+        base["cache.cache_mb"] = args.cache_mb
+    tmp = Path(tempfile.mkdtemp(prefix="bench-speculate-"))
+    replay = tmp / "drafts.json"
+
+    def one(pipe, draft: int) -> dict:
+        done = pipe.generate(prompt, {"temperature": 0.0}, args.n, ignore_eos=True, draft=draft)
+        return {**dict(done.timings), "ids": list(done.tokens)}
+
+    # The replay file is read at each request, so each run below rewrites it (its accuracy, its seed).
+    replay.write_text(json.dumps({"tokens": [], "accuracy": 1.0}))
+    cfg = load_config(None, {**base, "compute.draft_replay": str(replay)})
+    print(f"model: {path.name} ({desc}), streamed; prompt {len(prompt)} tokens, {args.n} decoded, medians of {args.repeat}")
+    with start_pipeline(cfg, path) as pipe:
+        warm = one(pipe, 0)
+        print(
+            f"expert cache {pipe.resolved.n_slabs * pipe.resolved.slab_bytes / 2**20:.0f} MiB; warm-up run {warm['predicted_tok_s']:.2f} tok/s"
+        )
+        reference = warm["ids"]
+        plain = [one(pipe, 0) for _ in range(args.repeat)]
+        plain_tps = statistics.median(p["predicted_tok_s"] for p in plain)
+        print(f"plain {plain_tps:.2f} tok/s")
+        print(f"{'width':>6}{'accuracy':>10}{'accepted':>10}{'tok/s':>9}{'x plain':>9}")
+        for acc in [float(a) for a in args.accuracy.split(",")]:
+            for width in [int(w) for w in args.widths.split(",")]:
+                runs = []
+                for k in range(args.repeat):
+                    replay.write_text(json.dumps({"tokens": reference, "accuracy": acc, "seed": k}))
+                    runs.append(one(pipe, width))
+                assert all(g["ids"] == reference for g in runs), "speculative output differs from plain output"
+                tps = statistics.median(g["predicted_tok_s"] for g in runs)
+                rate = runs[0]["draft_accepted"] / max(runs[0]["draft_n"], 1)
+                print(f"{width:>6}{acc:>10.2f}{rate:>10.0%}{tps:>9.2f}{tps / plain_tps:>9.2f}")
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    path = shape_model(args.model, args.layers)
+    (streamed if args.stream else resident)(args, path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

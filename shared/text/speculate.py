@@ -1,0 +1,255 @@
+"""Speculative decoding that changes speed, never output (docs/speculative.md).
+
+A drafter guesses the next few tokens; one verify pass runs the decoded token and
+its drafts as rows of one batch (`Session.verify`: each routed expert read once and
+applied to all its rows in one GEMM); then the tokens are sampled from the rows'
+logits one after another, exactly as plain decoding would sample them, and a
+draft is kept while it equals what was sampled. The kernels are batch-exact, so
+row j's logits are the ones plain decoding computes at that position: the output
+is the plain output, token for token, greedy or sampled with the same seed.
+
+Sampling this way is the standard speculative-sampling rule for a drafter whose
+guess is certain (its distribution q is all on the draft d): d is kept with
+probability p(d) = min(1, p(d)/q(d)), and otherwise the token comes from
+p without d, renormalised, the rule's residual (p − q)+. Drawing from p first and
+comparing gives both at once and spends one draw per emitted token, the draws
+plain decoding spends.
+
+    drafter_for(source, ...)      "ngram" → NGramDrafter; "none" → None
+    Speculation(session, ...)     the drafts in flight, accepted or rolled back
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from ..config import DRAFT_SOURCES, MAX_DRAFT
+from ..errors import UserError
+from ..model.session import Session
+
+
+class Drafter(Protocol):
+    """Guesses what follows `history` (prompt and output so far, the last token decoded included)."""
+
+    def start(self, prompt: Sequence[int]) -> None:
+        """A generation begins after `prompt`."""
+
+    def propose(self, history: Sequence[int], n: int) -> list[int]: ...
+
+
+class NGramDrafter:
+    """Prompt lookup: the tokens that followed the latest earlier occurrence of the
+    history's last g tokens, the longest g from `max_n` down to `min_n` that occurs.
+    Repeated text (code being edited, a document quoted back, a list's pattern) is
+    drafted; anything else drafts nothing and costs nothing. The index of g-grams
+    grows with the history, so a proposal is a few dict lookups."""
+
+    def __init__(self, max_n: int = 4, min_n: int = 2):
+        self.max_n, self.min_n = max_n, min_n
+        self._last: dict[tuple[int, ...], int] = {}  # g-gram → end of its latest occurrence (exclusive)
+        self._indexed = 0  # grams ending before this position are in _last
+        self._history: list[int] = []
+
+    def start(self, prompt: Sequence[int]) -> None:
+        self._extend(prompt)
+
+    def propose(self, history: Sequence[int], n: int) -> list[int]:
+        h = self._extend(history)
+        end = len(h)
+        for g in range(min(self.max_n, end - 1), self.min_n - 1, -1):
+            at = self._last.get(tuple(h[end - g :]))
+            if at is not None:
+                return h[at : at + n]
+        return []
+
+    def _extend(self, history: Sequence[int]) -> list[int]:
+        """Index every gram that ends before the history's last position (the last
+        one's own gram must not find itself)."""
+        h = self._history
+        if len(history) < len(h) or list(history[: len(h)]) != h:  # not a continuation: start over
+            h, self._last, self._indexed = [], {}, 0
+        h.extend(int(t) for t in history[len(h) :])
+        self._history = h
+        for end in range(max(self._indexed, 1), len(h)):
+            for g in range(self.min_n, min(self.max_n, end) + 1):
+                self._last[tuple(h[end - g : end])] = end
+        self._indexed = max(self._indexed, len(h))
+        return h
+
+
+class ReplayDrafter:
+    """Benchmarks only: drafts from a recorded greedy continuation `tokens` of the
+    prompt, each draft token made wrong with probability 1 - `accuracy` (its id + 1),
+    so the verify mechanism is measured at a chosen acceptance (random weights'
+    own drafts are noise). The continuation starts where the prompt ends."""
+
+    def __init__(self, tokens: Sequence[int], accuracy: float = 1.0, seed: int = 0, n_vocab: int = 1 << 31):
+        if not 0.0 <= accuracy <= 1.0:
+            raise UserError(f"a replay drafter's accuracy must be in [0, 1], not {accuracy}")
+        self.tokens, self.accuracy, self.n_vocab = [int(t) for t in tokens], accuracy, n_vocab
+        self.rng = np.random.default_rng(seed)
+        self.base = 0
+
+    def start(self, prompt: Sequence[int]) -> None:
+        self.base = len(prompt)
+
+    def propose(self, history: Sequence[int], n: int) -> list[int]:
+        at = len(history) - self.base
+        right = self.tokens[at : at + n]
+        wrong = self.rng.random(len(right)) >= self.accuracy
+        return [(t + 1) % self.n_vocab if w else t for t, w in zip(right, wrong)]
+
+    @classmethod
+    def from_file(cls, path: str, n_vocab: int) -> ReplayDrafter:
+        try:
+            with open(path, encoding="utf-8") as fh:
+                d = json.load(fh)
+            return cls(d["tokens"], float(d.get("accuracy", 1.0)), int(d.get("seed", 0)), n_vocab)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise UserError(f"cannot read the draft replay {path}: {exc}") from None
+
+
+def drafter_for(source: str, replay: str | None = None, n_vocab: int = 1 << 31) -> Drafter | None:
+    """The configured drafter (compute.draft_source; compute.draft_replay, benchmarks only, over it)."""
+    if replay:
+        return ReplayDrafter.from_file(replay, n_vocab)
+    if source == "ngram":
+        return NGramDrafter()
+    if source == "none":
+        return None
+    raise UserError(f"unknown draft source {source!r}: one of {', '.join(DRAFT_SOURCES)}")
+
+
+class WidthChooser:
+    """Each pass's draft width, 0..`most`, from what the passes so far measured: the chance
+    that draft i is kept once the ones before it were (`kept`), and the wall time of a pass
+    by its rows (`cost`), which prices in what wider passes read — more distinct experts,
+    each a read when the cache misses. A width w yields 1 + α1 + α1·α2 + … + α1⋯αw tokens
+    for the cost of a pass of w + 1 rows; the best ratio wins, and 0 (plain decoding) when
+    no width beats it. Drafting is tried again now and then (`PROBE_EVERY` plain passes)
+    so a text that turns repetitive is noticed."""
+
+    PROBE_EVERY = 16
+    DECAY = 0.9  # the weight of the past in each estimate: recent passes count most
+
+    def __init__(self, most: int):
+        self.most = most
+        self.kept = [0.5] * most  # α_i, a neutral prior; an α never measured takes the one before it
+        self.measured = [False] * most
+        self.cost: dict[int, float] = {}  # rows → seconds, moving average
+        self.plain_since = 0
+
+    def choose(self) -> int:
+        one = self.cost.get(1)
+        if one is None:
+            return 0  # a plain pass first: the price every width is held against
+        best, best_rate, tokens, p = 0, 1.0 / one, 1.0, 1.0
+        alpha = self.kept[0]
+        for w in range(1, self.most + 1):
+            alpha = self.kept[w - 1] if self.measured[w - 1] else alpha  # untried: as likely as the draft before
+            p *= alpha
+            tokens += p
+            rate = tokens / self.price(w + 1)
+            if rate > best_rate:
+                best, best_rate = w, rate
+        if best == 0:
+            self.plain_since += 1
+            if self.plain_since >= self.PROBE_EVERY:
+                self.plain_since, best = 0, 1
+        return best
+
+    def price(self, rows: int) -> float:
+        """A pass's cost: measured, or extrapolated along the widest measured so far (a
+        quarter of a plain pass per row before any is), a guess that gets it tried."""
+        if rows in self.cost:
+            return self.cost[rows]
+        one, widest = self.cost[1], max(self.cost)
+        per_row = (self.cost[widest] - one) / (widest - 1) if widest > 1 else 0.25 * one
+        return self.cost[widest] + max(per_row, 0.0) * (rows - widest)
+
+    def passed(self, rows: int, seconds: float) -> None:
+        old = self.cost.get(rows)
+        self.cost[rows] = seconds if old is None else self.DECAY * old + (1 - self.DECAY) * seconds
+
+    def judged(self, drafted: int, kept: int) -> None:
+        """A pass's drafts are settled: the first `kept` were kept, the next (if any) was not."""
+        for i in range(min(kept + 1, drafted)):
+            if not self.measured[i] and i:  # its first measure: start from the estimate it was chosen by
+                self.kept[i] = self.kept[i - 1]
+            self.measured[i] = True
+            self.kept[i] = self.DECAY * self.kept[i] + (1 - self.DECAY) * (1.0 if i < kept else 0.0)
+
+
+@dataclass
+class DraftStats:
+    passes: int = 0  # verify passes with at least one draft
+    drafted: int = 0
+    accepted: int = 0
+
+
+class Speculation:
+    """The drafts of the last verify pass that are still ahead of the decoded text.
+
+    After a pass on [t, d1..dk], the logits of row j say what follows d_j. The
+    caller samples from row 0; `next_logits(token)` then gives row 1 if the token
+    is d1 (kept: no pass needed), and so on; on the first token that differs the
+    rest are rolled back and the caller runs a new pass."""
+
+    def __init__(self, session: Session, drafter: Drafter, width: int, adapt: bool = True):
+        if not 1 <= width <= MAX_DRAFT:
+            raise UserError(f"draft width must be 1..{MAX_DRAFT}, not {width}")
+        self.session, self.drafter, self.width = session, drafter, width
+        self.chooser = WidthChooser(width) if adapt else None
+        self.queue: list[tuple[int, np.ndarray]] = []  # (draft, the logits of the row after it)
+        self.stats = DraftStats()
+        self._drafted = self._kept = 0  # the last pass's drafts, and how many of them were kept so far
+
+    def next_logits(self, token: int) -> np.ndarray | None:
+        """The logits after `token` if the pass already computed them (it was the draft);
+        otherwise None, with the drafts past it rolled back."""
+        if self.queue and self.queue[0][0] == token:
+            self.stats.accepted += 1
+            self._kept += 1
+            return self.queue.pop(0)[1]
+        self.drop()
+        return None
+
+    def drop(self) -> None:
+        """Forget the drafts still ahead (a wrong one, or the generation ended)."""
+        if self.queue:
+            self.session.rollback(len(self.queue))
+            self.queue = []
+
+    def judge(self, model) -> None:
+        """The last pass's drafts are settled (a pass is about to begin, or the generation
+        ended): the width chooser and the model's telemetry hear how many were kept."""
+        if self._drafted:
+            if self.chooser is not None:
+                self.chooser.judged(self._drafted, self._kept)
+            model.drafts_judged(self._drafted, self._kept)
+        self._drafted = self._kept = 0
+
+    def step(self, model, token: int, history: Sequence[int], room: int) -> np.ndarray:
+        """Run `token` (the last entry of `history`) with up to `room` drafts after it; its logits [V]."""
+        self.judge(model)
+        n = min(self.chooser.choose() if self.chooser is not None else self.width, room)
+        drafts = [int(t) for t in self.drafter.propose(history, n)][:n] if n > 0 else []
+        rows = 1 + len(self.session.redo) + len(drafts)
+        t0 = time.perf_counter()
+        if drafts:
+            out = self.session.verify(model, [token, *drafts])
+            self.stats.passes += 1
+            self.stats.drafted += len(drafts)
+            self.queue, self._drafted = list(zip(drafts, out[1:])), len(drafts)
+            logits = out[0]
+        else:
+            logits = self.session.feed(model, [token])
+        if self.chooser is not None:
+            self.chooser.passed(rows, time.perf_counter() - t0)
+        return logits

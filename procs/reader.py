@@ -1,7 +1,10 @@
 """The reader process: the expert cache's only writer.
 
 It owns the slab table (which slab holds which (layer, expert), the eviction
-order, the pins), so it needs no locks. Loop:
+order, the pins), so it needs no locks. First, in a service, the warm start:
+the hot set the last run saved is read into free slabs on the lanes'
+background queue, a few reads at a time (docs/architecture.md § Warm
+restarts). Loop:
 
   1. a Fetch from compute (a layer with misses): unpin the fetches compute
      is done with, tell the policy the hits compute served from the index
@@ -10,9 +13,11 @@ order, the pins), so it needs no locks. Loop:
      the next-layer guesses, if any, the same way on the lanes' guess queue;
   2. a lane finishes a read: publish the slab in the residency index and
      answer Ready(hit=False) to everyone waiting on that expert (a guess and
-     a real fetch may wait on the same read);
+     a real fetch may wait on the same read); a warm read starts the next;
   3. a Release (once per token): unpin and touch, as in 1;
-  4. Shutdown: stop.
+  4. every cache.warm_save_s, if anything changed: save the hot set (the
+     cached experts, hottest first by the uses of 1 and 3);
+  5. Shutdown: save the hot set, stop.
 
 Evictions happen only while handling a Fetch, and compute waits for that
 Fetch's answers (Readies, or the Guessed of a Fetch with only guesses)

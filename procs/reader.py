@@ -438,6 +438,10 @@ class Reader:
     def end_warm_start(self, state: str, note: str = "") -> None:
         w = cast(WarmStart, self.warm)
         w.state, w.note = state, note
+        # The policy saw the warmed experts admitted hottest first (an LRU would evict the
+        # hottest first): it is shown every cached expert once more, coldest first by heat.
+        cached = [cast(ExpertKey, k) for k in self.table.resident() if k not in self.inflight]
+        self.table.refresh(reversed(self.heat.hottest(cached)))
         self.write_warm_progress(force=True)
         log.info("%s", w.progress(time.monotonic()).text())
 

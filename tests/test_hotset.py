@@ -313,3 +313,24 @@ def test_status_shows_the_warm_start_under_its_heading():
     assert "warming" not in format_status(d | {"warming": None})
     w = hs.WarmProgress("warming", 812, 3071)
     assert format_status(d | {"warming": {"text": w.text()}}).splitlines()[2] == "warming 812/3,071 experts"
+
+
+def test_after_a_warm_start_the_policy_keeps_the_hottest_longest(model, hot_path):
+    """The warmed experts were admitted hottest first; an LRU would evict the
+    hottest first unless shown them again, coldest first. One a request used
+    meanwhile is hotter than any only warmed."""
+    keys = ((0, 0), (1, 1), (2, 2), (3, 3))
+    hs.save_hot_set(hot_path, hs.HotSet(_identity(model), 4, 8, keys))
+    h = reader_with_hot_set(model, hot_path, io_threads=1, **{"cache.policy": "lru"})
+    try:
+        h.reader.warm_start()
+        h.land()
+        h.fetch(0, [0])  # a request uses the hottest while the rest are read
+        h.answer()
+        for _ in keys[1:]:
+            h.land()
+        assert h.reader.warm.state == "done"
+        assert h.reader.table.policy.order() == [(3, 3), (2, 2), (1, 1), (0, 0)]  # coldest first: the next victim
+        assert h.reader.table.stats.hits == 1  # the refresh counts no hit
+    finally:
+        h.close()

@@ -171,8 +171,9 @@ def load_hot_set(path: str | os.PathLike, identity: Sequence[str], n_layer: int,
 class Heat:
     """Decayed use counts per (layer, expert): a use at tick t adds 2**(t / half_life),
     which is a count halved every `half_life` uses without touching the other keys
-    (as the LFU policy counts). A dict, not an array: a use is one get and one set
-    (about 0.2 µs; the reader is told n_layer × top_k of them per token)."""
+    (as the LFU policy counts). A dict, not an array: a use is one get, one power and
+    one set, about 1 µs on this VM's busy core (0.4 ms a token at 48 layers × 8
+    experts, in the reader, beside a decode step of 100 ms or more)."""
 
     def __init__(self, half_life: float):
         self.counts: dict[ExpertKey, float] = {}

@@ -80,6 +80,8 @@ def format_status(d: dict) -> str:
         f"API {api}; expert cache {_mib(d['budget_bytes'])} = {d['slabs']} slabs "
         f"({d['budget']}); {d['tokens']} tokens, hit {hit}; logs {d['runtime_dir']}/moe-pipe.log"
     )
+    if d.get("warming"):  # the reader's warm start from the last run's hot set: while it runs, and how it ended
+        head += f"\n{d['warming']['text']}"
     table = Table(box=None, pad_edge=False)
     for col in ("process", "state", "pid", "uptime", "restarts", "rss", "last exit"):
         table.add_column(col)

@@ -12,6 +12,11 @@ Three outputs, picked by where stdout goes:
                    and while a prompt is computed its progress ("prompt 1,536 / 3,664 tokens · 41 s left")
     otherwise      one plain text line per token, the summary at the end of a run; a
                    prompt's progress every PROMPT_LINE_S while it runs, and once when it is done
+
+While the reader warms the cache from the last run's hot set, the table and
+the text output show "warming 812/3,071 experts" (read from warm.json in the
+runtime folder every WARM_POLL_S: no message to the service), and the line
+that ends it.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from ..shared.experts.hotset import WarmProgress
     from ..shared.wire.messages import PromptProgress, RunInfo, RunSummary
 
 MIB = 1 << 20
@@ -47,6 +53,7 @@ PROMPT_LINE_S = 5.0
 # The service's status, for the run's budget and load time: asked once at attach, after the
 # subscription (records queue meanwhile); a supervisor answers in milliseconds.
 STATUS_TIMEOUT_MS = 1000
+WARM_POLL_S = 0.5  # how often the warm start's progress file is looked at
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -130,6 +137,7 @@ class RunSoFar:
     tok_s: deque = field(default_factory=lambda: deque(maxlen=SPARK_TOKENS))
     final: RunSummary | None = None  # once the run ended
     prompt: PromptProgress | None = None  # the prompt being computed, until its first token
+    warming: WarmProgress | None = None  # the reader's warm start (the last progress seen)
     # where the RunInfo comes from when its message went out before this tail subscribed: asked
     # once, when a summary is first shown (a CSV or a log of lines never waits for it)
     fetch_info: Callable[[], RunInfo | None] | None = None
@@ -178,6 +186,9 @@ class CsvOutput:
     def on_prompt(self, run: RunSoFar, p) -> None:
         pass
 
+    def on_warming(self, run: RunSoFar) -> None:
+        pass
+
     def idle(self, run: RunSoFar) -> None:
         pass
 
@@ -188,7 +199,7 @@ class CsvOutput:
 class TextOutput:
     def __init__(self, clock=time.monotonic) -> None:
         self.clock = clock
-        self.prompt_line_at = -math.inf
+        self.prompt_line_at = self.warm_line_at = -math.inf
 
     def on_token(self, run: RunSoFar, rec) -> None:
         print(format_line(rec), flush=True)
@@ -203,6 +214,13 @@ class TextOutput:
         if p.processed >= p.total or now - self.prompt_line_at >= PROMPT_LINE_S:
             self.prompt_line_at = now
             print(format_prompt(p), flush=True)
+
+    def on_warming(self, run: RunSoFar) -> None:
+        """While the cache warms, a line every PROMPT_LINE_S; always the line that ends it."""
+        w, now = run.warming, self.clock()
+        if w is not None and (w.state != "warming" or now - self.warm_line_at >= PROMPT_LINE_S):
+            self.warm_line_at = now
+            print(w.text(), flush=True)
 
     def on_run_event(self, run: RunSoFar) -> None:
         if run.final is not None:
@@ -241,6 +259,9 @@ class LiveOutput:
     def on_prompt(self, run: RunSoFar, p) -> None:
         self._draw(run)  # compute sends at most four a second: every one is drawn
 
+    def on_warming(self, run: RunSoFar) -> None:
+        self._draw(run)
+
     def idle(self, run: RunSoFar) -> None:
         if self.dirty:  # the last tokens of a burst that came inside one redraw interval
             self._draw(run)
@@ -275,6 +296,8 @@ class LiveOutput:
                 str(r.majflt),
             )
         prompt = [Text(format_prompt(run.prompt), style="bold")] if run.prompt is not None else []
+        if run.warming is not None:
+            prompt.insert(0, Text(run.warming.text(), style="bold" if run.warming.state == "warming" else "dim"))
         if not run.records:
             return Group(table, *prompt, Text("waiting for tokens (send the service a request)...", style="dim"))
         spark = Text(f"tok/s {sparkline(run.tok_s)}  last {run.tok_s[-1]:.2f}, max {max(run.tok_s):.2f}")
@@ -332,13 +355,29 @@ def service_run_info(info) -> RunInfo | None:
     return m.RunInfo("", 0.0, {}, {}, int(data["budget_bytes"] or 0), float(data["load_seconds"] or 0.0))
 
 
+def watch_warming(run: RunSoFar, runtime_dir: str) -> bool:
+    """Read the warm start's progress; True when it changed (a line to show)."""
+    from ..shared.experts.hotset import read_warm_progress
+
+    w = read_warm_progress(runtime_dir)
+    if w is None or (run.warming is not None and (w.state, w.done, w.total) == (run.warming.state, run.warming.done, run.warming.total)):
+        return False
+    run.warming = w
+    return True
+
+
 def follow(sock, info, output) -> None:
     """Show records until the service goes away (returns) or we are stopped."""
     from ..shared.wire import ipc
     from ..shared.wire import messages as m
 
     run = RunSoFar(fetch_info=lambda: service_run_info(info))
+    warm_at = -math.inf
     while True:
+        if time.monotonic() - warm_at >= WARM_POLL_S:
+            warm_at = time.monotonic()
+            if watch_warming(run, info.runtime_dir):
+                output.on_warming(run)
         try:
             msg = ipc.recv(sock, LIVENESS_POLL_MS, expect=(m.TokenRecord, m.PromptProgress, m.RunInfo, m.RunSummary))
         except m.ProtocolError:

@@ -44,6 +44,7 @@ class Launch:
     res: Resources
     model_path: Path
     model_name: str
+    hot_set: str = ""  # the service's hot-set file; a one-shot run keeps none
 
     def facts(self, pids: Mapping[str, int]) -> RunFacts:
         """The run's facts for a child starting now, beside `pids`, the children running."""
@@ -60,6 +61,7 @@ class Launch:
             model_identity=r.model_identity,
             io_align=r.io_align,
             reader_pid=pids.get("reader", 0),
+            hot_set=self.hot_set,
         )
 
 

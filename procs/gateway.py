@@ -50,6 +50,7 @@ from aiohttp import web
 from .. import __version__
 from ..shared.config import Config
 from ..shared.errors import UserError
+from ..shared.experts.hotset import read_warm_progress
 from ..shared.gguf.model_file import open_model
 from ..shared.serve import service
 from ..shared.serve.hosts import is_loopback
@@ -280,7 +281,8 @@ class Gateway:
     async def metrics_text(self, request: web.Request) -> web.Response:
         processes = await supervisor_processes(self.facts.runtime_dir)
         connections = self.site.open if self.site is not None else 0
-        text = self.metrics.render(self.link is not None and self.link.ready(), self.queue.waiting(), processes, connections)
+        warming = read_warm_progress(self.facts.runtime_dir)  # the reader's warm start (a small file in the runtime folder)
+        text = self.metrics.render(self.link is not None and self.link.ready(), self.queue.waiting(), processes, connections, warming)
         return web.Response(body=text.encode(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
     # -- slots: llama.cpp's server API for compute's session ------------------------

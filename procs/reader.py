@@ -1,7 +1,10 @@
 """The reader process: the expert cache's only writer.
 
 It owns the slab table (which slab holds which (layer, expert), the eviction
-order, the pins), so it needs no locks. Loop:
+order, the pins), so it needs no locks. First, in a service, the warm start:
+the hot set the last run saved is read into free slabs on the lanes'
+background queue, a few reads at a time (docs/architecture.md § Warm
+restarts). Loop:
 
   1. a Fetch from compute (a layer with misses): unpin the fetches compute
      is done with, tell the policy the hits compute served from the index
@@ -10,9 +13,11 @@ order, the pins), so it needs no locks. Loop:
      the next-layer guesses, if any, the same way on the lanes' guess queue;
   2. a lane finishes a read: publish the slab in the residency index and
      answer Ready(hit=False) to everyone waiting on that expert (a guess and
-     a real fetch may wait on the same read);
+     a real fetch may wait on the same read); a warm read starts the next;
   3. a Release (once per token): unpin and touch, as in 1;
-  4. Shutdown: stop.
+  4. every cache.warm_save_s, if anything changed: save the hot set (the
+     cached experts, hottest first by the uses of 1 and 3);
+  5. Shutdown: save the hot set, stop.
 
 Evictions happen only while handling a Fetch, and compute waits for that
 Fetch's answers (Readies, or the Guessed of a Fetch with only guesses)
@@ -52,9 +57,9 @@ from typing import cast
 import zmq
 
 from ..shared.config import Config
-from ..shared.errors import UserError
 from ..shared.experts.cache import CacheFull, SlabTable
 from ..shared.experts.directio import ExpertFiles, describe_os_error
+from ..shared.experts.hotset import Heat, HotSet, Unusable, WarmStart, hottest_experts, load_hot_set, save_hot_set
 from ..shared.experts.populate import Populator
 from ..shared.experts.readlanes import Priority, ReadLanes
 from ..shared.experts.residency import ResidencyIndex
@@ -69,6 +74,7 @@ ExpertKey = tuple[int, int]  # (layer, expert)
 
 log = logging.getLogger("moe_pipe.reader")
 FAULT_CHECK_S = 1.0  # while a read fault lasts: how often to look for the file's return
+PROGRESS_S = 0.25  # the warm start's progress file is rewritten at most this often (the web page redraws at 1 Hz)
 IO_STATUS_FILE = "reader.io.json"
 
 
@@ -80,9 +86,10 @@ class _Waiter:
 
 class Reader:
     """The loop's state: the slab table over the slab arena, the read lanes,
-    who waits for which read and which fetch pinned what. Settings come from
-    `config` (cache.policy, cache.warm_from, io.io_threads, io.populate), the
-    arenas and the model's identity from `facts`."""
+    who waits for which read and which fetch pinned what, the experts' heat.
+    Settings come from `config` (cache.policy, cache.warm_from, cache.warm_start,
+    cache.warm_save_s, io.io_threads, io.populate), the arenas, the model's
+    identity and the hot-set file from `facts`."""
 
     def __init__(self, config: Config, facts: RunFacts, ctx: zmq.Context):
         self.runtime_dir, self.n_slabs = facts.runtime_dir, facts.n_slabs
@@ -100,7 +107,17 @@ class Reader:
         self.index.clear_states()  # the pins and reads of a reader before us died with it
         self.table.on_pinned = self.index.mark_pinned  # the web page's heatmap shows pins (docs/web.md)
         self.restored = self.restore_from_index()
-        self.warm_keys = hottest_experts(self.warm_from, self.layout.spec, facts.n_slabs) if self.warm_from and not self.restored else []
+        # Heat ranks the experts for the hot set; its half-life is nextmix's long clock (4x the cache in uses).
+        self.heat = Heat(max(64, 4 * facts.n_slabs))
+        self.hot_set, self.identity, self.model_name = facts.hot_set, tuple(facts.model_identity), facts.model_name
+        self.save_every_s = config.cache.warm_save_s
+        # Warm reads queued or running at once: the lanes that may run them, and one queued
+        # behind so a lane never waits for the loop; a few slabs at most (they are pinned).
+        self.warm_window = min(max(1, config.io.io_threads - 1) + 1, max(1, facts.n_slabs // 4))
+        self.warm: WarmStart | None = None
+        self.warm_keys, self.warm_source = self.plan_warm_start(config)
+        self.saved = self.save_version()  # what is on disk already: nothing new to save yet
+        self.next_save = time.monotonic() + self.save_every_s
         ep = ipc.Endpoints(Path(facts.runtime_dir))
         self.fetch_in = ipc.bind(ctx, ep, "fetch")
         self.ready_out = ipc.connect(ctx, ep, "ready")
@@ -130,6 +147,38 @@ class Reader:
             log.warning("took over %d cached experts from the previous reader", n)
         return n
 
+    def plan_warm_start(self, config: Config) -> tuple[list[ExpertKey], str]:
+        """The experts a warm start reads, hottest first, and where they come
+        from: a route trace when cache.warm_from names one, else the service's
+        hot set (unless cache.warm_start is off). A hot set that cannot be used
+        is logged and the start is cold. Only what is not cached yet (a
+        restarted reader took the cache over) and fits in the free slabs."""
+        keys: list[ExpertKey] = []
+        source = self.warm_from
+        if self.warm_from:
+            keys = hottest_experts(self.warm_from, self.layout.spec, self.n_slabs)
+        elif self.hot_set:
+            hot = self.read_hot_set()
+            if hot is not None:
+                self.heat.seed(hot.experts)  # a restarted reader keeps the order of the experts it took over
+                if config.cache.warm_start:
+                    keys, source = list(hot.experts), self.hot_set
+                else:
+                    log.info("cache.warm_start is off (--cold): the hot set of %d experts is not read", len(hot.experts))
+        keys = [k for k in keys if k not in self.table][: self.n_slabs - len(self.table)]
+        return keys, source
+
+    def read_hot_set(self) -> HotSet | None:
+        spec = self.layout.spec
+        try:
+            return load_hot_set(self.hot_set, self.identity, spec.n_layer, spec.n_expert)
+        except Unusable as exc:
+            if os.path.exists(self.hot_set):
+                log.warning("hot set %s ignored: %s; the cache starts cold", self.hot_set, exc)
+            else:
+                log.info("no hot set at %s yet: the cache starts cold", self.hot_set)
+            return None
+
     def on_hello(self, msg: m.Hello) -> None:
         """A compute (re)started: the pins of the one before it will never be
         released, so drop them all; reads in flight still land and publish."""
@@ -156,11 +205,13 @@ class Reader:
                 continue
             self.table.pin(key)
             self.pinned[msg.req_id].append(key)
+            self.heat.use(key)
         for e in msg.experts:
             key = (msg.layer, e)
             if not self.is_expert(key):
                 self.send(m.FetchFailed(msg.req_id, msg.layer, e, m.Code.BAD_ARGUMENT, f"no expert {key}"))
                 continue
+            self.heat.use(key)
             slab = self.table.lookup(key)
             if slab is not None and key not in self.inflight:
                 self.table.pin(key)
@@ -213,12 +264,6 @@ class Reader:
             self.table.drop(key)
             self.guesses_withdrawn += 1
 
-    def fill_free(self, key) -> None:
-        """Read `key` into a free slab, if there is one (warm start): never evicts."""
-        if key in self.table or key in self.inflight or len(self.table) >= self.n_slabs:
-            return
-        self.start_read(key, None, Priority.BACKGROUND)
-
     def start_read(self, key, waiter: _Waiter | None, priority: Priority = Priority.DEMAND) -> None:
         """Admit `key` (evicting if need be) and queue its read. CacheFull when
         every slab is pinned: a waiter is answered FetchFailed, a read nobody waits for raises."""
@@ -227,6 +272,8 @@ class Reader:
             if evicted is not None:
                 self.index.clear(cast(ExpertKey, evicted))  # before its slab is overwritten
         except CacheFull:
+            if waiter is not None and self.withdraw_warm_reads():
+                return self.start_read(key, waiter, priority)  # a warm read queued gave its slab
             if waiter is None:
                 raise
             self.send(m.FetchFailed(waiter.req_id, key[0], key[1], m.Code.INTERNAL, "every cache slab is pinned"))
@@ -255,6 +302,9 @@ class Reader:
     def on_read_done(self, key, slab: int, io_ns: int, regions, error: str | None) -> None:
         waiters = self.inflight.pop(key, [])
         self.index.mark_inflight(key, False)
+        warm = self.warm is not None and key in self.warm.reading
+        if warm:
+            cast(WarmStart, self.warm).reading.discard(key)
         if error is not None:
             self.forget(key)
             self.io.failed(self.runtime_dir, error)
@@ -262,6 +312,8 @@ class Reader:
             log.info("read of expert %s failed: %s", key, error)
             for w in waiters:
                 self.send(m.FetchFailed(w.req_id, key[0], key[1], m.Code.IO_ERROR, error))
+            if warm:
+                self.end_warm_start("stopped", "a read failed")
             return
         self.table.unpin(key)  # the read's own pin; waiters hold theirs
         self.index.publish(key, slab)  # the slab is complete: compute may now find it
@@ -270,6 +322,13 @@ class Reader:
             self.guess_io[1] += io_ns
         for i, w in enumerate(waiters):
             self.send(m.Ready(w.req_id, key[0], key[1], slab, tuple(regions), False, io_ns if i == 0 else 0, *self.take_guess_io()))
+        if warm:
+            plan = cast(WarmStart, self.warm)
+            plan.done += 1
+            if plan.state == "warming":
+                self.feed_warm_start()
+            else:  # a read under way when it stopped: the count the progress file says
+                self.write_warm_progress(force=True)
 
     def forget(self, key) -> None:
         """A failed read: its slab's bytes are partial, so the key leaves the
@@ -308,7 +367,8 @@ class Reader:
                 if key in self.table:
                     self.table.unpin(key)
         for key in touched:
-            self.table.lookup(key)  # a hit for the policy and the stats; a key gone since is skipped
+            if self.table.lookup(key) is not None:  # a hit for the policy and the stats; a key gone since is skipped
+                self.heat.use(key)
 
     # -- sending --------------------------------------------------------------------
     def send_ready(self, req_id: int, key, slab: int, hit: bool, io_ns: int) -> None:
@@ -320,15 +380,122 @@ class Reader:
     def send(self, msg) -> None:
         ipc.send(self.ready_out, msg)
 
-    # -- the loop --------------------------------------------------------------------
+    # -- the warm start ----------------------------------------------------------------
     def warm_start(self) -> None:
-        """Fill free slabs with a previous run's hottest experts, hottest first.
-        They go through the lanes' background queue, so a Fetch arriving
-        meanwhile is served first (and waits on a read already under way)."""
-        for key in self.warm_keys:
-            self.fill_free(key)
-        if self.warm_keys:
-            log.info("warm start: reading %d experts from %s", len(self.warm_keys), self.warm_from)
+        """Fill free slabs with the planned experts (`plan_warm_start`), hottest
+        first, through the lanes' background queue: a request's reads go first
+        (docs/architecture.md § Warm restarts)."""
+        if not self.warm_keys:
+            return
+        log.info("warm start: reading %d experts, hottest first, from %s", len(self.warm_keys), self.warm_source)
+        self.warm = WarmStart(self.warm_keys, self.warm_source, time.monotonic())
+        self.feed_warm_start()
+
+    def feed_warm_start(self) -> None:
+        """Keep `warm_window` warm reads queued or running: each that lands
+        starts the next. Experts a request or a guess brought in meanwhile count
+        as warmed; the warm start stops when the free slabs run out (it never
+        evicts), and ends when every expert is cached."""
+        w = self.warm
+        if w is None or w.state != "warming":
+            return
+        while len(w.reading) < self.warm_window and w.next < len(w.keys):
+            key = w.keys[w.next]
+            if key in self.table:
+                w.next += 1
+                w.done += key not in self.inflight  # a guess's read under way is not cached yet
+                continue
+            if len(self.table) >= self.n_slabs:
+                self.end_warm_start("stopped", "the cache filled first")
+                return
+            w.next += 1
+            self.start_read(key, None, Priority.BACKGROUND)
+            w.reading.add(key)
+        if w.next >= len(w.keys) and not w.reading:
+            w.done = sum(1 for k in w.keys if k in self.table and k not in self.inflight)
+            self.end_warm_start("done")
+        else:
+            self.write_warm_progress()
+
+    def withdraw_warm_reads(self) -> bool:
+        """A request needs a slab and every one is pinned: free the slabs of the
+        warm reads still queued (their pins are the read's own) and end the warm
+        start, the cache being full. False if there were none."""
+        gone = self.lanes.withdraw_background()
+        for queued, _slab in gone:
+            key = cast(ExpertKey, queued)
+            if self.inflight.pop(key, None):
+                raise RuntimeError(f"withdrew warm read {key} that a request waits for")
+            self.index.mark_inflight(key, False)
+            self.table.unpin(key)
+            self.table.drop(key)
+            if self.warm is not None:
+                self.warm.reading.discard(key)
+        if gone and self.warm is not None and self.warm.state == "warming":
+            self.end_warm_start("stopped", "the cache filled first")
+        return bool(gone)
+
+    def end_warm_start(self, state: str, note: str = "") -> None:
+        w = cast(WarmStart, self.warm)
+        w.state, w.note = state, note
+        # The policy saw the warmed experts admitted hottest first (an LRU would evict the
+        # hottest first): it is shown every cached expert once more, coldest first by heat.
+        cached = [cast(ExpertKey, k) for k in self.table.resident() if k not in self.inflight]
+        self.table.refresh(reversed(self.heat.hottest(cached)))
+        self.write_warm_progress(force=True)
+        log.info("%s", w.progress(time.monotonic()).text())
+
+    def write_warm_progress(self, force: bool = False) -> None:
+        """warm.json in the runtime folder, for status, tail and the web page (at most every PROGRESS_S)."""
+        w, now = self.warm, time.monotonic()
+        if w is None or (not force and now - w.written_at < PROGRESS_S and w.written_at):
+            return
+        w.written_at = now
+        try:
+            w.progress(now).write(self.runtime_dir)
+        except OSError as exc:
+            log.warning("cannot write the warm start's progress: %s", exc)
+
+    # -- the hot set ------------------------------------------------------------------
+    def save_version(self) -> tuple[int, int, int]:
+        """Changes when anything a save would write may have: a use, an admission, the count."""
+        return self.heat.uses, self.table.stats.misses, len(self.table)
+
+    def hottest_now(self) -> list[ExpertKey]:
+        """The hot set to save: the cached experts (reads under way included),
+        hottest first, then a warm start's experts not read yet (its plan's
+        order), at most a cache's worth."""
+        keys = self.heat.hottest(cast(ExpertKey, k) for k in self.table.resident())
+        if self.warm is not None:
+            keys += [k for k in self.warm.pending if k not in self.table]
+        return keys[: self.n_slabs]
+
+    def save_hot_set(self, now: float) -> None:
+        """Write the hot set, if this is a service and anything changed since
+        the last save (or since its file was read); never an empty one."""
+        self.next_save = now + self.save_every_s
+        if not self.hot_set or self.save_version() == self.saved:
+            return
+        self.saved = self.save_version()
+        keys = self.hottest_now()
+        if not keys:
+            return
+        spec = self.layout.spec
+        try:
+            save_hot_set(self.hot_set, HotSet(self.identity, spec.n_layer, spec.n_expert, tuple(keys), self.model_name, time.time()))
+        except OSError as exc:
+            log.warning("cannot save the hot set to %s: %s", self.hot_set, exc)
+
+    def poll_timeout_ms(self) -> int | None:
+        """Until the next thing the loop must do unasked: a fault check, a save."""
+        due = []
+        if self.io.fault is not None:
+            due.append(self.next_check)
+        if self.hot_set and self.save_every_s > 0 and self.save_version() != self.saved:
+            due.append(self.next_save)
+        return max(0, int((min(due) - time.monotonic()) * 1000)) if due else None
+
+    # -- the loop --------------------------------------------------------------------
 
     def run(self) -> None:
         self.warm_start()
@@ -336,11 +503,13 @@ class Reader:
         poller.register(self.fetch_in, zmq.POLLIN)
         poller.register(self.done_in, zmq.POLLIN)
         while True:
-            # While a read fault lasts, wake up to look for the file's return.
-            timeout_ms = max(0, int((self.next_check - time.monotonic()) * 1000)) if self.io.fault else None
-            events = poller.poll(timeout_ms)
-            if self.io.fault is not None and time.monotonic() >= self.next_check:
+            # While a read fault lasts, wake up to look for the file's return; save the hot set when due.
+            events = poller.poll(self.poll_timeout_ms())
+            now = time.monotonic()
+            if self.io.fault is not None and now >= self.next_check:
                 self.check_fault()
+            if self.save_every_s > 0 and now >= self.next_save:
+                self.save_hot_set(now)
             for sock, _ in events:
                 if sock is self.done_in:
                     self.on_read_done(*self.done_in.recv_pyobj())
@@ -357,6 +526,7 @@ class Reader:
                 elif isinstance(msg, m.Hello):
                     self.on_hello(msg)
                 elif isinstance(msg, m.Shutdown):
+                    self.save_hot_set(time.monotonic())  # `down`: the next `up` starts from what the cache holds now
                     return
 
     def close(self) -> None:
@@ -415,29 +585,6 @@ def read_io_status(runtime_dir: str) -> dict:
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
-
-
-def hottest_experts(trace_path: str, spec, n: int) -> list[tuple[int, int]]:
-    """The `n` (layer, expert) a route trace used most, most used first: by
-    decode uses (the steady state), ties and the rest by prompt uses. The
-    trace must be of this model's shape."""
-    import numpy as np
-
-    from ..shared.model.trace import read_trace
-
-    trace = read_trace(trace_path)
-    h = trace.header
-    if (h.n_layer, h.n_expert) != (spec.n_layer, spec.n_expert):
-        raise UserError(
-            f"{trace_path}: a trace of a {h.n_layer}-layer, {h.n_expert}-expert model cannot warm "
-            f"this {spec.n_layer}-layer, {spec.n_expert}-expert one"
-        )
-    keys = trace.layer * spec.n_expert + trace.expert
-    size = spec.n_layer * spec.n_expert
-    decode = np.bincount(keys[trace.phase == 1], minlength=size)
-    prompt = np.bincount(keys[trace.phase != 1], minlength=size)
-    order = np.lexsort((-prompt, -decode))[:n]  # last key sorts first: decode uses, then prompt uses
-    return [(int(k) // spec.n_expert, int(k) % spec.n_expert) for k in order if decode[k] + prompt[k] > 0]
 
 
 def main(config: Config, facts: RunFacts) -> None:

@@ -25,6 +25,7 @@ from ..shared.experts import shm
 from ..shared.experts.budget import RUN_ROLES, CacheFloor, pipeline_bytes, resolve_budget, slabs_for_budget
 from ..shared.experts.dense import arena_bytes
 from ..shared.experts.directio import ExpertFiles, describe_os_error, model_identity
+from ..shared.experts.hotset import hottest_experts
 from ..shared.experts.populate import Populator
 from ..shared.experts.residency import ResidencyIndex
 from ..shared.gguf.model_file import open_model
@@ -32,7 +33,6 @@ from ..shared.gguf.spec import experts_per_token, kv_cache_bytes, lossy_expert_c
 from ..shared.model.trace import read_trace
 from ..shared.wire import ipc
 from ..shared.wire import messages as m
-from .reader import hottest_experts
 
 T = TypeVar("T")
 

@@ -28,3 +28,4 @@ class RunFacts:
     model_identity: tuple[str, ...] = ()  # directio.model_identity at start-up: a child refuses any other file
     io_align: int = 0  # the parent's Layout.align (shared/gguf/alignment.py); 0 = resolve in the child
     reader_pid: int = 0  # the reader's pid once it runs (0 before): compute watches for its death
+    hot_set: str = ""  # the service's hot-set file (shared/experts/hotset.py); "" for `run`: nothing saved or read

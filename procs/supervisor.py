@@ -43,7 +43,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +52,7 @@ import zmq
 
 from ..shared.config import Config, SupervisorConfig
 from ..shared.errors import PipelineError
+from ..shared.experts.hotset import hot_set_path, read_warm_progress
 from ..shared.serve import service
 from ..shared.wire import ipc
 from ..shared.wire import messages as m
@@ -331,6 +332,7 @@ class Supervisor:
         endpoints = res.rt.endpoints
         self.control = ipc.bind(ctx, endpoints, "control")
         self.telemetry_in = ipc.connect(ctx, endpoints, "telemetry_in")
+        self.fetch_out = ipc.connect(ctx, endpoints, "fetch")  # only for the reader's Shutdown: it saves the hot set on it
         self.telemetry_sub = ipc.connect(ctx, endpoints, "telemetry_pub")
         self.restarter = Restarter(cfg, self.model_path, res.rt.path, starter, self.ORDER, on_started=self._on_started)
         self.stop_requested = ""
@@ -377,7 +379,9 @@ class Supervisor:
                 model_path,
                 res,
                 ctx,
-                starter=starter(Launch(cfg, res, model_path, cfg.model.name or model_path.stem)),
+                starter=starter(
+                    Launch(cfg, res, model_path, cfg.model.name or model_path.stem, hot_set=str(hot_set_path(res.resolved.model_identity)))
+                ),
                 config_source=config_source,
             )
         except BaseException:
@@ -515,17 +519,21 @@ class Supervisor:
             "rss_bytes": _rss(os.getpid()),
             "processes": procs,
             "io": io,
+            "warming": warming_status(self.res.rt.path),
+            "hot_set": str(hot_set_path(r.model_identity)),
         }
 
     # -- stop ----------------------------------------------------------------------------
     def close(self) -> None:
-        """Stop children in reverse start order (telemetry asked by a Shutdown,
-        so it writes the run summary), then release everything. Idempotent."""
+        """Stop children in reverse start order (telemetry and the reader asked by a
+        Shutdown, so telemetry writes the run summary and the reader the hot set),
+        then release everything. Idempotent."""
         if self.closed:
             return
         self.closed = True
         try:
-            self.restarter.stop_all({"telemetry_in": self.telemetry_in}, self.stop_requested or "service stopping")
+            links = {"telemetry_in": self.telemetry_in, "fetch": self.fetch_out}
+            self.restarter.stop_all(links, self.stop_requested or "service stopping")
         finally:
             self.ctx.destroy(linger=0)  # closes every socket of ours
             try:  # the runtime folder goes with the service; its log is what explains a stop
@@ -534,6 +542,12 @@ class Supervisor:
                 log.warning("could not keep the log: %s", exc)
             self.res.close()
             os.environ.pop(LOG_FILE_ENV, None)
+
+
+def warming_status(runtime_dir: Path) -> dict[str, Any] | None:
+    """The reader's warm start as `status` shows it (docs/cli.md § status), None without one."""
+    warm = read_warm_progress(runtime_dir)
+    return None if warm is None else {**asdict(warm), "text": warm.text()}
 
 
 def preflight(cfg: Config, name: str) -> list:

@@ -75,6 +75,7 @@ class Spec:
     pattern: str | None = None  # for str: a regular expression the whole value must match...
     pattern_text: str = ""  # ...and how the allowed values read in errors and docs
     secret: bool = False  # never printed, written or logged: REDACTED stands in (to_dict, reprs, errors)
+    off_flag: str = ""  # for bool: the flag that turns it off ("": --no-<flag>)
 
 
 REDACTED = "***"  # what a secret key's value reads as wherever the config is shown
@@ -159,6 +160,23 @@ class CacheConfig:
         "a route trace of an earlier run: the service starts by reading its most used experts into the cache (as many as fit)",
         unset="start cold",
         flags=("--warm-from",),
+    )
+    warm_start: bool = setting(
+        True,
+        "bool",
+        "a service (`up`) starts by reading the hot set its last run of the same model file saved "
+        "(the experts its cache held, hottest first) in the background, behind every read a request "
+        "needs; --cold skips it (the hot set is still saved). cache.warm_from, when set, is read instead",
+        flags=("--warm-start",),
+        off_flag="--cold",
+    )
+    warm_save_s: float = setting(
+        30.0,
+        "float",
+        "how often a service saves its hot set while it serves, in seconds (only when the cache was "
+        "used since); it is saved at `down` too, and a crash keeps the last save; 0 = only at `down`",
+        lo=0,
+        hi=86400,
     )
 
 

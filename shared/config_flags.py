@@ -45,7 +45,12 @@ def add_override_arguments(parser: Any, tables: Iterable[str] | None = None) -> 
                 flag = key.spec.flags[0]
                 group.add_argument(flag, dest=key.dest, action="store_const", const=True, default=None, help=help_text)
                 group.add_argument(
-                    "--no-" + flag[2:], dest=key.dest, action="store_const", const=False, default=None, help=f"turn {key.dotted} off"
+                    key.spec.off_flag or "--no-" + flag[2:],
+                    dest=key.dest,
+                    action="store_const",
+                    const=False,
+                    default=None,
+                    help=f"turn {key.dotted} off",
                 )
             continue
         metavar = "|".join(key.spec.choices) if key.spec.kind == "choice" else key.name.upper()
@@ -142,7 +147,7 @@ def reference_markdown() -> str:
             if key.name == "no_think":
                 flags += ", `--think`"
             elif key.spec.kind == "bool" and key.spec.flags:
-                flags += f", `--no-{key.spec.flags[0][2:]}`"
+                flags += f", `{key.spec.off_flag or '--no-' + key.spec.flags[0][2:]}`"
             allowed = key.allowed_text().replace("|", "\\|")
             lines.append(f"| `{key.name}` | {key.type_text()} | {_default_text(key)} | {allowed} | {flags} | {key.spec.doc} |")
     lines += ["", DOCS_END]

@@ -15,6 +15,7 @@ Tiers (pyproject.toml [tool.pytest.ini_options]):
 from __future__ import annotations
 
 import multiprocessing.process
+import os
 import shutil
 import subprocess
 import sys
@@ -85,6 +86,26 @@ def no_fault_hook():
     directio = sys.modules.get(DIRECTIO)
     if directio:
         directio.set_fault_hook(previous)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def private_state_home_per_module(tmp_path_factory):
+    """A module's services (a module-scoped one too) keep their hot sets and kept logs in a
+    folder of the module's own, never the user's ~/.local/state: a hot set one test's service
+    saved would warm the next test's cache and change what it reads."""
+    old = os.environ.get("XDG_STATE_HOME")
+    os.environ["XDG_STATE_HOME"] = str(tmp_path_factory.mktemp("state"))
+    yield
+    if old is None:
+        os.environ.pop("XDG_STATE_HOME", None)
+    else:
+        os.environ["XDG_STATE_HOME"] = old
+
+
+@pytest.fixture(autouse=True)
+def private_state_home(tmp_path_factory, monkeypatch):
+    """Each test's own state folder (hot sets, kept logs): see the module-wide one above."""
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path_factory.mktemp("state")))
 
 
 @pytest.fixture

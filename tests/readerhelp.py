@@ -29,12 +29,13 @@ class Harness:
     """One Reader over real arenas and sockets, driven by hand: the test plays
     compute (Fetch, Release) and the loop (hands finished reads back)."""
 
-    def __init__(self, model: Path, cache_mb: float = 1.2, io_threads: int = 2):
-        self.cfg = load_config(None, {"model.path": str(model), "cache.cache_mb": cache_mb, "io.io_threads": io_threads})
+    def __init__(self, model: Path, cache_mb: float = 1.2, io_threads: int = 2, hot_set: str = "", **overrides):
+        over = {"model.path": str(model), "cache.cache_mb": cache_mb, "io.io_threads": io_threads, **overrides}
+        self.cfg = load_config(None, over)
         self.res = Resources.create(self.cfg, model)
         self.ctx = zmq.Context()
         self.ready = ipc.bind(self.ctx, self.res.rt.endpoints, "ready")
-        self.reader = Reader(self.cfg, Launch(self.cfg, self.res, model, model.stem).facts({}), self.ctx)
+        self.reader = Reader(self.cfg, Launch(self.cfg, self.res, model, model.stem, hot_set=hot_set).facts({}), self.ctx)
         # Expected bytes come from the pristine original: a mapping of the copy would
         # SIGBUS once a test truncates it.
         self.mf = open_model(default_model_path())

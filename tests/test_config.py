@@ -330,6 +330,16 @@ def test_flags_left_out_change_nothing():
     }
 
 
+def test_cold_turns_the_warm_start_off_and_warm_start_on():
+    parser = argparse.ArgumentParser()
+    F.add_override_arguments(parser)
+    assert F.overrides_from_args(parser.parse_args(["--cold"])) == {"cache.warm_start": False}
+    assert F.overrides_from_args(parser.parse_args(["--warm-start"])) == {"cache.warm_start": True}
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--no-warm-start"])  # --cold is its off switch
+    assert Config().cache.warm_start and Config().cache.warm_save_s == 30.0
+
+
 def test_add_override_arguments_subset():
     parser = argparse.ArgumentParser()
     F.add_override_arguments(parser, tables=("cache", "io"))

@@ -26,3 +26,12 @@ def test_every_outcome_is_exported_from_the_start_at_zero():
 def test_the_documented_outcomes_are_the_exported_ones():
     row = next(line for line in DOCS.read_text().splitlines() if line.startswith("| `moe_pipe_requests_total{outcome}`"))
     assert set(re.findall(r"`(\w+)` \(", row) + re.findall(r"outcome: `(\w+)`", row)) == set(OUTCOMES)
+
+
+def test_the_warm_start_is_exported_while_there_is_one():
+    from moe_pipe.shared.experts.hotset import WarmProgress
+
+    assert "moe_pipe_warm" not in Metrics().render(True, 0, None)
+    text = Metrics().render(True, 0, None, warming=WarmProgress("warming", 812, 3071))
+    assert "moe_pipe_warm_experts 812\n" in text and "moe_pipe_warm_experts_total 3071\n" in text and "moe_pipe_warming 1\n" in text
+    assert "moe_pipe_warming 0\n" in Metrics().render(True, 0, None, warming=WarmProgress("done", 3071, 3071))

@@ -117,17 +117,18 @@ def test_a_guess_of_an_expert_a_fetch_admitted_reads_nothing_and_is_answered(h):
 
 
 def test_warm_start_reads_survive_requests_and_go_after_them(h):
-    """A warm start fills free slabs in the background: a request's reads go
-    first, and neither a Fetch nor a Release withdraws them (only guesses)."""
+    """A warm start fills free slabs in the background, one read at a time on
+    one lane: a request's reads go first, and neither a Fetch nor a Release
+    withdraws them (only guesses)."""
     entered, release = hold_reads_of(h, (0, 0), fail=False)
-    h.reader.fill_free((0, 0))
-    assert entered.wait(10)  # the lane holds the first warm read
-    for e in (1, 2):
-        h.reader.fill_free((1, e))
+    h.reader.warm_keys, h.reader.warm_source = [(0, 0), (1, 1), (1, 2)], "a test"
+    h.reader.warm_start()
+    assert entered.wait(10)  # the lane holds the first warm read; the next is queued (the window: two)
     req = h.fetch(3, [5])
     h.reader.on_release(m.Release((req,)))
-    assert h.reader.lanes.queued() == ([(3, 5)], [], [(1, 1), (1, 2)])
+    assert h.reader.lanes.queued() == ([(3, 5)], [], [(1, 1)])
     release.set()
     for _ in range(4):
         h.land()
     assert all(h.visible(k) for k in [(0, 0), (1, 1), (1, 2), (3, 5)]) and h.reader.guesses_withdrawn == 0
+    assert h.reader.warm is not None and (h.reader.warm.state, h.reader.warm.done) == ("done", 3)

@@ -135,3 +135,46 @@ def test_one_lane_still_reads_guesses():
     lanes.submit("g1", 1, Priority.GUESS)
     assert done.wait(10)
     lanes.shutdown()
+
+
+def test_background_reads_share_the_guesses_lanes_and_leave_one_for_demand():
+    """Three lanes, a warm start's reads and a guess queued: two of them run
+    (all lanes but one), so a demand read submitted meanwhile starts at once;
+    the third speculative read waits for one of the first two to end."""
+    started: list = []
+    release = {k: threading.Event() for k in ("b1", "b2", "g1", "d1")}
+    cond = threading.Condition()
+
+    def work(key, slab):
+        with cond:
+            started.append(key)
+            cond.notify_all()
+        assert release[key].wait(10)
+
+    def wait_started(n):
+        with cond:
+            assert cond.wait_for(lambda: len(started) >= n, 10), started
+
+    lanes = ReadLanes(3, work)
+    lanes.submit("b1", 1, Priority.BACKGROUND)
+    lanes.submit("b2", 2, Priority.BACKGROUND)
+    wait_started(2)
+    lanes.submit("g1", 3, Priority.GUESS)
+    lanes.submit("d1", 4)
+    wait_started(3)
+    assert started == ["b1", "b2", "d1"] and lanes.queued() == ([], ["g1"], [])
+    release["b1"].set()
+    wait_started(4)
+    assert started[3] == "g1"  # a guess goes before the warm start's reads
+    for e in release.values():
+        e.set()
+    lanes.shutdown()
+
+
+def test_queued_background_reads_can_be_withdrawn_and_started_ones_run_on():
+    lanes, rec = busy_lane(2)
+    lanes.submit("b1", 1, Priority.BACKGROUND)
+    lanes.submit("g1", 2, Priority.GUESS)
+    lanes.submit("b2", 3, Priority.BACKGROUND)
+    assert lanes.withdraw_background() == [("b1", 1), ("b2", 3)] and lanes.withdraw_background() == []
+    assert finish(lanes, rec) == ["d0", "g1"]

@@ -120,6 +120,7 @@ def test_replay_agrees_with_the_live_reader(tmp_path):
     and its hits reach the reader later (`touched`, in the next Fetch or the
     token's Release), which must not change what the policy decides."""
     from moe_pipe.procs.reader import Reader
+    from moe_pipe.shared.experts.hotset import Heat
 
     t = read_trace(ROOT / "shared" / "data" / "traces" / "gptoss.route.csv")  # the shipped copy: runs in CI too
     n_slabs = 160
@@ -127,6 +128,7 @@ def test_replay_agrees_with_the_live_reader(tmp_path):
         rd = Reader.__new__(Reader)  # no sockets, files or arena: just its bookkeeping
         rd.table = SlabTable(n_slabs, policy)
         rd.inflight, rd.pinned, rd.guess_io = {}, defaultdict(list), [0, 0]
+        rd.heat, rd.warm = Heat(4 * n_slabs), None  # the hot set's heat is kept apart from the policy: no warm start here
         rd.layout = type(
             "L",
             (),

@@ -264,27 +264,89 @@ def test_a_child_that_keeps_dying_ends_fatal_with_its_error():
 
 
 def test_kill9_of_the_supervisor_is_reclaimed_by_the_next_up():
-    s = Service()
+    """...and the hot set its reader saved while it served (every 0.2 s here) warms the
+    next up, which saves its own at `down` (saves only at down: warm_save_s = 0)."""
+    s = Service("--set", "cache.warm_save_s=0.2")
     old = s.pid
     children = [p["pid"] for p in s.status()["processes"]]
     assert any(f"-{old}-" in p.name for p in Path("/dev/shm").glob("moe-pipe-*"))  # the segments it owns
+    assert chat(s.client(), "hi", 4).choices
+    time.sleep(0.6)  # the reader's last save follows the request's last message by 0.2 s at most
+    saved = hot_set(s)
     os.kill(old, signal.SIGKILL)
     _wait_gone(old)
     for pid in children:  # they die with their parent (PR_SET_PDEATHSIG)
         _wait_gone(pid)
+    assert hot_set(s) == saved and [p.name for p in hot_sets(s)[0].parent.iterdir()] == [hot_sets(s)[0].name]
     # Left for the next up; which one reclaims them is a race with the other
     # test worker's services (any up reclaims every dead owner's segments).
-    r = s.cli("up", CONFIG, "--detach", *FAST, timeout=300)
+    r = s.cli("up", CONFIG, "--detach", *FAST, "--set", "cache.warm_save_s=0", timeout=300)
     assert r.returncode == 0, r.stderr
     try:
         s.status()  # the new supervisor's pid and url
         assert not leftovers({old}) and not (s.base / "moe-pipe" / str(old)).exists()
+        assert wait_warmed(s) == {"state": "done", "done": len(saved), "total": len(saved)}  # before any request
+        assert s.status()["hot_set"] == str(hot_sets(s)[0])
         assert chat(s.client(), "hi", 4).choices
+        assert s.status()["hit_pct"] == 100.0  # what it routes to was read back
+        chat(s.client(), "Once upon a time, in a faraway land", 24)  # new experts, not saved before `down`
+        assert hot_set(s) == saved
+    finally:
+        pid = s.pid
+        s.cli("down", timeout=120)
+        _wait_gone(pid)
+        after = hot_set(s) if hot_sets(s) else []
+        s.close()
+        assert not leftovers({pid, old})
+    assert len(after) > len(saved)  # `down` saved what the cache held then
+
+
+def hot_sets(s: Service) -> list[Path]:
+    return sorted((s.base / "state" / "moe-pipe" / "hot").glob("*.json"))
+
+
+def hot_set(s: Service) -> list[list[int]]:
+    """The experts of the service's one hot-set file, hottest first."""
+    files = hot_sets(s)
+    assert len(files) == 1, files
+    return json.loads(files[0].read_text())["experts"]
+
+
+def wait_warmed(s: Service, timeout: float = 30) -> dict:
+    """The warm start's figures once it ended (status `warming`)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        w = s.status()["warming"]
+        if w is not None and w["state"] != "warming":
+            return {k: w[k] for k in ("state", "done", "total")}
+        time.sleep(0.1)
+    raise AssertionError(f"the warm start did not end: {s.status()['warming']}")
+
+
+@pytest.mark.slow  # two more service starts (~20 s); the kill -9 test above covers the same path
+def test_down_saves_the_hot_set_and_the_next_up_reads_it_before_any_request():
+    s = Service()
+    try:
+        client = s.client()
+        chat(client, "Once upon a time", 8)
+        assert hot_sets(s) == []  # saved every 30 s by default: not yet
+        pid = s.pid
+        assert s.cli("down").returncode == 0
+        _wait_gone(pid)
+        saved = hot_set(s)
+        assert saved and len(saved) == len({tuple(k) for k in saved})
+        assert s.cli("up", CONFIG, "--detach", *FAST, timeout=300).returncode == 0
+        st = s.status()
+        assert st["hot_set"] == str(hot_sets(s)[0])
+        assert wait_warmed(s) == {"state": "done", "done": len(saved), "total": len(saved)}  # no request yet
+        chat(s.client(), "Once upon a time", 8)
+        assert s.status()["hit_pct"] == 100.0  # every expert it routes to was read back
+        assert "warm start: " in (s.base / "moe-pipe" / str(s.pid) / "moe-pipe.log").read_text()
     finally:
         pid = s.pid
         s.close()
         _wait_gone(pid)
-        assert not leftovers({pid, old})
+        assert not leftovers({pid})
 
 
 def test_ctrl_c_of_a_foreground_up_leaves_nothing():

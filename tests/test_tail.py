@@ -250,6 +250,37 @@ def test_the_live_table_shows_the_prompt_until_its_first_token():
         live.close()
 
 
+def test_the_text_output_shows_the_warm_start_now_and_then_and_when_it_ends(capsys, tmp_path):
+    from moe_pipe.cli.tail_cmd import watch_warming
+    from moe_pipe.shared.experts.hotset import WarmProgress
+
+    clock = type("Clock", (), {"t": 0.0, "__call__": lambda self: self.t})()
+    out, run = TextOutput(clock=clock), RunSoFar()
+    assert not watch_warming(run, str(tmp_path))  # no warm start: nothing
+    for t, done, state in ((0.0, 12, "warming"), (0.5, 40, "warming"), (0.7, 40, "warming"), (5.5, 812, "warming"), (6.0, 3071, "done")):
+        clock.t = t
+        WarmProgress(state, done, 3071, "/h.json", t).write(tmp_path)
+        if watch_warming(run, str(tmp_path)):
+            out.on_warming(run)
+    assert capsys.readouterr().out.splitlines() == [
+        "warming 12/3,071 experts",
+        "warming 812/3,071 experts",  # a line every PROMPT_LINE_S
+        "warm start: 3,071/3,071 experts in 6.0 s",  # always the closing one
+    ]
+    live = LiveOutput("svc")
+    try:
+        from io import StringIO
+
+        from rich.console import Console
+
+        run.warming = WarmProgress("warming", 812, 3071)
+        text = StringIO()
+        Console(file=text, width=200).print(live._render(run))
+        assert "warming 812/3,071 experts" in text.getvalue()
+    finally:
+        live.close()
+
+
 # ------------------------------------------------------------- the real command
 
 
@@ -303,6 +334,20 @@ def test_a_prompt_s_progress_reaches_a_tail_before_its_tokens(xdg, service):
         service.publish_until(lambda: len(tail.out) >= 3)
         assert tail.out[0] == "prompt 3,664 / 3,664 tokens · done in 2 min 5 s"
         assert all(line.startswith("step ") for line in tail.out[1:] if not line.startswith("prompt "))
+    finally:
+        tail.stop()
+
+
+@pytest.mark.integration
+def test_a_tail_shows_the_warm_start_from_the_runtime_folder(xdg, service):
+    from moe_pipe.shared.experts.hotset import WarmProgress
+
+    tail = Tail(xdg)
+    try:
+        WarmProgress("warming", 812, 3071).write(service.rt.path)
+        tail.wait_for(lambda: "warming 812/3,071 experts" in tail.out, "the warming line")
+        WarmProgress("done", 3071, 3071, seconds=9.5).write(service.rt.path)
+        tail.wait_for(lambda: "warm start: 3,071/3,071 experts in 9.5 s" in tail.out, "the closing line")
     finally:
         tail.stop()
 

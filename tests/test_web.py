@@ -168,6 +168,31 @@ def test_the_page_writes_a_prompt_s_progress_as_chat_and_tail_do():
     assert out.stdout.splitlines() == [prompt_progress_text(*c) for c in cases]
 
 
+@pytest.mark.integration  # node runs the page's own function
+def test_the_page_writes_the_warm_start_as_tail_does():
+    import shutil
+    import subprocess
+
+    from moe_pipe.shared.experts.hotset import WarmProgress
+
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("node is not installed: the page's warmingText is run with it")
+    js = WEB.joinpath("app.js").read_text()
+    assert 'id="warming"' in WEB.joinpath("index.html").read_text()
+    region = js.split("// warming: begin")[1].split("\n", 1)[1].split("// warming: end")[0]
+    cases = [
+        WarmProgress(state, done, total)
+        for state in ("warming", "done", "stopped")
+        for done, total in ((0, 5), (812, 3071), (12345, 1234567))
+    ]
+    script = region + f"\nfor (const w of {json.dumps([c.__dict__ for c in cases])}) console.log(warmingText(w) || '-');"
+    script += "console.log(warmingText(null) || '-');"
+    out = subprocess.run([node, "-e", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [c.text() if c.state == "warming" else "-" for c in cases] + ["-"]
+
+
 @pytest.mark.integration
 def test_page_and_events_through_the_gateway(start_gateway):
     import zmq

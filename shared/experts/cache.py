@@ -109,6 +109,15 @@ class SlabTable:
         self._key_of[slab] = key
         self.policy.on_admit(key)
 
+    def refresh(self, keys) -> None:
+        """Tell the policy `keys` were used, in this order, without counting hits:
+        a warm start's experts, coldest first, so that the policy ranks the
+        hottest highest (they were admitted hottest first, which an LRU reads
+        the other way round). Keys not resident are skipped."""
+        for key in keys:
+            if key in self._slab_of:
+                self.policy.on_hit(key)
+
     def drop(self, key: Key) -> int:
         """Forget `key` (its slab's bytes are bad, e.g. a failed read); frees its slab.
         Not an eviction in the stats. Refused while pinned."""

@@ -6,14 +6,16 @@ order of priority:
     BACKGROUND  a warm start's reads, filling free slabs
 
 each FIFO; a lane takes from a queue only when those above it are empty.
-With two lanes or more, guesses run on all lanes but one: a read once started
-cannot be taken back, so a lane is always free (or about to take a demand
-read) when compute's next miss arrives, instead of that miss waiting behind
-guesses that may be wrong. A queued guess or background read that compute then asks for is promoted to
+With two lanes or more, guesses and background reads together run on all
+lanes but one: a read once started cannot be taken back, so a lane is always
+free (or about to take a demand read) when compute's next miss arrives,
+instead of that miss waiting behind guesses that may be wrong or a warm
+start's reads. With one lane a demand read waits for at most the one read
+under way. A queued guess or background read that compute then asks for is promoted to
 the demand queue. Guesses still queued when their layer's real request
 arrives without them are withdrawn (`withdraw_guesses`), so a wrong guess
-costs bandwidth only if it had already started; background reads are never
-withdrawn. A read once started always runs to its end (a pread cannot be
+costs bandwidth only if it had already started; background reads are
+withdrawn only when a request needs their slabs (`withdraw_background`). A read once started always runs to its end (a pread cannot be
 taken back). The queues hold keys only; what a read does is the
 `work(key, slab)` function each lane calls, outside the lock.
 """
@@ -42,8 +44,8 @@ class ReadLanes:
         self._cond = threading.Condition()
         self._queues: list[OrderedDict[Key, int]] = [OrderedDict() for _ in Priority]  # key -> slab, oldest first
         self._closed = False
-        self._max_guessing = max(1, n - 1)  # lanes that may run guesses at once (one kept for demand)
-        self._guessing = 0
+        self._max_speculative = max(1, n - 1)  # lanes that may run guesses and background reads at once (one kept for demand)
+        self._speculative = 0
         self._threads = [threading.Thread(target=self._lane, name=f"{name}-{i}", daemon=True) for i in range(n)]
         for t in self._threads:
             t.start()
@@ -77,6 +79,14 @@ class ReadLanes:
                 del guesses[k]
             return gone
 
+    def withdraw_background(self) -> list[tuple[Key, int]]:
+        """Take every queued (not started) background read out; returns their
+        (key, slab)s for the caller to free (a request needs the slabs)."""
+        with self._cond:
+            gone = list(self._queues[Priority.BACKGROUND].items())
+            self._queues[Priority.BACKGROUND].clear()
+            return gone
+
     def queued(self) -> tuple[list[Key], ...]:
         """The keys waiting for a lane, per priority (demand, guess, background),
         oldest first (for tests and status)."""
@@ -84,11 +94,12 @@ class ReadLanes:
             return tuple(list(q) for q in self._queues)
 
     def _take(self) -> tuple[Key, int, bool] | None:
-        """The first read this lane may start (key, slab, is a guess), or None."""
+        """The first read this lane may start (key, slab, is speculative: a guess
+        or a background read), or None."""
         for priority, queue in zip(Priority, self._queues):
-            if queue and (priority != Priority.GUESS or self._guessing < self._max_guessing):
+            if queue and (priority == Priority.DEMAND or self._speculative < self._max_speculative):
                 key, slab = queue.popitem(last=False)
-                return key, slab, priority == Priority.GUESS
+                return key, slab, priority != Priority.DEMAND
         return None
 
     def _next(self) -> tuple[Key, int, bool] | None:
@@ -96,21 +107,21 @@ class ReadLanes:
             while not self._closed:
                 job = self._take()
                 if job is not None:
-                    self._guessing += job[2]
+                    self._speculative += job[2]
                     return job
                 self._cond.wait()
             return None
 
     def _lane(self) -> None:
         while (job := self._next()) is not None:
-            key, slab, guess = job
+            key, slab, speculative = job
             try:
                 self._work(key, slab)
             finally:
-                if guess:
+                if speculative:
                     with self._cond:
-                        self._guessing -= 1
-                        self._cond.notify()  # a lane waiting for its turn at a guess may go
+                        self._speculative -= 1
+                        self._cond.notify()  # a lane waiting for its turn at a speculative read may go
 
     def shutdown(self) -> None:
         """Drop what is queued, let the started reads finish, join the lanes."""

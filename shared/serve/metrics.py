@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+from ..experts.hotset import WarmProgress
 from ..wire import messages as m
 
 # moe_pipe_requests_total's outcomes (docs/api.md § Metrics); the gateway counts each request once
@@ -45,7 +46,9 @@ class Metrics:
         self.stall_ms += rec.stall_ms
         self.cache_hit_pct = rec.cache_hit_pct
 
-    def render(self, ready: bool, waiting: int, processes: list[dict] | None, connections: int = 0) -> str:
+    def render(
+        self, ready: bool, waiting: int, processes: list[dict] | None, connections: int = 0, warming: WarmProgress | None = None
+    ) -> str:
         mean = 1e3 * self.decode_tokens / self.decode_ms if self.decode_ms else 0.0
         out: list[str] = []
 
@@ -83,6 +86,10 @@ class Metrics:
             "Connections refused with 503 (max_connections).",
             [("", self.connections_refused)],
         )
+        if warming is not None:
+            metric("moe_pipe_warm_experts", "gauge", "Experts the warm start has cached so far.", [("", warming.done)])
+            metric("moe_pipe_warm_experts_total", "gauge", "Experts the warm start set out to read.", [("", warming.total)])
+            metric("moe_pipe_warming", "gauge", "1 while the warm start reads.", [("", int(warming.state == "warming"))])
         if processes:
             metric(
                 "moe_pipe_process_restarts_total",

@@ -269,6 +269,19 @@
     }
   }
 
+  // warming: begin. The reader's warm start from the last run's hot set (status.warming) while it
+  // runs, the text of shared/experts/hotset.py WarmProgress.text (tests/test_web.py runs both).
+  function warmingText(w) {
+    const n = (x) => x.toLocaleString("en-US");
+    return w && w.state === "warming" ? `warming ${n(w.done)}/${n(w.total)} experts` : "";
+  }
+  // warming: end
+
+  function renderWarming(w) {
+    $("warming").textContent = warmingText(w);
+    $("warming").hidden = !$("warming").textContent;
+  }
+
   function expertsUsed(hello) {
     const k = hello.n_expert_used, own = hello.n_expert_used_model;
     return `${k} a token` + (k === own ? "" : ` (n_expert_used, LOSSY: the model's own is ${own})`);
@@ -301,6 +314,7 @@
       state.first = data.first || state.first;
       renderFirst();
       renderSystem();
+      renderWarming(data.supervisor && data.supervisor.warming);
     }
     for (const id of ["chart-ms", "chart-rate", "chart-hit", "chart-read"]) $(id).dataset.points = state.points;
     redraw();

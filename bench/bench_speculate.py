@@ -68,13 +68,15 @@ class Resident:
         self.model = load_model(self.mf, options=options)
         self.model.prefill([1, 2, 3, 4], self.model.new_cache(16))  # compile outside the timing
 
-    def generate(self, prompt, n, drafter=None, width=0):
+    def generate(self, prompt, n, drafter=None, width=0, adapt=False):
         from moe_pipe.shared.model.session import Session
         from moe_pipe.shared.text.generate import GenerationConfig, generate
         from moe_pipe.shared.text.sampling import SamplingParams
 
         tok = _NoText()
-        cfg = GenerationConfig(max_tokens=n, ignore_eos=True, draft=width, n_ctx=len(prompt) + n + 16, prefill_batch=len(prompt))
+        cfg = GenerationConfig(
+            max_tokens=n, ignore_eos=True, draft=width, draft_adapt=adapt, n_ctx=len(prompt) + n + 16, prefill_batch=len(prompt)
+        )
         g = generate(self.model, tok, prompt, SamplingParams(), cfg, session=Session(), drafter=drafter)
         return g
 
@@ -138,15 +140,17 @@ def resident(args, path: Path) -> None:
 
     print(f"\n(b) decode with replayed drafts: plain {plain_tps:.2f} tok/s")
     print(f"{'width':>6}{'accuracy':>10}{'accepted':>10}{'tok/s':>9}{'x plain':>9}{'passes':>8}")
+    widths = [int(w) for w in args.widths.split(",")]
     for acc in [float(a) for a in args.accuracy.split(",")]:
-        for width in [int(w) for w in args.widths.split(",")]:
-            runs = [r.generate(prompt, args.n, ReplayDrafter(reference, acc, seed=k), width) for k in range(args.repeat)]
+        for width, adapt in [(w, False) for w in widths] + ([(max(widths), True)] if args.adaptive else []):
+            runs = [r.generate(prompt, args.n, ReplayDrafter(reference, acc, seed=k), width, adapt) for k in range(args.repeat)]
             assert all(g.tokens == reference for g in runs), "speculative output differs from plain output"
             tps = statistics.median(g.timings["predicted_tok_s"] for g in runs)
             t = runs[0].timings
             rate = t["draft_accepted"] / max(t["draft_n"], 1)
             passes = len(reference) - 1 - t["draft_accepted"]  # every token after the first: a pass's, or a kept draft's
-            print(f"{width:>6}{acc:>10.2f}{rate:>10.0%}{tps:>9.2f}{tps / plain_tps:>9.2f}{passes:>8}")
+            label = f"<={width}" if adapt else str(width)
+            print(f"{label:>6}{acc:>10.2f}{rate:>10.0%}{tps:>9.2f}{tps / plain_tps:>9.2f}{passes:>8}")
     r.mf.close()
 
 
@@ -173,28 +177,35 @@ def streamed(args, path: Path) -> None:
 
     # The replay file is read at each request, so each run below rewrites it (its accuracy, its seed).
     replay.write_text(json.dumps({"tokens": [], "accuracy": 1.0}))
-    cfg = load_config(None, {**base, "compute.draft_replay": str(replay)})
     print(f"model: {path.name} ({desc}), streamed; prompt {len(prompt)} tokens, {args.n} decoded, medians of {args.repeat}")
-    with start_pipeline(cfg, path) as pipe:
-        warm = one(pipe, 0)
-        print(
-            f"expert cache {pipe.resolved.n_slabs * pipe.resolved.slab_bytes / 2**20:.0f} MiB; warm-up run {warm['predicted_tok_s']:.2f} tok/s"
-        )
-        reference = warm["ids"]
-        plain = [one(pipe, 0) for _ in range(args.repeat)]
-        plain_tps = statistics.median(p["predicted_tok_s"] for p in plain)
-        print(f"plain {plain_tps:.2f} tok/s")
-        print(f"{'width':>6}{'accuracy':>10}{'accepted':>10}{'tok/s':>9}{'x plain':>9}")
-        for acc in [float(a) for a in args.accuracy.split(",")]:
-            for width in [int(w) for w in args.widths.split(",")]:
-                runs = []
-                for k in range(args.repeat):
-                    replay.write_text(json.dumps({"tokens": reference, "accuracy": acc, "seed": k}))
-                    runs.append(one(pipe, width))
-                assert all(g["ids"] == reference for g in runs), "speculative output differs from plain output"
-                tps = statistics.median(g["predicted_tok_s"] for g in runs)
-                rate = runs[0]["draft_accepted"] / max(runs[0]["draft_n"], 1)
-                print(f"{width:>6}{acc:>10.2f}{rate:>10.0%}{tps:>9.2f}{tps / plain_tps:>9.2f}")
+    widths = [int(w) for w in args.widths.split(",")]
+    accuracies = [float(a) for a in args.accuracy.split(",")]
+    reference: list[int] = []
+    for adapt in [False, True] if args.adaptive else [False]:  # compute.draft_adapt is the compute process's
+        cfg = load_config(None, {**base, "compute.draft_replay": str(replay), "compute.draft_adapt": adapt})
+        with start_pipeline(cfg, path) as pipe:
+            warm = one(pipe, 0)  # the cache filled by one reply, as a conversation's next reply finds it
+            cache_mib = pipe.resolved.n_slabs * pipe.resolved.slab_bytes / 2**20
+            print(
+                f"{'adaptive' if adapt else 'fixed'} widths: expert cache {cache_mib:.0f} MiB; warm-up run {warm['predicted_tok_s']:.2f} tok/s"
+            )
+            reference = reference or warm["ids"]
+            plain = [one(pipe, 0) for _ in range(args.repeat)]
+            plain_tps = statistics.median(p["predicted_tok_s"] for p in plain)
+            print(f"plain {plain_tps:.2f} tok/s, {statistics.median(p['read_bytes'] for p in plain) / 2**20:.0f} MiB read a reply")
+            print(f"{'width':>6}{'accuracy':>10}{'accepted':>10}{'tok/s':>9}{'x plain':>9}{'MiB read':>10}")
+            for acc in accuracies:
+                for width in [max(widths)] if adapt else widths:
+                    runs = []
+                    for k in range(args.repeat):
+                        replay.write_text(json.dumps({"tokens": reference, "accuracy": acc, "seed": k}))
+                        runs.append(one(pipe, width))
+                    assert all(g["ids"] == reference for g in runs), "speculative output differs from plain output"
+                    tps = statistics.median(g["predicted_tok_s"] for g in runs)
+                    rate = runs[0]["draft_accepted"] / max(runs[0]["draft_n"], 1)
+                    mib = statistics.median(g["read_bytes"] for g in runs) / 2**20
+                    label = f"<={width}" if adapt else str(width)
+                    print(f"{label:>6}{acc:>10.2f}{rate:>10.0%}{tps:>9.2f}{tps / plain_tps:>9.2f}{mib:>10.0f}")
 
 
 def main(argv=None) -> int:

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 
+from moe_pipe.shared.model.blocks import RecurrentState
 from moe_pipe.shared.model.prompt_watch import POLL_INTERVAL_S, PROGRESS_INTERVAL_S, PromptProgress, PromptWatch
 
 
@@ -106,7 +106,7 @@ class Stop(Exception):
 def test_a_stop_puts_a_recurrent_state_back_to_its_last_chunk_s_end():
     """The layers update the state in place (here: each adds its chunk's size);
     a Stop in the second chunk's third layer leaves the state the first chunk made."""
-    state = SimpleNamespace(conv={0: np.zeros((2, 3), np.float32), 2: np.zeros((2, 3), np.float32)}, delta={0: np.zeros(4, np.float32)})
+    state = RecurrentState([0, 2], kernel=3, channels=3, heads=1, d_k=2, d_v=2)
     cache = SimpleNamespace(state=state)
     calls = {"n": 0}
 
@@ -129,7 +129,9 @@ def test_a_stop_puts_a_recurrent_state_back_to_its_last_chunk_s_end():
 
 
 def test_a_stop_in_the_first_chunk_puts_back_the_state_the_prompt_started_from():
-    state = SimpleNamespace(conv={1: np.full(3, 5.0, np.float32)}, delta={1: np.full(2, 7.0, np.float32)})
+    state = RecurrentState([1], kernel=2, channels=3, heads=1, d_k=1, d_v=2)
+    state.conv[1][:] = 5.0
+    state.delta[1][:] = 7.0
     watch = PromptWatch(2, lambda p: None, check=lambda: (_ for _ in ()).throw(Stop()), poll_s=0.0)
     watch.begin(total=4, cached=1, cache=SimpleNamespace(state=state))
     state.conv[1] += 1

@@ -77,7 +77,7 @@ class KernelClock:
         from moe_pipe.shared import quant
 
         self.quant, self.seconds = quant, 0.0
-        self.saved = {name: getattr(quant, name) for name in ("matvec", "matmul", "apply", "dequantize_rows")}
+        self.saved = {name: getattr(quant, name) for name in ("matvec", "matmul", "apply", "gather_apply", "dequantize_rows")}
         for name, fn in self.saved.items():
             setattr(quant, name, self._timed(fn))
 

@@ -134,7 +134,7 @@ def test_the_chooser_stops_drafting_when_drafts_are_wrong_and_probes_now_and_the
     widths = drive(WidthChooser(4), 0.0, lambda r: 1.0 + 0.1 * (r - 1))
     tail = widths[-160:]
     assert sum(w > 0 for w in tail) <= 160 // WidthChooser.PROBE_EVERY + 1
-    assert all(w <= 1 for w in tail)  # a probe is one draft
+    assert all(w <= 1 for w in tail)  # a probe is one draft more than the best, 0
 
 
 def test_the_chooser_stops_drafting_when_wider_passes_cost_what_they_gain():

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from ... import quant
 from ...errors import GGUFError
 from ...gguf.model_file import ModelFile
 from ...model.attend import attend
@@ -37,6 +38,18 @@ def deinterleave(x: np.ndarray) -> np.ndarray:
     """[..., 2n] with pairs (2i, 2i+1) → [..., 2n] with pairs (i, i+n): the interleaved
     rotation becomes the rotate-half one, and q·k is unchanged (both move alike)."""
     return np.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
+
+
+def per_head(mats: list[QWeight], x: np.ndarray) -> np.ndarray:
+    """Head h's matrix on x[:, h] for every head: x [T, H, cols] → [T, H, rows]. A decoded
+    token's heads take one kernel call (quant.gather_apply, each head's row its own
+    activation) where a call per head pays a rounding and a parallel region each; the
+    same numbers bit for bit. A prompt's rows, or float-typed heads: one call per head."""
+    if x.shape[0] == 1:
+        out = quant.gather_apply([m.prep for m in mats], x[0], np.arange(len(mats), dtype=np.int64))
+        if out is not None:
+            return out[None]
+    return np.stack([m(np.ascontiguousarray(x[:, h])) for h, m in enumerate(mats)], axis=1)
 
 
 def mla_attention(q: np.ndarray, cache: KVCache, layer: int, start: int, scale: float, r: int) -> np.ndarray:
@@ -166,7 +179,7 @@ class Model(MoEModel):
         k_rope = self.rope.apply(deinterleave(kv[:, None, r:]), cos, sin)  # [T, 1, rope]
         q_rope = self.rope.apply(deinterleave(q[:, :, nope:]), cos, sin)  # [T, H, rope]
         q_nope = np.ascontiguousarray(q[:, :, :nope])
-        absorbed = np.stack([L["k_b"][h](q_nope[:, h]) for h in range(heads)], axis=1)  # [T, H, r]
+        absorbed = per_head(L["k_b"], q_nope)  # [T, H, r]
         cache.store(i, np.concatenate([latent[:, None], k_rope], axis=-1), np.empty((t, 1, 0), np.float32))
         o = mla_attention(np.concatenate([absorbed, q_rope], axis=-1), cache, i, start, self.scale, r)  # [T, H, r]
-        return np.concatenate([L["v_b"][h](np.ascontiguousarray(o[:, h])) for h in range(heads)], axis=-1)  # [T, H·v]
+        return per_head(L["v_b"], o).reshape(t, -1)  # [T, H·v]

@@ -342,6 +342,7 @@ class Gateway:
                 grammar=req.grammar,
                 cache_prompt=req.cache_prompt,
                 progress=req.stream and req.return_progress,  # as llama.cpp's server: streams only
+                draft=req.draft,
             )
             check_wire(job, "messages" if chat else "prompt")
             self.queue.offer(job)

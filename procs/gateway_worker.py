@@ -71,9 +71,11 @@ class Job:
         cache_prompt: bool = True,
         slot: tuple[str, str] | None = None,
         progress: bool = False,
+        draft: int | None = None,
     ):
         self.prompt_tokens, self.max_tokens, self.sampling, self.stop = prompt_tokens, max_tokens, sampling, stop
         self.cache_prompt = cache_prompt  # reuse compute's cached prefix (docs/conversations.md)
+        self.draft = draft  # speculative decoding's drafts per pass for this request; None = compute.draft (docs/speculative.md)
         self.slot = slot  # (action, path): a Slot request for compute's session instead of a generation
         self.grammar = grammar  # response_format's grammar for compute ("" = free text)
         self.events: deque[Event] = deque()
@@ -210,7 +212,13 @@ class ComputeLink:
             msg: m.Generate | m.Slot = self.client.slot(*job.slot)
         else:
             msg = self.client.generate(
-                job.prompt_tokens, job.max_tokens, job.sampling, job.stop, cache_prompt=job.cache_prompt, grammar=job.grammar
+                job.prompt_tokens,
+                job.max_tokens,
+                job.sampling,
+                job.stop,
+                cache_prompt=job.cache_prompt,
+                grammar=job.grammar,
+                draft=m.DRAFT_FROM_CONFIG if job.draft is None else job.draft,
             )
         self.events.clear()
         await self.send(msg)

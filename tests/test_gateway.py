@@ -739,6 +739,7 @@ def test_field_types_and_ranges_are_checked():
         "seed": ["7", 1.5, True, -1, 1 << 64],
         "stream": ["yes", 1],
         "stream_options": ["x", [], 0, {"include_usage": 1}],
+        "speculative.n_max": [-1, 9, 1.0, "2", True],
     }
     for field, values in bad.items():
         for value in values:
@@ -771,6 +772,16 @@ def test_field_types_and_ranges_are_checked():
         settings,
     )
     assert (ok.max_tokens, ok.sampling["temperature"], ok.sampling["seed"], len(ok.stop)) == (1, 2.0, (1 << 64) - 1, 16)
+
+
+def test_speculative_n_max_is_the_requests_draft_width_as_llama_cpps_server():
+    """`speculative.n_max` (llama.cpp's field) sets this request's drafts per pass; left out, compute.draft."""
+    from moe_pipe.shared.serve.openai_api import parse_request
+
+    msgs = [{"role": "user", "content": "hi"}]
+    assert parse_request({"messages": msgs}, True, defaults()).draft is None
+    assert parse_request({"messages": msgs, "speculative.n_max": 0}, True, defaults()).draft == 0
+    assert parse_request({"prompt": "x", "speculative.n_max": 8}, False, defaults()).draft == 8
 
 
 def test_model_is_optional_as_in_llama_cpps_server():

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 import orjson
 
+from ..config import MAX_DRAFT
 from ..text.constrain import GrammarError, grammar_for
 from ..text.reasoning import REASONING, TOOL, Framing, OutputSplitter
 from ..text.tools import ToolCall, messages_for_template, parse_call, tools_for_template
@@ -134,6 +135,7 @@ class CompletionRequest:
     grammar: str = ""  # response_format as llguidance's grammar JSON (shared/text/constrain.py); "" = free text
     cache_prompt: bool = True  # llama.cpp's field: false = compute the whole prompt, reusing no cached prefix
     return_progress: bool = False  # llama.cpp's field: a stream carries the prompt's progress (prompt_progress chunks)
+    draft: int | None = None  # llama.cpp's speculative.n_max: drafts per verify pass for this request; None = compute.draft
 
 
 def parse_body(raw: bytes) -> dict:
@@ -395,6 +397,7 @@ def parse_request(body: dict, chat: bool, settings: RequestDefaults) -> Completi
         grammar=grammar,
         cache_prompt=_flag(body, "cache_prompt", True),
         return_progress=_flag(body, "return_progress", False),
+        draft=_int(body, "speculative.n_max", 0, MAX_DRAFT),
     )
 
 

@@ -665,6 +665,7 @@ def test_a_stream_that_asks_gets_its_prompt_s_progress_in_order_before_any_text(
     assert status == 400 and body["error"]["param"] == "return_progress" and "true or false" in body["error"]["message"]
 
 
+@pytest.mark.slow  # CI time (27 s): a Stop mid-prompt is in the default tier through the pipeline (tests/test_pipeline.py)
 def test_a_client_that_leaves_mid_prompt_is_cancelled_within_a_second(start_gateway):
     svc = start_gateway()
     computes = svc.start_computes({"progress": 400, "progress_s": 0.05})  # a 20-second prompt

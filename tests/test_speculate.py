@@ -3,9 +3,10 @@ output without them, token for token, on every family, greedy and sampled, at an
 acceptance; a rollback leaves the KV cache and the recurrent state as plain
 decoding leaves them; the n-gram drafter proposes what followed the latest match.
 
-CI time: every family at one width and acceptance in the default tier (a tiny
-model's generation is ~0.2 s); widths 1-4, both acceptances, f32 weights and
-every KV type behind -m slow."""
+CI time: four families at one width and acceptance in the default tier (a plain
+one, a hybrid with a recurrent state, one with sliding-window rings, DeepSeek V4's
+compressed attention), the others and widths 1-4, both acceptances, f32 weights
+and every KV type behind -m slow."""
 
 from __future__ import annotations
 
@@ -211,7 +212,10 @@ def assert_same_cache(got: Session, want: Session) -> None:
             np.testing.assert_array_equal(a.state.delta[i], b.state.delta[i])
 
 
-@pytest.mark.parametrize("arch", FAMILIES)
+DEFAULT_TIER = ("qwen3moe", "qwen35moe", "gemma4", "deepseek4")
+
+
+@pytest.mark.parametrize("arch", [pytest.param(a, marks=[] if a in DEFAULT_TIER else [pytest.mark.slow]) for a in FAMILIES])
 def test_speculative_greedy_output_is_the_plain_output(tiny_files, arch):
     """Width 3, half the drafts wrong: accepted runs, rollbacks mid-pass and fully kept passes all occur."""
     check_speculation(tiny_files(arch), 3, 0.6)
@@ -223,7 +227,9 @@ def test_speculative_output_at_every_width_and_acceptance(tiny_files, arch, widt
     check_speculation(tiny_files(arch), width, accuracy)
 
 
-@pytest.mark.parametrize("arch", ["qwen3moe", "qwen35moe", "gemma4"])
+@pytest.mark.parametrize(
+    "arch", ["qwen35moe", pytest.param("qwen3moe", marks=pytest.mark.slow), pytest.param("gemma4", marks=pytest.mark.slow)]
+)
 def test_speculative_sampled_output_is_the_plain_output_with_the_same_seed(tiny_files, arch):
     """Sampling each token from its row and keeping the draft when they agree spends one draw per
     emitted token, as plain decoding does: the same seed gives the same tokens (the speculative-
@@ -238,7 +244,7 @@ def test_speculative_output_on_every_kv_type(tiny_files, arch, kv):
     check_speculation(tiny_files(arch), 3, 0.6, kv=kv)
 
 
-@pytest.mark.parametrize("arch", ["qwen3moe", "gemma4"])
+@pytest.mark.parametrize("arch", ["gemma4"])
 def test_q8_0_kv_verify_rows_are_decode_steps(tiny_files, arch):
     check_speculation(tiny_files(arch), 3, 0.6, kv="q8_0")
 
@@ -249,7 +255,7 @@ def test_speculative_output_on_f32_weights(tiny_files, arch):
     check_speculation(tiny_files(arch, "F32"), 3, 0.6)
 
 
-@pytest.mark.parametrize("arch", ["qwen3moe", "qwen35moe"])
+@pytest.mark.parametrize("arch", ["qwen35moe", pytest.param("qwen3moe", marks=pytest.mark.slow)])
 def test_drafts_stop_at_the_context_end_and_across_a_context_shift(tiny_files, arch):
     """A pass never drafts past n_ctx; with a context shift the tokens a rollback holds back
     (qwen35moe's redo) are run before the shift keeps them."""
@@ -273,7 +279,7 @@ def test_ngram_drafts_on_a_repetitive_continuation_keep_the_output(tiny_files):
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("arch", ["qwen3moe", "qwen35moe"])
+@pytest.mark.parametrize("arch", ["qwen35moe", pytest.param("qwen3moe", marks=pytest.mark.slow)])
 def test_the_pipeline_speculates_with_streamed_experts_and_keeps_the_tokens(tiny_files, arch, tmp_path):
     """The compute process verifies drafts on experts read into the least cache: the resident
     reference's tokens, fewer passes than tokens, each verify pass's drafts in its CSV row."""

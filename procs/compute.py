@@ -51,6 +51,7 @@ from ..shared.model.routes import RouteReplay, RouteTracer
 from ..shared.model.session import Session, slot_action
 from ..shared.model.trace import read_trace
 from ..shared.model.weights import Expert
+from ..shared.pids import pid_alive
 from ..shared.text.generate import GenerationConfig, generate
 from ..shared.text.sampling import SamplingParams
 from ..shared.text.speculate import drafter_for
@@ -58,7 +59,7 @@ from ..shared.text.tokenizer import Tokenizer
 from ..shared.wire import ipc
 from ..shared.wire import messages as m
 from .guess_gate import GuessGate
-from .lifecycle import FrontEndWatch, child_setup, pid_alive
+from .lifecycle import FrontEndWatch, child_setup
 from .metered import MeteredModel
 from .run_facts import RunFacts
 from .warmup import STAGE, CompileCounter, forward_pass, kernel_steps, warm_up

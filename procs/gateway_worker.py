@@ -17,13 +17,13 @@ from typing import cast
 import zmq
 import zmq.asyncio
 
+from ..shared.pids import pid_alive
 from ..shared.serve.http_guard import RETRY_AFTER_S
 from ..shared.serve.metrics import Metrics
 from ..shared.serve.openai_api import FINISH_REASONS, ApiError
 from ..shared.wire import ipc
 from ..shared.wire import messages as m
 from .compute_client import ComputeClient, failure_text
-from .lifecycle import pid_alive
 
 log = logging.getLogger("moe_pipe.gateway")
 

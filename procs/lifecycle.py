@@ -1,6 +1,6 @@
 """What every child process does first, and how processes watch each other:
 the parent its children (exit codes, last error lines), a child its peers
-(`pid_alive`, `FrontEndWatch`)."""
+(`FrontEndWatch`; whether a peer runs: shared/pids.py)."""
 
 from __future__ import annotations
 
@@ -101,21 +101,6 @@ def describe_exit(exitcode: int | None) -> str:
         except ValueError:
             return f"was killed by signal {-exitcode}"
     return f"exited with code {exitcode}"
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether process `pid` runs (a zombie does not): how a child watches a peer that kill -9 ends without a word."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie child of our parent still answers kill(0)
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 class FrontEndWatch:

@@ -21,6 +21,7 @@ STACK = [
     (
         "errors",
         "progress",
+        "pids",
         "data",
         "family_registry",
         "families",

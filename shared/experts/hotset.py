@@ -40,6 +40,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..errors import UserError
+from ..pids import pid_alive
 
 FORMAT = "moe-pipe hot set"
 VERSION = 1
@@ -105,18 +106,8 @@ def _remove_dead_temps(path: Path) -> None:
     """Temporary files of saves a kill -9 cut short (their writer's pid is gone)."""
     for tmp in path.parent.glob(f".{path.name}.*.tmp"):
         pid = tmp.name[len(path.name) + 2 : -len(".tmp")]
-        if pid.isdigit() and not _pid_alive(int(pid)):
+        if pid.isdigit() and not pid_alive(int(pid)):
             tmp.unlink(missing_ok=True)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def load_hot_set(path: str | os.PathLike, identity: Sequence[str], n_layer: int, n_expert: int) -> HotSet:

@@ -38,6 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from ..gguf.alignment import PAGE_SIZE
+from ..pids import pid_alive
 
 SHM_DIR = Path("/dev/shm")
 PAGE = PAGE_SIZE  # the OS page (os.sysconf, once): mapping granularity and madvise ranges
@@ -271,23 +272,8 @@ def _process_start(pid: int) -> float | None:
     return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
 
 
-def _is_zombie(pid: int) -> bool:
-    """Dead but not yet reaped: it holds nothing any more."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2 :].startswith("Z")
-
-
 def _owner_alive(pid: int, segment_changed: float) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, belongs to someone else
-        pass
-    if _is_zombie(pid):
+    if not pid_alive(pid):
         return False
     # A live pid may be a reuse: a process that started after the segment last
     # changed cannot be the one that created it. In doubt, alive (never reclaim

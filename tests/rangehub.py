@@ -34,6 +34,24 @@ def serve(handle) -> tuple[ThreadingHTTPServer, str]:
     return server, f"http://127.0.0.1:{server.server_address[1]}"
 
 
+def send(h, code: int, body: bytes, headers: dict[str, str] | None = None) -> None:
+    """One whole HTTP reply on request handler `h`."""
+    h.send_response(code)
+    for k, v in (headers or {}).items():
+        h.send_header(k, v)
+    h.send_header("Content-Length", str(len(body)))
+    h.end_headers()
+    h.wfile.write(body)
+
+
+def hub_route(raw_path: str) -> tuple[re.Match | None, re.Match | None, str | None]:
+    """The Hub's two routes a pull uses: (the tree listing's match, the file's match, the repository)."""
+    path = raw_path.split("?")[0]
+    tree = re.match(r"^/api/models/([^/]+/[^/]+)/tree/([^/]+)$", path)
+    resolve = re.match(r"^/([^/]+/[^/]+)/resolve/([^/]+)/(.+)$", path)
+    return tree, resolve, (tree or resolve).group(1) if (tree or resolve) else None
+
+
 def point_hf_at(monkeypatch, url: str, tmp_path: Path) -> None:
     """huggingface_hub (and moe-pipe's caches) pointed at a loopback hub at `url`, online, with no token."""
     from huggingface_hub import constants
@@ -70,21 +88,10 @@ class RangeHub:
             self.requests[key] = self.requests.get(key, 0) + (n == 0)
             self.served[key] = self.served.get(key, 0) + n
 
-    def _send(self, h, code: int, body: bytes, headers: dict[str, str] | None = None) -> None:
-        h.send_response(code)
-        for k, v in (headers or {}).items():
-            h.send_header(k, v)
-        h.send_header("Content-Length", str(len(body)))
-        h.end_headers()
-        h.wfile.write(body)
-
     def handle(self, h) -> None:
-        path = h.path.split("?")[0]
-        tree = re.match(r"^/api/models/([^/]+/[^/]+)/tree/([^/]+)$", path)
-        resolve = re.match(r"^/([^/]+/[^/]+)/resolve/([^/]+)/(.+)$", path)
-        repo = (tree or resolve).group(1) if (tree or resolve) else None
+        tree, resolve, repo = hub_route(h.path)
         if repo not in self.repos:
-            return self._send(h, 404, b'{"error": "Repository not found"}', {"X-Error-Code": "RepoNotFound"})
+            return send(h, 404, b'{"error": "Repository not found"}', {"X-Error-Code": "RepoNotFound"})
         files = self.repos[repo]
         if tree:
             self._count(f"{repo} (tree)")
@@ -99,10 +106,10 @@ class RangeHub:
                 for p, f in files.items()
                 for n in [self.listed_size.get(f"{repo}/{p}", f.stat().st_size)]
             ]
-            return self._send(h, 200, json.dumps(listing).encode(), {"Content-Type": "application/json"})
+            return send(h, 200, json.dumps(listing).encode(), {"Content-Type": "application/json"})
         name, key = resolve.group(3), f"{repo}/{resolve.group(3)}"
         if name not in files:
-            return self._send(h, 404, b"", {"X-Error-Code": "EntryNotFound"})
+            return send(h, 404, b"", {"X-Error-Code": "EntryNotFound"})
         self._count(key)
         size = files[name].stat().st_size
         m = re.match(r"bytes=(\d+)-(\d*)$", h.headers.get("Range", ""))

@@ -26,7 +26,7 @@ import pytest
 from moe_pipe.cli.main import main
 from moe_pipe.shared.hub.client import WRITE_CHUNK
 
-from .rangehub import serve
+from .rangehub import hub_route, send, serve
 
 CLI = [sys.executable, "-m", "moe_pipe.cli.main"]
 REPO = "test-org/Tiny-GGUF"
@@ -94,24 +94,13 @@ class Hub:
         self.server.shutdown()
         self.server.server_close()
 
-    def _send(self, h, code: int, body: bytes, headers: dict[str, str] | None = None) -> None:
-        h.send_response(code)
-        for k, v in (headers or {}).items():
-            h.send_header(k, v)
-        h.send_header("Content-Length", str(len(body)))
-        h.end_headers()
-        h.wfile.write(body)
-
     def handle(self, h) -> None:
-        path = h.path.split("?")[0]
-        tree = re.match(r"^/api/models/([^/]+/[^/]+)/tree/([^/]+)$", path)
-        resolve = re.match(r"^/([^/]+/[^/]+)/resolve/([^/]+)/(.+)$", path)
-        repo = (tree or resolve).group(1) if (tree or resolve) else None
+        tree, resolve, repo = hub_route(h.path)
         if repo in self.status:
             code, headers = self.status[repo]
-            return self._send(h, code, b'{"error": "no"}', {"Content-Type": "application/json", **headers})
+            return send(h, code, b'{"error": "no"}', {"Content-Type": "application/json", **headers})
         if repo not in self.repos:
-            return self._send(h, 404, b'{"error": "Repository not found"}', {"X-Error-Code": "RepoNotFound"})
+            return send(h, 404, b'{"error": "Repository not found"}', {"X-Error-Code": "RepoNotFound"})
         files = self.repos[repo]
         if tree:
             listing = [
@@ -124,10 +113,10 @@ class Hub:
                 }
                 for p, b in files.items()
             ]
-            return self._send(h, 200, json.dumps(listing).encode(), {"Content-Type": "application/json"})
+            return send(h, 200, json.dumps(listing).encode(), {"Content-Type": "application/json"})
         name = resolve.group(3)
         if name not in files:
-            return self._send(h, 404, b"", {"X-Error-Code": "EntryNotFound"})
+            return send(h, 404, b"", {"X-Error-Code": "EntryNotFound"})
         key = f"{repo}/{name}"
         body = files[name]
         if key in self.corrupt:

@@ -10,6 +10,26 @@ import pytest
 from moe_pipe.shared.experts.readlanes import Priority, ReadLanes
 
 
+class HeldReads:
+    """A lanes' work function that records each read as it starts and holds it until
+    `release[key]` is set: the order reads start in, observed one by one."""
+
+    def __init__(self, *keys: str):
+        self.started: list = []
+        self.release = {k: threading.Event() for k in keys}
+        self.cond = threading.Condition()
+
+    def work(self, key, slab) -> None:
+        with self.cond:
+            self.started.append(key)
+            self.cond.notify_all()
+        assert self.release[key].wait(10)
+
+    def wait_started(self, n: int) -> None:
+        with self.cond:
+            assert self.cond.wait_for(lambda: len(self.started) >= n, 10), self.started
+
+
 class Recorder:
     """A lane's work: records the order, and holds the first read until `go`."""
 
@@ -99,21 +119,9 @@ def test_guesses_leave_one_lane_for_demand():
     """Two lanes, two guesses queued: only one guess starts, so a demand read
     submitted while it runs starts at once on the other lane, before the
     second guess; that one starts when the first guess is done."""
-    started: list = []
-    release = {k: threading.Event() for k in ("g1", "g2", "d1")}
-    cond = threading.Condition()
-
-    def work(key, slab):
-        with cond:
-            started.append(key)
-            cond.notify_all()
-        assert release[key].wait(10)
-
-    def wait_started(n):
-        with cond:
-            assert cond.wait_for(lambda: len(started) >= n, 10), started
-
-    lanes = ReadLanes(2, work)
+    held = HeldReads("g1", "g2", "d1")
+    started, release, wait_started = held.started, held.release, held.wait_started
+    lanes = ReadLanes(2, held.work)
     lanes.submit("g1", 1, Priority.GUESS)
     lanes.submit("g2", 2, Priority.GUESS)
     wait_started(1)
@@ -141,21 +149,9 @@ def test_background_reads_share_the_guesses_lanes_and_leave_one_for_demand():
     """Three lanes, a warm start's reads and a guess queued: two of them run
     (all lanes but one), so a demand read submitted meanwhile starts at once;
     the third speculative read waits for one of the first two to end."""
-    started: list = []
-    release = {k: threading.Event() for k in ("b1", "b2", "g1", "d1")}
-    cond = threading.Condition()
-
-    def work(key, slab):
-        with cond:
-            started.append(key)
-            cond.notify_all()
-        assert release[key].wait(10)
-
-    def wait_started(n):
-        with cond:
-            assert cond.wait_for(lambda: len(started) >= n, 10), started
-
-    lanes = ReadLanes(3, work)
+    held = HeldReads("b1", "b2", "g1", "d1")
+    started, release, wait_started = held.started, held.release, held.wait_started
+    lanes = ReadLanes(3, held.work)
     lanes.submit("b1", 1, Priority.BACKGROUND)
     lanes.submit("b2", 2, Priority.BACKGROUND)
     wait_started(2)

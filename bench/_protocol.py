@@ -32,6 +32,7 @@ expert cache's budget; for llama.cpp the page cache it held at the end.
 
 from __future__ import annotations
 
+import argparse
 import csv
 import json
 import shutil
@@ -128,6 +129,19 @@ def moe_pipe_io_figures(rows: list[dict], lanes: int) -> dict:
 
 
 # -- cold copies and the cold check ---------------------------------------------------
+
+
+def cold_run_parser(description: str) -> argparse.ArgumentParser:
+    """The arguments of a bench that serves MODEL from fresh copies in a memory cgroup
+    (bench_cold.py, bench_restart.py): the model, the limit, the reply, the repeats."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("model", type=Path)
+    ap.add_argument("--limit-mb", type=float, required=True, help="memory cgroup limit for every run")
+    ap.add_argument("-n", type=int, default=128)
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("--config", default="configs/qwen30b.toml")
+    return ap
 
 
 def fresh_copy(model: Path, dest: Path) -> float:

@@ -22,14 +22,13 @@ Needs root (cgroup, drop_caches) and free disk for one more copy of MODEL.
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
-from _protocol import fresh_copy, io_lanes, lane_gbps, read_rows, run_info  # bench/ is the script's folder
+from _protocol import cold_run_parser, fresh_copy, io_lanes, lane_gbps, read_rows, run_info  # bench/ is the script's folder
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "out"
@@ -53,13 +52,7 @@ def figures(rows: list[dict], lanes: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("model", type=Path)
-    ap.add_argument("--limit-mb", type=float, required=True, help="memory cgroup limit for every run")
-    ap.add_argument("-n", type=int, default=128)
-    ap.add_argument("--repeat", type=int, default=2)
-    ap.add_argument("-t", "--threads", type=int, default=2)
-    ap.add_argument("--config", default="configs/qwen30b.toml")
+    ap = cold_run_parser(__doc__.splitlines()[0])
     ap.add_argument("--variant", action="append", default=[], help='NAME=FLAGS, e.g. "populated=--populate"')
     ap.add_argument("--out", type=Path, default=OUT / "cold")
     ap.add_argument("--report-only", action="store_true", help="tabulate the runs already in --out, run nothing")

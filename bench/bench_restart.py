@@ -24,7 +24,6 @@ Needs root (cgroup, drop_caches) and free disk for one more copy of MODEL.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -35,7 +34,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from _protocol import fresh_copy, read_rows, reply_figures  # bench/ is the script's folder
+from _protocol import cold_run_parser, fresh_copy, read_rows, reply_figures  # bench/ is the script's folder
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "out"
@@ -110,13 +109,7 @@ def wait_warm_end(env: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("model", type=Path)
-    ap.add_argument("--limit-mb", type=float, required=True, help="memory cgroup limit for every run")
-    ap.add_argument("-n", type=int, default=128)
-    ap.add_argument("--repeat", type=int, default=2)
-    ap.add_argument("-t", "--threads", type=int, default=2)
-    ap.add_argument("--config", default="configs/qwen30b.toml")
+    ap = cold_run_parser(__doc__.splitlines()[0])
     ap.add_argument("--prompt", default=PROMPT)
     ap.add_argument("--wait-warm", action="store_true", help="send the warm run's request once the warm start has ended")
     ap.add_argument("--out", type=Path, default=OUT / "restart")

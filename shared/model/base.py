@@ -6,13 +6,14 @@ per-layer weights once in `load_layer`, and implements `layer()` for one
 decoder block. Where a family differs from the plain pass it overrides a hook
 whose default is that plain pass: `output_norm_name`, `embed`, `logits`,
 `router_input`, `router_logits`, `guess_layer`, `new_cache`. The stage-named
-entry points are `prefill` (a prompt batch) and `decode_one`.
+entry points are `prefill` (a prompt batch) and `decode_one`; `forward_batch`
+runs the rows of several sequences in one pass (shared/model/batch.py).
 Legend: T tokens, D hidden, V vocab.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -21,6 +22,7 @@ import numpy as np
 from ..errors import UserError
 from ..gguf.model_file import ModelFile
 from ..gguf.spec import check_kv_type
+from .batch import BatchCache, BatchPart
 from .blocks import KVCache, rms_norm, softmax
 from .levers import Levers, apply_levers
 from .moe import Routing, top_k_ids
@@ -188,16 +190,45 @@ class MoEModel:
         """Run tokens at the cache's next positions; logits [T, V] or [1, V] (last).
         `decoding`: the rows are a decode step's (a verify pass: a token and its drafts),
         prefetched as a decoded token is (`prefetch_next`), not as a prompt's batch."""
+        tokens = self._checked(tokens)
+        start = cache.n
+        x = self._layers(tokens, cache, start, np.arange(start, start + tokens.size), decoding or tokens.size == 1)
+        cache.advance(tokens.size)
+        with self.stage("head"):
+            return self.logits(x if all_logits else x[-1:])
+
+    def forward_batch(self, parts: Sequence[BatchPart], decoding: bool = False) -> list[np.ndarray]:
+        """One pass over the rows of several sequences, each part's tokens at its own cache's
+        next positions (shared/model/batch.py): a decode step of many, a prompt's chunk
+        beside them. Per part, the logits `forward` gives it alone, bit for bit: [1, V] (its
+        last row) or [T_s, V] (`all_logits`). The pass counts as a decode step's (prefetch)
+        when every part is one token, or when `decoding` says so."""
+        if not parts:
+            raise ValueError("forward_batch needs at least one sequence")
+        tokens = [self._checked(p.tokens) for p in parts]
+        batch = BatchCache([p.cache for p in parts], [t.size for t in tokens])
+        rows = np.concatenate(tokens)
+        x = self._layers(rows, batch, 0, batch.positions, decoding or all(t.size == 1 for t in tokens))
+        batch.advance(rows.size)
+        wanted = [np.arange(s.rows.start, s.rows.stop) if p.all_logits else [s.rows.stop - 1] for p, s in zip(parts, batch.segments)]
+        at = np.cumsum([0] + [len(w) for w in wanted])
+        with self.stage("head"):
+            logits = self.logits(x[np.concatenate(wanted)])  # [rows wanted, V], one head call for every sequence
+        return [logits[a:b] for a, b in zip(at[:-1], at[1:])]
+
+    def _checked(self, tokens) -> np.ndarray:
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
         if tokens.size == 0:
             raise ValueError("forward needs at least one token")
         if tokens.min() < 0 or tokens.max() >= self.spec.n_vocab:
             raise UserError(f"token id out of range 0..{self.spec.n_vocab - 1}")
-        start = cache.n
-        positions = np.arange(start, start + tokens.size)
+        return tokens
+
+    def _layers(self, tokens: np.ndarray, cache: KVCache, start: int, positions: np.ndarray, decoding: bool) -> np.ndarray:
+        """Embed the tokens and run every layer on them at `positions`: the pass's last hidden state."""
         with self.stage("embed"):
             x = self.embed(tokens)
-        self._decoding = decoding or tokens.size == 1
+        self._decoding = decoding
         if self.prefetch_next and self._decoding:
             # The first MoE layer has no earlier router input to guess from: its router
             # on the token's embedding, so its reads start while the layers before it run.
@@ -207,9 +238,7 @@ class MoEModel:
             x = self.layer(i, x, cache, start, positions)
             if self.layer_observer is not None:
                 self.layer_observer(i, tokens.size)
-        cache.advance(tokens.size)
-        with self.stage("head"):
-            return self.logits(x if all_logits else x[-1:])
+        return x
 
     def prefill(self, tokens, cache: KVCache, batch: int = 64) -> np.ndarray:
         """Prompt in batches of `batch` tokens; returns the last position's logits [V]."""

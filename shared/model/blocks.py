@@ -10,6 +10,7 @@ ones), H query heads, Hk kv heads, G = H/Hk, d head width.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,8 +34,10 @@ class Rope:
         return 2 * self.inv_freq.shape[0]
 
     def tables(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        # Every layer of a forward pass asks for the same positions: keep the last answer.
-        key = (int(positions[0]), positions.shape[0]) if positions.size else None
+        # Every layer of a forward pass asks for the same positions: keep the last answer. The
+        # key is every position, not the first and the count: a batch of several sequences
+        # (shared/model/batch.py) has each row at its own position.
+        key = positions.astype(np.int64).tobytes()
         memo = self.__dict__.get("_memo")
         if memo is not None and memo[0] == key:
             return memo[1]
@@ -232,6 +235,15 @@ class KVCache:
         # verify pass's rows must be what decode steps compute, so it sets this (shared/model/session.py).
         self.rows_alone = False
 
+    # Whether this is several sequences' caches seen as one (shared/model/batch.py BatchCache):
+    # attention then runs once per sequence (`per_sequence`).
+    batched = False
+
+    def sequences(self, start: int) -> list[tuple[KVCache, int, slice]]:
+        """The sequences a pass's rows belong to, as (cache, its first new position, its
+        rows): here one, every row from `start`; a BatchCache's, each at its own."""
+        return [(self, start, slice(None))]
+
     @classmethod
     def for_spec(cls, spec: ModelSpec, n_ctx: int, kv_type: str, prompt_block: int = SWA_PROMPT_BLOCK) -> KVCache:
         """A model's cache: a ring on each sliding-window layer (what kv_cache_bytes counts)."""
@@ -348,6 +360,17 @@ class RecurrentState:
         return sum(a.nbytes for a in (*self.conv.values(), *self.delta.values()))
 
 
+def per_sequence(cache: KVCache, start: int, fn: Callable[..., np.ndarray], *rows: np.ndarray) -> np.ndarray:
+    """fn(cache, start, *rows) for what depends on a sequence's own positions (attention
+    over its cache, a recurrent state's scan); over a batch of several sequences
+    (shared/model/batch.py), once per sequence with its cache, its first new position
+    and its slice of each row array [T, ...], the outputs concatenated in row order."""
+    parts = cache.sequences(start)
+    if len(parts) == 1 and parts[0][2] == slice(None):
+        return fn(parts[0][0], parts[0][1], *rows)
+    return np.concatenate([fn(c, s, *(r[sl] for r in rows)) for c, s, sl in parts])
+
+
 # The q8_0 path's scores are [Hk, G, T', N] float32 for a block of T' queries over N keys: blocks
 # keep them near this many elements (16 MiB), where a 4,096-token chunk over a 32k context at once
 # would be 8 GiB on Gemma's full layers.
@@ -363,7 +386,10 @@ def attention(
     with a window W, p − W < j. `sinks` [H] adds a per-head logit column that
     takes probability mass and is then dropped (gpt-oss). Every key the queries
     see must be held (a ring keeps W - 1 + prompt_block rows: `store_and_attend`).
+    Over a batch of sequences, each sequence's queries over its own cache.
     """
+    if cache.batched:
+        return per_sequence(cache, start, lambda c, s, q: attention(q, c, layer, s, scale, window, sinks), q)
     t, h, d = q.shape
     n = start + t
     first = max(0, start - window + 1) if window else 0  # the first key any of these queries sees
@@ -429,7 +455,10 @@ def store_and_attend(
     W - 1 + prompt_block rows holds every key a block sees, read in place, with no
     copy; the later blocks overwrite what the earlier ones no longer need. A
     whole-context cache runs the same blocks and gets the same numbers, q8_0's too.
+    Over a batch of sequences, each sequence's rows in its own cache.
     """
+    if cache.batched:
+        return per_sequence(cache, start, lambda c, s, q, k, v: store_and_attend(q, k, v, c, layer, s, scale, window, sinks), q, k, v)
     t = q.shape[0]
     step = cache.prompt_block if window else t
     if t <= step:

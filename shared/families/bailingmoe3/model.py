@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from ...model.blocks import KVCache, RecurrentState, rms_norm, sigmoid
+from ...model.blocks import KVCache, RecurrentState, per_sequence, rms_norm, sigmoid
 from ..deepseek2.model import Model as DeepSeek2Model
 
 # q and k are L2-normed as the reference kernels (flash-linear-attention, transformers) do:
@@ -81,20 +81,33 @@ class Model(DeepSeek2Model):
     def attention(self, i: int, n: np.ndarray, cache: KVCache, start: int, positions: np.ndarray) -> np.ndarray:
         L = self.layers[i]
         if self.spec.is_recurrent(i):
-            if cache.state is None:
-                raise ValueError("a bailingmoe3 layer needs the cache of Model.new_cache (it holds the recurrent state)")
-            return self.kda(i, n, cache.state)
+            return self.kda(i, n, cache)
         t, h = n.shape[0], self.spec.n_head
         heads = self.latent_attention(i, n, cache, start, positions).reshape(t, h, -1)  # [T, H, v]
         gate = sigmoid(L["head_gate"](n))  # [T, H]
         return L["o"]((heads * gate[:, :, None]).reshape(t, -1))
 
-    def kda(self, i: int, n: np.ndarray, state: RecurrentState) -> np.ndarray:
+    def kda(self, i: int, n: np.ndarray, cache: KVCache) -> np.ndarray:
+        """The projections on every row; the convs and the recurrence per sequence, on its own state."""
         s, L, eps = self.spec, self.layers[i], self.spec.rms_eps
         t, h, d = n.shape[0], s.n_head, s.ssm_state
+        mixed = np.concatenate([L["q"](n), L["k"](n), L["v"](n)], axis=1)  # [T, 3·H·d]
+        gate_in = (L["f_a"](n) + L["dt_bias"]).reshape(t, h, d) * L["a"][:, None]
+        decay = np.exp(np.float32(s.kda_gate_lower_bound) * sigmoid(gate_in)).astype(np.float32)  # [T, H, d], in (0, 1)
+        beta = sigmoid(L["beta"](n))  # [T, H]
+        o = per_sequence(cache, 0, lambda c, _, *rows: self.scan(i, c, *rows), mixed, decay, beta)  # [T, H, d]
+        y = rms_norm(o, L["o_norm"], eps) * sigmoid(L["g_a"](n).reshape(t, h, d))
+        return L["o"](y.reshape(t, h * d))
+
+    def scan(self, i: int, cache: KVCache, mixed: np.ndarray, decay: np.ndarray, beta: np.ndarray) -> np.ndarray:
+        """One sequence's rows through the short causal convs and the gated delta rule, from and
+        into its cache's recurrent state: mixed [T, 3·H·d], decay [T, H, d], beta [T, H] → o [T, H, d]."""
+        if cache.state is None:
+            raise ValueError("a bailingmoe3 layer needs the cache of Model.new_cache (it holds the recurrent state)")
+        s, L, state = self.spec, self.layers[i], cache.state
+        t, h, d = mixed.shape[0], s.n_head, s.ssm_state
         inner = h * d
         # The short causal convs over q, k and v's channels, continuing from the previous tokens' inputs.
-        mixed = np.concatenate([L["q"](n), L["k"](n), L["v"](n)], axis=1)  # [T, 3·H·d]
         window = np.concatenate([state.conv[i], mixed])  # [kernel-1+T, 3·H·d]
         kernel = L["conv"].shape[0]
         conv = sum(window[j : j + t] * L["conv"][j] for j in range(kernel))  # [T, 3·H·d]
@@ -103,9 +116,6 @@ class Model(DeepSeek2Model):
         q = l2_normalize(conv[:, :inner].reshape(t, h, d)) * np.float32(1.0 / math.sqrt(d))
         k = l2_normalize(conv[:, inner : 2 * inner].reshape(t, h, d))
         v = conv[:, 2 * inner :].reshape(t, h, d)
-        gate_in = (L["f_a"](n) + L["dt_bias"]).reshape(t, h, d) * L["a"][:, None]
-        decay = np.exp(np.float32(s.kda_gate_lower_bound) * sigmoid(gate_in)).astype(np.float32)  # [T, H, d], in (0, 1)
-        beta = sigmoid(L["beta"](n))  # [T, H]
         S = state.delta[i]  # [H, d_k, d_v], updated in place
         o = np.empty((t, h, d), np.float32)
         for j in range(t):  # the recurrence: one token after another
@@ -114,5 +124,4 @@ class Model(DeepSeek2Model):
             delta = (v[j] - remembered) * beta[j][:, None]
             S += k[j][:, :, None] * delta[:, None, :]
             o[j] = np.einsum("hk,hkv->hv", q[j], S)
-        y = rms_norm(o, L["o_norm"], eps) * sigmoid(L["g_a"](n).reshape(t, h, d))
-        return L["o"](y.reshape(t, inner))
+        return o

@@ -29,7 +29,7 @@ from ...errors import GGUFError
 from ...gguf.model_file import ModelFile
 from ...model.attend import attend
 from ...model.base import MoEModel
-from ...model.blocks import KVCache, Rope, plain_inv_freq, rms_norm, swiglu, yarn_rope
+from ...model.blocks import KVCache, Rope, per_sequence, plain_inv_freq, rms_norm, swiglu, yarn_rope
 from ...model.moe import apply_experts, route_as_spec, swiglu_expert
 from ...model.weights import QWeight, _as_matrix
 
@@ -54,7 +54,10 @@ def per_head(mats: list[QWeight], x: np.ndarray) -> np.ndarray:
 
 def mla_attention(q: np.ndarray, cache: KVCache, layer: int, start: int, scale: float, r: int) -> np.ndarray:
     """Causal attention of q [T, H, r + rope] over the one cached latent head, whose
-    first r values are also the value: returns [T, H, r]."""
+    first r values are also the value: returns [T, H, r]. Over a batch of sequences, each
+    sequence's queries over its own cache."""
+    if cache.batched:
+        return per_sequence(cache, start, lambda c, s, q: mla_attention(q, c, layer, s, scale, r), q)
     t, h, d = q.shape
     n = start + t
     stored = cache.stored(layer)

@@ -34,7 +34,7 @@ from ...errors import GGUFError
 from ...gguf.model_file import ModelFile
 from ...gguf.spec import RopeSpec
 from ...model.base import MoEModel
-from ...model.blocks import KVCache, plain_inv_freq, rms_norm, sigmoid, softmax, swiglu, yarn_rope
+from ...model.blocks import KVCache, per_sequence, plain_inv_freq, rms_norm, sigmoid, softmax, swiglu, yarn_rope
 from ...model.moe import Routing, apply_experts, top_k_ids
 from ...model.weights import Expert, QWeight, _as_matrix
 from .spec import CSA_RATIO, V4Facts, facts
@@ -311,15 +311,31 @@ class Model(MoEModel):
         q = rotate_tail(rms_norm(L["q_b"](qr).reshape(t, heads, d), None, eps), cos, sin)  # [T, H, d]
         kv = rotate_tail(rms_norm(L["kv"](n), L["kv_norm"], eps)[:, None], cos, sin)  # [T, 1, d]
         rows = self.compressor_rows(L, n, ratio)  # [T, state]
-        cache.store(i, kv, rows[:, None], at=start)
-        end = start + t
-        lo = max(0, start - v4.window + 1)
-        raw = cache.keys(i, lo, end)[0]  # [N, d]
-        entries, seen = self.entries(i, cache, qr, n, positions, end)
-        o = attend_with_entries(q, raw, lo, entries, seen, positions, v4.window, self.scale, L["sinks"])
+        o = per_sequence(cache, start, lambda c, s, *r: self.attend_sequence(i, c, s, *r), q, kv, rows, qr, n, positions)
         o = rotate_tail(o, cos, -sin)  # the values' rotation undone at the query's position
         groups = o.reshape(t, v4.o_groups, -1)  # [T, G, H·d/G]
         return L["o_b"](np.concatenate([L["o_a"][g](np.ascontiguousarray(groups[:, g])) for g in range(v4.o_groups)], axis=-1))
+
+    def attend_sequence(
+        self,
+        i: int,
+        cache: KVCache,
+        start: int,
+        q: np.ndarray,
+        kv: np.ndarray,
+        rows: np.ndarray,
+        qr: np.ndarray,
+        n: np.ndarray,
+        positions: np.ndarray,
+    ) -> np.ndarray:
+        """One sequence's rows at positions start..: their kv [T, 1, d] and compressor rows
+        [T, state] stored, their queries q [T, H, d] over its raw window and entries → [T, H, d]."""
+        cache.store(i, kv, rows[:, None], at=start)
+        end = start + q.shape[0]
+        lo = max(0, start - self.v4.window + 1)
+        raw = cache.keys(i, lo, end)[0]  # [N, d]
+        entries, seen = self.entries(i, cache, qr, n, positions, end)
+        return attend_with_entries(q, raw, lo, entries, seen, positions, self.v4.window, self.scale, self.layers[i]["sinks"])
 
     def compressor_rows(self, L: dict, n: np.ndarray, ratio: int) -> np.ndarray:
         """What the cache keeps per position for the compressors: [T, state] (0 wide on a sliding layer)."""

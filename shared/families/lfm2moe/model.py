@@ -25,7 +25,7 @@ import numpy as np
 
 from ...gguf.model_file import ModelFile
 from ...model.base import MoEModel
-from ...model.blocks import KVCache, RecurrentState, rms_norm, rope_from_spec, swiglu
+from ...model.blocks import KVCache, RecurrentState, per_sequence, rms_norm, rope_from_spec, swiglu
 from ...model.gqa import gqa, load_gqa
 from ...model.moe import apply_experts, route_as_spec, swiglu_expert
 
@@ -75,9 +75,7 @@ class Model(MoEModel):
         with self.stage("attention"):
             n = rms_norm(x, L["attn_norm"], eps)  # [T, D]
             if s.is_recurrent(i):
-                if cache.state is None:
-                    raise ValueError("an lfm2moe layer needs the cache of Model.new_cache (it holds the conv state)")
-                a = self.short_conv(i, n, cache.state)
+                a = self.short_conv(i, n, cache)
             else:
                 a = self.full_attention(i, n, cache, start, positions)
             h = x + a
@@ -95,14 +93,24 @@ class Model(MoEModel):
     def full_attention(self, i: int, n: np.ndarray, cache: KVCache, start: int, positions: np.ndarray) -> np.ndarray:
         return gqa(self.layers[i], n, self.spec, i, cache, start, positions, self.rope, self.scale)
 
-    def short_conv(self, i: int, n: np.ndarray, state: RecurrentState) -> np.ndarray:
-        L, t, d = self.layers[i], n.shape[0], self.spec.n_embd
+    def short_conv(self, i: int, n: np.ndarray, cache: KVCache) -> np.ndarray:
+        """The projections on every row; the conv per sequence, on its own state."""
+        L, d = self.layers[i], self.spec.n_embd
         bcx = L["in_proj"](n)  # [T, 3D]: B, C, x
         u = bcx[:, :d] * bcx[:, 2 * d :]  # B ⊙ x, the conv's input
+        conv = per_sequence(cache, 0, lambda c, _, u: self.conv(i, c, u), u)  # [T, D]
+        return L["out_proj"](bcx[:, d : 2 * d] * conv)
+
+    def conv(self, i: int, cache: KVCache, u: np.ndarray) -> np.ndarray:
+        """One sequence's conv inputs u [T, D] through the short causal conv, continuing from
+        and into its cache's conv state: [T, D]."""
+        if cache.state is None:
+            raise ValueError("an lfm2moe layer needs the cache of Model.new_cache (it holds the conv state)")
+        state, t = cache.state, u.shape[0]
         window = np.concatenate([state.conv[i], u])  # [L-1+T, D]: the previous inputs first
-        w = L["conv"]  # [L, D]
+        w = self.layers[i]["conv"]  # [L, D]
         conv = window[0:t] * w[0]
         for j in range(1, w.shape[0]):
             conv += window[j : j + t] * w[j]
         state.conv[i][:] = window[t:]
-        return L["out_proj"](bcx[:, d : 2 * d] * conv)
+        return conv

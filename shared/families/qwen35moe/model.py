@@ -27,7 +27,7 @@ import numpy as np
 
 from ...gguf.model_file import ModelFile
 from ...model.base import MoEModel
-from ...model.blocks import KVCache, RecurrentState, attention, rms_norm, rope_from_spec, sigmoid
+from ...model.blocks import KVCache, RecurrentState, attention, per_sequence, rms_norm, rope_from_spec, sigmoid
 from ...model.moe import apply_experts, gated_shared_expert, load_shared_expert, softmax_then_top_k, swiglu_expert
 
 
@@ -94,9 +94,7 @@ class Model(MoEModel):
         with self.stage("attention"):
             n = rms_norm(x, L["attn_norm"], eps)  # [T, D]
             if s.is_recurrent(i):
-                if cache.state is None:
-                    raise ValueError("a qwen35moe layer needs the cache of Model.new_cache (it holds the recurrent state)")
-                a = self.linear_attention(i, n, cache.state)
+                a = self.linear_attention(i, n, cache)
             else:
                 a = self.full_attention(i, n, cache, start, positions)
             h = x + a
@@ -124,14 +122,26 @@ class Model(MoEModel):
         out = attention(self.rope.apply(q, cos, sin), cache, i, start, self.scale)  # [T, H·dv]
         return L["o"](out * sigmoid(gate))
 
-    def linear_attention(self, i: int, n: np.ndarray, state: RecurrentState) -> np.ndarray:
+    def linear_attention(self, i: int, n: np.ndarray, cache: KVCache) -> np.ndarray:
+        """The projections on every row; the conv and the recurrence per sequence, on its own state."""
         s, L, eps = self.spec, self.layers[i], self.spec.rms_eps
-        t, st, g_heads, v_heads = n.shape[0], s.ssm_state, s.ssm_groups, s.ssm_heads
+        t, st, v_heads = n.shape[0], s.ssm_state, s.ssm_heads
         z = L["z"](n).reshape(t, v_heads, st)
         beta = sigmoid(L["beta"](n))  # [T, Hv]
         decay = np.exp(softplus(L["alpha"](n) + L["dt_bias"]) * L["a"])  # [T, Hv], in (0, 1]
-        # The short causal conv over the channels, continuing from the previous tokens' inputs.
         mixed = L["qkv"](n)  # [T, C]
+        o = per_sequence(cache, 0, lambda c, _, *rows: self.scan(i, c, *rows), mixed, beta, decay)  # [T, Hv, d_v]
+        y = rms_norm(o, L["ssm_norm"], eps) * (z * sigmoid(z))
+        return L["out"](y.reshape(t, v_heads * st))
+
+    def scan(self, i: int, cache: KVCache, mixed: np.ndarray, beta: np.ndarray, decay: np.ndarray) -> np.ndarray:
+        """One sequence's rows through the short causal conv and the gated delta rule, from and
+        into its cache's recurrent state: mixed [T, C], beta and decay [T, Hv] → o [T, Hv, d_v]."""
+        if cache.state is None:
+            raise ValueError("a qwen35moe layer needs the cache of Model.new_cache (it holds the recurrent state)")
+        s, L, eps, state = self.spec, self.layers[i], self.spec.rms_eps, cache.state
+        t, st, g_heads, v_heads = mixed.shape[0], s.ssm_state, s.ssm_groups, s.ssm_heads
+        # The short causal conv over the channels, continuing from the previous tokens' inputs.
         window = np.concatenate([state.conv[i], mixed])  # [kernel-1+T, C]
         kernel = L["conv"].shape[0]
         conv = sum(window[j : j + t] * L["conv"][j] for j in range(kernel))  # [T, C]
@@ -152,5 +162,4 @@ class Model(MoEModel):
             delta = (v[j] - remembered) * beta[j][:, None]
             S += k[j][:, :, None] * delta[:, None, :]
             o[j] = np.einsum("hk,hkv->hv", q[j], S)
-        y = rms_norm(o, L["ssm_norm"], eps) * (z * sigmoid(z))
-        return L["out"](y.reshape(t, v_heads * st))
+        return o

@@ -175,13 +175,21 @@ def test_prefetch_guesses_for_a_batch_of_decode_rows_and_keeps_the_output(tiny_f
         assert [g.tokens for g in got] == [alone(model, r)[0] for r in reqs]
 
 
-def test_all_logits_gives_every_row_of_its_part(tiny_files):
-    with open_model(tiny_files("qwen3moe")) as mf:
-        model = loaded(mf, "f32")
-        a, b, c = (model.new_cache(N_CTX) for _ in range(3))
-        batched = model.forward_batch([BatchPart([1, 2, 3], a, all_logits=True), BatchPart([4, 5], b)])
-        assert np.array_equal(batched[0], model.forward([1, 2, 3], c, all_logits=True))
-        assert batched[1].shape == (1, model.spec.n_vocab)
+@pytest.mark.parametrize("kv", ["f32", "q8_0"])
+def test_a_verify_pass_in_a_batch_is_its_verify_pass_alone(tiny_files, kv):
+    """A sequence's token and drafts (`all_logits`: every row) beside another's decode row and a
+    prompt's chunk: its rows are what `verify` gives alone, q8_0 rows taken one at a time there
+    as in a verify pass (KVCache.rows_alone on that sequence's cache)."""
+    with open_model(tiny_files("gemma4")) as mf:
+        model = loaded(mf, kv)
+        a, b, c, alone_cache = (model.new_cache(N_CTX) for _ in range(4))
+        for cache in (a, alone_cache):
+            model.prefill(list(range(40, 80)), cache, batch=CHUNK)
+        model.prefill([9, 8, 7], b)
+        a.rows_alone = alone_cache.rows_alone = True
+        batched = model.forward_batch([BatchPart([1], b), BatchPart([5, 6, 7, 8], a, all_logits=True), BatchPart([4] * 20, c)])
+        assert np.array_equal(batched[1], model.verify([5, 6, 7, 8], alone_cache))
+        assert [x.shape[0] for x in batched] == [1, 4, 1]
 
 
 def test_a_bad_batch_is_refused_before_any_cache_changes(tiny_files):

@@ -37,6 +37,7 @@ import pytest
 from gguf.quants import dequantize
 
 from moe_pipe.shared import quant
+from moe_pipe.shared.quant import _q8
 from moe_pipe.shared.quant.blocks import SUPPORTED, QType, block_format, put_iq1_m_d, random_blocks
 
 U32 = 2.0**-24  # float32 unit roundoff
@@ -178,8 +179,8 @@ def test_matmul_matches_gguf_dequantize(qtype):
     n_cols = _cols(qtype)[1]
     w = _weights(qtype, 33, n_cols, rng)
     deq = _reference(qtype, w, n_cols)
-    # T = 1, 2, 3: the row kernel; 5: one tile call of 8 over zero rows; 12: 8 and 4 of 8;
-    # 17: two calls of 8 and one holding one row; 64: whole calls of 8 only
+    # T = 1, 2, 3: the row kernel; 5: one tile call of 8 over zero rows; 12: a call of 8 and one
+    # of 4; 17: two calls of 8 and a call of 4 holding one row; 64: whole calls of 8 only
     for n_tok in (1, 2, 3, 5, 12, 17, 64):
         X = rng.standard_normal((n_tok, n_cols))
         Xh, tol_hat, tol_raw = _tolerances(deq, X, qtype)
@@ -217,6 +218,16 @@ def test_int8_gemm_tiles_rows_and_threads(qtype):
         np.testing.assert_array_equal(quant.matmul(qtype, w, X), got)
     finally:
         quant.set_threads(before)
+    # more rows than a block of activation rows (_q8._row_block), the last block ending in a
+    # 4-row call: the rows at either side of the block's edge and the last are their matvecs
+    cp = -(-n_cols // 256) * 256
+    block = max(_q8.TILE_TOKENS, _q8.ROW_BLOCK_BYTES // cp // _q8.TILE_TOKENS * _q8.TILE_TOKENS)
+    X = rng.standard_normal((block + 11, n_cols))
+    got = quant.matmul(qtype, w, X)
+    Xh, tol_hat, _ = _tolerances(deq, X, qtype)
+    _assert_close(f"matmul T={X.shape[0]} vs deq@x̂", qtype, w, got, Xh @ deq.T, tol_hat)
+    for t in (0, block - 1, block, block + 7, block + 8, block + 10):
+        np.testing.assert_array_equal(got[t], quant.matvec(qtype, w, X[t]), err_msg=f"row {t} of {X.shape[0]}")
 
 
 GATHER_FAST = (QType.Q4_K,)  # the default tier's; every int8 type behind -m slow (a compile each)
@@ -250,6 +261,43 @@ def test_gather_apply_rows_equal_each_matrix_alone(qtype, int8_mode):
     )
     if int8_mode and n_cols == 256:
         assert quant.gather_apply([ps[0], other], X, np.zeros(2, np.int64)) is None
+
+
+@pytest.mark.parametrize(
+    "qtype", [pytest.param(q, marks=[] if q in GATHER_FAST else [pytest.mark.slow]) for q in quant.INT8_ACTIVATION_TYPES]
+)
+def test_grouped_apply_rows_equal_each_matrix_alone(qtype, int8_mode):
+    """Several matrices of one type in one call, each on its own run of activation rows (a
+    prompt's experts, each on the tokens routed to it: 0, 1-3 rows on the row kernel, 4-row
+    and 8-row tiles, runs that overlap or repeat, the last run ending at X's last row): every
+    output row equals that matrix's own product bit for bit; without int8 activations, or
+    across types, the call declines (None)."""
+    rng = np.random.default_rng(950 + int(qtype))
+    fmt = block_format(qtype)
+    n_cols = 256 if fmt.block_size == 256 else 9 * 32
+    mats = [_weights(qtype, 37, n_cols, rng) for _ in range(6)]
+    wide = np.zeros((6, 37, mats[0].shape[1] + 5), np.uint8)
+    for m, w in zip(wide, mats):
+        m[:, 2 : 2 + w.shape[1]] = w
+    ps = [quant.prepare(qtype, m[:, 2 : 2 + w.shape[1]]) for m, w in zip(wide, mats)]
+    X = (rng.standard_normal((40, n_cols)) * np.logspace(-2, 2, 40)[:, None]).astype(np.float32)
+    first = np.array([0, 3, 3, 10, 21, 27])
+    count = np.array([3, 0, 12, 9, 1, 13])  # the last run ends at row 39, X's last
+    got = quant.grouped_apply(ps, X, first, count)
+    if not int8_mode:
+        assert got is None
+        return
+    assert got.shape == (count.sum(), 37)
+    at = 0
+    for p, f, c in zip(ps, first, count):
+        if c:
+            np.testing.assert_array_equal(got[at : at + c], quant.apply(p, X[f : f + c]), err_msg=f"rows {f}..{f + c}")
+        at += c
+    with pytest.raises(ValueError, match="run of rows"):
+        quant.grouped_apply(ps, X, first, count + 1)
+    other = QType.Q8_0 if qtype != QType.Q8_0 else QType.Q4_K
+    if n_cols == 256:
+        assert quant.grouped_apply([ps[0], quant.prepare(other, _weights(other, 37, 256, rng))], X, first[:2], count[:2]) is None
 
 
 @pytest.mark.parametrize("qtype", TYPES)

@@ -35,6 +35,7 @@ __all__ = [
     "prepare",
     "apply",
     "gather_apply",
+    "grouped_apply",
     "qtype_from_name",
     "int8_activations",
     "set_int8_activations",

@@ -14,8 +14,9 @@ The kernels are LLVM IR (_q8ir, which says how and why). With up to three
 activation rows (decode) the row kernel takes each weight row as stored, the
 rows split across threads. With four or more (a prompt batch, an expert
 several tokens route to) the call is a GEMM: tiles of 16 weight rows, split
-across threads, are each repacked once so that a vector holds 4 codes of
-each of the 16 rows, then multiplied by 8 activation rows at a time. Both
+across threads, are each repacked so that a vector holds 4 codes of each
+of the 16 rows, then multiplied by 8 activation rows at a time (4 for the
+last few), a block of activation rows that stays in L2 after another. Both
 compute the same float operations per (weight row, activation row) in the
 same order (_q8ir's module doc), so every row of a matmul equals the matvec
 of that row bit for bit.
@@ -39,7 +40,7 @@ from numba import njit, prange
 
 from ._common import E8M0_HALF, F16_TABLE
 from ._iqir import TABLES
-from ._q8ir import INT8_DOT, PACKED_UNIT, UNIT, pack_kernel, round_row, row_kernel, tile_kernel
+from ._q8ir import INT8_DOT, PACKED_UNIT, UNIT, bytes_at, pack_kernel, round_row, row_kernel, tile_kernel
 from .blocks import QK
 
 INT8_DOT = INT8_DOT  # re-exported: which build of the dot this process compiles ("vnni", "sdot" or "portable")
@@ -54,6 +55,17 @@ GEMM_ROWS = 4
 # scale vectors in the 32 vector registers, and the tile's packed bytes (5 KB per 256
 # columns) are read once per 8 rows (4: the tile comes from L2 too often; 12: spills).
 TILE_TOKENS = 8
+# A call's last rows, when no more than half a tile is left, take a 4-row tile kernel: an
+# expert that 5, 12 or 20 tokens of a prompt route to computes 8, 12 and 20 rows, not 8, 16
+# and 24 (the zero rows were a quarter of a 512-token prompt's expert work).
+HALF_TILE = TILE_TOKENS // 2
+# A GEMM takes its activation rows in blocks of about this many int8 bytes, every weight tile
+# sweeping one block before the next, so the block stays in the core's L2 (1 MB here) while
+# 16 weight rows at a time pass over it; each block repacks the tiles again (~1 µs a tile of
+# 16 × 2,048, against ~0.1 ms of products per 256 rows). Without it a whole prompt's rows
+# (3,600 × 2,048 bytes) stream from L3 or DRAM once per tile, and a projection's products ran
+# at 0.7 of the expert GEMM's rate (77 against 112 G multiply-adds/s a core, 2026-12-03).
+ROW_BLOCK_BYTES = 1 << 19
 
 # ---- activation quantization ---------------------------------------------
 
@@ -82,9 +94,15 @@ def _round(X):
     """X rounded to int8 per 32 (_quantize_row), each row padded with zeros to whole units of
     256 (cp elements) and the rows with zero rows to a whole tile-kernel call (TILE_TOKENS),
     rows across threads when there are many."""
+    return _round_to(X, (X.shape[0] + TILE_TOKENS - 1) // TILE_TOKENS * TILE_TOKENS)
+
+
+@njit(inline="always")
+def _round_to(X, rows):
+    """_round with `rows` rows in all (X's, then zero rows)."""
     T, C = X.shape
     cp = (C + UNIT - 1) // UNIT * UNIT
-    n = (T + TILE_TOKENS - 1) // TILE_TOKENS * TILE_TOKENS * cp
+    n = rows * cp
     xq = np.zeros(n, np.int8)
     dx = np.zeros(n // QK, np.float32)
     bs16 = np.zeros(n // (QK // 2), np.int32)
@@ -99,58 +117,79 @@ def _round(X):
     return xq, dx, bs16, bs32, xs32, cp
 
 
+@njit(inline="always")
+def _row_block(cp):
+    """Activation rows per block of a GEMM (ROW_BLOCK_BYTES of int8 rows cp wide, whole tiles)."""
+    return max(TILE_TOKENS, ROW_BLOCK_BYTES // cp // TILE_TOKENS * TILE_TOKENS)
+
+
 # ---- drivers: out[t, r] = weight row r · activation row t ------------------
 # _mm_<t>(w u8[bytes], stride, X f32[T, C], table, out f32[T, R], C-contiguous);
 # table is KERNELS' (F16_TABLE, E8M0_HALF for MXFP4, an i-quant's grid). The activation is rounded first
 # (_round), then (one or two rows) weight rows split across threads on the row
 # kernel, or (more) tiles of 16 weight rows split across threads, each
-# repacked once and multiplied by 8 activation rows at a time (the last call's
-# missing rows are the zero rows _round pads with).
+# repacked once per block of activation rows (_row_block) and multiplied by 8
+# activation rows at a time, the block's last 1-4 by 4 (a call's missing rows
+# are the zero rows _round pads with).
 # Spelled out per type: an intrinsic cannot be passed to a cached njit
 # function (_common says why).
 
 _q8_0_r1 = row_kernel("Q8_0", 1)
 _q8_0_pack = pack_kernel("Q8_0")
 _q8_0_t8 = tile_kernel("Q8_0", TILE_TOKENS)
+_q8_0_t4 = tile_kernel("Q8_0", HALF_TILE)
 _q5_0_r1 = row_kernel("Q5_0", 1)
 _q5_0_pack = pack_kernel("Q5_0")
 _q5_0_t8 = tile_kernel("Q5_0", TILE_TOKENS)
+_q5_0_t4 = tile_kernel("Q5_0", HALF_TILE)
 _mxfp4_r1 = row_kernel("MXFP4", 1)
 _mxfp4_pack = pack_kernel("MXFP4")
 _mxfp4_t8 = tile_kernel("MXFP4", TILE_TOKENS)
+_mxfp4_t4 = tile_kernel("MXFP4", HALF_TILE)
 _q4_k_r1 = row_kernel("Q4_K", 1)
 _q4_k_pack = pack_kernel("Q4_K")
 _q4_k_t8 = tile_kernel("Q4_K", TILE_TOKENS)
+_q4_k_t4 = tile_kernel("Q4_K", HALF_TILE)
 _q5_k_r1 = row_kernel("Q5_K", 1)
 _q5_k_pack = pack_kernel("Q5_K")
 _q5_k_t8 = tile_kernel("Q5_K", TILE_TOKENS)
+_q5_k_t4 = tile_kernel("Q5_K", HALF_TILE)
 _q6_k_r1 = row_kernel("Q6_K", 1)
 _q6_k_pack = pack_kernel("Q6_K")
 _q6_k_t8 = tile_kernel("Q6_K", TILE_TOKENS)
+_q6_k_t4 = tile_kernel("Q6_K", HALF_TILE)
 _iq4_xs_r1 = row_kernel("IQ4_XS", 1)
 _iq4_xs_pack = pack_kernel("IQ4_XS")
 _iq4_xs_t8 = tile_kernel("IQ4_XS", TILE_TOKENS)
+_iq4_xs_t4 = tile_kernel("IQ4_XS", HALF_TILE)
 _iq2_xxs_r1 = row_kernel("IQ2_XXS", 1)
 _iq2_xxs_pack = pack_kernel("IQ2_XXS")
 _iq2_xxs_t8 = tile_kernel("IQ2_XXS", TILE_TOKENS)
+_iq2_xxs_t4 = tile_kernel("IQ2_XXS", HALF_TILE)
 _iq2_xs_r1 = row_kernel("IQ2_XS", 1)
 _iq2_xs_pack = pack_kernel("IQ2_XS")
 _iq2_xs_t8 = tile_kernel("IQ2_XS", TILE_TOKENS)
+_iq2_xs_t4 = tile_kernel("IQ2_XS", HALF_TILE)
 _iq2_s_r1 = row_kernel("IQ2_S", 1)
 _iq2_s_pack = pack_kernel("IQ2_S")
 _iq2_s_t8 = tile_kernel("IQ2_S", TILE_TOKENS)
+_iq2_s_t4 = tile_kernel("IQ2_S", HALF_TILE)
 _iq3_xxs_r1 = row_kernel("IQ3_XXS", 1)
 _iq3_xxs_pack = pack_kernel("IQ3_XXS")
 _iq3_xxs_t8 = tile_kernel("IQ3_XXS", TILE_TOKENS)
+_iq3_xxs_t4 = tile_kernel("IQ3_XXS", HALF_TILE)
 _iq3_s_r1 = row_kernel("IQ3_S", 1)
 _iq3_s_pack = pack_kernel("IQ3_S")
 _iq3_s_t8 = tile_kernel("IQ3_S", TILE_TOKENS)
+_iq3_s_t4 = tile_kernel("IQ3_S", HALF_TILE)
 _iq1_s_r1 = row_kernel("IQ1_S", 1)
 _iq1_s_pack = pack_kernel("IQ1_S")
 _iq1_s_t8 = tile_kernel("IQ1_S", TILE_TOKENS)
+_iq1_s_t4 = tile_kernel("IQ1_S", HALF_TILE)
 _iq1_m_r1 = row_kernel("IQ1_M", 1)
 _iq1_m_pack = pack_kernel("IQ1_M")
 _iq1_m_t8 = tile_kernel("IQ1_M", TILE_TOKENS)
+_iq1_m_t4 = tile_kernel("IQ1_M", HALF_TILE)
 
 
 @njit(**_DRIVER)
@@ -163,12 +202,18 @@ def _mm_q8_0(w, stride, X, tab, out):
                 _q8_0_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
         return
     nu = cp // UNIT
-    for i in prange((R + 15) // 16):
-        buf = np.empty(nu * PACKED_UNIT, np.uint8)
-        _q8_0_pack(w, stride, 16 * i, R, nb, tab, buf)
-        nv = min(16, R - 16 * i)
-        for t in range(0, T, TILE_TOKENS):
-            _q8_0_t8(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, T - t)
+    rb = _row_block(cp)
+    for t0 in range(0, T, rb):
+        t1 = min(T, t0 + rb)
+        for i in prange((R + 15) // 16):
+            buf = np.empty(nu * PACKED_UNIT, np.uint8)
+            _q8_0_pack(w, stride, 16 * i, R, nb, tab, buf)
+            nv = min(16, R - 16 * i)
+            for t in range(t0, t1, TILE_TOKENS):
+                if t1 - t <= HALF_TILE:
+                    _q8_0_t4(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, t1 - t)
+                else:
+                    _q8_0_t8(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, t1 - t)
 
 
 @njit(**_DRIVER)
@@ -181,12 +226,18 @@ def _mm_q5_0(w, stride, X, tab, out):
                 _q5_0_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
         return
     nu = cp // UNIT
-    for i in prange((R + 15) // 16):
-        buf = np.empty(nu * PACKED_UNIT, np.uint8)
-        _q5_0_pack(w, stride, 16 * i, R, nb, tab, buf)
-        nv = min(16, R - 16 * i)
-        for t in range(0, T, TILE_TOKENS):
-            _q5_0_t8(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, T - t)
+    rb = _row_block(cp)
+    for t0 in range(0, T, rb):
+        t1 = min(T, t0 + rb)
+        for i in prange((R + 15) // 16):
+            buf = np.empty(nu * PACKED_UNIT, np.uint8)
+            _q5_0_pack(w, stride, 16 * i, R, nb, tab, buf)
+            nv = min(16, R - 16 * i)
+            for t in range(t0, t1, TILE_TOKENS):
+                if t1 - t <= HALF_TILE:
+                    _q5_0_t4(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, t1 - t)
+                else:
+                    _q5_0_t8(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, t1 - t)
 
 
 @njit(**_DRIVER)
@@ -199,12 +250,18 @@ def _mm_mxfp4(w, stride, X, tab, out):
                 _mxfp4_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
         return
     nu = cp // UNIT
-    for i in prange((R + 15) // 16):
-        buf = np.empty(nu * PACKED_UNIT, np.uint8)
-        _mxfp4_pack(w, stride, 16 * i, R, nb, tab, buf)
-        nv = min(16, R - 16 * i)
-        for t in range(0, T, TILE_TOKENS):
-            _mxfp4_t8(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, T - t)
+    rb = _row_block(cp)
+    for t0 in range(0, T, rb):
+        t1 = min(T, t0 + rb)
+        for i in prange((R + 15) // 16):
+            buf = np.empty(nu * PACKED_UNIT, np.uint8)
+            _mxfp4_pack(w, stride, 16 * i, R, nb, tab, buf)
+            nv = min(16, R - 16 * i)
+            for t in range(t0, t1, TILE_TOKENS):
+                if t1 - t <= HALF_TILE:
+                    _mxfp4_t4(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, t1 - t)
+                else:
+                    _mxfp4_t8(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, t1 - t)
 
 
 @njit(**_DRIVER)
@@ -217,12 +274,18 @@ def _mm_q4_k(w, stride, X, tab, out):
                 _q4_k_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
         return
     nu = cp // UNIT
-    for i in prange((R + 15) // 16):
-        buf = np.empty(nu * PACKED_UNIT, np.uint8)
-        _q4_k_pack(w, stride, 16 * i, R, nb, tab, buf)
-        nv = min(16, R - 16 * i)
-        for t in range(0, T, TILE_TOKENS):
-            _q4_k_t8(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, T - t)
+    rb = _row_block(cp)
+    for t0 in range(0, T, rb):
+        t1 = min(T, t0 + rb)
+        for i in prange((R + 15) // 16):
+            buf = np.empty(nu * PACKED_UNIT, np.uint8)
+            _q4_k_pack(w, stride, 16 * i, R, nb, tab, buf)
+            nv = min(16, R - 16 * i)
+            for t in range(t0, t1, TILE_TOKENS):
+                if t1 - t <= HALF_TILE:
+                    _q4_k_t4(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, t1 - t)
+                else:
+                    _q4_k_t8(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, t1 - t)
 
 
 @njit(**_DRIVER)
@@ -235,12 +298,18 @@ def _mm_q5_k(w, stride, X, tab, out):
                 _q5_k_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
         return
     nu = cp // UNIT
-    for i in prange((R + 15) // 16):
-        buf = np.empty(nu * PACKED_UNIT, np.uint8)
-        _q5_k_pack(w, stride, 16 * i, R, nb, tab, buf)
-        nv = min(16, R - 16 * i)
-        for t in range(0, T, TILE_TOKENS):
-            _q5_k_t8(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, T - t)
+    rb = _row_block(cp)
+    for t0 in range(0, T, rb):
+        t1 = min(T, t0 + rb)
+        for i in prange((R + 15) // 16):
+            buf = np.empty(nu * PACKED_UNIT, np.uint8)
+            _q5_k_pack(w, stride, 16 * i, R, nb, tab, buf)
+            nv = min(16, R - 16 * i)
+            for t in range(t0, t1, TILE_TOKENS):
+                if t1 - t <= HALF_TILE:
+                    _q5_k_t4(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, t1 - t)
+                else:
+                    _q5_k_t8(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, t1 - t)
 
 
 @njit(**_DRIVER)
@@ -253,12 +322,18 @@ def _mm_q6_k(w, stride, X, tab, out):
                 _q6_k_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
         return
     nu = cp // UNIT
-    for i in prange((R + 15) // 16):
-        buf = np.empty(nu * PACKED_UNIT, np.uint8)
-        _q6_k_pack(w, stride, 16 * i, R, nb, tab, buf)
-        nv = min(16, R - 16 * i)
-        for t in range(0, T, TILE_TOKENS):
-            _q6_k_t8(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, T - t)
+    rb = _row_block(cp)
+    for t0 in range(0, T, rb):
+        t1 = min(T, t0 + rb)
+        for i in prange((R + 15) // 16):
+            buf = np.empty(nu * PACKED_UNIT, np.uint8)
+            _q6_k_pack(w, stride, 16 * i, R, nb, tab, buf)
+            nv = min(16, R - 16 * i)
+            for t in range(t0, t1, TILE_TOKENS):
+                if t1 - t <= HALF_TILE:
+                    _q6_k_t4(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, t1 - t)
+                else:
+                    _q6_k_t8(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, t1 - t)
 
 
 @njit(**_DRIVER)
@@ -271,12 +346,18 @@ def _mm_iq4_xs(w, stride, X, tab, out):
                 _iq4_xs_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
         return
     nu = cp // UNIT
-    for i in prange((R + 15) // 16):
-        buf = np.empty(nu * PACKED_UNIT, np.uint8)
-        _iq4_xs_pack(w, stride, 16 * i, R, nb, tab, buf)
-        nv = min(16, R - 16 * i)
-        for t in range(0, T, TILE_TOKENS):
-            _iq4_xs_t8(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, T - t)
+    rb = _row_block(cp)
+    for t0 in range(0, T, rb):
+        t1 = min(T, t0 + rb)
+        for i in prange((R + 15) // 16):
+            buf = np.empty(nu * PACKED_UNIT, np.uint8)
+            _iq4_xs_pack(w, stride, 16 * i, R, nb, tab, buf)
+            nv = min(16, R - 16 * i)
+            for t in range(t0, t1, TILE_TOKENS):
+                if t1 - t <= HALF_TILE:
+                    _iq4_xs_t4(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, t1 - t)
+                else:
+                    _iq4_xs_t8(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, t1 - t)
 
 
 @njit(**_DRIVER)
@@ -289,12 +370,18 @@ def _mm_iq2_xxs(w, stride, X, tab, out):
                 _iq2_xxs_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
         return
     nu = cp // UNIT
-    for i in prange((R + 15) // 16):
-        buf = np.empty(nu * PACKED_UNIT, np.uint8)
-        _iq2_xxs_pack(w, stride, 16 * i, R, nb, tab, buf)
-        nv = min(16, R - 16 * i)
-        for t in range(0, T, TILE_TOKENS):
-            _iq2_xxs_t8(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, T - t)
+    rb = _row_block(cp)
+    for t0 in range(0, T, rb):
+        t1 = min(T, t0 + rb)
+        for i in prange((R + 15) // 16):
+            buf = np.empty(nu * PACKED_UNIT, np.uint8)
+            _iq2_xxs_pack(w, stride, 16 * i, R, nb, tab, buf)
+            nv = min(16, R - 16 * i)
+            for t in range(t0, t1, TILE_TOKENS):
+                if t1 - t <= HALF_TILE:
+                    _iq2_xxs_t4(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, t1 - t)
+                else:
+                    _iq2_xxs_t8(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, t1 - t)
 
 
 @njit(**_DRIVER)
@@ -307,12 +394,18 @@ def _mm_iq2_xs(w, stride, X, tab, out):
                 _iq2_xs_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
         return
     nu = cp // UNIT
-    for i in prange((R + 15) // 16):
-        buf = np.empty(nu * PACKED_UNIT, np.uint8)
-        _iq2_xs_pack(w, stride, 16 * i, R, nb, tab, buf)
-        nv = min(16, R - 16 * i)
-        for t in range(0, T, TILE_TOKENS):
-            _iq2_xs_t8(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, T - t)
+    rb = _row_block(cp)
+    for t0 in range(0, T, rb):
+        t1 = min(T, t0 + rb)
+        for i in prange((R + 15) // 16):
+            buf = np.empty(nu * PACKED_UNIT, np.uint8)
+            _iq2_xs_pack(w, stride, 16 * i, R, nb, tab, buf)
+            nv = min(16, R - 16 * i)
+            for t in range(t0, t1, TILE_TOKENS):
+                if t1 - t <= HALF_TILE:
+                    _iq2_xs_t4(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, t1 - t)
+                else:
+                    _iq2_xs_t8(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, t1 - t)
 
 
 @njit(**_DRIVER)
@@ -325,12 +418,18 @@ def _mm_iq2_s(w, stride, X, tab, out):
                 _iq2_s_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
         return
     nu = cp // UNIT
-    for i in prange((R + 15) // 16):
-        buf = np.empty(nu * PACKED_UNIT, np.uint8)
-        _iq2_s_pack(w, stride, 16 * i, R, nb, tab, buf)
-        nv = min(16, R - 16 * i)
-        for t in range(0, T, TILE_TOKENS):
-            _iq2_s_t8(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, T - t)
+    rb = _row_block(cp)
+    for t0 in range(0, T, rb):
+        t1 = min(T, t0 + rb)
+        for i in prange((R + 15) // 16):
+            buf = np.empty(nu * PACKED_UNIT, np.uint8)
+            _iq2_s_pack(w, stride, 16 * i, R, nb, tab, buf)
+            nv = min(16, R - 16 * i)
+            for t in range(t0, t1, TILE_TOKENS):
+                if t1 - t <= HALF_TILE:
+                    _iq2_s_t4(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, t1 - t)
+                else:
+                    _iq2_s_t8(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, t1 - t)
 
 
 @njit(**_DRIVER)
@@ -343,12 +442,18 @@ def _mm_iq3_xxs(w, stride, X, tab, out):
                 _iq3_xxs_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
         return
     nu = cp // UNIT
-    for i in prange((R + 15) // 16):
-        buf = np.empty(nu * PACKED_UNIT, np.uint8)
-        _iq3_xxs_pack(w, stride, 16 * i, R, nb, tab, buf)
-        nv = min(16, R - 16 * i)
-        for t in range(0, T, TILE_TOKENS):
-            _iq3_xxs_t8(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, T - t)
+    rb = _row_block(cp)
+    for t0 in range(0, T, rb):
+        t1 = min(T, t0 + rb)
+        for i in prange((R + 15) // 16):
+            buf = np.empty(nu * PACKED_UNIT, np.uint8)
+            _iq3_xxs_pack(w, stride, 16 * i, R, nb, tab, buf)
+            nv = min(16, R - 16 * i)
+            for t in range(t0, t1, TILE_TOKENS):
+                if t1 - t <= HALF_TILE:
+                    _iq3_xxs_t4(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, t1 - t)
+                else:
+                    _iq3_xxs_t8(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, t1 - t)
 
 
 @njit(**_DRIVER)
@@ -361,12 +466,18 @@ def _mm_iq3_s(w, stride, X, tab, out):
                 _iq3_s_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
         return
     nu = cp // UNIT
-    for i in prange((R + 15) // 16):
-        buf = np.empty(nu * PACKED_UNIT, np.uint8)
-        _iq3_s_pack(w, stride, 16 * i, R, nb, tab, buf)
-        nv = min(16, R - 16 * i)
-        for t in range(0, T, TILE_TOKENS):
-            _iq3_s_t8(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, T - t)
+    rb = _row_block(cp)
+    for t0 in range(0, T, rb):
+        t1 = min(T, t0 + rb)
+        for i in prange((R + 15) // 16):
+            buf = np.empty(nu * PACKED_UNIT, np.uint8)
+            _iq3_s_pack(w, stride, 16 * i, R, nb, tab, buf)
+            nv = min(16, R - 16 * i)
+            for t in range(t0, t1, TILE_TOKENS):
+                if t1 - t <= HALF_TILE:
+                    _iq3_s_t4(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, t1 - t)
+                else:
+                    _iq3_s_t8(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, t1 - t)
 
 
 @njit(**_DRIVER)
@@ -379,12 +490,18 @@ def _mm_iq1_s(w, stride, X, tab, out):
                 _iq1_s_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
         return
     nu = cp // UNIT
-    for i in prange((R + 15) // 16):
-        buf = np.empty(nu * PACKED_UNIT, np.uint8)
-        _iq1_s_pack(w, stride, 16 * i, R, nb, tab, buf)
-        nv = min(16, R - 16 * i)
-        for t in range(0, T, TILE_TOKENS):
-            _iq1_s_t8(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, T - t)
+    rb = _row_block(cp)
+    for t0 in range(0, T, rb):
+        t1 = min(T, t0 + rb)
+        for i in prange((R + 15) // 16):
+            buf = np.empty(nu * PACKED_UNIT, np.uint8)
+            _iq1_s_pack(w, stride, 16 * i, R, nb, tab, buf)
+            nv = min(16, R - 16 * i)
+            for t in range(t0, t1, TILE_TOKENS):
+                if t1 - t <= HALF_TILE:
+                    _iq1_s_t4(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, t1 - t)
+                else:
+                    _iq1_s_t8(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, t1 - t)
 
 
 @njit(**_DRIVER)
@@ -397,12 +514,18 @@ def _mm_iq1_m(w, stride, X, tab, out):
                 _iq1_m_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
         return
     nu = cp // UNIT
-    for i in prange((R + 15) // 16):
-        buf = np.empty(nu * PACKED_UNIT, np.uint8)
-        _iq1_m_pack(w, stride, 16 * i, R, nb, tab, buf)
-        nv = min(16, R - 16 * i)
-        for t in range(0, T, TILE_TOKENS):
-            _iq1_m_t8(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, T - t)
+    rb = _row_block(cp)
+    for t0 in range(0, T, rb):
+        t1 = min(T, t0 + rb)
+        for i in prange((R + 15) // 16):
+            buf = np.empty(nu * PACKED_UNIT, np.uint8)
+            _iq1_m_pack(w, stride, 16 * i, R, nb, tab, buf)
+            nv = min(16, R - 16 * i)
+            for t in range(t0, t1, TILE_TOKENS):
+                if t1 - t <= HALF_TILE:
+                    _iq1_m_t4(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, t1 - t)
+                else:
+                    _iq1_m_t8(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, t1 - t)
 
 
 # ---- gather drivers: several matrices of one type in one call -------------------
@@ -556,6 +679,401 @@ GATHER = {
     "IQ3_S": _gather_iq3_s,
     "IQ1_S": _gather_iq1_s,
     "IQ1_M": _gather_iq1_m,
+}
+
+
+# ---- grouped drivers: several matrices, each on its own run of activation rows --------------
+# _grouped_<t>(addrs i64[M], nbytes, stride, X f32[A, C], first i64[M], count i64[M], at i64[M],
+# table, out f32[N, R]): out[at[m] + i, r] = row r of matrix m · activation row first[m] + i, for
+# i < count[m]; matrix m's bytes at address addrs[m] (bytes_at). A prompt's experts of a layer
+# (each on the tokens routed to it) in one call: one rounding of the activations and one
+# parallel region over every matrix's 16-row tiles, where a call per expert pays both per
+# expert. A matrix of 1-3 rows takes the row kernel, more the tile kernels (4-row ones for the
+# last few), so each output is that matrix's own matmul bit for bit (tests/test_quant.py).
+# The activations carry TILE_TOKENS zero rows past the last: a matrix's last tile call reads
+# up to 7 rows past its own, which may be the next matrix's or these.
+
+
+@njit(**_DRIVER)
+def _grouped_q8_0(addrs, nbytes, stride, X, first, count, at, tab, out):
+    xq, dx, bs16, bs32, xs32, cp = _round_to(X, (X.shape[0] + 2 * TILE_TOKENS - 1) // TILE_TOKENS * TILE_TOKENS)
+    M, R, nb = addrs.shape[0], out.shape[1], X.shape[1] // QK
+    S = (R + 15) // 16
+    nu = cp // UNIT
+    for i in prange(M * S):
+        m = i // S
+        s = i - m * S
+        n, x0, o0 = count[m], first[m], at[m]
+        w = bytes_at(addrs[m], nbytes)
+        if n < GEMM_ROWS:
+            for r in range(16 * s, min(R, 16 * s + 16)):
+                for t in range(n):
+                    _q8_0_r1(w, r * stride, nb, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, tab, out, (o0 + t) * R + r, R)
+            continue
+        buf = np.empty(nu * PACKED_UNIT, np.uint8)
+        _q8_0_pack(w, stride, 16 * s, R, nb, tab, buf)
+        nv = min(16, R - 16 * s)
+        for t in range(0, n, TILE_TOKENS):
+            if n - t <= HALF_TILE:
+                _q8_0_t4(buf, nu, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t)
+            else:
+                _q8_0_t8(buf, nu, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t)
+
+
+@njit(**_DRIVER)
+def _grouped_q5_0(addrs, nbytes, stride, X, first, count, at, tab, out):
+    xq, dx, bs16, bs32, xs32, cp = _round_to(X, (X.shape[0] + 2 * TILE_TOKENS - 1) // TILE_TOKENS * TILE_TOKENS)
+    M, R, nb = addrs.shape[0], out.shape[1], X.shape[1] // QK
+    S = (R + 15) // 16
+    nu = cp // UNIT
+    for i in prange(M * S):
+        m = i // S
+        s = i - m * S
+        n, x0, o0 = count[m], first[m], at[m]
+        w = bytes_at(addrs[m], nbytes)
+        if n < GEMM_ROWS:
+            for r in range(16 * s, min(R, 16 * s + 16)):
+                for t in range(n):
+                    _q5_0_r1(w, r * stride, nb, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, tab, out, (o0 + t) * R + r, R)
+            continue
+        buf = np.empty(nu * PACKED_UNIT, np.uint8)
+        _q5_0_pack(w, stride, 16 * s, R, nb, tab, buf)
+        nv = min(16, R - 16 * s)
+        for t in range(0, n, TILE_TOKENS):
+            if n - t <= HALF_TILE:
+                _q5_0_t4(buf, nu, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t)
+            else:
+                _q5_0_t8(buf, nu, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t)
+
+
+@njit(**_DRIVER)
+def _grouped_mxfp4(addrs, nbytes, stride, X, first, count, at, tab, out):
+    xq, dx, bs16, bs32, xs32, cp = _round_to(X, (X.shape[0] + 2 * TILE_TOKENS - 1) // TILE_TOKENS * TILE_TOKENS)
+    M, R, nb = addrs.shape[0], out.shape[1], X.shape[1] // QK
+    S = (R + 15) // 16
+    nu = cp // UNIT
+    for i in prange(M * S):
+        m = i // S
+        s = i - m * S
+        n, x0, o0 = count[m], first[m], at[m]
+        w = bytes_at(addrs[m], nbytes)
+        if n < GEMM_ROWS:
+            for r in range(16 * s, min(R, 16 * s + 16)):
+                for t in range(n):
+                    _mxfp4_r1(w, r * stride, nb, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, tab, out, (o0 + t) * R + r, R)
+            continue
+        buf = np.empty(nu * PACKED_UNIT, np.uint8)
+        _mxfp4_pack(w, stride, 16 * s, R, nb, tab, buf)
+        nv = min(16, R - 16 * s)
+        for t in range(0, n, TILE_TOKENS):
+            if n - t <= HALF_TILE:
+                _mxfp4_t4(buf, nu, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t)
+            else:
+                _mxfp4_t8(buf, nu, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t)
+
+
+@njit(**_DRIVER)
+def _grouped_q4_k(addrs, nbytes, stride, X, first, count, at, tab, out):
+    xq, dx, bs16, bs32, xs32, cp = _round_to(X, (X.shape[0] + 2 * TILE_TOKENS - 1) // TILE_TOKENS * TILE_TOKENS)
+    M, R, nb = addrs.shape[0], out.shape[1], X.shape[1] // QK
+    S = (R + 15) // 16
+    nu = cp // UNIT
+    for i in prange(M * S):
+        m = i // S
+        s = i - m * S
+        n, x0, o0 = count[m], first[m], at[m]
+        w = bytes_at(addrs[m], nbytes)
+        if n < GEMM_ROWS:
+            for r in range(16 * s, min(R, 16 * s + 16)):
+                for t in range(n):
+                    _q4_k_r1(w, r * stride, nb, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, tab, out, (o0 + t) * R + r, R)
+            continue
+        buf = np.empty(nu * PACKED_UNIT, np.uint8)
+        _q4_k_pack(w, stride, 16 * s, R, nb, tab, buf)
+        nv = min(16, R - 16 * s)
+        for t in range(0, n, TILE_TOKENS):
+            if n - t <= HALF_TILE:
+                _q4_k_t4(buf, nu, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t)
+            else:
+                _q4_k_t8(buf, nu, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t)
+
+
+@njit(**_DRIVER)
+def _grouped_q5_k(addrs, nbytes, stride, X, first, count, at, tab, out):
+    xq, dx, bs16, bs32, xs32, cp = _round_to(X, (X.shape[0] + 2 * TILE_TOKENS - 1) // TILE_TOKENS * TILE_TOKENS)
+    M, R, nb = addrs.shape[0], out.shape[1], X.shape[1] // QK
+    S = (R + 15) // 16
+    nu = cp // UNIT
+    for i in prange(M * S):
+        m = i // S
+        s = i - m * S
+        n, x0, o0 = count[m], first[m], at[m]
+        w = bytes_at(addrs[m], nbytes)
+        if n < GEMM_ROWS:
+            for r in range(16 * s, min(R, 16 * s + 16)):
+                for t in range(n):
+                    _q5_k_r1(w, r * stride, nb, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, tab, out, (o0 + t) * R + r, R)
+            continue
+        buf = np.empty(nu * PACKED_UNIT, np.uint8)
+        _q5_k_pack(w, stride, 16 * s, R, nb, tab, buf)
+        nv = min(16, R - 16 * s)
+        for t in range(0, n, TILE_TOKENS):
+            if n - t <= HALF_TILE:
+                _q5_k_t4(buf, nu, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t)
+            else:
+                _q5_k_t8(buf, nu, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t)
+
+
+@njit(**_DRIVER)
+def _grouped_q6_k(addrs, nbytes, stride, X, first, count, at, tab, out):
+    xq, dx, bs16, bs32, xs32, cp = _round_to(X, (X.shape[0] + 2 * TILE_TOKENS - 1) // TILE_TOKENS * TILE_TOKENS)
+    M, R, nb = addrs.shape[0], out.shape[1], X.shape[1] // QK
+    S = (R + 15) // 16
+    nu = cp // UNIT
+    for i in prange(M * S):
+        m = i // S
+        s = i - m * S
+        n, x0, o0 = count[m], first[m], at[m]
+        w = bytes_at(addrs[m], nbytes)
+        if n < GEMM_ROWS:
+            for r in range(16 * s, min(R, 16 * s + 16)):
+                for t in range(n):
+                    _q6_k_r1(w, r * stride, nb, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, tab, out, (o0 + t) * R + r, R)
+            continue
+        buf = np.empty(nu * PACKED_UNIT, np.uint8)
+        _q6_k_pack(w, stride, 16 * s, R, nb, tab, buf)
+        nv = min(16, R - 16 * s)
+        for t in range(0, n, TILE_TOKENS):
+            if n - t <= HALF_TILE:
+                _q6_k_t4(buf, nu, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t)
+            else:
+                _q6_k_t8(buf, nu, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t)
+
+
+@njit(**_DRIVER)
+def _grouped_iq4_xs(addrs, nbytes, stride, X, first, count, at, tab, out):
+    xq, dx, bs16, bs32, xs32, cp = _round_to(X, (X.shape[0] + 2 * TILE_TOKENS - 1) // TILE_TOKENS * TILE_TOKENS)
+    M, R, nb = addrs.shape[0], out.shape[1], X.shape[1] // QK
+    S = (R + 15) // 16
+    nu = cp // UNIT
+    for i in prange(M * S):
+        m = i // S
+        s = i - m * S
+        n, x0, o0 = count[m], first[m], at[m]
+        w = bytes_at(addrs[m], nbytes)
+        if n < GEMM_ROWS:
+            for r in range(16 * s, min(R, 16 * s + 16)):
+                for t in range(n):
+                    _iq4_xs_r1(w, r * stride, nb, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, tab, out, (o0 + t) * R + r, R)
+            continue
+        buf = np.empty(nu * PACKED_UNIT, np.uint8)
+        _iq4_xs_pack(w, stride, 16 * s, R, nb, tab, buf)
+        nv = min(16, R - 16 * s)
+        for t in range(0, n, TILE_TOKENS):
+            if n - t <= HALF_TILE:
+                _iq4_xs_t4(buf, nu, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t)
+            else:
+                _iq4_xs_t8(buf, nu, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t)
+
+
+@njit(**_DRIVER)
+def _grouped_iq2_xxs(addrs, nbytes, stride, X, first, count, at, tab, out):
+    xq, dx, bs16, bs32, xs32, cp = _round_to(X, (X.shape[0] + 2 * TILE_TOKENS - 1) // TILE_TOKENS * TILE_TOKENS)
+    M, R, nb = addrs.shape[0], out.shape[1], X.shape[1] // QK
+    S = (R + 15) // 16
+    nu = cp // UNIT
+    for i in prange(M * S):
+        m = i // S
+        s = i - m * S
+        n, x0, o0 = count[m], first[m], at[m]
+        w = bytes_at(addrs[m], nbytes)
+        if n < GEMM_ROWS:
+            for r in range(16 * s, min(R, 16 * s + 16)):
+                for t in range(n):
+                    _iq2_xxs_r1(w, r * stride, nb, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, tab, out, (o0 + t) * R + r, R)
+            continue
+        buf = np.empty(nu * PACKED_UNIT, np.uint8)
+        _iq2_xxs_pack(w, stride, 16 * s, R, nb, tab, buf)
+        nv = min(16, R - 16 * s)
+        for t in range(0, n, TILE_TOKENS):
+            if n - t <= HALF_TILE:
+                _iq2_xxs_t4(buf, nu, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t)
+            else:
+                _iq2_xxs_t8(buf, nu, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t)
+
+
+@njit(**_DRIVER)
+def _grouped_iq2_xs(addrs, nbytes, stride, X, first, count, at, tab, out):
+    xq, dx, bs16, bs32, xs32, cp = _round_to(X, (X.shape[0] + 2 * TILE_TOKENS - 1) // TILE_TOKENS * TILE_TOKENS)
+    M, R, nb = addrs.shape[0], out.shape[1], X.shape[1] // QK
+    S = (R + 15) // 16
+    nu = cp // UNIT
+    for i in prange(M * S):
+        m = i // S
+        s = i - m * S
+        n, x0, o0 = count[m], first[m], at[m]
+        w = bytes_at(addrs[m], nbytes)
+        if n < GEMM_ROWS:
+            for r in range(16 * s, min(R, 16 * s + 16)):
+                for t in range(n):
+                    _iq2_xs_r1(w, r * stride, nb, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, tab, out, (o0 + t) * R + r, R)
+            continue
+        buf = np.empty(nu * PACKED_UNIT, np.uint8)
+        _iq2_xs_pack(w, stride, 16 * s, R, nb, tab, buf)
+        nv = min(16, R - 16 * s)
+        for t in range(0, n, TILE_TOKENS):
+            if n - t <= HALF_TILE:
+                _iq2_xs_t4(buf, nu, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t)
+            else:
+                _iq2_xs_t8(buf, nu, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t)
+
+
+@njit(**_DRIVER)
+def _grouped_iq2_s(addrs, nbytes, stride, X, first, count, at, tab, out):
+    xq, dx, bs16, bs32, xs32, cp = _round_to(X, (X.shape[0] + 2 * TILE_TOKENS - 1) // TILE_TOKENS * TILE_TOKENS)
+    M, R, nb = addrs.shape[0], out.shape[1], X.shape[1] // QK
+    S = (R + 15) // 16
+    nu = cp // UNIT
+    for i in prange(M * S):
+        m = i // S
+        s = i - m * S
+        n, x0, o0 = count[m], first[m], at[m]
+        w = bytes_at(addrs[m], nbytes)
+        if n < GEMM_ROWS:
+            for r in range(16 * s, min(R, 16 * s + 16)):
+                for t in range(n):
+                    _iq2_s_r1(w, r * stride, nb, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, tab, out, (o0 + t) * R + r, R)
+            continue
+        buf = np.empty(nu * PACKED_UNIT, np.uint8)
+        _iq2_s_pack(w, stride, 16 * s, R, nb, tab, buf)
+        nv = min(16, R - 16 * s)
+        for t in range(0, n, TILE_TOKENS):
+            if n - t <= HALF_TILE:
+                _iq2_s_t4(buf, nu, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t)
+            else:
+                _iq2_s_t8(buf, nu, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t)
+
+
+@njit(**_DRIVER)
+def _grouped_iq3_xxs(addrs, nbytes, stride, X, first, count, at, tab, out):
+    xq, dx, bs16, bs32, xs32, cp = _round_to(X, (X.shape[0] + 2 * TILE_TOKENS - 1) // TILE_TOKENS * TILE_TOKENS)
+    M, R, nb = addrs.shape[0], out.shape[1], X.shape[1] // QK
+    S = (R + 15) // 16
+    nu = cp // UNIT
+    for i in prange(M * S):
+        m = i // S
+        s = i - m * S
+        n, x0, o0 = count[m], first[m], at[m]
+        w = bytes_at(addrs[m], nbytes)
+        if n < GEMM_ROWS:
+            for r in range(16 * s, min(R, 16 * s + 16)):
+                for t in range(n):
+                    _iq3_xxs_r1(w, r * stride, nb, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, tab, out, (o0 + t) * R + r, R)
+            continue
+        buf = np.empty(nu * PACKED_UNIT, np.uint8)
+        _iq3_xxs_pack(w, stride, 16 * s, R, nb, tab, buf)
+        nv = min(16, R - 16 * s)
+        for t in range(0, n, TILE_TOKENS):
+            if n - t <= HALF_TILE:
+                _iq3_xxs_t4(buf, nu, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t)
+            else:
+                _iq3_xxs_t8(buf, nu, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t)
+
+
+@njit(**_DRIVER)
+def _grouped_iq3_s(addrs, nbytes, stride, X, first, count, at, tab, out):
+    xq, dx, bs16, bs32, xs32, cp = _round_to(X, (X.shape[0] + 2 * TILE_TOKENS - 1) // TILE_TOKENS * TILE_TOKENS)
+    M, R, nb = addrs.shape[0], out.shape[1], X.shape[1] // QK
+    S = (R + 15) // 16
+    nu = cp // UNIT
+    for i in prange(M * S):
+        m = i // S
+        s = i - m * S
+        n, x0, o0 = count[m], first[m], at[m]
+        w = bytes_at(addrs[m], nbytes)
+        if n < GEMM_ROWS:
+            for r in range(16 * s, min(R, 16 * s + 16)):
+                for t in range(n):
+                    _iq3_s_r1(w, r * stride, nb, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, tab, out, (o0 + t) * R + r, R)
+            continue
+        buf = np.empty(nu * PACKED_UNIT, np.uint8)
+        _iq3_s_pack(w, stride, 16 * s, R, nb, tab, buf)
+        nv = min(16, R - 16 * s)
+        for t in range(0, n, TILE_TOKENS):
+            if n - t <= HALF_TILE:
+                _iq3_s_t4(buf, nu, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t)
+            else:
+                _iq3_s_t8(buf, nu, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t)
+
+
+@njit(**_DRIVER)
+def _grouped_iq1_s(addrs, nbytes, stride, X, first, count, at, tab, out):
+    xq, dx, bs16, bs32, xs32, cp = _round_to(X, (X.shape[0] + 2 * TILE_TOKENS - 1) // TILE_TOKENS * TILE_TOKENS)
+    M, R, nb = addrs.shape[0], out.shape[1], X.shape[1] // QK
+    S = (R + 15) // 16
+    nu = cp // UNIT
+    for i in prange(M * S):
+        m = i // S
+        s = i - m * S
+        n, x0, o0 = count[m], first[m], at[m]
+        w = bytes_at(addrs[m], nbytes)
+        if n < GEMM_ROWS:
+            for r in range(16 * s, min(R, 16 * s + 16)):
+                for t in range(n):
+                    _iq1_s_r1(w, r * stride, nb, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, tab, out, (o0 + t) * R + r, R)
+            continue
+        buf = np.empty(nu * PACKED_UNIT, np.uint8)
+        _iq1_s_pack(w, stride, 16 * s, R, nb, tab, buf)
+        nv = min(16, R - 16 * s)
+        for t in range(0, n, TILE_TOKENS):
+            if n - t <= HALF_TILE:
+                _iq1_s_t4(buf, nu, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t)
+            else:
+                _iq1_s_t8(buf, nu, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t)
+
+
+@njit(**_DRIVER)
+def _grouped_iq1_m(addrs, nbytes, stride, X, first, count, at, tab, out):
+    xq, dx, bs16, bs32, xs32, cp = _round_to(X, (X.shape[0] + 2 * TILE_TOKENS - 1) // TILE_TOKENS * TILE_TOKENS)
+    M, R, nb = addrs.shape[0], out.shape[1], X.shape[1] // QK
+    S = (R + 15) // 16
+    nu = cp // UNIT
+    for i in prange(M * S):
+        m = i // S
+        s = i - m * S
+        n, x0, o0 = count[m], first[m], at[m]
+        w = bytes_at(addrs[m], nbytes)
+        if n < GEMM_ROWS:
+            for r in range(16 * s, min(R, 16 * s + 16)):
+                for t in range(n):
+                    _iq1_m_r1(w, r * stride, nb, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, tab, out, (o0 + t) * R + r, R)
+            continue
+        buf = np.empty(nu * PACKED_UNIT, np.uint8)
+        _iq1_m_pack(w, stride, 16 * s, R, nb, tab, buf)
+        nv = min(16, R - 16 * s)
+        for t in range(0, n, TILE_TOKENS):
+            if n - t <= HALF_TILE:
+                _iq1_m_t4(buf, nu, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t)
+            else:
+                _iq1_m_t8(buf, nu, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t)
+
+
+# type name → its grouped driver (the table is KERNELS')
+GROUPED = {
+    "Q8_0": _grouped_q8_0,
+    "Q5_0": _grouped_q5_0,
+    "MXFP4": _grouped_mxfp4,
+    "Q4_K": _grouped_q4_k,
+    "Q5_K": _grouped_q5_k,
+    "Q6_K": _grouped_q6_k,
+    "IQ4_XS": _grouped_iq4_xs,
+    "IQ2_XXS": _grouped_iq2_xxs,
+    "IQ2_XS": _grouped_iq2_xs,
+    "IQ2_S": _grouped_iq2_s,
+    "IQ3_XXS": _grouped_iq3_xxs,
+    "IQ3_S": _grouped_iq3_s,
+    "IQ1_S": _grouped_iq1_s,
+    "IQ1_M": _grouped_iq1_m,
 }
 
 

@@ -804,3 +804,26 @@ def round_row():
 
     typer.__name__ = "round_row"
     return intrinsic(typer)
+
+
+@intrinsic
+def bytes_at(typingctx, addr, n):
+    """`bytes_at(addr, n)`: the n bytes at address addr as a uint8 array (no owner: the caller
+    keeps the memory alive for the call). A grouped call's matrices lie wherever their expert
+    was read (cache slabs, the mapped file), so they travel as addresses: a tuple of arrays
+    would compile the driver once for every count of matrices."""
+
+    def codegen(context, builder, sig, args):
+        ary = context.make_array(sig.return_type)(context, builder)
+        one = context.get_constant(types.intp, 1)
+        context.populate_array(
+            ary,
+            data=builder.inttoptr(args[0], ir.PointerType(ir.IntType(8))),
+            shape=cgutils.pack_array(builder, [args[1]]),
+            strides=cgutils.pack_array(builder, [one]),
+            itemsize=one,
+            meminfo=None,
+        )
+        return ary._getvalue()
+
+    return types.Array(types.uint8, 1, "C")(types.int64, types.int64), codegen

@@ -71,6 +71,8 @@ assert set(_KERNELS) == set(SUPPORTED), "every supported type needs kernels"
 _Q8_KERNELS = {QType[name]: pair for name, pair in _q8.KERNELS.items()}
 _Q8_GATHER = {QType[name]: driver for name, driver in _q8.GATHER.items()}
 assert set(_Q8_GATHER) == set(_Q8_KERNELS), "every int8-activation type needs a gather driver"
+_Q8_GROUPED = {QType[name]: driver for name, driver in _q8.GROUPED.items()}
+assert set(_Q8_GROUPED) == set(_Q8_KERNELS), "every int8-activation type needs a grouped driver"
 INT8_ACTIVATION_TYPES = tuple(_Q8_KERNELS)
 # Which build of the int8 dot this process compiles: "vnni", "sdot" or "portable" (module doc).
 INT8_DOT = _q8.INT8_DOT
@@ -247,6 +249,31 @@ def gather_apply(ps: Sequence[Prepared], X: np.ndarray, act: np.ndarray) -> np.n
     out = np.empty((len(ps), p0.n_rows), np.float32)
     _Q8_GATHER[p0.qtype](
         tuple(p.flat for p in ps), p0.stride, np.ascontiguousarray(X, dtype=np.float32), act, _Q8_KERNELS[p0.qtype][1], out
+    )
+    return out
+
+
+def grouped_apply(ps: Sequence[Prepared], X: np.ndarray, first: np.ndarray, count: np.ndarray) -> np.ndarray | None:
+    """Matrix m on its own run of activation rows X[first[m] : first[m] + count[m]], every
+    matrix in one kernel call, for prepared matrices of one int8-activation type and one shape
+    (a prompt's experts of a layer); out [Σ count, R] holds matrix 0's rows, then matrix 1's,
+    ..., each equal to `apply(ps[m], X[first[m] : first[m] + count[m]])` bit for bit. None when
+    the matrices do not qualify (other types, int8 activations off, mixed shapes): multiply
+    them one by one."""
+    p0 = ps[0]
+    if not (_uses_q8(p0.qtype) and X.ndim == 2 and X.shape[1] == p0.n_cols and p0.n_rows):
+        return None
+    if any(p.qtype != p0.qtype or p.stride != p0.stride or p.n_rows != p0.n_rows or p.n_cols != p0.n_cols for p in ps):
+        return None
+    first, count = np.asarray(first, np.int64), np.asarray(count, np.int64)
+    if first.shape != (len(ps),) or count.shape != (len(ps),) or count.min() < 0 or (first < 0).any() or (first + count > X.shape[0]).any():
+        raise ValueError(f"grouped_apply: each matrix needs a run of rows inside X's {X.shape[0]}")
+    at = np.zeros(len(ps), np.int64)
+    np.cumsum(count[:-1], out=at[1:])
+    out = np.empty((int(count.sum()), p0.n_rows), np.float32)
+    addrs = np.array([p.flat.ctypes.data for p in ps], np.int64)  # the ps keep the bytes alive for the call
+    _Q8_GROUPED[p0.qtype](
+        addrs, p0.flat.shape[0], p0.stride, np.ascontiguousarray(X, dtype=np.float32), first, count, at, _Q8_KERNELS[p0.qtype][1], out
     )
     return out
 

@@ -11,8 +11,9 @@ layer (`ModelOptions.stage_timing`: attention, router, experts, ...), the
 attention kernel's own share, and every quantized product grouped by weight
 type, shape and tokens per call, with its multiply-adds per second — the
 figures docs/benchmarks.md § Long prompts quotes. Each product is timed at
-the one place every matrix product goes through (`quant.kernels._multiply`),
-so the grouping costs one clock read a call.
+the one place every matrix product goes through (`quant.kernels._multiply`,
+and `quant.grouped_apply` for a prompt's experts taken several a call, counted
+per matrix), so the grouping costs one clock read a call.
 """
 
 from __future__ import annotations
@@ -48,8 +49,9 @@ def bucket(tokens: int, prompt: int) -> str:
 class ProductLog:
     """Wraps the quantized-product dispatch: seconds and multiply-adds per group."""
 
-    def __init__(self, kernels, prompt: int):
+    def __init__(self, kernels, quant, prompt: int):
         self.kernels, self.prompt, self.inner = kernels, prompt, kernels._multiply
+        self.quant, self.inner_grouped = quant, quant.grouped_apply
         self.groups: dict[tuple, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
 
     def __enter__(self) -> ProductLog:
@@ -61,11 +63,25 @@ class ProductLog:
             g[1] += time.perf_counter() - t0
             g[2] += X.shape[0] * out.shape[1] * X.shape[1]
 
+        def timed_grouped(ps, X, first, count):  # a prompt's experts in memory, several a call (shared/model/moe.py)
+            t0 = time.perf_counter()
+            out = self.inner_grouped(ps, X, first, count)
+            if out is not None:
+                p = ps[0]
+                per = int(sum(count)) // max(1, len(ps))
+                g = self.groups[(p.qtype.name, p.n_rows, p.n_cols, f"{bucket(per, self.prompt)}, grouped")]
+                g[0] += len(ps)
+                g[1] += time.perf_counter() - t0
+                g[2] += int(sum(count)) * p.n_rows * p.n_cols
+            return out
+
         self.kernels._multiply = timed
+        self.quant.grouped_apply = timed_grouped
         return self
 
     def __exit__(self, *exc) -> None:
         self.kernels._multiply = self.inner
+        self.quant.grouped_apply = self.inner_grouped
 
 
 def main(argv=None) -> None:
@@ -99,7 +115,7 @@ def main(argv=None) -> None:
         gqa.attention = timed_attention  # the kernel alone, inside the attention stage (gqa families)
         try:
             cache = model.new_cache(n + 8)
-            with ProductLog(kernels, n) as log:
+            with ProductLog(kernels, quant, n) as log:
                 t0 = time.perf_counter()
                 model.prefill(prompt, cache, batch=n)
                 wall = time.perf_counter() - t0

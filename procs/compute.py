@@ -125,6 +125,7 @@ class SlabExperts:
         """`facts`: the arenas and the reader to watch; `overlap`: compute.overlap;
         `poll`: called between experts, may raise GenerationAborted (a Stop mid-prompt)."""
         self.n_slabs, self.reader_pid, self.overlap, self.layout = facts.n_slabs, facts.reader_pid, overlap, layout
+        self.held_together = self.n_slabs  # a call's experts are fetched, and pinned, a slab-sized group at a time
         self.poll = poll or (lambda: None)
         self.arena = SlabArena.attach(facts.slab_arena, facts.slab_bytes, readonly=True)
         self.index = ResidencyIndex.attach(facts.index_arena, layout.spec)

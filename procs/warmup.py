@@ -23,6 +23,7 @@ numba: only processes that compute may import this module.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -118,6 +119,8 @@ class ZeroExperts:
     """An ExpertSource of zero-filled experts, each a view into one zero slab
     exactly as compute's `SlabExperts` views a cached one: the warm-up's
     forward pass gets the real argument types and reads nothing."""
+
+    held_together = sys.maxsize  # one zero slab, never overwritten
 
     def __init__(self, mf: ModelFile):
         self.layout = mf.layout

@@ -62,6 +62,8 @@ class SlabExperts:
     """Experts as the pipeline's compute sees them: each expert's extents copied
     into a slab where the reader would place them, then viewed with expert_view."""
 
+    held_together = 1 << 30  # a fresh slab per expert: every view stays usable
+
     def __init__(self, mf: ModelFile):
         self.mf = mf
 

@@ -213,6 +213,66 @@ def test_group_limited_routing_scores_groups_by_the_rule_given():
 
 
 @pytest.mark.parametrize("arch", ARCHES)
+def test_a_prompt_takes_its_resident_experts_in_grouped_kernel_calls(arch, tmp_path, monkeypatch):
+    """A prompt's gated experts go through quant.grouped_apply, several a call: the ones in
+    memory once all have come, then a miss together with the misses that have landed since
+    (here all the rest: they land while the first miss is read). The logits are the
+    one-expert-at-a-time path's bit for bit, and token-by-token decoding's."""
+    from moe_pipe.shared import quant
+    from moe_pipe.shared.model import moe
+
+    path = make_model(arch, "tiny", tmp_path / "q.gguf")
+    with open_model(path) as mf:
+
+        class Landing(FileExperts):
+            """Even experts in memory at once; odd ones read, every one landed once the first has."""
+
+            def __init__(self, mf):
+                super().__init__(mf)
+                self.landed = False
+
+            def resident(self, layer, ids):
+                return [e % 2 == 0 or self.landed for e in ids]
+
+            def experts(self, layer, ids):
+                ids = list(ids)
+                self.landed = False
+                yield from super().experts(layer, [e for e in ids if e % 2 == 0])
+                for e in (e for e in ids if e % 2):
+                    yield next(super().experts(layer, [e]))
+                    self.landed = True
+
+        calls: list[int] = []
+        real = quant.grouped_apply
+        monkeypatch.setattr(quant, "grouped_apply", lambda *a: calls.append(len(a[0])) or real(*a))
+        real_grouped = moe._glu_experts_grouped
+
+        def one_by_one(x, group, glu, ffn, ys, at, n, k):
+            for e, got in group:
+                r = got // k
+                ys[n : n + r.size] = ffn(e, x[r])
+                at[r, got % k] = np.arange(n, n + r.size)
+                n += r.size
+            return n
+
+        def prefill(grouped: bool, source=None) -> np.ndarray:
+            monkeypatch.setattr(moe, "_glu_experts_grouped", real_grouped if grouped else one_by_one)
+            model = load_model(mf, experts=source)
+            return model.forward(PROMPT, model.new_cache(32), all_logits=True)
+
+        got = prefill(True)
+        assert calls and len(calls) % 2 == 0  # per group: its gates and ups, then its downs
+        np.testing.assert_array_equal(got, prefill(False))
+        calls.clear()
+        np.testing.assert_array_equal(prefill(True, Landing(mf)), got)
+        n_moe = sum(1 for i in range(mf.spec.n_layer) if mf.spec.has_experts(i))
+        assert len(calls) <= 2 * 3 * n_moe  # a layer: its hits, its first miss, the rest that landed (runs of GROUP_ROWS)
+        model = load_model(mf)
+        cache = model.new_cache(32)
+        np.testing.assert_array_equal(np.concatenate([model.forward([t], cache) for t in PROMPT]), got)
+
+
+@pytest.mark.parametrize("arch", ARCHES)
 def test_a_decode_step_takes_every_expert_of_a_layer_in_two_kernel_calls(arch, tmp_path, monkeypatch):
     """A decoded token's resident gated experts (SwiGLU, Gemma's GELU, gpt-oss's clamped SwiGLU
     with its biases) go through quant.gather_apply (gates and ups in one call, downs in another)

@@ -221,13 +221,166 @@ def apply_experts(
         return out
     ys = _outputs_buffer(t * k, x.shape[1])  # the experts' outputs, one expert's rows after another
     at = np.empty((t, k), np.int64)  # (token, choice) → its row of ys
-    n = 0
-    for expert in source.experts(layer, routing.unique_experts()):
-        rows, choices = np.nonzero(routing.ids == expert.id)  # each token picks an expert at most once
-        ys[n : n + rows.size] = ffn(expert, x[rows])
-        at[rows, choices] = np.arange(n, n + rows.size)
-        n += rows.size
+    unique = routing.unique_experts()
+    glu = GLU_EXPERTS.get(ffn)
+    pairs = _pairs_by_expert(routing.ids)  # expert → its (token, choice) pairs, tokens ascending
+    if glu is not None and len(unique) <= source.held_together:
+        _experts_in_groups(x, source, layer, unique, pairs, glu, ffn, ys, at, k)
+    else:
+        n = 0
+        for expert in source.experts(layer, unique):
+            got = pairs(expert.id)  # a token picks an expert at most once
+            rows = got // k
+            ys[n : n + rows.size] = ffn(expert, x[rows])
+            at[rows, got % k] = np.arange(n, n + rows.size)
+            n += rows.size
     return choice_sum(ys, at, routing.weights)  # fixed choice order, as decode adds
+
+
+# A prompt's experts in memory are taken in groups of about this many rows a call: enough to
+# pay one Python dispatch, rounding and parallel region for several experts, few enough that
+# the group's activations and outputs stay in the core's L2 (a layer's at once were ~100 MB
+# of fresh temporaries on a 512-token prompt, slower than an expert at a time).
+GROUP_ROWS = 128
+
+
+def _experts_in_groups(
+    x: np.ndarray,
+    source: ExpertSource,
+    layer: int,
+    unique: list[int],
+    pairs: Callable[[int], np.ndarray],
+    glu: Callable[[np.ndarray, np.ndarray], np.ndarray],
+    ffn: Callable[[Expert, np.ndarray], np.ndarray],
+    ys: np.ndarray,
+    at: np.ndarray,
+    k: int,
+) -> None:
+    """A prompt's gated experts, several a kernel call (_glu_experts_grouped): the ones in
+    memory together once all of them have come, then each miss with the misses that have
+    landed while the work before it ran (they come next from the source without a wait), so a
+    read still overlaps the work on what is already here."""
+    here = {e for e, r in zip(unique, source.resident(layer, unique)) if r}
+    hits_left = len(here)
+    seen: set[int] = set()
+    group: list[tuple[Expert, np.ndarray]] = []
+    n = 0
+    it = iter(source.experts(layer, unique))
+    for expert in it:
+        seen.add(expert.id)
+        group.append((expert, pairs(expert.id)))
+        if expert.id in here:
+            hits_left -= 1
+            if hits_left:
+                continue
+        rest = [e for e in unique if e not in seen]
+        for _ in range(sum(source.resident(layer, rest)) if rest else 0):
+            landed = next(it)
+            seen.add(landed.id)
+            group.append((landed, pairs(landed.id)))
+        for part in _runs_of_rows(group, GROUP_ROWS):
+            n = _glu_experts_grouped(x, part, glu, ffn, ys, at, n, k)
+        group = []
+
+
+def _runs_of_rows(group: list[tuple[Expert, np.ndarray]], rows: int) -> list[list[tuple[Expert, np.ndarray]]]:
+    """group split, in order, into runs of experts with about `rows` pairs each (an expert
+    with more is a run of its own)."""
+    runs: list[list[tuple[Expert, np.ndarray]]] = [[]]
+    size = 0
+    for item in group:
+        if runs[-1] and size + item[1].size > rows:
+            runs.append([])
+            size = 0
+        runs[-1].append(item)
+        size += item[1].size
+    return runs
+
+
+def _pairs_by_expert(ids: np.ndarray) -> Callable[[int], np.ndarray]:
+    """expert id -> its (token, choice) pairs as flat indices t·K + s into ids [T, K],
+    ascending: one sort for the layer rather than a comparison of all of ids per expert."""
+    flat = ids.reshape(-1)
+    order = np.argsort(flat, kind="stable")
+    counts = np.bincount(flat)
+    ends = np.cumsum(counts)
+    starts = ends - counts
+    return lambda e: order[starts[e] : ends[e]]
+
+
+def _glu_experts_grouped(
+    x: np.ndarray,
+    group: list[tuple[Expert, np.ndarray]],
+    glu: Callable[[np.ndarray, np.ndarray], np.ndarray],
+    ffn: Callable[[Expert, np.ndarray], np.ndarray],
+    ys: np.ndarray,
+    at: np.ndarray,
+    n: int,
+    k: int,
+) -> int:
+    """A prompt's experts that are in memory, each on the tokens routed to it (`group`:
+    expert and its flat (token, choice) pairs), in three kernel calls in all (every gate and
+    up, then every down: quant.grouped_apply) where a call per matrix pays a rounding of its
+    rows, a parallel region and Python's dispatch per expert (~330 calls a layer on a
+    512-token qwen30b-shape prompt). Their outputs go to ys from row n on, at[t, s] pointing
+    at each; returns the next free row. Each row is what the expert function gives bit for
+    bit (glu is elementwise, each bias added to its own expert's rows); one by one through
+    `ffn` when the matrices do not qualify (float types)."""
+    experts = [e for e, _ in group]
+    tokens = [got // k for _, got in group]
+    counts = np.array([r.size for r in tokens], np.int64)
+    first = np.zeros(len(group), np.int64)
+    np.cumsum(counts[:-1], out=first[1:])
+    m = int(counts.sum())
+    xg = x[np.concatenate(tokens)]  # [m, D]: each expert's tokens, one expert after another
+    h = _grouped_glu(xg, experts, first, counts, glu)
+    y = quant.grouped_apply([e.down.prep for e in experts], h, first, counts) if h is not None else None
+    if y is None:
+        for (e, got), r in zip(group, tokens):
+            ys[n : n + r.size] = ffn(e, x[r])
+            at[r, got % k] = np.arange(n, n + r.size)
+            n += r.size
+        return n
+    _add_run_biases(y, [e.down_bias for e in experts], first, counts)
+    ys[n : n + m] = y
+    for (_, got), f, c in zip(group, first, counts):
+        at[got // k, got % k] = np.arange(n + f, n + f + c)
+    return n + m
+
+
+def _grouped_glu(
+    xg: np.ndarray, experts: list[Expert], first: np.ndarray, counts: np.ndarray, glu: Callable[[np.ndarray, np.ndarray], np.ndarray]
+) -> np.ndarray | None:
+    """glu(gate x, up x) [m, F] of each expert on its run of xg's rows, in one kernel call;
+    None when the matrices do not qualify."""
+    if all(e.gate_up is not None for e in experts):
+        gu = quant.grouped_apply([e.gate_up.prep for e in experts], xg, first, counts)  # type: ignore[union-attr]
+        if gu is None:
+            return None
+        _add_run_biases(gu, [e.gate_up_bias for e in experts], first, counts)
+        f = gu.shape[1] // 2
+        return glu(gu[:, :f], gu[:, f:])
+    if all(e.gate is not None and e.up is not None for e in experts):
+        both = quant.grouped_apply(
+            [e.gate.prep for e in experts] + [e.up.prep for e in experts],  # type: ignore[union-attr]
+            xg,
+            np.concatenate([first, first]),
+            np.concatenate([counts, counts]),
+        )
+        if both is None:
+            return None
+        m = xg.shape[0]
+        _add_run_biases(both[:m], [e.gate_bias for e in experts], first, counts)
+        _add_run_biases(both[m:], [e.up_bias for e in experts], first, counts)
+        return glu(both[:m], both[m:])
+    return None
+
+
+def _add_run_biases(rows: np.ndarray, biases: list[np.ndarray | None], first: np.ndarray, counts: np.ndarray) -> None:
+    """rows[first[j] : first[j] + counts[j]] += biases[j] where there is one (each expert's own rows)."""
+    for b, f, c in zip(biases, first, counts):
+        if b is not None:
+            rows[f : f + c] += b
 
 
 def load_shared_expert(w: Weights, p: str, n_embd: int) -> dict[str, Any]:

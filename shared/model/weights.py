@@ -8,6 +8,7 @@ dense tensors from the file mapping, and an `ExpertSource` hands out experts
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Protocol
@@ -97,6 +98,12 @@ class ExpertSource(Protocol):
     implements all three methods; one that never reads on demand answers
     `resident` with all True and ignores `prefetch`."""
 
+    # How many experts of one `experts` call stay usable together: the first this many
+    # yielded may be kept and multiplied after later ones have come (a prompt takes the
+    # experts in memory several a kernel call: shared/model/moe.py). A cache smaller than
+    # a layer's experts reuses the slab of an expert already given for a later one.
+    held_together: int
+
     def experts(self, layer: int, ids: Iterable[int]) -> Iterator[Expert]:
         """Yield each requested expert of `layer` exactly once, in the order
         they become usable (the MoE block sums in choice order, so the order
@@ -147,6 +154,8 @@ def expert_from_bytes(layer: LayerExperts, expert_id: int, slices: dict[str, np.
 class FileExperts:
     """Every expert read straight from the file mapping: all weights resident,
     so nothing to prefetch (an ExpertSource)."""
+
+    held_together = sys.maxsize  # views of the file mapping: every one stays usable
 
     def __init__(self, mf: ModelFile):
         self._mf = mf

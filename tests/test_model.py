@@ -143,6 +143,32 @@ def test_prompt_guesses_are_the_union_of_the_batch_rows(tiny):
     assert hints == []
 
 
+def test_a_long_prompt_guesses_from_evenly_spaced_rows(tiny, monkeypatch):
+    """A batch longer than GUESS_ROWS guesses the next layer from that many of its rows,
+    evenly spaced (the first among them): the guess is what those rows alone would give."""
+    from moe_pipe.shared.model import base
+
+    monkeypatch.setattr(base, "GUESS_ROWS", 3)
+    hints: list[tuple[int, list[int]]] = []
+    inputs: dict[int, np.ndarray] = {}
+
+    class Hinted(FileExperts):
+        def prefetch(self, layer, ids):
+            hints.append((layer, list(ids)))
+
+    opts = ModelOptions(prefetch_prompt=True, router_input_observer=lambda i, r: inputs.__setitem__(i, r.copy()))
+    model = load_model(tiny.mf, experts=Hinted(tiny.mf), options=opts)
+    model.prefill(PROMPT, model.new_cache(32))
+    assert len(PROMPT) > 3 and hints
+    step = -(-len(PROMPT) // 3)
+    guessed = list(hints)
+    hints.clear()
+    monkeypatch.setattr(base, "GUESS_ROWS", 10**6)
+    for layer, _ in guessed:
+        model.guess_layer(layer, inputs[layer - 1][::step])  # those rows alone, every one of them used
+    assert hints == guessed
+
+
 def test_layer0_guess_is_router0_on_the_token_embedding(tiny):
     """Decoding with prefetch on, layer 0 is guessed before anything runs: its
     router on the new token's embedding, normed as layer 0's router input is

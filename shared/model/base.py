@@ -39,6 +39,18 @@ if TYPE_CHECKING:
 # at 69 % right. On the shaped model the next layer's router finds 88 % of the
 # next layer's experts (bench/bench_routing.py --cross-layer; docs/warmup-analysis.md).
 PREFETCH_MIN_P = 0.05
+# A prompt's batch guesses the next layer from at most this many of its rows, evenly spaced:
+# the union of their confident choices is the batch's (a 3,600-token prompt routes to
+# nearly every expert of a layer), and the next layer's router on every row of a long
+# prompt cost as much as the layer's own routing (~3 % of a prompt's compute, 2026-12-03).
+GUESS_ROWS = 256
+
+
+def guess_rows(router_input: np.ndarray) -> np.ndarray:
+    """The rows [T', D] of a pass's router input that a next-layer guess runs on: all of a
+    decode step's, GUESS_ROWS evenly spaced ones of a long prompt's batch."""
+    t = router_input.shape[0]
+    return router_input if t <= GUESS_ROWS else router_input[:: -(-t // GUESS_ROWS)]
 
 
 @dataclass(frozen=True)
@@ -160,7 +172,7 @@ class MoEModel:
         reading them. Only confident guesses: of each row's top k, those the
         router gives at least PREFETCH_MIN_P (a wrong guess costs a read and
         evicts a cached expert); for a prompt's batch, the union over its
-        rows, the most probable first. Under a route replay (benchmarks) the
+        rows (GUESS_ROWS of them at most), the most probable first. Under a route replay (benchmarks) the
         guess is the trace's own next routing: a perfect predictor, for the
         ceiling of what prefetch can give. A guess only warms the cache:
         outputs never depend on it."""
@@ -169,15 +181,19 @@ class MoEModel:
             ids = self.route_replay.peek(j, t).ids
             self.source.prefetch(j, list(dict.fromkeys(int(e) for e in ids.T.reshape(-1))))
             return
-        logits = self.router_logits(j, router_input).astype(np.float64)  # [T, E]
+        logits = self.router_logits(j, guess_rows(router_input)).astype(np.float64)  # [T, E]
         top = top_k_ids(logits, self.top_k)  # [T, k]
-        p = softmax(logits)
-        best: dict[int, float] = {}
-        for row, ids in enumerate(top):
-            for e in ids:
-                if p[row, e] >= PREFETCH_MIN_P and p[row, e] > best.get(int(e), 0.0):
-                    best[int(e)] = float(p[row, e])
-        self.source.prefetch(j, sorted(best, key=best.__getitem__, reverse=True))
+        p = np.take_along_axis(softmax(logits), top, axis=1)  # each row's top k probabilities
+        confident = p >= PREFETCH_MIN_P
+        ids, probs = top[confident], p[confident]  # row by row, each row's choices in rank order
+        if ids.size == 0:
+            self.source.prefetch(j, [])
+            return
+        best = np.zeros(logits.shape[1])
+        np.maximum.at(best, ids, probs)
+        guessed, first = np.unique(ids, return_index=True)  # each expert where it first comes
+        order = np.lexsort((first, -best[guessed]))  # most probable first; ties as they came
+        self.source.prefetch(j, guessed[order].tolist())
 
     # -- shared ----------------------------------------------------------------
     def new_cache(self, n_ctx: int, kv_type: str | None = None) -> KVCache:

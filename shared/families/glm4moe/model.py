@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from ...gguf.model_file import ModelFile
-from ...model.base import PREFETCH_MIN_P, MoEModel
+from ...model.base import PREFETCH_MIN_P, MoEModel, guess_rows
 from ...model.blocks import attention, rms_norm, rope_from_spec, swiglu
 from ...model.moe import Routing, apply_experts, route_as_spec, swiglu_expert
 
@@ -117,7 +117,7 @@ class Model(MoEModel):
         if self.route_replay is not None:
             super().guess_layer(j, router_input)
             return
-        r = self.route(j, self.layers[j]["router"](router_input), self.top_k)
+        r = self.route(j, self.layers[j]["router"](guess_rows(router_input)), self.top_k)
         share = r.weights / np.maximum(r.weights.sum(axis=-1, keepdims=True), np.float32(1e-20))
         best: dict[int, float] = {}
         for row_ids, row_share in zip(r.ids.tolist(), share.tolist()):

@@ -420,6 +420,15 @@ class GatewayConfig:
         secret=True,
     )
     queue_size: int = setting(16, "int", "requests waiting for the compute worker before new ones get 429", lo=1, hi=10000)
+    parallel: int = setting(
+        1,
+        "int",
+        "requests compute decodes at once, each in its own slot with its own KV cache (one batched pass a step; "
+        "the budget counts N caches; speculative decoding is off above 1: docs/batching.md)",
+        lo=1,
+        hi=64,
+        flags=("--parallel",),
+    )
     slot_save_path: str | None = setting(
         None,
         "path",

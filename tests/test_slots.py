@@ -1,0 +1,145 @@
+"""Compute's slots (procs/slots.py): `moe-pipe up --parallel 3` on the tiny model decodes
+several requests at once, each reply exactly the one it gets alone, a cancelled one
+leaving the others' untouched; and the step's pure choices (which rows, which slot)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from moe_pipe.procs.slots import Ask, Slot, Steps, pick_rows, pick_slot
+from moe_pipe.shared.model.session import Session
+
+# -- the step's choices ----------------------------------------------------------------
+
+
+def _ask(slot: int, order: int, n: int) -> Ask:
+    return Ask(slot, order, list(range(n)), cache=None)  # type: ignore[arg-type]  # no pass runs here
+
+
+def test_a_step_takes_every_decode_row_and_the_oldest_prompt_s_chunk():
+    asks = [_ask(0, 5, 64), _ask(1, 2, 1), _ask(2, 3, 64), _ask(3, 9, 1)]
+    assert [a.slot for a in pick_rows(asks)] == [1, 3, 2]  # decode rows, then the chunk of request 3 (older than 5)
+    assert [a.slot for a in pick_rows([_ask(0, 1, 1)])] == [0]
+    assert [a.slot for a in pick_rows([_ask(0, 4, 7), _ask(1, 3, 7)])] == [1]  # two prompts: one chunk a step
+
+
+def test_a_request_takes_the_idle_slot_holding_its_prefix_else_the_least_recently_used():
+    slots = [Slot(i, Session()) for i in range(3)]
+    for s, ids, order in zip(slots, ([1, 2, 3, 4], [1, 2, 9], []), (5, 2, 7)):
+        s.session.ids, s.order = ids, order
+        s.session.cache = type("C", (), {"n": len(ids), "state": None})()  # tokens = ids[:n]
+    assert pick_slot(slots, set(), [1, 2, 3, 7]).id == 0  # three tokens in common
+    assert pick_slot(slots, {0}, [1, 2, 3, 7]).id == 1  # busy: the next longest
+    assert pick_slot(slots, set(), [8]).id == 1  # nothing in common: used longest ago
+    assert pick_slot(slots, {0, 1, 2}, [8]) is None
+
+
+def test_a_cancel_answers_a_waiting_ask_and_refuses_the_next():
+    steps = Steps()
+    steps.join(0)
+    errors: list[BaseException] = []
+
+    def slot_thread() -> None:
+        for _ in range(2):
+            try:
+                steps.ask(0, 1, [5], cache=None)  # type: ignore[arg-type]
+            except Exception as exc:  # noqa: BLE001 - the test looks at it
+                errors.append(exc)
+
+    t = threading.Thread(target=slot_thread)
+    t.start()
+    assert [a.slot for a in steps.gather(5.0)] == [0]  # every busy slot asked
+    steps.cancel(0)
+    t.join(5.0)
+    assert not t.is_alive() and [getattr(e, "code", None) for e in errors] == ["cancelled", "cancelled"]
+
+
+def test_a_step_answers_each_slot_its_own_row():
+    steps = Steps()
+    got: dict[int, np.ndarray] = {}
+    for i in range(2):
+        steps.join(i)
+    threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, steps.ask(i, i, [i], cache=None))) for i in range(2)]  # type: ignore[arg-type]
+    for t in threads:
+        t.start()
+    asks = steps.gather(5.0)
+    while len(asks) < 2:
+        asks = steps.gather(5.0)
+    for a in asks:
+        steps.answer(a, logits=np.full(3, a.slot))
+    for t in threads:
+        t.join(5.0)
+    assert {i: v.tolist() for i, v in got.items()} == {0: [0, 0, 0], 1: [1, 1, 1]}
+
+
+# -- the service ------------------------------------------------------------------------
+
+pytest.importorskip("openai", reason="the service tests use the openai client: pip install '.[test]'")
+
+from .test_service import CONFIG, MODEL, Service, reference  # noqa: E402
+
+PROMPTS = ["Tell me a story about a cat.", "What is the capital of France?", "Count from one to twenty, please."]
+
+
+@pytest.fixture(scope="module")
+def svc3():
+    from moe_pipe.shared.makemodel.default_model import default_model_path
+
+    default_model_path()
+    s = Service("--parallel", "3", model=CONFIG)
+    yield s
+    s.close()
+
+
+def _chat(s: Service, content: str, n: int) -> tuple[str, int, int]:
+    r = s.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=n, temperature=0)
+    return r.choices[0].message.content, r.usage.prompt_tokens, r.usage.completion_tokens
+
+
+def _slots(s: Service) -> list[dict]:
+    with urllib.request.urlopen(s.url + "/slots", timeout=30) as r:
+        return json.loads(r.read())
+
+
+@pytest.mark.integration
+def test_concurrent_greedy_requests_each_get_their_solo_reply(svc3):
+    alone = [_chat(svc3, p, 48) for p in PROMPTS]
+    assert alone[0][0] == reference(PROMPTS[0], 48)  # alone in a slot is `run`'s reply (one request, no slots)
+    for _ in range(2):  # the second time, each slot's cache holds a prompt of an earlier round
+        with ThreadPoolExecutor(3) as ex:
+            together = list(ex.map(lambda p: _chat(svc3, p, 48), PROMPTS))
+        assert together == alone
+    slots = _slots(svc3)
+    assert [s["id"] for s in slots] == [0, 1, 2] and not any(s["is_processing"] for s in slots)
+    assert {s["n_ctx"] for s in slots} == {2048}
+
+
+@pytest.mark.integration
+def test_a_cancelled_stream_leaves_the_others_replies_and_frees_its_slot(svc3):
+    alone = [_chat(svc3, p, 64) for p in PROMPTS[:2]]
+    client = svc3.client()
+    leaver = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": PROMPTS[2]}], max_tokens=1000, temperature=0, stream=True
+    )
+    next(iter(leaver))  # it is decoding in its slot
+    seen: list[list[dict]] = []
+    with ThreadPoolExecutor(2) as ex:
+        futures = [ex.submit(_chat, svc3, p, 64) for p in PROMPTS[:2]]
+        while not all(f.done() for f in futures) and len(seen) < 50:
+            seen.append(_slots(svc3))
+        leaver.close()  # the client goes away while the others decode
+        together = [f.result() for f in futures]
+    assert together == alone
+    assert any(sum(s["is_processing"] for s in snap) >= 2 for snap in seen)  # they ran beside the leaver
+    deadline = time.monotonic() + 20
+    while any(s["is_processing"] for s in _slots(svc3)):
+        assert time.monotonic() < deadline, "a slot stayed busy after its client left"
+        time.sleep(0.1)
+    assert _chat(svc3, PROMPTS[0], 64) == alone[0]  # the service goes on as before

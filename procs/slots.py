@@ -295,7 +295,8 @@ class Slots:
                 session=slot.session,
                 constraint=constraint,
             )
-            timings = {k: v for k, v in {**result.timings, "id_slot": slot.id}.items() if isinstance(v, (int, float, str, bool))}
+            timings: dict[str, m.Scalar] = {k: v for k, v in result.timings.items() if isinstance(v, (int, float, str, bool))}
+            timings["id_slot"] = slot.id
             post(m.Done(req.req_id, True, result.finish_reason, tuple(result.tokens), timings))
         except GenerationAborted as exc:
             post(m.Done(req.req_id, False, code=str(exc.code), error=str(exc)))

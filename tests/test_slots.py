@@ -143,3 +143,35 @@ def test_a_cancelled_stream_leaves_the_others_replies_and_frees_its_slot(svc3):
         assert time.monotonic() < deadline, "a slot stayed busy after its client left"
         time.sleep(0.1)
     assert _chat(svc3, PROMPTS[0], 64) == alone[0]  # the service goes on as before
+
+
+@pytest.mark.slow  # a compute restart: ~8 s alone, as test_service.py's kill -9 tests (slow beside the other tier)
+@pytest.mark.integration
+def test_kill9_of_compute_with_three_streams_in_flight_completes_all_three(svc3):
+    import os
+    import signal
+
+    alone = [_chat(svc3, p, 300)[0] for p in PROMPTS]
+    before = svc3.proc("compute")
+    streaming = threading.Barrier(len(PROMPTS) + 1, timeout=120)
+
+    def stream(prompt: str) -> str:
+        parts = []
+        chunks = svc3.client().chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=300, temperature=0, stream=True
+        )
+        for i, chunk in enumerate(chunks):
+            if chunk.choices:
+                parts.append(chunk.choices[0].delta.content or "")
+            if i == 10:
+                streaming.wait()  # every stream is mid-reply when compute dies
+        return "".join(parts)
+
+    with ThreadPoolExecutor(len(PROMPTS)) as ex:
+        futures = [ex.submit(stream, p) for p in PROMPTS]
+        streaming.wait()
+        os.kill(before["pid"], signal.SIGKILL)
+        texts = [f.result() for f in futures]
+    assert texts == alone  # each resent to the restarted compute, its stream going on where it was
+    after = svc3.wait_state("compute", {"RUNNING"})
+    assert after["pid"] != before["pid"]

@@ -284,7 +284,9 @@ class Gateway:
         processes = await supervisor_processes(self.facts.runtime_dir)
         connections = self.site.open if self.site is not None else 0
         warming = read_warm_progress(self.facts.runtime_dir)  # the reader's warm start (a small file in the runtime folder)
-        text = self.metrics.render(self.link is not None and self.link.ready(), self.queue.waiting(), processes, connections, warming)
+        slots = (len(self.workers), sum(w.current is not None for w in self.workers))
+        ready = self.link is not None and self.link.ready()
+        text = self.metrics.render(ready, self.queue.waiting(), processes, connections, warming, slots)
         return web.Response(body=text.encode(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
     # -- slots: llama.cpp's server API for compute's session ------------------------

@@ -1421,5 +1421,7 @@ def test_slots_lists_one_slot_by_default_and_it_is_busy_while_a_request_runs(sta
     busy = svc.request("GET", "/slots")[2]
     assert len(busy) == 1 and busy[0]["is_processing"] and busy[0]["state"] == 1 and busy[0]["id_task"] > 0
     assert busy[0]["n_prompt_tokens"] > 0 and busy[0]["n_decoded"] >= 1
+    metrics = parse_prometheus(svc.request("GET", "/metrics")[2])
+    assert metrics["moe_pipe_slots"] == 1 and metrics["moe_pipe_slots_busy"] == 1
     running.close()
     wait_for(lambda: not svc.request("GET", "/slots")[2][0]["is_processing"], what="the slot to be idle after its client left")

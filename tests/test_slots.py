@@ -119,6 +119,9 @@ def test_concurrent_greedy_requests_each_get_their_solo_reply(svc3):
     slots = _slots(svc3)
     assert [s["id"] for s in slots] == [0, 1, 2] and not any(s["is_processing"] for s in slots)
     assert {s["n_ctx"] for s in slots} == {2048}
+    with urllib.request.urlopen(svc3.url + "/metrics", timeout=30) as r:
+        metrics = r.read().decode()
+    assert "\nmoe_pipe_slots 3\n" in metrics and "\nmoe_pipe_slots_busy 0\n" in metrics
 
 
 @pytest.mark.integration

@@ -26,14 +26,15 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import zmq
 
-from ..shared.config import Config
+from ..shared.config import SLOT_PREFILL_CHUNK, Config
 from ..shared.errors import UserError
 from ..shared.model.batch import BatchPart
 from ..shared.model.blocks import KVCache
@@ -47,6 +48,12 @@ from .metered import MeteredModel
 
 log = logging.getLogger("moe_pipe.compute")
 WAIT_S = 0.02  # the longest a busy loop waits for the slots before it looks at the requests link again
+
+
+def slot_prefill_chunk(config: Config) -> int:
+    """The prompt chunk a step takes: compute.prefill_chunk if set, else SLOT_PREFILL_CHUNK at most."""
+    c = config.compute
+    return c.prefill_chunk or min(c.prefill_tokens, SLOT_PREFILL_CHUNK)
 
 
 @dataclass
@@ -159,10 +166,13 @@ def pick_slot(slots: Sequence[Slot], busy: set[int], prompt: Sequence[int]) -> S
 
 
 class SlotModel:
-    """generate()'s model for one slot: every pass is a place in the next shared step."""
+    """generate()'s model for one slot's request: every pass is a place in the next shared step.
+    Its first prefill is the prompt's (a later one is a context shift's): its progress goes
+    out as PromptProgress frames, one as it opens and one after each chunk."""
 
-    def __init__(self, steps: Steps, slot: Slot, model):
-        self.steps, self.slot, self.model = steps, slot, model
+    def __init__(self, steps: Steps, slot: Slot, model, req_id: int):
+        self.steps, self.slot, self.model, self.req_id = steps, slot, model, req_id
+        self.prompted = False
 
     def new_cache(self, n_ctx: int) -> KVCache:
         return self.model.new_cache(n_ctx)
@@ -170,12 +180,26 @@ class SlotModel:
     def prefill(self, tokens, cache: KVCache, batch: int = 64) -> np.ndarray:
         """A prompt in chunks of `batch`, one a step, as `model.prefill` splits it alone."""
         tokens = [int(t) for t in tokens]
+        progress = None if self.prompted else self._progress(cache.n, cache.n + len(tokens))
+        self.prompted = True
         logits = None
         for s in range(0, len(tokens), batch):
             logits = self.steps.ask(self.slot.id, self.slot.order, tokens[s : s + batch], cache)
+            if progress is not None:
+                progress(cache.n)
         if logits is None:
             raise ValueError("forward needs at least one token")
         return logits
+
+    def _progress(self, cached: int, total: int):
+        """Post the prompt's opening PromptProgress; returns what posts the next ones."""
+        t0 = time.monotonic()
+
+        def post(processed: int) -> None:
+            self.steps.post(m.PromptProgress(self.req_id, total, cached, processed, round((time.monotonic() - t0) * 1e3)))
+
+        post(cached)
+        return post
 
     def decode_one(self, token: int, cache: KVCache) -> np.ndarray:
         return self.steps.ask(self.slot.id, self.slot.order, [token], cache)
@@ -281,10 +305,11 @@ class Slots:
         try:
             try:
                 params, gen_cfg, constraint = request_settings(req, self.config, self.tok, speculate=False)
+                gen_cfg = replace(gen_cfg, prefill_batch=slot_prefill_chunk(self.config))
             except (UserError, TypeError) as exc:
                 post(m.Done(req.req_id, False, code=m.Code.BAD_ARGUMENT, error=f"bad request: {exc}"))
                 return
-            model = SlotModel(self.steps, slot, self.metered.model)
+            model = SlotModel(self.steps, slot, self.metered.model, req.req_id)
             result = generate(
                 model,
                 self.tok,
@@ -334,6 +359,8 @@ class Slots:
     def flush(self) -> None:
         for msg in self.steps.take_outbox():
             ipc.send(self.out, msg)
+            if isinstance(msg, m.PromptProgress):
+                self.metered.telemetry.send(msg)  # tails show it too
 
     def stop(self) -> None:
         """Shutdown or a dead reader: every slot's request ends, its Done goes out."""

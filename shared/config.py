@@ -49,6 +49,9 @@ DEFAULT_POLICY = "nextmix"
 # through in one chunk, each routed expert read once (docs/benchmarks.md § Long prompts); its
 # activations, ~600 MiB on qwen30b-shape, are what it costs the expert cache.
 AUTO_PREFILL_CHUNK = 4096
+# Its ceiling with gateway.parallel above 1 (procs/slots.py): a step takes one prompt chunk beside the
+# decoding slots' rows, so a long prompt holds each of their steps for one such chunk, not for all of it.
+SLOT_PREFILL_CHUNK = 512
 # compute.draft_source and compute.draft's bound (shared/text/speculate.py; kept light: no model import here)
 DRAFT_SOURCES = ("ngram", "none")
 MAX_DRAFT = 8  # drafts per verify pass at most (docs/speculative.md: the gain measured is at 1-4)
@@ -237,7 +240,7 @@ class ComputeConfig:
         "the chunk's activations (about 150 KiB a token on qwen30b-shape) are left out of the expert cache",
         lo=1,
         hi=1 << 20,
-        unset=f"the whole context up to {AUTO_PREFILL_CHUNK} tokens",
+        unset=f"the whole context up to {AUTO_PREFILL_CHUNK} tokens ({SLOT_PREFILL_CHUNK} with gateway.parallel above 1)",
         flags=("--prefill-chunk",),
     )
     draft: int = setting(

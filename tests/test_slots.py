@@ -93,7 +93,7 @@ def svc3():
     from moe_pipe.shared.makemodel.default_model import default_model_path
 
     default_model_path()
-    s = Service("--parallel", "3", model=CONFIG)
+    s = Service("--parallel", "3", "--prefill-chunk", "16", model=CONFIG)  # prompts in several chunks, beside decode rows
     yield s
     s.close()
 
@@ -178,3 +178,25 @@ def test_kill9_of_compute_with_three_streams_in_flight_completes_all_three(svc3)
     assert texts == alone  # each resent to the restarted compute, its stream going on where it was
     after = svc3.wait_state("compute", {"RUNNING"})
     assert after["pid"] != before["pid"]
+
+
+@pytest.mark.integration
+def test_a_prompt_read_in_chunks_beside_decoding_slots_streams_its_progress(svc3):
+    long_prompt = " ".join(str(i) for i in range(60))  # 180 tokens in the chat template: 12 chunks of 16
+    alone = _chat(svc3, long_prompt, 24)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": long_prompt}], "max_tokens": 24, "temperature": 0}
+    body.update(stream=True, return_progress=True, cache_prompt=False)  # computed in full, not reused from the solo run
+    with ThreadPoolExecutor(2) as ex:
+        others = [ex.submit(_chat, svc3, p, 64) for p in PROMPTS[:2]]
+        req = urllib.request.Request(svc3.url + "/v1/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            events = [json.loads(line[6:]) for line in r.read().decode().splitlines() if line.startswith("data: {")]
+        [f.result() for f in others]
+    progress = [e["prompt_progress"] for e in events if "prompt_progress" in e]
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e.get("choices"))
+    assert text == alone[0]
+    assert progress[-1]["processed"] == progress[-1]["total"] == alone[1]
+    done = [p["processed"] for p in progress]
+    assert done == sorted(done) and done[0] == progress[0]["cache"] == 0 and len(done) >= 3
+    first_text = next(i for i, e in enumerate(events) if e.get("choices") and e["choices"][0]["delta"].get("content"))
+    assert first_text > max(i for i, e in enumerate(events) if "prompt_progress" in e)  # progress before any text

@@ -12,9 +12,11 @@ thread (which owns every socket), runs a step once every busy slot has asked:
      ends its slot's request, a Slot action waits until every slot is idle
      and acts on slot 0's session;
   2. one `forward_batch` over one decode row of every decoding slot and at
-     most one chunk of a prompt (the oldest request's), so a long prompt never
-     stops the others; each slot gets its logits row and goes on alone;
-  3. the slots' Token and Done frames go out in the order they were made.
+     most one chunk of a prompt (the oldest request's; compute.prefill_chunk
+     tokens, else SLOT_PREFILL_CHUNK), so a long prompt never stops the
+     others for more than a chunk; each slot gets its logits row and goes on alone;
+  3. the slots' Token, PromptProgress and Done frames go out in the order they
+     were made.
 
 The kernels are batch-exact, so a slot's tokens are those of its request
 served alone; a slot whose request ends (stop, length, cancel, a failure)

@@ -254,6 +254,7 @@ class Slots:
         except GenerationAborted:  # a Shutdown: `serve` stops at its next look
             return
         if not self.steps.busy and not self.interrupts.pending:
+            self.flush()  # a slot's last frames (it posts its Done before it leaves), not held while this waits
             msg = _next_request(self.interrupts.requests, reader_pid)
             if isinstance(msg, m.Shutdown):
                 self.interrupts.shutdown = True

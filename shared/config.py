@@ -240,7 +240,7 @@ class ComputeConfig:
         "the chunk's activations (about 150 KiB a token on qwen30b-shape) are left out of the expert cache",
         lo=1,
         hi=1 << 20,
-        unset=f"the whole context up to {AUTO_PREFILL_CHUNK} tokens ({SLOT_PREFILL_CHUNK} with gateway.parallel above 1)",
+        unset=f"the whole context up to {AUTO_PREFILL_CHUNK} tokens, up to {SLOT_PREFILL_CHUNK} with gateway.parallel above 1",
         flags=("--prefill-chunk",),
     )
     draft: int = setting(
@@ -426,8 +426,8 @@ class GatewayConfig:
     parallel: int = setting(
         1,
         "int",
-        "requests compute decodes at once, each in its own slot with its own KV cache (one batched pass a step; "
-        "the budget counts N caches; speculative decoding is off above 1: docs/batching.md)",
+        "requests the service's compute decodes at once, each in its own slot with its own KV cache (one batched pass "
+        "a step; the budget counts N caches; speculative decoding is off above 1; `run` serves one: docs/batching.md)",
         lo=1,
         hi=64,
         flags=("--parallel",),

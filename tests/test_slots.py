@@ -125,6 +125,21 @@ def test_concurrent_greedy_requests_each_get_their_solo_reply(svc3):
 
 
 @pytest.mark.integration
+def test_seeded_sampling_stays_per_request_beside_other_slots(svc3):
+    def sample(prompt: str, seed: int, stop: list[str] | None = None) -> tuple[str, int]:
+        r = svc3.client().chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=40, temperature=0.9, seed=seed, stop=stop
+        )
+        return r.choices[0].message.content, r.usage.completion_tokens
+
+    asks = [(PROMPTS[0], 7, None), (PROMPTS[0], 8, None), (PROMPTS[1], 7, ["e"])]  # same prompt, other seeds; a stop string
+    alone = [sample(*a) for a in asks]
+    with ThreadPoolExecutor(3) as ex:
+        together = list(ex.map(lambda a: sample(*a), asks))
+    assert together == alone and alone[0] != alone[1]
+
+
+@pytest.mark.integration
 def test_a_cancelled_stream_leaves_the_others_replies_and_frees_its_slot(svc3):
     alone = [_chat(svc3, p, 64) for p in PROMPTS[:2]]
     client = svc3.client()

@@ -56,6 +56,14 @@ def _context(f: dict) -> str:
     return text + f"; this memory affords up to {most:,} ({share}{trained})"
 
 
+def _slots(f: dict) -> str:
+    """gateway.parallel: requests decoded at once, each slot with its own KV cache (docs/batching.md)."""
+    n = f["parallel"]
+    if n == 1:
+        return "1: one request at a time (--parallel N decodes N at once, each slot with its own KV cache)"
+    return f"{n} requests decoded at once in one batched pass, KV {_mib(f['kv_bytes'] // n)} a slot (counted {n} times above)"
+
+
 def _experts_used(f: dict) -> str:
     k, own = f["n_expert_used"], f["n_expert_used_model"]
     return f"{k} a token" + ("" if k == own else f" (--n-expert-used, LOSSY: the model's own is {own})")
@@ -78,6 +86,7 @@ def print_report(f: dict) -> None:
             f"one token's experts {_mib(f['floor_bytes'])} (the smallest cache), active weights {_mib(f['active_bytes_per_token'])}",
         ),
         ("context", _context(f)),
+        ("slots", _slots(f)),
         ("memory", f"{_mib(f['available_bytes'])} available: {f['available']}"),
         ("budget", f"{f['budget']} → {f['n_slabs']:,} slabs"),
     ]

@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, cast
@@ -89,6 +90,7 @@ class Interrupts:
         self.req_id = 0
         self.shutdown = False
         self.pending: list[m.Generate | m.Slot] = []  # a front end that did not wait for Done
+        self.cancels: deque[int] = deque(maxlen=256)  # Cancels of other requests: slots' (procs/slots.py), or late ones
 
     def check(self) -> None:
         while True:
@@ -106,6 +108,8 @@ class Interrupts:
                 raise GenerationAborted(m.Code.CANCELLED, "the service is shutting down")
             elif msg.req_id == self.req_id:
                 raise GenerationAborted(m.Code.CANCELLED, "cancelled by the front end")
+            else:
+                self.cancels.append(msg.req_id)
 
 
 class SlabExperts:
@@ -420,6 +424,11 @@ def serve(config: Config, facts: RunFacts, ctx: zmq.Context) -> None:
     ipc.send(fetch_out, m.Hello("compute", os.getpid(), epoch))  # the reader drops a dead compute's pins
     ipc.send(tokens_out, m.Hello("compute", os.getpid(), epoch))  # the front end can send requests
     try:
+        if config.gateway.parallel > 1:  # several requests at once, one batched pass a step
+            from .slots import Slots
+
+            Slots(config, metered, tok, tokens_out, interrupts, front_end, identity).serve(facts.reader_pid, epoch)
+            return
         while not interrupts.shutdown:
             if front_end.came_back():
                 ipc.send(tokens_out, m.Hello("compute", os.getpid(), epoch))  # a restarted gateway missed the first
@@ -472,6 +481,30 @@ def handle_slot(req: m.Slot, session: Session, model, ctx_size: int, identity: t
         return m.Done(req.req_id, False, code=m.Code.INTERNAL, error=f"{type(exc).__name__}: {exc}")
 
 
+def request_settings(req: m.Generate, config: Config, tok, speculate: bool = True):
+    """The request's sampling, its GenerationConfig and its grammar's constraint (None: free text);
+    UserError or TypeError for settings that are its fault. `speculate` False: no drafts (slots, N > 1)."""
+    params = SamplingParams(**cast(dict[str, Any], req.sampling))  # values checked by SamplingParams itself
+    gen_cfg = GenerationConfig(
+        max_tokens=req.max_tokens,
+        stop=tuple(req.stop),
+        n_ctx=config.compute.ctx_size,
+        prefill_batch=config.compute.prefill_tokens,
+        ignore_eos=req.ignore_eos,
+        cache_prompt=req.cache_prompt,
+        context_shift=config.generate.context_shift,
+        n_keep=config.generate.n_keep,
+        draft=(config.compute.draft if req.draft == m.DRAFT_FROM_CONFIG else req.draft) if speculate else 0,
+        draft_adapt=config.compute.draft_adapt,
+    )
+    constraint = None
+    if req.grammar:  # response_format: llguidance loads only in a compute that serves one
+        from ..shared.text.constrain import constraint_for
+
+        constraint = constraint_for(tok, req.grammar)
+    return params, gen_cfg, constraint
+
+
 def handle(
     req: m.Generate,
     metered: MeteredModel,
@@ -484,24 +517,7 @@ def handle(
     from ..shared.telemetry import summarize
 
     try:
-        params = SamplingParams(**cast(dict[str, Any], req.sampling))  # values checked by SamplingParams itself
-        gen_cfg = GenerationConfig(
-            max_tokens=req.max_tokens,
-            stop=tuple(req.stop),
-            n_ctx=config.compute.ctx_size,
-            prefill_batch=config.compute.prefill_tokens,
-            ignore_eos=req.ignore_eos,
-            cache_prompt=req.cache_prompt,
-            context_shift=config.generate.context_shift,
-            n_keep=config.generate.n_keep,
-            draft=config.compute.draft if req.draft == m.DRAFT_FROM_CONFIG else req.draft,
-            draft_adapt=config.compute.draft_adapt,
-        )
-        constraint = None
-        if req.grammar:  # response_format: llguidance loads only in a compute that serves one
-            from ..shared.text.constrain import constraint_for
-
-            constraint = constraint_for(tok, req.grammar)
+        params, gen_cfg, constraint = request_settings(req, config, tok)
     except (UserError, TypeError) as exc:  # a setting it lacks or of the wrong kind: the request's fault, not this process's
         ipc.send(out, m.Done(req.req_id, False, code=m.Code.BAD_ARGUMENT, error=f"bad request: {exc}"))
         return

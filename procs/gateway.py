@@ -12,7 +12,8 @@ and the web page. The page at / and its event stream are procs/gateway_events.py
   1. a handler checks the body (the OpenAI wire format is shared/serve/openai_api.py),
      tokenizes the prompt and queues a Job (a full queue: 429);
   2. one Worker takes jobs in arrival order and gives compute ONE Generate at
-     a time; Token frames become the job's text, which the handler streams
+     a time (gateway.parallel N: N workers, N at a time, one a compute slot:
+     procs/slots.py); Token frames become the job's text, which the handler streams
      (SSE) or collects; PromptProgress frames, for a stream that asked
      (`return_progress`), become chunks with llama.cpp's `prompt_progress`;
   3. a client that goes away: Cancel to compute (which stops even mid-prompt
@@ -223,7 +224,7 @@ class Gateway:
         self.site: LimitedSite | None = None  # counts the open connections, for /metrics (set by serve)
         self.ctx: zmq.asyncio.Context | None = None
         self.link: ComputeLink | None = None
-        self.worker: Worker | None = None
+        self.workers: list[Worker] = []  # one, or gateway.parallel: one a compute slot
         self.tasks: list[asyncio.Task] = []
         self.web = WebView(self)  # the page at / and its event stream (procs/gateway_events.py)
 
@@ -231,14 +232,15 @@ class Gateway:
     async def start(self, app: web.Application) -> None:
         self.ctx = zmq.asyncio.Context()
         ep = ipc.Endpoints(Path(self.facts.runtime_dir))
-        self.link = ComputeLink(self.ctx, ep)
-        self.worker = Worker(self.link, self.queue, self.http_limits.restart_wait_s, self.metrics)
+        n = self.config.gateway.parallel
+        self.link = ComputeLink(self.ctx, ep, n)
+        self.workers = [Worker(self.link, self.queue, self.http_limits.restart_wait_s, self.metrics, i) for i in range(n)]
         telemetry = cast(zmq.asyncio.Socket, ipc.connect(self.ctx, ep, "telemetry_pub"))
         self.tasks = [
             asyncio.create_task(c)
             for c in (
                 self.link.receive_forever(),
-                self.worker.run_forever(),
+                *(w.run_forever() for w in self.workers),
                 follow_telemetry(telemetry, self.metrics, self.web, self.link),
                 self.web.residency_loop(),
                 self.web.status_loop(),
@@ -249,8 +251,8 @@ class Gateway:
         failure = Failed(503, "the service is shutting down", "shutting_down")
         self.queue.close(failure)
         self.web.close()  # the page's event streams end, so shutdown does not wait on them
-        if self.worker is not None:
-            await self.worker.abandon(failure)
+        for worker in self.workers:
+            await worker.abandon(failure)
 
     async def close(self, app: web.Application) -> None:
         for task in self.tasks:
@@ -282,10 +284,29 @@ class Gateway:
         processes = await supervisor_processes(self.facts.runtime_dir)
         connections = self.site.open if self.site is not None else 0
         warming = read_warm_progress(self.facts.runtime_dir)  # the reader's warm start (a small file in the runtime folder)
-        text = self.metrics.render(self.link is not None and self.link.ready(), self.queue.waiting(), processes, connections, warming)
+        slots = (len(self.workers), sum(w.current is not None for w in self.workers))
+        ready = self.link is not None and self.link.ready()
+        text = self.metrics.render(ready, self.queue.waiting(), processes, connections, warming, slots)
         return web.Response(body=text.encode(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
     # -- slots: llama.cpp's server API for compute's session ------------------------
+    async def slots(self, request: web.Request) -> web.Response:
+        """GET /slots: each of the gateway.parallel slots, llama.cpp's shape (docs/api.md § Slots)."""
+        return json_response([self._slot(w) for w in self.workers])
+
+    def _slot(self, w: Worker) -> dict:
+        job = w.current
+        busy = job is not None and job.slot is None
+        return {
+            "id": w.slot,
+            "id_task": w.req_id if busy else -1,
+            "n_ctx": self.config.compute.ctx_size,
+            "is_processing": busy,
+            "state": 1 if busy else 0,  # llama.cpp's SLOT_STATE: 0 idle, 1 processing
+            "n_prompt_tokens": len(job.prompt_tokens) if busy and job is not None else 0,
+            "n_decoded": w.decoded if busy else 0,  # text pieces streamed so far: a token each, but for text a stop string held back
+        }
+
     async def slot(self, request: web.Request) -> web.Response:
         """POST /slots/0?action=save|restore (body {"filename": NAME}) or
         ?action=erase: through the queue like a generation, so it never lands
@@ -293,8 +314,8 @@ class Gateway:
         action = request.query.get("action", "")
         if action not in SLOT_ACTIONS:
             raise ApiError(400, f"'action' must be {', '.join(SLOT_ACTIONS)}; got {action!r}", "invalid_value", param="action")
-        if request.match_info["id"] != "0":
-            raise ApiError(400, f"there is one slot, 0; got {request.match_info['id'][:20]!r}", "invalid_value", param="id_slot")
+        if request.match_info["id"] != "0":  # with gateway.parallel > 1 too: actions wait for every slot to be idle and act on 0
+            raise ApiError(400, f"slot actions take slot 0; got {request.match_info['id'][:20]!r}", "invalid_value", param="id_slot")
         slot_save_path = self.config.gateway.slot_save_path
         if not slot_save_path:
             raise ApiError(
@@ -362,7 +383,7 @@ class Gateway:
             if not job.ended:  # else it was answered (and counted) in full
                 job.cancelled = True  # the worker sends Cancel, or skips the job if it still waits
                 if self.link is not None:
-                    self.link.wake.set()  # now, not at its next poll: a Stop ends a prompt within a second
+                    self.link.poke()  # now, not at its next poll: a Stop ends a prompt within a second
                 self.metrics.requests["cancelled"] += 1
             return web.Response(status=499)  # nobody reads it
 
@@ -529,6 +550,7 @@ async def create_app(
     app.router.add_get("/health", gateway.health)
     app.router.add_get("/metrics", gateway.metrics_text)
     app.router.add_post("/slots/{id}", gateway.slot)
+    app.router.add_get("/slots", gateway.slots)
     add_routes(app, gateway.web)
     app.on_startup.append(gateway.start)
     app.on_shutdown.append(gateway.stop_serving)  # after the listener closes, before handlers are awaited

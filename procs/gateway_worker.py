@@ -1,6 +1,7 @@
 """The gateway's side of compute: requests as jobs, the queue they wait in,
 the link to compute (its sockets and its pid, watched because kill -9 sends
-nothing) and the one worker that gives compute one Generate at a time.
+nothing) and the workers that give compute its Generates: one, so one request
+at a time, or gateway.parallel of them, one a compute slot (procs/slots.py).
 
 Everything here runs on the gateway's event loop (procs/gateway.py), which
 owns the sockets; the request/answer bookkeeping is `ComputeClient`'s.
@@ -167,19 +168,28 @@ async def wait_event(event: asyncio.Event, timeout_s: float) -> None:
         pass
 
 
+@dataclass
+class Channel:
+    """One request in flight: its frames not yet taken, and the event that says more came."""
+
+    events: deque[str | m.PromptProgress | m.Done] = field(default_factory=deque)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+
+
 class ComputeLink:
     """The gateway's end of the requests/tokens links: the sockets and the
     asyncio plumbing around one ComputeClient (procs/compute_client.py, shared
     with `moe-pipe run`), which knows who the compute is (the pid of its last
-    Hello) and which frames belong to the request in flight."""
+    Hello) and which frames belong to a request in flight; each request in
+    flight has its `Channel` (several with gateway.parallel > 1)."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, endpoints: ipc.Endpoints):
+    def __init__(self, ctx: zmq.asyncio.Context, endpoints: ipc.Endpoints, parallel: int = 1):
         # ipc makes the socket of the context's kind: an asyncio one here
         self.tokens = cast(zmq.asyncio.Socket, ipc.bind(ctx, endpoints, "tokens"))
         self.requests = cast(zmq.asyncio.Socket, ipc.connect(ctx, endpoints, "requests"))
-        self.client = ComputeClient()
-        self.events: deque[str | m.PromptProgress | m.Done] = deque()  # of the request in flight, not yet taken
-        self.wake = asyncio.Event()
+        self.client = ComputeClient(parallel)
+        self.channels: dict[int, Channel] = {}  # by req_id
+        self.wake = asyncio.Event()  # any frame or Hello
 
     @property
     def pid(self) -> int | None:
@@ -202,12 +212,22 @@ class ComputeLink:
                 log.warning("dropped a bad frame on the tokens link: %s", exc)
                 continue
             event = self.client.accept(msg)
-            if event is not None:
-                self.events.append(event)
+            channel = self.channels.get(getattr(msg, "req_id", 0))
+            if event is not None and channel is not None:
+                channel.events.append(event)
+                channel.wake.set()
+            if isinstance(msg, m.Hello):
+                self.poke()  # every request in flight looks at whether its compute is still the one
             self.wake.set()
 
-    async def generate(self, job: Job) -> None:
-        """Send the job as the request in flight: frames of any earlier one are dropped from now on."""
+    def poke(self) -> None:
+        """Wake every wait now (a client gone, a new compute), not at its next poll."""
+        self.wake.set()
+        for channel in self.channels.values():
+            channel.wake.set()
+
+    async def generate(self, job: Job) -> tuple[int, Channel]:
+        """Send the job as a request in flight (with parallel 1, frames of any earlier one are dropped from now on)."""
         if job.slot is not None:
             msg: m.Generate | m.Slot = self.client.slot(*job.slot)
         else:
@@ -220,11 +240,19 @@ class ComputeLink:
                 grammar=job.grammar,
                 draft=m.DRAFT_FROM_CONFIG if job.draft is None else job.draft,
             )
-        self.events.clear()
+        if self.client.parallel == 1:
+            self.channels.clear()
+        channel = self.channels[msg.req_id] = Channel()
         await self.send(msg)
+        return msg.req_id, channel
 
-    async def cancel(self) -> None:
-        await self.send(self.client.cancel())
+    def close(self, req_id: int) -> None:
+        """The request is over for the gateway: its late frames are dropped."""
+        self.channels.pop(req_id, None)
+        self.client.forget(req_id)
+
+    async def cancel(self, req_id: int = 0) -> None:
+        await self.send(self.client.cancel(req_id))
 
     async def send(self, msg: m.Message) -> None:
         async with asyncio.timeout(SEND_TIMEOUT_S):
@@ -240,11 +268,15 @@ LOST = "lost"  # run_once: the compute died (or restarted) under the request
 
 
 class Worker:
-    """Serves the queue in order, one request on compute at a time."""
+    """Serves the queue in order, one request on compute at a time; with
+    gateway.parallel N, N workers share the queue, one a compute slot."""
 
-    def __init__(self, link: ComputeLink, queue: RequestQueue, restart_wait_s: float, metrics: Metrics):
+    def __init__(self, link: ComputeLink, queue: RequestQueue, restart_wait_s: float, metrics: Metrics, slot: int = 0):
         self.link, self.queue, self.restart_wait_s, self.metrics = link, queue, restart_wait_s, metrics
+        self.slot = slot  # its place in /slots (compute picks the slot itself: procs/slots.py)
         self.current: Job | None = None
+        self.req_id = 0  # the request in flight on compute
+        self.decoded = 0  # Token frames of the current request so far
 
     async def run_forever(self) -> None:
         while True:
@@ -298,25 +330,31 @@ class Worker:
     async def run_once(self, job: Job) -> str | None:
         link = self.link
         pid, hellos = link.pid, link.hellos
-        await link.generate(job)
+        self.req_id, channel = await link.generate(job)
+        self.decoded = 0
         text, cancel_sent = "", False
-        while True:
-            link.wake.clear()
-            while link.events:
-                event = link.events.popleft()
-                if isinstance(event, m.Done):
-                    return self.finish(job, event)
-                if isinstance(event, m.PromptProgress):
-                    job.offer_progress(event)
-                    continue
-                text += event
-                job.offer_text(text)
-            if link.hellos != hellos or pid is None or not pid_alive(pid):
-                return LOST
-            if job.cancelled and not cancel_sent:
-                await link.cancel()  # compute ends it with Done(cancelled): mid-prompt within a second, else at its next token
-                cancel_sent = True
-            await link.wait(POLL_S)
+        try:
+            while True:
+                channel.wake.clear()
+                while channel.events:
+                    event = channel.events.popleft()
+                    if isinstance(event, m.Done):
+                        return self.finish(job, event)
+                    if isinstance(event, m.PromptProgress):
+                        job.offer_progress(event)
+                        continue
+                    text += event
+                    self.decoded += 1
+                    job.offer_text(text)
+                if link.hellos != hellos or pid is None or not pid_alive(pid):
+                    return LOST
+                if job.cancelled and not cancel_sent:
+                    # compute ends it with Done(cancelled): mid-prompt within a second, else at its next token
+                    await link.cancel(self.req_id)
+                    cancel_sent = True
+                await wait_event(channel.wake, POLL_S)
+        finally:
+            link.close(self.req_id)
 
     def finish(self, job: Job, done: m.Done) -> str | None:
         self.metrics.on_done(done)
@@ -340,6 +378,6 @@ class Worker:
             job.cancelled = True
             job.end(failure)
             try:
-                await self.link.cancel()
+                await self.link.cancel(self.req_id)
             except (TimeoutError, zmq.ZMQError):
                 pass

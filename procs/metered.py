@@ -44,6 +44,7 @@ class MeteredModel:
         self.total_hits = self.total_misses = 0
         self.req_id = 0
         self._held: m.TokenRecord | None = None  # a verify pass's record, until its kept drafts are known
+        self.passes = 0  # batched passes of several slots so far (forward_batch)
 
     def begin(self, req_id: int = 0) -> None:
         """A new request: its own records and counters, a new turn in the route trace."""
@@ -106,13 +107,43 @@ class MeteredModel:
         if prompt and self.watch is not None:
             self.watch.end()  # the closing event, processed == total: before any text of this request
         self.source.end_step()
-        wall = time.perf_counter() - t0
+        rec = self._record(time.perf_counter() - t0, n_tokens, drafted)
+        if drafted:
+            self._held = rec
+        else:
+            self._send(rec)
+        return out
+
+    def forward_batch(self, parts, req_ids) -> list:
+        """One pass over several slots' rows (procs/slots.py): one TokenRecord for the
+        pass, named after its first request (`req_ids`, one per part), `pass_tokens` its
+        rows; it goes to telemetry only, as a pass is no one request's step. A pass that
+        stops half way leaves each recurrent state it touched empty (`_abandon`)."""
+        self.source.reset_counters()
+        self.model.stage.reset()
+        t0 = time.perf_counter()
+        try:
+            out = self.model.forward_batch(parts)
+        except BaseException:
+            for p in parts:
+                if getattr(p.cache, "state", None) is not None:
+                    p.cache.truncate(0)
+            self.source.abandon()
+            raise
+        self.source.end_step()
+        self.passes += 1
+        self.req_id = req_ids[0]
+        rec = self._record(time.perf_counter() - t0, sum(len(p.tokens) for p in parts), 0)
+        self.telemetry.send(dataclasses.replace(rec, step=self.passes))
+        return out
+
+    def _record(self, wall: float, n_tokens: int, drafted: int) -> m.TokenRecord:
         s = self.source
         self.total_hits += s.hits
         self.total_misses += s.misses
         lookups = self.total_hits + self.total_misses
         res = self.meter.delta()
-        rec = m.TokenRecord(
+        return m.TokenRecord(
             step=len(self.records) + 1,
             wall_ms=wall * 1e3,
             compute_ms=max(wall - s.stall_s - s.mgmt_s - s.wire_s, 0.0) * 1e3,
@@ -138,11 +169,6 @@ class MeteredModel:
             pass_tokens=n_tokens,
             drafted=drafted,
         )
-        if drafted:
-            self._held = rec
-        else:
-            self._send(rec)
-        return out
 
     def _abandon(self, cache, prompt: bool) -> None:
         """A pass that stopped half way (a Stop, a failed read). The KV cache

@@ -61,6 +61,9 @@ def start_pipeline(
     before it raises."""
     t0 = time.perf_counter()
     model_path = Path(model_path)
+    # A run's compute serves its one client one request at a time: a config's gateway.parallel
+    # (the service's slots) would only cost KV caches and drafts here.
+    cfg = replace(cfg, gateway=replace(cfg.gateway, parallel=1))
     res = Resources.create(cfg, model_path, progress=on_stage)
     ctx = zmq.Context()
     try:

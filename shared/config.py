@@ -49,6 +49,9 @@ DEFAULT_POLICY = "nextmix"
 # through in one chunk, each routed expert read once (docs/benchmarks.md § Long prompts); its
 # activations, ~600 MiB on qwen30b-shape, are what it costs the expert cache.
 AUTO_PREFILL_CHUNK = 4096
+# Its ceiling with gateway.parallel above 1 (procs/slots.py): a step takes one prompt chunk beside the
+# decoding slots' rows, so a long prompt holds each of their steps for one such chunk, not for all of it.
+SLOT_PREFILL_CHUNK = 512
 # compute.draft_source and compute.draft's bound (shared/text/speculate.py; kept light: no model import here)
 DRAFT_SOURCES = ("ngram", "none")
 MAX_DRAFT = 8  # drafts per verify pass at most (docs/speculative.md: the gain measured is at 1-4)
@@ -237,7 +240,7 @@ class ComputeConfig:
         "the chunk's activations (about 150 KiB a token on qwen30b-shape) are left out of the expert cache",
         lo=1,
         hi=1 << 20,
-        unset=f"the whole context up to {AUTO_PREFILL_CHUNK} tokens",
+        unset=f"the whole context up to {AUTO_PREFILL_CHUNK} tokens, up to {SLOT_PREFILL_CHUNK} with gateway.parallel above 1",
         flags=("--prefill-chunk",),
     )
     draft: int = setting(
@@ -420,6 +423,15 @@ class GatewayConfig:
         secret=True,
     )
     queue_size: int = setting(16, "int", "requests waiting for the compute worker before new ones get 429", lo=1, hi=10000)
+    parallel: int = setting(
+        1,
+        "int",
+        "requests the service's compute decodes at once, each in its own slot with its own KV cache (one batched pass "
+        "a step; the budget counts N caches; speculative decoding is off above 1; `run` serves one: docs/batching.md)",
+        lo=1,
+        hi=64,
+        flags=("--parallel",),
+    )
     slot_save_path: str | None = setting(
         None,
         "path",

@@ -1404,3 +1404,24 @@ if __name__ == "__main__" and sys.argv[1:2] == ["fake-compute"]:
     fake_compute(
         rt_dir, log_file, float(delay), int(die_after), int(die_on), int(pad), json.loads(script), int(progress), float(progress_s)
     )
+
+
+def test_slots_lists_one_slot_by_default_and_it_is_busy_while_a_request_runs(start_gateway):
+    svc = start_gateway()
+    svc.start_computes({"delay_s": 0.05})
+    svc.wait_ready()
+    status, _, slots = svc.request("GET", "/slots")
+    assert status == 200 and slots == [
+        {"id": 0, "id_task": -1, "n_ctx": 4096, "is_processing": False, "state": 0, "n_prompt_tokens": 0, "n_decoded": 0}
+    ]
+    running = _raw_request(svc, {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 400, "stream": True})
+    got = b""
+    while b'"content":"w1 "' not in got:  # it is decoding
+        got += running.recv(4096)
+    busy = svc.request("GET", "/slots")[2]
+    assert len(busy) == 1 and busy[0]["is_processing"] and busy[0]["state"] == 1 and busy[0]["id_task"] > 0
+    assert busy[0]["n_prompt_tokens"] > 0 and busy[0]["n_decoded"] >= 1
+    metrics = parse_prometheus(svc.request("GET", "/metrics")[2])
+    assert metrics["moe_pipe_slots"] == 1 and metrics["moe_pipe_slots_busy"] == 1
+    running.close()
+    wait_for(lambda: not svc.request("GET", "/slots")[2][0]["is_processing"], what="the slot to be idle after its client left")

@@ -108,6 +108,7 @@ class ModelFootprint:
     kv_ring_layers: int = 0  # sliding-window layers, whose KV is a ring of kv_ring_rows positions, not ctx_size
     kv_ring_rows: int = 0
     nextn_bytes: int = 0  # the NextN/MTP block (shared/gguf/nextn.py): in the file, never read
+    parallel: int = 1  # gateway.parallel: slots, each with its own KV cache (kv_bytes counts all of them)
 
     @property
     def expert_bytes_total(self) -> int:
@@ -165,13 +166,14 @@ def model_footprint(mf, cfg: Config) -> ModelFootprint:
         dense_bytes=layout.dense_bytes,
         expert_bytes=tuple(layout.expert_bytes(i) for i in range(spec.n_layer)),
         slab_bytes=layout.slab_bytes,
-        kv_bytes=kv_cache_bytes(spec, cfg.compute.ctx_size, cfg.compute.kv_type),
+        kv_bytes=cfg.gateway.parallel * kv_cache_bytes(spec, cfg.compute.ctx_size, cfg.compute.kv_type),
         classes=kernel_classes(mf, top_k),
         read_bytes_per_expert=tuple(aligned_bytes(l.extents(0), layout.align) for l in layout.layers),
         engine_bytes=pipeline_bytes(RUN_ROLES, spec, cfg.compute.prefill_tokens, top_k),
         kv_ring_layers=sum(1 for w in kv_windows(spec) if w),
         kv_ring_rows=max((kv_rows(w, cfg.compute.ctx_size) for w in kv_windows(spec) if w), default=0),
         nextn_bytes=layout.nextn_bytes,
+        parallel=cfg.gateway.parallel,
     )
 
 

@@ -333,6 +333,7 @@ def forecast(
         "expert_bytes_total": footprint.expert_bytes_total,
         "slab_bytes": footprint.slab_bytes,
         "kv_bytes": footprint.kv_bytes,
+        "parallel": footprint.parallel,
         "kv_ring_layers": footprint.kv_ring_layers,
         "kv_ring_rows": footprint.kv_ring_rows,
         "ctx_affordable": affordable_context(mf.spec, cfg.compute.kv_type, fit.available_bytes),

@@ -27,6 +27,7 @@ class Metrics:
         self.stall_ms = 0.0
         self.cache_hit_pct: float | None = None
         self.connections_refused = 0  # past the gateway's max_connections
+        self.pass_tokens = 0  # rows of the last forward pass (with several slots busy, one a slot and a prompt's chunk)
 
     def on_done(self, done: m.Done) -> None:
         self.generated_tokens += len(done.tokens)
@@ -45,10 +46,18 @@ class Metrics:
         self.read_bytes += rec.read_bytes
         self.stall_ms += rec.stall_ms
         self.cache_hit_pct = rec.cache_hit_pct
+        self.pass_tokens = rec.pass_tokens
 
     def render(
-        self, ready: bool, waiting: int, processes: list[dict] | None, connections: int = 0, warming: WarmProgress | None = None
+        self,
+        ready: bool,
+        waiting: int,
+        processes: list[dict] | None,
+        connections: int = 0,
+        warming: WarmProgress | None = None,
+        slots: tuple[int, int] = (1, 0),
     ) -> str:
+        """`slots`: compute's slots (gateway.parallel) and how many serve a request now."""
         mean = 1e3 * self.decode_tokens / self.decode_ms if self.decode_ms else 0.0
         out: list[str] = []
 
@@ -79,6 +88,11 @@ class Metrics:
         metric("moe_pipe_stall_ms_total", "counter", "Flash wait that overlap did not hide, in ms.", [("", self.stall_ms)])
         metric("moe_pipe_compute_ready", "gauge", "1 when a compute process is ready.", [("", int(ready))])
         metric("moe_pipe_queue_waiting", "gauge", "Requests waiting for the compute worker.", [("", waiting)])
+        metric("moe_pipe_slots", "gauge", "Requests compute decodes at once (gateway.parallel).", [("", slots[0])])
+        metric("moe_pipe_slots_busy", "gauge", "Slots serving a request now.", [("", slots[1])])
+        metric(
+            "moe_pipe_pass_tokens_last", "gauge", "Rows of the last forward pass, all slots' (its batch size).", [("", self.pass_tokens)]
+        )
         metric("moe_pipe_connections_open", "gauge", "HTTP connections open at the gateway.", [("", connections)])
         metric(
             "moe_pipe_connections_refused_total",

@@ -1,0 +1,380 @@
+"""Compute's slots: up to gateway.parallel requests decoded at once (docs/batching.md).
+
+Each request in a slot runs shared/text/generate.py's `generate` as it does
+alone (its sampler and seed, stop strings, token limit, prefix reuse against
+the slot's own session, context shift) on a thread of its own, against a
+`SlotModel` whose passes do not run by themselves: each asks `Steps` for a
+place in the next step and waits. The serving loop, on the process's main
+thread (which owns every socket), runs a step once every busy slot has asked:
+
+  1. take what came on the requests link: a Generate takes an idle slot (the
+     one whose cached ids share the longest prefix with its prompt), a Cancel
+     ends its slot's request, a Slot action waits until every slot is idle
+     and acts on slot 0's session;
+  2. one `forward_batch` over one decode row of every decoding slot and at
+     most one chunk of a prompt (the oldest request's; compute.prefill_chunk
+     tokens, else SLOT_PREFILL_CHUNK), so a long prompt never stops the
+     others for more than a chunk; each slot gets its logits row and goes on alone;
+  3. the slots' Token, PromptProgress and Done frames go out in the order they
+     were made.
+
+The kernels are batch-exact, so a slot's tokens are those of its request
+served alone; a slot whose request ends (stop, length, cancel, a failure)
+leaves the next step without disturbing the others. Python runs one thread at
+a time: a slot thread only samples and decodes text between steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import zmq
+
+from ..shared.config import SLOT_PREFILL_CHUNK, Config
+from ..shared.errors import UserError
+from ..shared.model.batch import BatchPart
+from ..shared.model.blocks import KVCache
+from ..shared.model.session import Session, common_prefix
+from ..shared.text.generate import generate
+from ..shared.wire import ipc
+from ..shared.wire import messages as m
+from .compute import GenerationAborted, Interrupts, _next_request, handle_slot, request_settings
+from .lifecycle import FrontEndWatch
+from .metered import MeteredModel
+
+log = logging.getLogger("moe_pipe.compute")
+WAIT_S = 0.02  # the longest a busy loop waits for the slots before it looks at the requests link again
+
+
+def slot_prefill_chunk(config: Config) -> int:
+    """The prompt chunk a step takes: compute.prefill_chunk if set, else SLOT_PREFILL_CHUNK at most."""
+    c = config.compute
+    return c.prefill_chunk or min(c.prefill_tokens, SLOT_PREFILL_CHUNK)
+
+
+@dataclass
+class Ask:
+    """A slot's rows for the next step, and what the step gave back."""
+
+    slot: int
+    order: int  # its request's arrival: the oldest prompt's chunk goes first
+    tokens: list[int]
+    cache: KVCache
+    logits: np.ndarray | None = None
+    error: BaseException | None = None
+    answered: bool = False
+
+
+@dataclass
+class Slot:
+    """One slot: its session (KV cache and ids, kept between requests for prefix reuse) and its request."""
+
+    id: int
+    session: Session = field(default_factory=Session)
+    req_id: int = 0  # the request it serves, or served last (busy or idle: Steps.busy)
+    order: int = 0  # its request's arrival number (the last it served, when idle)
+    thread: threading.Thread | None = None
+
+
+class Steps:
+    """Where the slots' threads and the serving loop meet: a slot asks for its rows
+    and waits; the loop waits until every busy slot has asked, runs the pass,
+    answers. The frames the slots make wait in `outbox` for the loop to send."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.asks: dict[int, Ask] = {}
+        self.busy: set[int] = set()
+        self.cancelled: set[int] = set()
+        self.outbox: deque[m.Message] = deque()
+
+    def ask(self, slot: int, order: int, tokens: Sequence[int], cache: KVCache) -> np.ndarray:
+        """A slot's thread: its rows in the next step; their last row's logits [V]."""
+        with self.cond:
+            if slot in self.cancelled:
+                raise GenerationAborted(m.Code.CANCELLED, "cancelled by the front end")
+            a = self.asks[slot] = Ask(slot, order, [int(t) for t in tokens], cache)
+            self.cond.notify_all()
+            self.cond.wait_for(lambda: a.answered)
+        if a.error is not None:
+            raise a.error
+        assert a.logits is not None
+        return a.logits
+
+    def post(self, msg: m.Message) -> None:
+        with self.cond:
+            self.outbox.append(msg)
+            self.cond.notify_all()
+
+    def join(self, slot: int) -> None:
+        with self.cond:
+            self.busy.add(slot)
+            self.cancelled.discard(slot)
+
+    def leave(self, slot: int) -> None:
+        with self.cond:
+            self.busy.discard(slot)
+            self.cancelled.discard(slot)
+            self.cond.notify_all()
+
+    def cancel(self, slot: int) -> None:
+        """The slot's request ends at its next ask; one waiting for a step ends now."""
+        with self.cond:
+            self.cancelled.add(slot)
+            a = self.asks.pop(slot, None)
+            if a is not None:
+                self._answer(a, error=GenerationAborted(m.Code.CANCELLED, "cancelled by the front end"))
+
+    def gather(self, timeout_s: float) -> list[Ask]:
+        """Until every busy slot has asked (or a frame waits to go out, or `timeout_s`): the asks so far."""
+        with self.cond:
+            self.cond.wait_for(lambda: self.outbox or (self.busy and self.busy <= self.asks.keys()), timeout_s)
+            return list(self.asks.values()) if self.busy and self.busy <= self.asks.keys() else []
+
+    def answer(self, a: Ask, logits: np.ndarray | None = None, error: BaseException | None = None) -> None:
+        with self.cond:
+            if self.asks.get(a.slot) is a:
+                del self.asks[a.slot]
+                self._answer(a, logits, error)
+
+    def _answer(self, a: Ask, logits: np.ndarray | None = None, error: BaseException | None = None) -> None:
+        a.logits, a.error, a.answered = logits, error, True
+        self.cond.notify_all()
+
+    def take_outbox(self) -> list[m.Message]:
+        with self.cond:
+            out, self.outbox = list(self.outbox), deque()
+            return out
+
+
+def pick_rows(asks: Sequence[Ask]) -> list[Ask]:
+    """A step's rows: every one-row ask (a decode step) and the oldest request's prompt chunk."""
+    rows = [a for a in asks if len(a.tokens) == 1]
+    chunks = [a for a in asks if len(a.tokens) > 1]
+    return rows + ([min(chunks, key=lambda a: a.order)] if chunks else [])
+
+
+def pick_slot(slots: Sequence[Slot], busy: set[int], prompt: Sequence[int]) -> Slot | None:
+    """An idle slot for a prompt: the one whose cached ids share the longest prefix with it;
+    of equals, the least recently used (its cache the least likely to be asked for again)."""
+    idle = [s for s in slots if s.id not in busy]
+    return max(idle, key=lambda s: (common_prefix(s.session.tokens, prompt), -s.order, -s.id), default=None)
+
+
+class SlotModel:
+    """generate()'s model for one slot's request: every pass is a place in the next shared step.
+    Its first prefill is the prompt's (a later one is a context shift's): its progress goes
+    out as PromptProgress frames, one as it opens and one after each chunk."""
+
+    def __init__(self, steps: Steps, slot: Slot, model, req_id: int):
+        self.steps, self.slot, self.model, self.req_id = steps, slot, model, req_id
+        self.prompted = False
+
+    def new_cache(self, n_ctx: int) -> KVCache:
+        return self.model.new_cache(n_ctx)
+
+    def prefill(self, tokens, cache: KVCache, batch: int = 64) -> np.ndarray:
+        """A prompt in chunks of `batch`, one a step, as `model.prefill` splits it alone."""
+        tokens = [int(t) for t in tokens]
+        progress = None if self.prompted else self._progress(cache.n, cache.n + len(tokens))
+        self.prompted = True
+        logits = None
+        for s in range(0, len(tokens), batch):
+            logits = self.steps.ask(self.slot.id, self.slot.order, tokens[s : s + batch], cache)
+            if progress is not None:
+                progress(cache.n)
+        if logits is None:
+            raise ValueError("forward needs at least one token")
+        return logits
+
+    def _progress(self, cached: int, total: int):
+        """Post the prompt's opening PromptProgress; returns what posts the next ones."""
+        t0 = time.monotonic()
+
+        def post(processed: int) -> None:
+            self.steps.post(m.PromptProgress(self.req_id, total, cached, processed, round((time.monotonic() - t0) * 1e3)))
+
+        post(cached)
+        return post
+
+    def decode_one(self, token: int, cache: KVCache) -> np.ndarray:
+        return self.steps.ask(self.slot.id, self.slot.order, [token], cache)
+
+
+class Slots:
+    """Compute's serving loop with gateway.parallel slots (the module docstring)."""
+
+    def __init__(
+        self,
+        config: Config,
+        metered: MeteredModel,
+        tok,
+        out: zmq.Socket,
+        interrupts: Interrupts,
+        front_end: FrontEndWatch,
+        identity: tuple[str, ...],
+    ):
+        self.config, self.metered, self.tok, self.out = config, metered, tok, out
+        self.interrupts, self.front_end, self.identity = interrupts, front_end, identity
+        self.slots = [Slot(i) for i in range(config.gateway.parallel)]
+        self.steps = Steps()
+        self.arrivals = 0
+        self.peer_gone: GenerationAborted | None = None
+
+    def serve(self, reader_pid: int, epoch: int) -> None:
+        import os
+
+        try:
+            while not self.interrupts.shutdown and self.peer_gone is None:
+                if self.front_end.came_back():
+                    ipc.send(self.out, m.Hello("compute", os.getpid(), epoch))
+                self.receive(reader_pid)  # 1.
+                self.admit()
+                self.flush()
+                asks = self.steps.gather(WAIT_S) if self.steps.busy else []
+                if asks:
+                    self.step(asks)  # 2.
+                self.flush()  # 3.
+        finally:
+            self.stop()
+        if self.peer_gone is not None:
+            raise self.peer_gone
+
+    # -- 1. the requests link ---------------------------------------------------------
+    def receive(self, reader_pid: int) -> None:
+        """New frames; while nothing runs, a blocking wait that also notices a dead reader."""
+        try:
+            self.interrupts.check()
+        except GenerationAborted:  # a Shutdown: `serve` stops at its next look
+            return
+        if not self.steps.busy and not self.interrupts.pending:
+            self.flush()  # a slot's last frames (it posts its Done before it leaves), not held while this waits
+            msg = _next_request(self.interrupts.requests, reader_pid)
+            if isinstance(msg, m.Shutdown):
+                self.interrupts.shutdown = True
+            elif msg is not None:
+                self.interrupts.pending.append(msg)
+        while self.interrupts.cancels:
+            self.cancel(self.interrupts.cancels.popleft())
+
+    def busy(self) -> set[int]:
+        with self.steps.cond:
+            return set(self.steps.busy)
+
+    def cancel(self, req_id: int) -> None:
+        busy = self.busy()
+        for s in self.slots:
+            if s.req_id == req_id and s.id in busy:
+                self.steps.cancel(s.id)
+        for msg in list(self.interrupts.pending):
+            if isinstance(msg, m.Generate) and msg.req_id == req_id:  # cancelled before a slot took it
+                self.interrupts.pending.remove(msg)
+                ipc.send(self.out, m.Done(req_id, False, code=m.Code.CANCELLED, error="cancelled by the front end"))
+
+    def admit(self) -> None:
+        """Waiting requests into slots, in arrival order; a Slot action once every slot is idle."""
+        pending = self.interrupts.pending
+        while pending:
+            msg = pending[0]
+            if isinstance(msg, m.Slot):
+                if self.busy():
+                    return
+                pending.pop(0)
+                ipc.send(self.out, handle_slot(msg, self.slots[0].session, self.metered.model, self.config.compute.ctx_size, self.identity))
+                continue
+            slot = pick_slot(self.slots, self.busy(), msg.prompt_tokens)
+            if slot is None:
+                return
+            pending.pop(0)
+            self.start(slot, msg)
+
+    def start(self, slot: Slot, req: m.Generate) -> None:
+        self.arrivals += 1
+        slot.req_id, slot.order = req.req_id, self.arrivals
+        self.steps.join(slot.id)
+        slot.thread = threading.Thread(target=self.run, args=(slot, req), name=f"slot-{slot.id}", daemon=True)
+        slot.thread.start()
+
+    # -- a slot's thread ----------------------------------------------------------------
+    def run(self, slot: Slot, req: m.Generate) -> None:
+        """The request, as compute.handle serves it alone; its frames go to the outbox."""
+        post = self.steps.post
+        try:
+            try:
+                params, gen_cfg, constraint = request_settings(req, self.config, self.tok, speculate=False)
+                gen_cfg = replace(gen_cfg, prefill_batch=slot_prefill_chunk(self.config))
+            except (UserError, TypeError) as exc:
+                post(m.Done(req.req_id, False, code=m.Code.BAD_ARGUMENT, error=f"bad request: {exc}"))
+                return
+            model = SlotModel(self.steps, slot, self.metered.model, req.req_id)
+            result = generate(
+                model,
+                self.tok,
+                list(req.prompt_tokens),
+                params,
+                gen_cfg,
+                on_text=lambda text: post(m.Token(req.req_id, text)),
+                session=slot.session,
+                constraint=constraint,
+            )
+            timings: dict[str, m.Scalar] = {k: v for k, v in result.timings.items() if isinstance(v, (int, float, str, bool))}
+            timings["id_slot"] = slot.id
+            post(m.Done(req.req_id, True, result.finish_reason, tuple(result.tokens), timings))
+        except GenerationAborted as exc:
+            post(m.Done(req.req_id, False, code=str(exc.code), error=str(exc)))
+        except UserError as exc:
+            post(m.Done(req.req_id, False, code=m.Code.BAD_ARGUMENT, error=str(exc)))
+        except Exception as exc:  # noqa: BLE001 - a bad request fails that request
+            log.exception("generation in slot %d failed", slot.id)
+            slot.session.reset()  # a bug's leftovers are not reused
+            post(m.Done(req.req_id, False, code=m.Code.INTERNAL, error=f"{type(exc).__name__}: {exc}"))
+        finally:
+            self.steps.leave(slot.id)
+
+    # -- 2. a step ------------------------------------------------------------------------
+    def step(self, asks: list[Ask]) -> None:
+        """One pass over the step's rows; each ask gets its logits row, or the pass's failure."""
+        rows = pick_rows(asks)
+        req_ids = [self.slots[a.slot].req_id for a in rows]
+        try:
+            logits = self.metered.forward_batch([BatchPart(a.tokens, a.cache) for a in rows], req_ids)
+        except GenerationAborted as exc:
+            if exc.code == m.Code.PEER_GONE:
+                self.peer_gone = exc
+            for a in rows:
+                self.steps.answer(a, error=exc)
+            return
+        except Exception as exc:  # noqa: BLE001 - a bug fails the pass's requests, the process goes on
+            log.exception("a batched pass failed")
+            for a in rows:
+                self.steps.answer(a, error=exc)
+            return
+        for a, row in zip(rows, logits):
+            self.steps.answer(a, logits=row[-1])
+
+    # -- 3. frames out ----------------------------------------------------------------------
+    def flush(self) -> None:
+        for msg in self.steps.take_outbox():
+            ipc.send(self.out, msg)
+            if isinstance(msg, m.PromptProgress):
+                self.metered.telemetry.send(msg)  # tails show it too
+
+    def stop(self) -> None:
+        """Shutdown or a dead reader: every slot's request ends, its Done goes out."""
+        code = self.peer_gone.code if self.peer_gone is not None else m.Code.CANCELLED
+        why = str(self.peer_gone) if self.peer_gone is not None else "the service is shutting down"
+        for i in self.busy():
+            self.steps.cancel(i)
+        with self.steps.cond:  # a slot asking after this fails at once
+            for a in list(self.steps.asks.values()):
+                self.steps.answer(a, error=GenerationAborted(code, why))
+        for s in self.slots:
+            if s.thread is not None:
+                s.thread.join(timeout=5.0)
+        self.flush()

@@ -1,0 +1,217 @@
+"""Compute's slots (procs/slots.py): `moe-pipe up --parallel 3` on the tiny model decodes
+several requests at once, each reply exactly the one it gets alone, a cancelled one
+leaving the others' untouched; and the step's pure choices (which rows, which slot)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from moe_pipe.procs.slots import Ask, Slot, Steps, pick_rows, pick_slot
+from moe_pipe.shared.model.session import Session
+
+# -- the step's choices ----------------------------------------------------------------
+
+
+def _ask(slot: int, order: int, n: int) -> Ask:
+    return Ask(slot, order, list(range(n)), cache=None)  # type: ignore[arg-type]  # no pass runs here
+
+
+def test_a_step_takes_every_decode_row_and_the_oldest_prompt_s_chunk():
+    asks = [_ask(0, 5, 64), _ask(1, 2, 1), _ask(2, 3, 64), _ask(3, 9, 1)]
+    assert [a.slot for a in pick_rows(asks)] == [1, 3, 2]  # decode rows, then the chunk of request 3 (older than 5)
+    assert [a.slot for a in pick_rows([_ask(0, 1, 1)])] == [0]
+    assert [a.slot for a in pick_rows([_ask(0, 4, 7), _ask(1, 3, 7)])] == [1]  # two prompts: one chunk a step
+
+
+def test_a_request_takes_the_idle_slot_holding_its_prefix_else_the_least_recently_used():
+    slots = [Slot(i, Session()) for i in range(3)]
+    for s, ids, order in zip(slots, ([1, 2, 3, 4], [1, 2, 9], []), (5, 2, 7)):
+        s.session.ids, s.order = ids, order
+        s.session.cache = type("C", (), {"n": len(ids), "state": None})()  # tokens = ids[:n]
+    assert pick_slot(slots, set(), [1, 2, 3, 7]).id == 0  # three tokens in common
+    assert pick_slot(slots, {0}, [1, 2, 3, 7]).id == 1  # busy: the next longest
+    assert pick_slot(slots, set(), [8]).id == 1  # nothing in common: used longest ago
+    assert pick_slot(slots, {0, 1, 2}, [8]) is None
+
+
+def test_a_cancel_answers_a_waiting_ask_and_refuses_the_next():
+    steps = Steps()
+    steps.join(0)
+    errors: list[BaseException] = []
+
+    def slot_thread() -> None:
+        for _ in range(2):
+            try:
+                steps.ask(0, 1, [5], cache=None)  # type: ignore[arg-type]
+            except Exception as exc:  # noqa: BLE001 - the test looks at it
+                errors.append(exc)
+
+    t = threading.Thread(target=slot_thread)
+    t.start()
+    assert [a.slot for a in steps.gather(5.0)] == [0]  # every busy slot asked
+    steps.cancel(0)
+    t.join(5.0)
+    assert not t.is_alive() and [getattr(e, "code", None) for e in errors] == ["cancelled", "cancelled"]
+
+
+def test_a_step_answers_each_slot_its_own_row():
+    steps = Steps()
+    got: dict[int, np.ndarray] = {}
+    for i in range(2):
+        steps.join(i)
+    threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, steps.ask(i, i, [i], cache=None))) for i in range(2)]  # type: ignore[arg-type]
+    for t in threads:
+        t.start()
+    asks = steps.gather(5.0)
+    while len(asks) < 2:
+        asks = steps.gather(5.0)
+    for a in asks:
+        steps.answer(a, logits=np.full(3, a.slot))
+    for t in threads:
+        t.join(5.0)
+    assert {i: v.tolist() for i, v in got.items()} == {0: [0, 0, 0], 1: [1, 1, 1]}
+
+
+# -- the service ------------------------------------------------------------------------
+
+pytest.importorskip("openai", reason="the service tests use the openai client: pip install '.[test]'")
+
+from .test_service import CONFIG, MODEL, Service, reference  # noqa: E402
+
+PROMPTS = ["Tell me a story about a cat.", "What is the capital of France?", "Count from one to twenty, please."]
+
+
+@pytest.fixture(scope="module")
+def svc3():
+    from moe_pipe.shared.makemodel.default_model import default_model_path
+
+    default_model_path()
+    s = Service("--parallel", "3", "--prefill-chunk", "16", model=CONFIG)  # prompts in several chunks, beside decode rows
+    yield s
+    s.close()
+
+
+def _chat(s: Service, content: str, n: int) -> tuple[str, int, int]:
+    r = s.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=n, temperature=0)
+    return r.choices[0].message.content, r.usage.prompt_tokens, r.usage.completion_tokens
+
+
+def _slots(s: Service) -> list[dict]:
+    with urllib.request.urlopen(s.url + "/slots", timeout=30) as r:
+        return json.loads(r.read())
+
+
+@pytest.mark.integration
+def test_concurrent_greedy_requests_each_get_their_solo_reply(svc3):
+    alone = [_chat(svc3, p, 48) for p in PROMPTS]
+    assert alone[0][0] == reference(PROMPTS[0], 48)  # alone in a slot is `run`'s reply (one request, no slots)
+    for _ in range(2):  # the second time, each slot's cache holds a prompt of an earlier round
+        with ThreadPoolExecutor(3) as ex:
+            together = list(ex.map(lambda p: _chat(svc3, p, 48), PROMPTS))
+        assert together == alone
+    slots = _slots(svc3)
+    assert [s["id"] for s in slots] == [0, 1, 2] and not any(s["is_processing"] for s in slots)
+    assert {s["n_ctx"] for s in slots} == {2048}
+    with urllib.request.urlopen(svc3.url + "/metrics", timeout=30) as r:
+        metrics = r.read().decode()
+    assert "\nmoe_pipe_slots 3\n" in metrics and "\nmoe_pipe_slots_busy 0\n" in metrics
+
+
+@pytest.mark.integration
+def test_seeded_sampling_stays_per_request_beside_other_slots(svc3):
+    def sample(prompt: str, seed: int, stop: list[str] | None = None) -> tuple[str, int]:
+        r = svc3.client().chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=40, temperature=0.9, seed=seed, stop=stop
+        )
+        return r.choices[0].message.content, r.usage.completion_tokens
+
+    asks = [(PROMPTS[0], 7, None), (PROMPTS[0], 8, None), (PROMPTS[1], 7, ["e"])]  # same prompt, other seeds; a stop string
+    alone = [sample(*a) for a in asks]
+    with ThreadPoolExecutor(3) as ex:
+        together = list(ex.map(lambda a: sample(*a), asks))
+    assert together == alone and alone[0] != alone[1]
+
+
+@pytest.mark.integration
+def test_a_cancelled_stream_leaves_the_others_replies_and_frees_its_slot(svc3):
+    alone = [_chat(svc3, p, 64) for p in PROMPTS[:2]]
+    client = svc3.client()
+    leaver = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": PROMPTS[2]}], max_tokens=1000, temperature=0, stream=True
+    )
+    next(iter(leaver))  # it is decoding in its slot
+    seen: list[list[dict]] = []
+    with ThreadPoolExecutor(2) as ex:
+        futures = [ex.submit(_chat, svc3, p, 64) for p in PROMPTS[:2]]
+        while not all(f.done() for f in futures) and len(seen) < 50:
+            seen.append(_slots(svc3))
+        leaver.close()  # the client goes away while the others decode
+        together = [f.result() for f in futures]
+    assert together == alone
+    assert any(sum(s["is_processing"] for s in snap) >= 2 for snap in seen)  # they ran beside the leaver
+    deadline = time.monotonic() + 20
+    while any(s["is_processing"] for s in _slots(svc3)):
+        assert time.monotonic() < deadline, "a slot stayed busy after its client left"
+        time.sleep(0.1)
+    assert _chat(svc3, PROMPTS[0], 64) == alone[0]  # the service goes on as before
+
+
+@pytest.mark.slow  # a compute restart: ~8 s alone, as test_service.py's kill -9 tests (slow beside the other tier)
+@pytest.mark.integration
+def test_kill9_of_compute_with_three_streams_in_flight_completes_all_three(svc3):
+    import os
+    import signal
+
+    alone = [_chat(svc3, p, 300)[0] for p in PROMPTS]
+    before = svc3.proc("compute")
+    streaming = threading.Barrier(len(PROMPTS) + 1, timeout=120)
+
+    def stream(prompt: str) -> str:
+        parts = []
+        chunks = svc3.client().chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=300, temperature=0, stream=True
+        )
+        for i, chunk in enumerate(chunks):
+            if chunk.choices:
+                parts.append(chunk.choices[0].delta.content or "")
+            if i == 10:
+                streaming.wait()  # every stream is mid-reply when compute dies
+        return "".join(parts)
+
+    with ThreadPoolExecutor(len(PROMPTS)) as ex:
+        futures = [ex.submit(stream, p) for p in PROMPTS]
+        streaming.wait()
+        os.kill(before["pid"], signal.SIGKILL)
+        texts = [f.result() for f in futures]
+    assert texts == alone  # each resent to the restarted compute, its stream going on where it was
+    after = svc3.wait_state("compute", {"RUNNING"})
+    assert after["pid"] != before["pid"]
+
+
+@pytest.mark.integration
+def test_a_prompt_read_in_chunks_beside_decoding_slots_streams_its_progress(svc3):
+    long_prompt = " ".join(str(i) for i in range(60))  # 180 tokens in the chat template: 12 chunks of 16
+    alone = _chat(svc3, long_prompt, 24)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": long_prompt}], "max_tokens": 24, "temperature": 0}
+    body.update(stream=True, return_progress=True, cache_prompt=False)  # computed in full, not reused from the solo run
+    with ThreadPoolExecutor(2) as ex:
+        others = [ex.submit(_chat, svc3, p, 64) for p in PROMPTS[:2]]
+        req = urllib.request.Request(svc3.url + "/v1/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            events = [json.loads(line[6:]) for line in r.read().decode().splitlines() if line.startswith("data: {")]
+        [f.result() for f in others]
+    progress = [e["prompt_progress"] for e in events if "prompt_progress" in e]
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e.get("choices"))
+    assert text == alone[0]
+    assert progress[-1]["processed"] == progress[-1]["total"] == alone[1]
+    done = [p["processed"] for p in progress]
+    assert done == sorted(done) and done[0] == progress[0]["cache"] == 0 and len(done) >= 3
+    first_text = next(i for i, e in enumerate(events) if e.get("choices") and e["choices"][0]["delta"].get("content"))
+    assert first_text > max(i for i, e in enumerate(events) if "prompt_progress" in e)  # progress before any text

@@ -15,6 +15,7 @@ import itertools
 import numpy as np
 import pytest
 
+from moe_pipe.shared.family_registry import ARCHES
 from moe_pipe.shared.gguf.model_file import open_model
 from moe_pipe.shared.gguf.spec import RopeSpec
 from moe_pipe.shared.makemodel.maker import make_model
@@ -23,19 +24,7 @@ from moe_pipe.shared.model.batch import BatchCache, BatchPart, Request, decode_t
 from moe_pipe.shared.model.blocks import KVCache, rope_from_spec
 from moe_pipe.shared.model.load import load_model
 
-FAMILIES = (
-    "qwen3moe",
-    "gpt-oss",
-    "gemma4",
-    "qwen35moe",
-    "deepseek2",
-    "glm4moe",
-    "llama",
-    "lfm2moe",
-    "qwen2moe",
-    "bailingmoe3",
-    "deepseek4",
-)
+FAMILIES = ARCHES  # every family's GGUF arch (shared/family_registry.py)
 DEFAULT_TIER = ("gemma4", "qwen35moe", "deepseek2", "deepseek4")
 N_CTX = 512
 CHUNK = 24

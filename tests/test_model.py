@@ -107,13 +107,9 @@ def test_options_reach_the_source_and_the_observer(tiny):
         assert all(len(ids) <= k and all(0 <= e < tiny.spec.n_expert for e in ids) for _, ids in hints)
 
 
-def test_prompt_guesses_are_the_union_of_the_batch_rows(tiny):
-    """prefetch_prompt: while a prompt's batch runs, layer i tells the source
-    its guess at layer i+1: router i+1 on layer i's router input, every row's
-    top k of p >= PREFETCH_MIN_P, the union, the most probable first; and
-    nothing while decoding unless prefetch_next."""
-    from moe_pipe.shared.model.base import PREFETCH_MIN_P
-
+def _prompt_guessing_model(tiny):
+    """The tiny model with prompt prefetch on: (model, the guesses its source is told as
+    (layer, ids), each layer's router input by layer)."""
     hints: list[tuple[int, list[int]]] = []
     inputs: dict[int, np.ndarray] = {}
 
@@ -122,7 +118,17 @@ def test_prompt_guesses_are_the_union_of_the_batch_rows(tiny):
             hints.append((layer, list(ids)))
 
     opts = ModelOptions(prefetch_prompt=True, router_input_observer=lambda i, r: inputs.__setitem__(i, r.copy()))
-    model = load_model(tiny.mf, experts=Hinted(tiny.mf), options=opts)
+    return load_model(tiny.mf, experts=Hinted(tiny.mf), options=opts), hints, inputs
+
+
+def test_prompt_guesses_are_the_union_of_the_batch_rows(tiny):
+    """prefetch_prompt: while a prompt's batch runs, layer i tells the source
+    its guess at layer i+1: router i+1 on layer i's router input, every row's
+    top k of p >= PREFETCH_MIN_P, the union, the most probable first; and
+    nothing while decoding unless prefetch_next."""
+    from moe_pipe.shared.model.base import PREFETCH_MIN_P
+
+    model, hints, inputs = _prompt_guessing_model(tiny)
     cache = model.new_cache(32)
     model.prefill(PROMPT, cache)
     n = model.spec.n_layer
@@ -149,15 +155,7 @@ def test_a_long_prompt_guesses_from_evenly_spaced_rows(tiny, monkeypatch):
     from moe_pipe.shared.model import base
 
     monkeypatch.setattr(base, "GUESS_ROWS", 3)
-    hints: list[tuple[int, list[int]]] = []
-    inputs: dict[int, np.ndarray] = {}
-
-    class Hinted(FileExperts):
-        def prefetch(self, layer, ids):
-            hints.append((layer, list(ids)))
-
-    opts = ModelOptions(prefetch_prompt=True, router_input_observer=lambda i, r: inputs.__setitem__(i, r.copy()))
-    model = load_model(tiny.mf, experts=Hinted(tiny.mf), options=opts)
+    model, hints, inputs = _prompt_guessing_model(tiny)
     model.prefill(PROMPT, model.new_cache(32))
     assert len(PROMPT) > 3 and hints
     step = -(-len(PROMPT) // 3)

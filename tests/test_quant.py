@@ -230,6 +230,17 @@ def test_int8_gemm_tiles_rows_and_threads(qtype):
         np.testing.assert_array_equal(got[t], quant.matvec(qtype, w, X[t]), err_msg=f"row {t} of {X.shape[0]}")
 
 
+def _prepared_in_wider_rows(qtype, n_mats: int, n_rows: int, rng) -> tuple[int, list]:
+    """(columns, n_mats prepared random matrices of qtype whose rows sit inside wider rows of a
+    buffer): a whole 256-weight unit, or 9 blocks of 32 (a unit and a part unit)."""
+    n_cols = 256 if block_format(qtype).block_size == 256 else 9 * 32
+    mats = [_weights(qtype, n_rows, n_cols, rng) for _ in range(n_mats)]
+    wide = np.zeros((n_mats, n_rows, mats[0].shape[1] + 5), np.uint8)
+    for m, w in zip(wide, mats):
+        m[:, 2 : 2 + w.shape[1]] = w
+    return n_cols, [quant.prepare(qtype, m[:, 2 : 2 + w.shape[1]]) for m, w in zip(wide, mats)]
+
+
 GATHER_FAST = (QType.Q4_K,)  # the default tier's; every int8 type behind -m slow (a compile each)
 
 
@@ -241,13 +252,7 @@ def test_gather_apply_rows_equal_each_matrix_alone(qtype, int8_mode):
     each on its own (downs), from a wider buffer: every row equals that matrix's own product bit
     for bit; without int8 activations, or across types, the call declines (None)."""
     rng = np.random.default_rng(900 + int(qtype))
-    fmt = block_format(qtype)
-    n_cols = 256 if fmt.block_size == 256 else 9 * 32
-    mats = [_weights(qtype, 19, n_cols, rng) for _ in range(5)]
-    wide = np.zeros((5, 19, mats[0].shape[1] + 5), np.uint8)
-    for m, w in zip(wide, mats):
-        m[:, 2 : 2 + w.shape[1]] = w
-    ps = [quant.prepare(qtype, m[:, 2 : 2 + w.shape[1]]) for m, w in zip(wide, mats)]
+    n_cols, ps = _prepared_in_wider_rows(qtype, 5, 19, rng)
     X = (rng.standard_normal((5, n_cols)) * np.logspace(-2, 2, 5)[:, None]).astype(np.float32)
     for act in (np.zeros(5, np.int64), np.arange(5, dtype=np.int64), np.array([4, 0, 4, 2, 1])):
         got = quant.gather_apply(ps, X, act)
@@ -273,13 +278,7 @@ def test_grouped_apply_rows_equal_each_matrix_alone(qtype, int8_mode):
     output row equals that matrix's own product bit for bit; without int8 activations, or
     across types, the call declines (None)."""
     rng = np.random.default_rng(950 + int(qtype))
-    fmt = block_format(qtype)
-    n_cols = 256 if fmt.block_size == 256 else 9 * 32
-    mats = [_weights(qtype, 37, n_cols, rng) for _ in range(6)]
-    wide = np.zeros((6, 37, mats[0].shape[1] + 5), np.uint8)
-    for m, w in zip(wide, mats):
-        m[:, 2 : 2 + w.shape[1]] = w
-    ps = [quant.prepare(qtype, m[:, 2 : 2 + w.shape[1]]) for m, w in zip(wide, mats)]
+    n_cols, ps = _prepared_in_wider_rows(qtype, 6, 37, rng)
     X = (rng.standard_normal((40, n_cols)) * np.logspace(-2, 2, 40)[:, None]).astype(np.float32)
     first = np.array([0, 3, 3, 10, 21, 27])
     count = np.array([3, 0, 12, 9, 1, 13])  # the last run ends at row 39, X's last

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from moe_pipe.shared.errors import UserError
+from moe_pipe.shared.family_registry import ARCHES
 from moe_pipe.shared.gguf.model_file import open_model
 from moe_pipe.shared.makemodel.maker import make_model
 from moe_pipe.shared.model.base import ModelOptions
@@ -27,19 +28,7 @@ from moe_pipe.shared.text.sampling import SamplingParams
 from moe_pipe.shared.text.speculate import NGramDrafter, ReplayDrafter, Speculation, WidthChooser, drafter_for
 from moe_pipe.shared.text.tokenizer import Tokenizer
 
-FAMILIES = (
-    "qwen3moe",
-    "gpt-oss",
-    "gemma4",
-    "qwen35moe",
-    "deepseek2",
-    "glm4moe",
-    "llama",
-    "lfm2moe",
-    "qwen2moe",
-    "bailingmoe3",
-    "deepseek4",
-)
+FAMILIES = ARCHES  # every family's GGUF arch (shared/family_registry.py)
 PROMPT = "Once upon a time, there was a little fox who liked to run. Once upon a time"
 N = 20
 

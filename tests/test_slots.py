@@ -125,6 +125,7 @@ def test_concurrent_greedy_requests_each_get_their_solo_reply(svc3):
 
 
 @pytest.mark.integration
+@pytest.mark.slow  # the default tier's slot tests keep greedy identity and cancellation
 def test_seeded_sampling_stays_per_request_beside_other_slots(svc3):
     def sample(prompt: str, seed: int, stop: list[str] | None = None) -> tuple[str, int]:
         r = svc3.client().chat.completions.create(

@@ -226,14 +226,10 @@ def apply_experts(
     pairs = _pairs_by_expert(routing.ids)  # expert → its (token, choice) pairs, tokens ascending
     if glu is not None and len(unique) <= source.held_together:
         _experts_in_groups(x, source, layer, unique, pairs, glu, ffn, ys, at, k)
-    else:
+    else:  # as each becomes usable; a token picks an expert at most once
         n = 0
         for expert in source.experts(layer, unique):
-            got = pairs(expert.id)  # a token picks an expert at most once
-            rows = got // k
-            ys[n : n + rows.size] = ffn(expert, x[rows])
-            at[rows, got % k] = np.arange(n, n + rows.size)
-            n += rows.size
+            n = _experts_one_by_one(x, [(expert, pairs(expert.id))], ffn, ys, at, n, k)
     return choice_sum(ys, at, routing.weights)  # fixed choice order, as decode adds
 
 
@@ -281,6 +277,25 @@ def _experts_in_groups(
         for part in _runs_of_rows(group, GROUP_ROWS):
             n = _glu_experts_grouped(x, part, glu, ffn, ys, at, n, k)
         group = []
+
+
+def _experts_one_by_one(
+    x: np.ndarray,
+    group: list[tuple[Expert, np.ndarray]],
+    ffn: Callable[[Expert, np.ndarray], np.ndarray],
+    ys: np.ndarray,
+    at: np.ndarray,
+    n: int,
+    k: int,
+) -> int:
+    """Each expert of `group` (expert, its flat (token, choice) pairs) through `ffn` on its
+    tokens, its outputs into ys from row n on, at[t, s] pointing at each: the next free row."""
+    for e, got in group:
+        rows = got // k
+        ys[n : n + rows.size] = ffn(e, x[rows])
+        at[rows, got % k] = np.arange(n, n + rows.size)
+        n += rows.size
+    return n
 
 
 def _runs_of_rows(group: list[tuple[Expert, np.ndarray]], rows: int) -> list[list[tuple[Expert, np.ndarray]]]:
@@ -336,11 +351,7 @@ def _glu_experts_grouped(
     h = _grouped_glu(xg, experts, first, counts, glu)
     y = quant.grouped_apply([e.down.prep for e in experts], h, first, counts) if h is not None else None
     if y is None:
-        for (e, got), r in zip(group, tokens):
-            ys[n : n + r.size] = ffn(e, x[r])
-            at[r, got % k] = np.arange(n, n + r.size)
-            n += r.size
-        return n
+        return _experts_one_by_one(x, group, ffn, ys, at, n, k)
     _add_run_biases(y, [e.down_bias for e in experts], first, counts)
     ys[n : n + m] = y
     for (_, got), f, c in zip(group, first, counts):

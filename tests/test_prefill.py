@@ -78,3 +78,33 @@ def test_a_prompt_longer_than_the_window_and_a_chunk_on_sliding_window_rings(arc
     for i, (a, b, c) in enumerate(zip(_kv(whole_cache), _kv(chunked_cache), _kv(steps_cache))):
         _close(a, c, f"KV part {i}, one chunk vs decode steps")
         _close(b, c, f"KV part {i}, 16-token chunks vs decode steps")
+
+
+ACTIVATION_TOKENS = 512  # a chunk long enough that per-token arrays outweigh a tiny model's fixed ones
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=[f.name for f in FAMILIES])
+def test_a_chunk_keeps_no_more_arrays_than_the_budget_leaves_it(family, tmp_path):
+    """The budget leaves a prompt chunk `prefill_activation_bytes` beside the KV cache and
+    weights (shared/experts/budget.py); every numpy array the chunk's pass allocates, at its
+    peak (tracemalloc sees numpy's allocations), stays within it, the layers' reused scratch
+    included: an undercount is memory the expert cache was given twice."""
+    import tracemalloc
+
+    from moe_pipe.shared.gguf.spec import prefill_activation_bytes
+
+    path = make_model(family.arch, "tiny", tmp_path / "m.gguf")
+    prompt = [(7 * i + 3) % 200 + 5 for i in range(ACTIVATION_TOKENS)]
+    with open_model(path) as mf:
+        model = load_model(mf, options=None)
+        cache = model.new_cache(ACTIVATION_TOKENS + 8, "f16")
+        model.prefill(prompt[:8], model.new_cache(16, "f16"), batch=8)  # lazy weights and tables, not the chunk's
+        tracemalloc.start()
+        try:
+            base = tracemalloc.get_traced_memory()[0]
+            model.prefill(prompt, cache, batch=ACTIVATION_TOKENS)
+            peak = tracemalloc.get_traced_memory()[1] - base
+        finally:
+            tracemalloc.stop()
+        budget = prefill_activation_bytes(mf.spec, ACTIVATION_TOKENS, mf.spec.n_expert_used)
+    assert peak <= budget, f"{family.arch}: a {ACTIVATION_TOKENS}-token chunk peaked at {peak / 2**20:.1f} MiB of arrays, the budget leaves {budget / 2**20:.1f}"

@@ -213,15 +213,21 @@ def kv_cache_bytes(spec: ModelSpec, n_ctx: int, kv_type: str) -> int:
 def prefill_activation_bytes(spec: ModelSpec, tokens: int, top_k: int) -> int:
     """Float32 bytes a prompt chunk of `tokens` keeps alive in one layer of the
     forward pass (shared/model/base.py `prefill`): the residual stream and its
-    norms (3·D), the query, key, value and attention output, the router's logits,
-    each token's K expert outputs before their weighted sum (K·D: the sum is taken
-    in choice order, shared/model/moe.py `apply_experts`), and an FFN's gate, up and
-    product (3·F, when every token routes to one expert). A chunk is at most this
-    much beside the KV cache; the budget leaves it to compute."""
+    norms (3·D), each token's K expert outputs before their weighted sum (K·D: the
+    sum is taken in choice order, shared/model/moe.py `apply_experts`; a scratch
+    kept across layers), the router's logits, an FFN's gate, up and product (3·F,
+    when every token routes to one expert) and the larger of the attention block's
+    arrays (query, key, value and output) and a linear-attention layer's (its conv
+    input and output, 2·C, and its queries, keys, outputs and gate, 4·H·d). The
+    attention block is a function of its own in every family, so its arrays are
+    gone before the FFN's exist (tests/test_prefill.py checks the peak of the
+    arrays a chunk allocates against this). A chunk is at most this much beside the
+    KV cache; the budget leaves it to compute."""
     d, h = spec.n_embd, spec.n_head
     qkvo = max(h * 2 * dk + hk * (dk + dv) + h * dv for hk, dk, dv in zip(spec.n_head_kv, spec.head_dim_k, spec.head_dim_v))
+    recurrent = 2 * spec.ssm_conv_channels + 4 * spec.ssm_heads * spec.ssm_state if spec.ssm_conv_kernel else 0
     ffn = 3 * max(spec.n_ff_exp, spec.n_ff, spec.n_ff_shexp)
-    return 4 * tokens * (d * (3 + top_k) + qkvo + spec.n_expert + ffn)
+    return 4 * tokens * (d * (3 + top_k) + max(qkvo, recurrent) + spec.n_expert + ffn)
 
 
 def recurrent_state_bytes(spec: ModelSpec) -> int:

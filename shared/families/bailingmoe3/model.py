@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from ...model.blocks import KVCache, RecurrentState, per_sequence, rms_norm, sigmoid
+from ...model.blocks import KVCache, RecurrentState, causal_conv, per_sequence, rms_norm, sigmoid, silu_in_place
 from ..deepseek2.model import Model as DeepSeek2Model
 
 # q and k are L2-normed as the reference kernels (flash-linear-attention, transformers) do:
@@ -108,11 +108,7 @@ class Model(DeepSeek2Model):
         t, h, d = mixed.shape[0], s.n_head, s.ssm_state
         inner = h * d
         # The short causal convs over q, k and v's channels, continuing from the previous tokens' inputs.
-        window = np.concatenate([state.conv[i], mixed])  # [kernel-1+T, 3·H·d]
-        kernel = L["conv"].shape[0]
-        conv = sum(window[j : j + t] * L["conv"][j] for j in range(kernel))  # [T, 3·H·d]
-        state.conv[i][:] = window[t:]
-        conv = conv * sigmoid(conv)  # SiLU
+        conv = silu_in_place(causal_conv(state.conv[i], mixed, L["conv"]))  # [T, 3·H·d]
         q = l2_normalize(conv[:, :inner].reshape(t, h, d)) * np.float32(1.0 / math.sqrt(d))
         k = l2_normalize(conv[:, inner : 2 * inner].reshape(t, h, d))
         v = conv[:, 2 * inner :].reshape(t, h, d)

@@ -87,21 +87,9 @@ class Model(MoEModel):
         return np.float32(cap) * np.tanh(z / np.float32(cap)) if cap else z
 
     def layer(self, i, x, cache, start, positions):
-        s, L, eps = self.spec, self.layers[i], self.spec.rms_eps
-        t, hd, hk = x.shape[0], s.head_dim_k[i], s.n_head_kv[i]
-        sliding = s.swa_layers[i]
-        rope = self.rope_swa if sliding else self.rope_full
+        L, eps = self.layers[i], self.spec.rms_eps
         with self.stage("attention"):
-            n = rms_norm(x, L["attn_norm"], eps)
-            q = rms_norm(L["q"](n).reshape(t, s.n_head, hd), L["q_norm"], eps)  # [T, H, d]
-            k_raw = L["k"](n).reshape(t, hk, hd)
-            v = L["v"](n).reshape(t, hk, s.head_dim_v[i]) if L["v"] is not None else k_raw  # full layers: V = K
-            v = rms_norm(v, None, eps)
-            k = rms_norm(k_raw, L["k_norm"], eps)
-            cos, sin = rope.tables(positions)
-            window = s.sliding_window if sliding else 0
-            a = store_and_attend(rope.apply(q, cos, sin), rope.apply(k, cos, sin), v, cache, i, start, 1.0, window)
-            h = x + rms_norm(L["o"](a), L["post_attn_norm"], eps)
+            h = x + self.attention(i, x, cache, start, positions)
         with self.stage("dense_mlp"):  # always on
             n1 = rms_norm(h, L["ffn_norm"], eps)
             m1 = rms_norm(L["down"](gelu_tanh(L["gate"](n1)) * L["up"](n1)), L["post_ffw_norm_1"], eps)
@@ -116,3 +104,24 @@ class Model(MoEModel):
             m2 = rms_norm(m2, L["post_ffw_norm_2"], eps)
         f = rms_norm(m1 + m2, L["post_ffw_norm"], eps)
         return (h + f) * L["out_scale"]
+
+    def attention(self, i, x, cache, start, positions):
+        """The attention block's output, post-norm, before the residual add. Its own function so
+        its temporaries (a full layer's [T, H, 512] queries and output: ~300 MiB for a
+        4,096-token chunk) are gone before the FFNs run, which the chunk's activation budget
+        assumes (shared/gguf/spec.py prefill_activation_bytes)."""
+        s, L, eps = self.spec, self.layers[i], self.spec.rms_eps
+        t, hd, hk = x.shape[0], s.head_dim_k[i], s.n_head_kv[i]
+        sliding = s.swa_layers[i]
+        rope = self.rope_swa if sliding else self.rope_full
+        cos, sin = rope.tables(positions)
+        n = rms_norm(x, L["attn_norm"], eps)
+        k_raw = L["k"](n).reshape(t, hk, hd)
+        v = rms_norm(L["v"](n).reshape(t, hk, s.head_dim_v[i]) if L["v"] is not None else k_raw, None, eps)  # full layers: V = K
+        k = rope.apply(rms_norm(k_raw, L["k_norm"], eps), cos, sin)
+        q = rope.apply(rms_norm(L["q"](n).reshape(t, s.n_head, hd), L["q_norm"], eps), cos, sin)  # [T, H, d]
+        del n, k_raw  # one [T, H, d] query array alive, not three, beside the attention's output
+        window = s.sliding_window if sliding else 0
+        a = store_and_attend(q, k, v, cache, i, start, 1.0, window)
+        del q
+        return rms_norm(L["o"](a), L["post_attn_norm"], eps)

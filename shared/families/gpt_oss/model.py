@@ -68,18 +68,9 @@ class Model(MoEModel):
         )
 
     def layer(self, i, x, cache, start, positions):
-        s, L, eps = self.spec, self.layers[i], self.spec.rms_eps
-        t, hd, hk = x.shape[0], s.head_dim_k[i], s.n_head_kv[i]
+        L, eps = self.layers[i], self.spec.rms_eps
         with self.stage("attention"):
-            n = rms_norm(x, L["attn_norm"], eps)
-            q = (L["q"](n) + L["q_b"]).reshape(t, s.n_head, hd)  # [T, H, d]
-            k = (L["k"](n) + L["k_b"]).reshape(t, hk, hd)
-            v = (L["v"](n) + L["v_b"]).reshape(t, hk, s.head_dim_v[i])
-            cos, sin = self.rope.tables(positions)
-            window = s.sliding_window if s.swa_layers[i] else 0
-            q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
-            a = store_and_attend(q, k, v, cache, i, start, self.scale, window, L["sinks"])
-            h = x + L["o"](a) + L["o_b"]
+            h = x + self.attention(i, x, cache, start, positions) + L["o_b"]
         with self.stage("router"):
             n2 = rms_norm(h, L["ffn_norm"], eps)
             scores = L["router"](n2) + L["router_b"]
@@ -87,3 +78,21 @@ class Model(MoEModel):
             self.hint_next_layer(i, n2)
         with self.stage("experts"):
             return h + apply_experts(n2, routing, self.source, i, clamped_swiglu_expert)
+
+    def attention(self, i, x, cache, start, positions):
+        """The attention block's output projection (its bias is added in `layer`, in the
+        model's order). Its own function so its temporaries are gone before the experts run,
+        which the chunk's activation budget assumes (shared/gguf/spec.py prefill_activation_bytes)."""
+        s, L, eps = self.spec, self.layers[i], self.spec.rms_eps
+        t, hd, hk = x.shape[0], s.head_dim_k[i], s.n_head_kv[i]
+        n = rms_norm(x, L["attn_norm"], eps)
+        q = (L["q"](n) + L["q_b"]).reshape(t, s.n_head, hd)  # [T, H, d]
+        k = (L["k"](n) + L["k_b"]).reshape(t, hk, hd)
+        v = (L["v"](n) + L["v_b"]).reshape(t, hk, s.head_dim_v[i])
+        del n
+        cos, sin = self.rope.tables(positions)
+        window = s.sliding_window if s.swa_layers[i] else 0
+        q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
+        a = store_and_attend(q, k, v, cache, i, start, self.scale, window, L["sinks"])
+        del q
+        return L["o"](a)

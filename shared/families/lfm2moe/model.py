@@ -25,7 +25,7 @@ import numpy as np
 
 from ...gguf.model_file import ModelFile
 from ...model.base import MoEModel
-from ...model.blocks import KVCache, RecurrentState, per_sequence, rms_norm, rope_from_spec, swiglu
+from ...model.blocks import KVCache, RecurrentState, causal_conv, per_sequence, rms_norm, rope_from_spec, swiglu
 from ...model.gqa import gqa, load_gqa
 from ...model.moe import apply_experts, route_as_spec, swiglu_expert
 
@@ -106,11 +106,4 @@ class Model(MoEModel):
         and into its cache's conv state: [T, D]."""
         if cache.state is None:
             raise ValueError("an lfm2moe layer needs the cache of Model.new_cache (it holds the conv state)")
-        state, t = cache.state, u.shape[0]
-        window = np.concatenate([state.conv[i], u])  # [L-1+T, D]: the previous inputs first
-        w = self.layers[i]["conv"]  # [L, D]
-        conv = window[0:t] * w[0]
-        for j in range(1, w.shape[0]):
-            conv += window[j : j + t] * w[j]
-        state.conv[i][:] = window[t:]
-        return conv
+        return causal_conv(cache.state.conv[i], u, self.layers[i]["conv"])  # w [L, D]: the previous inputs first

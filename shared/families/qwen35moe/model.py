@@ -27,7 +27,7 @@ import numpy as np
 
 from ...gguf.model_file import ModelFile
 from ...model.base import MoEModel
-from ...model.blocks import KVCache, RecurrentState, attention, per_sequence, rms_norm, rope_from_spec, sigmoid
+from ...model.blocks import KVCache, RecurrentState, attention, causal_conv, per_sequence, rms_norm, rope_from_spec, sigmoid, silu_in_place
 from ...model.moe import apply_experts, gated_shared_expert, load_shared_expert, softmax_then_top_k, swiglu_expert
 
 
@@ -126,11 +126,10 @@ class Model(MoEModel):
         """The projections on every row; the conv and the recurrence per sequence, on its own state."""
         s, L, eps = self.spec, self.layers[i], self.spec.rms_eps
         t, st, v_heads = n.shape[0], s.ssm_state, s.ssm_heads
-        z = L["z"](n).reshape(t, v_heads, st)
         beta = sigmoid(L["beta"](n))  # [T, Hv]
         decay = np.exp(softplus(L["alpha"](n) + L["dt_bias"]) * L["a"])  # [T, Hv], in (0, 1]
-        mixed = L["qkv"](n)  # [T, C]
-        o = per_sequence(cache, 0, lambda c, _, *rows: self.scan(i, c, *rows), mixed, beta, decay)  # [T, Hv, d_v]
+        o = per_sequence(cache, 0, lambda c, _, *rows: self.scan(i, c, *rows), L["qkv"](n), beta, decay)  # [T, Hv, d_v]
+        z = L["z"](n).reshape(t, v_heads, st)  # after the scan: not alive beside its [T, C] arrays
         y = rms_norm(o, L["ssm_norm"], eps) * (z * sigmoid(z))
         return L["out"](y.reshape(t, v_heads * st))
 
@@ -142,11 +141,7 @@ class Model(MoEModel):
         s, L, eps, state = self.spec, self.layers[i], self.spec.rms_eps, cache.state
         t, st, g_heads, v_heads = mixed.shape[0], s.ssm_state, s.ssm_groups, s.ssm_heads
         # The short causal conv over the channels, continuing from the previous tokens' inputs.
-        window = np.concatenate([state.conv[i], mixed])  # [kernel-1+T, C]
-        kernel = L["conv"].shape[0]
-        conv = sum(window[j : j + t] * L["conv"][j] for j in range(kernel))  # [T, C]
-        state.conv[i][:] = window[t:]
-        conv = conv * sigmoid(conv)  # SiLU
+        conv = silu_in_place(causal_conv(state.conv[i], mixed, L["conv"]))  # [T, C]
         kd = g_heads * st
         q = l2_normalize(conv[:, :kd].reshape(t, g_heads, st), eps)
         k = l2_normalize(conv[:, kd : 2 * kd].reshape(t, g_heads, st), eps)

@@ -8,9 +8,10 @@ place in the next step and waits. The serving loop, on the process's main
 thread (which owns every socket), runs a step once every busy slot has asked:
 
   1. take what came on the requests link: a Generate takes an idle slot (the
-     one whose cached ids share the longest prefix with its prompt), a Cancel
-     ends its slot's request, a Slot action waits until every slot is idle
-     and acts on slot 0's session;
+     one whose cached ids share the longest prefix with its prompt; when another
+     slot, idle or busy, holds a longer one, its KV rows are copied into the
+     slot first: `share_prefix`), a Cancel ends its slot's request, a Slot
+     action waits until every slot is idle and acts on slot 0's session;
   2. one `forward_batch` over one decode row of every decoding slot and at
      most one chunk of a prompt (the oldest request's; compute.prefill_chunk
      tokens, else SLOT_PREFILL_CHUNK), so a long prompt never stops the
@@ -41,7 +42,7 @@ from ..shared.errors import UserError
 from ..shared.model.batch import BatchPart
 from ..shared.model.blocks import KVCache
 from ..shared.model.session import Session, common_prefix
-from ..shared.text.generate import generate
+from ..shared.text.generate import generate, reuse_align
 from ..shared.wire import ipc
 from ..shared.wire import messages as m
 from .compute import GenerationAborted, Interrupts, _next_request, handle_slot, request_settings
@@ -50,6 +51,9 @@ from .metered import MeteredModel
 
 log = logging.getLogger("moe_pipe.compute")
 WAIT_S = 0.02  # the longest a busy loop waits for the slots before it looks at the requests link again
+# The longest an arriving request waits for busy slots to ask for their next step, when one of them
+# may hold a longer prefix of its prompt than its own slot: a slot's thread only samples between steps.
+SHARE_WAIT_S = 0.5
 
 
 def slot_prefill_chunk(config: Config) -> int:
@@ -130,6 +134,14 @@ class Steps:
             a = self.asks.pop(slot, None)
             if a is not None:
                 self._answer(a, error=GenerationAborted(m.Code.CANCELLED, "cancelled by the front end"))
+
+    def settle(self, timeout_s: float) -> tuple[set[int], set[int]]:
+        """Until every busy slot has asked (or `timeout_s`): the busy slots and, of them, those
+        waiting for a step. A waiting slot's thread holds still until the serving loop answers
+        it, so its session (its committed positions and their ids) can be read meanwhile."""
+        with self.cond:
+            self.cond.wait_for(lambda: self.busy <= self.asks.keys(), timeout_s)
+            return set(self.busy), self.busy & self.asks.keys()
 
     def gather(self, timeout_s: float) -> list[Ask]:
         """Until every busy slot has asked (or a frame waits to go out, or `timeout_s`): the asks so far."""
@@ -292,18 +304,55 @@ class Slots:
             if slot is None:
                 return
             pending.pop(0)
-            self.start(slot, msg)
+            self.start(slot, msg, self.share_prefix(slot, msg))
 
-    def start(self, slot: Slot, req: m.Generate) -> None:
+    def share_prefix(self, slot: Slot, req: m.Generate) -> int:
+        """Before `slot` starts `req`: when another slot's session (idle, or busy and waiting for
+        a step: only its committed positions) can give the prompt a longer prefix than `slot`'s own
+        reuse would, copy that prefix's KV rows and ids into `slot`'s session (Session.share_from),
+        so generate's prefix reuse keeps them. The positions copied (0: none). The rules of a slot's
+        own reuse decide what another slot can give (Session.reusable): a ring only while it holds
+        the window before the prefix's end, a recurrent state only when it holds exactly the prefix,
+        a q8_0 cache whole prefill chunks (docs/batching.md § Prompt prefixes shared across slots)."""
+        if not req.cache_prompt:
+            return 0
+        prompt, chunk = req.prompt_tokens, slot_prefill_chunk(self.config)
+
+        def reusable(s: Slot) -> int:
+            return s.session.reusable(prompt, True, reuse_align(s.session, chunk))
+
+        own = reusable(slot)
+        busy = self.busy()
+        waiting: set[int] = set()
+        # A busy slot's thread changes its session between steps: read only those waiting for one,
+        # and wait for them only when one might give more (this first look is not relied on).
+        if any(common_prefix(s.session.tokens, prompt) > own for s in self.slots if s.id in busy):
+            busy, waiting = self.steps.settle(SHARE_WAIT_S)
+        donors = [s for s in self.slots if s is not slot and s.session.cache is not None and (s.id not in busy or s.id in waiting)]
+        best = max(donors, key=reusable, default=None)
+        n = reusable(best) if best is not None else 0
+        if best is None or n <= own:
+            return 0
+        try:
+            slot.session.share_from(best.session, n, self.metered.model, self.config.compute.ctx_size)
+        except Exception:  # noqa: BLE001 - a bug: the request computes its prompt, the process goes on
+            log.exception("sharing a prefix from slot %d into slot %d failed", best.id, slot.id)
+            slot.session.reset()
+            return 0
+        log.debug("slot %d: %d prompt positions from slot %d", slot.id, n, best.id)
+        return n
+
+    def start(self, slot: Slot, req: m.Generate, shared: int = 0) -> None:
         self.arrivals += 1
         slot.req_id, slot.order = req.req_id, self.arrivals
         self.steps.join(slot.id)
-        slot.thread = threading.Thread(target=self.run, args=(slot, req), name=f"slot-{slot.id}", daemon=True)
+        slot.thread = threading.Thread(target=self.run, args=(slot, req, shared), name=f"slot-{slot.id}", daemon=True)
         slot.thread.start()
 
     # -- a slot's thread ----------------------------------------------------------------
-    def run(self, slot: Slot, req: m.Generate) -> None:
-        """The request, as compute.handle serves it alone; its frames go to the outbox."""
+    def run(self, slot: Slot, req: m.Generate, shared: int = 0) -> None:
+        """The request, as compute.handle serves it alone; its frames go to the outbox.
+        `shared`: its prompt positions copied from another slot (`share_prefix`)."""
         post = self.steps.post
         try:
             try:
@@ -325,6 +374,7 @@ class Slots:
             )
             timings: dict[str, m.Scalar] = {k: v for k, v in result.timings.items() if isinstance(v, (int, float, str, bool))}
             timings["id_slot"] = slot.id
+            timings["prompt_shared"] = min(shared, int(result.timings.get("prompt_cached", 0)))  # of prompt_cached
             post(m.Done(req.req_id, True, result.finish_reason, tuple(result.tokens), timings))
         except GenerationAborted as exc:
             post(m.Done(req.req_id, False, code=str(exc.code), error=str(exc)))

@@ -394,3 +394,117 @@ def test_the_budget_gains_what_f16_saves(monkeypatch, tiny_model):
         kv32, kv16 = kv_cache_bytes(mf.spec, 4096, "f32"), kv_cache_bytes(mf.spec, 4096, "f16")
     assert kv32 == 2 * kv16 > 0
     assert got["f16"] - got["f32"] == kv32 - kv16
+
+
+# ---------------------------------------------------------------- a prefix copied from another cache
+
+
+@pytest.mark.parametrize("kv_type", ["f32", "f16", "q8_0"])
+def test_a_copied_prefix_holds_the_same_stored_rows_as_the_donor(kv_type):
+    """Another sequence's first n positions copied (KVCache.copy_prefix_from): the values as
+    stored (q8_0's scales too), its count n, and the donor's own rows untouched by what the
+    copy then stores; on a ring, what it holds of 0..n-1, which is the window before n."""
+    rng = np.random.default_rng(9)
+    k, v = _random_kv(rng, t=20)
+    donor = _filled(kv_type, k, v)
+    for copy in (KVCache(32, (2,), (64,), (64,), kv_type), _filled(kv_type, v, k)):  # empty, and holding another sequence
+        copy.copy_prefix_from(donor, 15)
+        assert copy.n == 15
+        stored = [(c.k[0].export(0, 15), c.v[0].export(0, 15)) for c in (copy, donor)]
+        assert all(np.array_equal(a, b) for x, y in zip(*stored) for a, b in zip(x, y))
+        copy.store(0, v[:5], k[:5])  # its own positions 15..19
+        assert np.array_equal(donor.keys(0, 15, 20), _filled(kv_type, k, v).keys(0, 15, 20))
+    ring, _ = _ring_and_whole(kv_type)
+    for at in range(0, 20, 4):
+        ring.store(0, k[at : at + 4], v[at : at + 4])
+        ring.advance(4)
+    copy, _ = _ring_and_whole(kv_type)
+    copy.copy_prefix_from(ring, 18)  # the ring holds 9..19; a query at 18 needs 11..17
+    assert copy.n == 18 and copy.k[0].lo == 9 and copy.holds_window(18)
+    assert np.array_equal(copy.keys(0, 9, 18), ring.keys(0, 9, 18)) and np.array_equal(copy.values(0, 9, 18), ring.values(0, 9, 18))
+
+
+def test_a_prefix_is_not_copied_from_a_cache_that_cannot_give_it():
+    rng = np.random.default_rng(10)
+    k, v = _random_kv(rng, t=40)
+    ring, whole = _ring_and_whole("f32")
+    for at in range(0, 40, 4):
+        ring.store(0, k[at : at + 4], v[at : at + 4])
+        ring.advance(4)
+    copy, _ = _ring_and_whole("f32")
+    copy.copy_prefix_from(ring, 36)  # the window before 36 is 29..35: held
+    before = [a.copy() for a in copy.parts()]
+    with pytest.raises(ValueError, match="cannot share the first 35 of 40 positions: its rings no longer hold the window before them"):
+        copy.copy_prefix_from(ring, 35)  # needs 28, overwritten by 39
+    with pytest.raises(ValueError, match="cannot share the first 41 of 40 positions: it does not hold them"):
+        copy.copy_prefix_from(ring, 41)
+    with pytest.raises(ValueError, match="another layout"):
+        copy.copy_prefix_from(whole, 0)  # a ring and a whole-context layer
+    with pytest.raises(ValueError, match="another layout"):
+        copy.copy_prefix_from(_ring_and_whole("f16")[0], 0)
+    with pytest.raises(ValueError, match="itself"):
+        copy.copy_prefix_from(copy, 4)
+    assert copy.n == 36 and all(np.array_equal(a, b) for a, b in zip(copy.parts(), before))  # a refused copy changes nothing
+
+
+def _continued(model, prefix_cache, tail, n_decode=6):
+    """Every logits row of `tail` run on the cache, then of greedy decoding from it."""
+    rows = [model.forward(tail, prefix_cache, all_logits=True)]
+    token = int(rows[-1][-1].argmax())
+    for _ in range(n_decode):
+        rows.append(model.decode_one(token, prefix_cache)[None])
+        token = int(rows[-1][-1].argmax())
+    return np.concatenate(rows)
+
+
+@pytest.mark.parametrize("arch", ["gemma4", "gpt-oss"])
+def test_a_sequence_continued_from_a_copied_ring_prefix_is_the_sequence_computed_alone(arch, tmp_path):
+    """The tiny model with an 8-token window (rings of 11 rows): a donor that read a 20-token
+    prefix and 3 tokens of its own gives another cache its first 20 positions; that cache
+    continued with another tail gives, bit for bit, the logits of computing prefix and tail
+    alone. Once the donor has gone on more than a block past 20, its rings no longer hold the
+    window before 20 and the copy is refused."""
+    from moe_pipe.shared.makemodel.maker import make_model
+
+    path = make_model(arch, "tiny", tmp_path / "m.gguf", _overrides={"sliding_window": 8})
+    prefix = [(7 * i + 3) % 200 + 5 for i in range(20)]
+    with open_model(path) as mf:
+        model, s = load_model(mf, options=ModelOptions(kv_type="f32")), mf.spec
+        donor, copy, alone = (KVCache.for_spec(s, 64, "f32", prompt_block=4) for _ in range(3))
+        model.forward(prefix[:16], donor)
+        model.forward(prefix[16:] + [11, 12, 13], donor)  # the donor's own tokens overwrite ring rows past 20
+        copy.copy_prefix_from(donor, 20)
+        model.forward(prefix[:16], alone)
+        model.forward(prefix[16:], alone)
+        tail = [21, 22, 23, 24, 25]
+        assert np.array_equal(_continued(model, copy, tail), _continued(model, alone, tail))
+        for t in (14, 15, 16):
+            model.decode_one(t, donor)  # 26 positions: the rings hold 15..25, the window before 20 needs 13..19
+        assert not donor.can_share(20)
+        with pytest.raises(ValueError, match="rings no longer hold"):
+            KVCache.for_spec(s, 64, "f32", prompt_block=4).copy_prefix_from(donor, 20)
+
+
+def test_a_recurrent_state_is_copied_only_whole(tmp_path):
+    """qwen35moe: the donor's linear-attention state has folded in every position it holds, so
+    its prefix is copied only when it is all of it (then the copy continues exactly as the
+    sequence alone, and the donor goes on unchanged by the copy's steps); a shorter prefix is refused."""
+    from moe_pipe.shared.makemodel.maker import make_model
+
+    path = make_model("qwen35moe", "tiny", tmp_path / "q.gguf")
+    prefix, tail, other = [5, 17, 29, 41, 53, 65, 77, 89], [101, 113, 125], [7, 9, 11]
+    with open_model(path) as mf:
+        model = load_model(mf, options=ModelOptions(kv_type="f32"))
+        donor, copy, alone = (model.new_cache(32) for _ in range(3))
+        model.forward(prefix, donor)
+        model.forward(prefix, alone)
+        copy.copy_prefix_from(donor, len(prefix))
+        assert copy.state is not None and copy.state.conv is not donor.state.conv
+        assert np.array_equal(_continued(model, copy, tail), _continued(model, alone, tail))
+        fresh = model.new_cache(32)
+        model.forward(prefix, fresh)
+        assert np.array_equal(_continued(model, donor, other), _continued(model, fresh, other))  # the donor's own state
+        refused = model.new_cache(32)
+        with pytest.raises(ValueError, match="a recurrent state is only shared whole"):
+            refused.copy_prefix_from(donor, len(prefix))  # it went on past the prefix
+        assert refused.n == 0 and not any(a.any() for a in (*refused.state.conv.values(), *refused.state.delta.values()))

@@ -110,6 +110,35 @@ def test_conversations_reuse_a_whole_cache_or_none_and_sessions_are_refused(made
         assert not list(tmp_path.iterdir())
 
 
+def test_another_session_gives_its_prefix_only_when_its_state_holds_exactly_that(made):
+    """Prefixes shared across slots (Session.share_from, procs/slots.py) on a hybrid model: a
+    session that holds exactly a prompt's prefix gives it (state and KV copied) and the prompt
+    continues from it with a fresh run's tokens; one that has gone on past it has nothing to
+    give, as its state cannot be rewound (docs/batching.md § Prompt prefixes shared across slots)."""
+    from moe_pipe.shared.model.session import Session
+    from moe_pipe.shared.text.generate import GenerationConfig, generate
+    from moe_pipe.shared.text.sampling import SamplingParams
+    from moe_pipe.shared.text.tokenizer import Tokenizer
+
+    def run(model, tok, prompt, n, session=None):
+        cfg = GenerationConfig(max_tokens=n, n_ctx=64, ignore_eos=True, prefill_batch=1)
+        return generate(model, tok, prompt, SamplingParams(), cfg, session=session)
+
+    with open_model(made) as mf:
+        model, tok = load_model(mf), Tokenizer.from_gguf(mf.gguf)
+        prefix, donor, mine = PROMPTS[1], Session(), Session()
+        run(model, tok, prefix, 1, donor)  # holds the prefix exactly (its one output token never ran)
+        prompt = prefix + PROMPTS[2]
+        assert donor.reusable(prompt) == len(prefix) == donor.n
+        mine.share_from(donor, len(prefix), model, 64)
+        got = run(model, tok, prompt, 6, mine)
+        assert got.timings["prompt_cached"] == len(prefix) and got.tokens == run(model, tok, prompt, 6).tokens
+        run(model, tok, prefix, 3, donor)  # now it holds the prefix and two output tokens
+        assert donor.n > len(prefix) and donor.reusable(prompt) == 0
+        with pytest.raises(ValueError, match="only shared whole"):
+            Session().share_from(donor, len(prefix), model, 64)
+
+
 def test_budget_counts_the_state_and_kv_of_attention_layers_only(made):
     with open_model(made) as mf:
         s = mf.spec

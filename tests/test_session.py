@@ -428,3 +428,27 @@ def test_a_saved_ring_session_restores_into_any_cache_and_continues_as_if_never_
         counting = Counting(model)
         tail = run(counting, tok, prompt + head, n, restored, prefill_batch=8)
         assert head + tail.tokens == whole and counting.prefilled == 1
+
+
+@pytest.mark.parametrize("arch", WINDOWED)
+def test_a_prefix_shared_from_another_session_is_kept_by_reuse_and_exact(windowed, arch):
+    """What a slot takes from another (Session.share_from, procs/slots.py): the other session's
+    rings hold the window before the shared prefix, so the prefix is copied, generate keeps all
+    of it and computes only the rest, and the tokens are a fresh run's. Once the other session
+    has gone on more than a block past the prefix, it has nothing to give (`reusable` 0)."""
+    _, model, tok, _ = windowed[arch]
+    donor, mine, counting = ring_session(model), ring_session(model), Counting(model)
+    system = ids(tok, "The old mill stood by the river and the wheel turned all day long")
+    first = system + ids(tok, " and")
+    run(model, tok, first, 1, donor, prefill_batch=8)  # holds `first` (its one output token never ran)
+    prompt = system + ids(tok, " Zebras graze")
+    n = donor.reusable(prompt)
+    assert n == len(system) and donor.n - n <= BLOCK and mine.reusable(prompt) == 0
+    mine.share_from(donor, n, model, 256)
+    got = run(counting, tok, prompt, 8, mine, prefill_batch=8)
+    assert got.timings["prompt_cached"] == n and counting.prefilled == len(prompt) - n
+    assert got.tokens == run(model, tok, prompt, 8, prefill_batch=8).tokens
+    run(model, tok, first + ids(tok, " the miller sang"), 4, donor, prefill_batch=8)  # it goes on past the prefix
+    assert donor.n - n > BLOCK and donor.reusable(prompt) == 0
+    with pytest.raises(ValueError, match="rings no longer hold"):
+        ring_session(model).share_from(donor, n, model, 256)

@@ -79,6 +79,34 @@ def test_a_step_answers_each_slot_its_own_row():
     assert {i: v.tolist() for i, v in got.items()} == {0: [0, 0, 0], 1: [1, 1, 1]}
 
 
+def test_only_a_slot_waiting_for_a_step_is_read_by_another_request():
+    # A busy slot's thread changes its session between steps (reuse, a context shift); one that
+    # has asked holds still until the loop answers it: only such a slot gives a prefix away.
+    steps = Steps()
+    for i in range(2):
+        steps.join(i)
+    errors: list[BaseException] = []
+
+    def slot_thread() -> None:
+        try:
+            steps.ask(0, 1, [5], cache=None)  # type: ignore[arg-type]
+        except Exception as exc:  # noqa: BLE001 - the test looks at it
+            errors.append(exc)
+
+    t = threading.Thread(target=slot_thread)
+    t.start()
+    busy, waiting = steps.settle(0.2)
+    while not waiting:
+        busy, waiting = steps.settle(0.2)
+    assert (busy, waiting) == ({0, 1}, {0})  # slot 1 never asked: the wait ends at its timeout
+    steps.cancel(0)
+    t.join(5.0)
+    assert [getattr(e, "code", None) for e in errors] == ["cancelled"]
+    steps.leave(0)
+    steps.leave(1)
+    assert steps.settle(5.0) == (set(), set())  # nothing busy: at once
+
+
 # -- the service ------------------------------------------------------------------------
 
 pytest.importorskip("openai", reason="the service tests use the openai client: pip install '.[test]'")
@@ -216,3 +244,59 @@ def test_a_prompt_read_in_chunks_beside_decoding_slots_streams_its_progress(svc3
     assert done == sorted(done) and done[0] == progress[0]["cache"] == 0 and len(done) >= 3
     first_text = next(i for i, e in enumerate(events) if e.get("choices") and e["choices"][0]["delta"].get("content"))
     assert first_text > max(i for i, e in enumerate(events) if "prompt_progress" in e)  # progress before any text
+
+
+SYSTEM = (
+    "You are the assistant of a small bakery. Answer in one short paragraph, politely, and never invent prices. "
+    "The bakery opens at seven and closes at six, sells bread, cakes and pastries, takes orders a day ahead, "
+    "delivers within the town on weekdays, and keeps a gluten-free shelf that changes every morning."
+)
+QUESTIONS = ["When do you open?", "Do you deliver?", "What is on the gluten-free shelf?", "Can I order a cake?"]
+
+
+def _ask_with_system(s: Service, question: str, n: int, stream_until_first: threading.Event | None = None) -> tuple[str, int]:
+    """A greedy reply to the bakery's system prompt and a question, and its usage's cached_tokens;
+    with `stream_until_first`, streamed, the event set once its first text arrives."""
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+    client = s.client()
+    if stream_until_first is None:
+        r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=n, temperature=0)
+        return r.choices[0].message.content, r.usage.prompt_tokens_details.cached_tokens
+    parts, cached = [], -1
+    chunks = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=n, temperature=0, stream=True, stream_options={"include_usage": True}
+    )
+    for chunk in chunks:
+        if chunk.choices and chunk.choices[0].delta.content:
+            parts.append(chunk.choices[0].delta.content)
+            stream_until_first.set()
+        if chunk.usage is not None:
+            cached = chunk.usage.prompt_tokens_details.cached_tokens
+    return "".join(parts), cached
+
+
+@pytest.mark.integration
+def test_a_system_prompt_shared_by_four_concurrent_requests_is_computed_once(svc3):
+    """Four greedy requests with one long system prompt and different questions on a fresh
+    service with four slots: the first computes the system prompt; each later one, arriving
+    while it decodes, takes it from that slot's KV cache (usage cached_tokens, /metrics), and
+    every reply is the one it gets alone (here: alone in another service's slot)."""
+    lengths = [200, 32, 32, 32]  # the first decodes on while the others arrive
+    alone = [_ask_with_system(svc3, q, n) for q, n in zip(QUESTIONS, lengths)]
+    svc4 = Service("--parallel", "4", "--prefill-chunk", "16", model=CONFIG)
+    try:
+        first_text = threading.Event()
+        with ThreadPoolExecutor(4) as ex:
+            first = ex.submit(_ask_with_system, svc4, QUESTIONS[0], lengths[0], first_text)
+            assert first_text.wait(120), "the first request never streamed"
+            later = [ex.submit(_ask_with_system, svc4, q, n) for q, n in zip(QUESTIONS[1:], lengths[1:])]
+            together = [first.result()] + [f.result() for f in later]
+        assert [t for t, _ in together] == [t for t, _ in alone]
+        shared = [c for _, c in together]
+        assert shared[0] == 0 and min(shared[1:]) > 60  # the system prompt and the template's head, from the first slot
+        with urllib.request.urlopen(svc4.url + "/metrics", timeout=30) as r:
+            metrics = r.read().decode()
+        assert f"\nmoe_pipe_prompt_tokens_shared_total {sum(shared[1:])}\n" in metrics
+        assert f"\nmoe_pipe_prompt_tokens_cached_total {sum(shared[1:])}\n" in metrics
+    finally:
+        svc4.close()

@@ -322,10 +322,50 @@ class KVCache:
         self.state.restore(snap)
         self.n = n
 
+    def can_share(self, n: int) -> bool:
+        """Whether another cache can go on from this one's first n positions (`copy_prefix_from`):
+        they are held (n at most the length), a ring still holds the window before n, and a
+        recurrent state, which has folded in every position, has folded in exactly n."""
+        if not 0 < n <= self.n:
+            return False
+        return (self.state is None or n == self.n) and self.holds_window(n)
+
+    def copy_prefix_from(self, other: KVCache, n: int) -> None:
+        """Hold `other`'s first n positions, as if this cache had computed them: every layer's
+        K and V rows (q8_0's scales too; a ring's held rows before n, which include the window
+        the next position needs) and a recurrent state, then n positions counted. Refused with
+        a ValueError, before anything changes, when `other` cannot share them (`can_share`) or
+        is laid out otherwise (another model, kv_type or context)."""
+        if other is self:
+            raise ValueError("a cache cannot copy a prefix from itself")
+        if _layout(self) != _layout(other):
+            raise ValueError("cannot copy KV rows between caches of another layout (model, kv_type or context)")
+        if not other.can_share(n):
+            if not 0 < n <= other.n:
+                why = "it does not hold them"
+            elif other.state is not None and n < other.n:
+                why = "a recurrent state is only shared whole"
+            else:
+                why = "its rings no longer hold the window before them"
+            raise ValueError(f"cannot share the first {n} of {other.n} positions: {why}")
+        for mine, theirs in zip(self.rows(), other.rows()):
+            lo = max(theirs.lo, n - mine.cap, 0) if theirs.window else 0  # a ring: what it holds of 0..n-1
+            mine.restore(lo, n, theirs.export(lo, n))
+        if self.state is not None and other.state is not None:
+            self.state.restore((other.state.conv, other.state.delta))
+        self.n = n
+
     def parts(self) -> list[np.ndarray]:
         """Every stored array, [Hk, rows, x], in a fixed order (per layer: K, its
         q8_0 scales if any, V, its scales)."""
         return [a for r in self.rows() for a in r.arrays()]
+
+
+def _layout(cache: KVCache) -> tuple:
+    """What two caches must share for one to hold the other's positions: context, kv_type, windows,
+    prompt block, the shape of every stored array and of the recurrent state's (None without one)."""
+    state = None if cache.state is None else [(i, a.shape) for d in (cache.state.conv, cache.state.delta) for i, a in d.items()]
+    return cache.n_ctx, cache.kv_type, cache.windows, cache.prompt_block, [a.shape for a in cache.parts()], state
 
 
 class RecurrentState:

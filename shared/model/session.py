@@ -95,6 +95,11 @@ class Session:
         docs/conversations.md § Prefix reuse).
         Disabled, nothing in common, or a prefix whose sliding-window rows were
         overwritten (KVCache.can_truncate): start from position 0."""
+        self.truncate(self.reusable(prompt, enabled, align))
+        return self.n
+
+    def reusable(self, prompt: Sequence[int], enabled: bool = True, align: int = 1) -> int:
+        """How many positions `reuse` would keep for `prompt`, changing nothing."""
         keep = min(common_prefix(self.tokens, prompt), len(prompt) - 1) if enabled else 0
         if self.cache is not None and self.cache.state is not None:
             # A recurrent state cannot be rewound: all of the cache goes on, or none of it.
@@ -106,8 +111,19 @@ class Session:
             # on more than a prompt block past it, or a prompt stopped part way overwrote it):
             # no shorter prefix has its window either, so the prompt runs from position 0.
             keep = 0
-        self.truncate(max(keep, 0))
-        return self.n
+        return max(keep, 0)
+
+    def share_from(self, other: Session, n: int, model, n_ctx: int) -> None:
+        """Hold `other`'s first n positions in this session's cache (made if need be), as if it
+        had computed them: its KV rows and recurrent state copied (KVCache.copy_prefix_from)
+        and its ids, so that `reuse` keeps them (docs/batching.md § Prompt prefixes shared
+        across slots). Refused with a ValueError, this session unchanged, when `other`'s cache
+        cannot share them."""
+        if other.cache is None:
+            raise ValueError("the other session holds nothing to share")
+        self.cache_for(model, n_ctx).copy_prefix_from(other.cache, n)
+        self.ids = other.ids[:n]
+        self.redo, self._verify_state = [], None
 
     def feed(self, model, ids: Sequence[int], batch: int = 0) -> np.ndarray:
         """Run `ids` at the next positions: a prompt's batches of `batch`, or

@@ -22,6 +22,7 @@ class Metrics:
         self.requests: Counter[str] = Counter()
         self.generated_tokens = self.decode_tokens = 0
         self.prompt_tokens = self.prompt_tokens_cached = 0  # prompt tokens of finished requests, and of them reused from the KV cache
+        self.prompt_tokens_shared = 0  # of the cached ones, copied from another slot's cache (procs/slots.py share_prefix)
         self.decode_ms = self.last_tok_s = 0.0
         self.read_bytes = 0
         self.stall_ms = 0.0
@@ -32,7 +33,11 @@ class Metrics:
     def on_done(self, done: m.Done) -> None:
         self.generated_tokens += len(done.tokens)
         t = done.timings
-        for attr, key in (("prompt_tokens", "prompt_n"), ("prompt_tokens_cached", "prompt_cached")):
+        for attr, key in (
+            ("prompt_tokens", "prompt_n"),
+            ("prompt_tokens_cached", "prompt_cached"),
+            ("prompt_tokens_shared", "prompt_shared"),
+        ):
             value = t.get(key)
             if done.ok and isinstance(value, (int, float)):
                 setattr(self, attr, getattr(self, attr) + int(value))
@@ -72,6 +77,12 @@ class Metrics:
             "counter",
             "Prompt tokens reused from the KV cache of earlier requests, not computed.",
             [("", self.prompt_tokens_cached)],
+        )
+        metric(
+            "moe_pipe_prompt_tokens_shared_total",
+            "counter",
+            "Of the cached prompt tokens, those copied from another slot's KV cache.",
+            [("", self.prompt_tokens_shared)],
         )
         metric(
             "moe_pipe_requests_total",

@@ -52,6 +52,13 @@ class GenerationConfig:
             raise UserError(f"n_keep must be ≥ -1 (-1 = the whole prompt), not {self.n_keep}")
 
 
+def reuse_align(session: Session, prefill_batch: int) -> int:
+    """What a kept prefix is a multiple of. f32/f16 caches compute every position alike in any
+    batch (attention row by row, int8 GEMM rows equal matvec), so any prefix can be kept; a q8_0
+    cache's batched attention rounds otherwise: whole prefill batches only."""
+    return prefill_batch if session.cache is not None and session.cache.kv_type == "q8_0" else 1
+
+
 @dataclass
 class Generation:
     prompt_tokens: list[int]
@@ -115,10 +122,7 @@ def generate(
     decoder = tokenizer.stream()
     session = session if session is not None else Session()
     session.cache_for(model, cfg.n_ctx)
-    # f32/f16 caches compute every position alike in any batch (attention row by row, int8 GEMM rows equal
-    # matvec), so any prefix can be kept; a q8_0 cache's batched attention rounds otherwise: whole batches only.
-    align = cfg.prefill_batch if session.cache is not None and session.cache.kv_type == "q8_0" else 1
-    cached = session.reuse(prompt_tokens, cfg.cache_prompt, align=align)
+    cached = session.reuse(prompt_tokens, cfg.cache_prompt, align=reuse_align(session, cfg.prefill_batch))
     n_keep = _n_keep(cfg, prompt_tokens, tokenizer)
     emitted = shifts = 0
 

@@ -13,7 +13,7 @@ Three outputs, picked by where stdout goes:
                    with several slots (gateway.parallel), a line a slot instead
     otherwise      one plain text line per token, the summary at the end of a run; a
                    prompt's progress every PROMPT_LINE_S while it runs, and once when it is done;
-                   with several slots, their states at most every PROMPT_LINE_S, and once they are all idle
+                   with several slots, a line as one changes state, and at most every PROMPT_LINE_S between
 
 While the reader warms the cache from the last run's hot set, the table and
 the text output show "warming 812/3,071 experts" (read from warm.json in the
@@ -214,6 +214,7 @@ class TextOutput:
         self.clock = clock
         self.prompt_line_at = self.warm_line_at = self.slots_line_at = -math.inf
         self.slots_shown: list[str] | None = None  # the slots' last line: the same one is never printed twice
+        self.slots_states: list[str] | None = None  # and their states in it
 
     def on_token(self, run: RunSoFar, rec) -> None:
         print(format_line(rec), flush=True)
@@ -230,14 +231,15 @@ class TextOutput:
             print(format_prompt(p), flush=True)
 
     def on_slots(self, run: RunSoFar) -> None:
-        """The slots in one line when it changed, at most every PROMPT_LINE_S; always the one
-        where they have all gone idle (a log then says the service is at rest)."""
+        """The slots in one line: at once when a slot changes state (a request comes,
+        its prompt is done, it ends: a few lines a request, beside its token lines),
+        else at most every PROMPT_LINE_S while their figures move."""
         assert run.slots is not None
         lines, now = format_slots(run.slots), self.clock()
-        at_rest = all(r["state"] == "idle" for r in run.slots.rows())
-        if lines == self.slots_shown or (now - self.slots_line_at < PROMPT_LINE_S and not at_rest):
+        states = [r["state"] for r in run.slots.rows()]
+        if lines == self.slots_shown or (states == self.slots_states and now - self.slots_line_at < PROMPT_LINE_S):
             return
-        self.slots_line_at, self.slots_shown = now, lines
+        self.slots_line_at, self.slots_shown, self.slots_states = now, lines, states
         print("slots: " + " · ".join(lines), flush=True)
 
     def on_warming(self, run: RunSoFar) -> None:

@@ -264,24 +264,26 @@ def test_the_slots_are_a_line_each():
     assert format_slots(slot_states((3, 10, 0, 10, 1), (4, 9, 0, 0, 0))) == ["slot 0 decoding, 1 token", "slot 1 prompt 0 / 9 tokens"]
 
 
-def test_the_text_output_shows_the_slots_now_and_then_and_when_all_are_idle(capsys):
+def test_the_text_output_shows_the_slots_as_one_changes_state_and_now_and_then_between(capsys):
     clock = type("Clock", (), {"t": 0.0, "__call__": lambda self: self.t})()
     out, run = TextOutput(clock=clock), RunSoFar()
     idle = slot_states((0, 0, 0, 0, 0), (0, 0, 0, 0, 0))
     for t, states in (
-        (0.0, slot_states((7, 40, 0, 8, 0), (0, 0, 0, 0, 0))),  # the first: at once
-        (0.3, slot_states((7, 40, 0, 40, 2), (9, 30, 0, 0, 0))),  # within PROMPT_LINE_S: held
-        (5.2, slot_states((7, 40, 0, 40, 60), (9, 30, 0, 30, 12))),
-        (5.4, slot_states((7, 40, 0, 40, 61), (0, 0, 0, 0, 0))),
-        (5.6, idle),  # at rest: always shown
-        (5.8, idle),  # the same again: not
+        (0.0, slot_states((7, 40, 0, 8, 0), (0, 0, 0, 0, 0))),  # a request came: at once
+        (0.3, slot_states((7, 40, 0, 24, 0), (0, 0, 0, 0, 0))),  # its progress within PROMPT_LINE_S: held
+        (0.4, slot_states((7, 40, 0, 40, 1), (9, 30, 0, 0, 0))),  # its prompt is done, another came: at once
+        (5.5, slot_states((7, 40, 0, 40, 60), (9, 30, 0, 14, 0))),  # PROMPT_LINE_S on: the figures
+        (5.7, slot_states((7, 40, 0, 40, 61), (9, 30, 0, 16, 0))),
+        (5.8, idle),  # at rest: at once
+        (5.9, idle),  # the same again: not
     ):
         clock.t = t
         run.slots = states
         out.on_slots(run)
     assert capsys.readouterr().out.splitlines() == [
         "slots: slot 0 prompt 8 / 40 tokens · slot 1 idle",
-        "slots: slot 0 decoding, 60 tokens · slot 1 decoding, 12 tokens",
+        "slots: slot 0 decoding, 1 token · slot 1 prompt 0 / 30 tokens",
+        "slots: slot 0 decoding, 60 tokens · slot 1 prompt 14 / 30 tokens",
         "slots: slot 0 idle · slot 1 idle",
     ]
 

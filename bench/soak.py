@@ -530,9 +530,7 @@ def soak(args) -> Report:
 def print_report(rep: Report) -> None:
     print(
         f"soak: {rep.seconds:g} s, a SIGKILL every ~{rep.kill_every_s:g} s, {rep.clients} clients, parallel {rep.parallel} "
-        f"({rep.wall_s:g} s in all: "
-        + ", ".join(f"{k} {v:g} s" for k, v in rep.phases_s.items())
-        + ")"
+        f"({rep.wall_s:g} s in all: " + ", ".join(f"{k} {v:g} s" for k, v in rep.phases_s.items()) + ")"
     )
     print(f"  requests {rep.requests}: ok {rep.ok} (the reference's text), mismatch {rep.mismatch}, errors {sum(rep.errors.values())}")
     for kind, n in sorted(rep.errors.items(), key=lambda kv: -kv[1]):

@@ -236,7 +236,7 @@ class TextOutput:
         else at most every PROMPT_LINE_S while their figures move."""
         assert run.slots is not None
         lines, now = format_slots(run.slots), self.clock()
-        states = [r["state"] for r in run.slots.rows()]
+        states = [str(r["state"]) for r in run.slots.rows()]
         if lines == self.slots_shown or (states == self.slots_states and now - self.slots_line_at < PROMPT_LINE_S):
             return
         self.slots_line_at, self.slots_shown, self.slots_states = now, lines, states

@@ -263,9 +263,7 @@ def merge_records(records: Sequence[TokenRecord], **fields: Any) -> TokenRecord:
     """One row of several passes' records (in order): their counts and times summed, the
     readings (READINGS) the last one's; `fields` set the rest (a request's step, req_id, rows)."""
     sums = {
-        name: sum(getattr(r, name) for r in records)
-        for name in field_names(TokenRecord)
-        if name not in READINGS and name not in fields
+        name: sum(getattr(r, name) for r in records) for name in field_names(TokenRecord) if name not in READINGS and name not in fields
     }
     return replace(records[-1], **sums, **fields)
 

@@ -612,11 +612,11 @@ class SlotStates(_Message):
         "idle", "prompt" or "decoding" (what tails and the web page show); a frame whose
         fields differ in length shows the slots all of them cover."""
         out: list[dict[str, int | str]] = []
-        for i, (req, total, cache, processed, decoded) in enumerate(zip(self.req_ids, self.total, self.cache, self.processed, self.decoded)):
+        for i, (req, total, cache, processed, decoded) in enumerate(
+            zip(self.req_ids, self.total, self.cache, self.processed, self.decoded)
+        ):
             state = "idle" if not req else "prompt" if processed < total else "decoding"
-            out.append(
-                {"id": i, "state": state, "req_id": req, "total": total, "cache": cache, "processed": processed, "decoded": decoded}
-            )
+            out.append({"id": i, "state": state, "req_id": req, "total": total, "cache": cache, "processed": processed, "decoded": decoded})
         return out
 
 

@@ -216,15 +216,17 @@ class SlotModel:
         tokens = [int(t) for t in tokens]
         progress = None if self.prompted else self._progress(cache.n, cache.n + len(tokens))
         self.prompted = True
-        answers = []
+        passes: list[m.TokenRecord | None] = []  # the chunks' records (their logits but the last are not kept)
+        last = None
         for s in range(0, len(tokens), batch):
-            answers.append(self.steps.ask(self.slot.id, self.slot.order, tokens[s : s + batch], cache))
+            last = self.steps.ask(self.slot.id, self.slot.order, tokens[s : s + batch], cache)
+            passes.append(last.record)
             if progress is not None:
                 self.slot.processed = cache.n
                 progress(cache.n)
-        if not answers:
+        if last is None:
             raise ValueError("forward needs at least one token")
-        return self._keep(answers, len(tokens))
+        return self._keep(last, passes, len(tokens))
 
     def _progress(self, cached: int, total: int):
         """Post the prompt's opening PromptProgress; returns what posts the next ones."""
@@ -238,17 +240,17 @@ class SlotModel:
         return post
 
     def decode_one(self, token: int, cache: KVCache) -> np.ndarray:
-        return self._keep([self.steps.ask(self.slot.id, self.slot.order, [token], cache)], 1)
+        a = self.steps.ask(self.slot.id, self.slot.order, [token], cache)
+        return self._keep(a, [a.record], 1)
 
-    def _keep(self, answers: list[Ask], rows: int) -> np.ndarray:
-        """The last answer's logits; the request's record of the passes behind them."""
-        passes = [a.record for a in answers if a.record is not None]
-        if passes:
-            self.records.append(merge_records(passes, step=len(self.records) + 1, req_id=self.req_id, pass_tokens=rows))
+    def _keep(self, last: Ask, passes: list[m.TokenRecord | None], rows: int) -> np.ndarray:
+        """The last answer's logits; the request's record of the passes behind them, its next token's."""
+        kept = [r for r in passes if r is not None]
+        if kept:
+            self.records.append(merge_records(kept, step=len(self.records) + 1, req_id=self.req_id, pass_tokens=rows))
         self.slot.decoded += 1  # each prefill or decode gives the request its next token
-        logits = answers[-1].logits
-        assert logits is not None
-        return logits
+        assert last.logits is not None
+        return last.logits
 
 
 class Slots:

@@ -1,14 +1,16 @@
 """Soak: the service answers a bounded stream of requests for a fixed time
 while a random child is killed with SIGKILL every few seconds.
 
-    python bench/soak.py [--seconds 180] [--kill-every 3] [--clients 2] [--max-tokens 24]
+    python bench/soak.py [--seconds 180] [--kill-every 3] [--clients 2] [--parallel 1] [--max-tokens 24]
                          [--victims reader,compute,telemetry,gateway] [--cache-mb 1.2]
                          [--check-prompts N] [--seed 0] [--json OUT]
 
 It starts `moe-pipe up configs/tiny.toml --detach` in a private runtime
 folder (XDG_RUNTIME_DIR under /tmp, as tests/test_service.py does) on a fixed
 free port (a restarted gateway binds it again), with a cache of a quarter of
-the experts so the reader is always reading when it is killed. Then:
+the experts so the reader is always reading when it is killed, and
+`gateway.parallel` --parallel (so with --clients 4 --parallel 4 every client's
+request is decoded beside the others', one batched pass a step). Then:
 
   1. references: each prompt once before any kill (greedy, so every later
      answer must be the same text); the first --check-prompts of them are
@@ -34,8 +36,12 @@ the experts so the reader is always reading when it is killed. Then:
 A request ends as `ok` (the reference's text), `mismatch` (a different text:
 a wrong answer), or an error by kind: `http_503:compute_unavailable`,
 `stream_error:...`, `connection:...` (the gateway was killed under it),
-`timeout` (no answer within REQUEST_TIMEOUT_S: a hang). The figures are
-printed, never judged; tests/test_soak.py makes the assertions.
+`timeout` (no answer within REQUEST_TIMEOUT_S: a hang). The last line sums
+them up: `wrong` (mismatches, in the soak, against `run` and after it),
+`lost` (requests that got neither an answer nor one of CLEAR_ERRORS: a hang,
+a stream cut short, an error that does not say the compute was lost) and
+`leaked` (what `down` left, and fds or threads the supervisor gained). The
+figures are printed, never judged; tests/test_soak.py makes the assertions.
 """
 
 from __future__ import annotations
@@ -81,6 +87,12 @@ STABLE_S = max(10 * START_SECS, BACKOFF_CAP_S)  # the supervisor's window: a cra
 SETTLE_S = 90.0  # after the soak: time for every child to be RUNNING again
 HEALTH_WAIT_S = 120.0  # after `up` or a restart: time for the gateway to answer /health with 200
 WATCH_EVERY_S = 0.5  # how often the service's process tree is sampled for its pids
+# The errors a client can act on, which say what happened: any other ending is a lost request.
+CLEAR_ERRORS = (
+    "connection:",  # the gateway itself was killed under the request, or is restarting
+    "http_503:compute_unavailable",  # compute died twice under it, or did not come back in time
+    "stream_error:compute_unavailable",
+)
 
 
 @dataclass
@@ -88,6 +100,7 @@ class Report:
     seconds: float
     kill_every_s: float
     clients: int
+    parallel: int = 1  # gateway.parallel: requests compute decodes at once
     requests: int = 0
     ok: int = 0
     mismatch: int = 0
@@ -114,6 +127,31 @@ class Report:
     wall_s: float = 0.0
 
     @property
+    def wrong(self) -> int:
+        """Answers that were not the reference's text: in the soak, against `run`, after it."""
+        return self.mismatch + len(self.reference_mismatch) + sum(": mismatch: " in e for e in self.recovery_errors)
+
+    @property
+    def lost(self) -> int:
+        """Requests that got neither an answer nor an error that says what happened (CLEAR_ERRORS)."""
+        return sum(n for kind, n in self.errors.items() if not kind.startswith(CLEAR_ERRORS))
+
+    @property
+    def leaked(self) -> int:
+        """Things the service left behind or piled up: segments, processes, runtime files, the
+        listener, fds of this client, and supervisor fds (beyond a restart's pipe) or threads."""
+        k = self.leaks
+        return (
+            len(self.leaked_shm)
+            + len(self.leaked_processes)
+            + len(self.leaked_runtime)
+            + int(self.leaked_listener)
+            + max(0, int(k["client_fds"]))  # type: ignore[call-overload]
+            + max(0, int(k["supervisor_fds"]) - 2)  # type: ignore[call-overload]  # a restart in progress may hold a pipe
+            + max(0, int(k["supervisor_threads"]))  # type: ignore[call-overload]
+        )
+
+    @property
     def leaks(self) -> dict[str, object]:
         return {
             "shm": self.leaked_shm,
@@ -136,7 +174,7 @@ def free_port() -> int:
 
 
 class Service:
-    def __init__(self, cache_mb: float):
+    def __init__(self, cache_mb: float, parallel: int = 1):
         # Every process of this service, as (pid, start time): the leak check
         # looks for these only. Sampled until the supervisor is gone; status()
         # adds the children it reports (one that lived less than a sample).
@@ -155,6 +193,8 @@ class Service:
             "--port",
             str(self.port),
             *self.settings,
+            "--parallel",  # `up`'s alone: `run` (the references) serves one request
+            str(parallel),
             "--set",
             f"supervisor.start_secs={START_SECS}",
             "--set",
@@ -353,7 +393,7 @@ def own_fds() -> int:
 
 
 def soak(args) -> Report:
-    rep = Report(args.seconds, args.kill_every, args.clients)
+    rep = Report(args.seconds, args.kill_every, args.clients, args.parallel)
     fds0 = own_fds()
     t_start = time.monotonic()
     marks = [t_start]
@@ -362,7 +402,7 @@ def soak(args) -> Report:
         marks.append(time.monotonic())
         rep.phases_s[name] = round(marks[-1] - marks[-2], 1)
 
-    svc = Service(args.cache_mb)
+    svc = Service(args.cache_mb, args.parallel)
     phase("up")
     try:
         # 1. references, before any kill (`up --detach` returns once the port
@@ -458,7 +498,7 @@ def soak(args) -> Report:
         for prompt in PROMPTS:
             kind, text = ask(svc.url, prompt, args.max_tokens, stream=False)
             if kind != "ok" or text != refs[prompt]:
-                rep.recovery_errors.append(f"{prompt!r}: {kind}: {text[:200]}")
+                rep.recovery_errors.append(f"{prompt!r}: {'mismatch' if kind == 'ok' else kind}: {text[:200]}")
             if kind == "timeout":
                 break  # a hung service: one wait is enough to say so
         rep.recovered = not rep.recovery_errors
@@ -489,9 +529,8 @@ def soak(args) -> Report:
 
 def print_report(rep: Report) -> None:
     print(
-        f"soak: {rep.seconds:g} s, a SIGKILL every ~{rep.kill_every_s:g} s, {rep.clients} clients ({rep.wall_s:g} s in all: "
-        + ", ".join(f"{k} {v:g} s" for k, v in rep.phases_s.items())
-        + ")"
+        f"soak: {rep.seconds:g} s, a SIGKILL every ~{rep.kill_every_s:g} s, {rep.clients} clients, parallel {rep.parallel} "
+        f"({rep.wall_s:g} s in all: " + ", ".join(f"{k} {v:g} s" for k, v in rep.phases_s.items()) + ")"
     )
     print(f"  requests {rep.requests}: ok {rep.ok} (the reference's text), mismatch {rep.mismatch}, errors {sum(rep.errors.values())}")
     for kind, n in sorted(rep.errors.items(), key=lambda kv: -kv[1]):
@@ -511,6 +550,7 @@ def print_report(rep: Report) -> None:
         f"  left after down: shm {rep.leaked_shm}, processes {rep.leaked_processes}, runtime {rep.leaked_runtime}, "
         f"listener {rep.leaked_listener}; this client's fds {rep.client_fds[0]} -> {rep.client_fds[1]}"
     )
+    print(f"  wrong {rep.wrong}, lost {rep.lost}, leaked {rep.leaked}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -518,6 +558,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=180.0, help="how long requests are sent and children killed")
     p.add_argument("--kill-every", type=float, default=3.0, help="mean seconds between two SIGKILLs")
     p.add_argument("--clients", type=int, default=2, help="concurrent clients, each one request at a time")
+    p.add_argument("--parallel", type=int, default=1, help="gateway.parallel: requests compute decodes at once (up --parallel N)")
     p.add_argument("--max-tokens", type=int, default=24)
     p.add_argument(
         "--victims",
@@ -532,11 +573,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="OUT", help="also write the figures as JSON to OUT (- for stdout, then no table)")
     args = p.parse_args(argv)
+    if args.parallel < 1:
+        p.error(f"--parallel: {args.parallel} is not a number of slots (1 or more)")
     bad = set(args.victims) - {"reader", "compute", "telemetry", "gateway"}
     if bad:
         p.error(f"--victims: unknown {sorted(bad)}; choose from reader, compute, telemetry, gateway")
     rep = soak(args)
-    data = asdict(rep) | {"leaks": rep.leaks}
+    data = asdict(rep) | {"leaks": rep.leaks, "wrong": rep.wrong, "lost": rep.lost, "leaked": rep.leaked}
     if args.json == "-":
         print(json.dumps(data, indent=1))
         return 0

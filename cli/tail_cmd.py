@@ -9,9 +9,11 @@ Three outputs, picked by where stdout goes:
 
     --csv          header + one row per token, flushed per line (for pipes)
     a terminal     a live table: recent tokens, a tok/s sparkline, the summary so far,
-                   and while a prompt is computed its progress ("prompt 1,536 / 3,664 tokens · 41 s left")
+                   and while a prompt is computed its progress ("prompt 1,536 / 3,664 tokens · 41 s left");
+                   with several slots (gateway.parallel), a line a slot instead
     otherwise      one plain text line per token, the summary at the end of a run; a
-                   prompt's progress every PROMPT_LINE_S while it runs, and once when it is done
+                   prompt's progress every PROMPT_LINE_S while it runs, and once when it is done;
+                   with several slots, a line as one changes state, and at most every PROMPT_LINE_S between
 
 While the reader warms the cache from the last run's hot set, the table and
 the text output show "warming 812/3,071 experts" (read from warm.json in the
@@ -34,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ..shared.experts.hotset import WarmProgress
-    from ..shared.wire.messages import PromptProgress, RunInfo, RunSummary
+    from ..shared.wire.messages import PromptProgress, RunInfo, RunSummary, SlotStates
 
 MIB = 1 << 20
 SPARK_BLOCKS = "▁▂▃▄▅▆▇█"
@@ -107,6 +109,13 @@ def format_prompt(p) -> str:
     return prompt_progress_text(p.total, p.cache, p.processed, p.time_ms)
 
 
+def format_slots(states) -> list[str]:
+    """Compute's slots (a SlotStates), a line each: "slot 1 prompt 512 / 3,664 tokens"."""
+    from ..shared.progress import slot_text
+
+    return [slot_text(row) for row in states.rows()]
+
+
 def csv_header() -> str:
     from ..shared.telemetry import CSV_COLUMNS
 
@@ -137,6 +146,7 @@ class RunSoFar:
     tok_s: deque = field(default_factory=lambda: deque(maxlen=SPARK_TOKENS))
     final: RunSummary | None = None  # once the run ended
     prompt: PromptProgress | None = None  # the prompt being computed, until its first token
+    slots: SlotStates | None = None  # what compute's slots are doing (gateway.parallel above 1: none at 1)
     warming: WarmProgress | None = None  # the reader's warm start (the last progress seen)
     # where the RunInfo comes from when its message went out before this tail subscribed: asked
     # once, when a summary is first shown (a CSV or a log of lines never waits for it)
@@ -186,6 +196,9 @@ class CsvOutput:
     def on_prompt(self, run: RunSoFar, p) -> None:
         pass
 
+    def on_slots(self, run: RunSoFar) -> None:
+        pass
+
     def on_warming(self, run: RunSoFar) -> None:
         pass
 
@@ -199,7 +212,9 @@ class CsvOutput:
 class TextOutput:
     def __init__(self, clock=time.monotonic) -> None:
         self.clock = clock
-        self.prompt_line_at = self.warm_line_at = -math.inf
+        self.prompt_line_at = self.warm_line_at = self.slots_line_at = -math.inf
+        self.slots_shown: list[str] | None = None  # the slots' last line: the same one is never printed twice
+        self.slots_states: list[str] | None = None  # and their states in it
 
     def on_token(self, run: RunSoFar, rec) -> None:
         print(format_line(rec), flush=True)
@@ -214,6 +229,18 @@ class TextOutput:
         if p.processed >= p.total or now - self.prompt_line_at >= PROMPT_LINE_S:
             self.prompt_line_at = now
             print(format_prompt(p), flush=True)
+
+    def on_slots(self, run: RunSoFar) -> None:
+        """The slots in one line: at once when a slot changes state (a request comes,
+        its prompt is done, it ends: a few lines a request, beside its token lines),
+        else at most every PROMPT_LINE_S while their figures move."""
+        assert run.slots is not None
+        lines, now = format_slots(run.slots), self.clock()
+        states = [str(r["state"]) for r in run.slots.rows()]
+        if lines == self.slots_shown or (states == self.slots_states and now - self.slots_line_at < PROMPT_LINE_S):
+            return
+        self.slots_line_at, self.slots_shown, self.slots_states = now, lines, states
+        print("slots: " + " · ".join(lines), flush=True)
 
     def on_warming(self, run: RunSoFar) -> None:
         """While the cache warms, a line every PROMPT_LINE_S; always the line that ends it."""
@@ -259,6 +286,9 @@ class LiveOutput:
     def on_prompt(self, run: RunSoFar, p) -> None:
         self._draw(run)  # compute sends at most four a second: every one is drawn
 
+    def on_slots(self, run: RunSoFar) -> None:
+        self._draw(run)  # at most four a second too, beside a state change
+
     def on_warming(self, run: RunSoFar) -> None:
         self._draw(run)
 
@@ -295,7 +325,10 @@ class LiveOutput:
                 f"{r.read_bytes / MIB:.2f}",
                 str(r.majflt),
             )
-        prompt = [Text(format_prompt(run.prompt), style="bold")] if run.prompt is not None else []
+        if run.slots is not None:  # several slots: a line each says every prompt's progress
+            prompt = [Text(line, style="dim" if line.endswith(" idle") else "bold") for line in format_slots(run.slots)]
+        else:
+            prompt = [Text(format_prompt(run.prompt), style="bold")] if run.prompt is not None else []
         if run.warming is not None:
             prompt.insert(0, Text(run.warming.text(), style="bold" if run.warming.state == "warming" else "dim"))
         if not run.records:
@@ -379,7 +412,7 @@ def follow(sock, info, output) -> None:
             if watch_warming(run, info.runtime_dir):
                 output.on_warming(run)
         try:
-            msg = ipc.recv(sock, LIVENESS_POLL_MS, expect=(m.TokenRecord, m.PromptProgress, m.RunInfo, m.RunSummary))
+            msg = ipc.recv(sock, LIVENESS_POLL_MS, expect=(m.TokenRecord, m.PromptProgress, m.SlotStates, m.RunInfo, m.RunSummary))
         except m.ProtocolError:
             continue  # a frame from a newer or broken peer: skip it, keep watching
         if msg is None:
@@ -392,6 +425,9 @@ def follow(sock, info, output) -> None:
         elif isinstance(msg, m.PromptProgress):
             run.prompt = msg
             output.on_prompt(run, msg)
+        elif isinstance(msg, m.SlotStates):
+            run.slots = msg
+            output.on_slots(run)
         elif isinstance(msg, m.RunInfo):
             run.start_run(msg)
             output.on_run_event(run)

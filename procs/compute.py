@@ -61,7 +61,7 @@ from ..shared.wire import ipc
 from ..shared.wire import messages as m
 from .guess_gate import GuessGate
 from .lifecycle import FrontEndWatch, child_setup
-from .metered import MeteredModel
+from .metered import MeteredModel, RouteCount
 from .run_facts import RunFacts
 from .warmup import STAGE, CompileCounter, forward_pass, kernel_steps, warm_up
 
@@ -355,14 +355,15 @@ def _dense_view(config: Config, facts: RunFacts, mf):
     return None, None  # the file mapping
 
 
-def model_options(c: ComputeConfig, route_trace: RouteTracer | None, mf, watch: PromptWatch | None = None) -> ModelOptions:
+def model_options(c: ComputeConfig, routes: RouteCount | RouteTracer | None, mf, watch: PromptWatch | None = None) -> ModelOptions:
     """How the model runs, from the [compute] table: prefetch, the lossy levers, route replay, the KV cache's type;
-    stages timed (a row's attention_ms) and every layer shown to `watch` (a prompt's progress and Stop)."""
+    every routing shown to `routes` (the expert uses counted, the route trace written), stages timed (a
+    row's attention_ms) and every layer shown to `watch` (a prompt's progress and Stop)."""
     return ModelOptions(
         prefetch_next=c.prefetch == "next-layer",
         prefetch_prompt=c.prefetch in ("prompt", "next-layer"),
         levers=Levers(c.drop_cold_experts, c.cache_route),
-        route_observer=route_trace,
+        route_observer=routes,
         route_replay=RouteReplay(read_trace(str(c.route_replay)), mf.spec) if c.route_replay else None,
         kv_type=c.kv_type,  # the model's new_cache stores K and V as the config says
         # two clock reads a stage, five stages a layer: ~0.1 ms a token on 48 layers, 0.1 % of a qwen30b-shape token
@@ -407,9 +408,10 @@ def serve(config: Config, facts: RunFacts, ctx: zmq.Context) -> None:
     populators = [Populator(a, what=w).start() for a, w in arenas if a is not None]
     route_trace = config.telemetry.route_trace
     tracer = RouteTracer(str(route_trace), mf, c.n_expert_used, source.resident) if route_trace else None
-    model = load_model(mf, top_k=c.n_expert_used, experts=source, dense_view=view, options=model_options(c, tracer, mf, watch))
+    routes = RouteCount(tracer)
+    model = load_model(mf, top_k=c.n_expert_used, experts=source, dense_view=view, options=model_options(c, routes, mf, watch))
     tok = Tokenizer.from_gguf(mf.gguf)
-    metered = MeteredModel(model, source, telemetry, interrupts, tracer, watch)
+    metered = MeteredModel(model, source, telemetry, interrupts, tracer, watch, routes)
     # The KV cache and the ids it holds, kept between requests (prefix reuse, slots);
     # a session file is bound to the model file's identity.
     session, identity = Session(), tuple(facts.model_identity) or model_identity(mf.gguf.paths)
@@ -427,7 +429,7 @@ def serve(config: Config, facts: RunFacts, ctx: zmq.Context) -> None:
         if config.gateway.parallel > 1:  # several requests at once, one batched pass a step
             from .slots import Slots
 
-            Slots(config, metered, tok, tokens_out, interrupts, front_end, identity).serve(facts.reader_pid, epoch)
+            Slots(config, metered, tok, tokens_out, interrupts, front_end, identity, late).serve(facts.reader_pid, epoch)
             return
         while not interrupts.shutdown:
             if front_end.came_back():
@@ -505,6 +507,17 @@ def request_settings(req: m.Generate, config: Config, tok, speculate: bool = Tru
     return params, gen_cfg, constraint
 
 
+def request_figures(records: Sequence[m.TokenRecord]) -> dict[str, m.Scalar]:
+    """A request's Done figures summarised from its token records (docs/telemetry.md § Run summary),
+    but load_seconds and budget_mib: those are the front end's to know (procs/pipeline.py)."""
+    from ..shared.telemetry import ResourceMeter, summarize
+
+    if not records:
+        return {}
+    summary = summarize(records, 0.0, 0, None, ResourceMeter.peak_rss_bytes())
+    return {k: v for k, v in m.as_dict(summary).items() if k not in ("load_seconds", "budget_mib")}
+
+
 def handle(
     req: m.Generate,
     metered: MeteredModel,
@@ -514,8 +527,6 @@ def handle(
     late: CompileCounter | None = None,
     session: Session | None = None,
 ) -> None:
-    from ..shared.telemetry import summarize
-
     try:
         params, gen_cfg, constraint = request_settings(req, config, tok)
     except (UserError, TypeError) as exc:  # a setting it lacks or of the wrong kind: the request's fault, not this process's
@@ -547,10 +558,7 @@ def handle(
         ipc.send(out, m.Done(req.req_id, False, code=m.Code.INTERNAL, error=f"{type(exc).__name__}: {exc}"))
         return
     metered.finish()
-    summary = summarize(metered.records, 0.0, 0, None, metered.meter.peak_rss_bytes()) if metered.records else None
-    # load_seconds and budget_mib are the front end's to know (procs/pipeline.py), not this process's.
-    figures = {k: v for k, v in m.as_dict(summary).items() if k not in ("load_seconds", "budget_mib")} if summary else {}
-    timings = {**result.timings, **figures, "late_compiles": (late.count if late else 0) - compiles}
+    timings = {**result.timings, **request_figures(metered.records), "late_compiles": (late.count if late else 0) - compiles}
     ipc.send(
         out,
         m.Done(

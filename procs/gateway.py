@@ -198,6 +198,8 @@ async def follow_telemetry(sock: zmq.asyncio.Socket, metrics: Metrics, view: Web
             view.feed.on_record(msg, link.pid)
         elif isinstance(msg, m.PromptProgress):
             view.feed.on_prompt(msg)
+        elif isinstance(msg, m.SlotStates):
+            view.feed.on_slots(msg)
 
 
 # ------------------------------------------------------------------ the service

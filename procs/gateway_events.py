@@ -1,9 +1,9 @@
 """The web page of `moe-pipe up` (docs/web.md): its static files and its one
 server-sent-events stream, `GET /events`, in the gateway process.
 
-    telemetry ──PUB──► follow_telemetry ─► Feed.on_record, on_prompt ─┐
-    residency index (shm, read-only) ─► residency_loop ───────────────┼─► Feed.publish ─► each browser's
-    supervisor `status` (control socket) ─► status_loop ──────────────┘    bounded queue ─► its handler ─► SSE
+    telemetry ──PUB──► follow_telemetry ─► Feed.on_record, on_prompt, on_slots ─┐
+    residency index (shm, read-only) ─► residency_loop ─────────────────────────┼─► Feed.publish ─► each browser's
+    supervisor `status` (control socket) ─► status_loop ────────────────────────┘    bounded queue ─► its handler ─► SSE
 
 The feed never waits on a browser: publish() appends one frame to every
 client's queue, a deque of at most CLIENT_QUEUE frames that drops its oldest
@@ -172,6 +172,10 @@ class Feed:
     def on_prompt(self, p: m.PromptProgress) -> None:
         """A prompt's progress, any client's (the page's own chat also reads its stream's)."""
         self.publish("prompt", {"req_id": p.req_id, "total": p.total, "cache": p.cache, "processed": p.processed, "time_ms": p.time_ms})
+
+    def on_slots(self, states: m.SlotStates) -> None:
+        """What compute's slots are doing (gateway.parallel above 1); a page opened later gets the last."""
+        self.publish("slots", {"slots": states.rows()}, keep=True)
 
     def close(self) -> None:
         """The gateway stops: every stream ends."""

@@ -17,7 +17,24 @@ from ..shared.wire import ipc
 from ..shared.wire import messages as m
 
 if TYPE_CHECKING:
+    from ..shared.model.moe import Routing
     from .compute import Interrupts, SlabExperts
+
+
+class RouteCount:
+    """The model's route observer in compute: counts a pass's expert uses, the (row, expert)
+    pairs its routers chose, and hands each routing on to the route tracer, if any. A layer
+    asks its expert source once for the distinct experts of all its rows, so the uses beyond
+    those lookups are served by another row's: the record's `experts_shared`."""
+
+    def __init__(self, tracer: RouteTracer | None = None):
+        self.tracer = tracer
+        self.uses = 0
+
+    def __call__(self, layer: int, routing: Routing) -> None:
+        self.uses += routing.ids.size  # [T, K]: each row's choices, distinct within a row
+        if self.tracer is not None:
+            self.tracer(layer, routing)
 
 
 class MeteredModel:
@@ -33,12 +50,15 @@ class MeteredModel:
         interrupts: Interrupts | None = None,
         tracer: RouteTracer | None = None,
         watch: PromptWatch | None = None,
+        routes: RouteCount | None = None,
     ):
-        """`tracer`: the route tracer the model was built with (its
+        """`tracer`: the route tracer the model was built with (inside its
         `route_observer`), told here where each turn and phase begins; `watch`:
-        the model's layer observer (its `layer_observer`), armed for each prompt."""
+        the model's layer observer (its `layer_observer`), armed for each prompt;
+        `routes`: the model's route observer, counting expert uses (none: no
+        `experts_shared`)."""
         self.model, self.source, self.telemetry, self.interrupts = model, source, telemetry, interrupts
-        self.tracer, self.watch = tracer, watch
+        self.tracer, self.watch, self.routes = tracer, watch, routes
         self.meter = ResourceMeter()
         self.records: list[m.TokenRecord] = []
         self.total_hits = self.total_misses = 0
@@ -94,8 +114,7 @@ class MeteredModel:
         self.finish()  # a held record whose drafts were never judged (an interrupted pass)
         if self.interrupts is not None:
             self.interrupts.check()
-        self.source.reset_counters()
-        self.model.stage.reset()
+        self._reset_counters()
         t0 = time.perf_counter()
         try:
             if prompt and self.watch is not None:
@@ -114,13 +133,13 @@ class MeteredModel:
             self._send(rec)
         return out
 
-    def forward_batch(self, parts, req_ids) -> list:
-        """One pass over several slots' rows (procs/slots.py): one TokenRecord for the
-        pass, named after its first request (`req_ids`, one per part), `pass_tokens` its
-        rows; it goes to telemetry only, as a pass is no one request's step. A pass that
-        stops half way leaves each recurrent state it touched empty (`_abandon`)."""
-        self.source.reset_counters()
-        self.model.stage.reset()
+    def forward_batch(self, parts, req_ids) -> tuple[list, m.TokenRecord]:
+        """One pass over several slots' rows (procs/slots.py): its logits and one
+        TokenRecord for the pass, named after its first request (`req_ids`, one per part),
+        `pass_tokens` its rows. The record goes to telemetry, not to `records`: a pass is
+        no one request's step (each slot keeps the records of the passes it was in). A
+        pass that stops half way leaves each recurrent state it touched empty (`_abandon`)."""
+        self._reset_counters()
         t0 = time.perf_counter()
         try:
             out = self.model.forward_batch(parts)
@@ -133,9 +152,15 @@ class MeteredModel:
         self.source.end_step()
         self.passes += 1
         self.req_id = req_ids[0]
-        rec = self._record(time.perf_counter() - t0, sum(len(p.tokens) for p in parts), 0)
-        self.telemetry.send(dataclasses.replace(rec, step=self.passes))
-        return out
+        rec = dataclasses.replace(self._record(time.perf_counter() - t0, sum(len(p.tokens) for p in parts), 0), step=self.passes)
+        self.telemetry.send(rec)
+        return out, rec
+
+    def _reset_counters(self) -> None:
+        self.source.reset_counters()
+        if self.routes is not None:
+            self.routes.uses = 0
+        self.model.stage.reset()
 
     def _record(self, wall: float, n_tokens: int, drafted: int) -> m.TokenRecord:
         s = self.source
@@ -168,6 +193,8 @@ class MeteredModel:
             attention_ms=self.model.stage.seconds.get("attention", 0.0) * 1e3,
             pass_tokens=n_tokens,
             drafted=drafted,
+            # each layer looked up the distinct experts of its rows once: hits + misses
+            experts_shared=self.routes.uses - s.hits - s.misses if self.routes is not None else 0,
         )
 
     def _abandon(self, cache, prompt: bool) -> None:

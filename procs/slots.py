@@ -17,7 +17,8 @@ thread (which owns every socket), runs a step once every busy slot has asked:
      tokens, else SLOT_PREFILL_CHUNK), so a long prompt never stops the
      others for more than a chunk; each slot gets its logits row and goes on alone;
   3. the slots' Token, PromptProgress and Done frames go out in the order they
-     were made.
+     were made; what each slot is doing goes to telemetry (SlotStates, for tails
+     and the web page) as a slot changes state and every SLOT_STATES_S between.
 
 The kernels are batch-exact, so a slot's tokens are those of its request
 served alone; a slot whose request ends (stop, length, cancel, a failure)
@@ -28,6 +29,7 @@ a time: a slot thread only samples and decodes text between steps.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -42,18 +44,21 @@ from ..shared.errors import UserError
 from ..shared.model.batch import BatchPart
 from ..shared.model.blocks import KVCache
 from ..shared.model.session import Session, common_prefix
+from ..shared.telemetry import merge_records
 from ..shared.text.generate import generate, reuse_align
 from ..shared.wire import ipc
 from ..shared.wire import messages as m
-from .compute import GenerationAborted, Interrupts, _next_request, handle_slot, request_settings
+from .compute import GenerationAborted, Interrupts, _next_request, handle_slot, request_figures, request_settings
 from .lifecycle import FrontEndWatch
 from .metered import MeteredModel
+from .warmup import CompileCounter
 
 log = logging.getLogger("moe_pipe.compute")
 WAIT_S = 0.02  # the longest a busy loop waits for the slots before it looks at the requests link again
 # The longest an arriving request waits for busy slots to ask for their next step, when one of them
 # may hold a longer prefix of its prompt than its own slot: a slot's thread only samples between steps.
 SHARE_WAIT_S = 0.5
+SLOT_STATES_S = 0.25  # SlotStates between state changes: four a second, as a prompt's progress, is live enough to watch
 
 
 def slot_prefill_chunk(config: Config) -> int:
@@ -71,6 +76,7 @@ class Ask:
     tokens: list[int]
     cache: KVCache
     logits: np.ndarray | None = None
+    record: m.TokenRecord | None = None  # the pass's, shared by every row in it
     error: BaseException | None = None
     answered: bool = False
 
@@ -84,6 +90,12 @@ class Slot:
     req_id: int = 0  # the request it serves, or served last (busy or idle: Steps.busy)
     order: int = 0  # its request's arrival number (the last it served, when idle)
     thread: threading.Thread | None = None
+    # its request's progress (SlotStates), written by its thread: the prompt's tokens, of them
+    # reused from the cache and done (cache included), and the tokens generated so far
+    total: int = 0
+    cache: int = 0
+    processed: int = 0
+    decoded: int = 0
 
 
 class Steps:
@@ -98,8 +110,8 @@ class Steps:
         self.cancelled: set[int] = set()
         self.outbox: deque[m.Message] = deque()
 
-    def ask(self, slot: int, order: int, tokens: Sequence[int], cache: KVCache) -> np.ndarray:
-        """A slot's thread: its rows in the next step; their last row's logits [V]."""
+    def ask(self, slot: int, order: int, tokens: Sequence[int], cache: KVCache) -> Ask:
+        """A slot's thread: its rows in the next step, answered: their last row's logits [V], the pass's record."""
         with self.cond:
             if slot in self.cancelled:
                 raise GenerationAborted(m.Code.CANCELLED, "cancelled by the front end")
@@ -109,7 +121,7 @@ class Steps:
         if a.error is not None:
             raise a.error
         assert a.logits is not None
-        return a.logits
+        return a
 
     def post(self, msg: m.Message) -> None:
         with self.cond:
@@ -149,14 +161,18 @@ class Steps:
             self.cond.wait_for(lambda: self.outbox or (self.busy and self.busy <= self.asks.keys()), timeout_s)
             return list(self.asks.values()) if self.busy and self.busy <= self.asks.keys() else []
 
-    def answer(self, a: Ask, logits: np.ndarray | None = None, error: BaseException | None = None) -> None:
+    def answer(
+        self, a: Ask, logits: np.ndarray | None = None, error: BaseException | None = None, record: m.TokenRecord | None = None
+    ) -> None:
         with self.cond:
             if self.asks.get(a.slot) is a:
                 del self.asks[a.slot]
-                self._answer(a, logits, error)
+                self._answer(a, logits, error, record)
 
-    def _answer(self, a: Ask, logits: np.ndarray | None = None, error: BaseException | None = None) -> None:
-        a.logits, a.error, a.answered = logits, error, True
+    def _answer(
+        self, a: Ask, logits: np.ndarray | None = None, error: BaseException | None = None, record: m.TokenRecord | None = None
+    ) -> None:
+        a.logits, a.error, a.record, a.answered = logits, error, record, True
         self.cond.notify_all()
 
     def take_outbox(self) -> list[m.Message]:
@@ -179,14 +195,30 @@ def pick_slot(slots: Sequence[Slot], busy: set[int], prompt: Sequence[int]) -> S
     return max(idle, key=lambda s: (common_prefix(s.session.tokens, prompt), -s.order, -s.id), default=None)
 
 
+def slot_states(slots: Sequence[Slot], busy: set[int]) -> m.SlotStates:
+    """The slots as telemetry shows them: an idle one with nothing but zeros."""
+    figures = [(s.req_id, s.total, s.cache, s.processed, s.decoded) if s.id in busy else (0, 0, 0, 0, 0) for s in slots]
+    return m.SlotStates(*(tuple(column) for column in zip(*figures)))
+
+
+def _phases(states: m.SlotStates) -> list[tuple[object, object]]:
+    return [(r["req_id"], r["state"]) for r in states.rows()]
+
+
 class SlotModel:
     """generate()'s model for one slot's request: every pass is a place in the next shared step.
     Its first prefill is the prompt's (a later one is a context shift's): its progress goes
-    out as PromptProgress frames, one as it opens and one after each chunk."""
+    out as PromptProgress frames, one as it opens and one after each chunk.
+
+    `records` are the request's token records, as MeteredModel keeps them alone: one per
+    prefill or decode, made of the records of the passes its rows were in (a prefill's
+    chunks merged), its own step, req_id and rows; every other figure is the passes',
+    shared with the other rows in them (docs/batching.md § Slots in compute)."""
 
     def __init__(self, steps: Steps, slot: Slot, model, req_id: int):
         self.steps, self.slot, self.model, self.req_id = steps, slot, model, req_id
         self.prompted = False
+        self.records: list[m.TokenRecord] = []
 
     def new_cache(self, n_ctx: int) -> KVCache:
         return self.model.new_cache(n_ctx)
@@ -196,18 +228,22 @@ class SlotModel:
         tokens = [int(t) for t in tokens]
         progress = None if self.prompted else self._progress(cache.n, cache.n + len(tokens))
         self.prompted = True
-        logits = None
+        passes: list[m.TokenRecord | None] = []  # the chunks' records (their logits but the last are not kept)
+        last = None
         for s in range(0, len(tokens), batch):
-            logits = self.steps.ask(self.slot.id, self.slot.order, tokens[s : s + batch], cache)
+            last = self.steps.ask(self.slot.id, self.slot.order, tokens[s : s + batch], cache)
+            passes.append(last.record)
             if progress is not None:
+                self.slot.processed = cache.n
                 progress(cache.n)
-        if logits is None:
+        if last is None:
             raise ValueError("forward needs at least one token")
-        return logits
+        return self._keep(last, passes, len(tokens))
 
     def _progress(self, cached: int, total: int):
         """Post the prompt's opening PromptProgress; returns what posts the next ones."""
         t0 = time.monotonic()
+        self.slot.total, self.slot.cache, self.slot.processed = total, cached, cached
 
         def post(processed: int) -> None:
             self.steps.post(m.PromptProgress(self.req_id, total, cached, processed, round((time.monotonic() - t0) * 1e3)))
@@ -216,7 +252,17 @@ class SlotModel:
         return post
 
     def decode_one(self, token: int, cache: KVCache) -> np.ndarray:
-        return self.steps.ask(self.slot.id, self.slot.order, [token], cache)
+        a = self.steps.ask(self.slot.id, self.slot.order, [token], cache)
+        return self._keep(a, [a.record], 1)
+
+    def _keep(self, last: Ask, passes: list[m.TokenRecord | None], rows: int) -> np.ndarray:
+        """The last answer's logits; the request's record of the passes behind them, its next token's."""
+        kept = [r for r in passes if r is not None]
+        if kept:
+            self.records.append(merge_records(kept, step=len(self.records) + 1, req_id=self.req_id, pass_tokens=rows))
+        self.slot.decoded += 1  # each prefill or decode gives the request its next token
+        assert last.logits is not None
+        return last.logits
 
 
 class Slots:
@@ -231,13 +277,17 @@ class Slots:
         interrupts: Interrupts,
         front_end: FrontEndWatch,
         identity: tuple[str, ...],
+        late: CompileCounter | None = None,
     ):
+        """`late`: the process's count of kernels compiled while requests ran (a Done's late_compiles)."""
         self.config, self.metered, self.tok, self.out = config, metered, tok, out
-        self.interrupts, self.front_end, self.identity = interrupts, front_end, identity
+        self.interrupts, self.front_end, self.identity, self.late = interrupts, front_end, identity, late
         self.slots = [Slot(i) for i in range(config.gateway.parallel)]
         self.steps = Steps()
         self.arrivals = 0
         self.peer_gone: GenerationAborted | None = None
+        self.states: m.SlotStates | None = None  # the last SlotStates sent, and when
+        self.states_at = -math.inf
 
     def serve(self, reader_pid: int, epoch: int) -> None:
         import os
@@ -345,6 +395,7 @@ class Slots:
     def start(self, slot: Slot, req: m.Generate, shared: int = 0) -> None:
         self.arrivals += 1
         slot.req_id, slot.order = req.req_id, self.arrivals
+        slot.total, slot.cache, slot.processed, slot.decoded = len(req.prompt_tokens), 0, 0, 0
         self.steps.join(slot.id)
         slot.thread = threading.Thread(target=self.run, args=(slot, req, shared), name=f"slot-{slot.id}", daemon=True)
         slot.thread.start()
@@ -354,6 +405,7 @@ class Slots:
         """The request, as compute.handle serves it alone; its frames go to the outbox.
         `shared`: its prompt positions copied from another slot (`share_prefix`)."""
         post = self.steps.post
+        compiles = self.late.count if self.late else 0
         try:
             try:
                 params, gen_cfg, constraint = request_settings(req, self.config, self.tok, speculate=False)
@@ -372,8 +424,9 @@ class Slots:
                 session=slot.session,
                 constraint=constraint,
             )
-            timings: dict[str, m.Scalar] = {k: v for k, v in result.timings.items() if isinstance(v, (int, float, str, bool))}
-            timings["id_slot"] = slot.id
+            late = (self.late.count if self.late else 0) - compiles  # any slot's pass compiling is in this request's time too
+            figures = {**result.timings, **request_figures(model.records), "late_compiles": late, "id_slot": slot.id}
+            timings: dict[str, m.Scalar] = {k: v for k, v in figures.items() if isinstance(v, (int, float, str, bool))}
             timings["prompt_shared"] = min(shared, int(result.timings.get("prompt_cached", 0)))  # of prompt_cached
             post(m.Done(req.req_id, True, result.finish_reason, tuple(result.tokens), timings))
         except GenerationAborted as exc:
@@ -393,7 +446,7 @@ class Slots:
         rows = pick_rows(asks)
         req_ids = [self.slots[a.slot].req_id for a in rows]
         try:
-            logits = self.metered.forward_batch([BatchPart(a.tokens, a.cache) for a in rows], req_ids)
+            logits, record = self.metered.forward_batch([BatchPart(a.tokens, a.cache) for a in rows], req_ids)
         except GenerationAborted as exc:
             if exc.code == m.Code.PEER_GONE:
                 self.peer_gone = exc
@@ -406,7 +459,7 @@ class Slots:
                 self.steps.answer(a, error=exc)
             return
         for a, row in zip(rows, logits):
-            self.steps.answer(a, logits=row[-1])
+            self.steps.answer(a, logits=row[-1], record=record)
 
     # -- 3. frames out ----------------------------------------------------------------------
     def flush(self) -> None:
@@ -414,6 +467,19 @@ class Slots:
             ipc.send(self.out, msg)
             if isinstance(msg, m.PromptProgress):
                 self.metered.telemetry.send(msg)  # tails show it too
+        self.report_states()
+
+    def report_states(self, clock=time.monotonic) -> None:
+        """What each slot is doing, to telemetry: at once when a slot changes state (idle,
+        prompt, decoding), else at most every SLOT_STATES_S while its figures move."""
+        states = slot_states(self.slots, self.busy())
+        if states == self.states:
+            return
+        now = clock()
+        if self.states is not None and _phases(states) == _phases(self.states) and now - self.states_at < SLOT_STATES_S:
+            return
+        self.states, self.states_at = states, now
+        self.metered.telemetry.send(states)
 
     def stop(self) -> None:
         """Shutdown or a dead reader: every slot's request ends, its Done goes out."""

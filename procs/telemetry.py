@@ -1,7 +1,7 @@
 """The telemetry process: receives per-token records, writes the CSV and
 JSONL, republishes every record for tails, and writes the run summary. A
-prompt's progress (PromptProgress) is republished for tails only: it is no
-token, so neither file has it.
+prompt's progress (PromptProgress) and the slots' states (SlotStates) are
+republished for tails only: they are no tokens, so neither file has them.
 
 It never slows compute: compute sends without blocking and drops when this
 process falls behind (the drop count is in compute's own accounting).
@@ -74,7 +74,7 @@ def main(config: Config, facts: RunFacts) -> None:
         try:
             while True:
                 try:
-                    msg = ipc.recv(inbox, None, expect=(m.RunInfo, m.TokenRecord, m.PromptProgress, m.Shutdown))
+                    msg = ipc.recv(inbox, None, expect=(m.RunInfo, m.TokenRecord, m.PromptProgress, m.SlotStates, m.Shutdown))
                 except m.ProtocolError as exc:
                     log.warning("dropped a bad frame: %s", exc)
                     continue
@@ -87,7 +87,7 @@ def main(config: Config, facts: RunFacts) -> None:
                     rec.on_run_info(msg)
                 elif isinstance(msg, m.TokenRecord):
                     rec.on_record(msg)
-                elif not isinstance(msg, m.PromptProgress):
+                elif not isinstance(msg, (m.PromptProgress, m.SlotStates)):
                     continue  # None: recv waits forever, so never
                 pub.send(msg)
         finally:

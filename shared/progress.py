@@ -1,7 +1,7 @@
 """Progress for long work: rich bars and spinners on a terminal; elsewhere off
 (`byte_progress`) or a plain line now and then (`StatusLine`); a prompt's
 progress as one line (`prompt_progress_text`, what `chat`, `tail` and the web
-page show)."""
+page show), and a slot's (`slot_text`, what `tail` and the web page show)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import contextlib
 import math
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import IO, Any
 
 
@@ -109,3 +109,17 @@ def prompt_progress_text(total: int, cache: int, processed: int, time_ms: int) -
     if done > 0 and time_ms > 0:
         return text + f" · {duration_text((total - processed) * time_ms / done / 1e3)} left"
     return text
+
+
+def slot_text(slot: Mapping[str, Any]) -> str:
+    """One of compute's slots (a row of SlotStates.rows()) as one line: "slot 0 idle",
+    "slot 1 prompt 1,536 / 3,664 tokens (512 cached)", "slot 2 decoding, 35 tokens".
+    shared/serve/web/app.js `slotText` writes the same."""
+    head = f"slot {slot['id']}"
+    if slot["state"] == "idle":
+        return f"{head} idle"
+    if slot["state"] == "prompt":
+        cached = f" ({slot['cache']:,} cached)" if slot["cache"] else ""
+        return f"{head} prompt {slot['processed']:,} / {slot['total']:,} tokens{cached}"
+    n = slot["decoded"]
+    return f"{head} decoding, {n:,} token{'' if n == 1 else 's'}"

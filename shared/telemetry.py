@@ -22,7 +22,7 @@ import os
 import resource
 from array import array
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, Any
 
@@ -252,6 +252,20 @@ def summarize(
     for r in sorted(records, key=lambda r: r.step):
         tally.add(r)
     return tally.summary(load_seconds, budget_bytes, resident_bytes, peak_rss_bytes)
+
+
+# A record's figures that are a reading at its end rather than a count over it: a row made of
+# several passes (a prompt read in chunks) takes its last pass's; every other figure is summed.
+READINGS = ("step", "cache_hit_pct", "rss_bytes", "req_id", "resident_bytes")
+
+
+def merge_records(records: Sequence[TokenRecord], **fields: Any) -> TokenRecord:
+    """One row of several passes' records (in order): their counts and times summed, the
+    readings (READINGS) the last one's; `fields` set the rest (a request's step, req_id, rows)."""
+    sums = {
+        name: sum(getattr(r, name) for r in records) for name in field_names(TokenRecord) if name not in READINGS and name not in fields
+    }
+    return replace(records[-1], **sums, **fields)
 
 
 def format_summary(s: RunSummary) -> str:

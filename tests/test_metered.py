@@ -23,6 +23,7 @@ from moe_pipe.shared.model.load import load_model
 from moe_pipe.shared.model.prompt_watch import PromptWatch
 from moe_pipe.shared.model.session import Session
 from moe_pipe.shared.model.stages import Stages
+from moe_pipe.shared.model.weights import FileExperts
 from moe_pipe.shared.text.generate import GenerationConfig, generate
 from moe_pipe.shared.text.sampling import SamplingParams
 from moe_pipe.shared.text.tokenizer import Tokenizer
@@ -187,3 +188,52 @@ def test_a_decode_step_stopped_half_way_on_a_hybrid_model_leaves_an_empty_cache(
         metered.decode_one(9, cache)
     assert cache.n == 0 and all(not a.any() for a in (*cache.state.conv.values(), *cache.state.delta.values()))
     assert source.abandoned == 1
+
+
+class CountingExperts(FileExperts, Counters):
+    """The file's experts, each one asked for counted as a lookup (a miss: nothing is cached
+    here), as compute's SlabExperts counts hits + misses."""
+
+    def __init__(self, mf) -> None:
+        FileExperts.__init__(self, mf)
+        Counters.__init__(self)
+
+    def experts(self, layer, ids):
+        for expert in FileExperts.experts(self, layer, ids):
+            self.misses += 1
+            yield expert
+
+
+def test_a_pass_counts_the_expert_uses_another_row_s_lookup_served(models):
+    """`experts_shared`: the (row, expert) pairs a pass's routers chose minus the distinct
+    experts each layer looked up; none on a decode row alone, some across the rows of
+    several sequences in one pass and within a prompt's chunk (procs/metered.py RouteCount)."""
+    from moe_pipe.procs.metered import RouteCount
+    from moe_pipe.shared.model.batch import BatchPart
+
+    mf = open_model(models["qwen3moe"])
+    try:
+        routings: list[np.ndarray] = []
+        routes = RouteCount(lambda layer, routing: routings.append(routing.ids.copy()))  # as it hands them to a route tracer
+        source = CountingExperts(mf)
+        model = load_model(mf, experts=source, options=ModelOptions(route_observer=routes))
+        records: list[m.TokenRecord] = []
+        metered = MeteredModel(model, source, SimpleNamespace(send=records.append), routes=routes)
+
+        def shared_by_hand() -> int:
+            out = sum(ids.size - len(np.unique(ids)) for ids in routings)  # each layer's routing [T, K]
+            routings.clear()
+            return out
+
+        caches = [model.new_cache(N_CTX) for _ in range(3)]
+        firsts = []
+        for i, cache in enumerate(caches):
+            firsts.append(int(np.argmax(metered.prefill(PROMPT[i:], cache, batch=CHUNK))))
+            assert records[-1].experts_shared == shared_by_hand() > 0  # a prompt's rows share within each chunk
+        metered.decode_one(firsts[0], caches[0])
+        assert records[-1].experts_shared == shared_by_hand() == 0  # one row: nothing to share
+        _, rec = metered.forward_batch([BatchPart([t], c) for t, c in zip(firsts, caches)], [1, 2, 3])
+        assert rec.pass_tokens == 3 and rec.experts_shared == shared_by_hand() > 0  # three sequences' rows, one lookup each expert
+        assert rec.experts_shared + rec.hits + rec.misses == 3 * model.top_k * sum("router" in L for L in model.layers)
+    finally:
+        mf.close()

@@ -15,6 +15,7 @@ import pytest
 
 from moe_pipe.procs.slots import Ask, Slot, Steps, pick_rows, pick_slot
 from moe_pipe.shared.model.session import Session
+from moe_pipe.shared.wire import messages as m
 
 # -- the step's choices ----------------------------------------------------------------
 
@@ -66,7 +67,7 @@ def test_a_step_answers_each_slot_its_own_row():
     got: dict[int, np.ndarray] = {}
     for i in range(2):
         steps.join(i)
-    threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, steps.ask(i, i, [i], cache=None))) for i in range(2)]  # type: ignore[arg-type]
+    threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, steps.ask(i, i, [i], cache=None).logits)) for i in range(2)]  # type: ignore[arg-type]
     for t in threads:
         t.start()
     asks = steps.gather(5.0)
@@ -105,6 +106,112 @@ def test_only_a_slot_waiting_for_a_step_is_read_by_another_request():
     steps.leave(0)
     steps.leave(1)
     assert steps.settle(5.0) == (set(), set())  # nothing busy: at once
+
+
+def test_the_slots_states_go_to_telemetry_at_each_change_and_now_and_then_between():
+    from types import SimpleNamespace
+
+    from moe_pipe.procs.slots import SLOT_STATES_S, Slots
+    from moe_pipe.shared.config import Config, apply_overrides
+
+    sent: list[m.SlotStates] = []
+    metered = SimpleNamespace(telemetry=SimpleNamespace(send=sent.append))
+    slots = Slots(apply_overrides(Config(), {"gateway.parallel": 2}), metered, None, None, None, None, ())  # type: ignore[arg-type]
+
+    def report(t: float) -> list[tuple]:
+        before = len(sent)
+        slots.report_states(clock=lambda: t)
+        return [tuple((r["state"], r["processed"], r["decoded"]) for r in s.rows()) for s in sent[before:]]
+
+    assert report(0.0) == [(("idle", 0, 0), ("idle", 0, 0))]  # a compute's first word: every slot idle
+    assert report(0.01) == []  # nothing changed
+    s0 = slots.slots[0]
+    s0.req_id, s0.total, s0.processed = 5, 40, 0
+    slots.steps.join(0)
+    assert report(0.02) == [(("prompt", 0, 0), ("idle", 0, 0))]  # a slot took a request: at once
+    s0.processed = 16
+    assert report(0.03) == []  # its progress: not before SLOT_STATES_S
+    assert report(0.02 + SLOT_STATES_S) == [(("prompt", 16, 0), ("idle", 0, 0))]
+    s0.processed, s0.decoded = 40, 1
+    assert report(0.03 + SLOT_STATES_S) == [(("decoding", 40, 1), ("idle", 0, 0))]  # prompt -> decoding: at once
+    slots.steps.leave(0)
+    assert report(0.04 + SLOT_STATES_S) == [(("idle", 0, 0), ("idle", 0, 0))]
+
+
+# -- a request's figures, the serving loop in this process ---------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from moe_pipe.shared.makemodel.maker import make_model
+
+    return make_model("qwen3moe", "tiny", tmp_path_factory.mktemp("slots") / "qwen3moe.gguf", quant="F32")
+
+
+def test_a_parallel_request_s_done_carries_its_own_figures_as_one_alone_does(tiny):
+    """Each request in a slot gets the Done figures compute.handle gives it alone (docs/telemetry.md
+    § Run summary), summarised from the records of the passes its rows were in: one a token, a
+    prompt read in chunks beside other rows counted as its one pass."""
+    from types import SimpleNamespace
+
+    from moe_pipe.procs.compute import handle
+    from moe_pipe.procs.metered import MeteredModel, RouteCount
+    from moe_pipe.procs.slots import Slots
+    from moe_pipe.shared.config import Config, apply_overrides
+    from moe_pipe.shared.gguf.model_file import open_model
+    from moe_pipe.shared.model.base import ModelOptions
+    from moe_pipe.shared.model.load import load_model
+    from moe_pipe.shared.text.tokenizer import Tokenizer
+    from moe_pipe.shared.wire import messages as m
+
+    from .test_metered import CountingExperts
+
+    config = apply_overrides(Config(), {"gateway.parallel": 3, "compute.ctx_size": 256, "compute.prefill_chunk": 16})
+    prompts = [[(7 * i + 3 * k) % 200 + 5 for i in range(40 + 5 * k)] for k in range(3)]  # 40-50 tokens: three or four chunks
+    reqs = [m.Generate(k + 1, tuple(p), 12, {"temperature": 0.0}) for k, p in enumerate(prompts)]
+    with open_model(tiny) as mf:
+        routes, source, passes = RouteCount(), CountingExperts(mf), []
+        model = load_model(mf, experts=source, options=ModelOptions(route_observer=routes, stage_timing=True))
+        tok = Tokenizer.from_gguf(mf.gguf)
+        metered = MeteredModel(model, source, SimpleNamespace(send=passes.append), routes=routes)
+
+        def together(reqs: list[m.Generate]) -> dict[int, m.Done]:
+            """Slots.serve's steps 1-3 without its sockets: every request in a slot at once."""
+            slots = Slots(config, metered, tok, None, None, None, ())  # type: ignore[arg-type]
+            for slot, req in zip(slots.slots, reqs):
+                slots.start(slot, req)
+            done: dict[int, m.Done] = {}
+            while len(done) < len(reqs):
+                asks = slots.steps.gather(5.0)
+                if asks:
+                    slots.step(asks)
+                done.update((d.req_id, d) for d in slots.steps.take_outbox() if isinstance(d, m.Done))
+            return done
+
+        frames: list[list[bytes]] = []
+        out = SimpleNamespace(send_multipart=lambda f, flags=0: frames.append(f))
+        handle(reqs[0], metered, tok, apply_overrides(config, {"gateway.parallel": 1}), out)  # type: ignore[arg-type]
+        solo = m.decode(frames[-1][-1])
+        assert isinstance(solo, m.Done) and solo.ok
+
+        passes.clear()
+        (alone,) = together(reqs[:1]).values()  # in a slot, alone: every pass is its own
+        assert alone.tokens == solo.tokens and set(alone.timings) == set(solo.timings) | {"id_slot", "prompt_shared"}
+        t = alone.timings
+        assert t["tokens"] == t["predicted_n"] == len(alone.tokens) == solo.timings["tokens"]  # its prompt's 3 chunks: one token
+        assert len(passes) == 3 + len(alone.tokens) - 1
+        assert t["mean_tok_s"] == pytest.approx(t["tokens"] / sum(r.wall_ms for r in passes) * 1e3)
+        assert t["final_hit_pct"] == passes[-1].cache_hit_pct and t["late_compiles"] == 0
+
+        passes.clear()
+        done = together(reqs)
+        for req in reqs:
+            d = done[req.req_id]
+            assert d.ok and set(d.timings) == set(alone.timings) and d.timings["tokens"] == d.timings["predicted_n"] == len(d.tokens)
+            # the passes' figures, shared with the rows beside it: its passes are some of them
+            assert 0 < d.timings["mean_tok_s"] and d.timings["first5_wall_ms"] > 0
+        assert done[1].tokens == alone.tokens
+        assert max(r.pass_tokens for r in passes) > 16 and sum(r.experts_shared for r in passes) > 0  # chunks beside decode rows
 
 
 # -- the service ------------------------------------------------------------------------
@@ -150,6 +257,36 @@ def test_concurrent_greedy_requests_each_get_their_solo_reply(svc3):
     with urllib.request.urlopen(svc3.url + "/metrics", timeout=30) as r:
         metrics = r.read().decode()
     assert "\nmoe_pipe_slots 3\n" in metrics and "\nmoe_pipe_slots_busy 0\n" in metrics
+    figures = dict(line.split(" ", 1) for line in metrics.splitlines() if not line.startswith("#"))
+    assert float(figures["moe_pipe_experts_shared_total"]) > 0 and float(figures["moe_pipe_expert_lookups_total"]) > 0
+
+
+@pytest.mark.integration
+def test_a_tail_shows_what_each_slot_is_doing(svc3):
+    import subprocess
+    import sys
+
+    tail = subprocess.Popen(
+        [sys.executable, "-m", "moe_pipe.cli.main", "tail"], env=svc3.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(line.rstrip("\n") for line in tail.stdout), daemon=True)  # type: ignore[union-attr]
+    reader.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not lines:  # the tail has subscribed once it prints a line: a token of a request sent until then
+            assert time.monotonic() < deadline and tail.poll() is None, f"the tail printed nothing: {tail.stderr}"
+            _chat(svc3, PROMPTS[0], 2)
+        with ThreadPoolExecutor(3) as ex:
+            list(ex.map(lambda p: _chat(svc3, p, 48), PROMPTS))
+        at_rest = "slots: slot 0 idle · slot 1 idle · slot 2 idle"
+        while not ((shown := [x for x in lines if x.startswith("slots: ")])[-1:] == [at_rest] and any("decoding" in x for x in shown)):
+            assert time.monotonic() < deadline, f"no slots seen decoding, then at rest: {shown[-10:]}"
+            time.sleep(0.1)
+        assert all(x.count("slot ") == 3 for x in shown)  # a part a slot
+    finally:
+        tail.kill()
+        tail.wait()
 
 
 @pytest.mark.integration

@@ -30,6 +30,7 @@ from moe_pipe.cli.tail_cmd import (
     csv_row,
     format_line,
     format_prompt,
+    format_slots,
     sparkline,
 )
 from moe_pipe.shared.serve.service import ServiceInfo, write_service_info
@@ -250,6 +251,67 @@ def test_the_live_table_shows_the_prompt_until_its_first_token():
         live.close()
 
 
+def slot_states(*slots: tuple[int, int, int, int, int]) -> messages.SlotStates:
+    """Compute's slots, each (req_id, total, cache, processed, decoded)."""
+    return messages.SlotStates(*(tuple(column) for column in zip(*slots)))
+
+
+BUSY = slot_states((7, 40, 0, 40, 35), (9, 3664, 512, 1536, 0), (0, 0, 0, 0, 0))
+
+
+def test_the_slots_are_a_line_each():
+    assert format_slots(BUSY) == ["slot 0 decoding, 35 tokens", "slot 1 prompt 1,536 / 3,664 tokens (512 cached)", "slot 2 idle"]
+    assert format_slots(slot_states((3, 10, 0, 10, 1), (4, 9, 0, 0, 0))) == ["slot 0 decoding, 1 token", "slot 1 prompt 0 / 9 tokens"]
+
+
+def test_the_text_output_shows_the_slots_as_one_changes_state_and_now_and_then_between(capsys):
+    clock = type("Clock", (), {"t": 0.0, "__call__": lambda self: self.t})()
+    out, run = TextOutput(clock=clock), RunSoFar()
+    idle = slot_states((0, 0, 0, 0, 0), (0, 0, 0, 0, 0))
+    for t, states in (
+        (0.0, slot_states((7, 40, 0, 8, 0), (0, 0, 0, 0, 0))),  # a request came: at once
+        (0.3, slot_states((7, 40, 0, 24, 0), (0, 0, 0, 0, 0))),  # its progress within PROMPT_LINE_S: held
+        (0.4, slot_states((7, 40, 0, 40, 1), (9, 30, 0, 0, 0))),  # its prompt is done, another came: at once
+        (5.5, slot_states((7, 40, 0, 40, 60), (9, 30, 0, 14, 0))),  # PROMPT_LINE_S on: the figures
+        (5.7, slot_states((7, 40, 0, 40, 61), (9, 30, 0, 16, 0))),
+        (5.8, idle),  # at rest: at once
+        (5.9, idle),  # the same again: not
+    ):
+        clock.t = t
+        run.slots = states
+        out.on_slots(run)
+    assert capsys.readouterr().out.splitlines() == [
+        "slots: slot 0 prompt 8 / 40 tokens · slot 1 idle",
+        "slots: slot 0 decoding, 1 token · slot 1 prompt 0 / 30 tokens",
+        "slots: slot 0 decoding, 60 tokens · slot 1 prompt 14 / 30 tokens",
+        "slots: slot 0 idle · slot 1 idle",
+    ]
+
+
+def test_the_live_table_shows_a_line_a_slot_in_place_of_the_prompt_s():
+    from io import StringIO
+
+    from rich.console import Console
+
+    live = LiveOutput("svc")
+    try:
+        run = RunSoFar()
+
+        def shown() -> str:
+            text = StringIO()
+            Console(file=text, width=200).print(live._render(run))
+            return text.getvalue()
+
+        run.add(record(1))
+        run.prompt = messages.PromptProgress(9, 3664, 512, 1536, 29_700)
+        assert format_prompt(run.prompt) in shown()  # parallel 1: no slots, as before
+        run.slots = BUSY  # several slots: their lines say every prompt's progress
+        table = shown()
+        assert all(line in table for line in format_slots(BUSY)) and format_prompt(run.prompt) not in table
+    finally:
+        live.close()
+
+
 def test_the_text_output_shows_the_warm_start_now_and_then_and_when_it_ends(capsys, tmp_path):
     from moe_pipe.cli.tail_cmd import watch_warming
     from moe_pipe.shared.experts.hotset import WarmProgress
@@ -334,6 +396,20 @@ def test_a_prompt_s_progress_reaches_a_tail_before_its_tokens(xdg, service):
         service.publish_until(lambda: len(tail.out) >= 3)
         assert tail.out[0] == "prompt 3,664 / 3,664 tokens · done in 2 min 5 s"
         assert all(line.startswith("step ") for line in tail.out[1:] if not line.startswith("prompt "))
+    finally:
+        tail.stop()
+
+
+@pytest.mark.integration
+def test_a_tail_shows_a_service_s_slots(xdg, service):
+    tail = Tail(xdg)
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while not any(line.startswith("slots: ") for line in tail.out):  # a slow joiner: send until seen
+            assert time.monotonic() < deadline, f"the tail showed no slots; stdout {tail.out}, stderr {tail.err}"
+            service.pub.send(messages.encode(BUSY))
+            time.sleep(0.05)
+        assert tail.out[0] == "slots: " + " · ".join(format_slots(BUSY))
     finally:
         tail.stop()
 

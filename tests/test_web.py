@@ -193,6 +193,43 @@ def test_the_page_writes_the_warm_start_as_tail_does():
     assert out.stdout.splitlines() == [c.text() if c.state == "warming" else "-" for c in cases] + ["-"]
 
 
+@pytest.mark.integration  # node runs the page's own function
+def test_the_page_writes_the_slots_as_tail_does():
+    import shutil
+    import subprocess
+
+    from moe_pipe.shared.progress import slot_text
+
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("node is not installed: the page's slotText is run with it")
+    assert 'id="slots"' in WEB.joinpath("index.html").read_text()
+    js = WEB.joinpath("app.js").read_text()
+    region = js.split("// slots: begin")[1].split("\n", 1)[1].split("// slots: end")[0]
+    states = m.SlotStates(
+        (0, 3, 4, 5, 6, 7, 8),
+        (0, 3664, 3664, 7, 150_000, 40, 40),
+        (0, 0, 512, 3, 1200, 0, 0),
+        (0, 1536, 512, 3, 149_999, 40, 40),
+        (0, 0, 0, 0, 0, 1, 12345),
+    )
+    script = region + f"\nfor (const s of {json.dumps(states.rows())}) console.log(slotText(s));"
+    out = subprocess.run([node, "-e", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [slot_text(r) for r in states.rows()]
+    assert {r["state"] for r in states.rows()} == {"idle", "prompt", "decoding"}
+
+
+def test_a_page_opened_later_gets_the_slots_as_they_are():
+    feed = ge.Feed()
+    before = feed.join()
+    feed.on_slots(m.SlotStates((0, 9), (0, 30), (0, 0), (0, 30), (0, 4)))
+    feed.on_slots(m.SlotStates((5, 9), (20, 30), (0, 0), (16, 30), (0, 5)))
+    assert before.take().count(b"event: slots") == 2
+    slots = json.loads(feed.last["slots"].split(b"data: ")[1])["slots"]  # what a new page is sent first
+    assert [(s["id"], s["state"], s["processed"], s["decoded"]) for s in slots] == [(0, "prompt", 16, 0), (1, "decoding", 30, 5)]
+
+
 @pytest.mark.integration
 def test_page_and_events_through_the_gateway(start_gateway):
     import zmq
@@ -242,6 +279,11 @@ def test_page_and_events_through_the_gateway(start_gateway):
     ipc.send(pub, m.PromptProgress(8, 3664, 512, 1536, 29_700))
     (_, prompt), *_ = read_events(resp, 1, ("prompt",))
     assert prompt == {"req_id": 8, "total": 3664, "cache": 512, "processed": 1536, "time_ms": 29_700}
+    # what compute's slots are doing (gateway.parallel above 1)
+    ipc.send(pub, m.SlotStates((8, 0), (3664, 0), (512, 0), (1536, 0), (0, 0)))
+    (_, slots), *_ = read_events(resp, 1, ("slots",))
+    assert slots["slots"] == m.SlotStates((8, 0), (3664, 0), (512, 0), (1536, 0), (0, 0)).rows()
+    assert [s["state"] for s in slots["slots"]] == ["prompt", "idle"]
     (_, status_event), *_ = read_events(resp, 1, ("status",))
     first = [r["step"] for r in status_event["first"]]  # step 0 once per copy that got through, then 1, 2, ...
     assert status_event["supervisor"] is None and len(first) == ge.FIRST_TOKENS and first == sorted(first) and 1 in first

@@ -124,6 +124,42 @@ def test_a_reply_streams_and_stop_cancels_it_on_compute(start_gateway, browser):
     assert idle(browser) and console_errors(browser) == []
 
 
+def test_the_live_view_shows_each_slot_as_telemetry_tells_it(start_gateway, browser):
+    import zmq
+
+    from moe_pipe.shared.progress import slot_text
+    from moe_pipe.shared.wire import ipc
+    from moe_pipe.shared.wire import messages as m
+
+    svc = start_gateway()
+    svc.start_computes({})
+    svc.wait_ready()
+    ctx = zmq.Context()
+    pub = ipc.bind(ctx, ipc.Endpoints(svc.rt.path), "telemetry_pub")  # telemetry, played by this test
+    try:
+        open_page(browser, svc.url)
+        browser.find_element(By.CSS_SELECTOR, 'nav button[data-view="live"]').click()
+        assert not browser.find_element(By.ID, "slots-box").is_displayed()  # one slot, or none heard of: no list
+        states = m.SlotStates((7, 9, 0), (40, 3664, 0), (0, 512, 0), (40, 1536, 0), (35, 0, 0))
+
+        def shown() -> list[str]:
+            ipc.send(pub, states)  # until the gateway's subscription has reached us
+            return [li.text for li in browser.find_elements(By.CSS_SELECTOR, "#slots li")]
+
+        want = [slot_text(r) for r in states.rows()]
+        assert wait(lambda: shown() == want and shown(), what="the slots") == want
+        assert browser.find_element(By.ID, "slots-box").is_displayed()
+        assert [li.get_attribute("data-state") for li in browser.find_elements(By.CSS_SELECTOR, "#slots li")] == [
+            "decoding",
+            "prompt",
+            "idle",
+        ]
+        assert console_errors(browser) == []
+    finally:
+        pub.close(0)
+        ctx.term()
+
+
 # ------------------------------------------------------------------ slow tier
 
 

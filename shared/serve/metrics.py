@@ -29,6 +29,8 @@ class Metrics:
         self.cache_hit_pct: float | None = None
         self.connections_refused = 0  # past the gateway's max_connections
         self.pass_tokens = 0  # rows of the last forward pass (with several slots busy, one a slot and a prompt's chunk)
+        self.expert_lookups = 0  # distinct experts the passes' layers asked the cache for (hits + misses)
+        self.experts_shared = 0  # expert uses served by another row's lookup in the same pass
 
     def on_done(self, done: m.Done) -> None:
         self.generated_tokens += len(done.tokens)
@@ -52,6 +54,8 @@ class Metrics:
         self.stall_ms += rec.stall_ms
         self.cache_hit_pct = rec.cache_hit_pct
         self.pass_tokens = rec.pass_tokens
+        self.expert_lookups += rec.hits + rec.misses
+        self.experts_shared += rec.experts_shared
 
     def render(
         self,
@@ -103,6 +107,18 @@ class Metrics:
         metric("moe_pipe_slots_busy", "gauge", "Slots serving a request now.", [("", slots[1])])
         metric(
             "moe_pipe_pass_tokens_last", "gauge", "Rows of the last forward pass, all slots' (its batch size).", [("", self.pass_tokens)]
+        )
+        metric(
+            "moe_pipe_expert_lookups_total",
+            "counter",
+            "Experts the passes' layers looked up in the cache, each once a pass (hits + misses).",
+            [("", self.expert_lookups)],
+        )
+        metric(
+            "moe_pipe_experts_shared_total",
+            "counter",
+            "Expert uses served by a lookup (and read) another row of the same pass made.",
+            [("", self.experts_shared)],
         )
         metric("moe_pipe_connections_open", "gauge", "HTTP connections open at the gateway.", [("", connections)])
         metric(

@@ -355,11 +355,12 @@ class DroppingSender:
 
 
 # The message classes a receiving loop `expect`s: the message it gets back is
-# typed as one of them (overloads for up to three, the most any link takes).
+# typed as one of them (overloads for up to five, the most any link takes: telemetry's feed).
 _A = TypeVar("_A")
 _B = TypeVar("_B")
 _C = TypeVar("_C")
 _D = TypeVar("_D")
+_E = TypeVar("_E")
 
 
 @overload
@@ -372,6 +373,10 @@ def recv(sock: zmq.Socket, timeout_ms: int | None, expect: tuple[type[_A], type[
 def recv(sock: zmq.Socket, timeout_ms: int | None, expect: tuple[type[_A], type[_B], type[_C]]) -> _A | _B | _C | None: ...
 @overload
 def recv(sock: zmq.Socket, timeout_ms: int | None, expect: tuple[type[_A], type[_B], type[_C], type[_D]]) -> _A | _B | _C | _D | None: ...
+@overload
+def recv(
+    sock: zmq.Socket, timeout_ms: int | None, expect: tuple[type[_A], type[_B], type[_C], type[_D], type[_E]]
+) -> _A | _B | _C | _D | _E | None: ...
 def recv(sock: zmq.Socket, timeout_ms: int | None, expect: tuple[type, ...] | None = None) -> Any:  # typed by the overloads
     """The next message, None on timeout (None: wait forever).
 

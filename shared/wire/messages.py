@@ -47,7 +47,7 @@ import msgpack
 MAX_FRAME_BYTES = 1 << 20
 # Bumped when a message's fields change; carried in Hello so mixed versions
 # (an old compute talking to a new reader after an upgrade) are refused.
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 DRAFT_FROM_CONFIG = 255  # Generate.draft: no width of the request's own, compute.draft's (the wire's ints are unsigned)
 
 _MAX_DEPTH = 8  # nesting inside a dict[str, Any] value (status payloads)
@@ -76,6 +76,7 @@ class Kind(IntEnum):
     RUN_INFO = 20
     TOKEN_RECORD = 21
     RUN_SUMMARY = 22
+    SLOT_STATES = 23
     # control socket (cli <-> supervisor)
     COMMAND = 30
     STATUS = 31
@@ -436,6 +437,7 @@ class TokenRecord(_Message):
     pass_tokens: int = 0
     drafted: int = 0
     accepted: int = 0  # of `drafted`, the ones the output kept: the pass gave 1 + accepted tokens
+    experts_shared: int = 0  # expert uses served by a lookup another row of the pass made (docs/telemetry.md)
 
 
 @_wire(Kind.RUN_SUMMARY)
@@ -589,6 +591,35 @@ class PromptProgress(_Message):
     time_ms: int
 
 
+@_wire(Kind.SLOT_STATES)
+@dataclass(frozen=True, slots=True)
+class SlotStates(_Message):
+    """compute -> telemetry (-> tails and the gateway's web page), with gateway.parallel
+    above 1: what each of compute's slots is doing, one entry a slot (index = slot id). A
+    slot is idle (req_id 0), reading its prompt (processed < total: of `total` tokens,
+    `cache` reused from its KV cache and `processed` done, cache included) or decoding
+    (`decoded` tokens so far). Sent as a slot changes state, and now and then between
+    (procs/slots.py SLOT_STATES_S). `rows()` says which state each is in."""
+
+    req_ids: tuple[int, ...]
+    total: tuple[int, ...]
+    cache: tuple[int, ...]
+    processed: tuple[int, ...]
+    decoded: tuple[int, ...]
+
+    def rows(self) -> list[dict[str, int | str]]:
+        """Each slot as `{id, state, req_id, total, cache, processed, decoded}`, state
+        "idle", "prompt" or "decoding" (what tails and the web page show); a frame whose
+        fields differ in length shows the slots all of them cover."""
+        out: list[dict[str, int | str]] = []
+        for i, (req, total, cache, processed, decoded) in enumerate(
+            zip(self.req_ids, self.total, self.cache, self.processed, self.decoded)
+        ):
+            state = "idle" if not req else "prompt" if processed < total else "decoding"
+            out.append({"id": i, "state": state, "req_id": req, "total": total, "cache": cache, "processed": processed, "decoded": decoded})
+        return out
+
+
 @_wire(Kind.SLOT)
 @dataclass(frozen=True, slots=True)
 class Slot(_Message):
@@ -614,6 +645,7 @@ Message = (
     | RunInfo
     | TokenRecord
     | RunSummary
+    | SlotStates
     | Command
     | Status
     | Generate

@@ -14,6 +14,7 @@
     rows: [], // token rows (telemetry), newest last
     points: 0, // rows received on this connection: each chart gains one per token
     first: [],
+    slots: [], // what compute's slots are doing (gateway.parallel above 1; none at 1)
     hello: null,
     status: null,
     residency: null,
@@ -51,6 +52,17 @@
     return text;
   }
   // prompt-progress: end
+
+  // slots: begin. One of compute's slots (gateway.parallel) as one line, the text of
+  // shared/progress.py slot_text (tests/test_web.py runs both on the same figures).
+  function slotText(s) {
+    const n = (x) => x.toLocaleString("en-US");
+    const head = `slot ${s.id}`;
+    if (s.state === "idle") return `${head} idle`;
+    if (s.state === "prompt") return `${head} prompt ${n(s.processed)} / ${n(s.total)} tokens` + (s.cache ? ` (${n(s.cache)} cached)` : "");
+    return `${head} decoding, ${n(s.decoded)} token${s.decoded === 1 ? "" : "s"}`;
+  }
+  // slots: end
 
   function authHeaders(extra) {
     const h = Object.assign({}, extra || {});
@@ -307,6 +319,9 @@
       $("rate").textContent = ms > 0 ? (1000 / ms).toFixed(1) + " tok/s" : "";
     } else if (kind === "prompt") {
       $("rate").textContent = promptProgressText(data); // any client's prompt; the next token shows tok/s again
+    } else if (kind === "slots") {
+      state.slots = data.slots;
+      renderSlots();
     } else if (kind === "residency") {
       state.residency = data;
     } else if (kind === "status") {
@@ -504,6 +519,17 @@
         row([r.step, fixed(r.wall_ms, 1), fixed(r.compute_ms, 1), fixed(r.io_ms, 1), fixed(r.stall_ms, 1), fixed(r.read_bytes / MiB, 2), fixed(r.hit_pct, 1)]),
       ),
     );
+  }
+
+  function renderSlots() {
+    $("slots").replaceChildren(
+      ...state.slots.map((s) => {
+        const li = el("li", "slot " + s.state, slotText(s));
+        li.dataset.state = s.state;
+        return li;
+      }),
+    );
+    $("slots-box").hidden = state.slots.length < 2; // one slot: the header's prompt line and tok/s say it all
   }
 
   function renderConfig(config) {

@@ -42,13 +42,11 @@ def test_a_request_takes_the_idle_slot_holding_its_prefix_else_the_least_recentl
     assert pick_slot(slots, {0, 1, 2}, [8]) is None
 
 
-def test_a_cancel_answers_a_waiting_ask_and_refuses_the_next():
-    steps = Steps()
-    steps.join(0)
-    errors: list[BaseException] = []
+def _asking_thread(steps: Steps, asks: int, errors: list[BaseException]) -> threading.Thread:
+    """Slot 0's thread asking `asks` times for a step, each failure kept in `errors`; started."""
 
     def slot_thread() -> None:
-        for _ in range(2):
+        for _ in range(asks):
             try:
                 steps.ask(0, 1, [5], cache=None)  # type: ignore[arg-type]
             except Exception as exc:  # noqa: BLE001 - the test looks at it
@@ -56,6 +54,14 @@ def test_a_cancel_answers_a_waiting_ask_and_refuses_the_next():
 
     t = threading.Thread(target=slot_thread)
     t.start()
+    return t
+
+
+def test_a_cancel_answers_a_waiting_ask_and_refuses_the_next():
+    steps = Steps()
+    steps.join(0)
+    errors: list[BaseException] = []
+    t = _asking_thread(steps, 2, errors)
     assert [a.slot for a in steps.gather(5.0)] == [0]  # every busy slot asked
     steps.cancel(0)
     t.join(5.0)
@@ -87,15 +93,7 @@ def test_only_a_slot_waiting_for_a_step_is_read_by_another_request():
     for i in range(2):
         steps.join(i)
     errors: list[BaseException] = []
-
-    def slot_thread() -> None:
-        try:
-            steps.ask(0, 1, [5], cache=None)  # type: ignore[arg-type]
-        except Exception as exc:  # noqa: BLE001 - the test looks at it
-            errors.append(exc)
-
-    t = threading.Thread(target=slot_thread)
-    t.start()
+    t = _asking_thread(steps, 1, errors)
     busy, waiting = steps.settle(0.2)
     while not waiting:
         busy, waiting = steps.settle(0.2)

@@ -229,19 +229,24 @@ def test_the_text_output_shows_a_prompt_now_and_then_and_when_it_is_done(capsys)
     assert capsys.readouterr().out.splitlines() == ["prompt 30 / 30 tokens · done in <1 s"]
 
 
-def test_the_live_table_shows_the_prompt_until_its_first_token():
+def _rendered(live: LiveOutput, run: RunSoFar) -> str:
+    """The live table as a 200-column terminal shows it."""
     from io import StringIO
 
     from rich.console import Console
 
+    text = StringIO()
+    Console(file=text, width=200).print(live._render(run))
+    return text.getvalue()
+
+
+def test_the_live_table_shows_the_prompt_until_its_first_token():
     live = LiveOutput("svc")
     try:
         run = RunSoFar()
 
         def shown() -> str:
-            text = StringIO()
-            Console(file=text, width=200).print(live._render(run))
-            return text.getvalue()
+            return _rendered(live, run)
 
         run.prompt = messages.PromptProgress(1, 3664, 0, 1536, 29_700)
         assert "prompt 1,536 / 3,664 tokens · 41 s left" in shown()
@@ -289,18 +294,12 @@ def test_the_text_output_shows_the_slots_as_one_changes_state_and_now_and_then_b
 
 
 def test_the_live_table_shows_a_line_a_slot_in_place_of_the_prompt_s():
-    from io import StringIO
-
-    from rich.console import Console
-
     live = LiveOutput("svc")
     try:
         run = RunSoFar()
 
         def shown() -> str:
-            text = StringIO()
-            Console(file=text, width=200).print(live._render(run))
-            return text.getvalue()
+            return _rendered(live, run)
 
         run.add(record(1))
         run.prompt = messages.PromptProgress(9, 3664, 512, 1536, 29_700)

@@ -22,14 +22,14 @@ from typing import TypeVar
 from ..shared.config import Config
 from ..shared.errors import PipelineError, UserError
 from ..shared.experts import shm
-from ..shared.experts.budget import RUN_ROLES, CacheFloor, pipeline_bytes, resolve_budget, slabs_for_budget
+from ..shared.experts.budget import RUN_ROLES, CacheFloor, pipeline_bytes, resolve_budget, service_kv_bytes, slabs_for_budget
 from ..shared.experts.dense import arena_bytes
 from ..shared.experts.directio import ExpertFiles, describe_os_error, model_identity
 from ..shared.experts.hotset import hottest_experts
 from ..shared.experts.populate import Populator
 from ..shared.experts.residency import ResidencyIndex
 from ..shared.gguf.model_file import open_model
-from ..shared.gguf.spec import experts_per_token, kv_cache_bytes, lossy_expert_count
+from ..shared.gguf.spec import experts_per_token, lossy_expert_count
 from ..shared.model.trace import read_trace
 from ..shared.wire import ipc
 from ..shared.wire import messages as m
@@ -102,7 +102,7 @@ class Resources:
             budget = resolve_budget(
                 cfg,
                 dense_bytes=layout.dense_bytes,
-                kv_bytes=kv_cache_bytes(spec, cfg.compute.ctx_size, cfg.compute.kv_type),
+                kv_bytes=service_kv_bytes(cfg, spec),  # N slots: N caches (an undercount was OOM-killed at --parallel 4)
                 floor=CacheFloor.of(layout, top_k),
                 engine_bytes=pipeline_bytes(roles, spec, cfg.compute.prefill_tokens, top_k),
                 check_memory=True,

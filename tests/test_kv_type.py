@@ -508,3 +508,26 @@ def test_a_recurrent_state_is_copied_only_whole(tmp_path):
         with pytest.raises(ValueError, match="a recurrent state is only shared whole"):
             refused.copy_prefix_from(donor, len(prefix))  # it went on past the prefix
         assert refused.n == 0 and not any(a.any() for a in (*refused.state.conv.values(), *refused.state.delta.values()))
+
+
+def test_the_service_s_budget_counts_a_kv_cache_a_slot_as_doctor_does(monkeypatch, tiny_model):
+    """`up --parallel N` holds N KV caches: the budget the service resolves leaves them out of the
+    expert cache (it counted one, and a full-depth --parallel 4 was OOM-killed), the same bytes
+    `doctor`'s footprint counts."""
+    from moe_pipe.procs.resources import Resources
+    from moe_pipe.shared.analysis.fit import model_footprint
+    from moe_pipe.shared.experts import budget as B
+
+    monkeypatch.setattr(B, "probe_memory", lambda: B.MemoryProbe(2048 * MiB, ()))
+    monkeypatch.setattr(B, "on_phone", lambda: False)
+    got, footprint = {}, {}
+    for n in (1, 4):
+        cfg = load_config(None, {"gateway.parallel": n, "compute.ctx_size": 4096, "cache.cache_mb": "auto"})
+        with Resources.create(cfg, tiny_model) as res:
+            got[n] = res.resolved.budget_bytes
+        with open_model(tiny_model) as mf:
+            footprint[n] = model_footprint(mf, cfg).kv_bytes
+    with open_model(tiny_model) as mf:
+        one = kv_cache_bytes(mf.spec, 4096, "f16")
+    assert footprint == {1: one, 4: 4 * one}
+    assert got[1] - got[4] == 3 * one

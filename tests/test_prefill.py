@@ -107,4 +107,6 @@ def test_a_chunk_keeps_no_more_arrays_than_the_budget_leaves_it(family, tmp_path
         finally:
             tracemalloc.stop()
         budget = prefill_activation_bytes(mf.spec, ACTIVATION_TOKENS, mf.spec.n_expert_used)
-    assert peak <= budget, f"{family.arch}: a {ACTIVATION_TOKENS}-token chunk peaked at {peak / 2**20:.1f} MiB of arrays, the budget leaves {budget / 2**20:.1f}"
+    assert peak <= budget, (
+        f"{family.arch}: a {ACTIVATION_TOKENS}-token chunk peaked at {peak / 2**20:.1f} MiB of arrays, the budget leaves {budget / 2**20:.1f}"
+    )

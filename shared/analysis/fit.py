@@ -57,6 +57,7 @@ from ..experts.budget import (
     pipeline_bytes,
     probe_memory,
     resolve_budget,
+    service_kv_bytes,
 )
 from ..gguf.layout import aligned_bytes
 
@@ -145,7 +146,7 @@ class ModelFootprint:
 
 def model_footprint(mf, cfg: Config) -> ModelFootprint:
     """The model's footprint under `cfg`, read from its header (no weight is touched)."""
-    from ..gguf.spec import kv_cache_bytes, kv_rows, kv_windows  # the KV size the pipeline allocates
+    from ..gguf.spec import kv_rows, kv_windows  # the KV size the pipeline allocates
 
     spec, layout = mf.spec, mf.layout
     top_k = cfg.compute.n_expert_used or spec.n_expert_used
@@ -166,7 +167,7 @@ def model_footprint(mf, cfg: Config) -> ModelFootprint:
         dense_bytes=layout.dense_bytes,
         expert_bytes=tuple(layout.expert_bytes(i) for i in range(spec.n_layer)),
         slab_bytes=layout.slab_bytes,
-        kv_bytes=cfg.gateway.parallel * kv_cache_bytes(spec, cfg.compute.ctx_size, cfg.compute.kv_type),
+        kv_bytes=service_kv_bytes(cfg, spec),
         classes=kernel_classes(mf, top_k),
         read_bytes_per_expert=tuple(aligned_bytes(l.extents(0), layout.align) for l in layout.layers),
         engine_bytes=pipeline_bytes(RUN_ROLES, spec, cfg.compute.prefill_tokens, top_k),

@@ -48,7 +48,7 @@ from typing import Any
 
 from ..config import Config
 from ..errors import ConfigError
-from ..gguf.spec import ModelSpec, prefill_activation_bytes
+from ..gguf.spec import ModelSpec, kv_cache_bytes, prefill_activation_bytes
 
 MiB = 1 << 20
 # cgroup v1 writes "no limit" as PAGE_COUNTER_MAX rounded to a page (9223372036854771712);
@@ -98,6 +98,13 @@ def engine_bytes(roles: tuple[str, ...] | list[str], n_vocab: int) -> int:
         raise ValueError(f"no memory estimate for process role(s) {unknown}; known: {sorted(ROLE_PRIVATE_MIB)}")
     private = sum(ROLE_PRIVATE_MIB[r] * MiB + VOCAB_BYTES_PER_TOKEN.get(r, 0) * n_vocab for r in roles)
     return private + (SHARED_CODE_MIB * MiB if roles else 0)
+
+
+def service_kv_bytes(cfg: Config, spec: ModelSpec) -> int:
+    """The KV caches compute holds: one per slot (gateway.parallel, docs/batching.md), each
+    compute.ctx_size positions of compute.kv_type. The service's budget and `doctor` both
+    take it from here."""
+    return cfg.gateway.parallel * kv_cache_bytes(spec, cfg.compute.ctx_size, cfg.compute.kv_type)
 
 
 def pipeline_bytes(roles: tuple[str, ...] | list[str], spec: ModelSpec, prefill_tokens: int, top_k: int) -> int:

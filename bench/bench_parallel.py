@@ -1,0 +1,211 @@
+"""Several conversations at once: N clients together against the same N requests one at a time.
+
+    python bench/bench_parallel.py [--layers 48] [--clients 4] [-n 128] [--prompt-tokens 40]
+                                   [--config configs/qwen30b.toml] [--ratio 1.6] [--threads 2]
+                                   [--set KEY=VALUE] [--alone-first] [--json OUT]
+
+Starts `moe-pipe up CONFIG --parallel N` on a fresh copy of qwen30b-shape cut to
+`--layers` (made under bench/out/ on first use), inside a memory cgroup of
+file / `--ratio` MiB (bench_vs_llama.py's equal-memory limit), in a private
+runtime folder. After one short warm-up request it sends N greedy chat
+completions of `-n` tokens, each its own prompt of ordinary prose (a different
+stretch of bench/_protocol.py's prose), first all N at once ("together"), then
+the same N one after another ("alone"). Together goes first, so alone runs on
+the cache together warmed: the ratio is if anything low (`--alone-first` the
+other way round).
+
+It prints, per phase, the completion tokens over the phase's wall time (the
+aggregate tok/s), each request's first-token time and tok/s, and from
+/metrics over the phase: bytes read, expert lookups and the expert uses
+another row's lookup served (`moe_pipe_experts_shared_total`); and
+whether each request's text together is its text alone (greedy: it must be).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from _models import shape_model  # noqa: E402  (bench/ is the script's folder)
+from _protocol import fresh_copy, prose_prompt  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+CLI = [sys.executable, "-m", "moe_pipe.cli.main"]
+METRICS = ("moe_pipe_read_bytes_total", "moe_pipe_expert_lookups_total", "moe_pipe_experts_shared_total")
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=48)
+    p.add_argument("--clients", type=int, default=4)
+    p.add_argument("-n", type=int, default=128, help="completion tokens a request")
+    p.add_argument("--prompt-tokens", type=int, default=40, help="each request's prompt, about this many tokens of prose")
+    p.add_argument("--config", default=str(ROOT / "configs" / "qwen30b.toml"))
+    p.add_argument("--ratio", type=float, default=1.6, help="memory limit = file size / this")
+    p.add_argument("--threads", type=int, default=2, help="compute threads (the recipes' are a phone's big cores)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override for `up` (e.g. compute.ctx_size=2048)")
+    p.add_argument("--alone-first", action="store_true", help="the phases the other way round (alone then runs colder)")
+    p.add_argument("--json", help="also write the figures to this file")
+    return p.parse_args(argv)
+
+
+class Service:
+    """`moe-pipe up --detach` in a private runtime folder, inside a memory cgroup."""
+
+    def __init__(self, model: Path, config: str, parallel: int, limit_mb: float, threads: int, sets: list[str]):
+        from moe_pipe.shared.analysis.cgroup import MemoryCgroup, drop_page_cache
+
+        drop_page_cache()
+        self.cg = MemoryCgroup.create(limit_mb)
+        self.base = Path(tempfile.mkdtemp(prefix="mpp", dir="/tmp"))  # short: unix socket paths <= 107 bytes
+        self.env = {**os.environ, "XDG_RUNTIME_DIR": str(self.base)}
+        up = [*CLI, "up", config, "--detach", "--port", "0", "--parallel", str(parallel), "-t", str(threads)]
+        up += [a for kv in (f"model.path={model}", *sets) for a in ("--set", kv)]
+        r = subprocess.run(self.cg.wrap(up), capture_output=True, text=True, env=self.env, timeout=900)
+        if r.returncode != 0:
+            self.close()
+            raise SystemExit(f"bench_parallel: moe-pipe up failed: {r.stderr.strip()}")
+        status = json.loads(self.cli("status", "--json").stdout)
+        self.url = status["url"].rstrip("/")
+        import urllib.request
+
+        self.model = json.loads(urllib.request.urlopen(f"{self.url}/v1/models", timeout=30).read())["data"][0]["id"]
+
+    def cli(self, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([*CLI, *args], capture_output=True, text=True, env=self.env, timeout=300)
+
+    def metrics(self) -> dict[str, float]:
+        import urllib.request
+
+        text = urllib.request.urlopen(f"{self.url}/metrics", timeout=30).read().decode()
+        out = {}
+        for line in text.splitlines():
+            name, _, value = line.partition(" ")
+            if name in METRICS:
+                out[name] = float(value)
+        return out
+
+    def close(self) -> None:
+        self.cli("down")
+        shutil.rmtree(self.base, ignore_errors=True)
+        self.cg.remove()
+
+
+def complete(url: str, model: str, prompt: str, n: int) -> dict:
+    """One streamed greedy chat completion: its text, completion tokens, first-token and whole time."""
+    import urllib.request
+
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": n,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    req = urllib.request.Request(f"{url}/v1/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    first, text, tokens = None, [], 0
+    with urllib.request.urlopen(req, timeout=1800) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            for choice in chunk.get("choices", []):
+                piece = choice.get("delta", {}).get("content") or ""
+                if piece and first is None:
+                    first = time.perf_counter() - t0
+                text.append(piece)
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    total = time.perf_counter() - t0
+    return {"text": "".join(text), "tokens": tokens, "first_s": first, "total_s": total, "tok_s": tokens / total}
+
+
+def phase(svc: Service, prompts: list[str], n: int, together: bool) -> dict:
+    before = svc.metrics()
+    results: list[dict | None] = [None] * len(prompts)
+    t0 = time.perf_counter()
+    if together:
+        threads = [
+            threading.Thread(target=lambda k=k: results.__setitem__(k, complete(svc.url, svc.model, prompts[k], n)))
+            for k in range(len(prompts))
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    else:
+        for k, p in enumerate(prompts):
+            results[k] = complete(svc.url, svc.model, p, n)
+    wall = time.perf_counter() - t0
+    after = svc.metrics()
+    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in METRICS}
+    done = [r for r in results if r is not None]
+    tokens = sum(r["tokens"] for r in done)
+    return {"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall, "requests": done, "metrics": delta}
+
+
+def main(argv=None) -> int:
+    from moe_pipe.shared.gguf.model_file import open_model
+    from moe_pipe.shared.text.tokenizer import Tokenizer
+
+    args = parse(argv)
+    model = shape_model(None, args.layers)
+    limit = model.stat().st_size / 2**20 / args.ratio
+    with open_model(model) as mf:
+        tok = Tokenizer.from_gguf(mf.gguf)
+        # a different stretch of prose a client: the opening of a prose prompt k times as long, its last part
+        prompts = [
+            tok.decode(tok.encode(prose_prompt(tok, args.prompt_tokens * (k + 1)))[-args.prompt_tokens :]) for k in range(args.clients)
+        ]
+    copy = model.with_name(model.stem + "-parallel-copy.gguf")
+    print(f"fresh copy in {fresh_copy(model, copy):.0f} s; limit {limit:,.0f} MiB; {args.clients} slots", flush=True)
+    try:
+        svc = Service(copy, args.config, args.clients, limit, args.threads, args.set)
+        try:
+            complete(svc.url, svc.model, "Hello", 16)  # the kernels compiled and the dense set in before either phase
+            if args.alone_first:
+                alone = phase(svc, prompts, args.n, together=False)
+                together = phase(svc, prompts, args.n, together=True)
+            else:
+                together = phase(svc, prompts, args.n, together=True)
+                alone = phase(svc, prompts, args.n, together=False)
+        finally:
+            svc.close()
+    finally:
+        copy.unlink(missing_ok=True)
+    same = [a["text"] == t["text"] for a, t in zip(alone["requests"], together["requests"])]
+    print(
+        f"\nqwen30b-shape L{args.layers}, {limit:,.0f} MiB (file / {args.ratio:g}), {args.clients} requests of {args.n} tokens"
+        + ("".join(f", {kv}" for kv in args.set))
+        + (", alone first" if args.alone_first else ", together first")
+    )
+    print("| phase | wall s | tokens | aggregate tok/s | first token s (each) | tok/s (each) | read GB | expert lookups | uses shared |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, ph in (("together", together), ("alone", alone)):
+        m = ph["metrics"]
+        print(
+            f"| {name} | {ph['wall_s']:.1f} | {ph['tokens']} | {ph['tok_s']:.2f} | "
+            + ", ".join(f"{r['first_s']:.1f}" for r in ph["requests"])
+            + " | "
+            + ", ".join(f"{r['tok_s']:.2f}" for r in ph["requests"])
+            + f" | {m['moe_pipe_read_bytes_total'] / 1e9:.2f} | {m['moe_pipe_expert_lookups_total']:.0f} | {m['moe_pipe_experts_shared_total']:.0f} |"
+        )
+    print(f"\naggregate together / alone: {together['tok_s'] / alone['tok_s']:.2f}x; each text together == alone: {same}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"together": together, "alone": alone, "same": same, "limit_mb": limit}, indent=1))
+    return 0 if all(same) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 from moe_pipe.procs.pipeline import start_pipeline
-from moe_pipe.shared.config import load_config
+from moe_pipe.shared.config import DEFAULT_POLICY, load_config
 from moe_pipe.shared.errors import ConfigError
 from moe_pipe.shared.experts.policies import LIVE_POLICIES
 from moe_pipe.shared.gguf.model_file import open_model
@@ -153,7 +153,11 @@ def test_populating_ahead_or_not_gives_the_same_tokens(tiny, dense):
         assert tokens == reference[None], f"populate={populate} dense={dense}"
 
 
-@pytest.mark.parametrize("policy", LIVE_POLICIES)
+# The default policy and lru in the default tier (each run is a whole pipeline on every family); the
+# others behind -m slow.
+@pytest.mark.parametrize(
+    "policy", [pytest.param(p, marks=[] if p in (DEFAULT_POLICY, "lru") else [pytest.mark.slow]) for p in LIVE_POLICIES]
+)
 def test_every_live_policy_keeps_the_tokens(tiny, policy):
     """Eviction decides what is read, never what is computed: every policy the
     reader can run gives the reference's tokens, at the smallest budget

@@ -429,9 +429,14 @@ def test_a_system_prompt_shared_by_four_concurrent_requests_is_computed_once(svc
         assert [t for t, _ in together] == [t for t, _ in alone]
         shared = [c for _, c in together]
         assert shared[0] == 0 and min(shared[1:]) > 60  # the system prompt and the template's head, from the first slot
-        with urllib.request.urlopen(svc4.url + "/metrics", timeout=30) as r:
-            metrics = r.read().decode()
-        assert f"\nmoe_pipe_prompt_tokens_shared_total {sum(shared[1:])}\n" in metrics
-        assert f"\nmoe_pipe_prompt_tokens_cached_total {sum(shared[1:])}\n" in metrics
+        want = (f"\nmoe_pipe_prompt_tokens_shared_total {sum(shared[1:])}\n", f"\nmoe_pipe_prompt_tokens_cached_total {sum(shared[1:])}\n")
+        deadline = time.monotonic() + 10  # a Done is counted as the gateway takes it, which may be just after the stream's end
+        while True:
+            with urllib.request.urlopen(svc4.url + "/metrics", timeout=30) as r:
+                metrics = r.read().decode()
+            if all(w in metrics for w in want) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert all(w in metrics for w in want), [line for line in metrics.splitlines() if "prompt_tokens" in line]
     finally:
         svc4.close()

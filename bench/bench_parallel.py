@@ -25,20 +25,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 
-from _models import shape_model  # noqa: E402  (bench/ is the script's folder)
+import load_gateway as gateway  # noqa: E402  (bench/ is the script's folder)
+from _models import shape_model  # noqa: E402
 from _protocol import fresh_copy, prose_prompt  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-CLI = [sys.executable, "-m", "moe_pipe.cli.main"]
 METRICS = ("moe_pipe_read_bytes_total", "moe_pipe_expert_lookups_total", "moe_pipe_experts_shared_total")
 
 
@@ -57,30 +53,24 @@ def parse(argv=None):
     return p.parse_args(argv)
 
 
-class Service:
-    """`moe-pipe up --detach` in a private runtime folder, inside a memory cgroup."""
+class Service(gateway.Service):
+    """load_gateway's private service, inside a memory cgroup, with its URL and model id."""
 
     def __init__(self, model: Path, config: str, parallel: int, limit_mb: float, threads: int, sets: list[str]):
+        import urllib.request
+
         from moe_pipe.shared.analysis.cgroup import MemoryCgroup, drop_page_cache
 
         drop_page_cache()
         self.cg = MemoryCgroup.create(limit_mb)
-        self.base = Path(tempfile.mkdtemp(prefix="mpp", dir="/tmp"))  # short: unix socket paths <= 107 bytes
-        self.env = {**os.environ, "XDG_RUNTIME_DIR": str(self.base)}
-        up = [*CLI, "up", config, "--detach", "--port", "0", "--parallel", str(parallel), "-t", str(threads)]
-        up += [a for kv in (f"model.path={model}", *sets) for a in ("--set", kv)]
-        r = subprocess.run(self.cg.wrap(up), capture_output=True, text=True, env=self.env, timeout=900)
-        if r.returncode != 0:
-            self.close()
-            raise SystemExit(f"bench_parallel: moe-pipe up failed: {r.stderr.strip()}")
-        status = json.loads(self.cli("status", "--json").stdout)
-        self.url = status["url"].rstrip("/")
-        import urllib.request
-
+        overrides = [a for kv in (f"model.path={model}", *sets) for a in ("--set", kv)]
+        try:
+            super().__init__(config, "--parallel", str(parallel), "-t", str(threads), *overrides, wrap=self.cg.wrap, up_timeout_s=900)
+        except BaseException:
+            self.cg.remove()
+            raise
+        self.url = json.loads(self.cli("status", "--json").stdout)["url"].rstrip("/")
         self.model = json.loads(urllib.request.urlopen(f"{self.url}/v1/models", timeout=30).read())["data"][0]["id"]
-
-    def cli(self, *args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([*CLI, *args], capture_output=True, text=True, env=self.env, timeout=300)
 
     def metrics(self) -> dict[str, float]:
         import urllib.request
@@ -94,8 +84,7 @@ class Service:
         return out
 
     def close(self) -> None:
-        self.cli("down")
-        shutil.rmtree(self.base, ignore_errors=True)
+        self.stop()
         self.cg.remove()
 
 

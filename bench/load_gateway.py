@@ -75,12 +75,14 @@ class Report:
 
 
 class Service:
-    """`moe-pipe up CONFIG --detach` in a private runtime folder."""
+    """`moe-pipe up CONFIG --detach` in a private runtime folder; `up_args` go to `up` too,
+    and `wrap` may put its command inside something (a memory cgroup: bench/bench_parallel.py)."""
 
-    def __init__(self, config: str):
+    def __init__(self, config: str, *up_args: str, wrap=lambda cmd: cmd, up_timeout_s: float = 300):
         self.base = Path(tempfile.mkdtemp(prefix="mpl", dir="/tmp"))  # short: unix socket paths <= 107 bytes
         self.env = {**os.environ, "XDG_RUNTIME_DIR": str(self.base)}
-        r = self.cli("up", config, "--detach", "--port", "0", timeout=300)
+        up = [*CLI, "up", config, "--detach", "--port", "0", *up_args]
+        r = subprocess.run(wrap(up), capture_output=True, text=True, env=self.env, timeout=up_timeout_s)
         if r.returncode != 0:
             shutil.rmtree(self.base, ignore_errors=True)
             raise SystemExit(f"load_gateway: moe-pipe up failed: {r.stderr.strip()}")

@@ -379,8 +379,7 @@ class Slots:
         if any(common_prefix(s.session.tokens, prompt) > own for s in self.slots if s.id in busy):
             busy, waiting = self.steps.settle(SHARE_WAIT_S)
         donors = [s for s in self.slots if s is not slot and s.session.cache is not None and (s.id not in busy or s.id in waiting)]
-        best = max(donors, key=reusable, default=None)
-        n = reusable(best) if best is not None else 0
+        n, best = max(((reusable(s), s) for s in donors), key=lambda d: d[0], default=(0, None))
         if best is None or n <= own:
             return 0
         try:

@@ -690,6 +690,10 @@ GATHER = {
 # parallel region over every matrix's 16-row tiles, where a call per expert pays both per
 # expert. A matrix of 1-3 rows takes the row kernel, more the tile kernels (4-row ones for the
 # last few), so each output is that matrix's own matmul bit for bit (tests/test_quant.py).
+# The parallel loop goes tile-major (tile s of every matrix, then tile s + 1): the loop is split
+# into one contiguous run a thread, and matrix-major runs gave one thread the experts many
+# tokens route to and the other the few (a down projection's call ran at 0.7 of its gate's and
+# up's, which pair up evenly); tile-major, each thread gets its share of every matrix.
 # The activations carry TILE_TOKENS zero rows past the last: a matrix's last tile call reads
 # up to 7 rows past its own, which may be the next matrix's or these.
 
@@ -701,8 +705,8 @@ def _grouped_q8_0(addrs, nbytes, stride, X, first, count, at, tab, out):
     S = (R + 15) // 16
     nu = cp // UNIT
     for i in prange(M * S):
-        m = i // S
-        s = i - m * S
+        s = i // M
+        m = i - s * M
         n, x0, o0 = count[m], first[m], at[m]
         w = bytes_at(addrs[m], nbytes)
         if n < GEMM_ROWS:
@@ -727,8 +731,8 @@ def _grouped_q5_0(addrs, nbytes, stride, X, first, count, at, tab, out):
     S = (R + 15) // 16
     nu = cp // UNIT
     for i in prange(M * S):
-        m = i // S
-        s = i - m * S
+        s = i // M
+        m = i - s * M
         n, x0, o0 = count[m], first[m], at[m]
         w = bytes_at(addrs[m], nbytes)
         if n < GEMM_ROWS:
@@ -753,8 +757,8 @@ def _grouped_mxfp4(addrs, nbytes, stride, X, first, count, at, tab, out):
     S = (R + 15) // 16
     nu = cp // UNIT
     for i in prange(M * S):
-        m = i // S
-        s = i - m * S
+        s = i // M
+        m = i - s * M
         n, x0, o0 = count[m], first[m], at[m]
         w = bytes_at(addrs[m], nbytes)
         if n < GEMM_ROWS:
@@ -779,8 +783,8 @@ def _grouped_q4_k(addrs, nbytes, stride, X, first, count, at, tab, out):
     S = (R + 15) // 16
     nu = cp // UNIT
     for i in prange(M * S):
-        m = i // S
-        s = i - m * S
+        s = i // M
+        m = i - s * M
         n, x0, o0 = count[m], first[m], at[m]
         w = bytes_at(addrs[m], nbytes)
         if n < GEMM_ROWS:
@@ -805,8 +809,8 @@ def _grouped_q5_k(addrs, nbytes, stride, X, first, count, at, tab, out):
     S = (R + 15) // 16
     nu = cp // UNIT
     for i in prange(M * S):
-        m = i // S
-        s = i - m * S
+        s = i // M
+        m = i - s * M
         n, x0, o0 = count[m], first[m], at[m]
         w = bytes_at(addrs[m], nbytes)
         if n < GEMM_ROWS:
@@ -831,8 +835,8 @@ def _grouped_q6_k(addrs, nbytes, stride, X, first, count, at, tab, out):
     S = (R + 15) // 16
     nu = cp // UNIT
     for i in prange(M * S):
-        m = i // S
-        s = i - m * S
+        s = i // M
+        m = i - s * M
         n, x0, o0 = count[m], first[m], at[m]
         w = bytes_at(addrs[m], nbytes)
         if n < GEMM_ROWS:
@@ -857,8 +861,8 @@ def _grouped_iq4_xs(addrs, nbytes, stride, X, first, count, at, tab, out):
     S = (R + 15) // 16
     nu = cp // UNIT
     for i in prange(M * S):
-        m = i // S
-        s = i - m * S
+        s = i // M
+        m = i - s * M
         n, x0, o0 = count[m], first[m], at[m]
         w = bytes_at(addrs[m], nbytes)
         if n < GEMM_ROWS:
@@ -883,8 +887,8 @@ def _grouped_iq2_xxs(addrs, nbytes, stride, X, first, count, at, tab, out):
     S = (R + 15) // 16
     nu = cp // UNIT
     for i in prange(M * S):
-        m = i // S
-        s = i - m * S
+        s = i // M
+        m = i - s * M
         n, x0, o0 = count[m], first[m], at[m]
         w = bytes_at(addrs[m], nbytes)
         if n < GEMM_ROWS:
@@ -909,8 +913,8 @@ def _grouped_iq2_xs(addrs, nbytes, stride, X, first, count, at, tab, out):
     S = (R + 15) // 16
     nu = cp // UNIT
     for i in prange(M * S):
-        m = i // S
-        s = i - m * S
+        s = i // M
+        m = i - s * M
         n, x0, o0 = count[m], first[m], at[m]
         w = bytes_at(addrs[m], nbytes)
         if n < GEMM_ROWS:
@@ -935,8 +939,8 @@ def _grouped_iq2_s(addrs, nbytes, stride, X, first, count, at, tab, out):
     S = (R + 15) // 16
     nu = cp // UNIT
     for i in prange(M * S):
-        m = i // S
-        s = i - m * S
+        s = i // M
+        m = i - s * M
         n, x0, o0 = count[m], first[m], at[m]
         w = bytes_at(addrs[m], nbytes)
         if n < GEMM_ROWS:
@@ -961,8 +965,8 @@ def _grouped_iq3_xxs(addrs, nbytes, stride, X, first, count, at, tab, out):
     S = (R + 15) // 16
     nu = cp // UNIT
     for i in prange(M * S):
-        m = i // S
-        s = i - m * S
+        s = i // M
+        m = i - s * M
         n, x0, o0 = count[m], first[m], at[m]
         w = bytes_at(addrs[m], nbytes)
         if n < GEMM_ROWS:
@@ -987,8 +991,8 @@ def _grouped_iq3_s(addrs, nbytes, stride, X, first, count, at, tab, out):
     S = (R + 15) // 16
     nu = cp // UNIT
     for i in prange(M * S):
-        m = i // S
-        s = i - m * S
+        s = i // M
+        m = i - s * M
         n, x0, o0 = count[m], first[m], at[m]
         w = bytes_at(addrs[m], nbytes)
         if n < GEMM_ROWS:
@@ -1013,8 +1017,8 @@ def _grouped_iq1_s(addrs, nbytes, stride, X, first, count, at, tab, out):
     S = (R + 15) // 16
     nu = cp // UNIT
     for i in prange(M * S):
-        m = i // S
-        s = i - m * S
+        s = i // M
+        m = i - s * M
         n, x0, o0 = count[m], first[m], at[m]
         w = bytes_at(addrs[m], nbytes)
         if n < GEMM_ROWS:
@@ -1039,8 +1043,8 @@ def _grouped_iq1_m(addrs, nbytes, stride, X, first, count, at, tab, out):
     S = (R + 15) // 16
     nu = cp // UNIT
     for i in prange(M * S):
-        m = i // S
-        s = i - m * S
+        s = i // M
+        m = i - s * M
         n, x0, o0 = count[m], first[m], at[m]
         w = bytes_at(addrs[m], nbytes)
         if n < GEMM_ROWS:

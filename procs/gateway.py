@@ -299,7 +299,7 @@ class Gateway:
     def _slot(self, w: Worker) -> dict:
         job = w.current
         busy = job is not None and job.slot is None
-        return {
+        slot = {
             "id": w.slot,
             "id_task": w.req_id if busy else -1,
             "n_ctx": self.config.compute.ctx_size,
@@ -308,6 +308,13 @@ class Gateway:
             "n_prompt_tokens": len(job.prompt_tokens) if busy and job is not None else 0,
             "n_decoded": w.decoded if busy else 0,  # text pieces streamed so far: a token each, but for text a stop string held back
         }
+        p = w.progress if busy else None
+        if p is not None:  # the prompt as compute last said: the stream's prompt_progress, and how much of it is done
+            slot["prompt_progress"] = {"total": p.total, "cache": p.cache, "processed": p.processed, "time_ms": p.time_ms}
+            slot["phase"] = "prompt" if p.processed < p.total else "decoding"
+        elif busy:
+            slot["phase"] = "waiting"  # sent to compute, its prompt not begun (another slot's pass, or a restart)
+        return slot
 
     async def slot(self, request: web.Request) -> web.Response:
         """POST /slots/0?action=save|restore (body {"filename": NAME}) or

@@ -277,6 +277,7 @@ class Worker:
         self.current: Job | None = None
         self.req_id = 0  # the request in flight on compute
         self.decoded = 0  # Token frames of the current request so far
+        self.progress: m.PromptProgress | None = None  # the current request's prompt, as compute last said (GET /slots)
 
     async def run_forever(self) -> None:
         while True:
@@ -331,7 +332,7 @@ class Worker:
         link = self.link
         pid, hellos = link.pid, link.hellos
         self.req_id, channel = await link.generate(job)
-        self.decoded = 0
+        self.decoded, self.progress = 0, None
         text, cancel_sent = "", False
         try:
             while True:
@@ -341,6 +342,7 @@ class Worker:
                     if isinstance(event, m.Done):
                         return self.finish(job, event)
                     if isinstance(event, m.PromptProgress):
+                        self.progress = event
                         job.offer_progress(event)
                         continue
                     text += event

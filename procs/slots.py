@@ -189,10 +189,20 @@ def pick_rows(asks: Sequence[Ask]) -> list[Ask]:
 
 
 def pick_slot(slots: Sequence[Slot], busy: set[int], prompt: Sequence[int]) -> Slot | None:
-    """An idle slot for a prompt: the one whose cached ids share the longest prefix with it;
-    of equals, the least recently used (its cache the least likely to be asked for again)."""
+    """An idle slot for a prompt, losing no other conversation's positions where it can: of
+    the idle slots whose cached ids are all a prefix of the prompt (a conversation's own slot,
+    holding its earlier turns, or an empty one), the one holding the most; else the least
+    recently used (its cache the least likely to be asked for again). A prefix the prompt
+    shares with another slot is copied from there (`Slots.share_prefix`), so a new
+    conversation that begins like an old one (the same system prompt) takes an empty or the
+    oldest slot rather than overwriting the old conversation's later turns."""
     idle = [s for s in slots if s.id not in busy]
-    return max(idle, key=lambda s: (common_prefix(s.session.tokens, prompt), -s.order, -s.id), default=None)
+
+    def keeps_all(s: Slot) -> bool:
+        held = s.session.tokens
+        return common_prefix(held, prompt) == len(held)
+
+    return max(idle, key=lambda s: (keeps_all(s), len(s.session.tokens) if keeps_all(s) else 0, -s.order, -s.id), default=None)
 
 
 def slot_states(slots: Sequence[Slot], busy: set[int]) -> m.SlotStates:

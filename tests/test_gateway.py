@@ -1425,3 +1425,31 @@ def test_slots_lists_one_slot_by_default_and_it_is_busy_while_a_request_runs(sta
     assert metrics["moe_pipe_slots"] == 1 and metrics["moe_pipe_slots_busy"] == 1
     running.close()
     wait_for(lambda: not svc.request("GET", "/slots")[2][0]["is_processing"], what="the slot to be idle after its client left")
+
+
+def test_slots_shows_a_prompts_progress_then_its_decoding(start_gateway):
+    """GET /slots during a long prompt: the slot's phase is "prompt" and its prompt_progress
+    (the stream's shape) grows; once tokens come it is "decoding", the whole prompt processed."""
+    svc = start_gateway()
+    svc.start_computes({"progress": 40, "progress_s": 0.05, "delay_s": 0.05})  # a 2-second prompt
+    svc.wait_ready()
+    running = _raw_request(svc, {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 400, "stream": True})
+    seen: list[dict] = []
+
+    def prompt_done() -> bool:
+        seen.append(svc.request("GET", "/slots")[2][0])
+        return seen[-1].get("phase") == "decoding"
+
+    wait_for(prompt_done, what="the prompt to end")
+    during = [s["prompt_progress"]["processed"] for s in seen if s.get("phase") == "prompt"]
+    assert all(set(s["prompt_progress"]) == {"total", "cache", "processed", "time_ms"} for s in seen if "prompt_progress" in s)
+    assert len(set(during)) >= 2 and during == sorted(during)  # it grows as the prompt runs
+    assert all(0 <= p < seen[-1]["prompt_progress"]["total"] for p in during)
+    got = b""
+    while b'"content":"w1 "' not in got:  # it is decoding
+        got += running.recv(4096)
+    decoding = svc.request("GET", "/slots")[2][0]
+    assert decoding["phase"] == "decoding" and decoding["prompt_progress"]["processed"] == decoding["prompt_progress"]["total"]
+    running.close()
+    wait_for(lambda: not svc.request("GET", "/slots")[2][0]["is_processing"], what="the slot to be idle after its client left")
+    assert "phase" not in svc.request("GET", "/slots")[2][0] and "prompt_progress" not in svc.request("GET", "/slots")[2][0]

@@ -31,14 +31,16 @@ def test_a_step_takes_every_decode_row_and_the_oldest_prompt_s_chunk():
     assert [a.slot for a in pick_rows([_ask(0, 4, 7), _ask(1, 3, 7)])] == [1]  # two prompts: one chunk a step
 
 
-def test_a_request_takes_the_idle_slot_holding_its_prefix_else_the_least_recently_used():
+def test_a_request_takes_its_conversation_s_slot_else_one_that_loses_nothing_else_the_least_recently_used():
     slots = [Slot(i, Session()) for i in range(3)]
     for s, ids, order in zip(slots, ([1, 2, 3, 4], [1, 2, 9], []), (5, 2, 7)):
         s.session.ids, s.order = ids, order
         s.session.cache = type("C", (), {"n": len(ids), "state": None})()  # tokens = ids[:n]
-    assert pick_slot(slots, set(), [1, 2, 3, 7]).id == 0  # three tokens in common
-    assert pick_slot(slots, {0}, [1, 2, 3, 7]).id == 1  # busy: the next longest
-    assert pick_slot(slots, set(), [8]).id == 1  # nothing in common: used longest ago
+    assert pick_slot(slots, set(), [1, 2, 3, 4, 5]).id == 0  # its earlier turn: all of slot 0 is its prefix
+    assert pick_slot(slots, set(), [1, 2, 3, 7]).id == 2  # another conversation's [.., 4] stays; the empty slot takes it
+    assert pick_slot(slots, set(), [8]).id == 2
+    assert pick_slot(slots, {2}, [1, 2, 3, 7]).id == 1  # every idle slot holds another conversation: used longest ago
+    assert pick_slot(slots, {1, 2}, [1, 2, 3, 4, 5]).id == 0
     assert pick_slot(slots, {0, 1, 2}, [8]) is None
 
 

@@ -130,6 +130,8 @@ class Reader:
         self.lanes = ReadLanes(config.io.io_threads, self._read_lane)
         self.inflight: dict[tuple[int, int], list[_Waiter]] = {}  # key -> who waits for its bytes
         self.pinned: dict[int, list[tuple[int, int]]] = defaultdict(list)  # req_id -> keys it pinned
+        # Demands that found every slab pinned while reads were under way: admitted as those land.
+        self.blocked: list[tuple[tuple[int, int], _Waiter]] = []
         self.guesses_read = self.guesses_withdrawn = 0
         self.guess_io = [0, 0]  # bytes, ns of unasked reads not yet reported to compute
 
@@ -189,6 +191,7 @@ class Reader:
                 if key in self.table and self.table.pins(key):
                     self.table.unpin(key)
         self.pinned.clear()
+        self.blocked.clear()
         for waiters in self.inflight.values():
             waiters.clear()
 
@@ -212,23 +215,34 @@ class Reader:
                 self.send(m.FetchFailed(msg.req_id, msg.layer, e, m.Code.BAD_ARGUMENT, f"no expert {key}"))
                 continue
             self.heat.use(key)
-            slab = self.table.lookup(key)
-            if slab is not None and key not in self.inflight:
-                self.table.pin(key)
-                self.pinned[msg.req_id].append(key)
-                self.send_ready(msg.req_id, key, slab, hit=True, io_ns=0)
-            elif key in self.inflight:  # its read is under way (a guess, a warm start's): wait for it, first in line
-                self.lanes.promote(key)
-                self.table.pin(key)
-                self.pinned[msg.req_id].append(key)
-                self.inflight[key].append(_Waiter(msg.req_id, msg.layer))
-            else:
-                self.start_read(key, _Waiter(msg.req_id, msg.layer))
+            self.demand(key, _Waiter(msg.req_id, msg.layer))
         for e in msg.guesses:
             if not self.guess(msg.guess_layer, e):
                 break
         if not msg.experts and msg.guesses:  # compute waits for this before it looks at the index again
             self.send(m.Guessed(msg.req_id, *self.take_guess_io()))
+
+    def demand(self, key, waiter: _Waiter) -> None:
+        """compute's request for `key`: Ready at once if cached, else after its read."""
+        slab = self.table.lookup(key)
+        if slab is not None and key not in self.inflight:
+            self.table.pin(key)
+            self.pinned[waiter.req_id].append(key)
+            self.send_ready(waiter.req_id, key, slab, hit=True, io_ns=0)
+        elif key in self.inflight:  # its read is under way (a guess, a warm start's): wait for it, first in line
+            self.lanes.promote(key)
+            self.table.pin(key)
+            self.pinned[waiter.req_id].append(key)
+            self.inflight[key].append(waiter)
+        else:
+            self.start_read(key, waiter)
+
+    def retry_blocked(self) -> None:
+        """The demands that found every slab pinned, again, in order, now that a read has
+        landed or compute released slabs."""
+        blocked, self.blocked = self.blocked, []
+        for key, waiter in blocked:
+            self.demand(key, waiter)
 
     def take_guess_io(self) -> tuple[int, int]:
         nbytes, ns = self.guess_io
@@ -276,6 +290,9 @@ class Reader:
                 return self.start_read(key, waiter, priority)  # a warm read queued gave its slab
             if waiter is None:
                 raise
+            if self.inflight:  # a read under way holds a slab until it lands (an abandoned request's, a guess): wait for it
+                self.blocked.append((key, waiter))
+                return
             self.send(m.FetchFailed(waiter.req_id, key[0], key[1], m.Code.INTERNAL, "every cache slab is pinned"))
             return
         if waiter is not None:  # the waiter's own pin, beside the read's
@@ -314,6 +331,7 @@ class Reader:
                 self.send(m.FetchFailed(w.req_id, key[0], key[1], m.Code.IO_ERROR, error))
             if warm:
                 self.end_warm_start("stopped", "a read failed")
+            self.retry_blocked()  # its slab is free again
             return
         self.table.unpin(key)  # the read's own pin; waiters hold theirs
         self.index.publish(key, slab)  # the slab is complete: compute may now find it
@@ -329,6 +347,7 @@ class Reader:
                 self.feed_warm_start()
             else:  # a read under way when it stopped: the count the progress file says
                 self.write_warm_progress(force=True)
+        self.retry_blocked()  # the read's own pin is gone: a demand that found every slab pinned may fit now
 
     def forget(self, key) -> None:
         """A failed read: its slab's bytes are partial, so the key leaves the
@@ -366,6 +385,10 @@ class Reader:
             for key in self.pinned.pop(req_id, []):
                 if key in self.table:
                     self.table.unpin(key)
+        if self.blocked:  # a blocked demand of a fetch compute left (a Stop) is not read
+            gone = set(released)
+            self.blocked = [(key, w) for key, w in self.blocked if w.req_id not in gone]
+            self.retry_blocked()
         for key in touched:
             if self.table.lookup(key) is not None:  # a hit for the policy and the stats; a key gone since is skipped
                 self.heat.use(key)

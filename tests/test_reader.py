@@ -116,6 +116,44 @@ def test_a_guess_of_an_expert_a_fetch_admitted_reads_nothing_and_is_answered(h):
     assert {(a.req_id, a.expert) for a in (h.answer(), h.answer())} == {(stopped, 3), (stopped, 4)}
 
 
+def test_a_demand_that_finds_every_slab_pinned_by_reads_under_way_waits_for_them(h):
+    """A request stopped mid-Fetch leaves a read under way, holding its slab until it lands;
+    the next request asks for as many experts as there are slabs (a prompt's group): the one
+    that finds every slab pinned waits for that read rather than failing, and every expert of
+    the new request is answered."""
+    n = h.reader.n_slabs
+    entered, release = hold_reads_of(h, (0, 0), fail=False)
+    stopped = h.fetch(0, [0])
+    assert entered.wait(10)  # its read is under way, holding its slab
+    new = h.fetch(1, range(n), released=[stopped])
+    assert len(h.reader.blocked) == 1 and ipc.recv(h.ready, 200) is None  # one waits, none failed
+    release.set()
+    for _ in range(n + 1):
+        h.land()
+    answers = [h.answer() for _ in range(n + 1)]  # the stopped read's Ready too, which compute ignores
+    mine = sorted(a.expert for a in answers if a.req_id == new)
+    assert all(isinstance(a, m.Ready) for a in answers) and mine == list(range(n))
+    assert not h.reader.blocked and all(h.visible((1, e)) for e in range(n))
+
+
+def test_a_blocked_demand_of_a_fetch_compute_left_is_dropped(h):
+    """The same, but compute leaves the second request too before the read lands (a
+    second Stop): its blocked demand is never read, and nothing stays pinned."""
+    n = h.reader.n_slabs
+    entered, release = hold_reads_of(h, (0, 0), fail=False)
+    stopped = h.fetch(0, [0])
+    assert entered.wait(10)
+    second = h.fetch(1, range(n), released=[stopped])
+    assert len(h.reader.blocked) == 1
+    h.reader.on_release(m.Release((second,)))
+    assert not h.reader.blocked
+    release.set()
+    for _ in range(n):  # the stopped read and the second request's n - 1 admitted ones
+        h.land()
+    assert h.reader.done_in.poll(300) == 0 and (1, n - 1) not in h.reader.table  # the blocked one was never read
+    assert not any(h.reader.table.pins(k) for k in h.reader.table.resident())
+
+
 def test_warm_start_reads_survive_requests_and_go_after_them(h):
     """A warm start fills free slabs in the background, one read at a time on
     one lane: a request's reads go first, and neither a Fetch nor a Release

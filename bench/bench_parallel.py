@@ -3,6 +3,7 @@
     python bench/bench_parallel.py [--layers 48] [--clients 4] [-n 128] [--prompt-tokens 40]
                                    [--config configs/qwen30b.toml] [--ratio 1.6] [--threads 2]
                                    [--set KEY=VALUE] [--alone-first] [--json OUT]
+    python bench/bench_parallel.py --long-prompt 3600 [--clients 4] ...
 
 Starts `moe-pipe up CONFIG --parallel N` on a fresh copy of qwen30b-shape cut to
 `--layers` (made under bench/out/ on first use), inside a memory cgroup of
@@ -19,6 +20,14 @@ aggregate tok/s), each request's first-token time and tok/s, and from
 /metrics over the phase: bytes read, expert lookups and the expert uses
 another row's lookup served (`moe_pipe_experts_shared_total`); and
 whether each request's text together is its text alone (greedy: it must be).
+
+With `--long-prompt T`, it measures chunked prefill instead: `--clients` − 1
+clients decode `-n` tokens undisturbed; then the same clients again, and once each
+has its first token a T-token prose prompt arrives (16 tokens asked): the
+decoders' gaps between tokens while that prompt runs against their undisturbed
+gaps (medians and the longest), and the long prompt's first token beside the
+decoders against the same prompt alone in the same service (its prefix not
+cached: a different stretch of prose).
 """
 
 from __future__ import annotations
@@ -50,6 +59,7 @@ def parse(argv=None):
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override for `up` (e.g. compute.ctx_size=2048)")
     p.add_argument("--alone-first", action="store_true", help="the phases the other way round (alone then runs colder)")
     p.add_argument("--json", help="also write the figures to this file")
+    p.add_argument("--long-prompt", type=int, default=0, metavar="T", help="a T-token prompt arriving while the other clients decode")
     return p.parse_args(argv)
 
 
@@ -88,8 +98,9 @@ class Service(gateway.Service):
         self.cg.remove()
 
 
-def complete(url: str, model: str, prompt: str, n: int) -> dict:
-    """One streamed greedy chat completion: its text, completion tokens, first-token and whole time."""
+def complete(url: str, model: str, prompt: str, n: int, began: threading.Event | None = None, cache_prompt: bool = True) -> dict:
+    """One streamed greedy chat completion: its text, completion tokens, first-token and whole time,
+    and when each text piece came (`began` set at the first)."""
     import urllib.request
 
     body = {
@@ -99,10 +110,11 @@ def complete(url: str, model: str, prompt: str, n: int) -> dict:
         "temperature": 0,
         "stream": True,
         "stream_options": {"include_usage": True},
+        "cache_prompt": cache_prompt,
     }
     req = urllib.request.Request(f"{url}/v1/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
     t0 = time.perf_counter()
-    first, text, tokens = None, [], 0
+    first, text, tokens, times = None, [], 0, []
     with urllib.request.urlopen(req, timeout=1800) as r:
         for raw in r:
             line = raw.decode().strip()
@@ -111,13 +123,17 @@ def complete(url: str, model: str, prompt: str, n: int) -> dict:
             chunk = json.loads(line[6:])
             for choice in chunk.get("choices", []):
                 piece = choice.get("delta", {}).get("content") or ""
+                if piece:
+                    times.append(time.perf_counter())
                 if piece and first is None:
                     first = time.perf_counter() - t0
+                    if began is not None:
+                        began.set()
                 text.append(piece)
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
     total = time.perf_counter() - t0
-    return {"text": "".join(text), "tokens": tokens, "first_s": first, "total_s": total, "tok_s": tokens / total}
+    return {"text": "".join(text), "tokens": tokens, "first_s": first, "total_s": total, "tok_s": tokens / total, "times": times}
 
 
 def phase(svc: Service, prompts: list[str], n: int, together: bool) -> dict:
@@ -144,6 +160,57 @@ def phase(svc: Service, prompts: list[str], n: int, together: bool) -> dict:
     return {"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall, "requests": done, "metrics": delta}
 
 
+def gaps_ms(times: list[float], start: float = float("-inf"), end: float = float("inf")) -> list[float]:
+    """The gaps between a stream's text pieces whose later piece came in [start, end), in ms."""
+    return [1e3 * (b - a) for a, b in zip(times, times[1:]) if start <= b < end]
+
+
+def long_prompt_phases(svc: Service, prompts: list[str], long_prompt: str, n: int) -> dict:
+    """The decoders undisturbed; the long prompt alone; the decoders again with the long prompt
+    arriving once each has its first token. The long prompt never reuses a cached prefix."""
+    undisturbed = phase(svc, prompts, n, together=True)
+    alone = complete(svc.url, svc.model, long_prompt, 16, cache_prompt=False)
+    results: list[dict | None] = [None] * len(prompts)
+    began = [threading.Event() for _ in prompts]
+    threads = [
+        threading.Thread(target=lambda k=k: results.__setitem__(k, complete(svc.url, svc.model, prompts[k], n, began[k])))
+        for k in range(len(prompts))
+    ]
+    for t in threads:
+        t.start()
+    for e in began:
+        e.wait(1800)
+    arrived = time.perf_counter()
+    beside = complete(svc.url, svc.model, long_prompt, 16, cache_prompt=False)
+    for t in threads:
+        t.join()
+    decoders = [r for r in results if r is not None]
+    during = [g for r in decoders for g in gaps_ms(r["times"], arrived, arrived + beside["first_s"])]
+    before = [g for r in undisturbed["requests"] for g in gaps_ms(r["times"])]
+    return {
+        "undisturbed": undisturbed,
+        "decoders": decoders,
+        "alone": alone,
+        "beside": beside,
+        "gaps_before_ms": before,
+        "gaps_during_ms": during,
+    }
+
+
+def print_long_prompt(f: dict, args) -> None:
+    import statistics
+
+    before, during = f["gaps_before_ms"], f["gaps_during_ms"]
+    med_b, med_d = statistics.median(before), statistics.median(during) if during else float("nan")
+    print(f"\n{args.clients - 1} decoders of {args.n} tokens, a {args.long_prompt}-token prompt arriving once each has its first token")
+    print("| | median gap ms | longest gap ms | gaps |")
+    print("|---|---|---|---|")
+    print(f"| decoders undisturbed | {med_b:.0f} | {max(before):.0f} | {len(before)} |")
+    print(f"| decoders while the prompt runs | {med_d:.0f} | {max(during, default=float('nan')):.0f} | {len(during)} |")
+    print(f"\nmedian gap while the prompt runs / undisturbed: {med_d / med_b:.2f}x")
+    print(f"long prompt's first token: {f['beside']['first_s']:.1f} s beside the decoders, {f['alone']['first_s']:.1f} s alone")
+
+
 def main(argv=None) -> int:
     from moe_pipe.shared.gguf.model_file import open_model
     from moe_pipe.shared.text.tokenizer import Tokenizer
@@ -157,13 +224,16 @@ def main(argv=None) -> int:
         prompts = [
             tok.decode(tok.encode(prose_prompt(tok, args.prompt_tokens * (k + 1)))[-args.prompt_tokens :]) for k in range(args.clients)
         ]
+        long_prompt = prose_prompt(tok, args.long_prompt) if args.long_prompt else ""
     copy = model.with_name(model.stem + "-parallel-copy.gguf")
     print(f"fresh copy in {fresh_copy(model, copy):.0f} s; limit {limit:,.0f} MiB; {args.clients} slots", flush=True)
     try:
         svc = Service(copy, args.config, args.clients, limit, args.threads, args.set)
         try:
             complete(svc.url, svc.model, "Hello", 16)  # the kernels compiled and the dense set in before either phase
-            if args.alone_first:
+            if args.long_prompt:
+                figures = long_prompt_phases(svc, prompts[: args.clients - 1], long_prompt, args.n)
+            elif args.alone_first:
                 alone = phase(svc, prompts, args.n, together=False)
                 together = phase(svc, prompts, args.n, together=True)
             else:
@@ -173,6 +243,11 @@ def main(argv=None) -> int:
             svc.close()
     finally:
         copy.unlink(missing_ok=True)
+    if args.long_prompt:
+        print_long_prompt(figures, args)
+        if args.json:
+            Path(args.json).write_text(json.dumps(figures, indent=1))
+        return 0
     same = [a["text"] == t["text"] for a, t in zip(alone["requests"], together["requests"])]
     print(
         f"\nqwen30b-shape L{args.layers}, {limit:,.0f} MiB (file / {args.ratio:g}), {args.clients} requests of {args.n} tokens"

@@ -107,6 +107,7 @@ def test_a_trace_driven_run_routes_like_the_trace(tmp_path):
 
 
 @pytest.mark.integration
+@pytest.mark.slow  # ~40 s; the default tier keeps under 10 minutes
 def test_prefetch_under_a_route_replay_guesses_exactly(tmp_path):
     """Replayed routing gives prefetch a perfect predictor (the ceiling the
     benchmarks measure): every guess sent is used."""
@@ -124,6 +125,7 @@ def test_prefetch_under_a_route_replay_guesses_exactly(tmp_path):
 
 
 @pytest.mark.integration
+@pytest.mark.slow  # ~37 s; test_vs_llama_cpp_on_the_tiny_model runs bench in the default tier
 def test_bench_writes_csvs_summary_and_plots(tmp_path):
     trace = tmp_path / "tiny.trace"
     subprocess.run(

@@ -256,7 +256,7 @@ def test_run_dense_read_error_at_start_fails_in_one_line(model):
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("fault,where", [("odirect", "at open"), ("reader:EINVAL:1", "reads")])
+@pytest.mark.parametrize("fault,where", [("odirect", "at open"), pytest.param("reader:EINVAL:1", "reads", marks=pytest.mark.slow)])  # ~30 s
 def test_run_with_o_direct_refused_falls_back_to_the_same_tokens(model, fault, where):
     want = tokens_of(run_cli(*RUN, "--set", f"model.path={model}"))
     r = run_cli(*RUN, "--set", f"model.path={model}", env_extra={directio.FAULT_ENV: fault})

@@ -83,6 +83,7 @@ def _run(*extra):
 
 
 @pytest.mark.integration
+@pytest.mark.slow  # ~14 s; the levers are lossy and off by default
 def test_levers_in_the_pipeline_raise_the_hit_rate_and_zero_is_exact():
     exact = _run()
     assert _run("--drop-cold-experts", "0", "--cache-route", "0")["tokens"] == exact["tokens"]

@@ -262,6 +262,7 @@ def test_concurrent_greedy_requests_each_get_their_solo_reply(svc3):
 
 
 @pytest.mark.integration
+@pytest.mark.slow  # ~17 s; the slot states telemetry carries are checked in the default tier by the web page test
 def test_a_tail_shows_what_each_slot_is_doing(svc3):
     import subprocess
     import sys

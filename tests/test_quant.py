@@ -244,6 +244,21 @@ def _prepared_in_wider_rows(qtype, n_mats: int, n_rows: int, rng) -> tuple[int, 
 GATHER_FAST = (QType.Q4_K,)  # the default tier's; every int8 type behind -m slow (a compile each)
 
 
+def test_the_gather_and_grouped_drivers_compile_once_whatever_the_count_of_matrices(int8_mode):
+    """A decode step's experts come to the gather driver in groups of any size as their reads
+    land, and a prompt's to the grouped one: the matrices travel as addresses, so one compiled
+    driver serves every count (a tuple of arrays compiled one a count, 2-4 s each mid-reply)."""
+    if not int8_mode:
+        pytest.skip("the int8 drivers")
+    rng = np.random.default_rng(77)
+    n_cols, ps = _prepared_in_wider_rows(QType.Q4_K, 5, 19, rng)
+    X = rng.standard_normal((5, n_cols)).astype(np.float32)
+    for n in (1, 2, 3, 5):
+        assert quant.gather_apply(ps[:n], X, np.arange(n)) is not None
+        assert quant.grouped_apply(ps[:n], X, np.zeros(n, np.int64), np.full(n, 4)) is not None
+    assert len(_q8._gather_q4_k.signatures) == 1 and len(_q8._grouped_q4_k.signatures) == 1
+
+
 @pytest.mark.parametrize(
     "qtype", [pytest.param(q, marks=[] if q in GATHER_FAST else [pytest.mark.slow]) for q in quant.INT8_ACTIVATION_TYPES]
 )

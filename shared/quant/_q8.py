@@ -529,138 +529,141 @@ def _mm_iq1_m(w, stride, X, tab, out):
 
 
 # ---- gather drivers: several matrices of one type in one call -------------------
-# _gather_<t>(ws (K matrices' bytes, a tuple), stride, X f32[A, C], act i64[K], table, out f32[K, R]):
-# out[e, r] = row r of matrix e · activation row act[e]. A decode step's experts of a layer
-# (their gates and ups on one activation row, then their downs each on its own) in one
-# call: one rounding of the activations and one parallel region over every matrix's rows,
-# where a call per matrix pays both per matrix. The row kernel is the matvec's, so each
-# output equals that matrix's matvec bit for bit (tests/test_quant.py).
+# _gather_<t>(addrs i64[K], nbytes, stride, X f32[A, C], act i64[K], table, out f32[K, R]):
+# out[e, r] = row r of matrix e · activation row act[e]; matrix e's bytes at address addrs[e]
+# (bytes_at: a tuple of arrays compiled the driver once for every count of matrices, and a
+# streamed decode step's count varies with what has landed: 2-4 s of compiling mid-reply
+# each). A decode step's experts of a layer (their gates and ups on one activation row, then
+# their downs each on its own) in one call: one rounding of the activations and one parallel
+# region over every matrix's rows, where a call per matrix pays both per matrix. The row
+# kernel is the matvec's, so each output equals that matrix's matvec bit for bit
+# (tests/test_quant.py).
 
 
 @njit(**_DRIVER)
-def _gather_q8_0(ws, stride, X, act, tab, out):
+def _gather_q8_0(addrs, nbytes, stride, X, act, tab, out):
     xq, dx, bs16, bs32, xs32, cp = _round(X)
     K, R, nb = out.shape[0], out.shape[1], X.shape[1] // QK
     for i in prange(K * R):
         e = i // R
-        _q8_0_r1(ws[e], (i - e * R) * stride, nb, xq, act[e] * cp, cp, dx, bs16, bs32, xs32, tab, out, i, R)
+        _q8_0_r1(bytes_at(addrs[e], nbytes), (i - e * R) * stride, nb, xq, act[e] * cp, cp, dx, bs16, bs32, xs32, tab, out, i, R)
 
 
 @njit(**_DRIVER)
-def _gather_q5_0(ws, stride, X, act, tab, out):
+def _gather_q5_0(addrs, nbytes, stride, X, act, tab, out):
     xq, dx, bs16, bs32, xs32, cp = _round(X)
     K, R, nb = out.shape[0], out.shape[1], X.shape[1] // QK
     for i in prange(K * R):
         e = i // R
-        _q5_0_r1(ws[e], (i - e * R) * stride, nb, xq, act[e] * cp, cp, dx, bs16, bs32, xs32, tab, out, i, R)
+        _q5_0_r1(bytes_at(addrs[e], nbytes), (i - e * R) * stride, nb, xq, act[e] * cp, cp, dx, bs16, bs32, xs32, tab, out, i, R)
 
 
 @njit(**_DRIVER)
-def _gather_mxfp4(ws, stride, X, act, tab, out):
+def _gather_mxfp4(addrs, nbytes, stride, X, act, tab, out):
     xq, dx, bs16, bs32, xs32, cp = _round(X)
     K, R, nb = out.shape[0], out.shape[1], X.shape[1] // QK
     for i in prange(K * R):
         e = i // R
-        _mxfp4_r1(ws[e], (i - e * R) * stride, nb, xq, act[e] * cp, cp, dx, bs16, bs32, xs32, tab, out, i, R)
+        _mxfp4_r1(bytes_at(addrs[e], nbytes), (i - e * R) * stride, nb, xq, act[e] * cp, cp, dx, bs16, bs32, xs32, tab, out, i, R)
 
 
 @njit(**_DRIVER)
-def _gather_q4_k(ws, stride, X, act, tab, out):
+def _gather_q4_k(addrs, nbytes, stride, X, act, tab, out):
     xq, dx, bs16, bs32, xs32, cp = _round(X)
     K, R, nb = out.shape[0], out.shape[1], X.shape[1] // QK
     for i in prange(K * R):
         e = i // R
-        _q4_k_r1(ws[e], (i - e * R) * stride, nb, xq, act[e] * cp, cp, dx, bs16, bs32, xs32, tab, out, i, R)
+        _q4_k_r1(bytes_at(addrs[e], nbytes), (i - e * R) * stride, nb, xq, act[e] * cp, cp, dx, bs16, bs32, xs32, tab, out, i, R)
 
 
 @njit(**_DRIVER)
-def _gather_q5_k(ws, stride, X, act, tab, out):
+def _gather_q5_k(addrs, nbytes, stride, X, act, tab, out):
     xq, dx, bs16, bs32, xs32, cp = _round(X)
     K, R, nb = out.shape[0], out.shape[1], X.shape[1] // QK
     for i in prange(K * R):
         e = i // R
-        _q5_k_r1(ws[e], (i - e * R) * stride, nb, xq, act[e] * cp, cp, dx, bs16, bs32, xs32, tab, out, i, R)
+        _q5_k_r1(bytes_at(addrs[e], nbytes), (i - e * R) * stride, nb, xq, act[e] * cp, cp, dx, bs16, bs32, xs32, tab, out, i, R)
 
 
 @njit(**_DRIVER)
-def _gather_q6_k(ws, stride, X, act, tab, out):
+def _gather_q6_k(addrs, nbytes, stride, X, act, tab, out):
     xq, dx, bs16, bs32, xs32, cp = _round(X)
     K, R, nb = out.shape[0], out.shape[1], X.shape[1] // QK
     for i in prange(K * R):
         e = i // R
-        _q6_k_r1(ws[e], (i - e * R) * stride, nb, xq, act[e] * cp, cp, dx, bs16, bs32, xs32, tab, out, i, R)
+        _q6_k_r1(bytes_at(addrs[e], nbytes), (i - e * R) * stride, nb, xq, act[e] * cp, cp, dx, bs16, bs32, xs32, tab, out, i, R)
 
 
 @njit(**_DRIVER)
-def _gather_iq4_xs(ws, stride, X, act, tab, out):
+def _gather_iq4_xs(addrs, nbytes, stride, X, act, tab, out):
     xq, dx, bs16, bs32, xs32, cp = _round(X)
     K, R, nb = out.shape[0], out.shape[1], X.shape[1] // QK
     for i in prange(K * R):
         e = i // R
-        _iq4_xs_r1(ws[e], (i - e * R) * stride, nb, xq, act[e] * cp, cp, dx, bs16, bs32, xs32, tab, out, i, R)
+        _iq4_xs_r1(bytes_at(addrs[e], nbytes), (i - e * R) * stride, nb, xq, act[e] * cp, cp, dx, bs16, bs32, xs32, tab, out, i, R)
 
 
 @njit(**_DRIVER)
-def _gather_iq2_xxs(ws, stride, X, act, tab, out):
+def _gather_iq2_xxs(addrs, nbytes, stride, X, act, tab, out):
     xq, dx, bs16, bs32, xs32, cp = _round(X)
     K, R, nb = out.shape[0], out.shape[1], X.shape[1] // QK
     for i in prange(K * R):
         e = i // R
-        _iq2_xxs_r1(ws[e], (i - e * R) * stride, nb, xq, act[e] * cp, cp, dx, bs16, bs32, xs32, tab, out, i, R)
+        _iq2_xxs_r1(bytes_at(addrs[e], nbytes), (i - e * R) * stride, nb, xq, act[e] * cp, cp, dx, bs16, bs32, xs32, tab, out, i, R)
 
 
 @njit(**_DRIVER)
-def _gather_iq2_xs(ws, stride, X, act, tab, out):
+def _gather_iq2_xs(addrs, nbytes, stride, X, act, tab, out):
     xq, dx, bs16, bs32, xs32, cp = _round(X)
     K, R, nb = out.shape[0], out.shape[1], X.shape[1] // QK
     for i in prange(K * R):
         e = i // R
-        _iq2_xs_r1(ws[e], (i - e * R) * stride, nb, xq, act[e] * cp, cp, dx, bs16, bs32, xs32, tab, out, i, R)
+        _iq2_xs_r1(bytes_at(addrs[e], nbytes), (i - e * R) * stride, nb, xq, act[e] * cp, cp, dx, bs16, bs32, xs32, tab, out, i, R)
 
 
 @njit(**_DRIVER)
-def _gather_iq2_s(ws, stride, X, act, tab, out):
+def _gather_iq2_s(addrs, nbytes, stride, X, act, tab, out):
     xq, dx, bs16, bs32, xs32, cp = _round(X)
     K, R, nb = out.shape[0], out.shape[1], X.shape[1] // QK
     for i in prange(K * R):
         e = i // R
-        _iq2_s_r1(ws[e], (i - e * R) * stride, nb, xq, act[e] * cp, cp, dx, bs16, bs32, xs32, tab, out, i, R)
+        _iq2_s_r1(bytes_at(addrs[e], nbytes), (i - e * R) * stride, nb, xq, act[e] * cp, cp, dx, bs16, bs32, xs32, tab, out, i, R)
 
 
 @njit(**_DRIVER)
-def _gather_iq3_xxs(ws, stride, X, act, tab, out):
+def _gather_iq3_xxs(addrs, nbytes, stride, X, act, tab, out):
     xq, dx, bs16, bs32, xs32, cp = _round(X)
     K, R, nb = out.shape[0], out.shape[1], X.shape[1] // QK
     for i in prange(K * R):
         e = i // R
-        _iq3_xxs_r1(ws[e], (i - e * R) * stride, nb, xq, act[e] * cp, cp, dx, bs16, bs32, xs32, tab, out, i, R)
+        _iq3_xxs_r1(bytes_at(addrs[e], nbytes), (i - e * R) * stride, nb, xq, act[e] * cp, cp, dx, bs16, bs32, xs32, tab, out, i, R)
 
 
 @njit(**_DRIVER)
-def _gather_iq3_s(ws, stride, X, act, tab, out):
+def _gather_iq3_s(addrs, nbytes, stride, X, act, tab, out):
     xq, dx, bs16, bs32, xs32, cp = _round(X)
     K, R, nb = out.shape[0], out.shape[1], X.shape[1] // QK
     for i in prange(K * R):
         e = i // R
-        _iq3_s_r1(ws[e], (i - e * R) * stride, nb, xq, act[e] * cp, cp, dx, bs16, bs32, xs32, tab, out, i, R)
+        _iq3_s_r1(bytes_at(addrs[e], nbytes), (i - e * R) * stride, nb, xq, act[e] * cp, cp, dx, bs16, bs32, xs32, tab, out, i, R)
 
 
 @njit(**_DRIVER)
-def _gather_iq1_s(ws, stride, X, act, tab, out):
+def _gather_iq1_s(addrs, nbytes, stride, X, act, tab, out):
     xq, dx, bs16, bs32, xs32, cp = _round(X)
     K, R, nb = out.shape[0], out.shape[1], X.shape[1] // QK
     for i in prange(K * R):
         e = i // R
-        _iq1_s_r1(ws[e], (i - e * R) * stride, nb, xq, act[e] * cp, cp, dx, bs16, bs32, xs32, tab, out, i, R)
+        _iq1_s_r1(bytes_at(addrs[e], nbytes), (i - e * R) * stride, nb, xq, act[e] * cp, cp, dx, bs16, bs32, xs32, tab, out, i, R)
 
 
 @njit(**_DRIVER)
-def _gather_iq1_m(ws, stride, X, act, tab, out):
+def _gather_iq1_m(addrs, nbytes, stride, X, act, tab, out):
     xq, dx, bs16, bs32, xs32, cp = _round(X)
     K, R, nb = out.shape[0], out.shape[1], X.shape[1] // QK
     for i in prange(K * R):
         e = i // R
-        _iq1_m_r1(ws[e], (i - e * R) * stride, nb, xq, act[e] * cp, cp, dx, bs16, bs32, xs32, tab, out, i, R)
+        _iq1_m_r1(bytes_at(addrs[e], nbytes), (i - e * R) * stride, nb, xq, act[e] * cp, cp, dx, bs16, bs32, xs32, tab, out, i, R)
 
 
 # type name → its gather driver (the table is KERNELS')

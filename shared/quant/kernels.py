@@ -247,8 +247,15 @@ def gather_apply(ps: Sequence[Prepared], X: np.ndarray, act: np.ndarray) -> np.n
     if any(p.qtype != p0.qtype or p.stride != p0.stride or p.n_rows != p0.n_rows or p.n_cols != p0.n_cols for p in ps):
         return None
     out = np.empty((len(ps), p0.n_rows), np.float32)
+    addrs = np.array([p.flat.ctypes.data for p in ps], np.int64)  # the ps keep the bytes alive for the call
     _Q8_GATHER[p0.qtype](
-        tuple(p.flat for p in ps), p0.stride, np.ascontiguousarray(X, dtype=np.float32), act, _Q8_KERNELS[p0.qtype][1], out
+        addrs,
+        p0.flat.shape[0],
+        p0.stride,
+        np.ascontiguousarray(X, dtype=np.float32),
+        np.asarray(act, np.int64),
+        _Q8_KERNELS[p0.qtype][1],
+        out,
     )
     return out
 

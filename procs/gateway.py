@@ -299,7 +299,7 @@ class Gateway:
     def _slot(self, w: Worker) -> dict:
         job = w.current
         busy = job is not None and job.slot is None
-        slot = {
+        slot: dict[str, object] = {
             "id": w.slot,
             "id_task": w.req_id if busy else -1,
             "n_ctx": self.config.compute.ctx_size,

@@ -142,6 +142,7 @@ def test_pipeline_tokens_equal_reference_full_product(tiny, budget, overlap, io_
     _check_identity(tiny, budget, overlap, io_threads, dense, top_k, prefetch)
 
 
+@pytest.mark.slow  # ~35 s over the three families; io.populate is on in every other pipeline test
 @pytest.mark.parametrize("dense", ["anon", "mmap"])
 def test_populating_ahead_or_not_gives_the_same_tokens(tiny, dense):
     """io.populate only moves page faults off the reads' path: tokens are the reference's either way."""
@@ -311,6 +312,7 @@ def test_a_stop_mid_prompt_ends_it_within_a_second_and_the_next_request_reuses_w
         assert list(done.tokens) == reference
 
 
+@pytest.mark.slow  # ~30 s over the three families; the streamed pipeline's tokens are the resident reference's in the tests above
 def test_run_cli_pipeline_equals_no_stream(tiny):
     path = tiny[0]
     outs = []

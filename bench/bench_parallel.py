@@ -125,10 +125,10 @@ def complete(url: str, model: str, prompt: str, n: int, began: threading.Event |
                 piece = choice.get("delta", {}).get("content") or ""
                 if piece:
                     times.append(time.perf_counter())
-                if piece and first is None:
-                    first = time.perf_counter() - t0
-                    if began is not None:
-                        began.set()
+                    if first is None:
+                        first = times[0] - t0
+                        if began is not None:
+                            began.set()
                 text.append(piece)
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]

@@ -198,11 +198,12 @@ def pick_slot(slots: Sequence[Slot], busy: set[int], prompt: Sequence[int]) -> S
     oldest slot rather than overwriting the old conversation's later turns."""
     idle = [s for s in slots if s.id not in busy]
 
-    def keeps_all(s: Slot) -> bool:
-        held = s.session.tokens
-        return common_prefix(held, prompt) == len(held)
+    def rank(s: Slot) -> tuple[bool, int, int, int]:
+        held = len(s.session.tokens)
+        keeps_all = common_prefix(s.session.tokens, prompt) == held
+        return keeps_all, held if keeps_all else 0, -s.order, -s.id
 
-    return max(idle, key=lambda s: (keeps_all(s), len(s.session.tokens) if keeps_all(s) else 0, -s.order, -s.id), default=None)
+    return max(idle, key=rank, default=None)
 
 
 def slot_states(slots: Sequence[Slot], busy: set[int]) -> m.SlotStates:

@@ -43,6 +43,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from moe_pipe.shared.telemetry import steady_start, warmup_walls
+
 STEADY_WINDOW = 8
 STEADY_SLACK = 1.2
 COLD_CHECK_GIB = 1.0
@@ -68,13 +70,13 @@ class Engine:
 
 def reply_figures(walls_ms: list[float]) -> dict:
     n = len(walls_ms)
-    tail = walls_ms[-max(1, n // 4) :]
+    tail = walls_ms[steady_start(n) :] if n > 1 else walls_ms  # the last quarter: the doctor's "steady"
     tail_ms = statistics.mean(tail)
     # Steady from the token after the last window of STEADY_WINDOW tokens slower
     # than STEADY_SLACK x the last quarter's mean (a late stall counts too).
     slow = [t for t in range(1, n) if statistics.mean(walls_ms[t : t + STEADY_WINDOW]) > STEADY_SLACK * tail_ms]
     steady_at = slow[-1] + 2 if slow else 2  # 1-based token number
-    fill = walls_ms[1:50]
+    fill = warmup_walls(walls_ms)
     return {
         "tokens": n,
         "first_s": walls_ms[0] / 1e3,

@@ -69,7 +69,7 @@ def csv_figures(path: Path) -> dict:
     from moe_pipe.shared.telemetry import read_csv, steady_start
 
     _, recs = read_csv(path)
-    steady = recs[steady_start(len(recs)) - 1 :] if len(recs) > 1 else recs
+    steady = recs[steady_start(len(recs)) :]
     wall = sum(r.wall_ms for r in steady)
     eff = [r.wall_ms / max(r.compute_ms, r.io_ms, 1e-9) for r in steady]
     decode = recs[1:]  # the prefill's reads overlap a batched matmul: decode is the streaming case

@@ -66,7 +66,7 @@ def head_figures(out: Path, summary: dict) -> dict:
     for run in summary["runs"]:
         _, recs = read_csv(out / run["csv"])
         walls = [r.wall_ms for r in recs]
-        s0 = steady_start(len(recs)) - 1
+        s0 = steady_start(len(recs))
         steady = recs[s0:]
         rows.append(
             dict(

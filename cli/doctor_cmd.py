@@ -110,6 +110,7 @@ def print_report(f: dict) -> None:
             f"({f['read_note']}); {f['read_gbps']:.2f} used ({f['read_lanes']} lanes)",
         )
     )
+    rows.append(("threads", f"{f['threads']} compute threads ({f['threads_reason']})"))
     rows.append(
         (
             "kernels",
@@ -121,8 +122,13 @@ def print_report(f: dict) -> None:
     rows.append(
         (
             "time/token",
-            f"compute {f['compute_ms']:.1f} ms (kernels {f['kernel_ms']:.1f} + "
-            f"{f['overhead_ms_per_layer']} ms × {f['n_layer']} layers), io {io}",
+            f"compute {f['compute_ms']:.1f} ms ("
+            + (
+                f"a decode step of the model on stand-in weights {f['step_ms']:.1f} ms; kernels alone {f['kernel_ms']:.1f}"
+                if f["step_ms"] is not None
+                else f"kernels {f['kernel_ms']:.1f} + {f['overhead_ms_per_layer']} ms × {f['n_layer']} layers"
+            )
+            + f"), io {io}",
         )
     )
     if f["tok_s"] is None:

@@ -165,6 +165,7 @@ def _run_resident(cfg: Config, model_path, tok, prompt_tokens, params, args, on_
 
     from ..procs.warmup import CompileCounter, forward_pass, kernel_steps, warm_up
     from ..shared import quant
+    from ..shared.cores import choose_threads
     from ..shared.errors import UserError
     from ..shared.experts.directio import model_identity
     from ..shared.gguf.model_file import open_model
@@ -176,11 +177,10 @@ def _run_resident(cfg: Config, model_path, tok, prompt_tokens, params, args, on_
     from ..shared.text.speculate import drafter_for
 
     quant.one_blas_thread()
-    if cfg.compute.threads:
-        try:
-            quant.set_threads(cfg.compute.threads)
-        except ValueError as exc:
-            raise UserError(f"--threads: {exc}") from None
+    try:
+        quant.set_threads(choose_threads(cfg.compute.threads, most=quant.most_threads()).threads)
+    except ValueError as exc:
+        raise UserError(f"--threads: {exc}") from None
     gen_cfg = GenerationConfig(
         max_tokens=cfg.generate.max_tokens,
         stop=tuple(args.stop),

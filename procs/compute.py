@@ -37,6 +37,7 @@ import zmq
 
 from ..shared import quant
 from ..shared.config import ComputeConfig, Config
+from ..shared.cores import choose_threads
 from ..shared.errors import UserError
 from ..shared.experts.dense import arena_views, warm_sweep
 from ..shared.experts.directio import ModelChanged, model_identity
@@ -375,8 +376,9 @@ def model_options(c: ComputeConfig, routes: RouteCount | RouteTracer | None, mf,
 def serve(config: Config, facts: RunFacts, ctx: zmq.Context) -> None:
     c = config.compute
     quant.one_blas_thread()
-    if c.threads:
-        quant.set_threads(c.threads)
+    cores = choose_threads(c.threads, most=quant.most_threads())  # before this process starts work of its own
+    quant.set_threads(cores.threads)
+    log.info(cores.line())
     ep = ipc.Endpoints(Path(facts.runtime_dir))
     requests = ipc.bind(ctx, ep, "requests")
     tokens_out = ipc.connect(ctx, ep, "tokens")

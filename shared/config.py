@@ -210,7 +210,9 @@ class IOConfig:
 class ComputeConfig:
     """The forward pass."""
 
-    threads: int | None = setting(None, "int", "compute threads", lo=1, hi=256, unset="all cores", flags=("-t", "--threads"))
+    threads: int | None = setting(
+        None, "int", "compute threads", lo=1, hi=256, unset="the free cores, measured at start", flags=("-t", "--threads")
+    )
     overlap: bool = setting(True, "bool", "compute cache hits while misses are read; false waits for the whole set", flags=("--overlap",))
     prefetch: str = setting(
         "prompt",

@@ -17,7 +17,6 @@ units of every column: docs/telemetry.md (a test keeps it in step).
 
 from __future__ import annotations
 
-import math
 import os
 import resource
 from array import array
@@ -41,10 +40,10 @@ assert field_names(TokenRecord)[: len(CSV_COLUMNS)] == CSV_COLUMNS, "TokenRecord
 
 PREAMBLE_TITLE = "moe-pipe telemetry v1"
 MIB = 1 << 20
-# Warm-up discarded before the steady window: the first max(5, 10 %) tokens,
-# never more than half the run. See `steady_start` for why.
-WARMUP_MIN_TOKENS = 5
-WARMUP_FRACTION = 0.10
+# The steady window is a run's last quarter of records. See `steady_start` for why.
+STEADY_PARTS = 4
+# The warm-up figure: the mean wall of tokens 2..50 of a reply, the cache filling from cold.
+WARMUP_TOKENS = range(2, 51)
 
 
 # ------------------------------------------------------------------ preamble
@@ -163,18 +162,23 @@ class JsonlWriter:
 
 
 def steady_start(n: int) -> int:
-    """How many leading tokens are warm-up, for a run of n tokens.
+    """How many leading records of a run of n are not in its steady window: all but the last
+    quarter (at least one record).
 
-    max(5, ceil(10 % of n)), capped at n // 2. Why: runs of the models near
-    RAM recover by token ~3 (docs/telemetry.md § Run summary; 5 covers that with margin); a long run keeps filling
-    its cache for longer (hit rate still climbing well past token 10 at
-    n = 256), which a fixed count would not scale to; and the cap keeps the
-    steady window at least as long as what was thrown away, so a 24-token
-    probe still has 19 steady tokens and a 6-token run 3. A fixed rule (not a
-    detected plateau) keeps figures comparable across runs and configs."""
+    Why: one speed story. `moe-pipe doctor` forecasts, and the benchmark protocol
+    (bench/_protocol.py), `moe-pipe bench`, the run summary, `tail` and the web page
+    report, the same "steady" figure: tokens over the wall of a reply's last quarter,
+    where a cache that was still filling at token 10 % has settled (a 256-token reply's
+    cache keeps filling well past token 26). A fixed rule (not a detected plateau) keeps
+    figures comparable across runs and configs."""
     if n < 2:
         return 0
-    return min(max(WARMUP_MIN_TOKENS, math.ceil(WARMUP_FRACTION * n)), n // 2)
+    return n - max(1, n // STEADY_PARTS)
+
+
+def warmup_walls(walls_ms: Sequence[float]) -> Sequence[float]:
+    """The walls of tokens WARMUP_TOKENS (2..50) of a reply, its first token's (the prompt) left out."""
+    return walls_ms[WARMUP_TOKENS.start - 1 : WARMUP_TOKENS.stop - 1]
 
 
 def _tok_s(records: Sequence[TokenRecord]) -> float:

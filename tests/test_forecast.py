@@ -208,19 +208,31 @@ def test_fallback_without_a_trace_is_the_cached_fraction(tmp_path):
 
 
 def test_an_architecture_without_a_trace_replays_one_with_its_expert_count(qwen48):
-    # gemma4 has no shipped trace; with 128 experts it replays qwen's as a proxy (a real
+    # qwen2moe has no shipped trace; with 128 experts it replays qwen's as a proxy (a real
     # router's reuse), the same figure the qwen trace gives at the same slabs per layer,
     # and says so; steady and warm-up alike.
     qwen = facts_of(qwen48)
-    gemma = replace(qwen, arch="gemma4")
-    assert fit.own_trace_path("gemma4", 128) is None and fit.proxy_trace_path(128).name == "qwen.route.csv"
+    other = replace(qwen, arch="qwen2moe")
+    assert fit.own_trace_path("qwen2moe", 128) is None and fit.proxy_trace_path(128).name == "qwen.route.csv"
     slabs = 2 * qwen.floor_bytes // qwen.slab_bytes
     for n in (None, 49):
-        own, proxy = fit.hit_rate(qwen, slabs, "nextuse", decode_tokens=n), fit.hit_rate(gemma, slabs, "nextuse", decode_tokens=n)
-        assert proxy.source == "proxy" and "no trace for gemma4" in proxy.note and "qwen.route.csv" in proxy.note
+        own, proxy = fit.hit_rate(qwen, slabs, "nextuse", decode_tokens=n), fit.hit_rate(other, slabs, "nextuse", decode_tokens=n)
+        assert proxy.source == "proxy" and "no trace for qwen2moe" in proxy.note and "qwen.route.csv" in proxy.note
         assert proxy.pct == own.pct
     uniform = 100 * slabs / qwen.all_experts_slabs
-    assert fit.hit_rate(gemma, slabs, "nextuse").pct > uniform + 10  # a real router's reuse, not the uniform fallback
+    assert fit.hit_rate(other, slabs, "nextuse").pct > uniform + 10  # a real router's reuse, not the uniform fallback
+
+
+def test_gemma4_replays_the_routing_recorded_from_its_benchmark_shape(qwen48):
+    # no phone recording of Gemma 4: its own trace is make-model's gemma26b-shape routing,
+    # labelled synthetic, and it gives another figure than the Qwen trace would
+    gemma = replace(facts_of(qwen48), arch="gemma4")
+    path = fit.own_trace_path("gemma4", 128)
+    assert path is not None and path.name in fit.SYNTHETIC_TRACES and path.exists()
+    slabs = 2 * gemma.floor_bytes // gemma.slab_bytes
+    h = fit.hit_rate(gemma, slabs, "nextuse")
+    assert h.source == "synthetic" and "make-model" in h.note and "gemma.route.csv" in h.note
+    assert h.pct != fit.hit_rate(replace(gemma, arch="qwen3moe"), slabs, "nextuse").pct
 
 
 # ---------------------------------------------------------------- the arithmetic
@@ -262,6 +274,21 @@ def test_decode_speed_compute_bound_resident_and_memory_bound():
     )
 
 
+def test_a_timed_step_replaces_the_dense_estimate_and_fill_reads_cost_compute():
+    # a stand-in step of 50 ms: dense = 50 − 10 ms of expert kernels + the per-token 0.3 ms
+    s = fc.decode_speed(CLASSES, RATES, n_layer=8, top_k=4, hit_pct=100, read_bytes_per_token=1, read_gbps=1.0, step_s=0.050, token_s=0.3e-3)
+    assert s.compute_s == pytest.approx(0.0503) and s.wall_s == pytest.approx(0.0503)
+    # a step faster than the dense kernels alone (a quieter minute) is not believed below them
+    s = fc.decode_speed(CLASSES, RATES, n_layer=8, top_k=4, hit_pct=100, read_bytes_per_token=1, read_gbps=1.0, step_s=0.005)
+    assert s.compute_s == pytest.approx(0.020 + 0.010)
+    # reads into fresh slabs: 40 MB a token at 1 s of CPU a GB = 40 ms more of the experts' compute
+    plain = fc.decode_speed(CLASSES, RATES, n_layer=8, top_k=4, hit_pct=80, read_bytes_per_token=200_000_000, read_gbps=1.0, step_s=0.05)
+    fill = fc.decode_speed(
+        CLASSES, RATES, n_layer=8, top_k=4, hit_pct=80, read_bytes_per_token=200_000_000, read_gbps=1.0, step_s=0.05, read_cpu_s_per_gb=1.0
+    )
+    assert fill.compute_s == pytest.approx(plain.compute_s + 0.040) and fill.wall_s > plain.wall_s
+
+
 # ---------------------------------------------------------------- measuring (tiny durations)
 
 
@@ -270,6 +297,7 @@ def test_measure_reads_and_kernels_briefly():
         reads = fc.measure_reads(mf, seconds=0.06)
         f = fit.model_footprint(mf, load_config(None, {}))
     assert reads.source == "measured" and set(reads.gbps) == {1, 2, 4} and all(g > 0 for g in reads.gbps.values())
+    assert reads.fresh_gbps is not None and reads.fresh_gbps > 0 and reads.fresh_cpu_s_per_gb >= 0
     rates = fc.measure_kernels(f.classes[:2], [1], seconds=0.02, rotate_bytes=1 * MiB)
     assert set(rates) == {(c.key, 1) for c in f.classes[:2]} and all(r > 0 for r in rates.values())
 

@@ -95,7 +95,7 @@ def test_summary_figures():
     s = tm.summarize(list(reversed(records)), load_seconds=2.5, budget_bytes=3000 << 20, resident_bytes=2988 << 20, peak_rss_bytes=5 << 30)
     assert s.tokens == 20
     assert s.mean_tok_s == pytest.approx(20 / 6.5)  # 5 × 1 s + 15 × 0.1 s
-    assert s.steady_from_step == 6  # max(5, 10 % of 20) discarded
+    assert s.steady_from_step == 16  # the last quarter: 5 of 20
     assert s.steady_tok_s == pytest.approx(10.0)
     assert s.first5_wall_ms == pytest.approx(1000.0)
     assert s.final_hit_pct == 80.0  # the last step's running rate, whatever the input order
@@ -104,11 +104,11 @@ def test_summary_figures():
     assert s.load_seconds == 2.5
     text = tm.format_summary(s)
     assert len(text.splitlines()) <= 5
-    for figure in ("3.08", "10.00", "from step 6", "1000 ms", "80.0 %", "3000.0 MiB", "2988.0 MiB", "5120.0 MiB", "2.50 s"):
+    for figure in ("3.08", "10.00", "from step 16", "1000 ms", "80.0 %", "3000.0 MiB", "2988.0 MiB", "5120.0 MiB", "2.50 s"):
         assert figure in text
 
 
-@pytest.mark.parametrize("n, warm", [(0, 0), (1, 0), (2, 1), (6, 3), (10, 5), (24, 5), (50, 5), (51, 6), (256, 26), (1000, 100)])
+@pytest.mark.parametrize("n, warm", [(0, 0), (1, 0), (2, 1), (3, 2), (6, 5), (8, 6), (10, 8), (24, 18), (51, 39), (256, 192), (1000, 750)])
 def test_warmup_rule(n, warm):
     assert tm.steady_start(n) == warm
 

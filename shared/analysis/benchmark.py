@@ -76,13 +76,13 @@ class RunFigures:
 
 
 def wall_figures(walls_ms: list[float]) -> dict:
-    """tok/s over all tokens, over the steady window (warm-up discarded, as the
-    telemetry summary does), and the first-5 wall average."""
+    """tok/s over all tokens and over the steady window (the last quarter, as the
+    telemetry summary and the doctor take it), and the first-5 wall average."""
     from ..telemetry import steady_start
 
     if not walls_ms:
         return {"tok_s_mean": 0.0, "tok_s_steady": 0.0, "first5_wall_ms": 0.0, "steady_wall_ms": 0.0}
-    steady = walls_ms[steady_start(len(walls_ms)) - 1 :] if len(walls_ms) > 1 else walls_ms
+    steady = walls_ms[steady_start(len(walls_ms)) :]
     return {
         "tok_s_mean": 1e3 * len(walls_ms) / sum(walls_ms),
         "tok_s_steady": 1e3 * len(steady) / sum(steady),

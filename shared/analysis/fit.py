@@ -16,7 +16,8 @@ output head is tied to it).
 
 The hit rate comes from the BigMoeOnEdge phone traces shipped in
 data/traces/ when the model's architecture and expert count match one
-(qwen3moe × 128 → Qwen3-30B-A3B, gpt-oss × 128 → gpt-oss-120b). The cache is
+(qwen3moe × 128 → Qwen3-30B-A3B, gpt-oss × 128 → gpt-oss-120b; gemma4 × 128
+below). The cache is
 replayed at the same number of slabs *per layer* as the model's budget gives:
 a model with fewer layers than the trace replays the trace's first n_layer
 layers at its own slab count; a deeper model replays the whole trace at its
@@ -25,14 +26,16 @@ the phone) is kept as recorded and the slab count is not rescaled for the
 model's own top-k: under the independent-reference (Che) approximation of
 an LRU-like cache, scaling every expert's request rate by the same factor
 rescales time and leaves each hit probability unchanged, so hit % depends on
-slabs and the popularity spread, not on k. A model whose architecture has no
-trace but whose expert count matches one (gemma4 × 128) replays that trace as
-a proxy (source "proxy"): another trained router over as many experts,
-nearer a trained router's reuse than uniform routing, which no trained
-router shows. On the gemma26b-shape file at 10,673 MiB (a synthetic router,
-not calibrated on a Gemma recording) uniform routing forecasts 48 % hits and
-the Qwen proxy 96 %, against 79 % measured (docs/benchmarks.md § The
-protocol (2026-12-01)). Without any trace of
+slabs and the popularity spread, not on k. Gemma 4 has no phone recording: its
+trace (gemma.route.csv, source "synthetic") is the routing of make-model's
+gemma26b-shape model itself (the benchmark protocol's prompt and 128 greedy
+tokens), so the forecast matches the benchmark shape; a real Gemma's reuse
+may differ (on the 2026-12-01 protocol the Qwen trace as a proxy forecast 96 %
+hits for that file at 10,673 MiB and uniform routing 48 %, against 79 %
+measured: docs/benchmarks.md § The protocol (2026-12-01)). A model whose architecture has
+no trace but whose expert count matches a phone trace replays that one as a
+proxy (source "proxy"): another trained router over as many experts, nearer
+a trained router's reuse than uniform routing, which no trained router shows. Without any trace of
 that expert count the fallback is slabs / (layers × experts): exact for
 uniform routing, which a real router beats, so it is a pessimistic guess and
 flagged as one.
@@ -65,7 +68,10 @@ MiB = 1 << 20
 INTEGER_TYPES = frozenset({"I8", "I16", "I32", "I64"})
 TRACE_DIR = Path(__file__).parent.parent / "data" / "traces"
 # (arch, n_expert) -> shipped trace (shared/data/traces/README.md says what each one recorded)
-TRACES = {("qwen3moe", 128): "qwen.route.csv", ("gpt-oss", 128): "gptoss.route.csv"}
+TRACES = {("qwen3moe", 128): "qwen.route.csv", ("gpt-oss", 128): "gptoss.route.csv", ("gemma4", 128): "gemma.route.csv"}
+# Traces recorded from make-model's shape of a family (its synthetic router), not from the real
+# model on a phone: their hit rates carry the source "synthetic"
+SYNTHETIC_TRACES = frozenset({"gemma.route.csv"})
 
 
 # ---------------------------------------------------------------- the header
@@ -371,6 +377,8 @@ def hit_rate(footprint: ModelFootprint, n_slabs: int, policy: str, trace=None, d
         return HitRate(100.0, "resident", "every expert fits the cache: after the warm-up every lookup hits")
     path = own_trace_path(footprint.arch, footprint.n_expert)
     source, stand_in = "trace", ""
+    if trace is None and path is not None and path.name in SYNTHETIC_TRACES:
+        source, stand_in = "synthetic", f"no real {footprint.arch} recording: make-model's {footprint.arch} shape recorded instead; "
     if trace is None and path is None:
         path = proxy_trace_path(footprint.n_expert)
         if path is not None:

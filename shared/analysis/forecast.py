@@ -30,16 +30,19 @@ other by 30-40 % (docs/benchmarks.md, "doctor").
 
 from __future__ import annotations
 
+import math
 import os
 import random
+import resource
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from ..config import Config
+from ..cores import Cores, choose_threads
 from ..experts.budget import MemoryProbe
 from .fit import HitRate, KernelClass, affordable_context, hit_rate, limited_probe, memory_fit, model_footprint
 
@@ -53,7 +56,10 @@ WARMUP_TOKENS = 49
 # machine, 0.78 + 0.43 ms (qwen30b-shape, 8 layers) and 0.78 + 0.32 ms
 # (gptoss120b-shape, 16 layers).
 PER_LAYER_WIRE_S = 1.15e-3
-# Time per layer outside the quant kernels (attention's numpy work, norms, RoPE,
+# What the pipeline adds to each token besides the forward pass (its telemetry record and the
+# token's messages): the tiny model's steady token streamed against in process (docs/cli.md § doctor).
+PER_TOKEN_S = 0.3e-3
+# Without a stand-in step (a header-only file): time per layer outside the quant kernels (attention's numpy work, norms, RoPE,
 # routing, dispatch): docs/benchmarks.md, decode of the 8-layer qwen30b-shape
 # model minus the time inside the kernels = 2.9-3.1 ms per token, /8 layers.
 PER_LAYER_OVERHEAD_S = 3.0e-3 / 8
@@ -68,6 +74,7 @@ READ_LANES = (1, 2, 4)
 # token): rotate through this many bytes per class, twice the 32 MB L3.
 ROTATE_BYTES = 64 << 20
 MAX_MATRIX_BYTES = 8 << 20  # one measured matrix; a taller one (the output head) is measured cut to this
+FRESH_BYTES = 256 << 20  # read into never-used slabs to price a cache's first fill
 WINDOW_BYTES = 4 << 20  # one timing window: ~1 ms of kernel, shorter than a scheduler slice
 
 
@@ -76,10 +83,14 @@ WINDOW_BYTES = 4 << 20  # one timing window: ~1 ms of kernel, shorter than a sch
 
 @dataclass(frozen=True)
 class ReadFigures:
-    gbps: dict[int, float]  # lanes -> GB/s (1e9 B/s) of disk bytes over wall time
+    gbps: dict[int, float]  # lanes -> GB/s (1e9 B/s) of disk bytes over wall time, into slabs used before
     direct: bool  # O_DIRECT (False: the buffered fallback, which may measure the page cache)
     source: str  # measured | assumed
     note: str
+    # Into slabs never used (a cache's first fill): the kernel gives each page on the read's
+    # way in (measured on this VM: half the rate, 1.9 s of system CPU for 2 GiB against 0.1)
+    fresh_gbps: float | None = None  # at the most lanes measured
+    fresh_cpu_s_per_gb: float = 0.0  # system CPU seconds a GB read into fresh slabs costs beyond a reused slab's
 
 
 def is_sparse(paths: Sequence[str]) -> bool:
@@ -117,27 +128,61 @@ def measure_reads(mf, lanes: Sequence[int] = READ_LANES, seconds: float = 1.5, s
     out = {}
     # the arena is unlinked on the way out, whatever happens
     with ExpertFiles(paths, align=lay.align) as ef, SlabArena.create(segment_name("doctor-reads"), max(lanes), lay.slab_bytes) as arena:
+
+        def pick_work() -> list:
+            return [lay.expert_extents(rng.choice(spec.moe_layers), rng.randrange(spec.n_expert)) for _ in range(2048)]
+
         for n in lanes:
             best = 0.0
             for _ in range(rounds):
-                work = [lay.expert_extents(rng.choice(spec.moe_layers), rng.randrange(spec.n_expert)) for _ in range(2048)]
+                work = pick_work()
                 nbytes, secs = read_lanes(ef, arena, work, n, seconds / len(lanes) / rounds)
                 best = max(best, nbytes / secs / 1e9)
             out[n] = best
         direct = ef.direct
+        n = max(lanes)
+        reused = cpu_per_gb(lambda: read_lanes(ef, arena, pick_work(), n, FRESH_BYTES / (out[n] * 1e9)))
+    fresh_gbps, fresh_cpu = measure_fresh_reads(ef_args=(paths, lay.align), lay=lay, work=pick_work, lanes=n)
     note = "measured with O_DIRECT" if direct else f"measured buffered ({ef.fallback_reason}): may be the page cache, not the disk"
-    return ReadFigures(out, direct, "measured", note)
+    return ReadFigures(out, direct, "measured", note, fresh_gbps, max(0.0, fresh_cpu - reused))
 
 
-def read_lanes(ef, arena, work, lanes: int, seconds: float, latencies: list[float] | None = None) -> tuple[int, float]:
+def cpu_per_gb(read: Callable[[], tuple[int, float]]) -> float:
+    """System CPU seconds of this process per GB that `read()` reads."""
+    t0 = resource.getrusage(resource.RUSAGE_SELF).ru_stime
+    nbytes, _ = read()
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_stime - t0) / max(nbytes / 1e9, 1e-9)
+
+
+def measure_fresh_reads(ef_args, lay, work: Callable[[], list], lanes: int) -> tuple[float, float]:
+    """(GB/s, system CPU s per GB) of experts read by `lanes` lanes into slabs never used
+    before, FRESH_BYTES of them: what a cache's first fill pays."""
+    from ..experts.directio import ExpertFiles
+    from ..experts.shm import SlabArena, segment_name
+
+    n_slabs = max(2 * lanes, FRESH_BYTES // lay.slab_bytes)
+    items = work()[:n_slabs]
+    with (
+        ExpertFiles(ef_args[0], align=ef_args[1]) as ef,
+        SlabArena.create(segment_name("doctor-fresh"), len(items), lay.slab_bytes) as arena,
+    ):
+        t0 = resource.getrusage(resource.RUSAGE_SELF).ru_stime
+        nbytes, secs = read_lanes(ef, arena, items, lanes, math.inf, fresh=True)  # every item
+        cpu = resource.getrusage(resource.RUSAGE_SELF).ru_stime - t0
+    return nbytes / secs / 1e9, cpu / max(nbytes / 1e9, 1e-9)
+
+
+def read_lanes(ef, arena, work, lanes: int, seconds: float, latencies: list[float] | None = None, fresh: bool = False) -> tuple[int, float]:
     """Lanes (threads) pull experts off a shared list until the time is up; (bytes, seconds).
-    With `latencies`, each read's seconds are appended to it (bench/bench_reads.py)."""
+    Each lane reads into its own slab again and again, or (`fresh`) item i into slab i, a
+    slab never used before. With `latencies`, each read's seconds are appended to it
+    (bench/bench_reads.py)."""
     lock, nxt, stop = threading.Lock(), [0], time.perf_counter() + seconds
     totals = [0] * lanes
     lat: list[list[float]] = [[] for _ in range(lanes)]
 
     def lane(k: int) -> None:
-        slab = arena.slab(k)
+        own = arena.slab(k)
         while True:
             with lock:
                 i = nxt[0]
@@ -145,7 +190,7 @@ def read_lanes(ef, arena, work, lanes: int, seconds: float, latencies: list[floa
             if i >= len(work) or (i >= lanes and time.perf_counter() >= stop):  # one read each, at least
                 return
             t = time.perf_counter()
-            totals[k] += ef.read_expert(work[i], slab).disk_bytes
+            totals[k] += ef.read_expert(work[i], arena.slab(i) if fresh else own).disk_bytes
             lat[k].append(time.perf_counter() - t)
 
     t0 = time.perf_counter()
@@ -203,11 +248,26 @@ def measure_kernels(
     return out
 
 
-def compute_threads(cfg: Config) -> int:
-    import numba
+def time_steps(mf, top_k: int, threads: Sequence[int]) -> dict:
+    """{threads: StepTime} of the model's forward pass on stand-in weights (standin.py); empty
+    for a header-only file, whose tensors' shapes are known only as the header gives them."""
+    from .standin import step_seconds
 
-    n_max = numba.config.NUMBA_NUM_THREADS  # type: ignore[attr-defined]  # numba.config sets its NUMBA_* names at import time (globals), unseen by mypy
-    return max(1, min(cfg.compute.threads or os.cpu_count() or 1, n_max))
+    if getattr(mf.gguf, "header_only", False):
+        return {}
+    return {n: step_seconds(mf, top_k, n) for n in threads}
+
+
+def compute_cores(cfg: Config) -> Cores:
+    """The compute threads a run started now would use, and why (shared/cores.py)."""
+    from .. import quant
+
+    cores = choose_threads(cfg.compute.threads, most=quant.most_threads())
+    return replace(cores, threads=min(cores.threads, quant.most_threads()))
+
+
+def compute_threads(cfg: Config) -> int:
+    return compute_cores(cfg).threads
 
 
 # ---------------------------------------------------------------- the arithmetic
@@ -241,14 +301,25 @@ def decode_speed(
     at_floor: bool = False,
     overhead_s: float = PER_LAYER_OVERHEAD_S,
     wire_s: float = PER_LAYER_WIRE_S,
+    read_cpu_s_per_gb: float = 0.0,
+    step_s: float | None = None,
+    token_s: float = 0.0,
 ) -> Speed:
     """One decoded token's compute, io and wall time (module docstring). `read_bytes_per_token`
-    is what a token reads with no cache (k × page-rounded experts, all layers)."""
+    is what a token reads with no cache (k × page-rounded experts, all layers);
+    `read_cpu_s_per_gb` the CPU its reads take from compute's cores (pages given to a
+    cache's first fill), counted with the experts' compute. `step_s`, a decode step timed
+    on stand-in weights (shared/analysis/standin.py), sets everything but the experts'
+    kernels (it replaces the dense kernels + n_layer × overhead_s estimate); `token_s` is
+    the pipeline's own per-token work."""
     kernels = kernel_seconds(classes, rates)
-    experts = kernel_seconds(classes, rates, "expert")
-    dense = kernels - experts + n_layer * overhead_s
+    expert_kernels = kernel_seconds(classes, rates, "expert")
+    read_bytes = (1.0 - hit_pct / 100.0) * read_bytes_per_token
+    experts = expert_kernels + read_bytes / 1e9 * read_cpu_s_per_gb
+    dense_kernels = kernels - expert_kernels
+    dense = (dense_kernels + n_layer * overhead_s if step_s is None else max(step_s - expert_kernels, dense_kernels)) + token_s
     compute = dense + experts
-    io = (1.0 - hit_pct / 100.0) * read_bytes_per_token / (read_gbps * 1e9)
+    io = read_bytes / (read_gbps * 1e9)
     if io > 0:
         layer = max(experts / n_layer, io / n_layer + experts / (n_layer * max(1, top_k)))
         wall = dense + n_layer * (layer + wire_s)
@@ -290,17 +361,21 @@ def forecast(
     stage(f"measuring this disk's reads ({0.4 * seconds:.1f} s)")
     reads = measure_reads(mf, seconds=0.4 * seconds)
     lanes = max([n for n in reads.gbps if n <= cfg.io.io_threads] or [min(reads.gbps)])
-    threads = compute_threads(cfg)
+    cores = compute_cores(cfg)
+    threads = cores.threads
     # a model whose active weights fit in the L3 (the tiny ones) decodes from cache: measure it so
     rotate = min(ROTATE_BYTES, footprint.active_bytes_per_token)
     stage(f"measuring the kernels ({0.6 * seconds:.1f} s; a first run compiles them first)")
     rates = measure_kernels(footprint.classes, sorted({1, threads}), seconds=0.6 * seconds, rotate_bytes=rotate)
+    stage("timing decode steps of the model's own forward pass on stand-in weights")
+    steps = time_steps(mf, footprint.top_k, sorted({1, threads}))
     at_n = {c.key: rates[(c.key, threads)] for c in footprint.classes}
     at_1 = {c.key: rates[(c.key, 1)] for c in footprint.classes}
     read_per_token = footprint.top_k * sum(footprint.read_bytes_per_expert)
     at_floor = (not fit.fits) or fit.budget.bytes < FLOOR_MARGIN * footprint.floor_bytes
 
-    def speed_at(rates: Mapping[str, float], h: HitRate | None = hit) -> Speed:
+    def speed_at(rates: Mapping[str, float], h: HitRate | None = hit, gbps: float = reads.gbps[lanes], cpu: float = 0.0) -> Speed:
+        step = steps.get(threads if rates is at_n else 1)
         return decode_speed(
             footprint.classes,
             rates,
@@ -308,13 +383,26 @@ def forecast(
             top_k=footprint.top_k,
             hit_pct=h.pct if h else 0.0,
             read_bytes_per_token=read_per_token,
-            read_gbps=reads.gbps[lanes],
+            read_gbps=gbps,
             at_floor=at_floor,
+            read_cpu_s_per_gb=cpu,
+            step_s=None if step is None else step.seconds,
+            token_s=PER_TOKEN_S,
         )
+
+    def warmup_speed(rates: Mapping[str, float], h: HitRate | None) -> Speed:
+        """A reply's tokens 2..50: the misses land in slabs never used until the cache has been
+        filled once, at the fresh-page rate and CPU (ReadFigures), then in reused ones."""
+        if h is None or reads.fresh_gbps is None:
+            return speed_at(rates, h)
+        fill = (1.0 - h.pct / 100.0) * read_per_token * WARMUP_TOKENS  # bytes the warm-up reads
+        fresh = min(1.0, fit.n_slabs * footprint.slab_bytes / fill) if fill > 0 else 1.0  # share of them into fresh slabs
+        gbps = 1.0 / (fresh / reads.fresh_gbps + (1.0 - fresh) / reads.gbps[lanes])
+        return speed_at(rates, h, gbps, fresh * reads.fresh_cpu_s_per_gb)
 
     speed = speed_at(at_n)
     speed_1t = speed_at(at_1)  # -t 1: faster when other processes hold the cores
-    warmup = speed_at(at_n, warm)  # tokens 2..WARMUP_TOKENS+1 of a reply: the cache filling
+    warmup = warmup_speed(at_n, warm)  # tokens 2..WARMUP_TOKENS+1 of a reply: the cache filling
     b = fit.budget
     return {
         "model": footprint.path,
@@ -362,15 +450,21 @@ def forecast(
         "read_gbps_4": _r(reads.gbps.get(4)),
         "read_lanes": lanes,
         "read_gbps": _r(reads.gbps[lanes]),
+        "read_gbps_fresh": _r(reads.fresh_gbps),
+        "read_cpu_s_per_gb_fresh": _r(reads.fresh_cpu_s_per_gb),
         "read_source": reads.source,
         "direct_io": reads.direct,
         "read_note": reads.note,
         "threads": threads,
+        "threads_reason": cores.reason,
         "expert_gws_1t": _gws(footprint.classes, at_1, "expert"),
         "expert_gws": _gws(footprint.classes, at_n, "expert"),
         "dense_gws_1t": _gws(footprint.classes, at_1, "dense"),
         "dense_gws": _gws(footprint.classes, at_n, "dense"),
-        "overhead_ms_per_layer": round(PER_LAYER_OVERHEAD_S * 1e3, 3),
+        "overhead_ms_per_layer": round(PER_LAYER_OVERHEAD_S * 1e3, 3) if threads not in steps else None,
+        "step_ms": round(steps[threads].seconds * 1e3, 2) if threads in steps else None,
+        "step_ms_1t": round(steps[1].seconds * 1e3, 2) if 1 in steps else None,
+        "step_source": "stand-in" if threads in steps else "kernels + constant",
         "overlap_factor": speed.overlap_factor,
         "kernel_ms": round(speed.kernel_s * 1e3, 2),
         "compute_ms": round(speed.compute_s * 1e3, 2),

@@ -28,6 +28,7 @@ __all__ = [
     "dequantize_rows",
     "effective_activation",
     "get_threads",
+    "most_threads",
     "kernels_for",
     "matmul",
     "matvec",

@@ -108,8 +108,7 @@ _TILE_ROWS_MATVEC = 1
 def set_threads(n: int) -> None:
     """Use n numba threads for the row loops (numba's setting is per calling thread)."""
     n = int(n)
-    # numba.config sets its attributes from the environment at run time, out of a type checker's sight
-    most = int(vars(numba.config)["NUMBA_NUM_THREADS"])
+    most = most_threads()
     if not 1 <= n <= most:
         raise ValueError(f"threads must be between 1 and {most} (the cores numba started with), not {n}")
     numba.set_num_threads(n)
@@ -124,6 +123,11 @@ def one_blas_thread() -> None:
     from threadpoolctl import threadpool_limits
 
     threadpool_limits(limits=1, user_api="blas")
+
+
+def most_threads() -> int:
+    """The most threads numba started with (NUMBA_NUM_THREADS: every core unless set)."""
+    return int(vars(numba.config)["NUMBA_NUM_THREADS"])
 
 
 def get_threads() -> int:

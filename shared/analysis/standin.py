@@ -1,0 +1,172 @@
+"""A decode step of a model timed on this machine, with stand-in weights.
+
+    step_seconds(mf, top_k, threads)  -> StepTime   the real forward pass, no file read
+
+`moe-pipe doctor` times the kernels one matrix at a time; what a token costs
+besides them (attention, norms, RoPE, routing, the MoE block's bookkeeping,
+the Python between kernel calls) depends on the family and its shapes: 0.05 ms
+a layer on the tiny model, ~0.4 ms on qwen30b-shape. Rather than a constant,
+the doctor builds the model's own forward pass (shared/model/load.py) over
+weights of the file's exact types and shapes, filled with random valid blocks
+(shared/quant/blocks.py `random_blocks`) instead of read from the file, and
+times decode steps. Nothing of the file is read, so it works before the
+weights are here as long as the header is; what it allocates is the dense set
+once and a pool of experts twice the L3 (each step reads its experts from
+DRAM, as a cache's would be).
+
+Random weights route at random: the experts a step multiplies differ every
+step, as a real router's mostly do. Norm weights are ones and biases zeros,
+so activations stay finite; the numbers mean nothing, only the time does.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+POOL_BYTES = 64 << 20  # distinct experts, twice the 32 MB L3: a step's experts come from DRAM
+TILE_WEIGHTS = 1 << 16  # random blocks made once per type and repeated: making 1 GB of them would take seconds
+PROMPT = tuple(range(3, 19))  # token ids every vocabulary holds
+STEPS = 6
+
+
+@dataclass(frozen=True)
+class StepTime:
+    seconds: float  # median decode step (one token, every layer), kernels included
+    steps: int
+    setup_s: float  # building the stand-in and its prompt
+
+
+def _float_fill(name: str, shape: tuple[int, ...], dtype, rng: np.random.Generator) -> np.ndarray:
+    if len(shape) <= 1 or shape[0] == 1:
+        # norms, scales, biases, sinks: ones for what multiplies, zeros for what adds
+        value = 1.0 if any(w in name for w in ("norm", "scale", "freq")) else 0.0
+        return np.full(shape, value, dtype=dtype)
+    return (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(dtype)
+
+
+class StandInWeights:
+    """A `dense_view` (shared/model/weights.py Weights) serving each tensor's shape and dtype
+    as the file would, filled with random valid values."""
+
+    def __init__(self, mf, rng: np.random.Generator):
+        self._mf, self._rng = mf, rng
+        self._tiles: dict[str, np.ndarray] = {}
+        self._made: dict[str, np.ndarray] = {}
+
+    def _tile(self, qtype) -> np.ndarray:
+        from ..quant.blocks import block_format, random_blocks
+
+        fmt = block_format(qtype)
+        tile = self._tiles.get(fmt.name)
+        if tile is None:
+            n = max(fmt.block_size, TILE_WEIGHTS // fmt.block_size * fmt.block_size)
+            tile = self._tiles[fmt.name] = random_blocks(qtype, n, self._rng).reshape(-1)
+        return tile
+
+    def quantized(self, qtype, nbytes: int) -> np.ndarray:
+        """`nbytes` of valid blocks of `qtype`, uint8."""
+        tile = self._tile(qtype)
+        out = np.empty(nbytes, np.uint8)
+        whole = nbytes // tile.size * tile.size
+        out[:whole].reshape(-1, tile.size)[:] = tile  # the tile again and again: whole blocks, as both sizes are
+        out[whole:] = tile[: nbytes - whole]
+        return out
+
+    def __call__(self, name: str) -> np.ndarray:
+        out = self._made.get(name)
+        if out is not None:
+            return out
+        t = self._mf.gguf.tensor(name)
+        shape, dtype = _file_shape(self._mf, name)
+        if np.issubdtype(dtype, np.integer) and dtype != np.uint8:
+            out = np.zeros(shape, dtype)  # index tables (hash routing): id 0 is always valid
+        elif dtype == np.uint8:
+            out = self.quantized(t.qtype, int(np.prod(shape))).reshape(shape)
+        else:
+            out = _float_fill(name, shape, dtype, self._rng)
+        self._made[name] = out
+        return out
+
+
+def _file_shape(mf, name: str) -> tuple[tuple[int, ...], np.dtype]:
+    """The shape and dtype the file's view of `name` has (gguf-py's), without reading it."""
+    if not getattr(mf.gguf, "header_only", False):
+        v = mf.gguf.view(name)  # a memory map: nothing is read
+        return tuple(v.shape), v.dtype
+    raise ValueError("header only")
+
+
+class StandInExperts:
+    """An ExpertSource over a pool of random experts of each layer's exact parts: expert e of
+    layer l is pool entry (l·E + e) mod P, P experts in POOL_BYTES."""
+
+    held_together = 1 << 30
+
+    def __init__(self, mf, weights: StandInWeights):
+        from ..model.weights import expert_from_bytes
+
+        self._mf = mf
+        self._pools: dict[tuple, list[dict[str, np.ndarray]]] = {}
+        self._layers = {}
+        for lay in mf.layout.layers:
+            if not lay.parts:
+                continue
+            key = tuple((p.name, p.tensor.qtype, p.stride) for p in lay.parts)
+            pool = self._pools.get(key)
+            if pool is None:
+                # as many as POOL_BYTES hold, but no more than the model has (a tiny model's all sit in cache)
+                n = min(max(2, POOL_BYTES // max(1, lay.expert_bytes)), mf.spec.n_expert * len(mf.layout.layers))
+                pool = self._pools[key] = [{p.name: _part_bytes(weights, p) for p in lay.parts} for _ in range(n)]
+            self._layers[lay.layer] = (lay, pool)
+        self._build = expert_from_bytes
+        self._n_expert = mf.spec.n_expert
+
+    def experts(self, layer: int, ids: Iterable[int]) -> Iterator:
+        lay, pool = self._layers[layer]
+        for e in ids:
+            yield self._build(lay, int(e), pool[(layer * self._n_expert + int(e)) % len(pool)])
+
+    def resident(self, layer: int, ids: Sequence[int]) -> list[bool]:
+        return [True] * len(ids)
+
+    def prefetch(self, layer: int, ids: Sequence[int]) -> None:
+        """Every stand-in expert is in memory."""
+
+
+def _part_bytes(weights: StandInWeights, part) -> np.ndarray:
+    if part.name.endswith("_bias"):
+        return np.zeros(part.stride, np.uint8)  # float32 zeros
+    return weights.quantized(part.tensor.qtype, part.stride).copy()  # its own memory: distinct DRAM
+
+
+def step_seconds(mf, top_k: int | None, threads: int, steps: int = STEPS, seed: int = 0) -> StepTime:
+    """The median wall of `steps` decode steps of `mf`'s forward pass on stand-in weights, on
+    `threads` numba threads, at the context's start (attention over a few hundred positions,
+    where a reply's steady tokens are, costs a small share of a step)."""
+    from .. import quant
+    from ..model.load import load_model
+
+    t0 = time.perf_counter()
+    rng = np.random.default_rng(seed)
+    weights = StandInWeights(mf, rng)
+    model = load_model(mf, top_k=top_k, experts=StandInExperts(mf, weights), dense_view=weights)
+    before = quant.get_threads()
+    quant.set_threads(threads)
+    try:
+        cache = model.new_cache(len(PROMPT) + steps + 8)
+        for token in PROMPT[:2]:  # the first steps' one-time work (allocations, compiles) outside the timing
+            model.decode_one(token, cache)
+        setup = time.perf_counter() - t0
+        walls = []
+        for i in range(steps):
+            t = time.perf_counter()
+            model.decode_one(PROMPT[i % len(PROMPT)], cache)
+            walls.append(time.perf_counter() - t)
+    finally:
+        quant.set_threads(before)
+    return StepTime(statistics.median(walls), steps, setup)

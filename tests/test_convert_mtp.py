@@ -34,6 +34,17 @@ def _nextn(*names: str) -> set[str]:
 # them (src/models/bailingmoe3.cpp `load_arch_tensors`: NEXTN_EH_PROJ, NEXTN_ENORM, NEXTN_HNORM and
 # LAYER_OUT_NORM for the layers past n_layer), both as of zsogitbe/llama.cpp 3733366 (the
 # conversion/bailingmoe3.py the search index holds; ggml-org's own copy is not in it).
+# The tensors src/models/bailingmoe3.cpp `load_arch_tensors` creates for a block past n_layer
+# (zsogitbe/llama.cpp 3733366), with no q_lora_rank (the tiny checkpoint's: attn_q, not attn_q_a/_b).
+LING_MTP_BLOCK = {
+    f"{t}.{'bias' if t == 'exp_probs_b' else 'weight'}"
+    for t in (
+        "attn_norm", "attn_q", "attn_kv_a_mqa", "attn_kv_a_norm", "attn_k_b", "attn_v_b", "attn_gate", "attn_output",
+        "ffn_norm", "ffn_gate_inp", "exp_probs_b", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps",
+        "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp",
+        "nextn.eh_proj", "nextn.enorm", "nextn.hnorm", "layer_output_norm",
+    )
+}  # fmt: skip
 CASES = [
     ("qwen35moe", "text", 4, _nextn("eh_proj", "enorm", "hnorm", "shared_head_norm")),
     ("glm4moe", "air", 3, _nextn("eh_proj", "enorm", "hnorm", "shared_head_norm", "embed_tokens", "shared_head_head")),
@@ -91,6 +102,7 @@ def test_the_block_is_written_after_the_decoder_and_no_mtp_leaves_it_out(pair):
             assert np.array_equal(view("eh_proj"), mtp["model.layers.3.eh_proj.weight"])
             assert np.array_equal(view("shared_head_norm"), mtp["model.layers.3.shared_head.norm.weight"])
         else:  # Ling's MTP layer is an MLA layer (head_count_kv 1), final_layernorm its layer_output_norm
+            assert {n.split(".", 2)[2] for n in block} == LING_MTP_BLOCK  # what llama.cpp's loader creates for it
             assert list(b.gguf.meta(f"{family}.attention.head_count_kv")) == [0, 1, 0, 1, 1]
             assert list(a.gguf.meta(f"{family}.attention.head_count_kv")) == [0, 1, 0, 1]
             assert np.array_equal(view("eh_proj"), mtp["model.layers.4.eh_proj.weight"])

@@ -917,14 +917,16 @@ def build_qwen2moe(out_dir: Path, seed: int = 0, norm_topk_prob: bool = False, f
 
 
 def with_mtp_block(src: Path, dst: Path, family: str, seed: int = 0) -> Path:
-    """A copy of the tiny `family` checkpoint (qwen35moe text-only, glm4moe) with the one
-    NextN/MTP layer the published checkpoints carry and transformers does not save, named
-    as they name it: Qwen3.5's `mtp.layers.0.*` (a full-attention MoE layer; its decoder
+    """A copy of the tiny `family` checkpoint (qwen35moe text-only, glm4moe, bailingmoe3) with
+    the one NextN/MTP layer the published checkpoints carry and transformers does not save,
+    named as they name it: Qwen3.5's `mtp.layers.0.*` (a full-attention MoE layer; its decoder
     layer 3's tensors, perturbed) and `mtp.fc` [D, 2D], `mtp.pre_fc_norm_embedding` /
     `_hidden`, `mtp.norm` (stored as w of a 1 + w norm); GLM-4.5's `model.layers.{L}.*`
     (a routed layer, layer L-1's perturbed) with `eh_proj`, `enorm`, `hnorm`,
-    `embed_tokens`, `shared_head.head` and `shared_head.norm`. Written to `mtp.safetensors`
-    beside the model's; the config names the layer count."""
+    `embed_tokens`, `shared_head.head` and `shared_head.norm`; Ling 3.0's `model.layers.{L}.*`
+    (a gated-MLA MoE layer, the last MLA layer's perturbed) with `eh_proj`, `enorm`, `hnorm`
+    and `final_layernorm` (the names llama.cpp's converter maps: gguf-py's tensor_mapping).
+    Written to `mtp.safetensors` beside the model's; the config names the layer count."""
     import json
     import shutil
 
@@ -958,6 +960,15 @@ def with_mtp_block(src: Path, dst: Path, family: str, seed: int = 0) -> Path:
         out |= {new + "eh_proj.weight": rand(D, 2 * D), new + "embed_tokens.weight": near(sd["model.embed_tokens.weight"])}
         out |= {new + "shared_head.head.weight": near(sd["lm_head.weight"])}
         out |= {new + f"{k}.weight": rand(D, mean=1.0, std=0.2) for k in ("enorm", "hnorm", "shared_head.norm")}
+        cfg["num_nextn_predict_layers"] = 1
+    elif family == "bailingmoe3":
+        mla = max(i for i in range(L) if f"model.layers.{i}.attention.kv_b_proj.weight" in sd)
+        src_layer, new, out = f"model.layers.{mla}.", f"model.layers.{L}.", {}
+        for name, t in sd.items():
+            if name.startswith(src_layer):
+                out[new + name[len(src_layer) :]] = near(t)
+        out |= {new + "eh_proj.weight": rand(D, 2 * D)}
+        out |= {new + f"{k}.weight": rand(D, mean=1.0, std=0.2) for k in ("enorm", "hnorm", "final_layernorm")}
         cfg["num_nextn_predict_layers"] = 1
     else:
         raise ValueError(f"no MTP layout for {family}")

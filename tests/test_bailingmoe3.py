@@ -5,8 +5,8 @@ Its checkpoints are held to transformers and llama.cpp with every family's check
 tests/test_families_oracle.py (its entry in tests/oracle.py); the streaming pipeline is
 in tests/test_family_pipelines.py, a prompt in one chunk, in several and token by token
 in tests/test_prefill.py. Here: the layer kinds and the KDA tensors as the converter
-writes them, the cache's and the recurrent state's size, the MTP block left out, and
-what the converter refuses (docs/models.md § bailingmoe3).
+writes them, the cache's and the recurrent state's size, a layer past the config's MTP
+count left out (the MTP block itself: tests/test_convert_mtp.py), and what the converter refuses (docs/models.md § bailingmoe3).
 """
 
 from __future__ import annotations
@@ -114,9 +114,9 @@ def test_converted_kda_tensors_are_llama_cpps(tmp_path_factory):
 
 
 @pytest.mark.oracle
-def test_the_mtp_block_after_the_decoder_is_not_converted(tmp_path_factory, tmp_path):
-    """Ling-3.0-flash's checkpoint carries its MTP block as layer L: convert leaves it out, as
-    llama.cpp's converter does without --mtp."""
+def test_a_layer_the_config_does_not_count_is_not_converted(tmp_path_factory, tmp_path):
+    """A layer L the config's num_nextn_predict_layers (0 here) does not count is left out;
+    the MTP block it counts is written (tests/test_convert_mtp.py)."""
     import shutil
 
     from safetensors.numpy import load_file, save_file

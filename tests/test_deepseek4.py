@@ -87,6 +87,51 @@ def test_a_file_as_llama_cpps_converter_writes_it_from_deepseeks_config(made, tm
     assert np.array_equal(*logits)
 
 
+@pytest.mark.oracle
+def test_convert_writes_the_mtp_keys_as_llama_cpps_converter_and_skips_its_tensors(tmp_path_factory, tmp_path):
+    """llama.cpp's converter (conversion/deepseek.py, `DeepseekV4Model`, as of ggml-org/llama.cpp
+    01a723d): block_count is num_hidden_layers, `nextn_predict_layers` the config's
+    num_nextn_predict_layers (set_gguf_parameters), `compress_ratios` the config's list with the
+    MTP's entry, swiglu_clamp_exp one limit per decoder layer, and every `mtp.*` tensor skipped
+    (modify_tensors; `--no-mtp` changes nothing). The file runs as the one without the MTP's
+    count and entry."""
+    import json
+    import shutil
+
+    from gguf import GGUFValueType
+    from safetensors.numpy import save_file
+
+    from moe_pipe.shared.convert.converter import convert
+
+    from .ggufgen import with_metadata
+
+    ck = oracle.checkpoint("deepseek4", "hca8", tmp_path_factory)
+    hf = shutil.copytree(ck.hf_dir, tmp_path / "hf")
+    assert json.loads((hf / "config.json").read_text())["num_nextn_predict_layers"] == 1  # transformers saves V4's 1
+    D = 64  # DeepSeek's release names the MTP block mtp.0.* (a layer with its e/h projections and norms)
+    mtp = {"mtp.0.e_proj.weight": np.ones((D, D), np.float32), "mtp.0.enorm.weight": np.ones(D, np.float32)}
+    save_file(mtp | {"mtp.0.attn.wq_a.weight": np.ones((64, D), np.float32)}, str(hf / "mtp.safetensors"), metadata={"format": "pt"})
+    files = [convert(hf, tmp_path / "m.gguf", "f32"), convert(hf, tmp_path / "no-mtp.gguf", "f32", mtp=False)]
+    for path in files:
+        with open_model(path) as mf, open_model(ck.gguf()) as ref:
+            g = mf.gguf
+            assert (g.meta("deepseek4.block_count"), g.meta("deepseek4.nextn_predict_layers")) == (4, 1)
+            assert list(g.meta("deepseek4.attention.compress_ratios")) == [0, 4, 8, 4, 0]
+            assert len(g.meta("deepseek4.swiglu_clamp_exp")) == 4 and g.meta("deepseek4.hash_layer_count") == 1
+            assert sorted(g.tensors) == sorted(ref.gguf.tensors) and not any(n.startswith("blk.4.") for n in g.tensors)
+            assert (mf.spec.n_layer, mf.spec.n_layer_nextn) == (4, 0)  # no MTP tensors: the decoder is every block
+    changes = {
+        "deepseek4.nextn_predict_layers": (0, GGUFValueType.UINT32),
+        "deepseek4.attention.compress_ratios": ([0, 4, 8, 4], GGUFValueType.ARRAY),
+    }
+    logits = []
+    for p in (files[0], with_metadata(files[0], tmp_path / "no-mtp-keys.gguf", changes)):
+        with open_model(p) as mf:
+            model = load_model(mf)
+            logits.append(model.forward(PROMPT, model.new_cache(64), all_logits=True))
+    assert np.array_equal(*logits)
+
+
 def test_made_hash_table_gives_each_token_distinct_experts(made):
     with open_model(made) as mf:
         table = np.array(mf.gguf.view("blk.0.ffn_gate_tid2eid.weight")).reshape(mf.spec.n_vocab, mf.spec.n_expert_used)
@@ -148,7 +193,11 @@ def test_convert_reads_deepseeks_own_config_form():
     cfg = _config()
     for key in ("layer_types", "compress_rates", "mlp_layer_types", "partial_rotary_factor"):
         cfg.pop(key)
-    cfg.update(compress_ratios=[0, 4, 128, 4, 0], num_hash_layers=1, qk_rope_head_dim=64)
+    cfg.update(compress_ratios=[0, 4, 128, 4, 0], num_hash_layers=1, qk_rope_head_dim=64, num_nextn_predict_layers=1)
     cfg["rope_scaling"] = {"type": "yarn", "factor": 16, "original_max_position_embeddings": 256, "beta_fast": 32, "beta_slow": 1}
     hp = ARCHES["deepseek_v4"].hparams(cfg)
     assert (hp["ratios"], hp["hash"], hp["rope_dim"], hp["rope"]["rope_type"]) == ([0, 4, 128, 4], 1, 64, "yarn")
+    # llama.cpp's converter writes the list as the config has it, and the MTP count when the config has one
+    assert (hp["ratios_written"], hp["nextn"]) == ([0, 4, 128, 4, 0], 1)
+    cfg.pop("num_nextn_predict_layers")
+    assert ARCHES["deepseek_v4"].hparams(cfg)["nextn"] is None

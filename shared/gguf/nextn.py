@@ -11,6 +11,7 @@ is a full-attention layer) plus its own `nextn.*` tensors:
     blk.N.nextn.shared_head_norm  [D]       the final norm before the (shared) output head
     blk.N.nextn.embed_tokens      [V, D]    optional: the model's token_embd is used without it
     blk.N.nextn.shared_head_head  [V, D]    optional: the model's output head likewise
+    blk.N.layer_output_norm       [D]       bailingmoe3's (Ling's `final_layernorm`): its shared-head norm
 
 llama.cpp runs them only as a speculative-decoding draft; the decoder never reads
 them. moe-pipe does the same: their tensors are neither streamed nor in the dense
@@ -52,6 +53,7 @@ def own_shapes(spec: ModelSpec, j: int) -> Shapes:
         p + "shared_head_norm.weight": ("vector", (d,), f"n_embd {d}"),
         p + "embed_tokens.weight": ("matrix", (v, d), f"n_vocab {v}, n_embd {d}"),
         p + "shared_head_head.weight": ("matrix", (v, d), f"n_vocab {v}, n_embd {d}"),
+        f"blk.{j}.layer_output_norm.weight": ("vector", (d,), f"n_embd {d}"),
     }
 
 

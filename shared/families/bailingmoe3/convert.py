@@ -8,7 +8,17 @@ of the latent, as deepseek2); on a KDA layer each of q/k/v keeps its own conv
 (`ssm_a`, [H, 1]: the bounded gate uses only that), dt_bias as `ssm_dt.bias`, f_proj
 as `ssm_f_a`, b_proj as `ssm_beta`, g_proj as `ssm_g_a`, o_norm as `ssm_norm`; on an MLA
 layer `kv_b_proj` is split into attn_k_b / attn_v_b (deepseek2's rule) and g_proj (one
-logit per head) is `attn_gate`. The MTP block after the decoder is not converted.
+logit per head) is `attn_gate`.
+
+The MTP block (`num_nextn_predict_layers` layers, saved as `model.layers.{L..}`) follows the
+decoder's layers as llama.cpp's converter writes it (conversion/bailingmoe3.py,
+`BailingMoeV3Model`, `supports_mtp_export`): each a gated-MLA MoE layer with its shared
+experts (`is_full_attention` is true past the decoder, so head_count_kv 1) plus `eh_proj`,
+`enorm`, `hnorm` as `nextn.*` and `final_layernorm` as `layer_output_norm` (gguf-py's
+tensor_mapping; src/models/bailingmoe3.cpp loads it as the block's shared-head norm),
+counted in block_count and `nextn_predict_layers`. `hp["mtp"]` false (`--no-mtp`, llama.cpp's
+flag too) leaves it out, and so does a checkpoint without it (transformers ignores those
+layers on load and does not save them); the file then has no `nextn_predict_layers`.
 
 The checkpoint names are the published ones, which transformers also saves:
 `model.word_embeddings`, `layers.i.attention.*` (`dense` the output projection),
@@ -113,6 +123,7 @@ def hparams(cfg: dict) -> dict[str, Any]:
         nope=int(cfg_get(cfg, "qk_nope_head_dim")),
         rope_dim=int(cfg_get(cfg, "qk_rope_head_dim")),
         v=int(cfg_get(cfg, "v_head_dim")),
+        n_mtp=int(cfg_get(cfg, "num_nextn_predict_layers", 0, "num_mtp_layers") or 0),
     )
     if not hp["lower"] < 0:
         raise UserError(f"config.json: kda_lower_bound {hp['lower']} must be negative")
@@ -123,7 +134,8 @@ def metadata(w: GGUFWriter, hp: dict[str, Any]) -> None:
     common_meta(w, hp)
     r, rope = hp["r"], hp["rope_dim"]
     w.add_vocab_size(hp["V"])
-    w.add_head_count_kv([1 if mla else 0 for mla in hp["mla"]])  # 0: a KDA (recurrent) layer
+    mtp = hp.get("mtp_written", 0)  # the MTP blocks are MLA layers (module docstring)
+    w.add_head_count_kv([1 if mla else 0 for mla in hp["mla"]] + [1] * mtp)  # 0: a KDA (recurrent) layer
     w.add_key_length(r + rope)  # MLA as MQA over the latent (llama.cpp's form)
     w.add_value_length(r)
     w.add_key_length_mla(hp["nope"] + rope)
@@ -144,6 +156,8 @@ def metadata(w: GGUFWriter, hp: dict[str, Any]) -> None:
     w.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
     w.add_expert_group_count(hp["groups"])
     w.add_expert_group_used_count(hp["groups_used"])
+    if mtp:  # as llama.cpp's converter: only with the block
+        w.add_nextn_predict_layers(mtp)
 
 
 def _either(p: Planner, names: tuple[str, ...]) -> str:
@@ -182,32 +196,51 @@ def _mla(p: Planner, b: str, a: str, hp: dict[str, Any]) -> None:
     p.copy(b + "attn_output.weight", _either(p, (a + "dense.weight", a + "o_proj.weight")), (D, H * hp["v"]))
 
 
-def plan(hp: dict[str, Any], ck: Checkpoint) -> list[Out]:
+def _layer(p: Planner, i: int, hp: dict[str, Any], mla: bool) -> None:
+    """HF layer i (a decoder layer, or an MTP layer's decoder part) as block i."""
     D, X, Fd, Fs = hp["D"], hp["X"], hp["Fd"], hp["Fs"]
+    b, h = f"blk.{i}.", f"layers.{i}."
+    a, m = h + "attention.", h + "mlp."
+    p.f32(b + "attn_norm.weight", h + "input_layernorm.weight", (D,))
+    (_mla if mla else _kda)(p, b, a, hp)
+    p.f32(b + "ffn_norm.weight", h + "post_attention_layernorm.weight", (D,))
+    if i < hp["lead"]:
+        p.copy(b + "ffn_gate.weight", m + "gate_proj.weight", (Fd, D))
+        p.copy(b + "ffn_up.weight", m + "up_proj.weight", (Fd, D))
+        p.copy(b + "ffn_down.weight", m + "down_proj.weight", (D, Fd))
+        return
+    p.f32(b + "ffn_gate_inp.weight", m + "gate.weight", (X, D))
+    p.f32(b + "exp_probs_b.bias", _either(p, (m + "gate.expert_bias", m + "gate.e_score_correction_bias")), (X,))
+    qwen_experts(p, b, m + "experts.", hp)
+    if hp["shared"]:
+        p.copy(b + "ffn_gate_shexp.weight", m + "shared_experts.gate_proj.weight", (Fs, D))
+        p.copy(b + "ffn_up_shexp.weight", m + "shared_experts.up_proj.weight", (Fs, D))
+        p.copy(b + "ffn_down_shexp.weight", m + "shared_experts.down_proj.weight", (D, Fs))
+
+
+def _mtp(p: Planner, i: int, hp: dict[str, Any]) -> None:
+    """MTP layer i: a gated-MLA MoE layer, then its own tensors (module docstring)."""
+    D, b, h = hp["D"], f"blk.{i}.", f"layers.{i}."
+    _layer(p, i, hp, mla=True)
+    p.copy(b + "nextn.eh_proj.weight", h + "eh_proj.weight", (D, 2 * D))  # [embedding; hidden] -> D
+    p.f32(b + "nextn.enorm.weight", h + "enorm.weight", (D,))
+    p.f32(b + "nextn.hnorm.weight", h + "hnorm.weight", (D,))
+    p.f32(b + "layer_output_norm.weight", h + "final_layernorm.weight", (D,))  # gguf-py: bailingmoe2's final_layernorm
+
+
+def plan(hp: dict[str, Any], ck: Checkpoint) -> list[Out]:
     p = Planner(ck, "model.")
-    p.copy("token_embd.weight", "word_embeddings.weight", (hp["V"], D))
+    p.copy("token_embd.weight", "word_embeddings.weight", (hp["V"], hp["D"]))
     head(p, hp, "lm_head.weight")
     for i in range(hp["L"]):
-        b, h = f"blk.{i}.", f"layers.{i}."
-        a, m = h + "attention.", h + "mlp."
-        p.f32(b + "attn_norm.weight", h + "input_layernorm.weight", (D,))
-        (_mla if hp["mla"][i] else _kda)(p, b, a, hp)
-        p.f32(b + "ffn_norm.weight", h + "post_attention_layernorm.weight", (D,))
-        if i < hp["lead"]:
-            p.copy(b + "ffn_gate.weight", m + "gate_proj.weight", (Fd, D))
-            p.copy(b + "ffn_up.weight", m + "up_proj.weight", (Fd, D))
-            p.copy(b + "ffn_down.weight", m + "down_proj.weight", (D, Fd))
-            continue
-        p.f32(b + "ffn_gate_inp.weight", m + "gate.weight", (X, D))
-        p.f32(b + "exp_probs_b.bias", _either(p, (m + "gate.expert_bias", m + "gate.e_score_correction_bias")), (X,))
-        qwen_experts(p, b, m + "experts.", hp)
-        if hp["shared"]:
-            p.copy(b + "ffn_gate_shexp.weight", m + "shared_experts.gate_proj.weight", (Fs, D))
-            p.copy(b + "ffn_up_shexp.weight", m + "shared_experts.up_proj.weight", (Fs, D))
-            p.copy(b + "ffn_down_shexp.weight", m + "shared_experts.down_proj.weight", (D, Fs))
-    # the MTP block (layers L.., num_nextn_predict_layers of them) is not converted, as deepseek2's
-    mtp = sorted({int(n.split(".")[2]) for n in ck.names() if n.startswith("model.layers.")} - set(range(hp["L"])))
-    ignore = [rf"^model\.layers\.{j}\." for j in mtp]
+        _layer(p, i, hp, hp["mla"][i])
+    L, n_mtp = hp["L"], hp["n_mtp"]
+    written = bool(hp.get("mtp", True) and n_mtp and f"model.layers.{L}.eh_proj.weight" in ck)
+    for i in range(L, L + n_mtp) if written else ():
+        _mtp(p, i, hp)
+    # layers past the ones written (the MTP block with --no-mtp, or not counted by the config) are left out
+    layers = {int(n.split(".")[2]) for n in ck.names() if n.startswith("model.layers.")}
+    ignore = [rf"^model\.layers\.{j}\." for j in sorted(layers) if j >= L + (n_mtp if written else 0)]
     if not hp["shared"]:  # transformers saves 0-wide shared experts when there are none
         ignore.append(r"\.mlp\.shared_experts\.")
     return finish(p, ck, ignore="|".join(ignore))

@@ -6,7 +6,16 @@ under `model.` (the head as `head.weight`); DeepSeek's release has the same name
 the prefix (and FP8/FP4 weights, not read here). Per-expert w1/w3/w2 are stacked into
 ffn_gate_exps/ffn_up_exps/ffn_down_exps, the hash layers' tid2eid is written as I32. The
 hyper-connection, compressor position-bias and sink tensors stay F32 (transformers keeps
-them in float32 too). The MTP block is not converted.
+them in float32 too).
+
+The MTP block, as llama.cpp's converter (conversion/deepseek.py, `DeepseekV4Model`) has it:
+its tensors (`mtp.*`) are skipped, block_count is the decoder's `num_hidden_layers`, and
+`nextn_predict_layers` is the config's `num_nextn_predict_layers` when the config has the
+key (set_gguf_parameters); `attention.compress_ratios` is DeepSeek's `compress_ratios` as
+the config lists it, the MTP's entry (V4-Flash: a last 0) included. A transformers-saved
+config has layer_types instead (llama.cpp's converter needs DeepSeek's key): its ratios get
+a 0 for each MTP layer, V4-Flash's entry. `--no-mtp` changes nothing here (no block is
+written either way, and llama.cpp writes the count without one).
 
 Where transformers and llama.cpp's graph would disagree, the config is refused by name.
 Legend (numpy order): D hidden, H heads, d head_dim, X experts, F expert ff width.
@@ -29,11 +38,13 @@ from .spec import CSA_RATIO, SQRT_SOFTPLUS
 _KINDS = {"sliding_attention": 0, "compressed_sparse_attention": CSA_RATIO, "heavily_compressed_attention": None}
 
 
-def _ratios(cfg: dict, n: int) -> list[int]:
+def _ratios(cfg: dict, n: int, nextn: int) -> tuple[list[int], list[int]]:
     """Per layer 0 (sliding only), 4 (CSA) or the HCA rate: from layer_types and
-    compress_rates (transformers) or compress_ratios (DeepSeek's config)."""
+    compress_rates (transformers) or compress_ratios (DeepSeek's config); and the list the
+    file's `attention.compress_ratios` holds (module docstring: with the MTP's entries)."""
     if cfg.get("layer_types") is None:
-        ratios = [int(r) for r in cfg_get(cfg, "compress_ratios")][:n]
+        listed = [int(r) for r in cfg_get(cfg, "compress_ratios")]
+        ratios, written = listed[:n], listed  # llama.cpp's converter writes the list as the config has it
     else:
         rates = {**{"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}, **(cfg.get("compress_rates") or {})}
         if int(rates["compressed_sparse_attention"]) != CSA_RATIO:
@@ -44,9 +55,10 @@ def _ratios(cfg: dict, n: int) -> list[int]:
         if bad:
             raise UserError(f"config.json: layer_types entry {bad[0]!r} is not a DeepSeek-V4 layer type ({', '.join(_KINDS)})")
         ratios = [int(rates[t]) if _KINDS[t] is None else int(_KINDS[t] or 0) for t in cfg["layer_types"]][:n]
-    if len(ratios) != n or any(r not in (0, CSA_RATIO) and r <= 1 for r in ratios):
-        raise UserError(f"config.json: compression ratios {ratios} must be 0, 4 or another ratio above 1 for each of {n} layers")
-    return ratios
+        written = ratios + [0] * nextn  # the MTP's entry as DeepSeek's config has it (V4-Flash: 0)
+    if len(ratios) != n or any(r not in (0, CSA_RATIO) and r <= 1 for r in written):
+        raise UserError(f"config.json: compression ratios {written} must be 0, 4 or another ratio above 1 for each of {n} layers")
+    return ratios, written
 
 
 def _hash_layers(cfg: dict, n: int) -> int:
@@ -93,7 +105,11 @@ def hparams(cfg: dict) -> dict[str, Any]:
         raise UserError(f"config.json: rope_parameters.compress type {comp['rope_type']!r} is not supported for {mt} (default, yarn)")
     if comp["rope_type"] == "yarn" and float(comp.get("attention_factor", 1.0)) != 1.0:
         raise UserError(f"config.json: {mt} YaRN with attention_factor != 1 is not supported (llama.cpp keeps the rotation unit-sized)")
-    ratios = _ratios(cfg, n)
+    # llama.cpp's converter writes nextn_predict_layers only when the config has the key
+    nextn = cfg.get("num_nextn_predict_layers")
+    if nextn is not None and not 0 <= int(nextn) < n:
+        raise UserError(f"config.json: num_nextn_predict_layers {nextn} must be 0..{n - 1}")
+    ratios, ratios_written = _ratios(cfg, n, int(nextn or 0))
     hp.update(
         X=int(cfg_get(cfg, "n_routed_experts", ..., "num_local_experts")),
         K=int(cfg_get(cfg, "num_experts_per_tok")),
@@ -108,6 +124,8 @@ def hparams(cfg: dict) -> dict[str, Any]:
         scale=float(cfg.get("routed_scaling_factor") or 1.0),
         limit=limit,
         ratios=ratios,
+        ratios_written=ratios_written,
+        nextn=None if nextn is None else int(nextn),
         hash=_hash_layers(cfg, n),
         window=int(cfg_get(cfg, "sliding_window")),
         groups=int(cfg_get(cfg, "o_groups")),
@@ -140,7 +158,7 @@ def metadata(w: GGUFWriter, hp: dict[str, Any]) -> None:
     add_rope_scaling(w, hp["rope"], hp["ctx"])
     w.add_uint32(a + "attention.output_lora_rank", hp["o_rank"])
     w.add_uint32(a + "attention.output_group_count", hp["groups"])
-    w.add_array(a + "attention.compress_ratios", hp["ratios"])
+    w.add_array(a + "attention.compress_ratios", hp["ratios_written"])  # the MTP's entries too (module docstring)
     w.add_float32(a + "attention.compress_rope_freq_base", hp["comp_theta"])
     w.add_sliding_window(hp["window"])
     w.add_expert_shared_count(hp["shared"])
@@ -155,6 +173,8 @@ def metadata(w: GGUFWriter, hp: dict[str, Any]) -> None:
     w.add_uint32(a + "hyper_connection.count", hp["hc"])
     w.add_uint32(a + "hyper_connection.sinkhorn_iterations", hp["hc_iters"])
     w.add_float32(a + "hyper_connection.epsilon", hp["hc_eps"])
+    if hp["nextn"] is not None:  # without the MTP tensors: our reader and llama.cpp's loader count them only when present
+        w.add_nextn_predict_layers(hp["nextn"])
 
 
 def _names(ck: Checkpoint) -> tuple[str, str]:
@@ -231,7 +251,7 @@ def plan(hp: dict[str, Any], ck: Checkpoint) -> list[Out]:
         p.copy(b + "ffn_gate_shexp.weight", s + "w1.weight", (F, D))
         p.copy(b + "ffn_down_shexp.weight", s + "w2.weight", (D, F))
         p.copy(b + "ffn_up_shexp.weight", s + "w3.weight", (F, D))
-    return finish(p, ck, ignore=r"^(model\.)?mtp\.")
+    return finish(p, ck, ignore=r"^(model\.)?mtp\.")  # the MTP block, skipped as llama.cpp's converter does
 
 
 # DeepSeek-V4's tokenizer is V3's byte-level BPE (llama.cpp's "deepseek-v3" split), a BOS on every prompt.

@@ -39,8 +39,9 @@ def _experts(r: random.Random, most: int = 16) -> tuple[int, int]:
 def _groups(r: random.Random, x: int, k: int) -> tuple[int, int]:
     """(n_group, topk_group): groups dividing the experts, the kept ones holding at least k
     experts. Kept groups with fewer than k experts leave transformers picking among the
-    masked-out (zero-scored) ones, an order no real config relies on."""
-    options = [(g, t) for g in (1, 2, 4, 8) if x % g == 0 for t in range(1, g + 1) if t * (x // g) >= k]
+    masked-out (zero-scored) ones, an order no real config relies on; and a group holds two
+    experts at least, as transformers scores one by its best two (a group of one fails there)."""
+    options = [(g, t) for g in (1, 2, 4, 8) if x % g == 0 and (g == 1 or x // g >= 2) for t in range(1, g + 1) if t * (x // g) >= k]
     return r.choice(options)
 
 

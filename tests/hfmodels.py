@@ -50,12 +50,13 @@ def build(arch: str, out_dir: Path, seed: int = 0, **kw) -> Path:
 # --- models -------------------------------------------------------------------------
 
 
-def build_qwen3moe(out_dir: Path, seed: int = 0) -> Path:
+def build_qwen3moe(out_dir: Path, seed: int = 0, **kw) -> Path:
+    """`kw` overrides any config key."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     tok = _qwen_tokenizer()
     n_tok = len(tok)
-    cfg = Qwen3MoeConfig(
+    cfg = dict(
         vocab_size=_round_up(n_tok, 64),  # real Qwen pads the embedding past the tokenizer too
         hidden_size=64,
         intermediate_size=128,
@@ -78,14 +79,15 @@ def build_qwen3moe(out_dir: Path, seed: int = 0) -> Path:
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
     )
-    return _save(Qwen3MoeForCausalLM, cfg, tok, out_dir, seed)
+    return _save(Qwen3MoeForCausalLM, Qwen3MoeConfig(**(cfg | kw)), tok, out_dir, seed)
 
 
-def build_gpt_oss(out_dir: Path, seed: int = 0) -> Path:
+def build_gpt_oss(out_dir: Path, seed: int = 0, **kw) -> Path:
+    """`kw` overrides any config key."""
     from transformers import GptOssConfig, GptOssForCausalLM
 
     tok = _harmony_tokenizer()
-    cfg = GptOssConfig(
+    cfg = dict(
         vocab_size=_round_up(len(tok), 64),
         hidden_size=64,
         intermediate_size=64,
@@ -119,11 +121,12 @@ def build_gpt_oss(out_dir: Path, seed: int = 0) -> Path:
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
     )
-    return _save(GptOssForCausalLM, cfg, tok, out_dir, seed)
+    return _save(GptOssForCausalLM, GptOssConfig(**(cfg | kw)), tok, out_dir, seed)
 
 
-def gemma4_text_config(vocab_size: int) -> dict:
-    return dict(
+def gemma4_text_config(vocab_size: int, **kw) -> dict:
+    """`kw` overrides any key."""
+    cfg = dict(
         vocab_size=vocab_size,
         vocab_size_per_layer_input=vocab_size,
         hidden_size=64,
@@ -156,15 +159,16 @@ def gemma4_text_config(vocab_size: int) -> dict:
         eos_token_id=1,
         pad_token_id=0,
     )
+    return cfg | kw
 
 
-def build_gemma4(out_dir: Path, seed: int = 0, multimodal: bool = True) -> Path:
+def build_gemma4(out_dir: Path, seed: int = 0, multimodal: bool = True, **kw) -> Path:
     """`multimodal`: save as Gemma4ForConditionalGeneration (the published layout, no
-    vision/audio towers), else as the text-only Gemma4ForCausalLM."""
+    vision/audio towers), else as the text-only Gemma4ForCausalLM; `kw` overrides any text config key."""
     from transformers.models.gemma4 import Gemma4Config, Gemma4ForCausalLM, Gemma4ForConditionalGeneration, Gemma4TextConfig
 
     tok = _gemma_tokenizer()
-    tc = gemma4_text_config(len(tok))
+    tc = gemma4_text_config(len(tok), **kw)
     if multimodal:
         cfg = Gemma4Config(text_config=tc, vision_config=None, audio_config=None, tie_word_embeddings=True)
         return _save(Gemma4ForConditionalGeneration, cfg, tok, out_dir, seed)
@@ -768,16 +772,16 @@ def _lfm2_tokenizer():
 
 
 def build_mixtral(
-    out_dir: Path, seed: int = 0, experts: int = 4, used: int = 2, per_expert: bool = False, byte_level: bool = False
+    out_dir: Path, seed: int = 0, experts: int = 4, used: int = 2, per_expert: bool = False, byte_level: bool = False, **kw
 ) -> Path:
     """Tiny Mixtral: GQA (4 heads, 2 kv), head_dim 32 ≠ hidden/heads, `used` of `experts`
     experts, a SentencePiece tokenizer (`byte_level`: a Llama-3-style byte-level BPE).
     `per_expert`: rewrite the experts as the published checkpoints store them
-    (block_sparse_moe.experts.N.w1/w3/w2)."""
+    (block_sparse_moe.experts.N.w1/w3/w2). `kw` overrides any config key."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
     tok = _llama3_tokenizer() if byte_level else _spm_tokenizer()
-    cfg = MixtralConfig(
+    cfg = dict(
         vocab_size=_round_up(len(tok), 64),
         hidden_size=64,
         intermediate_size=96,
@@ -796,7 +800,7 @@ def build_mixtral(
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
     )
-    _save(MixtralForCausalLM, cfg, tok, out_dir, seed)
+    _save(MixtralForCausalLM, MixtralConfig(**(cfg | kw)), tok, out_dir, seed)
     if per_expert:
         from safetensors.numpy import load_file, save_file
 

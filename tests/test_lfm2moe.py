@@ -70,6 +70,7 @@ def test_converter_refuses_what_llama_cpp_cannot_express():
         (dict(routed_scaling_factor=2.0), "routed_scaling_factor"),
         (dict(conv_bias=True), "conv_bias"),
         (dict(layer_types=["conv"] * 4), "layer_types"),
+        (dict(layer_types=["conv"] * 5), "full_attention"),
         (dict(layer_types=["conv", "sliding_attention", "conv", "conv", "conv"]), "sliding_attention"),
     ):
         with pytest.raises(UserError, match=word):

@@ -56,15 +56,20 @@ def hparams(cfg: dict) -> dict[str, Any]:
     k_eq_v = bool(cfg.get("attention_k_eq_v", False))
     # Full layers: head dim and kv heads from per_layer_config (transformers >= 5.x
     # saves it) or global_head_dim / num_global_key_value_heads (the published config).
+    # transformers saves in a layer's entry only what differs from the base config (an
+    # empty one where global_head_dim is head_dim) and, as it loads, then ignores
+    # global_head_dim: a missing value is the base's, not the published default 512.
+    own = "per_layer_config" in cfg
     plc = cfg.get("per_layer_config") or {}
+    g_d = hp["d"] if own else cfg.get("global_head_dim") or 512
+    g_hk = None if own or not k_eq_v else cfg.get("num_global_key_value_heads")
     d_full_set, hk_full_set = set(), set()
     for i in range(L):
         if swa[i]:
             continue
         o = plc.get(str(i)) or plc.get(i) or {}
-        d_full_set.add(int(o.get("head_dim") or cfg.get("global_head_dim") or 512))
-        g = cfg.get("num_global_key_value_heads") if k_eq_v else None
-        hk_full_set.add(int(o.get("num_key_value_heads") or g or hp["Hk"]))
+        d_full_set.add(int(o.get("head_dim") or g_d))
+        hk_full_set.add(int(o.get("num_key_value_heads") or g_hk or hp["Hk"]))
     if len(d_full_set) > 1 or len(hk_full_set) > 1:
         raise UserError("config.json: full-attention layers with different head dims or kv heads are not supported")
     d_full = d_full_set.pop() if d_full_set else hp["d"]

@@ -47,6 +47,10 @@ def _layer_types(cfg: dict, n: int) -> list[str]:
     bad = sorted({t for t in types if t not in ("full_attention", "conv")})
     if bad:
         raise UserError(f"config.json: layer_types {bad[0]!r} is not supported for lfm2_moe (full_attention or conv)")
+    if "full_attention" not in types:
+        # The GGUF tells a conv layer by its 0 kv heads: with no attention layer it would
+        # hold no kv head count, and no reader (ours, llama.cpp's) could size the heads.
+        raise UserError("config.json: lfm2_moe layer_types without a full_attention layer is not supported (the GGUF needs one)")
     return list(types)
 
 

@@ -51,6 +51,9 @@ def hparams(cfg: dict) -> dict[str, Any]:
     if len(types) != L:
         raise UserError(f"config.json: layer_types has {len(types)} entries for {L} layers")
     full = [t == "full_attention" for t in types]
+    if not any(full):
+        # the GGUF's full_attention_interval would be past the last layer, which no reader takes
+        raise UserError("config.json: qwen3_5_moe layer_types without a full_attention layer is not supported (the GGUF needs one)")
     interval = full.index(True) + 1 if any(full) else L + 1
     if full != [(i + 1) % interval == 0 for i in range(L)]:
         # The GGUF says only full_attention_interval (llama.cpp's rule): any other pattern cannot be written.

@@ -139,13 +139,18 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
         print(
             f"[{t['prompt_n']} prompt tokens{_cached(t)} at {t['prompt_tok_s']:.1f} tok/s, {t['predicted_n']} generated at "
-            f"{t['predicted_tok_s']:.1f} tok/s{_drafts(t)}, finish: {out['finish_reason']}; "
+            f"{t['predicted_tok_s']:.1f} tok/s{_steady(t)}{_drafts(t)}, finish: {out['finish_reason']}; "
             f"load {t['load_seconds']:.2f} s, kernels {t['compile_seconds']:.2f} s (not in the rates)]",
             file=sys.stderr,
         )
     else:
         print(json.dumps(out, ensure_ascii=False))
     return 0
+
+
+def _steady(t: dict) -> str:
+    """The last quarter's rate, the "steady" `doctor` forecasts and `bench` reports, when the reply has one."""
+    return f" (steady {t['steady_tok_s']:.1f})" if t.get("steady_tok_s") and t.get("predicted_n", 0) >= 8 else ""
 
 
 def _drafts(t: dict) -> str:

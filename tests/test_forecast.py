@@ -276,7 +276,9 @@ def test_decode_speed_compute_bound_resident_and_memory_bound():
 
 def test_a_timed_step_replaces_the_dense_estimate_and_fill_reads_cost_compute():
     # a stand-in step of 50 ms: dense = 50 − 10 ms of expert kernels + the per-token 0.3 ms
-    s = fc.decode_speed(CLASSES, RATES, n_layer=8, top_k=4, hit_pct=100, read_bytes_per_token=1, read_gbps=1.0, step_s=0.050, token_s=0.3e-3)
+    s = fc.decode_speed(
+        CLASSES, RATES, n_layer=8, top_k=4, hit_pct=100, read_bytes_per_token=1, read_gbps=1.0, step_s=0.050, token_s=0.3e-3
+    )
     assert s.compute_s == pytest.approx(0.0503) and s.wall_s == pytest.approx(0.0503)
     # a step faster than the dense kernels alone (a quieter minute) is not believed below them
     s = fc.decode_speed(CLASSES, RATES, n_layer=8, top_k=4, hit_pct=100, read_bytes_per_token=1, read_gbps=1.0, step_s=0.005)

@@ -15,12 +15,13 @@ finish_reason "context" (docs/conversations.md).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ..config import MAX_DRAFT
 from ..errors import UserError
 from ..model.session import Session
+from ..telemetry import steady_start
 from .context import check_prompt_fits
 from .sampling import Constraint, Sampler, SamplingParams
 from .speculate import Drafter, Speculation
@@ -103,6 +104,15 @@ def _n_keep(cfg: GenerationConfig, prompt: list[int], tokenizer) -> int:
     return cfg.n_keep + (1 if bos is not None and prompt[0] == bos else 0)
 
 
+def steady_tok_s(stamps: Sequence[float]) -> float:
+    """Tokens a second over the last quarter of a reply's tokens (shared/telemetry.py
+    `steady_start`: the steady of every speed figure), from when each was sampled
+    (stamps[0] is the prompt's start, so the first token's wall is the prompt's)."""
+    walls = [b - a for a, b in zip(stamps, stamps[1:])]
+    tail = walls[steady_start(len(walls)) :]
+    return len(tail) / sum(tail) if tail and sum(tail) > 0 else 0.0
+
+
 def generate(
     model,
     tokenizer,
@@ -129,6 +139,7 @@ def generate(
     t0 = time.perf_counter()
     logits = session.feed(model, prompt_tokens[cached:], batch=cfg.prefill_batch)
     t1 = time.perf_counter()
+    stamps = [t0]  # when each output token was sampled, after the prompt's start
     history = list(prompt_tokens)
     spec = Speculation(session, drafter, cfg.draft, cfg.draft_adapt) if drafter is not None and cfg.draft > 0 else None
     if spec is not None:
@@ -142,6 +153,7 @@ def generate(
             out.finish_reason = "eog"
             break
         out.tokens.append(token)
+        stamps.append(time.perf_counter())
         history.append(token)
         out.text += decoder.feed(token)
         cut = scanner.find(out.text, emitted)
@@ -189,6 +201,7 @@ def generate(
         "predicted_n": n_dec,
         "predicted_ms": round((t2 - t1) * 1e3, 3),
         "predicted_tok_s": round(n_dec / max(t2 - t1, 1e-9), 3) if n_dec else 0.0,
+        "steady_tok_s": round(steady_tok_s(stamps), 3),
         "context_shifts": shifts,
     }
     if spec is not None:

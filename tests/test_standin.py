@@ -20,7 +20,7 @@ def test_a_step_runs_the_families_forward_pass_on_a_file_of_holes(arch, tmp_path
     path = make_model(arch, "tiny", tmp_path / "m.gguf", sparse=True)
     with open_model(path) as mf:
         t = standin.step_seconds(mf, None, threads=1, steps=3)
-        assert t.steps == 3 and 0 < t.seconds < 1.0
+        assert 3 <= t.steps <= standin.MAX_STEPS and 0 < t.seconds < 1.0
         weights = standin.StandInWeights(mf, np.random.default_rng(0))
         name = next(n for n, ti in mf.gguf.tensors.items() if "exps" not in n and ti.qtype.name not in ("F32", "F16", "BF16", "I32"))
         made, view = weights(name), mf.gguf.view(name)

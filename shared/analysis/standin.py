@@ -31,7 +31,9 @@ import numpy as np
 POOL_BYTES = 64 << 20  # distinct experts, twice the 32 MB L3: a step's experts come from DRAM
 TILE_WEIGHTS = 1 << 16  # random blocks made once per type and repeated: making 1 GB of them would take seconds
 PROMPT = tuple(range(3, 19))  # token ids every vocabulary holds
-STEPS = 6
+STEPS = 6  # at least; more while MIN_SECONDS last, up to MAX_STEPS
+MIN_SECONDS = 0.3
+MAX_STEPS = 200
 
 
 @dataclass(frozen=True)
@@ -125,11 +127,15 @@ class StandInExperts:
             self._layers[lay.layer] = (lay, pool)
         self._build = expert_from_bytes
         self._n_expert = mf.spec.n_expert
+        self._views: dict[tuple[int, int], object] = {}
 
     def experts(self, layer: int, ids: Iterable[int]) -> Iterator:
         lay, pool = self._layers[layer]
         for e in ids:
-            yield self._build(lay, int(e), pool[(layer * self._n_expert + int(e)) % len(pool)])
+            expert = self._views.get((layer, int(e)))
+            if expert is None:  # built once and kept, as the cache keeps its views (procs/compute.py SlabExperts)
+                expert = self._views[(layer, int(e))] = self._build(lay, int(e), pool[(layer * self._n_expert + int(e)) % len(pool)])
+            yield expert
 
     def resident(self, layer: int, ids: Sequence[int]) -> list[bool]:
         return [True] * len(ids)
@@ -158,15 +164,18 @@ def step_seconds(mf, top_k: int | None, threads: int, steps: int = STEPS, seed: 
     before = quant.get_threads()
     quant.set_threads(threads)
     try:
-        cache = model.new_cache(len(PROMPT) + steps + 8)
+        cache = model.new_cache(MAX_STEPS + 8)
         for token in PROMPT[:2]:  # the first steps' one-time work (allocations, compiles) outside the timing
             model.decode_one(token, cache)
         setup = time.perf_counter() - t0
-        walls = []
-        for i in range(steps):
+        walls: list[float] = []
+        stop = time.perf_counter() + MIN_SECONDS
+        while len(walls) < steps or (
+            time.perf_counter() < stop and len(walls) < MAX_STEPS
+        ):  # a small model's steps are noisy: more of them
             t = time.perf_counter()
-            model.decode_one(PROMPT[i % len(PROMPT)], cache)
+            model.decode_one(PROMPT[len(walls) % len(PROMPT)], cache)
             walls.append(time.perf_counter() - t)
     finally:
         quant.set_threads(before)
-    return StepTime(statistics.median(walls), steps, setup)
+    return StepTime(statistics.median(walls), len(walls), setup)

@@ -5,6 +5,7 @@ measuring part with tiny durations, and the CLI's JSON contract."""
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import replace
 from pathlib import Path
@@ -242,22 +243,26 @@ RATES = {CLASSES[0].key: 30e9, CLASSES[1].key: 20e9}  # 10 ms + 20 ms of kernels
 
 
 def test_decode_speed_follows_the_pipeline_layer_by_layer():
-    # experts 10 ms, dense 20 + 8 × 0.5 = 24 ms; io = (1 - 0.8) × 200 MB / 1 GB/s = 40 ms (5 ms a layer);
-    # a layer: max(1.25, 5 + 1.25 / 4) + 1 ms wire  →  wall = 24 + 8 × 6.3125 = 74.5 ms
-    s = fc.decode_speed(
-        CLASSES, RATES, n_layer=8, top_k=4, hit_pct=80, read_bytes_per_token=200_000_000, read_gbps=1.0, overhead_s=0.5e-3, wire_s=1e-3
-    )
+    # experts 10 ms, dense 20 + 8 × 0.5 = 24 ms; 8 layers × 4 lookups, 20 % miss: io = 0.2 × 200 MB /
+    # 1 GB/s = 40 ms whatever the lanes when every lane count reads at 1 GB/s
+    kw = dict(n_layer=8, top_k=4, read_bytes_per_token=200_000_000, overhead_s=0.5e-3, wire_s=1e-3)
+    s = fc.decode_speed(CLASSES, RATES, hit_pct=80, read_gbps=1.0, **kw)
     assert s.kernel_s == pytest.approx(0.030)
     assert s.compute_s == pytest.approx(0.034)
     assert s.io_s == pytest.approx(0.040)
-    assert s.wall_s == pytest.approx(0.0745)
-    assert s.tok_s == pytest.approx(1 / 0.0745)
-    assert s.bottleneck == "flash" and s.overlap_factor == pytest.approx(0.0745 / 0.040)
-    # faster reads: the experts' compute hides them, the layer costs its experts
-    s = fc.decode_speed(
-        CLASSES, RATES, n_layer=8, top_k=4, hit_pct=99, read_bytes_per_token=200_000_000, read_gbps=10.0, overhead_s=0.5e-3, wire_s=1e-3
-    )
-    assert s.wall_s == pytest.approx(0.024 + 8 * (0.00125 + 0.001))
+    # a layer: P(j misses) of 4 at 0.2; j misses read j × 6.25 MB (6.25 ms), then one expert (0.3125 ms),
+    # the hits under the reads, and the trip to the reader; no miss: its experts' 1.25 ms
+    p = [math.comb(4, j) * 0.2**j * 0.8 ** (4 - j) for j in range(5)]
+    layer = p[0] * 1.25e-3 + sum(p[j] * (max(1.25e-3, j * 6.25e-3 + 0.3125e-3) + 1e-3) for j in range(1, 5))
+    assert s.wall_s == pytest.approx(0.024 + 8 * layer)
+    assert s.bottleneck == "flash" and s.tok_s == pytest.approx(1 / s.wall_s)
+    # the trip to the reader is paid by the layers that miss, not by every layer
+    rare = fc.decode_speed(CLASSES, RATES, hit_pct=99, read_gbps=10.0, **kw)
+    assert rare.wall_s < 0.024 + 8 * (0.00125 + 0.001)
+    # one lane at a time reads slower than four together: a layer's few misses get the few-lane rate
+    few = fc.decode_speed(CLASSES, RATES, hit_pct=80, read_gbps={1: 0.5, 2: 0.8, 4: 1.0}, **kw)
+    assert few.io_s > s.io_s and few.wall_s > s.wall_s
+    assert fc.lane_rate({1: 0.5, 2: 0.8, 4: 1.0}, 3) == 0.8 and fc.lane_rate({1: 0.5, 4: 1.0}, 4) == 1.0
 
 
 def test_decode_speed_compute_bound_resident_and_memory_bound():

@@ -11,19 +11,28 @@ does the per-token arithmetic:
 
 Per decoded token (L layers, k experts per token, h the decode hit rate):
 
-    dense   = dense kernels (weights / measured weights/s) + L × PER_LAYER_OVERHEAD_S
-    experts = expert kernels, the same way;  compute = dense + experts
-    io      = (1 − h) × k × Σ_layers page-rounded expert bytes / read bandwidth
-    wall    = dense + L × (max(experts/L, io/L + experts/(L·k)) + PER_LAYER_WIRE_S)
+    step    = a decode step of the model's forward pass on stand-in weights (standin.py), or
+              for a header-only file the dense kernels + L × PER_LAYER_OVERHEAD_S
+    experts = expert kernels (weights / measured weights/s) + read bytes × read CPU per GB
+    dense   = step − expert kernels + PER_TOKEN_S;  compute = dense + experts
+    a layer = j of its k lookups miss, P(j) binomial in 1 − h: its j reads keep min(j, lanes)
+              lanes busy at their measured rate, read(j) = j × one expert / GB/s(min(j, lanes));
+              it costs experts/L when j = 0, else max(experts/L, read(j) + experts/(L·k))
+              + PER_LAYER_WIRE_S
+    io      = L × Σ_j P(j) read(j)
+    wall    = dense + L × Σ_j P(j) × (a layer with j misses)
               (dense + experts when nothing is read: every expert cached)
     tok/s   = 1 / wall
 
 The wall is the pipeline's own shape, layer by layer: attention, norms and
 routing run before the layer's misses are known, so nothing is read under
-them (no prefetch); then the hits are computed while the misses are read,
-and each miss is computed as it lands, so the layer ends one expert's
+them (no prefetch in decode); then the hits are computed while the misses are
+read, and each miss is computed as it lands, so the layer ends one expert's
 compute after its last read (or when the experts are done, if reads were
-shorter); and each layer's requests and replies cross the reader once.
+shorter); and a layer with a miss sends its requests to the reader and hears
+back (one trip), a layer without one does not. A layer's one or two misses
+read at the rate of one or two lanes, not of four: on the 2026-12-01 protocol
+the steady qwen30b token had 7 misses spread over 48 layers.
 `max(compute, io)` times one fitted constant fits one regime and misses the
 other by 30-40 % (docs/benchmarks.md, "doctor").
 """
@@ -289,6 +298,20 @@ def kernel_seconds(classes: Sequence[KernelClass], rates: Mapping[str, float], r
     return sum(c.weights_per_token / rates[c.key] for c in classes if role is None or c.role == role)
 
 
+def lane_rate(gbps: float | Mapping[int, float], busy: int) -> float:
+    """GB/s of `busy` lanes reading at once: the measured figure of that many lanes, the
+    nearest below it between measured counts (a float: the same at every count)."""
+    if not isinstance(gbps, Mapping):
+        return gbps
+    below = [n for n in gbps if n <= busy]
+    return gbps[max(below)] if below else gbps[min(gbps)]
+
+
+def misses_in_a_layer(k: int, miss: float) -> list[float]:
+    """P(j of a layer's k lookups miss), j = 0..k: each lookup misses alike, apart from the others."""
+    return [math.comb(k, j) * miss**j * (1.0 - miss) ** (k - j) for j in range(k + 1)]
+
+
 def decode_speed(
     classes: Sequence[KernelClass],
     rates: Mapping[str, float],
@@ -297,7 +320,8 @@ def decode_speed(
     top_k: int,
     hit_pct: float,
     read_bytes_per_token: int,
-    read_gbps: float,
+    read_gbps: float | Mapping[int, float],
+    lanes: int = 4,
     at_floor: bool = False,
     overhead_s: float = PER_LAYER_OVERHEAD_S,
     wire_s: float = PER_LAYER_WIRE_S,
@@ -306,7 +330,8 @@ def decode_speed(
     token_s: float = 0.0,
 ) -> Speed:
     """One decoded token's compute, io and wall time (module docstring). `read_bytes_per_token`
-    is what a token reads with no cache (k × page-rounded experts, all layers);
+    is what a token reads with no cache (k × page-rounded experts, all layers); `read_gbps`
+    the read rate by lanes busy at once (a layer's j misses keep min(j, lanes) lanes busy);
     `read_cpu_s_per_gb` the CPU its reads take from compute's cores (pages given to a
     cache's first fill), counted with the experts' compute. `step_s`, a decode step timed
     on stand-in weights (shared/analysis/standin.py), sets everything but the experts'
@@ -314,15 +339,24 @@ def decode_speed(
     the pipeline's own per-token work."""
     kernels = kernel_seconds(classes, rates)
     expert_kernels = kernel_seconds(classes, rates, "expert")
-    read_bytes = (1.0 - hit_pct / 100.0) * read_bytes_per_token
+    miss = 1.0 - hit_pct / 100.0
+    read_bytes = miss * read_bytes_per_token
     experts = expert_kernels + read_bytes / 1e9 * read_cpu_s_per_gb
     dense_kernels = kernels - expert_kernels
     dense = (dense_kernels + n_layer * overhead_s if step_s is None else max(step_s - expert_kernels, dense_kernels)) + token_s
     compute = dense + experts
-    io = read_bytes / (read_gbps * 1e9)
+    k = max(1, top_k)
+    one_read = read_bytes_per_token / (k * n_layer) / 1e9  # GB: one expert, the layers' mean
+    p = misses_in_a_layer(k, miss)
+    # a layer's reads: j misses on min(j, lanes) lanes at their measured rate
+    read_s = [j * one_read / lane_rate(read_gbps, min(j, lanes)) for j in range(k + 1)]
+    io = n_layer * sum(pj * r for pj, r in zip(p, read_s))
     if io > 0:
-        layer = max(experts / n_layer, io / n_layer + experts / (n_layer * max(1, top_k)))
-        wall = dense + n_layer * (layer + wire_s)
+        # a layer without a miss costs its experts; with j, its hits compute under the reads and
+        # the last miss after its read, then the layer's trip to the reader
+        e = experts / n_layer
+        layer = p[0] * e + sum(p[j] * (max(e, read_s[j] + e / k) + wire_s) for j in range(1, k + 1))
+        wall = dense + n_layer * layer
     else:
         wall = compute
     bottleneck = "memory" if at_floor else ("flash" if io > compute else "compute")
@@ -374,7 +408,7 @@ def forecast(
     read_per_token = footprint.top_k * sum(footprint.read_bytes_per_expert)
     at_floor = (not fit.fits) or fit.budget.bytes < FLOOR_MARGIN * footprint.floor_bytes
 
-    def speed_at(rates: Mapping[str, float], h: HitRate | None = hit, gbps: float = reads.gbps[lanes], cpu: float = 0.0) -> Speed:
+    def speed_at(rates: Mapping[str, float], h: HitRate | None = hit, gbps: Mapping[int, float] = reads.gbps, cpu: float = 0.0) -> Speed:
         step = steps.get(threads if rates is at_n else 1)
         return decode_speed(
             footprint.classes,
@@ -384,6 +418,7 @@ def forecast(
             hit_pct=h.pct if h else 0.0,
             read_bytes_per_token=read_per_token,
             read_gbps=gbps,
+            lanes=lanes,
             at_floor=at_floor,
             read_cpu_s_per_gb=cpu,
             step_s=None if step is None else step.seconds,
@@ -397,7 +432,8 @@ def forecast(
             return speed_at(rates, h)
         fill = (1.0 - h.pct / 100.0) * read_per_token * WARMUP_TOKENS  # bytes the warm-up reads
         fresh = min(1.0, fit.n_slabs * footprint.slab_bytes / fill) if fill > 0 else 1.0  # share of them into fresh slabs
-        gbps = 1.0 / (fresh / reads.fresh_gbps + (1.0 - fresh) / reads.gbps[lanes])
+        slower = reads.fresh_gbps / reads.gbps[max(reads.gbps)]  # fresh slabs against used ones, at the most lanes
+        gbps = {n: g / (fresh / slower + (1.0 - fresh)) for n, g in reads.gbps.items()}
         return speed_at(rates, h, gbps, fresh * reads.fresh_cpu_s_per_gb)
 
     speed = speed_at(at_n)

@@ -161,6 +161,17 @@ def test_only_routed_experts_stream_the_shared_expert_is_dense(made):
         assert mf.gguf.tensors["blk.0.ffn_down_shexp.weight"].name not in names
 
 
+def test_delta_rule_l2_norm_adds_eps_under_the_root():
+    """q and k as transformers' l2norm and llama.cpp's qwen35moe graph normalize them:
+    x / √(Σx² + eps), not ggml_l2_norm's x / max(‖x‖, eps) (1e-4 apart on rows this short)."""
+    from moe_pipe.shared.families.qwen35moe.model import l2_normalize
+
+    x = np.random.default_rng(0).standard_normal((3, 2, 16)).astype(np.float32) * np.float32(0.02)
+    sq = np.sum(np.square(x, dtype=np.float64), axis=-1, keepdims=True)
+    np.testing.assert_allclose(l2_normalize(x, 1e-6), x / np.sqrt(sq + 1e-6), rtol=1e-6)
+    assert np.abs(l2_normalize(x, 1e-6) - x / np.sqrt(sq)).max() > 1e-5
+
+
 @pytest.fixture(scope="module")
 def made_pair(tmp_path_factory):
     """The tiny model without and with the MTP block, as llama.cpp's converter writes it."""

@@ -10,7 +10,7 @@ on q and k; NEOX RoPE on the first `rope.dimension_count` dims of each head;
 GQA scaled 1/√d; the output is multiplied by σ(gate) before `attn_output`.
 
 Linear attention, per token t and value head h (state S [d_k, d_v]):
-qkv = conv(`attn_qkv`·n) → SiLU → q, k (L2-normed; q also × 1/√d_k), v;
+qkv = conv(`attn_qkv`·n) → SiLU → q, k (L2-normed as x/√(Σx² + eps); q also × 1/√d_k), v;
 β = σ(`ssm_beta`·n), g = softplus(`ssm_alpha`·n + dt_bias) · a (a < 0);
 S ← S·exp(g); S ← S + k ⊗ β(v − kᵀS); o = qᵀS; out = `ssm_out`·(RMSNorm(o) ⊙ silu(`attn_gate`·n)).
 Value head h reads key head h mod G (the GGUF stores the value heads in that
@@ -36,9 +36,12 @@ def softplus(x: np.ndarray) -> np.ndarray:
 
 
 def l2_normalize(x: np.ndarray, eps: float) -> np.ndarray:
-    """x / max(‖x‖, eps) over the last axis (llama.cpp's ggml_l2_norm)."""
-    norm = np.sqrt(np.sum(np.square(x, dtype=np.float64), axis=-1, keepdims=True))
-    return (x / np.maximum(norm, eps)).astype(np.float32)
+    """x / √(Σx² + eps) over the last axis, the sum in float64: transformers' (and
+    flash-linear-attention's) l2norm, and llama.cpp's qwen35moe graph, which takes it as an
+    RMSNorm with eps / d scaled by 1/√d. Not ggml_l2_norm's x / max(‖x‖, eps): on short
+    rows (‖x‖ ~ 0.07 in tiny random models) that is 1e-4 off, enough to flip a near-tied
+    expert choice."""
+    return (x / np.sqrt(np.sum(np.square(x, dtype=np.float64), axis=-1, keepdims=True) + eps)).astype(np.float32)
 
 
 class Model(MoEModel):

@@ -257,14 +257,16 @@ def measure_kernels(
     return out
 
 
-def time_steps(mf, top_k: int, threads: Sequence[int]) -> dict:
-    """{threads: StepTime} of the model's forward pass on stand-in weights (standin.py); empty
-    for a header-only file, whose tensors' shapes are known only as the header gives them."""
-    from .standin import step_seconds
+def time_steps(mf, top_k: int, points: Sequence[tuple[int, float]]) -> dict:
+    """{(threads, hit %): StepTime} of the model's forward pass on stand-in weights
+    (standin.py), its misses computed one by one; empty for a header-only file, whose tensors'
+    shapes are known only as the header gives them."""
+    from .standin import StandIn
 
     if getattr(mf.gguf, "header_only", False):
         return {}
-    return {n: step_seconds(mf, top_k, n) for n in threads}
+    stand_in = StandIn(mf, top_k)
+    return {(n, h): stand_in.step(n, miss=1.0 - h / 100.0) for n, h in dict.fromkeys(points)}
 
 
 def compute_cores(cfg: Config) -> Cores:
@@ -402,14 +404,15 @@ def forecast(
     stage(f"measuring the kernels ({0.6 * seconds:.1f} s; a first run compiles them first)")
     rates = measure_kernels(footprint.classes, sorted({1, threads}), seconds=0.6 * seconds, rotate_bytes=rotate)
     stage("timing decode steps of the model's own forward pass on stand-in weights")
-    steps = time_steps(mf, footprint.top_k, sorted({1, threads}))
+    h_steady, h_warm = (hit.pct if hit else 100.0), (warm.pct if warm else 100.0)
+    steps = time_steps(mf, footprint.top_k, [(threads, h_steady), (threads, h_warm), (1, h_steady)])
     at_n = {c.key: rates[(c.key, threads)] for c in footprint.classes}
     at_1 = {c.key: rates[(c.key, 1)] for c in footprint.classes}
     read_per_token = footprint.top_k * sum(footprint.read_bytes_per_expert)
     at_floor = (not fit.fits) or fit.budget.bytes < FLOOR_MARGIN * footprint.floor_bytes
 
     def speed_at(rates: Mapping[str, float], h: HitRate | None = hit, gbps: Mapping[int, float] = reads.gbps, cpu: float = 0.0) -> Speed:
-        step = steps.get(threads if rates is at_n else 1)
+        step = steps.get((threads if rates is at_n else 1, h.pct if h else 100.0))
         return decode_speed(
             footprint.classes,
             rates,
@@ -497,10 +500,10 @@ def forecast(
         "expert_gws": _gws(footprint.classes, at_n, "expert"),
         "dense_gws_1t": _gws(footprint.classes, at_1, "dense"),
         "dense_gws": _gws(footprint.classes, at_n, "dense"),
-        "overhead_ms_per_layer": round(PER_LAYER_OVERHEAD_S * 1e3, 3) if threads not in steps else None,
-        "step_ms": round(steps[threads].seconds * 1e3, 2) if threads in steps else None,
-        "step_ms_1t": round(steps[1].seconds * 1e3, 2) if 1 in steps else None,
-        "step_source": "stand-in" if threads in steps else "kernels + constant",
+        "overhead_ms_per_layer": None if steps else round(PER_LAYER_OVERHEAD_S * 1e3, 3),
+        "step_ms": round(steps[(threads, h_steady)].seconds * 1e3, 2) if steps else None,
+        "step_ms_1t": round(steps[(1, h_steady)].seconds * 1e3, 2) if steps else None,
+        "step_source": "stand-in" if steps else "kernels + constant",
         "overlap_factor": speed.overlap_factor,
         "kernel_ms": round(speed.kernel_s * 1e3, 2),
         "compute_ms": round(speed.compute_s * 1e3, 2),

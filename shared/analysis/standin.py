@@ -1,6 +1,6 @@
 """A decode step of a model timed on this machine, with stand-in weights.
 
-    step_seconds(mf, top_k, threads)  -> StepTime   the real forward pass, no file read
+    StandIn(mf, top_k).step(threads, miss) -> StepTime   the real forward pass, no file read
 
 `moe-pipe doctor` times the kernels one matrix at a time; what a token costs
 besides them (attention, norms, RoPE, routing, the MoE block's bookkeeping,
@@ -21,6 +21,8 @@ so activations stay finite; the numbers mean nothing, only the time does.
 
 from __future__ import annotations
 
+import mmap
+import random
 import statistics
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-POOL_BYTES = 64 << 20  # distinct experts, twice the 32 MB L3: a step's experts come from DRAM
+POOL_BYTES = 256 << 20  # distinct experts, 8× the 32 MB L3: random routing over a pool twice the L3 still found half its experts there
 TILE_WEIGHTS = 1 << 16  # random blocks made once per type and repeated: making 1 GB of them would take seconds
 PROMPT = tuple(range(3, 19))  # token ids every vocabulary holds
 STEPS = 6  # at least; more while MIN_SECONDS last, up to MAX_STEPS
@@ -49,6 +51,16 @@ def _float_fill(name: str, shape: tuple[int, ...], dtype, rng: np.random.Generat
         value = 1.0 if any(w in name for w in ("norm", "scale", "freq")) else 0.0
         return np.full(shape, value, dtype=dtype)
     return (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(dtype)
+
+
+def small_pages(nbytes: int) -> np.ndarray:
+    """`nbytes` of uint8 in an anonymous mapping of the system's small pages. numpy asks for huge
+    pages for a large array (madvise), and the weights a run multiplies sit in the file mapping
+    or the cache's shared memory on small ones: the TLB's misses are part of what a step costs
+    (the stand-in ran 100 ms a step on huge pages where the model itself took 116, qwen30b-shape)."""
+    if nbytes == 0:
+        return np.empty(0, np.uint8)
+    return np.frombuffer(mmap.mmap(-1, nbytes), np.uint8)
 
 
 class StandInWeights:
@@ -73,7 +85,7 @@ class StandInWeights:
     def quantized(self, qtype, nbytes: int) -> np.ndarray:
         """`nbytes` of valid blocks of `qtype`, uint8."""
         tile = self._tile(qtype)
-        out = np.empty(nbytes, np.uint8)
+        out = small_pages(nbytes)
         whole = nbytes // tile.size * tile.size
         out[:whole].reshape(-1, tile.size)[:] = tile  # the tile again and again: whole blocks, as both sizes are
         out[whole:] = tile[: nbytes - whole]
@@ -90,7 +102,9 @@ class StandInWeights:
         elif dtype == np.uint8:
             out = self.quantized(t.qtype, int(np.prod(shape))).reshape(shape)
         else:
-            out = _float_fill(name, shape, dtype, self._rng)
+            filled = _float_fill(name, shape, dtype, self._rng)
+            out = small_pages(filled.nbytes).view(filled.dtype).reshape(shape)
+            out[...] = filled
         self._made[name] = out
         return out
 
@@ -109,10 +123,12 @@ class StandInExperts:
 
     held_together = 1 << 30
 
-    def __init__(self, mf, weights: StandInWeights):
+    def __init__(self, mf, weights: StandInWeights, miss: float = 0.0, seed: int = 0):
         from ..model.weights import expert_from_bytes
 
         self._mf = mf
+        self.miss = miss
+        self._rng = random.Random(seed)
         self._pools: dict[tuple, list[dict[str, np.ndarray]]] = {}
         self._layers = {}
         for lay in mf.layout.layers:
@@ -138,7 +154,10 @@ class StandInExperts:
             yield expert
 
     def resident(self, layer: int, ids: Sequence[int]) -> list[bool]:
-        return [True] * len(ids)
+        """Each expert "in memory" but a `miss` share of them at random: a decode step computes
+        the experts in memory together and each miss alone as it lands (shared/model/moe.py),
+        and that split is part of what a step costs at a hit rate."""
+        return [self._rng.random() >= self.miss for _ in ids]
 
     def prefetch(self, layer: int, ids: Sequence[int]) -> None:
         """Every stand-in expert is in memory."""
@@ -147,35 +166,50 @@ class StandInExperts:
 def _part_bytes(weights: StandInWeights, part) -> np.ndarray:
     if part.name.endswith("_bias"):
         return np.zeros(part.stride, np.uint8)  # float32 zeros
-    return weights.quantized(part.tensor.qtype, part.stride).copy()  # its own memory: distinct DRAM
+    return weights.quantized(part.tensor.qtype, part.stride)  # its own memory: distinct DRAM
 
 
-def step_seconds(mf, top_k: int | None, threads: int, steps: int = STEPS, seed: int = 0) -> StepTime:
-    """The median wall of `steps` decode steps of `mf`'s forward pass on stand-in weights, on
-    `threads` numba threads, at the context's start (attention over a few hundred positions,
-    where a reply's steady tokens are, costs a small share of a step)."""
-    from .. import quant
-    from ..model.load import load_model
+class StandIn:
+    """`mf`'s forward pass over stand-in weights, built once and timed at several points."""
 
-    t0 = time.perf_counter()
-    rng = np.random.default_rng(seed)
-    weights = StandInWeights(mf, rng)
-    model = load_model(mf, top_k=top_k, experts=StandInExperts(mf, weights), dense_view=weights)
-    before = quant.get_threads()
-    quant.set_threads(threads)
-    try:
-        cache = model.new_cache(MAX_STEPS + 8)
-        for token in PROMPT[:2]:  # the first steps' one-time work (allocations, compiles) outside the timing
-            model.decode_one(token, cache)
-        setup = time.perf_counter() - t0
-        walls: list[float] = []
-        stop = time.perf_counter() + MIN_SECONDS
-        while len(walls) < steps or (
-            time.perf_counter() < stop and len(walls) < MAX_STEPS
-        ):  # a small model's steps are noisy: more of them
-            t = time.perf_counter()
-            model.decode_one(PROMPT[len(walls) % len(PROMPT)], cache)
-            walls.append(time.perf_counter() - t)
-    finally:
-        quant.set_threads(before)
-    return StepTime(statistics.median(walls), len(walls), setup)
+    def __init__(self, mf, top_k: int | None, seed: int = 0):
+        from ..model.load import load_model
+
+        t0 = time.perf_counter()
+        self.weights = StandInWeights(mf, np.random.default_rng(seed))
+        self.experts = StandInExperts(mf, self.weights, 0.0, seed)
+        self.model = load_model(mf, top_k=top_k, experts=self.experts, dense_view=self.weights)
+        self.build_s = time.perf_counter() - t0
+
+    def step(self, threads: int, miss: float = 0.0, steps: int = STEPS) -> StepTime:
+        """The median wall of at least `steps` decode steps (more while MIN_SECONDS last) on
+        `threads` numba threads, at the context's start (attention over a few hundred
+        positions, where a reply's steady tokens are, costs a small share of a step), with a
+        `miss` share of each layer's experts computed one by one as a cache's misses are."""
+        from .. import quant
+
+        t0 = time.perf_counter()
+        before = quant.get_threads()
+        quant.set_threads(threads)
+        self.experts.miss = miss
+        try:
+            cache = self.model.new_cache(MAX_STEPS + 8)
+            for token in PROMPT[:2]:  # the first steps' one-time work (allocations, compiles) outside the timing
+                self.model.decode_one(token, cache)
+            setup = time.perf_counter() - t0
+            walls: list[float] = []
+            stop = time.perf_counter() + MIN_SECONDS
+            while len(walls) < steps or (
+                time.perf_counter() < stop and len(walls) < MAX_STEPS
+            ):  # a small model's steps are noisy: more of them
+                t = time.perf_counter()
+                self.model.decode_one(PROMPT[len(walls) % len(PROMPT)], cache)
+                walls.append(time.perf_counter() - t)
+        finally:
+            quant.set_threads(before)
+        return StepTime(statistics.median(walls), len(walls), setup)
+
+
+def step_seconds(mf, top_k: int | None, threads: int, steps: int = STEPS, seed: int = 0, miss: float = 0.0) -> StepTime:
+    """One point of a fresh StandIn (tests; the doctor keeps one for all its points)."""
+    return StandIn(mf, top_k, seed).step(threads, miss, steps)

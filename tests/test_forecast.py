@@ -41,9 +41,12 @@ def qwen48(tmp_path_factory) -> Path:
     return make_model("qwen3moe", "qwen30b-shape", tmp_path_factory.mktemp("q") / "q48.gguf", sparse=True)
 
 
-def facts_of(path, **overrides) -> fit.ModelFootprint:
+def facts_of(path, made: bool = False, **overrides) -> fit.ModelFootprint:
+    """The footprint of a made file, as if it were the real model it has the shape of (its
+    name not make-model's: the phone traces apply), unless `made`."""
     with open_model(path) as mf:
-        return fit.model_footprint(mf, load_config(None, overrides))
+        f = fit.model_footprint(mf, load_config(None, overrides))
+    return f if made else replace(f, name="a real model")
 
 
 def fit_at(path, mem_limit_mb, **overrides) -> fit.MemoryFit:
@@ -180,9 +183,10 @@ def test_the_warm_up_hit_rate_is_a_cold_caches_first_tokens(qwen48):
     assert len(decoded) == 49 and decoded[0] == trace.step[trace.phase == 1].min()
     assert (cut.phase == 0).sum() == (trace.phase == 0).sum()  # the whole prompt kept
     f = facts_of(qwen48)
-    slabs = 4 * f.floor_bytes // f.slab_bytes
+    slabs = 8 * f.floor_bytes // f.slab_bytes
     warm, steady = fit.hit_rate(f, slabs, "nextuse", decode_tokens=49), fit.hit_rate(f, slabs, "nextuse")
-    assert warm.source == "trace" and 0 < warm.pct < steady.pct  # a filling cache hits less
+    assert warm.source == "trace" and 0 < warm.pct < steady.pct  # a filling cache hits less than a filled one
+    assert "first tokens" in warm.note and "last quarter" in steady.note
     # without a trace: uniform routing from cold, below the steady fallback
     g = facts_of(make_model("gpt-oss", "tiny", qwen48.parent / "g.gguf", sparse=True))
     cold = fit.hit_rate(g, g.all_experts_slabs // 4, "nextuse", decode_tokens=49)
@@ -225,15 +229,27 @@ def test_an_architecture_without_a_trace_replays_one_with_its_expert_count(qwen4
 
 
 def test_gemma4_replays_the_routing_recorded_from_its_benchmark_shape(qwen48):
-    # no phone recording of Gemma 4: its own trace is make-model's gemma26b-shape routing,
-    # labelled synthetic, and it gives another figure than the Qwen trace would
-    gemma = replace(facts_of(qwen48), arch="gemma4")
+    # no phone recording of Gemma 4: any gemma4 file replays make-model's gemma26b-shape
+    # routing, labelled synthetic, which gives another figure than the Qwen trace would
+    gemma = replace(facts_of(qwen48), arch="gemma4", name="Gemma-4-26B-A4B")
     path = fit.own_trace_path("gemma4", 128)
     assert path is not None and path.name in fit.SYNTHETIC_TRACES and path.exists()
     slabs = 2 * gemma.floor_bytes // gemma.slab_bytes
     h = fit.hit_rate(gemma, slabs, "nextuse")
-    assert h.source == "synthetic" and "make-model" in h.note and "gemma.route.csv" in h.note
+    assert h.source == "synthetic" and "no real gemma4 recording" in h.note and path.name in h.note
     assert h.pct != fit.hit_rate(replace(gemma, arch="qwen3moe"), slabs, "nextuse").pct
+
+
+def test_a_made_file_replays_its_own_shapes_routing_and_a_real_one_the_phone_trace(qwen48):
+    made = facts_of(qwen48, made=True)  # make-model's qwen30b-shape: its routers are make-model's
+    assert made.made_preset == "qwen30b-shape"
+    slabs = 8 * made.floor_bytes // made.slab_bytes
+    h = fit.hit_rate(made, slabs, "nextuse")
+    assert h.source == "synthetic" and "a file make-model wrote" in h.note and "made-qwen30b-shape" in h.note
+    real = replace(made, name="Qwen3-30B-A3B")
+    assert real.made_preset is None
+    r = fit.hit_rate(real, slabs, "nextuse")
+    assert r.source == "trace" and "qwen.route.csv" in r.note and r.pct != h.pct
 
 
 # ---------------------------------------------------------------- the arithmetic

@@ -21,18 +21,24 @@ below). The cache is
 replayed at the same number of slabs *per layer* as the model's budget gives:
 a model with fewer layers than the trace replays the trace's first n_layer
 layers at its own slab count; a deeper model replays the whole trace at its
-slabs × trace layers / model layers. The trace's top-k (6 and 2, reduced on
+slabs × trace layers / model layers. The steady hit rate counts the lookups
+of the trace's last quarter of decoded tokens (the window every steady figure
+of moe-pipe takes: a slowly filling cache, Gemma's, still gains ten points
+after its first 50 tokens), the warm-up's those of its first 49 from a cold
+cache. The trace's top-k (6 and 2, reduced on
 the phone) is kept as recorded and the slab count is not rescaled for the
 model's own top-k: under the independent-reference (Che) approximation of
 an LRU-like cache, scaling every expert's request rate by the same factor
 rescales time and leaves each hit probability unchanged, so hit % depends on
-slabs and the popularity spread, not on k. Gemma 4 has no phone recording: its
-trace (gemma.route.csv, source "synthetic") is the routing of make-model's
-gemma26b-shape model itself (the benchmark protocol's prompt and 128 greedy
-tokens), so the forecast matches the benchmark shape; a real Gemma's reuse
-may differ (on the 2026-12-01 protocol the Qwen trace as a proxy forecast 96 %
-hits for that file at 10,673 MiB and uniform routing 48 %, against 79 %
-measured: docs/benchmarks.md § The protocol (2026-12-01)). A model whose architecture has
+slabs and the popularity spread, not on k. A file make-model wrote routes by
+its synthetic routers, not as the trained model: for the benchmark shapes
+(MADE_TRACES) the doctor replays the routing of that made model itself,
+recorded with the benchmark protocol's prompt and 256 greedy tokens (source
+"synthetic"). Gemma 4 has no phone recording, so a gemma4 file of any origin
+replays the made gemma26b-shape's (a real Gemma's reuse may differ: on the
+2026-12-01 protocol the Qwen trace as a proxy forecast 96 % hits for that file
+at 10,673 MiB and uniform routing 48 %, against 79 % measured:
+docs/benchmarks.md § The protocol (2026-12-01)). A model whose architecture has
 no trace but whose expert count matches a phone trace replays that one as a
 proxy (source "proxy"): another trained router over as many experts, nearer
 a trained router's reuse than uniform routing, which no trained router shows. Without any trace of
@@ -68,10 +74,18 @@ MiB = 1 << 20
 INTEGER_TYPES = frozenset({"I8", "I16", "I32", "I64"})
 TRACE_DIR = Path(__file__).parent.parent / "data" / "traces"
 # (arch, n_expert) -> shipped trace (shared/data/traces/README.md says what each one recorded)
-TRACES = {("qwen3moe", 128): "qwen.route.csv", ("gpt-oss", 128): "gptoss.route.csv", ("gemma4", 128): "gemma.route.csv"}
-# Traces recorded from make-model's shape of a family (its synthetic router), not from the real
-# model on a phone: their hit rates carry the source "synthetic"
-SYNTHETIC_TRACES = frozenset({"gemma.route.csv"})
+TRACES = {("qwen3moe", 128): "qwen.route.csv", ("gpt-oss", 128): "gptoss.route.csv", ("gemma4", 128): "made-gemma26b-shape.route.csv"}
+# A file make-model wrote routes by make-model's synthetic routers, not as the trained model a
+# phone trace recorded: (arch, preset) -> the routing of that made model itself, recorded with
+# the benchmark protocol's prompt (shared/data/traces/README.md). Their hit rates carry the
+# source "synthetic".
+MADE_NAME = "moe-pipe made "  # general.name's start in make-model's files (shared/makemodel/maker.py)
+MADE_TRACES = {
+    ("qwen3moe", "qwen30b-shape"): "made-qwen30b-shape.route.csv",
+    ("gemma4", "gemma26b-shape"): "made-gemma26b-shape.route.csv",
+    ("gpt-oss", "gptoss120b-shape"): "made-gptoss120b-shape.route.csv",
+}
+SYNTHETIC_TRACES = frozenset(MADE_TRACES.values())
 
 
 # ---------------------------------------------------------------- the header
@@ -116,6 +130,12 @@ class ModelFootprint:
     kv_ring_rows: int = 0
     nextn_bytes: int = 0  # the NextN/MTP block (shared/gguf/nextn.py): in the file, never read
     parallel: int = 1  # gateway.parallel: slots, each with its own KV cache (kv_bytes counts all of them)
+    name: str = ""  # general.name: make-model's files say "moe-pipe made ARCH PRESET"
+
+    @property
+    def made_preset(self) -> str | None:
+        """The make-model shape preset this file was made from, or None for any other file."""
+        return self.name.removeprefix(MADE_NAME).split()[-1] if self.name.startswith(MADE_NAME) else None
 
     @property
     def expert_bytes_total(self) -> int:
@@ -164,6 +184,7 @@ def model_footprint(mf, cfg: Config) -> ModelFootprint:
         raise UserError(f"--n-expert-used {top_k} is out of range: {mf.gguf.path} has {spec.n_expert} experts per layer")
     return ModelFootprint(
         path=str(mf.gguf.path),
+        name=spec.name,
         arch=spec.arch,
         n_layer=spec.n_layer,
         n_expert=spec.n_expert,
@@ -330,8 +351,13 @@ class HitRate:
     note: str
 
 
-def own_trace_path(arch: str, n_expert: int) -> Path | None:
-    """The shipped trace recorded on this architecture with this many experts, or None."""
+def own_trace_path(arch: str, n_expert: int, made_preset: str | None = None) -> Path | None:
+    """The shipped trace of a model like this one: the made model's own routing for a file
+    make-model wrote from a preset that has one (present in the package), else the one
+    recorded on this architecture with this many experts, or None."""
+    made = MADE_TRACES.get((arch, made_preset or ""))
+    if made and (TRACE_DIR / made).exists():
+        return TRACE_DIR / made
     name = TRACES.get((arch, n_expert))
     return TRACE_DIR / name if name else None
 
@@ -375,10 +401,11 @@ def hit_rate(footprint: ModelFootprint, n_slabs: int, policy: str, trace=None, d
 
     if n_slabs >= footprint.all_experts_slabs and decode_tokens is None:
         return HitRate(100.0, "resident", "every expert fits the cache: after the warm-up every lookup hits")
-    path = own_trace_path(footprint.arch, footprint.n_expert)
+    path = own_trace_path(footprint.arch, footprint.n_expert, footprint.made_preset)
     source, stand_in = "trace", ""
     if trace is None and path is not None and path.name in SYNTHETIC_TRACES:
-        source, stand_in = "synthetic", f"no real {footprint.arch} recording: make-model's {footprint.arch} shape recorded instead; "
+        why = "a file make-model wrote" if footprint.made_preset else f"no real {footprint.arch} recording"
+        source, stand_in = "synthetic", f"{why}: the routing of make-model's shape recorded; "
     if trace is None and path is None:
         path = proxy_trace_path(footprint.n_expert)
         if path is not None:
@@ -415,4 +442,7 @@ def hit_rate(footprint: ModelFootprint, n_slabs: int, policy: str, trace=None, d
     budget_mb = (slabs * slab + slab // 2) / MiB  # mid-slab, so float rounding cannot lose one
     r = Replayer(trace).run(budget_mb, policy)
     name = Path(getattr(trace, "path", "") or str(path)).name
-    return HitRate(r.hit_pct_decode, source, f"{stand_in}{name} (top-{trace.header.n_expert_used}) replayed with {policy}, {how}")
+    # the warm-up: over its tokens from cold; steady: over the decode's last quarter, as measured
+    pct = r.hit_pct_decode if decode_tokens is not None else r.hit_pct_steady
+    window = "its first tokens from a cold cache" if decode_tokens is not None else "the last quarter of its decode"
+    return HitRate(pct, source, f"{stand_in}{name} (top-{trace.header.n_expert_used}) replayed with {policy}, {how}; hits over {window}")

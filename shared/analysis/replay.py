@@ -191,6 +191,9 @@ class Result:
     hits: tuple[int, int]  # (prompt, decode)
     lookups: tuple[int, int]
     read_bytes: tuple[int, int]
+    # (hits, lookups) of the decode's last quarter of fetches: the steady window every speed
+    # figure takes (shared/telemetry.py steady_start), after the cache's warm-up
+    steady: tuple[int, int] = (0, 0)
 
     @property
     def hit_pct_cum(self) -> float:
@@ -199,6 +202,11 @@ class Result:
     @property
     def hit_pct_decode(self) -> float:
         return 100.0 * self.hits[DECODE] / max(1, self.lookups[DECODE])
+
+    @property
+    def hit_pct_steady(self) -> float:
+        """Decode hits over the last quarter of the decode: the steady state a long reply reaches."""
+        return 100.0 * self.steady[0] / max(1, self.steady[1])
 
     @property
     def read_mib(self) -> float:
@@ -228,10 +236,15 @@ def slab_bytes(trace: Trace) -> int:
 
 def run_fetches(
     fs: Sequence[TraceFetch], table, expert_bytes: Sequence[int], drop_cold: float = 0.0
-) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int]]:
+) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int], tuple[int, int]]:
     """Drive `table` (SlabTable or ByteTable) through the fetches in the reader's
-    order; returns (prompt, decode) hits, lookups and bytes read."""
+    order; returns (prompt, decode) hits, lookups and bytes read, and (hits, lookups)
+    of the decode's last quarter of fetches (Result.steady)."""
+    from ..telemetry import steady_start
+
     hits, looks, read = [0, 0], [0, 0], [0, 0]
+    n_decode = sum(1 for f in fs if f.phase == DECODE)
+    steady_from, seen, steady = steady_start(n_decode), 0, [0, 0]
     lookup, admit, pin, unpin = table.lookup, table.admit, table.pin, table.unpin
     on_scores = getattr(table.policy, "on_scores", None)  # a policy that reads the router (NextMix)
     for f in fs:
@@ -252,7 +265,12 @@ def run_fetches(
         hits[f.phase] += len(keys) - len(missed)
         looks[f.phase] += len(keys)
         read[f.phase] += nbytes * len(missed)
-    return (hits[0], hits[1]), (looks[0], looks[1]), (read[0], read[1])
+        if f.phase == DECODE:
+            if seen >= steady_from:
+                steady[0] += len(keys) - len(missed)
+                steady[1] += len(keys)
+            seen += 1
+    return (hits[0], hits[1]), (looks[0], looks[1]), (read[0], read[1]), (steady[0], steady[1])
 
 
 class Replayer:
@@ -314,8 +332,8 @@ class Replayer:
         else:
             pol = make_policy(policy, n, future=[f.keys for f in fs] if policy in OFFLINE_POLICIES else None)
         table = SlabTable(n, pol) if self.accounting == "slabs" else ByteTable(int(budget_mb * MIB), pol)
-        hits, looks, read = run_fetches(fs, table, self.expert_bytes, drop_cold)
-        return Result(budget_mb, policy, self.accounting, n, hits, looks, read)
+        hits, looks, read, steady = run_fetches(fs, table, self.expert_bytes, drop_cold)
+        return Result(budget_mb, policy, self.accounting, n, hits, looks, read, steady)
 
 
 def policy_names(spec: Iterable[str] | None) -> list[str]:

@@ -320,3 +320,34 @@ def test_with_an_api_key_the_page_loads_but_its_events_need_the_key(start_gatewa
 @pytest.mark.parametrize("name", sorted(ge.WEB_FILES))
 def test_the_web_files_ship_with_the_package(name):
     assert WEB.joinpath(name).is_file()  # CI installs the package (not editable): pyproject's package-data
+
+
+@pytest.mark.integration  # node runs the page's own function
+def test_the_page_shows_the_replys_steady_rate_as_the_run_summary_takes_it():
+    import shutil
+    import subprocess
+
+    from moe_pipe.shared import telemetry as tm
+    from moe_pipe.shared.wire.messages import TokenRecord
+
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("node is not installed: the page's steadyText is run with it")
+    js = WEB.joinpath("app.js").read_text()
+    region = js.split("// steady: begin")[1].split("\n", 1)[1].split("// steady: end")[0]
+    # an earlier reply's rows, then this reply's: a slow head, a steady tail, one verify pass
+    walls = [900.0, 400.0, 300.0] + [100.0] * 9 + [120.0, 80.0, 100.0, 110.0]
+    accepted = [0] * 14 + [2, 0]
+    rows = [{"req_id": 1, "wall_ms": 50.0, "accepted": 0}] * 5
+    rows += [{"req_id": 2, "wall_ms": w, "accepted": a} for w, a in zip(walls, accepted)]
+    cases = [rows[: 5 + n] for n in (1, 4, 9, len(walls))]
+    script = region + f"\nfor (const rows of {json.dumps(cases)}) console.log(steadyText(rows));"
+    out = subprocess.run([node, "-e", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    want = []
+    for case in cases:
+        tally = tm.Tally()
+        for i, r in enumerate(x for x in case if x["req_id"] == 2):
+            tally.add(TokenRecord(i + 1, r["wall_ms"], 0.0, 0.0, 0, 0.0, 0.0, 0.0, 0, 0.0, accepted=r["accepted"]))
+        want.append(f"{tally.summary(0.0, 0).steady_tok_s:.1f} tok/s")
+    assert out.stdout.splitlines() == want

@@ -299,6 +299,19 @@
     return `${k} a token` + (k === own ? "" : ` (n_expert_used, LOSSY: the model's own is ${own})`);
   }
 
+  // steady: begin. The reply's steady rate as every figure of moe-pipe takes it (docs/telemetry.md
+  // § Run summary): its tokens over the wall of the last quarter of its rows so far; a row of a
+  // verify pass counts its kept drafts too (tests/test_web.py runs it against the telemetry's).
+  function steadyText(rows) {
+    const req = rows.length ? rows[rows.length - 1].req_id : undefined;
+    const reply = rows.filter((r) => r.req_id === req);
+    const tail = reply.slice(reply.length - Math.max(1, Math.floor(reply.length / 4)));
+    const ms = tail.reduce((a, r) => a + r.wall_ms, 0);
+    const tokens = tail.reduce((a, r) => a + 1 + (r.accepted || 0), 0);
+    return ms > 0 ? ((1000 * tokens) / ms).toFixed(1) + " tok/s" : "";
+  }
+  // steady: end
+
   function onEvent(kind, data) {
     if (kind === "hello") {
       const gen = data.config && data.config.generate;
@@ -314,9 +327,7 @@
       state.rows.push(data);
       if (state.rows.length > MAX_POINTS) state.rows.shift();
       state.points += 1;
-      const recent = state.rows.slice(-8);
-      const ms = recent.reduce((a, r) => a + r.wall_ms, 0) / recent.length;
-      $("rate").textContent = ms > 0 ? (1000 / ms).toFixed(1) + " tok/s" : "";
+      $("rate").textContent = steadyText(state.rows);
     } else if (kind === "prompt") {
       $("rate").textContent = promptProgressText(data); // any client's prompt; the next token shows tok/s again
     } else if (kind === "slots") {

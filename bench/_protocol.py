@@ -43,7 +43,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from moe_pipe.shared.telemetry import steady_start, warmup_walls
+from moe_pipe.shared.speed import steady_start, warmup_walls
 
 STEADY_WINDOW = 8
 STEADY_SLACK = 1.2

@@ -66,7 +66,8 @@ def run(cmd: list[str], cgroup=None) -> dict:
 
 
 def csv_figures(path: Path) -> dict:
-    from moe_pipe.shared.telemetry import read_csv, steady_start
+    from moe_pipe.shared.speed import steady_start
+    from moe_pipe.shared.telemetry import read_csv
 
     _, recs = read_csv(path)
     steady = recs[steady_start(len(recs)) :]

@@ -60,7 +60,8 @@ def run_variant(name: str, model: Path, out: Path, sets: list[str], limit: float
 def head_figures(out: Path, summary: dict) -> dict:
     """Figures of the variant's runs (medians over repeats): the cold head
     against the steady window, from the per-token CSVs."""
-    from moe_pipe.shared.telemetry import read_csv, steady_start
+    from moe_pipe.shared.speed import steady_start
+    from moe_pipe.shared.telemetry import read_csv
 
     rows = []
     for run in summary["runs"]:

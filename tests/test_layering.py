@@ -21,6 +21,8 @@ STACK = [
     (
         "errors",
         "progress",
+        "cores",
+        "speed",
         "pids",
         "data",
         "family_registry",

@@ -19,6 +19,7 @@ import pytest
 
 from moe_pipe.cli.main import main
 from moe_pipe.shared.analysis import forecast as fc
+from moe_pipe.shared.analysis.standin import StepTime
 from moe_pipe.shared.experts.budget import MemoryProbe
 from moe_pipe.shared.gguf.model_file import open_model
 from moe_pipe.shared.hub import catalog
@@ -44,6 +45,8 @@ def fixed_kernels(monkeypatch):
         return {(c.key, n): 2e9 * n for c in classes for n in threads}
 
     monkeypatch.setattr(fc, "measure_kernels", measure_kernels)
+    # the stand-in decode step runs for the header as for the whole file; its time is fixed here too
+    monkeypatch.setattr(fc, "time_steps", lambda mf, top_k, points: {p: StepTime(0.01, 6, 0.0) for p in points})
 
 
 @pytest.fixture

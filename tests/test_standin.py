@@ -59,3 +59,22 @@ def test_the_pool_holds_distinct_experts_up_to_twice_the_l3_and_no_more_than_the
         assert len(pool) >= 3
         a, b = (np.concatenate([v for v in e.values()]) for e in pool[:2])
         assert not np.shares_memory(a, b)
+
+
+def test_a_header_alone_is_timed_as_the_whole_file(tmp_path):
+    # the tensor table is all the stand-in reads: the model before its download runs the same
+    # forward pass on the same shapes (the doctor's forecast from a fetched header)
+    from moe_pipe.shared.gguf.model_file import open_header_model
+
+    path = make_model("qwen3moe", "tiny", tmp_path / "m.gguf")
+    with open_model(path) as mf:
+        header = tmp_path / "h"
+        header.write_bytes(path.read_bytes()[: mf.gguf.data_start()])  # metadata and tensor table only
+    with open_header_model([(header, path.stat().st_size)]) as alone, open_model(path) as whole:
+        assert alone.gguf.header_only
+        t = standin.step_seconds(alone, None, threads=1, steps=3)
+        assert 0 < t.seconds < 1.0
+        names = [n for n in whole.gguf.tensors if "exps" not in n]
+        a, b = standin.StandInWeights(alone, np.random.default_rng(0)), standin.StandInWeights(whole, np.random.default_rng(0))
+        for n in names:
+            assert a(n).shape == b(n).shape == whole.gguf.view(n).shape and a(n).dtype == whole.gguf.view(n).dtype

@@ -11,6 +11,7 @@ import orjson
 import pytest
 
 from moe_pipe.shared import telemetry as tm
+from moe_pipe.shared.speed import steady_start
 from moe_pipe.shared.wire.messages import RunInfo, TokenRecord, field_names
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "telemetry.md"
@@ -110,7 +111,7 @@ def test_summary_figures():
 
 @pytest.mark.parametrize("n, warm", [(0, 0), (1, 0), (2, 1), (3, 2), (6, 5), (8, 6), (10, 8), (24, 18), (51, 39), (256, 192), (1000, 750)])
 def test_warmup_rule(n, warm):
-    assert tm.steady_start(n) == warm
+    assert steady_start(n) == warm
 
 
 def test_summary_of_nothing():

@@ -78,7 +78,7 @@ class RunFigures:
 def wall_figures(walls_ms: list[float]) -> dict:
     """tok/s over all tokens and over the steady window (the last quarter, as the
     telemetry summary and the doctor take it), and the first-5 wall average."""
-    from ..telemetry import steady_start
+    from ..speed import steady_start
 
     if not walls_ms:
         return {"tok_s_mean": 0.0, "tok_s_steady": 0.0, "first5_wall_ms": 0.0, "steady_wall_ms": 0.0}

@@ -11,8 +11,7 @@ does the per-token arithmetic:
 
 Per decoded token (L layers, k experts per token, h the decode hit rate):
 
-    step    = a decode step of the model's forward pass on stand-in weights (standin.py), or
-              for a header-only file the dense kernels + L × PER_LAYER_OVERHEAD_S
+    step    = a decode step of the model's forward pass on stand-in weights (standin.py)
     experts = expert kernels (weights / measured weights/s) + read bytes × read CPU per GB
     dense   = step − expert kernels + PER_TOKEN_S;  compute = dense + experts
     a layer = j of its k lookups miss, P(j) binomial in 1 − h: its j reads keep min(j, lanes)
@@ -50,15 +49,15 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from .. import speed
 from ..config import Config
 from ..cores import Cores, choose_threads
 from ..experts.budget import MemoryProbe
 from .fit import HitRate, KernelClass, affordable_context, hit_rate, limited_probe, memory_fit, model_footprint
 
-# The warm-up figure: the mean wall of a reply's tokens 2..50, the cache filling from
-# cold (bench/bench_vs_llama.py reports the same window), at the hit rate a replay of
-# the trace's first 49 decoded tokens gives.
-WARMUP_TOKENS = 49
+# The warm-up figure: the mean wall of a reply's tokens 2..50 (shared/speed.py), the cache
+# filling from cold, at the hit rate a replay of the trace's first 49 decoded tokens gives.
+WARMUP_TOKENS = len(speed.WARMUP_TOKENS)
 
 # One layer's trip to the reader and back (request, replies, slab lookups):
 # the wire_ms + mgmt_ms columns per layer, median of streamed decode on this
@@ -68,7 +67,7 @@ PER_LAYER_WIRE_S = 1.15e-3
 # What the pipeline adds to each token besides the forward pass (its telemetry record and the
 # token's messages): the tiny model's steady token streamed against in process (docs/cli.md § doctor).
 PER_TOKEN_S = 0.3e-3
-# Without a stand-in step (a header-only file): time per layer outside the quant kernels (attention's numpy work, norms, RoPE,
+# decode_speed without a timed step: time per layer outside the quant kernels (attention's numpy work, norms, RoPE,
 # routing, dispatch): docs/benchmarks.md, decode of the 8-layer qwen30b-shape
 # model minus the time inside the kernels = 2.9-3.1 ms per token, /8 layers.
 PER_LAYER_OVERHEAD_S = 3.0e-3 / 8
@@ -259,12 +258,10 @@ def measure_kernels(
 
 def time_steps(mf, top_k: int, points: Sequence[tuple[int, float]]) -> dict:
     """{(threads, hit %): StepTime} of the model's forward pass on stand-in weights
-    (standin.py), its misses computed one by one; empty for a header-only file, whose tensors'
-    shapes are known only as the header gives them."""
+    (standin.py), its misses computed one by one; the tensor table is all it reads, so a
+    header-only file (before the download) is timed as the whole file is."""
     from .standin import StandIn
 
-    if getattr(mf.gguf, "header_only", False):
-        return {}
     stand_in = StandIn(mf, top_k)
     return {(n, h): stand_in.step(n, miss=1.0 - h / 100.0) for n, h in dict.fromkeys(points)}
 
@@ -500,10 +497,8 @@ def forecast(
         "expert_gws": _gws(footprint.classes, at_n, "expert"),
         "dense_gws_1t": _gws(footprint.classes, at_1, "dense"),
         "dense_gws": _gws(footprint.classes, at_n, "dense"),
-        "overhead_ms_per_layer": None if steps else round(PER_LAYER_OVERHEAD_S * 1e3, 3),
-        "step_ms": round(steps[(threads, h_steady)].seconds * 1e3, 2) if steps else None,
-        "step_ms_1t": round(steps[(1, h_steady)].seconds * 1e3, 2) if steps else None,
-        "step_source": "stand-in" if steps else "kernels + constant",
+        "step_ms": round(steps[(threads, h_steady)].seconds * 1e3, 2),
+        "step_ms_1t": round(steps[(1, h_steady)].seconds * 1e3, 2),
         "overlap_factor": speed.overlap_factor,
         "kernel_ms": round(speed.kernel_s * 1e3, 2),
         "compute_ms": round(speed.compute_s * 1e3, 2),

@@ -192,7 +192,7 @@ class Result:
     lookups: tuple[int, int]
     read_bytes: tuple[int, int]
     # (hits, lookups) of the decode's last quarter of fetches: the steady window every speed
-    # figure takes (shared/telemetry.py steady_start), after the cache's warm-up
+    # figure takes (shared/speed.py steady_start), after the cache's warm-up
     steady: tuple[int, int] = (0, 0)
 
     @property
@@ -240,7 +240,7 @@ def run_fetches(
     """Drive `table` (SlabTable or ByteTable) through the fetches in the reader's
     order; returns (prompt, decode) hits, lookups and bytes read, and (hits, lookups)
     of the decode's last quarter of fetches (Result.steady)."""
-    from ..telemetry import steady_start
+    from ..speed import steady_start
 
     hits, looks, read = [0, 0], [0, 0], [0, 0]
     n_decode = sum(1 for f in fs if f.phase == DECODE)

@@ -109,12 +109,18 @@ class StandInWeights:
         return out
 
 
+# the tensor types gguf-py hands out as arrays of their own element; every other type is rows of bytes
+_NATIVE = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int8, "I16": np.int16, "I32": np.int32, "I64": np.int64}
+
+
 def _file_shape(mf, name: str) -> tuple[tuple[int, ...], np.dtype]:
-    """The shape and dtype the file's view of `name` has (gguf-py's), without reading it."""
-    if not getattr(mf.gguf, "header_only", False):
-        v = mf.gguf.view(name)  # a memory map: nothing is read
-        return tuple(v.shape), v.dtype
-    raise ValueError("header only")
+    """The shape and dtype gguf-py's view of `name` has, from the tensor table alone (so a
+    header-only file, before the download, times the same as the whole file)."""
+    t = mf.gguf.tensor(name)
+    native = _NATIVE.get(t.qtype.name)
+    if native is not None:
+        return t.shape, np.dtype(native)
+    return (*t.shape[:-1], t.row_bytes), np.dtype(np.uint8)
 
 
 class StandInExperts:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from ..config import MAX_DRAFT
 from ..errors import UserError
 from ..model.session import Session
-from ..telemetry import steady_start
+from ..speed import steady_start
 from .context import check_prompt_fits
 from .sampling import Constraint, Sampler, SamplingParams
 from .speculate import Drafter, Speculation
@@ -105,7 +105,7 @@ def _n_keep(cfg: GenerationConfig, prompt: list[int], tokenizer) -> int:
 
 
 def steady_tok_s(stamps: Sequence[float]) -> float:
-    """Tokens a second over the last quarter of a reply's tokens (shared/telemetry.py
+    """Tokens a second over the last quarter of a reply's tokens (shared/speed.py
     `steady_start`: the steady of every speed figure), from when each was sampled
     (stamps[0] is the prompt's start, so the first token's wall is the prompt's)."""
     walls = [b - a for a, b in zip(stamps, stamps[1:])]

@@ -221,6 +221,7 @@ pytest.importorskip("openai", reason="the service tests use the openai client: p
 from .test_service import CONFIG, MODEL, Service, reference  # noqa: E402
 
 PROMPTS = ["Tell me a story about a cat.", "What is the capital of France?", "Count from one to twenty, please."]
+N_LONG = 600  # tokens: a reply that outlasts several of /slots' updates (compute sends them four a second at most)
 
 
 @pytest.fixture(scope="module")
@@ -308,7 +309,9 @@ def test_seeded_sampling_stays_per_request_beside_other_slots(svc3):
 
 @pytest.mark.integration
 def test_a_cancelled_stream_leaves_the_others_replies_and_frees_its_slot(svc3):
-    alone = [_chat(svc3, p, 64) for p in PROMPTS[:2]]
+    # replies long enough that /slots shows them decoding: it tells what compute's last SlotStates
+    # said (four a second at most), and 64 tiny-model tokens can come and go between two of them
+    alone = [_chat(svc3, p, N_LONG) for p in PROMPTS[:2]]
     client = svc3.client()
     leaver = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": PROMPTS[2]}], max_tokens=1000, temperature=0, stream=True
@@ -316,7 +319,7 @@ def test_a_cancelled_stream_leaves_the_others_replies_and_frees_its_slot(svc3):
     next(iter(leaver))  # it is decoding in its slot
     seen: list[list[dict]] = []
     with ThreadPoolExecutor(2) as ex:
-        futures = [ex.submit(_chat, svc3, p, 64) for p in PROMPTS[:2]]
+        futures = [ex.submit(_chat, svc3, p, N_LONG) for p in PROMPTS[:2]]
         while not all(f.done() for f in futures) and len(seen) < 50:
             seen.append(_slots(svc3))
         leaver.close()  # the client goes away while the others decode
@@ -327,7 +330,7 @@ def test_a_cancelled_stream_leaves_the_others_replies_and_frees_its_slot(svc3):
     while any(s["is_processing"] for s in _slots(svc3)):
         assert time.monotonic() < deadline, "a slot stayed busy after its client left"
         time.sleep(0.1)
-    assert _chat(svc3, PROMPTS[0], 64) == alone[0]  # the service goes on as before
+    assert _chat(svc3, PROMPTS[0], N_LONG) == alone[0]  # the service goes on as before
 
 
 @pytest.mark.slow  # a compute restart: ~8 s alone, as test_service.py's kill -9 tests (slow beside the other tier)

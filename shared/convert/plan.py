@@ -201,6 +201,15 @@ def stack(p: Planner, gg: str, names: list[str], shape: tuple[int, ...]) -> None
     p.add(Out(gg, (len(names), *shape), True, lambda: (ck.f32(f) for f in full)))
 
 
+def dense_ffn(p: Planner, b: str, m: str, D: int, F: int, names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> None:
+    """A dense gated FFN (a model's leading dense layers, Gemma 4's FFN beside its experts): its
+    gate, up and down Linear weights under `m` as ffn_gate and ffn_up (F, D), ffn_down (D, F)."""
+    gate, up, down = names
+    p.copy(b + "ffn_gate.weight", f"{m}{gate}.weight", (F, D))
+    p.copy(b + "ffn_up.weight", f"{m}{up}.weight", (F, D))
+    p.copy(b + "ffn_down.weight", f"{m}{down}.weight", (D, F))
+
+
 def qwen_experts(p: Planner, b: str, e: str, hp: dict[str, Any]) -> None:
     """Routed experts stored as Qwen's MoE checkpoints store them (and most others since):
     transformers 5's fused `gate_up_proj` (X, 2F, D), gate rows first, or per-expert

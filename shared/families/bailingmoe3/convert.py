@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 from gguf import ExpertGatingFuncType, GGUFWriter
 
-from ...convert.plan import Out, Planner, base_hparams, cfg_get, common_meta, finish, head, qwen_experts
+from ...convert.plan import Out, Planner, base_hparams, cfg_get, common_meta, dense_ffn, finish, head, qwen_experts
 from ...convert.rules import Arch, TokenizerFacts
 from ...convert.source import Checkpoint
 from ...convert.vocab import as_written
@@ -205,9 +205,7 @@ def _layer(p: Planner, i: int, hp: dict[str, Any], mla: bool) -> None:
     (_mla if mla else _kda)(p, b, a, hp)
     p.f32(b + "ffn_norm.weight", h + "post_attention_layernorm.weight", (D,))
     if i < hp["lead"]:
-        p.copy(b + "ffn_gate.weight", m + "gate_proj.weight", (Fd, D))
-        p.copy(b + "ffn_up.weight", m + "up_proj.weight", (Fd, D))
-        p.copy(b + "ffn_down.weight", m + "down_proj.weight", (D, Fd))
+        dense_ffn(p, b, m, D, Fd)
         return
     p.f32(b + "ffn_gate_inp.weight", m + "gate.weight", (X, D))
     p.f32(b + "exp_probs_b.bias", _either(p, (m + "gate.expert_bias", m + "gate.e_score_correction_bias")), (X,))

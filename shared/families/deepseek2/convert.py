@@ -30,6 +30,7 @@ from ...convert.plan import (
     base_hparams,
     cfg_get,
     common_meta,
+    dense_ffn,
     embeddings,
     finish,
     head,
@@ -196,9 +197,7 @@ def plan(hp: dict[str, Any], ck: Checkpoint) -> list[Out]:
         p.copy(b + "attn_output.weight", a + "o_proj.weight", (D, H * hp["v"]))
         p.f32(b + "ffn_norm.weight", h + "post_attention_layernorm.weight", (D,))
         if i < hp["lead"]:
-            p.copy(b + "ffn_gate.weight", m + "gate_proj.weight", (Fd, D))
-            p.copy(b + "ffn_up.weight", m + "up_proj.weight", (Fd, D))
-            p.copy(b + "ffn_down.weight", m + "down_proj.weight", (D, Fd))
+            dense_ffn(p, b, m, D, Fd)
             continue
         p.f32(b + "ffn_gate_inp.weight", m + "gate.weight", (X, D))
         if hp["bias"]:

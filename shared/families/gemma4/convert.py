@@ -22,6 +22,7 @@ from ...convert.plan import (
     base_hparams,
     cfg_get,
     common_meta,
+    dense_ffn,
     embeddings,
     finish,
     head,
@@ -149,9 +150,7 @@ def plan(hp: dict[str, Any], ck: Checkpoint) -> list[Out]:
         p.f32(b + "attn_k_norm.weight", a + "k_norm.weight", (d,))
         p.f32(b + "post_attention_norm.weight", h + "post_attention_layernorm.weight", (D,))
         p.f32(b + "ffn_norm.weight", h + "pre_feedforward_layernorm.weight", (D,))
-        p.copy(b + "ffn_gate.weight", h + "mlp.gate_proj.weight", (Fd, D))
-        p.copy(b + "ffn_up.weight", h + "mlp.up_proj.weight", (Fd, D))
-        p.copy(b + "ffn_down.weight", h + "mlp.down_proj.weight", (D, Fd))
+        dense_ffn(p, b, h + "mlp.", D, Fd)
         p.f32(b + "post_ffw_norm_1.weight", h + "post_feedforward_layernorm_1.weight", (D,))
         p.f32(b + "pre_ffw_norm_2.weight", h + "pre_feedforward_layernorm_2.weight", (D,))
         p.f32(b + "post_ffw_norm_2.weight", h + "post_feedforward_layernorm_2.weight", (D,))

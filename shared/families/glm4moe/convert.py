@@ -25,6 +25,7 @@ from ...convert.plan import (
     base_hparams,
     cfg_get,
     common_meta,
+    dense_ffn,
     embeddings,
     finish,
     head,
@@ -116,9 +117,7 @@ def _layer(p: Planner, i: int, hp: dict[str, Any]) -> None:
         p.f32(b + "attn_k_norm.weight", a + "k_norm.weight", (d,))
     p.f32(b + "post_attention_norm.weight", h + "post_attention_layernorm.weight", (D,))
     if i < hp["lead"]:
-        p.copy(b + "ffn_gate.weight", m + "gate_proj.weight", (Fd, D))
-        p.copy(b + "ffn_up.weight", m + "up_proj.weight", (Fd, D))
-        p.copy(b + "ffn_down.weight", m + "down_proj.weight", (D, Fd))
+        dense_ffn(p, b, m, D, Fd)
         return
     p.f32(b + "ffn_gate_inp.weight", m + "gate.weight", (X, D))
     p.f32(b + "exp_probs_b.bias", m + "gate.e_score_correction_bias", (X,))

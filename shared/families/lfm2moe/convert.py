@@ -21,6 +21,7 @@ from ...convert.plan import (
     base_hparams,
     cfg_get,
     common_meta,
+    dense_ffn,
     embeddings,
     expert_rows,
     finish,
@@ -149,9 +150,7 @@ def plan(hp: dict[str, Any], ck: Checkpoint) -> list[Out]:
         p.f32(b + "ffn_norm.weight", h + "ffn_norm.weight", (D,))
         f = h + "feed_forward."
         if i < hp["lead"]:
-            p.copy(b + "ffn_gate.weight", f + "w1.weight", (Fd, D))
-            p.copy(b + "ffn_up.weight", f + "w3.weight", (Fd, D))
-            p.copy(b + "ffn_down.weight", f + "w2.weight", (D, Fd))
+            dense_ffn(p, b, f, D, Fd, ("w1", "w3", "w2"))
             continue
         p.f32(b + "ffn_gate_inp.weight", f + "gate.weight", (X, D))
         _experts(p, b, f + "experts.", hp)

@@ -320,8 +320,11 @@ def test_a_cancelled_stream_leaves_the_others_replies_and_frees_its_slot(svc3):
     seen: list[list[dict]] = []
     with ThreadPoolExecutor(2) as ex:
         futures = [ex.submit(_chat, svc3, p, N_LONG) for p in PROMPTS[:2]]
-        while not all(f.done() for f in futures) and len(seen) < 50:
+        # asked every 50 ms until both have answered, not a count of asks: /slots answers faster
+        # than compute's four updates a second, and fifty asks could all fall between two of them
+        while not all(f.done() for f in futures) and not any(sum(s["is_processing"] for s in snap) >= 2 for snap in seen):
             seen.append(_slots(svc3))
+            time.sleep(0.05)
         leaver.close()  # the client goes away while the others decode
         together = [f.result() for f in futures]
     assert together == alone

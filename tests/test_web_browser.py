@@ -142,14 +142,19 @@ def test_the_live_view_shows_each_slot_as_telemetry_tells_it(start_gateway, brow
         assert not browser.find_element(By.ID, "slots-box").is_displayed()  # one slot, or none heard of: no list
         states = m.SlotStates((7, 9, 0), (40, 3664, 0), (0, 512, 0), (40, 1536, 0), (35, 0, 0))
 
+        def items(what: str) -> list[str]:
+            # read in one script: each SlotStates redraws the list, and elements found before a
+            # redraw are stale by the time their text is asked for
+            return browser.execute_script(f"return [...document.querySelectorAll('#slots li')].map(li => {what});")
+
         def shown() -> list[str]:
             ipc.send(pub, states)  # until the gateway's subscription has reached us
-            return [li.text for li in browser.find_elements(By.CSS_SELECTOR, "#slots li")]
+            return items("li.textContent")
 
         want = [slot_text(r) for r in states.rows()]
         assert wait(lambda: shown() == want and shown(), what="the slots") == want
         assert browser.find_element(By.ID, "slots-box").is_displayed()
-        assert [li.get_attribute("data-state") for li in browser.find_elements(By.CSS_SELECTOR, "#slots li")] == [
+        assert items("li.dataset.state") == [
             "decoding",
             "prompt",
             "idle",

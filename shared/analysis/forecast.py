@@ -149,35 +149,28 @@ def measure_reads(mf, lanes: Sequence[int] = READ_LANES, seconds: float = 1.5, s
             out[n] = best
         direct = ef.direct
         n = max(lanes)
-        reused = cpu_per_gb(lambda: read_lanes(ef, arena, pick_work(), n, FRESH_BYTES / (out[n] * 1e9)))
-    fresh_gbps, fresh_cpu = measure_fresh_reads(ef_args=(paths, lay.align), lay=lay, work=pick_work, lanes=n)
+        reused, _ = cpu_per_gb(lambda: read_lanes(ef, arena, pick_work(), n, FRESH_BYTES / (out[n] * 1e9)))
+        fresh_cpu, fresh_gbps = measure_fresh_reads(ef, lay, pick_work(), n)
     note = "measured with O_DIRECT" if direct else f"measured buffered ({ef.fallback_reason}): may be the page cache, not the disk"
     return ReadFigures(out, direct, "measured", note, fresh_gbps, max(0.0, fresh_cpu - reused))
 
 
-def cpu_per_gb(read: Callable[[], tuple[int, float]]) -> float:
-    """System CPU seconds of this process per GB that `read()` reads."""
+def cpu_per_gb(read: Callable[[], tuple[int, float]]) -> tuple[float, float]:
+    """(system CPU seconds of this process per GB, GB/s) of what `read()` reads."""
     t0 = resource.getrusage(resource.RUSAGE_SELF).ru_stime
-    nbytes, _ = read()
-    return (resource.getrusage(resource.RUSAGE_SELF).ru_stime - t0) / max(nbytes / 1e9, 1e-9)
+    nbytes, secs = read()
+    gb = max(nbytes / 1e9, 1e-9)
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_stime - t0) / gb, gb / secs
 
 
-def measure_fresh_reads(ef_args, lay, work: Callable[[], list], lanes: int) -> tuple[float, float]:
-    """(GB/s, system CPU s per GB) of experts read by `lanes` lanes into slabs never used
+def measure_fresh_reads(ef, lay, work: list, lanes: int) -> tuple[float, float]:
+    """(system CPU s per GB, GB/s) of experts read by `lanes` lanes into slabs never used
     before, FRESH_BYTES of them: what a cache's first fill pays."""
-    from ..experts.directio import ExpertFiles
     from ..experts.shm import SlabArena, segment_name
 
-    n_slabs = max(2 * lanes, FRESH_BYTES // lay.slab_bytes)
-    items = work()[:n_slabs]
-    with (
-        ExpertFiles(ef_args[0], align=ef_args[1]) as ef,
-        SlabArena.create(segment_name("doctor-fresh"), len(items), lay.slab_bytes) as arena,
-    ):
-        t0 = resource.getrusage(resource.RUSAGE_SELF).ru_stime
-        nbytes, secs = read_lanes(ef, arena, items, lanes, math.inf, fresh=True)  # every item
-        cpu = resource.getrusage(resource.RUSAGE_SELF).ru_stime - t0
-    return nbytes / secs / 1e9, cpu / max(nbytes / 1e9, 1e-9)
+    items = work[: max(2 * lanes, FRESH_BYTES // lay.slab_bytes)]
+    with SlabArena.create(segment_name("doctor-fresh"), len(items), lay.slab_bytes) as arena:
+        return cpu_per_gb(lambda: read_lanes(ef, arena, items, lanes, math.inf, fresh=True))  # every item
 
 
 def read_lanes(ef, arena, work, lanes: int, seconds: float, latencies: list[float] | None = None, fresh: bool = False) -> tuple[int, float]:

@@ -142,70 +142,58 @@ def read_events(resp, want: int, kinds: tuple[str, ...] = ("token",)) -> list[tu
     return out
 
 
-@pytest.mark.integration  # node runs the page's own function
-def test_the_page_writes_a_prompt_s_progress_as_chat_and_tail_do():
+def run_page_js(part: str, function: str, script: str) -> list[str]:
+    """The lines `script` prints after the page's own code between app.js's `// PART: begin`
+    and `// PART: end` markers (where `function` is), run by node; skipped without node."""
     import shutil
     import subprocess
 
-    from moe_pipe.shared.progress import prompt_progress_text
-
     node = shutil.which("node")
     if node is None:
-        pytest.skip("node is not installed: the page's promptProgressText is run with it")
+        pytest.skip(f"node is not installed: the page's {function} is run with it")
     js = WEB.joinpath("app.js").read_text()
-    assert "return_progress: true" in js  # the page's chat asks for it
-    region = js.split("// prompt-progress: begin")[1].split("\n", 1)[1].split("// prompt-progress: end")[0]
+    region = js.split(f"// {part}: begin")[1].split("\n", 1)[1].split(f"// {part}: end")[0]
+    out = subprocess.run([node, "-e", region + "\n" + script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.splitlines()
+
+
+@pytest.mark.integration  # node runs the page's own function
+def test_the_page_writes_a_prompt_s_progress_as_chat_and_tail_do():
+    from moe_pipe.shared.progress import prompt_progress_text
+
+    assert "return_progress: true" in WEB.joinpath("app.js").read_text()  # the page's chat asks for it
     cases = [
         (total, cache, processed, ms)
         for total, cache in ((3664, 0), (3664, 512), (7, 3), (150_000, 1200))
         for processed in sorted({cache, cache + 1, (cache + total) // 2, total - 1, total})
         for ms in (0, 499, 500, 29_700, 59_500, 3_599_500, 7_654_321)
     ]
-    script = region + f"\nfor (const [total, cache, processed, time_ms] of {json.dumps(cases)}) "
+    script = f"for (const [total, cache, processed, time_ms] of {json.dumps(cases)}) "
     script += "console.log(promptProgressText({ total, cache, processed, time_ms }));"
-    out = subprocess.run([node, "-e", script], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.splitlines() == [prompt_progress_text(*c) for c in cases]
+    assert run_page_js("prompt-progress", "promptProgressText", script) == [prompt_progress_text(*c) for c in cases]
 
 
 @pytest.mark.integration  # node runs the page's own function
 def test_the_page_writes_the_warm_start_as_tail_does():
-    import shutil
-    import subprocess
-
     from moe_pipe.shared.experts.hotset import WarmProgress
 
-    node = shutil.which("node")
-    if node is None:
-        pytest.skip("node is not installed: the page's warmingText is run with it")
-    js = WEB.joinpath("app.js").read_text()
     assert 'id="warming"' in WEB.joinpath("index.html").read_text()
-    region = js.split("// warming: begin")[1].split("\n", 1)[1].split("// warming: end")[0]
     cases = [
         WarmProgress(state, done, total)
         for state in ("warming", "done", "stopped")
         for done, total in ((0, 5), (812, 3071), (12345, 1234567))
     ]
-    script = region + f"\nfor (const w of {json.dumps([c.__dict__ for c in cases])}) console.log(warmingText(w) || '-');"
+    script = f"for (const w of {json.dumps([c.__dict__ for c in cases])}) console.log(warmingText(w) || '-');"
     script += "console.log(warmingText(null) || '-');"
-    out = subprocess.run([node, "-e", script], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.splitlines() == [c.text() if c.state == "warming" else "-" for c in cases] + ["-"]
+    assert run_page_js("warming", "warmingText", script) == [c.text() if c.state == "warming" else "-" for c in cases] + ["-"]
 
 
 @pytest.mark.integration  # node runs the page's own function
 def test_the_page_writes_the_slots_as_tail_does():
-    import shutil
-    import subprocess
-
     from moe_pipe.shared.progress import slot_text
 
-    node = shutil.which("node")
-    if node is None:
-        pytest.skip("node is not installed: the page's slotText is run with it")
     assert 'id="slots"' in WEB.joinpath("index.html").read_text()
-    js = WEB.joinpath("app.js").read_text()
-    region = js.split("// slots: begin")[1].split("\n", 1)[1].split("// slots: end")[0]
     states = m.SlotStates(
         (0, 3, 4, 5, 6, 7, 8),
         (0, 3664, 3664, 7, 150_000, 40, 40),
@@ -213,10 +201,8 @@ def test_the_page_writes_the_slots_as_tail_does():
         (0, 1536, 512, 3, 149_999, 40, 40),
         (0, 0, 0, 0, 0, 1, 12345),
     )
-    script = region + f"\nfor (const s of {json.dumps(states.rows())}) console.log(slotText(s));"
-    out = subprocess.run([node, "-e", script], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.splitlines() == [slot_text(r) for r in states.rows()]
+    script = f"for (const s of {json.dumps(states.rows())}) console.log(slotText(s));"
+    assert run_page_js("slots", "slotText", script) == [slot_text(r) for r in states.rows()]
     assert {r["state"] for r in states.rows()} == {"idle", "prompt", "decoding"}
 
 
@@ -324,30 +310,20 @@ def test_the_web_files_ship_with_the_package(name):
 
 @pytest.mark.integration  # node runs the page's own function
 def test_the_page_shows_the_replys_steady_rate_as_the_run_summary_takes_it():
-    import shutil
-    import subprocess
-
     from moe_pipe.shared import telemetry as tm
     from moe_pipe.shared.wire.messages import TokenRecord
 
-    node = shutil.which("node")
-    if node is None:
-        pytest.skip("node is not installed: the page's steadyText is run with it")
-    js = WEB.joinpath("app.js").read_text()
-    region = js.split("// steady: begin")[1].split("\n", 1)[1].split("// steady: end")[0]
     # an earlier reply's rows, then this reply's: a slow head, a steady tail, one verify pass
     walls = [900.0, 400.0, 300.0] + [100.0] * 9 + [120.0, 80.0, 100.0, 110.0]
     accepted = [0] * 14 + [2, 0]
     rows = [{"req_id": 1, "wall_ms": 50.0, "accepted": 0}] * 5
     rows += [{"req_id": 2, "wall_ms": w, "accepted": a} for w, a in zip(walls, accepted)]
     cases = [rows[: 5 + n] for n in (1, 4, 9, len(walls))]
-    script = region + f"\nfor (const rows of {json.dumps(cases)}) console.log(steadyText(rows));"
-    out = subprocess.run([node, "-e", script], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
+    shown = run_page_js("steady", "steadyText", f"for (const rows of {json.dumps(cases)}) console.log(steadyText(rows));")
     want = []
     for case in cases:
         tally = tm.Tally()
         for i, r in enumerate(x for x in case if x["req_id"] == 2):
             tally.add(TokenRecord(i + 1, r["wall_ms"], 0.0, 0.0, 0, 0.0, 0.0, 0.0, 0, 0.0, accepted=r["accepted"]))
         want.append(f"{tally.summary(0.0, 0).steady_tok_s:.1f} tok/s")
-    assert out.stdout.splitlines() == want
+    assert shown == want

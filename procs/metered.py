@@ -133,26 +133,30 @@ class MeteredModel:
             self._send(rec)
         return out
 
-    def forward_batch(self, parts, req_ids) -> tuple[list, m.TokenRecord]:
+    def forward_batch(self, parts, req_ids, prompt=None, layers: int | None = None) -> tuple[list, m.TokenRecord]:
         """One pass over several slots' rows (procs/slots.py): its logits and one
-        TokenRecord for the pass, named after its first request (`req_ids`, one per part),
-        `pass_tokens` its rows. The record goes to telemetry, not to `records`: a pass is
-        no one request's step (each slot keeps the records of the passes it was in). A
-        pass that stops half way leaves each recurrent state it touched empty (`_abandon`)."""
+        TokenRecord for the pass, named after its first request (`req_ids`, one per part,
+        then the prompt's), `pass_tokens` its rows. `prompt`, `layers`: a chunk that goes
+        through its next `layers` layers beside them (shared/model/batch.py PromptSlice).
+        The record goes to telemetry, not to `records`: a pass is no one request's step
+        (each slot keeps the records of the passes it was in). A pass that stops half way
+        leaves each recurrent state it touched empty."""
         self._reset_counters()
         t0 = time.perf_counter()
+        caches = [p.cache for p in parts] + ([prompt.cache] if prompt is not None else [])
         try:
-            out = self.model.forward_batch(parts)
+            out = self.model.forward_batch(parts, prompt=prompt, layers=layers) if prompt is not None else self.model.forward_batch(parts)
         except BaseException:
-            for p in parts:
-                if getattr(p.cache, "state", None) is not None:
-                    p.cache.truncate(0)
+            for c in caches:
+                if getattr(c, "state", None) is not None:
+                    c.truncate(0)
             self.source.abandon()
             raise
         self.source.end_step()
         self.passes += 1
         self.req_id = req_ids[0]
-        rec = dataclasses.replace(self._record(time.perf_counter() - t0, sum(len(p.tokens) for p in parts), 0), step=self.passes)
+        rows = sum(len(p.tokens) for p in parts) + (len(prompt.tokens) if prompt is not None else 0)
+        rec = dataclasses.replace(self._record(time.perf_counter() - t0, rows, 0), step=self.passes)
         self.telemetry.send(rec)
         return out, rec
 

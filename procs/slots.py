@@ -14,8 +14,11 @@ thread (which owns every socket), runs a step once every busy slot has asked:
      action waits until every slot is idle and acts on slot 0's session;
   2. one `forward_batch` over one decode row of every decoding slot and at
      most one chunk of a prompt (the oldest request's; compute.prefill_chunk
-     tokens, else SLOT_PREFILL_CHUNK), so a long prompt never stops the
-     others for more than a chunk; each slot gets its logits row and goes on alone;
+     tokens, else SLOT_PREFILL_CHUNK) through its next few layers (`Pace`: as
+     many as take about what the decode rows' own pass takes; all of them when
+     nothing decodes), its hidden state kept for the next step (`Sliced`), so a
+     long prompt holds a decoding slot for a few layers of a chunk between
+     tokens; each slot gets its logits row and goes on alone;
   3. the slots' Token, PromptProgress and Done frames go out in the order they
      were made; what each slot is doing goes to telemetry (SlotStates, for tails
      and the web page) as a slot changes state and every SLOT_STATES_S between.
@@ -41,7 +44,7 @@ import zmq
 
 from ..shared.config import SLOT_PREFILL_CHUNK, Config
 from ..shared.errors import UserError
-from ..shared.model.batch import BatchPart
+from ..shared.model.batch import BatchPart, PromptSlice
 from ..shared.model.blocks import KVCache
 from ..shared.model.session import Session, common_prefix
 from ..shared.telemetry import merge_records
@@ -59,6 +62,11 @@ WAIT_S = 0.02  # the longest a busy loop waits for the slots before it looks at 
 # may hold a longer prefix of its prompt than its own slot: a slot's thread only samples between steps.
 SHARE_WAIT_S = 0.5
 SLOT_STATES_S = 0.25  # SlotStates between state changes: four a second, as a prompt's progress, is live enough to watch
+# A prompt chunk's layers a step may take, beside decode rows, this share of the decode rows' own
+# pass: a decoding slot then waits about (1 + SLICE_SHARE) times its undisturbed gap between tokens
+# while a long prompt is read (issue 32's bound is 2x).
+SLICE_SHARE = 0.9
+PACE_WEIGHT = 0.3  # the weight of a step's newest wall in Pace's running figures
 
 
 def slot_prefill_chunk(config: Config) -> int:
@@ -181,11 +189,67 @@ class Steps:
             return out
 
 
-def pick_rows(asks: Sequence[Ask]) -> list[Ask]:
-    """A step's rows: every one-row ask (a decode step) and the oldest request's prompt chunk."""
-    rows = [a for a in asks if len(a.tokens) == 1]
+def pick_rows(asks: Sequence[Ask]) -> tuple[list[Ask], Ask | None]:
+    """A step's rows: every one-row ask (a decode step); and the oldest request's prompt chunk."""
     chunks = [a for a in asks if len(a.tokens) > 1]
-    return rows + ([min(chunks, key=lambda a: a.order)] if chunks else [])
+    return [a for a in asks if len(a.tokens) == 1], min(chunks, key=lambda a: a.order, default=None)
+
+
+@dataclass
+class Sliced:
+    """A prompt chunk on its way through the layers, a few a step (PromptSlice), and the ask it
+    answers once through the last. `snap`: a recurrent state as it was before the chunk, put
+    back when the request ends part way (the state has folded the chunk into the layers it
+    went through, which the session's ids do not say)."""
+
+    ask: Ask
+    piece: PromptSlice
+    snap: tuple | None
+    records: list[m.TokenRecord] = field(default_factory=list)  # the passes it was in
+
+    @classmethod
+    def start(cls, ask: Ask) -> Sliced:
+        state = ask.cache.state
+        return cls(ask, PromptSlice(np.asarray(ask.tokens, np.int64), ask.cache), state.snapshot() if state is not None else None)
+
+    def abandon(self) -> None:
+        """The chunk goes no further: the cache as before it (its rows past the count are not counted anyway)."""
+        cache = self.ask.cache
+        if self.snap is not None and self.piece.next_layer > 0 and cache.state is not None:
+            cache.rewind(cache.n, self.snap)
+
+
+class Pace:
+    """How many layers of a prompt's chunk a step takes beside decode rows: as many as fit in
+    SLICE_SHARE of the decode rows' own pass (measured on steps without a chunk), at least one;
+    every layer left when no row decodes. Both figures are running means of the steps' walls, so
+    the pace follows the chunk's cost as its attention grows and its experts come cached. How
+    many layers a step takes never changes the output (PromptSlice)."""
+
+    def __init__(self, share: float = SLICE_SHARE):
+        self.share = share
+        self.decode_s: float | None = None  # a step of decode rows alone
+        self.layer_s: float | None = None  # one layer of a chunk
+
+    def layers(self, decoding: bool, left: int) -> int:
+        if not decoding:
+            return left
+        if self.decode_s is None or self.layer_s is None or self.layer_s <= 0:
+            return 1
+        return max(1, min(left, int(self.share * self.decode_s / self.layer_s)))
+
+    def took(self, wall_s: float, decoding: bool, layers: int) -> None:
+        if not layers:
+            if decoding:
+                self.decode_s = _mean(self.decode_s, wall_s)
+        elif not decoding:
+            self.layer_s = _mean(self.layer_s, wall_s / layers)
+        elif self.decode_s is not None:
+            self.layer_s = _mean(self.layer_s, max(wall_s - self.decode_s, 0.0) / layers)
+
+
+def _mean(old: float | None, new: float) -> float:
+    return new if old is None else (1 - PACE_WEIGHT) * old + PACE_WEIGHT * new
 
 
 def pick_slot(slots: Sequence[Slot], busy: set[int], prompt: Sequence[int]) -> Slot | None:
@@ -299,6 +363,8 @@ class Slots:
         self.peer_gone: GenerationAborted | None = None
         self.states: m.SlotStates | None = None  # the last SlotStates sent, and when
         self.states_at = -math.inf
+        self.sliced: Sliced | None = None  # the prompt chunk on its way through the layers
+        self.pace = Pace()
 
     def serve(self, reader_pid: int, epoch: int) -> None:
         import os
@@ -344,6 +410,8 @@ class Slots:
         busy = self.busy()
         for s in self.slots:
             if s.req_id == req_id and s.id in busy:
+                if self.sliced is not None and self.sliced.ask.slot == s.id:
+                    self.drop_slice()  # before the slot's thread wakes to its error and may touch its session
                 self.steps.cancel(s.id)
         for msg in list(self.interrupts.pending):
             if isinstance(msg, m.Generate) and msg.req_id == req_id:  # cancelled before a slot took it
@@ -389,7 +457,14 @@ class Slots:
         # and wait for them only when one might give more (this first look is not relied on).
         if any(common_prefix(s.session.tokens, prompt) > own for s in self.slots if s.id in busy):
             busy, waiting = self.steps.settle(SHARE_WAIT_S)
-        donors = [s for s in self.slots if s is not slot and s.session.cache is not None and (s.id not in busy or s.id in waiting)]
+        # A slot whose chunk is part way through the layers has a recurrent state that folded
+        # more than its session counts: it gives nothing until the chunk is through.
+        midway = self.sliced.ask.slot if self.sliced is not None and self.sliced.ask.cache.state is not None else None
+        donors = [
+            s
+            for s in self.slots
+            if s is not slot and s.id != midway and s.session.cache is not None and (s.id not in busy or s.id in waiting)
+        ]
         n, best = max(((reusable(s), s) for s in donors), key=lambda d: d[0], default=(0, None))
         if best is None or n <= own:
             return 0
@@ -452,24 +527,59 @@ class Slots:
 
     # -- 2. a step ------------------------------------------------------------------------
     def step(self, asks: list[Ask]) -> None:
-        """One pass over the step's rows; each ask gets its logits row, or the pass's failure."""
-        rows = pick_rows(asks)
-        req_ids = [self.slots[a.slot].req_id for a in rows]
+        """One pass over the step's rows and, beside them, the next layers of a prompt's chunk
+        (`Sliced`, `Pace`); each ask gets its logits row, or the pass's failure. A chunk's ask is
+        answered once the chunk is through the last layer, with the record of its passes."""
+        rows, chunk = pick_rows(asks)
+        sl = self.sliced
+        if sl is not None and self.steps.asks.get(sl.ask.slot) is not sl.ask:  # its request ended meanwhile
+            self.drop_slice()
+            sl = None
+        if sl is None and chunk is not None:
+            sl = self.sliced = Sliced.start(chunk)
+        rows = [a for a in rows if sl is None or a is not sl.ask]
+        req_ids = [self.slots[a.slot].req_id for a in rows] + ([self.slots[sl.ask.slot].req_id] if sl is not None else [])
+        parts = [BatchPart(a.tokens, a.cache) for a in rows]
+        layers = self.pace.layers(bool(rows), self.metered.model.spec.n_layer - sl.piece.next_layer) if sl is not None else 0
+        t0 = time.perf_counter()
         try:
-            logits, record = self.metered.forward_batch([BatchPart(a.tokens, a.cache) for a in rows], req_ids)
-        except GenerationAborted as exc:
-            if exc.code == m.Code.PEER_GONE:
+            if sl is not None:
+                logits, record = self.metered.forward_batch(parts, req_ids, prompt=sl.piece, layers=layers)
+            else:
+                logits, record = self.metered.forward_batch(parts, req_ids)
+        except Exception as exc:  # noqa: BLE001 - a failed pass fails its requests, the process goes on
+            if isinstance(exc, GenerationAborted) and exc.code == m.Code.PEER_GONE:
                 self.peer_gone = exc
-            for a in rows:
+            elif not isinstance(exc, GenerationAborted):
+                log.exception("a batched pass failed")
+            for a in rows + ([sl.ask] if sl is not None else []):
                 self.steps.answer(a, error=exc)
+            self.sliced = None  # its recurrent state is emptied (MeteredModel.forward_batch): nothing to put back
             return
-        except Exception as exc:  # noqa: BLE001 - a bug fails the pass's requests, the process goes on
-            log.exception("a batched pass failed")
-            for a in rows:
-                self.steps.answer(a, error=exc)
-            return
+        self.pace.took(time.perf_counter() - t0, bool(rows), layers)
         for a, row in zip(rows, logits):
             self.steps.answer(a, logits=row[-1], record=record)
+        if sl is not None:
+            self.chunk_went_on(sl, record)
+
+    def chunk_went_on(self, sl: Sliced, record: m.TokenRecord) -> None:
+        """After a step with the chunk in it: its slot's progress through the layers; its ask
+        answered once it is through the last one."""
+        sl.records.append(record)
+        slot, piece, cache = self.slots[sl.ask.slot], sl.piece, sl.ask.cache
+        if not piece.done:
+            slot.processed = cache.n + len(piece.tokens) * piece.next_layer // self.metered.model.spec.n_layer
+            return
+        self.sliced = None
+        assert piece.logits is not None
+        merged = merge_records(sl.records, step=record.step, req_id=record.req_id, pass_tokens=record.pass_tokens)
+        self.steps.answer(sl.ask, logits=piece.logits[-1], record=merged)
+
+    def drop_slice(self) -> None:
+        """The chunk on its way stops where it is (its request ended): its cache as before it."""
+        if self.sliced is not None:
+            sl, self.sliced = self.sliced, None
+            sl.abandon()
 
     # -- 3. frames out ----------------------------------------------------------------------
     def flush(self) -> None:
@@ -495,6 +605,7 @@ class Slots:
         """Shutdown or a dead reader: every slot's request ends, its Done goes out."""
         code = self.peer_gone.code if self.peer_gone is not None else m.Code.CANCELLED
         why = str(self.peer_gone) if self.peer_gone is not None else "the service is shutting down"
+        self.drop_slice()
         for i in self.busy():
             self.steps.cancel(i)
         with self.steps.cond:  # a slot asking after this fails at once

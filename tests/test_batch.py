@@ -83,11 +83,11 @@ def alone(model, r: Request) -> tuple[list[int], list[np.ndarray]]:
     return tokens, logits
 
 
-def check_batched_is_alone(path, kv: str, long: int = 60) -> None:
+def check_batched_is_alone(path, kv: str, long: int = 60, layers: int | None = None) -> None:
     with open_model(path) as mf:
         model = loaded(mf, kv)
         reqs = requests(model.spec.n_vocab, long)
-        together = decode_together(model, reqs, N_CTX, chunk=CHUNK, keep_logits=True)
+        together = decode_together(model, reqs, N_CTX, chunk=CHUNK, keep_logits=True, layers=layers)
         assert max(len(set(g.passes) & set(h.passes)) for g, h in itertools.combinations(together, 2)) > 5  # they did share passes
         for r, got in zip(reqs, together):
             tokens, logits = alone(model, r)
@@ -101,6 +101,21 @@ def check_batched_is_alone(path, kv: str, long: int = 60) -> None:
 def test_batched_greedy_decoding_is_decoding_alone(tiny_files, arch):
     """Quantized weights (the maker's mix), an f16 KV cache."""
     check_batched_is_alone(tiny_files(arch), "f16", long=200 if arch in ("gemma4", "gpt-oss") else 60)
+
+
+@pytest.mark.parametrize("arch", [pytest.param(a, marks=[] if a in DEFAULT_TIER else [pytest.mark.slow]) for a in FAMILIES])
+def test_a_prompt_sliced_by_layers_beside_decode_rows_is_its_prompt_alone(tiny_files, arch):
+    """Each prompt chunk goes through one layer a pass (PromptSlice) while the others decode:
+    every token and logits row is still the request's alone (its rings wrapping, its recurrent
+    state folding the chunk layer by layer)."""
+    check_batched_is_alone(tiny_files(arch), "f16", long=200 if arch in ("gemma4", "gpt-oss") else 60, layers=1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_a_prompt_sliced_by_layers_on_f32_weights_and_every_kv_type(tiny_files, arch):
+    for kv in ("f32", "q8_0"):
+        check_batched_is_alone(tiny_files(arch, "F32" if kv == "f32" else None), kv, layers=2)
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from moe_pipe.procs.slots import Ask, Slot, Steps, pick_rows, pick_slot
+from moe_pipe.procs.slots import Ask, Pace, Slot, Steps, pick_rows, pick_slot
 from moe_pipe.shared.model.session import Session
 from moe_pipe.shared.wire import messages as m
 
@@ -24,11 +24,29 @@ def _ask(slot: int, order: int, n: int) -> Ask:
     return Ask(slot, order, list(range(n)), cache=None)  # type: ignore[arg-type]  # no pass runs here
 
 
+def _slots_of(rows: list[Ask], chunk: Ask | None) -> tuple[list[int], int | None]:
+    return [a.slot for a in rows], chunk.slot if chunk is not None else None
+
+
 def test_a_step_takes_every_decode_row_and_the_oldest_prompt_s_chunk():
     asks = [_ask(0, 5, 64), _ask(1, 2, 1), _ask(2, 3, 64), _ask(3, 9, 1)]
-    assert [a.slot for a in pick_rows(asks)] == [1, 3, 2]  # decode rows, then the chunk of request 3 (older than 5)
-    assert [a.slot for a in pick_rows([_ask(0, 1, 1)])] == [0]
-    assert [a.slot for a in pick_rows([_ask(0, 4, 7), _ask(1, 3, 7)])] == [1]  # two prompts: one chunk a step
+    assert _slots_of(*pick_rows(asks)) == ([1, 3], 2)  # decode rows, and the chunk of request 3 (older than 5)
+    assert _slots_of(*pick_rows([_ask(0, 1, 1)])) == ([0], None)
+    assert _slots_of(*pick_rows([_ask(0, 4, 7), _ask(1, 3, 7)])) == ([], 1)  # two prompts: one chunk at a time
+
+
+def test_a_chunk_takes_what_fits_beside_the_decode_rows_and_every_layer_when_nothing_decodes():
+    pace = Pace(share=1.0)
+    assert pace.layers(True, 48) == 1  # nothing measured yet: a layer a step
+    assert pace.layers(False, 30) == 30  # nobody waits: all that are left
+    pace.took(0.6, decoding=True, layers=0)  # decode rows alone: 0.6 s
+    pace.took(0.6 + 2 * 0.25, decoding=True, layers=2)  # beside two layers of the chunk: 0.25 s a layer
+    assert pace.layers(True, 48) == 2  # two layers fit in 0.6 s, three do not
+    assert pace.layers(True, 1) == 1
+    pace.took(3 * 0.05, decoding=False, layers=3)  # cached experts: the layers grow cheap
+    assert pace.layers(True, 48) > 2
+    pace.took(0.6 + 40.0, decoding=True, layers=1)  # a slow layer (its reads): back to one a step
+    assert pace.layers(True, 48) == 1
 
 
 def test_a_request_takes_its_conversation_s_slot_else_one_that_loses_nothing_else_the_least_recently_used():
@@ -212,6 +230,127 @@ def test_a_parallel_request_s_done_carries_its_own_figures_as_one_alone_does(tin
             assert 0 < d.timings["mean_tok_s"] and d.timings["first5_wall_ms"] > 0
         assert done[1].tokens == alone.tokens
         assert max(r.pass_tokens for r in passes) > 16 and sum(r.experts_shared for r in passes) > 0  # chunks beside decode rows
+
+
+def _in_process(path, **settings):
+    """Compute's Slots on `path` without sockets: (slots, the model, the tokenizer, a function that
+    starts a request in a slot, and one that runs steps 2-3 until a condition on the Dones holds)."""
+    from types import SimpleNamespace
+
+    from moe_pipe.procs.metered import MeteredModel
+    from moe_pipe.procs.slots import Slots
+    from moe_pipe.shared.config import Config, apply_overrides
+    from moe_pipe.shared.gguf.model_file import open_model
+    from moe_pipe.shared.model.load import load_model
+    from moe_pipe.shared.text.tokenizer import Tokenizer
+
+    from .test_metered import CountingExperts
+
+    mf = open_model(path)
+    source = CountingExperts(mf)
+    model = load_model(mf, experts=source)
+    metered = MeteredModel(model, source, SimpleNamespace(send=lambda _: None))
+    config = apply_overrides(Config(), {"compute.ctx_size": 256, **settings})
+    slots = Slots(config, metered, Tokenizer.from_gguf(mf.gguf), None, SimpleNamespace(pending=[]), None, ())  # type: ignore[arg-type]
+    done: dict[int, m.Done] = {}
+
+    def start(slot: int, req: m.Generate) -> None:
+        slots.start(slots.slots[slot], req)
+
+    def serve(until, each_step=lambda: None) -> dict[int, m.Done]:
+        while not until(done):
+            assert slots.steps.busy or slots.steps.outbox, f"nothing runs and the wait is not over: {done}"
+            asks = slots.steps.gather(5.0)
+            if asks:
+                slots.step(asks)
+                each_step()
+            done.update((d.req_id, d) for d in slots.steps.take_outbox() if isinstance(d, m.Done))
+        return done
+
+    return slots, model, start, serve
+
+
+def _greedy(req_id: int, prompt: list[int], n: int) -> m.Generate:
+    return m.Generate(req_id, tuple(prompt), n, {"temperature": 0.0})
+
+
+def _alone(path, req: m.Generate) -> m.Done:
+    _, _, start, serve = _in_process(path, **{"gateway.parallel": 1, "compute.prefill_chunk": 16})
+    start(0, req)
+    return serve(lambda d: req.req_id in d)[req.req_id]
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    from moe_pipe.shared.makemodel.maker import make_model
+
+    return make_model("qwen35moe", "tiny", tmp_path_factory.mktemp("slots") / "qwen35moe.gguf", quant="F32")
+
+
+@pytest.mark.parametrize("which", ["tiny", "hybrid"])
+def test_a_prompt_beside_a_decoding_slot_goes_a_few_layers_a_step_and_each_reply_is_its_own(which, request):
+    """A 48-token prompt (three chunks of 16) arrives while another slot decodes: its chunks go
+    through the layers over several steps, the decoding slot getting a token every step, and
+    both replies are the ones each gets alone (a recurrent model's state folding each chunk
+    layer by layer included)."""
+    path = request.getfixturevalue(which)
+    slots, model, start, serve = _in_process(path, **{"gateway.parallel": 2, "compute.prefill_chunk": 16})
+    slots.pace.share = 0.0  # one layer a step whatever the walls (a tiny model's are noise)
+    a, b = _greedy(1, [5, 6, 7], 40), _greedy(2, [(11 * i) % 200 + 3 for i in range(48)], 6)
+    start(0, a)
+    serve(lambda d: slots.slots[0].decoded >= 3)  # a decodes
+    start(1, b)
+    midway: list[tuple[int, int]] = []  # (a's tokens, the chunk's next layer) after each step that left it part way
+
+    def look() -> None:
+        if slots.sliced is not None:
+            midway.append((slots.slots[0].decoded, slots.sliced.piece.next_layer))
+
+    done = serve(lambda d: {1, 2} <= d.keys(), look)
+    assert done[1].tokens == _alone(path, a).tokens and done[2].tokens == _alone(path, b).tokens
+    assert midway and all(0 < layer < model.spec.n_layer for _, layer in midway)
+    decoded = [n for n, _ in midway]
+    assert len(set(decoded)) == len(decoded)  # a token for the decoding slot at every one of those steps
+
+
+def test_a_request_that_ends_while_its_chunk_is_part_way_leaves_its_slot_as_before_the_chunk(hybrid):
+    """Cancelled while its second chunk is in the first layers: the slot's cache holds the first
+    chunk, and the recurrent state is the one those 16 positions give (put back: the layers the
+    second chunk went through had folded it in), so the same prompt again reuses them and
+    gets the reply it gets alone."""
+    from moe_pipe.shared.gguf.model_file import open_model
+    from moe_pipe.shared.model.load import load_model
+
+    slots, model, start, serve = _in_process(hybrid, **{"gateway.parallel": 2, "compute.prefill_chunk": 16})
+    slots.pace.share = 0.0  # one layer a step
+    prompt = [(13 * i) % 200 + 3 for i in range(48)]
+    a, b = _greedy(1, [5, 6, 7], 60), _greedy(2, prompt, 6)
+    start(0, a)
+    serve(lambda d: slots.slots[0].decoded >= 2)
+    start(1, b)
+    cancelled: list[int] = []
+
+    def cancel_in_the_second_chunk() -> None:
+        sl = slots.sliced
+        if not cancelled and sl is not None and sl.ask.cache.n == 16 and 0 < sl.piece.next_layer:
+            cancelled.append(sl.piece.next_layer)
+            slots.cancel(2)
+
+    done = serve(lambda d: 2 in d, cancel_in_the_second_chunk)
+    assert cancelled and not done[2].ok and done[2].code == m.Code.CANCELLED
+    session = slots.slots[1].session
+    assert session.tokens == prompt[:16]
+    with open_model(hybrid) as mf:
+        fresh = load_model(mf)
+        cache = fresh.new_cache(256)
+        fresh.prefill(prompt[:16], cache, batch=16)
+    for mine, theirs in zip(session.cache.state.snapshot(), cache.state.snapshot()):
+        assert mine.keys() == theirs.keys() and all(np.array_equal(mine[i], theirs[i]) for i in mine)
+    serve(lambda d: 1 in d)
+    c = _greedy(3, prompt, 6)
+    start(1, c)
+    again = serve(lambda d: 3 in d)[3]
+    assert again.timings["prompt_cached"] == 16 and again.tokens == _alone(hybrid, b).tokens
 
 
 # -- the service ------------------------------------------------------------------------

@@ -22,7 +22,7 @@ import numpy as np
 from ..errors import UserError
 from ..gguf.model_file import ModelFile
 from ..gguf.spec import check_kv_type
-from .batch import BatchCache, BatchPart
+from .batch import BatchCache, BatchPart, PromptSlice
 from .blocks import KVCache, rms_norm, softmax
 from .levers import Levers, apply_levers
 from .moe import Routing, top_k_ids
@@ -132,6 +132,11 @@ class MoEModel:
     def logits(self, x: np.ndarray) -> np.ndarray:
         return self.output(rms_norm(x, self.output_norm, self.spec.rms_eps))  # [T, V]
 
+    def row_tokens(self, tokens: np.ndarray) -> None:
+        """The token ids of the rows the next layers run, when they are not the ones last
+        embedded (a pass with a prompt's chunk in some of its layers: `_with_slice`). A family
+        that routes by token id keeps them (deepseek4's hash layers); the rest need nothing."""
+
     def routed(self, i: int, routing: Routing, scores: np.ndarray) -> Routing:
         """Every architecture's routing passes here: the lossy levers (off by
         default) may change it, then an observer may record it."""
@@ -213,24 +218,101 @@ class MoEModel:
         with self.stage("head"):
             return self.logits(x if all_logits else x[-1:])
 
-    def forward_batch(self, parts: Sequence[BatchPart], decoding: bool = False) -> list[np.ndarray]:
+    def forward_batch(
+        self, parts: Sequence[BatchPart], decoding: bool = False, prompt: PromptSlice | None = None, layers: int | None = None
+    ) -> list[np.ndarray]:
         """One pass over the rows of several sequences, each part's tokens at its own cache's
         next positions (shared/model/batch.py): a decode step of many, a prompt's chunk
         beside them. Per part, the logits `forward` gives it alone, bit for bit: [1, V] (its
         last row) or [T_s, V] (`all_logits`). The pass counts as a decode step's (prefetch)
-        when every part is one token, or when `decoding` says so."""
-        if not parts:
+        when every part is one token, or when `decoding` says so.
+        `prompt`: a chunk that goes through its next `layers` layers in this pass (all that
+        are left when None) beside the parts' rows, which go through every layer; once it is
+        through the last its cache commits it and its `logits` are set (PromptSlice)."""
+        if not parts and prompt is None:
             raise ValueError("forward_batch needs at least one sequence")
         tokens = [self._checked(p.tokens) for p in parts]
+        if prompt is not None:
+            return self._with_slice(parts, tokens, prompt, layers, decoding)
         batch = BatchCache([p.cache for p in parts], [t.size for t in tokens])
         rows = np.concatenate(tokens)
         x = self._layers(rows, batch, 0, batch.positions, decoding or all(t.size == 1 for t in tokens))
         batch.advance(rows.size)
+        return self._heads(parts, batch, x)
+
+    def _heads(self, parts: Sequence[BatchPart], batch: BatchCache, x: np.ndarray, extra: np.ndarray | None = None) -> list[np.ndarray]:
+        """Each part's logits rows (its last, or all), and `extra`'s [1, D] last, in one head call."""
         wanted = [np.arange(s.rows.start, s.rows.stop) if p.all_logits else [s.rows.stop - 1] for p, s in zip(parts, batch.segments)]
-        at = np.cumsum([0] + [len(w) for w in wanted])
+        at = np.cumsum([0] + [len(w) for w in wanted] + ([1] if extra is not None else []))
+        rows = [x[np.concatenate(wanted)]] if wanted else []
         with self.stage("head"):
-            logits = self.logits(x[np.concatenate(wanted)])  # [rows wanted, V], one head call for every sequence
+            logits = self.logits(np.concatenate(rows + ([extra] if extra is not None else [])))  # one head call for every sequence
         return [logits[a:b] for a, b in zip(at[:-1], at[1:])]
+
+    def _with_slice(
+        self, parts: Sequence[BatchPart], tokens: list[np.ndarray], prompt: PromptSlice, layers: int | None, decoding: bool
+    ) -> list[np.ndarray]:
+        """forward_batch with a prompt's chunk in layers [lo, hi) beside the parts' rows: those
+        layers run both sequences' rows in one batch, the others the parts' rows alone."""
+        n_layer = self.spec.n_layer
+        lo = prompt.next_layer
+        if prompt.done or not 0 <= lo < n_layer:
+            raise ValueError(f"the prompt's chunk is past layer {lo} of {n_layer}: nothing left to run")
+        hi = n_layer if layers is None else min(n_layer, lo + max(int(layers), 1))
+        chunk = self._checked(prompt.tokens)
+        caches, counts = [p.cache for p in parts], [t.size for t in tokens]
+        both = BatchCache([*caches, prompt.cache], [*counts, chunk.size])  # checks the chunk fits its context
+        alone = BatchCache(caches, counts) if parts else None
+        rows = np.concatenate(tokens) if tokens else np.zeros(0, np.int64)
+        d = rows.size
+        rows_decoding = decoding or all(t.size == 1 for t in tokens)
+        with self.stage("embed"):
+            if lo == 0:
+                prompt.hidden = self.embed(chunk)
+            x = self.embed(rows) if d else None  # last: what a family keeps of the tokens embedded is the rows' (row_tokens)
+        if self.prefetch_next and d and rows_decoding:
+            first = self.spec.n_dense_lead  # as _layers: its reads start while the layers before it run
+            self._decoding = True
+            self.guess_layer(first, self.router_input(first, x))
+        both_positions, alone_positions = both.positions, alone.positions if alone is not None else None
+        told = None
+        for i in range(n_layer):
+            sliced = lo <= i < hi
+            if not sliced and x is None:
+                continue
+            if told is not sliced:
+                self.row_tokens(np.concatenate([rows, chunk]) if sliced else rows)
+                told = sliced
+            if sliced:
+                assert prompt.hidden is not None
+                xi = prompt.hidden if x is None else np.concatenate([x, prompt.hidden])
+                self._decoding = False  # a prompt's rows are in it: the next layer is guessed as a prompt's
+                y = self.layer(i, xi, both, 0, both_positions)
+                x, prompt.hidden = (y[:d], y[d:]) if d else (None, y)
+            else:
+                assert alone is not None
+                self._decoding = rows_decoding
+                x = self.layer(i, x, alone, 0, alone_positions)
+            if self.layer_observer is not None:
+                self.layer_observer(i, d + (chunk.size if lo <= i < hi else 0))
+        prompt.next_layer = hi
+        prompt.layer_passes += 1
+        if alone is not None:
+            alone.advance(d)
+        last = None
+        if hi == n_layer:
+            assert prompt.hidden is not None
+            prompt.cache.advance(chunk.size)
+            last, prompt.hidden = prompt.hidden[-1:], None
+        if alone is None:
+            if last is not None:
+                with self.stage("head"):
+                    prompt.logits = self.logits(last)
+            return []
+        out = self._heads(parts, alone, x, last)
+        if last is not None:
+            prompt.logits = out.pop()
+        return out
 
     def _checked(self, tokens) -> np.ndarray:
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)

@@ -25,6 +25,16 @@ logit for logit).
     logits = model.forward_batch(parts)            # [1, V] each: every part's last row
     decode_together(model, requests, n_ctx)        # greedy sequences joining and leaving
 
+A prompt's chunk may also go through the layers a few at a time (`PromptSlice`):
+each pass takes the decode rows through every layer and the chunk through its
+next layers only, its hidden state kept between passes, so decoding sequences
+wait a few layers of the chunk between tokens rather than all of them:
+
+    piece = PromptSlice(chunk, cache_c)
+    while not piece.done:
+        logits = model.forward_batch(decode_parts, prompt=piece, layers=2)
+    piece.logits                                   # [1, V]: the chunk's last row
+
 Legend: T rows of the pass (all sequences), S sequences, V vocab.
 """
 
@@ -45,6 +55,31 @@ class BatchPart:
     tokens: Sequence[int] | np.ndarray
     cache: KVCache
     all_logits: bool = False  # every row's logits, not only the last's (a verify pass's)
+
+
+@dataclass
+class PromptSlice:
+    """A prompt's chunk on its way through the layers, a few a pass (`forward_batch`'s
+    `prompt`): `hidden` is its rows' input to layer `next_layer`, and its cache holds
+    their K and V (and a recurrent layer's state has folded them in) for the layers
+    before it, at positions the cache does not count yet. The pass that takes it
+    through the last layer commits them and sets `logits`. Each layer runs the chunk's
+    rows exactly as a pass of the whole chunk would (the kernels are batch-exact), so
+    how many layers a pass takes never changes a bit of the output."""
+
+    tokens: np.ndarray
+    cache: KVCache
+    next_layer: int = 0
+    hidden: np.ndarray | None = None  # [C, D] once embedded
+    logits: np.ndarray | None = None  # [1, V]: the last row's, once through every layer
+    layer_passes: int = 0  # the passes it has been in
+
+    def __post_init__(self) -> None:
+        self.tokens = np.asarray(self.tokens, dtype=np.int64).reshape(-1)
+
+    @property
+    def done(self) -> bool:
+        return self.logits is not None
 
 
 def _no_range() -> ValueError:
@@ -133,38 +168,51 @@ class Generated:
     passes: list[int] = field(default_factory=list)  # the pass that produced each logits row
 
 
-def decode_together(model, requests: Sequence[Request], n_ctx: int, chunk: int = 64, keep_logits: bool = False) -> list[Generated]:
+def decode_together(
+    model, requests: Sequence[Request], n_ctx: int, chunk: int = 64, keep_logits: bool = False, layers: int | None = None
+) -> list[Generated]:
     """Greedy decoding of every request in shared batched passes (`MoEModel.forward_batch`),
     the way a server with several slots runs them: each pass takes one row of every
     sequence that is decoding and, beside them, the next `chunk` prompt tokens of the
     earliest arrived request still reading its prompt (chunked prefill: a long prompt
-    never stops the others). A request joins at the first pass at or after `arrive` and
+    never stops the others) — with `layers`, that chunk through its next `layers` layers
+    only, so it takes several passes (PromptSlice). A request joins at the first pass at or after `arrive` and
     leaves when it has `max_tokens` tokens; its cache is its own (`model.new_cache`).
     Each request's tokens and logits are what `model.prefill(prompt, batch=chunk)` then
     `decode_one` give it alone (tests/test_batch.py). `keep_logits`: keep each token's logits."""
     out = [Generated() for _ in requests]
     caches: dict[int, KVCache] = {}
-    fed = [0] * len(requests)  # prompt tokens run so far
+    fed = [0] * len(requests)  # prompt tokens run so far (a chunk on its way through the layers included)
     done = [r.max_tokens <= 0 for r in requests]
+    piece: PromptSlice | None = None  # with `layers`: the chunk on its way, and whose
+    owner = -1
     step = 0
     while not all(done):
         parts: list[BatchPart] = []
         owners: list[int] = []
         waiting = [j for j, r in enumerate(requests) if r.arrive <= step and not done[j]]
         for j in waiting:  # every sequence that has read its prompt: one row, its last token
-            if fed[j] == len(requests[j].prompt):
+            if fed[j] == len(requests[j].prompt) and j != owner:
                 parts.append(BatchPart([out[j].tokens[-1]], caches[j]))
                 owners.append(j)
-        reading = next((j for j in waiting if fed[j] < len(requests[j].prompt)), None)
-        if reading is not None:
+        reading = owner if piece is not None else next((j for j in waiting if fed[j] < len(requests[j].prompt)), None)
+        if reading is not None and piece is None:
             if reading not in caches:
                 caches[reading] = model.new_cache(n_ctx)
-            piece = requests[reading].prompt[fed[reading] : fed[reading] + chunk]
-            fed[reading] += len(piece)
-            parts.append(BatchPart(piece, caches[reading]))
-            owners.append(reading)
-        if parts:
-            for j, logits in zip(owners, model.forward_batch(parts)):
+            tokens = requests[reading].prompt[fed[reading] : fed[reading] + chunk]
+            fed[reading] += len(tokens)
+            if layers is None:
+                parts.append(BatchPart(tokens, caches[reading]))
+                owners.append(reading)
+            else:
+                piece, owner = PromptSlice(np.asarray(tokens), caches[reading]), reading
+        if parts or piece is not None:
+            got = list(zip(owners, model.forward_batch(parts, prompt=piece, layers=layers) if piece else model.forward_batch(parts)))
+            if piece is not None and piece.done:
+                assert piece.logits is not None
+                got.append((owner, piece.logits))
+                piece, owner = None, -1
+            for j, logits in got:
                 if fed[j] < len(requests[j].prompt):
                     continue  # a prompt's chunk before its last: no token yet
                 row = logits[-1]

@@ -238,6 +238,9 @@ class Model(MoEModel):
         e = self.embd.rows(tokens)  # [T, D]
         return np.repeat(e[:, None, :], self.v4.hc_mult, axis=1).astype(np.float32)  # [T, N, D]
 
+    def row_tokens(self, tokens: np.ndarray) -> None:
+        self._tokens = np.asarray(tokens, np.int64)
+
     def logits(self, x: np.ndarray) -> np.ndarray:
         t, n, d = x.shape
         h = self.hc_head

@@ -15,8 +15,8 @@ thread (which owns every socket), runs a step once every busy slot has asked:
   2. one `forward_batch` over one decode row of every decoding slot and at
      most one chunk of a prompt (the oldest request's; compute.prefill_chunk
      tokens, else SLOT_PREFILL_CHUNK) through its next few layers (`Pace`: as
-     many as take about what the decode rows' own pass takes; all of them when
-     nothing decodes), its hidden state kept for the next step (`Sliced`), so a
+     many as take about what the decode rows' own pass takes; about a second's
+     when nothing decodes), its hidden state kept for the next step (`Sliced`), so a
      long prompt holds a decoding slot for a few layers of a chunk between
      tokens; each slot gets its logits row and goes on alone;
   3. the slots' Token, PromptProgress and Done frames go out in the order they
@@ -67,6 +67,9 @@ SLOT_STATES_S = 0.25  # SlotStates between state changes: four a second, as a pr
 # while a long prompt is read (issue 32's bound is 2x).
 SLICE_SHARE = 0.9
 PACE_WEIGHT = 0.3  # the weight of a step's newest wall in Pace's running figures
+# With nothing decoding, a step takes about this long of a chunk's layers: a Stop, or a new
+# request's first row, waits for the step that is running, not for the chunk's every layer.
+ALONE_STEP_S = 1.0
 
 
 def slot_prefill_chunk(config: Config) -> int:
@@ -222,19 +225,20 @@ class Sliced:
 class Pace:
     """How many layers of a prompt's chunk a step takes beside decode rows: as many as fit in
     SLICE_SHARE of the decode rows' own pass (measured on steps without a chunk), at least one;
-    every layer left when no row decodes. Both figures are running means of the steps' walls, so
-    the pace follows the chunk's cost as its attention grows and its experts come cached. How
-    many layers a step takes never changes the output (PromptSlice)."""
+    with no row decoding, as many as fit in ALONE_STEP_S (every layer left while a layer's cost
+    is not known yet). Both figures are running means of the steps' walls, so the pace follows
+    the chunk's cost as its attention grows and its experts come cached. How many layers a
+    step takes never changes the output (PromptSlice)."""
 
-    def __init__(self, share: float = SLICE_SHARE):
-        self.share = share
+    def __init__(self, share: float = SLICE_SHARE, alone_s: float = ALONE_STEP_S):
+        self.share, self.alone_s = share, alone_s
         self.decode_s: float | None = None  # a step of decode rows alone
         self.layer_s: float | None = None  # one layer of a chunk
 
     def layers(self, decoding: bool, left: int) -> int:
         if not decoding:
-            return left
-        if self.decode_s is None or self.layer_s is None or self.layer_s <= 0:
+            return left if not self.layer_s else max(1, min(left, int(self.alone_s / self.layer_s)))
+        if self.decode_s is None or not self.layer_s:
             return 1
         return max(1, min(left, int(self.share * self.decode_s / self.layer_s)))
 

@@ -35,17 +35,19 @@ def test_a_step_takes_every_decode_row_and_the_oldest_prompt_s_chunk():
     assert _slots_of(*pick_rows([_ask(0, 4, 7), _ask(1, 3, 7)])) == ([], 1)  # two prompts: one chunk at a time
 
 
-def test_a_chunk_takes_what_fits_beside_the_decode_rows_and_every_layer_when_nothing_decodes():
-    pace = Pace(share=1.0)
+def test_a_chunk_takes_what_fits_beside_the_decode_rows_and_about_a_second_when_nothing_decodes():
+    pace = Pace(share=1.0, alone_s=1.0)
     assert pace.layers(True, 48) == 1  # nothing measured yet: a layer a step
-    assert pace.layers(False, 30) == 30  # nobody waits: all that are left
-    pace.took(0.6, decoding=True, layers=0)  # decode rows alone: 0.6 s
-    pace.took(0.6 + 2 * 0.25, decoding=True, layers=2)  # beside two layers of the chunk: 0.25 s a layer
-    assert pace.layers(True, 48) == 2  # two layers fit in 0.6 s, three do not
+    assert pace.layers(False, 30) == 30  # nobody waits, a layer's cost unknown: all that are left
+    pace.took(0.5, decoding=True, layers=0)  # decode rows alone: 0.5 s
+    pace.took(0.5 + 2 * 0.25, decoding=True, layers=2)  # beside two layers of the chunk: 0.25 s a layer
+    assert pace.layers(True, 48) == 2  # two layers fit in 0.5 s, three do not
     assert pace.layers(True, 1) == 1
-    pace.took(3 * 0.05, decoding=False, layers=3)  # cached experts: the layers grow cheap
+    assert pace.layers(False, 30) == 4  # nobody waits: a second's worth, so a Stop is seen within it
+    for _ in range(5):
+        pace.took(3 * 0.05, decoding=False, layers=3)  # cached experts: the layers grow cheap
     assert pace.layers(True, 48) > 2
-    pace.took(0.6 + 40.0, decoding=True, layers=1)  # a slow layer (its reads): back to one a step
+    pace.took(0.5 + 40.0, decoding=True, layers=1)  # a slow layer (its reads): back to one a step
     assert pace.layers(True, 48) == 1
 
 

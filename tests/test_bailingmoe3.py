@@ -6,7 +6,8 @@ tests/test_families_oracle.py (its entry in tests/oracle.py); the streaming pipe
 in tests/test_family_pipelines.py, a prompt in one chunk, in several and token by token
 in tests/test_prefill.py. Here: the layer kinds and the KDA tensors as the converter
 writes them, the cache's and the recurrent state's size, a layer past the config's MTP
-count left out (the MTP block itself: tests/test_convert_mtp.py), and what the converter refuses (docs/models.md § bailingmoe3).
+count left out (the MTP block itself: tests/test_convert_mtp.py; make-model --mtp's here), and what the
+converter refuses (docs/models.md § bailingmoe3).
 """
 
 from __future__ import annotations
@@ -38,6 +39,39 @@ def test_layer_kinds_and_state_come_from_head_count_kv(tiny):
         state = 2 * 4 * (3 * 4 * 64 * 3 + 4 * 64 * 64)
         assert recurrent_state_bytes(s) == state
         assert kv_cache_bytes(s, 100, "f32") == 2 * 100 * 160 * 4 + state
+
+
+def test_make_model_mtp_writes_the_block_llama_cpps_converter_writes(tiny, tmp_path, monkeypatch):
+    """make-model --mtp: block 4 is the gated-MLA MoE layer with eh_proj, enorm, hnorm and
+    layer_output_norm that llama.cpp's converter writes for Ling's MTP layer and its loader
+    creates (tests/test_convert_mtp.py LING_MTP_BLOCK), counted in block_count,
+    nextn_predict_layers and head_count_kv; the decoder's tensors are the plain file's bytes; the
+    block is never read and changes no token, here or in llama.cpp, which loads it."""
+    from moe_pipe.shared.gguf.reader import GGUFFile
+    from moe_pipe.shared.model.load import load_model
+
+    from .oracle_checks import llama, llama_greedy, ours_greedy
+    from .test_convert_mtp import LING_MTP_BLOCK
+
+    mtp = make_model("bailingmoe3", "tiny", tmp_path / "mtp.gguf", mtp=True)
+    with open_model(tiny) as a, open_model(mtp) as b:
+        meta = b.gguf.meta
+        assert (meta("bailingmoe3.block_count"), meta("bailingmoe3.nextn_predict_layers")) == (5, 1)
+        assert list(meta("bailingmoe3.attention.head_count_kv")) == [0, 1, 0, 1, 1]
+        assert (b.spec.n_layer, b.spec.n_layer_nextn, b.spec.n_head_kv) == (4, 1, a.spec.n_head_kv)
+        block = {n for n in b.gguf.tensors if n.startswith("blk.4.")}
+        assert {n.split(".", 2)[2] for n in block} == LING_MTP_BLOCK and block == b.layout.nextn_tensor_names
+        assert set(a.gguf.tensors) == set(b.gguf.tensors) - block
+        assert all(np.array_equal(np.asarray(a.gguf.view(n)), np.asarray(b.gguf.view(n))) for n in a.gguf.tensors)
+        prompt = [int(t) for t in np.random.default_rng(3).integers(0, a.spec.n_vocab, 12)]
+        want = ours_greedy(load_model(a), prompt, 8)
+    viewed: list[str] = []
+    real_view = GGUFFile.view
+    monkeypatch.setattr(GGUFFile, "view", lambda self, name: viewed.append(name) or real_view(self, name))
+    with open_model(mtp) as mf:
+        assert ours_greedy(load_model(mf), prompt, 8) == want
+        assert "blk.3.ffn_gate_exps.weight" in viewed and mf.layout.nextn_tensor_names.isdisjoint(viewed)
+    assert llama_greedy(llama(mtp), prompt, 8) == llama_greedy(llama(tiny), prompt, 8)
 
 
 @pytest.mark.parametrize(

@@ -535,7 +535,7 @@ def _add_metadata(
     w.add_head_count(p.n_head)
     w.add_layer_norm_rms_eps(p.rms_eps)
     w.add_rope_freq_base(p.rope_base)
-    part.attention_metadata(w, p)
+    part.attention_metadata(w, p, nextn)
     part.metadata(w, p)
     if nextn or part.nextn_key_always:
         w.add_nextn_predict_layers(nextn)

@@ -140,13 +140,14 @@ class PlanPart(Protocol):
         RMS-normed x of |x| ≈ √ne0."""
         return logit_std / math.sqrt(ne0)
 
-    def head_count_kv(self, p: Preset) -> int | list[int]:
-        """attention.head_count_kv: one count, or one per layer."""
+    def head_count_kv(self, p: Preset, nextn: int = 0) -> int | list[int]:
+        """attention.head_count_kv: one count, or one per block (the `nextn` NextN/MTP blocks
+        after the decoder's included, as llama.cpp's converter counts them)."""
         return p.n_head_kv
 
-    def attention_metadata(self, w: GGUFWriter, p: Preset) -> None:
-        """The attention's keys, written right after rope.freq_base."""
-        w.add_head_count_kv(self.head_count_kv(p))
+    def attention_metadata(self, w: GGUFWriter, p: Preset, nextn: int = 0) -> None:
+        """The attention's keys, written right after rope.freq_base (`nextn`: head_count_kv's)."""
+        w.add_head_count_kv(self.head_count_kv(p, nextn))
         if self.head_dim_in_config or p.head_dim != p.n_embd // p.n_head:
             w.add_key_length(p.head_dim)
             w.add_value_length(p.head_dim)

@@ -270,7 +270,7 @@ class MoEModel:
             if lo == 0:
                 prompt.hidden = self.embed(chunk)
             x = self.embed(rows) if d else None  # last: what a family keeps of the tokens embedded is the rows' (row_tokens)
-        if self.prefetch_next and d and rows_decoding:
+        if self.prefetch_next and x is not None and rows_decoding:
             first = self.spec.n_dense_lead  # as _layers: its reads start while the layers before it run
             self._decoding = True
             self.guess_layer(first, self.router_input(first, x))
@@ -290,7 +290,7 @@ class MoEModel:
                 y = self.layer(i, xi, both, 0, both_positions)
                 x, prompt.hidden = (y[:d], y[d:]) if d else (None, y)
             else:
-                assert alone is not None
+                assert x is not None and alone is not None and alone_positions is not None
                 self._decoding = rows_decoding
                 x = self.layer(i, x, alone, 0, alone_positions)
             if self.layer_observer is not None:
@@ -309,6 +309,7 @@ class MoEModel:
                 with self.stage("head"):
                     prompt.logits = self.logits(last)
             return []
+        assert x is not None
         out = self._heads(parts, alone, x, last)
         if last is not None:
             prompt.logits = out.pop()

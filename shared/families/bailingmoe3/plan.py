@@ -179,9 +179,25 @@ class BailingMoe3Plan(PlanPart):
     router = RouterShape(logit_std=5.0, depth_exp=0.4)  # not calibrated (no Ling trace): deepseek2's
 
     def layer(self, p: Preset, i: int, W: MakeWeight, F: MakeVector) -> list[TensorSpec]:
+        return self._block(p, i, W, F, mla=not p.is_recurrent(i))
+
+    def nextn_layer(self, p: Preset, i: int, W: MakeWeight, F: MakeVector) -> list[TensorSpec]:
+        """Ling's MTP layer as llama.cpp's converter writes it (shared/families/bailingmoe3/convert.py:
+        a gated-MLA MoE layer, then eh_proj, enorm and hnorm as nextn.*, and its
+        final_layernorm as layer_output_norm); the embedding and the output head are the model's."""
+        b, D = f"blk.{i}.", p.n_embd
+        return [
+            *self._block(p, i, W, F, mla=True),
+            W(b + "nextn.eh_proj.weight", (D, 2 * D), "nextn_eh_proj", i),  # [embedding; hidden] → D
+            F(b + "nextn.enorm.weight", (D,), "norm"),
+            F(b + "nextn.hnorm.weight", (D,), "norm"),
+            F(b + "layer_output_norm.weight", (D,), "norm"),
+        ]
+
+    def _block(self, p: Preset, i: int, W: MakeWeight, F: MakeVector, mla: bool) -> list[TensorSpec]:
         b, D, X = f"blk.{i}.", p.n_embd, p.n_expert
         out = [F(b + "attn_norm.weight", (D,), "norm")]
-        out += self._kda(p, i, W, F) if p.is_recurrent(i) else self._mla(p, i, W, F)
+        out += self._mla(p, i, W, F) if mla else self._kda(p, i, W, F)
         out.append(F(b + "ffn_norm.weight", (D,), "norm"))
         if i < p.n_dense_lead:
             return out + [
@@ -237,13 +253,14 @@ class BailingMoe3Plan(PlanPart):
             W(b + "attn_output.weight", (D, H * v), "attn_output", i),
         ]
 
-    def head_count_kv(self, p: Preset) -> list[int]:
-        """0 on a KDA layer (no KV cache), 1 on an MLA layer (the latent as one head)."""
-        return [0 if p.is_recurrent(i) else 1 for i in range(p.n_layer)]
+    def head_count_kv(self, p: Preset, nextn: int = 0) -> list[int]:
+        """0 on a KDA layer (no KV cache), 1 on an MLA layer (the latent as one head); the MTP
+        blocks are MLA layers."""
+        return [0 if p.is_recurrent(i) else 1 for i in range(p.n_layer)] + [1] * nextn
 
-    def attention_metadata(self, w: GGUFWriter, p: Preset) -> None:
+    def attention_metadata(self, w: GGUFWriter, p: Preset, nextn: int = 0) -> None:
         """MLA as one cached head: K = the latent and the rope part, V = the latent."""
-        w.add_head_count_kv(self.head_count_kv(p))
+        w.add_head_count_kv(self.head_count_kv(p, nextn))
         w.add_key_length(p.kv_lora_rank + p.qk_rope_dim)
         w.add_value_length(p.kv_lora_rank)
 

@@ -176,7 +176,7 @@ class DeepSeek2Plan(PlanPart):
             ]
         return out
 
-    def attention_metadata(self, w: GGUFWriter, p: Preset) -> None:
+    def attention_metadata(self, w: GGUFWriter, p: Preset, nextn: int = 0) -> None:
         """MLA as one cached head: K = the latent and the rope part, V = the latent."""
         w.add_head_count_kv(1)
         w.add_key_length(p.kv_lora_rank + p.qk_rope_dim)

@@ -267,7 +267,7 @@ class DeepSeek4Plan(PlanPart):
             return Q.F16
         return Q.Q8_0
 
-    def attention_metadata(self, w: GGUFWriter, p: Preset) -> None:
+    def attention_metadata(self, w: GGUFWriter, p: Preset, nextn: int = 0) -> None:
         """One kv head of head_dim, key and value alike."""
         w.add_head_count_kv(1)
         w.add_key_length(p.head_dim)

@@ -149,7 +149,7 @@ class Gemma4Plan(PlanPart):
         """The router divides its RMS-normed input by √D first: the weights carry the spread as is."""
         return logit_std
 
-    def attention_metadata(self, w: GGUFWriter, p: Preset) -> None:
+    def attention_metadata(self, w: GGUFWriter, p: Preset, nextn: int = 0) -> None:
         """Two attentions: the sliding-window layers' (`_swa` keys) and the full layers'."""
         w.add_head_count_kv([int(p.n_head_kv if p.is_swa(i) else p.n_head_kv_full) for i in range(p.n_layer)])
         w.add_key_length(p.head_dim_full)

@@ -162,7 +162,7 @@ class Lfm2MoePlan(PlanPart):
 
     head_dim_in_config = False  # LFM2's config has no head_dim: llama.cpp writes no key_length
 
-    def head_count_kv(self, p: Preset) -> list[int]:
+    def head_count_kv(self, p: Preset, nextn: int = 0) -> list[int]:
         """llama.cpp's per-layer kv heads: 0 marks a short-conv layer."""
         return [0 if p.is_recurrent(i) else p.n_head_kv for i in range(p.n_layer)]
 

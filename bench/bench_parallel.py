@@ -1,13 +1,14 @@
 """Several conversations at once: N clients together against the same N requests one at a time.
 
-    python bench/bench_parallel.py [--layers 48] [--clients 4] [-n 128] [--prompt-tokens 40]
-                                   [--config configs/qwen30b.toml] [--ratio 1.6] [--threads 2]
+    python bench/bench_parallel.py [--shape qwen30b|gemma26b|gptoss120b] [--layers 48] [--clients 4]
+                                   [-n 128] [--prompt-tokens 40] [--config CONFIG] [--ratio R] [--threads 2]
                                    [--set KEY=VALUE] [--alone-first] [--json OUT]
     python bench/bench_parallel.py --long-prompt 3600 [--clients 4] ...
 
-Starts `moe-pipe up CONFIG --parallel N` on a fresh copy of qwen30b-shape cut to
-`--layers` (made under bench/out/ on first use), inside a memory cgroup of
-file / `--ratio` MiB (bench_vs_llama.py's equal-memory limit), in a private
+Starts `moe-pipe up CONFIG --parallel N` on a fresh copy of the `--shape` model
+(qwen30b-shape unless said) cut to `--layers` (made under bench/out/ on first use),
+inside a memory cgroup of file / `--ratio` MiB (bench_vs_llama.py's equal-memory
+limit and recipe for the shape unless given), in a private
 runtime folder. After one short warm-up request it sends N greedy chat
 completions of `-n` tokens, each its own prompt of ordinary prose (a different
 stretch of bench/_protocol.py's prose), first all N at once ("together"), then
@@ -42,6 +43,7 @@ from pathlib import Path
 import load_gateway as gateway  # noqa: E402  (bench/ is the script's folder)
 from _models import shape_model  # noqa: E402
 from _protocol import fresh_copy, prose_prompt  # noqa: E402
+from bench_vs_llama import SHAPES  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 METRICS = ("moe_pipe_read_bytes_total", "moe_pipe_expert_lookups_total", "moe_pipe_experts_shared_total")
@@ -49,18 +51,23 @@ METRICS = ("moe_pipe_read_bytes_total", "moe_pipe_expert_lookups_total", "moe_pi
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen30b", help="the made model (bench_vs_llama.py's shapes)")
     p.add_argument("--layers", type=int, default=48)
     p.add_argument("--clients", type=int, default=4)
     p.add_argument("-n", type=int, default=128, help="completion tokens a request")
     p.add_argument("--prompt-tokens", type=int, default=40, help="each request's prompt, about this many tokens of prose")
-    p.add_argument("--config", default=str(ROOT / "configs" / "qwen30b.toml"))
-    p.add_argument("--ratio", type=float, default=1.6, help="memory limit = file size / this")
+    p.add_argument("--config", help="the recipe (default: the shape's, bench_vs_llama.py SHAPES)")
+    p.add_argument("--ratio", type=float, help="memory limit = file size / this (default: the shape's)")
     p.add_argument("--threads", type=int, default=2, help="compute threads (the recipes' are a phone's big cores)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override for `up` (e.g. compute.ctx_size=2048)")
     p.add_argument("--alone-first", action="store_true", help="the phases the other way round (alone then runs colder)")
     p.add_argument("--json", help="also write the figures to this file")
     p.add_argument("--long-prompt", type=int, default=0, metavar="T", help="a T-token prompt arriving while the other clients decode")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    shape = SHAPES[args.shape]
+    args.config = args.config or str(ROOT / shape["config"])
+    args.ratio = args.ratio or shape["ratio"]
+    return args
 
 
 class Service(gateway.Service):
@@ -216,7 +223,7 @@ def main(argv=None) -> int:
     from moe_pipe.shared.text.tokenizer import Tokenizer
 
     args = parse(argv)
-    model = shape_model(None, args.layers)
+    model = shape_model(None, args.layers, SHAPES[args.shape]["arch"], SHAPES[args.shape]["preset"])
     limit = model.stat().st_size / 2**20 / args.ratio
     with open_model(model) as mf:
         tok = Tokenizer.from_gguf(mf.gguf)
@@ -250,7 +257,7 @@ def main(argv=None) -> int:
         return 0
     same = [a["text"] == t["text"] for a, t in zip(alone["requests"], together["requests"])]
     print(
-        f"\nqwen30b-shape L{args.layers}, {limit:,.0f} MiB (file / {args.ratio:g}), {args.clients} requests of {args.n} tokens"
+        f"\n{SHAPES[args.shape]['preset']} L{args.layers}, {limit:,.0f} MiB (file / {args.ratio:g}), {args.clients} requests of {args.n} tokens"
         + ("".join(f", {kv}" for kv in args.set))
         + (", alone first" if args.alone_first else ", together first")
     )

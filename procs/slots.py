@@ -224,16 +224,18 @@ class Sliced:
 
 class Pace:
     """How many layers of a prompt's chunk a step takes beside decode rows: as many as fit in
-    SLICE_SHARE of the decode rows' own pass (measured on steps without a chunk), at least one;
-    with no row decoding, as many as fit in ALONE_STEP_S (every layer left while a layer's cost
-    is not known yet). Both figures are running means of the steps' walls, so the pace follows
-    the chunk's cost as its attention grows and its experts come cached. How many layers a
-    step takes never changes the output (PromptSlice)."""
+    SLICE_SHARE of the decode rows' own pass, at least one; with no row decoding, as many as fit
+    in ALONE_STEP_S (every layer left while a layer's cost is not known yet). Both figures are
+    running means, learned from every step: a step of decode rows alone gives their pass; a step
+    with the chunk gives, from its layers' own clocks (PromptSlice inside_s, outside_s), what a
+    layer of decode rows alone costs and so what the chunk adds to each of its layers. The pace
+    follows a chunk whose attention grows with its position, whose experts come cached, or a
+    shorter one. How many layers a step takes never changes the output (PromptSlice)."""
 
     def __init__(self, share: float = SLICE_SHARE, alone_s: float = ALONE_STEP_S):
         self.share, self.alone_s = share, alone_s
-        self.decode_s: float | None = None  # a step of decode rows alone
-        self.layer_s: float | None = None  # one layer of a chunk
+        self.decode_s: float | None = None  # the decode rows' pass alone
+        self.layer_s: float | None = None  # what one layer of a chunk adds
 
     def layers(self, decoding: bool, left: int) -> int:
         if not decoding:
@@ -242,12 +244,20 @@ class Pace:
             return 1
         return max(1, min(left, int(self.share * self.decode_s / self.layer_s)))
 
-    def took(self, wall_s: float, decoding: bool, layers: int) -> None:
+    def took(self, wall_s: float, decoding: bool, layers: int = 0, inside_s: float = 0.0, outside_s: float = 0.0, rest: int = 0) -> None:
+        """A step's wall; with a chunk, its `layers` layers' seconds (`inside_s`) and the `rest`
+        layers' the decode rows ran alone (`outside_s`)."""
         if not layers:
             if decoding:
                 self.decode_s = _mean(self.decode_s, wall_s)
-        elif not decoding:
-            self.layer_s = _mean(self.layer_s, wall_s / layers)
+            return
+        if not decoding:
+            self.layer_s = _mean(self.layer_s, inside_s / layers)
+            return
+        if rest:  # a layer of decode rows alone, so the chunk's share of its own layers
+            per = outside_s / rest
+            self.decode_s = _mean(self.decode_s, wall_s - inside_s + per * layers)
+            self.layer_s = _mean(self.layer_s, max(inside_s / layers - per, 0.0))
         elif self.decode_s is not None:
             self.layer_s = _mean(self.layer_s, max(wall_s - self.decode_s, 0.0) / layers)
 
@@ -560,7 +570,11 @@ class Slots:
                 self.steps.answer(a, error=exc)
             self.sliced = None  # its recurrent state is emptied (MeteredModel.forward_batch): nothing to put back
             return
-        self.pace.took(time.perf_counter() - t0, bool(rows), layers)
+        if sl is not None:
+            rest = self.metered.model.spec.n_layer - layers if rows else 0
+            self.pace.took(time.perf_counter() - t0, bool(rows), layers, sl.piece.inside_s, sl.piece.outside_s, rest)
+        else:
+            self.pace.took(time.perf_counter() - t0, bool(rows))
         for a, row in zip(rows, logits):
             self.steps.answer(a, logits=row[-1], record=record)
         if sl is not None:

@@ -39,15 +39,18 @@ def test_a_chunk_takes_what_fits_beside_the_decode_rows_and_about_a_second_when_
     pace = Pace(share=1.0, alone_s=1.0)
     assert pace.layers(True, 48) == 1  # nothing measured yet: a layer a step
     assert pace.layers(False, 30) == 30  # nobody waits, a layer's cost unknown: all that are left
-    pace.took(0.5, decoding=True, layers=0)  # decode rows alone: 0.5 s
-    pace.took(0.5 + 2 * 0.25, decoding=True, layers=2)  # beside two layers of the chunk: 0.25 s a layer
-    assert pace.layers(True, 48) == 2  # two layers fit in 0.5 s, three do not
+    # 48 layers, the decode rows 1/96 s a layer (0.5 s a pass); 2 of them with the chunk, which
+    # adds 0.24 s to each
+    inside = 2 * (0.24 + 1 / 96)
+    pace.took(inside + 46 / 96, decoding=True, layers=2, inside_s=inside, outside_s=46 / 96, rest=46)
+    assert (pace.decode_s, pace.layer_s) == pytest.approx((0.5, 0.24))
+    assert pace.layers(True, 48) == 2  # two layers fit in the decode rows' pass, three do not
     assert pace.layers(True, 1) == 1
     assert pace.layers(False, 30) == 4  # nobody waits: a second's worth, so a Stop is seen within it
     for _ in range(5):
-        pace.took(3 * 0.05, decoding=False, layers=3)  # cached experts: the layers grow cheap
+        pace.took(3 * 0.05, decoding=False, layers=3, inside_s=3 * 0.05)  # cached experts: the layers grow cheap
     assert pace.layers(True, 48) > 2
-    pace.took(0.5 + 40.0, decoding=True, layers=1)  # a slow layer (its reads): back to one a step
+    pace.took(0.5 + 40.0, decoding=True, layers=1, inside_s=40.0, outside_s=47 / 96, rest=47)  # a slow layer (its reads)
     assert pace.layers(True, 48) == 1
 
 

@@ -13,6 +13,7 @@ Legend: T tokens, D hidden, V vocab.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -276,10 +277,12 @@ class MoEModel:
             self.guess_layer(first, self.router_input(first, x))
         both_positions, alone_positions = both.positions, alone.positions if alone is not None else None
         told = None
+        prompt.inside_s = prompt.outside_s = 0.0
         for i in range(n_layer):
             sliced = lo <= i < hi
             if not sliced and x is None:
                 continue
+            t0 = time.perf_counter()
             if told is not sliced:
                 self.row_tokens(np.concatenate([rows, chunk]) if sliced else rows)
                 told = sliced
@@ -293,6 +296,11 @@ class MoEModel:
                 assert x is not None and alone is not None and alone_positions is not None
                 self._decoding = rows_decoding
                 x = self.layer(i, x, alone, 0, alone_positions)
+            took = time.perf_counter() - t0
+            if sliced:
+                prompt.inside_s += took
+            else:
+                prompt.outside_s += took
             if self.layer_observer is not None:
                 self.layer_observer(i, d + (chunk.size if lo <= i < hi else 0))
         prompt.next_layer = hi

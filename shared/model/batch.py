@@ -73,6 +73,10 @@ class PromptSlice:
     hidden: np.ndarray | None = None  # [C, D] once embedded
     logits: np.ndarray | None = None  # [1, V]: the last row's, once through every layer
     layer_passes: int = 0  # the passes it has been in
+    # its last pass's seconds in its layers (its rows and the parts' together) and in the others
+    # (the parts' rows alone): what the chunk's layers cost beside the decode rows (procs/slots.py Pace)
+    inside_s: float = 0.0
+    outside_s: float = 0.0
 
     def __post_init__(self) -> None:
         self.tokens = np.asarray(self.tokens, dtype=np.int64).reshape(-1)

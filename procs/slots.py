@@ -226,11 +226,11 @@ class Pace:
     """How many layers of a prompt's chunk a step takes beside decode rows: as many as fit in
     SLICE_SHARE of the decode rows' own pass, at least one; with no row decoding, as many as fit
     in ALONE_STEP_S (every layer left while a layer's cost is not known yet). Both figures are
-    running means, learned from every step: a step of decode rows alone gives their pass; a step
-    with the chunk gives, from its layers' own clocks (PromptSlice inside_s, outside_s), what a
-    layer of decode rows alone costs and so what the chunk adds to each of its layers. The pace
-    follows a chunk whose attention grows with its position, whose experts come cached, or a
-    shorter one. How many layers a step takes never changes the output (PromptSlice)."""
+    running means of the steps' walls: the decode rows' pass from steps without a chunk (until
+    one comes, a first figure from a step with one, by its layers' own clocks: PromptSlice
+    inside_s, outside_s), and a layer of the chunk as what a step with it took past that pass.
+    The pace follows a chunk whose attention grows with its position, or whose experts come
+    cached. How many layers a step takes never changes the output (PromptSlice)."""
 
     def __init__(self, share: float = SLICE_SHARE, alone_s: float = ALONE_STEP_S):
         self.share, self.alone_s = share, alone_s
@@ -254,11 +254,9 @@ class Pace:
         if not decoding:
             self.layer_s = _mean(self.layer_s, inside_s / layers)
             return
-        if rest:  # a layer of decode rows alone, so the chunk's share of its own layers
-            per = outside_s / rest
-            self.decode_s = _mean(self.decode_s, wall_s - inside_s + per * layers)
-            self.layer_s = _mean(self.layer_s, max(inside_s / layers - per, 0.0))
-        elif self.decode_s is not None:
+        if self.decode_s is None and rest:  # prompts back to back: no step of decode rows alone yet
+            self.decode_s = wall_s - inside_s + outside_s / rest * layers
+        if self.decode_s is not None:
             self.layer_s = _mean(self.layer_s, max(wall_s - self.decode_s, 0.0) / layers)
 
 

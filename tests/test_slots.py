@@ -39,14 +39,16 @@ def test_a_chunk_takes_what_fits_beside_the_decode_rows_and_about_a_second_when_
     pace = Pace(share=1.0, alone_s=1.0)
     assert pace.layers(True, 48) == 1  # nothing measured yet: a layer a step
     assert pace.layers(False, 30) == 30  # nobody waits, a layer's cost unknown: all that are left
-    # 48 layers, the decode rows 1/96 s a layer (0.5 s a pass); 2 of them with the chunk, which
-    # adds 0.24 s to each
+    # No step of decode rows alone yet (prompts back to back): 48 layers, the decode rows 1/96 s
+    # a layer (0.5 s a pass); 2 of them with the chunk, which adds 0.24 s to each
     inside = 2 * (0.24 + 1 / 96)
     pace.took(inside + 46 / 96, decoding=True, layers=2, inside_s=inside, outside_s=46 / 96, rest=46)
     assert (pace.decode_s, pace.layer_s) == pytest.approx((0.5, 0.24))
     assert pace.layers(True, 48) == 2  # two layers fit in the decode rows' pass, three do not
     assert pace.layers(True, 1) == 1
     assert pace.layers(False, 30) == 4  # nobody waits: a second's worth, so a Stop is seen within it
+    pace.took(0.6, decoding=True)  # a step of decode rows alone: their pass, measured
+    assert pace.decode_s == pytest.approx(0.7 * 0.5 + 0.3 * 0.6)
     for _ in range(5):
         pace.took(3 * 0.05, decoding=False, layers=3, inside_s=3 * 0.05)  # cached experts: the layers grow cheap
     assert pace.layers(True, 48) > 2

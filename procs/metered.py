@@ -145,7 +145,7 @@ class MeteredModel:
         t0 = time.perf_counter()
         caches = [p.cache for p in parts] + ([prompt.cache] if prompt is not None else [])
         try:
-            out = self.model.forward_batch(parts, prompt=prompt, layers=layers) if prompt is not None else self.model.forward_batch(parts)
+            out = self.model.forward_batch(parts, prompt=prompt, layers=layers)
         except BaseException:
             for c in caches:
                 if getattr(c, "state", None) is not None:

@@ -555,10 +555,7 @@ class Slots:
         layers = self.pace.layers(bool(rows), self.metered.model.spec.n_layer - sl.piece.next_layer) if sl is not None else 0
         t0 = time.perf_counter()
         try:
-            if sl is not None:
-                logits, record = self.metered.forward_batch(parts, req_ids, prompt=sl.piece, layers=layers)
-            else:
-                logits, record = self.metered.forward_batch(parts, req_ids)
+            logits, record = self.metered.forward_batch(parts, req_ids, prompt=sl.piece if sl is not None else None, layers=layers)
         except Exception as exc:  # noqa: BLE001 - a failed pass fails its requests, the process goes on
             if isinstance(exc, GenerationAborted) and exc.code == m.Code.PEER_GONE:
                 self.peer_gone = exc

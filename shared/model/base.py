@@ -302,9 +302,8 @@ class MoEModel:
             else:
                 prompt.outside_s += took
             if self.layer_observer is not None:
-                self.layer_observer(i, d + (chunk.size if lo <= i < hi else 0))
+                self.layer_observer(i, d + (chunk.size if sliced else 0))
         prompt.next_layer = hi
-        prompt.layer_passes += 1
         if alone is not None:
             alone.advance(d)
         last = None

@@ -72,7 +72,6 @@ class PromptSlice:
     next_layer: int = 0
     hidden: np.ndarray | None = None  # [C, D] once embedded
     logits: np.ndarray | None = None  # [1, V]: the last row's, once through every layer
-    layer_passes: int = 0  # the passes it has been in
     # its last pass's seconds in its layers (its rows and the parts' together) and in the others
     # (the parts' rows alone): what the chunk's layers cost beside the decode rows (procs/slots.py Pace)
     inside_s: float = 0.0
@@ -211,7 +210,7 @@ def decode_together(
             else:
                 piece, owner = PromptSlice(np.asarray(tokens), caches[reading]), reading
         if parts or piece is not None:
-            got = list(zip(owners, model.forward_batch(parts, prompt=piece, layers=layers) if piece else model.forward_batch(parts)))
+            got = list(zip(owners, model.forward_batch(parts, prompt=piece, layers=layers)))
             if piece is not None and piece.done:
                 assert piece.logits is not None
                 got.append((owner, piece.logits))

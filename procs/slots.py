@@ -549,7 +549,6 @@ class Slots:
             sl = None
         if sl is None and chunk is not None:
             sl = self.sliced = Sliced.start(chunk)
-        rows = [a for a in rows if sl is None or a is not sl.ask]
         req_ids = [self.slots[a.slot].req_id for a in rows] + ([self.slots[sl.ask.slot].req_id] if sl is not None else [])
         parts = [BatchPart(a.tokens, a.cache) for a in rows]
         layers = self.pace.layers(bool(rows), self.metered.model.spec.n_layer - sl.piece.next_layer) if sl is not None else 0

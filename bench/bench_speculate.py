@@ -1,6 +1,7 @@
 """Speculative decoding's mechanism, measured: the verify pass's cost for 1-5 rows
 and its extra expert reads, and tok/s with drafts replayed from a plain greedy run
-at a chosen acceptance, next to plain decoding in the same run.
+at a chosen acceptance, next to plain decoding in the same run; on a file with an
+MTP/NextN block (make-model --mtp), the block's own cost as the drafter.
 
     python bench/bench_speculate.py [--layers 8] [--model PATH] [-n 64] [--widths 1,2,3,4]
                                     [--accuracy 1,0.8,0.6,0.4] [--adaptive] [--stream --limit-mb MB]
@@ -87,9 +88,13 @@ class Resident:
         cache = self.model.new_cache(len(prompt) + 16)
         self.model.prefill(prompt, cache, batch=len(prompt))
         n0 = cache.n
+        snap = cache.state.snapshot() if cache.state is not None else None  # a recurrent state is put back, not truncated
         times = []
         for _ in range(repeat):
-            cache.truncate(n0)
+            if snap is not None:
+                cache.rewind(n0, snap)  # copied back in place: the snapshot stays as it was
+            else:
+                cache.truncate(n0)
             self.routes.clear()
             t0 = time.perf_counter()
             self.model.verify(np.asarray(continuation[:rows]), cache)
@@ -157,7 +162,64 @@ def resident(args, path: Path) -> None:
             passes = len(reference) - 1 - t["draft_accepted"]  # every token after the first: a pass's, or a kept draft's
             label = f"<={width}" if adapt else str(width)
             print(f"{label:>6}{acc:>10.2f}{rate:>10.0%}{tps:>9.2f}{tps / plain_tps:>9.2f}{passes:>8}")
+    if spec.n_layer_nextn:
+        mtp_cost(r, prompt, reference, widths, args)
     r.mf.close()
+
+
+class TimedDrafter:
+    """A drafter whose proposals are timed: what drafting itself costs a verify pass."""
+
+    def __init__(self, inner):
+        self.inner, self.seconds, self.drafted, self.calls = inner, 0.0, 0, 0
+
+    def start(self, prompt):
+        self.inner.start(prompt)
+
+    def propose(self, history, n):
+        t0 = time.perf_counter()
+        drafts = self.inner.propose(history, n)
+        self.seconds += time.perf_counter() - t0
+        self.drafted += len(drafts)
+        self.calls += 1
+        return drafts
+
+
+def mtp_cost(r: Resident, prompt, reference, widths, args) -> None:
+    """(c) the file's MTP block as the drafter: its cost per draft token next to a plain
+    decode step, and what it adds to the prompt (the block takes every prompt position)."""
+    from moe_pipe.shared.model.session import Session
+    from moe_pipe.shared.text.generate import GenerationConfig, generate
+    from moe_pipe.shared.text.sampling import SamplingParams
+    from moe_pipe.shared.text.speculate import drafter_for
+
+    def run(width):
+        session = Session()
+        n_ctx = len(prompt) + args.n + 16
+        drafter = TimedDrafter(drafter_for("mtp", model=r.model, session=session, n_ctx=n_ctx)) if width else None
+        cfg = GenerationConfig(max_tokens=args.n, ignore_eos=True, draft=width, draft_adapt=False, n_ctx=n_ctx, prefill_batch=len(prompt))
+        g = generate(r.model, _NoText(), prompt, SamplingParams(), cfg, session=session, drafter=drafter)
+        assert g.tokens == reference, "speculative output differs from plain output"
+        return g, drafter
+
+    run(1)  # the block's kernels compile outside the timing
+    print("\n(c) the MTP block as the drafter (its own guesses: random weights, so nearly none is kept)")
+    print(f"{'width':>6}{'ms a draft':>12}{'x a step':>10}{'prompt ms':>11}{'x plain':>9}{'tok/s':>9}{'x plain':>9}")
+    for width in widths:
+        runs, plains = [], []
+        for _ in range(args.repeat):
+            runs.append(run(width))
+            plains.append(run(0)[0])
+        step_ms = statistics.median(1e3 / g.timings["predicted_tok_s"] for g in plains)
+        per_draft = statistics.median(d.seconds * 1e3 / max(d.drafted, 1) for _, d in runs)
+        prompt_ms = statistics.median(g.timings["prompt_ms"] for g, _ in runs)
+        plain_prompt = statistics.median(g.timings["prompt_ms"] for g in plains)
+        tps = statistics.median(g.timings["predicted_tok_s"] for g, _ in runs)
+        plain_tps = statistics.median(g.timings["predicted_tok_s"] for g in plains)
+        print(
+            f"{width:>6}{per_draft:>12.2f}{per_draft / step_ms:>10.2f}{prompt_ms:>11.1f}{prompt_ms / plain_prompt:>9.2f}"
+            f"{tps:>9.2f}{tps / plain_tps:>9.2f}"
+        )
 
 
 # -- streamed -------------------------------------------------------------------------------

@@ -174,6 +174,7 @@ def _run_resident(cfg: Config, model_path, tok, prompt_tokens, params, args, on_
     from ..shared.errors import UserError
     from ..shared.experts.directio import model_identity
     from ..shared.gguf.model_file import open_model
+    from ..shared.gguf.nextn import require_nextn
     from ..shared.gguf.spec import experts_per_token, lossy_expert_count
     from ..shared.model.load import ModelOptions, load_model
     from ..shared.model.session import save_session
@@ -203,6 +204,8 @@ def _run_resident(cfg: Config, model_path, tok, prompt_tokens, params, args, on_
     t0 = time.perf_counter()
     with open_model(model_path) as mf:
         experts_per_token(mf.spec, cfg.compute.n_expert_used)  # out of range: one line, before the load
+        if cfg.compute.draft and cfg.compute.draft_source == "mtp" and not cfg.compute.draft_replay:
+            require_nextn(mf.spec)
         if lossy := lossy_expert_count(mf.spec, cfg.compute.n_expert_used):
             print(lossy, file=sys.stderr)
         replay = RouteReplay(read_trace(str(cfg.compute.route_replay)), mf.spec) if cfg.compute.route_replay else None
@@ -220,7 +223,8 @@ def _run_resident(cfg: Config, model_path, tok, prompt_tokens, params, args, on_
                 warm = warm_up(steps, lambda i, n, item: status.update(kernel_text(i, n, item)))
                 status.done(f"kernels ready in {warm.seconds:.2f} s ({warm.compiled} compiled, the rest from numba's cache)")
             with CompileCounter() as late:
-                drafter = drafter_for(cfg.compute.draft_source, cfg.compute.draft_replay, mf.spec.n_vocab)
+                source = cfg.compute.draft_source if gen_cfg.draft else "none"
+                drafter = drafter_for(source, cfg.compute.draft_replay, mf.spec.n_vocab, model, session, gen_cfg.n_ctx)
                 result = generate(
                     _Phases(model, tracer), tok, prompt_tokens, params, gen_cfg, on_text=on_text, session=session, drafter=drafter
                 )

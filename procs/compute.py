@@ -541,7 +541,9 @@ def handle(
     compiles = late.count if late else 0
     metered.begin(req.req_id)
     try:
-        drafter = drafter_for(config.compute.draft_source, config.compute.draft_replay, metered.model.spec.n_vocab)
+        session = session if session is not None else Session()
+        source = config.compute.draft_source if gen_cfg.draft else "none"  # the MTP block loads only for a request that drafts
+        drafter = drafter_for(source, config.compute.draft_replay, metered.model.spec.n_vocab, metered.model, session, gen_cfg.n_ctx)
         result = generate(
             metered, tok, list(req.prompt_tokens), params, gen_cfg, on_text=on_text, session=session, constraint=constraint, drafter=drafter
         )

@@ -93,7 +93,7 @@ class MeteredModel:
         """A decoded token and its drafts in one pass (shared/text/speculate.py): one record, its drafts counted as `drafted`."""
         if self.tracer:
             self.tracer.phase = 1
-        return self._step(lambda: self.model.verify(tokens, cache), cache, len(tokens), drafted=max(len(tokens) - 1 - redo, 0))
+        return self._step(lambda: self.model.verify(tokens, cache, redo), cache, len(tokens), drafted=max(len(tokens) - 1 - redo, 0))
 
     def drafts_judged(self, drafted: int, kept: int) -> None:
         """The last verify pass's drafts are settled (shared/text/speculate.py): its record goes out with them."""

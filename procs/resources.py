@@ -29,6 +29,7 @@ from ..shared.experts.hotset import hottest_experts
 from ..shared.experts.populate import Populator
 from ..shared.experts.residency import ResidencyIndex
 from ..shared.gguf.model_file import open_model
+from ..shared.gguf.nextn import require_nextn
 from ..shared.gguf.spec import experts_per_token, lossy_expert_count
 from ..shared.model.trace import read_trace
 from ..shared.wire import ipc
@@ -92,6 +93,8 @@ class Resources:
                 raise UserError(f"--threads {cfg.compute.threads}: this machine has {os.cpu_count()} cores")
             if cfg.cache.warm_from:  # a bad trace is the user's error, before anything starts
                 hottest_experts(str(cfg.cache.warm_from), spec, 1)
+            if cfg.compute.draft and cfg.compute.draft_source == "mtp" and not cfg.compute.draft_replay:
+                require_nextn(spec)
             if cfg.compute.route_replay:
                 from ..shared.model.routes import RouteReplay  # model code: only when a trace drives the run
 

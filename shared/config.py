@@ -53,7 +53,7 @@ AUTO_PREFILL_CHUNK = 4096
 # decoding slots' rows, so a long prompt holds each of their steps for one such chunk, not for all of it.
 SLOT_PREFILL_CHUNK = 512
 # compute.draft_source and compute.draft's bound (shared/text/speculate.py; kept light: no model import here)
-DRAFT_SOURCES = ("ngram", "none")
+DRAFT_SOURCES = ("ngram", "mtp", "none")
 MAX_DRAFT = 8  # drafts per verify pass at most (docs/speculative.md: the gain measured is at 1-4)
 KV_TYPES = ("f16", "f32", "q8_0")  # compute.kv_type: the keys of shared/gguf/spec.py KV_TYPE_BYTES (kept light: no gguf import here)
 CHAT_TEMPLATE_WORDS = ("model", "plain")  # generate.chat_template values that are not paths (shared/text/chat.py)
@@ -265,7 +265,9 @@ class ComputeConfig:
         "ngram",
         "choice",
         "where --draft's guesses come from: ngram = the tokens that followed the latest earlier occurrence of the "
-        "last few tokens in the prompt and output (repeated text drafts, anything else costs nothing); none = no drafts",
+        "last few tokens in the prompt and output (repeated text drafts, anything else costs nothing); mtp = the model "
+        "file's own MTP/NextN block (Qwen3.5/3.6, GLM-4.5, Ling files that carry one), one extra layer and the output "
+        "head per guess; none = no drafts",
         choices=DRAFT_SOURCES,
         flags=("--draft-source",),
     )

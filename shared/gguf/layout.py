@@ -188,6 +188,22 @@ def _layer_parts(f: GGUFFile, spec: ModelSpec) -> tuple[list[list[ExpertPart]], 
     return parts, names
 
 
+def nextn_layer_experts(f: GGUFFile, spec: ModelSpec) -> tuple[LayerExperts, ...]:
+    """The routed experts of the NextN/MTP blocks (shared/gguf/nextn.py), mapped and checked
+    as build_layout maps the decoder's: for the drafter that runs them through the file
+    mapping (shared/model/mtp.py); the layout itself leaves them out."""
+    out = []
+    for j in range(spec.n_layer, spec.n_layer + spec.n_layer_nextn):
+        parts = [
+            _expert_part(f, spec, t, m["proj"], m["kind"])
+            for t in f.tensors.values()
+            if (m := _EXPERT_TENSOR.match(t.name)) and int(m["layer"]) == j
+        ]
+        _check_complete(f, spec, j, parts)
+        out.append(LayerExperts(j, tuple(sorted(parts, key=_sort_key))))
+    return tuple(out)
+
+
 def _check_complete(f: GGUFFile, spec: ModelSpec, layer: int, parts: list[ExpertPart]) -> None:
     have = {p.name for p in parts}
     if not ({"gate", "up", "down"} <= have or {"gate_up", "down"} <= have):

@@ -16,14 +16,17 @@ is a full-attention layer) plus its own `nextn.*` tensors:
 llama.cpp runs them only as a speculative-decoding draft; the decoder never reads
 them. moe-pipe does the same: their tensors are neither streamed nor in the dense
 set (layout.py), and `ModelSpec.n_layer_nextn` with the layer numbers after
-`n_layer` says where they are for a later draft step.
+`n_layer` says where they are. `--draft-source mtp` runs the first one as a drafter
+(shared/model/mtp.py), reading it through the file mapping; `nextn_spec` is the spec
+that drafter's layer code sees.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
-from ..errors import GGUFError
+from ..errors import GGUFError, UserError
 from .reader import GGUFFile
 from .spec import ModelSpec, Shapes
 
@@ -35,6 +38,35 @@ REQUIRED = ("nextn.eh_proj.weight", "nextn.enorm.weight", "nextn.hnorm.weight")
 def nextn_layers(spec: ModelSpec) -> range:
     """The block numbers of the NextN/MTP layers: the ones after the decoder's."""
     return range(spec.n_layer, spec.n_layer + spec.n_layer_nextn)
+
+
+def require_nextn(spec: ModelSpec) -> None:
+    """--draft-source mtp needs the block: a UserError in one line when the file has none."""
+    if not spec.n_layer_nextn:
+        raise UserError(
+            f"--draft-source mtp needs a model file with an MTP/NextN block; this {spec.arch} file has none "
+            "(nextn_predict_layers is 0): use --draft-source ngram"
+        )
+
+
+def nextn_spec(spec: ModelSpec) -> ModelSpec:
+    """The spec with the first NextN block as one more layer (number `spec.n_layer`), so a
+    family's own layer code runs it: an attention layer over the whole context, shaped as
+    the decoder's last such layer (check_nextn holds its tensors to that), never recurrent
+    or sliding (qwen35moe's and bailingmoe3's MTP layers are their full-attention kind)."""
+    if not spec.n_layer_nextn:
+        raise ValueError(f"{spec.arch}: the file has no NextN/MTP block")
+    like = max((i for i in range(spec.n_layer) if not spec.is_recurrent(i) and not spec.swa_layers[i]), default=spec.n_layer - 1)
+    return replace(
+        spec,
+        n_layer=spec.n_layer + 1,
+        n_layer_nextn=spec.n_layer_nextn - 1,
+        n_head_kv=(*spec.n_head_kv, spec.n_head_kv[like]),
+        head_dim_k=(*spec.head_dim_k, spec.head_dim_k[like]),
+        head_dim_v=(*spec.head_dim_v, spec.head_dim_v[like]),
+        swa_layers=(*spec.swa_layers, False),
+        recurrent_layers=(*spec.recurrent_layers, False) if spec.recurrent_layers else (),
+    )
 
 
 def nextn_tensor_names(f: GGUFFile, spec: ModelSpec) -> frozenset[str]:

@@ -87,6 +87,10 @@ class ModelOptions:
 class MoEModel:
     arch: str = ""  # the GGUF general.architecture it runs (saved sessions record it)
     output_norm_name = "output_norm.weight"  # the final norm's tensor (lfm2moe: token_embd_norm.weight)
+    # What the NextN/MTP block hands its next draft step (shared/model/mtp.py): its output after
+    # its shared-head norm (Qwen3.5/3.6, whose MTP module ends in that norm), else before it
+    # (DeepSeek's and GLM's layout, the norm taken only for the head).
+    nextn_feeds_normed = False
 
     def __init__(
         self,
@@ -119,6 +123,10 @@ class MoEModel:
         self.output = self.w.matrix("output.weight") if self.w.has("output.weight") else self.embd
         self.layers = [self.load_layer(i) for i in range(self.spec.n_layer)]
         self._decoding = False  # the pass running is a decode step's (one token, or a verify pass's few)
+        # Told (first position, tokens, final hidden rows [T, D], how many leading rows are
+        # certain, not drafts) after each single-sequence pass: the MTP drafter's input
+        # (shared/text/speculate.py MtpDrafter); None, the default, computes nothing more.
+        self.hidden_sink: Callable[[int, np.ndarray, np.ndarray, int], None] | None = None
 
     # -- per family ----------------------------------------------------------
     def load_layer(self, i: int) -> dict:
@@ -131,7 +139,12 @@ class MoEModel:
         return self.embd.rows(tokens)  # [T, D]
 
     def logits(self, x: np.ndarray) -> np.ndarray:
-        return self.output(rms_norm(x, self.output_norm, self.spec.rms_eps))  # [T, V]
+        return self.output(self.final_hidden(x))  # [T, V]
+
+    def final_hidden(self, x: np.ndarray) -> np.ndarray:
+        """The last layer's output after the final norm [T, D]: what the output head
+        multiplies, and what a NextN/MTP block takes as the hidden state beside the next token."""
+        return rms_norm(x, self.output_norm, self.spec.rms_eps)
 
     def row_tokens(self, tokens: np.ndarray) -> None:
         """The token ids of the rows the next layers run, when they are not the ones last
@@ -208,14 +221,18 @@ class MoEModel:
         (what the budget counts: shared/gguf/spec.py kv_cache_bytes)."""
         return KVCache.for_spec(self.spec, n_ctx, kv_type or self.kv_type)
 
-    def forward(self, tokens, cache: KVCache, all_logits: bool = False, decoding: bool = False) -> np.ndarray:
+    def forward(self, tokens, cache: KVCache, all_logits: bool = False, decoding: bool = False, certain: int | None = None) -> np.ndarray:
         """Run tokens at the cache's next positions; logits [T, V] or [1, V] (last).
         `decoding`: the rows are a decode step's (a verify pass: a token and its drafts),
-        prefetched as a decoded token is (`prefetch_next`), not as a prompt's batch."""
+        prefetched as a decoded token is (`prefetch_next`), not as a prompt's batch.
+        `certain`: how many leading rows are the conversation's own tokens, not drafts
+        (all by default), for `hidden_sink`."""
         tokens = self._checked(tokens)
         start = cache.n
         x = self._layers(tokens, cache, start, np.arange(start, start + tokens.size), decoding or tokens.size == 1)
         cache.advance(tokens.size)
+        if self.hidden_sink is not None:
+            self.hidden_sink(start, tokens, self.final_hidden(x), tokens.size if certain is None else certain)
         with self.stage("head"):
             return self.logits(x if all_logits else x[-1:])
 
@@ -366,4 +383,4 @@ class MoEModel:
         kernels are batch-exact, so row j is what `decode_one` gives at that position after
         the rows before it (shared/text/speculate.py relies on it). `redo`: how many leading
         rows are accepted tokens a rollback runs again (a hybrid model's; telemetry counts them apart)."""
-        return self.forward(tokens, cache, all_logits=True, decoding=True)
+        return self.forward(tokens, cache, all_logits=True, decoding=True, certain=redo + 1)

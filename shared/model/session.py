@@ -58,6 +58,9 @@ class Session:
         self._verify_from = 0
         self._verify_state: tuple | None = None
         self.redo: list[int] = []
+        # What a drafter keeps with this conversation across requests (the MTP block's own KV
+        # cache: shared/text/speculate.py MtpDrafter); None until one is made.
+        self.drafter_state: object | None = None
 
     @property
     def n(self) -> int:

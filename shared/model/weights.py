@@ -157,8 +157,11 @@ class FileExperts:
 
     held_together = sys.maxsize  # views of the file mapping: every one stays usable
 
-    def __init__(self, mf: ModelFile):
+    def __init__(self, mf: ModelFile, layers: Sequence[LayerExperts] | None = None):
+        """`layers`: the layers it serves, by default the decoder's (the layout's); the
+        NextN/MTP drafter passes its block's (shared/gguf/layout.py nextn_layer_experts)."""
         self._mf = mf
+        self._layers = {lay.layer: lay for lay in (mf.layout.layers if layers is None else layers)}
         self._experts: dict[tuple[int, int], Expert] = {}  # views only: built once, kept
 
     def _slice(self, part, expert_id: int) -> np.ndarray:
@@ -166,7 +169,7 @@ class FileExperts:
         return view[expert_id].reshape(-1).view(np.uint8)
 
     def experts(self, layer: int, ids: Iterable[int]) -> Iterator[Expert]:
-        lay = self._mf.layout.layers[layer]
+        lay = self._layers[layer]
         for e in ids:
             key = (layer, int(e))
             expert = self._experts.get(key)

@@ -136,14 +136,14 @@ def generate(
     n_keep = _n_keep(cfg, prompt_tokens, tokenizer)
     emitted = shifts = 0
 
+    history = list(prompt_tokens)
+    spec = Speculation(session, drafter, cfg.draft, cfg.draft_adapt) if drafter is not None and cfg.draft > 0 else None
+    if spec is not None:
+        spec.drafter.start(history)  # before the prompt runs: the MTP drafter takes its hidden states
     t0 = time.perf_counter()
     logits = session.feed(model, prompt_tokens[cached:], batch=cfg.prefill_batch)
     t1 = time.perf_counter()
     stamps = [t0]  # when each output token was sampled, after the prompt's start
-    history = list(prompt_tokens)
-    spec = Speculation(session, drafter, cfg.draft, cfg.draft_adapt) if drafter is not None and cfg.draft > 0 else None
-    if spec is not None:
-        spec.drafter.start(history)
     while True:
         if len(out.tokens) >= cfg.max_tokens:
             out.finish_reason = "length"

@@ -15,7 +15,7 @@ p without d, renormalised, the rule's residual (p − q)+. Drawing from p first 
 comparing gives both at once and spends one draw per emitted token, the draws
 plain decoding spends.
 
-    drafter_for(source, ...)      "ngram" → NGramDrafter; "none" → None
+    drafter_for(source, ...)      "ngram" → NGramDrafter; "mtp" → MtpDrafter; "none" → None
     Speculation(session, ...)     the drafts in flight, accepted or rolled back
 """
 
@@ -31,6 +31,7 @@ import numpy as np
 
 from ..config import DRAFT_SOURCES, MAX_DRAFT
 from ..errors import UserError
+from ..model.mtp import NextN, NextNStep
 from ..model.session import Session
 
 
@@ -115,12 +116,152 @@ class ReplayDrafter:
             raise UserError(f"cannot read the draft replay {path}: {exc}") from None
 
 
-def drafter_for(source: str, replay: str | None = None, n_vocab: int = 1 << 31) -> Drafter | None:
-    """The configured drafter (compute.draft_source; compute.draft_replay, benchmarks only, over it)."""
+class MtpDrafter:
+    """Drafts from the file's own NextN/MTP block (shared/model/mtp.py): a guess at what
+    follows the last token from the model's hidden state before it, then each further
+    guess from the block's own output beside the guess before.
+
+    The block attends over its own cache, where position j holds the pair (h_j, t_{j+1}):
+    the model's final hidden state at j and the token after it. The model hands every
+    pass's hidden rows to `observe` (`MoEModel.hidden_sink`); a pair is added once its next
+    token is certain: in the pass, for a prompt's rows (in batches of at least PAIR_BATCH,
+    so a long prompt needs no store of its hidden rows), else when `propose` learns the
+    token just decoded. A draft's own rows are never pairs: the cache goes back to the
+    last certain pair after each proposal. A pass that starts earlier than the pairs reach
+    (a new request's prefix, a rollback's redo) cuts them back to what it leaves valid.
+
+    The state follows its session across requests (`Session.drafter_state`). A position
+    whose hidden state the drafter never saw (a context shift kept an old prefix, a
+    restored session, a request without drafts on the way) leaves a gap the block's cache
+    cannot step over: it then drafts nothing until the conversation starts again from
+    position 0."""
+
+    PAIR_BATCH = 64  # certain pairs waiting before a pass adds them (a prompt's chunk: at once)
+    PAIR_STEP = 512  # rows of one block step at most: a prompt chunk's activations stay bounded
+
+    def __init__(self, model, session: Session, n_ctx: int):
+        self.model, self.session, self.n_ctx = model, session, n_ctx
+        self.head = NextN(model)
+        self.cache = self.head.new_cache(n_ctx)  # pairs 0..cache.n-1: one layer's KV rows
+        self.ids: list[int] = []  # each position's token as the passes ran it (draft rows' too, until cut)
+        self.rows: dict[int, np.ndarray] = {}  # position → final hidden [D], from the last paired on
+        self.gap = False  # a position's hidden state was never seen: no drafts until position 0 again
+
+    @classmethod
+    def for_session(cls, model, session: Session, n_ctx: int) -> MtpDrafter:
+        """The session's drafter, made on first use (or for another model or context size)."""
+        held = session.drafter_state
+        if not (isinstance(held, cls) and held.model is model and held.n_ctx == n_ctx):
+            held = session.drafter_state = cls(model, session, n_ctx)
+        return held
+
+    @property
+    def paired(self) -> int:
+        return self.cache.n
+
+    def start(self, prompt: Sequence[int]) -> None:
+        """A generation begins, the session holding the prefix it reuses: pairs and rows of
+        positions it no longer holds go, and the model hands this drafter its passes."""
+        held = self.session.tokens
+        same = 0
+        for a, b in zip(self.ids, held):
+            if a != b:
+                break
+            same += 1
+        self._cut(same, int(prompt[same]) if same < len(prompt) else None)
+        self.model.hidden_sink = self.observe
+
+    def observe(self, start: int, tokens: np.ndarray, hidden: np.ndarray, certain: int) -> None:
+        """A pass ran `tokens` at positions start.. (their final hidden rows `hidden`), the
+        first `certain` of them the conversation's own tokens."""
+        if start == 0:
+            self.gap = False
+        self._cut(start, int(tokens[0]))
+        if start > len(self.ids):
+            self.gap = True
+        if self.gap:
+            return
+        self.ids.extend(int(t) for t in tokens)
+        for i, row in enumerate(hidden):
+            self.rows[start + i] = row
+        ready = start + min(certain, tokens.size) - 1  # pairs before this have a certain next token
+        if ready - self.paired >= self.PAIR_BATCH:
+            self._pair_up(ready)
+
+    def propose(self, history: Sequence[int], n: int) -> list[int]:
+        """Up to n greedy guesses at what follows history[-1], the token decoded last."""
+        p = len(history) - 1
+        if self.gap or n <= 0 or p < 1:
+            return []
+        if self.paired > p - 1:  # pair p-1 is stepped now: its output gives the first guess
+            self.cache.truncate(p - 1)
+        if len(self.ids) < p or any(self.ids[j] != history[j] for j in range(self.paired, p)):
+            self.gap = True  # a row the model never ran with the conversation's own token
+            return []
+        self._forget_from(p)  # rows past it are drafts' (or nothing)
+        self.ids.append(int(history[p]))
+        step = self._pair_up(p)
+        if step is None:
+            return []
+        drafts = [int(np.argmax(self.head.logits(step)))]
+        mark = self.paired
+        while len(drafts) < n:  # each further guess from the block's own output beside the guess before
+            step = self.head.step(np.array(drafts[-1:]), step.feed[-1:], self.cache)
+            drafts.append(int(np.argmax(self.head.logits(step))))
+        self.cache.truncate(mark)  # guesses are not pairs
+        return drafts
+
+    def _cut(self, n: int, token: int | None = None) -> None:
+        """Positions from n on are run again (with `token` first, when known): pairs that
+        use them go (pair n-1 stays when its next token is `token`), and so do their rows."""
+        keep = min(self.paired, n if token is not None and n < len(self.ids) and self.ids[n] == token else n - 1)
+        if keep < self.paired:
+            self.cache.truncate(max(keep, 0))
+        self._forget_from(n)
+
+    def _forget_from(self, n: int) -> None:
+        del self.ids[n:]
+        for j in [j for j in self.rows if j >= n]:
+            del self.rows[j]
+
+    def _pair_up(self, end: int) -> NextNStep | None:
+        """Add the pairs from `paired` to end-1 (their rows and next tokens known), PAIR_STEP
+        rows a step at most; the last step, None when a row is missing (a gap)."""
+        step = None
+        while self.paired < end:
+            lo = self.paired
+            hi = min(end, lo + self.PAIR_STEP)
+            if any(j not in self.rows for j in range(lo, hi)):
+                self.gap = True
+                return None
+            hidden = np.stack([self.rows[j] for j in range(lo, hi)])
+            step = self.head.step(np.array(self.ids[lo + 1 : hi + 1]), hidden, self.cache)
+        for j in [j for j in self.rows if j < self.paired - 1]:  # the last paired row stays: a pass may re-pair it
+            del self.rows[j]
+        return step
+
+
+def drafter_for(
+    source: str,
+    replay: str | None = None,
+    n_vocab: int = 1 << 31,
+    model=None,
+    session: Session | None = None,
+    n_ctx: int = 0,
+) -> Drafter | None:
+    """The configured drafter (compute.draft_source; compute.draft_replay, benchmarks only, over it).
+    `model` (the MoEModel itself, not a wrapper), `session` and `n_ctx`: what the MTP drafter
+    runs with; the model stops handing an earlier drafter its passes."""
+    if model is not None:
+        model.hidden_sink = None
     if replay:
         return ReplayDrafter.from_file(replay, n_vocab)
     if source == "ngram":
         return NGramDrafter()
+    if source == "mtp":
+        if model is None or session is None:
+            raise ValueError("the MTP drafter needs the model and its session")
+        return MtpDrafter.for_session(model, session, n_ctx)
     if source == "none":
         return None
     raise UserError(f"unknown draft source {source!r}: one of {', '.join(DRAFT_SOURCES)}")
@@ -242,9 +383,9 @@ class Speculation:
         """Run `token` (the last entry of `history`) with up to `room` drafts after it; its logits [V]."""
         self.judge(model)
         n = min(self.chooser.choose() if self.chooser is not None else self.width, room)
+        t0 = time.perf_counter()  # a pass's price includes its drafting (the MTP block's steps)
         drafts = [int(t) for t in self.drafter.propose(history, n)][:n] if n > 0 else []
         rows = 1 + len(self.session.redo) + len(drafts)
-        t0 = time.perf_counter()
         if drafts:
             out = self.session.verify(model, [token, *drafts])
             self.stats.passes += 1

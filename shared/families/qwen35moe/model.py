@@ -46,6 +46,7 @@ def l2_normalize(x: np.ndarray, eps: float) -> np.ndarray:
 
 class Model(MoEModel):
     arch = "qwen35moe"
+    nextn_feeds_normed = True  # its MTP module's last step is its norm (Qwen3-Next's `mtp.norm`)
 
     def __init__(self, mf: ModelFile, **kwargs: Any):
         super().__init__(mf, **kwargs)

@@ -1,0 +1,200 @@
+"""The NextN/MTP block as a drafter (shared/model/mtp.py, shared/text/speculate.py
+MtpDrafter): its guesses are the block run from scratch over the conversation's pairs
+(h_j, t_{j+1}), however the passes, rollbacks and requests came; the output with its
+drafts is the output without them; a file without the block is refused in one line.
+
+Random weights make the block's guesses almost always wrong, so `Mixed` keeps the
+drafter's own bookkeeping running while it hands the verifier a recorded greedy
+continuation at some positions: kept drafts, rollbacks mid-pass and redo rows all occur.
+
+CI time: qwen35moe (the hybrid, its recurrent redo) in the default tier, glm4moe and
+bailingmoe3 behind -m slow."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from moe_pipe.shared.errors import UserError
+from moe_pipe.shared.gguf.model_file import open_model
+from moe_pipe.shared.makemodel.maker import make_model
+from moe_pipe.shared.model.base import ModelOptions
+from moe_pipe.shared.model.load import load_model
+from moe_pipe.shared.model.mtp import NextN
+from moe_pipe.shared.model.session import Session
+from moe_pipe.shared.text.generate import GenerationConfig, generate
+from moe_pipe.shared.text.sampling import SamplingParams
+from moe_pipe.shared.text.speculate import MtpDrafter, drafter_for
+from moe_pipe.shared.text.tokenizer import Tokenizer
+
+PROMPT = "Once upon a time, there was a little fox who liked to run. Once upon a time"
+MTP_FAMILIES = ["qwen35moe", pytest.param("glm4moe", marks=pytest.mark.slow), pytest.param("bailingmoe3", marks=pytest.mark.slow)]
+
+
+@pytest.fixture(scope="module")
+def mtp_file(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("mtp")
+    made: dict = {}
+
+    def get(arch, quant=None):
+        if (arch, quant) not in made:
+            made[arch, quant] = make_model(arch, "tiny", folder / f"{arch}-{quant or 'mix'}.gguf", quant=quant, mtp=True)
+        return made[arch, quant]
+
+    return get
+
+
+class Mixed:
+    """The MTP drafter's proposals recorded as it makes them; what the verifier gets is the
+    recorded plain continuation where `rng` says so (drafts then kept), else the block's."""
+
+    def __init__(self, inner: MtpDrafter, plain: list[int], prompt_len: int, right: float, seed: int = 0):
+        self.inner, self.plain, self.base, self.right = inner, plain, prompt_len, right
+        self.rng = np.random.default_rng(seed)
+        self.proposals: list[tuple[list[int], list[int]]] = []  # (history, the block's drafts)
+
+    def start(self, prompt):
+        self.inner.start(prompt)
+
+    def propose(self, history, n):
+        own = self.inner.propose(history, n)
+        self.proposals.append((list(history), own))
+        at = len(history) - self.base
+        truth = self.plain[at : at + len(own)]
+        return [t if self.rng.random() < self.right else d for t, d in zip(truth, own)]
+
+
+def generation(model, tok, session, prompt, width=0, drafter=None, temperature=0.0, max_tokens=24, n_ctx=512):
+    params = SamplingParams(temperature=temperature, seed=5) if temperature else SamplingParams()
+    cfg = GenerationConfig(max_tokens=max_tokens, ignore_eos=True, draft=width, draft_adapt=False, n_ctx=n_ctx)
+    return generate(model, tok, prompt, params, cfg, session=session, drafter=drafter)
+
+
+def scratch_drafts(path, history: list[int], n: int) -> list[int]:
+    """The block's n guesses after `history`, from nothing: a fresh model runs history[:-1]
+    (its final hidden rows caught), a fresh block cache takes every pair at once, then chains."""
+    with open_model(path) as mf:
+        model = load_model(mf, options=ModelOptions(kv_type="f32"))
+        caught = []
+        model.hidden_sink = lambda start, tokens, hidden, certain: caught.append(hidden)
+        p = len(history) - 1
+        model.forward(history[:p], model.new_cache(1024))
+        head = NextN(model)
+        cache = head.new_cache(1024)
+        step = head.step(np.array(history[1 : p + 1]), np.concatenate(caught), cache)
+        drafts = [int(np.argmax(head.logits(step)))]
+        while len(drafts) < n:
+            step = head.step(np.array(drafts[-1:]), step.feed[-1:], cache)
+            drafts.append(int(np.argmax(head.logits(step))))
+        return drafts
+
+
+@pytest.mark.parametrize("arch", MTP_FAMILIES)
+def test_mtp_drafts_are_the_block_run_from_scratch_and_keep_the_output(mtp_file, arch):
+    """Two requests on one session (the second extends the first's conversation), width 3,
+    half the drafts the right ones: every proposal equals the block run from scratch over
+    the pairs so far, and the tokens are the plain tokens."""
+    path = mtp_file(arch)
+    with open_model(path) as mf:
+        tok = Tokenizer.from_gguf(mf.gguf)
+        prompt = tok.encode(PROMPT)
+        plain_model = load_model(mf, options=ModelOptions(kv_type="f32"))
+        plain_session = Session()
+        first = generation(plain_model, tok, plain_session, prompt).tokens
+        second_prompt = prompt + first + tok.encode(" and then")
+        second = generation(plain_model, tok, plain_session, second_prompt).tokens
+
+        model = load_model(mf, options=ModelOptions(kv_type="f32"))
+        session = Session()
+        mixed = Mixed(drafter_for("mtp", model=model, session=session, n_ctx=512), first, len(prompt), 0.5)
+        got = generation(model, tok, session, prompt, 3, mixed)
+        assert got.tokens == first and got.timings["draft_accepted"] > 0
+        again = Mixed(drafter_for("mtp", model=model, session=session, n_ctx=512), second, len(second_prompt), 0.5, seed=1)
+        assert again.inner is mixed.inner  # the block's cache followed the session
+        got2 = generation(model, tok, session, second_prompt, 3, again)
+        assert got2.tokens == second and got2.timings["prompt_cached"] > 0
+    proposals = mixed.proposals + again.proposals
+    assert all(own for _, own in proposals)  # no gap: every pass drafted
+    for history, own in proposals[:: max(1, len(proposals) // 6)] + proposals[-1:]:
+        assert own == scratch_drafts(path, history, len(own)), len(history)
+
+
+@pytest.mark.parametrize("arch", ["qwen35moe", pytest.param("glm4moe", marks=pytest.mark.slow)])
+def test_mtp_sampled_output_is_the_plain_output(mtp_file, arch):
+    path = mtp_file(arch, "F32")
+    with open_model(path) as mf:
+        tok = Tokenizer.from_gguf(mf.gguf)
+        prompt = tok.encode(PROMPT)
+        model = load_model(mf, options=ModelOptions(kv_type="f32"))
+        plain = generation(model, tok, Session(), prompt, temperature=0.9).tokens
+        for width in (1, 4):
+            session = Session()
+            got = generation(model, tok, session, prompt, width, drafter_for("mtp", model=model, session=session, n_ctx=512), 0.9)
+            assert got.tokens == plain and got.timings["draft_n"] > 0
+
+
+def test_a_gap_in_the_hidden_states_stops_the_drafts_not_the_output(mtp_file):
+    """A request without drafts runs positions the block never saw: the next request on the
+    conversation drafts nothing (and gives the plain tokens); one from position 0 drafts again."""
+    path = mtp_file("qwen35moe")
+    with open_model(path) as mf:
+        tok = Tokenizer.from_gguf(mf.gguf)
+        prompt = tok.encode(PROMPT)
+        model = load_model(mf, options=ModelOptions(kv_type="f32"))
+        session = Session()
+        first = generation(model, tok, session, prompt, 2, drafter_for("mtp", model=model, session=session, n_ctx=512))
+        more = prompt + first.tokens + tok.encode(" then")
+        middle = generation(model, tok, session, more, 0, drafter_for("none", model=model))  # the sink is let go
+        assert model.hidden_sink is None
+        last_prompt = more + middle.tokens + tok.encode(" so")
+        want = generation(load_model(mf, options=ModelOptions(kv_type="f32")), tok, Session(), last_prompt).tokens
+        got = generation(model, tok, session, last_prompt, 2, drafter_for("mtp", model=model, session=session, n_ctx=512))
+        assert got.tokens == want and got.timings["draft_n"] == 0 and got.timings["prompt_cached"] > 0
+        session.reset()
+        fresh = generation(model, tok, session, last_prompt, 2, drafter_for("mtp", model=model, session=session, n_ctx=512))
+        assert fresh.tokens == want and fresh.timings["draft_n"] > 0
+
+
+def test_mtp_on_a_file_without_the_block_is_refused(tmp_path):
+    path = make_model("qwen3moe", "tiny", tmp_path / "plain.gguf")
+    with open_model(path) as mf:
+        model = load_model(mf)
+        with pytest.raises(UserError, match="needs a model file with an MTP/NextN block.*use --draft-source ngram"):
+            drafter_for("mtp", model=model, session=Session(), n_ctx=256)
+
+
+@pytest.mark.integration
+def test_run_refuses_mtp_drafts_on_a_file_without_the_block_in_one_line(tmp_path):
+    path = make_model("qwen3moe", "tiny", tmp_path / "plain.gguf")
+    for streamed in ([], ["--no-stream"]):  # before the model loads, both ways
+        argv = ["run", str(path), "-p", "hi", "-n", "2", "--draft", "2", "--draft-source", "mtp", *streamed]
+        r = subprocess.run([sys.executable, "-m", "moe_pipe.cli.main", *argv], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and "Traceback" not in r.stderr
+        assert r.stderr.strip().splitlines() == [
+            "moe-pipe: error: --draft-source mtp needs a model file with an MTP/NextN block; this qwen3moe file has none "
+            "(nextn_predict_layers is 0): use --draft-source ngram"
+        ]
+
+
+@pytest.mark.integration
+def test_the_pipeline_drafts_from_the_block_with_streamed_experts_and_keeps_the_tokens(mtp_file):
+    """The compute process runs the block beside the least expert cache: the resident reference's
+    tokens, every pass with its drafts (no adaptive width)."""
+    from .test_pipeline import _budget_mb, run_pipeline, with_reference
+
+    path, prompt, reference, sizes = with_reference(mtp_file("qwen35moe"), top_ks=(None,))
+    tokens, timings, _ = run_pipeline(
+        path,
+        prompt,
+        **{
+            "cache.cache_mb": _budget_mb(sizes, "min", None),
+            "compute.draft": 2,
+            "compute.draft_adapt": False,
+            "compute.draft_source": "mtp",
+        },
+    )
+    assert tokens == reference[None]
+    assert timings["draft_passes"] > 0 and timings["draft_n"] >= timings["draft_passes"]

@@ -27,6 +27,7 @@ from moe_pipe.shared.experts.budget import (
     compute_budget,
     probe_memory,
     resolve_budget,
+    service_kv_bytes,
 )
 
 GiB = 1 << 30
@@ -505,3 +506,21 @@ def test_the_cache_line_names_one_cache_size_and_says_why_it_is_below_the_budget
     assert b.description == "budget 64 MiB: fixed cache_mb 64"
     assert cache_description(b.description, 96, 1300) == "every expert of the model, under the budget 64 MiB: fixed cache_mb 64"
     assert cache_description(b.description, 1300, 1300) == b.description
+
+
+def test_mtp_drafts_add_the_blocks_one_layer_of_kv_to_the_service(tmp_path):
+    """The MTP drafter's cache is one more attention layer of ctx_size positions, counted
+    only when drafts come from the block, on a file that has one, with one slot."""
+    from moe_pipe.shared.gguf.model_file import open_model
+    from moe_pipe.shared.makemodel.maker import make_model
+
+    with open_model(make_model("qwen35moe", "tiny", tmp_path / "m.gguf", mtp=True)) as mf:
+        spec = mf.spec
+        base = {"compute.ctx_size": 2048, "compute.kv_type": "f16"}
+        plain = service_kv_bytes(load_config(None, base), spec)
+        layer = 2048 * spec.n_head_kv[-1] * (spec.head_dim_k[-1] + spec.head_dim_v[-1]) * 2
+        mtp = {**base, "compute.draft": 2, "compute.draft_source": "mtp"}
+        assert service_kv_bytes(load_config(None, mtp), spec) == plain + layer
+        assert service_kv_bytes(load_config(None, {**mtp, "compute.draft": 0}), spec) == plain
+        assert service_kv_bytes(load_config(None, {**mtp, "compute.draft_source": "ngram"}), spec) == plain
+        assert service_kv_bytes(load_config(None, {**mtp, "gateway.parallel": 2}), spec) == 2 * plain

@@ -48,6 +48,7 @@ from typing import Any
 
 from ..config import Config
 from ..errors import ConfigError
+from ..gguf.nextn import nextn_spec
 from ..gguf.spec import ModelSpec, kv_cache_bytes, prefill_activation_bytes
 
 MiB = 1 << 20
@@ -102,9 +103,13 @@ def engine_bytes(roles: tuple[str, ...] | list[str], n_vocab: int) -> int:
 
 def service_kv_bytes(cfg: Config, spec: ModelSpec) -> int:
     """The KV caches compute holds: one per slot (gateway.parallel, docs/batching.md), each
-    compute.ctx_size positions of compute.kv_type. The service's budget and `doctor` both
-    take it from here."""
-    return cfg.gateway.parallel * kv_cache_bytes(spec, cfg.compute.ctx_size, cfg.compute.kv_type)
+    compute.ctx_size positions of compute.kv_type, and the MTP drafter's one layer when
+    drafts come from the file's block (one slot only: slots do not draft). The service's
+    budget and `doctor` both take it from here."""
+    n_ctx, kv_type = cfg.compute.ctx_size, cfg.compute.kv_type
+    slots = cfg.gateway.parallel * kv_cache_bytes(spec, n_ctx, kv_type)
+    mtp = cfg.compute.draft and cfg.compute.draft_source == "mtp" and spec.n_layer_nextn and cfg.gateway.parallel == 1
+    return slots + (kv_cache_bytes(nextn_spec(spec), n_ctx, kv_type) - kv_cache_bytes(spec, n_ctx, kv_type) if mtp else 0)
 
 
 def pipeline_bytes(roles: tuple[str, ...] | list[str], spec: ModelSpec, prefill_tokens: int, top_k: int) -> int:

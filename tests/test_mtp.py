@@ -198,3 +198,14 @@ def test_the_pipeline_drafts_from_the_block_with_streamed_experts_and_keeps_the_
     )
     assert tokens == reference[None]
     assert timings["draft_passes"] > 0 and timings["draft_n"] >= timings["draft_passes"]
+
+
+@pytest.mark.parametrize("arch,masks", [("qwen35moe", False), ("glm4moe", True), ("bailingmoe3", True)])
+def test_the_position_0_pair_takes_its_token_as_the_family_trained(mtp_file, arch, masks):
+    """GLM's and Ling's blocks zero the embedding of the pair at position 0 (vLLM's rule for
+    their MTP modules), Qwen3.5/3.6's does not: there the first pair's token changes the step."""
+    with open_model(mtp_file(arch)) as mf:
+        head = NextN(load_model(mf, options=ModelOptions(kv_type="f32")))
+        hidden = np.random.default_rng(0).standard_normal((1, mf.spec.n_embd)).astype(np.float32)
+        a, b = (head.step(np.array([t]), hidden, head.new_cache(8)).feed for t in (5, 6))
+        assert np.array_equal(a, b) == masks

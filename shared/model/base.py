@@ -88,9 +88,12 @@ class MoEModel:
     arch: str = ""  # the GGUF general.architecture it runs (saved sessions record it)
     output_norm_name = "output_norm.weight"  # the final norm's tensor (lfm2moe: token_embd_norm.weight)
     # What the NextN/MTP block hands its next draft step (shared/model/mtp.py): its output after
-    # its shared-head norm (Qwen3.5/3.6, whose MTP module ends in that norm), else before it
-    # (DeepSeek's and GLM's layout, the norm taken only for the head).
+    # its shared-head norm (Qwen3.5/3.6 and Ling, whose MTP modules end in that norm), else
+    # before it (DeepSeek's and GLM's layout, the norm taken only for the head).
     nextn_feeds_normed = False
+    # Whether the block zeroes the token embedding of its position-0 pair (DeepSeek's, GLM's
+    # and Ling's MTP modules do; Qwen3.5/3.6's does not).
+    nextn_masks_first = True
 
     def __init__(
         self,

@@ -10,8 +10,10 @@ token that followed:
     x = the block's decoder layer at position j (its own KV cache: one attention layer)
     logits = head(shared_head_norm(x))      → a guess at t_{j+2}
 
-and a further draft feeds x (after the norm on Qwen3.5/3.6, `nextn_feeds_normed`)
-back as the hidden state beside that guess, one position on. The block's layer is
+and a further draft feeds x (after the norm on Qwen3.5/3.6 and Ling,
+`nextn_feeds_normed`) back as the hidden state beside that guess, one position on;
+DeepSeek's, GLM's and Ling's blocks take a zero embedding at position 0
+(`nextn_masks_first`), as vLLM runs them. The block's layer is
 the family's own layer code: `_block_model` is the model seen with the block as one
 more layer (shared/gguf/nextn.py `nextn_spec`), its weights read through the file
 mapping (the block is in neither the dense set nor the expert cache, and never
@@ -89,10 +91,12 @@ class NextN:
     def step(self, tokens: np.ndarray, hidden: np.ndarray, cache: KVCache) -> NextNStep:
         """Rows (h_j, t_{j+1}) at the cache's next positions: `tokens` [T] the next tokens,
         `hidden` [T, D] the hidden states beside them; their K and V go into `cache`."""
-        eps = self.model.spec.rms_eps
+        eps, start = self.model.spec.rms_eps, cache.n
         e = self.embd.rows(tokens) if self.embd is not None else self.model.embed(tokens)
+        if start == 0 and self.model.nextn_masks_first:
+            e = e.copy()
+            e[0] = 0.0
         x = self.eh_proj(np.concatenate([rms_norm(e, self.enorm, eps), rms_norm(hidden, self.hnorm, eps)], axis=1))
-        start = cache.n
         x = self.block.layer(self.j, x, cache, start, np.arange(start, start + x.shape[0]))
         cache.advance(x.shape[0])
         if self.model.nextn_feeds_normed:

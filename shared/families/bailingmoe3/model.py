@@ -42,6 +42,7 @@ def l2_normalize(x: np.ndarray) -> np.ndarray:
 
 class Model(DeepSeek2Model):
     arch = "bailingmoe3"
+    nextn_feeds_normed = True  # Ling's MTP module ends in its final_layernorm (layer_output_norm)
 
     def load_layer(self, i: int) -> dict:
         if not self.spec.is_recurrent(i):

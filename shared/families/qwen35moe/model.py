@@ -47,6 +47,7 @@ def l2_normalize(x: np.ndarray, eps: float) -> np.ndarray:
 class Model(MoEModel):
     arch = "qwen35moe"
     nextn_feeds_normed = True  # its MTP module's last step is its norm (Qwen3-Next's `mtp.norm`)
+    nextn_masks_first = False  # and it embeds the position-0 pair's token like any other
 
     def __init__(self, mf: ModelFile, **kwargs: Any):
         super().__init__(mf, **kwargs)

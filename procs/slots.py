@@ -36,7 +36,7 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -107,6 +107,9 @@ class Slot:
     cache: int = 0
     processed: int = 0
     decoded: int = 0
+    # while its prompt runs: what posts a PromptProgress (SlotModel._progress), so a chunk
+    # sliced by layers reports as it goes, not only once through the last layer
+    post_progress: Callable[[int], None] | None = None
 
 
 class Steps:
@@ -317,12 +320,16 @@ class SlotModel:
         self.prompted = True
         passes: list[m.TokenRecord | None] = []  # the chunks' records (their logits but the last are not kept)
         last = None
-        for s in range(0, len(tokens), batch):
-            last = self.steps.ask(self.slot.id, self.slot.order, tokens[s : s + batch], cache)
-            passes.append(last.record)
-            if progress is not None:
-                self.slot.processed = cache.n
-                progress(cache.n)
+        self.slot.post_progress = progress
+        try:
+            for s in range(0, len(tokens), batch):
+                last = self.steps.ask(self.slot.id, self.slot.order, tokens[s : s + batch], cache)
+                passes.append(last.record)
+                if progress is not None:
+                    self.slot.processed = cache.n
+                    progress(cache.n)
+        finally:
+            self.slot.post_progress = None
         if last is None:
             raise ValueError("forward needs at least one token")
         return self._keep(last, passes, len(tokens))
@@ -580,7 +587,10 @@ class Slots:
         sl.records.append(record)
         slot, piece, cache = self.slots[sl.ask.slot], sl.piece, sl.ask.cache
         if not piece.done:
-            slot.processed = cache.n + len(piece.tokens) * piece.next_layer // self.metered.model.spec.n_layer
+            processed = cache.n + len(piece.tokens) * piece.next_layer // self.metered.model.spec.n_layer
+            moved, slot.processed = processed > slot.processed, processed
+            if moved and slot.post_progress is not None:  # the stream hears of it too, a layer slice at a time
+                slot.post_progress(processed)
             return
         self.sliced = None
         assert piece.logits is not None

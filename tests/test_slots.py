@@ -260,6 +260,7 @@ def _in_process(path, **settings):
     config = apply_overrides(Config(), {"compute.ctx_size": 256, **settings})
     slots = Slots(config, metered, Tokenizer.from_gguf(mf.gguf), None, SimpleNamespace(pending=[]), None, ())  # type: ignore[arg-type]
     done: dict[int, m.Done] = {}
+    sent: list[m.Message] = []  # every frame the slots made, in order (serve.sent)
 
     def start(slot: int, req: m.Generate) -> None:
         slots.start(slots.slots[slot], req)
@@ -271,8 +272,12 @@ def _in_process(path, **settings):
             if asks:
                 slots.step(asks)
                 each_step()
-            done.update((d.req_id, d) for d in slots.steps.take_outbox() if isinstance(d, m.Done))
+            out = slots.steps.take_outbox()
+            sent.extend(out)
+            done.update((d.req_id, d) for d in out if isinstance(d, m.Done))
         return done
+
+    serve.sent = sent  # type: ignore[attr-defined]
 
     return slots, model, start, serve
 
@@ -318,6 +323,10 @@ def test_a_prompt_beside_a_decoding_slot_goes_a_few_layers_a_step_and_each_reply
     assert midway and all(0 < layer < model.spec.n_layer for _, layer in midway)
     decoded = [n for n, _ in midway]
     assert len(set(decoded)) == len(decoded)  # a token for the decoding slot at every one of those steps
+    # the prompt's progress comes a layer slice at a time, not only at each chunk's end
+    progress = [f.processed for f in serve.sent if isinstance(f, m.PromptProgress) and f.req_id == 2]  # type: ignore[attr-defined]
+    assert progress == sorted(set(progress)) and progress[0] == 0 and progress[-1] == 48
+    assert any(p % 16 for p in progress)
 
 
 def test_a_request_that_ends_while_its_chunk_is_part_way_leaves_its_slot_as_before_the_chunk(hybrid):

@@ -25,13 +25,16 @@ def _swiglu_row(g, u, out, r):
         out[r, i] = x / (one + _exp(-x)) * u[r, i]  # silu(x)·u; _exp saturates, so large -x gives -0
 
 
-@njit(cache=True, boundscheck=False)
+# error_model="numpy": a float division by zero gives inf or nan rather than raising (it cannot
+# happen here: the divisor is 1 + exp(-x) ≥ 1, or nan). Python's model tests every divisor,
+# which kept the loop scalar: 23 µs for a decode step's 8 × 768, 2.3 µs as 16-lane vectors.
+@njit(cache=True, boundscheck=False, error_model="numpy")
 def _swiglu(g, u, out):
     for r in range(g.shape[0]):
         _swiglu_row(g, u, out, r)
 
 
-@njit(cache=True, boundscheck=False, parallel=True)
+@njit(cache=True, boundscheck=False, parallel=True, error_model="numpy")
 def _swiglu_rows(g, u, out):
     for r in prange(g.shape[0]):
         _swiglu_row(g, u, out, r)
@@ -58,8 +61,14 @@ def _choice_sum_row(ys, at, weights, out, t):
             out[t, c] = out[t, c] + y[c] * ws
 
 
-@njit(cache=True, boundscheck=False, parallel=True)
+@njit(cache=True, boundscheck=False)
 def _choice_sum(ys, at, weights, out):
+    for t in range(at.shape[0]):
+        _choice_sum_row(ys, at, weights, out, t)
+
+
+@njit(cache=True, boundscheck=False, parallel=True)
+def _choice_sum_rows(ys, at, weights, out):
     for t in prange(at.shape[0]):
         _choice_sum_row(ys, at, weights, out, t)
 
@@ -67,9 +76,10 @@ def _choice_sum(ys, at, weights, out):
 def choice_sum(ys: np.ndarray, at: np.ndarray, weights: np.ndarray) -> np.ndarray:
     """Σ_s weights[t, s] · ys[at[t, s]] for ys f32 [N, D] (each token's chosen experts' outputs,
     at [T, K] their rows), added in choice order s = 0, 1, ... with each product rounded
-    first (what decode's `out += y · w` does): [T, D]."""
+    first, as `out = y0 · w0; out += y1 · w1; ...` in numpy rounds: [T, D]."""
     out = np.empty((at.shape[0], ys.shape[1]), np.float32)
-    _choice_sum(ys, at, np.ascontiguousarray(weights, dtype=np.float32), out)
+    kernel = _choice_sum_rows if at.shape[0] >= PARALLEL_ROWS else _choice_sum
+    kernel(ys, at, np.ascontiguousarray(weights, dtype=np.float32), out)
     return out
 
 

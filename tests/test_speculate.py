@@ -244,6 +244,39 @@ def test_speculative_output_on_f32_weights(tiny_files, arch):
     check_speculation(tiny_files(arch, "F32"), 3, 0.6)
 
 
+def _counting(verify, rows: list[int]):
+    """`verify`, each pass's row count appended to `rows`."""
+
+    def counted(tokens, cache, redo=0):
+        rows.append(len(tokens))
+        return verify(tokens, cache, redo)
+
+    return counted
+
+
+@pytest.mark.parametrize("arch", ["qwen35moe", pytest.param("lfm2moe", marks=pytest.mark.slow)])
+def test_a_rollback_redoes_only_the_kept_drafts_never_the_certain_rows(tiny_files, arch):
+    """A recurrent state goes back to where a pass's certain rows (redo rows and the decoded
+    token) left it, copied inside the pass: with every draft wrong no pass carries a redo row,
+    and with some kept a pass carries at most the drafts kept before it (the rows stay few
+    however long the run), the output and cache the plain ones."""
+    path = tiny_files(arch)
+    plain, _, plain_session = run(path, max_tokens=40)
+    for accuracy, most in ((0.0, 3), (0.7, 5)):
+        rows: list[int] = []
+        with open_model(path) as mf:
+            tok = Tokenizer.from_gguf(mf.gguf)
+            model = load_model(mf, options=ModelOptions(kv_type="f32"))
+            model.verify = _counting(model.verify, rows)  # type: ignore[method-assign]
+            cfg = GenerationConfig(max_tokens=40, ignore_eos=True, draft=2, draft_adapt=False, n_ctx=4096)
+            session = Session()
+            g = generate(
+                model, tok, tok.encode(PROMPT), SamplingParams(), cfg, session=session, drafter=ReplayDrafter(plain, accuracy, seed=4)
+            )
+        assert g.tokens == plain and rows and max(rows) <= most, rows
+        assert_same_cache(session, plain_session)
+
+
 @pytest.mark.parametrize("arch", ["qwen35moe", pytest.param("qwen3moe", marks=pytest.mark.slow)])
 def test_drafts_stop_at_the_context_end_and_across_a_context_shift(tiny_files, arch):
     """A pass never drafts past n_ctx; with a context shift the tokens a rollback holds back

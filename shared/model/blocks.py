@@ -377,6 +377,23 @@ class RecurrentState:
     def __init__(self, layers: list[int], kernel: int, channels: int, heads: int, d_k: int, d_v: int):
         self.conv = {i: np.zeros((kernel - 1, channels), np.float32) for i in layers}
         self.delta = {i: np.zeros((heads, d_k, d_v), np.float32) for i in layers}
+        # A verify pass's certain rows (shared/model/session.py): each layer's scan copies its
+        # state as it passes the last of them into `kept`, a snapshot a rollback of the
+        # pass's drafts goes back to (0: no copy).
+        self.mark = 0
+        self.kept: tuple[dict[int, np.ndarray], dict[int, np.ndarray]] = ({}, {})
+
+    def keep_conv(self, i: int, x: np.ndarray) -> None:
+        """Before layer i's conv takes this pass's inputs x [T, C]: its state after the first
+        `mark` of them (the last kernel-1 inputs by then), into `kept`."""
+        if self.mark:
+            m = min(self.mark, x.shape[0])
+            self.kept[0][i] = np.concatenate([self.conv[i], x[:m]])[m:]
+
+    def keep_delta(self, i: int, row: int, S: np.ndarray) -> None:
+        """Layer i's scan has folded in row `row` of the pass: its matrix, if that row is the mark's last."""
+        if row + 1 == self.mark:
+            self.kept[1][i] = S.copy()
 
     def reset(self) -> None:
         for a in (*self.conv.values(), *self.delta.values()):

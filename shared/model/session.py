@@ -146,9 +146,11 @@ class Session:
         if self.cache is None:
             raise ValueError("verify needs the session's cache (Session.cache_for)")
         run = self.redo + [int(t) for t in ids]
-        self._verify_from = self.n
+        certain = min(len(self.redo) + 1, len(run))  # the redo rows and the decoded token: never rolled back
+        self._verify_from = self.n + certain
         state = self.cache.state
-        self._verify_state = state.snapshot() if state is not None else None
+        if state is not None and certain < len(run):  # each scan copies its state as it passes the certain rows
+            state.mark, state.kept = certain, ({}, {})
         self.ids[self.n :] = run
         self.redo = []
         self.cache.rows_alone = True  # q8_0 attention: each row as a decode step computes it
@@ -156,12 +158,15 @@ class Session:
             return model.verify(run, self.cache, len(run) - len(ids))[len(run) - len(ids) :]
         finally:
             self.cache.rows_alone = False
+            if state is not None:
+                self._verify_state, state.mark = (state.kept if state.mark else None), 0
 
     def rollback(self, n: int) -> None:
         """Forget the last `n` positions, a verify pass's drafts found wrong. KV rows are
-        simply not counted; a recurrent state, which cannot be rewound, goes back to the
-        pass's start and the accepted tokens since then wait in `redo` for the next pass,
-        which runs them as extra rows (no pass of their own)."""
+        simply not counted; a recurrent state, which cannot be rewound, goes back to where
+        the pass's certain rows left it (copied inside the pass, RecurrentState.mark) and
+        the drafts kept since then wait in `redo` for the next pass, which runs them as
+        extra rows (no pass of their own)."""
         if n <= 0:
             return
         keep = self.n - n
@@ -169,7 +174,7 @@ class Session:
             self.truncate(keep)
             return
         if self._verify_state is None or keep < self._verify_from:
-            raise ValueError(f"cannot roll back {n} positions: the last verify pass began at {self._verify_from}")
+            raise ValueError(f"cannot roll back {n} positions: the last verify pass's certain rows end at {self._verify_from}")
         redo, snap = self.ids[self._verify_from : keep], self._verify_state
         self.cache.rewind(self._verify_from, snap)
         del self.ids[self._verify_from :]

@@ -109,6 +109,7 @@ class Model(DeepSeek2Model):
         t, h, d = mixed.shape[0], s.n_head, s.ssm_state
         inner = h * d
         # The short causal convs over q, k and v's channels, continuing from the previous tokens' inputs.
+        state.keep_conv(i, mixed)
         conv = silu_in_place(causal_conv(state.conv[i], mixed, L["conv"]))  # [T, 3·H·d]
         q = l2_normalize(conv[:, :inner].reshape(t, h, d)) * np.float32(1.0 / math.sqrt(d))
         k = l2_normalize(conv[:, inner : 2 * inner].reshape(t, h, d))
@@ -120,5 +121,6 @@ class Model(DeepSeek2Model):
             remembered = np.einsum("hk,hkv->hv", k[j], S)
             delta = (v[j] - remembered) * beta[j][:, None]
             S += k[j][:, :, None] * delta[:, None, :]
+            state.keep_delta(i, j, S)
             o[j] = np.einsum("hk,hkv->hv", q[j], S)
         return o

@@ -106,4 +106,5 @@ class Model(MoEModel):
         and into its cache's conv state: [T, D]."""
         if cache.state is None:
             raise ValueError("an lfm2moe layer needs the cache of Model.new_cache (it holds the conv state)")
+        cache.state.keep_conv(i, u)
         return causal_conv(cache.state.conv[i], u, self.layers[i]["conv"])  # w [L, D]: the previous inputs first

@@ -146,6 +146,7 @@ class Model(MoEModel):
         s, L, eps, state = self.spec, self.layers[i], self.spec.rms_eps, cache.state
         t, st, g_heads, v_heads = mixed.shape[0], s.ssm_state, s.ssm_groups, s.ssm_heads
         # The short causal conv over the channels, continuing from the previous tokens' inputs.
+        state.keep_conv(i, mixed)
         conv = silu_in_place(causal_conv(state.conv[i], mixed, L["conv"]))  # [T, C]
         kd = g_heads * st
         q = l2_normalize(conv[:, :kd].reshape(t, g_heads, st), eps)
@@ -161,5 +162,6 @@ class Model(MoEModel):
             remembered = np.einsum("hk,hkv->hv", k[j], S)
             delta = (v[j] - remembered) * beta[j][:, None]
             S += k[j][:, :, None] * delta[:, None, :]
+            state.keep_delta(i, j, S)
             o[j] = np.einsum("hk,hkv->hv", q[j], S)
         return o

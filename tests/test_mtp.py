@@ -136,9 +136,11 @@ def test_mtp_sampled_output_is_the_plain_output(mtp_file, arch):
             assert got.tokens == plain and got.timings["draft_n"] > 0
 
 
-def test_a_gap_in_the_hidden_states_stops_the_drafts_not_the_output(mtp_file):
-    """A request without drafts runs positions the block never saw: the next request on the
-    conversation drafts nothing (and gives the plain tokens); one from position 0 drafts again."""
+def test_a_request_without_drafts_keeps_the_block_fed_and_a_gap_stops_only_the_drafts(mtp_file):
+    """A request with --draft 0 between two that draft still hands the block its passes: the
+    third drafts, its proposals the block from scratch. A prefix computed before the drafter
+    existed is a gap: the request on it drafts nothing (and gives the plain tokens); from
+    position 0 it drafts again."""
     path = mtp_file("qwen35moe")
     with open_model(path) as mf:
         tok = Tokenizer.from_gguf(mf.gguf)
@@ -147,15 +149,25 @@ def test_a_gap_in_the_hidden_states_stops_the_drafts_not_the_output(mtp_file):
         session = Session()
         first = generation(model, tok, session, prompt, 2, drafter_for("mtp", model=model, session=session, n_ctx=512))
         more = prompt + first.tokens + tok.encode(" then")
-        middle = generation(model, tok, session, more, 0, drafter_for("none", model=model))  # the sink is let go
-        assert model.hidden_sink is None
+        middle = generation(model, tok, session, more, 0, drafter_for("none", model=model, session=session))
         last_prompt = more + middle.tokens + tok.encode(" so")
         want = generation(load_model(mf, options=ModelOptions(kv_type="f32")), tok, Session(), last_prompt).tokens
-        got = generation(model, tok, session, last_prompt, 2, drafter_for("mtp", model=model, session=session, n_ctx=512))
-        assert got.tokens == want and got.timings["draft_n"] == 0 and got.timings["prompt_cached"] > 0
-        session.reset()
-        fresh = generation(model, tok, session, last_prompt, 2, drafter_for("mtp", model=model, session=session, n_ctx=512))
-        assert fresh.tokens == want and fresh.timings["draft_n"] > 0
+        drafter = drafter_for("mtp", model=model, session=session, n_ctx=512)
+        recorder = Mixed(drafter, want, len(last_prompt), 0.0)
+        got = generation(model, tok, session, last_prompt, 2, recorder)
+        assert got.tokens == want and got.timings["prompt_cached"] > len(more)
+        assert all(own for _, own in recorder.proposals)  # no gap: the block saw the middle request
+        history, own = recorder.proposals[0]
+        assert own == scratch_drafts(path, history, len(own))
+
+        fresh_model = load_model(mf, options=ModelOptions(kv_type="f32"))
+        late = Session()
+        generation(fresh_model, tok, late, more, 0, drafter_for("none", model=fresh_model, session=late))  # no drafter yet
+        gapped = generation(fresh_model, tok, late, last_prompt, 2, drafter_for("mtp", model=fresh_model, session=late, n_ctx=512))
+        assert gapped.tokens == want and gapped.timings["draft_n"] == 0 and gapped.timings["prompt_cached"] > 0
+        late.reset()
+        again = generation(fresh_model, tok, late, last_prompt, 2, drafter_for("mtp", model=fresh_model, session=late, n_ctx=512))
+        assert again.tokens == want and again.timings["draft_n"] > 0
 
 
 def test_mtp_on_a_file_without_the_block_is_refused(tmp_path):

@@ -130,11 +130,11 @@ class MtpDrafter:
     last certain pair after each proposal. A pass that starts earlier than the pairs reach
     (a new request's prefix, a rollback's redo) cuts them back to what it leaves valid.
 
-    The state follows its session across requests (`Session.drafter_state`). A position
-    whose hidden state the drafter never saw (a context shift kept an old prefix, a
-    restored session, a request without drafts on the way) leaves a gap the block's cache
-    cannot step over: it then drafts nothing until the conversation starts again from
-    position 0."""
+    The state follows its session across requests (`Session.drafter_state`), and is fed
+    by requests that draft nothing too (`drafter_for`). A position whose hidden state the
+    drafter never saw (a context shift kept an old prefix, a restored session, a prefix
+    computed before the drafter was made) leaves a gap the block's cache cannot step
+    over: it then drafts nothing until the conversation starts again from position 0."""
 
     PAIR_BATCH = 64  # certain pairs waiting before a pass adds them (a prompt's chunk: at once)
     PAIR_STEP = 512  # rows of one block step at most: a prompt chunk's activations stay bounded
@@ -251,9 +251,12 @@ def drafter_for(
 ) -> Drafter | None:
     """The configured drafter (compute.draft_source; compute.draft_replay, benchmarks only, over it).
     `model` (the MoEModel itself, not a wrapper), `session` and `n_ctx`: what the MTP drafter
-    runs with; the model stops handing an earlier drafter its passes."""
+    runs with. The model hands its passes to the session's MTP drafter when it has one, even
+    for a request that drafts nothing (so the block's cache has no gap when the next request
+    drafts again), and to nothing otherwise."""
     if model is not None:
-        model.hidden_sink = None
+        held = session.drafter_state if session is not None else None
+        model.hidden_sink = held.observe if isinstance(held, MtpDrafter) and held.model is model else None
     if replay:
         return ReplayDrafter.from_file(replay, n_vocab)
     if source == "ngram":

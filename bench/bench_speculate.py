@@ -233,6 +233,7 @@ def streamed(args, path: Path) -> None:
     with open_model(path) as mf:
         prompt = prompt_ids(args.prompt_tokens, mf.spec.n_vocab)
         desc = f"{mf.spec.arch}, {mf.spec.n_layer} layers, {mf.gguf.file_bytes / 2**30:.2f} GiB"
+        nextn = mf.spec.n_layer_nextn
     base = {"model.path": str(path), "compute.threads": args.threads, **dict(kv.split("=", 1) for kv in args.set)}
     if args.cache_mb:
         base["cache.cache_mb"] = args.cache_mb
@@ -276,6 +277,34 @@ def streamed(args, path: Path) -> None:
                     mib = statistics.median(g["read_bytes"] for g in runs) / 2**20
                     label = f"<={width}" if adapt else str(width)
                     print(f"{label:>6}{acc:>10.2f}{rate:>10.0%}{tps:>9.2f}{tps / plain_tps:>9.2f}{mib:>10.0f}")
+    if nextn:
+        mtp_streamed(base, path, widths, reference, one, args.repeat)
+
+
+def mtp_streamed(base: dict, path: Path, widths: list[int], reference: list[int], one, repeat: int) -> None:
+    """(c) streamed: the file's MTP block drafting at fixed widths (its tensors read through
+    the page cache, its guesses random weights' own: nearly none kept), next to plain runs."""
+    from moe_pipe.procs.pipeline import start_pipeline
+    from moe_pipe.shared.config import load_config
+
+    cfg = load_config(None, {**base, "compute.draft_source": "mtp", "compute.draft_adapt": False})
+    with start_pipeline(cfg, path) as pipe:
+        one(pipe, 0)
+        one(pipe, 1)  # the block's first reads and pairs outside the timing
+        print("\n(c) the MTP block as the drafter, streamed (fixed widths; its guesses random weights' own)")
+        print(f"{'width':>6}{'accepted':>10}{'tok/s':>9}{'x plain':>9}{'MiB read':>10}{'plain MiB':>11}")
+        for width in widths:
+            runs, plains = [], []
+            for _ in range(repeat):
+                runs.append(one(pipe, width))
+                plains.append(one(pipe, 0))
+            assert all(g["ids"] == reference for g in runs + plains), "speculative output differs from plain output"
+            tps = statistics.median(g["predicted_tok_s"] for g in runs)
+            plain_tps = statistics.median(g["predicted_tok_s"] for g in plains)
+            rate = runs[0]["draft_accepted"] / max(runs[0]["draft_n"], 1)
+            mib = statistics.median(g["read_bytes"] for g in runs) / 2**20
+            plain_mib = statistics.median(g["read_bytes"] for g in plains) / 2**20
+            print(f"{width:>6}{rate:>10.0%}{tps:>9.2f}{tps / plain_tps:>9.2f}{mib:>10.0f}{plain_mib:>11.0f}")
 
 
 def main(argv=None) -> int:

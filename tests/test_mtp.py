@@ -122,6 +122,24 @@ def test_mtp_drafts_are_the_block_run_from_scratch_and_keep_the_output(mtp_file,
         assert own == scratch_drafts(path, history, len(own)), len(history)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["qwen35moe", "glm4moe", "bailingmoe3"])
+@pytest.mark.parametrize("quant", [None, "F32"])
+def test_mtp_greedy_output_is_the_plain_output_at_every_width(mtp_file, arch, quant):
+    """Widths 1-4 of the block's own drafts, half swapped for the right ones, quantized and f32."""
+    path = mtp_file(arch, quant)
+    with open_model(path) as mf:
+        tok = Tokenizer.from_gguf(mf.gguf)
+        prompt = tok.encode(PROMPT)
+        model = load_model(mf, options=ModelOptions(kv_type="f32"))
+        plain = generation(model, tok, Session(), prompt).tokens
+        for width in (1, 2, 4):
+            session = Session()
+            mixed = Mixed(drafter_for("mtp", model=model, session=session, n_ctx=512), plain, len(prompt), 0.5, seed=width)
+            got = generation(model, tok, session, prompt, width, mixed)
+            assert got.tokens == plain and 0 < got.timings["draft_accepted"] < got.timings["draft_n"]
+
+
 @pytest.mark.parametrize("arch", ["qwen35moe", pytest.param("glm4moe", marks=pytest.mark.slow)])
 def test_mtp_sampled_output_is_the_plain_output(mtp_file, arch):
     path = mtp_file(arch, "F32")

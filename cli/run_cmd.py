@@ -204,7 +204,7 @@ def _run_resident(cfg: Config, model_path, tok, prompt_tokens, params, args, on_
     t0 = time.perf_counter()
     with open_model(model_path) as mf:
         experts_per_token(mf.spec, cfg.compute.n_expert_used)  # out of range: one line, before the load
-        if cfg.compute.draft and cfg.compute.draft_source == "mtp" and not cfg.compute.draft_replay:
+        if cfg.compute.drafts_from_block:
             require_nextn(mf.spec)
         if lossy := lossy_expert_count(mf.spec, cfg.compute.n_expert_used):
             print(lossy, file=sys.stderr)

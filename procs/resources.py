@@ -93,7 +93,7 @@ class Resources:
                 raise UserError(f"--threads {cfg.compute.threads}: this machine has {os.cpu_count()} cores")
             if cfg.cache.warm_from:  # a bad trace is the user's error, before anything starts
                 hottest_experts(str(cfg.cache.warm_from), spec, 1)
-            if cfg.compute.draft and cfg.compute.draft_source == "mtp" and not cfg.compute.draft_replay:
+            if cfg.compute.drafts_from_block:
                 require_nextn(spec)
             if cfg.compute.route_replay:
                 from ..shared.model.routes import RouteReplay  # model code: only when a trace drives the run

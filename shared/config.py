@@ -317,6 +317,12 @@ class ComputeConfig:
     )
 
     @property
+    def drafts_from_block(self) -> bool:
+        """--draft takes its guesses from the model file's MTP block (a benchmark's replay
+        file, draft_replay, drafts in its place)."""
+        return bool(self.draft) and self.draft_source == "mtp" and not self.draft_replay
+
+    @property
     def prefill_tokens(self) -> int:
         """The prompt chunk in tokens: the key's value, or the whole context up to AUTO_PREFILL_CHUNK."""
         return self.prefill_chunk or min(self.ctx_size, AUTO_PREFILL_CHUNK)

@@ -108,7 +108,7 @@ def service_kv_bytes(cfg: Config, spec: ModelSpec) -> int:
     budget and `doctor` both take it from here."""
     n_ctx, kv_type = cfg.compute.ctx_size, cfg.compute.kv_type
     slots = cfg.gateway.parallel * kv_cache_bytes(spec, n_ctx, kv_type)
-    mtp = cfg.compute.draft and cfg.compute.draft_source == "mtp" and spec.n_layer_nextn and cfg.gateway.parallel == 1
+    mtp = cfg.compute.drafts_from_block and spec.n_layer_nextn and cfg.gateway.parallel == 1
     return slots + (kv_cache_bytes(nextn_spec(spec), n_ctx, kv_type) - kv_cache_bytes(spec, n_ctx, kv_type) if mtp else 0)
 
 

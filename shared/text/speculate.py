@@ -32,7 +32,7 @@ import numpy as np
 from ..config import DRAFT_SOURCES, MAX_DRAFT
 from ..errors import UserError
 from ..model.mtp import NextN, NextNStep
-from ..model.session import Session
+from ..model.session import Session, common_prefix
 
 
 class Drafter(Protocol):
@@ -162,12 +162,7 @@ class MtpDrafter:
     def start(self, prompt: Sequence[int]) -> None:
         """A generation begins, the session holding the prefix it reuses: pairs and rows of
         positions it no longer holds go, and the model hands this drafter its passes."""
-        held = self.session.tokens
-        same = 0
-        for a, b in zip(self.ids, held):
-            if a != b:
-                break
-            same += 1
+        same = common_prefix(self.ids, self.session.tokens)
         self._cut(same, int(prompt[same]) if same < len(prompt) else None)
         self.model.hidden_sink = self.observe
 

@@ -137,15 +137,9 @@ def _decode_experts(
     and sums one choice at a time took 10)."""
     ids = routing.ids[0].tolist()
     glu = GLU_EXPERTS.get(ffn)
-    here = [i for i, r in zip(ids, source.resident(layer, ids)) if r] if glu is not None else []
-    if glu is not None and len(here) > 1:
-        came, ys = _glu_decode(x, source.experts(layer, ids), set(here), ffn, glu)
-    else:
-        came, rows = [], []
-        for e in source.experts(layer, ids):  # as each becomes usable
-            came.append(e.id)
-            rows.append(ffn(e, x))
-        ys = np.concatenate(rows)
+    here = {i for i, r in zip(ids, source.resident(layer, ids)) if r} if glu is not None else set()
+    # one expert in memory gains nothing from a call of its own: each then goes alone, as it lands
+    came, ys = _glu_decode(x, source.experts(layer, ids), here if len(here) > 1 else set(), ffn, glu)
     row = {e: j for j, e in enumerate(came)}
     return choice_sum(ys, np.array([[row[e] for e in ids]], np.int64), routing.weights)
 
@@ -153,8 +147,8 @@ def _decode_experts(
 def _glu_decode(x: np.ndarray, experts, here: set[int], ffn, glu) -> tuple[list[int], np.ndarray]:
     """A decoded token's experts as `source.experts` yields them, their ids and their outputs
     [K, D] (row j expert came[j]'s): the ones in memory (`here`) together in two kernel calls
-    once all of them have come, each other one alone as it lands, so its read still overlaps
-    the work on the rest."""
+    once all of them have come, each other one (every one, when `here` is empty) alone as it
+    lands, so its read still overlaps the work on the rest."""
     came: list[int] = []
     rows: list[np.ndarray] = []
     waiting: list[Expert] = []

@@ -36,6 +36,7 @@ SETTINGS = [
     ("cache-route 0.2", {"compute.cache_route": 0.2}),
     ("cache-route 0.5", {"compute.cache_route": 0.5}),
     ("both 1.0 / 0.5", {"compute.drop_cold_experts": 1.0, "compute.cache_route": 0.5}),
+    ("route-ahead", {"compute.route_ahead": True}),
 ]
 
 

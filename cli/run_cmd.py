@@ -198,6 +198,7 @@ def _run_resident(cfg: Config, model_path, tok, prompt_tokens, params, args, on_
         draft=cfg.compute.draft,
         draft_adapt=cfg.compute.draft_adapt,
     )
+    from ..shared.model.levers import Levers
     from ..shared.model.routes import RouteReplay, RouteTracer
     from ..shared.model.trace import read_trace
 
@@ -213,7 +214,9 @@ def _run_resident(cfg: Config, model_path, tok, prompt_tokens, params, args, on_
         if tracer:
             tracer.begin_turn()
         try:
-            options = ModelOptions(route_observer=tracer, route_replay=replay, kv_type=cfg.compute.kv_type)
+            # Of the levers only route-ahead acts here: with every expert in memory nothing is a miss.
+            levers = Levers(route_ahead=cfg.compute.route_ahead)
+            options = ModelOptions(route_observer=tracer, route_replay=replay, kv_type=cfg.compute.kv_type, levers=levers)
             model = load_model(mf, top_k=cfg.compute.n_expert_used, options=options)
             session = _open_session(args.session, model, mf, gen_cfg.n_ctx)  # a refused file: before the kernels compile
             load_s = time.perf_counter() - t0

@@ -363,7 +363,7 @@ def model_options(c: ComputeConfig, routes: RouteCount | RouteTracer | None, mf,
     return ModelOptions(
         prefetch_next=c.prefetch == "next-layer",
         prefetch_prompt=c.prefetch in ("prompt", "next-layer"),
-        levers=Levers(c.drop_cold_experts, c.cache_route),
+        levers=Levers(c.drop_cold_experts, c.cache_route, c.route_ahead),
         route_observer=routes,
         route_replay=RouteReplay(read_trace(str(c.route_replay)), mf.spec) if c.route_replay else None,
         kv_type=c.kv_type,  # the model's new_cache stores K and V as the config says

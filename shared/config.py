@@ -315,6 +315,13 @@ class ComputeConfig:
         hi=1,
         flags=("--cache-route",),
     )
+    route_ahead: bool = setting(
+        False,
+        "bool",
+        "LOSSY, changes outputs: while decoding, route each layer with its router on the previous "
+        "layer's router input, so its experts are known and read a layer early",
+        flags=("--route-ahead",),
+    )
 
     @property
     def drafts_from_block(self) -> bool:

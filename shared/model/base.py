@@ -26,7 +26,7 @@ from ..gguf.spec import check_kv_type
 from .batch import BatchCache, BatchPart, PromptSlice
 from .blocks import KVCache, rms_norm, softmax
 from .levers import Levers, apply_levers
-from .moe import Routing, top_k_ids
+from .moe import Routing, softmax_then_top_k, top_k_ids
 from .stages import Stages
 from .weights import ExpertSource, FileExperts, Weights
 
@@ -126,6 +126,9 @@ class MoEModel:
         self.output = self.w.matrix("output.weight") if self.w.has("output.weight") else self.embd
         self.layers = [self.load_layer(i) for i in range(self.spec.n_layer)]
         self._decoding = False  # the pass running is a decode step's (one token, or a verify pass's few)
+        # Route-ahead's scores for the layers ahead of the one running (`route_ahead`), each
+        # taken by its layer's `routed` in the same pass.
+        self._ahead: dict[int, np.ndarray] = {}
         # Told (first position, tokens, final hidden rows [T, D], how many leading rows are
         # certain, not drafts) after each single-sequence pass: the MTP drafter's input
         # (shared/text/speculate.py MtpDrafter); None, the default, computes nothing more.
@@ -154,9 +157,21 @@ class MoEModel:
         embedded (a pass with a prompt's chunk in some of its layers: `_with_slice`). A family
         that routes by token id keeps them (deepseek4's hash layers); the rest need nothing."""
 
-    def routed(self, i: int, routing: Routing, scores: np.ndarray) -> Routing:
-        """Every architecture's routing passes here: the lossy levers (off by
-        default) may change it, then an observer may record it."""
+    def route(self, i: int, scores: np.ndarray) -> Routing:
+        """Layer i's routing from its router's scores [T, E] (the logits, bias included): the
+        top k of a softmax, renormalized (qwen3moe, qwen35moe, mixtral); the other families
+        override it with their own rule."""
+        return softmax_then_top_k(scores, self.top_k)
+
+    def routed(self, i: int, scores: np.ndarray) -> Routing:
+        """Every architecture's routing passes here, from its router's scores [T, E]: the
+        family's rule (`route`), on the scores route-ahead took a layer early when that lever
+        is on; then the lossy levers (off by default) may change it, then an observer may
+        record it."""
+        ahead = self._ahead.pop(i, None)
+        if ahead is not None and self._decoding and ahead.shape == scores.shape:
+            scores = ahead
+        routing = self.route(i, scores)
         if self.route_replay is not None:
             routing = self.route_replay.route(i, routing.ids.shape[0])
         if self.levers.active:
@@ -184,9 +199,27 @@ class MoEModel:
         batch with `prefetch_prompt`, for a decoded token with `prefetch_next`."""
         if self.router_input_observer is not None:
             self.router_input_observer(i, router_input)
+        if self.levers.route_ahead and self._decoding and self.route_replay is None and self.routes_by_scores(i + 1):
+            self.route_ahead(i + 1, router_input)
+            return
         wanted = self.prefetch_next if self._decoding else self.prefetch_prompt
         if wanted and i + 1 < self.spec.n_layer:
             self.guess_layer(i + 1, router_input)
+
+    def routes_by_scores(self, j: int) -> bool:
+        """Whether layer j exists and chooses its experts by its router's scores: not a
+        leading dense layer (deepseek4 adds its hash-routed layers)."""
+        return j < self.spec.n_layer and self.spec.has_experts(j)
+
+    def route_ahead(self, j: int, router_input: np.ndarray) -> None:
+        """The route-ahead lever (LOSSY, decode only): layer j routes on its router applied
+        to the previous layer's router input [T, D], computed here, a layer early, so its
+        reads are exactly known and start while this layer computes. The source is told
+        every chosen expert, each row's in rank order."""
+        scores = self.router_logits(j, router_input)
+        self._ahead[j] = scores
+        ids = self.route(j, scores).ids
+        self.source.prefetch(j, list(dict.fromkeys(int(e) for e in ids.T.reshape(-1))))
 
     def guess_layer(self, j: int, router_input: np.ndarray) -> None:
         """Speculative prefetch: guess layer j's experts with its router on an
@@ -287,6 +320,7 @@ class MoEModel:
         rows = np.concatenate(tokens) if tokens else np.zeros(0, np.int64)
         d = rows.size
         rows_decoding = decoding or all(t.size == 1 for t in tokens)
+        self._ahead.clear()  # as _layers
         with self.stage("embed"):
             if lo == 0:
                 prompt.hidden = self.embed(chunk)
@@ -355,6 +389,7 @@ class MoEModel:
         with self.stage("embed"):
             x = self.embed(tokens)
         self._decoding = decoding
+        self._ahead.clear()  # scores a failed pass took ahead are not this pass's
         if self.prefetch_next and self._decoding:
             # The first MoE layer has no earlier router input to guess from: its router
             # on the token's embedding, so its reads start while the layers before it run.

@@ -32,9 +32,13 @@ Resident = Callable[[Sequence[int]], list[bool]]
 class Levers:
     drop_cold: float = 0.0
     cache_route: float = 0.0
+    # Route each layer on the previous layer's router input (MoEModel.route_ahead): it acts
+    # before the routing is made, where the two above act on it.
+    route_ahead: bool = False
 
     @property
     def active(self) -> bool:
+        """Whether a lever acts on a routing once it is made (`apply_levers`)."""
         return self.drop_cold > 0 or self.cache_route > 0
 
 

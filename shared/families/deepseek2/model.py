@@ -30,7 +30,7 @@ from ...gguf.model_file import ModelFile
 from ...model.attend import attend
 from ...model.base import MoEModel
 from ...model.blocks import KVCache, Rope, per_sequence, plain_inv_freq, rms_norm, swiglu, yarn_rope
-from ...model.moe import apply_experts, route_as_spec, swiglu_expert
+from ...model.moe import Routing, apply_experts, route_as_spec, swiglu_expert
 from ...model.weights import QWeight, _as_matrix
 
 
@@ -146,6 +146,10 @@ class Model(MoEModel):
         if self.spec.has_experts(j):  # a leading dense layer has nothing to guess
             super().guess_layer(j, router_input)
 
+    def route(self, i: int, scores: np.ndarray) -> Routing:
+        """The file's scoring function, selection bias and expert groups (route_as_spec)."""
+        return route_as_spec(self.spec, scores, self.top_k, self.layers[i]["bias"])
+
     def layer(self, i, x, cache, start, positions):
         s, L, eps = self.spec, self.layers[i], self.spec.rms_eps
         with self.stage("attention"):
@@ -156,7 +160,7 @@ class Model(MoEModel):
                 return h + L["down"](swiglu(L["gate"](n2), L["up"](n2)))
         with self.stage("router"):
             scores = L["router"](n2)
-            routing = self.routed(i, route_as_spec(s, scores, self.top_k, L["bias"]), scores)
+            routing = self.routed(i, scores)
             self.hint_next_layer(i, n2)
         with self.stage("experts"):
             y = apply_experts(n2, routing, self.source, i, swiglu_expert)

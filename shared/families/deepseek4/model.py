@@ -258,6 +258,9 @@ class Model(MoEModel):
             return
         super().guess_layer(j, router_input)
 
+    def routes_by_scores(self, j: int) -> bool:
+        return j >= self.v4.hash_layers and super().routes_by_scores(j)  # a hash layer's experts are the token's
+
     def new_cache(self, n_ctx: int, kv_type: str | None = None) -> KVCache:
         return KVCache.for_spec(self.spec, n_ctx, kv_type or self.kv_type)
 
@@ -272,7 +275,7 @@ class Model(MoEModel):
             n2 = rms_norm(f_in, L["ffn_norm"], eps)
         with self.stage("router"):
             logits = L["router"](n2)  # [T, E]
-            routing = self.routed(i, self.route(i, logits), logits)
+            routing = self.routed(i, logits)
             self.hint_next_layer(i, n2)
         with self.stage("experts"):
             y = apply_experts(n2, routing, self.source, i, self.expert)

@@ -21,7 +21,7 @@ import numpy as np
 from ...gguf.model_file import ModelFile
 from ...model.base import MoEModel
 from ...model.blocks import Rope, gelu_tanh, plain_inv_freq, rms_norm, store_and_attend
-from ...model.moe import GLU_EXPERTS, apply_experts, softmax_then_top_k
+from ...model.moe import GLU_EXPERTS, Routing, apply_experts, softmax_then_top_k
 from ...model.weights import Expert
 
 
@@ -86,6 +86,11 @@ class Model(MoEModel):
         cap = self.spec.final_logit_softcap
         return np.float32(cap) * np.tanh(z / np.float32(cap)) if cap else z
 
+    def route(self, i: int, scores: np.ndarray) -> Routing:
+        """The top k of a softmax, renormalized, each weight × its expert's per-layer scale."""
+        r = softmax_then_top_k(scores, self.top_k)
+        return Routing(r.ids, r.weights * self.layers[i]["expert_scale"][r.ids])
+
     def layer(self, i, x, cache, start, positions):
         L, eps = self.layers[i], self.spec.rms_eps
         with self.stage("attention"):
@@ -96,9 +101,8 @@ class Model(MoEModel):
         with self.stage("router"):
             r = rms_norm(h, None, eps) * L["router_in_scale"] * self.router_scale
             scores = L["router"](r)
-            routing = softmax_then_top_k(scores, self.top_k)
+            routing = self.routed(i, scores)
             self.hint_next_layer(i, r)
-            routing = self.routed(i, type(routing)(routing.ids, routing.weights * L["expert_scale"][routing.ids]), scores)
         with self.stage("experts"):
             m2 = apply_experts(rms_norm(h, L["pre_ffw_norm_2"], eps), routing, self.source, i, gelu_expert)
             m2 = rms_norm(m2, L["post_ffw_norm_2"], eps)

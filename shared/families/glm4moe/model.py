@@ -66,8 +66,9 @@ class Model(MoEModel):
             )
         return L
 
-    def route(self, i: int, logits: np.ndarray, k: int) -> Routing:
-        return route_as_spec(self.spec, logits, k, self.layers[i]["probs_b"])
+    def route(self, i: int, scores: np.ndarray) -> Routing:
+        """Sigmoid scores, the selection bias and the expert groups (route_as_spec)."""
+        return route_as_spec(self.spec, scores, self.top_k, self.layers[i]["probs_b"])
 
     def layer(self, i, x, cache, start, positions):
         L, eps = self.layers[i], self.spec.rms_eps
@@ -80,7 +81,7 @@ class Model(MoEModel):
                 return h + L["down"](swiglu(L["gate"](n2), L["up"](n2)))
         with self.stage("router"):
             scores = L["router"](n2)
-            routing = self.routed(i, self.route(i, scores, self.top_k), scores)
+            routing = self.routed(i, scores)
             self.hint_next_layer(i, n2)
         with self.stage("experts"):
             y = apply_experts(n2, routing, self.source, i, swiglu_expert)
@@ -117,7 +118,7 @@ class Model(MoEModel):
         if self.route_replay is not None:
             super().guess_layer(j, router_input)
             return
-        r = self.route(j, self.layers[j]["router"](guess_rows(router_input)), self.top_k)
+        r = self.route(j, self.layers[j]["router"](guess_rows(router_input)))
         share = r.weights / np.maximum(r.weights.sum(axis=-1, keepdims=True), np.float32(1e-20))
         best: dict[int, float] = {}
         for row_ids, row_share in zip(r.ids.tolist(), share.tolist()):

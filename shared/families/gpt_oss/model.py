@@ -18,7 +18,7 @@ import numpy as np
 from ...gguf.model_file import ModelFile
 from ...model.base import MoEModel
 from ...model.blocks import rms_norm, rope_from_spec, sigmoid, store_and_attend
-from ...model.moe import GLU_EXPERTS, apply_experts, top_k_then_softmax
+from ...model.moe import GLU_EXPERTS, Routing, apply_experts, top_k_then_softmax
 from ...model.weights import Expert
 
 SWIGLU_LIMIT = np.float32(7.0)
@@ -67,6 +67,10 @@ class Model(MoEModel):
             router_b=w.vector(p + "ffn_gate_inp.bias"),
         )
 
+    def route(self, i: int, scores: np.ndarray) -> Routing:
+        """The top k of the logits, then a softmax over those k."""
+        return top_k_then_softmax(scores, self.top_k)
+
     def layer(self, i, x, cache, start, positions):
         L, eps = self.layers[i], self.spec.rms_eps
         with self.stage("attention"):
@@ -74,7 +78,7 @@ class Model(MoEModel):
         with self.stage("router"):
             n2 = rms_norm(h, L["ffn_norm"], eps)
             scores = L["router"](n2) + L["router_b"]
-            routing = self.routed(i, top_k_then_softmax(scores, self.top_k), scores)
+            routing = self.routed(i, scores)
             self.hint_next_layer(i, n2)
         with self.stage("experts"):
             return h + apply_experts(n2, routing, self.source, i, clamped_swiglu_expert)

@@ -27,7 +27,7 @@ from ...gguf.model_file import ModelFile
 from ...model.base import MoEModel
 from ...model.blocks import KVCache, RecurrentState, causal_conv, per_sequence, rms_norm, rope_from_spec, swiglu
 from ...model.gqa import gqa, load_gqa
-from ...model.moe import apply_experts, route_as_spec, swiglu_expert
+from ...model.moe import Routing, apply_experts, route_as_spec, swiglu_expert
 
 
 class Model(MoEModel):
@@ -70,6 +70,10 @@ class Model(MoEModel):
         if self.spec.has_experts(j):  # a leading dense layer has nothing to fetch
             super().guess_layer(j, router_input)
 
+    def route(self, i: int, scores: np.ndarray) -> Routing:
+        """The file's scoring function and its selection bias (route_as_spec)."""
+        return route_as_spec(self.spec, scores, self.top_k, self.layers[i]["exp_probs_b"])
+
     def layer(self, i, x, cache, start, positions):
         s, L, eps = self.spec, self.layers[i], self.spec.rms_eps
         with self.stage("attention"):
@@ -85,7 +89,7 @@ class Model(MoEModel):
                 return h + L["down"](swiglu(L["gate"](n2), L["up"](n2)))
         with self.stage("router"):
             scores = L["router"](n2)
-            routing = self.routed(i, route_as_spec(s, scores, self.top_k, L["exp_probs_b"]), scores)
+            routing = self.routed(i, scores)
             self.hint_next_layer(i, n2)
         with self.stage("experts"):
             return h + apply_experts(n2, routing, self.source, i, swiglu_expert)

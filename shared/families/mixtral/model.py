@@ -25,7 +25,7 @@ from ...gguf.model_file import ModelFile
 from ...model.base import MoEModel
 from ...model.blocks import rms_norm, rope_from_spec
 from ...model.gqa import gqa, load_gqa
-from ...model.moe import apply_experts, softmax_then_top_k, swiglu_expert
+from ...model.moe import apply_experts, swiglu_expert
 
 
 def pairs_to_halves(head_dim: int, n_rot: int) -> np.ndarray:
@@ -61,7 +61,7 @@ class Model(MoEModel):
         with self.stage("router"):
             n2 = rms_norm(h, L["ffn_norm"], eps)
             scores = L["router"](n2)
-            routing = self.routed(i, softmax_then_top_k(scores, self.top_k), scores)
+            routing = self.routed(i, scores)
             self.hint_next_layer(i, n2)
         with self.stage("experts"):
             return h + apply_experts(n2, routing, self.source, i, swiglu_expert)

@@ -15,11 +15,13 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
+
 from ...gguf.model_file import ModelFile
 from ...model.base import MoEModel
 from ...model.blocks import rms_norm, rope_from_spec
 from ...model.gqa import gqa, load_gqa
-from ...model.moe import apply_experts, gated_shared_expert, load_shared_expert, softmax_then_top_k, swiglu_expert
+from ...model.moe import Routing, apply_experts, gated_shared_expert, load_shared_expert, softmax_then_top_k, swiglu_expert
 
 
 class Model(MoEModel):
@@ -40,6 +42,10 @@ class Model(MoEModel):
             **load_shared_expert(w, p, self.spec.n_embd),
         )
 
+    def route(self, i: int, scores: np.ndarray) -> Routing:
+        """The top k of a softmax, renormalized only where the file says so."""
+        return softmax_then_top_k(scores, self.top_k, renormalize=self.spec.expert_weights_norm)
+
     def layer(self, i, x, cache, start, positions):
         s, L, eps = self.spec, self.layers[i], self.spec.rms_eps
         with self.stage("attention"):
@@ -48,7 +54,7 @@ class Model(MoEModel):
         with self.stage("router"):
             n2 = rms_norm(h, L["ffn_norm"], eps)
             scores = L["router"](n2)
-            routing = self.routed(i, softmax_then_top_k(scores, self.top_k, renormalize=s.expert_weights_norm), scores)
+            routing = self.routed(i, scores)
             self.hint_next_layer(i, n2)
         with self.stage("experts"):
             y = apply_experts(n2, routing, self.source, i, swiglu_expert)

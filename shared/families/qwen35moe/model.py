@@ -28,7 +28,7 @@ import numpy as np
 from ...gguf.model_file import ModelFile
 from ...model.base import MoEModel
 from ...model.blocks import KVCache, RecurrentState, attention, causal_conv, per_sequence, rms_norm, rope_from_spec, sigmoid, silu_in_place
-from ...model.moe import apply_experts, gated_shared_expert, load_shared_expert, softmax_then_top_k, swiglu_expert
+from ...model.moe import apply_experts, gated_shared_expert, load_shared_expert, swiglu_expert
 
 
 def softplus(x: np.ndarray) -> np.ndarray:
@@ -106,7 +106,7 @@ class Model(MoEModel):
         with self.stage("router"):
             n2 = rms_norm(h, L["ffn_norm"], eps)
             scores = L["router"](n2)
-            routing = self.routed(i, softmax_then_top_k(scores, self.top_k), scores)
+            routing = self.routed(i, scores)
             self.hint_next_layer(i, n2)
         with self.stage("experts"):
             y = apply_experts(n2, routing, self.source, i, swiglu_expert)

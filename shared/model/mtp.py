@@ -119,10 +119,10 @@ class NextN:
 
 class SubsetHead:
     """The output head over part of the vocabulary: the `n_low` lowest token ids and the
-    ids `add`ed since the last `clear` (docs/speculative.md § MTP drafts). Its argmax is
-    the whole head's argmax with every other id left out, ties going to the lowest id as
-    np.argmax's do; each row's logit is the whole head's, bit for bit (the kernels compute
-    a row alone), at the cost of reading only the subset's rows.
+    ids `add`ed since the last `clear` (docs/speculative.md § The head over part of the
+    vocabulary). Its argmax is the whole head's argmax with every other id left out, ties
+    going to the lowest id as np.argmax's do; each row's logit is the whole head's, bit for
+    bit (the kernels compute a row alone), at the cost of reading only the subset's rows.
 
     The low ids' rows are the head's first rows, contiguous already: a view, no copy. An
     added id's row is copied as bytes (same type, so the same kernels apply) into a

@@ -271,10 +271,10 @@ def drafter_for(
     vocab: int = 0,
 ) -> Drafter | None:
     """The configured drafter (compute.draft_source; compute.draft_replay, benchmarks only, over it).
-    `model` (the MoEModel itself, not a wrapper), `session`, `n_ctx` and `vocab` (compute.draft_vocab:
-    0 = the whole vocabulary): what the MTP drafter runs with. The model hands its passes to the session's MTP drafter when it has one, even
-    for a request that drafts nothing (so the block's cache has no gap when the next request
-    drafts again), and to nothing otherwise."""
+    `model` (the MoEModel itself, not a wrapper), `session`, `n_ctx` and `vocab` (compute.draft_vocab,
+    0 = the whole vocabulary): what the MTP drafter runs with. The model hands its passes to the
+    session's MTP drafter when it has one, even for a request that drafts nothing (so the block's
+    cache has no gap when the next request drafts again), and to nothing otherwise."""
     if model is not None:
         held = session.drafter_state if session is not None else None
         model.hidden_sink = held.observe if isinstance(held, MtpDrafter) and held.model is model else None

@@ -12,6 +12,7 @@ bailingmoe3 behind -m slow."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -343,10 +344,31 @@ def test_run_refuses_mtp_drafts_on_a_file_without_the_block_in_one_line(tmp_path
         ]
 
 
+def test_run_takes_its_guesses_over_draft_vocab(mtp_file, capsys, monkeypatch):
+    """`run --no-stream --draft-vocab N` hands N to the MTP drafter's head, and the tokens are the plain run's."""
+    from moe_pipe.cli.main import main
+
+    made, real_init = [], SubsetHead.__init__
+
+    def recording_init(self, head, n_low):
+        made.append(n_low)
+        real_init(self, head, n_low)
+
+    monkeypatch.setattr(SubsetHead, "__init__", recording_init)
+    argv = ["run", str(mtp_file("qwen35moe")), "-p", PROMPT, "-n", "8", "--no-stream", "--output-format", "json", "--ignore-eos"]
+    assert main([*argv, "--draft", "0"]) == 0
+    plain = json.loads(capsys.readouterr().out)["tokens"]
+    assert main([*argv, "--draft", "2", "--no-draft-adapt", "--draft-source", "mtp", "--draft-vocab", str(SUBSET)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert made == [SUBSET] and out["tokens"] == plain and out["timings"]["draft_n"] > 0
+
+
 @pytest.mark.integration
-def test_the_pipeline_drafts_from_the_block_with_streamed_experts_and_keeps_the_tokens(mtp_file):
+@pytest.mark.parametrize("vocab", [None, SUBSET])
+def test_the_pipeline_drafts_from_the_block_with_streamed_experts_and_keeps_the_tokens(mtp_file, vocab):
     """The compute process runs the block beside the least expert cache: the resident reference's
-    tokens, every pass with its drafts (no adaptive width)."""
+    tokens, every pass with its drafts (no adaptive width), over the whole head (the default
+    draft_vocab is above the tiny vocabulary) and over SUBSET ids."""
     from .test_pipeline import _budget_mb, run_pipeline, with_reference
 
     path, prompt, reference, sizes = with_reference(mtp_file("qwen35moe"), top_ks=(None,))
@@ -358,6 +380,7 @@ def test_the_pipeline_drafts_from_the_block_with_streamed_experts_and_keeps_the_
             "compute.draft": 2,
             "compute.draft_adapt": False,
             "compute.draft_source": "mtp",
+            **({"compute.draft_vocab": vocab} if vocab else {}),
         },
     )
     assert tokens == reference[None]

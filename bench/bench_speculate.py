@@ -5,6 +5,7 @@ MTP/NextN block (make-model --mtp), the block's own cost as the drafter.
 
     python bench/bench_speculate.py [--layers 8] [--model PATH] [-n 64] [--widths 1,2,3,4]
                                     [--accuracy 1,0.8,0.6,0.4] [--adaptive] [--stream --limit-mb MB]
+                                    [--draft-vocab 0,32768] [--mtp-only]
 
 Random weights draft nothing a real model would accept, so the drafts come from
 the plain run's own tokens (shared/text/speculate.py ReplayDrafter), each made
@@ -43,6 +44,12 @@ def parse(argv):
     p.add_argument("--stream", action="store_true", help="through the engine's pipeline instead of resident")
     p.add_argument("--cache-mb", type=float, help="--stream: the expert cache (default: the config's auto budget)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="--stream: more config overrides")
+    p.add_argument(
+        "--draft-vocab",
+        help="(c), resident: the compute.draft_vocab values to compare, taken in turn "
+        "(default: 0, the whole head, and the config's default)",
+    )
+    p.add_argument("--mtp-only", action="store_true", help="resident: only section (c), the MTP block as the drafter")
     return p.parse_args(argv)
 
 
@@ -120,20 +127,28 @@ class _NoText:
 
 
 def resident(args, path: Path) -> None:
-    from moe_pipe.shared.text.speculate import ReplayDrafter
-
     r = Resident(path, args.threads)
     spec = r.mf.spec
     prompt = prompt_ids(args.prompt_tokens, spec.n_vocab)
-    slab = r.mf.layout.slab_bytes
     print(
         f"model: {path.name} ({spec.arch}, {spec.n_layer} layers, {r.mf.gguf.file_bytes / 2**30:.2f} GiB), resident; "
         f"prompt {len(prompt)} tokens, {args.n} decoded, threads {args.threads}, medians of {args.repeat}"
     )
-    r.generate(prompt, args.n)  # the decode kernels compile outside the timing
-    plain = [r.generate(prompt, args.n) for _ in range(args.repeat)]
-    reference = plain[0].tokens
-    plain_tps = statistics.median(g.timings["predicted_tok_s"] for g in plain)
+    reference = r.generate(prompt, args.n).tokens  # the decode kernels compile outside the timing
+    widths = [int(w) for w in args.widths.split(",")]
+    if not args.mtp_only:
+        replayed(r, prompt, reference, widths, args)
+    if spec.n_layer_nextn:
+        mtp_cost(r, prompt, reference, widths, args)
+    r.mf.close()
+
+
+def replayed(r: Resident, prompt, reference, widths, args) -> None:
+    """(a) a verify pass's cost by its rows, (b) decoding with drafts replayed at chosen accuracies."""
+    from moe_pipe.shared.text.speculate import ReplayDrafter
+
+    slab = r.mf.layout.slab_bytes
+    plain_tps = statistics.median(r.generate(prompt, args.n).timings["predicted_tok_s"] for _ in range(args.repeat))
 
     print("\n(a) one verify pass after the prompt: rows = the decoded token and its drafts")
     print(f"{'rows':>5}{'ms':>10}{'x one row':>11}{'experts':>9}{'extra expert MiB':>18}")
@@ -147,7 +162,6 @@ def resident(args, path: Path) -> None:
         f"\n(b) decode with replayed drafts (plain {plain_tps:.2f} tok/s at the start; each row's ratio is to plain runs interleaved with its own)"
     )
     print(f"{'width':>6}{'accuracy':>10}{'accepted':>10}{'tok/s':>9}{'x plain':>9}{'passes':>8}")
-    widths = [int(w) for w in args.widths.split(",")]
     for acc in [float(a) for a in args.accuracy.split(",")]:
         for width, adapt in [(w, False) for w in widths] + ([(max(widths), True)] if args.adaptive else []):
             runs, plains = [], []
@@ -162,9 +176,6 @@ def resident(args, path: Path) -> None:
             passes = len(reference) - 1 - t["draft_accepted"]  # every token after the first: a pass's, or a kept draft's
             label = f"<={width}" if adapt else str(width)
             print(f"{label:>6}{acc:>10.2f}{rate:>10.0%}{tps:>9.2f}{tps / plain_tps:>9.2f}{passes:>8}")
-    if spec.n_layer_nextn:
-        mtp_cost(r, prompt, reference, widths, args)
-    r.mf.close()
 
 
 class TimedDrafter:
@@ -187,39 +198,48 @@ class TimedDrafter:
 
 def mtp_cost(r: Resident, prompt, reference, widths, args) -> None:
     """(c) the file's MTP block as the drafter: its cost per draft token next to a plain
-    decode step, and what it adds to the prompt (the block takes every prompt position)."""
+    decode step, and what it adds to the prompt (the block takes every prompt position),
+    for each head the drafter may take its guesses from (compute.draft_vocab)."""
+    from moe_pipe.shared.config import ComputeConfig
     from moe_pipe.shared.model.session import Session
     from moe_pipe.shared.text.generate import GenerationConfig, generate
     from moe_pipe.shared.text.sampling import SamplingParams
     from moe_pipe.shared.text.speculate import drafter_for
 
-    def run(width):
+    vocabs = [int(v) for v in args.draft_vocab.split(",")] if args.draft_vocab else [0, ComputeConfig().draft_vocab]
+
+    def run(width, vocab=0):
         session = Session()
         n_ctx = len(prompt) + args.n + 16
-        drafter = TimedDrafter(drafter_for("mtp", model=r.model, session=session, n_ctx=n_ctx)) if width else None
+        drafter = TimedDrafter(drafter_for("mtp", model=r.model, session=session, n_ctx=n_ctx, vocab=vocab)) if width else None
         cfg = GenerationConfig(max_tokens=args.n, ignore_eos=True, draft=width, draft_adapt=False, n_ctx=n_ctx, prefill_batch=len(prompt))
         g = generate(r.model, _NoText(), prompt, SamplingParams(), cfg, session=session, drafter=drafter)
         assert g.tokens == reference, "speculative output differs from plain output"
         return g, drafter
 
-    run(1)  # the block's kernels compile outside the timing
+    for vocab in vocabs:
+        run(1, vocab)  # the block's kernels compile outside the timing
     print("\n(c) the MTP block as the drafter (its own guesses: random weights, so nearly none is kept)")
-    print(f"{'width':>6}{'ms a draft':>12}{'x a step':>10}{'prompt ms':>11}{'x plain':>9}{'tok/s':>9}{'x plain':>9}")
+    print("    vocab: compute.draft_vocab, 0 = the whole head; the heads are run in turn, each repeat, beside a plain run")
+    print(f"{'width':>6}{'vocab':>8}{'ms a draft':>12}{'x a step':>10}{'prompt ms':>11}{'x plain':>9}{'tok/s':>9}{'x plain':>9}")
     for width in widths:
-        runs, plains = [], []
-        for _ in range(args.repeat):
-            runs.append(run(width))
+        runs: dict[int, list] = {v: [] for v in vocabs}
+        plains = []
+        for _ in range(args.repeat):  # in turn: the host's speed drifts within minutes
+            for vocab in vocabs:
+                runs[vocab].append(run(width, vocab))
             plains.append(run(0)[0])
         step_ms = statistics.median(1e3 / g.timings["predicted_tok_s"] for g in plains)
-        per_draft = statistics.median(d.seconds * 1e3 / max(d.drafted, 1) for _, d in runs)
-        prompt_ms = statistics.median(g.timings["prompt_ms"] for g, _ in runs)
         plain_prompt = statistics.median(g.timings["prompt_ms"] for g in plains)
-        tps = statistics.median(g.timings["predicted_tok_s"] for g, _ in runs)
         plain_tps = statistics.median(g.timings["predicted_tok_s"] for g in plains)
-        print(
-            f"{width:>6}{per_draft:>12.2f}{per_draft / step_ms:>10.2f}{prompt_ms:>11.1f}{prompt_ms / plain_prompt:>9.2f}"
-            f"{tps:>9.2f}{tps / plain_tps:>9.2f}"
-        )
+        for vocab in vocabs:
+            per_draft = statistics.median(d.seconds * 1e3 / max(d.drafted, 1) for _, d in runs[vocab])
+            prompt_ms = statistics.median(g.timings["prompt_ms"] for g, _ in runs[vocab])
+            tps = statistics.median(g.timings["predicted_tok_s"] for g, _ in runs[vocab])
+            print(
+                f"{width:>6}{vocab:>8}{per_draft:>12.2f}{per_draft / step_ms:>10.2f}{prompt_ms:>11.1f}{prompt_ms / plain_prompt:>9.2f}"
+                f"{tps:>9.2f}{tps / plain_tps:>9.2f}"
+            )
 
 
 # -- streamed -------------------------------------------------------------------------------

@@ -227,7 +227,9 @@ def _run_resident(cfg: Config, model_path, tok, prompt_tokens, params, args, on_
                 status.done(f"kernels ready in {warm.seconds:.2f} s ({warm.compiled} compiled, the rest from numba's cache)")
             with CompileCounter() as late:
                 source = cfg.compute.draft_source if gen_cfg.draft else "none"
-                drafter = drafter_for(source, cfg.compute.draft_replay, mf.spec.n_vocab, model, session, gen_cfg.n_ctx)
+                drafter = drafter_for(
+                    source, cfg.compute.draft_replay, mf.spec.n_vocab, model, session, gen_cfg.n_ctx, cfg.compute.draft_vocab
+                )
                 result = generate(
                     _Phases(model, tracer), tok, prompt_tokens, params, gen_cfg, on_text=on_text, session=session, drafter=drafter
                 )

@@ -543,7 +543,15 @@ def handle(
     try:
         session = session if session is not None else Session()
         source = config.compute.draft_source if gen_cfg.draft else "none"  # the MTP block loads only for a request that drafts
-        drafter = drafter_for(source, config.compute.draft_replay, metered.model.spec.n_vocab, metered.model, session, gen_cfg.n_ctx)
+        drafter = drafter_for(
+            source,
+            config.compute.draft_replay,
+            metered.model.spec.n_vocab,
+            metered.model,
+            session,
+            gen_cfg.n_ctx,
+            config.compute.draft_vocab,
+        )
         result = generate(
             metered, tok, list(req.prompt_tokens), params, gen_cfg, on_text=on_text, session=session, constraint=constraint, drafter=drafter
         )

@@ -271,6 +271,16 @@ class ComputeConfig:
         choices=DRAFT_SOURCES,
         flags=("--draft-source",),
     )
+    draft_vocab: int = setting(
+        32768,
+        "int",
+        "--draft-source mtp: each guess is the block's most likely token among the N lowest token ids (a byte-level "
+        "BPE vocabulary's commonest) and the ids the conversation has had, not the whole vocabulary, so the head reads "
+        "N rows, not all; the output is the same either way (docs/speculative.md § MTP drafts); 0 = the whole vocabulary",
+        lo=0,
+        hi=1 << 24,
+        flags=("--draft-vocab",),
+    )
     draft_replay: str | None = setting(
         None,
         "path",

@@ -12,25 +12,30 @@ bailingmoe3 behind -m slow."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from moe_pipe.shared.errors import UserError
+from moe_pipe.shared import quant
+from moe_pipe.shared.config import load_config
+from moe_pipe.shared.errors import ConfigError, UserError
 from moe_pipe.shared.gguf.model_file import open_model
 from moe_pipe.shared.makemodel.maker import make_model
 from moe_pipe.shared.model.base import ModelOptions
 from moe_pipe.shared.model.load import load_model
-from moe_pipe.shared.model.mtp import NextN
+from moe_pipe.shared.model.mtp import NextN, NextNStep, SubsetHead
 from moe_pipe.shared.model.session import Session
+from moe_pipe.shared.model.weights import QWeight
 from moe_pipe.shared.text.generate import GenerationConfig, generate
 from moe_pipe.shared.text.sampling import SamplingParams
 from moe_pipe.shared.text.speculate import MtpDrafter, drafter_for
 from moe_pipe.shared.text.tokenizer import Tokenizer
 
 PROMPT = "Once upon a time, there was a little fox who liked to run. Once upon a time"
+SUBSET = 512  # compute.draft_vocab in the subset tests: a quarter of the tiny vocabulary
 MTP_FAMILIES = ["qwen35moe", pytest.param("glm4moe", marks=pytest.mark.slow), pytest.param("bailingmoe3", marks=pytest.mark.slow)]
 
 
@@ -73,9 +78,18 @@ def generation(model, tok, session, prompt, width=0, drafter=None, temperature=0
     return generate(model, tok, prompt, params, cfg, session=session, drafter=drafter)
 
 
-def scratch_drafts(path, history: list[int], n: int) -> list[int]:
+def scratch_drafts(path, history: list[int], n: int, subset=None) -> list[int]:
     """The block's n guesses after `history`, from nothing: a fresh model runs history[:-1]
-    (its final hidden rows caught), a fresh block cache takes every pair at once, then chains."""
+    (its final hidden rows caught), a fresh block cache takes every pair at once, then chains;
+    each guess the argmax over the whole vocabulary, or over the ids `subset` alone."""
+
+    def guess(logits):
+        if subset is None:
+            return int(np.argmax(logits))
+        kept = np.full_like(logits, -np.inf)
+        kept[subset] = logits[subset]
+        return int(np.argmax(kept))
+
     with open_model(path) as mf:
         model = load_model(mf, options=ModelOptions(kv_type="f32"))
         caught = []
@@ -85,10 +99,10 @@ def scratch_drafts(path, history: list[int], n: int) -> list[int]:
         head = NextN(model)
         cache = head.new_cache(1024)
         step = head.step(np.array(history[1 : p + 1]), np.concatenate(caught), cache)
-        drafts = [int(np.argmax(head.logits(step)))]
+        drafts = [guess(head.logits(step))]
         while len(drafts) < n:
             step = head.step(np.array(drafts[-1:]), step.feed[-1:], cache)
-            drafts.append(int(np.argmax(head.logits(step))))
+            drafts.append(guess(head.logits(step)))
         return drafts
 
 
@@ -112,6 +126,7 @@ def test_mtp_drafts_are_the_block_run_from_scratch_and_keep_the_output(mtp_file,
         mixed = Mixed(drafter_for("mtp", model=model, session=session, n_ctx=512), first, len(prompt), 0.5)
         got = generation(model, tok, session, prompt, 3, mixed)
         assert got.tokens == first and got.timings["draft_accepted"] > 0
+        assert mixed.inner.subset is None  # draft_vocab 0: the whole head, as before it existed
         again = Mixed(drafter_for("mtp", model=model, session=session, n_ctx=512), second, len(second_prompt), 0.5, seed=1)
         assert again.inner is mixed.inner  # the block's cache followed the session
         got2 = generation(model, tok, session, second_prompt, 3, again)
@@ -120,6 +135,125 @@ def test_mtp_drafts_are_the_block_run_from_scratch_and_keep_the_output(mtp_file,
     assert all(own for _, own in proposals)  # no gap: every pass drafted
     for history, own in proposals[:: max(1, len(proposals) // 6)] + proposals[-1:]:
         assert own == scratch_drafts(path, history, len(own)), len(history)
+
+
+def with_the_conversation(history) -> np.ndarray:
+    """The subset a proposal after `history` guesses from: the SUBSET lowest ids and the conversation's."""
+    return np.union1d(np.arange(SUBSET), np.asarray(history))
+
+
+@pytest.mark.parametrize("arch", MTP_FAMILIES)
+def test_subset_drafts_are_the_block_restricted_to_the_subset_and_keep_the_output(mtp_file, arch):
+    """compute.draft_vocab SUBSET, two requests on one session as above: every proposal is the
+    block run from scratch with each guess the argmax over the low ids and the conversation's
+    (both requests' prompts and output) alone, some of them guesses the whole vocabulary would
+    not make; the tokens are the plain tokens. A conversation that reuses no prefix starts the
+    conversation's ids again."""
+    path = mtp_file(arch)
+    with open_model(path) as mf:
+        tok = Tokenizer.from_gguf(mf.gguf)
+        prompt = tok.encode(PROMPT)
+        plain_model = load_model(mf, options=ModelOptions(kv_type="f32"))
+        plain_session = Session()
+        first = generation(plain_model, tok, plain_session, prompt).tokens
+        second_prompt = prompt + first + tok.encode(" and then")
+        second = generation(plain_model, tok, plain_session, second_prompt).tokens
+
+        model = load_model(mf, options=ModelOptions(kv_type="f32"))
+        session = Session()
+
+        def drafter():
+            return drafter_for("mtp", model=model, session=session, n_ctx=512, vocab=SUBSET)
+
+        mixed = Mixed(drafter(), first, len(prompt), 0.5)
+        got = generation(model, tok, session, prompt, 3, mixed)
+        assert got.tokens == first and got.timings["draft_accepted"] > 0
+        again = Mixed(drafter(), second, len(second_prompt), 0.5, seed=1)
+        got2 = generation(model, tok, session, second_prompt, 3, again)
+        assert got2.tokens == second and got2.timings["prompt_cached"] > 0
+        subset = mixed.inner.subset
+        assert np.array_equal(subset.ids(), with_the_conversation(again.proposals[-1][0]))
+        assert subset.added.size > 0  # the conversation has ids above the low ones: they joined
+
+        other = tok.encode("A quiet river ran past the old mill.")
+        fresh = Mixed(drafter(), [0] * 64, len(other), 0.0)  # the block's own drafts
+        assert generation(model, tok, session, other, 2, fresh).tokens == generation(plain_model, tok, Session(), other).tokens
+        assert np.array_equal(subset.ids(), with_the_conversation(fresh.proposals[-1][0]))
+    proposals = mixed.proposals + again.proposals
+    assert all(own for _, own in proposals)
+    checked = proposals[:: max(1, len(proposals) // 6)] + proposals[-1:]
+    for history, own in checked:
+        assert own == scratch_drafts(path, history, len(own), with_the_conversation(history)), len(history)
+    assert any(own != scratch_drafts(path, history, len(own)) for history, own in checked)  # the subset changed guesses
+
+
+@pytest.mark.parametrize("qtype", ["Q6_K", "F32"])
+def test_the_subset_head_is_the_whole_heads_argmax_over_its_ids(mtp_file, qtype):
+    """Each subset row's logit is the whole head's bit for bit, so its guess is the whole
+    head's logits' argmax with the other ids left out; ids join once, out-of-range ones
+    never; `clear` leaves the low ids."""
+    with open_model(mtp_file("qwen35moe", None if qtype == "Q6_K" else qtype)) as mf:
+        head = NextN(load_model(mf, options=ModelOptions(kv_type="f32"))).head
+        assert head.qtype.name == qtype
+        subset = SubsetHead(head, SUBSET)
+        rng = np.random.default_rng(0)
+        subset.add(rng.integers(0, head.shape[0], 300))
+        subset.add([7, head.shape[0] - 1, head.shape[0], -1])
+        ids = subset.ids()
+        assert ids[-1] == head.shape[0] - 1 and np.array_equal(np.sort(subset.added), ids[SUBSET:])
+        for _ in range(16):
+            x = rng.standard_normal((1, head.shape[1])).astype(np.float32)
+            logits = head(x)[0]
+            assert np.array_equal(subset.low(x)[0], logits[:SUBSET]) and np.array_equal(subset.seen(x)[0], logits[subset.added])
+            kept = np.full_like(logits, -np.inf)
+            kept[ids] = logits[ids]
+            assert subset.greedy(NextNStep(x, x)) == int(np.argmax(kept))
+        subset.clear()
+        assert np.array_equal(subset.ids(), np.arange(SUBSET)) and subset.seen is None
+
+
+def test_the_subset_heads_ties_go_to_the_lowest_id_and_its_added_rows_are_bounded(monkeypatch):
+    """An F32 head whose rows repeat: a tie between a low id and an added one goes to the low
+    id, between two added ones to the lower id whatever their order; past SEEN_MOST added rows
+    an id is not added."""
+    rows = np.zeros((40, 32), np.float32)
+    rows[:, 0] = np.arange(40) / 100  # row i's logit on e0 is i / 100
+    rows[[3, 30], 0] = 1.0  # a low id and a later one tie
+    head = QWeight(quant.QType.F32, rows, rows.shape)
+    x = np.eye(1, 32, dtype=np.float32)
+    step = NextNStep(x, x)
+    subset = SubsetHead(head, 10)
+    subset.add([30])
+    assert subset.greedy(step) == 3
+    rows[[25, 21], 0] = 2.0
+    subset = SubsetHead(QWeight(quant.QType.F32, rows, rows.shape), 10)
+    subset.add([25])
+    subset.add([21, 30])
+    assert subset.greedy(step) == 21
+    monkeypatch.setattr(SubsetHead, "SEEN_MOST", 4)
+    subset.add([11, 12, 13])
+    assert np.array_equal(subset.ids()[10:], [11, 21, 25, 30])
+
+
+def test_draft_vocab_is_checked_and_0_or_the_whole_vocabulary_is_the_whole_head(mtp_file):
+    assert load_config(None, {}).compute.draft_vocab == 32768
+    for bad, why in ((-1, "out of range"), (1.5, "wrong type"), ("all", "wrong type")):
+        with pytest.raises(ConfigError, match=f"^command line: compute.draft_vocab = .*: {why}.*; allowed: an integer >= 0"):
+            load_config(None, {"compute.draft_vocab": bad})
+    with open_model(mtp_file("qwen35moe")) as mf:
+        model = load_model(mf, options=ModelOptions(kv_type="f32"))
+        for vocab, whole in ((0, True), (mf.spec.n_vocab, True), (1 << 20, True), (1, False), (mf.spec.n_vocab - 1, False)):
+            session = Session()
+            assert (drafter_for("mtp", model=model, session=session, n_ctx=64, vocab=vocab).subset is None) == whole
+
+
+@pytest.mark.integration
+def test_run_refuses_a_bad_draft_vocab_in_one_line():
+    argv = ["run", "tiny", "-p", "hi", "-n", "2", "--draft-vocab", "-5"]
+    r = subprocess.run([sys.executable, "-m", "moe_pipe.cli.main", *argv], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "moe-pipe: error: --draft-vocab: compute.draft_vocab = -5: out of range; allowed: an integer >= 0 and <= 16777216"
+    ]
 
 
 @pytest.mark.slow
@@ -148,9 +282,10 @@ def test_mtp_sampled_output_is_the_plain_output(mtp_file, arch):
         prompt = tok.encode(PROMPT)
         model = load_model(mf, options=ModelOptions(kv_type="f32"))
         plain = generation(model, tok, Session(), prompt, temperature=0.9).tokens
-        for width in (1, 4):
+        for width, vocab in ((1, 0), (4, 0), (2, SUBSET)):
             session = Session()
-            got = generation(model, tok, session, prompt, width, drafter_for("mtp", model=model, session=session, n_ctx=512), 0.9)
+            drafter = drafter_for("mtp", model=model, session=session, n_ctx=512, vocab=vocab)
+            got = generation(model, tok, session, prompt, width, drafter, 0.9)
             assert got.tokens == plain and got.timings["draft_n"] > 0
 
 
@@ -209,10 +344,31 @@ def test_run_refuses_mtp_drafts_on_a_file_without_the_block_in_one_line(tmp_path
         ]
 
 
+def test_run_takes_its_guesses_over_draft_vocab(mtp_file, capsys, monkeypatch):
+    """`run --no-stream --draft-vocab N` hands N to the MTP drafter's head, and the tokens are the plain run's."""
+    from moe_pipe.cli.main import main
+
+    made, real_init = [], SubsetHead.__init__
+
+    def recording_init(self, head, n_low):
+        made.append(n_low)
+        real_init(self, head, n_low)
+
+    monkeypatch.setattr(SubsetHead, "__init__", recording_init)
+    argv = ["run", str(mtp_file("qwen35moe")), "-p", PROMPT, "-n", "8", "--no-stream", "--output-format", "json", "--ignore-eos"]
+    assert main([*argv, "--draft", "0"]) == 0
+    plain = json.loads(capsys.readouterr().out)["tokens"]
+    assert main([*argv, "--draft", "2", "--no-draft-adapt", "--draft-source", "mtp", "--draft-vocab", str(SUBSET)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert made == [SUBSET] and out["tokens"] == plain and out["timings"]["draft_n"] > 0
+
+
 @pytest.mark.integration
-def test_the_pipeline_drafts_from_the_block_with_streamed_experts_and_keeps_the_tokens(mtp_file):
+@pytest.mark.parametrize("vocab", [None, SUBSET])
+def test_the_pipeline_drafts_from_the_block_with_streamed_experts_and_keeps_the_tokens(mtp_file, vocab):
     """The compute process runs the block beside the least expert cache: the resident reference's
-    tokens, every pass with its drafts (no adaptive width)."""
+    tokens, every pass with its drafts (no adaptive width), over the whole head (the default
+    draft_vocab is above the tiny vocabulary) and over SUBSET ids."""
     from .test_pipeline import _budget_mb, run_pipeline, with_reference
 
     path, prompt, reference, sizes = with_reference(mtp_file("qwen35moe"), top_ks=(None,))
@@ -224,6 +380,7 @@ def test_the_pipeline_drafts_from_the_block_with_streamed_experts_and_keeps_the_
             "compute.draft": 2,
             "compute.draft_adapt": False,
             "compute.draft_source": "mtp",
+            **({"compute.draft_vocab": vocab} if vocab else {}),
         },
     )
     assert tokens == reference[None]

@@ -22,6 +22,10 @@ streamed), its experts too (FileExperts over the block's own).
     head = NextN(model)                 the block, loaded (a UserError when the file has none)
     cache = head.new_cache(n_ctx)       its KV cache: one layer
     out = head.step(tokens, hidden, cache)   rows at the cache's next positions → NextNStep
+    guess = head.greedy(out)            the head's argmax over the whole vocabulary
+
+    subset = SubsetHead(head.head, n)   the head over the n lowest ids and the ids added to it
+    subset.add(ids); subset.greedy(out) its argmax over that part of the vocabulary
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from .base import MoEModel
 from .blocks import KVCache, rms_norm
 from .levers import Levers
 from .stages import Stages
-from .weights import FileExperts, Weights
+from .weights import FileExperts, QWeight, Weights
 
 
 @dataclass(frozen=True)
@@ -107,3 +111,71 @@ class NextN:
     def logits(self, step: NextNStep) -> np.ndarray:
         """The head on a step's last row: [V]."""
         return self.head(step.normed_last)[0]
+
+    def greedy(self, step: NextNStep) -> int:
+        """The guess at a step's next token over the whole vocabulary."""
+        return int(np.argmax(self.logits(step)))
+
+
+class SubsetHead:
+    """The output head over part of the vocabulary: the `n_low` lowest token ids and the
+    ids `add`ed since the last `clear` (docs/speculative.md § The head over part of the
+    vocabulary). Its argmax is the whole head's argmax with every other id left out, ties
+    going to the lowest id as np.argmax's do; each row's logit is the whole head's, bit for
+    bit (the kernels compute a row alone), at the cost of reading only the subset's rows.
+
+    The low ids' rows are the head's first rows, contiguous already: a view, no copy. An
+    added id's row is copied as bytes (same type, so the same kernels apply) into a
+    second matrix that grows as ids arrive, at most SEEN_MOST rows: past that an id is
+    simply not added (a guess lost, the output unchanged)."""
+
+    SEEN_MOST = 8192  # added rows at most: ~14 MB of Qwen3.5's Q6_K head (2,048 columns)
+
+    def __init__(self, head: QWeight, n_low: int):
+        n_vocab, n_cols = head.shape
+        if not 0 < n_low < n_vocab:
+            raise ValueError(f"a subset head takes 1 to {n_vocab - 1} low ids, not {n_low}")
+        self.head, self.n_low = head, n_low
+        self.low = QWeight(head.qtype, head.data[:n_low], (n_low, n_cols))
+        self.member = np.zeros(n_vocab, bool)  # which ids the subset holds
+        self.clear()
+
+    def clear(self) -> None:
+        """Back to the low ids alone (the added rows' memory freed)."""
+        self.member[:] = False
+        self.member[: self.n_low] = True
+        self.added = np.empty(0, np.int64)  # the added ids, in the order of their rows
+        self._rows = self.head.data[:0].copy()  # their rows, with room to grow
+        self.seen: QWeight | None = None  # the added rows as a matrix
+
+    def add(self, ids) -> None:
+        """Put `ids` in the subset (ids it holds already, or out of the vocabulary, are skipped)."""
+        ids = np.unique(np.asarray(ids, np.int64))
+        ids = ids[(ids >= 0) & (ids < self.member.size)]
+        new = ids[~self.member[ids]][: self.SEEN_MOST - self.added.size]
+        if not new.size:
+            return
+        k, n = self.added.size, self.added.size + new.size
+        if n > self._rows.shape[0]:  # room doubles: an add copies the new rows, not the old ones, mostly
+            grown = np.empty((max(n, 2 * self._rows.shape[0], 256), *self._rows.shape[1:]), self._rows.dtype)
+            grown[:k] = self._rows[:k]
+            self._rows = grown
+        self._rows[k:n] = self.head.data[new]
+        self.member[new] = True
+        self.added = np.concatenate([self.added, new])
+        self.seen = QWeight(self.head.qtype, self._rows[:n], (n, self.head.shape[1]))
+
+    def ids(self) -> np.ndarray:
+        """The subset's token ids, ascending."""
+        return np.flatnonzero(self.member)
+
+    def greedy(self, step: NextNStep) -> int:
+        """The guess at a step's next token over the subset."""
+        low = self.low(step.normed_last)[0]
+        best = int(np.argmax(low))
+        if self.seen is not None:
+            seen = self.seen(step.normed_last)[0]
+            top = seen.max()
+            if top > low[best]:  # every added id is above the low ones: a tie stays with the low id
+                best = int(self.added[seen == top].min())
+        return best

@@ -31,7 +31,7 @@ import numpy as np
 
 from ..config import DRAFT_SOURCES, MAX_DRAFT
 from ..errors import UserError
-from ..model.mtp import NextN, NextNStep
+from ..model.mtp import NextN, NextNStep, SubsetHead
 from ..model.session import Session, common_prefix
 
 
@@ -134,25 +134,34 @@ class MtpDrafter:
     by requests that draft nothing too (`drafter_for`). A position whose hidden state the
     drafter never saw (a context shift kept an old prefix, a restored session, a prefix
     computed before the drafter was made) leaves a gap the block's cache cannot step
-    over: it then drafts nothing until the conversation starts again from position 0."""
+    over: it then drafts nothing until the conversation starts again from position 0.
+
+    With `vocab` N (compute.draft_vocab) between 0 and the vocabulary's size, a guess is the
+    head's argmax over the N lowest ids and the ids of the conversation so far (its prompts
+    and output, added as `propose` sees them; a conversation that reuses no prefix starts
+    the set again): `SubsetHead`, N rows of the head read a guess, not all. 0 (or N at
+    least the vocabulary) is the whole head. Either way the output is the plain output."""
 
     PAIR_BATCH = 64  # certain pairs waiting before a pass adds them (a prompt's chunk: at once)
     PAIR_STEP = 512  # rows of one block step at most: a prompt chunk's activations stay bounded
 
-    def __init__(self, model, session: Session, n_ctx: int):
-        self.model, self.session, self.n_ctx = model, session, n_ctx
+    def __init__(self, model, session: Session, n_ctx: int, vocab: int = 0):
+        self.model, self.session, self.n_ctx, self.vocab = model, session, n_ctx, vocab
         self.head = NextN(model)
+        whole = not 0 < vocab < self.head.head.shape[0]
+        self.subset = None if whole else SubsetHead(self.head.head, vocab)  # None: guesses over the whole head
+        self._seen = 0  # history entries already added to the subset
         self.cache = self.head.new_cache(n_ctx)  # pairs 0..cache.n-1: one layer's KV rows
         self.ids: list[int] = []  # each position's token as the passes ran it (draft rows' too, until cut)
         self.rows: dict[int, np.ndarray] = {}  # position → final hidden [D], from the last paired on
         self.gap = False  # a position's hidden state was never seen: no drafts until position 0 again
 
     @classmethod
-    def for_session(cls, model, session: Session, n_ctx: int) -> MtpDrafter:
-        """The session's drafter, made on first use (or for another model or context size)."""
+    def for_session(cls, model, session: Session, n_ctx: int, vocab: int = 0) -> MtpDrafter:
+        """The session's drafter, made on first use (or for another model, context size or vocabulary)."""
         held = session.drafter_state
-        if not (isinstance(held, cls) and held.model is model and held.n_ctx == n_ctx):
-            held = session.drafter_state = cls(model, session, n_ctx)
+        if not (isinstance(held, cls) and held.model is model and held.n_ctx == n_ctx and held.vocab == vocab):
+            held = session.drafter_state = cls(model, session, n_ctx, vocab)
         return held
 
     @property
@@ -165,6 +174,9 @@ class MtpDrafter:
         same = common_prefix(self.ids, self.session.tokens)
         self._cut(same, int(prompt[same]) if same < len(prompt) else None)
         self.model.hidden_sink = self.observe
+        if self.subset is not None and same == 0:  # another conversation: its own ids are the likely ones
+            self.subset.clear()
+        self._seen = 0  # the next proposal's history is this request's: added whole once
 
     def observe(self, start: int, tokens: np.ndarray, hidden: np.ndarray, certain: int) -> None:
         """A pass ran `tokens` at positions start.. (their final hidden rows `hidden`), the
@@ -186,6 +198,7 @@ class MtpDrafter:
     def propose(self, history: Sequence[int], n: int) -> list[int]:
         """Up to n greedy guesses at what follows history[-1], the token decoded last."""
         p = len(history) - 1
+        self._add_seen(history)
         if self.gap or n <= 0 or p < 1:
             return []
         if self.paired > p - 1:  # pair p-1 is stepped now: its output gives the first guess
@@ -198,13 +211,25 @@ class MtpDrafter:
         step = self._pair_up(p)
         if step is None:
             return []
-        drafts = [int(np.argmax(self.head.logits(step)))]
+        drafts = [self._guess(step)]
         mark = self.paired
         while len(drafts) < n:  # each further guess from the block's own output beside the guess before
             step = self.head.step(np.array(drafts[-1:]), step.feed[-1:], self.cache)
-            drafts.append(int(np.argmax(self.head.logits(step))))
+            drafts.append(self._guess(step))
         self.cache.truncate(mark)  # guesses are not pairs
         return drafts
+
+    def _guess(self, step: NextNStep) -> int:
+        return self.subset.greedy(step) if self.subset is not None else self.head.greedy(step)
+
+    def _add_seen(self, history: Sequence[int]) -> None:
+        """The conversation's ids not added yet join the subset: a proposal adds the tokens
+        since the last one (a history shorter than that is another request's: added whole)."""
+        if self.subset is None:
+            return
+        start = self._seen if self._seen <= len(history) else 0
+        self.subset.add(history[start:])
+        self._seen = len(history)
 
     def _cut(self, n: int, token: int | None = None) -> None:
         """Positions from n on are run again (with `token` first, when known): pairs that
@@ -243,12 +268,13 @@ def drafter_for(
     model=None,
     session: Session | None = None,
     n_ctx: int = 0,
+    vocab: int = 0,
 ) -> Drafter | None:
     """The configured drafter (compute.draft_source; compute.draft_replay, benchmarks only, over it).
-    `model` (the MoEModel itself, not a wrapper), `session` and `n_ctx`: what the MTP drafter
-    runs with. The model hands its passes to the session's MTP drafter when it has one, even
-    for a request that drafts nothing (so the block's cache has no gap when the next request
-    drafts again), and to nothing otherwise."""
+    `model` (the MoEModel itself, not a wrapper), `session`, `n_ctx` and `vocab` (compute.draft_vocab,
+    0 = the whole vocabulary): what the MTP drafter runs with. The model hands its passes to the
+    session's MTP drafter when it has one, even for a request that drafts nothing (so the block's
+    cache has no gap when the next request drafts again), and to nothing otherwise."""
     if model is not None:
         held = session.drafter_state if session is not None else None
         model.hidden_sink = held.observe if isinstance(held, MtpDrafter) and held.model is model else None
@@ -259,7 +285,7 @@ def drafter_for(
     if source == "mtp":
         if model is None or session is None:
             raise ValueError("the MTP drafter needs the model and its session")
-        return MtpDrafter.for_session(model, session, n_ctx)
+        return MtpDrafter.for_session(model, session, n_ctx, vocab)
     if source == "none":
         return None
     raise UserError(f"unknown draft source {source!r}: one of {', '.join(DRAFT_SOURCES)}")

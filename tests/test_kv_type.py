@@ -242,21 +242,23 @@ def test_a_ring_continues_only_from_where_it_holds_the_window():
 
 
 def test_v_on_its_own_window_decides_where_the_cache_can_go_on_too():
-    """deepseek4 keeps V (compressor rows) on a window of its own: K's ring (window 4, 7 rows)
-    alone would let the cache go on from 37 after 40 positions, V's (window 8, 11 rows: 29..39)
-    needs 30..36 before 37, 29..35 before 36, and has lost 28: so 36 on, not 35."""
+    """deepseek4 keeps V (compressor rows) on a window of its own, whose ring can wrap where K's
+    does not: in a context of 11, K (window 8, 8 - 1 + 4 = 11 rows) never wraps, V (window 4,
+    7 rows) holds 4..10 after 11 positions and needs p-3..p-1 to go on from p: 7 on, not 6."""
     rng = np.random.default_rng(12)
-    k, v = _random_kv(rng, t=40)
-    c = KVCache(64, (2,), (64,), (64,), "f32", windows=(4,), prompt_block=4, v_windows=(8,))
-    assert (c.k[0].cap, c.v[0].cap) == (7, 11)
-    for at in range(0, 40, 4):
+    k, v = _random_kv(rng, t=11)
+    c = KVCache(11, (2,), (64,), (64,), "f32", windows=(8,), prompt_block=4, v_windows=(4,))
+    assert (c.k[0].cap, c.v[0].cap) == (11, 7)
+    for at in range(0, 11, 4):
         c.store(0, k[at : at + 4], v[at : at + 4])
-        c.advance(4)
-    assert c.can_truncate(36) and not c.can_truncate(35) and not c.can_share(35)
-    spec = attention_only(n_head_kv=(2,), head_dim_k=(64,), head_dim_v=(64,), sliding_window=4, swa_layers=(True,), v_windows=(8,))
-    whole = KVCache.for_spec(spec, 4096, "f32")
-    assert (whole.k[0].cap, whole.v[0].cap) == (4 - 1 + SWA_PROMPT_BLOCK, 8 - 1 + SWA_PROMPT_BLOCK)
-    assert kv_cache_bytes(spec, 4096, "f32") == sum(a.nbytes for a in whole.parts()) == 4 * 2 * 64 * (515 + 519)
+        c.advance(min(4, 11 - at))
+    assert c.k[0].holds(0, 11) and c.can_truncate(7) and not c.can_truncate(6) and not c.can_share(6)
+    with pytest.raises(ValueError, match="no longer hold"):
+        c.truncate(6)
+    spec = attention_only(n_head_kv=(2,), head_dim_k=(64,), head_dim_v=(64,), sliding_window=8, swa_layers=(True,), v_windows=(4,))
+    engine = KVCache.for_spec(spec, 4096, "f32")
+    assert (engine.k[0].cap, engine.v[0].cap) == (8 - 1 + SWA_PROMPT_BLOCK, 4 - 1 + SWA_PROMPT_BLOCK)
+    assert kv_cache_bytes(spec, 4096, "f32") == sum(a.nbytes for a in engine.parts()) == 4 * 2 * 64 * (519 + 515)
 
 
 @pytest.mark.parametrize("kv_type", ["f32", "f16", "q8_0"])

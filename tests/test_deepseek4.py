@@ -125,7 +125,10 @@ def test_folding_windows_one_at_a_time_gives_the_bits_of_folding_them_together()
             kv, gate = np.concatenate([pad[:, :w], kv]), np.concatenate([pad[:, w:], gate])
         together = fold_entries(kv, gate, ape, norm, ratio, overlap, eps)
         span = 2 * ratio if overlap else ratio
-        alone = [fold_entries(kv[m * ratio : m * ratio + span], gate[m * ratio : m * ratio + span], ape, norm, ratio, overlap, eps) for m in range(windows)]
+        alone = [
+            fold_entries(kv[m * ratio : m * ratio + span], gate[m * ratio : m * ratio + span], ape, norm, ratio, overlap, eps)
+            for m in range(windows)
+        ]
         assert together.shape[0] == windows and np.array_equal(together, np.concatenate(alone))
         inv = np.float32(1) / np.float32(160000) ** (np.arange(32, dtype=np.float32) / 32)
         at = np.arange(windows) * ratio
@@ -137,7 +140,11 @@ def test_a_long_prompt_in_any_blocks_is_its_decode_steps_bit_for_bit(hca8, decod
     a cache whose rings never wrap: every position's logits alike, windows completing inside a
     block or in a step."""
     model, _, _ = hca8
-    for got in (rows_of(model, LONG, rings(model), 7), rows_of(model, LONG, rings(model), 60), rows_of(model, LONG, model.new_cache(256), 60)):
+    for got in (
+        rows_of(model, LONG, rings(model), 7),
+        rows_of(model, LONG, rings(model), 60),
+        rows_of(model, LONG, model.new_cache(256), 60),
+    ):
         assert np.array_equal(got, decoded)
 
 

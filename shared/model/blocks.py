@@ -304,9 +304,8 @@ class KVCache:
     def for_spec(cls, spec: ModelSpec, n_ctx: int, kv_type: str, prompt_block: int = SWA_PROMPT_BLOCK) -> KVCache:
         """A model's cache: a ring on each sliding-window layer, V on its own window and a
         compressing layer's entries when the spec gives them (what kv_cache_bytes counts)."""
-        return cls(
-            n_ctx, spec.n_head_kv, spec.head_dim_k, spec.head_dim_v, kv_type, kv_windows(spec), prompt_block, kv_v_windows(spec), kv_entries(spec)
-        )
+        heads = (spec.n_head_kv, spec.head_dim_k, spec.head_dim_v)
+        return cls(n_ctx, *heads, kv_type, kv_windows(spec), prompt_block, v_windows=kv_v_windows(spec), entries=kv_entries(spec))
 
     def store(self, layer: int, k: np.ndarray, v: np.ndarray, at: int | None = None) -> None:
         """k [T, Hk, d], v [T, Hk, dv] at positions at..at+T-1, `at` the next position by
@@ -327,6 +326,13 @@ class KVCache:
     def values(self, layer: int, lo: int, hi: int) -> np.ndarray:
         """Cached values at positions lo..hi-1, float32 [Hk, hi-lo, dv]."""
         return self.v[layer].read(lo, hi)
+
+    def entries_of(self, layer: int) -> _Entries:
+        """A compressing layer's entries (deepseek4's); a ValueError on a layer the cache keeps none for."""
+        e = self.entries[layer]
+        if e is None:
+            raise ValueError(f"layer {layer} keeps no compressed entries in this cache")
+        return e
 
     def stored(self, layer: int) -> tuple[np.ndarray, np.ndarray] | None:
         """The layer's K and V arrays as stored, [Hk, rows, d] with position j in row

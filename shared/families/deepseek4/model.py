@@ -401,7 +401,7 @@ class Model(MoEModel):
             ix = L["idx"]
             keys = fold_entries(rows[:, 2 * cw : 2 * cw + 2 * iw], rows[:, 2 * cw + 2 * iw :], ix["ape"], ix["norm"], ratio, True, eps)
             parts.append(rotate_tail(keys[:, None], cos, sin)[:, 0])  # [M', iw]
-        cache.entries[i].write(m0, np.concatenate(parts, axis=-1))
+        cache.entries_of(i).write(m0, np.concatenate(parts, axis=-1))
 
     def entries(
         self, i: int, cache: KVCache, qr: np.ndarray, n: np.ndarray, positions: np.ndarray, end: int
@@ -414,7 +414,7 @@ class Model(MoEModel):
         m = end // ratio if ratio else 0
         if m == 0:
             return np.zeros((0, d), np.float32), [np.zeros(0, np.int64)] * t
-        stored = cache.entries[i].read(0, m)  # [M, d (+ iw)]
+        stored = cache.entries_of(i).read(0, m)  # [M, d (+ iw)]
         entries = stored[:, :d]
         visible = [np.arange(min(m, (int(p) + 1) // ratio)) for p in positions]  # complete by the query
         if ratio != CSA_RATIO:

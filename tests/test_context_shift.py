@@ -97,9 +97,10 @@ def test_n_keep_follows_llama_cpp(arch_model):
     assert len(out.tokens) == 80 and huge.shifts
 
 
-@pytest.fixture(scope="module", params=("gemma4", "gpt-oss"))
+@pytest.fixture(scope="module", params=("gemma4", "gpt-oss", "deepseek4"))
 def windowed_model(request, tmp_path_factory):
-    """The tiny model with an 8-token window (its sliding layers' rings wrap inside N_CTX)."""
+    """The tiny model with an 8-token window (its sliding layers' rings wrap inside N_CTX;
+    deepseek4's keys on every layer and its compressor rows too)."""
     path = make_model(request.param, "tiny", tmp_path_factory.mktemp("swa") / "m.gguf", _overrides={"sliding_window": 8})
     with open_model(path) as mf:
         yield load_model(mf, options=ModelOptions(kv_type="f32")), Tokenizer.from_gguf(mf.gguf)

@@ -5,8 +5,10 @@ sqrt-softplus and hash routing.
 Its checkpoints are held to transformers and llama.cpp with every family's checks in
 tests/test_families_oracle.py (its entry in tests/oracle.py), the streaming pipeline in
 tests/test_family_pipelines.py, prompt chunks against decode steps in tests/test_prefill.py.
-Here: that those checks reach the sparse parts, the cache's prefix reuse, the made hash
-table, and what the converter refuses (docs/models.md § deepseek4).
+Here: that those checks reach the sparse parts, the compact cache (the window's keys and
+the rows a fold reads in rings, one entry per window folded once: prompts in any blocks,
+prefix reuse and truncation, a draft's rollback, a saved session, a shared prefix, its
+budget), the made hash table, and what the converter refuses (docs/models.md § deepseek4).
 """
 
 from __future__ import annotations
@@ -17,19 +19,200 @@ import numpy as np
 import pytest
 
 from moe_pipe.shared.errors import UserError
+from moe_pipe.shared.experts.directio import model_identity
 from moe_pipe.shared.families.deepseek4.convert import ARCHES
-from moe_pipe.shared.gguf.model_file import open_model
-from moe_pipe.shared.makemodel.maker import make_model
-from moe_pipe.shared.model.load import load_model
+from moe_pipe.shared.families.deepseek4.model import angles, fold_entries, no_window
+from moe_pipe.shared.gguf.model_file import open_header_model, open_model
+from moe_pipe.shared.gguf.spec import KV_TYPE_BYTES, kv_cache_bytes
+from moe_pipe.shared.makemodel.maker import make_header, make_model
+from moe_pipe.shared.model.blocks import KVCache
+from moe_pipe.shared.model.load import ModelOptions, load_model
+from moe_pipe.shared.model.session import Session, load_session, read_header, save_session
 
 from . import hfmodels, oracle
 
 PROMPT = list(oracle.IDS[2])  # 21 tokens: past the window (8), 5 CSA entries (3 kept), 2 HCA-8 entries
 
 
+# The compact cache's checks: the tiny model with HCA by 8 (sliding, CSA by 4, HCA by 8, CSA; a
+# window of 8) and rings for prompt blocks of 4, so a prompt of 60 wraps every ring many times and
+# completes 15 CSA and 7 HCA windows.
+BLOCK = 4
+LONG = [int(t) for t in np.random.default_rng(11).integers(4, 2048, 60)]
+
+
 @pytest.fixture(scope="module")
 def made(tmp_path_factory):
     return make_model("deepseek4", "tiny", tmp_path_factory.mktemp("ds4") / "tiny.gguf", quant="F32")
+
+
+@pytest.fixture(scope="module")
+def hca8(tmp_path_factory):
+    """(model, model file path, identity) of the tiny F32 model with HCA by 8, kept loaded for the module."""
+    path = make_model("deepseek4", "tiny", tmp_path_factory.mktemp("ds4c") / "hca8.gguf", quant="F32", _overrides={"hca_ratio": 8})
+    with open_model(path) as mf:
+        yield load_model(mf, options=ModelOptions(kv_type="f32")), path, model_identity(mf.gguf.paths)
+
+
+@pytest.fixture(scope="module")
+def decoded(hca8) -> np.ndarray:
+    """LONG's logits [60, V], one decode step at a time on the rings: what every other way of running it must give."""
+    model, _, _ = hca8
+    return rows_of(model, LONG, rings(model), 1)
+
+
+def rings(model, n_ctx: int = 256, kv_type: str = "f32") -> KVCache:
+    return KVCache.for_spec(model.spec, n_ctx, kv_type, prompt_block=BLOCK)
+
+
+def rows_of(model, tokens, cache: KVCache, batch: int) -> np.ndarray:
+    """Every position's logits [T, V], the tokens run in passes of `batch`."""
+    return np.concatenate([model.forward(tokens[s : s + batch], cache, all_logits=True) for s in range(0, len(tokens), batch)])
+
+
+def test_the_cache_keeps_the_windows_keys_the_rows_a_fold_reads_and_one_entry_per_window(hca8):
+    """Keys: a ring of the window (8 - 1 + a block) on every layer; compressor rows: a ring of
+    what a fold reads (CSA: its window and the one before, 8; HCA: its window, 8) on the
+    compressing layers; entries: one per window, the entry and on CSA the indexer's key."""
+    model, _, _ = hca8
+    c = rings(model)
+    assert [r.cap for r in c.k] == [11] * 4 and [r.window for r in c.k] == [8] * 4
+    assert [(r.cap, r.window, r.data.shape[2]) for r in c.v] == [(256, 0, 0), (11, 8, 768), (11, 8, 256), (11, 8, 768)]
+    assert c.entries[0] is None
+    assert [(e.stride, e.rows.data.shape[1:]) for e in c.entries[1:]] == [(4, (64, 192)), (8, (32, 128)), (4, (64, 192))]
+    rows_of(model, LONG, c, 7)
+    assert [r.lo for r in c.k] == [60 - 11] * 4  # the rings wrapped
+
+
+@pytest.mark.parametrize("kv_type", list(KV_TYPE_BYTES))
+def test_the_budget_counts_what_the_cache_allocates(hca8, kv_type):
+    """kv_cache_bytes (the budget's, doctor's) is the compact cache as KVCache.for_spec allocates it:
+    f32 per position, past the rings, (128 + 64)/4 values on each CSA layer and 128/8 on the HCA one."""
+    model, _, _ = hca8
+    for n_ctx in (256, 4096):
+        c = KVCache.for_spec(model.spec, n_ctx, kv_type)
+        assert sum(a.nbytes for a in c.parts()) == kv_cache_bytes(model.spec, n_ctx, kv_type)
+    if kv_type == "f32":
+        assert kv_cache_bytes(model.spec, 8192, "f32") - kv_cache_bytes(model.spec, 4096, "f32") == 4096 * 4 * (2 * 192 // 4 + 128 // 8)
+
+
+def test_the_flash_shape_keeps_llama_cpps_bytes_per_position(tmp_path):
+    """DeepSeek-V4-Flash's shape (43 layers: 2 sliding, 21 CSA, 20 HCA by 128; head_dim 512,
+    indexer keys 128, window 128) at f16: per position 21·(512 + 128)/4 + 20·512/128 values,
+    6,880 bytes, llama.cpp's compact cache; beside it fixed rings (keys: 127 + 512 rows on every
+    layer; rows: 7 + 512 on CSA, 127 + 512 on HCA layers). Before, every layer kept each
+    position's key and compressor rows: 192,512 bytes per position, 28× more."""
+    size = make_header("deepseek4", "deepseek-v4-flash-shape", tmp_path / "flash.header")
+    with open_header_model([(tmp_path / "flash.header", size)]) as mf:
+        spec = mf.spec
+    per_position = (kv_cache_bytes(spec, 32768, "f16") - kv_cache_bytes(spec, 4096, "f16")) / (32768 - 4096)
+    assert per_position == 2 * (21 * (512 + 128) / 4 + 20 * 512 / 128) == 6880
+    rings_bytes = 2 * (43 * 639 * 512 + 21 * 519 * (4 * 512 + 4 * 128) + 20 * 639 * 2 * 512)
+    assert kv_cache_bytes(spec, 4096, "f16") == rings_bytes + 2 * 4096 * (21 * (512 + 128) // 4 + 20 * 512 // 128)
+
+
+def test_folding_windows_one_at_a_time_gives_the_bits_of_folding_them_together():
+    """A window completes in a prompt's block beside others or alone in a decode step: each entry
+    must come out the same whatever else is folded with it (per-entry reductions only)."""
+    rng = np.random.default_rng(5)
+    eps = 1e-6
+    for ratio, overlap, w in ((4, True, 256), (8, False, 128)):
+        windows = 9
+        kv, gate = (rng.standard_normal((windows * ratio, w)).astype(np.float32) for _ in range(2))
+        ape, norm = rng.standard_normal((ratio, w)).astype(np.float32), rng.standard_normal(w // 2 if overlap else w).astype(np.float32)
+        if overlap:  # entry 0 reads the rows before window 0
+            pad = no_window(ratio, 2 * w)
+            kv, gate = np.concatenate([pad[:, :w], kv]), np.concatenate([pad[:, w:], gate])
+        together = fold_entries(kv, gate, ape, norm, ratio, overlap, eps)
+        span = 2 * ratio if overlap else ratio
+        alone = [
+            fold_entries(kv[m * ratio : m * ratio + span], gate[m * ratio : m * ratio + span], ape, norm, ratio, overlap, eps)
+            for m in range(windows)
+        ]
+        assert together.shape[0] == windows and np.array_equal(together, np.concatenate(alone))
+        inv = np.float32(1) / np.float32(160000) ** (np.arange(32, dtype=np.float32) / 32)
+        at = np.arange(windows) * ratio
+        assert all(np.array_equal(np.stack(angles(inv, at))[:, m], np.stack(angles(inv, at[m : m + 1]))[:, 0]) for m in range(windows))
+
+
+def test_a_long_prompt_in_any_blocks_is_its_decode_steps_bit_for_bit(hca8, decoded):
+    """Decode steps, passes of 7 and one pass of 60 (15 blocks of 4) on the rings, and one pass on
+    a cache whose rings never wrap: every position's logits alike, windows completing inside a
+    block or in a step."""
+    model, _, _ = hca8
+    for got in (
+        rows_of(model, LONG, rings(model), 7),
+        rows_of(model, LONG, rings(model), 60),
+        rows_of(model, LONG, model.new_cache(256), 60),
+    ):
+        assert np.array_equal(got, decoded)
+
+
+def test_a_prefix_is_kept_while_the_rings_hold_what_going_on_from_it_reads(hca8, decoded):
+    """After 40 positions the rings hold 29..39: going on from 36..40 (a block back) reads keys and
+    rows they hold, and continues as a fresh run, entries of windows the cut left incomplete
+    folded again; from 35 the window's first key is gone, so the prefix is recomputed (only 0)."""
+    model, _, _ = hca8
+    for keep in (37, 36, 40 - BLOCK):
+        cache = rings(model)
+        rows_of(model, LONG[:40], cache, 8)
+        assert cache.can_truncate(keep) and cache.can_share(keep)
+        cache.truncate(keep)
+        assert np.array_equal(rows_of(model, LONG[keep:], cache, 5), decoded[keep:])
+    cache = rings(model)
+    rows_of(model, LONG[:40], cache, 8)
+    assert not cache.can_truncate(35) and not cache.can_share(35) and cache.can_truncate(0)
+    with pytest.raises(ValueError, match="no longer hold"):
+        cache.truncate(35)
+
+
+def test_a_shared_prefix_continues_as_its_donor(hca8, decoded):
+    """copy_prefix_from (slots sharing a prompt prefix): the rings' held rows and the entries
+    complete by the prefix's end."""
+    model, _, _ = hca8
+    donor = rings(model)
+    rows_of(model, LONG[:40], donor, 8)
+    other = rings(model)
+    rows_of(model, LONG[::-1], other, 8)  # holding another sequence: every ring and entry written over
+    for into in (rings(model), other):
+        into.copy_prefix_from(donor, 38)
+        assert into.n == 38 and np.array_equal(rows_of(model, LONG[38:], into, 3), decoded[38:])
+
+
+def test_a_rejected_draft_that_completed_windows_leaves_what_plain_decoding_leaves(hca8):
+    """A verify pass at positions 30..33 completes a CSA window (28..31) and the HCA window
+    (24..31) with wrong drafts; rolled back to 31, the entries are folded again from the kept
+    rows when the right tokens complete them, and every later logit is plain decoding's."""
+    model, _, _ = hca8
+    plain = Session(rings(model))
+    plain.feed(model, LONG[:30], batch=8)
+    want = [plain.feed(model, [t]) for t in LONG[30:50]]
+    spec = Session(rings(model))
+    spec.feed(model, LONG[:30], batch=8)
+    rows = spec.verify(model, [LONG[30], 5, 6, 7])
+    assert np.array_equal(rows[0], want[0])
+    spec.rollback(3)
+    assert spec.n == 31
+    got = [spec.feed(model, [t]) for t in LONG[31:50]]
+    assert all(np.array_equal(g, w) for g, w in zip(got, want[1:]))
+    for a, b in zip(spec.cache.rows(), plain.cache.rows()):  # the held rows and entries, as plain decoding's
+        lo = a.lo if a.window else 0
+        assert all(np.array_equal(x, y) for x, y in zip(a.export(lo, 50), b.export(lo, 50)))
+
+
+def test_a_saved_session_holds_the_rings_and_entries_and_continues_exactly(hca8, decoded, tmp_path):
+    model, _, identity = hca8
+    session = Session(rings(model))
+    session.feed(model, LONG[:42], batch=8)
+    path = tmp_path / "s.bin"
+    written = save_session(path, session, identity, "deepseek4")
+    header, _ = read_header(path)
+    assert [p[5] for p in header["parts"] if len(p) == 6] == [4, 8, 4]  # each compressing layer's entries, one per window
+    assert written < sum(a.nbytes for a in session.cache.parts())  # the rings' held rows and 10 + 5 + 10 entries
+    for into in (None, rings(model)):  # the engine's cache (its rings do not wrap at 256), or rings of 4-blocks
+        restored = load_session(path, model, 256, identity, into=into)
+        assert restored.tokens == LONG[:42]
+        assert np.array_equal(rows_of(model, LONG[42:], restored.cache, 1), decoded[42:])
 
 
 @pytest.mark.oracle

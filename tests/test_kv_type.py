@@ -151,7 +151,8 @@ def attention_only(**heads) -> SimpleNamespace:
     """The fields kv_cache_bytes reads, for a model whose every layer attends (no recurrent state);
     no sliding window unless `sliding_window` and `swa_layers` say so."""
     n = len(heads["n_head_kv"])
-    return SimpleNamespace(**({"sliding_window": 0, "swa_layers": (False,) * n} | heads), n_layer=n, is_recurrent=lambda i: False)
+    plain = {"sliding_window": 0, "swa_layers": (False,) * n, "compress_ratios": (), "entry_widths": (), "v_windows": ()}
+    return SimpleNamespace(**(plain | heads), n_layer=n, is_recurrent=lambda i: False)
 
 
 def test_kv_cache_bytes_per_type_by_hand_and_as_allocated():
@@ -238,6 +239,50 @@ def test_a_ring_continues_only_from_where_it_holds_the_window():
     ring.store(0, k[:4], v[:4])  # from position 0 nothing older is needed
     ring.advance(4)
     assert np.array_equal(ring.keys(0, 0, 4), k[:4].transpose(1, 0, 2))
+
+
+def test_v_on_its_own_window_decides_where_the_cache_can_go_on_too():
+    """deepseek4 keeps V (compressor rows) on a window of its own, whose ring can wrap where K's
+    does not: in a context of 11, K (window 8, 8 - 1 + 4 = 11 rows) never wraps, V (window 4,
+    7 rows) holds 4..10 after 11 positions and needs p-3..p-1 to go on from p: 7 on, not 6."""
+    rng = np.random.default_rng(12)
+    k, v = _random_kv(rng, t=11)
+    c = KVCache(11, (2,), (64,), (64,), "f32", windows=(8,), prompt_block=4, v_windows=(4,))
+    assert (c.k[0].cap, c.v[0].cap) == (11, 7)
+    for at in range(0, 11, 4):
+        c.store(0, k[at : at + 4], v[at : at + 4])
+        c.advance(min(4, 11 - at))
+    assert c.k[0].holds(0, 11) and c.can_truncate(7) and not c.can_truncate(6) and not c.can_share(6)
+    with pytest.raises(ValueError, match="no longer hold"):
+        c.truncate(6)
+    spec = attention_only(n_head_kv=(2,), head_dim_k=(64,), head_dim_v=(64,), sliding_window=8, swa_layers=(True,), v_windows=(4,))
+    engine = KVCache.for_spec(spec, 4096, "f32")
+    assert (engine.k[0].cap, engine.v[0].cap) == (8 - 1 + SWA_PROMPT_BLOCK, 4 - 1 + SWA_PROMPT_BLOCK)
+    assert kv_cache_bytes(spec, 4096, "f32") == sum(a.nbytes for a in engine.parts()) == 4 * 2 * 64 * (519 + 515)
+
+
+@pytest.mark.parametrize("kv_type", ["f32", "f16", "q8_0"])
+def test_entry_rows_hold_one_row_per_stride_positions_and_copy_and_save_by_position(kv_type):
+    """A compressing layer's entries (`_Entries`, deepseek4's): entry m for positions m·4..m·4+3,
+    as positions what copy_prefix_from and a saved session read: positions 0..n-1 hold the n // 4
+    complete entries, stored as the cache's kv_type; the budget counts n_ctx // 4 of them."""
+    rng = np.random.default_rng(13)
+    k, v = _random_kv(rng, t=18)
+    entries = rng.standard_normal((4, 96), dtype=np.float32)
+    c = KVCache(30, (2,), (64,), (64,), kv_type, entries=((4, 96),))
+    c.store(0, k, v)
+    c.advance(18)
+    c.entries[0].write(0, entries[:3])
+    c.entries[0].write(3, entries[3:])  # entry 3 (positions 12..15); 16..17's is not complete
+    e = c.entries[0]
+    assert (e.stride, e.count(0, 18), e.count(0, 3), len(c.rows())) == (4, 4, 0, 3)
+    assert np.allclose(e.read(0, 4), entries, atol=0.05) and e.read(2, 2).shape == (0, 96)
+    copy = KVCache(30, (2,), (64,), (64,), kv_type, entries=((4, 96),))
+    copy.copy_prefix_from(c, 15)  # three complete entries
+    assert [a.shape[1] for a in copy.entries[0].export(0, 15)] == [3] * len(e.arrays())
+    assert np.array_equal(copy.entries[0].read(0, 3), e.read(0, 3)) and not copy.entries[0].read(3, 4).any()
+    spec = attention_only(n_head_kv=(2,), head_dim_k=(64,), head_dim_v=(64,), compress_ratios=(4,), entry_widths=(96,))
+    assert kv_cache_bytes(spec, 30, kv_type) == sum(a.nbytes for a in c.parts())
 
 
 @pytest.mark.parametrize("kv_type", ["f32", "f16", "q8_0"])

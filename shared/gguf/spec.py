@@ -95,6 +95,13 @@ class ModelSpec:
     head_dim_k_mla: int = 0
     head_dim_v_mla: int = 0
     rope_yarn_log_mul: float = 0.0  # YaRN's mscale_all_dim (the GGUF stores 0.1 × it)
+    # Compressed attention (deepseek4): per layer, the positions one cached entry folds (0: none)
+    # and the entry's width, kept for the whole context (`kv_entries`); V (head_dim_v) then holds
+    # the per-position rows entries are folded from, kept for the last v_windows[i] positions
+    # (a ring, as a sliding layer's K; () = K's window: `kv_v_windows`).
+    compress_ratios: tuple[int, ...] = ()
+    entry_widths: tuple[int, ...] = ()
+    v_windows: tuple[int, ...] = ()
 
     def has_experts(self, i: int) -> bool:
         """Whether layer i has routed experts (the leading dense layers have none)."""
@@ -193,6 +200,20 @@ def kv_windows(spec: ModelSpec) -> tuple[int, ...]:
     return tuple(w if w > 0 and i < len(swa) and swa[i] else 0 for i in range(spec.n_layer))
 
 
+def kv_v_windows(spec: ModelSpec) -> tuple[int, ...]:
+    """Per layer, the window its V rows are kept for: K's (`kv_windows`) unless the family keeps
+    V for another span (deepseek4's compressor rows: the positions a fold still reads)."""
+    return spec.v_windows or kv_windows(spec)
+
+
+def kv_entries(spec: ModelSpec) -> tuple[tuple[int, int], ...]:
+    """Per layer, (positions per cached entry, entry width), (0, 0) without entries: a
+    compressing layer's entries, one per `ratio` positions over the whole context (deepseek4)."""
+    if not spec.compress_ratios:
+        return ((0, 0),) * spec.n_layer
+    return tuple((r, w) if r else (0, 0) for r, w in zip(spec.compress_ratios, spec.entry_widths))
+
+
 def kv_rows(window: int, n_ctx: int, block: int = SWA_PROMPT_BLOCK) -> int:
     """Rows one layer's K (and V) keep: `n_ctx`, or with a window a ring of window - 1 + block
     (never more than the context: then nothing wraps)."""
@@ -202,11 +223,18 @@ def kv_rows(window: int, n_ctx: int, block: int = SWA_PROMPT_BLOCK) -> int:
 def kv_cache_bytes(spec: ModelSpec, n_ctx: int, kv_type: str) -> int:
     """Bytes of the K and V caches compute allocates for `n_ctx` positions stored as
     `kv_type` (a sliding-window layer's ring of `kv_rows`, every other layer the whole
-    context), plus a hybrid model's recurrent state (`recurrent_state_bytes`)."""
-    check_kv_type(kv_type, spec.head_dim_k + spec.head_dim_v)
+    context; V on its own window when the family gives one, `kv_v_windows`), a compressing
+    layer's entries (`kv_entries`: one per `ratio` positions), plus a hybrid model's
+    recurrent state (`recurrent_state_bytes`)."""
+    entries = kv_entries(spec)
+    check_kv_type(kv_type, spec.head_dim_k + spec.head_dim_v + tuple(w for _, w in entries))
     num, den = KV_TYPE_BYTES[kv_type]
-    layers = zip(spec.n_head_kv, spec.head_dim_k, spec.head_dim_v, kv_windows(spec), range(spec.n_layer))
-    elements = sum(kv_rows(w, n_ctx) * hk * (dk + dv) for hk, dk, dv, w, i in layers if not spec.is_recurrent(i))
+    layers = zip(spec.n_head_kv, spec.head_dim_k, spec.head_dim_v, kv_windows(spec), kv_v_windows(spec), entries, range(spec.n_layer))
+    elements = sum(
+        kv_rows(wk, n_ctx) * hk * dk + kv_rows(wv, n_ctx) * hk * dv + (n_ctx // ratio * width if ratio else 0)
+        for hk, dk, dv, wk, wv, (ratio, width), i in layers
+        if not spec.is_recurrent(i)
+    )
     return elements * num // den + recurrent_state_bytes(spec)  # exact: q8_0 heads are whole blocks of 32
 
 

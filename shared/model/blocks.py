@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..gguf.spec import Q8_0_BLOCK, SWA_PROMPT_BLOCK, ModelSpec, RopeSpec, check_kv_type, kv_rows, kv_windows
+from ..gguf.spec import Q8_0_BLOCK, SWA_PROMPT_BLOCK, ModelSpec, RopeSpec, check_kv_type, kv_entries, kv_rows, kv_v_windows, kv_windows
 from .attend import attend
 from .fused import _rope_rotate, rms_norm, swiglu  # noqa: F401  (fused loops, part of the blocks' API)
 
@@ -119,6 +119,8 @@ class _Rows:
     older ones is refused rather than served from an overwritten row.
     `attend` (shared/model/attend.py) reads the same map in place: base 0."""
 
+    stride = 1  # positions per row (`_Entries` holds one row per `stride`)
+
     def __init__(self, kv_type: str, hk: int, rows: int, d: int, window: int = 0):
         self.kv_type, self.window, self.lo = kv_type, window, 0
         dtype = {"f32": np.float32, "f16": np.float16, "q8_0": np.int8}[kv_type]
@@ -137,6 +139,10 @@ class _Rows:
         """The rows of positions lo..hi-1 (at most `cap` of them), in position order."""
         r0 = lo % self.cap
         return slice(r0, r0 + hi - lo) if r0 + hi - lo <= self.cap else np.arange(lo, hi) % self.cap
+
+    def count(self, lo: int, hi: int) -> int:
+        """Rows positions lo..hi-1 take (what `export(lo, hi)` gives)."""
+        return hi - lo
 
     def holds(self, lo: int, hi: int) -> bool:
         """Whether positions lo..hi-1 are all still in the rows (an empty range always is)."""
@@ -183,6 +189,49 @@ class _Rows:
         self.lo = lo
 
 
+class _Entries:
+    """A compressing layer's entries (deepseek4): one row of `width` per `stride` positions,
+    entry m folded from positions m·stride..(m+1)·stride-1 and written once its window is
+    complete, kept as `kv_type` for the whole context (they are few). Seen as positions, as
+    what copies and saves rows by position reads them (`copy_prefix_from`, a saved session):
+    positions lo..hi-1 hold entries lo//stride..hi//stride-1, the ones complete by then; an
+    incomplete window's entry is written when the window completes."""
+
+    window = 0  # whole context: nothing is overwritten, the oldest held is always 0
+    lo = 0
+
+    def __init__(self, kv_type: str, n_ctx: int, stride: int, width: int):
+        self.stride, self.cap = stride, n_ctx  # cap: the positions it covers
+        self.rows = _Rows(kv_type, 1, n_ctx // stride, width)
+
+    def arrays(self) -> list[np.ndarray]:
+        return self.rows.arrays()
+
+    def count(self, lo: int, hi: int) -> int:
+        return hi // self.stride - lo // self.stride
+
+    def write(self, m: int, x: np.ndarray) -> None:
+        """Entries m..m+M-1, x [M, width] float32."""
+        self.rows.write(m, x[None])
+
+    def read(self, m0: int, m1: int) -> np.ndarray:
+        """Entries m0..m1-1 as float32 [m1-m0, width]."""
+        if m1 <= m0:
+            return np.zeros((0, self.rows.data.shape[2]), np.float32)
+        return self.rows.read(m0, m1)[0]
+
+    def export(self, lo: int, hi: int) -> list[np.ndarray]:
+        m0, m1 = lo // self.stride, hi // self.stride
+        if m1 <= m0:
+            return [np.zeros((a.shape[0], 0, a.shape[2]), a.dtype) for a in self.arrays()]
+        return self.rows.export(m0, m1)
+
+    def restore(self, lo: int, hi: int, stored: list[np.ndarray]) -> None:
+        m0, m1 = lo // self.stride, hi // self.stride
+        if m1 > m0:
+            self.rows.restore(m0, m1, stored)
+
+
 def quantize_q8_0(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """x [..., d] float32, d a multiple of 32 → (int8 [..., d], float16 scales [..., d/32]),
     bit for bit llama.cpp's quantize_row_q8_0_ref: the scale is computed and applied in
@@ -208,7 +257,9 @@ class KVCache:
     gives a model's: gemma4's and gpt-oss's sliding layers), and takes a prompt
     in blocks of `prompt_block` tokens (`store_and_attend`). The cache can then
     continue from a position only while its rings still hold the W - 1 before
-    it: `can_truncate` says where."""
+    it: `can_truncate` says where. V may keep its own window (`v_windows`, per
+    layer; () = K's), and a compressing layer its entries (`entries`, per layer
+    (positions per entry, width), (0, 0) for none: deepseek4's, `_Entries`)."""
 
     def __init__(
         self,
@@ -219,15 +270,20 @@ class KVCache:
         kv_type: str = "f32",
         windows: tuple[int, ...] = (),
         prompt_block: int = SWA_PROMPT_BLOCK,
+        v_windows: tuple[int, ...] = (),
+        entries: tuple[tuple[int, int], ...] = (),
     ):
-        check_kv_type(kv_type, tuple(head_dim_k) + tuple(head_dim_v))
+        entries = tuple(entries) or ((0, 0),) * len(n_head_kv)
+        check_kv_type(kv_type, tuple(head_dim_k) + tuple(head_dim_v) + tuple(w for _, w in entries))
         windows = tuple(windows) or (0,) * len(n_head_kv)
-        if len(windows) != len(n_head_kv) or prompt_block < 1 or min(windows, default=0) < 0:
+        v_windows = tuple(v_windows) or windows
+        if len({len(windows), len(v_windows), len(entries), len(n_head_kv)}) != 1 or prompt_block < 1 or min(windows + v_windows) < 0:
             raise ValueError(f"KVCache: {len(windows)} windows for {len(n_head_kv)} layers, prompt block {prompt_block}")
         self.n_ctx, self.kv_type, self.windows, self.prompt_block = n_ctx, kv_type, windows, prompt_block
-        rows = [kv_rows(w, n_ctx, prompt_block) for w in windows]
-        self.k = [_Rows(kv_type, hk, r, dk, w) for hk, r, dk, w in zip(n_head_kv, rows, head_dim_k, windows)]
-        self.v = [_Rows(kv_type, hk, r, dv, w) for hk, r, dv, w in zip(n_head_kv, rows, head_dim_v, windows)]
+        self.v_windows = v_windows
+        self.k = [_Rows(kv_type, hk, kv_rows(w, n_ctx, prompt_block), dk, w) for hk, dk, w in zip(n_head_kv, head_dim_k, windows)]
+        self.v = [_Rows(kv_type, hk, kv_rows(w, n_ctx, prompt_block), dv, w) for hk, dv, w in zip(n_head_kv, head_dim_v, v_windows)]
+        self.entries = [_Entries(kv_type, n_ctx, r, w) if r else None for r, w in entries]
         self.n = 0  # positions filled (all layers advance together)
         # A hybrid model's (qwen35moe) recurrent layers keep their state here, not in K/V.
         self.state: RecurrentState | None = None
@@ -246,19 +302,21 @@ class KVCache:
 
     @classmethod
     def for_spec(cls, spec: ModelSpec, n_ctx: int, kv_type: str, prompt_block: int = SWA_PROMPT_BLOCK) -> KVCache:
-        """A model's cache: a ring on each sliding-window layer (what kv_cache_bytes counts)."""
-        return cls(n_ctx, spec.n_head_kv, spec.head_dim_k, spec.head_dim_v, kv_type, kv_windows(spec), prompt_block)
+        """A model's cache: a ring on each sliding-window layer, V on its own window and a
+        compressing layer's entries when the spec gives them (what kv_cache_bytes counts)."""
+        heads = (spec.n_head_kv, spec.head_dim_k, spec.head_dim_v)
+        return cls(n_ctx, *heads, kv_type, kv_windows(spec), prompt_block, v_windows=kv_v_windows(spec), entries=kv_entries(spec))
 
     def store(self, layer: int, k: np.ndarray, v: np.ndarray, at: int | None = None) -> None:
         """k [T, Hk, d], v [T, Hk, dv] at positions at..at+T-1, `at` the next position by
-        default (commit with advance()). A ring must still hold the W - 1 positions before `at`."""
+        default (commit with advance()). A ring (K's or V's) must still hold the W - 1 positions before `at`."""
         t, at = k.shape[0], self.n if at is None else at
         if at + t > self.n_ctx:
             raise ValueError(f"context full: {at} + {t} tokens > n_ctx {self.n_ctx}")
-        rows = self.k[layer]
-        if at < self.n or not rows.holds(max(0, at - rows.window + 1) if rows.window else at, at):
-            raise ValueError(f"layer {layer} cannot store position {at}: the cache holds {self.n}, its rows keep {rows.lo} on")
-        rows.write(at, k.transpose(1, 0, 2))
+        for kept in (self.k[layer], self.v[layer]):
+            if at < self.n or not kept.holds(max(0, at - kept.window + 1) if kept.window else at, at):
+                raise ValueError(f"layer {layer} cannot store position {at}: the cache holds {self.n}, its rows keep {kept.lo} on")
+        self.k[layer].write(at, k.transpose(1, 0, 2))
         self.v[layer].write(at, v.transpose(1, 0, 2))
 
     def keys(self, layer: int, lo: int, hi: int) -> np.ndarray:
@@ -269,6 +327,13 @@ class KVCache:
         """Cached values at positions lo..hi-1, float32 [Hk, hi-lo, dv]."""
         return self.v[layer].read(lo, hi)
 
+    def entries_of(self, layer: int) -> _Entries:
+        """A compressing layer's entries (deepseek4's); a ValueError on a layer the cache keeps none for."""
+        e = self.entries[layer]
+        if e is None:
+            raise ValueError(f"layer {layer} keeps no compressed entries in this cache")
+        return e
+
     def stored(self, layer: int) -> tuple[np.ndarray, np.ndarray] | None:
         """The layer's K and V arrays as stored, [Hk, rows, d] with position j in row
         j mod rows (attend's base 0), when they are plain float32 or float16 (decode
@@ -276,18 +341,20 @@ class KVCache:
         k, v = self.k[layer], self.v[layer]
         return None if k.scale is not None else (k.data, v.data)
 
-    def rows(self) -> list[_Rows]:
-        """Every layer's K and V rows in a fixed order (per layer: K, V): what a saved
-        session writes and reads back (shared/model/session.py)."""
-        return [r for kv in zip(self.k, self.v) for r in kv]
+    def rows(self) -> list[_Rows | _Entries]:
+        """Every layer's K and V rows in a fixed order (per layer: K, V), then each compressing
+        layer's entries: what a saved session writes and reads back (shared/model/session.py)
+        and a shared prefix copies."""
+        return [r for kv in zip(self.k, self.v) for r in kv] + [e for e in self.entries if e is not None]
 
     def advance(self, t: int) -> None:
         self.n += t
 
     def holds_window(self, p: int) -> bool:
         """Whether the keys a query at position p sees before itself (p-W+1..p-1 on a
-        ring; a whole-context layer keeps everything) are all still held."""
-        return all(r.holds(max(0, p - r.window + 1), p) for r in self.k if r.window)
+        ring; a whole-context layer keeps everything) are all still held, and V's ring
+        the positions before p its window names (deepseek4: the rows a fold still reads)."""
+        return all(r.holds(max(0, p - r.window + 1), p) for r in self.k + self.v if r.window)
 
     def can_truncate(self, n: int) -> bool:
         """Whether `truncate(n)` leaves a cache that can go on from position n (n at or past
@@ -365,7 +432,7 @@ def _layout(cache: KVCache) -> tuple:
     """What two caches must share for one to hold the other's positions: context, kv_type, windows,
     prompt block, the shape of every stored array and of the recurrent state's (None without one)."""
     state = None if cache.state is None else [(i, a.shape) for d in (cache.state.conv, cache.state.delta) for i, a in d.items()]
-    return cache.n_ctx, cache.kv_type, cache.windows, cache.prompt_block, [a.shape for a in cache.parts()], state
+    return cache.n_ctx, cache.kv_type, cache.windows, cache.v_windows, cache.prompt_block, [a.shape for a in cache.parts()], state
 
 
 class RecurrentState:

@@ -215,8 +215,26 @@ class Session:
 
 
 def _parts_layout(cache: KVCache) -> list[list]:
-    """Per stored array (per layer: K, its q8_0 scales, V, its scales): kv heads, width, dtype, window (0: whole context)."""
-    return [[int(a.shape[0]), int(a.shape[2]), a.dtype.str, r.window] for r in cache.rows() for a in r.arrays()]
+    """Per stored array (per layer: K, its q8_0 scales, V, its scales; then a compressing layer's
+    entries): kv heads, width, dtype, window (0: whole context), and for rows of one entry per
+    `stride` positions (deepseek4's) the stride."""
+    return [[int(a.shape[0]), int(a.shape[2]), a.dtype.str, r.window, *_stride(r)] for r in cache.rows() for a in r.arrays()]
+
+
+def _stride(rows) -> list[int]:
+    """[stride] for rows of one entry per `stride` positions, [] for one row per position: the
+    files of every other kind of rows stay as they were."""
+    return [rows.stride] if rows.stride > 1 else []
+
+
+def _part(layout: list, first: int) -> list:
+    """A header part: [heads, width, dtype, window, first] and, for entry rows, their stride."""
+    return [*layout[:4], first, *layout[4:]]
+
+
+def _layout_of(part: list) -> list:
+    """A header part's layout (`_parts_layout`'s entry) without its first held position (part[4])."""
+    return [*part[:4], *part[5:]]
 
 
 def _per_array(cache: KVCache, per_rows: list[int]) -> list[int]:
@@ -253,7 +271,7 @@ def save_session(path: str | os.PathLike, session: Session, identity: Sequence[s
         "kv_type": cache.kv_type,
         "n_ctx": cache.n_ctx,
         "n_tokens": n,
-        "parts": [[*layout, first] for layout, first in zip(_parts_layout(cache), _per_array(cache, firsts))],
+        "parts": [_part(layout, first) for layout, first in zip(_parts_layout(cache), _per_array(cache, firsts))],
     }
     head = json.dumps(header, separators=(",", ":")).encode()
     path = Path(path)
@@ -281,13 +299,22 @@ def save_session(path: str | os.PathLike, session: Session, identity: Sequence[s
 
 def _expected_bytes(header: dict, head_len: int) -> int:
     """The file's length by its header; a part that is not [heads, width, dtype, window, first]
-    with 0 <= first <= N (0 on a whole-context layer) is a ValueError (a corrupt header)."""
+    (and a stride > 1 for entry rows, one per `stride` positions) with 0 <= first <= N (0 on a
+    whole-context layer) is a ValueError (a corrupt header)."""
     n = header["n_tokens"]
     size = _PREAMBLE.size + head_len + 4 * n
-    for hk, width, dtype, window, first in header["parts"]:
-        if not all(isinstance(x, int) and x >= 0 for x in (hk, width, window, first)) or first > n or (first and not window):
-            raise ValueError(f"part {[hk, width, dtype, window, first]}")
-        size += hk * (n - first) * width * np.dtype(dtype).itemsize
+    for part in header["parts"]:
+        hk, width, dtype, window, first, *rest = part
+        stride = rest[0] if len(rest) == 1 else 1
+        if (
+            len(rest) > 1
+            or not all(isinstance(x, int) and x >= 0 for x in (hk, width, window, first, stride))
+            or first > n
+            or (first and not window)
+            or stride < 1
+        ):
+            raise ValueError(f"part {part}")
+        size += hk * (n // stride - first // stride) * width * np.dtype(dtype).itemsize
     return size
 
 
@@ -350,7 +377,7 @@ def load_session(path: str | os.PathLike, model, n_ctx: int, identity: Sequence[
         raise UserError(f"the session file {path} holds {n} tokens, more than fit a context of {n_ctx}; raise compute.ctx_size")
     reuse = into is not None and into.n_ctx == n_ctx and into.kv_type == model.kv_type
     cache = into if reuse and into is not None else model.new_cache(n_ctx)
-    if [p[:4] for p in header["parts"]] != _parts_layout(cache):
+    if [_layout_of(p) for p in header["parts"]] != _parts_layout(cache):
         raise UserError(f"the session file {path} does not match this model's KV cache shapes; it was saved with another model")
     firsts = _first_held(cache, n)  # per rows; the file's must be the same for K's values and scales, and hold the window
     at = 0
@@ -371,8 +398,9 @@ def load_session(path: str | os.PathLike, model, n_ctx: int, identity: Sequence[
                 held = []
                 for part in rows.arrays():
                     hk, _, width = part.shape
-                    saved = np.fromfile(fh, part.dtype, hk * (n - first) * width).reshape(hk, n - first, width)
-                    held.append(saved[:, keep - first :])
+                    count = rows.count(first, n)
+                    saved = np.fromfile(fh, part.dtype, hk * count * width).reshape(hk, count, width)
+                    held.append(saved[:, rows.count(first, keep) :])
                 rows.restore(keep, n, held)
     except (OSError, ValueError) as exc:
         raise UserError(f"cannot read the session file {path}: {getattr(exc, 'strerror', None) or exc}") from None

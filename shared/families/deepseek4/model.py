@@ -20,6 +20,13 @@ MoE: sqrt(softplus(logits)) scores; hash layers take their experts from the toke
 (ffn_gate_tid2eid), the others the top k of scores + exp_probs_b; weights are the
 chosen scores, normalized, scaled. Experts and the shared expert are SwiGLU with
 the gate clamped above and the up clamped both ways at `swiglu_limit`.
+
+The cache is compact (spec.py): the raw keys of each layer's window in a ring, the
+entries folded once, each as its window completes, and the compressor rows only while a
+fold still reads them (a ring too). A sequence's rows go in prompt blocks: store the
+block's keys and rows, fold the windows it completes (one fold per block, window by
+window the same numbers: `fold_entries`), then its queries attend; a decode step is a
+block of one, so a window completing inside a prompt and in a decode step folds alike.
 Legend: T tokens, N streams, D hidden, H heads, d head_dim, R rope dims, M entries.
 """
 
@@ -88,20 +95,29 @@ def rotate_tail(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
 
 
 def fold_entries(kv: np.ndarray, gate: np.ndarray, ape: np.ndarray, norm: np.ndarray, ratio: int, overlap: bool, eps: float) -> np.ndarray:
-    """The compressed entries of M complete windows: kv, gate [M·ratio, w] rows (gate without
-    its position bias `ape` [ratio, w]) → [M, w'] before rope (w' = w/2 when `overlap`:
-    entry m folds window m−1's first halves with window m's second halves)."""
+    """The compressed entries of consecutive complete windows, before rope: kv, gate [W·ratio, w]
+    rows (gate without its position bias `ape` [ratio, w]). Without `overlap` each window folds
+    into one entry, [W, w]. With it entry m folds window m−1's first halves with window m's
+    second halves, so the W windows' rows give W − 1 entries [W − 1, w/2], the first window
+    lending only its first halves (before window 0 stands `no_window`). Every operation is
+    per entry (a reduction over its own window), so folding windows one by one or several at
+    once gives the same bits (tests/test_deepseek4.py)."""
     m = kv.shape[0] // ratio
     kv = kv.reshape(m, ratio, -1)
     g = gate.reshape(m, ratio, -1) + ape[None]
     if overlap:
         w = kv.shape[-1] // 2
-        prev_kv = np.concatenate([np.zeros((1, ratio, w), np.float32), kv[:-1, :, :w]])
-        prev_g = np.concatenate([np.full((1, ratio, w), -np.inf, np.float32), g[:-1, :, :w]])
-        kv = np.concatenate([prev_kv, kv[:, :, w:]], axis=1)  # [M, 2·ratio, w]
-        g = np.concatenate([prev_g, g[:, :, w:]], axis=1)
+        kv = np.concatenate([kv[:-1, :, :w], kv[1:, :, w:]], axis=1)  # [W − 1, 2·ratio, w]
+        g = np.concatenate([g[:-1, :, :w], g[1:, :, w:]], axis=1)
     p = softmax(g, axis=1).astype(np.float32)
     return rms_norm((kv * p).sum(axis=1), norm, eps)
+
+
+def no_window(ratio: int, width: int) -> np.ndarray:
+    """The compressor rows [ratio, width] an overlapping fold reads before window 0, laid out as
+    a kv half then a gate half: kv 0 and gates −∞ (softmax weight 0)."""
+    half = width // 2
+    return np.concatenate([np.zeros((ratio, half), np.float32), np.full((ratio, half), -np.inf, np.float32)], axis=1)
 
 
 def top_k_of(scores: np.ndarray, k: int) -> np.ndarray:
@@ -261,9 +277,6 @@ class Model(MoEModel):
     def routes_by_scores(self, j: int) -> bool:
         return j >= self.v4.hash_layers and super().routes_by_scores(j)  # a hash layer's experts are the token's
 
-    def new_cache(self, n_ctx: int, kv_type: str | None = None) -> KVCache:
-        return KVCache.for_spec(self.spec, n_ctx, kv_type or self.kv_type)
-
     # -- one block -----------------------------------------------------------------------
     def layer(self, i, x, cache, start, positions):
         L, v4, eps = self.layers[i], self.v4, self.spec.rms_eps
@@ -334,9 +347,25 @@ class Model(MoEModel):
         n: np.ndarray,
         positions: np.ndarray,
     ) -> np.ndarray:
-        """One sequence's rows at positions start..: their kv [T, 1, d] and compressor rows
-        [T, state] stored, their queries q [T, H, d] over its raw window and entries → [T, H, d]."""
-        cache.store(i, kv, rows[:, None], at=start)
+        """One sequence's rows at positions start.., their kv [T, 1, d] and compressor rows
+        [T, state], in blocks of the cache's prompt block: a block's keys and rows stored, the
+        windows it completes folded into entries, then its queries q [T, H, d] over the raw
+        window and the entries → [T, H, d]. The rings hold the window's keys and the rows a fold
+        reads before a block, and the block itself (kv_rows), so nothing a block reads is gone."""
+        t, step = q.shape[0], cache.prompt_block
+        out = []
+        for a in range(0, t, step):
+            b = min(t, a + step)
+            cache.store(i, kv[a:b], rows[a:b, None], at=start + a)
+            self.fold_completed(i, cache, start + a, start + b)
+            out.append(self.attend_block(i, cache, start + a, q[a:b], qr[a:b], n[a:b], positions[a:b]))
+        return out[0] if len(out) == 1 else np.concatenate(out)
+
+    def attend_block(
+        self, i: int, cache: KVCache, start: int, q: np.ndarray, qr: np.ndarray, n: np.ndarray, positions: np.ndarray
+    ) -> np.ndarray:
+        """Queries q [T, H, d] at positions start.. (their keys stored, their windows folded)
+        over their raw window and the entries each sees → [T, H, d]."""
         end = start + q.shape[0]
         lo = max(0, start - self.v4.window + 1)
         raw = cache.keys(i, lo, end)[0]  # [N, d]
@@ -352,32 +381,49 @@ class Model(MoEModel):
             parts += [L["idx"]["kv"](n), L["idx"]["gate"](n)]
         return np.concatenate(parts, axis=-1).astype(np.float32)
 
+    def fold_completed(self, i: int, cache: KVCache, lo: int, hi: int) -> None:
+        """Fold the windows positions lo..hi-1 complete (those whose last position is among them)
+        into layer i's entries, each once, from the compressor rows its ring holds: the entry
+        (and on a CSA layer the indexer's key beside it), rotated to its window's first position."""
+        v4, L, eps = self.v4, self.layers[i], self.spec.rms_eps
+        ratio = v4.compress_ratios[i]
+        m0, m1 = (lo // ratio, hi // ratio) if ratio else (0, 0)
+        if m1 == m0:
+            return
+        csa = ratio == CSA_RATIO
+        first = (m0 - 1 if csa else m0) * ratio  # a CSA entry reads the window before its own too
+        rows = cache.values(i, max(0, first), m1 * ratio)[0]  # [windows·ratio, state]
+        cw, iw = v4.comp_width(i), v4.index_head_dim
+        if first < 0:  # entry 0 of a CSA layer: nothing before window 0
+            rows = np.concatenate([np.concatenate([no_window(ratio, 2 * cw), no_window(ratio, 4 * iw)], axis=1), rows])
+        c = L["comp"]
+        entries = fold_entries(rows[:, :cw], rows[:, cw : 2 * cw], c["ape"], c["norm"], ratio, csa, eps)
+        cos, sin = angles(self.inv_comp, np.arange(m0, m1) * ratio)
+        parts = [rotate_tail(entries[:, None], cos, sin)[:, 0]]  # [M', d]
+        if csa:
+            ix = L["idx"]
+            keys = fold_entries(rows[:, 2 * cw : 2 * cw + 2 * iw], rows[:, 2 * cw + 2 * iw :], ix["ape"], ix["norm"], ratio, True, eps)
+            parts.append(rotate_tail(keys[:, None], cos, sin)[:, 0])  # [M', iw]
+        cache.entries_of(i).write(m0, np.concatenate(parts, axis=-1))
+
     def entries(
         self, i: int, cache: KVCache, qr: np.ndarray, n: np.ndarray, positions: np.ndarray, end: int
     ) -> tuple[np.ndarray, list[np.ndarray]]:
-        """The layer's compressed entries [M, d] (every window complete by `end`) and, per
-        query, the indices of those it sees: the ones complete by its position (HCA), of them
-        the indexer's top k (CSA)."""
-        v4, L, eps = self.v4, self.layers[i], self.spec.rms_eps
+        """The layer's compressed entries [M, d] (every window complete by `end`, as stored) and,
+        per query, the indices of those it sees: the ones complete by its position (HCA), of
+        them the indexer's top k (CSA)."""
+        v4, L = self.v4, self.layers[i]
         ratio, d, t = v4.compress_ratios[i], v4.head_dim, n.shape[0]
         m = end // ratio if ratio else 0
         if m == 0:
             return np.zeros((0, d), np.float32), [np.zeros(0, np.int64)] * t
-        rows = cache.values(i, 0, m * ratio)[0]  # [M·ratio, state]
-        cw = v4.comp_width(i)
-        csa = ratio == CSA_RATIO
-        c = L["comp"]
-        entries = fold_entries(rows[:, :cw], rows[:, cw : 2 * cw], c["ape"], c["norm"], ratio, csa, eps)
-        at = np.arange(m) * ratio
-        ecos, esin = angles(self.inv_comp, at)
-        entries = rotate_tail(entries[:, None], ecos, esin)[:, 0]  # [M, d]
+        stored = cache.entries_of(i).read(0, m)  # [M, d (+ iw)]
+        entries = stored[:, :d]
         visible = [np.arange(min(m, (int(p) + 1) // ratio)) for p in positions]  # complete by the query
-        if not csa:
+        if ratio != CSA_RATIO:
             return entries, visible
         ih, iw = v4.index_heads, v4.index_head_dim
-        ix = L["idx"]
-        keys = fold_entries(rows[:, 2 * cw : 2 * cw + 2 * iw], rows[:, 2 * cw + 2 * iw :], ix["ape"], ix["norm"], ratio, True, eps)
-        keys = rotate_tail(keys[:, None], ecos, esin)[:, 0]  # [M, iw]
+        keys = stored[:, d:]  # [M, iw]
         qcos, qsin = angles(self.inv_comp, positions)
         iq = rotate_tail(L["idx_q_b"](qr).reshape(t, ih, iw), qcos, qsin)  # [T, ih, iw]
         weights = L["idx_proj"](n) * np.float32(ih**-0.5)  # [T, ih]

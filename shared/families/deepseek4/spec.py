@@ -2,11 +2,13 @@
 into a `ModelSpec`, its own facts (`V4Facts`: compression, hyper-connections, indexer, hash
 routing) and the tensors each layer needs (docs/models.md § deepseek4).
 
-The KV cache holds, per layer and position, the normalized and rotated key (one head of
-head_dim; the value is the key) and, on a compressing layer, the rows its compressors fold
-into entries: the compressor's kv and gate projections (2·head_dim each on a CSA layer,
-head_dim on an HCA one) and, on a CSA layer, the indexer's (2·index_head_dim each). Entries
-are folded from these rows as they complete, so the cache is plain per-position rows.
+The KV cache is compact, as llama.cpp's: every layer keeps the normalized and rotated keys
+(one head of head_dim; the value is the key) of its sliding window only, a ring (K); a
+compressing layer keeps its entries, each folded once as its window completes (head_dim
+wide, plus the indexer's key of index_head_dim on a CSA layer), and of the rows its
+compressors fold (V: the compressor's kv and gate projections, 2·head_dim each on a CSA
+layer, head_dim on an HCA one, and on a CSA layer the indexer's, 2·index_head_dim each)
+only the positions a fold still reads, a ring of its own window (`V4Facts.rows_window`).
 """
 
 from __future__ import annotations
@@ -81,6 +83,18 @@ class V4Facts:
         r = self.compress_ratios[i]
         return 0 if r == 0 else (2 if r == CSA_RATIO else 1) * self.head_dim
 
+    def entry_width(self, i: int) -> int:
+        """A cached entry's width on layer i: the compressed key, and on a CSA layer the indexer's key beside it."""
+        r = self.compress_ratios[i]
+        return 0 if r == 0 else self.head_dim + (self.index_head_dim if r == CSA_RATIO else 0)
+
+    def rows_window(self, i: int) -> int:
+        """How many positions of compressor rows a fold on layer i reads, ending at its window's
+        last: the window's own (HCA) and, as CSA's entry m also folds window m−1's first halves,
+        the window before it (CSA); 0 on a sliding layer."""
+        r = self.compress_ratios[i]
+        return 2 * r if r == CSA_RATIO else r
+
     def state_width(self, i: int) -> int:
         """Per position, the compressor rows layer i caches beside its key (kv and gate, and the indexer's)."""
         r = self.compress_ratios[i]
@@ -152,8 +166,9 @@ def facts(f: GGUFFile) -> V4Facts:
 
 
 def read(f: GGUFFile) -> ModelSpec:
-    """One kv head (key = value) of head_dim per position plus the compressor rows
-    (`V4Facts.state_width`), every layer over the whole context; sqrt-softplus
+    """One kv head (key = value) of head_dim per position in every layer's sliding window,
+    the compressor rows (`V4Facts.state_width`) a fold still reads (`rows_window`) and each
+    compressing layer's entries (`entry_width`, one per ratio positions); sqrt-softplus
     routing (the model computes it: `expert_gating` stays the neutral default)."""
     m, c = Meta(f, ARCH), common_keys(f, ARCH)
     n, nextn = decoder_layers(f)
@@ -174,7 +189,10 @@ def read(f: GGUFFile) -> ModelSpec:
         n_ff=0,
         rope=rope,
         sliding_window=v4.window,
-        swa_layers=(False,) * n,  # every layer keeps its positions: the compressors fold them
+        swa_layers=(True,) * n,  # every layer's raw keys: a ring of its window
+        compress_ratios=v4.compress_ratios,
+        entry_widths=tuple(v4.entry_width(i) for i in range(n)),
+        v_windows=tuple(v4.rows_window(i) for i in range(n)),
         tied_output=False,
         n_ff_shexp=c["n_ff_exp"] * shared,
         n_expert_shared=shared,

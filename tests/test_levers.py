@@ -200,7 +200,7 @@ def test_speculative_decoding_with_route_ahead_gives_its_plain_output(tiny_files
 
         def run(drafter=None, width=0):
             model = load_model(mf, options=ModelOptions(levers=Levers(route_ahead=True)))
-            cfg = GenerationConfig(max_tokens=16, ignore_eos=True, draft=width, n_ctx=256)
+            cfg = GenerationConfig(max_tokens=16, ignore_eos=True, draft=width, draft_adapt=False, n_ctx=256)
             g = generate(model, tok, prompt, SamplingParams(), cfg, session=Session(), drafter=drafter)
             return g.tokens, g.timings
 

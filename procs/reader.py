@@ -23,8 +23,10 @@ Evictions happen only while handling a Fetch, and compute waits for that
 Fetch's answers (Readies, or the Guessed of a Fetch with only guesses)
 before it looks at the index again: so an expert compute finds in the index
 stays put while it uses it, pinned or not. Guesses obey the same rule (they
-are admitted while their Fetch is handled); a guess still queued when the
-next Fetch arrives is withdrawn and its slab freed.
+are admitted while their Fetch is handled, and the Readies of the Fetch's
+experts that are cached already go out after them, so no answer comes before
+an eviction of that Fetch); a guess still queued when the next Fetch arrives
+is withdrawn and its slab freed.
 
 A failed read (a disk error, a file truncated or replaced since start-up)
 fails the requests waiting for it with IO_ERROR and leaves its slab free:
@@ -132,6 +134,7 @@ class Reader:
         self.pinned: dict[int, list[tuple[int, int]]] = defaultdict(list)  # req_id -> keys it pinned
         # Demands that found every slab pinned while reads were under way: admitted as those land.
         self.blocked: list[tuple[tuple[int, int], _Waiter]] = []
+        self.held_readies: list[tuple[int, ExpertKey, int]] | None = None  # while a Fetch is handled (on_fetch)
         self.guesses_read = self.guesses_withdrawn = 0
         self.guess_io = [0, 0]  # bytes, ns of unasked reads not yet reported to compute
 
@@ -197,6 +200,18 @@ class Reader:
 
     # -- 1. fetch ------------------------------------------------------------
     def on_fetch(self, msg: m.Fetch) -> None:
+        # The Readies of experts cached already go out once the guesses are admitted: compute
+        # reads the index again as soon as its answers are in, and the guesses may evict.
+        self.held_readies: list[tuple[int, ExpertKey, int]] | None = []
+        try:
+            self.admit_fetch(msg)
+        finally:
+            held, self.held_readies = self.held_readies or [], None
+            for req_id, key, slab in held:
+                self.send_ready(req_id, key, slab, hit=True, io_ns=0)
+
+    def admit_fetch(self, msg: m.Fetch) -> None:
+        """A Fetch's pins, demands and guesses, in that order (the module's step 1)."""
         self.release(msg.released, msg.touched)
         self.withdraw_guesses(keep={(msg.layer, e) for e in msg.experts})
         # Pin what compute is already using before anything can be evicted.
@@ -228,7 +243,10 @@ class Reader:
         if slab is not None and key not in self.inflight:
             self.table.pin(key)
             self.pinned[waiter.req_id].append(key)
-            self.send_ready(waiter.req_id, key, slab, hit=True, io_ns=0)
+            if self.held_readies is not None:  # inside a Fetch: answered at its end (on_fetch)
+                self.held_readies.append((waiter.req_id, key, slab))
+            else:
+                self.send_ready(waiter.req_id, key, slab, hit=True, io_ns=0)
         elif key in self.inflight:  # its read is under way (a guess, a warm start's): wait for it, first in line
             self.lanes.promote(key)
             self.table.pin(key)

@@ -83,6 +83,35 @@ def test_guesses_evict_but_never_what_the_request_pinned(h):
     assert not any(k[0] == 0 for k in h.reader.table.resident())  # layer 0 (unpinned) was evicted
 
 
+def test_a_cached_demand_is_answered_only_after_the_fetchs_guesses_evicted(h):
+    """Compute reads the index again once a Fetch's answers are in: an expert that landed
+    between compute's look and the Fetch (a guess) is answered as a hit, and that answer
+    must not go out before the same Fetch's guesses have evicted what they evict, or
+    compute would find an expert in the index that the reader is about to drop."""
+    n = h.reader.n_slabs
+    fills = [h.fetch(0, range(6)), h.fetch(1, [0, 1])]  # every slab taken
+    for _ in range(n):
+        h.land()
+    for _ in range(n):
+        h.answer()
+    seen_at_answer: list[set] = []
+    send = h.reader.send
+
+    def watched(msg):
+        if isinstance(msg, m.Ready):
+            seen_at_answer.append({(0, e) for e in range(8) if h.visible((0, e))})
+        send(msg)
+
+    h.reader.send = watched
+    # Layer 1's request lists 0 as a miss (compute looked before it landed): a hit here.
+    req = h.fetch(1, [0], resident=[1], released=fills, guesses=range(8), guess_layer=2)
+    ready = h.answer()
+    assert (ready.req_id, ready.layer, ready.expert, ready.hit) == (req, 1, 0, True)
+    left = {(0, e) for e in range(8) if h.visible((0, e))}
+    assert len(left) < 6  # the guesses evicted layer 0's unpinned experts ...
+    assert seen_at_answer == [left]  # ... before the hit was answered
+
+
 def test_a_fetch_of_guesses_only_is_answered_once_they_are_admitted(h):
     h.fetch(0, [1])
     h.land()

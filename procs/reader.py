@@ -202,7 +202,7 @@ class Reader:
     def on_fetch(self, msg: m.Fetch) -> None:
         # The Readies of experts cached already go out once the guesses are admitted: compute
         # reads the index again as soon as its answers are in, and the guesses may evict.
-        self.held_readies: list[tuple[int, ExpertKey, int]] | None = []
+        self.held_readies = []
         try:
             self.admit_fetch(msg)
         finally:

@@ -106,6 +106,16 @@ def scratch_drafts(path, history: list[int], n: int, subset=None) -> list[int]:
         return drafts
 
 
+def plain_conversation(mf, tok, prompt):
+    """Two plain greedy requests on one session, the second extending the first's
+    conversation: (the first reply, the second prompt, the second reply)."""
+    model = load_model(mf, options=ModelOptions(kv_type="f32"))
+    session = Session()
+    first = generation(model, tok, session, prompt).tokens
+    second_prompt = prompt + first + tok.encode(" and then")
+    return first, second_prompt, generation(model, tok, session, second_prompt).tokens
+
+
 @pytest.mark.parametrize("arch", MTP_FAMILIES)
 def test_mtp_drafts_are_the_block_run_from_scratch_and_keep_the_output(mtp_file, arch):
     """Two requests on one session (the second extends the first's conversation), width 3,
@@ -115,11 +125,7 @@ def test_mtp_drafts_are_the_block_run_from_scratch_and_keep_the_output(mtp_file,
     with open_model(path) as mf:
         tok = Tokenizer.from_gguf(mf.gguf)
         prompt = tok.encode(PROMPT)
-        plain_model = load_model(mf, options=ModelOptions(kv_type="f32"))
-        plain_session = Session()
-        first = generation(plain_model, tok, plain_session, prompt).tokens
-        second_prompt = prompt + first + tok.encode(" and then")
-        second = generation(plain_model, tok, plain_session, second_prompt).tokens
+        first, second_prompt, second = plain_conversation(mf, tok, prompt)
 
         model = load_model(mf, options=ModelOptions(kv_type="f32"))
         session = Session()
@@ -153,11 +159,7 @@ def test_subset_drafts_are_the_block_restricted_to_the_subset_and_keep_the_outpu
     with open_model(path) as mf:
         tok = Tokenizer.from_gguf(mf.gguf)
         prompt = tok.encode(PROMPT)
-        plain_model = load_model(mf, options=ModelOptions(kv_type="f32"))
-        plain_session = Session()
-        first = generation(plain_model, tok, plain_session, prompt).tokens
-        second_prompt = prompt + first + tok.encode(" and then")
-        second = generation(plain_model, tok, plain_session, second_prompt).tokens
+        first, second_prompt, second = plain_conversation(mf, tok, prompt)
 
         model = load_model(mf, options=ModelOptions(kv_type="f32"))
         session = Session()
@@ -177,7 +179,10 @@ def test_subset_drafts_are_the_block_restricted_to_the_subset_and_keep_the_outpu
 
         other = tok.encode("A quiet river ran past the old mill.")
         fresh = Mixed(drafter(), [0] * 64, len(other), 0.0)  # the block's own drafts
-        assert generation(model, tok, session, other, 2, fresh).tokens == generation(plain_model, tok, Session(), other).tokens
+        assert (
+            generation(model, tok, session, other, 2, fresh).tokens
+            == generation(load_model(mf, options=ModelOptions(kv_type="f32")), tok, Session(), other).tokens
+        )
         assert np.array_equal(subset.ids(), with_the_conversation(fresh.proposals[-1][0]))
     proposals = mixed.proposals + again.proposals
     assert all(own for _, own in proposals)

@@ -126,9 +126,9 @@ class MoEModel:
         self.output = self.w.matrix("output.weight") if self.w.has("output.weight") else self.embd
         self.layers = [self.load_layer(i) for i in range(self.spec.n_layer)]
         self._decoding = False  # the pass running is a decode step's (one token, or a verify pass's few)
-        # Route-ahead's scores for the layers ahead of the one running (`route_ahead`), each
+        # Route-ahead's routings of the layers ahead of the one running (`route_ahead`), each
         # taken by its layer's `routed` in the same pass.
-        self._ahead: dict[int, np.ndarray] = {}
+        self._ahead: dict[int, Routing] = {}
         # Told (first position, tokens, final hidden rows [T, D], how many leading rows are
         # certain, not drafts) after each single-sequence pass: the MTP drafter's input
         # (shared/text/speculate.py MtpDrafter); None, the default, computes nothing more.
@@ -165,13 +165,14 @@ class MoEModel:
 
     def routed(self, i: int, scores: np.ndarray) -> Routing:
         """Every architecture's routing passes here, from its router's scores [T, E]: the
-        family's rule (`route`), on the scores route-ahead took a layer early when that lever
+        family's rule (`route`), or the routing route-ahead made a layer early when that lever
         is on; then the lossy levers (off by default) may change it, then an observer may
         record it."""
         ahead = self._ahead.pop(i, None)
-        if ahead is not None and self._decoding and ahead.shape == scores.shape:
-            scores = ahead
-        routing = self.route(i, scores)
+        if ahead is not None and self._decoding and ahead.ids.shape[0] == scores.shape[0]:
+            routing = ahead
+        else:
+            routing = self.route(i, scores)
         if self.route_replay is not None:
             routing = self.route_replay.route(i, routing.ids.shape[0])
         if self.levers.active:
@@ -216,10 +217,8 @@ class MoEModel:
         to the previous layer's router input [T, D], computed here, a layer early, so its
         reads are exactly known and start while this layer computes. The source is told
         every chosen expert, each row's in rank order."""
-        scores = self.router_logits(j, router_input)
-        self._ahead[j] = scores
-        ids = self.route(j, scores).ids
-        self.source.prefetch(j, list(dict.fromkeys(int(e) for e in ids.T.reshape(-1))))
+        routing = self._ahead[j] = self.route(j, self.router_logits(j, router_input))
+        self.source.prefetch(j, list(dict.fromkeys(int(e) for e in routing.ids.T.reshape(-1))))
 
     def guess_layer(self, j: int, router_input: np.ndarray) -> None:
         """Speculative prefetch: guess layer j's experts with its router on an

@@ -12,6 +12,7 @@ truncation or draw can pick one, and it is told the chosen token after.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -124,6 +125,16 @@ def ranked_prefix(z: np.ndarray, n: int) -> np.ndarray:
     return ids[np.argsort(-z[ids], kind="stable")]
 
 
+def ranked_blocks(z: np.ndarray) -> Iterator[np.ndarray]:
+    """`ranked_prefix` of FIRST_RANKS ids, then RANKS_GROWTH times as many, ..., the last
+    the whole vocabulary: for a caller that stops once a prefix holds what it needs."""
+    n = FIRST_RANKS
+    while n < z.size:
+        yield ranked_prefix(z, n)
+        n *= RANKS_GROWTH
+    yield ranked_prefix(z, z.size)
+
+
 def truncate(z: np.ndarray, top_k: int, top_p: float, min_p: float) -> np.ndarray | None:
     """Ids that survive top-k, then top-p (smallest set with mass ≥ p), then min-p; best
     first, as a stable sort of the whole vocabulary would order them; None when nothing
@@ -155,18 +166,11 @@ def truncate(z: np.ndarray, top_k: int, top_p: float, min_p: float) -> np.ndarra
 def _best_until(z: np.ndarray, zmax: float, total: float, top_p: float | None, min_p: float) -> tuple[np.ndarray, np.ndarray]:
     """The best ids and their masses exp(z − zmax)/total, as many as top-p's cut (its
     running mass reaching top_p) or min-p's (a mass below min_p × the best's) needs."""
-    n = FIRST_RANKS
-    while True:
-        order = ranked_prefix(z, n)
+    for order in ranked_blocks(z):  # the last block is the whole vocabulary
         probs = np.exp(z[order] - zmax) / total
-        done = order.size == z.size
-        if top_p is not None:
-            done = done or np.cumsum(probs)[-1] >= top_p
-        else:
-            done = done or probs[-1] < min_p * probs[0]
-        if done:
-            return order, probs
-        n *= RANKS_GROWTH
+        if (np.cumsum(probs)[-1] >= top_p) if top_p is not None else (probs[-1] < min_p * probs[0]):
+            break
+    return order, probs
 
 
 def draw_from_all(zt: np.ndarray, rng: np.random.Generator) -> int:
@@ -177,10 +181,8 @@ def draw_from_all(zt: np.ndarray, rng: np.random.Generator) -> int:
     w = np.exp(zt - zt.max())
     total = w.sum()
     u = rng.random()
-    n = FIRST_RANKS
-    while True:
-        order = ranked_prefix(zt, n)
+    for order in ranked_blocks(zt):  # the last block is the whole vocabulary
         cdf = np.cumsum(w[order]) / total
-        if cdf[-1] > u or order.size == zt.size:
-            return int(order[min(int(np.searchsorted(cdf, u, side="right")), order.size - 1)])
-        n *= RANKS_GROWTH
+        if cdf[-1] > u:
+            break
+    return int(order[min(int(np.searchsorted(cdf, u, side="right")), order.size - 1)])

@@ -61,7 +61,12 @@ def _slots(f: dict) -> str:
     n = f["parallel"]
     if n == 1:
         return "1: one request at a time (--parallel N decodes N at once, each slot with its own KV cache)"
-    return f"{n} requests decoded at once in one batched pass, KV {_mib(f['kv_bytes'] // n)} a slot (counted {n} times above)"
+    pool, ctx = f["kv_pool"], f["ctx_size"]
+    return (
+        f"{n} requests decoded at once in one batched pass; their KV caches share a pool of {pool:,} positions "
+        f"({pool / ctx:.2g} contexts; KV above: {_mib(f['kv_bytes'])} for all slots), idle slots giving theirs back "
+        "as others need it (--kv-pool)"
+    )
 
 
 def _experts_used(f: dict) -> str:

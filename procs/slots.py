@@ -46,6 +46,7 @@ from ..shared.config import SLOT_PREFILL_CHUNK, Config
 from ..shared.errors import UserError
 from ..shared.model.batch import BatchPart, PromptSlice
 from ..shared.model.blocks import KVCache
+from ..shared.model.kv_pool import KVPoolFull, Use, make_room
 from ..shared.model.session import Session, common_prefix
 from ..shared.telemetry import merge_records
 from ..shared.text.generate import generate, reuse_align
@@ -309,6 +310,14 @@ class SlotModel:
         self.steps, self.slot, self.model, self.req_id = steps, slot, model, req_id
         self.prompted = False
         self.records: list[m.TokenRecord] = []
+        self.pool_full = False  # the KV pool ended the request (Slots.end_for_room): its positions go back
+
+    def ask(self, tokens: Sequence[int], cache: KVCache) -> Ask:
+        try:
+            return self.steps.ask(self.slot.id, self.slot.order, tokens, cache)
+        except KVPoolFull:
+            self.pool_full = True
+            raise
 
     def new_cache(self, n_ctx: int) -> KVCache:
         return self.model.new_cache(n_ctx)
@@ -323,7 +332,7 @@ class SlotModel:
         self.slot.post_progress = progress
         try:
             for s in range(0, len(tokens), batch):
-                last = self.steps.ask(self.slot.id, self.slot.order, tokens[s : s + batch], cache)
+                last = self.ask(tokens[s : s + batch], cache)
                 passes.append(last.record)
                 if progress is not None:
                     self.slot.processed = cache.n
@@ -346,7 +355,7 @@ class SlotModel:
         return post
 
     def decode_one(self, token: int, cache: KVCache) -> np.ndarray:
-        a = self.steps.ask(self.slot.id, self.slot.order, [token], cache)
+        a = self.ask([token], cache)
         return self._keep(a, [a.record], 1)
 
     def _keep(self, last: Ask, passes: list[m.TokenRecord | None], rows: int) -> np.ndarray:
@@ -384,6 +393,8 @@ class Slots:
         self.states_at = -math.inf
         self.sliced: Sliced | None = None  # the prompt chunk on its way through the layers
         self.pace = Pace()
+        self.pool = config.kv_pool_tokens  # positions the slots' caches hold together (shared/model/kv_pool.py)
+        self.model_of: dict[int, SlotModel] = {}  # a busy slot's request's model (its thread's)
 
     def serve(self, reader_pid: int, epoch: int) -> None:
         import os
@@ -446,6 +457,7 @@ class Slots:
                 if self.busy():
                     return
                 pending.pop(0)
+                self.room_for(self.slots[0], self.config.compute.ctx_size)  # a restore may fill its context
                 ipc.send(self.out, handle_slot(msg, self.slots[0].session, self.metered.model, self.config.compute.ctx_size, self.identity))
                 continue
             slot = pick_slot(self.slots, self.busy(), msg.prompt_tokens)
@@ -485,7 +497,7 @@ class Slots:
             if s is not slot and s.id != midway and s.session.cache is not None and (s.id not in busy or s.id in waiting)
         ]
         n, best = max(((reusable(s), s) for s in donors), key=lambda d: d[0], default=(0, None))
-        if best is None or n <= own:
+        if best is None or n <= own or not self.room_for(slot, n, keep=best.id):
             return 0
         try:
             slot.session.share_from(best.session, n, self.metered.model, self.config.compute.ctx_size)
@@ -518,6 +530,7 @@ class Slots:
                 post(m.Done(req.req_id, False, code=m.Code.BAD_ARGUMENT, error=f"bad request: {exc}"))
                 return
             model = SlotModel(self.steps, slot, self.metered.model, req.req_id)
+            self.model_of[slot.id] = model
             result = generate(
                 model,
                 self.tok,
@@ -535,6 +548,8 @@ class Slots:
             post(m.Done(req.req_id, True, result.finish_reason, tuple(result.tokens), timings))
         except GenerationAborted as exc:
             post(m.Done(req.req_id, False, code=str(exc.code), error=str(exc)))
+        except KVPoolFull as exc:  # its prompt found no room: the request may be sent again
+            post(m.Done(req.req_id, False, code=m.Code.BUSY, error=str(exc)))
         except UserError as exc:
             post(m.Done(req.req_id, False, code=m.Code.BAD_ARGUMENT, error=str(exc)))
         except Exception as exc:  # noqa: BLE001 - a bad request fails that request
@@ -542,13 +557,101 @@ class Slots:
             slot.session.reset()  # a bug's leftovers are not reused
             post(m.Done(req.req_id, False, code=m.Code.INTERNAL, error=f"{type(exc).__name__}: {exc}"))
         finally:
+            ended = self.model_of.pop(slot.id, None)
+            if ended is not None and ended.pool_full and slot.session.cache is not None:
+                slot.session.reset()  # its positions go back to the pool before the slot is idle
+                slot.session.cache.release(0)
             self.steps.leave(slot.id)
+
+    # -- the KV pool (shared/model/kv_pool.py) ---------------------------------------------
+    def held(self, slot: Slot, trim: bool) -> int:
+        """The positions `slot`'s cache keeps in memory; with `trim`, once the rows past its count
+        (a truncated conversation's) are given back. Only a slot whose thread holds still may be
+        trimmed: an idle one, or a busy one waiting for a step."""
+        cache = slot.session.cache
+        if cache is None:
+            return 0
+        if trim and not (self.sliced is not None and self.sliced.ask.slot == slot.id):  # a chunk's rows wait past the count
+            cache.release(cache.n)
+        return cache.held
+
+    def evict(self, slot: Slot) -> None:
+        """An idle slot's conversation is forgotten and its cache's memory given back to the pool."""
+        log.debug("KV pool: slot %d gives back %d positions", slot.id, self.held(slot, False))
+        slot.session.reset()
+        if slot.session.cache is not None:
+            slot.session.cache.release(0)
+
+    def room_for(self, slot: Slot, n: int, keep: int | None = None) -> bool:
+        """Room in the pool for an idle `slot` to hold n positions, made by emptying other idle
+        slots (the least recently used first; never `keep`, a donor); whether there is."""
+        if len(self.slots) == 1:
+            return True
+        busy = self.busy()
+        uses = []
+        for s in self.slots:
+            idle = s.id not in busy
+            held = self.held(s, trim=idle)
+            if s is slot:
+                uses.append(Use(s.id, s.order, True, held, max(held, n)))
+            else:
+                uses.append(Use(s.id, s.order, not idle or s.id == keep, held, held))
+        room = make_room(self.pool, uses)
+        for i in room.evict:
+            self.evict(self.slots[i])
+        return slot.id not in room.defer and room.end is None
+
+    def fit_pool(self, asks: list[Ask]) -> list[Ask]:
+        """The asks of a step that the KV pool has room for (shared/model/kv_pool.py `make_room`):
+        idle slots' caches emptied, the youngest requests' rows left for a later step, and when
+        no row could run, the youngest request ended (`end_for_room`). Only the step's own chunk
+        (the one on its way, else the oldest) stays among the asks: another is not counted."""
+        rows, chunk = pick_rows(asks)
+        sl = self.sliced
+        if sl is not None and self.steps.asks.get(sl.ask.slot) is sl.ask:
+            chunk = sl.ask
+        running = rows + ([chunk] if chunk is not None else [])
+        if len(self.slots) == 1:
+            return running
+        wants = {a.slot: a.cache.n + len(a.tokens) for a in running}
+        busy = self.busy()
+        uses = []
+        for s in self.slots:
+            held = self.held(s, trim=True)  # every busy slot waits for this step
+            uses.append(Use(s.id, s.order, s.id in busy, held, max(held, wants.get(s.id, held))))
+        room = make_room(self.pool, uses)
+        for i in room.evict:
+            self.evict(self.slots[i])
+        if room.defer:
+            log.debug("KV pool: slots %s wait for room", sorted(room.defer))
+        if room.end is not None:
+            self.end_for_room(room.end)
+        return [a for a in running if a.slot not in room.defer and a.slot != room.end]
+
+    def end_for_room(self, i: int) -> None:
+        """The youngest request ends so the others can go on (the pool is full and none could):
+        decoding, as at a full context; reading its prompt, with a BUSY error."""
+        if self.sliced is not None and self.sliced.ask.slot == i:
+            self.drop_slice()
+        a = self.steps.asks.get(i)
+        log.warning(
+            "KV pool: %d positions are full; request %d in slot %d ends to let the older ones go on", self.pool, self.slots[i].req_id, i
+        )
+        if a is not None:
+            why = (
+                f"the slots' KV pool is full ({self.pool:,} positions shared by {len(self.slots)} slots, gateway.kv_pool): "
+                "older requests hold it; send it again later, or raise --kv-pool or lower --parallel"
+            )
+            self.steps.answer(a, error=KVPoolFull(why))
 
     # -- 2. a step ------------------------------------------------------------------------
     def step(self, asks: list[Ask]) -> None:
         """One pass over the step's rows and, beside them, the next layers of a prompt's chunk
         (`Sliced`, `Pace`); each ask gets its logits row, or the pass's failure. A chunk's ask is
         answered once the chunk is through the last layer, with the record of its passes."""
+        asks = self.fit_pool(asks)
+        if not asks:
+            return
         rows, chunk = pick_rows(asks)
         sl = self.sliced
         if sl is not None and self.steps.asks.get(sl.ask.slot) is not sl.ask:  # its request ended meanwhile

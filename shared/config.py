@@ -8,6 +8,7 @@ docs/configuration.md, the error messages — is derived from those fields.
     load_config(path, overrides)  -> Config          file + overrides, validated
     apply_overrides(cfg, mapping) -> Config          a new frozen Config
     check_chat_template(cfg)                          the template file is there (start-up)
+    check_kv_pool(cfg)                                the slots' KV pool holds a whole context (start-up)
     SCHEMA                                            every key, in table order
 
 Its flags and docs tables are shared/config_flags.py; which model file a
@@ -52,6 +53,10 @@ AUTO_PREFILL_CHUNK = 4096
 # Its ceiling with gateway.parallel above 1 (procs/slots.py): a step takes one prompt chunk beside the
 # decoding slots' rows, so a long prompt holds each of their steps for one such chunk, not for all of it.
 SLOT_PREFILL_CHUNK = 512
+# gateway.kv_pool's auto size with gateway.parallel above 1: one whole context, and this fraction of one
+# for each further slot. A household's or an agent's requests are mostly a few thousand tokens, so the
+# slots rarely need a whole context each at once, and what they do not reserve goes to the expert cache.
+KV_POOL_SHARE = 4
 # compute.draft_source and compute.draft's bound (shared/text/speculate.py; kept light: no model import here)
 DRAFT_SOURCES = ("ngram", "mtp", "none")
 MAX_DRAFT = 8  # drafts per verify pass at most (docs/speculative.md: the gain measured is at 1-4)
@@ -454,10 +459,21 @@ class GatewayConfig:
         1,
         "int",
         "requests the service's compute decodes at once, each in its own slot with its own KV cache (one batched pass "
-        "a step; the budget counts N caches; speculative decoding is off above 1; `run` serves one: docs/batching.md)",
+        "a step; the caches share gateway.kv_pool; speculative decoding is off above 1; `run` serves one: docs/batching.md)",
         lo=1,
         hi=64,
         flags=("--parallel",),
+    )
+    kv_pool: int | None = setting(
+        None,
+        "int",
+        "context positions the slots' KV caches hold together (docs/batching.md § The KV pool): a slot takes pages as "
+        "its conversation grows, idle slots give theirs back when another needs room, and the budget counts the pool "
+        "rather than a whole context a slot, so the expert cache gets the rest; at least compute.ctx_size",
+        lo=16,
+        hi=1 << 26,
+        unset="the context once and a quarter of it for each further slot, at most gateway.parallel contexts",
+        flags=("--kv-pool",),
     )
     slot_save_path: str | None = setting(
         None,
@@ -479,6 +495,15 @@ class Config:
     supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
     source: str | None = None  # the file it came from (not a TOML key)
+
+    @property
+    def kv_pool_tokens(self) -> int:
+        """The positions the slots' KV caches hold together (gateway.kv_pool, or its auto size):
+        one slot's whole context, as a single slot needs no pool."""
+        n, ctx = self.gateway.parallel, self.compute.ctx_size
+        if n == 1:
+            return ctx
+        return self.gateway.kv_pool or min(n * ctx, ctx + (n - 1) * (ctx // KV_POOL_SHARE))
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """Every table and key (None for unset): the record written to telemetry preambles
@@ -773,6 +798,16 @@ def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | N
     if overrides:
         cfg = apply_overrides(cfg, overrides)
     return cfg
+
+
+def check_kv_pool(cfg: Config) -> None:
+    """A KV pool smaller than one context would leave a conversation no room to reach it: refused at start-up."""
+    pool, ctx = cfg.gateway.kv_pool, cfg.compute.ctx_size
+    if pool is not None and cfg.gateway.parallel > 1 and pool < ctx:
+        raise ConfigError(
+            f"{cfg.source or 'command line'}: gateway.kv_pool = {pool} is below compute.ctx_size = {ctx}: "
+            f"one conversation must be able to fill its context (set it to at least {ctx}, or leave it out)"
+        )
 
 
 def check_chat_template(cfg: Config) -> None:

@@ -29,6 +29,7 @@ from moe_pipe.shared.experts.budget import (
     resolve_budget,
     service_kv_bytes,
 )
+from moe_pipe.shared.gguf.spec import kv_pool_bytes
 
 GiB = 1 << 30
 
@@ -523,4 +524,6 @@ def test_mtp_drafts_add_the_blocks_one_layer_of_kv_to_the_service(tmp_path):
         assert service_kv_bytes(load_config(None, mtp), spec) == plain + layer
         assert service_kv_bytes(load_config(None, {**mtp, "compute.draft": 0}), spec) == plain
         assert service_kv_bytes(load_config(None, {**mtp, "compute.draft_source": "ngram"}), spec) == plain
-        assert service_kv_bytes(load_config(None, {**mtp, "gateway.parallel": 2}), spec) == 2 * plain
+        # several slots do not draft: their pool, a whole context each here, and no drafter's layer
+        two = load_config(None, {**mtp, "gateway.parallel": 2, "gateway.kv_pool": 4096})
+        assert service_kv_bytes(two, spec) == kv_pool_bytes(spec, 2048, "f16", 2, 4096) < 2 * plain + 2 * MiB

@@ -6,6 +6,7 @@ which gives every position the numbers of a whole-context cache."""
 from __future__ import annotations
 
 import math
+import mmap
 from types import SimpleNamespace
 
 import numpy as np
@@ -566,13 +567,22 @@ def test_the_service_s_budget_counts_a_kv_cache_a_slot_as_doctor_does(monkeypatc
     monkeypatch.setattr(B, "probe_memory", lambda: B.MemoryProbe(2048 * MiB, ()))
     monkeypatch.setattr(B, "on_phone", lambda: False)
     got, footprint = {}, {}
-    for n in (1, 4):
-        cfg = load_config(None, {"gateway.parallel": n, "compute.ctx_size": 4096, "cache.cache_mb": "auto"})
+    runs = {(1, None): 4096, (4, None): 4096 + 3 * 1024, (4, 16384): 16384}  # (slots, kv_pool) -> the pool's positions
+    for (n, pool), _ in runs.items():
+        cfg = load_config(None, {"gateway.parallel": n, "gateway.kv_pool": pool, "compute.ctx_size": 4096, "cache.cache_mb": "auto"})
         with Resources.create(cfg, tiny_model) as res:
-            got[n] = res.resolved.budget_bytes
+            got[n, pool] = res.resolved.budget_bytes
         with open_model(tiny_model) as mf:
-            footprint[n] = model_footprint(mf, cfg).kv_bytes
+            footprint[n, pool] = model_footprint(mf, cfg).kv_bytes
     with open_model(tiny_model) as mf:
         one = kv_cache_bytes(mf.spec, 4096, "f16")
-    assert footprint == {1: one, 4: 4 * one}
-    assert got[1] - got[4] == 3 * one
+        cache = KVCache.for_spec(mf.spec, 4096, "f16")
+    # Counted from the arrays a slot's cache allocates: a position's rows on every layer, and a page a kv head's run.
+    per_position = sum(r.data[:, :1].nbytes for r in cache.pooled())
+    pages = sum(r.data.shape[0] for r in cache.pooled()) * mmap.PAGESIZE
+    want = {key: one if key[0] == 1 else key[0] * pages + positions * per_position for key, positions in runs.items()}
+    assert footprint == want
+    assert per_position * 4096 == one  # the tiny model keeps every layer whole: nothing is fixed
+    assert footprint[4, 16384] > 4 * one > footprint[4, None]  # the pool reserves less than a whole context a slot
+    assert got[1, None] - got[4, None] == footprint[4, None] - one
+    assert got[4, None] - got[4, 16384] == footprint[4, 16384] - footprint[4, None]

@@ -451,6 +451,7 @@ def forecast(
         "slab_bytes": footprint.slab_bytes,
         "kv_bytes": footprint.kv_bytes,
         "parallel": footprint.parallel,
+        "kv_pool": cfg.kv_pool_tokens,
         "kv_ring_layers": footprint.kv_ring_layers,
         "kv_ring_rows": footprint.kv_ring_rows,
         "ctx_affordable": affordable_context(mf.spec, cfg.compute.kv_type, fit.available_bytes),

@@ -49,7 +49,7 @@ from typing import Any
 from ..config import Config
 from ..errors import ConfigError
 from ..gguf.nextn import nextn_spec
-from ..gguf.spec import ModelSpec, kv_cache_bytes, prefill_activation_bytes
+from ..gguf.spec import ModelSpec, kv_cache_bytes, kv_pool_bytes, prefill_activation_bytes
 
 MiB = 1 << 20
 # cgroup v1 writes "no limit" as PAGE_COUNTER_MAX rounded to a page (9223372036854771712);
@@ -102,12 +102,13 @@ def engine_bytes(roles: tuple[str, ...] | list[str], n_vocab: int) -> int:
 
 
 def service_kv_bytes(cfg: Config, spec: ModelSpec) -> int:
-    """The KV caches compute holds: one per slot (gateway.parallel, docs/batching.md), each
-    compute.ctx_size positions of compute.kv_type, and the MTP drafter's one layer when
-    drafts come from the file's block (one slot only: slots do not draft). The service's
-    budget and `doctor` both take it from here."""
-    n_ctx, kv_type = cfg.compute.ctx_size, cfg.compute.kv_type
-    slots = cfg.gateway.parallel * kv_cache_bytes(spec, n_ctx, kv_type)
+    """The KV caches compute holds: one of compute.ctx_size positions of compute.kv_type, or
+    with several slots (gateway.parallel, docs/batching.md) the slots' pool (`kv_pool_bytes`:
+    gateway.kv_pool positions together, each slot's rings and state its own), and the MTP
+    drafter's one layer when drafts come from the file's block (one slot only: slots do not
+    draft). The service's budget and `doctor` both take it from here."""
+    n_ctx, kv_type, n = cfg.compute.ctx_size, cfg.compute.kv_type, cfg.gateway.parallel
+    slots = kv_cache_bytes(spec, n_ctx, kv_type) if n == 1 else kv_pool_bytes(spec, n_ctx, kv_type, n, cfg.kv_pool_tokens)
     mtp = cfg.compute.drafts_from_block and spec.n_layer_nextn and cfg.gateway.parallel == 1
     return slots + (kv_cache_bytes(nextn_spec(spec), n_ctx, kv_type) - kv_cache_bytes(spec, n_ctx, kv_type) if mtp else 0)
 

@@ -12,6 +12,7 @@ file's arch and does both.
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass
 from typing import Protocol, cast
 
@@ -236,6 +237,28 @@ def kv_cache_bytes(spec: ModelSpec, n_ctx: int, kv_type: str) -> int:
         if not spec.is_recurrent(i)
     )
     return elements * num // den + recurrent_state_bytes(spec)  # exact: q8_0 heads are whole blocks of 32
+
+
+def kv_position_bytes(spec: ModelSpec, kv_type: str) -> int:
+    """Bytes one position adds to a sequence's cache on the layers that keep the whole
+    context (no window, not recurrent): what the slots' KV pool counts a position
+    (gateway.kv_pool; rings, compressed entries and a recurrent state are fixed)."""
+    num, den = KV_TYPE_BYTES[kv_type]
+    layers = zip(spec.n_head_kv, spec.head_dim_k, spec.head_dim_v, kv_windows(spec), kv_v_windows(spec), range(spec.n_layer))
+    elements = sum(hk * (dk * (not wk) + dv * (not wv)) for hk, dk, dv, wk, wv, i in layers if not spec.is_recurrent(i))
+    return elements * num // den
+
+
+def kv_pool_bytes(spec: ModelSpec, n_ctx: int, kv_type: str, slots: int, pool: int) -> int:
+    """The KV memory of `slots` sequences of up to `n_ctx` positions whose whole-context rows
+    hold `pool` positions together (procs/slots.py): each slot's fixed part (`kv_cache_bytes`
+    but the whole-context rows), the pool's positions, and per slot a partly filled page at
+    the end of each kv head's run of rows (every array's: q8_0 keeps values and scales)."""
+    per_position = kv_position_bytes(spec, kv_type)
+    fixed = kv_cache_bytes(spec, n_ctx, kv_type) - n_ctx * per_position
+    layers = zip(spec.n_head_kv, kv_windows(spec), kv_v_windows(spec), range(spec.n_layer))
+    runs = sum(hk * ((not wk) + (not wv)) for hk, wk, wv, i in layers if not spec.is_recurrent(i)) * (2 if kv_type == "q8_0" else 1)
+    return slots * (fixed + runs * mmap.PAGESIZE) + pool * per_position
 
 
 def prefill_activation_bytes(spec: ModelSpec, tokens: int, top_k: int) -> int:

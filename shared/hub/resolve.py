@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ..config import EMBEDDED_MODEL, Config, check_chat_template, load_config, toml_repr
+from ..config import EMBEDDED_MODEL, Config, check_chat_template, check_kv_pool, load_config, toml_repr
 from ..errors import ConfigError, UserError
 from . import catalog, store
 
@@ -33,6 +33,7 @@ def load_runnable(path: str | Path | None = None, overrides: Mapping[str, Any] |
     cfg = resolve_model(load_config(path, overrides))
     check_model(cfg)
     check_chat_template(cfg)
+    check_kv_pool(cfg)
     return cfg
 
 

@@ -10,6 +10,7 @@ ones), H query heads, Hk kv heads, G = H/Hk, d head width.
 from __future__ import annotations
 
 import math
+import mmap
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -106,6 +107,22 @@ def rope_from_spec(r: RopeSpec) -> Rope:
 # ---- attention ---------------------------------------------------------------
 
 
+# Rows at least this big are their own anonymous mapping: pages are taken as positions are
+# first written and given back by `_Rows.release` (the slots' KV pool, procs/slots.py).
+PAGE = mmap.PAGESIZE
+MAPPED_ROWS_BYTES = 16 * PAGE
+
+
+def _zeroed(shape: tuple[int, ...], dtype) -> tuple[np.ndarray, mmap.mmap | None]:
+    """A zeroed array and, when it is large, the anonymous mapping it lives in (None: numpy's own)."""
+    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    if nbytes < MAPPED_ROWS_BYTES:
+        return np.zeros(shape, dtype), None
+    # private (a shared one would keep dropped pages in its shmem object), zero-filled, backed page by page as written
+    mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return np.frombuffer(mm, dtype, int(np.prod(shape))).reshape(shape), mm
+
+
 class _Rows:
     """One layer's K (or V) for every kv head, [Hk, rows, d], stored as `kv_type`:
     f32 and f16 as such; q8_0 as int8 values with one float16 scale per block
@@ -123,9 +140,32 @@ class _Rows:
 
     def __init__(self, kv_type: str, hk: int, rows: int, d: int, window: int = 0):
         self.kv_type, self.window, self.lo = kv_type, window, 0
+        self.top = 0  # one past the highest position written since the last `release`: the rows whose pages are touched
         dtype = {"f32": np.float32, "f16": np.float16, "q8_0": np.int8}[kv_type]
-        self.data = np.zeros((hk, rows, d), dtype)
-        self.scale = np.zeros((hk, rows, d // Q8_0_BLOCK), np.float16) if kv_type == "q8_0" else None
+        self.data, data_map = _zeroed((hk, rows, d), dtype)
+        self.maps = [data_map]
+        self.scale = None
+        if kv_type == "q8_0":
+            self.scale, scale_map = _zeroed((hk, rows, d // Q8_0_BLOCK), np.float16)
+            self.maps.append(scale_map)
+
+    def release(self, n: int) -> None:
+        """Give the memory of positions n on back to the system (a whole-context layer's: a ring
+        reuses its rows): each head's pages past row n are dropped and read as zeros again, the
+        partly used page at row n kept. Positions n on must not be held: they are written anew
+        before they are read."""
+        if self.window or n >= self.top:
+            return
+        for a, mm in zip(self.arrays(), self.maps):
+            if mm is None:
+                continue
+            per_head, per_row = a.strides[0], a.strides[1]
+            for h in range(a.shape[0]):
+                lo = -(-(h * per_head + n * per_row) // PAGE) * PAGE
+                hi = (h + 1) * per_head // PAGE * PAGE
+                if hi > lo:
+                    mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+        self.top = n
 
     @property
     def cap(self) -> int:
@@ -158,6 +198,7 @@ class _Rows:
             self.data[:, rows] = x  # numpy casts to float16 (round to nearest) for f16
         else:
             self.data[:, rows], self.scale[:, rows] = quantize_q8_0(x)
+        self.top = max(self.top, at + t)
         # Positions below at + t - cap were just overwritten; anything at or past `at` was
         # forgotten (a truncation) and is now these rows.
         self.lo = max(min(self.lo, at), at + t - self.cap)
@@ -186,7 +227,7 @@ class _Rows:
         rows = self._at(lo, hi)
         for a, x in zip(self.arrays(), stored):
             a[:, rows] = x
-        self.lo = lo
+        self.lo, self.top = lo, max(self.top, hi)
 
 
 class _Entries:
@@ -349,6 +390,26 @@ class KVCache:
 
     def advance(self, t: int) -> None:
         self.n += t
+
+    def pooled(self) -> list[_Rows]:
+        """The rows that keep the whole context, whose memory grows with the positions written
+        (what the slots' KV pool counts); rings, compressed entries and a recurrent state are fixed."""
+        return [r for r in self.k + self.v if not r.window]
+
+    @property
+    def held(self) -> int:
+        """Positions whose rows are in memory: one past the highest written since the last `release`
+        (at least `n`; more while a prompt chunk's rows wait to be counted, or after a truncation)."""
+        return max((r.top for r in self.pooled()), default=0)
+
+    def release(self, n: int) -> None:
+        """Give back the memory of the whole-context rows from position n on (n at least the
+        positions held, `n`): the slots' pool takes it from an idle slot, or trims what a
+        truncation left (procs/slots.py)."""
+        if n < self.n:
+            raise ValueError(f"cannot release positions from {n} on: the cache holds {self.n}")
+        for r in self.pooled():
+            r.release(n)
 
     def holds_window(self, p: int) -> bool:
         """Whether the keys a query at position p sees before itself (p-W+1..p-1 on a

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from ..config import MAX_DRAFT
 from ..errors import UserError
+from ..model.kv_pool import KVPoolFull
 from ..model.session import Session
 from ..speed import steady_start
 from .context import check_prompt_fits
@@ -182,7 +183,11 @@ def generate(
             room = min(cfg.n_ctx - session.n - len(session.redo) - 1, cfg.max_tokens - len(out.tokens) - 1)
             logits = spec.step(model, token, history, room)
         else:
-            logits = session.feed(model, [token])
+            try:
+                logits = session.feed(model, [token])
+            except KVPoolFull:  # several slots' pool has no room for it (shared/model/kv_pool.py): a full context too
+                out.finish_reason = "context"
+                break
     if spec is not None:  # the cache holds what plain decoding leaves: the prompt and the output but its last token
         spec.drop()
         spec.judge(model)

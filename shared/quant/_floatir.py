@@ -7,7 +7,8 @@ _common.tile_product).
         per weight row, n rounded up to W_ROWS, where T ≥ X_ROWS)
 
 One chain per output element, whatever T, the tile or the target's vector width, which is
-what makes a prompt's row equal to the decode step of that token (docs/kernels.md § Numerics):
+what makes a prompt's row equal to the decode step of that token (docs/kernels.md, "Numerics (the
+contract)"):
 
     a_u[l] = fma(w[c], x[c], a_u[l]) over c = 64·k + 16·u + l, k = 0, 1, ... in order
              (u = 0..3, l = 0..15: 64 sums over the row's whole 64-column steps, from 0)

@@ -193,6 +193,23 @@ def test_matmul_matches_gguf_dequantize(qtype):
             np.testing.assert_array_equal(got[t], quant.matvec(qtype, w, X[t]), err_msg=f"{qtype.name} T={n_tok} row {t}")
 
 
+@pytest.mark.parametrize("qtype", FLOAT_TYPES)
+def test_float_tiles_rows_equal_matvec(qtype):
+    """The float tiles' product (_floatir): rows in sixes and one at a time, weight rows in
+    groups of 4 (the last partial) and several tiles a call, every tail of a row (whole 64s,
+    then 8s, then single columns): each row of a matmul is the matvec of that row, bit for bit."""
+    rng = np.random.default_rng(7)
+    for n_cols in (5, 40, 96, 203, 2048):
+        W = rng.standard_normal((70, n_cols)).astype(np.float32)
+        w = W if qtype == QType.F32 else W.astype(np.float16) if qtype == QType.F16 else (W.view(np.uint32) >> 16).astype(np.uint16)
+        X = rng.standard_normal((13, n_cols)).astype(np.float32)
+        rows = np.stack([quant.matvec(qtype, w, x) for x in X])
+        deq = W if qtype == QType.F32 else w.astype(np.float32) if qtype == QType.F16 else (w.astype(np.uint32) << 16).view(np.float32)
+        np.testing.assert_allclose(rows, X.astype(np.float64) @ deq.T.astype(np.float64), rtol=1e-4, atol=1e-4 * np.sqrt(n_cols))
+        for n_tok in (2, 6, 7, 13):
+            np.testing.assert_array_equal(quant.matmul(qtype, w, X[:n_tok]), rows[:n_tok], err_msg=f"{qtype.name} C={n_cols} T={n_tok}")
+
+
 @pytest.mark.parametrize("qtype", _params(quant.INT8_ACTIVATION_TYPES))
 def test_int8_gemm_tiles_rows_and_threads(qtype):
     """Several 16-row tiles (the last one partial), rows inside a wider buffer, a row ending in part of

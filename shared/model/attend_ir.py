@@ -34,7 +34,8 @@ prompt block as in a decode step (attend.py):
 - a value sum: o = fma(p_j, v_j, o·alpha) for j in order, one key after another.
 
 numba's disk cache keys the drivers on attend.py, not on the IR they inline
-from here: after editing this module, touch attend.py (CI hashes both, .ci/run).
+from here: after editing this module, bump attend.py's IR_REVISION (numba's stamp is the file's
+contents here, so a touch does not do; CI hashes both, .ci/run).
 """
 
 from __future__ import annotations
@@ -105,9 +106,11 @@ class _Emit:
     def vconst(self, x: float) -> ir.Constant:
         return ir.Constant(_VEC, [x] * LANES)
 
-    def splat_i64(self, x):
-        vt = ir.VectorType(_I64, LANES)
-        v = self.b.insert_element(ir.Constant(vt, None), x, ir.Constant(_I32, 0))
+    def splat_i32(self, x):
+        """An int64 key index (0..32) in all 16 lanes as int32: one compare a vector, where int64
+        lanes take two and a mask merge."""
+        vt = ir.VectorType(_I32, LANES)
+        v = self.b.insert_element(ir.Constant(vt, None), self.b.trunc(x, _I32), ir.Constant(_I32, 0))
         return self.b.shuffle_vector(v, ir.Constant(vt, None), _idx([0] * LANES))
 
     def fma_scalar(self, a, x, acc):
@@ -128,6 +131,32 @@ class _Emit:
                 self.b.shuffle_vector(v, ir.Constant(v.type, None), _idx(list(range(width, 2 * width)))),
             )
         return self.b.extract_element(v, ir.Constant(_I32, 0))
+
+    def lane(self, v, i: int):
+        """Lane i of v in all 16 lanes."""
+        return self.b.shuffle_vector(v, ir.Constant(v.type, None), _idx([i] * LANES))
+
+    def rows_max(self, vs):
+        """The max of each of 8 vectors' 16 lanes, vector i's in lane i of the result: the pairs
+        `reduce` takes (lanes k and k + 8, then k and k + 4, ...), 2, 4, 8 rows a max instruction
+        (rows side by side by shuffles), so each row's number is reduce's."""
+
+        def take(x, y, idx):
+            return self.b.shuffle_vector(x, y, _idx(idx))
+
+        def halves(x, y, h, width):
+            """Lanes of x then y, in groups of 2h: their first halves (lo) and second halves (hi)."""
+            groups = [(src, g) for src in (0, 1) for g in range(0, width, 2 * h)]
+            lo = [src * width + g + k for src, g in groups for k in range(h)]
+            hi = [src * width + g + h + k for src, g in groups for k in range(h)]
+            return take(x, y, lo), take(x, y, hi)
+
+        h = LANES // 2
+        while len(vs) > 1:  # 8 → 4 → 2 → 1 vectors: halves 8, 4, 2 lanes apart
+            vs = [self.max(*halves(vs[2 * j], vs[2 * j + 1], h, LANES)) for j in range(len(vs) // 2)]
+            h //= 2
+        lo = [2 * k for k in range(LANES // 2)]
+        return self.max(take(vs[0], vs[0], lo), take(vs[0], vs[0], [k + 1 for k in lo]))
 
     def exp(self, x):
         """attend._exp on 16 lanes, operation for operation (the same numbers)."""
@@ -170,7 +199,12 @@ def _qk_softmax_typed(typingctx, q, qoff, lo, hi, nq, kt, d, scale, m, l, r0, al
     for the keys it sees and 0 for the others, and the row's sum kept as 16 lanes,
     l[16·(r0 + i) + k] = fma(l, alpha[i], p_k + p_{16+k}) (summed across lanes once, at the end).
     Nothing leaves the registers but the row's 32 weights and its m, l and alpha. m and l have
-    8 rows past the block's last (a partial tile writes there)."""
+    8 rows past the block's last (a partial tile writes there).
+
+    The 8 rows' maxima come out of one transposed tree (`rows_max`: the pairs of `reduce`, 2 to
+    8 rows a max), so m, m' and alpha are 8-lane vectors; a tile whose rows all see all 32 keys
+    (most of a long prompt's) skips the masks. Both make the same numbers: a third fewer
+    instructions after the score loop."""
 
     def codegen(context, builder, sig, args):
         e = _Emit(context, builder)
@@ -198,34 +232,50 @@ def _qk_softmax_typed(typingctx, q, qoff, lo, hi, nq, kt, d, scale, m, l, r0, al
         sc = e.splat(args[7])
         minus_inf = e.vconst(float("-inf"))
         zero = e.vconst(0.0)
-        seen, s, m_old, m_new = [], [], [], []
+        scores = [b.fmul(b.load(acc), sc) for acc in accs]
+        r0_at = b.gep(mp, [r0_])
+        row8 = ir.VectorType(_F32, Q_ROWS)
+
+        def step(masked: bool):
+            """The softmax step of the 8 rows; unmasked where every row sees all 32 keys (a key
+            a row does not see is masked to −inf, then weighs 0: with none, no lane changes)."""
+            seen, s = [], scores
+            if masked:
+                s = []
+                for i in range(Q_ROWS):
+                    lo_, hi_ = e.splat_i32(entry(1, i)), e.splat_i32(entry(2, i))
+                    for u in range(2):
+                        lanes = ir.Constant(ir.VectorType(_I32, LANES), [LANES * u + k for k in range(LANES)])
+                        seen.append(b.and_(b.icmp_signed("<=", lo_, lanes), b.icmp_signed("<", lanes, hi_)))
+                        s.append(b.select(seen[-1], scores[2 * i + u], minus_inf))
+            top = e.rows_max([e.max(s[2 * i], s[2 * i + 1]) for i in range(Q_ROWS)])  # row i's in lane i
+            m_old = b.load(b.bitcast(r0_at, row8.as_pointer()), align=4)
+            m_new = b.select(b.fcmp_ordered(">", top, m_old), top, m_old)
+            step = e.b.shuffle_vector(b.fsub(m_old, m_new), ir.Constant(row8, [0.0] * Q_ROWS), _idx(list(range(LANES))))
+            shrink = e.b.shuffle_vector(e.exp(step), ir.Constant(_VEC, None), _idx(list(range(Q_ROWS))))  # exp(m − m')
+            fresh = b.fcmp_ordered("==", m_new, ir.Constant(row8, [float("-inf")] * Q_ROWS))
+            alpha = b.select(fresh, ir.Constant(row8, [1.0] * Q_ROWS), shrink)
+            b.store(m_new, b.bitcast(r0_at, row8.as_pointer()), align=4)
+            b.store(alpha, b.bitcast(ap, row8.as_pointer()), align=4)
+            for i in range(Q_ROWS):
+                m_vec = e.lane(m_new, i)
+                w = [e.exp(b.fsub(s[2 * i + u], m_vec)) for u in range(2)]
+                if masked:
+                    w = [b.select(seen[2 * i + u], w[u], zero) for u in range(2)]
+                l_at = b.mul(b.add(r0_, e.i64(i)), e.i64(LANES))
+                e.store_vec(e.fma(e.load_vec(lp, l_at), e.lane(alpha, i), b.fadd(w[0], w[1])), lp, l_at)
+                for u in range(2):
+                    e.store_vec(w[u], pp, e.i64(KEY_LANES * i + LANES * u))
+
+        full = ir.Constant(ir.IntType(1), 1)
         for i in range(Q_ROWS):
-            lo_, hi_ = e.splat_i64(entry(1, i)), e.splat_i64(entry(2, i))
-            for u in range(2):
-                lanes = ir.Constant(ir.VectorType(_I64, LANES), [LANES * u + k for k in range(LANES)])
-                seen.append(b.and_(b.icmp_signed("<=", lo_, lanes), b.icmp_signed("<", lanes, hi_)))
-                s.append(b.select(seen[-1], b.fmul(b.load(accs[2 * i + u]), sc), minus_inf))
-            top = e.reduce(e.max(s[-2], s[-1]), e.max)
-            m_old.append(b.load(b.gep(mp, [b.add(r0_, e.i64(i))])))
-            m_new.append(b.select(b.fcmp_ordered(">", top, m_old[i]), top, m_old[i]))
-        step = ir.Constant(_VEC, None)
-        for i in range(Q_ROWS):
-            step = b.insert_element(step, b.fsub(m_old[i], m_new[i]), ir.Constant(_I32, i))
-        for i in range(Q_ROWS, LANES):
-            step = b.insert_element(step, ir.Constant(_F32, 0.0), ir.Constant(_I32, i))
-        shrink = e.exp(step)  # exp(m − m') of the 8 rows in one vector
-        for i in range(Q_ROWS):
-            fresh = b.fcmp_ordered("==", m_new[i], ir.Constant(_F32, float("-inf")))
-            alpha = b.select(fresh, ir.Constant(_F32, 1.0), b.extract_element(shrink, ir.Constant(_I32, i)))
-            m_vec = e.splat(m_new[i])
-            w = [b.select(seen[2 * i + u], e.exp(b.fsub(s[2 * i + u], m_vec)), zero) for u in range(2)]
-            at = b.add(r0_, e.i64(i))
-            l_at = b.mul(at, e.i64(LANES))
-            e.store_vec(e.fma(e.load_vec(lp, l_at), e.splat(alpha), b.fadd(w[0], w[1])), lp, l_at)
-            b.store(m_new[i], b.gep(mp, [at]))
-            b.store(alpha, b.gep(ap, [e.i64(i)]))
-            for u in range(2):
-                e.store_vec(w[u], pp, e.i64(KEY_LANES * i + LANES * u))
+            whole = b.and_(b.icmp_signed("==", entry(1, i), e.i64(0)), b.icmp_signed("==", entry(2, i), e.i64(KEY_LANES)))
+            full = b.and_(full, whole)
+        with b.if_else(full, likely=True) as (unmasked, masked):
+            with unmasked:
+                step(False)
+            with masked:
+                step(True)
         return context.get_dummy_value()
 
     return types.void(q, qoff, lo, hi, nq, kt, d, scale, m, l, r0, alpha, p), codegen

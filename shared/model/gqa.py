@@ -15,6 +15,7 @@ import numpy as np
 
 from ..gguf.spec import ModelSpec
 from .blocks import KVCache, Rope, attention, rms_norm
+from .fused import norm_rope
 from .weights import Weights
 
 
@@ -54,10 +55,16 @@ def gqa(
     if "q_b" in L:
         q, k, v = q + L["q_b"], k + L["k_b"], v + L["v_b"]
     q, k, v = q.reshape(t, s.n_head, hd), k.reshape(t, hk, hd), v.reshape(t, hk, s.head_dim_v[i])
-    if "q_norm" in L:
-        q, k = rms_norm(q, L["q_norm"], s.rms_eps), rms_norm(k, L["k_norm"], s.rms_eps)
-    if perm is not None:
-        q, k = q[:, :, perm], k[:, :, perm]
     cos, sin = rope.tables(positions)
-    cache.store(i, rope.apply(k, cos, sin), v)
-    return L["o"](attention(rope.apply(q, cos, sin), cache, i, start, scale))
+    if "q_norm" in L and perm is None:  # qwen3moe: each head's norm and rotation in one pass, in place (the projections' own arrays)
+        half = rope.inv_freq.shape[0]
+        q = norm_rope(q, L["q_norm"], s.rms_eps, cos, sin, half, out=q)
+        k = norm_rope(k, L["k_norm"], s.rms_eps, cos, sin, half, out=k)
+    else:
+        if "q_norm" in L:
+            q, k = rms_norm(q, L["q_norm"], s.rms_eps), rms_norm(k, L["k_norm"], s.rms_eps)
+        if perm is not None:
+            q, k = q[:, :, perm], k[:, :, perm]
+        q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
+    cache.store(i, k, v)
+    return L["o"](attention(q, cache, i, start, scale))

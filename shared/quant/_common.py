@@ -40,6 +40,7 @@ import numpy as np
 from numba import njit
 
 from . import _target  # noqa: F401  (before any jit: the ARM dot-product target, shared/quant/_target.py)
+from ._floatir import PART_FLOATS, W_ROWS, X_ROWS, float_rows
 from .blocks import IQ4_NL_VALUES
 
 # No nnan/ninf: an inf or NaN weight must propagate like in numpy, not be
@@ -90,36 +91,10 @@ def k_scale_min(s, j):
 
 
 @njit(**INLINE)
-def tile_times(tile, n, X, out, r0):
-    """out[:, r0:r0+n] = X @ tile[:n].T for a float32 tile [G, C], X [T, C]."""
+def tile_product(tile, n, X, out, r0):
+    """out[:, r0:r0+n] = X @ tile[:n].T for a float32 tile [G, C], X [T, C]: one fixed chain
+    of sums per element, the same for one activation row and for many (_floatir)."""
     T, C = X.shape
-    i = 0
-    # Four rows at a time: each activation load feeds four FMAs, which is
-    # what keeps the loop from being load-bound once T > 1.
-    while i + 4 <= n:
-        w0, w1, w2, w3 = tile[i], tile[i + 1], tile[i + 2], tile[i + 3]
-        for t in range(T):
-            x = X[t]
-            s0 = np.float32(0.0)
-            s1 = np.float32(0.0)
-            s2 = np.float32(0.0)
-            s3 = np.float32(0.0)
-            for c in range(C):
-                s0 += w0[c] * x[c]
-                s1 += w1[c] * x[c]
-                s2 += w2[c] * x[c]
-                s3 += w3[c] * x[c]
-            out[t, r0 + i] = s0
-            out[t, r0 + i + 1] = s1
-            out[t, r0 + i + 2] = s2
-            out[t, r0 + i + 3] = s3
-        i += 4
-    while i < n:
-        w0 = tile[i]
-        for t in range(T):
-            x = X[t]
-            s0 = np.float32(0.0)
-            for c in range(C):
-                s0 += w0[c] * x[c]
-            out[t, r0 + i] = s0
-        i += 1
+    groups = (n + W_ROWS - 1) // W_ROWS
+    scratch = np.empty(X_ROWS * C + groups * W_ROWS * PART_FLOATS if T >= X_ROWS else 0, np.float32)
+    float_rows(X, tile, n, out, r0, scratch)

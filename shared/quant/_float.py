@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ._common import DRIVER, INLINE, tile_times
+from ._common import DRIVER, INLINE, tile_product
 
 _TWO_112 = np.float32(2.0**112)
 
@@ -56,7 +56,7 @@ def _mm_f32(w, stride, X, G, f16, lanes, out):
         tile = np.empty((n, C), np.float32)  # [G, C]
         for i in range(n):
             _row_f32(w, (r0 + i) * stride, C, tile[i], f16, lanes)
-        tile_times(tile, n, X, out, r0)
+        tile_product(tile, n, X, out, r0)
 
 
 @njit(**DRIVER)
@@ -74,7 +74,7 @@ def _mm_f16(w, stride, X, G, f16, lanes, out):
         tile = np.empty((n, C), np.float32)
         for i in range(n):
             _row_f16(w, (r0 + i) * stride, C, tile[i], f16, lanes)
-        tile_times(tile, n, X, out, r0)
+        tile_product(tile, n, X, out, r0)
 
 
 @njit(**DRIVER)
@@ -92,7 +92,7 @@ def _mm_bf16(w, stride, X, G, f16, lanes, out):
         tile = np.empty((n, C), np.float32)
         for i in range(n):
             _row_bf16(w, (r0 + i) * stride, C, tile[i], f16, lanes)
-        tile_times(tile, n, X, out, r0)
+        tile_product(tile, n, X, out, r0)
 
 
 @njit(**DRIVER)

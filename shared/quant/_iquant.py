@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ._common import DRIVER, INLINE, f16_at, tile_times
+from ._common import DRIVER, INLINE, f16_at, tile_product
 from .blocks import (
     IQ1_GRID,
     IQ1_M_BYTES,
@@ -201,7 +201,7 @@ def _mm_iq2_xxs(w, stride, X, G, f16, lanes, out):
         tile = np.empty((n, C), np.float32)  # [G, C]
         for i in range(n):
             _row_iq2_xxs(w, (r0 + i) * stride, C // QK_K, tile[i], f16, lanes)
-        tile_times(tile, n, X, out, r0)
+        tile_product(tile, n, X, out, r0)
 
 
 @njit(**DRIVER)
@@ -219,7 +219,7 @@ def _mm_iq2_xs(w, stride, X, G, f16, lanes, out):
         tile = np.empty((n, C), np.float32)  # [G, C]
         for i in range(n):
             _row_iq2_xs(w, (r0 + i) * stride, C // QK_K, tile[i], f16, lanes)
-        tile_times(tile, n, X, out, r0)
+        tile_product(tile, n, X, out, r0)
 
 
 @njit(**DRIVER)
@@ -237,7 +237,7 @@ def _mm_iq2_s(w, stride, X, G, f16, lanes, out):
         tile = np.empty((n, C), np.float32)  # [G, C]
         for i in range(n):
             _row_iq2_s(w, (r0 + i) * stride, C // QK_K, tile[i], f16, lanes)
-        tile_times(tile, n, X, out, r0)
+        tile_product(tile, n, X, out, r0)
 
 
 @njit(**DRIVER)
@@ -255,7 +255,7 @@ def _mm_iq3_xxs(w, stride, X, G, f16, lanes, out):
         tile = np.empty((n, C), np.float32)  # [G, C]
         for i in range(n):
             _row_iq3_xxs(w, (r0 + i) * stride, C // QK_K, tile[i], f16, lanes)
-        tile_times(tile, n, X, out, r0)
+        tile_product(tile, n, X, out, r0)
 
 
 @njit(**DRIVER)
@@ -273,7 +273,7 @@ def _mm_iq3_s(w, stride, X, G, f16, lanes, out):
         tile = np.empty((n, C), np.float32)  # [G, C]
         for i in range(n):
             _row_iq3_s(w, (r0 + i) * stride, C // QK_K, tile[i], f16, lanes)
-        tile_times(tile, n, X, out, r0)
+        tile_product(tile, n, X, out, r0)
 
 
 @njit(**DRIVER)
@@ -291,7 +291,7 @@ def _mm_iq1_s(w, stride, X, G, f16, lanes, out):
         tile = np.empty((n, C), np.float32)  # [G, C]
         for i in range(n):
             _row_iq1_s(w, (r0 + i) * stride, C // QK_K, tile[i], f16, lanes)
-        tile_times(tile, n, X, out, r0)
+        tile_product(tile, n, X, out, r0)
 
 
 @njit(**DRIVER)
@@ -309,7 +309,7 @@ def _mm_iq1_m(w, stride, X, G, f16, lanes, out):
         tile = np.empty((n, C), np.float32)  # [G, C]
         for i in range(n):
             _row_iq1_m(w, (r0 + i) * stride, C // QK_K, tile[i], f16, lanes)
-        tile_times(tile, n, X, out, r0)
+        tile_product(tile, n, X, out, r0)
 
 
 @njit(**DRIVER)

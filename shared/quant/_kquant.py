@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ._common import DRIVER, INLINE, IQ4_VALUES, f16_at, k_scale_min, tile_times
+from ._common import DRIVER, INLINE, IQ4_VALUES, f16_at, k_scale_min, tile_product
 from .blocks import IQ4_XS_BYTES, Q2_K_BYTES, Q3_K_BYTES, Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, QK_K
 
 
@@ -156,7 +156,7 @@ def _mm_q2_k(w, stride, X, G, f16, lanes, out):
         tile = np.empty((n, C), np.float32)  # [G, C]
         for i in range(n):
             _row_q2_k(w, (r0 + i) * stride, C // QK_K, tile[i], f16, lanes)
-        tile_times(tile, n, X, out, r0)
+        tile_product(tile, n, X, out, r0)
 
 
 @njit(**DRIVER)
@@ -174,7 +174,7 @@ def _mm_q3_k(w, stride, X, G, f16, lanes, out):
         tile = np.empty((n, C), np.float32)
         for i in range(n):
             _row_q3_k(w, (r0 + i) * stride, C // QK_K, tile[i], f16, lanes)
-        tile_times(tile, n, X, out, r0)
+        tile_product(tile, n, X, out, r0)
 
 
 @njit(**DRIVER)
@@ -192,7 +192,7 @@ def _mm_q4_k(w, stride, X, G, f16, lanes, out):
         tile = np.empty((n, C), np.float32)
         for i in range(n):
             _row_q4_k(w, (r0 + i) * stride, C // QK_K, tile[i], f16, lanes)
-        tile_times(tile, n, X, out, r0)
+        tile_product(tile, n, X, out, r0)
 
 
 @njit(**DRIVER)
@@ -210,7 +210,7 @@ def _mm_q5_k(w, stride, X, G, f16, lanes, out):
         tile = np.empty((n, C), np.float32)
         for i in range(n):
             _row_q5_k(w, (r0 + i) * stride, C // QK_K, tile[i], f16, lanes)
-        tile_times(tile, n, X, out, r0)
+        tile_product(tile, n, X, out, r0)
 
 
 @njit(**DRIVER)
@@ -228,7 +228,7 @@ def _mm_q6_k(w, stride, X, G, f16, lanes, out):
         tile = np.empty((n, C), np.float32)
         for i in range(n):
             _row_q6_k(w, (r0 + i) * stride, C // QK_K, tile[i], f16, lanes)
-        tile_times(tile, n, X, out, r0)
+        tile_product(tile, n, X, out, r0)
 
 
 @njit(**DRIVER)
@@ -246,7 +246,7 @@ def _mm_iq4_xs(w, stride, X, G, f16, lanes, out):
         tile = np.empty((n, C), np.float32)
         for i in range(n):
             _row_iq4_xs(w, (r0 + i) * stride, C // QK_K, tile[i], f16, lanes)
-        tile_times(tile, n, X, out, r0)
+        tile_product(tile, n, X, out, r0)
 
 
 @njit(**DRIVER)

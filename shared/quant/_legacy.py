@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ._common import DRIVER, E8M0_HALF, INLINE, IQ4_VALUES, f16_at, tile_times
+from ._common import DRIVER, E8M0_HALF, INLINE, IQ4_VALUES, f16_at, tile_product
 from .blocks import IQ4_NL_BYTES, MXFP4_BYTES, Q4_0_BYTES, Q4_1_BYTES, Q5_0_BYTES, Q5_1_BYTES, Q8_0_BYTES, QK
 
 
@@ -143,7 +143,7 @@ def _mm_q8_0(w, stride, X, G, f16, lanes, out):
         tile = np.empty((n, C), np.float32)  # [G, C]
         for i in range(n):
             _row_q8_0(w, (r0 + i) * stride, C // QK, tile[i], f16, lanes)
-        tile_times(tile, n, X, out, r0)
+        tile_product(tile, n, X, out, r0)
 
 
 @njit(**DRIVER)
@@ -161,7 +161,7 @@ def _mm_q4_0(w, stride, X, G, f16, lanes, out):
         tile = np.empty((n, C), np.float32)
         for i in range(n):
             _row_q4_0(w, (r0 + i) * stride, C // QK, tile[i], f16, lanes)
-        tile_times(tile, n, X, out, r0)
+        tile_product(tile, n, X, out, r0)
 
 
 @njit(**DRIVER)
@@ -179,7 +179,7 @@ def _mm_q4_1(w, stride, X, G, f16, lanes, out):
         tile = np.empty((n, C), np.float32)
         for i in range(n):
             _row_q4_1(w, (r0 + i) * stride, C // QK, tile[i], f16, lanes)
-        tile_times(tile, n, X, out, r0)
+        tile_product(tile, n, X, out, r0)
 
 
 @njit(**DRIVER)
@@ -197,7 +197,7 @@ def _mm_q5_0(w, stride, X, G, f16, lanes, out):
         tile = np.empty((n, C), np.float32)
         for i in range(n):
             _row_q5_0(w, (r0 + i) * stride, C // QK, tile[i], f16, lanes)
-        tile_times(tile, n, X, out, r0)
+        tile_product(tile, n, X, out, r0)
 
 
 @njit(**DRIVER)
@@ -215,7 +215,7 @@ def _mm_q5_1(w, stride, X, G, f16, lanes, out):
         tile = np.empty((n, C), np.float32)
         for i in range(n):
             _row_q5_1(w, (r0 + i) * stride, C // QK, tile[i], f16, lanes)
-        tile_times(tile, n, X, out, r0)
+        tile_product(tile, n, X, out, r0)
 
 
 @njit(**DRIVER)
@@ -233,7 +233,7 @@ def _mm_iq4_nl(w, stride, X, G, f16, lanes, out):
         tile = np.empty((n, C), np.float32)
         for i in range(n):
             _row_iq4_nl(w, (r0 + i) * stride, C // QK, tile[i], f16, lanes)
-        tile_times(tile, n, X, out, r0)
+        tile_product(tile, n, X, out, r0)
 
 
 @njit(**DRIVER)
@@ -251,7 +251,7 @@ def _mm_mxfp4(w, stride, X, G, f16, lanes, out):
         tile = np.empty((n, C), np.float32)
         for i in range(n):
             _row_mxfp4(w, (r0 + i) * stride, C // QK, tile[i], f16, lanes)
-        tile_times(tile, n, X, out, r0)
+        tile_product(tile, n, X, out, r0)
 
 
 @njit(**DRIVER)

@@ -28,9 +28,9 @@ exactly the x̂ the kernels multiply by, and the results differ from float64
 only on its weight row and its activation row, whatever the thread split,
 and matmul rows equal matvec results bit for bit on every type: the int8
 kernels run each activation row's float operations in the one-row order by
-construction (_q8ir), and the float tiles' one-row and four-row loops
-compile to the same per-pair sums (tests/test_quant.py checks both, for
-T = 2, 3, 17, 64).
+construction (_q8ir), and so does the float tiles' product, in sixes of
+activation rows or one at a time (_floatir; tests/test_quant.py checks both,
+for T = 2, 3, 6, 7, 13, 17, 64).
 
 Kernels compile on first use of a type (numba, cached on disk under
 __pycache__ or NUMBA_CACHE_DIR), so a process using three types compiles
@@ -60,6 +60,7 @@ from numpy.lib.stride_tricks import as_strided
 
 from . import _float, _iquant, _kquant, _legacy, _q8
 from ._common import F16_TABLE, LANES
+from ._floatir import W_ROWS
 from .blocks import QK, SUPPORTED, BlockFormat, QType, block_format
 from .blocks import qtype_from_name as qtype_from_name  # re-exported: quant.qtype_from_name
 
@@ -97,12 +98,22 @@ def _uses_q8(qtype) -> bool:
 _NATIVE_DTYPES = {QType.F32: np.float32, QType.F16: np.float16, QType.BF16: np.uint16}
 
 # Float tiles (the types without int8 kernels, or int8 off).
-# Rows decoded per tile when there are several activation rows: four rows
-# share each activation load in tile_times; 4 × C × 4 B stays in L2.
-_TILE_ROWS = 4
-# With one activation row there is nothing to share; one row (≤ 12 KB for the
-# expert shapes) stays in L1 between its decode and its dot product.
-_TILE_ROWS_MATVEC = 1
+# Bytes of weight rows decoded per tile when there are several activation rows: every
+# activation row passes the whole tile while the tile sits in L2 (1 MB a core here), so the
+# activations are read once per tile: at 4 rows a tile, a 3,600-token prompt's router read
+# its 29 MB of activations 32 times.
+_TILE_BYTES = 256 * 1024
+_TILE_ROWS_MOST = 32
+# With one activation row there is nothing to share: the product's own tile (_floatir.W_ROWS
+# rows, ≤ 48 KB for the expert shapes) stays in L1 between its decode and its dot product.
+_TILE_ROWS_MATVEC = W_ROWS
+
+
+def _tile_rows(T: int, C: int) -> int:
+    """Weight rows a float driver decodes at a time for T activation rows of C columns."""
+    if T == 1:
+        return _TILE_ROWS_MATVEC
+    return max(W_ROWS, min(_TILE_ROWS_MOST, _TILE_BYTES // (4 * C)) // W_ROWS * W_ROWS)
 
 
 def set_threads(n: int) -> None:
@@ -187,7 +198,7 @@ def _multiply(qtype: QType, flat: np.ndarray, stride: int, X: np.ndarray, out: n
         kernel(flat, stride, X, table, out)
     else:
         mm, _ = _KERNELS[qtype]
-        mm(flat, stride, X, _TILE_ROWS if T > 1 else _TILE_ROWS_MATVEC, F16_TABLE, LANES, out)
+        mm(flat, stride, X, _tile_rows(T, X.shape[1]), F16_TABLE, LANES, out)
 
 
 def matvec(qtype: int | QType, w: np.ndarray, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:

@@ -34,6 +34,8 @@ from numba.core import event as numba_event
 from ..shared import quant
 from ..shared.experts.placement import expert_view, placement_for
 from ..shared.gguf.model_file import ModelFile
+from ..shared.model.batch import PromptSlice
+from ..shared.model.fused import PARALLEL_ROWS
 from ..shared.model.load import ModelOptions, load_model
 from ..shared.model.weights import Expert
 
@@ -139,14 +141,24 @@ class ZeroExperts:
         """Nothing to read."""
 
 
+# A prompt chunk's kernels on numba's threads (fused.py, from PARALLEL_ROWS rows) compile in a
+# chunk's pass through this many layers: every family's kinds of layer come within its first
+# eight (a dense first layer, gemma4's five sliding layers to a full one, qwen35moe's three
+# recurrent to an attention one), and the whole depth would cost a start ~2 s at 48 layers.
+WARM_CHUNK_LAYERS = 8
+
+
 def forward_pass(mf: ModelFile, top_k: int | None, dense_view=None, kv_type: str = "f16") -> Callable[[], object]:
-    """One short prompt and one decoded token through `mf`'s model on zero experts."""
+    """A short prompt and one decoded token through `mf`'s model on zero experts, and a
+    chunk of PARALLEL_ROWS tokens through its first WARM_CHUNK_LAYERS layers."""
 
     def run() -> None:
         model = load_model(mf, top_k=top_k, experts=ZeroExperts(mf), dense_view=dense_view, options=ModelOptions(kv_type=kv_type))
         cache = model.new_cache(8)
         model.prefill([0, 1], cache)
         model.decode_one(1, cache)
+        chunk = PromptSlice(np.ones(PARALLEL_ROWS, np.int64), model.new_cache(PARALLEL_ROWS))
+        model.forward_batch([], prompt=chunk, layers=min(WARM_CHUNK_LAYERS, model.spec.n_layer))
 
     return run
 

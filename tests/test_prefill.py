@@ -97,13 +97,16 @@ def test_a_chunk_keeps_no_more_arrays_than_the_budget_leaves_it(family, tmp_path
     import tracemalloc
 
     from moe_pipe.shared.gguf.spec import prefill_activation_bytes
+    from moe_pipe.shared.model.fused import PARALLEL_ROWS
 
     path = make_model(family.arch, "tiny", tmp_path / "m.gguf")
     prompt = [(7 * i + 3) % 200 + 5 for i in range(ACTIVATION_TOKENS)]
     with open_model(path) as mf:
         model = load_model(mf, options=None)
         cache = model.new_cache(ACTIVATION_TOKENS + 8, "f16")
-        model.prefill(prompt[:8], model.new_cache(16, "f16"), batch=8)  # lazy weights and tables, not the chunk's
+        # lazy weights and tables, and the kernels of a chunk's many rows (numba threads' from PARALLEL_ROWS),
+        # compiled here: a compile inside the traced pass would count the compiler's memory
+        model.prefill(prompt[:PARALLEL_ROWS], model.new_cache(PARALLEL_ROWS + 8, "f16"), batch=PARALLEL_ROWS)
         tracemalloc.start()
         try:
             base = tracemalloc.get_traced_memory()[0]

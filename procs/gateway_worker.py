@@ -368,6 +368,8 @@ class Worker:
             return LOST
         elif done.code == m.Code.BAD_ARGUMENT:
             job.end(Failed(400, done.error, done.code, "invalid_request_error"))
+        elif done.code == m.Code.BUSY:  # the slots' KV pool had no room for its prompt: it may be sent again
+            job.end(Failed(503, done.error, done.code))
         else:
             job.end(Failed(500, failure_text(done), done.code or "internal"))
         return None

@@ -1182,6 +1182,7 @@ def test_finish_reasons_and_failures_map_to_openai():
         (m.Done(1, True, "length", (5,)), Finished("length", 1)),
         (m.Done(1, False, code="bad_argument", error="no"), Failed(400, "no", "bad_argument", "invalid_request_error")),
         (m.Done(1, False, code="io_error", error="disk"), Failed(500, "generation failed (io_error): disk", "io_error")),
+        (m.Done(1, False, code="busy", error="the slots' KV pool is full"), Failed(503, "the slots' KV pool is full", "busy")),
     ]
     for done, expected in cases:
         job = Job([1], 4, {}, ())

@@ -48,6 +48,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from ..quant._floatir import VecEmit
 from ..quant._q8ir import transpose16
 
 LANES = 16
@@ -70,7 +71,6 @@ EXP_POLY = tuple(
 )
 
 _I32 = ir.IntType(32)
-_I64 = ir.IntType(64)
 _F32 = ir.FloatType()
 _VEC = ir.VectorType(_F32, LANES)
 
@@ -79,22 +79,7 @@ def _idx(values: list[int]) -> ir.Constant:
     return ir.Constant(ir.VectorType(_I32, len(values)), values)
 
 
-class _Emit:
-    def __init__(self, context, builder):
-        self.context, self.b = context, builder
-
-    def i64(self, v: int) -> ir.Constant:
-        return ir.Constant(_I64, v)
-
-    def ptr(self, aty, arr):
-        return self.context.make_array(aty)(self.context, self.b, arr).data
-
-    def load_vec(self, base, off):
-        return self.b.load(self.b.bitcast(self.b.gep(base, [off]), _VEC.as_pointer()), align=4)
-
-    def store_vec(self, v, base, off):
-        self.b.store(v, self.b.bitcast(self.b.gep(base, [off]), _VEC.as_pointer()), align=4)
-
+class _Emit(VecEmit):
     def splat(self, x):
         v = self.b.insert_element(ir.Constant(_VEC, None), x, ir.Constant(_I32, 0))
         return self.b.shuffle_vector(v, ir.Constant(_VEC, None), _idx([0] * LANES))

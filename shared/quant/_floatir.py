@@ -74,7 +74,10 @@ _ONE = ir.VectorType(_F32, 1)
 _EXACT = ("arcp",)
 
 
-class _Emit:
+class VecEmit:
+    """An IR builder's 16-lane float32 loads and stores at element offsets of an array's data
+    (what this module's tiles and attention's, shared/model/attend_ir.py, share)."""
+
     def __init__(self, context, builder):
         self.context, self.b = context, builder
 
@@ -90,6 +93,8 @@ class _Emit:
     def store_vec(self, v, base, off):
         self.b.store(v, self.b.bitcast(self.b.gep(base, [off]), _VEC.as_pointer()), align=4)
 
+
+class _Emit(VecEmit):
     def fma(self, a, x, acc):
         """a·x + acc on vectors: rounded once where the target fuses, else a multiply then an add."""
         if not FUSED:

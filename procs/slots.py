@@ -46,7 +46,7 @@ from ..shared.config import SLOT_PREFILL_CHUNK, Config
 from ..shared.errors import UserError
 from ..shared.model.batch import BatchPart, PromptSlice
 from ..shared.model.blocks import KVCache
-from ..shared.model.kv_pool import KVPoolFull, Use, make_room
+from ..shared.model.kv_pool import KVPoolFull, Room, Use, make_room
 from ..shared.model.session import Session, common_prefix
 from ..shared.telemetry import merge_records
 from ..shared.text.generate import generate, reuse_align
@@ -310,14 +310,6 @@ class SlotModel:
         self.steps, self.slot, self.model, self.req_id = steps, slot, model, req_id
         self.prompted = False
         self.records: list[m.TokenRecord] = []
-        self.pool_full = False  # the KV pool ended the request (Slots.end_for_room): its positions go back
-
-    def ask(self, tokens: Sequence[int], cache: KVCache) -> Ask:
-        try:
-            return self.steps.ask(self.slot.id, self.slot.order, tokens, cache)
-        except KVPoolFull:
-            self.pool_full = True
-            raise
 
     def new_cache(self, n_ctx: int) -> KVCache:
         return self.model.new_cache(n_ctx)
@@ -332,7 +324,7 @@ class SlotModel:
         self.slot.post_progress = progress
         try:
             for s in range(0, len(tokens), batch):
-                last = self.ask(tokens[s : s + batch], cache)
+                last = self.steps.ask(self.slot.id, self.slot.order, tokens[s : s + batch], cache)
                 passes.append(last.record)
                 if progress is not None:
                     self.slot.processed = cache.n
@@ -355,7 +347,7 @@ class SlotModel:
         return post
 
     def decode_one(self, token: int, cache: KVCache) -> np.ndarray:
-        a = self.ask([token], cache)
+        a = self.steps.ask(self.slot.id, self.slot.order, [token], cache)
         return self._keep(a, [a.record], 1)
 
     def _keep(self, last: Ask, passes: list[m.TokenRecord | None], rows: int) -> np.ndarray:
@@ -394,7 +386,7 @@ class Slots:
         self.sliced: Sliced | None = None  # the prompt chunk on its way through the layers
         self.pace = Pace()
         self.pool = config.kv_pool_tokens  # positions the slots' caches hold together (shared/model/kv_pool.py)
-        self.model_of: dict[int, SlotModel] = {}  # a busy slot's request's model (its thread's)
+        self.pool_ended: set[int] = set()  # slots whose request the pool ended (end_for_room): emptied as it leaves
 
     def serve(self, reader_pid: int, epoch: int) -> None:
         import os
@@ -530,7 +522,6 @@ class Slots:
                 post(m.Done(req.req_id, False, code=m.Code.BAD_ARGUMENT, error=f"bad request: {exc}"))
                 return
             model = SlotModel(self.steps, slot, self.metered.model, req.req_id)
-            self.model_of[slot.id] = model
             result = generate(
                 model,
                 self.tok,
@@ -557,10 +548,9 @@ class Slots:
             slot.session.reset()  # a bug's leftovers are not reused
             post(m.Done(req.req_id, False, code=m.Code.INTERNAL, error=f"{type(exc).__name__}: {exc}"))
         finally:
-            ended = self.model_of.pop(slot.id, None)
-            if ended is not None and ended.pool_full and slot.session.cache is not None:
-                slot.session.reset()  # its positions go back to the pool before the slot is idle
-                slot.session.cache.release(0)
+            if slot.id in self.pool_ended:  # its positions go back to the pool before the slot is idle
+                self.pool_ended.discard(slot.id)
+                self.evict(slot)
             self.steps.leave(slot.id)
 
     # -- the KV pool (shared/model/kv_pool.py) ---------------------------------------------
@@ -576,11 +566,19 @@ class Slots:
         return cache.held
 
     def evict(self, slot: Slot) -> None:
-        """An idle slot's conversation is forgotten and its cache's memory given back to the pool."""
+        """A slot's conversation is forgotten and its cache's memory given back to the pool (an
+        idle slot's, or one whose thread is ending)."""
         log.debug("KV pool: slot %d gives back %d positions", slot.id, self.held(slot, False))
         slot.session.reset()
         if slot.session.cache is not None:
             slot.session.cache.release(0)
+
+    def make_room(self, uses: list[Use]) -> Room:
+        """`make_room` over the slots' uses, its idle caches emptied."""
+        room = make_room(self.pool, uses)
+        for i in room.evict:
+            self.evict(self.slots[i])
+        return room
 
     def room_for(self, slot: Slot, n: int, keep: int | None = None) -> bool:
         """Room in the pool for an idle `slot` to hold n positions, made by emptying other idle
@@ -596,9 +594,7 @@ class Slots:
                 uses.append(Use(s.id, s.order, True, held, max(held, n)))
             else:
                 uses.append(Use(s.id, s.order, not idle or s.id == keep, held, held))
-        room = make_room(self.pool, uses)
-        for i in room.evict:
-            self.evict(self.slots[i])
+        room = self.make_room(uses)
         return slot.id not in room.defer and room.end is None
 
     def fit_pool(self, asks: list[Ask]) -> list[Ask]:
@@ -619,9 +615,7 @@ class Slots:
         for s in self.slots:
             held = self.held(s, trim=True)  # every busy slot waits for this step
             uses.append(Use(s.id, s.order, s.id in busy, held, max(held, wants.get(s.id, held))))
-        room = make_room(self.pool, uses)
-        for i in room.evict:
-            self.evict(self.slots[i])
+        room = self.make_room(uses)
         if room.defer:
             log.debug("KV pool: slots %s wait for room", sorted(room.defer))
         if room.end is not None:
@@ -638,6 +632,7 @@ class Slots:
             "KV pool: %d positions are full; request %d in slot %d ends to let the older ones go on", self.pool, self.slots[i].req_id, i
         )
         if a is not None:
+            self.pool_ended.add(i)
             why = (
                 f"the slots' KV pool is full ({self.pool:,} positions shared by {len(self.slots)} slots, gateway.kv_pool): "
                 "older requests hold it; send it again later, or raise --kv-pool or lower --parallel"

@@ -12,9 +12,9 @@ whether the step's rows fit and, when they do not, what gives way:
    their prefix reuse, as a slot another request takes does);
 2. then rows that wait for a later step, the youngest request's first (an older
    request goes on and, ending, frees its positions);
-3. and when no row could go on at all, the youngest busy request ends: a decoding
-   one as at a full context (finish "context"), one still reading its prompt with
-   an error (`KVPoolFull`). Its positions go back to the pool.
+3. and when no row could go on at all, the youngest busy request that holds
+   positions ends: a decoding one as at a full context (finish "context"), one still
+   reading its prompt with an error (`KVPoolFull`). Its positions go back to the pool.
 
 A pool of at least one context (shared/config.py `check_kv_pool`) always lets the
 oldest request go on alone, so every step but such an ending runs a row.

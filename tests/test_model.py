@@ -269,18 +269,10 @@ def test_a_prompt_takes_its_resident_experts_in_grouped_kernel_calls(arch, tmp_p
         calls: list[int] = []
         real = quant.grouped_apply
         monkeypatch.setattr(quant, "grouped_apply", lambda *a: calls.append(len(a[0])) or real(*a))
-        real_grouped = moe._glu_experts_grouped
-
-        def one_by_one(x, group, glu, ffn, ys, at, n, k):
-            for e, got in group:
-                r = got // k
-                ys[n : n + r.size] = ffn(e, x[r])
-                at[r, got % k] = np.arange(n, n + r.size)
-                n += r.size
-            return n
+        real_grouped = moe._hidden_of_run
 
         def prefill(grouped: bool, source=None) -> np.ndarray:
-            monkeypatch.setattr(moe, "_glu_experts_grouped", real_grouped if grouped else one_by_one)
+            monkeypatch.setattr(moe, "_hidden_of_run", real_grouped if grouped else lambda *a: None)  # None: one by one
             model = load_model(mf, experts=source)
             return model.forward(PROMPT, model.new_cache(32), all_logits=True)
 
@@ -294,6 +286,38 @@ def test_a_prompt_takes_its_resident_experts_in_grouped_kernel_calls(arch, tmp_p
         model = load_model(mf)
         cache = model.new_cache(32)
         np.testing.assert_array_equal(np.concatenate([model.forward([t], cache) for t in PROMPT]), got)
+
+
+@pytest.mark.parametrize("arch", ["gemma4", "glm4moe", "deepseek2"])
+def test_a_large_chunk_sums_its_expert_outputs_a_part_of_the_columns_at_a_time(arch, tmp_path, monkeypatch):
+    """A chunk whose expert outputs would be large keeps the experts' narrower hidden
+    activations and takes the down projections a part of the output's columns at a time
+    (shared/gguf/spec.py expert_output_parts): the logits are the whole path's bit for bit, on
+    families whose experts are narrower than the model (F < D), with the misses landing late."""
+    from moe_pipe.shared.gguf import spec
+    from moe_pipe.shared.model import moe
+
+    path = make_model(arch, "tiny", tmp_path / "q.gguf")
+    prompt = [(7 * i + 3) % 200 + 5 for i in range(96)]
+    with open_model(path) as mf:
+        assert mf.spec.n_ff_exp < mf.spec.n_embd
+
+        class Late(FileExperts):
+            """Odd experts read: they land after the even ones have been worked on."""
+
+            def resident(self, layer, ids):
+                return [e % 2 == 0 for e in ids]
+
+        whole = load_model(mf).forward(prompt, load_model(mf).new_cache(128), all_logits=True)
+        parts_taken: list[int] = []
+        real = moe._downs_in_parts
+        monkeypatch.setattr(moe, "_downs_in_parts", lambda held, *a: parts_taken.append(len(held)) or real(held, *a))
+        monkeypatch.setattr(spec, "SPLIT_OUTPUT_BYTES", 0)  # every chunk's outputs split
+        for source in (None, Late(mf)):
+            model = load_model(mf, experts=source)
+            np.testing.assert_array_equal(model.forward(prompt, model.new_cache(128), all_logits=True), whole)
+        n_moe = sum(1 for i in range(mf.spec.n_layer) if mf.spec.has_experts(i))
+        assert len(parts_taken) == 2 * n_moe and min(parts_taken) >= 1
 
 
 @pytest.mark.parametrize("arch", ARCHES)

@@ -89,15 +89,23 @@ ACTIVATION_DEFAULT_TIER = ("gemma4", "gpt-oss", "qwen35moe", "bailingmoe3")
 @pytest.mark.parametrize(
     "family", [pytest.param(f, id=f.name, marks=[] if f.arch in ACTIVATION_DEFAULT_TIER else [pytest.mark.slow]) for f in FAMILIES]
 )
-def test_a_chunk_keeps_no_more_arrays_than_the_budget_leaves_it(family, tmp_path):
+@pytest.mark.parametrize("split", [False, True], ids=["outputs-whole", "outputs-split"])
+def test_a_chunk_keeps_no_more_arrays_than_the_budget_leaves_it(family, split, tmp_path, monkeypatch):
     """The budget leaves a prompt chunk `prefill_activation_bytes` beside the KV cache and
     weights (shared/experts/budget.py); every numpy array the chunk's pass allocates, at its
     peak (tracemalloc sees numpy's allocations), stays within it, the layers' reused scratch
-    included: an undercount is memory the expert cache was given twice."""
+    included: an undercount is memory the expert cache was given twice. Also with every
+    chunk's expert outputs summed in parts of their columns (expert_output_parts: the
+    families whose experts are narrower than the model)."""
     import tracemalloc
 
+    from moe_pipe.shared.gguf import spec
     from moe_pipe.shared.gguf.spec import prefill_activation_bytes
+    from moe_pipe.shared.model import moe
     from moe_pipe.shared.model.fused import PARALLEL_ROWS
+
+    if split:
+        monkeypatch.setattr(spec, "SPLIT_OUTPUT_BYTES", 0)
 
     path = make_model(family.arch, "tiny", tmp_path / "m.gguf")
     prompt = [(7 * i + 3) % 200 + 5 for i in range(ACTIVATION_TOKENS)]
@@ -107,6 +115,7 @@ def test_a_chunk_keeps_no_more_arrays_than_the_budget_leaves_it(family, tmp_path
         # lazy weights and tables, and the kernels of a chunk's many rows (numba threads' from PARALLEL_ROWS),
         # compiled here: a compile inside the traced pass would count the compiler's memory
         model.prefill(prompt[:PARALLEL_ROWS], model.new_cache(PARALLEL_ROWS + 8, "f16"), batch=PARALLEL_ROWS)
+        moe._SCRATCH.__dict__.clear()  # the outputs' buffer as a process's first chunk finds it: counted
         tracemalloc.start()
         try:
             base = tracemalloc.get_traced_memory()[0]

@@ -261,24 +261,78 @@ def kv_pool_bytes(spec: ModelSpec, n_ctx: int, kv_type: str, slots: int, pool: i
     return slots * (fixed + runs * mmap.PAGESIZE) + pool * per_position
 
 
+# A prompt chunk's routed expert outputs (K a token, D floats each) wait for their choice-order
+# sum (shared/model/moe.py); from this many bytes of them a layer keeps the experts' hidden
+# activations (F floats a row, F < D) and takes the down projections a part of the output's
+# columns at a time, each part summed before the next: a 4,096-token chunk of gemma26b-shape
+# keeps 88 + 88 MiB where it kept 352.
+SPLIT_OUTPUT_BYTES = 64 << 20
+# Output columns a part holds: whole tiles of 16 weight rows (shared/quant/_q8.py).
+PART_ROWS = 16
+# The most (token, choice) rows of one expert a prompt's kernel call takes: an expert more
+# tokens route to goes in pieces of this many (shared/model/moe.py _runs_of_rows), so a
+# run's own arrays (its rows of the input, the gate and up products, their GLU, the down
+# products: at most 2·D + 5·F floats a row) stay a fixed size. One row block of the GEMM.
+EXPERT_RUN_ROWS = 256
+
+
+def expert_output_parts(rows: int, d: int, f: int) -> int:
+    """How many parts of the output's columns a chunk's `rows` (tokens × K) expert outputs of
+    width d are summed in, for hidden activations of width f: 1 below SPLIT_OUTPUT_BYTES (the
+    outputs whole), else about d / f, so that a part's outputs take no more than the hidden
+    activations kept for them."""
+    if 4 * rows * d < SPLIT_OUTPUT_BYTES or f >= d:
+        return 1
+    return -(-d // f)
+
+
+def output_part_columns(d: int, parts: int) -> list[tuple[int, int]]:
+    """The column ranges [c0, c1) of `parts` parts of d columns, each whole tiles of PART_ROWS
+    but the last."""
+    step = -(-d // parts // PART_ROWS) * PART_ROWS if parts > 1 else d
+    return [(c, min(d, c + step)) for c in range(0, d, step)]
+
+
+def expert_scratch_floats(spec: ModelSpec, tokens: int, top_k: int) -> tuple[int, int]:
+    """Floats a chunk of `tokens` keeps for its routed experts until their outputs are summed
+    (shared/model/moe.py apply_experts): (the outputs' buffer, reused across layers and
+    chunks: K·D a token whole, one part's columns when split; the hidden activations held
+    for the parts during the FFN, K·F a token when split, else none)."""
+    rows, d, f = tokens * top_k, spec.n_embd, spec.n_ff_exp
+    parts = expert_output_parts(rows, d, f)
+    if parts == 1:
+        return rows * d, 0
+    c0, c1 = output_part_columns(d, parts)[0]
+    return rows * (c1 - c0), rows * f
+
+
 def prefill_activation_bytes(spec: ModelSpec, tokens: int, top_k: int) -> int:
-    """Float32 bytes a prompt chunk of `tokens` keeps alive in one layer of the
-    forward pass (shared/model/base.py `prefill`): the residual stream and its
-    norms (3·D), each token's K expert outputs before their weighted sum (K·D: the
-    sum is taken in choice order, shared/model/moe.py `apply_experts`; a scratch
-    kept across layers), the router's logits, an FFN's gate, up and product (3·F,
-    when every token routes to one expert) and the larger of the attention block's
-    arrays (query, key, value and output) and a linear-attention layer's (its conv
-    input and output, 2·C, and its queries, keys, outputs and gate, 4·H·d). The
-    attention block is a function of its own in every family, so its arrays are
-    gone before the FFN's exist (tests/test_prefill.py checks the peak of the
-    arrays a chunk allocates against this). A chunk is at most this much beside the
-    KV cache; the budget leaves it to compute."""
+    """Float32 bytes a prompt chunk of `tokens` keeps alive in one layer of the forward pass
+    (shared/model/base.py `prefill`), at the larger of its two phases, beside the layer's
+    input (D) and the experts' outputs buffer (`expert_scratch_floats`, kept across layers):
+
+    - attention: its input's norm and the block's output (2·D), and the larger of the
+      attention's arrays (two query arrays, key, value and output: a query's norm or
+      rotation may take a copy, MLA's its parts) and a linear-attention layer's (its conv
+      input and output, 2·C, and its queries, keys, outputs and gate, 4·H·d);
+    - FFN: the residual sum, the norms and sums it keeps (5·D), the router's logits (E), the
+      widest dense or shared FFN's gate, up and product (3·F), the experts' hidden
+      activations held for the split outputs, and one run of experts' own arrays (a fixed
+      EXPERT_RUN_ROWS rows of 2·D + 5·F).
+
+    The attention block is a function of its own in every family, so its arrays are gone
+    before the FFN's exist (tests/test_prefill.py checks the peak of the arrays a chunk
+    allocates against this). A chunk is at most this much beside the KV cache; the budget
+    leaves it to compute."""
     d, h = spec.n_embd, spec.n_head
     qkvo = max(h * 2 * dk + hk * (dk + dv) + h * dv for hk, dk, dv in zip(spec.n_head_kv, spec.head_dim_k, spec.head_dim_v))
     recurrent = 2 * spec.ssm_conv_channels + 4 * spec.ssm_heads * spec.ssm_state if spec.ssm_conv_kernel else 0
     ffn = 3 * max(spec.n_ff_exp, spec.n_ff, spec.n_ff_shexp)
-    return 4 * tokens * (d * (3 + top_k) + max(qkvo, recurrent) + spec.n_expert + ffn)
+    outputs, hidden = expert_scratch_floats(spec, tokens, top_k)
+    attention = 2 * d + max(qkvo, recurrent)
+    run = EXPERT_RUN_ROWS * (2 * d + 5 * spec.n_ff_exp)
+    mlp = tokens * (5 * d + spec.n_expert + ffn) + hidden + run
+    return 4 * (tokens * d + max(tokens * attention, mlp) + outputs)
 
 
 def recurrent_state_bytes(spec: ModelSpec) -> int:

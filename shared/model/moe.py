@@ -12,7 +12,8 @@ whatever the arrival order.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +21,7 @@ import numpy as np
 
 from .. import quant
 from ..errors import GGUFError
-from ..gguf.spec import ModelSpec
+from ..gguf.spec import EXPERT_RUN_ROWS, ModelSpec, expert_output_parts, output_part_columns
 from .blocks import sigmoid, softmax, swiglu
 from .fused import _softmax_top_k, choice_sum
 from .weights import Expert, ExpertSource, Weights
@@ -203,7 +204,12 @@ def _add_biases(rows: np.ndarray, biases: list[np.ndarray | None]) -> None:
 
 # Expert functions of the form down(glu(gate·x, up·x)) with an elementwise glu: a decode step
 # takes all of a layer's experts at once (_glu_experts_at_once). A family adds its own here.
-GLU_EXPERTS: dict[Callable[[Expert, np.ndarray], np.ndarray], Callable[[np.ndarray, np.ndarray], np.ndarray]] = {swiglu_expert: swiglu}
+# Weak keys: a model whose expert function is its own bound method (deepseek4: the file's
+# clamp) registers it for as long as the model lives (it keeps that method as an attribute).
+GLU_EXPERTS: MutableMapping[Callable[[Expert, np.ndarray], np.ndarray], Callable[[np.ndarray, np.ndarray], np.ndarray]] = (
+    weakref.WeakKeyDictionary()
+)
+GLU_EXPERTS[swiglu_expert] = swiglu
 
 
 _SCRATCH = threading.local()
@@ -227,17 +233,16 @@ def apply_experts(
     t, k = routing.ids.shape
     if t == 1:  # decode: one token, k distinct experts — no index bookkeeping
         return _decode_experts(x, routing, source, layer, ffn)
-    ys = _outputs_buffer(t * k, x.shape[1])  # the experts' outputs, one expert's rows after another
-    at = np.empty((t, k), np.int64)  # (token, choice) → its row of ys
+    at = np.empty((t, k), np.int64)  # (token, choice) → its row of the outputs
     unique = routing.unique_experts()
     glu = GLU_EXPERTS.get(ffn)
     pairs = _pairs_by_expert(routing.ids)  # expert → its (token, choice) pairs, tokens ascending
     if glu is not None and len(unique) <= source.held_together:
-        _experts_in_groups(x, source, layer, unique, pairs, glu, ffn, ys, at, k)
-    else:  # as each becomes usable; a token picks an expert at most once
-        n = 0
-        for expert in source.experts(layer, unique):
-            n = _experts_one_by_one(x, [(expert, pairs(expert.id))], ffn, ys, at, n, k)
+        return _experts_in_groups(x, source, layer, unique, pairs, glu, ffn, routing, at)
+    ys = _outputs_buffer(t * k, x.shape[1])  # the experts' outputs, one expert's rows after another
+    n = 0
+    for expert in source.experts(layer, unique):  # as each becomes usable; a token picks an expert at most once
+        n = _experts_one_by_one(x, [(expert, pairs(expert.id))], ffn, ys, at, n, k)
     return choice_sum(ys, at, routing.weights)  # fixed choice order, as a decode step adds
 
 
@@ -256,19 +261,42 @@ def _experts_in_groups(
     pairs: Callable[[int], np.ndarray],
     glu: Callable[[np.ndarray, np.ndarray], np.ndarray],
     ffn: Callable[[Expert, np.ndarray], np.ndarray],
-    ys: np.ndarray,
+    routing: Routing,
     at: np.ndarray,
-    k: int,
-) -> None:
-    """A prompt's gated experts, several a kernel call (_glu_experts_grouped): the ones in
+) -> np.ndarray:
+    """A prompt's gated experts, several a kernel call (_hidden_of_run, _down_of_run): the ones in
     memory together once all of them have come, then each miss with the misses that have
     landed while the work before it ran (they come next from the source without a wait), so a
-    read still overlaps the work on what is already here."""
+    read still overlaps the work on what is already here. A chunk whose outputs would be
+    large (expert_output_parts) keeps each run's hidden activations and takes the down
+    projections at the end, a part of the output's columns at a time (_downs_in_parts)."""
+    t, k = routing.ids.shape
+    d = x.shape[1]
+    ys: np.ndarray | None = None  # the outputs whole, once a run shows they are to be
+    held: list[_HeldRun] = []  # runs whose down projections wait for the parts
+    parts = 0
     here = {e for e, r in zip(unique, source.resident(layer, unique)) if r}
     hits_left = len(here)
     seen: set[int] = set()
     group: list[tuple[Expert, np.ndarray]] = []
     n = 0
+
+    def work_on(group: list[tuple[Expert, np.ndarray]]) -> None:
+        nonlocal ys, held, parts, n
+        for part in _runs_of_rows(group, GROUP_ROWS):
+            run = _hidden_of_run(x, part, glu, at, n, k)
+            parts = parts or (expert_output_parts(t * k, d, run.hidden.shape[1]) if run else 1)
+            if run is not None and parts > 1:
+                held.append(run)
+                n += run.hidden.shape[0]
+                continue
+            if ys is None:
+                ys = _outputs_buffer(t * k, d)
+                for r in held:  # (a layer's matrices are of one type: in practice none here)
+                    _down_of_run(r, ys)
+                held = []
+            n = _down_of_run(run, ys) if run is not None else _experts_one_by_one(x, part, ffn, ys, at, n, k)
+
     it = iter(source.experts(layer, unique))
     for expert in it:
         seen.add(expert.id)
@@ -281,10 +309,76 @@ def _experts_in_groups(
         for _ in range(sum(source.resident(layer, rest)) if rest else 0):
             landed = next(it)
             seen.add(landed.id)
+            hits_left -= landed.id in here
             group.append((landed, pairs(landed.id)))
-        for part in _runs_of_rows(group, GROUP_ROWS):
-            n = _glu_experts_grouped(x, part, glu, ffn, ys, at, n, k)
+        work_on(group)
         group = []
+    if group:  # a source that yields a resident expert after a miss leaves some waiting
+        work_on(group)
+    if ys is not None:
+        return choice_sum(ys, at, routing.weights)  # fixed choice order, as a decode step adds
+    return _downs_in_parts(held, at, routing.weights, d)
+
+
+@dataclass(frozen=True)
+class _HeldRun:
+    """A run of a prompt's experts whose down projections wait (_downs_in_parts): the
+    experts, their gated hidden activations [m, F] (each expert's rows after the one before,
+    `counts` of them from `first`), and the row of the outputs its first row goes to."""
+
+    experts: list[Expert]
+    hidden: np.ndarray
+    first: np.ndarray
+    counts: np.ndarray
+    row: int
+
+
+def _hidden_of_run(
+    x: np.ndarray,
+    group: list[tuple[Expert, np.ndarray]],
+    glu: Callable[[np.ndarray, np.ndarray], np.ndarray],
+    at: np.ndarray,
+    n: int,
+    k: int,
+) -> _HeldRun | None:
+    """glu(gate x, up x) [m, F] of each expert of `group` on its tokens, in one kernel call,
+    at[t, s] pointing at the output rows from n on that its down projection fills. Grouped, a
+    prompt's experts pay one rounding of their rows, one parallel region and one Python
+    dispatch a run rather than each (~330 calls a layer on a 512-token qwen30b-shape
+    prompt); each row is what the expert function gives bit for bit (glu is elementwise, each
+    bias added to its own expert's rows). None when the matrices do not qualify (float
+    types): the run then goes one expert at a time through its function."""
+    experts = [e for e, _ in group]
+    tokens = [got // k for _, got in group]
+    counts = np.array([r.size for r in tokens], np.int64)
+    first = np.zeros(len(group), np.int64)
+    np.cumsum(counts[:-1], out=first[1:])
+    h = _grouped_glu(x[np.concatenate(tokens)], experts, first, counts, glu)
+    if h is None or not all(quant.grouped_qualifies(e.down.prep) for e in experts):
+        return None
+    for (_, got), f, c in zip(group, first, counts):
+        at[got // k, got % k] = np.arange(n + f, n + f + c)
+    return _HeldRun(experts, h, first, counts, n)
+
+
+def _downs_in_parts(held: list[_HeldRun], at: np.ndarray, weights: np.ndarray, d: int) -> np.ndarray:
+    """Σ_s w[t, s] · down(hidden) of the held runs, [T, D], a part of the output's columns at
+    a time: every expert's rows of its down projection for those columns (quant.row_range),
+    then their choice-order sum into those columns of the result. Each output element is the
+    same row's product and the same sum as in a whole pass (the kernels compute every weight
+    row alone), so the result is _glu_experts_grouped's and choice_sum's bit for bit."""
+    rows = sum(r.hidden.shape[0] for r in held)
+    f = held[0].hidden.shape[1]
+    out = np.empty((at.shape[0], d), np.float32)
+    for c0, c1 in output_part_columns(d, expert_output_parts(rows, d, f)):
+        ys = _outputs_buffer(rows, c1 - c0)
+        for r in held:
+            y = quant.grouped_apply([quant.row_range(e.down.prep, c0, c1) for e in r.experts], r.hidden, r.first, r.counts)
+            assert y is not None  # _hidden_of_run checked that they qualify
+            _add_run_biases(y, [None if e.down_bias is None else e.down_bias[c0:c1] for e in r.experts], r.first, r.counts)
+            ys[r.row : r.row + y.shape[0]] = y
+        out[:, c0:c1] = choice_sum(ys, at, weights)
+    return out
 
 
 def _experts_one_by_one(
@@ -307,16 +401,19 @@ def _experts_one_by_one(
 
 
 def _runs_of_rows(group: list[tuple[Expert, np.ndarray]], rows: int) -> list[list[tuple[Expert, np.ndarray]]]:
-    """group split, in order, into runs of experts with about `rows` pairs each (an expert
-    with more is a run of its own)."""
+    """group split, in order, into runs of experts with about `rows` pairs each; an expert with
+    more is a run of its own, in pieces of at most EXPERT_RUN_ROWS pairs (a run's arrays stay
+    that small whatever a prompt routes to one expert: prefill_activation_bytes; each row's
+    numbers are the same in any piece)."""
     runs: list[list[tuple[Expert, np.ndarray]]] = [[]]
     size = 0
-    for item in group:
-        if runs[-1] and size + item[1].size > rows:
-            runs.append([])
-            size = 0
-        runs[-1].append(item)
-        size += item[1].size
+    for expert, got in group:
+        for piece in (got[a : a + EXPERT_RUN_ROWS] for a in range(0, max(1, got.size), EXPERT_RUN_ROWS)):
+            if runs[-1] and size + piece.size > rows:
+                runs.append([])
+                size = 0
+            runs[-1].append((expert, piece))
+            size += piece.size
     return runs
 
 
@@ -331,40 +428,14 @@ def _pairs_by_expert(ids: np.ndarray) -> Callable[[int], np.ndarray]:
     return lambda e: order[starts[e] : ends[e]]
 
 
-def _glu_experts_grouped(
-    x: np.ndarray,
-    group: list[tuple[Expert, np.ndarray]],
-    glu: Callable[[np.ndarray, np.ndarray], np.ndarray],
-    ffn: Callable[[Expert, np.ndarray], np.ndarray],
-    ys: np.ndarray,
-    at: np.ndarray,
-    n: int,
-    k: int,
-) -> int:
-    """A prompt's experts that are in memory, each on the tokens routed to it (`group`:
-    expert and its flat (token, choice) pairs), in three kernel calls in all (every gate and
-    up, then every down: quant.grouped_apply) where a call per matrix pays a rounding of its
-    rows, a parallel region and Python's dispatch per expert (~330 calls a layer on a
-    512-token qwen30b-shape prompt). Their outputs go to ys from row n on, at[t, s] pointing
-    at each; returns the next free row. Each row is what the expert function gives bit for
-    bit (glu is elementwise, each bias added to its own expert's rows); one by one through
-    `ffn` when the matrices do not qualify (float types)."""
-    experts = [e for e, _ in group]
-    tokens = [got // k for _, got in group]
-    counts = np.array([r.size for r in tokens], np.int64)
-    first = np.zeros(len(group), np.int64)
-    np.cumsum(counts[:-1], out=first[1:])
-    m = int(counts.sum())
-    xg = x[np.concatenate(tokens)]  # [m, D]: each expert's tokens, one expert after another
-    h = _grouped_glu(xg, experts, first, counts, glu)
-    y = quant.grouped_apply([e.down.prep for e in experts], h, first, counts) if h is not None else None
-    if y is None:
-        return _experts_one_by_one(x, group, ffn, ys, at, n, k)
-    _add_run_biases(y, [e.down_bias for e in experts], first, counts)
-    ys[n : n + m] = y
-    for (_, got), f, c in zip(group, first, counts):
-        at[got // k, got % k] = np.arange(n + f, n + f + c)
-    return n + m
+def _down_of_run(run: _HeldRun, ys: np.ndarray) -> int:
+    """The down projections of a run's experts on their hidden activations, in one kernel call
+    (quant.grouped_apply), into ys from the run's row on; returns the next free row."""
+    y = quant.grouped_apply([e.down.prep for e in run.experts], run.hidden, run.first, run.counts)
+    assert y is not None  # _hidden_of_run checked that they qualify
+    _add_run_biases(y, [e.down_bias for e in run.experts], run.first, run.counts)
+    ys[run.row : run.row + y.shape[0]] = y
+    return run.row + y.shape[0]
 
 
 def _grouped_glu(

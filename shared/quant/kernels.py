@@ -245,6 +245,15 @@ def prepare(qtype: int | QType, w: np.ndarray) -> Prepared:
     return Prepared(fmt.qtype, flat, stride, n_rows, n_cols, flat.ctypes.data)
 
 
+def row_range(p: Prepared, r0: int, r1: int) -> Prepared:
+    """Weight rows r0 .. r1-1 of a prepared matrix, as a prepared matrix of their own (a view:
+    no bytes move). Each row's product is computed alone in every kernel, so a row gives the
+    same number bit for bit in the part as in the whole."""
+    if not 0 <= r0 < r1 <= p.n_rows:
+        raise ValueError(f"row_range: rows {r0}..{r1} are not inside the matrix's {p.n_rows}")
+    return Prepared(p.qtype, p.flat[r0 * p.stride : r1 * p.stride], p.stride, r1 - r0, p.n_cols, p.addr + r0 * p.stride)
+
+
 def apply(p: Prepared, X: np.ndarray) -> np.ndarray:
     """Y[T, R] = X @ W.T for a prepared W: the decode hot path (~1 µs of checks)."""
     if X.ndim != 2 or X.shape[1] != p.n_cols:
@@ -277,6 +286,11 @@ def gather_apply(ps: Sequence[Prepared], X: np.ndarray, act: np.ndarray) -> np.n
         out,
     )
     return out
+
+
+def grouped_qualifies(p: Prepared) -> bool:
+    """Whether grouped_apply takes this matrix (an int8-activation type, int8 activations on)."""
+    return _uses_q8(p.qtype) and p.n_rows > 0
 
 
 def grouped_apply(ps: Sequence[Prepared], X: np.ndarray, first: np.ndarray, count: np.ndarray) -> np.ndarray | None:

@@ -185,8 +185,12 @@ class Model(MoEModel):
         cos, sin = self.rope.tables(positions)
         k_rope = self.rope.apply(deinterleave(kv[:, None, r:]), cos, sin)  # [T, 1, rope]
         q_rope = self.rope.apply(deinterleave(q[:, :, nope:]), cos, sin)  # [T, H, rope]
-        q_nope = np.ascontiguousarray(q[:, :, :nope])
-        absorbed = per_head(L["k_b"], q_nope)  # [T, H, r]
+        absorbed = per_head(L["k_b"], np.ascontiguousarray(q[:, :, :nope]))  # [T, H, r]
+        del q  # a prompt chunk's arrays: none kept past its use (prefill_activation_bytes)
         cache.store(i, np.concatenate([latent[:, None], k_rope], axis=-1), np.empty((t, 1, 0), np.float32))
-        o = mla_attention(np.concatenate([absorbed, q_rope], axis=-1), cache, i, start, self.scale, r)  # [T, H, r]
+        del kv, latent, k_rope
+        query = np.concatenate([absorbed, q_rope], axis=-1)
+        del absorbed, q_rope
+        o = mla_attention(query, cache, i, start, self.scale, r)  # [T, H, r]
+        del query
         return per_head(L["v_b"], o).reshape(t, -1)  # [T, H·v]

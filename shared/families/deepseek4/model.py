@@ -42,7 +42,7 @@ from ...gguf.model_file import ModelFile
 from ...gguf.spec import RopeSpec
 from ...model.base import MoEModel
 from ...model.blocks import KVCache, per_sequence, plain_inv_freq, rms_norm, sigmoid, softmax, swiglu, yarn_rope
-from ...model.moe import Routing, apply_experts, top_k_ids
+from ...model.moe import GLU_EXPERTS, Routing, apply_experts, top_k_ids
 from ...model.weights import Expert, QWeight, _as_matrix
 from .spec import CSA_RATIO, V4Facts, facts
 
@@ -162,6 +162,10 @@ class Model(MoEModel):
         self.v4: V4Facts = facts(mf.gguf)  # load_layer reads it
         self._tokens = np.zeros(0, np.int64)
         super().__init__(mf, **kwargs)
+        # its experts are gated like the others', with the file's clamp: registered so a prompt
+        # and a decode step take a layer's experts several a kernel call (shared/model/moe.py)
+        self._expert = self.expert
+        GLU_EXPERTS[self._expert] = self.clamped_swiglu
         s, v4 = self.spec, self.v4
         self.inv_main = plain_inv_freq(s.rope.freq_base, s.rope.dim)
         r = s.rope

@@ -21,6 +21,7 @@ import numpy as np
 from ...gguf.model_file import ModelFile
 from ...model.base import MoEModel
 from ...model.blocks import Rope, gelu_tanh, plain_inv_freq, rms_norm, store_and_attend
+from ...model.fused import norm_rope
 from ...model.moe import GLU_EXPERTS, Routing, apply_experts, softmax_then_top_k
 from ...model.weights import Expert
 
@@ -103,28 +104,37 @@ class Model(MoEModel):
             scores = L["router"](r)
             routing = self.routed(i, scores)
             self.hint_next_layer(i, r)
+            del r, scores  # a prompt chunk's arrays: none kept past its use (prefill_activation_bytes)
         with self.stage("experts"):
             m2 = apply_experts(rms_norm(h, L["pre_ffw_norm_2"], eps), routing, self.source, i, gelu_expert)
             m2 = rms_norm(m2, L["post_ffw_norm_2"], eps)
-        f = rms_norm(m1 + m2, L["post_ffw_norm"], eps)
-        return (h + f) * L["out_scale"]
+        m1 += m2  # in place: the same sums as m1 + m2, without another [T, D] array
+        del m2
+        f = rms_norm(m1, L["post_ffw_norm"], eps)
+        del m1
+        f += h  # h + f
+        f *= L["out_scale"]
+        return f
 
     def attention(self, i, x, cache, start, positions):
         """The attention block's output, post-norm, before the residual add. Its own function so
-        its temporaries (a full layer's [T, H, 512] queries and output: ~300 MiB for a
+        its temporaries (a full layer's [T, H, 512] queries and output: 256 MiB for a
         4,096-token chunk) are gone before the FFNs run, which the chunk's activation budget
-        assumes (shared/gguf/spec.py prefill_activation_bytes)."""
+        assumes (shared/gguf/spec.py prefill_activation_bytes); q's and k's norms and rotation
+        are one pass in the projections' own arrays (fused.norm_rope)."""
         s, L, eps = self.spec, self.layers[i], self.spec.rms_eps
         t, hd, hk = x.shape[0], s.head_dim_k[i], s.n_head_kv[i]
         sliding = s.swa_layers[i]
         rope = self.rope_swa if sliding else self.rope_full
         cos, sin = rope.tables(positions)
+        half = rope.inv_freq.shape[0]
         n = rms_norm(x, L["attn_norm"], eps)
-        k_raw = L["k"](n).reshape(t, hk, hd)
-        v = rms_norm(L["v"](n).reshape(t, hk, s.head_dim_v[i]) if L["v"] is not None else k_raw, None, eps)  # full layers: V = K
-        k = rope.apply(rms_norm(k_raw, L["k_norm"], eps), cos, sin)
-        q = rope.apply(rms_norm(L["q"](n).reshape(t, s.n_head, hd), L["q_norm"], eps), cos, sin)  # [T, H, d]
-        del n, k_raw  # one [T, H, d] query array alive, not three, beside the attention's output
+        k = L["k"](n).reshape(t, hk, hd)
+        v = rms_norm(L["v"](n).reshape(t, hk, s.head_dim_v[i]) if L["v"] is not None else k, None, eps)  # full layers: V = K
+        k = norm_rope(k, L["k_norm"], eps, cos, sin, half, out=k)  # in place: v above is its own array
+        q = L["q"](n).reshape(t, s.n_head, hd)
+        del n
+        q = norm_rope(q, L["q_norm"], eps, cos, sin, half, out=q)  # [T, H, d], the projection's own array
         window = s.sliding_window if sliding else 0
         a = store_and_attend(q, k, v, cache, i, start, 1.0, window)
         del q

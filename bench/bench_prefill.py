@@ -86,7 +86,7 @@ class ProductLog:
 
 def main(argv=None) -> None:
     args = parse(argv)
-    from moe_pipe.shared import quant
+    from moe_pipe.shared import heap, quant
     from moe_pipe.shared.gguf.model_file import open_model
     from moe_pipe.shared.model import gqa
     from moe_pipe.shared.model.load import ModelOptions, load_model
@@ -96,6 +96,7 @@ def main(argv=None) -> None:
     if not path.exists():
         raise SystemExit(f"error: {path} does not exist")
     quant.set_threads(args.threads)
+    heap.keep_freed_memory()  # as compute does (shared/heap.py)
     quant.one_blas_thread()
     n = args.prompt_tokens
     with open_model(path) as mf:

@@ -35,7 +35,7 @@ from typing import Any, cast
 import numpy as np
 import zmq
 
-from ..shared import quant
+from ..shared import heap, quant
 from ..shared.config import ComputeConfig, Config
 from ..shared.cores import choose_threads
 from ..shared.errors import UserError
@@ -379,6 +379,7 @@ def serve(config: Config, facts: RunFacts, ctx: zmq.Context) -> None:
     cores = choose_threads(c.threads, most=quant.most_threads())  # before this process starts work of its own
     quant.set_threads(cores.threads)
     log.info(cores.line())
+    log.info(heap.keep_freed_memory())
     ep = ipc.Endpoints(Path(facts.runtime_dir))
     requests = ipc.bind(ctx, ep, "requests")
     tokens_out = ipc.connect(ctx, ep, "tokens")
@@ -447,6 +448,7 @@ def serve(config: Config, facts: RunFacts, ctx: zmq.Context) -> None:
                     handle(msg, metered, tok, config, tokens_out, late, session)
                 finally:
                     interrupts.req_id = 0
+                    heap.give_back()  # a prompt's freed pages, kept for its layers (shared/heap.py)
     finally:
         front_end.close()
         for p in populators:

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import zmq
 
+from ..shared import heap
 from ..shared.config import SLOT_PREFILL_CHUNK, Config
 from ..shared.errors import UserError
 from ..shared.model.batch import BatchPart, PromptSlice
@@ -387,6 +388,7 @@ class Slots:
         self.pace = Pace()
         self.pool = config.kv_pool_tokens  # positions the slots' caches hold together (shared/model/kv_pool.py)
         self.pool_ended: set[int] = set()  # slots whose request the pool ended (end_for_room): emptied as it leaves
+        self.stepped = False  # a step ran since the heap last gave its free pages back (shared/heap.py)
 
     def serve(self, reader_pid: int, epoch: int) -> None:
         import os
@@ -401,6 +403,7 @@ class Slots:
                 asks = self.steps.gather(WAIT_S) if self.steps.busy else []
                 if asks:
                     self.step(asks)  # 2.
+                    self.stepped = True
                 self.flush()  # 3.
         finally:
             self.stop()
@@ -416,6 +419,9 @@ class Slots:
             return
         if not self.steps.busy and not self.interrupts.pending:
             self.flush()  # a slot's last frames (it posts its Done before it leaves), not held while this waits
+            if self.stepped:  # idle after work: the prompts' freed pages, kept for their layers (shared/heap.py)
+                heap.give_back()
+                self.stepped = False
             msg = _next_request(self.interrupts.requests, reader_pid)
             if isinstance(msg, m.Shutdown):
                 self.interrupts.shutdown = True

@@ -22,6 +22,7 @@ STACK = [
         "errors",
         "progress",
         "cores",
+        "heap",
         "speed",
         "pids",
         "data",

@@ -110,10 +110,11 @@ def format_prompt(p) -> str:
 
 
 def format_slots(states) -> list[str]:
-    """Compute's slots (a SlotStates), a line each: "slot 1 prompt 512 / 3,664 tokens"."""
-    from ..shared.progress import slot_text
+    """Compute's slots (a SlotStates), a line each: "slot 1 prompt 512 / 3,664 tokens", then
+    how full their KV pool is: "KV pool 4,352 / 14,336 positions"."""
+    from ..shared.progress import pool_text, slot_text
 
-    return [slot_text(row) for row in states.rows()]
+    return [slot_text(row) for row in states.rows()] + ([pool_text(states.pool_held, states.pool)] if states.pool else [])
 
 
 def csv_header() -> str:

@@ -199,6 +199,7 @@ async def follow_telemetry(sock: zmq.asyncio.Socket, metrics: Metrics, view: Web
         elif isinstance(msg, m.PromptProgress):
             view.feed.on_prompt(msg)
         elif isinstance(msg, m.SlotStates):
+            metrics.on_slots(msg)
             view.feed.on_slots(msg)
 
 

@@ -175,7 +175,7 @@ class Feed:
 
     def on_slots(self, states: m.SlotStates) -> None:
         """What compute's slots are doing (gateway.parallel above 1); a page opened later gets the last."""
-        self.publish("slots", {"slots": states.rows()}, keep=True)
+        self.publish("slots", {"slots": states.rows(), "held": states.pool_held, "pool": states.pool}, keep=True)
 
     def close(self) -> None:
         """The gateway stops: every stream ends."""

@@ -287,10 +287,13 @@ def pick_slot(slots: Sequence[Slot], busy: set[int], prompt: Sequence[int]) -> S
     return max(idle, key=rank, default=None)
 
 
-def slot_states(slots: Sequence[Slot], busy: set[int]) -> m.SlotStates:
-    """The slots as telemetry shows them: an idle one with nothing but zeros."""
+def slot_states(slots: Sequence[Slot], busy: set[int], pool: int) -> m.SlotStates:
+    """The slots as telemetry shows them: an idle one with nothing but zeros and the positions
+    its cache still holds (its conversation, until the pool needs the room)."""
     figures = [(s.req_id, s.total, s.cache, s.processed, s.decoded) if s.id in busy else (0, 0, 0, 0, 0) for s in slots]
-    return m.SlotStates(*(tuple(column) for column in zip(*figures)))
+    req_ids, total, cache, processed, decoded = (tuple(column) for column in zip(*figures))
+    held = tuple(s.session.cache.held if s.session.cache is not None else 0 for s in slots)
+    return m.SlotStates(req_ids, total, cache, processed, decoded, held, pool)
 
 
 def _phases(states: m.SlotStates) -> list[tuple[object, object]]:
@@ -718,7 +721,7 @@ class Slots:
     def report_states(self, clock=time.monotonic) -> None:
         """What each slot is doing, to telemetry: at once when a slot changes state (idle,
         prompt, decoding), else at most every SLOT_STATES_S while its figures move."""
-        states = slot_states(self.slots, self.busy())
+        states = slot_states(self.slots, self.busy(), self.pool)
         if states == self.states:
             return
         now = clock()

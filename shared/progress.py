@@ -123,3 +123,9 @@ def slot_text(slot: Mapping[str, Any]) -> str:
         return f"{head} prompt {slot['processed']:,} / {slot['total']:,} tokens{cached}"
     n = slot["decoded"]
     return f"{head} decoding, {n:,} token{'' if n == 1 else 's'}"
+
+
+def pool_text(held: int, pool: int) -> str:
+    """How full the slots' KV pool is, as one line: "KV pool 4,352 / 14,336 positions".
+    shared/serve/web/app.js `poolText` writes the same."""
+    return f"KV pool {held:,} / {pool:,} positions"

@@ -415,6 +415,9 @@ def test_concurrent_greedy_requests_each_get_their_solo_reply(svc3):
     assert "\nmoe_pipe_slots 3\n" in metrics and "\nmoe_pipe_slots_busy 0\n" in metrics
     figures = dict(line.split(" ", 1) for line in metrics.splitlines() if not line.startswith("#"))
     assert float(figures["moe_pipe_experts_shared_total"]) > 0 and float(figures["moe_pipe_expert_lookups_total"]) > 0
+    # the KV pool (one context and a quarter of one a further slot), held by the idle slots' conversations
+    assert figures["moe_pipe_kv_pool_positions"] == "3072"
+    assert 3 * 48 < int(figures["moe_pipe_kv_pool_held_positions"]) <= 3072
 
 
 @pytest.mark.integration

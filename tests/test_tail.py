@@ -256,9 +256,11 @@ def test_the_live_table_shows_the_prompt_until_its_first_token():
         live.close()
 
 
-def slot_states(*slots: tuple[int, int, int, int, int]) -> messages.SlotStates:
-    """Compute's slots, each (req_id, total, cache, processed, decoded)."""
-    return messages.SlotStates(*(tuple(column) for column in zip(*slots)))
+def slot_states(*slots: tuple[int, int, int, int, int], held: tuple[int, ...] | None = None, pool: int = 0) -> messages.SlotStates:
+    """Compute's slots, each (req_id, total, cache, processed, decoded); `held`: the positions
+    each slot's cache holds, of a KV pool of `pool` (0: none said)."""
+    req_ids, total, cache, processed, decoded = (tuple(column) for column in zip(*slots))
+    return messages.SlotStates(req_ids, total, cache, processed, decoded, held or (0,) * len(slots), pool)
 
 
 BUSY = slot_states((7, 40, 0, 40, 35), (9, 3664, 512, 1536, 0), (0, 0, 0, 0, 0))
@@ -267,6 +269,8 @@ BUSY = slot_states((7, 40, 0, 40, 35), (9, 3664, 512, 1536, 0), (0, 0, 0, 0, 0))
 def test_the_slots_are_a_line_each():
     assert format_slots(BUSY) == ["slot 0 decoding, 35 tokens", "slot 1 prompt 1,536 / 3,664 tokens (512 cached)", "slot 2 idle"]
     assert format_slots(slot_states((3, 10, 0, 10, 1), (4, 9, 0, 0, 0))) == ["slot 0 decoding, 1 token", "slot 1 prompt 0 / 9 tokens"]
+    pooled = slot_states((3, 10, 0, 10, 1), (0, 0, 0, 0, 0), held=(11, 4096), pool=14336)
+    assert format_slots(pooled) == ["slot 0 decoding, 1 token", "slot 1 idle", "KV pool 4,107 / 14,336 positions"]
 
 
 def test_the_text_output_shows_the_slots_as_one_changes_state_and_now_and_then_between(capsys):

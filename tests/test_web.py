@@ -191,29 +191,35 @@ def test_the_page_writes_the_warm_start_as_tail_does():
 
 @pytest.mark.integration  # node runs the page's own function
 def test_the_page_writes_the_slots_as_tail_does():
-    from moe_pipe.shared.progress import slot_text
+    from moe_pipe.shared.progress import pool_text, slot_text
 
-    assert 'id="slots"' in WEB.joinpath("index.html").read_text()
+    assert 'id="slots"' in WEB.joinpath("index.html").read_text() and 'id="kv-pool"' in WEB.joinpath("index.html").read_text()
     states = m.SlotStates(
         (0, 3, 4, 5, 6, 7, 8),
         (0, 3664, 3664, 7, 150_000, 40, 40),
         (0, 0, 512, 3, 1200, 0, 0),
         (0, 1536, 512, 3, 149_999, 40, 40),
         (0, 0, 0, 0, 0, 1, 12345),
+        (0, 3664, 512, 3, 150_000, 41, 12346),
+        14336,
     )
     script = f"for (const s of {json.dumps(states.rows())}) console.log(slotText(s));"
     assert run_page_js("slots", "slotText", script) == [slot_text(r) for r in states.rows()]
+    script = f"console.log(poolText({states.pool_held}, {states.pool}));"
+    assert run_page_js("slots", "poolText", script) == [pool_text(states.pool_held, states.pool)] == ["KV pool 166,566 / 14,336 positions"]
     assert {r["state"] for r in states.rows()} == {"idle", "prompt", "decoding"}
 
 
 def test_a_page_opened_later_gets_the_slots_as_they_are():
     feed = ge.Feed()
     before = feed.join()
-    feed.on_slots(m.SlotStates((0, 9), (0, 30), (0, 0), (0, 30), (0, 4)))
-    feed.on_slots(m.SlotStates((5, 9), (20, 30), (0, 0), (16, 30), (0, 5)))
+    feed.on_slots(m.SlotStates((0, 9), (0, 30), (0, 0), (0, 30), (0, 4), (0, 34), 2048))
+    feed.on_slots(m.SlotStates((5, 9), (20, 30), (0, 0), (16, 30), (0, 5), (20, 35), 2048))
     assert before.take().count(b"event: slots") == 2
     slots = json.loads(feed.last["slots"].split(b"data: ")[1])["slots"]  # what a new page is sent first
     assert [(s["id"], s["state"], s["processed"], s["decoded"]) for s in slots] == [(0, "prompt", 16, 0), (1, "decoding", 30, 5)]
+    last = json.loads(feed.last["slots"].split(b"data: ")[1])
+    assert (last["held"], last["pool"]) == (55, 2048)
 
 
 @pytest.mark.integration
@@ -266,9 +272,9 @@ def test_page_and_events_through_the_gateway(start_gateway):
     (_, prompt), *_ = read_events(resp, 1, ("prompt",))
     assert prompt == {"req_id": 8, "total": 3664, "cache": 512, "processed": 1536, "time_ms": 29_700}
     # what compute's slots are doing (gateway.parallel above 1)
-    ipc.send(pub, m.SlotStates((8, 0), (3664, 0), (512, 0), (1536, 0), (0, 0)))
+    ipc.send(pub, m.SlotStates((8, 0), (3664, 0), (512, 0), (1536, 0), (0, 0), (1536, 0), 8192))
     (_, slots), *_ = read_events(resp, 1, ("slots",))
-    assert slots["slots"] == m.SlotStates((8, 0), (3664, 0), (512, 0), (1536, 0), (0, 0)).rows()
+    assert slots["slots"] == m.SlotStates((8, 0), (3664, 0), (512, 0), (1536, 0), (0, 0), (1536, 0), 8192).rows()
     assert [s["state"] for s in slots["slots"]] == ["prompt", "idle"]
     (_, status_event), *_ = read_events(resp, 1, ("status",))
     first = [r["step"] for r in status_event["first"]]  # step 0 once per copy that got through, then 1, 2, ...

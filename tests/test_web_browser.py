@@ -140,7 +140,7 @@ def test_the_live_view_shows_each_slot_as_telemetry_tells_it(start_gateway, brow
         open_page(browser, svc.url)
         browser.find_element(By.CSS_SELECTOR, 'nav button[data-view="live"]').click()
         assert not browser.find_element(By.ID, "slots-box").is_displayed()  # one slot, or none heard of: no list
-        states = m.SlotStates((7, 9, 0), (40, 3664, 0), (0, 512, 0), (40, 1536, 0), (35, 0, 0))
+        states = m.SlotStates((7, 9, 0), (40, 3664, 0), (0, 512, 0), (40, 1536, 0), (35, 0, 0), (75, 1536, 0), 14336)
 
         def items(what: str) -> list[str]:
             # read in one script: each SlotStates redraws the list, and elements found before a
@@ -159,6 +159,7 @@ def test_the_live_view_shows_each_slot_as_telemetry_tells_it(start_gateway, brow
             "prompt",
             "idle",
         ]
+        assert browser.find_element(By.ID, "kv-pool").text == "KV pool 1,611 / 14,336 positions"
         assert console_errors(browser) == []
     finally:
         pub.close(0)

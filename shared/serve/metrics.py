@@ -1,7 +1,8 @@
 """The service's counters as Prometheus text (the gateway's GET /metrics):
 requests by outcome, tokens and decode speed from compute's Done timings,
 cache hit rate, bytes read and stall from the telemetry records, restarts
-from the supervisor's process table, open and refused HTTP connections.
+from the supervisor's process table, open and refused HTTP connections, how
+full the slots' KV pool is.
 Names are documented in docs/api.md."""
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class Metrics:
         self.pass_tokens = 0  # rows of the last forward pass (with several slots busy, one a slot and a prompt's chunk)
         self.expert_lookups = 0  # distinct experts the passes' layers asked the cache for (hits + misses)
         self.experts_shared = 0  # expert uses served by another row's lookup in the same pass
+        self.kv_pool = self.kv_pool_held = 0  # the slots' KV pool and the positions their caches hold (SlotStates)
 
     def on_done(self, done: m.Done) -> None:
         self.generated_tokens += len(done.tokens)
@@ -56,6 +58,9 @@ class Metrics:
         self.pass_tokens = rec.pass_tokens
         self.expert_lookups += rec.hits + rec.misses
         self.experts_shared += rec.experts_shared
+
+    def on_slots(self, states: m.SlotStates) -> None:
+        self.kv_pool, self.kv_pool_held = states.pool, states.pool_held
 
     def render(
         self,
@@ -120,6 +125,16 @@ class Metrics:
             "Expert uses served by a lookup (and read) another row of the same pass made.",
             [("", self.experts_shared)],
         )
+        if self.kv_pool:
+            metric(
+                "moe_pipe_kv_pool_positions",
+                "gauge",
+                "Context positions the slots' KV caches may hold together (gateway.kv_pool).",
+                [("", self.kv_pool)],
+            )
+            metric(
+                "moe_pipe_kv_pool_held_positions", "gauge", "Of them, the positions the slots' caches hold now.", [("", self.kv_pool_held)]
+            )
         metric("moe_pipe_connections_open", "gauge", "HTTP connections open at the gateway.", [("", connections)])
         metric(
             "moe_pipe_connections_refused_total",

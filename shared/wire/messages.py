@@ -47,7 +47,7 @@ import msgpack
 MAX_FRAME_BYTES = 1 << 20
 # Bumped when a message's fields change; carried in Hello so mixed versions
 # (an old compute talking to a new reader after an upgrade) are refused.
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 DRAFT_FROM_CONFIG = 255  # Generate.draft: no width of the request's own, compute.draft's (the wire's ints are unsigned)
 
 _MAX_DEPTH = 8  # nesting inside a dict[str, Any] value (status payloads)
@@ -598,26 +598,45 @@ class SlotStates(_Message):
     above 1: what each of compute's slots is doing, one entry a slot (index = slot id). A
     slot is idle (req_id 0), reading its prompt (processed < total: of `total` tokens,
     `cache` reused from its KV cache and `processed` done, cache included) or decoding
-    (`decoded` tokens so far). Sent as a slot changes state, and now and then between
-    (procs/slots.py SLOT_STATES_S). `rows()` says which state each is in."""
+    (`decoded` tokens so far); `held` and `pool` say how full the slots' KV pool is. Sent
+    as a slot changes state, and now and then between (procs/slots.py SLOT_STATES_S).
+    `rows()` says which state each is in."""
 
     req_ids: tuple[int, ...]
     total: tuple[int, ...]
     cache: tuple[int, ...]
     processed: tuple[int, ...]
     decoded: tuple[int, ...]
+    held: tuple[int, ...]  # positions each slot's KV cache keeps in memory (an idle slot's conversation too)
+    pool: int  # positions the slots' caches may hold together: the KV pool (docs/batching.md § The KV pool)
 
     def rows(self) -> list[dict[str, int | str]]:
-        """Each slot as `{id, state, req_id, total, cache, processed, decoded}`, state
+        """Each slot as `{id, state, req_id, total, cache, processed, decoded, held}`, state
         "idle", "prompt" or "decoding" (what tails and the web page show); a frame whose
         fields differ in length shows the slots all of them cover."""
         out: list[dict[str, int | str]] = []
-        for i, (req, total, cache, processed, decoded) in enumerate(
-            zip(self.req_ids, self.total, self.cache, self.processed, self.decoded)
+        for i, (req, total, cache, processed, decoded, held) in enumerate(
+            zip(self.req_ids, self.total, self.cache, self.processed, self.decoded, self.held)
         ):
             state = "idle" if not req else "prompt" if processed < total else "decoding"
-            out.append({"id": i, "state": state, "req_id": req, "total": total, "cache": cache, "processed": processed, "decoded": decoded})
+            out.append(
+                {
+                    "id": i,
+                    "state": state,
+                    "req_id": req,
+                    "total": total,
+                    "cache": cache,
+                    "processed": processed,
+                    "decoded": decoded,
+                    "held": held,
+                }
+            )
         return out
+
+    @property
+    def pool_held(self) -> int:
+        """Positions the slots' caches hold together, of `pool`."""
+        return sum(self.held)
 
 
 @_wire(Kind.SLOT)

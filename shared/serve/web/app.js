@@ -15,6 +15,7 @@
     points: 0, // rows received on this connection: each chart gains one per token
     first: [],
     slots: [], // what compute's slots are doing (gateway.parallel above 1; none at 1)
+    pool: null, // [held, pool]: positions the slots' KV caches hold, of their pool
     hello: null,
     status: null,
     residency: null,
@@ -61,6 +62,10 @@
     if (s.state === "idle") return `${head} idle`;
     if (s.state === "prompt") return `${head} prompt ${n(s.processed)} / ${n(s.total)} tokens` + (s.cache ? ` (${n(s.cache)} cached)` : "");
     return `${head} decoding, ${n(s.decoded)} token${s.decoded === 1 ? "" : "s"}`;
+  }
+  // How full the slots' KV pool is: shared/progress.py pool_text.
+  function poolText(held, pool) {
+    return `KV pool ${held.toLocaleString("en-US")} / ${pool.toLocaleString("en-US")} positions`;
   }
   // slots: end
 
@@ -332,6 +337,7 @@
       $("rate").textContent = promptProgressText(data); // any client's prompt; the next token shows tok/s again
     } else if (kind === "slots") {
       state.slots = data.slots;
+      state.pool = data.pool ? [data.held, data.pool] : null;
       renderSlots();
     } else if (kind === "residency") {
       state.residency = data;
@@ -540,6 +546,7 @@
         return li;
       }),
     );
+    $("kv-pool").textContent = state.pool ? poolText(...state.pool) : "";
     $("slots-box").hidden = state.slots.length < 2; // one slot: the header's prompt line and tok/s say it all
   }
 

@@ -312,8 +312,9 @@ def prefill_activation_bytes(spec: ModelSpec, tokens: int, top_k: int) -> int:
     input (D) and the experts' outputs buffer (`expert_scratch_floats`, kept across layers):
 
     - attention: its input's norm and the block's output (2·D), and the larger of the
-      attention's arrays (two query arrays, key, value and output: a query's norm or
-      rotation may take a copy, MLA's its parts) and a linear-attention layer's (its conv
+      attention's arrays (two query arrays, key, value and output: most families norm,
+      rotate and bias their queries in place, but a gate beside the query (qwen35moe) or
+      MLA's parts (deepseek2, deepseek4) take more) and a linear-attention layer's (its conv
       input and output, 2·C, and its queries, keys, outputs and gate, 4·H·d);
     - FFN: the residual sum, the norms and sums it keeps (5·D), the router's logits (E), the
       widest dense or shared FFN's gate, up and product (3·F), the experts' hidden

@@ -48,9 +48,14 @@ class Rope:
         object.__setattr__(self, "_memo", (key, out))  # a cache, not state: the dataclass stays frozen in meaning
         return out
 
-    def apply(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-        """x [T, heads, d] rotated in place-safe fashion; dims ≥ n_rot pass through."""
-        out = np.array(x, dtype=np.float32, order="C")  # [T, heads, d]
+    def apply(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, in_place: bool = False) -> np.ndarray:
+        """x [T, heads, d] rotated; dims ≥ n_rot pass through. A copy, unless `in_place` and x
+        is float32 and C-ordered: then x itself (a prompt chunk's queries: one array, not two,
+        as shared/gguf/spec.py prefill_activation_bytes counts). The same numbers either way."""
+        if in_place and x.dtype == np.float32 and x.flags.c_contiguous and x.flags.writeable:
+            out = x
+        else:
+            out = np.array(x, dtype=np.float32, order="C")  # [T, heads, d]
         _rope_rotate(out, np.ascontiguousarray(cos), np.ascontiguousarray(sin), self.inv_freq.shape[0])
         return out
 

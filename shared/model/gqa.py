@@ -52,8 +52,10 @@ def gqa(
     dims before RoPE (mixtral: llama.cpp's adjacent pairs back to rotate-half)."""
     t, hd, hk = n.shape[0], s.head_dim_k[i], s.n_head_kv[i]
     q, k, v = L["q"](n), L["k"](n), L["v"](n)  # [T, H·d], [T, Hk·d], [T, Hk·dv]
-    if "q_b" in L:
-        q, k, v = q + L["q_b"], k + L["k_b"], v + L["v_b"]
+    if "q_b" in L:  # in the projections' own arrays: one query array alive
+        q += L["q_b"]
+        k += L["k_b"]
+        v += L["v_b"]
     q, k, v = q.reshape(t, s.n_head, hd), k.reshape(t, hk, hd), v.reshape(t, hk, s.head_dim_v[i])
     cos, sin = rope.tables(positions)
     if "q_norm" in L and perm is None:  # qwen3moe: each head's norm and rotation in one pass, in place (the projections' own arrays)
@@ -65,6 +67,6 @@ def gqa(
             q, k = rms_norm(q, L["q_norm"], s.rms_eps), rms_norm(k, L["k_norm"], s.rms_eps)
         if perm is not None:
             q, k = q[:, :, perm], k[:, :, perm]
-        q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
+        q, k = rope.apply(q, cos, sin, in_place=True), rope.apply(k, cos, sin, in_place=True)  # this function's own arrays
     cache.store(i, k, v)
     return L["o"](attention(q, cache, i, start, scale))

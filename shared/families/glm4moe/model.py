@@ -94,20 +94,21 @@ class Model(MoEModel):
         s, L, eps = self.spec, self.layers[i], self.spec.rms_eps
         t, hd, hk = n.shape[0], s.head_dim_k[i], s.n_head_kv[i]
         q, k, v = L["q"](n), L["k"](n), L["v"](n)
-        if "q_b" in L:
-            q = q + L["q_b"]
+        if "q_b" in L:  # in the projections' own arrays: one query array alive
+            q += L["q_b"]
         if "k_b" in L:
-            k = k + L["k_b"]
+            k += L["k_b"]
         if "v_b" in L:
-            v = v + L["v_b"]
+            v += L["v_b"]
         q, k = q.reshape(t, s.n_head, hd), k.reshape(t, hk, hd)
         if "q_norm" in L:
             q = rms_norm(q, L["q_norm"], eps)
         if "k_norm" in L:
             k = rms_norm(k, L["k_norm"], eps)
         cos, sin = self.rope.tables(positions)
-        cache.store(i, self.rope.apply(k, cos, sin), v.reshape(t, hk, s.head_dim_v[i]))
-        return L["o"](attention(self.rope.apply(q, cos, sin), cache, i, start, self.scale))
+        cache.store(i, self.rope.apply(k, cos, sin, in_place=True), v.reshape(t, hk, s.head_dim_v[i]))
+        q = self.rope.apply(q, cos, sin, in_place=True)  # this function's own array: one query array alive
+        return L["o"](attention(q, cache, i, start, self.scale))
 
     def guess_layer(self, j: int, router_input: np.ndarray) -> None:
         """Next-layer prefetch by this family's own routing (sigmoid, selection bias,

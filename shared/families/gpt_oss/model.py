@@ -90,13 +90,16 @@ class Model(MoEModel):
         s, L, eps = self.spec, self.layers[i], self.spec.rms_eps
         t, hd, hk = x.shape[0], s.head_dim_k[i], s.n_head_kv[i]
         n = rms_norm(x, L["attn_norm"], eps)
-        q = (L["q"](n) + L["q_b"]).reshape(t, s.n_head, hd)  # [T, H, d]
-        k = (L["k"](n) + L["k_b"]).reshape(t, hk, hd)
-        v = (L["v"](n) + L["v_b"]).reshape(t, hk, s.head_dim_v[i])
+        # each projection's bias added and its rotation done in its own array: one query array alive
+        q, k, v = L["q"](n), L["k"](n), L["v"](n)
         del n
+        q += L["q_b"]
+        k += L["k_b"]
+        v += L["v_b"]
+        q, k, v = q.reshape(t, s.n_head, hd), k.reshape(t, hk, hd), v.reshape(t, hk, s.head_dim_v[i])  # [T, H, d]
         cos, sin = self.rope.tables(positions)
         window = s.sliding_window if s.swa_layers[i] else 0
-        q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
+        q, k = self.rope.apply(q, cos, sin, in_place=True), self.rope.apply(k, cos, sin, in_place=True)
         a = store_and_attend(q, k, v, cache, i, start, self.scale, window, L["sinks"])
         del q
         return L["o"](a)

@@ -123,8 +123,9 @@ class Model(MoEModel):
         k = rms_norm(L["k"](n).reshape(t, hk, hd), L["k_norm"], eps)
         v = L["v"](n).reshape(t, hk, s.head_dim_v[i])
         cos, sin = self.rope.tables(positions)
-        cache.store(i, self.rope.apply(k, cos, sin), v)
-        out = attention(self.rope.apply(q, cos, sin), cache, i, start, self.scale)  # [T, H·dv]
+        cache.store(i, self.rope.apply(k, cos, sin, in_place=True), v)
+        q = self.rope.apply(q, cos, sin, in_place=True)  # rms_norm's own array
+        out = attention(q, cache, i, start, self.scale)  # [T, H·dv]
         return L["o"](out * sigmoid(gate))
 
     def linear_attention(self, i: int, n: np.ndarray, cache: KVCache) -> np.ndarray:

@@ -292,7 +292,7 @@ def slot_states(slots: Sequence[Slot], busy: set[int], pool: int) -> m.SlotState
     its cache still holds (its conversation, until the pool needs the room)."""
     figures = [(s.req_id, s.total, s.cache, s.processed, s.decoded) if s.id in busy else (0, 0, 0, 0, 0) for s in slots]
     req_ids, total, cache, processed, decoded = (tuple(column) for column in zip(*figures))
-    held = tuple(s.session.cache.held if s.session.cache is not None else 0 for s in slots)
+    held = tuple(s.session.held for s in slots)
     return m.SlotStates(req_ids, total, cache, processed, decoded, held, pool)
 
 
@@ -568,11 +568,11 @@ class Slots:
         (a truncated conversation's) are given back. Only a slot whose thread holds still may be
         trimmed: an idle one, or a busy one waiting for a step."""
         cache = slot.session.cache
-        if cache is None:
-            return 0
-        if trim and not (self.sliced is not None and self.sliced.ask.slot == slot.id):  # a chunk's rows wait past the count
+        if (
+            cache is not None and trim and not (self.sliced is not None and self.sliced.ask.slot == slot.id)
+        ):  # a chunk's rows wait past the count
             cache.release(cache.n)
-        return cache.held
+        return slot.session.held
 
     def evict(self, slot: Slot) -> None:
         """A slot's conversation is forgotten and its cache's memory given back to the pool (an

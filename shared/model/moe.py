@@ -349,12 +349,14 @@ def _hidden_of_run(
     bias added to its own expert's rows). None when the matrices do not qualify (float
     types): the run then goes one expert at a time through its function."""
     experts = [e for e, _ in group]
+    if not all(quant.grouped_qualifies(e.down.prep) for e in experts):
+        return None
     tokens = [got // k for _, got in group]
     counts = np.array([r.size for r in tokens], np.int64)
     first = np.zeros(len(group), np.int64)
     np.cumsum(counts[:-1], out=first[1:])
     h = _grouped_glu(x[np.concatenate(tokens)], experts, first, counts, glu)
-    if h is None or not all(quant.grouped_qualifies(e.down.prep) for e in experts):
+    if h is None:
         return None
     for (_, got), f, c in zip(group, first, counts):
         at[got // k, got % k] = np.arange(n + f, n + f + c)
@@ -366,17 +368,14 @@ def _downs_in_parts(held: list[_HeldRun], at: np.ndarray, weights: np.ndarray, d
     a time: every expert's rows of its down projection for those columns (quant.row_range),
     then their choice-order sum into those columns of the result. Each output element is the
     same row's product and the same sum as in a whole pass (the kernels compute every weight
-    row alone), so the result is _glu_experts_grouped's and choice_sum's bit for bit."""
+    row alone), so the result is _down_of_run's and choice_sum's bit for bit."""
     rows = sum(r.hidden.shape[0] for r in held)
     f = held[0].hidden.shape[1]
     out = np.empty((at.shape[0], d), np.float32)
     for c0, c1 in output_part_columns(d, expert_output_parts(rows, d, f)):
         ys = _outputs_buffer(rows, c1 - c0)
         for r in held:
-            y = quant.grouped_apply([quant.row_range(e.down.prep, c0, c1) for e in r.experts], r.hidden, r.first, r.counts)
-            assert y is not None  # _hidden_of_run checked that they qualify
-            _add_run_biases(y, [None if e.down_bias is None else e.down_bias[c0:c1] for e in r.experts], r.first, r.counts)
-            ys[r.row : r.row + y.shape[0]] = y
+            _down_of_run(r, ys, (c0, c1))
         out[:, c0:c1] = choice_sum(ys, at, weights)
     return out
 
@@ -428,12 +427,20 @@ def _pairs_by_expert(ids: np.ndarray) -> Callable[[int], np.ndarray]:
     return lambda e: order[starts[e] : ends[e]]
 
 
-def _down_of_run(run: _HeldRun, ys: np.ndarray) -> int:
+def _down_of_run(run: _HeldRun, ys: np.ndarray, columns: tuple[int, int] | None = None) -> int:
     """The down projections of a run's experts on their hidden activations, in one kernel call
-    (quant.grouped_apply), into ys from the run's row on; returns the next free row."""
-    y = quant.grouped_apply([e.down.prep for e in run.experts], run.hidden, run.first, run.counts)
+    (quant.grouped_apply), into ys from the run's row on: every output column, or only
+    `columns` [c0, c1) (each expert's down rows for them: quant.row_range); returns the next
+    free row."""
+    downs = [e.down.prep for e in run.experts]
+    biases = [e.down_bias for e in run.experts]
+    if columns is not None:
+        c0, c1 = columns
+        downs = [quant.row_range(p, c0, c1) for p in downs]
+        biases = [None if b is None else b[c0:c1] for b in biases]
+    y = quant.grouped_apply(downs, run.hidden, run.first, run.counts)
     assert y is not None  # _hidden_of_run checked that they qualify
-    _add_run_biases(y, [e.down_bias for e in run.experts], run.first, run.counts)
+    _add_run_biases(y, biases, run.first, run.counts)
     ys[run.row : run.row + y.shape[0]] = y
     return run.row + y.shape[0]
 

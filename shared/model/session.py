@@ -67,6 +67,11 @@ class Session:
         return self.cache.n if self.cache is not None else 0
 
     @property
+    def held(self) -> int:
+        """Positions its cache keeps in memory (KVCache.held; 0 without a cache)."""
+        return self.cache.held if self.cache is not None else 0
+
+    @property
     def tokens(self) -> list[int]:
         """The ids the cache holds, position by position."""
         return self.ids[: self.n]

@@ -264,13 +264,19 @@ def apply(p: Prepared, X: np.ndarray) -> np.ndarray:
     return Y
 
 
+def grouped_qualifies(p: Prepared) -> bool:
+    """Whether gather_apply and grouped_apply take this matrix (an int8-activation type, int8
+    activations on, some rows)."""
+    return _uses_q8(p.qtype) and p.n_rows > 0
+
+
 def gather_apply(ps: Sequence[Prepared], X: np.ndarray, act: np.ndarray) -> np.ndarray | None:
     """out[e] = ps[e] applied to activation row X[act[e]], [K, R], in one kernel call, for
     prepared matrices of one int8-activation type and one shape (a decode step's experts);
     each row equals `apply(ps[e], X[act[e]:act[e]+1])` bit for bit. None when the matrices
     do not qualify (other types, int8 activations off, mixed shapes): multiply them one by one."""
     p0 = ps[0]
-    if not (_uses_q8(p0.qtype) and X.ndim == 2 and X.shape[1] == p0.n_cols and p0.n_rows):
+    if not (grouped_qualifies(p0) and X.ndim == 2 and X.shape[1] == p0.n_cols):
         return None
     if any(p.qtype != p0.qtype or p.stride != p0.stride or p.n_rows != p0.n_rows or p.n_cols != p0.n_cols for p in ps):
         return None
@@ -288,11 +294,6 @@ def gather_apply(ps: Sequence[Prepared], X: np.ndarray, act: np.ndarray) -> np.n
     return out
 
 
-def grouped_qualifies(p: Prepared) -> bool:
-    """Whether grouped_apply takes this matrix (an int8-activation type, int8 activations on)."""
-    return _uses_q8(p.qtype) and p.n_rows > 0
-
-
 def grouped_apply(ps: Sequence[Prepared], X: np.ndarray, first: np.ndarray, count: np.ndarray) -> np.ndarray | None:
     """Matrix m on its own run of activation rows X[first[m] : first[m] + count[m]], every
     matrix in one kernel call, for prepared matrices of one int8-activation type and one shape
@@ -301,7 +302,7 @@ def grouped_apply(ps: Sequence[Prepared], X: np.ndarray, first: np.ndarray, coun
     the matrices do not qualify (other types, int8 activations off, mixed shapes): multiply
     them one by one."""
     p0 = ps[0]
-    if not (_uses_q8(p0.qtype) and X.ndim == 2 and X.shape[1] == p0.n_cols and p0.n_rows):
+    if not (grouped_qualifies(p0) and X.ndim == 2 and X.shape[1] == p0.n_cols):
         return None
     if any(p.qtype != p0.qtype or p.stride != p0.stride or p.n_rows != p0.n_rows or p.n_cols != p0.n_cols for p in ps):
         return None

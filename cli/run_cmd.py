@@ -109,9 +109,10 @@ def kernel_text(step: int, total: int, item: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..shared.gguf.model_file import open_model
+    import gc
+
+    from ..shared.heap import give_back
     from ..shared.text.sampling import SamplingParams
-    from ..shared.text.tokenizer import Tokenizer
 
     prompt = read_prompt(args)  # first: a missing file fails before anything starts
     cfg = load_run_config(args)
@@ -125,14 +126,18 @@ def run(args: argparse.Namespace) -> int:
         repeat_penalty=args.repeat_penalty,
         seed=g.seed,
     )
-    with open_model(model_path) as mf:
-        tok = Tokenizer.from_gguf(mf.gguf)
+    tok = _read_tokenizer(model_path)
     prompt_tokens = _prompt_tokens(args, cfg, tok, prompt)
     streaming_text = args.output_format == "text"
     on_text = (lambda s: (sys.stdout.write(s), sys.stdout.flush())) if streaming_text else None
     if args.no_stream:
         out = _run_resident(cfg, model_path, tok, prompt_tokens, params, args, on_text)
     else:
+        # Compute detokenizes; the tokenizer here (tens of MB for a 150k-262k vocab) would sit in
+        # the memory the budget probes next, taken from the expert cache for the whole run.
+        del tok
+        gc.collect()
+        give_back()
         out = _run_pipeline(cfg, model_path, prompt_tokens, params, args, on_text)
     if streaming_text:
         t = out["timings"]
@@ -146,6 +151,15 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(json.dumps(out, ensure_ascii=False))
     return 0
+
+
+def _read_tokenizer(model_path):
+    """The model's tokenizer; the opened file, with the header it parsed, is gone on return."""
+    from ..shared.gguf.model_file import open_model
+    from ..shared.text.tokenizer import Tokenizer
+
+    with open_model(model_path) as mf:
+        return Tokenizer.from_gguf(mf.gguf)
 
 
 def _steady(t: dict) -> str:

@@ -196,3 +196,24 @@ def test_top_k_is_sampling_and_sample_top_k_is_its_old_name(capsys):
     assert capsys.readouterr().err.splitlines() == [
         "moe-pipe: --sample-top-k is now --top-k, sampling top-k as llama.cpp's (the old name goes in the next release)"
     ]
+
+
+def test_run_holds_no_tokenizer_while_the_pipeline_runs(tiny_model, monkeypatch, capsys):
+    """`run`'s own process drops the tokenizer once the prompt is tokens: compute detokenizes,
+    and what this process holds when the pipeline probes memory comes out of the expert cache."""
+    import gc
+
+    from moe_pipe.cli import run_cmd
+    from moe_pipe.shared.text.tokenizer import Tokenizer
+
+    alive: list[int] = []
+
+    def pipeline(cfg, model_path, prompt_tokens, params, args, on_text):
+        alive.append(sum(isinstance(o, Tokenizer) for o in gc.get_objects()))
+        assert prompt_tokens
+        return {"timings": {}, "tokens": [], "finish_reason": "length"}
+
+    monkeypatch.setattr(run_cmd, "_run_pipeline", pipeline)
+    assert run_cmd.run(_parsed([str(tiny_model), "-p", "hello there", "-n", "2", "--output-format", "json"])) == 0
+    assert alive == [0]
+    assert json.loads(capsys.readouterr().out)["finish_reason"] == "length"

@@ -97,17 +97,42 @@ def test_a_chunk_keeps_no_more_arrays_than_the_budget_leaves_it(family, split, t
     included: an undercount is memory the expert cache was given twice. Also with every
     chunk's expert outputs summed in parts of their columns (expert_output_parts: the
     families whose experts are narrower than the model)."""
+    from moe_pipe.shared.gguf import spec
+
+    if split:
+        monkeypatch.setattr(spec, "SPLIT_OUTPUT_BYTES", 0)
+    _check_chunk_peak(make_model(family.arch, "tiny", tmp_path / "m.gguf"))
+
+
+# Heads four times the tiny preset's and narrow FFNs: the attention phase is a chunk's peak.
+WIDE_HEADS = {"gemma4": {"n_embd": 1024, "n_head": 16, "head_dim_full": 512, "n_ff_exp": 64, "n_ff": 64}}
+
+
+@pytest.mark.parametrize("arch", sorted(WIDE_HEADS))
+def test_a_chunk_whose_attention_is_its_peak_keeps_within_the_budget(arch, tmp_path, monkeypatch):
+    """A family that keeps one query array (its spec part's ATTENTION_QUERIES = 1: queries
+    normed and rotated in place) is held to it where the attention phase binds, on heads
+    wide against the model; with none counted the same chunk is over its budget."""
+    from moe_pipe.shared.family_registry import by_arch
+    from moe_pipe.shared.gguf.spec import prefill_activation_bytes
+
+    assert {f.arch for f in FAMILIES if f.part("spec").ATTENTION_QUERIES == 1} == set(WIDE_HEADS)
+    path = make_model(arch, "tiny", tmp_path / "m.gguf", _overrides=WIDE_HEADS[arch])
+    peak = _check_chunk_peak(path)
+    monkeypatch.setattr(by_arch(arch).part("spec"), "ATTENTION_QUERIES", 0)
+    with open_model(path) as mf:
+        assert peak > prefill_activation_bytes(mf.spec, ACTIVATION_TOKENS, mf.spec.n_expert_used)
+
+
+def _check_chunk_peak(path) -> int:
+    """The traced peak of the arrays one ACTIVATION_TOKENS-token chunk allocates; fails when it
+    is over `prefill_activation_bytes`."""
     import tracemalloc
 
-    from moe_pipe.shared.gguf import spec
     from moe_pipe.shared.gguf.spec import prefill_activation_bytes
     from moe_pipe.shared.model import moe
     from moe_pipe.shared.model.fused import PARALLEL_ROWS
 
-    if split:
-        monkeypatch.setattr(spec, "SPLIT_OUTPUT_BYTES", 0)
-
-    path = make_model(family.arch, "tiny", tmp_path / "m.gguf")
     prompt = [(7 * i + 3) % 200 + 5 for i in range(ACTIVATION_TOKENS)]
     with open_model(path) as mf:
         model = load_model(mf, options=None)
@@ -125,5 +150,6 @@ def test_a_chunk_keeps_no_more_arrays_than_the_budget_leaves_it(family, split, t
             tracemalloc.stop()
         budget = prefill_activation_bytes(mf.spec, ACTIVATION_TOKENS, mf.spec.n_expert_used)
     assert peak <= budget, (
-        f"{family.arch}: a {ACTIVATION_TOKENS}-token chunk peaked at {peak / 2**20:.1f} MiB of arrays, the budget leaves {budget / 2**20:.1f}"
+        f"{mf.spec.arch}: a {ACTIVATION_TOKENS}-token chunk peaked at {peak / 2**20:.1f} MiB of arrays, the budget leaves {budget / 2**20:.1f}"
     )
+    return peak

@@ -140,6 +140,13 @@ class SpecPart(Protocol):
     """The tensors outside the layers that the forward pass reads: the embedding and
     the final norm (spec_tensors.EMBEDDING_AND_FINAL_NORM unless the family names them otherwise)."""
 
+    ATTENTION_QUERIES: int
+    """Query-sized arrays (n_head × head_dim_k floats a token) a prompt chunk's attention keeps
+    alive at once beside its keys, values and output (`prefill_activation_bytes`): 1 where the
+    queries are normed, rotated and biased in place, 2 where the block keeps a copy or a
+    query-sized part beside them (a gate, MLA's pieces); tests/test_prefill.py holds each family
+    to it."""
+
     def read(self, f: GGUFFile) -> ModelSpec:
         """The family's metadata keys (prefix: its arch) read into a spec; a key that
         is missing, mistyped or out of range is a GGUFError naming it."""
@@ -158,10 +165,15 @@ class SpecPart(Protocol):
 
 def spec_part(f: GGUFFile) -> SpecPart:
     """The GGUF part of the family the file's general.architecture names."""
-    arch = f.arch
+    if registry.by_arch(f.arch) is None:
+        raise GGUFError(f.path, f"architecture {f.arch!r} is not supported (supported: {', '.join(registry.ARCHES)})")
+    return _family_part(f.arch)
+
+
+def _family_part(arch: str) -> SpecPart:
+    """The GGUF part of a supported family (a spec's arch is one: it was read by that part)."""
     family = registry.by_arch(arch)
-    if family is None:
-        raise GGUFError(f.path, f"architecture {arch!r} is not supported (supported: {', '.join(registry.ARCHES)})")
+    assert family is not None, arch
     return cast(SpecPart, family.part("spec"))
 
 
@@ -312,10 +324,9 @@ def prefill_activation_bytes(spec: ModelSpec, tokens: int, top_k: int) -> int:
     input (D) and the experts' outputs buffer (`expert_scratch_floats`, kept across layers):
 
     - attention: its input's norm and the block's output (2·D), and the larger of the
-      attention's arrays (two query arrays, key, value and output: most families norm,
-      rotate and bias their queries in place, but a gate beside the query (qwen35moe) or
-      MLA's parts (deepseek2, deepseek4) take more) and a linear-attention layer's (its conv
-      input and output, 2·C, and its queries, keys, outputs and gate, 4·H·d);
+      attention's arrays (the family's ATTENTION_QUERIES query arrays, key, value and output)
+      and a linear-attention layer's (its conv input and output, 2·C, and its queries, keys,
+      outputs and gate, 4·H·d);
     - FFN: the residual sum, the norms and sums it keeps (5·D), the router's logits (E), the
       widest dense or shared FFN's gate, up and product (3·F), the experts' hidden
       activations held for the split outputs, and one run of experts' own arrays (a fixed
@@ -326,7 +337,8 @@ def prefill_activation_bytes(spec: ModelSpec, tokens: int, top_k: int) -> int:
     allocates against this). A chunk is at most this much beside the KV cache; the budget
     leaves it to compute."""
     d, h = spec.n_embd, spec.n_head
-    qkvo = max(h * 2 * dk + hk * (dk + dv) + h * dv for hk, dk, dv in zip(spec.n_head_kv, spec.head_dim_k, spec.head_dim_v))
+    queries = _family_part(spec.arch).ATTENTION_QUERIES
+    qkvo = max(h * queries * dk + hk * (dk + dv) + h * dv for hk, dk, dv in zip(spec.n_head_kv, spec.head_dim_k, spec.head_dim_v))
     recurrent = 2 * spec.ssm_conv_channels + 4 * spec.ssm_heads * spec.ssm_state if spec.ssm_conv_kernel else 0
     ffn = 3 * max(spec.n_ff_exp, spec.n_ff, spec.n_ff_shexp)
     outputs, hidden = expert_scratch_floats(spec, tokens, top_k)

@@ -11,6 +11,8 @@ from ...gguf.spec_keys import Meta, common_keys, final_logit_softcap, head_dim, 
 from ...gguf.spec_tensors import ATTN, DENSE_FFN, EMBEDDING_AND_FINAL_NORM
 
 TOP_TENSORS = EMBEDDING_AND_FINAL_NORM
+# A prompt chunk's attention norms and rotates its queries in place: one query-sized array.
+ATTENTION_QUERIES = 1
 _LAYER = (
     *ATTN,
     "attn_q_norm.weight",

@@ -10,6 +10,7 @@ from ...gguf.spec_keys import Meta, common_keys, head_dim, positive, rope_keys
 from ...gguf.spec_tensors import ATTN, EMBEDDING_AND_FINAL_NORM, SHARED_EXPERT, shared_expert_shapes
 
 TOP_TENSORS = EMBEDDING_AND_FINAL_NORM
+ATTENTION_QUERIES = 2  # query-sized arrays a prompt chunk's attention keeps at once (SpecPart)
 _LAYER = (
     *ATTN,
     "attn_v.weight",

@@ -17,6 +17,7 @@ from __future__ import annotations
 import multiprocessing.process
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -30,12 +31,20 @@ DIRECTIO = "moe_pipe.shared.experts.directio"
 
 
 def pytest_configure(config):
-    """Compile the tiny model's kernels once, before any test starts a process: from an empty
+    """Ctrl-C reaches the processes the tests start, also when the suite itself runs as a
+    background job of a script (`pytest ... &`): such a shell starts it with SIGINT ignored, which
+    every child would inherit, and the tests that press Ctrl-C on a run, a service or a pull
+    would wait for an interrupt that never comes. A handler is not inherited across exec: the
+    children start with the default, as from a terminal.
+
+    Then compile the tiny model's kernels once, before any test starts a process: from an empty
     numba cache every compute process a test starts compiles them itself (~30 s of two cores
     each), and with two workers starting services at once that is minutes of the tier. Here,
     in the controller only (xdist workers have `workerinput`), `moe-pipe warmup` writes them to
     the cache every later process loads from (seconds when it is warm already). A run of the
     unit tier starts no process and skips it."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     if hasattr(config, "workerinput") or "not integration" in (config.option.markexpr or ""):
         return
     if config.option.collectonly:

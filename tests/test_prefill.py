@@ -104,7 +104,8 @@ def test_a_chunk_keeps_no_more_arrays_than_the_budget_leaves_it(family, split, t
     _check_chunk_peak(make_model(family.arch, "tiny", tmp_path / "m.gguf"))
 
 
-# Heads four times the tiny preset's and narrow FFNs: the attention phase is a chunk's peak.
+# Sixteen heads, 512 wide on the full layers (the tiny preset's four of 128), and narrow FFNs:
+# the attention phase is a chunk's peak.
 WIDE_HEADS = {"gemma4": {"n_embd": 1024, "n_head": 16, "head_dim_full": 512, "n_ff_exp": 64, "n_ff": 64}}
 
 

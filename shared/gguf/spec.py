@@ -165,16 +165,16 @@ class SpecPart(Protocol):
 
 def spec_part(f: GGUFFile) -> SpecPart:
     """The GGUF part of the family the file's general.architecture names."""
-    if registry.by_arch(f.arch) is None:
+    part = _part_of(f.arch)
+    if part is None:
         raise GGUFError(f.path, f"architecture {f.arch!r} is not supported (supported: {', '.join(registry.ARCHES)})")
-    return _family_part(f.arch)
+    return part
 
 
-def _family_part(arch: str) -> SpecPart:
-    """The GGUF part of a supported family (a spec's arch is one: it was read by that part)."""
+def _part_of(arch: str) -> SpecPart | None:
+    """The GGUF part of the family whose arch this is; None for an unsupported one."""
     family = registry.by_arch(arch)
-    assert family is not None, arch
-    return cast(SpecPart, family.part("spec"))
+    return None if family is None else cast(SpecPart, family.part("spec"))
 
 
 # What the KV cache stores per element, as a fraction (numerator, denominator) of bytes:
@@ -337,7 +337,9 @@ def prefill_activation_bytes(spec: ModelSpec, tokens: int, top_k: int) -> int:
     allocates against this). A chunk is at most this much beside the KV cache; the budget
     leaves it to compute."""
     d, h = spec.n_embd, spec.n_head
-    queries = _family_part(spec.arch).ATTENTION_QUERIES
+    part = _part_of(spec.arch)
+    assert part is not None, spec.arch  # a spec was read by its family's part
+    queries = part.ATTENTION_QUERIES
     qkvo = max(h * queries * dk + hk * (dk + dv) + h * dv for hk, dk, dv in zip(spec.n_head_kv, spec.head_dim_k, spec.head_dim_v))
     recurrent = 2 * spec.ssm_conv_channels + 4 * spec.ssm_heads * spec.ssm_state if spec.ssm_conv_kernel else 0
     ffn = 3 * max(spec.n_ff_exp, spec.n_ff, spec.n_ff_shexp)

@@ -523,11 +523,6 @@ class RecurrentState:
             m = min(self.mark, x.shape[0])
             self.kept[0][i] = np.concatenate([self.conv[i], x[:m]])[m:]
 
-    def keep_delta(self, i: int, row: int, S: np.ndarray) -> None:
-        """Layer i's scan has folded in row `row` of the pass: its matrix, if that row is the mark's last."""
-        if row + 1 == self.mark:
-            self.kept[1][i] = S.copy()
-
     def reset(self) -> None:
         for a in (*self.conv.values(), *self.delta.values()):
             a.fill(0)

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from ...model import delta_rule
 from ...model.blocks import KVCache, RecurrentState, causal_conv, per_sequence, rms_norm, sigmoid, silu_in_place
 from ..deepseek2.model import Model as DeepSeek2Model
 
@@ -114,13 +115,4 @@ class Model(DeepSeek2Model):
         q = l2_normalize(conv[:, :inner].reshape(t, h, d)) * np.float32(1.0 / math.sqrt(d))
         k = l2_normalize(conv[:, inner : 2 * inner].reshape(t, h, d))
         v = conv[:, 2 * inner :].reshape(t, h, d)
-        S = state.delta[i]  # [H, d_k, d_v], updated in place
-        o = np.empty((t, h, d), np.float32)
-        for j in range(t):  # the recurrence: one token after another
-            S *= decay[j][:, :, None]  # each key channel decays at its own rate
-            remembered = np.einsum("hk,hkv->hv", k[j], S)
-            delta = (v[j] - remembered) * beta[j][:, None]
-            S += k[j][:, :, None] * delta[:, None, :]
-            state.keep_delta(i, j, S)
-            o[j] = np.einsum("hk,hkv->hv", q[j], S)
-        return o
+        return delta_rule.scan(state, i, q, k, v, beta, decay)  # each key channel decays at its own rate

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from ...gguf.model_file import ModelFile
+from ...model import delta_rule
 from ...model.base import MoEModel
 from ...model.blocks import KVCache, RecurrentState, attention, causal_conv, per_sequence, rms_norm, rope_from_spec, sigmoid, silu_in_place
 from ...model.moe import apply_experts, gated_shared_expert, load_shared_expert, swiglu_expert
@@ -153,16 +154,5 @@ class Model(MoEModel):
         q = l2_normalize(conv[:, :kd].reshape(t, g_heads, st), eps)
         k = l2_normalize(conv[:, kd : 2 * kd].reshape(t, g_heads, st), eps)
         v = conv[:, 2 * kd :].reshape(t, v_heads, st)
-        reps = v_heads // g_heads  # value head h reads key head h mod G (tiled)
-        q = np.tile(q, (1, reps, 1)) * np.float32(1.0 / math.sqrt(st))  # [T, Hv, d_k]
-        k = np.tile(k, (1, reps, 1))
-        S = state.delta[i]  # [Hv, d_k, d_v], updated in place
-        o = np.empty((t, v_heads, st), np.float32)
-        for j in range(t):  # the recurrence: one token after another
-            S *= decay[j][:, None, None]
-            remembered = np.einsum("hk,hkv->hv", k[j], S)
-            delta = (v[j] - remembered) * beta[j][:, None]
-            S += k[j][:, :, None] * delta[:, None, :]
-            state.keep_delta(i, j, S)
-            o[j] = np.einsum("hk,hkv->hv", q[j], S)
-        return o
+        q *= np.float32(1.0 / math.sqrt(st))  # value head h reads key head h mod G (tiled)
+        return delta_rule.scan(state, i, q, k, v, beta, decay)  # [T, Hv, d_v]

@@ -1,7 +1,7 @@
 """moe-pipe against llama.cpp on an emulated phone: whole replies, cold, at equal memory.
 
-    python bench/bench_vs_llama.py [--shapes qwen30b,gemma26b,gptoss120b] [--qwen-layers 48]
-        [--gemma-layers 30] [--gptoss-layers 24] [-n 256] [--repeat 2] [--threads 2]
+    python bench/bench_vs_llama.py [--shapes qwen30b,gemma26b,gptoss120b,qwen35] [--qwen-layers 48]
+        [--gemma-layers 30] [--gptoss-layers 24] [--qwen35-layers 40] [-n 256] [--repeat 2] [--threads 2]
         [--cold copy|alternate] [--peer-readahead 8192,128] [--lossy] [--no-llama]
         [--peer-timeout S] [--doc-only]
 
@@ -21,7 +21,8 @@ docs/benchmarks.md); with `--lossy`, moe-pipe's lossy recipe beside, labelled.
 
 The limit gives the model-to-RAM ratio of the 11.3 GB reference phone
 (docs/benchmarks.md § The protocol (2026-12-01)): Qwen3-30B-A3B is 1.6x its
-RAM, Gemma 1.5x, gpt-oss-120b 5.2x, so limit = file / ratio. A cut
+RAM, Gemma 1.5x, gpt-oss-120b 5.2x (Qwen3.5-35B-A3B, `qwen35`, as Qwen3-30B-A3B:
+1.6x; not in the default set), so limit = file / ratio. A cut
 whose limit cannot hold the dense set, KV cache and processes plus a useful
 cache is refused. Results go to bench/results/<shape>-L<layers>/protocol/
 (summary.json, summary.md, per-run CSVs), and the summaries into
@@ -52,11 +53,13 @@ SHAPES = {
     "qwen30b": dict(arch="qwen3moe", preset="qwen30b-shape", config="configs/qwen30b.toml", trace="qwen.route.csv", ratio=1.6),
     "gemma26b": dict(arch="gemma4", preset="gemma26b-shape", config="configs/gemma26b.toml", trace=None, ratio=1.5),
     "gptoss120b": dict(arch="gpt-oss", preset="gptoss120b-shape", config="configs/gptoss120b.toml", trace="gptoss.route.csv", ratio=5.2),
+    "qwen35": dict(arch="qwen35moe", preset="qwen35-35b-shape", config="configs/qwen35-35b.toml", trace=None, ratio=1.6),
 }
 # The lossy recipe reported beside (changes outputs): two experts fewer a token and
 # misses of little weight skipped (docs/configuration.md, compute.n_expert_used and drop_cold_experts).
 LOSSY = {"qwen30b": ("compute.n_expert_used=6", "compute.drop_cold_experts=0.5"), "gemma26b": ("compute.n_expert_used=6", "compute.drop_cold_experts=0.5"),
-         "gptoss120b": ("compute.n_expert_used=2", "compute.drop_cold_experts=0.5")}  # fmt: skip
+         "gptoss120b": ("compute.n_expert_used=2", "compute.drop_cold_experts=0.5"),
+         "qwen35": ("compute.n_expert_used=6", "compute.drop_cold_experts=0.5")}  # fmt: skip
 
 
 def limit_mb(name: str, model: Path) -> float:
@@ -114,13 +117,14 @@ def moe_pipe_bench(name: str, model: Path, out: Path, args, limit: float | None,
     return out / "summary.md"
 
 
-def shape_arguments(description: str, n: int, repeat: int, layers: tuple[int, int, int] = (8, 30, 16)) -> argparse.ArgumentParser:
+def shape_arguments(description: str, n: int, repeat: int, layers: tuple[int, int, int, int] = (8, 30, 16, 40)) -> argparse.ArgumentParser:
     """The flags the end-to-end scripts take: which shapes, their cuts, the generation and overrides."""
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--shapes", default="qwen30b,gptoss120b")
     p.add_argument("--qwen-layers", type=int, default=layers[0])
     p.add_argument("--gemma-layers", type=int, default=layers[1])
     p.add_argument("--gptoss-layers", type=int, default=layers[2])
+    p.add_argument("--qwen35-layers", type=int, default=layers[3])
     p.add_argument("-n", type=int, default=n)
     p.add_argument("--repeat", type=int, default=repeat)
     p.add_argument("--threads", type=int, default=2)
@@ -129,7 +133,8 @@ def shape_arguments(description: str, n: int, repeat: int, layers: tuple[int, in
 
 
 def shape_layers(name: str, args) -> int:
-    return {"qwen30b": args.qwen_layers, "gemma26b": args.gemma_layers, "gptoss120b": args.gptoss_layers}[name]
+    layers = {"qwen30b": args.qwen_layers, "gemma26b": args.gemma_layers, "gptoss120b": args.gptoss_layers, "qwen35": args.qwen35_layers}
+    return layers[name]
 
 
 def spec_trace(name: str) -> str | None:
@@ -156,7 +161,7 @@ def main(argv=None) -> int:
 
     from moe_pipe.shared.config import load_config
 
-    p = shape_arguments(__doc__.splitlines()[0], n=256, repeat=2, layers=(48, 30, 24))
+    p = shape_arguments(__doc__.splitlines()[0], n=256, repeat=2, layers=(48, 30, 24, 40))
     p.set_defaults(shapes="qwen30b,gemma26b,gptoss120b")
     p.add_argument("--cold", choices=("copy", "alternate"), default="copy", help="fresh copy per run, or engines alternating on one file")
     p.add_argument("--peer-readahead", default="8192,128", help="llama.cpp runs: readaheads in KiB, comma-separated")
@@ -196,7 +201,7 @@ def main(argv=None) -> int:
         (out / "summary.md").write_text(
             markdown(
                 summary,
-                f"{name}-shape, {layers} layers, memory limit {limit:,.0f} MiB (file / {spec['ratio']})"
+                f"{spec['preset']}, {layers} layers, memory limit {limit:,.0f} MiB (file / {spec['ratio']})"
                 + ("" if args.prompt_tokens is None else f", a {summary['prompt_tokens']:,}-token prose prompt"),
             )
         )
@@ -248,7 +253,7 @@ def write_doc() -> None:
 
     parts = []
     for name, spec in SHAPES.items():
-        for res in sorted(RESULTS.glob(f"{name}-L*")):
+        for res in sorted(RESULTS.glob(f"{spec['preset'].replace('-shape', '')}-L*")):  # results_dir's names
             protocol = res / "protocol" / "summary.md"
             long_prompts = sorted(res.glob("protocol-P*/summary.md"), key=lambda p: int(p.parent.name.removeprefix("protocol-P")))
             if protocol.exists() or long_prompts:

@@ -83,8 +83,13 @@ def limit_mb(name: str, model: Path) -> float:
     return round(limit)
 
 
+def results_name(stem: str) -> str:
+    """A made model's name in results and figures: its preset's without "-shape" (qwen30b-L48)."""
+    return stem.replace("-shape", "")
+
+
 def results_dir(model: Path) -> Path:
-    return RESULTS / model.stem.replace("-shape", "")
+    return RESULTS / results_name(model.stem)
 
 
 def moe_pipe_bench(name: str, model: Path, out: Path, args, limit: float | None, extra: list[str]) -> Path:
@@ -253,7 +258,7 @@ def write_doc() -> None:
 
     parts = []
     for name, spec in SHAPES.items():
-        for res in sorted(RESULTS.glob(f"{spec['preset'].replace('-shape', '')}-L*")):  # results_dir's names
+        for res in sorted(RESULTS.glob(f"{results_name(spec['preset'])}-L*")):
             protocol = res / "protocol" / "summary.md"
             long_prompts = sorted(res.glob("protocol-P*/summary.md"), key=lambda p: int(p.parent.name.removeprefix("protocol-P")))
             if protocol.exists() or long_prompts:

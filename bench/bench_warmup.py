@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 
 from _models import shape_model  # noqa: E402  (bench/ is the script's folder)
-from bench_vs_llama import ROOT, SHAPES, limit_mb, moe_pipe_bench, replace_block, results_dir, shape_arguments, shape_layers
+from bench_vs_llama import ROOT, SHAPES, limit_mb, moe_pipe_bench, replace_block, results_dir, results_name, shape_arguments, shape_layers
 
 DOC = ROOT / "docs" / "warmup-analysis.md"
 BEGIN, END = "<!-- bench_warmup: begin -->", "<!-- bench_warmup: end -->"
@@ -165,7 +165,7 @@ def shape_section(name: str, layers: int, model: Path, limit: float, results: di
     for f in results.values():
         f["ratio"] = f["first5"] / f["steady"] if f["steady"] else None
         f["decode_ratio"] = f["decode5"] / f["steady"] if f["steady"] else None
-    stem = model.stem.replace("-shape", "")
+    stem = results_name(model.stem)
     heads = {k: v for k, v in results.items() if k.startswith("dense-")}
     png = DOC.parent / f"warmup-{stem}.png"
     drawn = plot_heads(png, f"{stem}: first {HEAD} tokens, cold, limit {limit:,.0f} MiB", heads)

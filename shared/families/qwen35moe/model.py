@@ -154,5 +154,5 @@ class Model(MoEModel):
         q = l2_normalize(conv[:, :kd].reshape(t, g_heads, st), eps)
         k = l2_normalize(conv[:, kd : 2 * kd].reshape(t, g_heads, st), eps)
         v = conv[:, 2 * kd :].reshape(t, v_heads, st)
-        q *= np.float32(1.0 / math.sqrt(st))  # value head h reads key head h mod G (tiled)
+        q *= np.float32(1.0 / math.sqrt(st))  # value head h reads key head h mod G: delta_rule.scan maps them
         return delta_rule.scan(state, i, q, k, v, beta, decay)  # [T, Hv, d_v]

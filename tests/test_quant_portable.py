@@ -1,12 +1,15 @@
-"""Both builds of the int8 dot, on any machine.
+"""The x86 builds of the int8 dot, on any machine.
 
-The int8-activation kernels (shared/quant/_q8.py, their IR in _q8ir.py) emit one of two builds,
+The int8-activation kernels (shared/quant/_q8.py, their IR in _q8ir.py) emit one build,
 chosen once at import and reported as `quant.INT8_DOT`: "vnni" (the
 vpdpbusd / vpshufb intrinsics) where the CPU numba compiles for has AVX-512
-VNNI, "portable" (target-independent LLVM IR) anywhere else. The other
-kernel tests run whichever build this machine picks; here a child process
-with NUMBA_CPU_NAME=generic (numba's own target switch: a CPU with no
-features, so numba's disk cache keeps its kernels apart from the host's)
+VNNI, "avx2" (vpmaddubsw / vpmaddwd / vpshufb on 32-byte halves) where it has
+AVX2 but not VNNI, "portable" (target-independent LLVM IR) anywhere else (and
+"sdot" on aarch64: tests/aarch64/run.sh). The other kernel tests run whichever
+build this machine picks; here a child process per build, with numba's own
+target switch (NUMBA_CPU_NAME=generic: a CPU with no features; haswell with
+AVX2's features: the AVX2 build on a VNNI machine too; numba's disk cache keeps
+each target's kernels apart from the host's),
 runs tests/test_quant.py's matvec and matmul comparisons against gguf's
 dequantizer, with the same tolerances and the same bit-for-bit equality of
 matmul rows and matvec (and its GEMM tile test on the int8 types), for every
@@ -34,13 +37,16 @@ from moe_pipe.shared.quant import _legacy, _q8, _q8ir, _target
 from moe_pipe.shared.quant.blocks import E2M1_TWICE, MXFP4_BYTES, QK, QK_K, SUPPORTED, QType
 
 TESTS = Path(__file__).resolve().parent
-# The intrinsics only the VNNI build calls (the int8 dot, the MXFP4 code map).
+# The intrinsics only the VNNI build calls (the int8 dot, the MXFP4 code map), and the AVX2 build's.
 VNNI_INTRINSICS = ("llvm.x86.avx512.vpdpbusd.512", "llvm.x86.avx512.pshuf.b.512")
+AVX2_INTRINSICS = ("llvm.x86.avx2.pmadd.ub.sw", "llvm.x86.avx2.pmadd.wd", "llvm.x86.avx2.pshuf.b")
+# A target with AVX2 and not AVX-512 (numba's CPU name and LLVM's feature string, as NUMBA_CPU_FEATURES takes it).
+AVX2_TARGET = {"NUMBA_CPU_NAME": "haswell", "NUMBA_CPU_FEATURES": "+avx,+avx2,+fma,+f16c,+popcnt,+sse4.2,+bmi,+bmi2,+lzcnt,+movbe"}
 
 
 def emitted_x86_intrinsics() -> list[str]:
-    """The VNNI-build intrinsics in freshly compiled IR of the Q4_K row kernel (one activation row)
-    and the MXFP4 repack and tile kernel (a tile of 16 weight rows × 8 activation rows).
+    """The VNNI and AVX2 builds' intrinsics in freshly compiled IR of the Q4_K row kernel (one activation row)
+    and the MXFP4 repack and tile kernel (a tile of 16 weight rows × TILE_TOKENS activation rows).
 
     Compiled here without the disk cache because numba shows the IR only of
     code it compiled in this process (a kernel loaded from the cache has none).
@@ -50,18 +56,18 @@ def emitted_x86_intrinsics() -> list[str]:
     def probe(w, xq, dx, bs16, bs32, xs32, half, buf, out):
         _q8._q4_k_r1(w, 0, QK_K // QK, xq, 0, QK_K, dx, bs16, bs32, xs32, half, out, 0, 1)
         _q8._mxfp4_pack(w, 8 * MXFP4_BYTES, 0, 16, QK_K // QK, half, buf)
-        _q8._mxfp4_t8(buf, 1, xq, 0, QK_K, dx, bs16, bs32, xs32, out, 1, 16, 16, 8)
+        _q8._mxfp4_t8(buf, 1, xq, 0, QK_K, dx, bs16, bs32, xs32, out, 1, 16, 16, _q8.TILE_TOKENS)
 
     w = np.zeros(16 * 8 * MXFP4_BYTES, np.uint8)  # a Q4_K super-block; 16 rows of 8 MXFP4 blocks: codes and scales 0
     xq = np.zeros(8 * QK_K, np.int8)  # 8 activation rows of QK_K
     dx = np.zeros(8 * QK_K // QK, np.float32)
     bs16, bs32 = np.zeros(16 * QK_K // QK, np.int32), np.zeros(8 * QK_K // QK, np.int32)
     xs32 = np.zeros(8 * QK_K // QK, np.float32)
-    out = np.full(1 + 8 * 16, np.nan, np.float32)
+    out = np.full(1 + _q8.TILE_TOKENS * 16, np.nan, np.float32)
     probe(w, xq, dx, bs16, bs32, xs32, np.ones(256, np.float32), np.zeros(_q8ir.PACKED_UNIT, np.uint8), out)
     assert np.array_equal(out, np.zeros_like(out)), out
     ir = "\n".join(probe.inspect_llvm().values())
-    return [name for name in VNNI_INTRINSICS if name in ir]
+    return [name for name in VNNI_INTRINSICS + AVX2_INTRINSICS if name in ir]
 
 
 def child_main() -> None:
@@ -86,30 +92,43 @@ def _host_has_vnni() -> bool:
     return bool(f.get("avx512vnni")) and bool(f.get("avx512bw"))
 
 
+def _host_has_avx2() -> bool:
+    return not _target.ARM and bool(llb.get_host_cpu_features().get("avx2"))
+
+
 def test_this_process_compiles_the_build_its_target_allows():
-    """Without a numba target in the environment: VNNI where the host has it, and the IR says so."""
+    """Without a numba target in the environment: VNNI where the host has it, else AVX2 where it
+    has that, and the IR says so."""
     if any(k in os.environ for k in ("NUMBA_CPU_NAME", "NUMBA_CPU_FEATURES")) or os.environ.get("NUMBA_ENABLE_AVX") == "0":
         pytest.skip("the environment sets numba's target; the child test covers that case")
     # aarch64: "sdot" where HWCAP/cpuinfo report the dot product (tests/aarch64/run.sh runs it emulated)
-    want = "vnni" if _host_has_vnni() else "sdot" if _target.ARM and _target.arm_dotprod() else "portable"
+    want = "vnni" if _host_has_vnni() else "avx2" if _host_has_avx2() else "sdot" if _target.ARM and _target.arm_dotprod() else "portable"
     assert quant.INT8_DOT == want
-    assert emitted_x86_intrinsics() == (list(VNNI_INTRINSICS) if want == "vnni" else [])
+    assert emitted_x86_intrinsics() == {"vnni": list(VNNI_INTRINSICS), "avx2": list(AVX2_INTRINSICS)}.get(want, [])
 
 
 @pytest.mark.integration
-@pytest.mark.slow  # compiles every kernel again for a generic CPU in a child: ~70 s cold
-def test_the_portable_build_matches_gguf_dequantize_for_every_type():
-    env = dict(os.environ, NUMBA_CPU_NAME="generic")
-    env.pop("NUMBA_CPU_FEATURES", None)  # generic then means no features at all
+@pytest.mark.slow  # compiles every kernel again for another CPU in a child: ~70 s cold
+@pytest.mark.parametrize(
+    ("target", "build", "intrinsics"),
+    [({"NUMBA_CPU_NAME": "generic"}, "portable", []), (AVX2_TARGET, "avx2", list(AVX2_INTRINSICS))],
+    ids=["portable", "avx2"],
+)
+def test_the_build_matches_gguf_dequantize_for_every_type(target, build, intrinsics):
+    if build == "avx2" and not _host_has_avx2():
+        pytest.skip("this CPU has no AVX2 to run the AVX2 build on")
+    env = dict(os.environ, **target)
+    if "NUMBA_CPU_FEATURES" not in target:
+        env.pop("NUMBA_CPU_FEATURES", None)  # generic then means no features at all
     env.pop("MOE_PIPE_INT8_ACT", None)  # the child switches int8 itself
     code = "import sys; sys.path.insert(0, sys.argv[1]); import test_quant_portable; test_quant_portable.child_main()"
-    # First run compiles every type's kernels for the generic target (minutes on 2 busy cores).
+    # First run compiles every type's kernels for the child's target (minutes on 2 busy cores).
     done = subprocess.run([sys.executable, "-c", code, str(TESTS)], env=env, capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, done.stderr[-6000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
-    assert report["cpu"] == "generic"
-    assert report["int8_dot"] == "portable"
-    assert report["intrinsics"] == []
+    assert report["cpu"] == target["NUMBA_CPU_NAME"]
+    assert report["int8_dot"] == build
+    assert report["intrinsics"] == intrinsics
     assert report["checked"] == [f"{t.name}/{mode}" for mode in ("int8", "f32") for t in SUPPORTED]
 
 

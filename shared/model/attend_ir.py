@@ -17,7 +17,7 @@ the CPU does two); here they are SSA values.
 
 Scores take a chunk of 32 keys transposed (keys in the lanes: 16 keys × 16
 columns loaded, widened from f16, and transposed in registers at a time), so a
-tile of 8 query rows × 32 keys is 16 accumulators, each step one query element
+tile of Q_ROWS query rows × 32 keys is 2·Q_ROWS accumulators, each step one query element
 broadcast against two vectors of keys: no reduction across lanes for the
 products. The softmax step then works on those registers: the row's max and
 sum across its 32 lanes (fixed trees), exp on 16 lanes at a time.
@@ -49,13 +49,19 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ..quant._floatir import VecEmit
-from ..quant._q8ir import transpose16
+from ..quant._q8ir import WIDE_VECTORS, transpose16
 
 LANES = 16
 KEY_LANES = 32  # keys of a transposed chunk (two vectors): attend.KEY_CHUNK
-Q_ROWS = 8  # query rows of a score tile
+# Query rows of a score tile, and 16-lane vectors of a value tile's row kept in registers: a tile's
+# sums are Q_ROWS × 2 vectors, which fill 32 registers of 512 bits at 8 rows; with 256-bit AVX2
+# (16 registers, two a vector) or 128-bit NEON (32, four a vector) 8 rows spill to the stack,
+# and 2 rows, one value vector a row, ran a 512-token prompt block 1.8× faster on AVX2 (Zen 3:
+# 65.5 against 117.6 ms, bench/bench_attention.py --cached 512 --block 512). A row's numbers
+# do not depend on its tile.
+Q_ROWS = 8 if WIDE_VECTORS else 2
 PV_ROWS = Q_ROWS  # a value tile takes a score tile's rows and weights
-_V_PER_ROW = 2  # 16-lane vectors of a value tile's row kept in registers (32 columns at a time)
+_V_PER_ROW = 2 if WIDE_VECTORS else 1
 
 # exp: Cody–Waite range reduction x = n·ln2 + r, |r| ≤ ln2/2, and the degree-7 minimax polynomial
 # of Cephes' expf (relative error ~1 ulp on float32); 2^n is built in the exponent bits. Arguments
@@ -136,12 +142,16 @@ class _Emit(VecEmit):
             hi = [src * width + g + h + k for src, g in groups for k in range(h)]
             return take(x, y, lo), take(x, y, hi)
 
-        h = LANES // 2
+        n_rows, h = len(vs), LANES // 2
         while len(vs) > 1:  # 8 → 4 → 2 → 1 vectors: halves 8, 4, 2 lanes apart
             vs = [self.max(*halves(vs[2 * j], vs[2 * j + 1], h, LANES)) for j in range(len(vs) // 2)]
             h //= 2
-        lo = [2 * k for k in range(LANES // 2)]
-        return self.max(take(vs[0], vs[0], lo), take(vs[0], vs[0], [k + 1 for k in lo]))
+        v = vs[0]  # row i's 2h lanes at 2h·i
+        while h:  # within the vector: each row's halves h lanes apart, until a lane a row
+            lo = [2 * h * i + k for i in range(n_rows) for k in range(h)]
+            v = self.max(take(v, v, lo), take(v, v, [k + h for k in lo]))
+            h //= 2
+        return v
 
     def exp(self, x):
         """attend._exp on 16 lanes, operation for operation (the same numbers)."""
@@ -184,10 +194,10 @@ def _qk_softmax_typed(typingctx, q, qoff, lo, hi, nq, kt, d, scale, m, l, r0, al
     for the keys it sees and 0 for the others, and the row's sum kept as 16 lanes,
     l[16·(r0 + i) + k] = fma(l, alpha[i], p_k + p_{16+k}) (summed across lanes once, at the end).
     Nothing leaves the registers but the row's 32 weights and its m, l and alpha. m and l have
-    8 rows past the block's last (a partial tile writes there).
+    Q_ROWS rows past the block's last (a partial tile writes there).
 
-    The 8 rows' maxima come out of one transposed tree (`rows_max`: the pairs of `reduce`, 2 to
-    8 rows a max), so m, m' and alpha are 8-lane vectors; a tile whose rows all see all 32 keys
+    The rows' maxima come out of one transposed tree (`rows_max`: the pairs of `reduce`, 2 to
+    8 rows a max), so m, m' and alpha are Q_ROWS-lane vectors; a tile whose rows all see all 32 keys
     (most of a long prompt's) skips the masks. Both make the same numbers: a third fewer
     instructions after the score loop."""
 
@@ -212,7 +222,7 @@ def _qk_softmax_typed(typingctx, q, qoff, lo, hi, nq, kt, d, scale, m, l, r0, al
                 for u in range(2):
                     acc = accs[2 * i + u]
                     b.store(e.fma(qb, kv[u], b.load(acc)), acc)
-        # Straight-line code for all 8 rows (a partial tile's rows past nq repeat the last one and
+        # Straight-line code for all the tile's rows (a partial tile's rows past nq repeat the last one and
         # write only padding: m and l have 8 spare rows), so the core overlaps the rows' chains.
         sc = e.splat(args[7])
         minus_inf = e.vconst(float("-inf"))
@@ -222,7 +232,7 @@ def _qk_softmax_typed(typingctx, q, qoff, lo, hi, nq, kt, d, scale, m, l, r0, al
         row8 = ir.VectorType(_F32, Q_ROWS)
 
         def step(masked: bool):
-            """The softmax step of the 8 rows; unmasked where every row sees all 32 keys (a key
+            """The softmax step of the tile's rows; unmasked where every row sees all 32 keys (a key
             a row does not see is masked to −inf, then weighs 0: with none, no lane changes)."""
             seen, s = [], scores
             if masked:
@@ -236,7 +246,9 @@ def _qk_softmax_typed(typingctx, q, qoff, lo, hi, nq, kt, d, scale, m, l, r0, al
             top = e.rows_max([e.max(s[2 * i], s[2 * i + 1]) for i in range(Q_ROWS)])  # row i's in lane i
             m_old = b.load(b.bitcast(r0_at, row8.as_pointer()), align=4)
             m_new = b.select(b.fcmp_ordered(">", top, m_old), top, m_old)
-            step = e.b.shuffle_vector(b.fsub(m_old, m_new), ir.Constant(row8, [0.0] * Q_ROWS), _idx(list(range(LANES))))
+            step = e.b.shuffle_vector(
+                b.fsub(m_old, m_new), ir.Constant(row8, [0.0] * Q_ROWS), _idx(list(range(Q_ROWS)) + [Q_ROWS] * (LANES - Q_ROWS))
+            )
             shrink = e.b.shuffle_vector(e.exp(step), ir.Constant(_VEC, None), _idx(list(range(Q_ROWS))))  # exp(m − m')
             fresh = b.fcmp_ordered("==", m_new, ir.Constant(row8, [float("-inf")] * Q_ROWS))
             alpha = b.select(fresh, ir.Constant(row8, [1.0] * Q_ROWS), shrink)

@@ -41,6 +41,7 @@ from numba import njit, prange
 from ._common import E8M0_HALF, F16_TABLE
 from ._iqir import TABLES
 from ._q8ir import INT8_DOT, PACKED_UNIT, UNIT, bytes_at, pack_kernel, round_row, row_kernel, tile_kernel
+from ._q8ir import WIDE_VECTORS as _WIDE_VECTORS
 from .blocks import QK
 
 INT8_DOT = INT8_DOT  # re-exported: which build of the dot this process compiles ("vnni", "sdot" or "portable")
@@ -54,7 +55,10 @@ GEMM_ROWS = 4
 # keep 8 × (integer sum, accumulator, mins accumulator) and a block's 8 code vectors and 2
 # scale vectors in the 32 vector registers, and the tile's packed bytes (5 KB per 256
 # columns) are read once per 8 rows (4: the tile comes from L2 too often; 12: spills).
-TILE_TOKENS = 8
+# With AVX2's 16 registers of 256 bits, 4 (_q8ir._avx2_isums: a code vector against every row
+# in turn): one core, a Q4_K 768 × 2,048 in cache, 256 rows, 64-65 G multiply-adds/s against
+# 59-60 at 2 rows and ~55 at 8 (2026-12-05, Zen 3).
+TILE_TOKENS = 8 if _WIDE_VECTORS else 4
 # A call's last rows, when no more than half a tile is left, take a 4-row tile kernel: an
 # expert that 5, 12 or 20 tokens of a prompt route to computes 8, 12 and 20 rows, not 8, 16
 # and 24 (the zero rows were a quarter of a 512-token prompt's expert work).

@@ -43,7 +43,10 @@ aarch64 with the dot-product extension (FEAT_DotProd: HWCAP `asimddp`, LLVM `+do
 `INT8_DOT` = "sdot") it is four `llvm.aarch64.neon.sdot` on 16-byte quarters (i8·i8, sums
 of 4 into 4 int32 lanes each): codes below 128 go in as they are; u8 codes ≥ 128 go in as
 u xor 0x80 and 128·Σ4 xq (one more sdot against ones) is added back, so every build returns
-the same integer sums. Anywhere else (`INT8_DOT` = "portable", also forced by
+the same integer sums. On x86 with AVX2 but not AVX-512 VNNI (`INT8_DOT` = "avx2") the dot
+is `vpmaddubsw` (u8·i8 pairs into i16) and `vpmaddwd` against ones (i16 pairs into i32) per
+32-byte half, which no sum here can saturate (`_Emit._maddubs64` says why), and the code
+maps one `vpshufb` per half. Anywhere else (`INT8_DOT` = "portable", also forced by
 NUMBA_CPU_NAME=generic) both are target-independent IR (products in int32, pairwise adds;
 the code maps by arithmetic or selects): the same integer sums, only slower.
 
@@ -109,8 +112,13 @@ def _target_features() -> str:
 _FEATURES = set(_target_features().split(","))
 _VNNI = {"+avx512vnni", "+avx512bw"} <= _FEATURES
 _SDOT = _ARM and "+dotprod" in _FEATURES
+# AVX2 without VNNI (Zen 2/3, Haswell to Comet Lake): vpmaddubsw + vpmaddwd on 32-byte halves.
+_AVX2 = not _VNNI and not _ARM and "+avx2" in _FEATURES
 _F16C = "+f16c" in _FEATURES
-INT8_DOT = "vnni" if _VNNI else "sdot" if _SDOT else "portable"
+# 32 registers of 512 bits: the tiles that keep 16 vectors of 16 float lanes in registers (attention's
+# score and value tiles) size themselves by it.
+WIDE_VECTORS = "+avx512f" in _FEATURES
+INT8_DOT = "vnni" if _VNNI else "avx2" if _AVX2 else "sdot" if _SDOT else "portable"
 
 
 def _vec(n, bits=8):
@@ -218,6 +226,8 @@ class _Emit:
             return self.b.call(f, [acc, self.b.bitcast(u, _vec(16, 32)), self.b.bitcast(x, _vec(16, 32))])
         if _SDOT:
             return self.b.add(acc, self._sdot64(u, x, below128))
+        if _AVX2:
+            return self.b.add(acc, self._maddubs64(u, x, below128))
         p = self.b.mul(self.b.zext(u, _vec(64, 32)), self.b.sext(x, _vec(64, 32)))
         p = self.b.add(self.shuf(p, None, list(range(0, 64, 2))), self.shuf(p, None, list(range(1, 64, 2))))
         return self.b.add(acc, self.b.add(self.shuf(p, None, list(range(0, 32, 2))), self.shuf(p, None, list(range(1, 32, 2)))))
@@ -239,6 +249,43 @@ class _Emit:
         lo = self.shuf(quarters[0], quarters[1], list(range(8)))
         hi = self.shuf(quarters[2], quarters[3], list(range(8)))
         return self.shuf(lo, hi, list(range(16)))
+
+    def _maddubs64(self, u, x, below128: bool):
+        """dp on AVX2: per 32-byte half, vpmaddubsw (u8·i8, adjacent pairs summed into i16) then
+        vpmaddwd against ones (adjacent i16 pairs into i32): lane i = Σ of 4, as vpdpbusd. No i16
+        sum saturates: a pair is at most 2·127·128 in magnitude when u < 128 and x > −128 (the
+        activation's codes are in [−127, 127]). Codes ≥ 128 go in as q = u − 128 (u xor 0x80 as
+        i8): |q| against x·sign(q) (vpsignb), and 128·Σ4 x (ones against x) is added back."""
+        ub = self.fn("llvm.x86.avx2.pmadd.ub.sw", _vec(16, 16), [_vec(32), _vec(32)])
+        wd = self.fn("llvm.x86.avx2.pmadd.wd", _vec(8, 32), [_vec(16, 16), _vec(16, 16)])
+        ones = self.const(_vec(16, 16), 1)
+        halves = []
+        for k in range(2):
+            uk, xk = self.shuf(u, None, list(range(32 * k, 32 * k + 32))), self.shuf(x, None, list(range(32 * k, 32 * k + 32)))
+            if below128:
+                halves.append(self.b.call(wd, [self.b.call(ub, [uk, xk]), ones]))
+                continue
+            q = self.b.xor(uk, self.const(_vec(32), 0x80))
+            sign = self.fn("llvm.x86.avx2.psign.b", _vec(32), [_vec(32), _vec(32)])
+            absq = self.b.call(self.fn("llvm.abs.v32i8", _vec(32), [_vec(32), ir.IntType(1)]), [q, ir.Constant(ir.IntType(1), 0)])
+            d = self.b.call(wd, [self.b.call(ub, [absq, self.b.call(sign, [xk, q])]), ones])
+            s = self.b.call(wd, [self.b.call(ub, [self.const(_vec(32), 1), xk]), ones])
+            halves.append(self.b.add(d, self.b.shl(s, self.const(_vec(8, 32), 7))))
+        return self.shuf(halves[0], halves[1], list(range(16)))
+
+    def pshufb64(self, table: list[int], n):
+        """<64 x i8> indices (0..15) → table[n] by vpshufb (a 16-entry table per 128-bit lane), or
+        None where the target has no such instruction."""
+        if _VNNI:
+            f = self.fn("llvm.x86.avx512.pshuf.b.512", _vec(64), [_vec(64), _vec(64)])
+            return self.b.call(f, [self.const(_vec(64), table * 4), n])
+        if _AVX2:
+            f = self.fn("llvm.x86.avx2.pshuf.b", _vec(32), [_vec(32), _vec(32)])
+            lo, hi = (
+                self.b.call(f, [self.const(_vec(32), table * 2), self.shuf(n, None, list(range(32 * k, 32 * k + 32)))]) for k in range(2)
+            )
+            return self.shuf(lo, hi, list(range(64)))
+        return None
 
     def hsum(self, v):
         """Σ lanes of a float vector as the fixed halving tree (lane j + lane j + n/2, ...): `tree`'s order."""
@@ -284,6 +331,7 @@ class Layout:
     below128: bool  # every code < 128 (one sdot on aarch64)
     block_bytes: int  # > 0: the row is whole 32-blocks of this many bytes and may end in a part unit; 0: whole super-blocks
     decode: Callable  # (e, src, p, tab) → (codes, wsc, dmm | None)
+    code_max: int = 255  # the largest code u: how many u8·i8 pair sums an i16 holds (_avx2_isums)
 
     @property
     def lanes(self) -> int:
@@ -362,9 +410,9 @@ _IQ4_U = [_IQ4_OFFSET + v for v in IQ4_NL_VALUES]
 
 def _iq4_u(e: _Emit, n):
     """<64 x i8> codes (0..15) → code-book value + 128 (u8)."""
-    if _VNNI:  # one vpshufb: a 16-entry table per 128-bit lane
-        f = e.fn("llvm.x86.avx512.pshuf.b.512", _vec(64), [_vec(64), _vec(64)])
-        return e.b.call(f, [e.const(_vec(64), _IQ4_U * 4), n])
+    looked = e.pshufb64(_IQ4_U, n)
+    if looked is not None:
+        return looked
     out = e.const(_vec(64), _IQ4_U[0])  # any target: one select per code value
     for code in range(1, 16):
         out = e.b.select(e.b.icmp_unsigned("==", n, e.const(_vec(64), code)), e.const(_vec(64), _IQ4_U[code]), out)
@@ -415,10 +463,8 @@ def _unit_q8_0(e: _Emit, w, p, tab):
 
 def _fp4_u(e: _Emit, n):
     """<64 x i8> E2M1 codes (0..15) → 2·value + 12 (u8)."""
-    if _VNNI:  # one vpshufb: a 16-entry table per 128-bit lane
-        f = e.fn("llvm.x86.avx512.pshuf.b.512", _vec(64), [_vec(64), _vec(64)])
-        return e.b.call(f, [e.const(_vec(64), _FP4_U * 4), n])
-    return _fp4_u_arith(e.b, n)
+    looked = e.pshufb64(_FP4_U, n)
+    return looked if looked is not None else _fp4_u_arith(e.b, n)
 
 
 def _unit_mxfp4(e: _Emit, w, p, half):
@@ -448,11 +494,11 @@ def _unit_q5_0(e: _Emit, w, p, tab):
 
 LAYOUTS = {
     "Q8_0": Layout(8 * Q8_0_BYTES, QK, 128, False, False, Q8_0_BYTES, _unit_q8_0),
-    "Q5_0": Layout(8 * Q5_0_BYTES, QK, 16, False, True, Q5_0_BYTES, _unit_q5_0),
-    "MXFP4": Layout(8 * MXFP4_BYTES, QK, _FP4_OFFSET, False, True, MXFP4_BYTES, _unit_mxfp4),
-    "Q4_K": Layout(Q4_K_BYTES, QK, 0, True, True, 0, lambda e, w, p, tab: _unit_q45_k(e, w, p, codes_at=16, fifth_bit_at=None)),
-    "Q5_K": Layout(Q5_K_BYTES, QK, 0, True, True, 0, lambda e, w, p, tab: _unit_q45_k(e, w, p, codes_at=48, fifth_bit_at=16)),
-    "Q6_K": Layout(Q6_K_BYTES, 16, 32, False, True, 0, _unit_q6_k),
+    "Q5_0": Layout(8 * Q5_0_BYTES, QK, 16, False, True, Q5_0_BYTES, _unit_q5_0, 31),
+    "MXFP4": Layout(8 * MXFP4_BYTES, QK, _FP4_OFFSET, False, True, MXFP4_BYTES, _unit_mxfp4, 2 * _FP4_OFFSET),
+    "Q4_K": Layout(Q4_K_BYTES, QK, 0, True, True, 0, lambda e, w, p, tab: _unit_q45_k(e, w, p, codes_at=16, fifth_bit_at=None), 15),
+    "Q5_K": Layout(Q5_K_BYTES, QK, 0, True, True, 0, lambda e, w, p, tab: _unit_q45_k(e, w, p, codes_at=48, fifth_bit_at=16), 31),
+    "Q6_K": Layout(Q6_K_BYTES, 16, 32, False, True, 0, _unit_q6_k, 63),
     "IQ4_XS": Layout(IQ4_XS_BYTES, QK, _IQ4_OFFSET, False, False, 0, _unit_iq4_xs),
 }
 
@@ -527,6 +573,38 @@ class _Acts:
         e = self.e
         arr, shift = (self.bs32, _LOG2_QK) if lay.block == QK else (self.bs16, _LOG2_QK - 1)
         return e.load(arr, e.b.lshr(x, e.i64(shift)), _vec(n, 32) if n else _I32)
+
+
+def _avx2_isums(e: _Emit, lay: Layout, codes, xs):
+    """The tile kernel's block on AVX2: isum of every activation row (xs[i]: the row's block/4
+    broadcast activation words) against the 16 weight rows' codes (block/4 vectors), as <16 x i32>.
+
+    The dots go code vector by code vector, each against every row (a code vector is loaded
+    once for the rows, where row by row would keep all of them, 16 registers of the 16, live),
+    and each row's `vpmaddubsw` pair sums are added as i16 for as many dots as an i16 holds (a
+    pair is at most 2·code_max·127 in magnitude: 8 dots of Q4_K, 4 of Q5_K, 2 of Q6_K) before
+    one `vpmaddwd` against ones widens them. The same integers as `dp`."""
+    b = e.b
+    ub = e.fn("llvm.x86.avx2.pmadd.ub.sw", _vec(16, 16), [_vec(32), _vec(32)])
+    wd = e.fn("llvm.x86.avx2.pmadd.wd", _vec(8, 32), [_vec(16, 16), _vec(16, 16)])
+    ones = e.const(_vec(16, 16), 1)
+    halves = [list(range(32 * h, 32 * h + 32)) for h in range(2)]
+    run = max(1, 32767 // (2 * min(lay.code_max, 127) * 127))
+    wide: list[list] = [[None, None] for _ in xs]
+    for r0 in range(0, len(codes), run):
+        narrow: list[list] = [[None, None] for _ in xs]
+        for k in range(r0, min(r0 + run, len(codes))):
+            code = [e.shuf(codes[k], None, hv) for hv in halves]
+            for i, x in enumerate(xs):
+                xk = e.shuf(x[k], None, halves[0])
+                for h in range(2):
+                    p = b.call(ub, [code[h], xk])
+                    narrow[i][h] = p if narrow[i][h] is None else b.add(narrow[i][h], p)
+        for i in range(len(xs)):
+            for h in range(2):
+                w = b.call(wd, [narrow[i][h], ones])
+                wide[i][h] = w if wide[i][h] is None else b.add(wide[i][h], w)
+    return [e.shuf(lo, hi, list(range(16))) for lo, hi in wide]
 
 
 def _block_step(e: _Emit, isum, wsc, dx, acc):
@@ -706,12 +784,17 @@ def tile_kernel(name: str, nt: int):
                     codes = [e.load(buf_, b.add(cb, e.i64(64 * k)), _vec(64)) for k in range(nd)]
                     wsc = e.load(buf_, b.add(base, b.add(e.i64(16 * UNIT), b.mul(j, e.i64(64)))), v16)
                     xu = b.add(b.shl(ul.index, e.i64(8)), b.mul(j, e.i64(lay.block)))
+                    xs = [[e.splat_i32(e.load(xq_, b.add(b.add(xr, xu), e.i64(4 * k)), _I32)) for k in range(nd)] for xr in rows]
+                    isums = _avx2_isums(e, lay, codes, xs) if _AVX2 and lay.below128 else None
                     for i, xr in enumerate(rows):
                         x = b.add(xr, xu)
-                        ch = [zero16, zero16]
-                        for k in range(nd):
-                            ch[k % 2] = e.dp(ch[k % 2], codes[k], e.splat_i32(e.load(xq_, b.add(x, e.i64(4 * k)), _I32)), lay.below128)
-                        isum = b.add(ch[0], ch[1])
+                        if isums is not None:
+                            isum = isums[i]
+                        else:
+                            ch = [zero16, zero16]
+                            for k in range(nd):
+                                ch[k % 2] = e.dp(ch[k % 2], codes[k], xs[i][k], lay.below128)
+                            isum = b.add(ch[0], ch[1])
                         if lay.offset:
                             isum = b.sub(isum, _splat(b, b.mul(acts.bsum(lay, x, 0), ir.Constant(_I32, lay.offset)), 16))
                         dxs = _splat(b, e.load(dx_, b.lshr(x, e.i64(_LOG2_QK)), _F32), 16)

@@ -73,9 +73,12 @@ IR_REVISION = 4
 # (the score tile takes them transposed: 32 keys are its two vectors).
 KEY_CHUNK = KEY_LANES
 # A decode step over at least this many keys splits its kv heads across threads (the
-# same per-head work, so the same numbers): ~1 ms a layer at 3k positions on one core,
-# where a parallel region costs a few µs.
-PARALLEL_DECODE_KEYS = 1024
+# same per-head work, so the same numbers): ~1 ms a layer at 3k positions on one core of
+# the AVX-512 host, and on a Zen 3 (AVX2) 0.56 ms at 512 positions, its keys and values
+# coming from DRAM between the layers' weights, where a parallel region costs a few µs.
+# From 1,024 to 128 keys took that decode step's attention 4.6 → 2.4 ms a token
+# (qwen30b-shape L8, 512 positions, 8 layers, two runs each, 2026-12-05).
+PARALLEL_DECODE_KEYS = 256
 # Query rows (tokens × the kv head's G query heads) a prompt block aims at: enough to reuse each
 # converted key row many times, few enough that the block's scores (rows × keys × 4 B) stay in L2
 # for prompts of a few thousand tokens.

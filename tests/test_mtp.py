@@ -148,6 +148,9 @@ def with_the_conversation(history) -> np.ndarray:
     return np.union1d(np.arange(SUBSET), np.asarray(history))
 
 
+# In the slow tier on every family (~26 s of the default tier on a 2-core AVX2 host); the
+# default tier keeps the block's drafts and its sampled output on qwen35moe
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", MTP_FAMILIES)
 def test_subset_drafts_are_the_block_restricted_to_the_subset_and_keep_the_output(mtp_file, arch):
     """compute.draft_vocab SUBSET, two requests on one session as above: every proposal is the

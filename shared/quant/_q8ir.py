@@ -250,26 +250,36 @@ class _Emit:
         hi = self.shuf(quarters[2], quarters[3], list(range(8)))
         return self.shuf(lo, hi, list(range(16)))
 
+    def half32(self, v, h: int):
+        """Bytes 32h .. 32h + 31 of a <64 x i8> (an AVX2 register's worth)."""
+        return self.shuf(v, None, list(range(32 * h, 32 * h + 32)))
+
+    def maddubs(self, u, x):
+        """vpmaddubsw: <32 x i8> u8 u against i8 x, adjacent products summed into <16 x i16>."""
+        return self.b.call(self.fn("llvm.x86.avx2.pmadd.ub.sw", _vec(16, 16), [_vec(32), _vec(32)]), [u, x])
+
+    def widen_pairs(self, s16):
+        """vpmaddwd against ones: adjacent i16 lanes summed into <8 x i32>."""
+        f = self.fn("llvm.x86.avx2.pmadd.wd", _vec(8, 32), [_vec(16, 16), _vec(16, 16)])
+        return self.b.call(f, [s16, self.const(_vec(16, 16), 1)])
+
     def _maddubs64(self, u, x, below128: bool):
         """dp on AVX2: per 32-byte half, vpmaddubsw (u8·i8, adjacent pairs summed into i16) then
         vpmaddwd against ones (adjacent i16 pairs into i32): lane i = Σ of 4, as vpdpbusd. No i16
         sum saturates: a pair is at most 2·127·128 in magnitude when u < 128 and x > −128 (the
         activation's codes are in [−127, 127]). Codes ≥ 128 go in as q = u − 128 (u xor 0x80 as
         i8): |q| against x·sign(q) (vpsignb), and 128·Σ4 x (ones against x) is added back."""
-        ub = self.fn("llvm.x86.avx2.pmadd.ub.sw", _vec(16, 16), [_vec(32), _vec(32)])
-        wd = self.fn("llvm.x86.avx2.pmadd.wd", _vec(8, 32), [_vec(16, 16), _vec(16, 16)])
-        ones = self.const(_vec(16, 16), 1)
         halves = []
         for k in range(2):
-            uk, xk = self.shuf(u, None, list(range(32 * k, 32 * k + 32))), self.shuf(x, None, list(range(32 * k, 32 * k + 32)))
+            uk, xk = self.half32(u, k), self.half32(x, k)
             if below128:
-                halves.append(self.b.call(wd, [self.b.call(ub, [uk, xk]), ones]))
+                halves.append(self.widen_pairs(self.maddubs(uk, xk)))
                 continue
             q = self.b.xor(uk, self.const(_vec(32), 0x80))
             sign = self.fn("llvm.x86.avx2.psign.b", _vec(32), [_vec(32), _vec(32)])
             absq = self.b.call(self.fn("llvm.abs.v32i8", _vec(32), [_vec(32), ir.IntType(1)]), [q, ir.Constant(ir.IntType(1), 0)])
-            d = self.b.call(wd, [self.b.call(ub, [absq, self.b.call(sign, [xk, q])]), ones])
-            s = self.b.call(wd, [self.b.call(ub, [self.const(_vec(32), 1), xk]), ones])
+            d = self.widen_pairs(self.maddubs(absq, self.b.call(sign, [xk, q])))
+            s = self.widen_pairs(self.maddubs(self.const(_vec(32), 1), xk))
             halves.append(self.b.add(d, self.b.shl(s, self.const(_vec(8, 32), 7))))
         return self.shuf(halves[0], halves[1], list(range(16)))
 
@@ -281,9 +291,7 @@ class _Emit:
             return self.b.call(f, [self.const(_vec(64), table * 4), n])
         if _AVX2:
             f = self.fn("llvm.x86.avx2.pshuf.b", _vec(32), [_vec(32), _vec(32)])
-            lo, hi = (
-                self.b.call(f, [self.const(_vec(32), table * 2), self.shuf(n, None, list(range(32 * k, 32 * k + 32)))]) for k in range(2)
-            )
+            lo, hi = (self.b.call(f, [self.const(_vec(32), table * 2), self.half32(n, k)]) for k in range(2))
             return self.shuf(lo, hi, list(range(64)))
         return None
 
@@ -585,24 +593,20 @@ def _avx2_isums(e: _Emit, lay: Layout, codes, xs):
     pair is at most 2·code_max·127 in magnitude: 8 dots of Q4_K, 4 of Q5_K, 2 of Q6_K) before
     one `vpmaddwd` against ones widens them. The same integers as `dp`."""
     b = e.b
-    ub = e.fn("llvm.x86.avx2.pmadd.ub.sw", _vec(16, 16), [_vec(32), _vec(32)])
-    wd = e.fn("llvm.x86.avx2.pmadd.wd", _vec(8, 32), [_vec(16, 16), _vec(16, 16)])
-    ones = e.const(_vec(16, 16), 1)
-    halves = [list(range(32 * h, 32 * h + 32)) for h in range(2)]
     run = max(1, 32767 // (2 * min(lay.code_max, 127) * 127))
     wide: list[list] = [[None, None] for _ in xs]
     for r0 in range(0, len(codes), run):
         narrow: list[list] = [[None, None] for _ in xs]
         for k in range(r0, min(r0 + run, len(codes))):
-            code = [e.shuf(codes[k], None, hv) for hv in halves]
+            code = [e.half32(codes[k], h) for h in range(2)]
             for i, x in enumerate(xs):
-                xk = e.shuf(x[k], None, halves[0])
+                xk = e.half32(x[k], 0)  # the broadcast word: both halves alike
                 for h in range(2):
-                    p = b.call(ub, [code[h], xk])
+                    p = e.maddubs(code[h], xk)
                     narrow[i][h] = p if narrow[i][h] is None else b.add(narrow[i][h], p)
         for i in range(len(xs)):
             for h in range(2):
-                w = b.call(wd, [narrow[i][h], ones])
+                w = e.widen_pairs(narrow[i][h])
                 wide[i][h] = w if wide[i][h] is None else b.add(wide[i][h], w)
     return [e.shuf(lo, hi, list(range(16))) for lo, hi in wide]
 

@@ -56,20 +56,22 @@ GEMM_ROWS = 4
 # scale vectors in the 32 vector registers, and the tile's packed bytes (5 KB per 256
 # columns) are read once per 8 rows (4: the tile comes from L2 too often; 12: spills).
 # With AVX2's 16 registers of 256 bits, 4 (_q8ir._avx2_isums: a code vector against every row
-# in turn): one core, a Q4_K 768 × 2,048 in cache, 256 rows, 64-65 G multiply-adds/s against
-# 59-60 at 2 rows and ~55 at 8 (2026-12-05, Zen 3).
+# in turn, the rows' accumulators in memory): one core, a Q4_K 768 × 2,048 in cache, 512 rows,
+# 82-85 G multiply-adds/s against 68-70 at 2 rows and 71 at 8 (2026-12-06, Zen 3).
 TILE_TOKENS = 8 if _WIDE_VECTORS else 4
 # A call's last rows, when no more than half a tile is left, take a 4-row tile kernel: an
 # expert that 5, 12 or 20 tokens of a prompt route to computes 8, 12 and 20 rows, not 8, 16
 # and 24 (the zero rows were a quarter of a 512-token prompt's expert work).
 HALF_TILE = TILE_TOKENS // 2
 # A GEMM takes its activation rows in blocks of about this many int8 bytes, every weight tile
-# sweeping one block before the next, so the block stays in the core's L2 (1 MB here) while
-# 16 weight rows at a time pass over it; each block repacks the tiles again (~1 µs a tile of
-# 16 × 2,048, against ~0.1 ms of products per 256 rows). Without it a whole prompt's rows
-# (3,600 × 2,048 bytes) stream from L3 or DRAM once per tile, and a projection's products ran
-# at 0.7 of the expert GEMM's rate (77 against 112 G multiply-adds/s a core, 2026-12-03).
-ROW_BLOCK_BYTES = 1 << 19
+# sweeping one block before the next, so the block stays in the core's L2 while 16 weight rows
+# at a time pass over it; each block repacks the tiles again (~4 µs a tile of 16 × 2,048 on
+# AVX2, against ~0.4 ms of products per 128 rows). Without it a whole prompt's rows (3,600 ×
+# 2,048 bytes) stream from L3 or DRAM once per tile, and a projection's products ran at 0.7 of
+# the expert GEMM's rate (77 against 112 G multiply-adds/s a core, 2026-12-03). Half of the
+# smaller L2 we run on (Zen 3's 512 KB; 1 MB on the VNNI hosts): at the whole 512 KB a Zen 3
+# core's 2,048-row GEMM ran at 141 G multiply-adds/s on two cores against 150 (2026-12-06).
+ROW_BLOCK_BYTES = 1 << 18
 
 # ---- activation quantization ---------------------------------------------
 
@@ -101,17 +103,26 @@ def _round(X):
     return _round_to(X, (X.shape[0] + TILE_TOKENS - 1) // TILE_TOKENS * TILE_TOKENS)
 
 
+@njit(cache=True, boundscheck=False, error_model="numpy", nogil=True)
+def _zeroed_acts(n):
+    """The rounded activation's arrays for n int8 elements, zeroed. A function of its own, not
+    inlined into the parallel drivers: there numba turns each np.zeros into a parallel loop
+    of its own, five thread launches a call (7 µs of a 16-row matvec's 12, 2026-12-06)."""
+    return (
+        np.zeros(n, np.int8),
+        np.zeros(n // QK, np.float32),
+        np.zeros(n // (QK // 2), np.int32),
+        np.zeros(n // QK, np.int32),
+        np.zeros(n // QK, np.float32),
+    )
+
+
 @njit(inline="always")
 def _round_to(X, rows):
     """_round with `rows` rows in all (X's, then zero rows)."""
     T, C = X.shape
     cp = (C + UNIT - 1) // UNIT * UNIT
-    n = rows * cp
-    xq = np.zeros(n, np.int8)
-    dx = np.zeros(n // QK, np.float32)
-    bs16 = np.zeros(n // (QK // 2), np.int32)
-    bs32 = np.zeros(n // QK, np.int32)
-    xs32 = np.zeros(n // QK, np.float32)
+    xq, dx, bs16, bs32, xs32 = _zeroed_acts(rows * cp)
     if T < _PARALLEL_ROUNDING_ROWS:
         for t in range(T):
             _round_row(X, t * C, C, xq, t * cp, dx, bs16, bs32, xs32)

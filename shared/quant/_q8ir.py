@@ -583,31 +583,45 @@ class _Acts:
         return e.load(arr, e.b.lshr(x, e.i64(shift)), _vec(n, 32) if n else _I32)
 
 
-def _avx2_isums(e: _Emit, lay: Layout, codes, xs):
-    """The tile kernel's block on AVX2: isum of every activation row (xs[i]: the row's block/4
-    broadcast activation words) against the 16 weight rows' codes (block/4 vectors), as <16 x i32>.
+def _barrier(e: _Emit):
+    """An empty asm statement that may read or write memory: LLVM moves no load or store across
+    it (nothing is emitted). It keeps the AVX2 tile's loads next to their uses, where LLVM's
+    scheduler would hoist a block's loads to its start and spill what they filled."""
+    e.b.asm(ir.FunctionType(ir.VoidType(), []), "", "~{memory}", [], True)
+
+
+def _avx2_isums(e: _Emit, lay: Layout, code_at, x_at, nt: int):
+    """The tile kernel's block on AVX2: isum of every activation row (x_at(i, k): row i's k-th
+    activation word, broadcast) against the 16 weight rows' codes (code_at(k): block/4 vectors),
+    as <16 x i32> per row.
 
     The dots go code vector by code vector, each against every row (a code vector is loaded
     once for the rows, where row by row would keep all of them, 16 registers of the 16, live),
     and each row's `vpmaddubsw` pair sums are added as i16 for as many dots as an i16 holds (a
     pair is at most 2·code_max·127 in magnitude: 8 dots of Q4_K, 4 of Q5_K, 2 of Q6_K) before
-    one `vpmaddwd` against ones widens them. The same integers as `dp`."""
+    one `vpmaddwd` against ones widens them. A code vector's loads and its rows' activation
+    words sit between barriers, so the registers live are the rows' sums, one code vector and
+    one word. The same integers as `dp`."""
     b = e.b
+    nd = lay.block // 4
     run = max(1, 32767 // (2 * min(lay.code_max, 127) * 127))
-    wide: list[list] = [[None, None] for _ in xs]
-    for r0 in range(0, len(codes), run):
-        narrow: list[list] = [[None, None] for _ in xs]
-        for k in range(r0, min(r0 + run, len(codes))):
-            code = [e.half32(codes[k], h) for h in range(2)]
-            for i, x in enumerate(xs):
-                xk = e.half32(x[k], 0)  # the broadcast word: both halves alike
+    wide: list[list] = [[None, None] for _ in range(nt)]
+    for r0 in range(0, nd, run):
+        narrow: list[list] = [[None, None] for _ in range(nt)]
+        for k in range(r0, min(r0 + run, nd)):
+            _barrier(e)
+            codes = code_at(k)
+            code = [e.half32(codes, h) for h in range(2)]
+            for i in range(nt):
+                xk = e.half32(x_at(i, k), 0)  # the broadcast word: both halves alike
                 for h in range(2):
                     p = e.maddubs(code[h], xk)
                     narrow[i][h] = p if narrow[i][h] is None else b.add(narrow[i][h], p)
-        for i in range(len(xs)):
+        for i in range(nt):
             for h in range(2):
                 w = e.widen_pairs(narrow[i][h])
                 wide[i][h] = w if wide[i][h] is None else b.add(wide[i][h], w)
+    _barrier(e)
     return [e.shuf(lo, hi, list(range(16))) for lo, hi in wide]
 
 
@@ -778,18 +792,34 @@ def tile_kernel(name: str, nt: int):
             accs = [cgutils.alloca_once(b, v16) for _ in range(nt * (2 if lay.mins else 1))]
             zero16 = ir.Constant(_vec(16, 32), [0] * 16)
             rows = [xo_ if i == 0 else b.add(xo_, b.mul(cs_, e.i64(i))) for i in range(nt)]
+            avx2 = _AVX2 and lay.below128
             with cgutils.for_range(b, e.i64(L)) as jl:
                 j = jl.index
-                for a in accs:
-                    b.store(ir.Constant(v16, [0.0] * 16), a)
+
+                def acc_at(a, j=j):
+                    """Accumulator a for lane j. On AVX2 a row's block sums go to its slot of `sums`,
+                    kept in memory: the barriers stop LLVM from holding it in one of the 16 registers
+                    the dots need. The mins' (a ≥ nt) stay in registers: their loop is a chain of
+                    multiply-adds, which through memory would wait for each store to be read back."""
+                    return b.gep(sums, [b.add(b.mul(e.i64(a), e.i64(L)), j)]) if avx2 and a < nt else accs[a]
+
+                for a in range(len(accs)):
+                    b.store(ir.Constant(v16, [0.0] * 16), acc_at(a))
                 with cgutils.for_range(b, nu_) as ul:
                     base = b.mul(ul.index, e.i64(PACKED_UNIT))
                     cb = b.add(base, b.mul(j, e.i64(16 * lay.block)))
-                    codes = [e.load(buf_, b.add(cb, e.i64(64 * k)), _vec(64)) for k in range(nd)]
-                    wsc = e.load(buf_, b.add(base, b.add(e.i64(16 * UNIT), b.mul(j, e.i64(64)))), v16)
                     xu = b.add(b.shl(ul.index, e.i64(8)), b.mul(j, e.i64(lay.block)))
-                    xs = [[e.splat_i32(e.load(xq_, b.add(b.add(xr, xu), e.i64(4 * k)), _I32)) for k in range(nd)] for xr in rows]
-                    isums = _avx2_isums(e, lay, codes, xs) if _AVX2 and lay.below128 else None
+
+                    def code_at(k, cb=cb):
+                        return e.load(buf_, b.add(cb, e.i64(64 * k)), _vec(64))
+
+                    def x_at(i, k, xu=xu):
+                        return e.splat_i32(e.load(xq_, b.add(b.add(rows[i], xu), e.i64(4 * k)), _I32))
+
+                    isums = _avx2_isums(e, lay, code_at, x_at, nt) if avx2 else None
+                    codes = None if avx2 else [code_at(k) for k in range(nd)]
+                    xs = None if avx2 else [[x_at(i, k) for k in range(nd)] for i in range(nt)]
+                    wsc = e.load(buf_, b.add(base, b.add(e.i64(16 * UNIT), b.mul(j, e.i64(64)))), v16)
                     for i, xr in enumerate(rows):
                         x = b.add(xr, xu)
                         if isums is not None:
@@ -802,7 +832,7 @@ def tile_kernel(name: str, nt: int):
                         if lay.offset:
                             isum = b.sub(isum, _splat(b, b.mul(acts.bsum(lay, x, 0), ir.Constant(_I32, lay.offset)), 16))
                         dxs = _splat(b, e.load(dx_, b.lshr(x, e.i64(_LOG2_QK)), _F32), 16)
-                        b.store(_block_step(e, isum, wsc, dxs, b.load(accs[i])), accs[i])
+                        b.store(_block_step(e, isum, wsc, dxs, b.load(acc_at(i))), acc_at(i))
                 if lay.mins:
                     # the mins' chains in a loop of their own: the same operations in the same
                     # order per chain, and the code loop keeps its registers (no spills)
@@ -812,9 +842,10 @@ def tile_kernel(name: str, nt: int):
                         xu = b.add(b.shl(ul.index, e.i64(8)), b.mul(j, e.i64(lay.block)))
                         for i, xr in enumerate(rows):
                             x32 = b.lshr(b.add(xr, xu), e.i64(_LOG2_QK))
-                            b.store(e.fma(dmm, _splat(b, e.load(xs32_, x32, _F32), 16), b.load(accs[nt + i])), accs[nt + i])
+                            b.store(e.fma(dmm, _splat(b, e.load(xs32_, x32, _F32), 16), b.load(acc_at(nt + i))), acc_at(nt + i))
                 for a, acc in enumerate(accs):
-                    b.store(b.load(acc), b.gep(sums, [b.add(b.mul(e.i64(a), e.i64(L)), j)]))
+                    if acc_at(a) is acc:
+                        b.store(b.load(acc), b.gep(sums, [b.add(b.mul(e.i64(a), e.i64(L)), j)]))
             for i in range(nt):
                 r = e.tree([b.load(b.gep(sums, [e.i64(i * L + j)])) for j in range(L)])
                 if lay.mins:

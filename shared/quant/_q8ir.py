@@ -553,20 +553,40 @@ def _units(e: _Emit, lay: Layout, nb, body):
     activation's zero padding are 0), so they leave every accumulator as it was.
     """
     b = e.b
-    full = b.lshr(nb, e.i64(3))
 
     def run(w, o):
-        with cgutils.for_range(b, full) as loop:
+        with cgutils.for_range(b, b.lshr(nb, e.i64(3))) as loop:
             body(w, b.add(o, b.mul(loop.index, e.i64(lay.unit_bytes))), loop.index)
         if lay.block_bytes:
-            rem = b.and_(nb, e.i64(7))
-            with b.if_then(b.icmp_unsigned("!=", rem, e.i64(0)), likely=False):
-                tmp = b.bitcast(cgutils.alloca_once(b, ir.ArrayType(_I8, lay.unit_bytes)), _I8.as_pointer())
-                cgutils.memset(b, tmp, e.i64(lay.unit_bytes), 0)
-                cgutils.raw_memcpy(b, tmp, b.gep(w, [b.add(o, b.mul(full, e.i64(lay.unit_bytes)))]), b.mul(rem, e.i64(lay.block_bytes)), 1)
-                body(tmp, e.i64(0), full)
+            with b.if_then(b.icmp_unsigned("!=", b.and_(nb, e.i64(7)), e.i64(0)), likely=False):
+                _part_unit(e, lay, nb, w, o, body)
 
     return run
+
+
+def _part_unit(e: _Emit, lay: Layout, nb, w, o, body):
+    """body(tmp, 0, u) for the last unit of a row of a 32-block type that ends in a part unit
+    (nb % 8 blocks of it at unit u = nb // 8), copied into a zeroed unit (see _units)."""
+    b = e.b
+    full = b.lshr(nb, e.i64(3))
+    tmp = b.bitcast(cgutils.alloca_once(b, ir.ArrayType(_I8, lay.unit_bytes)), _I8.as_pointer())
+    cgutils.memset(b, tmp, e.i64(lay.unit_bytes), 0)
+    src = b.gep(w, [b.add(o, b.mul(full, e.i64(lay.unit_bytes)))])
+    cgutils.raw_memcpy(b, tmp, src, b.mul(b.and_(nb, e.i64(7)), e.i64(lay.block_bytes)), 1)
+    body(tmp, e.i64(0), full)
+
+
+def _unit(e: _Emit, lay: Layout, nb, w, o, u, body):
+    """body(src, p, u) for unit u of the row at byte o of w (nb 32-blocks): as _units does it."""
+    b = e.b
+    if not lay.block_bytes:
+        body(w, b.add(o, b.mul(u, e.i64(lay.unit_bytes))), u)
+        return
+    with b.if_else(b.icmp_unsigned("<", u, b.lshr(nb, e.i64(3))), likely=True) as (whole, part):
+        with whole:
+            body(w, b.add(o, b.mul(u, e.i64(lay.unit_bytes))), u)
+        with part:
+            _part_unit(e, lay, nb, w, o, body)
 
 
 class _Acts:
@@ -725,37 +745,35 @@ def pack_kernel(name: str):
             e, (w_, tab_, buf_), (stride_, r0_, R_, nb_) = _codegen_args(context, builder, sig, args, (0, 5, 6), (1, 2, 3, 4))
             b = e.b
             last = b.sub(R_, e.i64(1))
-
-            def at(off, ty):
-                return b.bitcast(b.gep(buf_, [off]), ty.as_pointer())
-
-            # pass 1: each row's units decoded, staged row by row in the unit's own space
-            with cgutils.for_range(b, e.i64(16)) as rl:
-                r = rl.index
-                row = b.add(r0_, r)
-                row = b.select(b.icmp_signed("<", row, last), row, last)
-
-                def stage(src, p, u, r=r):
-                    codes, wsc, dmm = lay.decode(e, src, p, tab_)
-                    base = b.mul(u, e.i64(PACKED_UNIT))
-                    for c in range(CODE_VECTORS):
-                        b.store(codes[c], at(b.add(base, b.add(b.mul(r, e.i64(UNIT)), e.i64(64 * c))), _vec(64)), align=1)
-                    sc = wsc if L == 16 else e.shuf(wsc, dmm, list(range(16))) if lay.mins else e.shuf(wsc, None, list(range(8)) * 2)
-                    b.store(sc, at(b.add(base, b.add(e.i64(16 * UNIT), b.mul(r, e.i64(64)))), _fvec(16)), align=1)
-
-                _units(e, lay, nb_, stage)(w_, b.mul(row, stride_))
-            # pass 2: each unit transposed through a stack copy, rows into lanes
+            # A unit at a time: its 16 rows decoded into a stack copy (in L1), then transposed
+            # from there into buf, rows into lanes.
             st = b.bitcast(cgutils.alloca_once(b, ir.ArrayType(_I8, PACKED_UNIT)), _I8.as_pointer())
+
+            def at(base, off, ty):
+                return b.bitcast(b.gep(base, [off]), ty.as_pointer())
+
             with cgutils.for_range(b, b.lshr(b.add(nb_, e.i64(7)), e.i64(3))) as ul:
+                with cgutils.for_range(b, e.i64(16)) as rl:
+                    r = rl.index
+                    row = b.add(r0_, r)
+                    row = b.select(b.icmp_signed("<", row, last), row, last)
+
+                    def stage(src, p, u, r=r):
+                        codes, wsc, dmm = lay.decode(e, src, p, tab_)
+                        for c in range(CODE_VECTORS):
+                            b.store(codes[c], at(st, b.add(b.mul(r, e.i64(UNIT)), e.i64(64 * c)), _vec(64)), align=1)
+                        sc = wsc if L == 16 else e.shuf(wsc, dmm, list(range(16))) if lay.mins else e.shuf(wsc, None, list(range(8)) * 2)
+                        b.store(sc, at(st, b.add(e.i64(16 * UNIT), b.mul(r, e.i64(64))), _fvec(16)), align=1)
+
+                    _unit(e, lay, nb_, w_, b.mul(row, stride_), ul.index, stage)
                 base = b.mul(ul.index, e.i64(PACKED_UNIT))
-                cgutils.raw_memcpy(b, st, b.gep(buf_, [base]), e.i64(PACKED_UNIT), 1)
                 for c in range(CODE_VECTORS):
                     vs = [e.load(st, e.i64(UNIT * rr + 64 * c), _vec(16, 32)) for rr in range(16)]
                     for k, v in enumerate(transpose16(e.b, vs)):
-                        b.store(v, at(b.add(base, e.i64(1024 * c + 64 * k)), _vec(16, 32)), align=1)
+                        b.store(v, at(buf_, b.add(base, e.i64(1024 * c + 64 * k)), _vec(16, 32)), align=1)
                 vs = [e.load(st, e.i64(16 * UNIT + 64 * rr), _vec(16, 32)) for rr in range(16)]
                 for k, v in enumerate(transpose16(e.b, vs)[: L if not lay.mins else 16]):
-                    b.store(v, at(b.add(base, e.i64(16 * UNIT + 64 * k)), _vec(16, 32)), align=1)
+                    b.store(v, at(buf_, b.add(base, e.i64(16 * UNIT + 64 * k)), _vec(16, 32)), align=1)
             return context.get_dummy_value()
 
         return types.void(w, stride, r0, R, nb, tab, buf), codegen

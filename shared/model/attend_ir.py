@@ -279,9 +279,12 @@ def _qk_softmax_typed(typingctx, q, qoff, lo, hi, nq, kt, d, scale, m, l, r0, al
 
 
 def _row_reader(e: _Emit, sig, args, ki: int, hi_: int, base_i: int):
-    """A function (j, column) → the 16 elements of row (j − base) mod cap of kv head h from
-    that column, widened to float32 (k [Hk, cap, d] at args[ki], f32 or f16 bits, any strides but
-    a contiguous row); and the row width d."""
+    """Two functions over k [Hk, cap, d] at args[ki] (f32 or f16 bits, any strides but a contiguous
+    row) for kv head h: row_at(j), the byte offset of position j's row ((j − base) mod cap), and
+    read(at, column), the 16 elements of the row at `at` from that column, widened to float32;
+    and the row width d. A row's offset is a division (the ring): its callers take it once a
+    row, outside their loops over the columns (per 16 columns it was a third of a decode step's
+    attention, 2026-12-06)."""
     b = e.b
     half = sig.args[ki].dtype == types.uint16
     karr = e.context.make_array(sig.args[ki])(e.context, b, args[ki])
@@ -291,13 +294,16 @@ def _row_reader(e: _Emit, sig, args, ki: int, hi_: int, base_i: int):
     h_, base_ = e.cast(sig, args, hi_), e.cast(sig, args, base_i)
     src_vec = ir.VectorType(ir.IntType(16) if half else _F32, LANES)
 
-    def read(j, column):
-        row = b.urem(b.sub(j, base_), cap)
-        at = b.add(b.add(b.mul(h_, s0), b.mul(row, s1)), b.mul(column, e.i64(2 if half else 4)))
-        raw = b.load(b.bitcast(b.gep(kp, [at]), src_vec.as_pointer()), align=2 if half else 4)
+    def row_at(j):
+        return b.add(b.mul(h_, s0), b.mul(b.urem(b.sub(j, base_), cap), s1))
+
+    def read(at, column):
+        raw = b.load(
+            b.bitcast(b.gep(kp, [b.add(at, b.mul(column, e.i64(2 if half else 4)))]), src_vec.as_pointer()), align=2 if half else 4
+        )
         return b.fpext(b.bitcast(raw, ir.VectorType(ir.HalfType(), LANES)), _VEC) if half else raw
 
-    return read, d
+    return row_at, read, d
 
 
 def _keys_t_typed(typingctx, k, h, c0, a, c1, base, kt):
@@ -309,7 +315,7 @@ def _keys_t_typed(typingctx, k, h, c0, a, c1, base, kt):
     def codegen(context, builder, sig, args):
         e = _Emit(context, builder)
         b = builder
-        read, d = _row_reader(e, sig, args, 0, 1, 5)
+        row_at, read, d = _row_reader(e, sig, args, 0, 1, 5)
         tp = e.ptr(sig.args[6], args[6])
         c0_, a_, c1_ = (e.cast(sig, args, i) for i in (2, 3, 4))
         zero = ir.Constant(_VEC, [0.0] * LANES)
@@ -320,7 +326,7 @@ def _keys_t_typed(typingctx, k, h, c0, a, c1, base, kt):
                 for r in range(LANES):
                     j = b.add(c0_, e.i64(LANES * g + r))
                     held = b.and_(b.icmp_signed("<=", a_, j), b.icmp_signed("<", j, c1_))
-                    vs.append(b.select(held, read(b.select(held, j, a_), cb), zero))
+                    vs.append(b.select(held, read(row_at(b.select(held, j, a_)), cb), zero))
                 for r, v in enumerate(transpose16(b, vs)):
                     e.store_vec(v, tp, b.add(b.mul(b.add(cb, e.i64(r)), e.i64(KEY_LANES)), e.i64(LANES * g)))
         return context.get_dummy_value()
@@ -335,15 +341,15 @@ def _values_f32_typed(typingctx, v, h, c0, a, c1, base, rows, dv):
     def codegen(context, builder, sig, args):
         e = _Emit(context, builder)
         b = builder
-        read, _ = _row_reader(e, sig, args, 0, 1, 5)
+        row_at, read, _ = _row_reader(e, sig, args, 0, 1, 5)
         rp, dv = e.ptr(sig.args[6], args[6]), e.cast(sig, args, 7)
         c0_, a_, c1_ = (e.cast(sig, args, i) for i in (2, 3, 4))
         with cgutils.for_range(b, b.sub(c1_, a_)) as rl:
             j = b.add(a_, rl.index)
-            out = b.mul(b.sub(j, c0_), dv)
+            out, at = b.mul(b.sub(j, c0_), dv), row_at(j)
             with cgutils.for_range(b, b.udiv(dv, e.i64(LANES))) as loop:
                 cb = b.mul(loop.index, e.i64(LANES))
-                e.store_vec(read(j, cb), rp, b.add(out, cb))
+                e.store_vec(read(at, cb), rp, b.add(out, cb))
         return context.get_dummy_value()
 
     return types.void(v, h, c0, a, c1, base, rows, dv), codegen

@@ -263,6 +263,14 @@ class _Emit:
         f = self.fn("llvm.x86.avx2.pmadd.wd", _vec(8, 32), [_vec(16, 16), _vec(16, 16)])
         return self.b.call(f, [s16, self.const(_vec(16, 16), 1)])
 
+    def abs8(self, q):
+        """vpabsb: |q| of <32 x i8> lanes, as u8 (|−128| is 128)."""
+        return self.b.call(self.fn("llvm.abs.v32i8", _vec(32), [_vec(32), ir.IntType(1)]), [q, ir.Constant(ir.IntType(1), 0)])
+
+    def sign8(self, x, q):
+        """vpsignb: x · sign(q) per <32 x i8> lane (0 where q is 0)."""
+        return self.b.call(self.fn("llvm.x86.avx2.psign.b", _vec(32), [_vec(32), _vec(32)]), [x, q])
+
     def _maddubs64(self, u, x, below128: bool):
         """dp on AVX2: per 32-byte half, vpmaddubsw (u8·i8, adjacent pairs summed into i16) then
         vpmaddwd against ones (adjacent i16 pairs into i32): lane i = Σ of 4, as vpdpbusd. No i16
@@ -276,9 +284,7 @@ class _Emit:
                 halves.append(self.widen_pairs(self.maddubs(uk, xk)))
                 continue
             q = self.b.xor(uk, self.const(_vec(32), 0x80))
-            sign = self.fn("llvm.x86.avx2.psign.b", _vec(32), [_vec(32), _vec(32)])
-            absq = self.b.call(self.fn("llvm.abs.v32i8", _vec(32), [_vec(32), ir.IntType(1)]), [q, ir.Constant(ir.IntType(1), 0)])
-            d = self.widen_pairs(self.maddubs(absq, self.b.call(sign, [xk, q])))
+            d = self.widen_pairs(self.maddubs(self.abs8(q), self.sign8(xk, q)))
             s = self.widen_pairs(self.maddubs(self.const(_vec(32), 1), xk))
             halves.append(self.b.add(d, self.b.shl(s, self.const(_vec(8, 32), 7))))
         return self.shuf(halves[0], halves[1], list(range(16)))
@@ -610,6 +616,18 @@ def _barrier(e: _Emit):
     e.b.asm(ir.FunctionType(ir.VoidType(), []), "", "~{memory}", [], True)
 
 
+def _pin(e: _Emit, vs: list) -> list:
+    """vs passed through an empty asm statement as register operands: each is computed by then
+    and held in a register, so LLVM can neither defer the operations that make it nor spill
+    their parts (nothing is emitted)."""
+    if not vs:
+        return vs
+    ty = ir.LiteralStructType([v.type for v in vs])
+    n = len(vs)
+    out = e.b.asm(ir.FunctionType(ty, [v.type for v in vs]), "", ",".join(["=x"] * n + [str(i) for i in range(n)]), vs, True)
+    return [e.b.extract_value(out, i) for i in range(n)]
+
+
 def _avx2_isums(e: _Emit, lay: Layout, code_at, x_at, nt: int):
     """The tile kernel's block on AVX2: isum of every activation row (x_at(i, k): row i's k-th
     activation word, broadcast) against the 16 weight rows' codes (code_at(k): block/4 vectors),
@@ -619,16 +637,34 @@ def _avx2_isums(e: _Emit, lay: Layout, code_at, x_at, nt: int):
     once for the rows, where row by row would keep all of them, 16 registers of the 16, live),
     and each row's `vpmaddubsw` pair sums are added as i16 for as many dots as an i16 holds (a
     pair is at most 2·code_max·127 in magnitude: 8 dots of Q4_K, 4 of Q5_K, 2 of Q6_K) before
-    one `vpmaddwd` against ones widens them. A code vector's loads and its rows' activation
-    words sit between barriers, so the registers live are the rows' sums, one code vector and
-    one word. The same integers as `dp`."""
+    one `vpmaddwd` against ones widens them. Codes up to 255 (the offset-128 types: Q8_0,
+    IQ4_XS) go in as q = u − 128, |q| against x·sign(q), one dot a run, and their sums are
+    already isum − 128·Σ x: the caller subtracts no offset. A code vector's loads and its rows'
+    activation words sit between barriers, so the registers live are the rows' sums, one code
+    vector and one word. The same integers as `dp`."""
     b = e.b
     nd = lay.block // 4
-    run = max(1, 32767 // (2 * min(lay.code_max, 127) * 127))
+    signed = not lay.below128
+    assert not signed or lay.offset == 128, "codes up to 255 go in as u − 128: the offset 128's"
+    run = 1 if signed else max(1, 32767 // (2 * min(lay.code_max, 127) * 127))
     wide: list[list] = [[None, None] for _ in range(nt)]
     for r0 in range(0, nd, run):
         narrow: list[list] = [[None, None] for _ in range(nt)]
         for k in range(r0, min(r0 + run, nd)):
+            if signed:
+                # q = u − 128: |q| against x·sign(q), as _maddubs64 (pairs up to 2·128·127: each
+                # dot widened at once), a half at a time, the rows' sums pinned in registers
+                # after each (LLVM otherwise keeps a block's products for later and spills them)
+                for h in range(2):
+                    _barrier(e)
+                    q = b.xor(e.half32(code_at(k), h), e.const(_vec(32), 0x80))
+                    absq = e.abs8(q)
+                    for i in range(nt):
+                        w = e.widen_pairs(e.maddubs(absq, e.sign8(e.half32(x_at(i, k), 0), q)))
+                        wide[i][h] = w if wide[i][h] is None else b.add(wide[i][h], w)
+                    pinned = iter(_pin(e, [wide[i][hh] for i in range(nt) for hh in range(2) if wide[i][hh] is not None]))
+                    wide = [[next(pinned) if wide[i][hh] is not None else None for hh in range(2)] for i in range(nt)]
+                continue
             _barrier(e)
             codes = code_at(k)
             code = [e.half32(codes, h) for h in range(2)]
@@ -639,8 +675,9 @@ def _avx2_isums(e: _Emit, lay: Layout, code_at, x_at, nt: int):
                     narrow[i][h] = p if narrow[i][h] is None else b.add(narrow[i][h], p)
         for i in range(nt):
             for h in range(2):
-                w = e.widen_pairs(narrow[i][h])
-                wide[i][h] = w if wide[i][h] is None else b.add(wide[i][h], w)
+                if narrow[i][h] is not None:
+                    w = e.widen_pairs(narrow[i][h])
+                    wide[i][h] = w if wide[i][h] is None else b.add(wide[i][h], w)
     _barrier(e)
     return [e.shuf(lo, hi, list(range(16))) for lo, hi in wide]
 
@@ -810,7 +847,7 @@ def tile_kernel(name: str, nt: int):
             accs = [cgutils.alloca_once(b, v16) for _ in range(nt * (2 if lay.mins else 1))]
             zero16 = ir.Constant(_vec(16, 32), [0] * 16)
             rows = [xo_ if i == 0 else b.add(xo_, b.mul(cs_, e.i64(i))) for i in range(nt)]
-            avx2 = _AVX2 and lay.below128
+            avx2 = _AVX2 and (lay.below128 or lay.offset == 128)
             with cgutils.for_range(b, e.i64(L)) as jl:
                 j = jl.index
 
@@ -847,7 +884,7 @@ def tile_kernel(name: str, nt: int):
                             for k in range(nd):
                                 ch[k % 2] = e.dp(ch[k % 2], codes[k], xs[i][k], lay.below128)
                             isum = b.add(ch[0], ch[1])
-                        if lay.offset:
+                        if lay.offset and not (avx2 and not lay.below128):  # (_avx2_isums subtracts 128·Σ x itself)
                             isum = b.sub(isum, _splat(b, b.mul(acts.bsum(lay, x, 0), ir.Constant(_I32, lay.offset)), 16))
                         dxs = _splat(b, e.load(dx_, b.lshr(x, e.i64(_LOG2_QK)), _F32), 16)
                         b.store(_block_step(e, isum, wsc, dxs, b.load(acc_at(i))), acc_at(i))

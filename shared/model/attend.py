@@ -66,9 +66,6 @@ from .attend_ir import (
     values_f32,
 )
 
-# numba's disk cache keys the drivers on this file's contents, not on attend_ir's IR that they
-# inline: a change there bumps this, so no cache keeps machine code of the former IR.
-IR_REVISION = 6
 # Keys converted to float32 at a time: 32 rows of d = 128 are 16 KB, in L1 beside the block's queries
 # (the score tile takes them transposed: 32 keys are its two vectors).
 KEY_CHUNK = KEY_LANES

@@ -33,9 +33,8 @@ prompt block as in a decode step (attend.py):
   does not see) and its sum's 16 lanes, whatever else the tile holds;
 - a value sum: o = fma(p_j, v_j, o·alpha) for j in order, one key after another.
 
-numba's disk cache keys the drivers on attend.py, not on the IR they inline
-from here: after editing this module, bump attend.py's IR_REVISION (numba's stamp is the file's
-contents here, so a touch does not do; CI hashes both, .ci/run).
+numba's disk cache stamps the drivers with every kernel source, this module included
+(shared/quant/_jitcache.py), so an edit here recompiles them.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from ..quant import _target  # noqa: F401  (before any jit: the ARM dot-product target and the cache's stamps, shared/quant/_target.py)
 from .blocks import RecurrentState
 
 

@@ -24,11 +24,9 @@ decoder as an argument: numba cannot cache a closure or a function that takes
 a dispatcher argument, and one driver with a type switch would compile every
 decoder on first use.
 
-Numba's disk cache is keyed on the source file of each driver, not on the
-helpers it inlines: after changing a helper or table here, also touch the type
-modules (_float, _legacy, _kquant, _q8) or clear their __pycache__. The same
-holds for the constants of blocks.py (frozen into the code as literals). CI
-(.ci/run) names its cache directory after a hash of these sources instead.
+The drivers inline the helpers and tables here and the constants of blocks.py
+(frozen into the code as literals); numba's disk cache stamps them with every
+kernel source, these included (_jitcache.py), so an edit here recompiles them.
 
 Legend: R rows, C columns, T activation rows (tokens), G rows per tile,
 B blocks per row.

@@ -34,9 +34,8 @@ Two layouts of the work compute it:
 - one row at a time (decode, and a call's last T mod 6 rows): 1 × 4 weight rows, all four u
   in one pass (16 accumulators).
 
-numba's disk cache keys a driver on its own file's contents, not on the IR it inlines from
-here: after editing this module, clear the cache (CI names its cache after a hash of every
-kernel source, .ci/run).
+numba's disk cache stamps the drivers with every kernel source, this module included
+(_jitcache.py), so an edit here recompiles them.
 """
 
 from __future__ import annotations

@@ -51,9 +51,8 @@ NUMBA_CPU_NAME=generic) both are target-independent IR (products in int32, pairw
 the code maps by arithmetic or selects): the same integer sums, only slower.
 
 Nothing here carries fast-math flags: LLVM may not reorder the float steps, so the two
-kernels agree bit for bit (tests/test_quant.py). numba's disk cache keys a driver on its
-own source file (_q8.py), not on the IR it inlines from here: after editing this module,
-touch _q8.py (CI hashes both, .ci/run).
+kernels agree bit for bit (tests/test_quant.py). numba's disk cache stamps the drivers with
+every kernel source, this module included (_jitcache.py), so an edit here recompiles them.
 """
 
 from __future__ import annotations
@@ -871,19 +870,20 @@ def tile_kernel(name: str, nt: int):
                     def x_at(i, k, xu=xu):
                         return e.splat_i32(e.load(xq_, b.add(b.add(rows[i], xu), e.i64(4 * k)), _I32))
 
-                    isums = _avx2_isums(e, lay, code_at, x_at, nt) if avx2 else None
-                    codes = None if avx2 else [code_at(k) for k in range(nd)]
-                    xs = None if avx2 else [[x_at(i, k) for k in range(nd)] for i in range(nt)]
+                    if avx2:
+                        isums = _avx2_isums(e, lay, code_at, x_at, nt)
+                    else:
+                        codes = [code_at(k) for k in range(nd)]
+                        isums = []
+                        for i in range(nt):
+                            ch = [zero16, zero16]
+                            for k in range(nd):
+                                ch[k % 2] = e.dp(ch[k % 2], codes[k], x_at(i, k), lay.below128)
+                            isums.append(b.add(ch[0], ch[1]))
                     wsc = e.load(buf_, b.add(base, b.add(e.i64(16 * UNIT), b.mul(j, e.i64(64)))), v16)
                     for i, xr in enumerate(rows):
                         x = b.add(xr, xu)
-                        if isums is not None:
-                            isum = isums[i]
-                        else:
-                            ch = [zero16, zero16]
-                            for k in range(nd):
-                                ch[k % 2] = e.dp(ch[k % 2], codes[k], xs[i][k], lay.below128)
-                            isum = b.add(ch[0], ch[1])
+                        isum = isums[i]
                         if lay.offset and not (avx2 and not lay.below128):  # (_avx2_isums subtracts 128·Σ x itself)
                             isum = b.sub(isum, _splat(b, b.mul(acts.bsum(lay, x, 0), ir.Constant(_I32, lay.offset)), 16))
                         dxs = _splat(b, e.load(dx_, b.lshr(x, e.i64(_LOG2_QK)), _F32), 16)

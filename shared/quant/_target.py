@@ -18,6 +18,8 @@ import ctypes
 import os
 import platform
 
+from . import _jitcache  # noqa: F401  (also before any jit: the disk cache's stamps, _jitcache.py)
+
 ARM = platform.machine() in ("aarch64", "arm64")
 _AT_HWCAP = 16
 _HWCAP_ASIMDDP = 1 << 20  # arch/arm64 uapi hwcap.h

@@ -55,12 +55,15 @@ KEY_LANES = 32  # keys of a transposed chunk (two vectors): attend.KEY_CHUNK
 # Query rows of a score tile, and 16-lane vectors of a value tile's row kept in registers: a tile's
 # sums are Q_ROWS × 2 vectors, which fill 32 registers of 512 bits at 8 rows; with 256-bit AVX2
 # (16 registers, two a vector) or 128-bit NEON (32, four a vector) 8 rows spill to the stack,
-# and 2 rows, one value vector a row, ran a 512-token prompt block 1.8× faster on AVX2 (Zen 3:
-# 65.5 against 117.6 ms, bench/bench_attention.py --cached 512 --block 512). A row's numbers
-# do not depend on its tile.
+# and 2 rows ran a 512-token prompt block 1.8× faster on AVX2 (Zen 3: 65.5 against 117.6 ms,
+# bench/bench_attention.py --cached 512 --block 512). A value tile's row keeps two vectors (32
+# columns) on every target: at one, AVX2's 2-row tile had 4 multiply-add chains of 4 cycles'
+# latency, one multiply-add a cycle where the core does two (Zen 3, two against one: a
+# 512-token block after 512 positions 58-59 → 50-51 ms, a decode step after 2,048 ~5 %
+# sooner, best of 15 and 300 runs, 2026-12-06). A row's numbers do not depend on its tile.
 Q_ROWS = 8 if WIDE_VECTORS else 2
 PV_ROWS = Q_ROWS  # a value tile takes a score tile's rows and weights
-_V_PER_ROW = 2 if WIDE_VECTORS else 1
+_V_PER_ROW = 2
 
 # exp: Cody–Waite range reduction x = n·ln2 + r, |r| ≤ ln2/2, and the degree-7 minimax polynomial
 # of Cephes' expf (relative error ~1 ulp on float32); 2^n is built in the exponent bits. Arguments

@@ -284,9 +284,9 @@ def _row_reader(e: _Emit, sig, args, ki: int, hi_: int, base_i: int):
     """Two functions over k [Hk, cap, d] at args[ki] (f32 or f16 bits, any strides but a contiguous
     row) for kv head h: row_at(j), the byte offset of position j's row ((j − base) mod cap), and
     read(at, column), the 16 elements of the row at `at` from that column, widened to float32;
-    and the row width d. A row's offset is a division (the ring): its callers take it once a
-    row, outside their loops over the columns (per 16 columns it was a third of a decode step's
-    attention, 2026-12-06)."""
+    and the row width d. A row's offset is a division (the ring): values_f32 takes it once a row,
+    outside its loop over the columns; keys_t per read (its 32 offsets held across that loop
+    measured no faster, 2026-12-06)."""
     b = e.b
     half = sig.args[ki].dtype == types.uint16
     karr = e.context.make_array(sig.args[ki])(e.context, b, args[ki])

@@ -65,7 +65,7 @@ TILE_TOKENS = 8 if _WIDE_VECTORS else 4
 HALF_TILE = TILE_TOKENS // 2
 # A GEMM takes its activation rows in blocks of about this many int8 bytes, every weight tile
 # sweeping one block before the next, so the block stays in the core's L2 while 16 weight rows
-# at a time pass over it; each block repacks the tiles again (~4 µs a tile of 16 × 2,048 on
+# at a time pass over it; each block repacks the tiles again (~3 µs a tile of 16 × 2,048 on
 # AVX2, against ~0.4 ms of products per 128 rows). Without it a whole prompt's rows (3,600 ×
 # 2,048 bytes) stream from L3 or DRAM once per tile, and a projection's products ran at 0.7 of
 # the expert GEMM's rate (77 against 112 G multiply-adds/s a core, 2026-12-03). Half of the

@@ -850,12 +850,16 @@ def tile_kernel(name: str, nt: int):
             with cgutils.for_range(b, e.i64(L)) as jl:
                 j = jl.index
 
-                def acc_at(a, j=j):
-                    """Accumulator a for lane j. On AVX2 a row's block sums go to its slot of `sums`,
+                def slot(a, j=j):
+                    """Accumulator a's lane-j sum in `sums`, where the rows' tree reads it."""
+                    return b.gep(sums, [b.add(b.mul(e.i64(a), e.i64(L)), j)])
+
+                def acc_at(a):
+                    """Accumulator a for lane j. On AVX2 a row's block sums go straight to their slot,
                     kept in memory: the barriers stop LLVM from holding it in one of the 16 registers
                     the dots need. The mins' (a ≥ nt) stay in registers: their loop is a chain of
                     multiply-adds, which through memory would wait for each store to be read back."""
-                    return b.gep(sums, [b.add(b.mul(e.i64(a), e.i64(L)), j)]) if avx2 and a < nt else accs[a]
+                    return slot(a) if avx2 and a < nt else accs[a]
 
                 for a in range(len(accs)):
                     b.store(ir.Constant(v16, [0.0] * 16), acc_at(a))
@@ -899,8 +903,8 @@ def tile_kernel(name: str, nt: int):
                             x32 = b.lshr(b.add(xr, xu), e.i64(_LOG2_QK))
                             b.store(e.fma(dmm, _splat(b, e.load(xs32_, x32, _F32), 16), b.load(acc_at(nt + i))), acc_at(nt + i))
                 for a, acc in enumerate(accs):
-                    if acc_at(a) is acc:
-                        b.store(b.load(acc), b.gep(sums, [b.add(b.mul(e.i64(a), e.i64(L)), j)]))
+                    if acc_at(a) is acc:  # a register's sum to its slot
+                        b.store(b.load(acc), slot(a))
             for i in range(nt):
                 r = e.tree([b.load(b.gep(sums, [e.i64(i * L + j)])) for j in range(L)])
                 if lay.mins:

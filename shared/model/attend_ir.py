@@ -15,8 +15,9 @@ multiples of LANES. numba-level loops could not keep a tile's sums in
 registers (every step went through memory: ~1 multiply-add per cycle where
 the CPU does two); here they are SSA values.
 
-Scores take a chunk of 32 keys transposed (keys in the lanes: 16 keys × 16
-columns loaded, widened from f16, and transposed in registers at a time), so a
+Scores take a chunk of 32 keys transposed (keys in the lanes: 16 × 16 or, on
+256-bit vectors, 8 × 8 keys × columns loaded, widened from f16, and transposed in
+registers at a time), so a
 tile of Q_ROWS query rows × 32 keys is 2·Q_ROWS accumulators, each step one query element
 broadcast against two vectors of keys: no reduction across lanes for the
 products. The softmax step then works on those registers: the row's max and
@@ -48,7 +49,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ..quant._floatir import VecEmit
-from ..quant._q8ir import WIDE_VECTORS, transpose16
+from ..quant._q8ir import WIDE_VECTORS, transpose
 
 LANES = 16
 KEY_LANES = 32  # keys of a transposed chunk (two vectors): attend.KEY_CHUNK
@@ -64,6 +65,11 @@ KEY_LANES = 32  # keys of a transposed chunk (two vectors): attend.KEY_CHUNK
 Q_ROWS = 8 if WIDE_VECTORS else 2
 PV_ROWS = Q_ROWS  # a value tile takes a score tile's rows and weights
 _V_PER_ROW = 2
+# Keys × columns keys_t transposes at a time: a whole register file's worth. 16 × 16 floats in
+# 256-bit registers are 32 of AVX2's 16 and went through the stack (~1,000 instructions a
+# 16-column step of a 32-key chunk, a decode step's keys_t 0.4 ms of its 1.7 at 3,585 positions
+# on Zen 3); 8 × 8 are 8 registers, 24 shuffles.
+TRANSPOSE_LANES = LANES if WIDE_VECTORS else 8
 
 # exp: Cody–Waite range reduction x = n·ln2 + r, |r| ≤ ln2/2, and the degree-7 minimax polynomial
 # of Cephes' expf (relative error ~1 ulp on float32); 2^n is built in the exponent bits. Arguments
@@ -299,38 +305,62 @@ def _row_reader(e: _Emit, sig, args, ki: int, hi_: int, base_i: int):
     def row_at(j):
         return b.add(b.mul(h_, s0), b.mul(b.urem(b.sub(j, base_), cap), s1))
 
-    def read(at, column):
-        raw = b.load(
-            b.bitcast(b.gep(kp, [b.add(at, b.mul(column, e.i64(2 if half else 4)))]), src_vec.as_pointer()), align=2 if half else 4
-        )
-        return b.fpext(b.bitcast(raw, ir.VectorType(ir.HalfType(), LANES)), _VEC) if half else raw
+    def read(at, column, lanes: int = LANES):
+        vec = ir.VectorType(src_vec.element, lanes)
+        raw = b.load(b.bitcast(b.gep(kp, [b.add(at, b.mul(column, e.i64(2 if half else 4)))]), vec.as_pointer()), align=2 if half else 4)
+        return b.fpext(b.bitcast(raw, ir.VectorType(ir.HalfType(), lanes)), ir.VectorType(_F32, lanes)) if half else raw
 
-    return row_at, read, d
+    def run_at(j, n):
+        """The byte offset of position j's row and whether positions j .. j + n − 1 (n an int or
+        an i64) are rows one after another (the ring does not wrap among them): then row j + r is
+        at that offset + r·s1."""
+        r = b.urem(b.sub(j, base_), cap)
+        n = e.i64(n) if isinstance(n, int) else n
+        return b.add(b.mul(h_, s0), b.mul(r, s1)), b.icmp_unsigned("<=", b.add(r, n), cap), s1
+
+    return row_at, read, d, run_at
 
 
 def _keys_t_typed(typingctx, k, h, c0, a, c1, base, kt):
     """kt[c·32 + j − c0] = key j of kv head h as float32 (row (j − base) mod cap of k [Hk, cap, d],
     float32 or float16 bits, any strides but a contiguous row), for j = a .. c1 − 1 (c0 ≤ a,
     c1 ≤ c0 + 32), d a multiple of 16; the other lanes are zero (rows the cache may not hold are
-    never read). 16 keys × 16 columns at a time: loaded, widened, transposed."""
+    never read). TRANSPOSE_LANES keys × as many columns at a time: loaded, widened, transposed;
+    a chunk whose 32 keys are all held in rows one after another (all but a prompt's first and
+    last chunks and a ring's wrap) finds its rows by addition, without a division or a mask a row."""
 
     def codegen(context, builder, sig, args):
         e = _Emit(context, builder)
         b = builder
-        row_at, read, d = _row_reader(e, sig, args, 0, 1, 5)
+        row_at, read, d, run_at = _row_reader(e, sig, args, 0, 1, 5)
         tp = e.ptr(sig.args[6], args[6])
         c0_, a_, c1_ = (e.cast(sig, args, i) for i in (2, 3, 4))
-        zero = ir.Constant(_VEC, [0.0] * LANES)
-        with cgutils.for_range(b, b.udiv(d, e.i64(LANES))) as loop:
-            cb = b.mul(loop.index, e.i64(LANES))
-            for g in range(KEY_LANES // LANES):
-                vs = []
-                for r in range(LANES):
-                    j = b.add(c0_, e.i64(LANES * g + r))
-                    held = b.and_(b.icmp_signed("<=", a_, j), b.icmp_signed("<", j, c1_))
-                    vs.append(b.select(held, read(row_at(b.select(held, j, a_)), cb), zero))
-                for r, v in enumerate(transpose16(b, vs)):
-                    e.store_vec(v, tp, b.add(b.mul(b.add(cb, e.i64(r)), e.i64(KEY_LANES)), e.i64(LANES * g)))
+        at0, contiguous, s1 = run_at(c0_, KEY_LANES)
+        whole = b.and_(b.and_(b.icmp_signed("==", a_, c0_), b.icmp_signed("==", c1_, b.add(c0_, e.i64(KEY_LANES)))), contiguous)
+
+        t = TRANSPOSE_LANES
+        zero = ir.Constant(ir.VectorType(_F32, t), [0.0] * t)
+
+        def chunk(key_at):
+            """kt's columns t at a time: t keys × t columns, key i's from key_at(i, column)."""
+            with cgutils.for_range(b, b.udiv(d, e.i64(t))) as loop:
+                cb = b.mul(loop.index, e.i64(t))
+                for g in range(KEY_LANES // t):
+                    vs = [key_at(t * g + r, cb) for r in range(t)]
+                    for r, v in enumerate(transpose(b, vs)):
+                        at = b.gep(tp, [b.add(b.mul(b.add(cb, e.i64(r)), e.i64(KEY_LANES)), e.i64(t * g))])
+                        b.store(v, b.bitcast(at, v.type.as_pointer()), align=4)
+
+        def masked(i, cb):
+            j = b.add(c0_, e.i64(i))
+            held = b.and_(b.icmp_signed("<=", a_, j), b.icmp_signed("<", j, c1_))
+            return b.select(held, read(row_at(b.select(held, j, a_)), cb, t), zero)
+
+        with b.if_else(whole, likely=True) as (fast, partial):
+            with fast:  # every key held, rows one after another: offsets by addition, no masks
+                chunk(lambda i, cb: read(b.add(at0, b.mul(s1, e.i64(i))), cb, t))
+            with partial:  # the chunk's first or last keys, or a ring's wrap: each row found and masked
+                chunk(masked)
         return context.get_dummy_value()
 
     return types.void(k, h, c0, a, c1, base, kt), codegen
@@ -343,15 +373,24 @@ def _values_f32_typed(typingctx, v, h, c0, a, c1, base, rows, dv):
     def codegen(context, builder, sig, args):
         e = _Emit(context, builder)
         b = builder
-        row_at, read, _ = _row_reader(e, sig, args, 0, 1, 5)
+        row_at, read, _, run_at = _row_reader(e, sig, args, 0, 1, 5)
         rp, dv = e.ptr(sig.args[6], args[6]), e.cast(sig, args, 7)
         c0_, a_, c1_ = (e.cast(sig, args, i) for i in (2, 3, 4))
-        with cgutils.for_range(b, b.sub(c1_, a_)) as rl:
-            j = b.add(a_, rl.index)
-            out, at = b.mul(b.sub(j, c0_), dv), row_at(j)
-            with cgutils.for_range(b, b.udiv(dv, e.i64(LANES))) as loop:
-                cb = b.mul(loop.index, e.i64(LANES))
-                e.store_vec(read(at, cb), rp, b.add(out, cb))
+        n = b.sub(c1_, a_)
+        at_a, contiguous, s1 = run_at(a_, n)
+
+        def rows(offset):
+            with cgutils.for_range(b, n) as rl:
+                out, at = b.mul(b.add(b.sub(a_, c0_), rl.index), dv), offset(rl.index)
+                with cgutils.for_range(b, b.udiv(dv, e.i64(LANES))) as loop:
+                    cb = b.mul(loop.index, e.i64(LANES))
+                    e.store_vec(read(at, cb), rp, b.add(out, cb))
+
+        with b.if_else(contiguous, likely=True) as (run, wraps):
+            with run:  # rows one after another: by addition (a division a row cost half of this call)
+                rows(lambda i: b.add(at_a, b.mul(i, s1)))
+            with wraps:
+                rows(lambda i: row_at(b.add(a_, i)))
         return context.get_dummy_value()
 
     return types.void(v, h, c0, a, c1, base, rows, dv), codegen

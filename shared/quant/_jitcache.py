@@ -70,6 +70,9 @@ def _install() -> None:
     classes = _locator_classes()
     if classes is None or installed():
         return
+    # The stamp of the sources as this process imports them: taken later (at the first cache
+    # lookup), an edit in between would stamp the code in memory with the edited sources' hash.
+    kernel_stamp()
     classes[:] = [type(cls.__name__, (_KernelStamp, cls), {"__module__": __name__}) for cls in classes]
 
 

@@ -751,20 +751,37 @@ def row_kernel(name: str, nt: int):
     return intrinsic(typer)
 
 
-def transpose16(builder, vs):
-    """16 vectors of 16 lanes → 16 vectors, vector k holding lane k of every input (lane r from
-    vector r): four rounds of two-input shuffles, halves swapped 8, 4, 2, 1 lanes apart."""
+def transpose(builder, vs):
+    """n vectors of n lanes (n a power of two) → n vectors, vector k holding lane k of every
+    input (lane r from vector r). Each round swaps one bit of the row with that bit of the lane:
+    two-input shuffles of vectors h lanes apart. Below 512-bit vectors, 16 × 16 is four 8 × 8
+    (32 registers would spill to the stack: ~940 stack moves in a Q4_K repack), and 8 × 8 takes
+    its rounds 1, 2, 4 lanes apart, which AVX2 does in 24 shuffles (the other order took 32:
+    in-lane shuffles after the 128-bit swap); 512-bit vectors take 8, 4, 2, 1."""
     vs = list(vs)
-    h = 8
-    while h:
-        lo = ir.Constant(_vec(16, 32), [k if not k & h else 16 + k - h for k in range(16)])
-        hi = ir.Constant(_vec(16, 32), [k + h if not k & h else 16 + k for k in range(16)])
+    n = len(vs)
+    if n > 8 and not WIDE_VECTORS:
+        h = n // 2
+
+        def part(v, i):
+            return builder.shuffle_vector(v, v, ir.Constant(_vec(h, 32), list(range(i * h, i * h + h))))
+
+        def join(x, y):
+            return builder.shuffle_vector(x, y, ir.Constant(_vec(n, 32), list(range(n))))
+
+        blocks = [transpose(builder, [part(v, i) for v in rows]) for rows in (vs[:h], vs[h:]) for i in (0, 1)]
+        top_lo, top_hi, low_lo, low_hi = blocks  # rows 0..h-1 lanes 0..h-1, their lanes h.., rows h.. likewise
+        return [join(top_lo[k], low_lo[k]) for k in range(h)] + [join(top_hi[k], low_hi[k]) for k in range(h)]
+    h = 1 if n <= 8 else n // 2
+    while 0 < h < n:
+        lo = ir.Constant(_vec(n, 32), [k if not k & h else n + k - h for k in range(n)])
+        hi = ir.Constant(_vec(n, 32), [k + h if not k & h else n + k for k in range(n)])
         new = list(vs)
-        for r in range(16):
+        for r in range(n):
             if not r & h:
                 new[r], new[r + h] = builder.shuffle_vector(vs[r], vs[r + h], lo), builder.shuffle_vector(vs[r], vs[r + h], hi)
         vs = new
-        h //= 2
+        h = h * 2 if n <= 8 else h // 2
     return vs
 
 
@@ -805,10 +822,10 @@ def pack_kernel(name: str):
                 base = b.mul(ul.index, e.i64(PACKED_UNIT))
                 for c in range(CODE_VECTORS):
                     vs = [e.load(st, e.i64(UNIT * rr + 64 * c), _vec(16, 32)) for rr in range(16)]
-                    for k, v in enumerate(transpose16(e.b, vs)):
+                    for k, v in enumerate(transpose(e.b, vs)):
                         b.store(v, at(buf_, b.add(base, e.i64(1024 * c + 64 * k)), _vec(16, 32)), align=1)
                 vs = [e.load(st, e.i64(16 * UNIT + 64 * rr), _vec(16, 32)) for rr in range(16)]
-                for k, v in enumerate(transpose16(e.b, vs)[: L if not lay.mins else 16]):
+                for k, v in enumerate(transpose(e.b, vs)[: L if not lay.mins else 16]):
                     b.store(v, at(buf_, b.add(base, e.i64(16 * UNIT + 64 * k)), _vec(16, 32)), align=1)
             return context.get_dummy_value()
 

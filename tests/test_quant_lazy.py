@@ -45,3 +45,11 @@ def test_only_compute_imports_numba(module):
 @pytest.mark.integration
 def test_the_check_sees_numba_where_it_is():
     assert _loads_numba("moe_pipe.procs.compute")
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("module", ["moe_pipe.shared.model.attend_ir", "moe_pipe.shared.quant._floatir", "moe_pipe.shared.quant._target"])
+def test_a_kernel_module_imports_first(module):
+    # `from . import _x` asks the package's __getattr__ first: it must not import kernels from
+    # inside the kernel module being imported (which then failed, half made).
+    subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True, timeout=120, check=True)

@@ -48,7 +48,11 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    """Every kernel entry point, from kernels.py on first use (PEP 562)."""
+    """Every kernel entry point, from kernels.py on first use (PEP 562). A private name is a
+    submodule `from . import _x` is looking for (it asks here first): importing kernels for it
+    would import the kernel modules from inside one of them, half made."""
+    if name.startswith("_"):
+        raise AttributeError(f"module 'moe_pipe.shared.quant' has no attribute {name!r}")
     kernels = importlib.import_module("moe_pipe.shared.quant.kernels")
     try:
         value = getattr(kernels, name)

@@ -71,15 +71,24 @@ def run_llama(path: Path, prompt: list[int], n: int, threads: int):
 
 
 class KernelClock:
-    """Wraps the quant entry points to count time spent inside kernels."""
+    """Wraps the quant entry points and the attention kernel (wherever a loaded module holds
+    it by name) to count time spent inside kernels."""
 
     def __init__(self):
         from moe_pipe.shared import quant
+        from moe_pipe.shared.model import attend
 
         self.quant, self.seconds = quant, 0.0
         self.saved = {name: getattr(quant, name) for name in ("matvec", "matmul", "apply", "gather_apply", "dequantize_rows")}
         for name, fn in self.saved.items():
             setattr(quant, name, self._timed(fn))
+        # Attention is a kernel too: left out, a long context's attention counted as Python.
+        self.attend = attend.attend
+        self.attend_sites = [
+            m for name, m in list(sys.modules.items()) if name.startswith("moe_pipe.") and getattr(m, "attend", None) is self.attend
+        ]
+        for m in self.attend_sites:
+            m.attend = self._timed(self.attend)
 
     def _timed(self, fn):
         def wrapper(*a, **kw):
@@ -94,6 +103,8 @@ class KernelClock:
     def restore(self):
         for name, fn in self.saved.items():
             setattr(self.quant, name, fn)
+        for m in self.attend_sites:
+            m.attend = self.attend
 
 
 def run_ours(path: Path, prompt: list[int], n: int, threads: int, profile: bool, stages: bool = True, chunk: int | None = None):

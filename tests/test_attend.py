@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moe_pipe.shared.model.attend import PARALLEL_DECODE_KEYS, _half_row, attend, exp32
+from moe_pipe.shared.model.attend import _NO_SINKS, PARALLEL_DECODE_KEYS, _attend_blocks, _attend_token, _half_row, attend, exp32
 
 
 def _reference(q, k, v, start, window, scale, sinks):
@@ -72,6 +72,22 @@ def test_a_long_decode_step_splits_its_heads_across_threads_and_computes_the_sam
     windowed = attend(q[:2], k, v, 0, start, PARALLEL_DECODE_KEYS - 1, 0.125, None)
     assert np.array_equal(whole, alone)
     assert np.array_equal(short[0], windowed[0])
+
+
+@pytest.mark.parametrize("parts", [2, 3])
+def test_a_decode_step_split_by_query_heads_computes_the_same(parts):
+    # One kv head (deepseek2's latent head) past PARALLEL_DECODE_KEYS: its query heads go to the
+    # threads in parts, each part over every chunk; the numbers are the serial step's.
+    rng = np.random.default_rng(3)
+    g, d, start = 5, 64, PARALLEL_DECODE_KEYS + 70
+    k = rng.standard_normal((1, start + 1, d)).astype(np.float16).view(np.uint16)
+    q = rng.standard_normal((1, 1, g, d)).astype(np.float32)
+    serial, split = np.empty((1, 1, g, 48), np.float32), np.empty((1, 1, g, 48), np.float32)
+    args = (q, k, k, 0, start)
+    _attend_token(*args, 0, np.float32(0.125), _NO_SINKS, False, serial)
+    _attend_blocks(*args, 1, parts, 0, np.float32(0.125), _NO_SINKS, False, split)
+    assert np.array_equal(serial, split)
+    assert np.array_equal(attend(q, k.view(np.float16), 48, 0, start, 0, 0.125, None), serial)
 
 
 @pytest.mark.parametrize("window, n", [(16, 100), (72, 200)])

@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, prange, types
+from numba import get_num_threads, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
@@ -69,8 +69,9 @@ from .attend_ir import (
 # Keys converted to float32 at a time: 32 rows of d = 128 are 16 KB, in L1 beside the block's queries
 # (the score tile takes them transposed: 32 keys are its two vectors).
 KEY_CHUNK = KEY_LANES
-# A decode step over at least this many keys splits its kv heads across threads (the
-# same per-head work, so the same numbers): ~1 ms a layer at 3k positions on one core of
+# A decode step over at least this many keys splits its kv heads across threads, and with fewer
+# kv heads than threads (deepseek2's one latent head) their query heads (the same per-row work,
+# so the same numbers): ~1 ms a layer at 3k positions on one core of
 # the AVX-512 host, and on a Zen 3 (AVX2) 0.56 ms at 512 positions, its keys and values
 # coming from DRAM between the layers' weights, where a parallel region costs a few µs.
 # From 1,024 to 128 keys took that decode step's attention 4.6 → 2.4 ms a token
@@ -251,20 +252,21 @@ def _load_rows(x, h, a, c1, c0, base, rows, col, width):
 
 
 @njit(cache=True, boundscheck=False, nogil=True)
-def _attend_block(q, k, v, base, start, t0, t1, h, window, scale, sinks, use_sinks, out):
-    """out[t, h] for t in t0..t1-1 (module doc): the block's rows are (token, query head) in order;
+def _attend_block(q, k, v, base, start, t0, t1, h, g0, g1, window, scale, sinks, use_sinks, out):
+    """out[t, h, g0:g1] for t in t0..t1-1 (module doc): the block's rows are (token, query head g0..g1-1) in order;
     chunks of 32 keys aligned to positions (multiples of 32, whatever the block: a decode step meets
     the same chunks) are converted to float32 once for the block, and each row takes each chunk it
     sees in one online-softmax step (running max m, sum l, output rescaled by exp(m − m')); at the
     end the output is divided by l (gpt-oss's sink first joins the max and the sum)."""
     hk, g_count, d = q.shape[1], q.shape[2], q.shape[3]
     dv = out.shape[3]  # v's first dv columns (v may be k itself: deepseek2's latent head)
-    n_rows = (t1 - t0) * g_count
+    g_part = g1 - g0
+    n_rows = (t1 - t0) * g_part
     tiled = d % LANES == 0 and dv % LANES == 0
     m = np.full(n_rows + Q_ROWS, -np.inf, np.float32)  # running max and (16 lanes of) sum per row,
     l = np.zeros((n_rows + Q_ROWS, LANES), np.float32)  # with a partial tile's padding
     for t in range(t0, t1):
-        out[t, h, :, :] = 0.0
+        out[t, h, g0:g1, :] = 0.0
     rows = np.empty((KEY_CHUNK, (0 if tiled else d) + dv), np.float32)  # the chunk's values (after its keys, untiled)
     kt = np.empty(d * KEY_CHUNK if tiled else 0, np.float32)
     w = np.empty(Q_ROWS * KEY_CHUNK, np.float32)
@@ -273,7 +275,7 @@ def _attend_block(q, k, v, base, start, t0, t1, h, window, scale, sinks, use_sin
     qoff, ooff = np.empty(n_rows, np.int64), np.empty(n_rows, np.int64)
     first, last = np.empty(n_rows, np.int64), np.empty(n_rows, np.int64)
     for r in range(n_rows):
-        t, g = t0 + r // g_count, r % g_count
+        t, g = t0 + r // g_part, g0 + r % g_part
         qoff[r], ooff[r] = ((t * hk + h) * g_count + g) * d, ((t * hk + h) * g_count + g) * dv
         first[r], last[r] = _first_key(start + t, window), start + t
     lo, hi = np.empty(Q_ROWS, np.int64), np.empty(Q_ROWS, np.int64)
@@ -298,10 +300,10 @@ def _attend_block(q, k, v, base, start, t0, t1, h, window, scale, sinks, use_sin
             else:
                 for i in range(n):
                     if lo[i] < hi[i]:
-                        t, g = t0 + (r0 + i) // g_count, (r0 + i) % g_count
+                        t, g = t0 + (r0 + i) // g_part, g0 + (r0 + i) % g_part
                         _row_step(q[t, h, g], rows, lo[i], hi[i], d, dv, scale, m, l, r0 + i, w, out[t, h, g])
     for r in range(n_rows):
-        t, g = t0 + r // g_count, r % g_count
+        t, g = t0 + r // g_part, g0 + r % g_part
         total = _lanes_total(l[r])
         if use_sinks:
             sink = sinks[(h * g_count + g) % sinks.size]
@@ -315,23 +317,26 @@ def _attend_block(q, k, v, base, start, t0, t1, h, window, scale, sinks, use_sin
 
 
 @njit(cache=True, boundscheck=False, parallel=True, nogil=True)
-def _attend_blocks(q, k, v, base, start, block, window, scale, sinks, use_sinks, out):
-    """Every (kv head, block of `block` tokens) on numba's threads. A causal block's work grows
-    with its position, and a thread takes a contiguous share of the items: they go shortest,
-    longest, second shortest, second longest, ..., so every share holds as much work."""
-    t_count, hk = q.shape[0], q.shape[1]
+def _attend_blocks(q, k, v, base, start, block, parts, window, scale, sinks, use_sinks, out):
+    """Every (kv head, block of `block` tokens, part of its query heads: `parts` of them) on
+    numba's threads. A causal block's work grows with its position, and a thread takes a
+    contiguous share of the items: they go shortest, longest, second shortest, second longest,
+    ..., so every share holds as much work."""
+    t_count, hk, g_count = q.shape[0], q.shape[1], q.shape[2]
     n_blocks = (t_count + block - 1) // block
-    for item in prange(hk * n_blocks):
-        h, n = item % hk, item // hk
+    for item in prange(hk * n_blocks * parts):
+        part, rest = item % parts, item // parts
+        h, n = rest % hk, rest // hk
         b = n // 2 if n % 2 == 0 else n_blocks - 1 - n // 2
-        _attend_block(q, k, v, base, start, b * block, min(t_count, b * block + block), h, window, scale, sinks, use_sinks, out)
+        g0, g1 = part * g_count // parts, (part + 1) * g_count // parts
+        _attend_block(q, k, v, base, start, b * block, min(t_count, b * block + block), h, g0, g1, window, scale, sinks, use_sinks, out)
 
 
 @njit(cache=True, boundscheck=False, nogil=True)
 def _attend_token(q, k, v, base, start, window, scale, sinks, use_sinks, out):
     """One token (decode): each kv head in turn on this thread."""
     for h in range(q.shape[1]):
-        _attend_block(q, k, v, base, start, 0, 1, h, window, scale, sinks, use_sinks, out)
+        _attend_block(q, k, v, base, start, 0, 1, h, 0, q.shape[2], window, scale, sinks, use_sinks, out)
 
 
 _NO_SINKS = np.zeros(1, np.float32)
@@ -370,8 +375,9 @@ def attend(
     s = _NO_SINKS if sinks is None else np.array(sinks, np.float32)
     q = np.ascontiguousarray(q, np.float32)
     args = (q, k, v, int(base), int(start))
-    if t == 1 and (hk == 1 or start + 1 - first < PARALLEL_DECODE_KEYS):
+    if t == 1 and start + 1 - first < PARALLEL_DECODE_KEYS:
         _attend_token(*args, int(window), np.float32(scale), s, sinks is not None, out)
-    else:  # a prompt's blocks, or a long decode step's kv heads, on numba's threads
-        _attend_blocks(*args, _block_tokens(g) if t > 1 else 1, int(window), np.float32(scale), s, sinks is not None, out)
+    else:  # a prompt's blocks, or a long decode step's kv heads (and with fewer of them than threads, their query heads) on numba's threads
+        parts = 1 if t > 1 else max(1, min(g, -(-get_num_threads() // hk)))
+        _attend_blocks(*args, _block_tokens(g) if t > 1 else 1, parts, int(window), np.float32(scale), s, sinks is not None, out)
     return out

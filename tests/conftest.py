@@ -21,6 +21,8 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -28,6 +30,9 @@ import pytest
 # The project is imported only where a fixture needs it: a module broken in
 # the tree then fails the tests that use it, not the collection of every file.
 DIRECTIO = "moe_pipe.shared.experts.directio"
+WARMUP_DONE = "MOE_PIPE_TEST_WARMUP_DONE"  # the file that says the controller's kernel warm-up has ended
+WARMUP_WAIT_S = 900.0  # the most an integration test waits for it (a cold cache takes ~60 s)
+_WARMUP = pytest.StashKey[tuple]()
 
 
 def pytest_configure(config):
@@ -41,15 +46,66 @@ def pytest_configure(config):
     numba cache every compute process a test starts compiles them itself (~30 s of two cores
     each), and with two workers starting services at once that is minutes of the tier. Here,
     in the controller only (xdist workers have `workerinput`), `moe-pipe warmup` writes them to
-    the cache every later process loads from (seconds when it is warm already). A run of the
-    unit tier starts no process and skips it."""
+    the cache every later process loads from (seconds when it is warm already). It runs beside
+    the tests (~60 s on one core from an empty cache): the unit tests go on meanwhile and an
+    integration test waits for it (`kernels_warm_before_a_process`). A run of the unit tier
+    starts no process and skips it."""
     if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     if hasattr(config, "workerinput") or "not integration" in (config.option.markexpr or ""):
         return
     if config.option.collectonly:
         return
-    subprocess.run([sys.executable, "-m", "moe_pipe.cli.main", "warmup"], capture_output=True, check=False, timeout=900)
+    folder = Path(tempfile.mkdtemp(prefix="moe-pipe-test-warmup-"))
+    warmup = subprocess.Popen([sys.executable, "-m", "moe_pipe.cli.main", "warmup"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    os.environ[WARMUP_DONE] = str(folder / "done")  # the workers, started after this, inherit it
+    config.stash[_WARMUP] = (warmup, folder)
+
+    def mark_done() -> None:
+        warmup.wait()  # a failed warm-up is done too: the processes then compile for themselves
+        (folder / "done").touch()
+
+    threading.Thread(target=mark_done, daemon=True).start()
+
+
+def pytest_unconfigure(config):
+    """The warm-up goes with the run (an interrupted run kills it), and its marker folder."""
+    warmup, folder = config.stash.get(_WARMUP, (None, None))
+    if warmup is not None:
+        warmup.kill()
+        warmup.wait()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def kernels_warm_before_a_process(request):
+    """An integration test waits for the controller's warm-up (pytest_configure) before it
+    starts processes that would compile the same kernels at once; a unit test goes ahead."""
+    done = os.environ.get(WARMUP_DONE)
+    if done and request.node.get_closest_marker("integration") is not None:
+        waited = 0.0
+        while not os.path.exists(done) and waited < WARMUP_WAIT_S:
+            time.sleep(0.2)
+            waited += 0.2
+    yield
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects: the marks added here count
+def pytest_collection_modifyitems(config, items):
+    """A module's `slow_case(name, params)` moves cases to the slow tier that a mark on a
+    parameter cannot say: a combination of a fixture's parameter and a test's (the float
+    activations on a type that computes on int8 ones; a process's lifecycle on the second
+    and third family) that repeats what the default tier's other cases cover.
+
+    Then the tests that start no process go first, file by file (a file stays whole, on one
+    xdist worker), so the two workers run them while the kernel warm-up (pytest_configure)
+    runs, rather than wait for it at a file's first integration test."""
+    for item in items:
+        slow_case = getattr(getattr(item, "module", None), "slow_case", None)
+        callspec = getattr(item, "callspec", None)
+        if slow_case is not None and callspec is not None and slow_case(item.originalname, callspec.params):
+            item.add_marker(pytest.mark.slow)
+    items.sort(key=lambda item: item.get_closest_marker("integration") is not None)  # stable: files keep their order
 
 
 @pytest.fixture(autouse=True, scope="session")

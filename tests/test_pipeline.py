@@ -34,6 +34,16 @@ from moe_pipe.shared.text.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.integration  # every test starts processes
 ARCHES = ["qwen3moe", "gpt-oss", "gemma4"]
+# A process's lifecycle (a child killed, Ctrl-C, SIGTERM) does not depend on the family: the
+# default tier runs it on the first, the slow tier on every one.
+LIFECYCLE = ("test_killing_a_child_ends_the_run_cleanly", "test_ctrl_c_and_sigterm_release_everything")
+
+
+def slow_case(name: str, params: dict) -> bool:
+    """The cases tests/conftest.py moves to the slow tier (see LIFECYCLE)."""
+    return name in LIFECYCLE and params.get("tiny") != ARCHES[0]
+
+
 PROMPT = "The old mill by the river"
 N = 10
 MiB = 1 << 20

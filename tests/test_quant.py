@@ -55,6 +55,22 @@ def _params(types) -> list:
 TYPES = _params(SUPPORTED)
 
 
+# With int8 activations off (MOE_PIPE_INT8_ACT=0) a type that has int8 kernels computes on its
+# float tiles, compiled for that mode alone (~8 s a type from an empty cache): the default tier
+# checks them on Q4_K, the slow tier on every type. The kernel cache's second start likewise.
+FLOAT_MODE_FAST = (QType.Q4_K,)
+
+
+def slow_case(name: str, params: dict) -> bool:
+    """The cases tests/conftest.py moves to the slow tier (see FLOAT_MODE_FAST)."""
+    if params.get("int8_mode", True):
+        return False
+    qtype = params.get("qtype")
+    if name == "test_kernels_load_from_the_disk_cache_on_the_second_start":
+        return True
+    return qtype in quant.INT8_ACTIVATION_TYPES and qtype not in FLOAT_MODE_FAST
+
+
 @pytest.fixture(autouse=True, params=[False, True], ids=["f32act", "int8act"])
 def int8_mode(request):
     """Every test runs with int8 activations off (float everywhere) and on (the default)."""

@@ -1,6 +1,6 @@
 """O_DIRECT read throughput at expert sizes, 1 and more I/O lanes.
 
-    python3 bench/bench_reads.py [MODEL.gguf] [--lanes 1,4] [--seconds 3] [--buffered]
+    python3 bench/bench_reads.py [MODEL.gguf] [--lanes 1,4] [--seconds 3] [--shapes model,gpt-oss] [--buffered]
 
 Reads random experts of MODEL (default bench/out/qwen30b-shape-L8.gguf) the
 way the reader does: `ExpertFiles.read_expert` into page-aligned slabs of a
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         def gptoss_expert():
             return tuple(Extent(0, rng.randrange(start, size - GPT_OSS_EXTENT) // 32 * 32, GPT_OSS_EXTENT) for _ in range(3))
 
-        shapes = {"model": model_expert, "gpt-oss": gptoss_expert}
+        shapes = {k: v for k, v in {"model": model_expert, "gpt-oss": gptoss_expert}.items() if k in args.shapes}
         # the worst page rounding of a 32-aligned extent: it starts 32 B before a page ends
         slab_bytes = max(lay.slab_bytes, aligned_bytes(tuple(Extent(0, lay.align - 32, GPT_OSS_EXTENT) for _ in range(3)), lay.align))
         max_lanes = max(args.lanes)
@@ -117,6 +117,7 @@ def _parse(argv):
     p.add_argument("--seconds", type=float, default=3.0, help="per shape and lane count")
     p.add_argument("--dense-mb", type=int, default=512, help="size of the sequential read")
     p.add_argument("--seed", type=int, default=0, help="which random experts (a new seed avoids any host-side cache)")
+    p.add_argument("--shapes", type=lambda s: s.split(","), default=["model", "gpt-oss"], help="which read shapes (model, gpt-oss)")
     p.add_argument("--buffered", action="store_true", help="force the buffered fallback")
     return p.parse_args(argv)
 

@@ -112,7 +112,8 @@ def print_report(f: dict) -> None:
         (
             "reads",
             f"{reads} GB/s at 1 / 2 / 4 lanes, {f['expert_bytes'] / 1e6:.2f} MB experts "
-            f"({f['read_note']}); {f['read_gbps']:.2f} used ({f['read_lanes']} lanes)",
+            f"({f['read_note']}); {f['read_gbps']:.2f} used ({f['read_lanes']} lanes)"
+            + (f"; reads cost the compute beside them {f['read_tax_s_per_gb']:.2f} s a GB" if f.get("read_tax_s_per_gb") else ""),
         )
     )
     rows.append(("threads", f"{f['threads']} compute threads ({f['threads_reason']})"))

@@ -16,6 +16,7 @@ import pytest
 from moe_pipe.cli.main import main
 from moe_pipe.shared.analysis import fit
 from moe_pipe.shared.analysis import forecast as fc
+from moe_pipe.shared.analysis.standin import StepTime
 from moe_pipe.shared.config import load_config
 from moe_pipe.shared.experts.budget import MemoryProbe
 from moe_pipe.shared.gguf.model_file import open_model
@@ -323,12 +324,39 @@ def test_measure_reads_and_kernels_briefly():
     assert reads.fresh_gbps is not None and reads.fresh_gbps > 0 and reads.fresh_cpu_s_per_gb >= 0
     rates = fc.measure_kernels(f.classes[:2], [1], seconds=0.02, rotate_bytes=1 * MiB)
     assert set(rates) == {(c.key, 1) for c in f.classes[:2]} and all(r > 0 for r in rates.values())
+    with open_model(default_model_path()) as mf:
+        tax = fc.measure_read_tax(mf, f.classes[0], 1, 2, seconds=0.08, seed=3)
+    assert 0.0 <= tax < math.inf
 
 
 def test_a_header_only_file_is_not_measured(qwen8):
     with open_model(qwen8) as mf:
         reads = fc.measure_reads(mf, seconds=0.01)
+        tax = fc.measure_read_tax(mf, facts_of(qwen8).classes[0], 1, 1, seconds=0.01)
     assert reads.source == "assumed" and reads.gbps[1] == fc.ASSUMED_READ_GBPS
+    assert tax == 0.0  # nothing to read: no reads beside the kernel
+
+
+def test_what_reads_cost_the_compute_is_added_for_every_byte_a_token_reads(qwen8, monkeypatch):
+    """The forecast takes the measured loss per GB read into a streaming token's compute:
+    its misses' bytes × the tax, and the record says the figure."""
+    monkeypatch.setattr(
+        fc, "measure_kernels", lambda classes, threads, seconds=2.0, rotate_bytes=0: {(c.key, n): 2e9 * n for c in classes for n in threads}
+    )
+    monkeypatch.setattr(fc, "time_steps", lambda mf, top_k, points: {p: StepTime(0.01, 6, 0.0) for p in points})
+    cfg = load_config(None, {})
+    records = {}
+    for tax in (0.0, 0.5):
+        monkeypatch.setattr(fc, "measure_read_tax", lambda mf, c, threads, lanes, seconds=1.0, seed=None, tax=tax: tax)
+        with open_model(qwen8) as mf:
+            records[tax] = fc.forecast(mf, cfg, mem_limit_mb=2000, memory=HOST, seconds=0.05)
+    free, taxed = records[0.0], records[0.5]
+    assert not free["resident"] and free["fits"] and free["hit_pct"] < 100, free
+    f = facts_of(qwen8)
+    read_gb = (1 - free["hit_pct"] / 100) * f.top_k * sum(f.read_bytes_per_expert) / 1e9  # a token's misses
+    assert taxed["read_tax_s_per_gb"] == 0.5 and free["read_tax_s_per_gb"] == 0.0
+    assert taxed["compute_ms"] - free["compute_ms"] == pytest.approx(read_gb * 0.5 * 1e3, rel=0.02, abs=0.02)
+    assert taxed["tok_s"] < free["tok_s"]
 
 
 # ---------------------------------------------------------------- the CLI

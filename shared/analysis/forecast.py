@@ -6,13 +6,16 @@ does the per-token arithmetic:
 
     measure_reads(mf, lanes, seconds)    -> ReadFigures  O_DIRECT GB/s at this model's expert size
     measure_kernels(classes, threads, s) -> {(key, threads): weights/s}
+    measure_read_tax(mf, class, threads, lanes) -> s   compute lost per GB read beside it
     decode_speed(...)                    -> Speed        pure: the per-token arithmetic below
     forecast(mf, cfg, ...)               -> dict         all of it, one flat record (docs/cli.md ## doctor)
 
 Per decoded token (L layers, k experts per token, h the decode hit rate):
 
     step    = a decode step of the model's forward pass on stand-in weights (standin.py)
-    experts = expert kernels (weights / measured weights/s) + read bytes × read CPU per GB
+    experts = expert kernels (weights / measured weights/s) + read bytes × compute lost per GB
+              read (measure_read_tax: a VM's disk served on the guest's cores; a cache's
+              first fill adds the system CPU its fresh pages take)
     dense   = step − expert kernels + PER_TOKEN_S;  compute = dense + experts
     a layer = j of its k lookups miss, P(j) binomial in 1 − h: its j reads keep min(j, lanes)
               lanes busy at their measured rate, read(j) = j × one expert / GB/s(min(j, lanes));
@@ -84,6 +87,7 @@ ROTATE_BYTES = 64 << 20
 MAX_MATRIX_BYTES = 8 << 20  # one measured matrix; a taller one (the output head) is measured cut to this
 FRESH_BYTES = 256 << 20  # read into never-used slabs to price a cache's first fill
 WINDOW_BYTES = 4 << 20  # one timing window: ~1 ms of kernel, shorter than a scheduler slice
+TAX_TURNS = 2  # measure_read_tax: turns alone and beside reads, alternating (the host drifts)
 
 
 # ---------------------------------------------------------------- measuring
@@ -214,7 +218,6 @@ def measure_kernels(
     WINDOW_BYTES; the rate is the best window (timeit's rule: slower ones are interference):
     on two shared cores another process stalls a 2-thread call by whole scheduler slices."""
     from .. import quant
-    from ..quant.blocks import random_blocks
 
     rng = np.random.default_rng(0)
     before = quant.get_threads()
@@ -222,31 +225,98 @@ def measure_kernels(
     out = {}
     try:
         for c in classes:
-            qt = quant.qtype_from_name(c.qtype)
-            row_bytes = quant.block_format(qt).row_bytes(c.cols)
-            rows = max(1, min(c.rows, MAX_MATRIX_BYTES // row_bytes))
-            one = random_blocks(qt, rows * c.cols, rng).reshape(rows, row_bytes)
-            n_mats = max(1, rotate_bytes // one.nbytes)
-            mats = np.tile(one, (n_mats, 1)).reshape(n_mats, rows, row_bytes)  # [M, R, row]: distinct memory
-            x = rng.standard_normal(c.cols, dtype=np.float32)  # [C]
-            y = np.empty(rows, np.float32)  # [R]
-            quant.matvec(qt, mats[0], x, out=y)  # compile / load from numba's cache outside the timing
-            window = max(1, WINDOW_BYTES // one.nbytes)
+            mats = _ClassMatrices(c, rotate_bytes, rng)
+            window = max(1, WINDOW_BYTES // mats.matrix_bytes)
             for n in threads:
                 quant.set_threads(n)
                 times: list[float] = []
-                i, stop = 0, time.perf_counter() + per
+                stop = time.perf_counter() + per
                 while not times or time.perf_counter() < stop:
                     t0 = time.perf_counter()
-                    for _ in range(window):
-                        quant.matvec(qt, mats[i], x, out=y)
-                        i = (i + 1) % n_mats
+                    mats.run(window)
                     times.append((time.perf_counter() - t0) / window)  # seconds per matrix
-                out[(c.key, n)] = rows * c.cols / min(times)
+                out[(c.key, n)] = mats.weights / min(times)
             del mats
     finally:
         quant.set_threads(before)
     return out
+
+
+class _ClassMatrices:
+    """Random valid blocks of a kernel class's type and shape (cut to MAX_MATRIX_BYTES),
+    copied to fill `rotate_bytes`, and `quant.matvec` over them one after another."""
+
+    def __init__(self, c: KernelClass, rotate_bytes: int, rng: np.random.Generator):
+        from .. import quant
+        from ..quant.blocks import random_blocks
+
+        self.qt = quant.qtype_from_name(c.qtype)
+        row_bytes = quant.block_format(self.qt).row_bytes(c.cols)
+        rows = max(1, min(c.rows, MAX_MATRIX_BYTES // row_bytes))
+        one = random_blocks(self.qt, rows * c.cols, rng).reshape(rows, row_bytes)
+        self.n_mats = max(1, rotate_bytes // one.nbytes)
+        self.mats = np.tile(one, (self.n_mats, 1)).reshape(self.n_mats, rows, row_bytes)  # [M, R, row]: distinct memory
+        self.matrix_bytes, self.weights = one.nbytes, rows * c.cols
+        self.x = rng.standard_normal(c.cols, dtype=np.float32)  # [C]
+        self.y = np.empty(rows, np.float32)  # [R]
+        self.i = 0
+        self.run(1)  # compile / load from numba's cache outside any timing
+
+    def run(self, n: int) -> None:
+        from .. import quant
+
+        for _ in range(n):
+            quant.matvec(self.qt, self.mats[self.i], self.x, out=self.y)
+            self.i = (self.i + 1) % self.n_mats
+
+
+def measure_read_tax(mf, c: KernelClass, threads: int, lanes: int, seconds: float = 1.0, seed: int | None = None) -> float:
+    """Seconds of compute lost per GB read beside it: class `c`'s kernel on `threads` threads,
+    timed in turns alone and while `lanes` lanes read random experts of the model (as
+    measure_reads does). Where a read costs the cores nothing (DMA) it is ~0; a VM whose host
+    serves its disk on the guest's cores loses a share of the compute rate while reads are
+    under way (docs/benchmarks.md § Reads cost compute on this host). Throughput over the
+    whole turn, not the best window: the loss is the average over the reads' time. 0 for a
+    file with nothing to read (header-only, mostly holes)."""
+    from .. import quant
+    from ..experts.directio import ExpertFiles
+    from ..experts.shm import SlabArena, segment_name
+
+    paths = list(mf.gguf.paths)
+    if getattr(mf.gguf, "header_only", False) or is_sparse(paths):
+        return 0.0
+    spec, lay = mf.spec, mf.layout
+    rng = random.Random(seed)
+    mats = _ClassMatrices(c, ROTATE_BYTES, np.random.default_rng(0))
+    before = quant.get_threads()
+    turn = seconds / (2 * TAX_TURNS)
+    done = {False: 0.0, True: 0.0}  # matrices a second, summed over turns: alone, beside reads
+    read_bytes = read_s = 0.0
+    quant.set_threads(threads)
+    try:
+        with ExpertFiles(paths, align=lay.align) as ef, SlabArena.create(segment_name("doctor-tax"), lanes, lay.slab_bytes) as arena:
+            for _ in range(TAX_TURNS):
+                for beside in (False, True):
+                    result: list[tuple[int, float]] = []
+                    if beside:
+                        work = [lay.expert_extents(rng.choice(spec.moe_layers), rng.randrange(spec.n_expert)) for _ in range(2048)]
+                        reader = threading.Thread(target=lambda w=work, out=result: out.append(read_lanes(ef, arena, w, lanes, turn)))
+                        reader.start()
+                    n, t0 = 0, time.perf_counter()
+                    while time.perf_counter() - t0 < turn:
+                        mats.run(1)
+                        n += 1
+                    done[beside] += n / (time.perf_counter() - t0)
+                    if beside:
+                        reader.join()
+                        read_bytes += result[0][0]
+                        read_s += result[0][1]
+    finally:
+        quant.set_threads(before)
+    if read_bytes <= 0 or done[False] <= 0:
+        return 0.0
+    lost = max(0.0, 1.0 - done[True] / done[False])  # the share of compute's rate the reads took
+    return lost / (read_bytes / 1e9 / read_s)  # seconds of compute lost per second of reads, over GB/s
 
 
 def time_steps(mf, top_k: int, points: Sequence[tuple[int, float]]) -> dict:
@@ -374,7 +444,8 @@ def forecast(
     on_stage: Callable[[str], None] | None = None,
 ) -> dict:
     """The doctor's record: one flat dict (keys documented in docs/cli.md, ## doctor).
-    About `seconds` go to measuring: 40 % reads, 60 % kernels. `on_stage(text)` hears
+    About `seconds` go to measuring: 40 % reads, 60 % kernels, then a quarter more to what
+    reads cost the compute beside them (measure_read_tax). `on_stage(text)` hears
     what it is doing (a first run compiles the kernels it measures: seconds of silence else)."""
     stage = on_stage or (lambda text: None)
     t0 = time.perf_counter()
@@ -393,6 +464,11 @@ def forecast(
     rotate = min(ROTATE_BYTES, footprint.active_bytes_per_token)
     stage(f"measuring the kernels ({0.6 * seconds:.1f} s; a first run compiles them first)")
     rates = measure_kernels(footprint.classes, sorted({1, threads}), seconds=0.6 * seconds, rotate_bytes=rotate)
+    experts = [c for c in footprint.classes if c.role == "expert"]
+    stage(f"measuring what reads cost the compute beside them ({0.25 * seconds:.1f} s)")
+    tax = (
+        measure_read_tax(mf, (experts or list(footprint.classes))[0], threads, lanes, seconds=0.25 * seconds) if footprint.classes else 0.0
+    )
     stage("timing decode steps of the model's own forward pass on stand-in weights")
     h_steady, h_warm = (hit.pct if hit else 100.0), (warm.pct if warm else 100.0)
     steps = time_steps(mf, footprint.top_k, [(threads, h_steady), (threads, h_warm), (1, h_steady)])
@@ -401,7 +477,7 @@ def forecast(
     read_per_token = footprint.top_k * sum(footprint.read_bytes_per_expert)
     at_floor = (not fit.fits) or fit.budget.bytes < FLOOR_MARGIN * footprint.floor_bytes
 
-    def speed_at(rates: Mapping[str, float], h: HitRate | None = hit, gbps: Mapping[int, float] = reads.gbps, cpu: float = 0.0) -> Speed:
+    def speed_at(rates: Mapping[str, float], h: HitRate | None = hit, gbps: Mapping[int, float] = reads.gbps, cpu: float = tax) -> Speed:
         step = steps.get((threads if rates is at_n else 1, h.pct if h else 100.0))
         return decode_speed(
             footprint.classes,
@@ -427,7 +503,7 @@ def forecast(
         fresh = min(1.0, fit.n_slabs * footprint.slab_bytes / fill) if fill > 0 else 1.0  # share of them into fresh slabs
         slower = reads.fresh_gbps / reads.gbps[max(reads.gbps)]  # fresh slabs against used ones, at the most lanes
         gbps = {n: g / (fresh / slower + (1.0 - fresh)) for n, g in reads.gbps.items()}
-        return speed_at(rates, h, gbps, fresh * reads.fresh_cpu_s_per_gb)
+        return speed_at(rates, h, gbps, tax + fresh * reads.fresh_cpu_s_per_gb)
 
     speed = speed_at(at_n)
     speed_1t = speed_at(at_1)  # -t 1: faster when other processes hold the cores
@@ -482,6 +558,7 @@ def forecast(
         "read_gbps": _r(reads.gbps[lanes]),
         "read_gbps_fresh": _r(reads.fresh_gbps),
         "read_cpu_s_per_gb_fresh": _r(reads.fresh_cpu_s_per_gb),
+        "read_tax_s_per_gb": _r(tax),
         "read_source": reads.source,
         "direct_io": reads.direct,
         "read_note": reads.note,

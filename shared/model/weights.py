@@ -8,6 +8,7 @@ dense tensors from the file mapping, and an `ExpertSource` hands out experts
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, fields
@@ -46,7 +47,9 @@ class QWeight:
 
 
 def _as_matrix(name: str, qtype, view: np.ndarray, shape: tuple[int, ...]) -> QWeight:
-    rows = int(np.prod(shape[:-1]))
+    # math.prod: numpy's costs ~10 µs on a tuple, and the pipeline's cache views an expert's
+    # three matrices for every miss (an expert view took ~71 µs with it, ~41 without).
+    rows = math.prod(shape[:-1])
     # A plain ndarray view: numpy's memmap subclass costs a Python call per slice.
     data = np.asarray(view).reshape(rows, -1)
     return QWeight(quant.QType(int(qtype)), data, (rows, shape[-1]))

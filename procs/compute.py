@@ -376,7 +376,8 @@ def model_options(c: ComputeConfig, routes: RouteCount | RouteTracer | None, mf,
 def serve(config: Config, facts: RunFacts, ctx: zmq.Context) -> None:
     c = config.compute
     quant.one_blas_thread()
-    cores = choose_threads(c.threads, most=quant.most_threads())  # before this process starts work of its own
+    # before this process starts work of its own; its parent's and siblings' start-up is not other work
+    cores = choose_threads(c.threads, most=quant.most_threads(), engine=os.getppid())
     quant.set_threads(cores.threads)
     log.info(cores.line())
     log.info(heap.keep_freed_memory())

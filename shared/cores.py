@@ -1,6 +1,7 @@
 """How many compute threads this machine's free cores give.
 
     choose_threads(configured)  -> Cores   the count, and why (compute.threads unset: measured)
+    engine_cpu(root_pid)        -> ()->s   CPU seconds of an engine's processes (not other work)
 
 The kernels split each product's rows over numba's threads and every call
 waits for its slowest thread, so a thread whose core another process holds
@@ -10,8 +11,13 @@ With `compute.threads` unset the count is the cores this process may use
 (its CPU affinity and its cgroup's CPU quota) less the cores other work kept
 busy over a short sample of /proc/stat, at least one. Low-priority work
 (`nice` time: moe-pipe's own page populators run at nice 19) yields its core
-and does not count; time the host stole from this VM does. The choice is
-made once, when compute starts: a job that starts later is not seen.
+and does not count; time the host stole from this VM does. The engine's own
+processes are not other work (`engine`: compute passes its parent, `run`'s
+process or the service's supervisor): when compute starts they are still
+starting too (the dense set read into shared memory keeps a core busy for a
+second or two), and counted as other work they took one of two cores' threads
+for the whole run. The choice is made once, when compute starts: a job that
+starts later is not seen.
 """
 
 from __future__ import annotations
@@ -19,8 +25,11 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+import psutil
 
 SAMPLE_S = 0.15  # a few scheduler slices of a busy neighbour (15 ticks of a core at 100 Hz); start-up pays it once
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -106,14 +115,44 @@ def busy_cores(seconds: float = SAMPLE_S, read_stat=lambda: Path("/proc/stat").r
     return max(0.0, share * n - (o1 - o0) / max(wall, 1e-9))
 
 
-def choose_threads(configured: int | None, *, most: int | None = None, sample_s: float = SAMPLE_S, busy=None) -> Cores:
+def engine_cpu(root_pid: int) -> Callable[[], float]:
+    """A function giving the CPU seconds (user + system) the process `root_pid` and every
+    process it started so far have used: busy_cores' `own_cpu` for an engine of several
+    processes. The processes are those alive now; one that ends keeps its last figure."""
+    try:
+        root = psutil.Process(root_pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        procs = []
+    last: dict[int, float] = {}
+
+    def total() -> float:
+        for proc in procs:
+            try:
+                t = proc.cpu_times()
+            except psutil.Error:
+                continue
+            last[proc.pid] = t.user + t.system
+        return sum(last.values()) + (0.0 if procs else sum(os.times()[:2]))
+
+    return total
+
+
+def choose_threads(
+    configured: int | None, *, most: int | None = None, sample_s: float = SAMPLE_S, busy=None, engine: int | None = None
+) -> Cores:
     """`configured` when set; else the usable cores less the busy ones (a core counts as
     held when other work kept it over half busy), at least 1, at most `most`
-    (numba's NUMBA_NUM_THREADS)."""
+    (numba's NUMBA_NUM_THREADS). `engine`: the pid whose process tree is this engine (its
+    own work is not other work); by default this process alone."""
     usable = usable_cores()
     if configured:
         return Cores(configured, usable, 0.0, "set with -t / compute.threads")
-    held = (busy if busy is not None else busy_cores)(sample_s)
+    if busy is None:
+        own = engine_cpu(engine) if engine is not None else None
+        held = busy_cores(sample_s, own_cpu=own)
+    else:
+        held = busy(sample_s)
     n = max(1, usable - round(held))
     if most is not None:
         n = min(n, most)

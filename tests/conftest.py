@@ -79,10 +79,11 @@ def pytest_unconfigure(config):
 
 @pytest.fixture(autouse=True)
 def kernels_warm_before_a_process(request):
-    """An integration test waits for the controller's warm-up (pytest_configure) before it
-    starts processes that would compile the same kernels at once; a unit test goes ahead."""
+    """An integration test, or one marked `quiet` (it measures how busy the machine's cores
+    are), waits for the controller's warm-up (pytest_configure) before it starts processes
+    that would compile the same kernels at once; a unit test goes ahead."""
     done = os.environ.get(WARMUP_DONE)
-    if done and request.node.get_closest_marker("integration") is not None:
+    if done and (request.node.get_closest_marker("integration") or request.node.get_closest_marker("quiet")):
         waited = 0.0
         while not os.path.exists(done) and waited < WARMUP_WAIT_S:
             time.sleep(0.2)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -73,6 +75,7 @@ def test_a_spinning_neighbour_is_seen_as_a_busy_core():
         spin.wait()
 
 
+@pytest.mark.quiet
 def test_this_process_own_work_is_not_counted():
     import threading
     import time
@@ -92,3 +95,29 @@ def test_this_process_own_work_is_not_counted():
     quiet = Path("/proc/loadavg").read_text().split()[0]
     # our own busy thread is subtracted: what is left is other processes' work
     assert alone < 0.8 or float(quiet) > 1.5
+
+
+@pytest.mark.integration
+def test_an_engines_cpu_counts_the_processes_it_started():
+    """engine_cpu(pid) adds the CPU of every process `pid` started (compute's siblings and its
+    parent at start-up), where this process's own clock sees none of a child's work."""
+    burner = subprocess.Popen([sys.executable, "-c", "import time\nt = time.process_time()\nwhile time.process_time() - t < 5: pass"])
+    try:
+        engine, alone = cores.engine_cpu(os.getpid()), sum(os.times()[:2])
+        e0 = engine()
+        time.sleep(1.0)  # the child burns a core (at least half of one on two busy cores)
+        grew, own_grew = engine() - e0, sum(os.times()[:2]) - alone
+    finally:
+        burner.kill()
+        burner.wait()
+    assert grew >= 0.3 and own_grew < 0.2, (grew, own_grew)
+
+
+def test_the_engine_is_passed_on_to_the_busy_sample(monkeypatch):
+    """choose_threads(engine=pid) leaves the engine's own processes out of the busy cores."""
+    seen = []
+    monkeypatch.setattr(cores, "usable_cores", lambda: 2)
+    monkeypatch.setattr(cores, "engine_cpu", lambda pid: seen.append(pid) or (lambda: 0.0))
+    monkeypatch.setattr(cores, "busy_cores", lambda s, own_cpu=None: 0.0 if own_cpu is not None else 1.0)
+    assert cores.choose_threads(None, engine=1234).threads == 2 and seen == [1234]
+    assert cores.choose_threads(None).threads == 1  # this process alone: the rest counts as other work

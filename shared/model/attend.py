@@ -360,7 +360,9 @@ def attend(
         dv = v.shape[2]
     if k.shape[0] != hk or k.shape[2] != d or v.shape[:2] != k.shape[:2] or not 0 < dv <= v.shape[2] or v.dtype != k.dtype:
         raise ValueError(f"attend: q {q.shape} does not match k {k.shape} and v {v.shape} ({dv} value columns)")
-    first = _first_key(int(start), int(window))
+    # its Python: a call to the compiled helper from here compiles it afresh in every process
+    # (not cacheable on its own: ~0.26 s of each start-up) and costs ~3 µs a call
+    first = _first_key.py_func(int(start), int(window))
     if t and (first < base or start + t - 1 - first >= k.shape[1]):
         raise ValueError(f"attend: positions {first}..{start + t - 1} are not all held by {k.shape[1]} rows from position {base}")
     # One type per dtype for the kernels (each type is a compile of its own): C-contiguous

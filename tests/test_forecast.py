@@ -344,7 +344,7 @@ def test_what_reads_cost_the_compute_is_added_for_every_byte_a_token_reads(qwen8
         fc, "measure_kernels", lambda classes, threads, seconds=2.0, rotate_bytes=0: {(c.key, n): 2e9 * n for c in classes for n in threads}
     )
     monkeypatch.setattr(fc, "time_steps", lambda mf, top_k, points: {p: StepTime(0.01, 6, 0.0) for p in points})
-    cfg = load_config(None, {})
+    cfg = load_config(None, {"compute.threads": 2})  # both forecasts alike, however busy the cores are
     records = {}
     for tax in (0.0, 0.5):
         monkeypatch.setattr(fc, "measure_read_tax", lambda mf, c, threads, lanes, seconds=1.0, seed=None, tax=tax: tax)

@@ -118,6 +118,7 @@ def test_a_pulled_catalog_name_is_its_file_for_every_command(pulled, capsys):
 
 
 @pytest.mark.slow  # a whole service up and down: ~15 s on 2 cores
+@pytest.mark.integration
 def test_up_a_pulled_catalog_name_serves_it(pulled):
     env = {**os.environ, "XDG_RUNTIME_DIR": tempfile.mkdtemp(prefix="mpc", dir="/tmp")}
     up = subprocess.run(

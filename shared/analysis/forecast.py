@@ -134,7 +134,7 @@ def measure_reads(mf, lanes: Sequence[int] = READ_LANES, seconds: float = 1.5, s
             "assumed",
             f"the file is mostly holes (header-only): {ASSUMED_READ_GBPS} GB/s assumed (docs/benchmarks.md, O_DIRECT on this disk)",
         )
-    spec, lay = mf.spec, mf.layout
+    lay = mf.layout
     # a new seed each run: experts a previous run read may sit in the host's disk cache
     rng = random.Random(seed)
     out = {}
@@ -142,7 +142,7 @@ def measure_reads(mf, lanes: Sequence[int] = READ_LANES, seconds: float = 1.5, s
     with ExpertFiles(paths, align=lay.align) as ef, SlabArena.create(segment_name("doctor-reads"), max(lanes), lay.slab_bytes) as arena:
 
         def pick_work() -> list:
-            return [lay.expert_extents(rng.choice(spec.moe_layers), rng.randrange(spec.n_expert)) for _ in range(2048)]
+            return random_experts(mf, rng)
 
         for n in lanes:
             best = 0.0
@@ -157,6 +157,12 @@ def measure_reads(mf, lanes: Sequence[int] = READ_LANES, seconds: float = 1.5, s
         fresh_cpu, fresh_gbps = measure_fresh_reads(ef, lay, pick_work(), n)
     note = "measured with O_DIRECT" if direct else f"measured buffered ({ef.fallback_reason}): may be the page cache, not the disk"
     return ReadFigures(out, direct, "measured", note, fresh_gbps, max(0.0, fresh_cpu - reused))
+
+
+def random_experts(mf, rng: random.Random, n: int = 2048) -> list:
+    """The extents of `n` experts drawn at random over the model's MoE layers: reads' work."""
+    spec, lay = mf.spec, mf.layout
+    return [lay.expert_extents(rng.choice(spec.moe_layers), rng.randrange(spec.n_expert)) for _ in range(n)]
 
 
 def cpu_per_gb(read: Callable[[], tuple[int, float]]) -> tuple[float, float]:
@@ -259,14 +265,12 @@ class _ClassMatrices:
         self.matrix_bytes, self.weights = one.nbytes, rows * c.cols
         self.x = rng.standard_normal(c.cols, dtype=np.float32)  # [C]
         self.y = np.empty(rows, np.float32)  # [R]
-        self.i = 0
+        self.i, self.matvec = 0, quant.matvec
         self.run(1)  # compile / load from numba's cache outside any timing
 
     def run(self, n: int) -> None:
-        from .. import quant
-
         for _ in range(n):
-            quant.matvec(self.qt, self.mats[self.i], self.x, out=self.y)
+            self.matvec(self.qt, self.mats[self.i], self.x, out=self.y)
             self.i = (self.i + 1) % self.n_mats
 
 
@@ -285,7 +289,7 @@ def measure_read_tax(mf, c: KernelClass, threads: int, lanes: int, seconds: floa
     paths = list(mf.gguf.paths)
     if getattr(mf.gguf, "header_only", False) or is_sparse(paths):
         return 0.0
-    spec, lay = mf.spec, mf.layout
+    lay = mf.layout
     rng = random.Random(seed)
     mats = _ClassMatrices(c, ROTATE_BYTES, np.random.default_rng(0))
     before = quant.get_threads()
@@ -299,7 +303,7 @@ def measure_read_tax(mf, c: KernelClass, threads: int, lanes: int, seconds: floa
                 for beside in (False, True):
                     result: list[tuple[int, float]] = []
                     if beside:
-                        work = [lay.expert_extents(rng.choice(spec.moe_layers), rng.randrange(spec.n_expert)) for _ in range(2048)]
+                        work = random_experts(mf, rng)
                         reader = threading.Thread(target=lambda w=work, out=result: out.append(read_lanes(ef, arena, w, lanes, turn)))
                         reader.start()
                     n, t0 = 0, time.perf_counter()

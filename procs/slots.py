@@ -287,13 +287,23 @@ def pick_slot(slots: Sequence[Slot], busy: set[int], prompt: Sequence[int]) -> S
     return max(idle, key=rank, default=None)
 
 
+def shared_positions(slots: Sequence[Slot]) -> int:
+    """Positions of the prompt prefixes the slots' caches hold by reference, each page file once
+    however many slots map it (shared/model/kv_pages.py)."""
+    files = set()
+    for s in slots:
+        if s.session.cache is not None:
+            files |= s.session.cache.page_files()
+    return sum(f.positions for f in files)
+
+
 def slot_states(slots: Sequence[Slot], busy: set[int], pool: int) -> m.SlotStates:
     """The slots as telemetry shows them: an idle one with nothing but zeros and the positions
-    its cache still holds (its conversation, until the pool needs the room)."""
+    its cache still holds (its conversation, until the pool needs the room), a shared prefix apart."""
     figures = [(s.req_id, s.total, s.cache, s.processed, s.decoded) if s.id in busy else (0, 0, 0, 0, 0) for s in slots]
     req_ids, total, cache, processed, decoded = (tuple(column) for column in zip(*figures))
-    held = tuple(s.session.held for s in slots)
-    return m.SlotStates(req_ids, total, cache, processed, decoded, held, pool)
+    held = tuple(s.session.own for s in slots)
+    return m.SlotStates(req_ids, total, cache, processed, decoded, held, pool, shared_positions(slots))
 
 
 def _phases(states: m.SlotStates) -> list[tuple[object, object]]:
@@ -498,7 +508,9 @@ class Slots:
             if s is not slot and s.id != midway and s.session.cache is not None and (s.id not in busy or s.id in waiting)
         ]
         n, best = max(((reusable(s), s) for s in donors), key=lambda d: d[0], default=(0, None))
-        if best is None or n <= own or not self.room_for(slot, n, keep=best.id):
+        if best is None or best.session.cache is None or n <= own:
+            return 0
+        if not self.room_for(slot, n, keep=best.id, by_reference=best.session.cache.shareable(n)):
             return 0
         try:
             slot.session.share_from(best.session, n, self.metered.model, self.config.compute.ctx_size)
@@ -564,15 +576,16 @@ class Slots:
 
     # -- the KV pool (shared/model/kv_pool.py) ---------------------------------------------
     def held(self, slot: Slot, trim: bool) -> int:
-        """The positions `slot`'s cache keeps in memory; with `trim`, once the rows past its count
-        (a truncated conversation's) are given back. Only a slot whose thread holds still may be
-        trimmed: an idle one, or a busy one waiting for a step."""
+        """The positions `slot`'s cache keeps in memory of its own (a prefix held by reference is
+        counted apart: `shared_positions`); with `trim`, once the rows past its count (a truncated
+        conversation's) are given back. Only a slot whose thread holds still may be trimmed: an
+        idle one, or a busy one waiting for a step."""
         cache = slot.session.cache
         if (
             cache is not None and trim and not (self.sliced is not None and self.sliced.ask.slot == slot.id)
         ):  # a chunk's rows wait past the count
             cache.release(cache.n)
-        return slot.session.held
+        return slot.session.own
 
     def evict(self, slot: Slot) -> None:
         """A slot's conversation is forgotten and its cache's memory given back to the pool (an
@@ -584,14 +597,15 @@ class Slots:
 
     def make_room(self, uses: list[Use]) -> Room:
         """`make_room` over the slots' uses, its idle caches emptied."""
-        room = make_room(self.pool, uses)
+        room = make_room(self.pool, uses, shared_positions(self.slots))
         for i in room.evict:
             self.evict(self.slots[i])
         return room
 
-    def room_for(self, slot: Slot, n: int, keep: int | None = None) -> bool:
-        """Room in the pool for an idle `slot` to hold n positions, made by emptying other idle
-        slots (the least recently used first; never `keep`, a donor); whether there is."""
+    def room_for(self, slot: Slot, n: int, keep: int | None = None, by_reference: int = 0) -> bool:
+        """Room in the pool for an idle `slot` to hold n positions, `by_reference` of them a prefix
+        it shares (in memory once already), made by emptying other idle slots (the least recently
+        used first; never `keep`, a donor); whether there is."""
         if len(self.slots) == 1:
             return True
         busy = self.busy()
@@ -600,7 +614,7 @@ class Slots:
             idle = s.id not in busy
             held = self.held(s, trim=idle)
             if s is slot:
-                uses.append(Use(s.id, s.order, True, held, max(held, n)))
+                uses.append(Use(s.id, s.order, True, held, max(held, n - by_reference)))
             else:
                 uses.append(Use(s.id, s.order, not idle or s.id == keep, held, held))
         room = self.make_room(uses)

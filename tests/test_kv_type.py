@@ -265,7 +265,7 @@ def test_v_on_its_own_window_decides_where_the_cache_can_go_on_too():
 @pytest.mark.parametrize("kv_type", ["f32", "f16", "q8_0"])
 def test_entry_rows_hold_one_row_per_stride_positions_and_copy_and_save_by_position(kv_type):
     """A compressing layer's entries (`_Entries`, deepseek4's): entry m for positions m·4..m·4+3,
-    as positions what copy_prefix_from and a saved session read: positions 0..n-1 hold the n // 4
+    as positions what share_prefix_from and a saved session read: positions 0..n-1 hold the n // 4
     complete entries, stored as the cache's kv_type; the budget counts n_ctx // 4 of them."""
     rng = np.random.default_rng(13)
     k, v = _random_kv(rng, t=18)
@@ -279,7 +279,7 @@ def test_entry_rows_hold_one_row_per_stride_positions_and_copy_and_save_by_posit
     assert (e.stride, e.count(0, 18), e.count(0, 3), len(c.rows())) == (4, 4, 0, 3)
     assert np.allclose(e.read(0, 4), entries, atol=0.05) and e.read(2, 2).shape == (0, 96)
     copy = KVCache(30, (2,), (64,), (64,), kv_type, entries=((4, 96),))
-    copy.copy_prefix_from(c, 15)  # three complete entries
+    copy.share_prefix_from(c, 15)  # three complete entries
     assert [a.shape[1] for a in copy.entries[0].export(0, 15)] == [3] * len(e.arrays())
     assert np.array_equal(copy.entries[0].read(0, 3), e.read(0, 3)) and not copy.entries[0].read(3, 4).any()
     spec = attention_only(n_head_kv=(2,), head_dim_k=(64,), head_dim_v=(64,), compress_ratios=(4,), entry_widths=(96,))
@@ -447,14 +447,14 @@ def test_the_budget_gains_what_f16_saves(monkeypatch, tiny_model):
 
 @pytest.mark.parametrize("kv_type", ["f32", "f16", "q8_0"])
 def test_a_copied_prefix_holds_the_same_stored_rows_as_the_donor(kv_type):
-    """Another sequence's first n positions copied (KVCache.copy_prefix_from): the values as
+    """Another sequence's first n positions copied (KVCache.share_prefix_from): the values as
     stored (q8_0's scales too), its count n, and the donor's own rows untouched by what the
     copy then stores; on a ring, what it holds of 0..n-1, which is the window before n."""
     rng = np.random.default_rng(9)
     k, v = _random_kv(rng, t=20)
     donor = _filled(kv_type, k, v)
     for copy in (KVCache(32, (2,), (64,), (64,), kv_type), _filled(kv_type, v, k)):  # empty, and holding another sequence
-        copy.copy_prefix_from(donor, 15)
+        copy.share_prefix_from(donor, 15)
         assert copy.n == 15
         stored = [(c.k[0].export(0, 15), c.v[0].export(0, 15)) for c in (copy, donor)]
         assert all(np.array_equal(a, b) for x, y in zip(*stored) for a, b in zip(x, y))
@@ -465,7 +465,7 @@ def test_a_copied_prefix_holds_the_same_stored_rows_as_the_donor(kv_type):
         ring.store(0, k[at : at + 4], v[at : at + 4])
         ring.advance(4)
     copy, _ = _ring_and_whole(kv_type)
-    copy.copy_prefix_from(ring, 18)  # the ring holds 9..19; a query at 18 needs 11..17
+    copy.share_prefix_from(ring, 18)  # the ring holds 9..19; a query at 18 needs 11..17
     assert copy.n == 18 and copy.k[0].lo == 9 and copy.holds_window(18)
     assert np.array_equal(copy.keys(0, 9, 18), ring.keys(0, 9, 18)) and np.array_equal(copy.values(0, 9, 18), ring.values(0, 9, 18))
 
@@ -478,18 +478,18 @@ def test_a_prefix_is_not_copied_from_a_cache_that_cannot_give_it():
         ring.store(0, k[at : at + 4], v[at : at + 4])
         ring.advance(4)
     copy, _ = _ring_and_whole("f32")
-    copy.copy_prefix_from(ring, 36)  # the window before 36 is 29..35: held
+    copy.share_prefix_from(ring, 36)  # the window before 36 is 29..35: held
     before = [a.copy() for a in copy.parts()]
     with pytest.raises(ValueError, match="cannot share the first 35 of 40 positions: its rings no longer hold the window before them"):
-        copy.copy_prefix_from(ring, 35)  # needs 28, overwritten by 39
+        copy.share_prefix_from(ring, 35)  # needs 28, overwritten by 39
     with pytest.raises(ValueError, match="cannot share the first 41 of 40 positions: it does not hold them"):
-        copy.copy_prefix_from(ring, 41)
+        copy.share_prefix_from(ring, 41)
     with pytest.raises(ValueError, match="another layout"):
-        copy.copy_prefix_from(whole, 0)  # a ring and a whole-context layer
+        copy.share_prefix_from(whole, 0)  # a ring and a whole-context layer
     with pytest.raises(ValueError, match="another layout"):
-        copy.copy_prefix_from(_ring_and_whole("f16")[0], 0)
+        copy.share_prefix_from(_ring_and_whole("f16")[0], 0)
     with pytest.raises(ValueError, match="itself"):
-        copy.copy_prefix_from(copy, 4)
+        copy.share_prefix_from(copy, 4)
     assert copy.n == 36 and all(np.array_equal(a, b) for a, b in zip(copy.parts(), before))  # a refused copy changes nothing
 
 
@@ -519,7 +519,7 @@ def test_a_sequence_continued_from_a_copied_ring_prefix_is_the_sequence_computed
         donor, copy, alone = (KVCache.for_spec(s, 64, "f32", prompt_block=4) for _ in range(3))
         model.forward(prefix[:16], donor)
         model.forward(prefix[16:] + [11, 12, 13], donor)  # the donor's own tokens overwrite ring rows past 20
-        copy.copy_prefix_from(donor, 20)
+        copy.share_prefix_from(donor, 20)
         model.forward(prefix[:16], alone)
         model.forward(prefix[16:], alone)
         tail = [21, 22, 23, 24, 25]
@@ -528,7 +528,7 @@ def test_a_sequence_continued_from_a_copied_ring_prefix_is_the_sequence_computed
             model.decode_one(t, donor)  # 26 positions: the rings hold 15..25, the window before 20 needs 13..19
         assert not donor.can_share(20)
         with pytest.raises(ValueError, match="rings no longer hold"):
-            KVCache.for_spec(s, 64, "f32", prompt_block=4).copy_prefix_from(donor, 20)
+            KVCache.for_spec(s, 64, "f32", prompt_block=4).share_prefix_from(donor, 20)
 
 
 def test_a_recurrent_state_is_copied_only_whole(tmp_path):
@@ -544,7 +544,7 @@ def test_a_recurrent_state_is_copied_only_whole(tmp_path):
         donor, copy, alone = (model.new_cache(32) for _ in range(3))
         model.forward(prefix, donor)
         model.forward(prefix, alone)
-        copy.copy_prefix_from(donor, len(prefix))
+        copy.share_prefix_from(donor, len(prefix))
         assert copy.state is not None and copy.state.conv is not donor.state.conv
         assert np.array_equal(_continued(model, copy, tail), _continued(model, alone, tail))
         fresh = model.new_cache(32)
@@ -552,7 +552,7 @@ def test_a_recurrent_state_is_copied_only_whole(tmp_path):
         assert np.array_equal(_continued(model, donor, other), _continued(model, fresh, other))  # the donor's own state
         refused = model.new_cache(32)
         with pytest.raises(ValueError, match="a recurrent state is only shared whole"):
-            refused.copy_prefix_from(donor, len(prefix))  # it went on past the prefix
+            refused.share_prefix_from(donor, len(prefix))  # it went on past the prefix
         assert refused.n == 0 and not any(a.any() for a in (*refused.state.conv.values(), *refused.state.delta.values()))
 
 

@@ -369,6 +369,37 @@ def test_a_request_that_ends_while_its_chunk_is_part_way_leaves_its_slot_as_befo
     assert again.timings["prompt_cached"] == 16 and again.tokens == _alone(hybrid, b).tokens
 
 
+def test_a_prefix_two_slots_take_from_a_third_is_held_once_and_each_reply_is_its_own(tiny):
+    """Three slots, a 100-token prompt decoded in slot 0; two requests that begin with it take it
+    from slot 0 (share_prefix) by reference: all three caches map one page file, the pool counts
+    its positions once (slot_states: each slot's own positions, the prefix apart), and each reply
+    is the one it gets alone. Emptied, the slots let the file go."""
+    from moe_pipe.procs.slots import shared_positions, slot_states
+
+    slots, _, start, serve = _in_process(tiny, **{"gateway.parallel": 3, "compute.prefill_chunk": 16})
+    prefix = [(7 * i) % 200 + 3 for i in range(100)]
+    reqs = [_greedy(1, prefix + [5, 6], 6), _greedy(2, prefix + [9, 10, 11], 6), _greedy(3, prefix + [12], 6)]
+    start(0, reqs[0])
+    serve(lambda d: 1 in d)
+    for i, req in enumerate(reqs[1:], 1):
+        shared = slots.share_prefix(slots.slots[i], req)
+        assert shared == 100
+        slots.start(slots.slots[i], req, shared)
+    done = serve(lambda d: {2, 3} <= d.keys())
+    for req in reqs:
+        assert done[req.req_id].tokens == _alone(tiny, req).tokens
+        assert done[req.req_id].timings["prompt_shared"] == (100 if req.req_id > 1 else 0)
+    caches = [s.session.cache for s in slots.slots]
+    (file,) = caches[0].page_files()
+    assert all(c.page_files() == {file} for c in caches) and file.positions == 100 == shared_positions(slots.slots)
+    states = slot_states(slots.slots, set(), slots.pool)
+    assert states.shared == 100 and states.held == tuple(c.held - 100 for c in caches)
+    assert states.pool_held == sum(c.held for c in caches) - 2 * 100  # the prefix once, not three times
+    for s in slots.slots:
+        slots.evict(s)
+    assert shared_positions(slots.slots) == 0 and slot_states(slots.slots, set(), slots.pool).pool_held == 0
+
+
 # -- the service ------------------------------------------------------------------------
 
 pytest.importorskip("openai", reason="the service tests use the openai client: pip install '.[test]'")

@@ -9,6 +9,7 @@ ones), H query heads, Hk kv heads, G = H/Hk, d head width.
 
 from __future__ import annotations
 
+import ctypes
 import math
 import mmap
 from collections.abc import Callable
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..gguf.spec import Q8_0_BLOCK, SWA_PROMPT_BLOCK, ModelSpec, RopeSpec, check_kv_type, kv_entries, kv_rows, kv_v_windows, kv_windows
+from . import kv_pages
 from .attend import attend
 from .fused import _rope_rotate, rms_norm, swiglu  # noqa: F401  (fused loops, part of the blocks' API)
 
@@ -116,6 +118,11 @@ def rope_from_spec(r: RopeSpec) -> Rope:
 # first written and given back by `_Rows.release` (the slots' KV pool, procs/slots.py).
 PAGE = mmap.PAGESIZE
 MAPPED_ROWS_BYTES = 16 * PAGE
+# A shared prefix is held by reference in at most this many page files a cache (each a
+# mapping per kv head and layer); positions past them are copied. A donor's positions past
+# its files go into a new one only when they are at least SHARE_MIN_POSITIONS.
+MAX_PAGE_FILES = 4
+SHARE_MIN_POSITIONS = 64
 
 
 def _zeroed(shape: tuple[int, ...], dtype) -> tuple[np.ndarray, mmap.mmap | None]:
@@ -153,14 +160,18 @@ class _Rows:
         if kv_type == "q8_0":
             self.scale, scale_map = _zeroed((hk, rows, d // Q8_0_BLOCK), np.float16)
             self.maps.append(scale_map)
+        # Positions 0..hi-1 of a prefix shared by reference: its pages map page files, one
+        # segment a file (kv_pages.py), contiguous from position 0.
+        self.segments: list[_Segment] = []
 
     def release(self, n: int) -> None:
         """Give the memory of positions n on back to the system (a whole-context layer's: a ring
         reuses its rows): each head's pages past row n are dropped and read as zeros again, the
-        partly used page at row n kept. Positions n on must not be held: they are written anew
-        before they are read."""
+        partly used page at row n kept; a shared prefix's pages past n no longer refer to
+        their file. Positions n on must not be held: they are written anew before they are read."""
         if self.window or n >= self.top:
             return
+        self._unshare(n)
         for a, mm in zip(self.arrays(), self.maps):
             if mm is None:
                 continue
@@ -234,12 +245,136 @@ class _Rows:
             a[:, rows] = x
         self.lo, self.top = lo, max(self.top, hi)
 
+    # -- a prefix shared by reference (kv_pages.py) ----------------------------------------
+    def can_map(self) -> bool:
+        """Whether these rows can hold a prefix by reference: a whole-context layer's, in mappings."""
+        return not self.window and all(mm is not None for mm in self.maps) and kv_pages.supported()
+
+    @property
+    def by_reference(self) -> int:
+        """Positions 0..n-1 whose pages are held by reference (0: none)."""
+        return self.segments[-1].hi if self.segments else 0
+
+    def page_files(self) -> list[kv_pages.PageFile]:
+        return [seg.file for seg in self.segments]
+
+    def file_pages(self, n: int) -> int:
+        """Bytes of whole pages a page file for positions `by_reference`..n-1 of these rows takes."""
+        lo = self.by_reference
+        return sum((hi - lo_) * PAGE for a in self.arrays() for h in range(a.shape[0]) for lo_, hi in [_pages(a, h, lo, n)])
+
+    def file_away(self, file: kv_pages.PageFile, at: int, n: int) -> int:
+        """Put positions `by_reference`..n-1's whole pages into `file` from byte `at`, and map the
+        file over them here (this cache's own pages go back to the system); the bytes written."""
+        lo, offsets, start = self.by_reference, [], at
+        for a in self.arrays():
+            heads = []
+            for h in range(a.shape[0]):
+                first, last = _pages(a, h, lo, n)
+                heads.append(at)
+                if last > first:
+                    file.write(at, memoryview((ctypes.c_char * ((last - first) * PAGE)).from_address(_address(a) + first * PAGE)))
+                    kv_pages.map_file(_address(a) + first * PAGE, (last - first) * PAGE, file.fd, at)
+                at += (last - first) * PAGE
+            offsets.append(tuple(heads))
+        self.segments.append(_Segment(file, lo, n, tuple(offsets)))
+        return at - start
+
+    def mappings(self) -> int:
+        """About how many mappings holding a segment more by reference takes: one an array and
+        kv head, and the split of this cache's own mapping around it."""
+        return 2 * sum(a.shape[0] for a in self.arrays())
+
+    def take_prefix(self, other: _Rows, n: int, by_reference: bool = True) -> None:
+        """Hold `other`'s positions 0..n-1 (both whole-context rows of one layout): the pages its
+        segments hold by reference, mapped here too (unless `by_reference` is False), and the rows
+        past them copied; what these rows held by reference before is let go."""
+        self._unshare(0)
+        for seg in other.segments if by_reference else ():
+            if seg.lo >= n:
+                break
+            hi = min(seg.hi, n)
+            for a, offsets in zip(self.arrays(), seg.offsets):
+                for h in range(a.shape[0]):
+                    first, last = _pages(a, h, seg.lo, hi)
+                    if last > first:
+                        kv_pages.map_file(_address(a) + first * PAGE, (last - first) * PAGE, seg.file.fd, offsets[h])
+            self.segments.append(_Segment(seg.file, seg.lo, hi, seg.offsets))
+        shared = self.by_reference
+        for a, theirs in zip(self.arrays(), other.arrays()):
+            copy_from = _by_reference(a, shared)
+            a[:, copy_from:n] = theirs[:, copy_from:n]
+        self.lo, self.top = 0, max(self.top, n)
+
+    def _unshare(self, n: int) -> None:
+        """Positions n on no longer held by reference: each segment keeps the pages wholly below
+        row n, and the rest of its pages leave its file: a page that also holds positions below
+        n becomes this cache's own copy, the others map fresh zeros. So every page still mapping
+        a file is one its segment counts, and a file let go is mapped nowhere here."""
+        for seg in self.segments:
+            if seg.hi <= n:
+                continue
+            for a in self.arrays():
+                per_head, per_row = a.strides[0], a.strides[1]
+                for h in range(a.shape[0]):
+                    first, last = _pages(a, h, seg.lo, seg.hi)
+                    keep = _pages(a, h, seg.lo, n)[1] if seg.lo < n else first
+                    below = -(-(h * per_head + n * per_row) // PAGE)  # pages from here hold no position below n
+                    if keep < min(below, last):
+                        _own_copy(_address(a) + keep * PAGE)
+                        keep += 1
+                    if last > keep:
+                        kv_pages.map_zeros(_address(a) + keep * PAGE, (last - keep) * PAGE)
+        self.segments = [seg if seg.hi <= n else _Segment(seg.file, seg.lo, n, seg.offsets) for seg in self.segments if seg.lo < n]
+
+
+@dataclass(frozen=True)
+class _Segment:
+    """Positions lo..hi-1 of a `_Rows` held by reference: each array's and kv head's whole pages
+    among those rows (`_pages`) map `file` from offsets[array][head]."""
+
+    file: kv_pages.PageFile
+    lo: int
+    hi: int
+    offsets: tuple[tuple[int, ...], ...]
+
+
+def _address(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
+
+
+def _pages(a: np.ndarray, h: int, lo: int, hi: int) -> tuple[int, int]:
+    """The pages (indices into a's mapping) a segment lo..hi of kv head h holds: from the page at
+    row lo (the first whole page of the head when lo is 0) to the page at row hi, so that each
+    page goes to the segment its first prefix row is in and no page holds another head's rows."""
+    per_head, per_row = a.strides[0], a.strides[1]
+    head = -(-h * per_head // PAGE)
+    first = head if lo == 0 else max(head, (h * per_head + lo * per_row) // PAGE)
+    return first, max(first, (h * per_head + hi * per_row) // PAGE)
+
+
+def _own_copy(page: int) -> None:
+    """The page at address `page` keeps its bytes in anonymous memory of its own (a file's page
+    it mapped is let go)."""
+    held = ctypes.string_at(page, PAGE)
+    kv_pages.map_zeros(page, PAGE)
+    ctypes.memmove(page, held, PAGE)
+
+
+def _by_reference(a: np.ndarray, hi: int) -> int:
+    """How many of positions 0..hi-1 lie wholly in a's pages that segments up to hi hold: their
+    rows need no copy."""
+    per_head, per_row = a.strides[0], a.strides[1]
+    if any(h * per_head % PAGE for h in range(a.shape[0])):
+        return 0  # a head that begins part way into a page: its first rows are copied, so all are
+    return min(hi, min((_pages(a, h, 0, hi)[1] * PAGE - h * per_head) // per_row for h in range(a.shape[0])))
+
 
 class _Entries:
     """A compressing layer's entries (deepseek4): one row of `width` per `stride` positions,
     entry m folded from positions m·stride..(m+1)·stride-1 and written once its window is
     complete, kept as `kv_type` for the whole context (they are few). Seen as positions, as
-    what copies and saves rows by position reads them (`copy_prefix_from`, a saved session):
+    what shares and saves rows by position reads them (`share_prefix_from`, a saved session):
     positions lo..hi-1 hold entries lo//stride..hi//stride-1, the ones complete by then; an
     incomplete window's entry is written when the window completes."""
 
@@ -407,6 +542,11 @@ class KVCache:
         (at least `n`; more while a prompt chunk's rows wait to be counted, or after a truncation)."""
         return max((r.top for r in self.pooled()), default=0)
 
+    @property
+    def own(self) -> int:
+        """Of the positions held, those in memory of its own: not a prefix held by reference."""
+        return max(0, self.held - self.by_reference)
+
     def release(self, n: int) -> None:
         """Give back the memory of the whole-context rows from position n on (n at least the
         positions held, `n`): the slots' pool takes it from an idle slot, or trims what a
@@ -456,23 +596,54 @@ class KVCache:
         self.n = n
 
     def can_share(self, n: int) -> bool:
-        """Whether another cache can go on from this one's first n positions (`copy_prefix_from`):
+        """Whether another cache can go on from this one's first n positions (`share_prefix_from`):
         they are held (n at most the length), a ring still holds the window before n, and a
         recurrent state, which has folded in every position, has folded in exactly n."""
         if not 0 < n <= self.n:
             return False
         return (self.state is None or n == self.n) and self.holds_window(n)
 
-    def copy_prefix_from(self, other: KVCache, n: int) -> None:
-        """Hold `other`'s first n positions, as if this cache had computed them: every layer's
-        K and V rows (q8_0's scales too; a ring's held rows before n, which include the window
-        the next position needs) and a recurrent state, then n positions counted. Refused with
-        a ValueError, before anything changes, when `other` cannot share them (`can_share`) or
-        is laid out otherwise (another model, kv_type or context)."""
+    @property
+    def by_reference(self) -> int:
+        """Positions 0..n-1 whose whole-context rows are held by reference, in page files that
+        other caches may map too (0: none; kv_pages.py)."""
+        return min((r.by_reference for r in self.pooled()), default=0)
+
+    def page_files(self) -> set[kv_pages.PageFile]:
+        """The page files its rows map: a shared prefix's, each counted once however many caches map it."""
+        return {f for r in self.pooled() for f in r.page_files()}
+
+    def _files_more(self, n: int) -> bool:
+        """Whether a share of n positions puts this cache's positions past its page files into a new one."""
+        mapped = self.pooled()
+        return (
+            bool(mapped)
+            and all(r.can_map() for r in mapped)
+            and n - self.by_reference >= SHARE_MIN_POSITIONS
+            and len(mapped[0].segments) < MAX_PAGE_FILES
+            and kv_pages.mappings_left() > 2 * (MAX_PAGE_FILES + 1) * sum(r.mappings() for r in mapped)
+        )
+
+    def shareable(self, n: int) -> int:
+        """About how many of positions 0..n-1 a cache that takes them (`share_prefix_from`) holds
+        by reference rather than in memory of its own (a page a kv head is copied): what the
+        slots' KV pool need not find room for."""
+        if not self.pooled() or not all(r.can_map() for r in self.pooled()):
+            return 0
+        return n if self._files_more(n) else min(self.by_reference, n)
+
+    def share_prefix_from(self, other: KVCache, n: int) -> None:
+        """Hold `other`'s first n positions, as if this cache had computed them: the whole-context
+        rows' whole pages by reference where this system allows (other's positions past its page
+        files go into a new one, mapped in both: kv_pages.py; the part-used pages are copied),
+        every other row copied (q8_0's scales too; a ring's held rows before n, which include the
+        window the next position needs), a recurrent state copied, then n positions counted.
+        Refused with a ValueError, before anything changes, when `other` cannot share them
+        (`can_share`) or is laid out otherwise (another model, kv_type or context)."""
         if other is self:
-            raise ValueError("a cache cannot copy a prefix from itself")
+            raise ValueError("a cache cannot share a prefix with itself")
         if _layout(self) != _layout(other):
-            raise ValueError("cannot copy KV rows between caches of another layout (model, kv_type or context)")
+            raise ValueError("cannot share KV rows between caches of another layout (model, kv_type or context)")
         if not other.can_share(n):
             if not 0 < n <= other.n:
                 why = "it does not hold them"
@@ -481,12 +652,32 @@ class KVCache:
             else:
                 why = "its rings no longer hold the window before them"
             raise ValueError(f"cannot share the first {n} of {other.n} positions: {why}")
+        if other._files_more(n):
+            other._file_away(n)
+        segments = max((len(r.segments) for r in other.pooled()), default=0)
+        by_reference = kv_pages.mappings_left() > segments * sum(r.mappings() for r in self.pooled())
         for mine, theirs in zip(self.rows(), other.rows()):
+            if isinstance(mine, _Rows) and isinstance(theirs, _Rows) and mine.can_map():
+                mine.take_prefix(theirs, n, by_reference)
+                continue
             lo = max(theirs.lo, n - mine.cap, 0) if theirs.window else 0  # a ring: what it holds of 0..n-1
             mine.restore(lo, n, theirs.export(lo, n))
         if self.state is not None and other.state is not None:
             self.state.restore((other.state.conv, other.state.delta))
         self.n = n
+
+    def _file_away(self, n: int) -> None:
+        """Positions `by_reference`..n-1 of every whole-context row into one new page file, mapped
+        here. A system that refuses the file (no memory, no descriptors) leaves them as they were:
+        a cache taking them copies them."""
+        rows = self.pooled()
+        try:
+            file = kv_pages.PageFile(sum(r.file_pages(n) for r in rows), n - self.by_reference)
+        except OSError:
+            return
+        at = 0
+        for r in rows:
+            at += r.file_away(file, at, n)
 
     def parts(self) -> list[np.ndarray]:
         """Every stored array, [Hk, rows, x], in a fixed order (per layer: K, its

@@ -3,7 +3,8 @@
 
 A slot's cache takes memory page by page as its positions are first written (its
 whole-context rows are anonymous mappings: shared/model/blocks.py `_Rows`), and gives
-it back with `KVCache.release`. The pool is a count of positions, gateway.kv_pool
+it back with `KVCache.release`. A prompt prefix that several slots share is held once,
+by reference (shared/model/kv_pages.py), and counted once. The pool is a count of positions, gateway.kv_pool
 (shared/config.py `Config.kv_pool_tokens`); the budget reserves it rather than a whole
 context a slot. Before each step the serving loop (procs/slots.py) asks `make_room`
 whether the step's rows fit and, when they do not, what gives way:
@@ -37,7 +38,7 @@ class Use:
     slot: int
     order: int  # its request's arrival (an idle slot's: the last it served): the older first
     busy: bool
-    held: int  # positions whose rows are in memory
+    held: int  # positions whose rows are in memory of its own (a prefix held by reference is counted once, apart)
     wants: int  # what it holds once the step's rows for it have run (`held` when it has none)
 
 
@@ -51,11 +52,14 @@ class Room:
     end: int | None = None
 
 
-def make_room(capacity: int, uses: Sequence[Use]) -> Room:
+def make_room(capacity: int, uses: Sequence[Use], shared: int = 0) -> Room:
     """What gives way so that the slots' positions after a step fit `capacity` (the module
     docstring's order): idle caches, least recently used first; then the youngest requests'
-    rows; and when no row could run at all, the youngest busy request holding positions."""
-    total = sum(max(u.held, u.wants) for u in uses)
+    rows; and when no row could run at all, the youngest busy request holding positions.
+    `shared`: positions of prompt prefixes held once by reference for several slots (each
+    use's `held` is its own positions without them). An emptied cache is counted as giving
+    back its own positions only: a prefix it shared stays while another slot holds it."""
+    total = shared + sum(max(u.held, u.wants) for u in uses)
     evict: list[int] = []
     for u in sorted((u for u in uses if not u.busy and u.held), key=lambda u: u.order):
         if total <= capacity:

@@ -72,6 +72,11 @@ class Session:
         return self.cache.held if self.cache is not None else 0
 
     @property
+    def own(self) -> int:
+        """Of them, those in memory of its own (KVCache.own): a prefix held by reference is not."""
+        return self.cache.own if self.cache is not None else 0
+
+    @property
     def tokens(self) -> list[int]:
         """The ids the cache holds, position by position."""
         return self.ids[: self.n]
@@ -123,13 +128,13 @@ class Session:
 
     def share_from(self, other: Session, n: int, model, n_ctx: int) -> None:
         """Hold `other`'s first n positions in this session's cache (made if need be), as if it
-        had computed them: its KV rows and recurrent state copied (KVCache.copy_prefix_from)
+        had computed them: its KV rows (whole pages by reference) and recurrent state (KVCache.share_prefix_from)
         and its ids, so that `reuse` keeps them (docs/batching.md § Prompt prefixes shared
         across slots). Refused with a ValueError, this session unchanged, when `other`'s cache
         cannot share them."""
         if other.cache is None:
             raise ValueError("the other session holds nothing to share")
-        self.cache_for(model, n_ctx).copy_prefix_from(other.cache, n)
+        self.cache_for(model, n_ctx).share_prefix_from(other.cache, n)
         self.ids = other.ids[:n]
         self.redo, self._verify_state = [], None
 
@@ -394,6 +399,7 @@ def load_session(path: str | os.PathLike, model, n_ctx: int, identity: Sequence[
             )
         firsts[i], at = first, at + count
     cache.truncate(0)  # from here a failure leaves an empty cache, never a mix of two sessions
+    cache.release(0)  # its pages, a prefix held by reference included, are the file's from here
     try:
         with open(path, "rb") as fh:
             fh.seek(data_at)

@@ -598,7 +598,7 @@ class SlotStates(_Message):
     above 1: what each of compute's slots is doing, one entry a slot (index = slot id). A
     slot is idle (req_id 0), reading its prompt (processed < total: of `total` tokens,
     `cache` reused from its KV cache and `processed` done, cache included) or decoding
-    (`decoded` tokens so far); `held` and `pool` say how full the slots' KV pool is. Sent
+    (`decoded` tokens so far); `held`, `shared` and `pool` say how full the slots' KV pool is. Sent
     as a slot changes state, and now and then between (procs/slots.py SLOT_STATES_S).
     `rows()` says which state each is in."""
 
@@ -607,8 +607,9 @@ class SlotStates(_Message):
     cache: tuple[int, ...]
     processed: tuple[int, ...]
     decoded: tuple[int, ...]
-    held: tuple[int, ...]  # positions each slot's KV cache keeps in memory (an idle slot's conversation too)
+    held: tuple[int, ...]  # positions each slot's KV cache keeps in memory of its own (an idle slot's conversation too)
     pool: int  # positions the slots' caches may hold together: the KV pool (docs/batching.md § The KV pool)
+    shared: int = 0  # positions of prompt prefixes held once by reference for several slots, apart from `held`
 
     def rows(self) -> list[dict[str, int | str]]:
         """Each slot as `{id, state, req_id, total, cache, processed, decoded, held}`, state
@@ -635,8 +636,8 @@ class SlotStates(_Message):
 
     @property
     def pool_held(self) -> int:
-        """Positions the slots' caches hold together, of `pool`."""
-        return sum(self.held)
+        """Positions the slots' caches hold together, of `pool`: each its own, and a shared prefix once."""
+        return sum(self.held) + self.shared
 
 
 @_wire(Kind.SLOT)

@@ -466,12 +466,23 @@ def _gather8(e: _Emit, scale, p, size):
     return v
 
 
+def _gather8_halves(e: _Emit, w, p, size):
+    """<8 x float>: the f16 at the start of each of the 8 blocks of a unit at p (Q8_0's and Q5_0's
+    d). With F16C the 8 halves are gathered as integers and converted in one instruction."""
+    if not _F16C:
+        return _gather8(e, lambda o: e.half(w, o), p, size)
+    v = ir.Constant(_vec(8, 16), None)
+    for k in range(8):
+        v = e.b.insert_element(v, e.load(w, e.b.add(p, e.i64(size * k)), _I16), ir.Constant(_I32, k))
+    return e.b.fpext(e.b.bitcast(v, ir.VectorType(_HALF, 8)), _fvec(8))
+
+
 def _unit_q8_0(e: _Emit, w, p, tab):
     """8 Q8_0 blocks at p (d, 32 int8): codes q + 128 (offset 128), scale d."""
     b = e.b
     q = [e.load(w, b.add(p, e.i64(Q8_0_BYTES * k + 2)), _vec(32)) for k in range(8)]
     codes = [b.xor(e.shuf(q[2 * c], q[2 * c + 1], list(range(64))), e.const(_vec(64), 0x80)) for c in range(4)]
-    return codes, _gather8(e, lambda o: e.half(w, o), p, Q8_0_BYTES), None
+    return codes, _gather8_halves(e, w, p, Q8_0_BYTES), None
 
 
 def _fp4_u(e: _Emit, n):
@@ -496,13 +507,18 @@ def _unit_q5_0(e: _Emit, w, p, tab):
     """8 Q5_0 blocks at p (d, 4 bytes of fifth bits, 16 nibble bytes): codes 0..31 (offset 16), scale d."""
     b = e.b
     per = []
+    # Element j's fifth bit is bit j of the block's 32: byte j // 8 of them spread to lane j,
+    # tested against 1 << j % 8 (a byte shuffle, an and and a compare, where a shift a lane
+    # would widen to 32 bits and narrow back).
+    bit = e.const(_vec(32), [1 << (j % 8) for j in range(32)])
     for k in range(8):
         o = b.add(p, e.i64(Q5_0_BYTES * k))
         nib = _nibbles32(b, e.load(w, b.add(o, e.i64(6)), _vec(16)))
-        bits = b.lshr(_splat(b, e.load(w, b.add(o, e.i64(2)), _I32), 32), ir.Constant(_vec(32, 32), list(range(32))))
-        per.append(b.or_(nib, b.shl(b.trunc(b.and_(bits, ir.Constant(_vec(32, 32), [1] * 32)), _vec(32)), e.const(_vec(32), 4))))
+        spread = e.shuf(e.load(w, b.add(o, e.i64(2)), _vec(4)), None, [j // 8 for j in range(32)])
+        fifth = b.select(b.icmp_unsigned("==", b.and_(spread, bit), bit), e.const(_vec(32), 16), e.const(_vec(32), 0))
+        per.append(b.or_(nib, fifth))
     codes = [e.shuf(per[2 * c], per[2 * c + 1], list(range(64))) for c in range(4)]
-    return codes, _gather8(e, lambda o: e.half(w, o), p, Q5_0_BYTES), None
+    return codes, _gather8_halves(e, w, p, Q5_0_BYTES), None
 
 
 LAYOUTS = {

@@ -167,7 +167,7 @@ def test_a_prefix_is_kept_while_the_rings_hold_what_going_on_from_it_reads(hca8,
 
 
 def test_a_shared_prefix_continues_as_its_donor(hca8, decoded):
-    """copy_prefix_from (slots sharing a prompt prefix): the rings' held rows and the entries
+    """share_prefix_from (slots sharing a prompt prefix): the rings' held rows and the entries
     complete by the prefix's end."""
     model, _, _ = hca8
     donor = rings(model)
@@ -175,7 +175,7 @@ def test_a_shared_prefix_continues_as_its_donor(hca8, decoded):
     other = rings(model)
     rows_of(model, LONG[::-1], other, 8)  # holding another sequence: every ring and entry written over
     for into in (rings(model), other):
-        into.copy_prefix_from(donor, 38)
+        into.share_prefix_from(donor, 38)
         assert into.n == 38 and np.array_equal(rows_of(model, LONG[38:], into, 3), decoded[38:])
 
 

@@ -5,6 +5,7 @@ leaving the others' untouched; and the step's pure choices (which rows, which sl
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 import urllib.request
@@ -377,6 +378,7 @@ def test_a_prefix_two_slots_take_from_a_third_is_held_once_and_each_reply_is_its
     from moe_pipe.procs.slots import shared_positions, slot_states
 
     slots, _, start, serve = _in_process(tiny, **{"gateway.parallel": 3, "compute.prefill_chunk": 16})
+    descriptors = len(os.listdir("/proc/self/fd"))
     prefix = [(7 * i) % 200 + 3 for i in range(100)]
     reqs = [_greedy(1, prefix + [5, 6], 6), _greedy(2, prefix + [9, 10, 11], 6), _greedy(3, prefix + [12], 6)]
     start(0, reqs[0])
@@ -395,9 +397,12 @@ def test_a_prefix_two_slots_take_from_a_third_is_held_once_and_each_reply_is_its
     states = slot_states(slots.slots, set(), slots.pool)
     assert states.shared == 100 and states.held == tuple(c.held - 100 for c in caches)
     assert states.pool_held == sum(c.held for c in caches) - 2 * 100  # the prefix once, not three times
+    assert len(os.listdir("/proc/self/fd")) == descriptors + 1  # the file's, once
+    del file
     for s in slots.slots:
         slots.evict(s)
     assert shared_positions(slots.slots) == 0 and slot_states(slots.slots, set(), slots.pool).pool_held == 0
+    assert len(os.listdir("/proc/self/fd")) == descriptors  # let go with the last slot that held it
 
 
 # -- the service ------------------------------------------------------------------------

@@ -50,17 +50,27 @@ class ComputeClient:
         cache_prompt: bool = True,
         grammar: str = "",
         draft: int = m.DRAFT_FROM_CONFIG,
+        slot: int = m.ANY_SLOT,
     ) -> m.Generate:
         """The next request (with parallel 1, its frames are the only ones `accept` returns from now on)."""
         self._next()
         return m.Generate(
-            self.req_id, tuple(prompt_tokens), max_tokens, sampling, tuple(stop), ignore_eos, cache_prompt, grammar=grammar, draft=draft
+            self.req_id,
+            tuple(prompt_tokens),
+            max_tokens,
+            sampling,
+            tuple(stop),
+            ignore_eos,
+            cache_prompt,
+            grammar=grammar,
+            draft=draft,
+            slot=slot,
         )
 
-    def slot(self, action: str, path: str = "") -> m.Slot:
-        """The next request: save, restore or erase compute's session (answered by a Done)."""
+    def slot(self, action: str, path: str = "", slot: int = 0) -> m.Slot:
+        """The next request: save, restore or erase a compute slot's session (answered by a Done)."""
         self._next()
-        return m.Slot(self.req_id, action, path)
+        return m.Slot(self.req_id, action, path, slot)
 
     def _next(self) -> None:
         self.req_id += 1

@@ -317,15 +317,25 @@ class Gateway:
             slot["phase"] = "waiting"  # sent to compute, its prompt not begun (another slot's pass, or a restart)
         return slot
 
+    def check_slot(self, id_slot: int) -> int:
+        """A compute slot's number, refused with a 400 past the slots there are (gateway.parallel)."""
+        n = self.config.gateway.parallel
+        if not 0 <= id_slot < n:
+            slots = "only slot 0 (gateway.parallel is 1)" if n == 1 else f"slots 0-{n - 1} (gateway.parallel is {n})"
+            raise ApiError(400, f"'id_slot' {id_slot} is not a slot of this service: it has {slots}", "invalid_value", param="id_slot")
+        return id_slot
+
     async def slot(self, request: web.Request) -> web.Response:
-        """POST /slots/0?action=save|restore (body {"filename": NAME}) or
-        ?action=erase: through the queue like a generation, so it never lands
-        in the middle of one (docs/api.md § Slots)."""
+        """POST /slots/{id}?action=save|restore (body {"filename": NAME}) or
+        ?action=erase on compute slot id's session: through the queue like a generation,
+        so it never lands in the middle of one (docs/api.md § Slots)."""
         action = request.query.get("action", "")
         if action not in SLOT_ACTIONS:
             raise ApiError(400, f"'action' must be {', '.join(SLOT_ACTIONS)}; got {action!r}", "invalid_value", param="action")
-        if request.match_info["id"] != "0":  # with gateway.parallel > 1 too: actions wait for every slot to be idle and act on 0
-            raise ApiError(400, f"slot actions take slot 0; got {request.match_info['id'][:20]!r}", "invalid_value", param="id_slot")
+        raw = request.match_info["id"]
+        if not (raw.isascii() and raw.isdigit() and len(raw) <= 6):
+            raise ApiError(400, f"a slot is a number: got {raw[:20]!r}", "invalid_value", param="id_slot")
+        id_slot = self.check_slot(int(raw))
         slot_save_path = self.config.gateway.slot_save_path
         if not slot_save_path:
             raise ApiError(
@@ -342,7 +352,7 @@ class Gateway:
             path = str(folder / name)
             if action == "restore" and not Path(path).is_file():
                 raise ApiError(404, f"no saved slot named {name!r} in gateway.slot_save_path", "not_found", param="filename")
-        job = Job([], 0, {}, (), slot=(action, path))
+        job = Job([], 0, {}, (), slot=(action, path, id_slot))
         self.queue.offer(job)
         async for event in self.events(request, job):
             if isinstance(event, Failed):
@@ -351,7 +361,9 @@ class Gateway:
                 t = event.timings
                 ms = {k: t[k] for k in ("save_ms", "restore_ms") if k in t}
                 figures = {k: v for k, v in t.items() if k.startswith("n_")}
-                return json_response({"id_slot": 0, **({"filename": name} if name else {}), **figures, **({"timings": ms} if ms else {})})
+                return json_response(
+                    {"id_slot": id_slot, **({"filename": name} if name else {}), **figures, **({"timings": ms} if ms else {})}
+                )
         raise ClientGone()  # not reached: events() ends with an end event or raises
 
     # -- completions -------------------------------------------------------------
@@ -364,6 +376,7 @@ class Gateway:
     async def complete(self, request: web.Request, chat: bool) -> web.StreamResponse:
         try:
             req = parse_request(parse_body(await read_body(request, self.http_limits.body_timeout_s)), chat, self.defaults)
+            id_slot = None if req.id_slot is None else self.check_slot(req.id_slot)
             prompt = await self.tokenize(req)
             job = Job(
                 prompt,
@@ -374,6 +387,7 @@ class Gateway:
                 cache_prompt=req.cache_prompt,
                 progress=req.stream and req.return_progress,  # as llama.cpp's server: streams only
                 draft=req.draft,
+                id_slot=id_slot,
             )
             check_wire(job, "messages" if chat else "prompt")
             self.queue.offer(job)

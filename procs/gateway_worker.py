@@ -70,14 +70,16 @@ class Job:
         stop: tuple[str, ...],
         grammar: str = "",
         cache_prompt: bool = True,
-        slot: tuple[str, str] | None = None,
+        slot: tuple[str, str, int] | None = None,
         progress: bool = False,
         draft: int | None = None,
+        id_slot: int | None = None,
     ):
         self.prompt_tokens, self.max_tokens, self.sampling, self.stop = prompt_tokens, max_tokens, sampling, stop
         self.cache_prompt = cache_prompt  # reuse compute's cached prefix (docs/conversations.md)
         self.draft = draft  # speculative decoding's drafts per pass for this request; None = compute.draft (docs/speculative.md)
-        self.slot = slot  # (action, path): a Slot request for compute's session instead of a generation
+        self.slot = slot  # (action, path, compute slot): a Slot request for a session instead of a generation
+        self.id_slot = id_slot  # the compute slot the request must run in (llama.cpp's id_slot); None: compute picks
         self.grammar = grammar  # response_format's grammar for compute ("" = free text)
         self.events: deque[Event] = deque()
         self.wake = asyncio.Event()
@@ -239,6 +241,7 @@ class ComputeLink:
                 cache_prompt=job.cache_prompt,
                 grammar=job.grammar,
                 draft=m.DRAFT_FROM_CONFIG if job.draft is None else job.draft,
+                slot=m.ANY_SLOT if job.id_slot is None else job.id_slot,
             )
         if self.client.parallel == 1:
             self.channels.clear()

@@ -460,22 +460,42 @@ class Slots:
                 ipc.send(self.out, m.Done(req_id, False, code=m.Code.CANCELLED, error="cancelled by the front end"))
 
     def admit(self) -> None:
-        """Waiting requests into slots, in arrival order; a Slot action once every slot is idle."""
+        """Waiting requests into slots, in arrival order: a request pinned to a busy slot (llama.cpp's
+        id_slot) waits for it while those after it go on; a Slot action waits until every slot is
+        idle, and the requests after it wait for it."""
         pending = self.interrupts.pending
-        while pending:
-            msg = pending[0]
+        for msg in list(pending):
             if isinstance(msg, m.Slot):
                 if self.busy():
                     return
-                pending.pop(0)
-                self.room_for(self.slots[0], self.config.compute.ctx_size)  # a restore may fill its context
-                ipc.send(self.out, handle_slot(msg, self.slots[0].session, self.metered.model, self.config.compute.ctx_size, self.identity))
+                pending.remove(msg)
+                ipc.send(self.out, self.act_on_slot(msg))
                 continue
-            slot = pick_slot(self.slots, self.busy(), msg.prompt_tokens)
-            if slot is None:
-                return
-            pending.pop(0)
+            if msg.slot >= len(self.slots) and msg.slot != m.ANY_SLOT:
+                pending.remove(msg)  # the gateway checks the range: another front end's request
+                ipc.send(
+                    self.out,
+                    m.Done(msg.req_id, False, code=m.Code.BAD_ARGUMENT, error=f"no slot {msg.slot}: compute has {len(self.slots)}"),
+                )
+                continue
+            if msg.slot == m.ANY_SLOT:
+                slot = pick_slot(self.slots, self.busy(), msg.prompt_tokens)
+                if slot is None:
+                    return  # no slot is idle: a pinned request after it could not run either
+            elif msg.slot in self.busy():
+                continue
+            else:
+                slot = self.slots[msg.slot]
+            pending.remove(msg)
             self.start(slot, msg, self.share_prefix(slot, msg))
+
+    def act_on_slot(self, msg: m.Slot) -> m.Done:
+        """Save, restore or erase a slot's session (every slot idle)."""
+        if msg.slot >= len(self.slots):
+            return m.Done(msg.req_id, False, code=m.Code.BAD_ARGUMENT, error=f"no slot {msg.slot}: compute has {len(self.slots)}")
+        slot = self.slots[msg.slot]
+        self.room_for(slot, self.config.compute.ctx_size)  # a restore may fill its context
+        return handle_slot(msg, slot.session, self.metered.model, self.config.compute.ctx_size, self.identity)
 
     def share_prefix(self, slot: Slot, req: m.Generate) -> int:
         """Before `slot` starts `req`: when another slot's session (idle, or busy and waiting for

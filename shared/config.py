@@ -60,6 +60,7 @@ KV_POOL_SHARE = 4
 # compute.draft_source and compute.draft's bound (shared/text/speculate.py; kept light: no model import here)
 DRAFT_SOURCES = ("ngram", "mtp", "none")
 MAX_DRAFT = 8  # drafts per verify pass at most (docs/speculative.md: the gain measured is at 1-4)
+MAX_PARALLEL = 64  # gateway.parallel's bound: compute's slots at most
 KV_TYPES = ("f16", "f32", "q8_0")  # compute.kv_type: the keys of shared/gguf/spec.py KV_TYPE_BYTES (kept light: no gguf import here)
 CHAT_TEMPLATE_WORDS = ("model", "plain")  # generate.chat_template values that are not paths (shared/text/chat.py)
 MAX_TEXT = 4096  # longest string value (PATH_MAX on Linux); longer is a paste gone wrong
@@ -461,7 +462,7 @@ class GatewayConfig:
         "requests the service's compute decodes at once, each in its own slot with its own KV cache (one batched pass "
         "a step; the caches share gateway.kv_pool; speculative decoding is off above 1; `run` serves one: docs/batching.md)",
         lo=1,
-        hi=64,
+        hi=MAX_PARALLEL,
         flags=("--parallel",),
     )
     kv_pool: int | None = setting(
@@ -478,7 +479,7 @@ class GatewayConfig:
     slot_save_path: str | None = setting(
         None,
         "path",
-        "folder where POST /slots/0?action=save|restore keeps session files (made if missing; docs/api.md)",
+        "folder where POST /slots/{id}?action=save|restore keeps session files (made if missing; docs/api.md)",
         unset="the slot endpoints answer 501",
         flags=("--slot-save-path",),
     )

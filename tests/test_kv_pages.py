@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import os
+import weakref
 
 import numpy as np
 import pytest
@@ -39,8 +40,12 @@ def _memory(caches) -> int:
     return anon + sum(os.fstat(f.fd).st_blocks * 512 for f in files)
 
 
-def _descriptors() -> int:
-    return len(os.listdir("/proc/self/fd"))
+def _memfd_open(fd: int) -> bool:
+    """Whether descriptor fd is open on one of our page files (not whatever reused its number)."""
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:moe-pipe-kv-prefix")
+    except OSError:
+        return False
 
 
 def _same_rows(a: KVCache, b: KVCache, n: int) -> bool:
@@ -61,7 +66,6 @@ def test_a_prefix_taken_by_three_caches_is_in_memory_once_and_reads_as_computed(
     _fill(alone, k, v)
     caches = [donor, alone, *takers]
     prefix_bytes = n * LAYERS * 2 * HK * D * BYTES[kv_type]
-    descriptors = _descriptors()
     for i, (taker, take) in enumerate(zip(takers, (900, 950, 900))):
         before = _memory(caches)
         taker.share_prefix_from(donor, take)
@@ -73,8 +77,9 @@ def test_a_prefix_taken_by_three_caches_is_in_memory_once_and_reads_as_computed(
         copied = (take - 900 + 32) * LAYERS * 2 * HK * D * BYTES[kv_type] + 4 * 4096 * LAYERS * 2 * HK
         assert grew < copied < 0.25 * prefix_bytes, (i, grew, copied)
     files = donor.page_files()
-    assert len(files) == 1 and all(t.page_files() == files for t in takers) and _descriptors() == descriptors + 1
+    assert len(files) == 1 and all(t.page_files() == files for t in takers)
     (file,) = files
+    assert _memfd_open(file.fd)
     assert file.positions == donor.by_reference == 900 and [t.by_reference for t in takers] == [900, 900, 900]
     assert [t.own for t in takers] == [0, 50, 0] and donor.own == 100
 
@@ -106,13 +111,13 @@ def _as_stored(kv_type: str, x: np.ndarray) -> np.ndarray:
 def test_the_last_cache_to_give_the_prefix_back_frees_its_memory_and_descriptor():
     rng = np.random.default_rng(5)
     k = rng.standard_normal((800, HK, D), dtype=np.float32)
-    descriptors = _descriptors()
     donor, a, b = _cache("f16"), _cache("f16"), _cache("f16")
     _fill(donor, k, k)
     a.share_prefix_from(donor, 800)
     b.share_prefix_from(donor, 700)
     (file,) = donor.page_files()
-    assert file.positions == 800 and _descriptors() == descriptors + 1
+    fd, alive = file.fd, weakref.ref(file)
+    assert file.positions == 800 and _memfd_open(fd)
     b.truncate(300)
     b.release(300)  # its pages past 300 read zeros again; the rows before it stay the file's
     assert b.page_files() == {file} and b.by_reference == 300 and _same_rows(b, a, 300)
@@ -124,11 +129,11 @@ def test_the_last_cache_to_give_the_prefix_back_frees_its_memory_and_descriptor(
     b.release(100)
     del file
     gc.collect()
-    assert _descriptors() == descriptors + 1 and _same_rows(b, _filled_like(k, 100), 100)
+    assert alive() is not None and _memfd_open(fd) and _same_rows(b, _filled_like(k, 100), 100)
     b.truncate(0)
     b.release(0)
     gc.collect()
-    assert _descriptors() == descriptors and not (donor.page_files() | a.page_files() | b.page_files())
+    assert alive() is None and not _memfd_open(fd) and not (donor.page_files() | a.page_files() | b.page_files())
 
 
 def _filled_like(k: np.ndarray, n: int) -> KVCache:

@@ -65,6 +65,12 @@ def test_slot_filenames_and_the_context_shift_budget():
     assert parse_request({**body, "cache_prompt": False}, False, plain).cache_prompt is False
     with pytest.raises(ApiError, match="'cache_prompt' must be true or false"):
         parse_request({**body, "cache_prompt": 0}, False, plain)
+    # llama.cpp's id_slot: -1 or absent for any slot, else a slot's number (the gateway checks it exists)
+    assert [parse_request({**body, **extra}, False, plain).id_slot for extra in ({}, {"id_slot": -1}, {"id_slot": 3})] == [None, None, 3]
+    for bad in (-2, 64, "1", 1.0, True):
+        with pytest.raises(ApiError) as err:
+            parse_request({**body, "id_slot": bad}, False, plain)
+        assert (err.value.status, err.value.param) == (400, "id_slot")
 
 
 @pytest.fixture(scope="module")
@@ -76,13 +82,13 @@ def svc(tmp_path_factory):
     s.close()
 
 
-def post(svc, action: str, body: dict | None = None) -> tuple[int, dict]:
-    """(status, JSON answer) of POST /slots/0?action=..."""
+def post(svc, action: str, body: dict | None = None, slot: int | str = 0) -> tuple[int, dict]:
+    """(status, JSON answer) of POST /slots/{slot}?action=..."""
     import urllib.error
     import urllib.request
 
     data = json.dumps(body).encode() if body is not None else b""
-    req = urllib.request.Request(f"{svc.url}/slots/0?action={action}", data=data, method="POST")
+    req = urllib.request.Request(f"{svc.url}/slots/{slot}?action={action}", data=data, method="POST")
     try:
         with urllib.request.urlopen(req, timeout=120) as resp:
             return resp.status, json.loads(resp.read())
@@ -124,6 +130,15 @@ def test_service_reuses_prefixes_and_saves_and_restores_its_slot(svc):
     status, answer = post(svc, "restore", {"filename": "cut.bin"})
     assert status == 400 and "truncated" in answer["error"]["message"]
     assert post(svc, "load", {"filename": "a.bin"})[0] == 400
+    for slot in (1, "x", "-1"):  # one slot (gateway.parallel 1): slot 0 only, and a request may pin only it
+        status, answer = post(svc, "erase", slot=slot)
+        assert status == 400 and answer["error"]["param"] == "id_slot", answer
+    assert "it has only slot 0 (gateway.parallel is 1)" in post(svc, "erase", slot=1)[1]["error"]["message"]
+    import openai
+
+    with pytest.raises(openai.BadRequestError, match="'id_slot' 1 is not a slot of this service"):
+        turn(longer, extra_body={"id_slot": 1})
+    assert turn(longer, extra_body={"id_slot": 0}).choices[0].message.content == again.choices[0].message.content
     import urllib.request
 
     with urllib.request.urlopen(f"{svc.url}/metrics", timeout=60) as resp:

@@ -4,12 +4,15 @@ leaving the others' untouched; and the step's pure choices (which rows, which sl
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import threading
 import time
 import urllib.request
+import weakref
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -378,7 +381,6 @@ def test_a_prefix_two_slots_take_from_a_third_is_held_once_and_each_reply_is_its
     from moe_pipe.procs.slots import shared_positions, slot_states
 
     slots, _, start, serve = _in_process(tiny, **{"gateway.parallel": 3, "compute.prefill_chunk": 16})
-    descriptors = len(os.listdir("/proc/self/fd"))
     prefix = [(7 * i) % 200 + 3 for i in range(100)]
     reqs = [_greedy(1, prefix + [5, 6], 6), _greedy(2, prefix + [9, 10, 11], 6), _greedy(3, prefix + [12], 6)]
     start(0, reqs[0])
@@ -397,12 +399,73 @@ def test_a_prefix_two_slots_take_from_a_third_is_held_once_and_each_reply_is_its
     states = slot_states(slots.slots, set(), slots.pool)
     assert states.shared == 100 and states.held == tuple(c.held - 100 for c in caches)
     assert states.pool_held == sum(c.held for c in caches) - 2 * 100  # the prefix once, not three times
-    assert len(os.listdir("/proc/self/fd")) == descriptors + 1  # the file's, once
+    fd, alive = file.fd, weakref.ref(file)
+    assert os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:moe-pipe-kv-prefix")
     del file
     for s in slots.slots:
         slots.evict(s)
     assert shared_positions(slots.slots) == 0 and slot_states(slots.slots, set(), slots.pool).pool_held == 0
-    assert len(os.listdir("/proc/self/fd")) == descriptors  # let go with the last slot that held it
+    gc.collect()
+    assert alive() is None  # let go with the last slot that held it: its descriptor closed
+
+
+def test_a_request_pinned_to_a_slot_runs_there_and_a_slot_action_takes_any_slot(tiny, tmp_path):
+    """llama.cpp's id_slot: a request pinned to slot 2 runs in slot 2 (its session holds the
+    prompt after), one pinned to a busy slot waits for it while an unpinned one after it goes
+    on; `POST /slots/2?action=save` saves slot 2's session, a restore into slot 1 lets the same
+    prompt pinned there reuse it (all but its last token) and get the same reply."""
+    slots, _, start, serve = _in_process(tiny, **{"gateway.parallel": 3, "compute.prefill_chunk": 16})
+    prompt = [(5 * i) % 200 + 3 for i in range(40)]
+
+    def admit(*msgs: m.Message) -> None:
+        """msgs into compute's waiting list, once every slot thread that answered has left its slot
+        (a thread posts its Done just before it leaves)."""
+        for s in slots.slots:
+            if s.req_id in done_ids and s.thread is not None:
+                s.thread.join(10)
+        slots.interrupts.pending.extend(msgs)
+        slots.admit()
+
+    done_ids: set[int] = set()
+
+    admit(m.Generate(1, tuple(prompt), 20, {"temperature": 0.0}, slot=2))
+    assert slots.slots[2].req_id == 1 and 2 in slots.busy()
+    # pinned to the busy slot 2: waits; the unpinned one after it takes an idle slot at once
+    admit(m.Generate(2, (7, 8, 9), 4, {"temperature": 0.0}, slot=2), _greedy(3, [11, 12, 13], 4))
+    assert [msg.req_id for msg in slots.interrupts.pending] == [2] and any(s.req_id == 3 for s in slots.slots[:2])
+    done = serve(lambda d: {1, 3} <= d.keys())
+    done_ids.update(done)
+    assert slots.slots[2].session.tokens[:40] == prompt
+    admit()  # slot 2 is idle: request 2 goes in now
+    assert slots.slots[2].req_id == 2
+    done = serve(lambda d: 2 in d)
+    done_ids.update(done)
+    assert all(done[i].ok for i in (1, 2, 3)) and done[2].timings["id_slot"] == 2
+    admit(m.Generate(4, tuple(prompt), 20, {"temperature": 0.0}, slot=2))  # slot 2's conversation again
+    done = serve(lambda d: 4 in d)
+    done_ids.update(done)
+    assert done[4].tokens == done[1].tokens
+
+    sent: list[m.Message] = []
+    slots.out = SimpleNamespace()  # what the actions answer, in place of the socket
+    from moe_pipe.procs import slots as slots_module
+
+    real_send = slots_module.ipc.send
+    slots_module.ipc.send = lambda sock, msg: sent.append(msg) if sock is slots.out else real_send(sock, msg)
+    try:
+        path = str(tmp_path / "two.bin")
+        admit(m.Slot(5, "save", path, slot=2))
+        admit(m.Slot(6, "restore", path, slot=1))
+        admit(m.Slot(7, "erase", "", slot=9))
+    finally:
+        slots_module.ipc.send = real_send
+    saved, restored, refused = sent
+    assert saved.ok and saved.timings["n_saved"] == len(slots.slots[2].session.tokens) > 40
+    assert restored.ok and slots.slots[1].session.tokens == slots.slots[2].session.tokens
+    assert not refused.ok and refused.code == m.Code.BAD_ARGUMENT and "no slot 9" in refused.error
+    admit(m.Generate(8, tuple(prompt), 20, {"temperature": 0.0}, slot=1))
+    done = serve(lambda d: 8 in d)
+    assert done[8].timings["prompt_cached"] == len(prompt) - 1 and done[8].tokens == done[1].tokens
 
 
 # -- the service ------------------------------------------------------------------------

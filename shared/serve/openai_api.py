@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 import orjson
 
-from ..config import MAX_DRAFT
+from ..config import MAX_DRAFT, MAX_PARALLEL
 from ..text.constrain import GrammarError, grammar_for
 from ..text.reasoning import REASONING, TOOL, Framing, OutputSplitter
 from ..text.tools import ToolCall, messages_for_template, parse_call, tools_for_template
@@ -136,6 +136,7 @@ class CompletionRequest:
     cache_prompt: bool = True  # llama.cpp's field: false = compute the whole prompt, reusing no cached prefix
     return_progress: bool = False  # llama.cpp's field: a stream carries the prompt's progress (prompt_progress chunks)
     draft: int | None = None  # llama.cpp's speculative.n_max: drafts per verify pass for this request; None = compute.draft
+    id_slot: int | None = None  # llama.cpp's field: the compute slot to run in (-1 or absent: any); the gateway checks its range
 
 
 def parse_body(raw: bytes) -> dict:
@@ -398,7 +399,15 @@ def parse_request(body: dict, chat: bool, settings: RequestDefaults) -> Completi
         cache_prompt=_flag(body, "cache_prompt", True),
         return_progress=_flag(body, "return_progress", False),
         draft=_int(body, "speculative.n_max", 0, MAX_DRAFT),
+        id_slot=_id_slot(body),
     )
+
+
+def _id_slot(body: dict) -> int | None:
+    """llama.cpp's `id_slot`: -1 (or absent) for any slot, else a slot's number (its upper bound,
+    gateway.parallel, is the gateway's to check)."""
+    value = _int(body, "id_slot", -1, MAX_PARALLEL - 1)
+    return None if value is None or value < 0 else value
 
 
 def _flag(body: dict, name: str, default: bool) -> bool:

@@ -47,8 +47,9 @@ import msgpack
 MAX_FRAME_BYTES = 1 << 20
 # Bumped when a message's fields change; carried in Hello so mixed versions
 # (an old compute talking to a new reader after an upgrade) are refused.
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 DRAFT_FROM_CONFIG = 255  # Generate.draft: no width of the request's own, compute.draft's (the wire's ints are unsigned)
+ANY_SLOT = 0xFFFF  # Generate.slot: no slot of the request's own, compute picks (llama.cpp's id_slot -1)
 
 _MAX_DEPTH = 8  # nesting inside a dict[str, Any] value (status payloads)
 _MAX_U64 = (1 << 64) - 1
@@ -515,6 +516,7 @@ class Generate(_Message):
     cache_prompt: bool = True  # start from the KV compute holds when it shares a prefix with the prompt (docs/conversations.md)
     grammar: str = ""  # llguidance grammar JSON the output must follow (shared/text/constrain.py); "" = free text
     draft: int = DRAFT_FROM_CONFIG  # speculative decoding's drafts per verify pass for this request
+    slot: int = ANY_SLOT  # the compute slot it must run in (llama.cpp's id_slot; ANY_SLOT: compute picks)
 
 
 @_wire(Kind.TOKEN)
@@ -643,7 +645,7 @@ class SlotStates(_Message):
 @_wire(Kind.SLOT)
 @dataclass(frozen=True, slots=True)
 class Slot(_Message):
-    """front end -> compute (on the requests link): act on compute's session,
+    """front end -> compute (on the requests link): act on a compute slot's session,
     the KV cache and token ids it keeps between generations: "save" it to
     `path`, "restore" it from `path`, or "erase" it (`path` ""). Answered by
     a Done: ok with n_saved / n_restored / n_erased and bytes in `timings`,
@@ -652,6 +654,7 @@ class Slot(_Message):
     req_id: int
     action: str  # save | restore | erase
     path: str = ""
+    slot: int = 0  # whose session: compute's slot (0 with gateway.parallel 1)
 
 
 Message = (

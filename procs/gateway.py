@@ -294,26 +294,28 @@ class Gateway:
 
     # -- slots: llama.cpp's server API for compute's session ------------------------
     async def slots(self, request: web.Request) -> web.Response:
-        """GET /slots: each of the gateway.parallel slots, llama.cpp's shape (docs/api.md § Slots)."""
-        return json_response([self._slot(w) for w in self.workers])
+        """GET /slots: each of the gateway.parallel slots, llama.cpp's shape (docs/api.md § Slots):
+        compute's slots, the numbers `id_slot` and the actions take, each with the request it
+        serves as compute last said; before compute has said (or with one slot), the workers'."""
+        states = self.metrics.slot_states
+        if states is None or self.config.gateway.parallel == 1:
+            return json_response([self._slot(w, w.slot) for w in self.workers])
+        by_request = {w.req_id: w for w in self.workers if w.current is not None and w.current.slot is None}
+        return json_response([self._slot(by_request.get(req) if req else None, i) for i, req in enumerate(states.req_ids)])
 
-    def _slot(self, w: Worker) -> dict:
-        job = w.current
-        busy = job is not None and job.slot is None
-        slot: dict[str, object] = {
-            "id": w.slot,
-            "id_task": w.req_id if busy else -1,
-            "n_ctx": self.config.compute.ctx_size,
-            "is_processing": busy,
-            "state": 1 if busy else 0,  # llama.cpp's SLOT_STATE: 0 idle, 1 processing
-            "n_prompt_tokens": len(job.prompt_tokens) if busy and job is not None else 0,
-            "n_decoded": w.decoded if busy else 0,  # text pieces streamed so far: a token each, but for text a stop string held back
-        }
-        p = w.progress if busy else None
+    def _slot(self, w: Worker | None, id_slot: int) -> dict:
+        """Slot id_slot, serving w's request (None, or a worker without a generation: idle)."""
+        job = w.current if w is not None else None
+        slot: dict[str, object] = {"id": id_slot, "id_task": -1, "n_ctx": self.config.compute.ctx_size, "is_processing": False, "state": 0}
+        if w is None or job is None or job.slot is not None:  # llama.cpp's SLOT_STATE: 0 idle, 1 processing
+            return {**slot, "n_prompt_tokens": 0, "n_decoded": 0}
+        slot.update(id_task=w.req_id, is_processing=True, state=1, n_prompt_tokens=len(job.prompt_tokens))
+        slot["n_decoded"] = w.decoded  # text pieces streamed so far: a token each, but for text a stop string held back
+        p = w.progress
         if p is not None:  # the prompt as compute last said: the stream's prompt_progress, and how much of it is done
             slot["prompt_progress"] = {"total": p.total, "cache": p.cache, "processed": p.processed, "time_ms": p.time_ms}
             slot["phase"] = "prompt" if p.processed < p.total else "decoding"
-        elif busy:
+        else:
             slot["phase"] = "waiting"  # sent to compute, its prompt not begun (another slot's pass, or a restart)
         return slot
 

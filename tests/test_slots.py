@@ -520,6 +520,37 @@ def test_concurrent_greedy_requests_each_get_their_solo_reply(svc3):
 
 
 @pytest.mark.integration
+def test_a_request_pinned_to_slot_2_shows_there_in_get_slots(svc3):
+    """`id_slot` 2: GET /slots lists compute's slots, so while the request decodes slot 2 is the
+    busy one, with its task id (the gateway's first worker sent it), and the others are idle;
+    `id_slot` 3 on three slots is a 400 that names them."""
+    import openai
+
+    client = svc3.client()
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": PROMPTS[0]}],
+        max_tokens=N_LONG,
+        temperature=0,
+        stream=True,
+        extra_body={"id_slot": 2},
+    )
+    try:
+        next(c for c in stream if c.choices and c.choices[0].delta.content)  # it decodes
+        deadline = time.monotonic() + 10  # compute's slot states reach the gateway through telemetry
+        slots = _slots(svc3)
+        while [s["is_processing"] for s in slots] != [False, False, True] and time.monotonic() < deadline:
+            time.sleep(0.1)
+            slots = _slots(svc3)
+        assert [s["id"] for s in slots] == [0, 1, 2] and [s["is_processing"] for s in slots] == [False, False, True], slots
+        assert slots[2]["id_task"] > 0 and slots[2]["n_prompt_tokens"] > 0 and slots[2]["phase"] in ("prompt", "decoding")
+    finally:
+        stream.close()
+    with pytest.raises(openai.BadRequestError, match=r"it has slots 0-2 \(gateway.parallel is 3\)"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2, extra_body={"id_slot": 3})
+
+
+@pytest.mark.integration
 @pytest.mark.slow  # ~17 s; the slot states telemetry carries are checked in the default tier by the web page test
 def test_a_tail_shows_what_each_slot_is_doing(svc3):
     import subprocess

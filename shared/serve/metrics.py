@@ -33,6 +33,7 @@ class Metrics:
         self.expert_lookups = 0  # distinct experts the passes' layers asked the cache for (hits + misses)
         self.experts_shared = 0  # expert uses served by another row's lookup in the same pass
         self.kv_pool = self.kv_pool_held = 0  # the slots' KV pool and the positions their caches hold (SlotStates)
+        self.slot_states: m.SlotStates | None = None  # compute's slots (gateway.parallel above 1), once it has said
 
     def on_done(self, done: m.Done) -> None:
         self.generated_tokens += len(done.tokens)
@@ -61,6 +62,7 @@ class Metrics:
 
     def on_slots(self, states: m.SlotStates) -> None:
         self.kv_pool, self.kv_pool_held = states.pool, states.pool_held
+        self.slot_states = states  # compute's slots as last told: GET /slots lists them
 
     def render(
         self,

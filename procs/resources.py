@@ -14,6 +14,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -120,11 +121,15 @@ class Resources:
             identity = _read_or_fail(lambda: model_identity(mf.gguf.paths), "reading the model file's header")
             rt = ipc.RuntimeDir.create()
             undo.callback(rt.remove)
-            # Every slab page is allocated now: the budget is committed up front
-            # (a memory limit that cannot hold it fails here, not mid-run), and
-            # no first read into a slab pays for page allocation.
-            slabs = shm.SlabArena.create(shm.segment_name("slabs"), n_slabs, layout.slab_bytes, reserve=True)
+            # Every slab page is allocated before start-up ends: the budget is committed up
+            # front (a memory limit that cannot hold it fails here, not mid-run), and no first
+            # read into a slab pays for page allocation. A thread does it beside the dense
+            # read, which mostly waits on the disk while the kernel zeroes the slabs' pages.
+            slabs = shm.SlabArena.create(shm.segment_name("slabs"), n_slabs, layout.slab_bytes)
             undo.callback(_release, slabs)
+            reserving = ThreadPoolExecutor(1, thread_name_prefix="reserve-slabs")
+            undo.callback(reserving.shutdown)  # before the arena is released: the thread is done with it
+            reserved = reserving.submit(slabs.arena.reserve)
             index = ResidencyIndex.create(spec)
             undo.callback(_release, index)
             dense, direct = None, True
@@ -143,6 +148,8 @@ class Resources:
                 finally:
                     if ahead is not None:
                         ahead.stop()
+            reserved.result()  # its failure (no room for the slabs) is start-up's, as before
+            reserving.shutdown()
             resolved = Resolved(
                 budget.bytes,
                 cache_description(budget.description, n_slabs, slabs_for_budget(budget.bytes, layout.slab_bytes)),

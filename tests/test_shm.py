@@ -190,3 +190,17 @@ def test_reclaim_stale_only_dead_owners(tmp_path, monkeypatch):
     # A live pid that started after the segment was made is a reused pid: stale.
     monkeypatch.setattr(shm, "_process_start", lambda pid: 2e10 if pid == 1 else None)
     assert shm.stale_segments(tmp_path) == [names["init"]]
+
+
+def test_a_segment_made_without_its_pages_has_them_all_once_reserved():
+    """Arena.reserve allocates what create(reserve=True) would (start-up runs it on a thread,
+    beside the dense read): every page of the segment's file, counted by its blocks."""
+    a = Arena.create(segment_name(f"reserve-{uuid.uuid4().hex[:8]}"), 8 * 1024 * 1024)
+    try:
+        blocks = lambda: os.stat(shm.SHM_DIR / a.name).st_blocks * 512  # noqa: E731
+        assert blocks() == 0  # sized, not allocated
+        a.reserve()
+        assert blocks() >= a.size
+    finally:
+        a.close()
+        a.unlink()

@@ -107,6 +107,16 @@ class Arena:
         os.close(fd)  # the mapping keeps the segment; the fd is not needed
         return cls(name, size, mm, owner=True, readonly=False)
 
+    def reserve(self) -> None:
+        """Allocate every page of the segment now (posix_fallocate), as `create(reserve=True)`
+        does, for a segment made without it: a thread may run it beside other start-up work
+        (the call waits in the kernel, which zeroes the pages, without the GIL)."""
+        fd = os.open(SHM_DIR / self.name, os.O_RDWR)
+        try:
+            os.posix_fallocate(fd, 0, self.size)
+        finally:
+            os.close(fd)
+
     @classmethod
     def attach(cls, name: str, readonly: bool = True) -> Arena:
         """Map an existing segment created by another process (or this one)."""

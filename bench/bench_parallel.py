@@ -4,6 +4,7 @@
                                    [-n 128] [--prompt-tokens 40] [--config CONFIG] [--ratio R] [--threads 2]
                                    [--set KEY=VALUE] [--alone-first] [--json OUT]
     python bench/bench_parallel.py --long-prompt 3600 [--clients 4] ...
+    python bench/bench_parallel.py --shared-prefix 2000 [--clients 4] ...
 
 Starts `moe-pipe up CONFIG --parallel N` on a fresh copy of the `--shape` model
 (qwen30b-shape unless said) cut to `--layers` (made under bench/out/ on first use),
@@ -29,6 +30,15 @@ decoders' gaps between tokens while that prompt runs against their undisturbed
 gaps (medians and the longest), and the long prompt's first token beside the
 decoders against the same prompt alone in the same service (its prefix not
 cached: a different stretch of prose).
+
+With `--shared-prefix T`, it measures agents that share a system prompt: each
+client's prompt is one T-token stretch of prose followed by its own question. The
+first client goes alone until its first token (it computes the prefix); then the
+others all at once, which take the prefix from its slot (docs/batching.md § Prompt
+prefixes shared across slots). Per request: first-token time, prompt tokens and of
+them cached (`usage.prompt_tokens_details.cached_tokens`); over the phase: bytes read
+and the prompt tokens compute ran (/metrics); and the KV pool's held positions after,
+against what the four slots would hold with the prefix copied into each.
 """
 
 from __future__ import annotations
@@ -46,7 +56,14 @@ from _protocol import fresh_copy, prose_prompt  # noqa: E402
 from bench_vs_llama import SHAPES  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-METRICS = ("moe_pipe_read_bytes_total", "moe_pipe_expert_lookups_total", "moe_pipe_experts_shared_total")
+METRICS = (
+    "moe_pipe_read_bytes_total",
+    "moe_pipe_expert_lookups_total",
+    "moe_pipe_experts_shared_total",
+    "moe_pipe_prompt_tokens_total",
+    "moe_pipe_prompt_tokens_cached_total",
+    "moe_pipe_kv_pool_held_positions",
+)
 
 
 def parse(argv=None):
@@ -63,6 +80,7 @@ def parse(argv=None):
     p.add_argument("--alone-first", action="store_true", help="the phases the other way round (alone then runs colder)")
     p.add_argument("--json", help="also write the figures to this file")
     p.add_argument("--long-prompt", type=int, default=0, metavar="T", help="a T-token prompt arriving while the other clients decode")
+    p.add_argument("--shared-prefix", type=int, default=0, metavar="T", help="every client's prompt begins with the same T tokens")
     args = p.parse_args(argv)
     shape = SHAPES[args.shape]
     args.config = args.config or str(ROOT / shape["config"])
@@ -121,7 +139,7 @@ def complete(url: str, model: str, prompt: str, n: int, began: threading.Event |
     }
     req = urllib.request.Request(f"{url}/v1/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
     t0 = time.perf_counter()
-    first, text, tokens, times = None, [], 0, []
+    first, text, tokens, times, usage = None, [], 0, [], {}
     with urllib.request.urlopen(req, timeout=1800) as r:
         for raw in r:
             line = raw.decode().strip()
@@ -138,9 +156,20 @@ def complete(url: str, model: str, prompt: str, n: int, began: threading.Event |
                             began.set()
                 text.append(piece)
             if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
+                usage = chunk["usage"]
+                tokens = usage["completion_tokens"]
     total = time.perf_counter() - t0
-    return {"text": "".join(text), "tokens": tokens, "first_s": first, "total_s": total, "tok_s": tokens / total, "times": times}
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return {
+        "text": "".join(text),
+        "tokens": tokens,
+        "first_s": first,
+        "total_s": total,
+        "tok_s": tokens / total,
+        "times": times,
+        "prompt_tokens": usage.get("prompt_tokens", 0),
+        "cached_tokens": cached,
+    }
 
 
 def phase(svc: Service, prompts: list[str], n: int, together: bool) -> dict:
@@ -204,6 +233,44 @@ def long_prompt_phases(svc: Service, prompts: list[str], long_prompt: str, n: in
     }
 
 
+def shared_prefix_phases(svc: Service, prompts: list[str], n: int) -> dict:
+    """The first prompt alone until its first token, then the others at once beside it."""
+    before = svc.metrics()
+    results: list[dict | None] = [None] * len(prompts)
+    began = threading.Event()
+    first = threading.Thread(target=lambda: results.__setitem__(0, complete(svc.url, svc.model, prompts[0], n, began)))
+    first.start()
+    began.wait(1800)
+    rest = [
+        threading.Thread(target=lambda k=k: results.__setitem__(k, complete(svc.url, svc.model, prompts[k], n)))
+        for k in range(1, len(prompts))
+    ]
+    for t in rest:
+        t.start()
+    for t in [first, *rest]:
+        t.join()
+    after = svc.metrics()
+    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in METRICS}
+    return {"requests": [r for r in results if r is not None], "metrics": delta, "held": after.get("moe_pipe_kv_pool_held_positions", 0.0)}
+
+
+def print_shared_prefix(f: dict, args, prefix_tokens: int) -> None:
+    reqs, m = f["requests"], f["metrics"]
+    print(f"\n{args.clients} requests of {args.n} tokens, each a {prefix_tokens}-token shared prefix and its own question")
+    print("| request | first token s | prompt tokens | of them cached |")
+    print("|---|---|---|---|")
+    for k, r in enumerate(reqs):
+        print(f"| {k} {'(alone first)' if k == 0 else ''} | {r['first_s']:.1f} | {r['prompt_tokens']} | {r['cached_tokens']} |")
+    computed = m["moe_pipe_prompt_tokens_total"] - m["moe_pipe_prompt_tokens_cached_total"]
+    copied = sum(r["prompt_tokens"] + r["tokens"] for r in reqs)
+    print(
+        f"prompt tokens computed: {computed:.0f} of {m['moe_pipe_prompt_tokens_total']:.0f}; read {m['moe_pipe_read_bytes_total'] / 1e9:.2f} GB"
+    )
+    print(
+        f"KV pool held after: {f['held']:.0f} positions (the prefix once, and each slot's own); with the prefix copied into each slot: about {copied}"
+    )
+
+
 def print_long_prompt(f: dict, args) -> None:
     import statistics
 
@@ -232,13 +299,18 @@ def main(argv=None) -> int:
             tok.decode(tok.encode(prose_prompt(tok, args.prompt_tokens * (k + 1)))[-args.prompt_tokens :]) for k in range(args.clients)
         ]
         long_prompt = prose_prompt(tok, args.long_prompt) if args.long_prompt else ""
+        if args.shared_prefix:
+            prefix = prose_prompt(tok, args.shared_prefix)
+            prompts = [f"{prefix}\n\nQuestion {k + 1}: {q}" for k, q in enumerate(prompts)]
     copy = model.with_name(model.stem + "-parallel-copy.gguf")
     print(f"fresh copy in {fresh_copy(model, copy):.0f} s; limit {limit:,.0f} MiB; {args.clients} slots", flush=True)
     try:
         svc = Service(copy, args.config, args.clients, limit, args.threads, args.set)
         try:
             complete(svc.url, svc.model, "Hello", 16)  # the kernels compiled and the dense set in before either phase
-            if args.long_prompt:
+            if args.shared_prefix:
+                figures = shared_prefix_phases(svc, prompts, args.n)
+            elif args.long_prompt:
                 figures = long_prompt_phases(svc, prompts[: args.clients - 1], long_prompt, args.n)
             elif args.alone_first:
                 alone = phase(svc, prompts, args.n, together=False)
@@ -250,6 +322,11 @@ def main(argv=None) -> int:
             svc.close()
     finally:
         copy.unlink(missing_ok=True)
+    if args.shared_prefix:
+        print_shared_prefix(figures, args, args.shared_prefix)
+        if args.json:
+            Path(args.json).write_text(json.dumps(figures, indent=1))
+        return 0
     if args.long_prompt:
         print_long_prompt(figures, args)
         if args.json:

@@ -62,8 +62,8 @@ METRICS = (
     "moe_pipe_experts_shared_total",
     "moe_pipe_prompt_tokens_total",
     "moe_pipe_prompt_tokens_cached_total",
-    "moe_pipe_kv_pool_held_positions",
 )
+HELD = "moe_pipe_kv_pool_held_positions"  # a gauge: read as it is, not as a phase's difference
 
 
 def parse(argv=None):
@@ -107,14 +107,14 @@ class Service(gateway.Service):
         self.url = json.loads(self.cli("status", "--json").stdout)["url"].rstrip("/")
         self.model = json.loads(urllib.request.urlopen(f"{self.url}/v1/models", timeout=30).read())["data"][0]["id"]
 
-    def metrics(self) -> dict[str, float]:
+    def metrics(self, names: tuple[str, ...] = METRICS) -> dict[str, float]:
         import urllib.request
 
         text = urllib.request.urlopen(f"{self.url}/metrics", timeout=30).read().decode()
         out = {}
         for line in text.splitlines():
             name, _, value = line.partition(" ")
-            if name in METRICS:
+            if name in names:
                 out[name] = float(value)
         return out
 
@@ -172,6 +172,11 @@ def complete(url: str, model: str, prompt: str, n: int, began: threading.Event |
     }
 
 
+def since(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """What each of METRICS counted between two readings of /metrics."""
+    return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in METRICS}
+
+
 def phase(svc: Service, prompts: list[str], n: int, together: bool) -> dict:
     before = svc.metrics()
     results: list[dict | None] = [None] * len(prompts)
@@ -189,8 +194,7 @@ def phase(svc: Service, prompts: list[str], n: int, together: bool) -> dict:
         for k, p in enumerate(prompts):
             results[k] = complete(svc.url, svc.model, p, n)
     wall = time.perf_counter() - t0
-    after = svc.metrics()
-    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in METRICS}
+    delta = since(before, svc.metrics())
     done = [r for r in results if r is not None]
     tokens = sum(r["tokens"] for r in done)
     return {"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall, "requests": done, "metrics": delta}
@@ -249,9 +253,8 @@ def shared_prefix_phases(svc: Service, prompts: list[str], n: int) -> dict:
         t.start()
     for t in [first, *rest]:
         t.join()
-    after = svc.metrics()
-    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in METRICS}
-    return {"requests": [r for r in results if r is not None], "metrics": delta, "held": after.get("moe_pipe_kv_pool_held_positions", 0.0)}
+    delta = since(before, svc.metrics())
+    return {"requests": [r for r in results if r is not None], "metrics": delta, "held": svc.metrics((HELD,)).get(HELD, 0.0)}
 
 
 def print_shared_prefix(f: dict, args, prefix_tokens: int) -> None:

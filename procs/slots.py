@@ -473,10 +473,7 @@ class Slots:
                 continue
             if msg.slot >= len(self.slots) and msg.slot != m.ANY_SLOT:
                 pending.remove(msg)  # the gateway checks the range: another front end's request
-                ipc.send(
-                    self.out,
-                    m.Done(msg.req_id, False, code=m.Code.BAD_ARGUMENT, error=f"no slot {msg.slot}: compute has {len(self.slots)}"),
-                )
+                ipc.send(self.out, self.no_slot(msg))
                 continue
             if msg.slot == m.ANY_SLOT:
                 slot = pick_slot(self.slots, self.busy(), msg.prompt_tokens)
@@ -489,10 +486,14 @@ class Slots:
             pending.remove(msg)
             self.start(slot, msg, self.share_prefix(slot, msg))
 
+    def no_slot(self, msg: m.Generate | m.Slot) -> m.Done:
+        """The answer to a request or action naming a slot compute does not have."""
+        return m.Done(msg.req_id, False, code=m.Code.BAD_ARGUMENT, error=f"no slot {msg.slot}: compute has {len(self.slots)}")
+
     def act_on_slot(self, msg: m.Slot) -> m.Done:
         """Save, restore or erase a slot's session (every slot idle)."""
         if msg.slot >= len(self.slots):
-            return m.Done(msg.req_id, False, code=m.Code.BAD_ARGUMENT, error=f"no slot {msg.slot}: compute has {len(self.slots)}")
+            return self.no_slot(msg)
         slot = self.slots[msg.slot]
         self.room_for(slot, self.config.compute.ctx_size)  # a restore may fill its context
         return handle_slot(msg, slot.session, self.metered.model, self.config.compute.ctx_size, self.identity)

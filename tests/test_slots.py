@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 import threading
 import time
 import urllib.request
@@ -380,6 +379,8 @@ def test_a_prefix_two_slots_take_from_a_third_is_held_once_and_each_reply_is_its
     is the one it gets alone. Emptied, the slots let the file go."""
     from moe_pipe.procs.slots import shared_positions, slot_states
 
+    from .test_kv_pages import _memfd_open
+
     slots, _, start, serve = _in_process(tiny, **{"gateway.parallel": 3, "compute.prefill_chunk": 16})
     prefix = [(7 * i) % 200 + 3 for i in range(100)]
     reqs = [_greedy(1, prefix + [5, 6], 6), _greedy(2, prefix + [9, 10, 11], 6), _greedy(3, prefix + [12], 6)]
@@ -400,7 +401,7 @@ def test_a_prefix_two_slots_take_from_a_third_is_held_once_and_each_reply_is_its
     assert states.shared == 100 and states.held == tuple(c.held - 100 for c in caches)
     assert states.pool_held == sum(c.held for c in caches) - 2 * 100  # the prefix once, not three times
     fd, alive = file.fd, weakref.ref(file)
-    assert os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:moe-pipe-kv-prefix")
+    assert _memfd_open(fd)
     del file
     for s in slots.slots:
         slots.evict(s)

@@ -26,7 +26,6 @@ import mmap
 import os
 import weakref
 
-PAGE = mmap.PAGESIZE
 # Linux's mmap flag (the same on x86-64 and aarch64); Python's mmap module has no way to
 # map at an address, so the fixed mappings go through libc.
 MAP_FIXED = 0x10

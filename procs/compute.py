@@ -488,9 +488,9 @@ def handle_slot(req: m.Slot, session: Session, model, ctx_size: int, identity: t
         return m.Done(req.req_id, False, code=m.Code.INTERNAL, error=f"{type(exc).__name__}: {exc}")
 
 
-def request_settings(req: m.Generate, config: Config, tok, speculate: bool = True):
+def request_settings(req: m.Generate, config: Config, tok):
     """The request's sampling, its GenerationConfig and its grammar's constraint (None: free text);
-    UserError or TypeError for settings that are its fault. `speculate` False: no drafts (slots, N > 1)."""
+    UserError or TypeError for settings that are its fault."""
     params = SamplingParams(**cast(dict[str, Any], req.sampling))  # values checked by SamplingParams itself
     gen_cfg = GenerationConfig(
         max_tokens=req.max_tokens,
@@ -501,7 +501,7 @@ def request_settings(req: m.Generate, config: Config, tok, speculate: bool = Tru
         cache_prompt=req.cache_prompt,
         context_shift=config.generate.context_shift,
         n_keep=config.generate.n_keep,
-        draft=(config.compute.draft if req.draft == m.DRAFT_FROM_CONFIG else req.draft) if speculate else 0,
+        draft=config.compute.draft if req.draft == m.DRAFT_FROM_CONFIG else req.draft,
         draft_adapt=config.compute.draft_adapt,
     )
     constraint = None

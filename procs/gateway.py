@@ -462,7 +462,7 @@ class Gateway:
             else:
                 self.count(200)
                 usage = usage_of(len(job.prompt_tokens), event.completion_tokens, event.prompt_cached)
-                resp = json_response(shape.whole("".join(pieces), event.finish_reason, usage))
+                resp = json_response(shape.whole("".join(pieces), event.finish_reason, usage, event.timings))
                 await self.write(request, resp, None)
                 return resp
         raise ClientGone()  # not reached: events() ends with an end event or raises
@@ -492,7 +492,7 @@ class Gateway:
                 await self.write(request, resp, sse(event.error().body()))
             else:
                 self.count(200)
-                closing = [sse(chunk) for chunk in shape.closing(event.finish_reason)]
+                closing = [sse(chunk) for chunk in shape.closing(event.finish_reason, event.timings)]
                 if shape.include_usage:
                     usage = usage_of(len(job.prompt_tokens), event.completion_tokens, event.prompt_cached)
                     closing.append(sse(shape.usage_chunk(usage)))

@@ -9,10 +9,11 @@ thread (which owns every socket), runs a step once every busy slot has asked:
 
   1. take what came on the requests link: a Generate takes an idle slot (the
      one whose cached ids share the longest prefix with its prompt; when another
-     slot, idle or busy, holds a longer one, its KV rows are copied into the
-     slot first: `share_prefix`), a Cancel ends its slot's request, a Slot
-     action waits until every slot is idle and acts on slot 0's session;
-  2. one `forward_batch` over one decode row of every decoding slot and at
+     slot, idle or busy, holds a longer one, it takes those KV rows into the
+     slot first, by reference: `share_prefix`), a Cancel ends its slot's request, a Slot
+     action waits until every slot is idle and acts on its slot's session;
+  2. one `forward_batch` over one decode row of every decoding slot (a
+     drafting slot's token and its drafts: `SlotModel.verify`) and at
      most one chunk of a prompt (the oldest request's; compute.prefill_chunk
      tokens, else SLOT_PREFILL_CHUNK) through its next few layers (`Pace`: as
      many as take about what the decode rows' own pass takes; about a second's
@@ -51,6 +52,7 @@ from ..shared.model.kv_pool import KVPoolFull, Room, Use, make_room
 from ..shared.model.session import Session, common_prefix
 from ..shared.telemetry import merge_records
 from ..shared.text.generate import generate, reuse_align
+from ..shared.text.speculate import Drafter, drafter_for
 from ..shared.wire import ipc
 from ..shared.wire import messages as m
 from .compute import GenerationAborted, Interrupts, _next_request, handle_slot, request_figures, request_settings
@@ -88,6 +90,7 @@ class Ask:
     order: int  # its request's arrival: the oldest prompt's chunk goes first
     tokens: list[int]
     cache: KVCache
+    all_logits: bool = False  # a decoded token and its drafts (a verify pass): every row's logits, not the last's
     logits: np.ndarray | None = None
     record: m.TokenRecord | None = None  # the pass's, shared by every row in it
     error: BaseException | None = None
@@ -126,12 +129,13 @@ class Steps:
         self.cancelled: set[int] = set()
         self.outbox: deque[m.Message] = deque()
 
-    def ask(self, slot: int, order: int, tokens: Sequence[int], cache: KVCache) -> Ask:
-        """A slot's thread: its rows in the next step, answered: their last row's logits [V], the pass's record."""
+    def ask(self, slot: int, order: int, tokens: Sequence[int], cache: KVCache, all_logits: bool = False) -> Ask:
+        """A slot's thread: its rows in the next step, answered: their last row's logits [V] (with
+        `all_logits`, every row's [T, V]), the pass's record."""
         with self.cond:
             if slot in self.cancelled:
                 raise GenerationAborted(m.Code.CANCELLED, "cancelled by the front end")
-            a = self.asks[slot] = Ask(slot, order, [int(t) for t in tokens], cache)
+            a = self.asks[slot] = Ask(slot, order, [int(t) for t in tokens], cache, all_logits)
             self.cond.notify_all()
             self.cond.wait_for(lambda: a.answered)
         if a.error is not None:
@@ -197,10 +201,21 @@ class Steps:
             return out
 
 
+def slot_drafter(config: Config, draft: int, n_vocab: int) -> Drafter | None:
+    """A slot's drafter for a request that drafts `draft` tokens: the n-gram one (or a benchmark's
+    replay) as alone. The MTP block drafts only with one slot: it drafts from the hidden states of
+    the model's own passes, which it follows for one session, so in a slot it drafts nothing."""
+    source = config.compute.draft_source
+    if not draft or (source == "mtp" and not config.compute.draft_replay):
+        return None
+    return drafter_for(source, config.compute.draft_replay, n_vocab)
+
+
 def pick_rows(asks: Sequence[Ask]) -> tuple[list[Ask], Ask | None]:
-    """A step's rows: every one-row ask (a decode step); and the oldest request's prompt chunk."""
-    chunks = [a for a in asks if len(a.tokens) > 1]
-    return [a for a in asks if len(a.tokens) == 1], min(chunks, key=lambda a: a.order, default=None)
+    """A step's rows: every decode step's ask (one row, or a decoded token and its drafts); and
+    the oldest request's prompt chunk."""
+    chunks = [a for a in asks if len(a.tokens) > 1 and not a.all_logits]
+    return [a for a in asks if len(a.tokens) == 1 or a.all_logits], min(chunks, key=lambda a: a.order, default=None)
 
 
 @dataclass
@@ -364,6 +379,25 @@ class SlotModel:
         a = self.steps.ask(self.slot.id, self.slot.order, [token], cache)
         return self._keep(a, [a.record], 1)
 
+    def verify(self, tokens, cache: KVCache, redo: int = 0) -> np.ndarray:
+        """A decoded token and its drafts (after `redo` rows a rollback runs again) as the slot's
+        rows of the next step: every row's logits [T, V], as `MoEModel.verify` gives them alone
+        (the kernels are batch-exact; Session.verify has set the cache's `rows_alone` and the
+        recurrent state's mark, which the pass reads from the cache). One record, its drafts
+        counted as `drafted` (MeteredModel.verify's)."""
+        a = self.steps.ask(self.slot.id, self.slot.order, [int(t) for t in tokens], cache, all_logits=True)
+        logits = self._keep(a, [a.record], len(tokens))
+        if a.record is not None:
+            self.records[-1] = replace(self.records[-1], drafted=max(len(tokens) - 1 - redo, 0))
+        return logits
+
+    def drafts_judged(self, drafted: int, kept: int) -> None:
+        """The last verify pass's drafts are settled: its record says how many were kept, and the
+        slot has that many more tokens (shared/text/speculate.py)."""
+        if self.records and self.records[-1].drafted:
+            self.records[-1] = replace(self.records[-1], accepted=kept)
+        self.slot.decoded += kept
+
     def _keep(self, last: Ask, passes: list[m.TokenRecord | None], rows: int) -> np.ndarray:
         """The last answer's logits; the request's record of the passes behind them, its next token's."""
         kept = [r for r in passes if r is not None]
@@ -402,6 +436,8 @@ class Slots:
         self.pool = config.kv_pool_tokens  # positions the slots' caches hold together (shared/model/kv_pool.py)
         self.pool_ended: set[int] = set()  # slots whose request the pool ended (end_for_room): emptied as it leaves
         self.stepped = False  # a step ran since the heap last gave its free pages back (shared/heap.py)
+        if config.compute.draft and slot_drafter(config, config.compute.draft, 2) is None:
+            log.warning("--draft-source mtp drafts only with one slot: with --parallel %d requests draft nothing", len(self.slots))
 
     def serve(self, reader_pid: int, epoch: int) -> None:
         import os
@@ -558,8 +594,9 @@ class Slots:
         compiles = self.late.count if self.late else 0
         try:
             try:
-                params, gen_cfg, constraint = request_settings(req, self.config, self.tok, speculate=False)
+                params, gen_cfg, constraint = request_settings(req, self.config, self.tok)
                 gen_cfg = replace(gen_cfg, prefill_batch=slot_prefill_chunk(self.config))
+                drafter = slot_drafter(self.config, gen_cfg.draft, self.metered.model.spec.n_vocab)
             except (UserError, TypeError) as exc:
                 post(m.Done(req.req_id, False, code=m.Code.BAD_ARGUMENT, error=f"bad request: {exc}"))
                 return
@@ -573,6 +610,7 @@ class Slots:
                 on_text=lambda text: post(m.Token(req.req_id, text)),
                 session=slot.session,
                 constraint=constraint,
+                drafter=drafter,
             )
             late = (self.late.count if self.late else 0) - compiles  # any slot's pass compiling is in this request's time too
             figures = {**result.timings, **request_figures(model.records), "late_compiles": late, "id_slot": slot.id}
@@ -699,7 +737,7 @@ class Slots:
         if sl is None and chunk is not None:
             sl = self.sliced = Sliced.start(chunk)
         req_ids = [self.slots[a.slot].req_id for a in rows] + ([self.slots[sl.ask.slot].req_id] if sl is not None else [])
-        parts = [BatchPart(a.tokens, a.cache) for a in rows]
+        parts = [BatchPart(a.tokens, a.cache, a.all_logits) for a in rows]
         layers = self.pace.layers(bool(rows), self.metered.model.spec.n_layer - sl.piece.next_layer) if sl is not None else 0
         t0 = time.perf_counter()
         try:
@@ -719,7 +757,7 @@ class Slots:
         else:
             self.pace.took(time.perf_counter() - t0, bool(rows))
         for a, row in zip(rows, logits):
-            self.steps.answer(a, logits=row[-1], record=record)
+            self.steps.answer(a, logits=row if a.all_logits else row[-1], record=record)
         if sl is not None:
             self.chunk_went_on(sl, record)
 

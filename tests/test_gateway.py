@@ -383,6 +383,8 @@ def test_openai_client_chat_completions_models(start_gateway, tokenizer):
     assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == words(6)
     assert r.choices[0].finish_reason == "length"
     assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (n_prompt, 6, n_prompt + 6)
+    # llama.cpp's extras beside OpenAI's fields: the request's timings (compute's Done figures) and its slot
+    assert r.model_extra["timings"]["predicted_n"] == 6 and r.model_extra["timings"]["predicted_ms"] > 0 and r.model_extra["id_slot"] == 0
     gen = computes.events("generate")[-1]
     assert gen["max_tokens"] == 6 and gen["stop"] == ["zz"] and gen["n_prompt"] == n_prompt
     assert gen["sampling"] == {"temperature": 0.5, "top_p": 0.9, "top_k": 0, "seed": 7}
@@ -395,6 +397,9 @@ def test_openai_client_chat_completions_models(start_gateway, tokenizer):
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == words(4)
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    last = [c for c in chunks if c.choices][-1]  # the finish chunk carries the timings, as llama.cpp's last chunk
+    assert last.model_extra["timings"]["predicted_n"] == 4 and last.model_extra["id_slot"] == 0
+    assert not any("timings" in c.model_extra for c in chunks if c is not last)
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 4
     assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
 
@@ -1188,6 +1193,23 @@ def test_finish_reasons_and_failures_map_to_openai():
         job = Job([1], 4, {}, ())
         assert worker.finish(job, done) is None and list(job.events) == [expected]
     assert worker.finish(Job([1], 4, {}, ()), m.Done(1, False, code="peer_gone", error="reader died")) == LOST
+
+
+def test_timings_take_llama_cpps_shape_from_computes_figures():
+    from moe_pipe.shared.serve.openai_api import slot_of, timings_of
+
+    done = {"prompt_n": 120, "prompt_cached": 100, "prompt_ms": 40.0, "predicted_n": 8, "predicted_ms": 400.0, "id_slot": 2}
+    t = timings_of(done)
+    # prompt_n counts the tokens computed, cache_n those the cache gave (llama.cpp's result_timings)
+    assert (t["cache_n"], t["prompt_n"], t["prompt_per_token_ms"], t["prompt_per_second"]) == (100, 20, 2.0, 500.0)
+    assert (t["predicted_n"], t["predicted_per_token_ms"], t["predicted_per_second"]) == (8, 50.0, 20.0)
+    assert "draft_n" not in t and slot_of(done) == 2
+    drafted = timings_of({**done, "draft_n": 10, "draft_accepted": 7})
+    assert (drafted["draft_n"], drafted["draft_n_accepted"]) == (10, 7)
+    # a request with no prompt computed and no tokens (stopped at once) divides by nothing
+    empty = timings_of({"prompt_n": 5, "prompt_cached": 5})
+    assert (empty["prompt_n"], empty["prompt_per_second"], empty["predicted_per_token_ms"]) == (0, 0.0, 0.0)
+    assert slot_of({}) == 0  # one request at a time: compute names no slot, slot 0 serves
 
 
 def test_a_chat_template_error_is_a_400(tokenizer, model_path):

@@ -11,6 +11,7 @@ import time
 import urllib.request
 import weakref
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -36,6 +37,8 @@ def test_a_step_takes_every_decode_row_and_the_oldest_prompt_s_chunk():
     assert _slots_of(*pick_rows(asks)) == ([1, 3], 2)  # decode rows, and the chunk of request 3 (older than 5)
     assert _slots_of(*pick_rows([_ask(0, 1, 1)])) == ([0], None)
     assert _slots_of(*pick_rows([_ask(0, 4, 7), _ask(1, 3, 7)])) == ([], 1)  # two prompts: one chunk at a time
+    verify = Ask(2, 8, [1, 2, 3, 4], cache=None, all_logits=True)  # type: ignore[arg-type]  # a token and its drafts
+    assert _slots_of(*pick_rows([_ask(0, 4, 7), verify, _ask(1, 3, 1)])) == ([2, 1], 0)  # rows of a decode step, not a chunk
 
 
 def test_a_chunk_takes_what_fits_beside_the_decode_rows_and_about_a_second_when_nothing_decodes():
@@ -372,6 +375,43 @@ def test_a_request_that_ends_while_its_chunk_is_part_way_leaves_its_slot_as_befo
     assert again.timings["prompt_cached"] == 16 and again.tokens == _alone(hybrid, b).tokens
 
 
+@pytest.mark.parametrize("which", ["tiny", "hybrid"])
+def test_slots_that_draft_give_the_replies_of_plain_decoding_alone(which, request, tmp_path):
+    """Speculative decoding in slots (--draft 3 every pass): two requests decode together, their
+    tokens and drafts verified in shared passes (`all_logits` asks), beside a third that does not
+    draft; each reply is the one plain greedy decoding gives it alone. The drafts replay request
+    1's own reply with a third of them made wrong (compute.draft_replay: random weights' n-grams
+    rarely repeat), so request 1 keeps some and rolls others back (a recurrent model's state
+    included) and request 2, whose reply they are not, rolls back nearly all. /slots' count of
+    tokens (`decoded`) is the reply's."""
+    path = request.getfixturevalue(which)
+    reqs = [_greedy(1, [5, 6, 7, 8] * 6, 24), _greedy(2, [9, 10, 11] * 7, 20), replace(_greedy(3, [12, 13, 14], 12), draft=0)]
+    alone = [_alone(path, req).tokens for req in reqs]
+    replay = tmp_path / "replay.json"
+    replay.write_text(json.dumps({"tokens": list(alone[0]), "accuracy": 0.7, "seed": 3}))
+    settings = {"gateway.parallel": 3, "compute.prefill_chunk": 16, "compute.draft": 3, "compute.draft_adapt": False}
+    slots, _, start, serve = _in_process(path, **settings, **{"compute.draft_replay": str(replay)})
+    for i, req in enumerate(reqs):
+        start(i, req)
+    done = serve(lambda d: {1, 2, 3} <= d.keys())
+    for i, req in enumerate(reqs):
+        d = done[req.req_id]
+        assert d.ok and d.tokens == alone[i], req.req_id
+        assert slots.slots[i].decoded == len(d.tokens)
+    t1, t2 = done[1].timings, done[2].timings
+    assert 0 < t1["draft_accepted"] < t1["draft_n"] and t2["draft_n"] > 0 and "draft_n" not in done[3].timings
+    assert t1["drafted"] == t1["draft_n"] and t1["accepted"] == t1["draft_accepted"]  # the request's records count its drafts
+
+
+def test_a_slot_drafts_ngrams_but_not_from_the_mtp_block():
+    from moe_pipe.procs.slots import slot_drafter
+    from moe_pipe.shared.config import Config, apply_overrides
+    from moe_pipe.shared.text.speculate import NGramDrafter
+
+    assert isinstance(slot_drafter(Config(), 3, 100), NGramDrafter) and slot_drafter(Config(), 0, 100) is None
+    assert slot_drafter(apply_overrides(Config(), {"compute.draft_source": "mtp"}), 3, 100) is None
+
+
 def test_a_prefix_two_slots_take_from_a_third_is_held_once_and_each_reply_is_its_own(tiny):
     """Three slots, a 100-token prompt decoded in slot 0; two requests that begin with it take it
     from slot 0 (share_prefix) by reference: all three caches map one page file, the pool counts
@@ -547,6 +587,13 @@ def test_a_request_pinned_to_slot_2_shows_there_in_get_slots(svc3):
         assert slots[2]["id_task"] > 0 and slots[2]["n_prompt_tokens"] > 0 and slots[2]["phase"] in ("prompt", "decoding")
     finally:
         stream.close()
+    # the response says which slot served it (llama.cpp's id_slot), pinned or not
+    pinned = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2, extra_body={"id_slot": 1}
+    )
+    assert pinned.model_extra["id_slot"] == 1 and pinned.model_extra["timings"]["predicted_n"] == pinned.usage.completion_tokens
+    free = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert free.model_extra["id_slot"] in (0, 1, 2)
     with pytest.raises(openai.BadRequestError, match=r"it has slots 0-2 \(gateway.parallel is 3\)"):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2, extra_body={"id_slot": 3})
 

@@ -492,6 +492,42 @@ def usage_of(prompt_tokens: int, completion_tokens: int, cached_tokens: int | No
     return usage
 
 
+def timings_of(done: dict) -> dict:
+    """A request's timings in llama.cpp's server shape (its `result_timings`: the final
+    response's and the stream's last chunk's `timings`) from compute's Done figures.
+    `prompt_n` counts the prompt tokens computed, `cache_n` those reused from the cache;
+    `draft_n` and `draft_n_accepted` are there when the request drafted."""
+
+    def num(key: str) -> float:
+        v = done.get(key, 0)
+        return v if isinstance(v, (int, float)) and not isinstance(v, bool) else 0
+
+    cached = int(num("prompt_cached"))
+    prompt_n, prompt_ms = max(0, int(num("prompt_n")) - cached), float(num("prompt_ms"))
+    predicted_n, predicted_ms = int(num("predicted_n")), float(num("predicted_ms"))
+    t: dict[str, Any] = {
+        "cache_n": cached,
+        "prompt_n": prompt_n,
+        "prompt_ms": prompt_ms,
+        "prompt_per_token_ms": prompt_ms / prompt_n if prompt_n else 0.0,
+        "prompt_per_second": 1e3 * prompt_n / prompt_ms if prompt_ms > 0 else 0.0,
+        "predicted_n": predicted_n,
+        "predicted_ms": predicted_ms,
+        "predicted_per_token_ms": predicted_ms / predicted_n if predicted_n else 0.0,
+        "predicted_per_second": 1e3 * predicted_n / predicted_ms if predicted_ms > 0 else 0.0,
+    }
+    if num("draft_n") > 0:
+        t.update(draft_n=int(num("draft_n")), draft_n_accepted=int(num("draft_accepted")))
+    return t
+
+
+def slot_of(done: dict) -> int:
+    """The compute slot that served a request (llama.cpp's `id_slot`): slot 0 when compute
+    serves one request at a time, which names no slot."""
+    v = done.get("id_slot", 0)
+    return v if isinstance(v, int) and not isinstance(v, bool) else 0
+
+
 class ChatOutput:
     """One chat reply's text as OpenAI's message fields: reasoning, answer and
     tool calls (shared/text/reasoning.py splits, shared/text/tools.py parses).
@@ -594,12 +630,19 @@ class ResponseShape:
             return [self.chunk(text)]
         return [self._delta_chunk(d) for d in self.output.feed(text)]
 
-    def closing(self, finish_reason: str) -> list[dict]:
-        """What the splitter still held, then the chunk with the finish reason."""
+    def closing(self, finish_reason: str, done: dict | None = None) -> list[dict]:
+        """What the splitter still held, then the chunk with the finish reason, which carries
+        the request's `timings` and `id_slot` from compute's Done figures `done` (llama.cpp's
+        last chunk carries its timings the same way)."""
         if self.output is None:
-            return [self.chunk(None, finish_reason)]
-        held = [self._delta_chunk(d) for d in self.output.finish()]
-        return held + [self._delta_chunk({}, self.output.finish_reason(finish_reason))]
+            last = self.chunk(None, finish_reason)
+            held = []
+        else:
+            held = [self._delta_chunk(d) for d in self.output.finish()]
+            last = self._delta_chunk({}, self.output.finish_reason(finish_reason))
+        if done is not None:
+            last.update(timings=timings_of(done), id_slot=slot_of(done))
+        return held + [last]
 
     def progress_chunk(self, total: int, cache: int, processed: int, time_ms: int) -> dict:
         """A chunk with no text and llama.cpp's `prompt_progress` beside its
@@ -615,7 +658,10 @@ class ResponseShape:
     def usage_chunk(self, usage: dict) -> dict:
         return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [], usage=usage)
 
-    def whole(self, text: str, finish_reason: str, usage: dict) -> dict:
+    def whole(self, text: str, finish_reason: str, usage: dict, done: dict | None = None) -> dict:
+        """The whole response; with compute's Done figures `done`, also the request's
+        `timings` and the `id_slot` that served it, as llama.cpp's server adds them."""
+        extra = {} if done is None else {"timings": timings_of(done), "id_slot": slot_of(done)}
         if self.chat:
             message = {"role": "assistant", "content": text}
             if self.output is not None:
@@ -623,8 +669,8 @@ class ResponseShape:
                 self.output.finish()
                 message, finish_reason = self.output.message(), self.output.finish_reason(finish_reason)
             choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
-            return self._envelope("chat.completion", [choice], usage=usage)
-        return self._envelope("text_completion", [self._choice(text, finish_reason)], usage=usage)
+            return self._envelope("chat.completion", [choice], usage=usage, **extra)
+        return self._envelope("text_completion", [self._choice(text, finish_reason)], usage=usage, **extra)
 
 
 def sse(data: dict) -> bytes:

@@ -179,15 +179,15 @@ def generate(
                 out.finish_reason = "context"
                 break
             shifts += 1
-        if spec is not None:
-            room = min(cfg.n_ctx - session.n - len(session.redo) - 1, cfg.max_tokens - len(out.tokens) - 1)
-            logits = spec.step(model, token, history, room)
-        else:
-            try:
+        try:
+            if spec is not None:
+                room = min(cfg.n_ctx - session.n - len(session.redo) - 1, cfg.max_tokens - len(out.tokens) - 1)
+                logits = spec.step(model, token, history, room)
+            else:
                 logits = session.feed(model, [token])
-            except KVPoolFull:  # several slots' pool has no room for it (shared/model/kv_pool.py): a full context too
-                out.finish_reason = "context"
-                break
+        except KVPoolFull:  # several slots' pool has no room for it (shared/model/kv_pool.py): a full context too
+            out.finish_reason = "context"
+            break
     if spec is not None:  # the cache holds what plain decoding leaves: the prompt and the output but its last token
         spec.drop()
         spec.judge(model)

@@ -53,10 +53,24 @@ def test_auto_subtracts_dense_kv_reserve_and_clamps():
     assert "\n" not in clamped.description
 
 
-@pytest.mark.parametrize("policy,counted", [("anon", True), ("warm", True), ("mmap", False)])
-def test_dense_counted_only_when_resident(policy, counted):
-    b = compute_budget("auto", 1e6, probe(4 * GiB), dense_bytes=GiB, kv_bytes=0, dense_policy=policy, reserve_mb=0)
-    assert b.bytes == (3 * GiB if counted else 4 * GiB) and b.dense_bytes == (GiB if counted else 0)
+@pytest.mark.parametrize("policy", ["anon", "warm", "mmap"])
+def test_dense_counted_when_it_fits(policy):
+    b = compute_budget("auto", 1e6, probe(4 * GiB), dense_bytes=GiB, kv_bytes=0, dense_policy=policy, reserve_mb=0, floor_bytes=GiB)
+    assert b.bytes == 3 * GiB and b.dense_bytes == GiB and f"dense 1024 MiB ({policy})" in b.description
+
+
+def test_a_mapped_dense_set_keeps_what_one_tokens_experts_leave():
+    """Every token reads the whole dense set, so a mapped one (file pages) is left the memory the
+    smallest cache does not need (a cache that took it would have the dense pages read again each
+    token); only what does not fit beside that floor is paged. Resident, it is counted whole."""
+    mem = probe(10 * GiB)
+    part = compute_budget("auto", 1e6, mem, dense_bytes=9 * GiB, kv_bytes=GiB, dense_policy="mmap", reserve_mb=1024, floor_bytes=2 * GiB)
+    assert part.dense_bytes == 6 * GiB and part.bytes == 2 * GiB  # the cache at its floor, the dense set all the rest
+    assert "dense 6144 MiB of 9216 MiB (mmap: what one token's experts leave; the rest is paged)" in part.description
+    none = compute_budget("auto", 1e6, mem, dense_bytes=9 * GiB, kv_bytes=GiB, dense_policy="mmap", reserve_mb=1024, floor_bytes=9 * GiB)
+    assert none.dense_bytes == 0 and none.bytes == 8 * GiB and "no room beside one token's experts" in none.description
+    anon = compute_budget("auto", 1e6, mem, dense_bytes=9 * GiB, kv_bytes=GiB, dense_policy="anon", reserve_mb=1024, floor_bytes=2 * GiB)
+    assert anon.dense_bytes == 9 * GiB and anon.bytes == 0  # below the floor: resolve_budget refuses it
 
 
 def test_auto_never_negative():

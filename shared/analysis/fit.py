@@ -264,7 +264,12 @@ def limited_probe(mem_limit_mb: float | None, memory: MemoryProbe | None = None)
 def memory_fit(footprint: ModelFootprint, cfg: Config, memory: MemoryProbe) -> MemoryFit:
     """The budget `moe-pipe run` would resolve here, and whether the model runs in it."""
     budget = resolve_budget(
-        cfg, dense_bytes=footprint.dense_bytes, kv_bytes=footprint.kv_bytes, memory=memory, engine_bytes=footprint.engine_bytes
+        cfg,
+        dense_bytes=footprint.dense_bytes,
+        kv_bytes=footprint.kv_bytes,
+        memory=memory,
+        engine_bytes=footprint.engine_bytes,
+        floor_bytes=footprint.floor_bytes,
     )
     avail = memory.available_bytes
     reserve = max(int(cfg.cache.reserve_mb * MiB), footprint.engine_bytes)  # as the budget counts it

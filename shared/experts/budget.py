@@ -221,9 +221,15 @@ def compute_budget(
     dense_policy: str,
     reserve_mb: float = 512.0,
     engine_bytes: int = 0,
+    floor_bytes: int = 0,
 ) -> Budget:
     """The budget from its inputs; no I/O. `memory` is only read when cache_mb is "auto".
-    `engine_bytes` (see `engine_bytes()`) is the least the reserve may be."""
+    `engine_bytes` (see `engine_bytes()`) is the least the reserve may be.
+
+    The dense set is subtracted when it is resident ("anon", "warm"). A mapped one ("mmap") is
+    file pages the kernel may drop, but every token reads all of it, so a dropped page is read
+    again within the token: auto leaves it as much as the smallest cache (`floor_bytes`, one
+    token's experts) lets it have, and only what it cannot have is left to paging."""
     ceil = int(cache_ceil_mb * MiB)
     dense = dense_bytes if dense_policy in RESIDENT_DENSE else 0
     if cache_mb != "auto":
@@ -240,9 +246,16 @@ def compute_budget(
     avail = memory.available_bytes
     asked = int(reserve_mb * MiB)
     reserve = max(asked, engine_bytes)
+    if dense_policy not in RESIDENT_DENSE:
+        dense = min(dense_bytes, max(0, avail - kv_bytes - reserve - floor_bytes))
     free = max(0, avail - dense - kv_bytes - reserve)
     size = min(free, ceil)
-    dense_text = f"dense {_mib(dense)} ({dense_policy})" if dense else f"dense not counted ({dense_policy}: file pages)"
+    if dense_policy in RESIDENT_DENSE or dense == dense_bytes:
+        dense_text = f"dense {_mib(dense)} ({dense_policy})"
+    elif dense:
+        dense_text = f"dense {_mib(dense)} of {_mib(dense_bytes)} ({dense_policy}: what one token's experts leave; the rest is paged)"
+    else:
+        dense_text = f"dense not counted ({dense_policy}: no room beside one token's experts, paged)"
     reserve_text = (
         f"reserve {_mib(reserve)}" if reserve == asked else f"processes {_mib(reserve)} (estimated; more than reserve_mb {reserve_mb:g})"
     )
@@ -468,10 +481,13 @@ def resolve_budget(
     memory: MemoryProbe | None = None,
     engine_bytes: int = 0,
     check_memory: bool = False,
+    floor_bytes: int = 0,
 ) -> Budget:
     """The budget for a loaded Config (`cfg.cache`, `cfg.io.dense_weights`); probes memory when auto.
 
-    With `floor` (CacheFloor.of(layout, top_k)), a budget below it is a ConfigError with the numbers.
+    With `floor` (CacheFloor.of(layout, top_k)), a budget below it is a ConfigError with the numbers;
+    `floor_bytes` is that floor for a caller that checks it itself (a mapped dense set keeps what
+    the floor leaves: compute_budget).
     `engine_bytes` (`engine_bytes(roles, n_vocab)`) is the least auto leaves for the processes; with
     `check_memory` a fixed cache that cannot fit beside them is refused too (`check_fit`).
     """
@@ -492,6 +508,7 @@ def resolve_budget(
         dense_policy=cfg.io.dense_weights,
         reserve_mb=c.reserve_mb,
         engine_bytes=engine_bytes,
+        floor_bytes=floor.bytes if floor is not None else floor_bytes,
     )
     where = cfg.source or "config"
     if floor is not None:

@@ -436,7 +436,7 @@ class Slots:
         self.pool = config.kv_pool_tokens  # positions the slots' caches hold together (shared/model/kv_pool.py)
         self.pool_ended: set[int] = set()  # slots whose request the pool ended (end_for_room): emptied as it leaves
         self.stepped = False  # a step ran since the heap last gave its free pages back (shared/heap.py)
-        if config.compute.draft and slot_drafter(config, config.compute.draft, 2) is None:
+        if config.compute.drafts_from_block:
             log.warning("--draft-source mtp drafts only with one slot: with --parallel %d requests draft nothing", len(self.slots))
 
     def serve(self, reader_pid: int, epoch: int) -> None:

@@ -403,13 +403,17 @@ def test_slots_that_draft_give_the_replies_of_plain_decoding_alone(which, reques
     assert t1["drafted"] == t1["draft_n"] and t1["accepted"] == t1["draft_accepted"]  # the request's records count its drafts
 
 
-def test_a_slot_drafts_ngrams_but_not_from_the_mtp_block():
+def test_a_slot_drafts_ngrams_but_not_from_the_mtp_block(tiny, caplog):
     from moe_pipe.procs.slots import slot_drafter
     from moe_pipe.shared.config import Config, apply_overrides
     from moe_pipe.shared.text.speculate import NGramDrafter
 
     assert isinstance(slot_drafter(Config(), 3, 100), NGramDrafter) and slot_drafter(Config(), 0, 100) is None
     assert slot_drafter(apply_overrides(Config(), {"compute.draft_source": "mtp"}), 3, 100) is None
+    for source, warned in (("ngram", False), ("mtp", True)):  # compute says so once, as the slots start
+        caplog.clear()
+        _in_process(tiny, **{"gateway.parallel": 2, "compute.draft": 2, "compute.draft_source": source})
+        assert ("drafts only with one slot" in caplog.text) == warned, source
 
 
 def test_a_prefix_two_slots_take_from_a_third_is_held_once_and_each_reply_is_its_own(tiny):

@@ -22,6 +22,9 @@ aggregate tok/s), each request's first-token time and tok/s, and from
 /metrics over the phase: bytes read, expert lookups and the expert uses
 another row's lookup served (`moe_pipe_experts_shared_total`); and
 whether each request's text together is its text alone (greedy: it must be).
+With `--set compute.draft=N` the requests draft (docs/batching.md § Slots in
+compute), and it also prints the drafts each kept of those it made (the `timings`
+of each response's finish chunk).
 
 With `--long-prompt T`, it measures chunked prefill instead: `--clients` − 1
 clients decode `-n` tokens undisturbed; then the same clients again, and once each
@@ -139,7 +142,7 @@ def complete(url: str, model: str, prompt: str, n: int, began: threading.Event |
     }
     req = urllib.request.Request(f"{url}/v1/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
     t0 = time.perf_counter()
-    first, text, tokens, times, usage = None, [], 0, [], {}
+    first, text, tokens, times, usage, timings = None, [], 0, [], {}, {}
     with urllib.request.urlopen(req, timeout=1800) as r:
         for raw in r:
             line = raw.decode().strip()
@@ -158,6 +161,7 @@ def complete(url: str, model: str, prompt: str, n: int, began: threading.Event |
             if chunk.get("usage"):
                 usage = chunk["usage"]
                 tokens = usage["completion_tokens"]
+            timings = chunk.get("timings") or timings  # the finish chunk's (llama.cpp's shape)
     total = time.perf_counter() - t0
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     return {
@@ -169,6 +173,8 @@ def complete(url: str, model: str, prompt: str, n: int, began: threading.Event |
         "times": times,
         "prompt_tokens": usage.get("prompt_tokens", 0),
         "cached_tokens": cached,
+        "drafted": timings.get("draft_n", 0),
+        "accepted": timings.get("draft_n_accepted", 0),
     }
 
 
@@ -352,6 +358,11 @@ def main(argv=None) -> int:
             + ", ".join(f"{r['tok_s']:.2f}" for r in ph["requests"])
             + f" | {m['moe_pipe_read_bytes_total'] / 1e9:.2f} | {m['moe_pipe_expert_lookups_total']:.0f} | {m['moe_pipe_experts_shared_total']:.0f} |"
         )
+    for name, ph in (("together", together), ("alone", alone)):
+        drafted = sum(r["drafted"] for r in ph["requests"])
+        if drafted:  # --draft: the requests' drafts kept, from each response's timings
+            kept = ", ".join(f"{r['accepted']}/{r['drafted']}" for r in ph["requests"])
+            print(f"drafts kept {name}: {sum(r['accepted'] for r in ph['requests'])} of {drafted} (each: {kept})")
     print(f"\naggregate together / alone: {together['tok_s'] / alone['tok_s']:.2f}x; each text together == alone: {same}")
     if args.json:
         Path(args.json).write_text(json.dumps({"together": together, "alone": alone, "same": same, "limit_mb": limit}, indent=1))

@@ -105,8 +105,8 @@ def service_kv_bytes(cfg: Config, spec: ModelSpec) -> int:
     """The KV caches compute holds: one of compute.ctx_size positions of compute.kv_type, or
     with several slots (gateway.parallel, docs/batching.md) the slots' pool (`kv_pool_bytes`:
     gateway.kv_pool positions together, each slot's rings and state its own), and the MTP
-    drafter's one layer when drafts come from the file's block (one slot only: slots do not
-    draft). The service's budget and `doctor` both take it from here."""
+    drafter's one layer when drafts come from the file's block (one slot only: a slot does not
+    draft from the block). The service's budget and `doctor` both take it from here."""
     n_ctx, kv_type, n = cfg.compute.ctx_size, cfg.compute.kv_type, cfg.gateway.parallel
     slots = kv_cache_bytes(spec, n_ctx, kv_type) if n == 1 else kv_pool_bytes(spec, n_ctx, kv_type, n, cfg.kv_pool_tokens)
     mtp = cfg.compute.drafts_from_block and spec.n_layer_nextn and cfg.gateway.parallel == 1

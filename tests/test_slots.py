@@ -568,7 +568,8 @@ def test_concurrent_greedy_requests_each_get_their_solo_reply(svc3):
 def test_a_request_pinned_to_slot_2_shows_there_in_get_slots(svc3):
     """`id_slot` 2: GET /slots lists compute's slots, so while the request decodes slot 2 is the
     busy one, with its task id (the gateway's first worker sent it), and the others are idle;
-    `id_slot` 3 on three slots is a 400 that names them."""
+    a response says the slot that served it, pinned or not; `id_slot` 3 on three slots is a 400
+    that names them."""
     import openai
 
     client = svc3.client()

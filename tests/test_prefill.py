@@ -125,6 +125,26 @@ def test_a_chunk_whose_attention_is_its_peak_keeps_within_the_budget(arch, tmp_p
         assert peak > prefill_activation_bytes(mf.spec, ACTIVATION_TOKENS, mf.spec.n_expert_used)
 
 
+# Kimi Delta Attention's heads wide against the model (the flash shape's 32 of 128 on a 2,560-wide
+# model; here 16 of 128 on 256) and narrow FFNs: its recurrent layers are a chunk's peak.
+WIDE_RECURRENT = {"bailingmoe3": {"ssm_heads": 16, "ssm_groups": 16, "ssm_state": 128, "n_ff_exp": 64, "n_ff": 64}}
+
+
+@pytest.mark.parametrize("arch", sorted(WIDE_RECURRENT))
+def test_a_chunk_whose_recurrent_layers_are_its_peak_keeps_within_the_budget(arch, tmp_path, monkeypatch):
+    """Where a recurrent layer's arrays bind (Ling-3.0-flash's shape: a 4,000-token prompt was
+    OOM-killed in an 11 GB limit when the budget counted the gated delta net's four head-sized
+    arrays), the family's RECURRENT_ARRAYS holds the chunk; with four counted it is over."""
+    from moe_pipe.shared.family_registry import by_arch
+    from moe_pipe.shared.gguf.spec import prefill_activation_bytes
+
+    path = make_model(arch, "tiny", tmp_path / "m.gguf", _overrides=WIDE_RECURRENT[arch])
+    peak = _check_chunk_peak(path)
+    monkeypatch.setattr(by_arch(arch).part("spec"), "RECURRENT_ARRAYS", 4)
+    with open_model(path) as mf:
+        assert peak > prefill_activation_bytes(mf.spec, ACTIVATION_TOKENS, mf.spec.n_expert_used)
+
+
 def _check_chunk_peak(path) -> int:
     """The traced peak of the arrays one ACTIVATION_TOKENS-token chunk allocates; fails when it
     is over `prefill_activation_bytes`."""

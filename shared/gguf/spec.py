@@ -147,6 +147,13 @@ class SpecPart(Protocol):
     query-sized part beside them (a gate, MLA's pieces); tests/test_prefill.py holds each family
     to it."""
 
+    RECURRENT_ARRAYS: int
+    """Head-sized arrays (ssm_heads × ssm_state floats a token) a prompt chunk's recurrent layer
+    keeps alive at once beside its conv's input and output (`prefill_activation_bytes`): 4 in
+    the gated delta net (queries, keys, outputs, gate), more where the layer keeps a decay per
+    channel and normalizes in float64 (Kimi Delta Attention), 0 without recurrent layers;
+    tests/test_prefill.py holds each family to it."""
+
     def read(self, f: GGUFFile) -> ModelSpec:
         """The family's metadata keys (prefix: its arch) read into a spec; a key that
         is missing, mistyped or out of range is a GGUFError naming it."""
@@ -325,8 +332,8 @@ def prefill_activation_bytes(spec: ModelSpec, tokens: int, top_k: int) -> int:
 
     - attention: its input's norm and the block's output (2·D), and the larger of the
       attention's arrays (the family's ATTENTION_QUERIES query arrays, key, value and output)
-      and a linear-attention layer's (its conv input and output, 2·C, and its queries, keys,
-      outputs and gate, 4·H·d);
+      and a linear-attention layer's (its conv input and output, 2·C, and the family's
+      RECURRENT_ARRAYS head-sized arrays, each H·d);
     - FFN: the residual sum, the norms and sums it keeps (5·D), the router's logits (E), the
       widest dense or shared FFN's gate, up and product (3·F), the experts' hidden
       activations held for the split outputs, and one run of experts' own arrays (a fixed
@@ -341,7 +348,7 @@ def prefill_activation_bytes(spec: ModelSpec, tokens: int, top_k: int) -> int:
     assert part is not None, spec.arch  # a spec was read by its family's part
     queries = part.ATTENTION_QUERIES
     qkvo = max(h * queries * dk + hk * (dk + dv) + h * dv for hk, dk, dv in zip(spec.n_head_kv, spec.head_dim_k, spec.head_dim_v))
-    recurrent = 2 * spec.ssm_conv_channels + 4 * spec.ssm_heads * spec.ssm_state if spec.ssm_conv_kernel else 0
+    recurrent = 2 * spec.ssm_conv_channels + part.RECURRENT_ARRAYS * spec.ssm_heads * spec.ssm_state if spec.ssm_conv_kernel else 0
     ffn = 3 * max(spec.n_ff_exp, spec.n_ff, spec.n_ff_shexp)
     outputs, hidden = expert_scratch_floats(spec, tokens, top_k)
     attention = 2 * d + max(qkvo, recurrent)

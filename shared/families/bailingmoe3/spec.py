@@ -20,6 +20,7 @@ from ...gguf.spec_tensors import (
 
 TOP_TENSORS = EMBEDDING_AND_FINAL_NORM
 ATTENTION_QUERIES = 2  # query-sized arrays a prompt chunk's attention keeps at once (SpecPart)
+RECURRENT_ARRAYS = 7  # KDA: q, k, v's copy, the decay per channel, the output, its gate and a float64 norm (SpecPart)
 _NORMS = ("attn_norm.weight", "ffn_norm.weight")
 # Kimi Delta Attention: q/k/v each through its own short conv, the per-channel forget
 # gate (f_a, dt bias, a = exp(A_log)), β, the output norm and its sigmoid gate (g_a).

@@ -19,6 +19,7 @@ from ...gguf.spec_tensors import (
 
 TOP_TENSORS = EMBEDDING_AND_FINAL_NORM
 ATTENTION_QUERIES = 2  # query-sized arrays a prompt chunk's attention keeps at once (SpecPart)
+RECURRENT_ARRAYS = 0  # no recurrent layers (SpecPart)
 # MLA (attn_q, or attn_q_a → norm → attn_q_b), then a dense FFN or router (+ shared experts).
 _ATTN = (
     "attn_norm.weight",

@@ -28,6 +28,7 @@ CSA_RATIO = 4  # a layer compressing by 4 is compressed sparse attention (overla
 SQRT_SOFTPLUS = 4  # llama.cpp's expert_gating_func for sqrt(softplus(logits)) scores (LLAMA_EXPERT_GATING_FUNC_TYPE_SQRT_SOFTPLUS)
 TOP_TENSORS = (*EMBEDDING_AND_FINAL_NORM, "output.weight", "output_hc_fn.weight", "output_hc_base.weight", "output_hc_scale.weight")
 ATTENTION_QUERIES = 2  # query-sized arrays a prompt chunk's attention keeps at once (SpecPart)
+RECURRENT_ARRAYS = 0  # no recurrent layers (SpecPart)
 _LAYER = (
     "attn_norm.weight",
     "attn_sinks.weight",

@@ -13,6 +13,7 @@ from ...gguf.spec_tensors import ATTN, DENSE_FFN, EMBEDDING_AND_FINAL_NORM
 TOP_TENSORS = EMBEDDING_AND_FINAL_NORM
 # A prompt chunk's attention norms and rotates its queries in place: one query-sized array.
 ATTENTION_QUERIES = 1
+RECURRENT_ARRAYS = 0  # no recurrent layers (SpecPart)
 _LAYER = (
     *ATTN,
     "attn_q_norm.weight",

@@ -18,6 +18,7 @@ from ...gguf.spec_tensors import (
 
 TOP_TENSORS = EMBEDDING_AND_FINAL_NORM
 ATTENTION_QUERIES = 2  # query-sized arrays a prompt chunk's attention keeps at once (SpecPart)
+RECURRENT_ARRAYS = 0  # no recurrent layers (SpecPart)
 # The leading dense layers have a dense FFN, the others a router with its
 # selection bias (and the shared expert when expert_shared_count > 0).
 _ATTN = (*ATTN, "attn_v.weight", "post_attention_norm.weight")

@@ -12,6 +12,7 @@ from ...gguf.spec_tensors import DENSE_FFN, selection_bias_shape
 # The final norm keeps llama.cpp's name (LFM2's "embedding_norm", applied after the last layer).
 TOP_TENSORS: tuple[str, ...] = ("token_embd.weight", "token_embd_norm.weight")
 ATTENTION_QUERIES = 2  # query-sized arrays a prompt chunk's attention keeps at once (SpecPart)
+RECURRENT_ARRAYS = 4  # head-sized arrays a prompt chunk's recurrent layer keeps at once (SpecPart)
 _CONV = ("shortconv.in_proj.weight", "shortconv.conv.weight", "shortconv.out_proj.weight")
 _ATTN = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight", "attn_q_norm.weight", "attn_k_norm.weight")
 

@@ -12,6 +12,7 @@ from ...gguf.spec_tensors import ATTN, EMBEDDING_AND_FINAL_NORM
 
 TOP_TENSORS = EMBEDDING_AND_FINAL_NORM
 ATTENTION_QUERIES = 2  # query-sized arrays a prompt chunk's attention keeps at once (SpecPart)
+RECURRENT_ARRAYS = 0  # no recurrent layers (SpecPart)
 _LAYER = (*ATTN, "attn_v.weight", "ffn_norm.weight", "ffn_gate_inp.weight")
 
 

@@ -11,6 +11,7 @@ from ...gguf.spec_tensors import ATTN, EMBEDDING_AND_FINAL_NORM, SHARED_EXPERT, 
 
 TOP_TENSORS = EMBEDDING_AND_FINAL_NORM
 ATTENTION_QUERIES = 2  # query-sized arrays a prompt chunk's attention keeps at once (SpecPart)
+RECURRENT_ARRAYS = 0  # no recurrent layers (SpecPart)
 _LAYER = (
     *ATTN,
     "attn_v.weight",

@@ -13,6 +13,7 @@ from ...gguf.spec_tensors import EMBEDDING_AND_FINAL_NORM, SHARED_EXPERT, shared
 
 TOP_TENSORS = EMBEDDING_AND_FINAL_NORM
 ATTENTION_QUERIES = 2  # query-sized arrays a prompt chunk's attention keeps at once (SpecPart)
+RECURRENT_ARRAYS = 4  # head-sized arrays a prompt chunk's recurrent layer keeps at once (SpecPart)
 _COMMON = ("attn_norm.weight", "post_attention_norm.weight", "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight", *SHARED_EXPERT)
 # What a layer needs depends on its kind (full attention or linear attention).
 _ATTN = (

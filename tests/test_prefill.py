@@ -145,19 +145,35 @@ def test_a_chunk_whose_recurrent_layers_are_its_peak_keeps_within_the_budget(arc
         assert peak > prefill_activation_bytes(mf.spec, ACTIVATION_TOKENS, mf.spec.n_expert_used)
 
 
-def _check_chunk_peak(path) -> int:
-    """The traced peak of the arrays one ACTIVATION_TOKENS-token chunk allocates; fails when it
-    is over `prefill_activation_bytes`."""
+# Each family's real shape (a "-shape" preset: every width as the model has it), cut to 4 layers
+# (6 where the first attention layer comes later) of 16 experts so that the file stays small: the tiny presets' own widths can hide which
+# phase is a chunk's peak (Ling-3.0-flash's recurrent layers were over the bound; the tiny one's FFN
+# was its peak).
+REAL_WIDTHS = {"bailingmoe3": ("ling-3-flash-shape", 6)}  # its sixth layer is the first with MLA
+
+
+@pytest.mark.slow  # ~20-60 s a family: the real widths' dense matrices
+@pytest.mark.parametrize("family", [pytest.param(f, id=f.name) for f in FAMILIES])
+def test_a_chunk_at_the_real_widths_keeps_within_the_budget(family, tmp_path):
+    shape = next(k for k in family.part("plan").PRESETS if k.endswith("-shape"))
+    preset, layers = REAL_WIDTHS.get(family.arch, (shape, 4))
+    path = make_model(family.arch, preset, tmp_path / "m.gguf", _overrides={"n_layer": layers, "n_expert": 16})
+    _check_chunk_peak(path, tokens=1024)
+
+
+def _check_chunk_peak(path, tokens: int = ACTIVATION_TOKENS) -> int:
+    """The traced peak of the arrays one `tokens`-token chunk allocates; fails when it is over
+    `prefill_activation_bytes`."""
     import tracemalloc
 
     from moe_pipe.shared.gguf.spec import prefill_activation_bytes
     from moe_pipe.shared.model import moe
     from moe_pipe.shared.model.fused import PARALLEL_ROWS
 
-    prompt = [(7 * i + 3) % 200 + 5 for i in range(ACTIVATION_TOKENS)]
+    prompt = [(7 * i + 3) % 200 + 5 for i in range(tokens)]
     with open_model(path) as mf:
         model = load_model(mf, options=None)
-        cache = model.new_cache(ACTIVATION_TOKENS + 8, "f16")
+        cache = model.new_cache(tokens + 8, "f16")
         # lazy weights and tables, and the kernels of a chunk's many rows (numba threads' from PARALLEL_ROWS),
         # compiled here: a compile inside the traced pass would count the compiler's memory
         model.prefill(prompt[:PARALLEL_ROWS], model.new_cache(PARALLEL_ROWS + 8, "f16"), batch=PARALLEL_ROWS)
@@ -165,12 +181,12 @@ def _check_chunk_peak(path) -> int:
         tracemalloc.start()
         try:
             base = tracemalloc.get_traced_memory()[0]
-            model.prefill(prompt, cache, batch=ACTIVATION_TOKENS)
+            model.prefill(prompt, cache, batch=tokens)
             peak = tracemalloc.get_traced_memory()[1] - base
         finally:
             tracemalloc.stop()
-        budget = prefill_activation_bytes(mf.spec, ACTIVATION_TOKENS, mf.spec.n_expert_used)
+        budget = prefill_activation_bytes(mf.spec, tokens, mf.spec.n_expert_used)
     assert peak <= budget, (
-        f"{mf.spec.arch}: a {ACTIVATION_TOKENS}-token chunk peaked at {peak / 2**20:.1f} MiB of arrays, the budget leaves {budget / 2**20:.1f}"
+        f"{mf.spec.arch}: a {tokens}-token chunk peaked at {peak / 2**20:.1f} MiB of arrays, the budget leaves {budget / 2**20:.1f}"
     )
     return peak

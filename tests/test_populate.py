@@ -26,7 +26,8 @@ def mapped_bytes(arena: Arena) -> int:
 
 @pytest.fixture
 def arena():
-    a = Arena.create(segment_name("poptest"), 64 * MiB, reserve=True)
+    a = Arena.create(segment_name("poptest"), 64 * MiB)
+    a.reserve()
     yield a
     a.close()
     a.unlink()

@@ -193,8 +193,8 @@ def test_reclaim_stale_only_dead_owners(tmp_path, monkeypatch):
 
 
 def test_a_segment_made_without_its_pages_has_them_all_once_reserved():
-    """Arena.reserve allocates what create(reserve=True) would (start-up runs it on a thread,
-    beside the dense read): every page of the segment's file, counted by its blocks."""
+    """Arena.create sizes a segment and Arena.reserve allocates it (start-up runs it on a
+    thread, beside the dense read): every page of the segment's file, counted by its blocks."""
     a = Arena.create(segment_name(f"reserve-{uuid.uuid4().hex[:8]}"), 8 * 1024 * 1024)
     try:
         blocks = lambda: os.stat(shm.SHM_DIR / a.name).st_blocks * 512  # noqa: E731

@@ -83,13 +83,9 @@ class Arena:
 
     # -- lifetime ---------------------------------------------------------
     @classmethod
-    def create(cls, name: str, size: int, *, reserve: bool = False) -> Arena:
-        """Create a new segment (never reuses one: O_EXCL), mode 0600.
-
-        `reserve` allocates every page now (posix_fallocate), so an arena that
-        does not fit in /dev/shm fails here with ENOSPC rather than as a
-        SIGBUS in whichever process first touches the missing page.
-        """
+    def create(cls, name: str, size: int) -> Arena:
+        """Create a new segment (never reuses one: O_EXCL), mode 0600, sized but with no page
+        allocated yet (`reserve` allocates them)."""
         _check_name(name)
         if size <= 0:
             raise ValueError(f"shared-memory arena {name!r}: size must be positive, got {size}")
@@ -97,8 +93,6 @@ class Arena:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, size)
-            if reserve:
-                os.posix_fallocate(fd, 0, size)
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(fd)
@@ -108,9 +102,10 @@ class Arena:
         return cls(name, size, mm, owner=True, readonly=False)
 
     def reserve(self) -> None:
-        """Allocate every page of the segment now (posix_fallocate), as `create(reserve=True)`
-        does, for a segment made without it: a thread may run it beside other start-up work
-        (the call waits in the kernel, which zeroes the pages, without the GIL)."""
+        """Allocate every page of the segment now (posix_fallocate), so an arena that does not
+        fit in /dev/shm fails here with ENOSPC rather than as a SIGBUS in whichever process
+        first touches the missing page. A thread may run it beside other start-up work (the
+        call waits in the kernel, which zeroes the pages, without the GIL)."""
         fd = os.open(SHM_DIR / self.name, os.O_RDWR)
         try:
             os.posix_fallocate(fd, 0, self.size)
@@ -215,12 +210,12 @@ class SlabArena:
             raise ValueError(f"arena {self.arena.name!r} holds {self.arena.size} B, not a whole number of {self.slab_bytes} B slabs")
 
     @classmethod
-    def create(cls, name: str, n_slabs: int, slab_bytes: int, *, reserve: bool = False) -> SlabArena:
+    def create(cls, name: str, n_slabs: int, slab_bytes: int) -> SlabArena:
         if n_slabs <= 0:
             raise ValueError(f"slab arena {name!r}: needs at least one slab, got {n_slabs}")
         if slab_bytes <= 0 or slab_bytes % PAGE:
             raise ValueError(f"slab size {slab_bytes} B is not a positive multiple of {PAGE}")
-        return cls(Arena.create(name, n_slabs * slab_bytes, reserve=reserve), slab_bytes)
+        return cls(Arena.create(name, n_slabs * slab_bytes), slab_bytes)
 
     @classmethod
     def attach(cls, name: str, slab_bytes: int, readonly: bool = True) -> SlabArena:

@@ -19,7 +19,9 @@ Two kernels compute it, one per layout of the work:
 - row_kernel (decode: up to three activation rows, one at a time): a weight row as it is stored. Per unit
   of 256 weights, four 64-byte dots (`vpdpbusd`: 16 lanes of sums of 4) against the
   activation, a shuffle-add tree to the L block sums in one vector (block j in lane j), one
-  L-lane multiply-add; the lanes are summed at the row's end.
+  L-lane multiply-add; the lanes are summed at the row's end. On AVX2, codes below 128 take
+  one `vpmaddubsw` per 32 and a tree of their own that adds in i16 before it widens
+  (`_avx2_row_block_sums`).
 - pack_kernel + tile_kernel (a GEMM: four or more activation rows): 16 weight rows are
   repacked once per call so that one 64-byte vector holds 4 codes of each of the 16 rows
   (row r in lane r), a block's codes for all 16 rows in block/4 vectors; then every
@@ -353,11 +355,13 @@ class Layout:
 
 def _k_header(e: _Emit, w, p):
     """Q4_K/Q5_K: d, dmin and the 8 six-bit scales and mins (12 bytes at p+4, as <8 x i32>) of
-    the super-block at p, from one 16-byte load (so d and dmin convert from a register: a
-    2-byte load is an insert into a register LLVM picks, a false dependency — once an
-    accumulator's, which serialised the row loop)."""
+    the super-block at p. d and dmin convert from one 16-byte load (a 2-byte load is an insert
+    into a register LLVM picks, a false dependency — once an accumulator's, which serialised the
+    row loop). The scales and mins are unpacked four at a time in 32-bit scalar words, whose
+    ports the vector work leaves idle: scale j < 4 is the low 6 bits of byte j, scale j ≥ 4 the
+    low nibble of byte j + 4 under the top 2 bits of byte j − 4 (the mins: bytes 4..7, and the
+    high nibbles of bytes 8..11)."""
     b = e.b
-    v8 = _vec(8, 32)
     head = e.load(w, p, _vec(16))
     dd = e.shuf(b.bitcast(head, _vec(8, 16)), None, [0, 1])
     if _F16C:
@@ -365,15 +369,20 @@ def _k_header(e: _Emit, w, p):
         d, dmin = (b.extract_element(dd, ir.Constant(_I32, k)) for k in range(2))
     else:
         d, dmin = e.half(w, p), e.half(w, b.add(p, e.i64(2)))
-    s = b.zext(head, _vec(16, 32))
-    at = lambda idx: e.shuf(s, None, [4 + i for i in idx])  # noqa: E731  (scale byte i is head byte 4 + i)
-    # The top 2 bits of scales/mins 4..7, in lanes 4..7 over explicit zeros: lanes left
-    # undefined here become reads of a register LLVM picks, a false dependency again.
-    z4 = ir.Constant(_vec(4, 32), [0] * 4)
-    hi2 = lambda idx: e.shuf(z4, b.and_(b.lshr(at(idx), e.const(_vec(4, 32), 2)), e.const(_vec(4, 32), 48)), [0] * 4 + [4, 5, 6, 7])  # noqa: E731
-    sc = b.or_(b.and_(at([0, 1, 2, 3, 8, 9, 10, 11]), e.const(v8, [63] * 4 + [15] * 4)), hi2([0, 1, 2, 3]))
-    mv = b.lshr(at([4, 5, 6, 7, 8, 9, 10, 11]), e.const(v8, [0] * 4 + [4] * 4))
-    m = b.or_(b.and_(mv, e.const(v8, [63] * 4 + [15] * 4)), hi2([4, 5, 6, 7]))
+    word = [e.load(w, b.add(p, e.i64(4 + 4 * k)), _I32) for k in range(3)]
+    c = lambda v: ir.Constant(_I32, v)  # noqa: E731
+    low6, low4, top2 = c(0x3F3F3F3F), c(0x0F0F0F0F), c(0x03030303)
+
+    def bytes8(lo, hi):
+        """Two words of 4 bytes each → <8 x i32>, lo's bytes first."""
+        q = b.or_(b.zext(lo, _I64), b.shl(b.zext(hi, _I64), ir.Constant(_I64, 32)))
+        return b.zext(b.bitcast(q, _vec(8)), _vec(8, 32))
+
+    def with_top2(nibbles, src):
+        return b.or_(nibbles, b.shl(b.and_(b.lshr(src, c(6)), top2), c(4)))
+
+    sc = bytes8(b.and_(word[0], low6), with_top2(b.and_(word[2], low4), word[0]))
+    m = bytes8(b.and_(word[1], low6), with_top2(b.and_(b.lshr(word[2], c(4)), low4), word[1]))
     return d, dmin, sc, m
 
 
@@ -697,6 +706,65 @@ def _avx2_isums(e: _Emit, lay: Layout, code_at, x_at, nt: int):
     return [e.shuf(lo, hi, list(range(16))) for lo, hi in wide]
 
 
+def _avx2_folds_i16(lay: Layout) -> int:
+    """How many `vpmaddubsw` pair sums of `lay`'s codes an i16 holds (a pair is at most
+    2·code_max·127 in magnitude), as a power of two: 8 on Q4_K, 4 on Q5_K, Q5_0 and MXFP4, 2 on
+    Q6_K."""
+    n = 32767 // (2 * lay.code_max * 127)
+    return 1 << (n.bit_length() - 1) if n else 0
+
+
+def _avx2_row_block_sums(e: _Emit, lay: Layout, codes, x_at):
+    """The row kernel's block sums on AVX2 for codes below 128 (<L x i32>, block j in lane j):
+    one `vpmaddubsw` per 32 codes (x_at(k): the activation's bytes 32k .. 32k + 31), then a
+    transposing tree of unpacks and adds, in i16 for as many levels as an i16 holds
+    (`_avx2_folds_i16`) and in i32 after one `vpmaddwd` against ones — where `dp` widens every
+    product to i32 before the tree (eight `vpmaddwd` a unit, and a tree twice as long). The same
+    integers as `dp` and `_block_sums`: only the order of exact integer adds differs."""
+    b = e.b
+    m = [e.maddubs(e.half32(codes[k // 2], k % 2), x_at(k)) for k in range(8)]  # <16 x i16>: 32 codes each
+
+    def fold(xs, lo, hi):
+        """lanes lo of (x, y) + lanes hi of (x, y), for x, y the pairs of xs."""
+        return [b.add(e.shuf(x, y, lo), e.shuf(x, y, hi)) for x, y in zip(xs[::2], xs[1::2])]
+
+    def unpack(width, part, lanes):
+        """vpunpck{l,h}: `width` lanes of x then of y, part 0 (low) or 1 (high) of each 128-bit half."""
+        half = lanes // 2
+        return [
+            o + h * half + part * half // 2 + i
+            for h in range(2)
+            for g in range(half // (2 * width))
+            for o in (0, lanes)
+            for i in range(g * width, g * width + width)
+        ]
+
+    def halves(lanes):
+        """vperm2i128: x's low half then y's (lo), x's high half then y's (hi)."""
+        half = lanes // 2
+        return list(range(half)) + list(range(lanes, lanes + half)), list(range(half, lanes)) + list(range(lanes + half, 2 * lanes))
+
+    ones = e.const(_vec(16, 16), 1)
+    widen = e.fn("llvm.x86.avx2.pmadd.wd", _vec(8, 32), [_vec(16, 16), _vec(16, 16)])
+    folds = _avx2_folds_i16(lay)
+    if lay.block == QK:  # a vector is one block: 8 pair sums in each 128-bit half
+        p = fold(m, unpack(2, 0, 16), unpack(2, 1, 16))  # 4 vectors: per half x x y y x x y y
+        if folds >= 4:
+            p = fold(p, unpack(4, 0, 16), unpack(4, 1, 16))  # 2 vectors: per half a a b b c c d d
+        if folds >= 8:
+            (r,) = fold(p, *halves(16))  # blocks 0-3 | 4-7, the halves summed, as i16 pairs
+            return b.call(widen, [r, ones])
+        assert folds >= 4, f"{lay}: too few i16 folds"
+        (r,) = fold([b.call(widen, [v, ones]) for v in p], *halves(8))
+        return r
+    assert lay.block == 16 and folds >= 2, f"{lay}: no AVX2 row tree"
+    # a vector is two blocks (its 128-bit halves: blocks 2k and 2k + 1)
+    p = [b.call(widen, [v, ones]) for v in fold(m, unpack(2, 0, 16), unpack(2, 1, 16))]  # per half x y x y
+    q = fold(p, unpack(2, 0, 8), unpack(2, 1, 8))  # blocks 8j, 8j+2, 8j+4, 8j+6 | 8j+1, 8j+3, ...
+    q = [e.shuf(v, None, [0, 4, 1, 5, 2, 6, 3, 7]) for v in q]
+    return e.shuf(q[0], q[1], list(range(16)))
+
+
 def _block_step(e: _Emit, isum, wsc, dx, acc):
     """acc + float(isum)·(wsc·dx): the one float step of a block (lane by lane)."""
     return e.fma(e.b.sitofp(isum, wsc.type), e.b.fmul(wsc, dx), acc)
@@ -724,6 +792,8 @@ def row_kernel(name: str, nt: int):
     """
     lay = layout(name)
     L = lay.lanes
+    # AVX2 sums a unit's blocks by its own tree where an i16 holds enough pair sums for it
+    avx2_tree = _AVX2 and lay.below128 and _avx2_folds_i16(lay) >= (4 if lay.block == QK else 2)
 
     def typer(typingctx, w, o, nb, xq, xo, cs, dx, bs16, bs32, xs32, tab, out, oo, os):
         def codegen(context, builder, sig, args):
@@ -740,11 +810,16 @@ def row_kernel(name: str, nt: int):
                 codes, wsc, dmm = lay.decode(e, src, p, tab_)
                 for i, xr in enumerate(rows):
                     x = b.add(xr, b.shl(u, e.i64(8)))
-                    dots = [
-                        e.dp(ir.Constant(_vec(16, 32), [0] * 16), codes[c], e.load(xq_, b.add(x, e.i64(64 * c)), _vec(64)), lay.below128)
-                        for c in range(CODE_VECTORS)
-                    ]
-                    isum = _block_sums(e, dots, lay.block // 4)
+                    if avx2_tree:
+                        isum = _avx2_row_block_sums(e, lay, codes, lambda k, x=x: e.load(xq_, b.add(x, e.i64(32 * k)), _vec(32)))
+                    else:
+                        dots = [
+                            e.dp(
+                                ir.Constant(_vec(16, 32), [0] * 16), codes[c], e.load(xq_, b.add(x, e.i64(64 * c)), _vec(64)), lay.below128
+                            )
+                            for c in range(CODE_VECTORS)
+                        ]
+                        isum = _block_sums(e, dots, lay.block // 4)
                     if lay.offset:
                         isum = b.sub(isum, b.mul(acts.bsum(lay, x, L), e.const(_vec(L, 32), lay.offset)))
                     dx8 = e.load(dx_, b.lshr(x, e.i64(_LOG2_QK)), _fvec(8))

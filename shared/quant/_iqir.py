@@ -51,6 +51,7 @@ from .blocks import (
 _IQ2_OFFSET = 64  # above the largest IQ2 (43) and IQ3_XXS (62) grid value
 _IQ3_S_OFFSET = 16  # above IQ3_S's largest (15)
 _IQ1_OFFSET = 16  # above |8·g ± 1| ≤ 9
+_IQ1_LARGEST = 9  # |8·g ± 1|, g in {-1, 0, 1}: the codes are 16 ± it, so an i16 holds 5 pair sums (code_max)
 assert max(int(IQ2_XXS_GRID.max()), int(IQ3_XXS_GRID.max())) < _IQ2_OFFSET and int(IQ3_S_GRID.max()) < _IQ3_S_OFFSET
 
 
@@ -253,7 +254,7 @@ IQ_LAYOUTS = {
     "IQ2_XS": Layout(IQ2_XS_BYTES, 16, _IQ2_OFFSET, False, True, 0, _unit_iq2_xs),
     "IQ2_S": Layout(IQ2_S_BYTES, 16, _IQ2_OFFSET, False, True, 0, _unit_iq2_s),
     "IQ3_XXS": Layout(IQ3_XXS_BYTES, QK, _IQ2_OFFSET, False, True, 0, _unit_iq3_xxs),
-    "IQ3_S": Layout(IQ3_S_BYTES, QK, _IQ3_S_OFFSET, False, True, 0, _unit_iq3_s),
-    "IQ1_S": Layout(IQ1_S_BYTES, QK, _IQ1_OFFSET, False, True, 0, _unit_iq1_s),
-    "IQ1_M": Layout(IQ1_M_BYTES, 16, _IQ1_OFFSET, False, True, 0, _unit_iq1_m),
+    "IQ3_S": Layout(IQ3_S_BYTES, QK, _IQ3_S_OFFSET, False, True, 0, _unit_iq3_s, _IQ3_S_OFFSET + int(IQ3_S_GRID.max())),
+    "IQ1_S": Layout(IQ1_S_BYTES, QK, _IQ1_OFFSET, False, True, 0, _unit_iq1_s, _IQ1_OFFSET + _IQ1_LARGEST),
+    "IQ1_M": Layout(IQ1_M_BYTES, 16, _IQ1_OFFSET, False, True, 0, _unit_iq1_m, _IQ1_OFFSET + _IQ1_LARGEST),
 }

@@ -708,8 +708,8 @@ def _avx2_isums(e: _Emit, lay: Layout, code_at, x_at, nt: int):
 
 def _avx2_folds_i16(lay: Layout) -> int:
     """How many `vpmaddubsw` pair sums of `lay`'s codes an i16 holds (a pair is at most
-    2·code_max·127 in magnitude), as a power of two: 8 on Q4_K, 4 on Q5_K, Q5_0 and MXFP4, 2 on
-    Q6_K."""
+    2·code_max·127 in magnitude), as a power of two: 8 on Q4_K, 4 on Q5_K, Q5_0, MXFP4, IQ3_S and
+    the IQ1s, 2 on Q6_K, 1 on the codes of 64 and more."""
     n = 32767 // (2 * lay.code_max * 127)
     return 1 << (n.bit_length() - 1) if n else 0
 
@@ -744,8 +744,6 @@ def _avx2_row_block_sums(e: _Emit, lay: Layout, codes, x_at):
         half = lanes // 2
         return list(range(half)) + list(range(lanes, lanes + half)), list(range(half, lanes)) + list(range(lanes + half, 2 * lanes))
 
-    ones = e.const(_vec(16, 16), 1)
-    widen = e.fn("llvm.x86.avx2.pmadd.wd", _vec(8, 32), [_vec(16, 16), _vec(16, 16)])
     folds = _avx2_folds_i16(lay)
     if lay.block == QK:  # a vector is one block: 8 pair sums in each 128-bit half
         p = fold(m, unpack(2, 0, 16), unpack(2, 1, 16))  # 4 vectors: per half x x y y x x y y
@@ -753,13 +751,13 @@ def _avx2_row_block_sums(e: _Emit, lay: Layout, codes, x_at):
             p = fold(p, unpack(4, 0, 16), unpack(4, 1, 16))  # 2 vectors: per half a a b b c c d d
         if folds >= 8:
             (r,) = fold(p, *halves(16))  # blocks 0-3 | 4-7, the halves summed, as i16 pairs
-            return b.call(widen, [r, ones])
+            return e.widen_pairs(r)
         assert folds >= 4, f"{lay}: too few i16 folds"
-        (r,) = fold([b.call(widen, [v, ones]) for v in p], *halves(8))
+        (r,) = fold([e.widen_pairs(v) for v in p], *halves(8))
         return r
     assert lay.block == 16 and folds >= 2, f"{lay}: no AVX2 row tree"
     # a vector is two blocks (its 128-bit halves: blocks 2k and 2k + 1)
-    p = [b.call(widen, [v, ones]) for v in fold(m, unpack(2, 0, 16), unpack(2, 1, 16))]  # per half x y x y
+    p = [e.widen_pairs(v) for v in fold(m, unpack(2, 0, 16), unpack(2, 1, 16))]  # per half x y x y
     q = fold(p, unpack(2, 0, 8), unpack(2, 1, 8))  # blocks 8j, 8j+2, 8j+4, 8j+6 | 8j+1, 8j+3, ...
     q = [e.shuf(v, None, [0, 4, 1, 5, 2, 6, 3, 7]) for v in q]
     return e.shuf(q[0], q[1], list(range(16)))

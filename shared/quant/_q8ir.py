@@ -19,9 +19,9 @@ Two kernels compute it, one per layout of the work:
 - row_kernel (decode: up to three activation rows, one at a time): a weight row as it is stored. Per unit
   of 256 weights, four 64-byte dots (`vpdpbusd`: 16 lanes of sums of 4) against the
   activation, a shuffle-add tree to the L block sums in one vector (block j in lane j), one
-  L-lane multiply-add; the lanes are summed at the row's end. On AVX2, codes below 128 take
-  one `vpmaddubsw` per 32 and a tree of their own that adds in i16 before it widens
-  (`_avx2_row_block_sums`).
+  L-lane multiply-add; the lanes are summed at the row's end. On AVX2 a unit takes one
+  `vpmaddubsw` per 32 codes and a tree of its own, which adds in i16 before it widens where the
+  codes are small (`_avx2_row_block_sums`).
 - pack_kernel + tile_kernel (a GEMM: four or more activation rows): 16 weight rows are
   repacked once per call so that one 64-byte vector holds 4 codes of each of the 16 rows
   (row r in lane r), a block's codes for all 16 rows in block/4 vectors; then every
@@ -715,14 +715,16 @@ def _avx2_folds_i16(lay: Layout) -> int:
 
 
 def _avx2_row_block_sums(e: _Emit, lay: Layout, codes, x_at):
-    """The row kernel's block sums on AVX2 for codes below 128 (<L x i32>, block j in lane j):
-    one `vpmaddubsw` per 32 codes (x_at(k): the activation's bytes 32k .. 32k + 31), then a
-    transposing tree of unpacks and adds, in i16 for as many levels as an i16 holds
-    (`_avx2_folds_i16`) and in i32 after one `vpmaddwd` against ones — where `dp` widens every
-    product to i32 before the tree (eight `vpmaddwd` a unit, and a tree twice as long). The same
-    integers as `dp` and `_block_sums`: only the order of exact integer adds differs."""
+    """The row kernel's block sums on AVX2 (<L x i32>, block j in lane j): one `vpmaddubsw` per
+    32 codes (x_at(k): the activation's bytes 32k .. 32k + 31), then a transposing tree of
+    unpacks and adds — for codes below 128 in i16 for as many levels as an i16 holds
+    (`_avx2_folds_i16`) and in i32 after one `vpmaddwd` against ones, where `dp` widens every
+    product to i32 before the tree (eight `vpmaddwd` a unit, and a tree twice as long). Codes up
+    to 255 (offset 128: Q8_0, IQ4_XS) go in as q = u − 128, |q| against x·sign(q), each widened
+    at once (pairs reach 2·128·127), and their sums are Σ q·x = isum − 128·Σ x already (`dp`
+    adds 128·Σ x back for the caller to take away). The same integers as `dp` and
+    `_block_sums`: only the order of exact integer adds differs."""
     b = e.b
-    m = [e.maddubs(e.half32(codes[k // 2], k % 2), x_at(k)) for k in range(8)]  # <16 x i16>: 32 codes each
 
     def fold(xs, lo, hi):
         """lanes lo of (x, y) + lanes hi of (x, y), for x, y the pairs of xs."""
@@ -744,6 +746,15 @@ def _avx2_row_block_sums(e: _Emit, lay: Layout, codes, x_at):
         half = lanes // 2
         return list(range(half)) + list(range(lanes, lanes + half)), list(range(half, lanes)) + list(range(lanes + half, 2 * lanes))
 
+    if not lay.below128:
+        assert lay.offset == 128 and lay.block == QK, f"{lay}: no AVX2 row tree"
+        q = [b.xor(e.half32(codes[k // 2], k % 2), e.const(_vec(32), 0x80)) for k in range(8)]
+        w = [e.widen_pairs(e.maddubs(e.abs8(qk), e.sign8(x_at(k), qk))) for k, qk in enumerate(q)]  # <8 x i32> a block
+        for width in (1, 2):  # per half x y x y, then a b c d
+            w = fold(w, unpack(width, 0, 8), unpack(width, 1, 8))
+        (r,) = fold(w, *halves(8))  # blocks 0-3 | 4-7, the halves summed
+        return r
+    m = [e.maddubs(e.half32(codes[k // 2], k % 2), x_at(k)) for k in range(8)]  # <16 x i16>: 32 codes each
     folds = _avx2_folds_i16(lay)
     if lay.block == QK:  # a vector is one block: 8 pair sums in each 128-bit half
         p = fold(m, unpack(2, 0, 16), unpack(2, 1, 16))  # 4 vectors: per half x x y y x x y y
@@ -790,8 +801,10 @@ def row_kernel(name: str, nt: int):
     """
     lay = layout(name)
     L = lay.lanes
-    # AVX2 sums a unit's blocks by its own tree where an i16 holds enough pair sums for it
-    avx2_tree = _AVX2 and lay.below128 and _avx2_folds_i16(lay) >= (4 if lay.block == QK else 2)
+    # AVX2 sums a unit's blocks by its own tree where an i16 holds enough pair sums for it, and
+    # for the offset-128 codes (whose tree's sums have the offset taken out already)
+    signed_tree = _AVX2 and not lay.below128 and lay.offset == 128 and lay.block == QK
+    avx2_tree = signed_tree or (_AVX2 and lay.below128 and _avx2_folds_i16(lay) >= (4 if lay.block == QK else 2))
 
     def typer(typingctx, w, o, nb, xq, xo, cs, dx, bs16, bs32, xs32, tab, out, oo, os):
         def codegen(context, builder, sig, args):
@@ -818,7 +831,7 @@ def row_kernel(name: str, nt: int):
                             for c in range(CODE_VECTORS)
                         ]
                         isum = _block_sums(e, dots, lay.block // 4)
-                    if lay.offset:
+                    if lay.offset and not signed_tree:
                         isum = b.sub(isum, b.mul(acts.bsum(lay, x, L), e.const(_vec(L, 32), lay.offset)))
                     dx8 = e.load(dx_, b.lshr(x, e.i64(_LOG2_QK)), _fvec(8))
                     dxl = dx8 if L == 8 else e.shuf(dx8, None, [j * lay.block // QK for j in range(L)])

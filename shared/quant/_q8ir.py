@@ -709,7 +709,7 @@ def _avx2_isums(e: _Emit, lay: Layout, code_at, x_at, nt: int):
 def _avx2_folds_i16(lay: Layout) -> int:
     """How many `vpmaddubsw` pair sums of `lay`'s codes an i16 holds (a pair is at most
     2·code_max·127 in magnitude), as a power of two: 8 on Q4_K, 4 on Q5_K, Q5_0, MXFP4, IQ3_S and
-    the IQ1s, 2 on Q6_K, 1 on the codes of 64 and more."""
+    the IQ1s, 2 on Q6_K; 1 for codes up to 129, 0 above (a pair may not fit)."""
     n = 32767 // (2 * lay.code_max * 127)
     return 1 << (n.bit_length() - 1) if n else 0
 

@@ -263,6 +263,26 @@ def test_int8_gemm_tiles_rows_and_threads(qtype):
         np.testing.assert_array_equal(got[t], quant.matvec(qtype, w, X[t]), err_msg=f"row {t} of {X.shape[0]}")
 
 
+@pytest.mark.parametrize("qtype", [QType.Q8_0, QType.Q5_0, QType.MXFP4])
+def test_a_rows_part_unit_read_in_place_ignores_the_bytes_after_it(qtype):
+    """Rows of 9 blocks (a unit of 8 and a part unit of 1): every row but a matrix's last reads
+    its part unit in place, 7 blocks' worth of the bytes after it included, which meet the
+    activation's zero padding with their scales masked. Here those bytes are 0xFF (NaN f16
+    scales, the largest E8M0): the results are the contiguous matrix's bit for bit (whose rows
+    read the next row's bytes there, and whose last row is copied), on the row kernel, and on
+    the GEMM's pack, and finite."""
+    rng = np.random.default_rng(900 + int(qtype))
+    w = _weights(qtype, 21, 9 * 32, rng)
+    pad = 7 * block_format(qtype).type_size
+    wide = np.full((w.shape[0], w.shape[1] + pad), 0xFF, np.uint8)
+    wide[:, : w.shape[1]] = w
+    X = rng.standard_normal((23, 9 * 32))
+    for n_tok in (1, 3, 23):
+        got = quant.matmul(qtype, wide[:, : w.shape[1]], X[:n_tok])
+        assert np.isfinite(got).all()
+        np.testing.assert_array_equal(got, quant.matmul(qtype, w, X[:n_tok]), err_msg=f"{qtype.name} T={n_tok}")
+
+
 def _prepared_in_wider_rows(qtype, n_mats: int, n_rows: int, rng) -> tuple[int, list]:
     """(columns, n_mats prepared random matrices of qtype whose rows sit inside wider rows of a
     buffer): a whole 256-weight unit, or 9 blocks of 32 (a unit and a part unit)."""

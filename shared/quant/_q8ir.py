@@ -36,8 +36,10 @@ interleaved by a lane shuffle (Q5_K or's in the fifth bit); Q6_K: nibbles | 2-bi
 4, offset 32 per 16; IQ4_XS and MXFP4: code-book values through one `vpshufb`, offsets 128
 and 12; Q8_0: q + 128; Q5_0: nibble | fifth bit, offset 16; the i-quants: grid entries by
 index, signed (_iqir, whose IQ_LAYOUTS `layout` finds). The 32-block types' rows may end
-in part of a unit: its blocks are copied to a zeroed stack buffer, and the missing blocks
-(zero scales, zero activation padding) leave every accumulator as it was.
+in part of a unit: read in place where a whole unit lies inside the matrix, the blocks past
+the row with their scales masked to 0, else (the last row) copied to a zeroed stack buffer;
+either way the missing blocks (zero scales, zero activation padding) leave every
+accumulator as it was (_part_unit).
 
 Where the CPU numba compiles for has AVX-512 VNNI (`INT8_DOT` = "vnni") the 64-byte dot is
 the `llvm.x86.avx512.vpdpbusd.512` intrinsic and the code-book maps one `vpshufb`. On

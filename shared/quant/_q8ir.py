@@ -582,11 +582,12 @@ def _block_sums(e: _Emit, vs, per):
 
 
 def _units(e: _Emit, lay: Layout, nb, body, w_len):
-    """Call body(src, p, u, valid) for each unit of a row of nb 32-blocks (src the row's pointer, or
-    a zero-padded copy for the last part unit of a 32-block type; p a byte offset, u the unit
-    index; valid None, or the part unit's blocks when it is read in place: _part_unit).
+    """Call body(src, p, u, valid) for each unit of a row of nb 32-blocks (src the row's pointer,
+    or, for the last part unit of a 32-block type in a matrix's last row, a zero-padded copy; p
+    a byte offset, u the unit index; valid None, or the part unit's blocks when it is read in
+    place: _part_unit).
 
-    The copy's missing blocks decode to zero scales (and codes whose integer sums with the
+    Either way the missing blocks have zero scales (and codes whose integer sums with the
     activation's zero padding are 0), so they leave every accumulator as it was.
     """
     b = e.b

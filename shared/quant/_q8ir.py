@@ -36,10 +36,10 @@ interleaved by a lane shuffle (Q5_K or's in the fifth bit); Q6_K: nibbles | 2-bi
 4, offset 32 per 16; IQ4_XS and MXFP4: code-book values through one `vpshufb`, offsets 128
 and 12; Q8_0: q + 128; Q5_0: nibble | fifth bit, offset 16; the i-quants: grid entries by
 index, signed (_iqir, whose IQ_LAYOUTS `layout` finds). The 32-block types' rows may end
-in part of a unit: read in place where a whole unit lies inside the matrix, the blocks past
-the row with their scales masked to 0, else (the last row) copied to a zeroed stack buffer;
-either way the missing blocks (zero scales, zero activation padding) leave every
-accumulator as it was (_part_unit).
+in part of a unit: read in place where a whole unit lies inside the matrix, else (the last
+row) copied to a zeroed stack buffer; either way the blocks past the row have their scales
+masked to 0 and meet the activation's zero padding, so they leave every accumulator as it
+was (_part_unit).
 
 Where the CPU numba compiles for has AVX-512 VNNI (`INT8_DOT` = "vnni") the 64-byte dot is
 the `llvm.x86.avx512.vpdpbusd.512` intrinsic and the code-book maps one `vpshufb`. On
@@ -584,8 +584,7 @@ def _block_sums(e: _Emit, vs, per):
 def _units(e: _Emit, lay: Layout, nb, body, w_len):
     """Call body(src, p, u, valid) for each unit of a row of nb 32-blocks (src the row's pointer,
     or, for the last part unit of a 32-block type in a matrix's last row, a zero-padded copy; p
-    a byte offset, u the unit index; valid None, or the part unit's blocks when it is read in
-    place: _part_unit).
+    a byte offset, u the unit index; valid None, or the part unit's blocks: _part_unit).
 
     Either way the missing blocks have zero scales (and codes whose integer sums with the
     activation's zero padding are 0), so they leave every accumulator as it was.
@@ -604,24 +603,22 @@ def _units(e: _Emit, lay: Layout, nb, body, w_len):
 
 def _part_unit(e: _Emit, lay: Layout, nb, w, o, body, w_len):
     """body for the last unit of a row of a 32-block type that ends in a part unit (nb % 8
-    blocks of it at unit u = nb // 8). Where a whole unit from there lies inside w (w_len
-    bytes: another row follows), it is read in place: the bytes past the row meet the
-    activation's zero padding (integer sums 0), and body masks their scales to 0 (`valid`
-    blocks), which is what the zeroed copy gives, bit for bit. Only the last row of a matrix
-    is copied into a zeroed unit: copying every row's part (memset, memcpy, and loads that
-    span the copy's stores, which the core cannot forward) cost the 2,880-wide rows of
-    gpt-oss a fifth of their time."""
+    blocks of it at unit u = nb // 8), with `valid` = nb % 8: body masks the scales of the
+    blocks past it to 0. Where a whole unit from there lies inside w (w_len bytes: another row
+    follows) it is read in place, and the bytes past the row meet the activation's zero
+    padding (integer sums 0); only a matrix's last row is copied into a zeroed unit first, whose
+    missing blocks the mask leaves as zero as they were. Either way the same numbers, bit for
+    bit. Copying every row's part (memset, memcpy, and loads that span the copy's stores, which
+    the core cannot forward) cost the 2,880-wide rows of gpt-oss a fifth of their time."""
     b = e.b
     full = b.lshr(nb, e.i64(3))
     start = b.add(o, b.mul(full, e.i64(lay.unit_bytes)))
-    with b.if_else(b.icmp_unsigned("<=", b.add(start, e.i64(lay.unit_bytes)), w_len), likely=True) as (inside, last):
-        with inside:
-            body(w, start, full, b.and_(nb, e.i64(7)))
-        with last:
-            tmp = b.bitcast(cgutils.alloca_once(b, ir.ArrayType(_I8, lay.unit_bytes)), _I8.as_pointer())
-            cgutils.memset(b, tmp, e.i64(lay.unit_bytes), 0)
-            cgutils.raw_memcpy(b, tmp, b.gep(w, [start]), b.mul(b.and_(nb, e.i64(7)), e.i64(lay.block_bytes)), 1)
-            body(tmp, e.i64(0), full, None)
+    inside = b.icmp_unsigned("<=", b.add(start, e.i64(lay.unit_bytes)), w_len)
+    tmp = b.bitcast(cgutils.alloca_once(b, ir.ArrayType(_I8, lay.unit_bytes)), _I8.as_pointer())
+    with b.if_then(b.not_(inside), likely=False):
+        cgutils.memset(b, tmp, e.i64(lay.unit_bytes), 0)
+        cgutils.raw_memcpy(b, tmp, b.gep(w, [start]), b.mul(b.and_(nb, e.i64(7)), e.i64(lay.block_bytes)), 1)
+    body(b.select(inside, w, tmp), b.select(inside, start, e.i64(0)), full, b.and_(nb, e.i64(7)))
 
 
 def _valid_blocks(e: _Emit, v, valid):

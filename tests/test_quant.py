@@ -26,7 +26,9 @@ Legend: R rows, C columns, T activation rows.
 
 from __future__ import annotations
 
+import ctypes
 import json
+import mmap
 import os
 import subprocess
 import sys
@@ -37,7 +39,7 @@ import pytest
 from gguf.quants import dequantize
 
 from moe_pipe.shared import quant
-from moe_pipe.shared.quant import _q8
+from moe_pipe.shared.quant import _q8, _q8ir
 from moe_pipe.shared.quant.blocks import SUPPORTED, QType, block_format, put_iq1_m_d, random_blocks
 
 U32 = 2.0**-24  # float32 unit roundoff
@@ -281,6 +283,38 @@ def test_a_rows_part_unit_read_in_place_ignores_the_bytes_after_it(qtype):
         got = quant.matmul(qtype, wide[:, : w.shape[1]], X[:n_tok])
         assert np.isfinite(got).all()
         np.testing.assert_array_equal(got, quant.matmul(qtype, w, X[:n_tok]), err_msg=f"{qtype.name} T={n_tok}")
+
+
+@pytest.mark.parametrize("qtype", [QType.Q4_K, QType.Q8_0])
+def test_a_matrix_that_ends_at_an_unreadable_page_multiplies_as_anywhere(qtype):
+    """The row kernel and the GEMM's pack ask for the bytes PREFETCH_BYTES past each unit (a
+    hint), so a matrix's last rows ask for memory past its end. Here that memory is a page
+    mapped with no access right after the matrix: a prefetch there is dropped, a load would
+    fault. The products are a copy's elsewhere, bit for bit (Q8_0's 9 blocks a row: its last
+    row's part unit is copied, the others read in place)."""
+    page = mmap.PAGESIZE
+    rng = np.random.default_rng(31 + int(qtype))
+    n_cols = 256 if block_format(qtype).block_size == 256 else 9 * 32
+    w = _weights(qtype, 37, n_cols, rng)
+    span = -(-w.nbytes // page) * page
+    guard = page + _q8ir.PREFETCH_BYTES
+    region = mmap.mmap(-1, span + guard)
+    first = ctypes.c_char.from_buffer(region)
+    base = ctypes.addressof(first)
+    del first  # (an exported buffer keeps the mapping from closing)
+    mprotect = ctypes.CDLL(None, use_errno=True).mprotect
+    mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    at_edge = np.frombuffer(region, np.uint8, w.nbytes, span - w.nbytes).reshape(w.shape)
+    at_edge[:] = w
+    assert mprotect(base + span, guard, 0) == 0  # PROT_NONE (the mmap module names no PROT_NONE)
+    try:
+        X = rng.standard_normal((23, n_cols))
+        for n_tok in (1, 23):
+            np.testing.assert_array_equal(quant.matmul(qtype, at_edge, X[:n_tok]), quant.matmul(qtype, w, X[:n_tok]))
+    finally:
+        assert mprotect(base + span, guard, mmap.PROT_READ | mmap.PROT_WRITE) == 0
+        del at_edge
+        region.close()
 
 
 def _prepared_in_wider_rows(qtype, n_mats: int, n_rows: int, rng) -> tuple[int, list]:

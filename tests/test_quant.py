@@ -287,11 +287,12 @@ def test_a_rows_part_unit_read_in_place_ignores_the_bytes_after_it(qtype):
 
 @pytest.mark.parametrize("qtype", [QType.Q4_K, QType.Q8_0])
 def test_a_matrix_that_ends_at_an_unreadable_page_multiplies_as_anywhere(qtype):
-    """The row kernel and the GEMM's pack ask for the bytes PREFETCH_BYTES past each unit (a
-    hint), so a matrix's last rows ask for memory past its end. Here that memory is a page
-    mapped with no access right after the matrix: a prefetch there is dropped, a load would
-    fault. The products are a copy's elsewhere, bit for bit (Q8_0's 9 blocks a row: its last
-    row's part unit is copied, the others read in place)."""
+    """The row kernel (T = 1) asks for the bytes PREFETCH_BYTES past each unit (a hint), so a
+    matrix's last rows ask for memory past its end; the row kernel and the GEMM's pack (T = 23)
+    read a part unit in place except in the last row. Here the memory after the matrix is a
+    page mapped with no access: a prefetch there is dropped, a load would fault. The products
+    are a copy's elsewhere, bit for bit (Q8_0's 9 blocks a row: its last row's part unit is
+    copied, the others read in place)."""
     page = mmap.PAGESIZE
     rng = np.random.default_rng(31 + int(qtype))
     n_cols = 256 if block_format(qtype).block_size == 256 else 9 * 32

@@ -63,9 +63,9 @@ class ProductLog:
             g[1] += time.perf_counter() - t0
             g[2] += X.shape[0] * out.shape[1] * X.shape[1]
 
-        def timed_grouped(ps, X, first, count):  # a prompt's experts in memory, several a call (shared/model/moe.py)
+        def timed_grouped(ps, X, first, count, rows=None, out=None):  # a prompt's experts in memory, several a call (shared/model/moe.py)
             t0 = time.perf_counter()
-            out = self.inner_grouped(ps, X, first, count)
+            out = self.inner_grouped(ps, X, first, count, rows=rows, out=out)
             if out is not None:
                 p = ps[0]
                 per = int(sum(count)) // max(1, len(ps))

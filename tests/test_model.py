@@ -268,7 +268,7 @@ def test_a_prompt_takes_its_resident_experts_in_grouped_kernel_calls(arch, tmp_p
 
         calls: list[int] = []
         real = quant.grouped_apply
-        monkeypatch.setattr(quant, "grouped_apply", lambda *a: calls.append(len(a[0])) or real(*a))
+        monkeypatch.setattr(quant, "grouped_apply", lambda *a, **kw: calls.append(len(a[0])) or real(*a, **kw))
         real_grouped = moe._hidden_of_run
 
         def prefill(grouped: bool, source=None) -> np.ndarray:

@@ -395,11 +395,43 @@ def test_grouped_apply_rows_equal_each_matrix_alone(qtype, int8_mode):
         if c:
             np.testing.assert_array_equal(got[at : at + c], quant.apply(p, X[f : f + c]), err_msg=f"rows {f}..{f + c}")
         at += c
-    with pytest.raises(ValueError, match="run of rows"):
+    with pytest.raises(ValueError, match="needs a run inside the 40 rows"):
         quant.grouped_apply(ps, X, first, count + 1)
     other = QType.Q8_0 if qtype != QType.Q8_0 else QType.Q4_K
     if n_cols == 256:
         assert quant.grouped_apply([ps[0], quant.prepare(other, _weights(other, 37, 256, rng))], X, first[:2], count[:2]) is None
+
+
+@pytest.mark.parametrize(
+    "qtype", [pytest.param(q, marks=[] if q in GATHER_FAST else [pytest.mark.slow]) for q in quant.INT8_ACTIVATION_TYPES]
+)
+def test_grouped_apply_takes_its_rows_where_they_lie(qtype, int8_mode):
+    """A prompt layer's tokens rounded once (int8_rows) and each matrix's run of them given by
+    index (`rows`: repeated, out of order, the last row of X among them), written into a given
+    output: every row equals that matrix's own product on a copy of its rows, bit for bit, as
+    with X passed as floats; rows outside X and a wrong output are refused."""
+    if not int8_mode:
+        pytest.skip("the int8 drivers")
+    rng = np.random.default_rng(970 + int(qtype))
+    n_cols, ps = _prepared_in_wider_rows(qtype, 5, 37, rng)
+    X = (rng.standard_normal((23, n_cols)) * np.logspace(-2, 2, 23)[:, None]).astype(np.float32)
+    rows = np.concatenate([[22, 5, 5], rng.integers(0, 23, 30), [0, 22]])
+    first = np.array([0, 3, 3, 14, 25])
+    count = np.array([3, 0, 11, 11, 10])  # 1-3 rows on the row kernel, 8- and 4-row tiles
+    rounded = quant.int8_rows(X)
+    out = np.full((count.sum(), 37), np.nan, np.float32)
+    got = quant.grouped_apply(ps, rounded, first, count, rows=rows, out=out)
+    assert got is out
+    np.testing.assert_array_equal(quant.grouped_apply(ps, X, first, count, rows=rows), out)
+    at = 0
+    for p, f, c in zip(ps, first, count):
+        if c:
+            np.testing.assert_array_equal(out[at : at + c], quant.apply(p, X[rows[f : f + c]]), err_msg=f"rows {rows[f : f + c]}")
+        at += c
+    with pytest.raises(ValueError, match=r"rows must be in \[0, 23\)"):
+        quant.grouped_apply(ps, rounded, first, count, rows=np.where(rows == 0, 23, rows))
+    with pytest.raises(ValueError, match="out must be float32"):
+        quant.grouped_apply(ps, rounded, first, count, rows=rows, out=out[:-1])
 
 
 @pytest.mark.parametrize("qtype", TYPES)

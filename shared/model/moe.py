@@ -280,11 +280,18 @@ def _experts_in_groups(
     seen: set[int] = set()
     group: list[tuple[Expert, np.ndarray]] = []
     n = 0
+    rounded: list[quant.Int8Rows] = []
+
+    def x_rounded() -> quant.Int8Rows:
+        """x rounded to int8 once for every run of the layer (quant.int8_rows), on first use."""
+        if not rounded:
+            rounded.append(quant.int8_rows(x))
+        return rounded[0]
 
     def work_on(group: list[tuple[Expert, np.ndarray]]) -> None:
         nonlocal ys, held, parts, n
         for part in _runs_of_rows(group, GROUP_ROWS):
-            run = _hidden_of_run(x, part, glu, at, n, k)
+            run = _hidden_of_run(x_rounded, part, glu, at, n, k)
             parts = parts or (expert_output_parts(t * k, d, run.hidden.shape[1]) if run else 1)
             if run is not None and parts > 1:
                 held.append(run)
@@ -334,7 +341,7 @@ class _HeldRun:
 
 
 def _hidden_of_run(
-    x: np.ndarray,
+    x_rounded: Callable[[], quant.Int8Rows],
     group: list[tuple[Expert, np.ndarray]],
     glu: Callable[[np.ndarray, np.ndarray], np.ndarray],
     at: np.ndarray,
@@ -342,10 +349,10 @@ def _hidden_of_run(
     k: int,
 ) -> _HeldRun | None:
     """glu(gate x, up x) [m, F] of each expert of `group` on its tokens, in one kernel call,
-    at[t, s] pointing at the output rows from n on that its down projection fills. Grouped, a
-    prompt's experts pay one rounding of their rows, one parallel region and one Python
-    dispatch a run rather than each (~330 calls a layer on a 512-token qwen30b-shape
-    prompt); each row is what the expert function gives bit for bit (glu is elementwise, each
+    at[t, s] pointing at the output rows from n on that its down projection fills; x as
+    `x_rounded()` gives it, rounded once for the layer (each run takes its tokens' rows where
+    they lie). Grouped, a prompt's experts pay one parallel region and one Python dispatch a
+    run rather than each (~330 calls a layer on a 512-token qwen30b-shape prompt); each row is what the expert function gives bit for bit (glu is elementwise, each
     bias added to its own expert's rows). None when the matrices do not qualify (float
     types): the run then goes one expert at a time through its function."""
     experts = [e for e, _ in group]
@@ -355,7 +362,7 @@ def _hidden_of_run(
     counts = np.array([r.size for r in tokens], np.int64)
     first = np.zeros(len(group), np.int64)
     np.cumsum(counts[:-1], out=first[1:])
-    h = _grouped_glu(x[np.concatenate(tokens)], experts, first, counts, glu)
+    h = _grouped_glu(x_rounded, np.concatenate(tokens), experts, first, counts, glu)
     if h is None:
         return None
     for (_, got), f, c in zip(group, first, counts):
@@ -438,35 +445,40 @@ def _down_of_run(run: _HeldRun, ys: np.ndarray, columns: tuple[int, int] | None 
         c0, c1 = columns
         downs = [quant.row_range(p, c0, c1) for p in downs]
         biases = [None if b is None else b[c0:c1] for b in biases]
-    y = quant.grouped_apply(downs, run.hidden, run.first, run.counts)
+    end = run.row + run.hidden.shape[0]
+    y = quant.grouped_apply(downs, run.hidden, run.first, run.counts, out=ys[run.row : end])
     assert y is not None  # _hidden_of_run checked that they qualify
     _add_run_biases(y, biases, run.first, run.counts)
-    ys[run.row : run.row + y.shape[0]] = y
-    return run.row + y.shape[0]
+    return end
 
 
 def _grouped_glu(
-    xg: np.ndarray, experts: list[Expert], first: np.ndarray, counts: np.ndarray, glu: Callable[[np.ndarray, np.ndarray], np.ndarray]
+    x_rounded: Callable[[], quant.Int8Rows],
+    rows: np.ndarray,
+    experts: list[Expert],
+    first: np.ndarray,
+    counts: np.ndarray,
+    glu: Callable[[np.ndarray, np.ndarray], np.ndarray],
 ) -> np.ndarray | None:
-    """glu(gate x, up x) [m, F] of each expert on its run of xg's rows, in one kernel call;
-    None when the matrices do not qualify."""
+    """glu(gate x, up x) [m, F] of each expert on its run of x's rows (rows[first[j]] ..
+    rows[first[j] + counts[j] − 1] of x, rounded by `x_rounded()`), in one kernel call; None
+    when the matrices do not qualify (x is then not rounded)."""
     if all(e.gate_up is not None for e in experts):
-        gu = quant.grouped_apply([e.gate_up.prep for e in experts], xg, first, counts)  # type: ignore[union-attr]
+        ps = [e.gate_up.prep for e in experts]  # type: ignore[union-attr]
+        gu = quant.grouped_apply(ps, x_rounded(), first, counts, rows=rows) if quant.grouped_qualifies(ps[0]) else None
         if gu is None:
             return None
         _add_run_biases(gu, [e.gate_up_bias for e in experts], first, counts)
         f = gu.shape[1] // 2
         return glu(gu[:, :f], gu[:, f:])
     if all(e.gate is not None and e.up is not None for e in experts):
-        both = quant.grouped_apply(
-            [e.gate.prep for e in experts] + [e.up.prep for e in experts],  # type: ignore[union-attr]
-            xg,
-            np.concatenate([first, first]),
-            np.concatenate([counts, counts]),
-        )
+        ps = [e.gate.prep for e in experts] + [e.up.prep for e in experts]  # type: ignore[union-attr]
+        if not quant.grouped_qualifies(ps[0]):
+            return None
+        both = quant.grouped_apply(ps, x_rounded(), np.concatenate([first, first]), np.concatenate([counts, counts]), rows=rows)
         if both is None:
             return None
-        m = xg.shape[0]
+        m = rows.size
         _add_run_biases(both[:m], [e.gate_bias for e in experts], first, counts)
         _add_run_biases(both[m:], [e.up_bias for e in experts], first, counts)
         return glu(both[:m], both[m:])

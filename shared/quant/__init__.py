@@ -38,6 +38,8 @@ __all__ = [
     "apply",
     "gather_apply",
     "grouped_apply",
+    "Int8Rows",
+    "int8_rows",
     "grouped_qualifies",
     "qtype_from_name",
     "int8_activations",

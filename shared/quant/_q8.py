@@ -153,58 +153,86 @@ _q8_0_r1 = row_kernel("Q8_0", 1)
 _q8_0_pack = pack_kernel("Q8_0")
 _q8_0_t8 = tile_kernel("Q8_0", TILE_TOKENS)
 _q8_0_t4 = tile_kernel("Q8_0", HALF_TILE)
+_q8_0_t8g = tile_kernel("Q8_0", TILE_TOKENS, gathered=True)
+_q8_0_t4g = tile_kernel("Q8_0", HALF_TILE, gathered=True)
 _q5_0_r1 = row_kernel("Q5_0", 1)
 _q5_0_pack = pack_kernel("Q5_0")
 _q5_0_t8 = tile_kernel("Q5_0", TILE_TOKENS)
 _q5_0_t4 = tile_kernel("Q5_0", HALF_TILE)
+_q5_0_t8g = tile_kernel("Q5_0", TILE_TOKENS, gathered=True)
+_q5_0_t4g = tile_kernel("Q5_0", HALF_TILE, gathered=True)
 _mxfp4_r1 = row_kernel("MXFP4", 1)
 _mxfp4_pack = pack_kernel("MXFP4")
 _mxfp4_t8 = tile_kernel("MXFP4", TILE_TOKENS)
 _mxfp4_t4 = tile_kernel("MXFP4", HALF_TILE)
+_mxfp4_t8g = tile_kernel("MXFP4", TILE_TOKENS, gathered=True)
+_mxfp4_t4g = tile_kernel("MXFP4", HALF_TILE, gathered=True)
 _q4_k_r1 = row_kernel("Q4_K", 1)
 _q4_k_pack = pack_kernel("Q4_K")
 _q4_k_t8 = tile_kernel("Q4_K", TILE_TOKENS)
 _q4_k_t4 = tile_kernel("Q4_K", HALF_TILE)
+_q4_k_t8g = tile_kernel("Q4_K", TILE_TOKENS, gathered=True)
+_q4_k_t4g = tile_kernel("Q4_K", HALF_TILE, gathered=True)
 _q5_k_r1 = row_kernel("Q5_K", 1)
 _q5_k_pack = pack_kernel("Q5_K")
 _q5_k_t8 = tile_kernel("Q5_K", TILE_TOKENS)
 _q5_k_t4 = tile_kernel("Q5_K", HALF_TILE)
+_q5_k_t8g = tile_kernel("Q5_K", TILE_TOKENS, gathered=True)
+_q5_k_t4g = tile_kernel("Q5_K", HALF_TILE, gathered=True)
 _q6_k_r1 = row_kernel("Q6_K", 1)
 _q6_k_pack = pack_kernel("Q6_K")
 _q6_k_t8 = tile_kernel("Q6_K", TILE_TOKENS)
 _q6_k_t4 = tile_kernel("Q6_K", HALF_TILE)
+_q6_k_t8g = tile_kernel("Q6_K", TILE_TOKENS, gathered=True)
+_q6_k_t4g = tile_kernel("Q6_K", HALF_TILE, gathered=True)
 _iq4_xs_r1 = row_kernel("IQ4_XS", 1)
 _iq4_xs_pack = pack_kernel("IQ4_XS")
 _iq4_xs_t8 = tile_kernel("IQ4_XS", TILE_TOKENS)
 _iq4_xs_t4 = tile_kernel("IQ4_XS", HALF_TILE)
+_iq4_xs_t8g = tile_kernel("IQ4_XS", TILE_TOKENS, gathered=True)
+_iq4_xs_t4g = tile_kernel("IQ4_XS", HALF_TILE, gathered=True)
 _iq2_xxs_r1 = row_kernel("IQ2_XXS", 1)
 _iq2_xxs_pack = pack_kernel("IQ2_XXS")
 _iq2_xxs_t8 = tile_kernel("IQ2_XXS", TILE_TOKENS)
 _iq2_xxs_t4 = tile_kernel("IQ2_XXS", HALF_TILE)
+_iq2_xxs_t8g = tile_kernel("IQ2_XXS", TILE_TOKENS, gathered=True)
+_iq2_xxs_t4g = tile_kernel("IQ2_XXS", HALF_TILE, gathered=True)
 _iq2_xs_r1 = row_kernel("IQ2_XS", 1)
 _iq2_xs_pack = pack_kernel("IQ2_XS")
 _iq2_xs_t8 = tile_kernel("IQ2_XS", TILE_TOKENS)
 _iq2_xs_t4 = tile_kernel("IQ2_XS", HALF_TILE)
+_iq2_xs_t8g = tile_kernel("IQ2_XS", TILE_TOKENS, gathered=True)
+_iq2_xs_t4g = tile_kernel("IQ2_XS", HALF_TILE, gathered=True)
 _iq2_s_r1 = row_kernel("IQ2_S", 1)
 _iq2_s_pack = pack_kernel("IQ2_S")
 _iq2_s_t8 = tile_kernel("IQ2_S", TILE_TOKENS)
 _iq2_s_t4 = tile_kernel("IQ2_S", HALF_TILE)
+_iq2_s_t8g = tile_kernel("IQ2_S", TILE_TOKENS, gathered=True)
+_iq2_s_t4g = tile_kernel("IQ2_S", HALF_TILE, gathered=True)
 _iq3_xxs_r1 = row_kernel("IQ3_XXS", 1)
 _iq3_xxs_pack = pack_kernel("IQ3_XXS")
 _iq3_xxs_t8 = tile_kernel("IQ3_XXS", TILE_TOKENS)
 _iq3_xxs_t4 = tile_kernel("IQ3_XXS", HALF_TILE)
+_iq3_xxs_t8g = tile_kernel("IQ3_XXS", TILE_TOKENS, gathered=True)
+_iq3_xxs_t4g = tile_kernel("IQ3_XXS", HALF_TILE, gathered=True)
 _iq3_s_r1 = row_kernel("IQ3_S", 1)
 _iq3_s_pack = pack_kernel("IQ3_S")
 _iq3_s_t8 = tile_kernel("IQ3_S", TILE_TOKENS)
 _iq3_s_t4 = tile_kernel("IQ3_S", HALF_TILE)
+_iq3_s_t8g = tile_kernel("IQ3_S", TILE_TOKENS, gathered=True)
+_iq3_s_t4g = tile_kernel("IQ3_S", HALF_TILE, gathered=True)
 _iq1_s_r1 = row_kernel("IQ1_S", 1)
 _iq1_s_pack = pack_kernel("IQ1_S")
 _iq1_s_t8 = tile_kernel("IQ1_S", TILE_TOKENS)
 _iq1_s_t4 = tile_kernel("IQ1_S", HALF_TILE)
+_iq1_s_t8g = tile_kernel("IQ1_S", TILE_TOKENS, gathered=True)
+_iq1_s_t4g = tile_kernel("IQ1_S", HALF_TILE, gathered=True)
 _iq1_m_r1 = row_kernel("IQ1_M", 1)
 _iq1_m_pack = pack_kernel("IQ1_M")
 _iq1_m_t8 = tile_kernel("IQ1_M", TILE_TOKENS)
 _iq1_m_t4 = tile_kernel("IQ1_M", HALF_TILE)
+_iq1_m_t8g = tile_kernel("IQ1_M", TILE_TOKENS, gathered=True)
+_iq1_m_t4g = tile_kernel("IQ1_M", HALF_TILE, gathered=True)
 
 
 @njit(**_DRIVER)
@@ -701,25 +729,32 @@ GATHER = {
 
 
 # ---- grouped drivers: several matrices, each on its own run of activation rows --------------
-# _grouped_<t>(addrs i64[M], nbytes, stride, X f32[A, C], first i64[M], count i64[M], at i64[M],
-# table, out f32[N, R]): out[at[m] + i, r] = row r of matrix m · activation row first[m] + i, for
-# i < count[m]; matrix m's bytes at address addrs[m] (bytes_at). A prompt's experts of a layer
-# (each on the tokens routed to it) in one call: one rounding of the activations and one
-# parallel region over every matrix's 16-row tiles, where a call per expert pays both per
-# expert. A matrix of 1-3 rows takes the row kernel, more the tile kernels (4-row ones for the
-# last few), so each output is that matrix's own matmul bit for bit (tests/test_quant.py).
+# _grouped_<t>(addrs i64[M], nbytes, stride, xq, dx, bs16, bs32, xs32, cp, nb, rows i64[N],
+# first i64[M], count i64[M], at i64[M], table, out f32[N', R]): out[at[m] + i, r] = row r of
+# matrix m · rounded activation row rows[first[m] + i], for i < count[m]; matrix m's bytes at
+# address addrs[m] (bytes_at); the activations as round_rows leaves them (rows cp elements
+# wide, nb 32-blocks of them real). A prompt's experts of a layer (each on the tokens routed
+# to it) in one call: one parallel region over every matrix's 16-row tiles, where a call per
+# expert pays one per expert; the rows are taken where the rounding left them (the tile
+# kernels' gathered form), so a layer's tokens are rounded once and no expert's rows are
+# copied. A matrix of 1-3 rows takes the row kernel, more the tile kernels (4-row ones for
+# the last few), so each output is that matrix's own matmul bit for bit (tests/test_quant.py).
 # The parallel loop goes tile-major (tile s of every matrix, then tile s + 1): the loop is split
 # into one contiguous run a thread, and matrix-major runs gave one thread the experts many
 # tokens route to and the other the few (a down projection's call ran at 0.7 of its gate's and
 # up's, which pair up evenly); tile-major, each thread gets its share of every matrix.
-# The activations carry TILE_TOKENS zero rows past the last: a matrix's last tile call reads
-# up to 7 rows past its own, which may be the next matrix's or these.
 
 
 @njit(**_DRIVER)
-def _grouped_q8_0(addrs, nbytes, stride, X, first, count, at, tab, out):
-    xq, dx, bs16, bs32, xs32, cp = _round_to(X, (X.shape[0] + 2 * TILE_TOKENS - 1) // TILE_TOKENS * TILE_TOKENS)
-    M, R, nb = addrs.shape[0], out.shape[1], X.shape[1] // QK
+def round_rows(X):
+    """X f32 [T, C] rounded to int8 per 32 (_round_to, no padding rows): (xq, dx, bs16, bs32,
+    xs32, cp), what the grouped drivers take."""
+    return _round_to(X, X.shape[0])
+
+
+@njit(**_DRIVER)
+def _grouped_q8_0(addrs, nbytes, stride, xq, dx, bs16, bs32, xs32, cp, nb, rows, first, count, at, tab, out):
+    M, R = addrs.shape[0], out.shape[1]
     S = (R + 15) // 16
     nu = cp // UNIT
     for i in prange(M * S):
@@ -730,22 +765,21 @@ def _grouped_q8_0(addrs, nbytes, stride, X, first, count, at, tab, out):
         if n < GEMM_ROWS:
             for r in range(16 * s, min(R, 16 * s + 16)):
                 for t in range(n):
-                    _q8_0_r1(w, r * stride, nb, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, tab, out, (o0 + t) * R + r, R)
+                    _q8_0_r1(w, r * stride, nb, xq, rows[x0 + t] * cp, cp, dx, bs16, bs32, xs32, tab, out, (o0 + t) * R + r, R)
             continue
         buf = np.empty(nu * PACKED_UNIT, np.uint8)
         _q8_0_pack(w, stride, 16 * s, R, nb, tab, buf)
         nv = min(16, R - 16 * s)
         for t in range(0, n, TILE_TOKENS):
             if n - t <= HALF_TILE:
-                _q8_0_t4(buf, nu, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t)
+                _q8_0_t4g(buf, nu, xq, x0 + t, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t, rows)
             else:
-                _q8_0_t8(buf, nu, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t)
+                _q8_0_t8g(buf, nu, xq, x0 + t, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t, rows)
 
 
 @njit(**_DRIVER)
-def _grouped_q5_0(addrs, nbytes, stride, X, first, count, at, tab, out):
-    xq, dx, bs16, bs32, xs32, cp = _round_to(X, (X.shape[0] + 2 * TILE_TOKENS - 1) // TILE_TOKENS * TILE_TOKENS)
-    M, R, nb = addrs.shape[0], out.shape[1], X.shape[1] // QK
+def _grouped_q5_0(addrs, nbytes, stride, xq, dx, bs16, bs32, xs32, cp, nb, rows, first, count, at, tab, out):
+    M, R = addrs.shape[0], out.shape[1]
     S = (R + 15) // 16
     nu = cp // UNIT
     for i in prange(M * S):
@@ -756,22 +790,21 @@ def _grouped_q5_0(addrs, nbytes, stride, X, first, count, at, tab, out):
         if n < GEMM_ROWS:
             for r in range(16 * s, min(R, 16 * s + 16)):
                 for t in range(n):
-                    _q5_0_r1(w, r * stride, nb, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, tab, out, (o0 + t) * R + r, R)
+                    _q5_0_r1(w, r * stride, nb, xq, rows[x0 + t] * cp, cp, dx, bs16, bs32, xs32, tab, out, (o0 + t) * R + r, R)
             continue
         buf = np.empty(nu * PACKED_UNIT, np.uint8)
         _q5_0_pack(w, stride, 16 * s, R, nb, tab, buf)
         nv = min(16, R - 16 * s)
         for t in range(0, n, TILE_TOKENS):
             if n - t <= HALF_TILE:
-                _q5_0_t4(buf, nu, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t)
+                _q5_0_t4g(buf, nu, xq, x0 + t, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t, rows)
             else:
-                _q5_0_t8(buf, nu, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t)
+                _q5_0_t8g(buf, nu, xq, x0 + t, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t, rows)
 
 
 @njit(**_DRIVER)
-def _grouped_mxfp4(addrs, nbytes, stride, X, first, count, at, tab, out):
-    xq, dx, bs16, bs32, xs32, cp = _round_to(X, (X.shape[0] + 2 * TILE_TOKENS - 1) // TILE_TOKENS * TILE_TOKENS)
-    M, R, nb = addrs.shape[0], out.shape[1], X.shape[1] // QK
+def _grouped_mxfp4(addrs, nbytes, stride, xq, dx, bs16, bs32, xs32, cp, nb, rows, first, count, at, tab, out):
+    M, R = addrs.shape[0], out.shape[1]
     S = (R + 15) // 16
     nu = cp // UNIT
     for i in prange(M * S):
@@ -782,22 +815,21 @@ def _grouped_mxfp4(addrs, nbytes, stride, X, first, count, at, tab, out):
         if n < GEMM_ROWS:
             for r in range(16 * s, min(R, 16 * s + 16)):
                 for t in range(n):
-                    _mxfp4_r1(w, r * stride, nb, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, tab, out, (o0 + t) * R + r, R)
+                    _mxfp4_r1(w, r * stride, nb, xq, rows[x0 + t] * cp, cp, dx, bs16, bs32, xs32, tab, out, (o0 + t) * R + r, R)
             continue
         buf = np.empty(nu * PACKED_UNIT, np.uint8)
         _mxfp4_pack(w, stride, 16 * s, R, nb, tab, buf)
         nv = min(16, R - 16 * s)
         for t in range(0, n, TILE_TOKENS):
             if n - t <= HALF_TILE:
-                _mxfp4_t4(buf, nu, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t)
+                _mxfp4_t4g(buf, nu, xq, x0 + t, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t, rows)
             else:
-                _mxfp4_t8(buf, nu, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t)
+                _mxfp4_t8g(buf, nu, xq, x0 + t, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t, rows)
 
 
 @njit(**_DRIVER)
-def _grouped_q4_k(addrs, nbytes, stride, X, first, count, at, tab, out):
-    xq, dx, bs16, bs32, xs32, cp = _round_to(X, (X.shape[0] + 2 * TILE_TOKENS - 1) // TILE_TOKENS * TILE_TOKENS)
-    M, R, nb = addrs.shape[0], out.shape[1], X.shape[1] // QK
+def _grouped_q4_k(addrs, nbytes, stride, xq, dx, bs16, bs32, xs32, cp, nb, rows, first, count, at, tab, out):
+    M, R = addrs.shape[0], out.shape[1]
     S = (R + 15) // 16
     nu = cp // UNIT
     for i in prange(M * S):
@@ -808,22 +840,21 @@ def _grouped_q4_k(addrs, nbytes, stride, X, first, count, at, tab, out):
         if n < GEMM_ROWS:
             for r in range(16 * s, min(R, 16 * s + 16)):
                 for t in range(n):
-                    _q4_k_r1(w, r * stride, nb, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, tab, out, (o0 + t) * R + r, R)
+                    _q4_k_r1(w, r * stride, nb, xq, rows[x0 + t] * cp, cp, dx, bs16, bs32, xs32, tab, out, (o0 + t) * R + r, R)
             continue
         buf = np.empty(nu * PACKED_UNIT, np.uint8)
         _q4_k_pack(w, stride, 16 * s, R, nb, tab, buf)
         nv = min(16, R - 16 * s)
         for t in range(0, n, TILE_TOKENS):
             if n - t <= HALF_TILE:
-                _q4_k_t4(buf, nu, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t)
+                _q4_k_t4g(buf, nu, xq, x0 + t, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t, rows)
             else:
-                _q4_k_t8(buf, nu, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t)
+                _q4_k_t8g(buf, nu, xq, x0 + t, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t, rows)
 
 
 @njit(**_DRIVER)
-def _grouped_q5_k(addrs, nbytes, stride, X, first, count, at, tab, out):
-    xq, dx, bs16, bs32, xs32, cp = _round_to(X, (X.shape[0] + 2 * TILE_TOKENS - 1) // TILE_TOKENS * TILE_TOKENS)
-    M, R, nb = addrs.shape[0], out.shape[1], X.shape[1] // QK
+def _grouped_q5_k(addrs, nbytes, stride, xq, dx, bs16, bs32, xs32, cp, nb, rows, first, count, at, tab, out):
+    M, R = addrs.shape[0], out.shape[1]
     S = (R + 15) // 16
     nu = cp // UNIT
     for i in prange(M * S):
@@ -834,22 +865,21 @@ def _grouped_q5_k(addrs, nbytes, stride, X, first, count, at, tab, out):
         if n < GEMM_ROWS:
             for r in range(16 * s, min(R, 16 * s + 16)):
                 for t in range(n):
-                    _q5_k_r1(w, r * stride, nb, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, tab, out, (o0 + t) * R + r, R)
+                    _q5_k_r1(w, r * stride, nb, xq, rows[x0 + t] * cp, cp, dx, bs16, bs32, xs32, tab, out, (o0 + t) * R + r, R)
             continue
         buf = np.empty(nu * PACKED_UNIT, np.uint8)
         _q5_k_pack(w, stride, 16 * s, R, nb, tab, buf)
         nv = min(16, R - 16 * s)
         for t in range(0, n, TILE_TOKENS):
             if n - t <= HALF_TILE:
-                _q5_k_t4(buf, nu, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t)
+                _q5_k_t4g(buf, nu, xq, x0 + t, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t, rows)
             else:
-                _q5_k_t8(buf, nu, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t)
+                _q5_k_t8g(buf, nu, xq, x0 + t, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t, rows)
 
 
 @njit(**_DRIVER)
-def _grouped_q6_k(addrs, nbytes, stride, X, first, count, at, tab, out):
-    xq, dx, bs16, bs32, xs32, cp = _round_to(X, (X.shape[0] + 2 * TILE_TOKENS - 1) // TILE_TOKENS * TILE_TOKENS)
-    M, R, nb = addrs.shape[0], out.shape[1], X.shape[1] // QK
+def _grouped_q6_k(addrs, nbytes, stride, xq, dx, bs16, bs32, xs32, cp, nb, rows, first, count, at, tab, out):
+    M, R = addrs.shape[0], out.shape[1]
     S = (R + 15) // 16
     nu = cp // UNIT
     for i in prange(M * S):
@@ -860,22 +890,21 @@ def _grouped_q6_k(addrs, nbytes, stride, X, first, count, at, tab, out):
         if n < GEMM_ROWS:
             for r in range(16 * s, min(R, 16 * s + 16)):
                 for t in range(n):
-                    _q6_k_r1(w, r * stride, nb, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, tab, out, (o0 + t) * R + r, R)
+                    _q6_k_r1(w, r * stride, nb, xq, rows[x0 + t] * cp, cp, dx, bs16, bs32, xs32, tab, out, (o0 + t) * R + r, R)
             continue
         buf = np.empty(nu * PACKED_UNIT, np.uint8)
         _q6_k_pack(w, stride, 16 * s, R, nb, tab, buf)
         nv = min(16, R - 16 * s)
         for t in range(0, n, TILE_TOKENS):
             if n - t <= HALF_TILE:
-                _q6_k_t4(buf, nu, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t)
+                _q6_k_t4g(buf, nu, xq, x0 + t, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t, rows)
             else:
-                _q6_k_t8(buf, nu, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t)
+                _q6_k_t8g(buf, nu, xq, x0 + t, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t, rows)
 
 
 @njit(**_DRIVER)
-def _grouped_iq4_xs(addrs, nbytes, stride, X, first, count, at, tab, out):
-    xq, dx, bs16, bs32, xs32, cp = _round_to(X, (X.shape[0] + 2 * TILE_TOKENS - 1) // TILE_TOKENS * TILE_TOKENS)
-    M, R, nb = addrs.shape[0], out.shape[1], X.shape[1] // QK
+def _grouped_iq4_xs(addrs, nbytes, stride, xq, dx, bs16, bs32, xs32, cp, nb, rows, first, count, at, tab, out):
+    M, R = addrs.shape[0], out.shape[1]
     S = (R + 15) // 16
     nu = cp // UNIT
     for i in prange(M * S):
@@ -886,22 +915,21 @@ def _grouped_iq4_xs(addrs, nbytes, stride, X, first, count, at, tab, out):
         if n < GEMM_ROWS:
             for r in range(16 * s, min(R, 16 * s + 16)):
                 for t in range(n):
-                    _iq4_xs_r1(w, r * stride, nb, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, tab, out, (o0 + t) * R + r, R)
+                    _iq4_xs_r1(w, r * stride, nb, xq, rows[x0 + t] * cp, cp, dx, bs16, bs32, xs32, tab, out, (o0 + t) * R + r, R)
             continue
         buf = np.empty(nu * PACKED_UNIT, np.uint8)
         _iq4_xs_pack(w, stride, 16 * s, R, nb, tab, buf)
         nv = min(16, R - 16 * s)
         for t in range(0, n, TILE_TOKENS):
             if n - t <= HALF_TILE:
-                _iq4_xs_t4(buf, nu, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t)
+                _iq4_xs_t4g(buf, nu, xq, x0 + t, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t, rows)
             else:
-                _iq4_xs_t8(buf, nu, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t)
+                _iq4_xs_t8g(buf, nu, xq, x0 + t, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t, rows)
 
 
 @njit(**_DRIVER)
-def _grouped_iq2_xxs(addrs, nbytes, stride, X, first, count, at, tab, out):
-    xq, dx, bs16, bs32, xs32, cp = _round_to(X, (X.shape[0] + 2 * TILE_TOKENS - 1) // TILE_TOKENS * TILE_TOKENS)
-    M, R, nb = addrs.shape[0], out.shape[1], X.shape[1] // QK
+def _grouped_iq2_xxs(addrs, nbytes, stride, xq, dx, bs16, bs32, xs32, cp, nb, rows, first, count, at, tab, out):
+    M, R = addrs.shape[0], out.shape[1]
     S = (R + 15) // 16
     nu = cp // UNIT
     for i in prange(M * S):
@@ -912,22 +940,21 @@ def _grouped_iq2_xxs(addrs, nbytes, stride, X, first, count, at, tab, out):
         if n < GEMM_ROWS:
             for r in range(16 * s, min(R, 16 * s + 16)):
                 for t in range(n):
-                    _iq2_xxs_r1(w, r * stride, nb, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, tab, out, (o0 + t) * R + r, R)
+                    _iq2_xxs_r1(w, r * stride, nb, xq, rows[x0 + t] * cp, cp, dx, bs16, bs32, xs32, tab, out, (o0 + t) * R + r, R)
             continue
         buf = np.empty(nu * PACKED_UNIT, np.uint8)
         _iq2_xxs_pack(w, stride, 16 * s, R, nb, tab, buf)
         nv = min(16, R - 16 * s)
         for t in range(0, n, TILE_TOKENS):
             if n - t <= HALF_TILE:
-                _iq2_xxs_t4(buf, nu, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t)
+                _iq2_xxs_t4g(buf, nu, xq, x0 + t, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t, rows)
             else:
-                _iq2_xxs_t8(buf, nu, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t)
+                _iq2_xxs_t8g(buf, nu, xq, x0 + t, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t, rows)
 
 
 @njit(**_DRIVER)
-def _grouped_iq2_xs(addrs, nbytes, stride, X, first, count, at, tab, out):
-    xq, dx, bs16, bs32, xs32, cp = _round_to(X, (X.shape[0] + 2 * TILE_TOKENS - 1) // TILE_TOKENS * TILE_TOKENS)
-    M, R, nb = addrs.shape[0], out.shape[1], X.shape[1] // QK
+def _grouped_iq2_xs(addrs, nbytes, stride, xq, dx, bs16, bs32, xs32, cp, nb, rows, first, count, at, tab, out):
+    M, R = addrs.shape[0], out.shape[1]
     S = (R + 15) // 16
     nu = cp // UNIT
     for i in prange(M * S):
@@ -938,22 +965,21 @@ def _grouped_iq2_xs(addrs, nbytes, stride, X, first, count, at, tab, out):
         if n < GEMM_ROWS:
             for r in range(16 * s, min(R, 16 * s + 16)):
                 for t in range(n):
-                    _iq2_xs_r1(w, r * stride, nb, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, tab, out, (o0 + t) * R + r, R)
+                    _iq2_xs_r1(w, r * stride, nb, xq, rows[x0 + t] * cp, cp, dx, bs16, bs32, xs32, tab, out, (o0 + t) * R + r, R)
             continue
         buf = np.empty(nu * PACKED_UNIT, np.uint8)
         _iq2_xs_pack(w, stride, 16 * s, R, nb, tab, buf)
         nv = min(16, R - 16 * s)
         for t in range(0, n, TILE_TOKENS):
             if n - t <= HALF_TILE:
-                _iq2_xs_t4(buf, nu, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t)
+                _iq2_xs_t4g(buf, nu, xq, x0 + t, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t, rows)
             else:
-                _iq2_xs_t8(buf, nu, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t)
+                _iq2_xs_t8g(buf, nu, xq, x0 + t, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t, rows)
 
 
 @njit(**_DRIVER)
-def _grouped_iq2_s(addrs, nbytes, stride, X, first, count, at, tab, out):
-    xq, dx, bs16, bs32, xs32, cp = _round_to(X, (X.shape[0] + 2 * TILE_TOKENS - 1) // TILE_TOKENS * TILE_TOKENS)
-    M, R, nb = addrs.shape[0], out.shape[1], X.shape[1] // QK
+def _grouped_iq2_s(addrs, nbytes, stride, xq, dx, bs16, bs32, xs32, cp, nb, rows, first, count, at, tab, out):
+    M, R = addrs.shape[0], out.shape[1]
     S = (R + 15) // 16
     nu = cp // UNIT
     for i in prange(M * S):
@@ -964,22 +990,21 @@ def _grouped_iq2_s(addrs, nbytes, stride, X, first, count, at, tab, out):
         if n < GEMM_ROWS:
             for r in range(16 * s, min(R, 16 * s + 16)):
                 for t in range(n):
-                    _iq2_s_r1(w, r * stride, nb, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, tab, out, (o0 + t) * R + r, R)
+                    _iq2_s_r1(w, r * stride, nb, xq, rows[x0 + t] * cp, cp, dx, bs16, bs32, xs32, tab, out, (o0 + t) * R + r, R)
             continue
         buf = np.empty(nu * PACKED_UNIT, np.uint8)
         _iq2_s_pack(w, stride, 16 * s, R, nb, tab, buf)
         nv = min(16, R - 16 * s)
         for t in range(0, n, TILE_TOKENS):
             if n - t <= HALF_TILE:
-                _iq2_s_t4(buf, nu, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t)
+                _iq2_s_t4g(buf, nu, xq, x0 + t, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t, rows)
             else:
-                _iq2_s_t8(buf, nu, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t)
+                _iq2_s_t8g(buf, nu, xq, x0 + t, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t, rows)
 
 
 @njit(**_DRIVER)
-def _grouped_iq3_xxs(addrs, nbytes, stride, X, first, count, at, tab, out):
-    xq, dx, bs16, bs32, xs32, cp = _round_to(X, (X.shape[0] + 2 * TILE_TOKENS - 1) // TILE_TOKENS * TILE_TOKENS)
-    M, R, nb = addrs.shape[0], out.shape[1], X.shape[1] // QK
+def _grouped_iq3_xxs(addrs, nbytes, stride, xq, dx, bs16, bs32, xs32, cp, nb, rows, first, count, at, tab, out):
+    M, R = addrs.shape[0], out.shape[1]
     S = (R + 15) // 16
     nu = cp // UNIT
     for i in prange(M * S):
@@ -990,22 +1015,21 @@ def _grouped_iq3_xxs(addrs, nbytes, stride, X, first, count, at, tab, out):
         if n < GEMM_ROWS:
             for r in range(16 * s, min(R, 16 * s + 16)):
                 for t in range(n):
-                    _iq3_xxs_r1(w, r * stride, nb, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, tab, out, (o0 + t) * R + r, R)
+                    _iq3_xxs_r1(w, r * stride, nb, xq, rows[x0 + t] * cp, cp, dx, bs16, bs32, xs32, tab, out, (o0 + t) * R + r, R)
             continue
         buf = np.empty(nu * PACKED_UNIT, np.uint8)
         _iq3_xxs_pack(w, stride, 16 * s, R, nb, tab, buf)
         nv = min(16, R - 16 * s)
         for t in range(0, n, TILE_TOKENS):
             if n - t <= HALF_TILE:
-                _iq3_xxs_t4(buf, nu, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t)
+                _iq3_xxs_t4g(buf, nu, xq, x0 + t, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t, rows)
             else:
-                _iq3_xxs_t8(buf, nu, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t)
+                _iq3_xxs_t8g(buf, nu, xq, x0 + t, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t, rows)
 
 
 @njit(**_DRIVER)
-def _grouped_iq3_s(addrs, nbytes, stride, X, first, count, at, tab, out):
-    xq, dx, bs16, bs32, xs32, cp = _round_to(X, (X.shape[0] + 2 * TILE_TOKENS - 1) // TILE_TOKENS * TILE_TOKENS)
-    M, R, nb = addrs.shape[0], out.shape[1], X.shape[1] // QK
+def _grouped_iq3_s(addrs, nbytes, stride, xq, dx, bs16, bs32, xs32, cp, nb, rows, first, count, at, tab, out):
+    M, R = addrs.shape[0], out.shape[1]
     S = (R + 15) // 16
     nu = cp // UNIT
     for i in prange(M * S):
@@ -1016,22 +1040,21 @@ def _grouped_iq3_s(addrs, nbytes, stride, X, first, count, at, tab, out):
         if n < GEMM_ROWS:
             for r in range(16 * s, min(R, 16 * s + 16)):
                 for t in range(n):
-                    _iq3_s_r1(w, r * stride, nb, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, tab, out, (o0 + t) * R + r, R)
+                    _iq3_s_r1(w, r * stride, nb, xq, rows[x0 + t] * cp, cp, dx, bs16, bs32, xs32, tab, out, (o0 + t) * R + r, R)
             continue
         buf = np.empty(nu * PACKED_UNIT, np.uint8)
         _iq3_s_pack(w, stride, 16 * s, R, nb, tab, buf)
         nv = min(16, R - 16 * s)
         for t in range(0, n, TILE_TOKENS):
             if n - t <= HALF_TILE:
-                _iq3_s_t4(buf, nu, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t)
+                _iq3_s_t4g(buf, nu, xq, x0 + t, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t, rows)
             else:
-                _iq3_s_t8(buf, nu, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t)
+                _iq3_s_t8g(buf, nu, xq, x0 + t, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t, rows)
 
 
 @njit(**_DRIVER)
-def _grouped_iq1_s(addrs, nbytes, stride, X, first, count, at, tab, out):
-    xq, dx, bs16, bs32, xs32, cp = _round_to(X, (X.shape[0] + 2 * TILE_TOKENS - 1) // TILE_TOKENS * TILE_TOKENS)
-    M, R, nb = addrs.shape[0], out.shape[1], X.shape[1] // QK
+def _grouped_iq1_s(addrs, nbytes, stride, xq, dx, bs16, bs32, xs32, cp, nb, rows, first, count, at, tab, out):
+    M, R = addrs.shape[0], out.shape[1]
     S = (R + 15) // 16
     nu = cp // UNIT
     for i in prange(M * S):
@@ -1042,22 +1065,21 @@ def _grouped_iq1_s(addrs, nbytes, stride, X, first, count, at, tab, out):
         if n < GEMM_ROWS:
             for r in range(16 * s, min(R, 16 * s + 16)):
                 for t in range(n):
-                    _iq1_s_r1(w, r * stride, nb, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, tab, out, (o0 + t) * R + r, R)
+                    _iq1_s_r1(w, r * stride, nb, xq, rows[x0 + t] * cp, cp, dx, bs16, bs32, xs32, tab, out, (o0 + t) * R + r, R)
             continue
         buf = np.empty(nu * PACKED_UNIT, np.uint8)
         _iq1_s_pack(w, stride, 16 * s, R, nb, tab, buf)
         nv = min(16, R - 16 * s)
         for t in range(0, n, TILE_TOKENS):
             if n - t <= HALF_TILE:
-                _iq1_s_t4(buf, nu, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t)
+                _iq1_s_t4g(buf, nu, xq, x0 + t, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t, rows)
             else:
-                _iq1_s_t8(buf, nu, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t)
+                _iq1_s_t8g(buf, nu, xq, x0 + t, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t, rows)
 
 
 @njit(**_DRIVER)
-def _grouped_iq1_m(addrs, nbytes, stride, X, first, count, at, tab, out):
-    xq, dx, bs16, bs32, xs32, cp = _round_to(X, (X.shape[0] + 2 * TILE_TOKENS - 1) // TILE_TOKENS * TILE_TOKENS)
-    M, R, nb = addrs.shape[0], out.shape[1], X.shape[1] // QK
+def _grouped_iq1_m(addrs, nbytes, stride, xq, dx, bs16, bs32, xs32, cp, nb, rows, first, count, at, tab, out):
+    M, R = addrs.shape[0], out.shape[1]
     S = (R + 15) // 16
     nu = cp // UNIT
     for i in prange(M * S):
@@ -1068,16 +1090,16 @@ def _grouped_iq1_m(addrs, nbytes, stride, X, first, count, at, tab, out):
         if n < GEMM_ROWS:
             for r in range(16 * s, min(R, 16 * s + 16)):
                 for t in range(n):
-                    _iq1_m_r1(w, r * stride, nb, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, tab, out, (o0 + t) * R + r, R)
+                    _iq1_m_r1(w, r * stride, nb, xq, rows[x0 + t] * cp, cp, dx, bs16, bs32, xs32, tab, out, (o0 + t) * R + r, R)
             continue
         buf = np.empty(nu * PACKED_UNIT, np.uint8)
         _iq1_m_pack(w, stride, 16 * s, R, nb, tab, buf)
         nv = min(16, R - 16 * s)
         for t in range(0, n, TILE_TOKENS):
             if n - t <= HALF_TILE:
-                _iq1_m_t4(buf, nu, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t)
+                _iq1_m_t4g(buf, nu, xq, x0 + t, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t, rows)
             else:
-                _iq1_m_t8(buf, nu, xq, (x0 + t) * cp, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t)
+                _iq1_m_t8g(buf, nu, xq, x0 + t, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t, rows)
 
 
 # type name → its grouped driver (the table is KERNELS')

@@ -983,11 +983,15 @@ def pack_kernel(name: str):
     return intrinsic(typer)
 
 
-def tile_kernel(name: str, nt: int):
+def tile_kernel(name: str, nt: int, gathered: bool = False):
     """`f(buf, nu, xq, xo, cs, dx, bs16, bs32, xs32, out, oo, os, nv, nr)`: a packed tile of 16
     weight rows (pack_kernel, nu units) times nt activation rows, of which the first nr are
     stored: row i's 16 results (the first nv) go to out[oo + i·os ...]. (Rows past nr are
     the activation's zero padding: a call's last rows take one sweep of the tile.)
+
+    `gathered`: `f(..., nr, idx)`, activation row i is row idx[xo + i] of xq (each cs elements),
+    so a prompt's expert takes its tokens' rows where the rounding left them, without a copy;
+    rows past nr repeat row nr − 1 (computed, never stored), so nothing past idx's run is read.
 
     Block j of each unit goes to the accumulator of lane j (blocks j, j + L, ... in order), as
     in row_kernel, but here the 16 lanes of a vector are 16 weight rows: a block is block/4
@@ -999,95 +1003,108 @@ def tile_kernel(name: str, nt: int):
     L = lay.lanes
     nd = lay.block // 4  # dots per block
 
-    def typer(typingctx, buf, nu, xq, xo, cs, dx, bs16, bs32, xs32, out, oo, os, nv, nr):
-        def codegen(context, builder, sig, args):
-            e, (buf_, xq_, dx_, bs16_, bs32_, xs32_, out_), (nu_, xo_, cs_, oo_, os_, nv_, nr_) = _codegen_args(
-                context, builder, sig, args, (0, 2, 5, 6, 7, 8, 9), (1, 3, 4, 10, 11, 12, 13)
-            )
-            b = e.b
-            acts = _Acts(e, xq_, dx_, bs16_, bs32_, xs32_)
-            v16 = _fvec(16)
-            sums = cgutils.alloca_once(b, v16, size=e.i64(L * nt * (2 if lay.mins else 1)))
-            accs = [cgutils.alloca_once(b, v16) for _ in range(nt * (2 if lay.mins else 1))]
-            zero16 = ir.Constant(_vec(16, 32), [0] * 16)
+    def codegen(context, builder, sig, args):
+        e, (buf_, xq_, dx_, bs16_, bs32_, xs32_, out_), (nu_, xo_, cs_, oo_, os_, nv_, nr_) = _codegen_args(
+            context, builder, sig, args, (0, 2, 5, 6, 7, 8, 9), (1, 3, 4, 10, 11, 12, 13)
+        )
+        b = e.b
+        acts = _Acts(e, xq_, dx_, bs16_, bs32_, xs32_)
+        v16 = _fvec(16)
+        sums = cgutils.alloca_once(b, v16, size=e.i64(L * nt * (2 if lay.mins else 1)))
+        accs = [cgutils.alloca_once(b, v16) for _ in range(nt * (2 if lay.mins else 1))]
+        zero16 = ir.Constant(_vec(16, 32), [0] * 16)
+        if gathered:
+            idx_ = e.data(sig.args[14], args[14])
+            last = b.sub(nr_, e.i64(1))
+            at = [b.select(b.icmp_signed("<", e.i64(i), last), e.i64(i), last) for i in range(nt)]
+            rows = [b.mul(e.load(idx_, b.add(xo_, a), _I64), cs_) for a in at]
+        else:
             rows = [xo_ if i == 0 else b.add(xo_, b.mul(cs_, e.i64(i))) for i in range(nt)]
-            avx2 = _AVX2 and (lay.below128 or lay.offset == 128)
-            with cgutils.for_range(b, e.i64(L)) as jl:
-                j = jl.index
+        avx2 = _AVX2 and (lay.below128 or lay.offset == 128)
+        with cgutils.for_range(b, e.i64(L)) as jl:
+            j = jl.index
 
-                def slot(a, j=j):
-                    """Accumulator a's lane-j sum in `sums`, where the rows' tree reads it."""
-                    return b.gep(sums, [b.add(b.mul(e.i64(a), e.i64(L)), j)])
+            def slot(a, j=j):
+                """Accumulator a's lane-j sum in `sums`, where the rows' tree reads it."""
+                return b.gep(sums, [b.add(b.mul(e.i64(a), e.i64(L)), j)])
 
-                def acc_at(a):
-                    """Accumulator a for lane j. On AVX2 a row's block sums go straight to their slot,
-                    kept in memory: the barriers stop LLVM from holding it in one of the 16 registers
-                    the dots need. The mins' (a ≥ nt) stay in registers: their loop is a chain of
-                    multiply-adds, which through memory would wait for each store to be read back."""
-                    return slot(a) if avx2 and a < nt else accs[a]
+            def acc_at(a):
+                """Accumulator a for lane j. On AVX2 a row's block sums go straight to their slot,
+                kept in memory: the barriers stop LLVM from holding it in one of the 16 registers
+                the dots need. The mins' (a ≥ nt) stay in registers: their loop is a chain of
+                multiply-adds, which through memory would wait for each store to be read back."""
+                return slot(a) if avx2 and a < nt else accs[a]
 
-                for a in range(len(accs)):
-                    b.store(ir.Constant(v16, [0.0] * 16), acc_at(a))
+            for a in range(len(accs)):
+                b.store(ir.Constant(v16, [0.0] * 16), acc_at(a))
+            with cgutils.for_range(b, nu_) as ul:
+                base = b.mul(ul.index, e.i64(PACKED_UNIT))
+                cb = b.add(base, b.mul(j, e.i64(16 * lay.block)))
+                xu = b.add(b.shl(ul.index, e.i64(8)), b.mul(j, e.i64(lay.block)))
+
+                def code_at(k, cb=cb):
+                    return e.load(buf_, b.add(cb, e.i64(64 * k)), _vec(64))
+
+                def x_at(i, k, xu=xu):
+                    return e.splat_i32(e.load(xq_, b.add(b.add(rows[i], xu), e.i64(4 * k)), _I32))
+
+                if avx2:
+                    isums = _avx2_isums(e, lay, code_at, x_at, nt)
+                else:
+                    codes = [code_at(k) for k in range(nd)]
+                    isums = []
+                    for i in range(nt):
+                        ch = [zero16, zero16]
+                        for k in range(nd):
+                            ch[k % 2] = e.dp(ch[k % 2], codes[k], x_at(i, k), lay.below128)
+                        isums.append(b.add(ch[0], ch[1]))
+                wsc = e.load(buf_, b.add(base, b.add(e.i64(16 * UNIT), b.mul(j, e.i64(64)))), v16)
+                for i, xr in enumerate(rows):
+                    x = b.add(xr, xu)
+                    isum = isums[i]
+                    if lay.offset and not (avx2 and not lay.below128):  # (_avx2_isums subtracts 128·Σ x itself)
+                        isum = b.sub(isum, _splat(b, b.mul(acts.bsum(lay, x, 0), ir.Constant(_I32, lay.offset)), 16))
+                    dxs = _splat(b, e.load(dx_, b.lshr(x, e.i64(_LOG2_QK)), _F32), 16)
+                    b.store(_block_step(e, isum, wsc, dxs, b.load(acc_at(i))), acc_at(i))
+            if lay.mins:
+                # the mins' chains in a loop of their own: the same operations in the same
+                # order per chain, and the code loop keeps its registers (no spills)
                 with cgutils.for_range(b, nu_) as ul:
                     base = b.mul(ul.index, e.i64(PACKED_UNIT))
-                    cb = b.add(base, b.mul(j, e.i64(16 * lay.block)))
+                    dmm = e.load(buf_, b.add(base, b.add(e.i64(16 * UNIT + 64 * 8), b.mul(j, e.i64(64)))), v16)
                     xu = b.add(b.shl(ul.index, e.i64(8)), b.mul(j, e.i64(lay.block)))
-
-                    def code_at(k, cb=cb):
-                        return e.load(buf_, b.add(cb, e.i64(64 * k)), _vec(64))
-
-                    def x_at(i, k, xu=xu):
-                        return e.splat_i32(e.load(xq_, b.add(b.add(rows[i], xu), e.i64(4 * k)), _I32))
-
-                    if avx2:
-                        isums = _avx2_isums(e, lay, code_at, x_at, nt)
-                    else:
-                        codes = [code_at(k) for k in range(nd)]
-                        isums = []
-                        for i in range(nt):
-                            ch = [zero16, zero16]
-                            for k in range(nd):
-                                ch[k % 2] = e.dp(ch[k % 2], codes[k], x_at(i, k), lay.below128)
-                            isums.append(b.add(ch[0], ch[1]))
-                    wsc = e.load(buf_, b.add(base, b.add(e.i64(16 * UNIT), b.mul(j, e.i64(64)))), v16)
                     for i, xr in enumerate(rows):
-                        x = b.add(xr, xu)
-                        isum = isums[i]
-                        if lay.offset and not (avx2 and not lay.below128):  # (_avx2_isums subtracts 128·Σ x itself)
-                            isum = b.sub(isum, _splat(b, b.mul(acts.bsum(lay, x, 0), ir.Constant(_I32, lay.offset)), 16))
-                        dxs = _splat(b, e.load(dx_, b.lshr(x, e.i64(_LOG2_QK)), _F32), 16)
-                        b.store(_block_step(e, isum, wsc, dxs, b.load(acc_at(i))), acc_at(i))
-                if lay.mins:
-                    # the mins' chains in a loop of their own: the same operations in the same
-                    # order per chain, and the code loop keeps its registers (no spills)
-                    with cgutils.for_range(b, nu_) as ul:
-                        base = b.mul(ul.index, e.i64(PACKED_UNIT))
-                        dmm = e.load(buf_, b.add(base, b.add(e.i64(16 * UNIT + 64 * 8), b.mul(j, e.i64(64)))), v16)
-                        xu = b.add(b.shl(ul.index, e.i64(8)), b.mul(j, e.i64(lay.block)))
-                        for i, xr in enumerate(rows):
-                            x32 = b.lshr(b.add(xr, xu), e.i64(_LOG2_QK))
-                            b.store(e.fma(dmm, _splat(b, e.load(xs32_, x32, _F32), 16), b.load(acc_at(nt + i))), acc_at(nt + i))
-                for a, acc in enumerate(accs):
-                    if acc_at(a) is acc:  # a register's sum to its slot
-                        b.store(b.load(acc), slot(a))
-            for i in range(nt):
-                r = e.tree([b.load(b.gep(sums, [e.i64(i * L + j)])) for j in range(L)])
-                if lay.mins:
-                    r = b.fsub(r, e.tree([b.load(b.gep(sums, [e.i64((nt + i) * L + j)])) for j in range(L)]))
-                dst = b.add(oo_, b.mul(os_, e.i64(i)))
-                with b.if_then(b.icmp_signed("<", e.i64(i), nr_)):
-                    with b.if_else(b.icmp_signed("==", nv_, e.i64(16))) as (full, part):
-                        with full:
-                            b.store(r, b.bitcast(b.gep(out_, [dst]), v16.as_pointer()), align=4)
-                        with part:
-                            for lane in range(16):
-                                with b.if_then(b.icmp_signed("<", e.i64(lane), nv_)):
-                                    b.store(b.extract_element(r, ir.Constant(_I32, lane)), b.gep(out_, [b.add(dst, e.i64(lane))]))
-            return context.get_dummy_value()
+                        x32 = b.lshr(b.add(xr, xu), e.i64(_LOG2_QK))
+                        b.store(e.fma(dmm, _splat(b, e.load(xs32_, x32, _F32), 16), b.load(acc_at(nt + i))), acc_at(nt + i))
+            for a, acc in enumerate(accs):
+                if acc_at(a) is acc:  # a register's sum to its slot
+                    b.store(b.load(acc), slot(a))
+        for i in range(nt):
+            r = e.tree([b.load(b.gep(sums, [e.i64(i * L + j)])) for j in range(L)])
+            if lay.mins:
+                r = b.fsub(r, e.tree([b.load(b.gep(sums, [e.i64((nt + i) * L + j)])) for j in range(L)]))
+            dst = b.add(oo_, b.mul(os_, e.i64(i)))
+            with b.if_then(b.icmp_signed("<", e.i64(i), nr_)):
+                with b.if_else(b.icmp_signed("==", nv_, e.i64(16))) as (full, part):
+                    with full:
+                        b.store(r, b.bitcast(b.gep(out_, [dst]), v16.as_pointer()), align=4)
+                    with part:
+                        for lane in range(16):
+                            with b.if_then(b.icmp_signed("<", e.i64(lane), nv_)):
+                                b.store(b.extract_element(r, ir.Constant(_I32, lane)), b.gep(out_, [b.add(dst, e.i64(lane))]))
+        return context.get_dummy_value()
 
-        return types.void(buf, nu, xq, xo, cs, dx, bs16, bs32, xs32, out, oo, os, nv, nr), codegen
+    if gathered:
 
-    typer.__name__ = f"tile_{name}_x{nt}"
+        def typer(typingctx, buf, nu, xq, xo, cs, dx, bs16, bs32, xs32, out, oo, os, nv, nr, idx):
+            return types.void(buf, nu, xq, xo, cs, dx, bs16, bs32, xs32, out, oo, os, nv, nr, idx), codegen
+
+    else:
+
+        def typer(typingctx, buf, nu, xq, xo, cs, dx, bs16, bs32, xs32, out, oo, os, nv, nr):  # type: ignore[misc]
+            return types.void(buf, nu, xq, xo, cs, dx, bs16, bs32, xs32, out, oo, os, nv, nr), codegen
+
+    typer.__name__ = f"tile_{name}_x{nt}{'_gathered' if gathered else ''}"
     return intrinsic(typer)
 
 

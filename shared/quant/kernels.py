@@ -294,27 +294,83 @@ def gather_apply(ps: Sequence[Prepared], X: np.ndarray, act: np.ndarray) -> np.n
     return out
 
 
-def grouped_apply(ps: Sequence[Prepared], X: np.ndarray, first: np.ndarray, count: np.ndarray) -> np.ndarray | None:
-    """Matrix m on its own run of activation rows X[first[m] : first[m] + count[m]], every
-    matrix in one kernel call, for prepared matrices of one int8-activation type and one shape
-    (a prompt's experts of a layer); out [Σ count, R] holds matrix 0's rows, then matrix 1's,
-    ..., each equal to `apply(ps[m], X[first[m] : first[m] + count[m]])` bit for bit. None when
-    the matrices do not qualify (other types, int8 activations off, mixed shapes): multiply
-    them one by one."""
+class Int8Rows(NamedTuple):
+    """Activation rows rounded to int8 once (`int8_rows`), for grouped_apply: a prompt layer's
+    tokens are rounded once for all the experts they route to, which then take their rows
+    where they lie (no gathered copy of a token's row per expert)."""
+
+    xq: np.ndarray
+    dx: np.ndarray
+    bs16: np.ndarray
+    bs32: np.ndarray
+    xs32: np.ndarray
+    cp: int  # elements a row of xq (the columns padded to whole units)
+    n_rows: int
+    n_cols: int
+
+
+def int8_rows(X: np.ndarray) -> Int8Rows:
+    """X float32 [T, C] rounded to int8 per 32 as every int8-activation kernel rounds it."""
+    if X.ndim != 2:
+        raise ValueError(f"int8_rows: X must be [T, C], got shape {X.shape}")
+    xq, dx, bs16, bs32, xs32, cp = _q8.round_rows(np.ascontiguousarray(X, dtype=np.float32))
+    return Int8Rows(xq, dx, bs16, bs32, xs32, int(cp), X.shape[0], X.shape[1])
+
+
+def grouped_apply(
+    ps: Sequence[Prepared],
+    X: np.ndarray | Int8Rows,
+    first: np.ndarray,
+    count: np.ndarray,
+    rows: np.ndarray | None = None,
+    out: np.ndarray | None = None,
+) -> np.ndarray | None:
+    """Matrix m on its own run of activation rows, every matrix in one kernel call, for
+    prepared matrices of one int8-activation type and one shape (a prompt's experts of a
+    layer). The run of matrix m is rows first[m] .. first[m] + count[m] - 1 of X, or with
+    `rows`, rows rows[first[m]] .. rows[first[m] + count[m] - 1] of X. X is float32 [A, C]
+    or already rounded (int8_rows). The result [Σ count, R] (into `out` when given: float32,
+    C-contiguous) holds matrix 0's rows, then matrix 1's, ..., each equal to
+    `apply(ps[m], <its rows of X>)` bit for bit. None when the matrices do not qualify (other
+    types, int8 activations off, mixed shapes): multiply them one by one."""
     p0 = ps[0]
-    if not (grouped_qualifies(p0) and X.ndim == 2 and X.shape[1] == p0.n_cols):
+    if not grouped_qualifies(p0) or any(
+        p.qtype != p0.qtype or p.stride != p0.stride or p.n_rows != p0.n_rows or p.n_cols != p0.n_cols for p in ps
+    ):
         return None
-    if any(p.qtype != p0.qtype or p.stride != p0.stride or p.n_rows != p0.n_rows or p.n_cols != p0.n_cols for p in ps):
+    if not isinstance(X, Int8Rows):
+        if X.ndim != 2 or X.shape[1] != p0.n_cols:
+            return None
+        X = int8_rows(X)
+    if X.n_cols != p0.n_cols:
         return None
     first, count = np.asarray(first, np.int64), np.asarray(count, np.int64)
-    if first.shape != (len(ps),) or count.shape != (len(ps),) or count.min() < 0 or (first < 0).any() or (first + count > X.shape[0]).any():
-        raise ValueError(f"grouped_apply: each matrix needs a run of rows inside X's {X.shape[0]}")
+    rows = np.arange(X.n_rows, dtype=np.int64) if rows is None else np.ascontiguousarray(rows, np.int64)
+    if first.shape != (len(ps),) or count.shape != (len(ps),) or count.min() < 0 or (first < 0).any() or (first + count > rows.size).any():
+        raise ValueError(f"grouped_apply: each matrix needs a run inside the {rows.size} rows")
+    if rows.size and (rows.min() < 0 or rows.max() >= X.n_rows):
+        raise ValueError(f"grouped_apply: rows must be in [0, {X.n_rows})")
     at = np.zeros(len(ps), np.int64)
     np.cumsum(count[:-1], out=at[1:])
-    out = np.empty((int(count.sum()), p0.n_rows), np.float32)
+    shape = (int(count.sum()), p0.n_rows)
+    if out is None:
+        out = np.empty(shape, np.float32)
+    elif out.shape != shape or out.dtype != np.float32 or not out.flags.c_contiguous:
+        raise ValueError(f"grouped_apply: out must be float32 {list(shape)}, C-contiguous; got {out.dtype} {list(out.shape)}")
     addrs = np.array([p.addr for p in ps], np.int64)  # the ps keep the bytes alive for the call
     _Q8_GROUPED[p0.qtype](
-        addrs, p0.flat.shape[0], p0.stride, np.ascontiguousarray(X, dtype=np.float32), first, count, at, _Q8_KERNELS[p0.qtype][1], out
+        addrs,
+        p0.flat.shape[0],
+        p0.stride,
+        *X[:5],
+        X.cp,
+        X.n_cols // QK,
+        rows,
+        first,
+        count,
+        at,
+        _Q8_KERNELS[p0.qtype][1],
+        out,
     )
     return out
 

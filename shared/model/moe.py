@@ -352,9 +352,10 @@ def _hidden_of_run(
     at[t, s] pointing at the output rows from n on that its down projection fills; x as
     `x_rounded()` gives it, rounded once for the layer (each run takes its tokens' rows where
     they lie). Grouped, a prompt's experts pay one parallel region and one Python dispatch a
-    run rather than each (~330 calls a layer on a 512-token qwen30b-shape prompt); each row is what the expert function gives bit for bit (glu is elementwise, each
-    bias added to its own expert's rows). None when the matrices do not qualify (float
-    types): the run then goes one expert at a time through its function."""
+    run rather than each (~330 calls a layer on a 512-token qwen30b-shape prompt); each row
+    is what the expert function gives bit for bit (glu is elementwise, each bias added to its
+    own expert's rows). None when the matrices do not qualify (float types): the run then
+    goes one expert at a time through its function."""
     experts = [e for e, _ in group]
     if not all(quant.grouped_qualifies(e.down.prep) for e in experts):
         return None

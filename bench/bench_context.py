@@ -9,8 +9,8 @@ context, rings on the sliding layers) inside a memory cgroup of the
 protocol's limit (file / 1.5, file / 5.2), on a prompt of `--tokens` tokens:
 the project's prose corpus repeated and cut at a word. Prints the exit code,
 the cgroup's peak memory (page cache included) against the limit, OOM kills,
-the expert cache's budget, the prompt's time and the decode steps' walls at
-that context (docs/benchmarks.md § Long prompts, "A 20,000-token context").
+the expert cache's budget, the prompt's time, the decode steps' walls at that
+context and the bytes read (docs/benchmarks.md § Long prompts, "A 20,000-token context").
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def run_shape(name: str, args) -> None:
             f"  context {header.get('config.compute.ctx_size')}, expert cache {float(header['budget_mib']):,.0f} MiB "
             f"({float(header['budget_mib']) / limit:.0%} of the limit); first token {walls[0] / 1000:.1f} s "
             f"({n_prompt / walls[0] * 1000:.1f} tok/s); then {', '.join(f'{w:.0f}' for w in walls[1:])} ms a token; "
-            f"{out['timings']['predicted_n']} tokens generated"
+            f"{out['timings']['predicted_n']} tokens generated; {out['timings']['read_bytes'] / 1e9:.1f} GB read"
         )
 
 

@@ -318,11 +318,16 @@ def run_protocol(
 def prose_prompt(tok, length: int) -> str:
     """The longest opening of the project's prose corpus (a story in plain English,
     shipped to train the made models' tokenizers) that is at most `length` tokens,
-    cut at a word: an ordinary long prompt, the same text for every engine."""
+    cut at a word: an ordinary long prompt, the same text for every engine. Past the
+    corpus's own length (~7k tokens) the corpus is repeated as often as it takes
+    (bench_context.py's 20,000-token context)."""
     from moe_pipe.shared.gguf.vocab import CORPUS
     from moe_pipe.shared.text.chat import encode_prompt
 
-    words = " ".join(CORPUS.read_text(encoding="utf-8").split()).split(" ")
+    corpus = " ".join(CORPUS.read_text(encoding="utf-8").split()).split(" ")
+    words = corpus
+    while len(encode_prompt(tok, " ".join(words))) <= length:
+        words = words + corpus
     lo, hi = 1, len(words)
     while lo < hi:  # the most words whose text is at most `length` tokens
         mid = (lo + hi + 1) // 2

@@ -6,8 +6,8 @@ Makes the shape's model as bench_vs_llama does (gemma26b-shape at full depth,
 gptoss120b-shape cut to `--gptoss-layers`, under bench/out/), drops the page
 cache, and runs `moe-pipe run` with the shape's recipe as shipped (its 32k
 context, rings on the sliding layers) inside a memory cgroup of the
-protocol's limit (file / 1.5, file / 5.2), on a prompt of `--tokens` tokens:
-the project's prose corpus repeated and cut at a word. Prints the exit code,
+protocol's limit (file / 1.5, file / 5.2), on a prompt of `--tokens` tokens of
+prose (_protocol.prose_prompt: the corpus repeated, cut at a word). Prints the exit code,
 the cgroup's peak memory (page cache included) against the limit, OOM kills,
 the expert cache's budget, the prompt's time, the decode steps' walls at that
 context and the bytes read (docs/benchmarks.md § Long prompts, "A 20,000-token context").
@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from _models import shape_model  # noqa: E402  (bench/ is the script's folder)
+from _protocol import prose_prompt  # noqa: E402
 
 SHAPES = {  # arch, preset, default layers, file / limit, recipe (bench_vs_llama's)
     "gemma26b": ("gemma4", "gemma26b-shape", 30, 1.5, "configs/gemma26b.toml"),
@@ -41,27 +42,6 @@ def parse(argv=None):
     return p.parse_args(argv)
 
 
-def long_prose(tok, length: int) -> str:
-    """The project's corpus repeated as often as it takes, cut at the last word that keeps the
-    text at most `length` tokens."""
-    from moe_pipe.shared.gguf.vocab import CORPUS
-    from moe_pipe.shared.text.chat import encode_prompt
-
-    words = " ".join(CORPUS.read_text(encoding="utf-8").split()).split(" ")
-    reps = 1
-    while len(encode_prompt(tok, " ".join(words * reps))) <= length:
-        reps += 1
-    words = words * reps
-    lo, hi = 1, len(words)
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if len(encode_prompt(tok, " ".join(words[:mid]))) <= length:
-            lo = mid
-        else:
-            hi = mid - 1
-    return " ".join(words[:lo])
-
-
 def run_shape(name: str, args) -> None:
     from moe_pipe.shared.analysis.cgroup import MemoryCgroup, drop_page_cache
     from moe_pipe.shared.gguf.model_file import open_model
@@ -74,7 +54,7 @@ def run_shape(name: str, args) -> None:
     limit = path.stat().st_size / 2**20 / ratio
     with open_model(path) as mf:
         tok = Tokenizer.from_gguf(mf.gguf)
-        text = long_prose(tok, args.tokens)
+        text = prose_prompt(tok, args.tokens)
         n_prompt = len(encode_prompt(tok, text))
     with tempfile.TemporaryDirectory() as tmp:
         prompt, csv = Path(tmp) / "prompt.txt", Path(tmp) / "run.csv"

@@ -1,5 +1,6 @@
 """What the tests of a running `moe-pipe up` share: reading a child's row of
-`status --json` and waiting for its state (test_service.py, test_faults.py)."""
+`status --json`, waiting for its state and for the hit rate to settle (test_service.py,
+test_faults.py)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,21 @@ class StatusPolling:
                 return p
             time.sleep(0.2)
         raise AssertionError(f"{name} never reached {states}: {self.proc(name)}")
+
+    def settled_hit_pct(self, timeout: float = 10) -> float:
+        """The service's hit rate once compute's token records have all reached the supervisor:
+        they follow the reply on their own socket, so a status read right after it may not have
+        them yet (a fresh service then says None). Settled: the same token count and rate twice,
+        0.2 s apart."""
+        deadline, last = time.monotonic() + timeout, None
+        while time.monotonic() < deadline:
+            st = self.status()
+            now = (st["tokens"], st["hit_pct"])
+            if st["hit_pct"] is not None and now == last:
+                return st["hit_pct"]
+            last = now
+            time.sleep(0.2)
+        raise AssertionError(f"the hit rate did not settle in {timeout} s (last: tokens, hit % = {last})")
 
 
 def terminate(pid: int | None, timeout_s: float = 60.0) -> None:

@@ -224,7 +224,7 @@ def test_kill9_mid_stream_restarts_and_the_request_completes(svc, victim):
     client = svc.client()
     chat(client, "Tell a story", LONG)  # every expert it uses is cached now (the tiny cache holds them all)
     want = chat(client, "Tell a story", LONG).choices[0].message.content
-    warm_hit = settled_hit_pct(svc)
+    warm_hit = svc.settled_hit_pct()
     before = svc.proc(victim)
     parts = []
     for i, chunk in enumerate(chat(client, "Tell a story", LONG, stream=True)):
@@ -239,7 +239,7 @@ def test_kill9_mid_stream_restarts_and_the_request_completes(svc, victim):
     svc.wait_state("compute", {"RUNNING"})
     # The cache survived: the same request again reads nothing new, as before the kill.
     chat(client, "Tell a story", 16)
-    assert settled_hit_pct(svc) == pytest.approx(warm_hit, abs=0.01) and warm_hit == 100.0
+    assert svc.settled_hit_pct() == pytest.approx(warm_hit, abs=0.01) and warm_hit == 100.0
 
 
 def test_a_child_that_keeps_dying_ends_fatal_with_its_error():
@@ -288,7 +288,7 @@ def test_kill9_of_the_supervisor_is_reclaimed_by_the_next_up():
         assert wait_warmed(s) == {"state": "done", "done": len(saved), "total": len(saved)}  # before any request
         assert s.status()["hot_set"] == str(hot_sets(s)[0])
         assert chat(s.client(), "hi", 4).choices
-        assert settled_hit_pct(s) == 100.0  # what it routes to was read back
+        assert s.settled_hit_pct() == 100.0  # what it routes to was read back
         chat(s.client(), "Once upon a time, in a faraway land", 24)  # new experts, not saved before `down`
         assert hot_set(s) == saved
     finally:
@@ -310,21 +310,6 @@ def hot_set(s: Service) -> list[list[int]]:
     files = hot_sets(s)
     assert len(files) == 1, files
     return json.loads(files[0].read_text())["experts"]
-
-
-def settled_hit_pct(s: Service, timeout: float = 10) -> float:
-    """The service's hit rate once compute's token records have all reached the supervisor: they
-    follow the reply on their own socket, so a status read right after it may not have them yet
-    (a fresh service then says None). Settled: the same token count and rate twice, 0.2 s apart."""
-    end, last = time.monotonic() + timeout, None
-    while time.monotonic() < end:
-        st = s.status()
-        now = (st["tokens"], st["hit_pct"])
-        if st["hit_pct"] is not None and now == last:
-            return st["hit_pct"]
-        last = now
-        time.sleep(0.2)
-    raise AssertionError(f"the hit rate did not settle in {timeout} s (last: tokens, hit % = {last})")
 
 
 def wait_warmed(s: Service, timeout: float = 30) -> dict:
@@ -355,7 +340,7 @@ def test_down_saves_the_hot_set_and_the_next_up_reads_it_before_any_request():
         assert st["hot_set"] == str(hot_sets(s)[0])
         assert wait_warmed(s) == {"state": "done", "done": len(saved), "total": len(saved)}  # no request yet
         chat(s.client(), "Once upon a time", 8)
-        assert settled_hit_pct(s) == 100.0  # every expert it routes to was read back
+        assert s.settled_hit_pct() == 100.0  # every expert it routes to was read back
         assert "warm start: " in (s.base / "moe-pipe" / str(s.pid) / "moe-pipe.log").read_text()
     finally:
         pid = s.pid

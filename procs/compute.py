@@ -39,6 +39,7 @@ from ..shared import heap, quant
 from ..shared.config import ComputeConfig, Config
 from ..shared.cores import choose_threads
 from ..shared.errors import UserError
+from ..shared.experts.budget import KVLoan
 from ..shared.experts.dense import arena_views, warm_sweep
 from ..shared.experts.directio import ModelChanged, model_identity
 from ..shared.experts.placement import expert_view, placement_for
@@ -126,9 +127,11 @@ class SlabExperts:
         fetch_out: zmq.Socket,
         ready_in: zmq.Socket,
         poll: Callable[[], None] | None = None,
+        kv_type: str = "f16",
     ):
         """`facts`: the arenas and the reader to watch; `overlap`: compute.overlap;
-        `poll`: called between experts, may raise GenerationAborted (a Stop mid-prompt)."""
+        `poll`: called between experts, may raise GenerationAborted (a Stop mid-prompt);
+        `kv_type`: compute.kv_type, what a position of the KV cache takes (the loan)."""
         self.n_slabs, self.reader_pid, self.overlap, self.layout = facts.n_slabs, facts.reader_pid, overlap, layout
         self.held_together = self.n_slabs  # a call's experts are fetched, and pinned, a slab-sized group at a time
         self.poll = poll or (lambda: None)
@@ -144,6 +147,11 @@ class SlabExperts:
         self.gate = GuessGate()
         self.views: dict[tuple[int, int], tuple[int, Expert]] = {}  # (layer, expert) -> (slab, views)
         self.layer_bytes = np.array([layout.expert_bytes(i) for i in range(len(layout.layers))], np.int64)
+        # The KV cache's loan (docs/architecture.md § The KV cache's loan): the slabs the cache
+        # may hold, taken back before the context grows into them.
+        self.loan = KVLoan.of(facts, layout.spec, kv_type)
+        self.usable = self.n_slabs
+        self.fillers: list[Populator] = []  # the slab arena's populator: stopped before pages are given back
         self.reset_counters()
 
     def reset_counters(self) -> None:
@@ -282,6 +290,27 @@ class SlabExperts:
             self.prefetch_issued += len(ids)
         return layer, tuple(ids)
 
+    def room_for_kv(self, positions: int) -> None:
+        """Before a pass writes the KV cache up to `positions`: the cache gives back the
+        slabs the KV cache lent it that those positions need (and some positions ahead,
+        so this is rare), and the reader has freed their pages when this returns."""
+        if not self.loan.lent_slabs:
+            return
+        want = self.loan.slabs_at(positions)
+        if want >= self.usable:
+            return
+        want = self.loan.slabs_at(positions + self.loan.ahead)
+        for p in self.fillers:  # a populate running yet would take the given-back pages again
+            p.stop()
+        t0 = time.perf_counter()
+        req, self.next_req = self.next_req, self.next_req + 1
+        ipc.send(self.fetch_out, m.CacheLimit(req, want))
+        self.messages += 1
+        self._next_answer(req, m.CacheLimited)
+        self.usable = want
+        self.wire_s += time.perf_counter() - t0
+        log.info("the KV cache took back %d of the %d slabs it lent (%d positions)", self.n_slabs - want, self.loan.lent_slabs, positions)
+
     def end_step(self) -> None:
         """The token is done: one Release for its fetches and the hits the
         reader has not heard of (none when nothing happened)."""
@@ -307,14 +336,14 @@ class SlabExperts:
         return msg
 
     def _next_answer(self, req: int, want: type):
-        """The reader's next answer of type `want` (Ready, Guessed) to Fetch `req`."""
+        """The reader's next answer of type `want` (Ready, Guessed, CacheLimited) to request `req`."""
         while True:
-            msg = ipc.recv(self.ready_in, PEER_POLL_MS, expect=(m.Ready, m.FetchFailed, m.Guessed))
+            msg = ipc.recv(self.ready_in, PEER_POLL_MS, expect=(m.Ready, m.FetchFailed, m.Guessed, m.CacheLimited))
             if msg is None:
                 if not pid_alive(self.reader_pid):
                     raise GenerationAborted(m.Code.PEER_GONE, "the reader process died")
                 continue
-            if not isinstance(msg, m.FetchFailed):  # reads of guesses that landed unasked: this token's too
+            if isinstance(msg, (m.Ready, m.Guessed)):  # reads of guesses that landed unasked: this token's too
                 self.read_bytes += msg.guess_bytes
                 self.io_ns += msg.guess_io_ns
             if msg.req_id != req:  # a late answer to an abandoned request
@@ -405,11 +434,12 @@ def serve(config: Config, facts: RunFacts, ctx: zmq.Context) -> None:
         telemetry.send(msg)
 
     watch = PromptWatch(mf.spec.n_layer, progress, interrupts.check)
-    source = SlabExperts(facts, c.overlap, mf.layout, fetch_out, ready_in, poll=watch.poll)
+    source = SlabExperts(facts, c.overlap, mf.layout, fetch_out, ready_in, poll=watch.poll, kv_type=c.kv_type)
     # First use of a page of either arena is a fault inside a token's compute:
     # take them now, on a thread (the dense set first: every token reads all of it).
     arenas = [(dense_arena, "dense set"), (source.arena.arena, "slab cache")] if config.io.populate else []
     populators = [Populator(a, what=w).start() for a, w in arenas if a is not None]
+    source.fillers = [p for p in populators if p.arena is source.arena.arena]
     route_trace = config.telemetry.route_trace
     tracer = RouteTracer(str(route_trace), mf, c.n_expert_used, source.resident) if route_trace else None
     routes = RouteCount(tracer)
@@ -442,6 +472,8 @@ def serve(config: Config, facts: RunFacts, ctx: zmq.Context) -> None:
             if isinstance(msg, m.Shutdown):
                 return
             if isinstance(msg, m.Slot):
+                if msg.action == "restore":  # a restored session's KV cache is written without a pass
+                    source.room_for_kv(c.ctx_size)
                 ipc.send(tokens_out, handle_slot(msg, session, model, c.ctx_size, identity))
             elif isinstance(msg, m.Generate):
                 interrupts.req_id = msg.req_id

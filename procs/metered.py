@@ -116,6 +116,7 @@ class MeteredModel:
             self.interrupts.check()
         self._reset_counters()
         t0 = time.perf_counter()
+        self.source.room_for_kv(cache.n + n_tokens)  # the KV cache's loan, before the pass writes there
         try:
             if prompt and self.watch is not None:
                 self.watch.begin(cache.n + n_tokens, cache.n, cache)  # the opening event, processed == cached
@@ -199,6 +200,7 @@ class MeteredModel:
             drafted=drafted,
             # each layer looked up the distinct experts of its rows once: hits + misses
             experts_shared=self.routes.uses - s.hits - s.misses if self.routes is not None else 0,
+            cache_slabs=s.usable,
         )
 
     def _abandon(self, cache, prompt: bool) -> None:

@@ -15,6 +15,10 @@ restarts). Loop:
      answer Ready(hit=False) to everyone waiting on that expert (a guess and
      a real fetch may wait on the same read); a warm read starts the next;
   3. a Release (once per token): unpin and touch, as in 1;
+  3b. a CacheLimit (between passes, as compute's context grows or starts
+     over): hold the cache to that many slabs, evicting unpinned experts and
+     giving their slabs' pages back, then answer CacheLimited (after the pins
+     in the way are gone, if any are);
   4. every cache.warm_save_s, if anything changed: save the hot set (the
      cached experts, hottest first by the uses of 1 and 3);
   5. Shutdown: save the hot set, stop.
@@ -109,6 +113,9 @@ class Reader:
         self.index.clear_states()  # the pins and reads of a reader before us died with it
         self.table.on_pinned = self.index.mark_pinned  # the web page's heatmap shows pins (docs/web.md)
         self.restored = self.restore_from_index()
+        self.limit_waiting: m.CacheLimit | None = None  # a CacheLimit that pins keep from being carried out yet
+        if self.index.usable:  # a reader before us held the cache to this: hold to it before reading anything
+            self.limit_to(self.index.usable)
         # Heat ranks the experts for the hot set; its half-life is nextmix's long clock (4x the cache in uses).
         self.heat = Heat(max(64, 4 * facts.n_slabs))
         self.hot_set, self.identity, self.model_name = facts.hot_set, tuple(facts.model_identity), facts.model_name
@@ -170,7 +177,7 @@ class Reader:
                     keys, source = list(hot.experts), self.hot_set
                 else:
                     log.info("cache.warm_start is off (--cold): the hot set of %d experts is not read", len(hot.experts))
-        keys = [k for k in keys if k not in self.table][: self.n_slabs - len(self.table)]
+        keys = [k for k in keys if k not in self.table][: self.table.n_usable - len(self.table)]
         return keys, source
 
     def read_hot_set(self) -> HotSet | None:
@@ -197,6 +204,8 @@ class Reader:
         self.blocked.clear()
         for waiters in self.inflight.values():
             waiters.clear()
+        self.limit_waiting = None
+        self.limit_to(self.n_slabs)  # its context is empty: the KV cache's loan is the cache's again
 
     # -- 1. fetch ------------------------------------------------------------
     def on_fetch(self, msg: m.Fetch) -> None:
@@ -366,6 +375,7 @@ class Reader:
             else:  # a read under way when it stopped: the count the progress file says
                 self.write_warm_progress(force=True)
         self.retry_blocked()  # the read's own pin is gone: a demand that found every slab pinned may fit now
+        self.carry_out_limit()  # and a CacheLimit it was in the way of may be carried out
 
     def forget(self, key) -> None:
         """A failed read: its slab's bytes are partial, so the key leaves the
@@ -393,6 +403,7 @@ class Reader:
     def on_release(self, msg: m.Release) -> None:
         self.release(msg.released, msg.touched)
         self.withdraw_guesses()  # the token is over: its guesses were not asked for
+        self.carry_out_limit()
 
     def release(self, released, touched) -> None:
         """Unpin the slabs of fetches compute is done with, then tell the policy
@@ -410,6 +421,38 @@ class Reader:
         for key in touched:
             if self.table.lookup(key) is not None:  # a hit for the policy and the stats; a key gone since is skipped
                 self.heat.use(key)
+
+    # -- 3b. the KV cache's loan ------------------------------------------------------
+    def on_cache_limit(self, msg: m.CacheLimit) -> None:
+        if self.populator is not None:  # it would give the pages given back their memory again
+            self.populator.stop()
+            self.populator = None
+        self.limit_waiting = msg
+        self.carry_out_limit()
+
+    def carry_out_limit(self) -> None:
+        """Hold the cache to the waiting CacheLimit and answer it, once no pin is in the way."""
+        msg = self.limit_waiting
+        if msg is None:
+            return
+        if self.limit_to(msg.slabs) <= msg.slabs:
+            self.limit_waiting = None
+            self.send(m.CacheLimited(msg.req_id, msg.slabs))
+
+    def limit_to(self, n: int) -> int:
+        """Hold the cache to at most `n` slabs: evicted experts leave the index before their
+        slabs' pages go back to the system. Returns the slabs it holds now (above `n` while
+        pins are in the way)."""
+        n = max(1, min(n, self.n_slabs))
+        retired, evicted = self.table.set_usable(n)
+        for key in evicted:
+            self.index.clear(cast(ExpertKey, key))
+        for slab in retired:
+            self.arena.release_slab(slab)
+        self.index.usable = 0 if n == self.n_slabs else n
+        if retired or evicted:
+            log.info("cache held to %d of %d slabs (%d given back, %d experts evicted)", n, self.n_slabs, len(retired), len(evicted))
+        return self.table.n_usable
 
     # -- sending --------------------------------------------------------------------
     def send_ready(self, req_id: int, key, slab: int, hit: bool, io_ns: int) -> None:
@@ -446,7 +489,7 @@ class Reader:
                 w.next += 1
                 w.done += key not in self.inflight  # a guess's read under way is not cached yet
                 continue
-            if len(self.table) >= self.n_slabs:
+            if len(self.table) >= self.table.n_usable:
                 self.end_warm_start("stopped", "the cache filled first")
                 return
             w.next += 1
@@ -564,6 +607,8 @@ class Reader:
                     self.on_fetch(msg)
                 elif isinstance(msg, m.Release):
                     self.on_release(msg)
+                elif isinstance(msg, m.CacheLimit):
+                    self.on_cache_limit(msg)
                 elif isinstance(msg, m.Hello):
                     self.on_hello(msg)
                 elif isinstance(msg, m.Shutdown):

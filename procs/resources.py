@@ -23,7 +23,15 @@ from typing import TypeVar
 from ..shared.config import Config
 from ..shared.errors import PipelineError, UserError
 from ..shared.experts import shm
-from ..shared.experts.budget import RUN_ROLES, CacheFloor, pipeline_bytes, resolve_budget, service_kv_bytes, slabs_for_budget
+from ..shared.experts.budget import (
+    RUN_ROLES,
+    CacheFloor,
+    kv_lendable_bytes,
+    pipeline_bytes,
+    resolve_budget,
+    service_kv_bytes,
+    slabs_for_budget,
+)
 from ..shared.experts.dense import arena_bytes
 from ..shared.experts.directio import ExpertFiles, describe_os_error, model_identity
 from ..shared.experts.hotset import hottest_experts
@@ -51,6 +59,7 @@ class Resolved:
     direct_io: bool
     model_identity: tuple[str, ...] = ()  # of every shard at start-up: children refuse any other file
     io_align: int = 4096  # Layout.align resolved here once; children open the model with it (shared/gguf/alignment.py)
+    lent_slabs: int = 0  # of n_slabs, those the KV cache lends until its context grows into them (cache.lend_kv)
 
 
 def cache_description(budget_text: str, n_slabs: int, budget_slabs: int) -> str:
@@ -110,9 +119,13 @@ class Resources:
                 floor=CacheFloor.of(layout, top_k),
                 engine_bytes=pipeline_bytes(roles, spec, cfg.compute.prefill_tokens, top_k),
                 check_memory=True,
+                lendable_bytes=kv_lendable_bytes(cfg, spec),
             )
-            # More slabs than experts would never be used.
-            n_slabs = min(slabs_for_budget(budget.bytes, layout.slab_bytes), spec.n_layer * spec.n_expert)
+            # More slabs than experts would never be used; the KV cache's loan is whole slabs on top.
+            experts = spec.n_layer * spec.n_expert
+            budget_slabs = slabs_for_budget(budget.bytes, layout.slab_bytes) + budget.lent_bytes // layout.slab_bytes
+            n_slabs = min(budget_slabs, experts)
+            own = min(slabs_for_budget(budget.bytes, layout.slab_bytes), experts)
             lossy = lossy_expert_count(spec, cfg.compute.n_expert_used)
             if lossy:  # after the checks above, so a refusal stays the one line
                 print(lossy, file=sys.stderr)
@@ -152,13 +165,14 @@ class Resources:
             reserving.shutdown()
             resolved = Resolved(
                 budget.bytes,
-                cache_description(budget.description, n_slabs, slabs_for_budget(budget.bytes, layout.slab_bytes)),
+                cache_description(budget.description, n_slabs, budget_slabs),
                 n_slabs,
                 layout.slab_bytes,
                 time.perf_counter() - t0,
                 direct,
                 identity,
                 layout.align,
+                n_slabs - own,
             )
             res = cls(rt, slabs, index, dense, resolved)
             undo.pop_all()  # made whole: from here close() releases it

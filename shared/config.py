@@ -156,6 +156,15 @@ class CacheConfig:
         hi=MAX_MB,
         flags=("--reserve-mb",),
     )
+    lend_kv: bool = setting(
+        True,
+        "bool",
+        "with an auto budget and one slot, the expert cache also holds the KV cache's memory that the "
+        "context does not use yet, and gives it back as the context grows, before the KV cache writes "
+        "there (docs/architecture.md § The KV cache's loan); --no-lend-kv keeps the cache to its budget",
+        flags=("--lend-kv",),
+        off_flag="--no-lend-kv",
+    )
     policy: str = setting(
         DEFAULT_POLICY,
         "choice",

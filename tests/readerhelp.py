@@ -35,6 +35,7 @@ class Harness:
         self.res = Resources.create(self.cfg, model)
         self.ctx = zmq.Context()
         self.ready = ipc.bind(self.ctx, self.res.rt.endpoints, "ready")
+        self.res_model = model
         self.reader = Reader(self.cfg, Launch(self.cfg, self.res, model, model.stem, hot_set=hot_set).facts({}), self.ctx)
         # Expected bytes come from the pristine original: a mapping of the copy would
         # SIGBUS once a test truncates it.
@@ -56,6 +57,11 @@ class Harness:
     def answer(self, timeout_s: float = 5):
         msg = ipc.recv(self.ready, int(timeout_s * 1000), expect=(m.Ready, m.FetchFailed, m.Guessed))
         assert msg is not None, "the reader answered nothing"
+        return msg
+
+    def answer_limit(self, timeout_s: float = 5) -> m.CacheLimited:
+        msg = ipc.recv(self.ready, int(timeout_s * 1000), expect=(m.CacheLimited,))
+        assert msg is not None, "the reader did not answer the CacheLimit"
         return msg
 
     def visible(self, key) -> bool:

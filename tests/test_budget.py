@@ -21,15 +21,17 @@ from moe_pipe.shared.experts.budget import (
     UNLIMITED,
     CacheFloor,
     CgroupLimit,
+    KVLoan,
     MemoryProbe,
     MiB,
     check_floor,
     compute_budget,
+    kv_lendable_bytes,
     probe_memory,
     resolve_budget,
     service_kv_bytes,
 )
-from moe_pipe.shared.gguf.spec import kv_pool_bytes
+from moe_pipe.shared.gguf.spec import kv_cache_bytes, kv_pool_bytes
 
 GiB = 1 << 30
 
@@ -51,6 +53,45 @@ def test_auto_subtracts_dense_kv_reserve_and_clamps():
     clamped = compute_budget("auto", 4000, mem, dense_bytes=GiB, kv_bytes=0, dense_policy="anon")
     assert clamped.bytes == 4000 * MiB and clamped.clamped and "clamped to cache_ceil_mb 4000" in clamped.description
     assert "\n" not in clamped.description
+
+
+def test_the_kv_cache_lends_an_auto_budget_its_unused_rows():
+    """The KV cache's loan: an auto budget borrows the lendable part of the KV reservation,
+    a clamped one too (the memory is counted in the KV reservation already); a fixed
+    budget borrows nothing."""
+    mem = probe(8 * GiB)
+    kw = dict(dense_bytes=GiB, kv_bytes=512 * MiB, dense_policy="anon", reserve_mb=512)
+    b = compute_budget("auto", 100000, mem, lendable_bytes=384 * MiB, **kw)
+    assert b.bytes == 8 * GiB - GiB - 512 * MiB - 512 * MiB and b.lent_bytes == 384 * MiB
+    assert "up to 384 MiB of the KV cache's while the context is short" in b.description
+    clamped = compute_budget("auto", 4000, mem, lendable_bytes=384 * MiB, **kw)
+    assert clamped.clamped and clamped.bytes == 4000 * MiB and clamped.lent_bytes == 384 * MiB
+    assert compute_budget(2000, 100000, mem, lendable_bytes=384 * MiB, **kw).lent_bytes == 0  # fixed
+    assert compute_budget("auto", 100000, mem, **kw).lent_bytes == 0  # nothing lendable
+
+
+def test_what_the_kv_cache_lends_and_how_it_is_taken_back(tiny_model):
+    """One slot lends its whole-context rows (not a ring, not a pool); compute takes the
+    slabs back as positions grow, and at a full context holds none of the loan."""
+    from moe_pipe.shared.gguf.model_file import open_model
+
+    cfg = load_config(None, {"compute.ctx_size": 512})
+    with open_model(tiny_model) as mf:
+        spec = mf.spec
+    lendable = kv_lendable_bytes(cfg, spec)
+    assert 0 < lendable <= kv_cache_bytes(spec, 512, "f16")
+    assert kv_lendable_bytes(load_config(None, {"compute.ctx_size": 512, "cache.lend_kv": False}), spec) == 0
+    assert kv_lendable_bytes(load_config(None, {"compute.ctx_size": 512, "gateway.parallel": 2}), spec) == 0
+    slab = 4096
+    facts = type("Facts", (), {"n_slabs": 100, "lent_slabs": lendable // slab, "slab_bytes": slab})
+    loan = KVLoan.of(facts, spec, "f16")
+    at = [loan.slabs_at(n) for n in (0, 1, 64, 256, 512)]
+    assert at[0] == 100 and at == sorted(at, reverse=True) and at[1] < 100
+    assert at[-1] == 100 - loan.lent_slabs  # the whole context: every lent slab is back
+    held = 200 * loan.position_bytes + loan.page_slack  # what 200 positions' rows can take
+    assert (100 - loan.slabs_at(200)) * slab >= held > (100 - loan.slabs_at(200) - 1) * slab
+    assert loan.ahead > 0
+    assert KVLoan(100, 0, slab, 10, 0).slabs_at(10**6) == 100  # nothing lent: nothing to take back
 
 
 @pytest.mark.parametrize("policy", ["anon", "warm", "mmap"])

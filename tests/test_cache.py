@@ -493,3 +493,44 @@ def test_belady_with_no_future_left_evicts_the_never_again():
     get(t, "a")
     get(t, "b")
     assert t.admit("c") == (1, "b")  # b is never used again, a is
+
+
+@pytest.mark.parametrize("name", sorted(LIVE_POLICIES))
+def test_set_usable_retires_free_slabs_then_unpinned_victims_and_hands_them_back(name):
+    """The KV cache's loan: a smaller usable size takes free slabs first, then the
+    policy's unpinned victims, never a pinned key; admissions never hand out a
+    retired slab; a larger size gives the slabs back."""
+    t = SlabTable(6, name)
+    for e in range(4):
+        t.admit((0, e), pin=e == 0)
+    retired, evicted = t.set_usable(5)  # two free slabs: one goes, nothing is evicted
+    assert (len(retired), evicted, t.n_usable, len(t)) == (1, [], 5, 4)
+    retired2, evicted2 = t.set_usable(2)
+    assert len(retired2) == 3 and len(evicted2) == 2 and (0, 0) in t and t.n_usable == 2 and len(t) == 2
+    assert all(t.key_of(s) is None for s in retired + retired2) and not set(evicted2) & set(t.resident())
+    slabs_in_use = set(t.resident().values())
+    for e in range(10, 14):  # admissions cycle through the two usable slabs only
+        slab, _ = t.admit((1, e))
+        assert slab not in retired + retired2
+        slabs_in_use.add(slab)
+    assert len(slabs_in_use) == 2
+    retired3, evicted3 = t.set_usable(1)  # the other key goes; the pinned one stays
+    assert len(retired3) == 1 and len(evicted3) == 1 and list(t.resident()) == [(0, 0)] and t.n_usable == 1
+    t.unpin((0, 0))
+    t.set_usable(6)
+    assert t.n_usable == 6 and len({t.admit((2, e))[0] for e in range(5)}) == 5  # every slab is the cache's again
+    with pytest.raises(ValueError):
+        t.set_usable(0)
+    with pytest.raises(ValueError):
+        t.set_usable(7)
+
+
+def test_set_usable_stops_at_pins():
+    """Every usable slab pinned: the size stays where pins hold it, and nothing is lost."""
+    t = SlabTable(3, "lru")
+    for e in range(3):
+        t.admit((0, e), pin=True)
+    assert t.set_usable(1) == ([], []) and t.n_usable == 3 and len(t) == 3
+    t.unpin((0, 1))
+    retired, evicted = t.set_usable(1)
+    assert evicted == [(0, 1)] and len(retired) == 1 and t.n_usable == 2

@@ -40,7 +40,12 @@ class Counters:
 
     def __init__(self) -> None:
         self.abandoned = 0
+        self.usable = 0
+        self.rooms: list[int] = []  # the KV positions each pass asked room for, in order
         self.reset_counters()
+
+    def room_for_kv(self, positions: int) -> None:
+        self.rooms.append(positions)
 
     def reset_counters(self) -> None:
         self.hits = self.misses = self.read_bytes = self.io_ns = self.messages = 0
@@ -112,6 +117,8 @@ def test_a_prompt_s_progress_comes_in_order_and_closes_at_total_before_its_text(
         assert row.pass_tokens == len(PROMPT) and row.req_id == 7
         assert 0 < row.attention_ms < row.compute_ms <= row.wall_ms
         assert [r.pass_tokens for r in e.records[1:]] == [1] * (len(e.records) - 1)
+        # before each pass, room for the KV positions it writes (the KV cache's loan): the prompt's, then one a token
+        assert e.source.rooms == [len(PROMPT) + i for i in range(len(e.records))]
 
         # the next turn reuses the conversation: its progress opens at what the cache holds
         e.events.clear()
@@ -123,6 +130,7 @@ def test_a_prompt_s_progress_comes_in_order_and_closes_at_total_before_its_text(
         assert cached == len(PROMPT) + len(first.tokens) - 1  # the last reply token was never fed
         assert (progress[0].cache, progress[0].processed, progress[-1].processed) == (cached, cached, len(longer))
         assert e.records[0].pass_tokens == len(longer) - cached
+        assert e.source.rooms[-len(e.records)] == len(longer)
     finally:
         e.close()
 

@@ -21,6 +21,7 @@ import pytest
 from moe_pipe.procs.pipeline import start_pipeline
 from moe_pipe.shared.config import DEFAULT_POLICY, load_config
 from moe_pipe.shared.errors import ConfigError
+from moe_pipe.shared.experts.budget import KVLoan
 from moe_pipe.shared.experts.policies import LIVE_POLICIES
 from moe_pipe.shared.gguf.model_file import open_model
 from moe_pipe.shared.makemodel.maker import make_model
@@ -257,6 +258,42 @@ def test_csv_schema_and_counts_agree_with_independent_lru(tiny, tmp_path):
     np.testing.assert_allclose([r.cache_hit_pct for r in records], 100 * total_hits / total, atol=1e-3)  # CSV keeps 3 decimals
     assert len(records) == N
     assert csv.with_suffix(".jsonl").exists()
+
+
+def test_the_kv_caches_loan_goes_back_as_the_context_grows_and_keeps_the_tokens(tiny, tmp_path):
+    """cache.lend_kv: an auto budget (held small by its ceiling) also holds the KV rows a
+    short context leaves unused; each pass that would write into them takes slabs back
+    first (`cache_slabs` falls pass by pass, to the budget alone at the end), and every
+    token is the one a run without the loan gives."""
+    path, prompt, _, sizes = tiny
+    with open_model(path) as mf:
+        tok = Tokenizer.from_gguf(mf.gguf)
+    first = tok.encode(" ".join(["the mill by the river"] * 120))[:600]
+    second = first + tok.encode(" ".join(["and every spring the water rose"] * 120))[:700]
+    over = {"cache.cache_mb": "auto", "cache.cache_ceil_mb": sizes["min_mb"] + 4 * sizes["slab"] / MiB, "compute.ctx_size": 4096}
+
+    def turns(lend: bool, csv: Path):
+        cfg = load_config(None, {"model.path": str(path), **over, "cache.lend_kv": lend, "telemetry.csv": str(csv)})
+        with start_pipeline(cfg, path) as pipe:
+            out = [list(pipe.generate(p, {"temperature": 0.0}, 4).tokens) for p in (first, second)]
+            return out, pipe.resolved
+
+    lent_tokens, lent = turns(True, tmp_path / "lent.csv")
+    own_tokens, own = turns(False, tmp_path / "own.csv")
+    assert lent_tokens == own_tokens
+    assert own.lent_slabs == 0 and lent.lent_slabs > 0 and lent.n_slabs == own.n_slabs + lent.lent_slabs
+    with open_model(path) as mf:
+        facts = type("Facts", (), {"n_slabs": lent.n_slabs, "lent_slabs": lent.lent_slabs, "slab_bytes": lent.slab_bytes})
+        loan = KVLoan.of(facts, mf.spec, "f16")
+    records = read_csv(tmp_path / "lent.csv")[1]
+    held = [600, 601, 602, 603, len(second), len(second) + 1, len(second) + 2, len(second) + 3]  # the context at each pass
+    assert [r.pass_tokens for r in records] == [600, 1, 1, 1, len(second) - len(first), 1, 1, 1]  # the second reuses the first
+    slabs = [r.cache_slabs for r in records]
+    assert all(s <= loan.slabs_at(n) for s, n in zip(slabs, held))  # taken back before the pass wrote there
+    after_first = loan.slabs_at(600 + loan.ahead)  # asked for with room ahead
+    after_second = loan.slabs_at(len(second) + loan.ahead) if loan.slabs_at(len(second)) < after_first else after_first
+    assert slabs == [after_first] * 4 + [after_second] * 4 and after_first < lent.n_slabs
+    assert {r.cache_slabs for r in read_csv(tmp_path / "own.csv")[1]} == {own.n_slabs}
 
 
 def test_prefetch_is_reported(tiny, tmp_path):

@@ -1,11 +1,18 @@
 """The reader's next-layer guesses: read after the demand, never answered,
 withdrawn when their layer's request does not want them, promoted when it
-does, and free to evict — but never what the request pinned."""
+does, and free to evict — but never what the request pinned; its warm start;
+and the KV cache's loan: a CacheLimit carried out, pages given back, held to
+by a restarted reader, undone by a new compute."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
+from moe_pipe.procs.children import Launch
+from moe_pipe.procs.reader import Reader
+from moe_pipe.shared.experts import shm
 from moe_pipe.shared.wire import ipc
 from moe_pipe.shared.wire import messages as m
 
@@ -199,3 +206,46 @@ def test_warm_start_reads_survive_requests_and_go_after_them(h):
         h.land()
     assert all(h.visible(k) for k in [(0, 0), (1, 1), (1, 2), (3, 5)]) and h.reader.guesses_withdrawn == 0
     assert h.reader.warm is not None and (h.reader.warm.state, h.reader.warm.done) == ("done", 3)
+
+
+def _allocated(h) -> int:
+    return os.stat(shm.SHM_DIR / h.reader.arena.arena.name).st_blocks * 512
+
+
+def test_a_cache_limit_evicts_gives_pages_back_and_waits_for_pins(h):
+    """CacheLimit: the cache holds to the limit (evicted experts leave the index, the
+    retired slabs' pages leave the segment) and answers CacheLimited; a pinned expert
+    in the way delays the answer until its fetch is released; a new compute's Hello
+    gives the cache its slabs back; a reader started over the same arenas holds to
+    the limit before it reads anything."""
+    n = h.reader.n_slabs
+    assert n >= 4
+    if h.reader.populator is not None:
+        h.reader.populator.wait(30)
+    keys = [(0, e) for e in range(n - 1)]
+    req = h.fetch(0, [e for _, e in keys])
+    for _ in keys:
+        h.land()
+    for _ in keys:
+        assert h.answer().hit is False
+    before = _allocated(h)
+    h.reader.on_cache_limit(m.CacheLimit(100, 2))  # every expert is pinned by `req`: nothing can go yet
+    assert h.reader.table.n_usable == n - 1 and ipc.recv(h.ready, 200) is None
+    h.reader.on_release(m.Release((req,)))  # the pins go: the limit is carried out
+    done = h.answer_limit()
+    assert (done.req_id, done.slabs) == (100, 2) and h.reader.table.n_usable == 2 and len(h.reader.table) <= 2
+    assert sum(h.visible(k) for k in keys) == len(h.reader.table) and h.reader.index.usable == 2
+    assert _allocated(h) == before - (n - 2) * h.reader.arena.slab_bytes
+    # A reader started over the same arenas (a restart) holds to it before reading anything.
+    old = h.reader
+    for sock in (old.fetch_in, old.done_in, old.ready_out):
+        sock.close(0)
+    old.close()
+    h.reader = Reader(h.cfg, Launch(h.cfg, h.res, h.res_model, h.res_model.stem).facts({}), h.ctx)
+    assert h.reader.table.n_usable == 2 and 0 < len(h.reader.table) <= 2
+    h.reader.on_hello(m.Hello("compute", 1234, 1))  # a new compute holds no KV cache: the slabs are the cache's again
+    assert h.reader.table.n_usable == n and h.reader.index.usable == 0
+    req = h.fetch(1, list(range(n - 1)))
+    for _ in range(n - 1):
+        h.land()
+    assert all(h.answer().hit is False for _ in range(n - 1)) and len(h.reader.table) == n  # two held before, seven read

@@ -164,6 +164,28 @@ def test_slab_arena_slabs_are_page_aligned_and_disjoint():
         ro.close()
 
 
+def test_a_released_slab_gives_its_pages_back_and_reads_zeros():
+    """The KV cache's loan: a retired slab's pages leave the segment (its allocated
+    blocks drop by exactly the slab), its neighbours keep their bytes, and it is
+    whole again once written; a read-only mapping cannot release anything."""
+    name = unique("slabs")
+    with SlabArena.create(name, 4, 2 * PAGE) as sa:
+        sa.arena.buf[:] = 7
+        held = lambda: os.stat(shm.SHM_DIR / name).st_blocks * 512  # noqa: E731
+        before = held()
+        assert before == 8 * PAGE
+        assert sa.release_slab(2)
+        assert held() == before - 2 * PAGE
+        assert not sa.slab(2).any() and (sa.slab(1) == 7).all() and (sa.slab(3) == 7).all()
+        sa.slab(2)[:] = 1
+        assert held() == before
+        ro = SlabArena.attach(name, 2 * PAGE)
+        assert not ro.release_slab(1) and held() == before
+        ro.close()
+        with pytest.raises(IndexError):
+            sa.release_slab(4)
+
+
 @pytest.mark.parametrize("slab_bytes,n", [(1000, 2), (0, 2), (PAGE, 0)])
 def test_slab_arena_refuses_bad_geometry(slab_bytes, n):
     with pytest.raises(ValueError):

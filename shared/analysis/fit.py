@@ -63,6 +63,7 @@ from ..experts.budget import (
     CgroupLimit,
     MemoryProbe,
     check_floor,
+    kv_lendable_bytes,
     pipeline_bytes,
     probe_memory,
     resolve_budget,
@@ -130,6 +131,7 @@ class ModelFootprint:
     kv_ring_rows: int = 0
     nextn_bytes: int = 0  # the NextN/MTP block (shared/gguf/nextn.py): in the file, never read
     parallel: int = 1  # gateway.parallel: slots, each with its own KV cache (kv_bytes counts all of them)
+    kv_lendable_bytes: int = 0  # of kv_bytes, what the KV cache lends the expert cache while the context is short
     name: str = ""  # general.name: make-model's files say "moe-pipe made ARCH PRESET"
 
     @property
@@ -195,6 +197,7 @@ def model_footprint(mf, cfg: Config) -> ModelFootprint:
         expert_bytes=tuple(layout.expert_bytes(i) for i in range(spec.n_layer)),
         slab_bytes=layout.slab_bytes,
         kv_bytes=service_kv_bytes(cfg, spec),
+        kv_lendable_bytes=kv_lendable_bytes(cfg, spec),
         classes=kernel_classes(mf, top_k),
         read_bytes_per_expert=tuple(aligned_bytes(l.extents(0), layout.align) for l in layout.layers),
         engine_bytes=pipeline_bytes(RUN_ROLES, spec, cfg.compute.prefill_tokens, top_k),
@@ -270,6 +273,7 @@ def memory_fit(footprint: ModelFootprint, cfg: Config, memory: MemoryProbe) -> M
         memory=memory,
         engine_bytes=footprint.engine_bytes,
         floor_bytes=footprint.floor_bytes,
+        lendable_bytes=footprint.kv_lendable_bytes,
     )
     avail = memory.available_bytes
     reserve = max(int(cfg.cache.reserve_mb * MiB), footprint.engine_bytes)  # as the budget counts it

@@ -13,6 +13,14 @@ The KV cache is what compute allocates (shared/gguf/spec.py kv_cache_bytes):
 a sliding-window layer's ring of its window and one prompt block, every other
 layer the whole context, so what the rings save goes to the expert cache.
 
+The KV cache's loan (cache.lend_kv; docs/architecture.md § The KV cache's
+loan): a whole-context layer's rows take memory only as positions are written,
+so a short context leaves most of the KV reservation unused. With one slot and
+an auto budget, the cache is made larger by that part (`Budget.lent_bytes`,
+`kv_lendable_bytes`; beyond cache_ceil_mb too, since the engine then holds no
+more than it would with its context full) and compute takes it back, slab by
+slab, before its context grows into it.
+
 Why cgroups: psutil's `available` is the host's; inside a memory cgroup (a
 container, or the benchmark's emulated 11 GB device) the limit is what the
 OOM killer enforces. Limits are hierarchical, so every level from this
@@ -40,6 +48,7 @@ nothing.
 from __future__ import annotations
 
 import math
+import mmap
 import os
 import sys
 from dataclasses import asdict, dataclass
@@ -49,7 +58,7 @@ from typing import Any
 from ..config import Config
 from ..errors import ConfigError
 from ..gguf.nextn import nextn_spec
-from ..gguf.spec import ModelSpec, kv_cache_bytes, kv_pool_bytes, prefill_activation_bytes
+from ..gguf.spec import ModelSpec, kv_cache_bytes, kv_pool_bytes, kv_position_bytes, kv_row_runs, prefill_activation_bytes
 
 MiB = 1 << 20
 # cgroup v1 writes "no limit" as PAGE_COUNTER_MAX rounded to a page (9223372036854771712);
@@ -111,6 +120,51 @@ def service_kv_bytes(cfg: Config, spec: ModelSpec) -> int:
     slots = kv_cache_bytes(spec, n_ctx, kv_type) if n == 1 else kv_pool_bytes(spec, n_ctx, kv_type, n, cfg.kv_pool_tokens)
     mtp = cfg.compute.drafts_from_block and spec.n_layer_nextn and cfg.gateway.parallel == 1
     return slots + (kv_cache_bytes(nextn_spec(spec), n_ctx, kv_type) - kv_cache_bytes(spec, n_ctx, kv_type) if mtp else 0)
+
+
+def kv_lendable_bytes(cfg: Config, spec: ModelSpec) -> int:
+    """What the KV cache may lend the expert cache (cache.lend_kv): one slot's whole-context
+    rows, which take memory only as positions are written (a ring, compressed entries and a
+    recurrent state are taken at once; several slots share a pool and lend nothing)."""
+    if not cfg.cache.lend_kv or cfg.gateway.parallel != 1:
+        return 0
+    return cfg.compute.ctx_size * kv_position_bytes(spec, cfg.compute.kv_type)
+
+
+# Compute takes back this many slabs more than a pass needs, so a growing context asks rarely.
+LOAN_AHEAD_SLABS = 8
+
+
+@dataclass(frozen=True)
+class KVLoan:
+    """The KV cache's loan to the expert cache, as compute takes it back: while the context
+    holds `positions`, its whole-context rows take at most positions × `position_bytes`
+    plus a partly filled page a run (`page_slack`), and the cache gives up that many of its
+    `lent_slabs` (docs/architecture.md § The KV cache's loan)."""
+
+    n_slabs: int
+    lent_slabs: int
+    slab_bytes: int
+    position_bytes: int
+    page_slack: int
+
+    @classmethod
+    def of(cls, facts: Any, spec: ModelSpec, kv_type: str) -> KVLoan:
+        """From a run's facts (n_slabs, lent_slabs, slab_bytes) and the model's KV shape."""
+        runs = kv_row_runs(spec, kv_type) * mmap.PAGESIZE
+        return cls(facts.n_slabs, facts.lent_slabs, facts.slab_bytes, kv_position_bytes(spec, kv_type), runs)
+
+    def slabs_at(self, positions: int) -> int:
+        """The slabs the cache may hold while the context holds `positions`."""
+        if positions <= 0 or not self.lent_slabs:
+            return self.n_slabs
+        held = positions * self.position_bytes + self.page_slack
+        return self.n_slabs - min(self.lent_slabs, -(-held // self.slab_bytes))
+
+    @property
+    def ahead(self) -> int:
+        """The positions a take-back covers beyond the pass that asks for it."""
+        return LOAN_AHEAD_SLABS * max(1, self.slab_bytes // max(1, self.position_bytes))
 
 
 def pipeline_bytes(roles: tuple[str, ...] | list[str], spec: ModelSpec, prefill_tokens: int, top_k: int) -> int:
@@ -175,6 +229,7 @@ class Budget:
     engine_bytes: int = 0  # the estimate for the processes (auto only)
     ceil_bytes: int = 0
     clamped: bool = False
+    lent_bytes: int = 0  # the KV reservation's part the cache holds until the context grows into it (auto only)
 
     @property
     def mb(self) -> float:
@@ -222,9 +277,13 @@ def compute_budget(
     reserve_mb: float = 512.0,
     engine_bytes: int = 0,
     floor_bytes: int = 0,
+    lendable_bytes: int = 0,
 ) -> Budget:
     """The budget from its inputs; no I/O. `memory` is only read when cache_mb is "auto".
     `engine_bytes` (see `engine_bytes()`) is the least the reserve may be.
+    `lendable_bytes` (`kv_lendable_bytes`, part of `kv_bytes`) is lent to an auto budget
+    (`Budget.lent_bytes`), the ceiling's clamp or not: the engine never holds more than
+    with its context full; a fixed one borrows nothing (the cache is the size it says).
 
     The dense set is subtracted when it is resident ("anon", "warm"). A mapped one ("mmap") is
     file pages the kernel may drop, but every token reads all of it, so a dropped page is read
@@ -259,9 +318,12 @@ def compute_budget(
     reserve_text = (
         f"reserve {_mib(reserve)}" if reserve == asked else f"processes {_mib(reserve)} (estimated; more than reserve_mb {reserve_mb:g})"
     )
+    lent = max(0, lendable_bytes)  # counted in kv_bytes already: the memory is there, ceiling or not
     text = f"budget {_mib(size)}: auto = {memory.describe()} - {dense_text} - KV {_mib(kv_bytes)} - {reserve_text} = {_mib(free)}" + (
         f", clamped to cache_ceil_mb {cache_ceil_mb:g}" if free > ceil else ""
     )
+    if lent:
+        text += f"; and up to {_mib(lent)} of the KV cache's while the context is short"
     return Budget(
         size,
         "auto",
@@ -273,6 +335,7 @@ def compute_budget(
         engine_bytes=engine_bytes,
         ceil_bytes=ceil,
         clamped=free > ceil,
+        lent_bytes=lent,
     )
 
 
@@ -482,6 +545,7 @@ def resolve_budget(
     engine_bytes: int = 0,
     check_memory: bool = False,
     floor_bytes: int = 0,
+    lendable_bytes: int = 0,
 ) -> Budget:
     """The budget for a loaded Config (`cfg.cache`, `cfg.io.dense_weights`); probes memory when auto.
 
@@ -509,6 +573,7 @@ def resolve_budget(
         reserve_mb=c.reserve_mb,
         engine_bytes=engine_bytes,
         floor_bytes=floor.bytes if floor is not None else floor_bytes,
+        lendable_bytes=lendable_bytes,
     )
     where = cfg.source or "config"
     if floor is not None:

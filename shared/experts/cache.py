@@ -10,6 +10,9 @@ only writer (so it needs no locks); the slabs themselves live in a
                         unpinned slabs (policy.on_evict, then on_admit);
                         every slab pinned → CacheFull
     pin/unpin: counts; a slab named by an unfinished request is never evicted.
+    set_usable(n): hold at most n slabs (retire free slabs, then evict unpinned
+                   victims; or hand retired slabs back): the cache lends
+                   memory to the KV cache while it grows (docs/cache-policies.md).
     on_pinned(key, bool): told when a key's first pin comes and its last goes
                           (the reader mirrors it into the residency index's states).
 
@@ -58,6 +61,7 @@ class SlabTable:
         self._slab_of: dict[Key, int] = {}
         self._key_of: list[Key | None] = [None] * n_slabs
         self._free: list[int] = list(range(n_slabs - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
+        self._retired: list[int] = []  # slabs out of use (set_usable): neither free nor holding a key
         self._pins: dict[Key, int] = {}
         # a key became pinned (True) or unpinned (False); typed Any: it gets the owner's own keys (the reader's (layer, expert))
         self.on_pinned: Callable[[Any, bool], None] | None = None
@@ -128,6 +132,40 @@ class SlabTable:
         slab = self._remove(key)
         self._free.append(slab)
         return slab
+
+    # -- the usable size ------------------------------------------------------
+    @property
+    def n_usable(self) -> int:
+        """Slabs the cache may hold now: n_slabs less those `set_usable` retired."""
+        return self.n_slabs - len(self._retired)
+
+    def set_usable(self, n: int) -> tuple[list[int], list[Key]]:
+        """Hold at most `n` slabs from now on. Fewer than now: free slabs are
+        retired first (the last handed out first), then the policy's unpinned
+        victims are evicted and their slabs retired; a pinned slab is never
+        taken, so the cache may stay above `n` (`n_usable` says how far it
+        got; call again once pins are gone). More than now: retired slabs go
+        back to the free list. Returns (slabs newly retired, keys evicted)."""
+        if not 1 <= n <= self.n_slabs:
+            raise ValueError(f"usable slabs must be 1..{self.n_slabs}, got {n}")
+        retired: list[int] = []
+        evicted: list[Key] = []
+        while self.n_usable < n:
+            self._free.append(self._retired.pop())
+        while self.n_usable > n:
+            if self._free:
+                slab = max(self._free)  # the free list's tail is handed out first: keep it
+                self._free.remove(slab)
+            else:
+                victim = self.policy.victim(self._evictable)
+                if victim is None:
+                    break
+                slab = self._remove(victim)
+                self._evictions += 1
+                evicted.append(victim)
+            self._retired.append(slab)
+            retired.append(slab)
+        return retired, evicted
 
     def _remove(self, key: Key) -> int:
         slab = self._slab_of.pop(key)

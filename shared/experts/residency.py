@@ -4,6 +4,7 @@ trip; beside it, what the reader is doing with each expert, for the web page.
 
     index arena:  table   int32 [n_layer, n_expert]   0 = not resident, s + 1 = in slab s
                   states  uint8 [n_layer, n_expert]   PINNED | INFLIGHT bits (after the table)
+                  usable  int64, 8-aligned after them  slabs the cache may hold; 0 = all
 
 `states` mirrors the reader's slab table: PINNED while the key has any pin
 (a request using it, or its own read), INFLIGHT while its read is under way.
@@ -32,12 +33,18 @@ PINNED = 1  # states bit: the reader's slab table holds a pin on the key
 INFLIGHT = 2  # states bit: the key's read is under way (its slab is not complete yet)
 
 
+def _usable_at(n_layer: int, n_expert: int) -> int:
+    return -(-5 * n_layer * n_expert // 8) * 8
+
+
 class ResidencyIndex:
     def __init__(self, arena: Arena, n_layer: int, n_expert: int):
         self.arena = arena
         cells = n_layer * n_expert
         self._table: np.ndarray | None = arena.buf[: 4 * cells].view(np.int32).reshape(n_layer, n_expert)
         self._states: np.ndarray | None = arena.buf[4 * cells : 5 * cells].reshape(n_layer, n_expert)
+        at = _usable_at(n_layer, n_expert)
+        self._usable: np.ndarray | None = arena.buf[at : at + 8].view(np.int64)
 
     @property
     def table(self) -> np.ndarray:
@@ -53,9 +60,24 @@ class ResidencyIndex:
             raise ValueError(f"residency index {self.arena.name!r} is closed")
         return self._states
 
+    @property
+    def usable(self) -> int:
+        """The slabs the reader holds the cache to (0: all of them): what the KV cache
+        has taken back of the memory it lent (docs/architecture.md § The KV cache's
+        loan). Kept here so that a restarted reader holds to it before it reads anything."""
+        if self._usable is None:
+            raise ValueError(f"residency index {self.arena.name!r} is closed")
+        return int(self._usable[0])
+
+    @usable.setter
+    def usable(self, n: int) -> None:
+        if self._usable is None:
+            raise ValueError(f"residency index {self.arena.name!r} is closed")
+        self._usable[0] = n
+
     @staticmethod
     def nbytes(spec) -> int:
-        return max(5 * spec.n_layer * spec.n_expert, 4096)
+        return max(_usable_at(spec.n_layer, spec.n_expert) + 8, 4096)
 
     @classmethod
     def create(cls, spec) -> ResidencyIndex:
@@ -102,7 +124,7 @@ class ResidencyIndex:
         return [((int(l), int(e)), int(self.table[l, e]) - 1) for l, e in zip(layers, experts)]
 
     def close(self) -> None:
-        self._table = self._states = None  # drop our views first: the arena unmaps only once no view points in
+        self._table = self._states = self._usable = None  # drop our views first: the arena unmaps only once no view points in
         self.arena.close()
 
     def unlink(self) -> None:

@@ -46,6 +46,8 @@ PAGE = PAGE_SIZE  # the OS page (os.sysconf, once): mapping granularity and madv
 # range's pages into this process's page tables now, writable or readable.
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+# Free a shared mapping's pages (a hole punched in the segment): they leave the memory count.
+MADV_REMOVE = getattr(mmap, "MADV_REMOVE", 9)
 PREFIX = "moe-pipe-"
 _NAME = re.compile(r"^moe-pipe-(?P<pid>\d+)-(?P<kind>[A-Za-z0-9_.-]+)$")
 _KIND = re.compile(r"^[A-Za-z0-9_.-]+$")
@@ -157,6 +159,23 @@ class Arena:
             return False
         return True
 
+    def release(self, start: int, length: int) -> bool:
+        """Give the pages of bytes [start, start + length) back to the system
+        (page-rounded inward): the segment keeps its size, the range reads as
+        zeros, and its memory no longer counts for this process tree until
+        something writes there again. Writable mappings only. False when the
+        kernel refuses (not tmpfs, or the arena is closed): nothing is freed."""
+        mm = self._mm
+        lo = -(-start // PAGE) * PAGE
+        hi = min(self.size, (start + length) // PAGE * PAGE)
+        if mm is None or self.readonly or hi <= lo:
+            return False
+        try:
+            mm.madvise(MADV_REMOVE, lo, hi - lo)
+        except (OSError, ValueError):
+            return False
+        return True
+
     def close(self) -> None:
         """Unmap. Views handed out earlier keep the mapping alive until they go."""
         mm, self._mm, self._buf = self._mm, None, None
@@ -229,6 +248,12 @@ class SlabArena:
     @property
     def n_slabs(self) -> int:
         return self.arena.size // self.slab_bytes
+
+    def release_slab(self, k: int) -> bool:
+        """Slab k's pages back to the system (`Arena.release`): a retired slab's memory."""
+        if not 0 <= k < self.n_slabs:
+            raise IndexError(f"slab {k} out of range 0..{self.n_slabs - 1}")
+        return self.arena.release(k * self.slab_bytes, self.slab_bytes)
 
     def slab(self, k: int) -> np.ndarray:
         """Slab k as a uint8 view [slab_bytes] (read-only if the arena is)."""

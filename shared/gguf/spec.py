@@ -275,9 +275,14 @@ def kv_pool_bytes(spec: ModelSpec, n_ctx: int, kv_type: str, slots: int, pool: i
     the end of each kv head's run of rows (every array's: q8_0 keeps values and scales)."""
     per_position = kv_position_bytes(spec, kv_type)
     fixed = kv_cache_bytes(spec, n_ctx, kv_type) - n_ctx * per_position
+    return slots * (fixed + kv_row_runs(spec, kv_type) * mmap.PAGESIZE) + pool * per_position
+
+
+def kv_row_runs(spec: ModelSpec, kv_type: str) -> int:
+    """The runs of whole-context rows a sequence's cache keeps (a kv head's K or V of a layer
+    with no window; q8_0 keeps values and scales apart): each ends in a partly filled page."""
     layers = zip(spec.n_head_kv, kv_windows(spec), kv_v_windows(spec), range(spec.n_layer))
-    runs = sum(hk * ((not wk) + (not wv)) for hk, wk, wv, i in layers if not spec.is_recurrent(i)) * (2 if kv_type == "q8_0" else 1)
-    return slots * (fixed + runs * mmap.PAGESIZE) + pool * per_position
+    return sum(hk * ((not wk) + (not wv)) for hk, wk, wv, i in layers if not spec.is_recurrent(i)) * (2 if kv_type == "q8_0" else 1)
 
 
 # A prompt chunk's routed expert outputs (K a token, D floats each) wait for their choice-order

@@ -47,7 +47,7 @@ import msgpack
 MAX_FRAME_BYTES = 1 << 20
 # Bumped when a message's fields change; carried in Hello so mixed versions
 # (an old compute talking to a new reader after an upgrade) are refused.
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 DRAFT_FROM_CONFIG = 255  # Generate.draft: no width of the request's own, compute.draft's (the wire's ints are unsigned)
 ANY_SLOT = 0xFFFF  # Generate.slot: no slot of the request's own, compute picks (llama.cpp's id_slot -1)
 
@@ -73,6 +73,8 @@ class Kind(IntEnum):
     FETCH_FAILED = 12
     RELEASE = 13
     GUESSED = 14
+    CACHE_LIMIT = 15
+    CACHE_LIMITED = 16
     # compute -> telemetry -> tails
     RUN_INFO = 20
     TOKEN_RECORD = 21
@@ -384,6 +386,29 @@ class Guessed(_Message):
     guess_io_ns: int = 0
 
 
+@_wire(Kind.CACHE_LIMIT)
+@dataclass(frozen=True, slots=True)
+class CacheLimit(_Message):
+    """compute -> reader, between passes: hold the expert cache to `slabs` slabs
+    from now on (docs/architecture.md § The KV cache's loan). Fewer than it
+    holds: the reader evicts and gives the slabs' pages back to the system
+    before it answers, so compute may then write that much more KV cache;
+    more: the slabs are the cache's again. Answered by one CacheLimited."""
+
+    req_id: int
+    slabs: int
+
+
+@_wire(Kind.CACHE_LIMITED)
+@dataclass(frozen=True, slots=True)
+class CacheLimited(_Message):
+    """reader -> compute: CacheLimit `req_id` is carried out; the cache holds at
+    most `slabs` slabs and the pages of the others are free."""
+
+    req_id: int
+    slabs: int
+
+
 # ------------------------------------------------------------------ telemetry
 
 
@@ -439,6 +464,7 @@ class TokenRecord(_Message):
     drafted: int = 0
     accepted: int = 0  # of `drafted`, the ones the output kept: the pass gave 1 + accepted tokens
     experts_shared: int = 0  # expert uses served by a lookup another row of the pass made (docs/telemetry.md)
+    cache_slabs: int = 0  # the slabs the expert cache may hold at this pass (the KV cache's loan: docs/telemetry.md)
 
 
 @_wire(Kind.RUN_SUMMARY)
@@ -665,6 +691,8 @@ Message = (
     | FetchFailed
     | Release
     | Guessed
+    | CacheLimit
+    | CacheLimited
     | RunInfo
     | TokenRecord
     | RunSummary

@@ -127,7 +127,7 @@ def test_replay_agrees_with_the_live_reader(tmp_path):
     for policy in LIVE_POLICIES:
         rd = Reader.__new__(Reader)  # no sockets, files or arena: just its bookkeeping
         rd.table = SlabTable(n_slabs, policy)
-        rd.inflight, rd.pinned, rd.guess_io, rd.blocked = {}, defaultdict(list), [0, 0], []
+        rd.inflight, rd.pinned, rd.guess_io, rd.blocked, rd.limit_waiting = {}, defaultdict(list), [0, 0], [], None
         rd.heat, rd.warm = Heat(4 * n_slabs), None  # the hot set's heat is kept apart from the policy: no warm start here
         rd.layout = type(
             "L",

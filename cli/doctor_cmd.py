@@ -93,7 +93,11 @@ def print_report(f: dict) -> None:
         ("context", _context(f)),
         ("slots", _slots(f)),
         ("memory", f"{_mib(f['available_bytes'])} available: {f['available']}"),
-        ("budget", f"{f['budget']} → {f['n_slabs']:,} slabs"),
+        (
+            "budget",
+            f"{f['budget']} → {f['n_slabs']:,} slabs"
+            + (f", {f['n_slabs'] + f['n_slabs_lent']:,} while it is short" if f.get("n_slabs_lent") else ""),
+        ),
     ]
     if not f["fits"]:
         rows.append(("fits", f"NO: {f['refusal']}"))

@@ -11,8 +11,9 @@ only writer (so it needs no locks); the slabs themselves live in a
                         every slab pinned → CacheFull
     pin/unpin: counts; a slab named by an unfinished request is never evicted.
     set_usable(n): hold at most n slabs (retire free slabs, then evict unpinned
-                   victims; or hand retired slabs back): the cache lends
-                   memory to the KV cache while it grows (docs/cache-policies.md).
+                   victims; or hand retired slabs back): the cache gives the
+                   KV cache back the memory it borrowed as the context grows
+                   (docs/architecture.md § The KV cache's loan).
     on_pinned(key, bool): told when a key's first pin comes and its last goes
                           (the reader mirrors it into the residency index's states).
 

@@ -149,7 +149,7 @@ class SlabExperts:
         self.layer_bytes = np.array([layout.expert_bytes(i) for i in range(len(layout.layers))], np.int64)
         # The KV cache's loan (docs/architecture.md § The KV cache's loan): the slabs the cache
         # may hold, taken back before the context grows into them.
-        self.loan = KVLoan.of(facts, layout.spec, kv_type)
+        self.loan = KVLoan.of(facts.n_slabs, facts.lent_slabs, facts.slab_bytes, layout.spec, kv_type)
         self.usable = self.n_slabs
         self.fillers: list[Populator] = []  # the slab arena's populator: stopped before pages are given back
         self.reset_counters()

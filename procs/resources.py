@@ -30,7 +30,6 @@ from ..shared.experts.budget import (
     pipeline_bytes,
     resolve_budget,
     service_kv_bytes,
-    slabs_for_budget,
 )
 from ..shared.experts.dense import arena_bytes
 from ..shared.experts.directio import ExpertFiles, describe_os_error, model_identity
@@ -121,11 +120,8 @@ class Resources:
                 check_memory=True,
                 lendable_bytes=kv_lendable_bytes(cfg, spec),
             )
-            # More slabs than experts would never be used; the KV cache's loan is whole slabs on top.
-            experts = spec.n_layer * spec.n_expert
-            budget_slabs = slabs_for_budget(budget.bytes, layout.slab_bytes) + budget.lent_bytes // layout.slab_bytes
-            n_slabs = min(budget_slabs, experts)
-            own = min(slabs_for_budget(budget.bytes, layout.slab_bytes), experts)
+            own, lent = budget.slabs(layout.slab_bytes, spec.n_layer * spec.n_expert)
+            n_slabs = own + lent
             lossy = lossy_expert_count(spec, cfg.compute.n_expert_used)
             if lossy:  # after the checks above, so a refusal stays the one line
                 print(lossy, file=sys.stderr)
@@ -165,14 +161,14 @@ class Resources:
             reserving.shutdown()
             resolved = Resolved(
                 budget.bytes,
-                cache_description(budget.description, n_slabs, budget_slabs),
+                cache_description(budget.description, n_slabs, sum(budget.slabs(layout.slab_bytes, most=sys.maxsize))),
                 n_slabs,
                 layout.slab_bytes,
                 time.perf_counter() - t0,
                 direct,
                 identity,
                 layout.align,
-                n_slabs - own,
+                lent,
             )
             res = cls(rt, slabs, index, dense, resolved)
             undo.pop_all()  # made whole: from here close() releases it

@@ -83,8 +83,7 @@ def test_what_the_kv_cache_lends_and_how_it_is_taken_back(tiny_model):
     assert kv_lendable_bytes(load_config(None, {"compute.ctx_size": 512, "cache.lend_kv": False}), spec) == 0
     assert kv_lendable_bytes(load_config(None, {"compute.ctx_size": 512, "gateway.parallel": 2}), spec) == 0
     slab = 4096
-    facts = type("Facts", (), {"n_slabs": 100, "lent_slabs": lendable // slab, "slab_bytes": slab})
-    loan = KVLoan.of(facts, spec, "f16")
+    loan = KVLoan.of(100, lendable // slab, slab, spec, "f16")
     at = [loan.slabs_at(n) for n in (0, 1, 64, 256, 512)]
     assert at[0] == 100 and at == sorted(at, reverse=True) and at[1] < 100
     assert at[-1] == 100 - loan.lent_slabs  # the whole context: every lent slab is back

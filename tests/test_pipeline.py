@@ -283,8 +283,7 @@ def test_the_kv_caches_loan_goes_back_as_the_context_grows_and_keeps_the_tokens(
     assert lent_tokens == own_tokens
     assert own.lent_slabs == 0 and lent.lent_slabs > 0 and lent.n_slabs == own.n_slabs + lent.lent_slabs
     with open_model(path) as mf:
-        facts = type("Facts", (), {"n_slabs": lent.n_slabs, "lent_slabs": lent.lent_slabs, "slab_bytes": lent.slab_bytes})
-        loan = KVLoan.of(facts, mf.spec, "f16")
+        loan = KVLoan.of(lent.n_slabs, lent.lent_slabs, lent.slab_bytes, mf.spec, "f16")
     records = read_csv(tmp_path / "lent.csv")[1]
     held = [600, 601, 602, 603, len(second), len(second) + 1, len(second) + 2, len(second) + 3]  # the context at each pass
     assert [r.pass_tokens for r in records] == [600, 1, 1, 1, len(second) - len(first), 1, 1, 1]  # the second reuses the first

@@ -243,6 +243,7 @@ class MemoryFit:
     reserve_bytes: int
     need_bytes: int  # resident dense + KV + reserve + the cache (at least the floor)
     n_slabs: int
+    lent_slabs: int  # slabs more while the context is short: the KV cache's loan (Budget.slabs)
     fits: bool
     resident: bool  # every expert fits in the cache
     refusal: str | None
@@ -307,7 +308,7 @@ def memory_fit(footprint: ModelFootprint, cfg: Config, memory: MemoryProbe) -> M
             f"does not fit: {avail / MiB:,.0f} MiB available < {parts}{cache_text} = {need_mb:,} MiB; "
             f"{fix} (or lower --reserve-mb, -c/--ctx-size, --n-expert-used (lossy), or use --dense-weights mmap)"
         )
-    n_slabs = min(budget.bytes // footprint.slab_bytes, footprint.all_experts_slabs)
+    n_slabs, lent_slabs = budget.slabs(footprint.slab_bytes, footprint.all_experts_slabs)
     return MemoryFit(
         budget,
         avail,
@@ -315,6 +316,7 @@ def memory_fit(footprint: ModelFootprint, cfg: Config, memory: MemoryProbe) -> M
         reserve,
         need,
         n_slabs,
+        lent_slabs,
         refusal is None,
         refusal is None and n_slabs >= footprint.all_experts_slabs,
         refusal,

@@ -547,8 +547,7 @@ def forecast(
         "budget_mb": round(b.mb, 1),
         "budget": b.description,
         "n_slabs": fit.n_slabs,
-        # and while the context is short, the KV cache's loan on top (docs/architecture.md § The KV cache's loan)
-        "n_slabs_lent": min(fit.n_slabs + b.lent_bytes // footprint.slab_bytes, footprint.all_experts_slabs) - fit.n_slabs,
+        "n_slabs_lent": fit.lent_slabs,
         "fits": fit.fits,
         "resident": fit.resident,
         "refusal": fit.refusal,

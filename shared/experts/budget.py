@@ -149,10 +149,10 @@ class KVLoan:
     page_slack: int
 
     @classmethod
-    def of(cls, facts: Any, spec: ModelSpec, kv_type: str) -> KVLoan:
-        """From a run's facts (n_slabs, lent_slabs, slab_bytes) and the model's KV shape."""
+    def of(cls, n_slabs: int, lent_slabs: int, slab_bytes: int, spec: ModelSpec, kv_type: str) -> KVLoan:
+        """A run's arena (`n_slabs` of `slab_bytes`, `lent_slabs` of them lent) and the model's KV shape."""
         runs = kv_row_runs(spec, kv_type) * mmap.PAGESIZE
-        return cls(facts.n_slabs, facts.lent_slabs, facts.slab_bytes, kv_position_bytes(spec, kv_type), runs)
+        return cls(n_slabs, lent_slabs, slab_bytes, kv_position_bytes(spec, kv_type), runs)
 
     def slabs_at(self, positions: int) -> int:
         """The slabs the cache may hold while the context holds `positions`."""
@@ -234,6 +234,13 @@ class Budget:
     @property
     def mb(self) -> float:
         return self.bytes / MiB
+
+    def slabs(self, slab_bytes: int, most: int) -> tuple[int, int]:
+        """(the budget's slabs, the KV cache's loan in whole slabs on top), never more than
+        `most` together: more slabs than the model has experts would never be used."""
+        own = slabs_for_budget(self.bytes, slab_bytes)
+        total = min(own + self.lent_bytes // slab_bytes, most)
+        return min(own, most), total - min(own, most)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self) | {"mb": round(self.mb, 3)}

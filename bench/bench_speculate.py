@@ -183,6 +183,7 @@ class TimedDrafter:
 
     def __init__(self, inner):
         self.inner, self.seconds, self.drafted, self.calls = inner, 0.0, 0, 0
+        self.free = inner.free
 
     def start(self, prompt):
         self.inner.start(prompt)

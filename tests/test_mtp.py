@@ -56,6 +56,8 @@ class Mixed:
     """The MTP drafter's proposals recorded as it makes them; what the verifier gets is the
     recorded plain continuation where `rng` says so (drafts then kept), else the block's."""
 
+    free = False
+
     def __init__(self, inner: MtpDrafter, plain: list[int], prompt_len: int, right: float, seed: int = 0):
         self.inner, self.plain, self.base, self.right = inner, plain, prompt_len, right
         self.rng = np.random.default_rng(seed)

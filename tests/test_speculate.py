@@ -133,6 +133,63 @@ def test_the_chooser_stops_drafting_when_wider_passes_cost_what_they_gain():
     assert sum(w > 0 for w in widths[-160:]) <= 160 // WidthChooser.PROBE_EVERY + 1
 
 
+def drive_free(chooser: WidthChooser, accepts: list[float], cost, seed: int = 0) -> list[int]:
+    """As `drive`, for a free drafter: every pass judges the widest proposal, drafted or not;
+    pass i's drafts are right with chance accepts[i]."""
+    rng = random.Random(seed)
+    widths = []
+    for accept in accepts:
+        w = chooser.choose()
+        widths.append(w)
+        chooser.passed(w + 1, cost(w + 1))
+        chooser.judged(chooser.most, next((i for i in range(chooser.most) if rng.random() >= accept), chooser.most))
+    return widths
+
+
+def test_a_free_drafter_is_judged_while_nothing_is_drafted_and_is_not_probed_in_vain():
+    cheap = lambda r: 1.0 + 0.1 * (r - 1)  # noqa: E731
+    chooser = WidthChooser(4, free=True)
+    widths = drive_free(chooser, [0.0] * 300 + [0.95] * 100, cheap)
+    assert widths[: WidthChooser.FIRST_PLAIN] == [0] * WidthChooser.FIRST_PLAIN
+    assert not any(widths[140:300])  # no drafts once drafts are never kept: not even a probe
+    turned = next(i for i in range(300, 400) if widths[i])
+    assert turned < 300 + 10  # the text turned repetitive: seen at once, not at the next probe
+    assert sum(w == 4 for w in widths[-60:]) >= 50
+
+
+def test_the_chooser_prices_plain_again_while_drafting():
+    """A plain pass's price from one lucky (or unlucky) pass would hold every decision after it."""
+    chooser = WidthChooser(2, free=True)
+    widths = drive_free(chooser, [1.0] * 300, lambda r: 1.0 + 0.5 * (r - 1))
+    plain = [i for i, w in enumerate(widths) if w == 0]
+    assert plain[: WidthChooser.FIRST_PLAIN] == list(range(WidthChooser.FIRST_PLAIN))
+    later = plain[WidthChooser.FIRST_PLAIN :]
+    assert later and len(later) <= 300 // WidthChooser.REPRICE_PLAIN + 1
+
+
+def test_a_session_keeps_its_chooser_across_requests():
+    session = Session()
+    first = Speculation(session, NGramDrafter(), 2)
+    again = Speculation(session, NGramDrafter(), 2)
+    assert first.chooser is again.chooser and first.chooser is not None and first.chooser.free
+    assert Speculation(session, NGramDrafter(), 3).chooser is not first.chooser  # another width: measured afresh
+    assert Speculation(Session(), NGramDrafter(), 2, adapt=False).chooser is None
+
+
+def test_proposals_are_judged_against_what_followed():
+    spec = Speculation(Session(), NGramDrafter(), 3)
+    chooser = spec.chooser
+    assert chooser is not None
+    spec.proposals = [(5, [7, 8, 9]), (6, [8, 1, 1])]
+    history = [0, 1, 2, 3, 4, 7]
+    spec.judge_proposals(history)  # the first's first draft followed, its second is not known yet
+    assert len(spec.proposals) == 2 and not any(chooser.measured)
+    spec.judge_proposals(history + [8, 5])
+    assert spec.proposals == []  # the first kept 2 of 3, the second 1 of 3
+    assert chooser.measured == [True, True, True]
+    assert chooser.kept[0] > 0.7 and chooser.kept[2] < 0.7
+
+
 def test_the_adaptive_width_keeps_the_output(tiny_files):
     path = tiny_files("qwen3moe")
     plain, _, plain_session = run(path, max_tokens=40)

@@ -61,6 +61,9 @@ class Session:
         # What a drafter keeps with this conversation across requests (the MTP block's own KV
         # cache: shared/text/speculate.py MtpDrafter); None until one is made.
         self.drafter_state: object | None = None
+        # The width chooser's measures (shared/text/speculate.py WidthChooser): a pass's cost by its
+        # rows and how often drafts are kept, carried from one request to the next.
+        self.width_chooser: object | None = None
 
     @property
     def n(self) -> int:

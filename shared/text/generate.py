@@ -191,6 +191,7 @@ def generate(
     if spec is not None:  # the cache holds what plain decoding leaves: the prompt and the output but its last token
         spec.drop()
         spec.judge(model)
+        spec.judge_proposals(history)
         session.settle(model)
     out.text += decoder.flush() if out.finish_reason != "stop" else ""
     if on_text and len(out.text) > emitted:

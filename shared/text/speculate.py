@@ -36,7 +36,12 @@ from ..model.session import Session, common_prefix
 
 
 class Drafter(Protocol):
-    """Guesses what follows `history` (prompt and output so far, the last token decoded included)."""
+    """Guesses what follows `history` (prompt and output so far, the last token decoded included).
+    `free`: a proposal costs next to nothing (an index lookup, not a pass of a block), so the
+    width chooser asks for the widest one every step and learns how often drafts would be kept
+    while it drafts nothing."""
+
+    free: bool
 
     def start(self, prompt: Sequence[int]) -> None:
         """A generation begins after `prompt`."""
@@ -50,6 +55,8 @@ class NGramDrafter:
     Repeated text (code being edited, a document quoted back, a list's pattern) is
     drafted; anything else drafts nothing and costs nothing. The index of g-grams
     grows with the history, so a proposal is a few dict lookups."""
+
+    free = True
 
     def __init__(self, max_n: int = 4, min_n: int = 2):
         self.max_n, self.min_n = max_n, min_n
@@ -89,6 +96,8 @@ class ReplayDrafter:
     prompt, each draft token made wrong with probability 1 - `accuracy` (its id + 1),
     so the verify mechanism is measured at a chosen acceptance (random weights'
     own drafts are noise). The continuation starts where the prompt ends."""
+
+    free = True
 
     def __init__(self, tokens: Sequence[int], accuracy: float = 1.0, seed: int = 0, n_vocab: int = 1 << 31):
         if not 0.0 <= accuracy <= 1.0:
@@ -142,6 +151,7 @@ class MtpDrafter:
     the set again): `SubsetHead`, N rows of the head read a guess, not all. 0 (or N at
     least the vocabulary) is the whole head. Either way the output is the plain output."""
 
+    free = False  # a guess is a step of the block and a pass of the head
     PAIR_BATCH = 64  # certain pairs waiting before a pass adds them (a prompt's chunk: at once)
     PAIR_STEP = 512  # rows of one block step at most: a prompt chunk's activations stay bounded
 
@@ -297,36 +307,82 @@ class WidthChooser:
     by its rows (`cost`), which prices in what wider passes read — more distinct experts,
     each a read when the cache misses. A width w yields 1 + α1 + α1·α2 + … + α1⋯αw tokens
     for the cost of a pass of w + 1 rows; the best ratio wins, and 0 (plain decoding) when
-    no width beats it. Every `PROBE_EVERY` passes one draft more than the best is tried,
-    so a text that turns repetitive, or a wider pass cheaper than priced, is noticed."""
+    no width beats it.
+
+    A session keeps its chooser across requests (`for_session`): a pass's cost is the
+    model's and the machine's, and a conversation's drafts stay about as good from one
+    reply to the next, so a new request starts from what the last one measured. The α
+    come from every proposal judged against the text that followed (`Speculation`): with
+    a free drafter that is every step, drafted or not, so α follows the text while the
+    chooser drafts nothing; a probe then tries one draft more than the best only where a
+    pass no dearer than a plain one would pay (the wider pass's cost is what it measures).
+    A drafter that costs a pass is judged only on what it drafted, so every `PROBE_EVERY`
+    passes one draft more than the best is tried, and a text that turns repetitive is
+    noticed."""
 
     PROBE_EVERY = 16
-    DECAY = 0.8  # the weight of the past in each estimate: recent passes count most, a few passes move it
+    PROBE_GAIN = 1.05
+    FIRST_PLAIN = 3  # plain passes before any draft: one pass's time is too noisy a price
+    REPRICE_PLAIN = 64  # while drafting, a plain pass this often: the price it is held against stays current
+    # The weight of the past in each estimate. A pass's time varies with its misses, and one
+    # drafted too often on a lucky price loses what the drafts gain: ten passes or so make a cost.
+    # α is judged once per pass drafted, or with a free drafter once per step: thirty steps make
+    # it there (a text's drafts change over a paragraph, not a token).
+    DECAY = 0.9
+    KEPT_DECAY = 0.8
+    FREE_KEPT_DECAY = 0.97
 
-    def __init__(self, most: int):
-        self.most = most
+    def __init__(self, most: int, free: bool = False):
+        self.most, self.free = most, free
         self.kept = [0.7] * most  # α_i, a prior that tries one draft; an α never measured takes the one before it
         self.measured = [False] * most
         self.cost: dict[int, float] = {}  # rows → seconds, moving average
-        self.since_probe = 0
+        self.samples: dict[int, int] = {}  # rows → passes measured
+        self.age: dict[int, int] = {}  # rows → passes since the last of them
+        self.since_probe = self.free_probes = 0
+
+    @classmethod
+    def for_session(cls, session: Session, most: int, free: bool) -> WidthChooser:
+        """The session's chooser, made on first use (or for another width or kind of drafter)."""
+        held = session.width_chooser
+        if not (isinstance(held, cls) and held.most == most and held.free == free):
+            held = session.width_chooser = cls(most, free)
+        return held
 
     def choose(self) -> int:
         one = self.cost.get(1)
-        if one is None:
-            return 0  # a plain pass first: the price every width is held against
-        best, best_rate, tokens, p = 0, 1.0 / one, 1.0, 1.0
-        alpha = self.kept[0]
-        for w in range(1, self.most + 1):
-            alpha = self.kept[w - 1] if self.measured[w - 1] else alpha  # untried: as likely as the draft before
-            p *= alpha
-            tokens += p
+        if self.samples.get(1, 0) < self.FIRST_PLAIN or one is None:
+            return 0  # plain passes first: the price every width is held against
+        best, best_rate = 0, 1.0 / one
+        for w, tokens in enumerate(self.tokens(), start=1):
             rate = tokens / self.price(w + 1)
             if rate > best_rate:
                 best, best_rate = w, rate
         self.since_probe += 1
-        if self.since_probe >= self.PROBE_EVERY and best < self.most:  # one draft more than pays, now and then
+        if self.since_probe >= self.PROBE_EVERY and best < self.most and self.worth_probing(best, best_rate):
             self.since_probe, best = 0, best + 1
+        elif best and self.age.get(1, 0) >= self.REPRICE_PLAIN:  # a plain pass's price, measured again
+            best = 0
         return best
+
+    def tokens(self) -> list[float]:
+        """Tokens a pass of each width 1..most yields: 1 + α1 + α1·α2 + …"""
+        out, p, tokens, alpha = [], 1.0, 1.0, self.kept[0]
+        for w in range(1, self.most + 1):
+            alpha = self.kept[w - 1] if self.measured[w - 1] else alpha  # untried: as likely as the draft before
+            p *= alpha
+            tokens += p
+            out.append(tokens)
+        return out
+
+    def worth_probing(self, best: int, best_rate: float) -> bool:
+        """A costly drafter's α are learnt only by drafting: always. A free drafter's are known,
+        so only what a wider pass costs is in doubt: try it a quarter as often, and only if at a
+        plain pass's cost it would yield PROBE_GAIN more than the best does."""
+        if not self.free:
+            return True
+        self.free_probes += 1
+        return self.free_probes % 4 == 0 and self.tokens()[best] / self.cost[1] > self.PROBE_GAIN * best_rate
 
     def price(self, rows: int) -> float:
         """A pass's cost: measured, or the widest measured pass's cost per row times `rows`
@@ -344,14 +400,19 @@ class WidthChooser:
     def passed(self, rows: int, seconds: float) -> None:
         old = self.cost.get(rows)
         self.cost[rows] = seconds if old is None else self.DECAY * old + (1 - self.DECAY) * seconds
+        self.samples[rows] = self.samples.get(rows, 0) + 1
+        for r in self.age:
+            self.age[r] += 1
+        self.age[rows] = 0
 
     def judged(self, drafted: int, kept: int) -> None:
-        """A pass's drafts are settled: the first `kept` were kept, the next (if any) was not."""
-        for i in range(min(kept + 1, drafted)):
+        """A proposal of `drafted` tokens is settled: the first `kept` were what followed, the next (if any) was not."""
+        for i in range(min(kept + 1, drafted, self.most)):
             if not self.measured[i] and i:  # its first measure: start from the estimate it was chosen by
                 self.kept[i] = self.kept[i - 1]
             self.measured[i] = True
-            self.kept[i] = self.DECAY * self.kept[i] + (1 - self.DECAY) * (1.0 if i < kept else 0.0)
+            decay = self.FREE_KEPT_DECAY if self.free else self.KEPT_DECAY
+            self.kept[i] = decay * self.kept[i] + (1 - decay) * (1.0 if i < kept else 0.0)
 
 
 @dataclass
@@ -373,10 +434,11 @@ class Speculation:
         if not 1 <= width <= MAX_DRAFT:
             raise UserError(f"draft width must be 1..{MAX_DRAFT}, not {width}")
         self.session, self.drafter, self.width = session, drafter, width
-        self.chooser = WidthChooser(width) if adapt else None
+        self.chooser = WidthChooser.for_session(session, width, drafter.free) if adapt else None
         self.queue: list[tuple[int, np.ndarray]] = []  # (draft, the logits of the row after it)
         self.stats = DraftStats()
         self._drafted = self._kept = 0  # the last pass's drafts, and how many of them were kept so far
+        self.proposals: list[tuple[int, list[int]]] = []  # (where in the history, the drafts) not judged yet
 
     def next_logits(self, token: int) -> np.ndarray | None:
         """The logits after `token` if the pass already computed them (it was the draft);
@@ -396,19 +458,40 @@ class Speculation:
 
     def judge(self, model) -> None:
         """The last pass's drafts are settled (a pass is about to begin, or the generation
-        ended): the width chooser and the model's telemetry hear how many were kept."""
+        ended): the model's telemetry hears how many were kept."""
         if self._drafted:
-            if self.chooser is not None:
-                self.chooser.judged(self._drafted, self._kept)
             model.drafts_judged(self._drafted, self._kept)
         self._drafted = self._kept = 0
+
+    def judge_proposals(self, history: Sequence[int]) -> None:
+        """Each proposal whose fate the history now shows (a draft that differs from what
+        followed, or every draft followed) tells the width chooser how many would be kept:
+        a verified draft is kept exactly when it is what followed."""
+        if self.chooser is None:
+            return
+        pending = []
+        for at, drafts in self.proposals:
+            known = min(len(history) - at, len(drafts))
+            kept = next((i for i in range(known) if history[at + i] != drafts[i]), known)
+            if kept < known or kept == len(drafts):
+                self.chooser.judged(len(drafts), kept)
+            else:
+                pending.append((at, drafts))
+        self.proposals = pending
 
     def step(self, model, token: int, history: Sequence[int], room: int) -> np.ndarray:
         """Run `token` (the last entry of `history`) with up to `room` drafts after it; its logits [V]."""
         self.judge(model)
+        self.judge_proposals(history)
         n = min(self.chooser.choose() if self.chooser is not None else self.width, room)
+        # A free drafter is asked for the widest proposal even when fewer are drafted (or none):
+        # the chooser learns from all of it.
+        ask = self.width if self.chooser is not None and self.chooser.free else n
         t0 = time.perf_counter()  # a pass's price includes its drafting (the MTP block's steps)
-        drafts = [int(t) for t in self.drafter.propose(history, n)][:n] if n > 0 else []
+        proposal = [int(t) for t in self.drafter.propose(history, ask)][:ask] if ask > 0 else []
+        if proposal and self.chooser is not None:
+            self.proposals.append((len(history), proposal))
+        drafts = proposal[:n]
         rows = 1 + len(self.session.redo) + len(drafts)
         if drafts:
             out = self.session.verify(model, [token, *drafts])

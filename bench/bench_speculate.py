@@ -4,7 +4,7 @@ at a chosen acceptance, next to plain decoding in the same run; on a file with a
 MTP/NextN block (make-model --mtp), the block's own cost as the drafter.
 
     python bench/bench_speculate.py [--layers 8] [--model PATH] [-n 64] [--widths 1,2,3,4]
-                                    [--accuracy 1,0.8,0.6,0.4] [--adaptive] [--stream --limit-mb MB]
+                                    [--accuracy 1,0.8,0.6,0.4] [--adaptive] [--stream --limit-mb MB] [--adaptive-only]
                                     [--draft-vocab 0,32768] [--mtp-only]
 
 Random weights draft nothing a real model would accept, so the drafts come from
@@ -40,6 +40,7 @@ def parse(argv):
     p.add_argument("--widths", default="1,2,3,4")
     p.add_argument("--accuracy", default="1,0.8,0.6,0.4", help="per draft token, the chance it is right")
     p.add_argument("--adaptive", action="store_true", help="also run the adaptive width (compute.draft_adapt)")
+    p.add_argument("--adaptive-only", action="store_true", help="--stream: only the adaptive width, not the fixed widths")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--stream", action="store_true", help="through the engine's pipeline instead of resident")
     p.add_argument("--cache-mb", type=float, help="--stream: the expert cache (default: the config's auto budget)")
@@ -271,7 +272,8 @@ def streamed(args, path: Path) -> None:
     widths = [int(w) for w in args.widths.split(",")]
     accuracies = [float(a) for a in args.accuracy.split(",")]
     reference: list[int] = []
-    for adapt in [False, True] if args.adaptive else [False]:  # compute.draft_adapt is the compute process's
+    modes = [True] if args.adaptive_only else [False, True] if args.adaptive else [False]
+    for adapt in modes:  # compute.draft_adapt is the compute process's
         cfg = load_config(None, {**base, "compute.draft_replay": str(replay), "compute.draft_adapt": adapt})
         with start_pipeline(cfg, path) as pipe:
             warm = one(pipe, 0)  # the cache filled by one reply, as a conversation's next reply finds it

@@ -170,8 +170,13 @@ def test_the_chooser_prices_plain_again_while_drafting():
 def test_a_session_keeps_its_chooser_across_requests():
     session = Session()
     first = Speculation(session, NGramDrafter(), 2)
+    assert first.chooser is not None and first.chooser.free
+    first.chooser.passed(1, 0.5)
+    first.chooser.judged(2, 2)
     again = Speculation(session, NGramDrafter(), 2)
-    assert first.chooser is again.chooser and first.chooser is not None and first.chooser.free
+    assert first.chooser is again.chooser
+    assert again.chooser.cost == {1: 0.5}  # the prices stay; a free drafter's α are the new text's to show
+    assert again.chooser.kept == [WidthChooser.FREE_PRIOR_KEPT] * 2 and not any(again.chooser.measured)
     assert Speculation(session, NGramDrafter(), 3).chooser is not first.chooser  # another width: measured afresh
     assert Speculation(Session(), NGramDrafter(), 2, adapt=False).chooser is None
 
@@ -186,8 +191,10 @@ def test_proposals_are_judged_against_what_followed():
     assert len(spec.proposals) == 2 and not any(chooser.measured)
     spec.judge_proposals(history + [8, 5])
     assert spec.proposals == []  # the first kept 2 of 3, the second 1 of 3
-    assert chooser.measured == [True, True, True]
-    assert chooser.kept[0] > 0.7 and chooser.kept[2] < 0.7
+    told = WidthChooser(3, free=True)
+    told.judged(3, 2)
+    told.judged(3, 1)
+    assert chooser.kept == told.kept and chooser.measured == told.measured == [True, True, True]
 
 
 def test_the_adaptive_width_keeps_the_output(tiny_files):

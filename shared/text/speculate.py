@@ -322,24 +322,27 @@ class WidthChooser:
 
     PROBE_EVERY = 16
     PROBE_GAIN = 1.05
+    # α before any is measured: a costly drafter's enough to try one draft (its α are learnt only
+    # by drafting); a free drafter's below what pays, as its α are measured from its first step.
+    PRIOR_KEPT = 0.7
+    FREE_PRIOR_KEPT = 0.5
     FIRST_PLAIN = 3  # plain passes before any draft: one pass's time is too noisy a price
     REPRICE_PLAIN = 64  # while drafting, a plain pass this often: the price it is held against stays current
     # The weight of the past in each estimate. A pass's time varies with its misses, and one
     # drafted too often on a lucky price loses what the drafts gain: ten passes or so make a cost.
-    # α is judged once per pass drafted, or with a free drafter once per step: thirty steps make
-    # it there (a text's drafts change over a paragraph, not a token).
+    # α is judged once per pass drafted, or with a free drafter once per step (ten steps make it).
     DECAY = 0.9
     KEPT_DECAY = 0.8
-    FREE_KEPT_DECAY = 0.97
+    FREE_KEPT_DECAY = 0.9
 
     def __init__(self, most: int, free: bool = False):
         self.most, self.free = most, free
-        self.kept = [0.7] * most  # α_i, a prior that tries one draft; an α never measured takes the one before it
+        self.kept = [self.FREE_PRIOR_KEPT if free else self.PRIOR_KEPT] * most  # α_i; one never measured takes the one before it
         self.measured = [False] * most
         self.cost: dict[int, float] = {}  # rows → seconds, moving average
         self.samples: dict[int, int] = {}  # rows → passes measured
         self.age: dict[int, int] = {}  # rows → passes since the last of them
-        self.since_probe = self.free_probes = 0
+        self.since_probe = 0
 
     @classmethod
     def for_session(cls, session: Session, most: int, free: bool) -> WidthChooser:
@@ -381,8 +384,15 @@ class WidthChooser:
         plain pass's cost it would yield PROBE_GAIN more than the best does."""
         if not self.free:
             return True
-        self.free_probes += 1
-        return self.free_probes % 4 == 0 and self.tokens()[best] / self.cost[1] > self.PROBE_GAIN * best_rate
+        if self.age.get(best + 2, self.REPRICE_PLAIN) < self.REPRICE_PLAIN:
+            return False  # its price is measured and current: `choose` weighed it already
+        return self.tokens()[best] / self.cost[1] > self.PROBE_GAIN * best_rate
+
+    def new_text(self) -> None:
+        """A request begins: a free drafter's α are learnt again from its text (they cost nothing
+        to learn, and another request's text may draft better or worse); the prices stay."""
+        if self.free:
+            self.kept, self.measured = [self.FREE_PRIOR_KEPT] * self.most, [False] * self.most
 
     def price(self, rows: int) -> float:
         """A pass's cost: measured, or the widest measured pass's cost per row times `rows`
@@ -435,6 +445,8 @@ class Speculation:
             raise UserError(f"draft width must be 1..{MAX_DRAFT}, not {width}")
         self.session, self.drafter, self.width = session, drafter, width
         self.chooser = WidthChooser.for_session(session, width, drafter.free) if adapt else None
+        if self.chooser is not None:
+            self.chooser.new_text()
         self.queue: list[tuple[int, np.ndarray]] = []  # (draft, the logits of the row after it)
         self.stats = DraftStats()
         self._drafted = self._kept = 0  # the last pass's drafts, and how many of them were kept so far

@@ -310,15 +310,15 @@ class WidthChooser:
     no width beats it.
 
     A session keeps its chooser across requests (`for_session`): a pass's cost is the
-    model's and the machine's, and a conversation's drafts stay about as good from one
-    reply to the next, so a new request starts from what the last one measured. The α
-    come from every proposal judged against the text that followed (`Speculation`): with
-    a free drafter that is every step, drafted or not, so α follows the text while the
-    chooser drafts nothing; a probe then tries one draft more than the best only where a
-    pass no dearer than a plain one would pay (the wider pass's cost is what it measures).
-    A drafter that costs a pass is judged only on what it drafted, so every `PROBE_EVERY`
-    passes one draft more than the best is tried, and a text that turns repetitive is
-    noticed."""
+    model's and the machine's, so a new request starts from the prices the last one
+    measured. The α come from every proposal judged against the text that followed
+    (`Speculation`): a free drafter proposes at every step, drafted or not, so its α follow
+    the text while the chooser drafts nothing, and are learnt again for each request
+    (`new_text`); every `PROBE_EVERY` passes one draft more than the best is then tried only
+    while that wider pass's price is a guess or old, and only where it could pay. A drafter
+    that costs a pass is judged only on what it drafted, so its α stay from one request to
+    the next, and every `PROBE_EVERY` passes one draft more than the best is tried: a text
+    that turns repetitive is noticed."""
 
     PROBE_EVERY = 16
     PROBE_GAIN = 1.05
@@ -380,8 +380,9 @@ class WidthChooser:
 
     def worth_probing(self, best: int, best_rate: float) -> bool:
         """A costly drafter's α are learnt only by drafting: always. A free drafter's are known,
-        so only what a wider pass costs is in doubt: try it a quarter as often, and only if at a
-        plain pass's cost it would yield PROBE_GAIN more than the best does."""
+        so only what the wider pass costs is in doubt: only while its price is a guess or
+        REPRICE_PLAIN passes old, and only if at a plain pass's price it would yield PROBE_GAIN
+        more than the best does."""
         if not self.free:
             return True
         if self.age.get(best + 2, self.REPRICE_PLAIN) < self.REPRICE_PLAIN:

@@ -10,6 +10,7 @@ import dataclasses
 import time
 from typing import TYPE_CHECKING
 
+from ..shared import heap
 from ..shared.model.prompt_watch import PromptWatch
 from ..shared.model.routes import RouteTracer
 from ..shared.telemetry import ResourceMeter
@@ -82,7 +83,12 @@ class MeteredModel:
             self.tracer.phase = 0
         # The request's first pass is its prompt's (the uncached part); a later one is a context shift's.
         prompt = self.watch is not None and not self.records
-        return self._step(lambda: self.model.prefill(tokens, cache, batch=batch), cache, len(tokens), prompt)
+        try:
+            return self._step(lambda: self.model.prefill(tokens, cache, batch=batch), cache, len(tokens), prompt)
+        finally:
+            # The chunk's arrays the heap kept for its layers (shared/heap.py) go back before the
+            # reply's tokens: a dense set read through the file mapping needs those pages.
+            heap.give_back()
 
     def decode_one(self, token, cache):
         if self.tracer:

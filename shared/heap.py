@@ -1,7 +1,8 @@
 """How compute's heap keeps the memory a prompt chunk frees, for the chunk's next layer.
 
     keep_freed_memory() -> str   at start-up: freed blocks stay in the heap (glibc), a line for the log
-    give_back()                  when a request ends: the heap's free pages go back to the system
+    give_back()                  once a prompt's pass is done, and when a request ends: the heap's
+                                 free pages go back to the system
 
 A prompt chunk allocates arrays of tens of MB in every layer and frees them before
 the next (a 3,600-token chunk's queries and attention output on qwen30b-shape are
@@ -11,9 +12,12 @@ in again: a 4,096 × 2,048 product over 3,600 rows took 245 ms into a fresh arra
 against 120 ms into pages used before (2026-12-05, this VM, whose host backs a page
 on its first touch; on a device the kernel zeroes each page). With mappings of their
 own off (M_MMAP_MAX 0) and the heap's top not trimmed when freed (M_TRIM_THRESHOLD),
-the pages a layer frees serve the next one's arrays, and when a request ends
-`give_back` (malloc_trim) returns the free pages, so an idle compute holds what it
-held before. The chunk's arrays are in the memory budget either way
+the pages a layer frees serve the next one's arrays, and once the prompt's pass is done
+`give_back` (malloc_trim) returns the free pages (again when a request ends), so the
+reply's tokens and an idle compute hold what they held before. Kept through the reply,
+a 2,933-token chunk's 1.6 GB starved a dense set read through the file mapping
+(DeepSeek-V4-Flash's shape at full depth in 11 GB: 11-58 s a token against 0.9;
+docs/benchmarks.md § Deep cuts). The chunk's arrays are in the memory budget either way
 (shared/gguf/spec.py prefill_activation_bytes). Only glibc has these knobs: on
 another C library (musl, Android's) both calls do nothing.
 """

@@ -135,6 +135,29 @@ def test_a_prompt_s_progress_comes_in_order_and_closes_at_total_before_its_text(
         e.close()
 
 
+def test_the_prompt_s_freed_heap_goes_back_before_the_reply_s_first_pass(models, monkeypatch):
+    """A prompt chunk's arrays stay in compute's heap for its layers (shared/heap.py); a dense
+    set read through the file mapping needs those pages during the reply (docs/benchmarks.md
+    § Deep cuts: DeepSeek-V4-Flash after a long prompt), so they go back after the prompt's
+    pass, not only when the request ends — and when the prompt is stopped half way too."""
+    from moe_pipe.procs import metered as metered_module
+
+    e = Engine(models["qwen3moe"])
+    given_back: list[int] = []  # the passes recorded when the heap gave its pages back
+    monkeypatch.setattr(metered_module.heap, "give_back", lambda: given_back.append(len(e.records)))
+    try:
+        e.generate(PROMPT, Session())
+        assert given_back == [1] and len(e.records) > 1  # after the prompt's pass, before the reply's
+        stopped = Engine(models["qwen3moe"], stop_at=3)
+        given_back.clear()
+        with pytest.raises(GenerationAborted):
+            stopped.generate(PROMPT, Session())
+        assert len(given_back) == 1
+        stopped.close()
+    finally:
+        e.close()
+
+
 def _rows(cache, n: int) -> list[np.ndarray]:
     """Positions 0..n-1 of every KV part, and a hybrid model's recurrent state."""
     rows = [np.array(p[:, :n]) for p in cache.parts()]

@@ -17,8 +17,9 @@ the pages a layer frees serve the next one's arrays, and once the prompt's pass 
 reply's tokens and an idle compute hold what they held before. Kept through the reply,
 a 2,933-token chunk's 1.6 GB starved a dense set read through the file mapping
 (DeepSeek-V4-Flash's shape at full depth in 11 GB: 11-58 s a token against 0.9;
-docs/benchmarks.md § Deep cuts). The chunk's arrays are in the memory budget either way
-(shared/gguf/spec.py prefill_activation_bytes). Only glibc has these knobs: on
+docs/benchmarks.md § Deep cuts of the largest families on a phone's memory). The
+chunk's arrays are in the memory budget either way (shared/gguf/spec.py
+prefill_activation_bytes). Only glibc has these knobs: on
 another C library (musl, Android's) both calls do nothing.
 """
 

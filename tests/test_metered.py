@@ -137,9 +137,10 @@ def test_a_prompt_s_progress_comes_in_order_and_closes_at_total_before_its_text(
 
 def test_the_prompt_s_freed_heap_goes_back_before_the_reply_s_first_pass(models, monkeypatch):
     """A prompt chunk's arrays stay in compute's heap for its layers (shared/heap.py); a dense
-    set read through the file mapping needs those pages during the reply (docs/benchmarks.md
-    § Deep cuts: DeepSeek-V4-Flash after a long prompt), so they go back after the prompt's
-    pass, not only when the request ends — and when the prompt is stopped half way too."""
+    set read through the file mapping needs those pages during the reply (DeepSeek-V4-Flash
+    after a long prompt: docs/benchmarks.md § Deep cuts of the largest families on a phone's
+    memory), so they go back after the prompt's pass, not only when the request ends — and
+    when the prompt is stopped half way too."""
     from moe_pipe.procs import metered as metered_module
 
     e = Engine(models["qwen3moe"])

@@ -56,6 +56,14 @@ def _params(types) -> list:
 
 TYPES = _params(SUPPORTED)
 
+# The types public dumps of real unsloth UD headers use: a Qwen3.8-27B UD-Q2_K_XL's fifteen, a
+# Qwen3.6-35B-A3B UD-Q4_K_M's and Kimi-K2 UD-IQ3_XXS's (docs/formats.md § Real files' quant mixes).
+UD_HEADER_TYPES = "F32 Q8_0 IQ3_XXS IQ2_S IQ3_S IQ2_XXS IQ2_XS Q4_K IQ1_S IQ4_XS Q2_K Q6_K Q3_K Q5_K IQ1_M".split()
+
+
+def test_every_type_a_published_ud_mix_uses_is_decoded():
+    assert sorted(set(UD_HEADER_TYPES) - {t.name for t in SUPPORTED}) == []
+
 
 # With int8 activations off (MOE_PIPE_INT8_ACT=0) a type that has int8 kernels computes on its
 # float tiles, compiled for that mode alone (~8 s a type from an empty cache): the default tier

@@ -62,7 +62,7 @@ class Session:
         # cache: shared/text/speculate.py MtpDrafter); None until one is made.
         self.drafter_state: object | None = None
         # The width chooser's measures (shared/text/speculate.py WidthChooser): a pass's cost by its
-        # rows and how often drafts are kept, carried from one request to the next.
+        # rows, and how often a costly drafter's drafts are kept, carried from one request to the next.
         self.width_chooser: object | None = None
 
     @property

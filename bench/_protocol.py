@@ -36,6 +36,7 @@ import argparse
 import csv
 import json
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -48,6 +49,13 @@ from moe_pipe.shared.speed import steady_start, warmup_walls
 STEADY_WINDOW = 8
 STEADY_SLACK = 1.2
 COLD_CHECK_GIB = 1.0
+
+
+def clean_up_on_term() -> None:
+    """A SIGTERM (a `kill`, a timeout) ends the run through its `finally` blocks, as Ctrl-C
+    does: the fresh copies of the model (tens of GB), the cold check's copy, the cgroups and
+    the engine under test go, instead of staying behind."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
 @dataclass(frozen=True)
@@ -177,8 +185,8 @@ def cold_check(model: Path, copy: Path, lanes: int, region_gib: float = COLD_CHE
 
     region = int(region_gib * 2**30) // 4096 * 4096
     start = (model.stat().st_size // 2) // 4096 * 4096  # the middle: expert bytes on every model here
-    fresh_region(model, copy, start, region)
     try:
+        fresh_region(model, copy, start, region)
         drop_page_cache()
         first = run_one(copy, "populated", 0, region, lanes)["gbps"]
         drop_page_cache()
@@ -288,11 +296,11 @@ def run_protocol(
         order = engines if r % 2 == 0 else engines[::-1]
         for pos, engine in enumerate(order):
             target = model
-            if cold == "copy":
-                took = fresh_copy(model, copy)
-                target = copy
-                say(f"[{engine.name} #{r + 1}] fresh copy in {took:.0f} s")
             try:
+                if cold == "copy":  # inside the try: a copy cut short by a kill goes too
+                    took = fresh_copy(model, copy)
+                    target = copy
+                    say(f"[{engine.name} #{r + 1}] fresh copy in {took:.0f} s")
                 row = run_engine(
                     engine, target, config, limit_mb, n, threads, out / f"{engine.slug}-{r + 1}", prompt, prompt_tokens, peer_timeout_s
                 )

@@ -28,7 +28,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-from _protocol import cold_run_parser, fresh_copy, io_lanes, lane_gbps, read_rows, run_info  # bench/ is the script's folder
+from _protocol import (  # bench/ is the script's folder
+    clean_up_on_term,
+    cold_run_parser,
+    fresh_copy,
+    io_lanes,
+    lane_gbps,
+    read_rows,
+    run_info,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "out"
@@ -52,6 +60,7 @@ def figures(rows: list[dict], lanes: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    clean_up_on_term()
     ap = cold_run_parser(__doc__.splitlines()[0])
     ap.add_argument("--variant", action="append", default=[], help='NAME=FLAGS, e.g. "populated=--populate"')
     ap.add_argument("--out", type=Path, default=OUT / "cold")
@@ -68,14 +77,14 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.repeat):
         order = variants if r % 2 == 0 else variants[::-1]
         for name, flags in order:
-            took = fresh_copy(args.model, copy)
             out = args.out / f"{name}-{r + 1}"
             shutil.rmtree(out, ignore_errors=True)
             cmd = [sys.executable, "-m", "moe_pipe.cli.main", "bench", args.config, "--set", f"model.path={copy}",
                    "-n", str(args.n), "--repeat", "1", "--mem-limit-mb", str(args.limit_mb), "-t", str(args.threads),
                    "--out", str(out), *flags.split(), *extra]  # fmt: skip
-            print(f"[{name} {r + 1}] fresh copy in {took:.0f} s; {' '.join(cmd[2:])}", file=sys.stderr)
-            try:
+            try:  # the copy inside: one cut short by a kill goes too
+                took = fresh_copy(args.model, copy)
+                print(f"[{name} {r + 1}] fresh copy in {took:.0f} s; {' '.join(cmd[2:])}", file=sys.stderr)
                 subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
             finally:
                 copy.unlink(missing_ok=True)

@@ -162,10 +162,11 @@ def engines(name: str, args) -> list:
 
 
 def main(argv=None) -> int:
-    from _protocol import markdown, run_protocol
+    from _protocol import clean_up_on_term, markdown, run_protocol
 
     from moe_pipe.shared.config import load_config
 
+    clean_up_on_term()
     p = shape_arguments(__doc__.splitlines()[0], n=256, repeat=2, layers=(48, 30, 24, 40))
     p.set_defaults(shapes="qwen30b,gemma26b,gptoss120b")
     p.add_argument("--cold", choices=("copy", "alternate"), default="copy", help="fresh copy per run, or engines alternating on one file")

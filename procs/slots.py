@@ -773,6 +773,7 @@ class Slots:
                 slot.post_progress(processed)
             return
         self.sliced = None
+        heap.give_back()  # the chunk's arrays, kept for its layers (shared/heap.py), not through the replies
         assert piece.logits is not None
         merged = merge_records(sl.records, step=record.step, req_id=record.req_id, pass_tokens=record.pass_tokens)
         self.steps.answer(sl.ask, logits=piece.logits[-1], record=merged)

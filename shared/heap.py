@@ -1,8 +1,8 @@
 """How compute's heap keeps the memory a prompt chunk frees, for the chunk's next layer.
 
     keep_freed_memory() -> str   at start-up: freed blocks stay in the heap (glibc), a line for the log
-    give_back()                  once a prompt's pass is done, and when a request ends: the heap's
-                                 free pages go back to the system
+    give_back()                  once a prompt's pass is done (with several slots, each chunk's), and
+                                 when a request ends: the heap's free pages go back to the system
 
 A prompt chunk allocates arrays of tens of MB in every layer and frees them before
 the next (a 3,600-token chunk's queries and attention output on qwen30b-shape are

@@ -335,6 +335,23 @@ def test_a_prompt_beside_a_decoding_slot_goes_a_few_layers_a_step_and_each_reply
     assert any(p % 16 for p in progress)
 
 
+def test_each_chunk_s_freed_heap_goes_back_once_it_is_through_the_last_layer(tiny, monkeypatch):
+    """As alone (tests/test_metered.py): a chunk's arrays the heap kept for its layers go back
+    when the chunk is through, not only when compute is next idle, so the other slots'
+    decoding does not run with them held."""
+    from moe_pipe.procs import slots as slots_module
+
+    slots, _, start, serve = _in_process(tiny, **{"gateway.parallel": 2, "compute.prefill_chunk": 16})
+    given_back: list[int] = []  # the decoding slot's tokens each time
+    monkeypatch.setattr(slots_module.heap, "give_back", lambda: given_back.append(slots.slots[0].decoded))
+    start(0, _greedy(1, [5, 6, 7], 30))
+    serve(lambda d: slots.slots[0].decoded >= 2)
+    start(1, _greedy(2, [(11 * i) % 200 + 3 for i in range(48)], 4))
+    serve(lambda d: {1, 2} <= d.keys())
+    assert len(given_back) == 1 + 3  # the first slot's 3-token prompt, then the three chunks of 16
+    assert given_back == sorted(given_back) and given_back[-1] < 30  # while the first slot still decoded
+
+
 def test_a_request_that_ends_while_its_chunk_is_part_way_leaves_its_slot_as_before_the_chunk(hybrid):
     """Cancelled while its second chunk is in the first layers: the slot's cache holds the first
     chunk, and the recurrent state is the one those 16 positions give (put back: the layers the

@@ -17,9 +17,9 @@ import pytest
 
 from moe_pipe.shared.errors import UserError
 from moe_pipe.shared.families.bailingmoe3.convert import hparams
-from moe_pipe.shared.gguf.model_file import open_model
+from moe_pipe.shared.gguf.model_file import open_header_model, open_model
 from moe_pipe.shared.gguf.spec import kv_cache_bytes, recurrent_state_bytes
-from moe_pipe.shared.makemodel.maker import make_model
+from moe_pipe.shared.makemodel.maker import make_header, make_model
 
 from . import hfmodels, oracle
 
@@ -28,6 +28,42 @@ from . import hfmodels, oracle
 def tiny(tmp_path_factory):
     """make-model's tiny preset: KDA on layers 0 and 2, MLA on 1 and 3."""
     return make_model("bailingmoe3", "tiny", tmp_path_factory.mktemp("bailingmoe3") / "tiny.gguf")
+
+
+# What the public load logs of a real Ling-3.0 GGUF (the 42-layer, 2,560-wide one llama.cpp
+# calls 124B-A5.1B) print of its header: kv 6-14 in AtomicBot-ai/atomic-llama-cpp-turboquant
+# issue #75, the tokenizer's kv 40-48 in ikawrakow/ik_llama.cpp pull request #2295.
+REAL_FLASH_HEADER = {
+    "bailingmoe3.block_count": 42,
+    "bailingmoe3.context_length": 131072,
+    "bailingmoe3.embedding_length": 2560,
+    "bailingmoe3.feed_forward_length": 6144,
+    "bailingmoe3.attention.head_count": 32,
+    "bailingmoe3.rope.freq_base": 6000000.0,
+    "bailingmoe3.attention.layer_norm_rms_epsilon": 0.000001,
+    "bailingmoe3.expert_count": 512,
+    "tokenizer.ggml.pre": "bailingmoe2",
+    "tokenizer.ggml.bos_token_id": 156891,
+    "tokenizer.ggml.eos_token_id": 156895,
+    "tokenizer.ggml.padding_token_id": 156892,
+    "tokenizer.ggml.add_bos_token": False,
+    "tokenizer.ggml.add_eos_token": False,
+}
+REAL_FLASH_HEAD_COUNT_KV_START = [0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 1]  # the log's first twelve of 42
+REAL_FLASH_VOCAB = 157184  # its tokens (ours are made: only the count and the specials' places are held)
+
+
+def test_the_flash_shape_s_header_has_a_real_ling_3_file_s_values(tmp_path):
+    header = tmp_path / "flash.gguf"
+    size = make_header("bailingmoe3", "ling-3-flash-shape", header)
+    with open_header_model([(header, size)]) as mf:
+        f = mf.gguf
+        got = {k: f.meta(k) for k in REAL_FLASH_HEADER}
+        assert got == {k: pytest.approx(v) if isinstance(v, float) else v for k, v in REAL_FLASH_HEADER.items()}
+        assert list(f.meta("bailingmoe3.attention.head_count_kv")[:12]) == REAL_FLASH_HEAD_COUNT_KV_START
+        tokens = f.meta("tokenizer.ggml.tokens")
+        assert len(tokens) == REAL_FLASH_VOCAB
+        assert [tokens[i] for i in (156891, 156892, 156895)] == ["<|startoftext|>", "<|endoftext|>", "<|role_end|>"]
 
 
 def test_layer_kinds_and_state_come_from_head_count_kv(tiny):

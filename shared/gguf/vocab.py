@@ -199,6 +199,7 @@ class Vocab:
     eot: int | None = None  # tokenizer.ggml.eot_token_id / eom_token_id (glm4moe), also end-of-generation
     eom: int | None = None
     scores: tuple[float, ...] = ()  # tokenizer.ggml.scores (llama SPM: the merge priority of each piece)
+    add_eos: bool | None = None  # tokenizer.ggml.add_eos_token, where the family's converter writes it
 
     def id(self, token: str) -> int:
         return self.tokens.index(token)

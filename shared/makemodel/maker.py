@@ -558,6 +558,8 @@ def _add_metadata(
     if v.eom is not None:
         w.add_eom_token_id(v.eom)
     w.add_add_bos_token(v.add_bos)
+    if v.add_eos is not None:
+        w.add_add_eos_token(v.add_eos)
     if part.add_space_prefix is not None:
         w.add_add_space_prefix(part.add_space_prefix)
     w.add_chat_template(part.chat_template())

@@ -9,9 +9,11 @@ ssm_a = exp(A_log) as [H, 1]), β, the output gate and norm. The leading dense
 layers carry ffn_gate/up/down (n_ff wide), the others the router, its selection
 bias, the routed experts and the shared experts. head_count_kv is per layer: 0 on a
 KDA layer, 1 on an MLA layer. The vocabulary is a byte-level BPE on llama.cpp's
-"bailingmoe2" split with Ling's specials; in the real vocab size <|endoftext|> (pad)
-and <|role_end|> (eos) sit at Ling's ids 156892 and 156895 (transformers'
-BailingHybridConfig defaults), <role> and </role> between them are this plan's choice.
+"bailingmoe2" split with Ling's specials; in the real vocab size <|startoftext|> (bos,
+never added), <|endoftext|> (pad) and <|role_end|> (eos) sit at Ling's ids 156891, 156892
+and 156895 (a real Ling-3.0 GGUF's header: bos 156891, eos 156895, pad 156892, add_bos and
+add_eos false; Ling's tokenizer_config names bos <|startoftext|> and pad <|endoftext|>),
+<role> and </role> between them are this plan's choice.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from ...makemodel.presets import Preset, RouterShape
 from ...text.tokenizer import BAILINGMOE2_REGEX
 
 _SPECIALS = [
+    ("<|startoftext|>", CONTROL),
     ("<|endoftext|>", CONTROL),
     ("<role>", USER_DEFINED),
     ("</role>", USER_DEFINED),
@@ -31,7 +34,7 @@ _SPECIALS = [
     ("<think>", USER_DEFINED),
     ("</think>", USER_DEFINED),
 ]
-_REAL = {"vocab": 157184, "first_special": 156892}
+_REAL = {"vocab": 157184, "first_special": 156891}
 
 
 # make-model presets: tiny, small and the real model's shape
@@ -152,7 +155,7 @@ PRESETS: dict[str, Preset] = {
         n_ff=6144,
         vocab_size=157184,
         n_bpe=4096,
-        context_length=262144,
+        context_length=131072,  # a real Ling-3.0 GGUF's header (bailingmoe3.context_length)
         full_attn_interval=6,
         ssm_heads=32,
         ssm_groups=32,
@@ -303,10 +306,11 @@ class BailingMoe3Plan(PlanPart):
             types=tuple(types),
             merges=merges,
             bos=at,
-            eos=at + 3,
-            pad=at,
+            eos=at + 4,
+            pad=at + 1,
             unk=None,
             add_bos=False,
+            add_eos=False,
         )
 
 

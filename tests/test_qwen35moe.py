@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from moe_pipe.shared.errors import UserError
-from moe_pipe.shared.gguf.model_file import open_model
+from moe_pipe.shared.gguf.model_file import open_header_model, open_model
 from moe_pipe.shared.gguf.spec import kv_cache_bytes, recurrent_state_bytes
-from moe_pipe.shared.makemodel.maker import make_model
+from moe_pipe.shared.makemodel.maker import make_header, make_model
 from moe_pipe.shared.model.load import load_model
 
 from . import oracle
@@ -321,3 +321,27 @@ def test_qwen35_split_keeps_combining_marks_in_words_as_llama_cpp_does(made, tmp
         return [p for p, _ in pre_tokenizers.Split(Regex(regex), behavior="isolated").pre_tokenize_str(text)]
 
     assert pieces(QWEN35_REGEX, "नमस्ते दुनिया") == ["नमस्ते", " दुनिया"] != pieces(QWEN2_REGEX, "नमस्ते दुनिया")
+
+
+# What a public load log of a real Qwen3.5/3.6-35B-A3B GGUF with its MTP block prints of its
+# header (kv 23-33 in ggml-org/llama.cpp issue #25121).
+REAL_35B_HEADER = {
+    "qwen35moe.ssm.conv_kernel": 4,
+    "qwen35moe.ssm.state_size": 128,
+    "qwen35moe.ssm.group_count": 16,
+    "qwen35moe.ssm.time_step_rank": 32,
+    "qwen35moe.ssm.inner_size": 4096,
+    "qwen35moe.full_attention_interval": 4,
+    "qwen35moe.rope.dimension_count": 64,
+    "qwen35moe.nextn_predict_layers": 1,
+    "tokenizer.ggml.model": "gpt2",
+    "tokenizer.ggml.pre": "qwen35",
+}
+REAL_35B_VOCAB = 248320
+
+
+def test_the_35b_shape_s_header_has_a_real_file_s_values(tmp_path):
+    size = make_header("qwen35moe", "qwen35-35b-shape", tmp_path / "h.gguf", mtp=True)
+    with open_header_model([(tmp_path / "h.gguf", size)]) as mf:
+        assert {k: mf.gguf.meta(k) for k in REAL_35B_HEADER} == REAL_35B_HEADER
+        assert mf.gguf.meta_len("tokenizer.ggml.tokens") == REAL_35B_VOCAB

@@ -263,16 +263,17 @@ def _check_fits(label: str, size: int, n_bpe: int, n_block: int) -> None:
         raise ValueError(f"{label}: vocab size {size} cannot hold {n_bpe} BPE tokens + {n_block} special tokens")
 
 
-def qwen_vocab(size: int, n_bpe: int) -> Vocab:
-    bpe, merges = train_byte_level(QWEN2_REGEX, n_bpe)
+def qwen_vocab(size: int, n_bpe: int, pre: str = "qwen2", regex: str = QWEN2_REGEX) -> Vocab:
+    """Qwen's byte-level BPE and added tokens, on the split `pre` names (`regex`)."""
+    bpe, merges = train_byte_level(regex, n_bpe)
     block = [(t, CONTROL if t.startswith("<|") else USER_DEFINED) for t in _QWEN_ADDED]
     _check_fits("qwen3moe", size, len(bpe), len(block))
     at = QWEN_REAL["first_special"] if size == QWEN_REAL["vocab"] else len(bpe)
     tokens, types = _fill(size, bpe, block, at, lambda i: f"[PAD{i}]")
     return Vocab(
         model="gpt2",
-        pre="qwen2",
-        regex=QWEN2_REGEX,
+        pre=pre,
+        regex=regex,
         tokens=tuple(tokens),
         types=tuple(types),
         merges=merges,

@@ -15,6 +15,7 @@ from gguf import GGUFWriter
 from ...gguf.vocab import Vocab, qwen_vocab
 from ...makemodel.part import MakeVector, MakeWeight, PlanPart, TensorSpec, stacked_experts
 from ...makemodel.presets import Preset, RouterShape
+from ...text.tokenizer import QWEN35_REGEX
 
 # make-model presets: tiny, small and the real model's shape
 PRESETS: dict[str, Preset] = {
@@ -163,8 +164,9 @@ class Qwen35MoePlan(PlanPart):
         w.add_ssm_inner_size(p.ssm_heads * p.ssm_state)
 
     def vocab(self, size: int, n_bpe: int) -> Vocab:
-        """Qwen's byte-level BPE and added tokens, as Qwen3's."""
-        return qwen_vocab(size, n_bpe)
+        """Qwen's byte-level BPE and added tokens, as Qwen3's, on the split llama.cpp names
+        "qwen35" (qwen2's with combining marks kept inside words), as real Qwen3.5/3.6 files say."""
+        return qwen_vocab(size, n_bpe, pre="qwen35", regex=QWEN35_REGEX)
 
 
 PLAN = Qwen35MoePlan()

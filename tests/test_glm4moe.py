@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 
 from moe_pipe.shared.errors import GGUFError
-from moe_pipe.shared.gguf.model_file import open_model
-from moe_pipe.shared.makemodel.maker import make_model
+from moe_pipe.shared.gguf.model_file import open_header_model, open_model
+from moe_pipe.shared.makemodel.maker import make_header, make_model
 
 from . import hfmodels, oracle
 
@@ -118,3 +118,29 @@ def test_shape_preset_has_the_real_per_expert_bytes(tmp_path):
         assert lay.expert_bytes(0) == 0
         assert {lay.expert_bytes(i) for i in range(1, 46)} == {2 * gate + down_q5_0, 2 * gate + down_q8_0}
         assert lay.routed_bytes_per_token() == sum(8 * lay.expert_bytes(i) for i in range(1, 46))
+
+
+# What a public load log of a real GLM-4.5-Air GGUF prints of its header (kv 19-31 in
+# mostlygeek/llama-swap issue #437).
+REAL_AIR_HEADER = {
+    "glm4moe.attention.head_count_kv": 8,
+    "glm4moe.rope.freq_base": 1000000.0,
+    "glm4moe.attention.layer_norm_rms_epsilon": 0.00001,
+    "glm4moe.expert_used_count": 8,
+    "glm4moe.attention.key_length": 128,
+    "glm4moe.attention.value_length": 128,
+    "glm4moe.rope.dimension_count": 64,
+    "glm4moe.expert_count": 128,
+    "glm4moe.expert_feed_forward_length": 1408,
+    "glm4moe.expert_shared_count": 1,
+    "glm4moe.leading_dense_block_count": 1,
+    "glm4moe.expert_gating_func": 2,
+    "glm4moe.expert_weights_scale": 1.0,
+}
+
+
+def test_the_air_shape_s_header_has_a_real_file_s_values(tmp_path):
+    size = make_header("glm4moe", "glm45air-shape", tmp_path / "h.gguf")
+    with open_header_model([(tmp_path / "h.gguf", size)]) as mf:
+        got = {k: mf.gguf.meta(k) for k in REAL_AIR_HEADER}
+        assert got == {k: pytest.approx(v) if isinstance(v, float) else v for k, v in REAL_AIR_HEADER.items()}

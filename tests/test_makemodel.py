@@ -21,7 +21,7 @@ from gguf import GGUFReader
 
 from moe_pipe.shared.errors import UserError
 from moe_pipe.shared.makemodel.maker import ARCHES as MADE_ARCHES
-from moe_pipe.shared.makemodel.maker import PRESETS, make_model
+from moe_pipe.shared.makemodel.maker import PRESETS, make_header, make_model
 
 CORPUS = Path(__file__).resolve().parents[1] / "shared" / "data" / "corpus.txt"
 
@@ -478,6 +478,96 @@ def test_the_cli_offers_every_family_and_imports_no_numpy_for_it():
 
 def test_a_family_is_made_by_its_own_name_too(tmp_path):
     assert make_model("mixtral", "tiny", tmp_path, layers=1).name == "llama-tiny-L1-seed0.gguf"
+
+
+# --- shape presets: a real file's published header ------------------------------------
+# What public load logs of a real gpt-oss-120b GGUF print of its header (kv 7-13 in
+# mostlygeek/llama-swap issue #437, kv 22-29 in ggml-org/llama.cpp issue #15297, kv 18 in
+# ggml-org/llama.cpp pull request #17609). The other families' are in their own tests
+# (test_bailingmoe3.py, test_qwen35moe.py, test_glm4moe.py).
+REAL_GPTOSS_120B_HEADER = {
+    "gpt-oss.block_count": 36,
+    "gpt-oss.context_length": 131072,
+    "gpt-oss.embedding_length": 2880,
+    "gpt-oss.feed_forward_length": 2880,
+    "gpt-oss.attention.head_count": 64,
+    "gpt-oss.attention.head_count_kv": 8,
+    "gpt-oss.rope.freq_base": 150000.0,
+    "gpt-oss.attention.value_length": 64,
+    "gpt-oss.attention.sliding_window": 128,
+    "gpt-oss.expert_feed_forward_length": 2880,
+    "gpt-oss.rope.scaling.type": "yarn",
+    "gpt-oss.rope.scaling.factor": 32.0,
+    "gpt-oss.rope.scaling.original_context_length": 4096,
+    "tokenizer.ggml.model": "gpt2",
+    "tokenizer.ggml.pre": "gpt-4o",
+    "tokenizer.ggml.bos_token_id": 199998,
+}
+
+
+def test_the_gptoss120b_shape_s_header_has_a_real_file_s_values(tmp_path):
+    from moe_pipe.shared.gguf.model_file import open_header_model
+
+    size = make_header("gpt-oss", "gptoss120b-shape", tmp_path / "h.gguf")
+    with open_header_model([(tmp_path / "h.gguf", size)]) as mf:
+        assert {k: mf.gguf.meta(k) for k in REAL_GPTOSS_120B_HEADER} == REAL_GPTOSS_120B_HEADER
+        assert mf.gguf.meta_len("tokenizer.ggml.tokens") == 201088
+
+
+# Gemma-4-26B-A4B's, from public load logs (kv 31-44 in lemonade-sdk/llamacpp-rocm issue #81,
+# kv 18-19 in ggml-org/llama.cpp issue #22373, kv 36-46 in ikawrakow/ik_llama.cpp issue #2173).
+REAL_GEMMA_26B_HEADER = {
+    "gemma4.block_count": 30,
+    "gemma4.context_length": 262144,
+    "gemma4.embedding_length_per_layer_input": 0,
+    "gemma4.attention.key_length_swa": 256,
+    "gemma4.attention.value_length_swa": 256,
+    "gemma4.expert_feed_forward_length": 704,
+    "gemma4.rope.dimension_count": 512,
+    "gemma4.rope.dimension_count_swa": 256,
+    "tokenizer.ggml.model": "gemma4",
+}
+
+
+def test_the_gemma26b_shape_s_header_has_a_real_file_s_values(tmp_path):
+    from moe_pipe.shared.gguf.model_file import open_header_model
+
+    size = make_header("gemma4", "gemma26b-shape", tmp_path / "h.gguf")
+    with open_header_model([(tmp_path / "h.gguf", size)]) as mf:
+        f = mf.gguf
+        assert {k: f.meta(k) for k in REAL_GEMMA_26B_HEADER} == REAL_GEMMA_26B_HEADER
+        assert list(f.meta("gemma4.attention.sliding_window_pattern"))[:6] == [True] * 5 + [False]
+        assert f.meta_len("gemma4.attention.sliding_window_pattern") == 30
+        assert list(f.meta("tokenizer.ggml.tokens")[:4]) == ["<pad>", "<eos>", "<bos>", "<unk>"]
+        assert f.meta_len("tokenizer.ggml.tokens") == 262144
+
+
+# DeepSeek-V2-Lite's, from public load logs (kv 2-4 in ggml-org/llama.cpp pull request #7519,
+# kv 16-26 in ggml-org/llama.cpp issue #7652); the keys a later converter changed are left out.
+REAL_V2_LITE_HEADER = {
+    "deepseek2.block_count": 27,
+    "deepseek2.context_length": 163840,
+    "deepseek2.embedding_length": 2048,
+    "deepseek2.expert_feed_forward_length": 1408,
+    "deepseek2.expert_count": 64,
+    "deepseek2.expert_shared_count": 2,
+    "deepseek2.expert_weights_scale": 1.0,
+    "deepseek2.rope.dimension_count": 64,
+    "deepseek2.rope.scaling.type": "yarn",
+    "deepseek2.rope.scaling.factor": 40.0,
+    "deepseek2.rope.scaling.original_context_length": 4096,
+    "deepseek2.rope.scaling.yarn_log_multiplier": 0.0707,
+    "tokenizer.ggml.model": "gpt2",
+}
+
+
+def test_the_v2_lite_shape_s_header_has_a_real_file_s_values(tmp_path):
+    from moe_pipe.shared.gguf.model_file import open_header_model
+
+    size = make_header("deepseek2", "deepseek-v2-lite-shape", tmp_path / "h.gguf")
+    with open_header_model([(tmp_path / "h.gguf", size)]) as mf:
+        got = {k: mf.gguf.meta(k) for k in REAL_V2_LITE_HEADER}
+        assert got == {k: pytest.approx(v) if isinstance(v, float) else v for k, v in REAL_V2_LITE_HEADER.items()}
 
 
 # --- shape presets: per-expert bytes of §6 ---------------------------------------------

@@ -323,9 +323,21 @@ def test_qwen35_split_keeps_combining_marks_in_words_as_llama_cpp_does(made, tmp
     assert pieces(QWEN35_REGEX, "नमस्ते दुनिया") == ["नमस्ते", " दुनिया"] != pieces(QWEN2_REGEX, "नमस्ते दुनिया")
 
 
-# What a public load log of a real Qwen3.5/3.6-35B-A3B GGUF with its MTP block prints of its
-# header (kv 23-33 in ggml-org/llama.cpp issue #25121).
+# What public load logs of real Qwen3.5/3.6-35B-A3B GGUFs with their MTP block print of the
+# header (kv 23-33 in ggml-org/llama.cpp issue #25121, kv 17-20 in ggml-org/llama.cpp pull
+# request #22673, kv 24-29 in am17an/llama.cpp pull request #6; Qwen3.5-397B's log in
+# ikawrakow/ik_llama.cpp issue #1695 has the same `qwen35` pre-split).
 REAL_35B_HEADER = {
+    "qwen35moe.context_length": 262144,
+    "qwen35moe.embedding_length": 2048,
+    "qwen35moe.attention.head_count": 16,
+    "qwen35moe.attention.head_count_kv": 2,
+    "qwen35moe.expert_count": 256,
+    "qwen35moe.expert_used_count": 8,
+    "qwen35moe.attention.key_length": 256,
+    "qwen35moe.attention.value_length": 256,
+    "qwen35moe.expert_feed_forward_length": 512,
+    "qwen35moe.expert_shared_feed_forward_length": 512,
     "qwen35moe.ssm.conv_kernel": 4,
     "qwen35moe.ssm.state_size": 128,
     "qwen35moe.ssm.group_count": 16,

@@ -17,11 +17,12 @@ import pytest
 
 from moe_pipe.shared.errors import UserError
 from moe_pipe.shared.families.bailingmoe3.convert import hparams
-from moe_pipe.shared.gguf.model_file import open_header_model, open_model
+from moe_pipe.shared.gguf.model_file import open_model
 from moe_pipe.shared.gguf.spec import kv_cache_bytes, recurrent_state_bytes
-from moe_pipe.shared.makemodel.maker import make_header, make_model
+from moe_pipe.shared.makemodel.maker import make_model
 
 from . import hfmodels, oracle
+from .realheaders import assert_published, made_header
 
 
 @pytest.fixture(scope="module")
@@ -54,12 +55,8 @@ REAL_FLASH_VOCAB = 157184  # its tokens (ours are made: only the count and the s
 
 
 def test_the_flash_shape_s_header_has_a_real_ling_3_file_s_values(tmp_path):
-    header = tmp_path / "flash.gguf"
-    size = make_header("bailingmoe3", "ling-3-flash-shape", header)
-    with open_header_model([(header, size)]) as mf:
-        f = mf.gguf
-        got = {k: f.meta(k) for k in REAL_FLASH_HEADER}
-        assert got == {k: pytest.approx(v) if isinstance(v, float) else v for k, v in REAL_FLASH_HEADER.items()}
+    with made_header("bailingmoe3", "ling-3-flash-shape", tmp_path) as f:
+        assert_published(f, REAL_FLASH_HEADER)
         assert list(f.meta("bailingmoe3.attention.head_count_kv")[:12]) == REAL_FLASH_HEAD_COUNT_KV_START
         tokens = f.meta("tokenizer.ggml.tokens")
         assert len(tokens) == REAL_FLASH_VOCAB

@@ -21,7 +21,9 @@ from gguf import GGUFReader
 
 from moe_pipe.shared.errors import UserError
 from moe_pipe.shared.makemodel.maker import ARCHES as MADE_ARCHES
-from moe_pipe.shared.makemodel.maker import PRESETS, make_header, make_model
+from moe_pipe.shared.makemodel.maker import PRESETS, make_model
+
+from .realheaders import assert_published, made_header
 
 CORPUS = Path(__file__).resolve().parents[1] / "shared" / "data" / "corpus.txt"
 
@@ -506,12 +508,9 @@ REAL_GPTOSS_120B_HEADER = {
 
 
 def test_the_gptoss120b_shape_s_header_has_a_real_file_s_values(tmp_path):
-    from moe_pipe.shared.gguf.model_file import open_header_model
-
-    size = make_header("gpt-oss", "gptoss120b-shape", tmp_path / "h.gguf")
-    with open_header_model([(tmp_path / "h.gguf", size)]) as mf:
-        assert {k: mf.gguf.meta(k) for k in REAL_GPTOSS_120B_HEADER} == REAL_GPTOSS_120B_HEADER
-        assert mf.gguf.meta_len("tokenizer.ggml.tokens") == 201088
+    with made_header("gpt-oss", "gptoss120b-shape", tmp_path) as f:
+        assert_published(f, REAL_GPTOSS_120B_HEADER)
+        assert f.meta_len("tokenizer.ggml.tokens") == 201088
 
 
 # Gemma-4-26B-A4B's, from public load logs (kv 31-44 in lemonade-sdk/llamacpp-rocm issue #81,
@@ -530,12 +529,8 @@ REAL_GEMMA_26B_HEADER = {
 
 
 def test_the_gemma26b_shape_s_header_has_a_real_file_s_values(tmp_path):
-    from moe_pipe.shared.gguf.model_file import open_header_model
-
-    size = make_header("gemma4", "gemma26b-shape", tmp_path / "h.gguf")
-    with open_header_model([(tmp_path / "h.gguf", size)]) as mf:
-        f = mf.gguf
-        assert {k: f.meta(k) for k in REAL_GEMMA_26B_HEADER} == REAL_GEMMA_26B_HEADER
+    with made_header("gemma4", "gemma26b-shape", tmp_path) as f:
+        assert_published(f, REAL_GEMMA_26B_HEADER)
         assert list(f.meta("gemma4.attention.sliding_window_pattern"))[:6] == [True] * 5 + [False]
         assert f.meta_len("gemma4.attention.sliding_window_pattern") == 30
         assert list(f.meta("tokenizer.ggml.tokens")[:4]) == ["<pad>", "<eos>", "<bos>", "<unk>"]
@@ -562,12 +557,8 @@ REAL_V2_LITE_HEADER = {
 
 
 def test_the_v2_lite_shape_s_header_has_a_real_file_s_values(tmp_path):
-    from moe_pipe.shared.gguf.model_file import open_header_model
-
-    size = make_header("deepseek2", "deepseek-v2-lite-shape", tmp_path / "h.gguf")
-    with open_header_model([(tmp_path / "h.gguf", size)]) as mf:
-        got = {k: mf.gguf.meta(k) for k in REAL_V2_LITE_HEADER}
-        assert got == {k: pytest.approx(v) if isinstance(v, float) else v for k, v in REAL_V2_LITE_HEADER.items()}
+    with made_header("deepseek2", "deepseek-v2-lite-shape", tmp_path) as f:
+        assert_published(f, REAL_V2_LITE_HEADER)
 
 
 # --- shape presets: per-expert bytes of §6 ---------------------------------------------

@@ -16,12 +16,13 @@ import numpy as np
 import pytest
 
 from moe_pipe.shared.errors import UserError
-from moe_pipe.shared.gguf.model_file import open_header_model, open_model
+from moe_pipe.shared.gguf.model_file import open_model
 from moe_pipe.shared.gguf.spec import kv_cache_bytes, recurrent_state_bytes
-from moe_pipe.shared.makemodel.maker import make_header, make_model
+from moe_pipe.shared.makemodel.maker import make_model
 from moe_pipe.shared.model.load import load_model
 
 from . import oracle
+from .realheaders import assert_published, made_header
 
 PROMPTS = [list(p) for p in oracle.IDS]
 
@@ -353,7 +354,6 @@ REAL_35B_VOCAB = 248320
 
 
 def test_the_35b_shape_s_header_has_a_real_file_s_values(tmp_path):
-    size = make_header("qwen35moe", "qwen35-35b-shape", tmp_path / "h.gguf", mtp=True)
-    with open_header_model([(tmp_path / "h.gguf", size)]) as mf:
-        assert {k: mf.gguf.meta(k) for k in REAL_35B_HEADER} == REAL_35B_HEADER
-        assert mf.gguf.meta_len("tokenizer.ggml.tokens") == REAL_35B_VOCAB
+    with made_header("qwen35moe", "qwen35-35b-shape", tmp_path, mtp=True) as f:
+        assert_published(f, REAL_35B_HEADER)
+        assert f.meta_len("tokenizer.ggml.tokens") == REAL_35B_VOCAB

@@ -96,7 +96,11 @@ def print_report(f: dict) -> None:
         (
             "budget",
             f"{f['budget']} → {f['n_slabs']:,} slabs"
-            + (f", {f['n_slabs'] + f['n_slabs_lent']:,} while it is short" if f.get("n_slabs_lent") else ""),
+            + (
+                f", {f['n_slabs'] + f['n_slabs_lent']:,} while the context is short and no long prompt runs"
+                if f.get("n_slabs_lent")
+                else ""
+            ),
         ),
     ]
     if not f["fits"]:

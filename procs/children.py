@@ -57,6 +57,7 @@ class Launch:
             slab_bytes=r.slab_bytes,
             n_slabs=r.n_slabs,
             lent_slabs=r.lent_slabs,
+            prompt_lent_slabs=r.prompt_lent_slabs,
             index_arena=self.res.index.name,
             dense_arena=self.res.dense.name if self.res.dense is not None else "",
             model_identity=r.model_identity,

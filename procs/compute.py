@@ -39,7 +39,7 @@ from ..shared import heap, quant
 from ..shared.config import ComputeConfig, Config
 from ..shared.cores import choose_threads
 from ..shared.errors import UserError
-from ..shared.experts.budget import KVLoan
+from ..shared.experts.budget import KVLoan, PromptLoan
 from ..shared.experts.dense import arena_views, warm_sweep
 from ..shared.experts.directio import ModelChanged, model_identity
 from ..shared.experts.placement import expert_view, placement_for
@@ -47,6 +47,7 @@ from ..shared.experts.populate import Populator
 from ..shared.experts.residency import ResidencyIndex
 from ..shared.experts.shm import Arena, SlabArena
 from ..shared.gguf.model_file import open_model
+from ..shared.gguf.spec import experts_per_token
 from ..shared.model.levers import Levers
 from ..shared.model.load import ModelOptions, load_model
 from ..shared.model.prompt_watch import PromptProgress, PromptWatch
@@ -128,12 +129,13 @@ class SlabExperts:
         ready_in: zmq.Socket,
         poll: Callable[[], None] | None = None,
         kv_type: str = "f16",
+        top_k: int | None = None,
     ):
         """`facts`: the arenas and the reader to watch; `overlap`: compute.overlap;
         `poll`: called between experts, may raise GenerationAborted (a Stop mid-prompt);
-        `kv_type`: compute.kv_type, what a position of the KV cache takes (the loan)."""
+        `kv_type`: compute.kv_type, what a position of the KV cache takes (the loan);
+        `top_k`: compute.n_expert_used, what a prompt pass's activations take (the prompt's loan)."""
         self.n_slabs, self.reader_pid, self.overlap, self.layout = facts.n_slabs, facts.reader_pid, overlap, layout
-        self.held_together = self.n_slabs  # a call's experts are fetched, and pinned, a slab-sized group at a time
         self.poll = poll or (lambda: None)
         self.arena = SlabArena.attach(facts.slab_arena, facts.slab_bytes, readonly=True)
         self.index = ResidencyIndex.attach(facts.index_arena, layout.spec)
@@ -150,7 +152,10 @@ class SlabExperts:
         # The KV cache's loan (docs/architecture.md § The KV cache's loan): the slabs the cache
         # may hold, taken back before the context grows into them.
         self.loan = KVLoan.of(facts.n_slabs, facts.lent_slabs, facts.slab_bytes, layout.spec, kv_type)
-        self.usable = self.n_slabs
+        # The prompt's loan (§ The prompt's loan): not the cache's until this process is warm (`lend`).
+        self.prompt_loan = PromptLoan(facts.prompt_lent_slabs, facts.slab_bytes, layout.spec, experts_per_token(layout.spec, top_k))
+        self.usable = self.n_slabs - self.prompt_loan.lent_slabs
+        self.kv_held = self.n_slabs  # what the KV cache's loan leaves the cache: taken back once and kept back
         self.fillers: list[Populator] = []  # the slab arena's populator: stopped before pages are given back
         self.reset_counters()
 
@@ -193,8 +198,9 @@ class SlabExperts:
         self._score_prefetch(layer, ids)
         # A prompt batch can route to more experts than the cache has slabs (the
         # budget floor is one *token's* working set): fetch in slab-sized groups.
-        for start in range(0, len(ids), self.n_slabs):
-            yield from self._fetch_group(layer, ids[start : start + self.n_slabs])
+        group = self.held_together
+        for start in range(0, len(ids), group):
+            yield from self._fetch_group(layer, ids[start : start + group])
 
     def _fetch_group(self, layer: int, ids: list[int]) -> Iterator[Expert]:
         self._settle()
@@ -290,26 +296,40 @@ class SlabExperts:
             self.prefetch_issued += len(ids)
         return layer, tuple(ids)
 
-    def room_for_kv(self, positions: int) -> None:
-        """Before a pass writes the KV cache up to `positions`: the cache gives back the
-        slabs the KV cache lent it that those positions need (and some positions ahead,
-        so this is rare), and the reader has freed their pages when this returns."""
-        if not self.loan.lent_slabs:
+    def room_for(self, positions: int, rows: int = 1) -> None:
+        """Before a pass of `rows` rows writes the KV cache up to `positions`: the cache gives
+        back the slabs the KV cache lent it that those positions need (and some positions
+        ahead, so this is rare; kept back after) and those the pass's activations need of the
+        prompt's loan, or has the prompt's loan again when the pass is small; the reader has
+        freed the pages given back when this returns."""
+        kv = self.kv_held
+        if self.loan.lent_slabs and self.loan.slabs_at(positions) < kv:
+            kv = self.loan.slabs_at(positions + self.loan.ahead)
+        want = kv - self.prompt_loan.slabs_for(rows)
+        if want == self.usable:
             return
-        want = self.loan.slabs_at(positions)
-        if want >= self.usable:
-            return
-        want = self.loan.slabs_at(positions + self.loan.ahead)
-        for p in self.fillers:  # a populate running yet would take the given-back pages again
-            p.stop()
+        if want < self.usable:
+            for p in self.fillers:  # a populate running yet would take the given-back pages again
+                p.stop()
         t0 = time.perf_counter()
         req, self.next_req = self.next_req, self.next_req + 1
         ipc.send(self.fetch_out, m.CacheLimit(req, want))
         self.messages += 1
         self._next_answer(req, m.CacheLimited)
-        self.usable = want
         self.wire_s += time.perf_counter() - t0
-        log.info("the KV cache took back %d of the %d slabs it lent (%d positions)", self.n_slabs - want, self.loan.lent_slabs, positions)
+        if kv < self.kv_held:
+            log.info("the KV cache took back %d of the %d slabs it lent (%d positions)", self.n_slabs - kv, self.loan.lent_slabs, positions)
+        self.usable, self.kv_held = want, kv
+
+    @property
+    def held_together(self) -> int:
+        """A call's experts are fetched, and pinned, a group the cache may hold now at a time."""
+        return max(1, self.usable)
+
+    def lend(self) -> None:
+        """This process is warm (its kernels compiled): the prompt's loan is the cache's."""
+        if self.prompt_loan.lent_slabs:
+            self.room_for(0, 0)
 
     def end_step(self) -> None:
         """The token is done: one Release for its fetches and the hits the
@@ -434,11 +454,13 @@ def serve(config: Config, facts: RunFacts, ctx: zmq.Context) -> None:
         telemetry.send(msg)
 
     watch = PromptWatch(mf.spec.n_layer, progress, interrupts.check)
-    source = SlabExperts(facts, c.overlap, mf.layout, fetch_out, ready_in, poll=watch.poll, kv_type=c.kv_type)
+    source = SlabExperts(facts, c.overlap, mf.layout, fetch_out, ready_in, poll=watch.poll, kv_type=c.kv_type, top_k=c.n_expert_used)
     # First use of a page of either arena is a fault inside a token's compute:
     # take them now, on a thread (the dense set first: every token reads all of it).
     arenas = [(dense_arena, "dense set"), (source.arena.arena, "slab cache")] if config.io.populate else []
-    populators = [Populator(a, what=w).start() for a, w in arenas if a is not None]
+    # Of the slab cache, the slabs it holds now: the prompt's loan has no pages until it is lent.
+    ends = {"slab cache": source.usable * facts.slab_bytes}
+    populators = [Populator(a, end=ends.get(w), what=w).start() for a, w in arenas if a is not None]
     source.fillers = [p for p in populators if p.arena is source.arena.arena]
     route_trace = config.telemetry.route_trace
     tracer = RouteTracer(str(route_trace), mf, c.n_expert_used, source.resident) if route_trace else None
@@ -458,6 +480,7 @@ def serve(config: Config, facts: RunFacts, ctx: zmq.Context) -> None:
     epoch = time.time_ns()
     front_end = FrontEndWatch(tokens_out)
     ipc.send(fetch_out, m.Hello("compute", os.getpid(), epoch))  # the reader drops a dead compute's pins
+    source.lend()  # warm: the prompt's loan is the cache's
     ipc.send(tokens_out, m.Hello("compute", os.getpid(), epoch))  # the front end can send requests
     try:
         if config.gateway.parallel > 1:  # several requests at once, one batched pass a step
@@ -473,7 +496,7 @@ def serve(config: Config, facts: RunFacts, ctx: zmq.Context) -> None:
                 return
             if isinstance(msg, m.Slot):
                 if msg.action == "restore":  # a restored session's KV cache is written without a pass
-                    source.room_for_kv(c.ctx_size)
+                    source.room_for(c.ctx_size)
                 ipc.send(tokens_out, handle_slot(msg, session, model, c.ctx_size, identity))
             elif isinstance(msg, m.Generate):
                 interrupts.req_id = msg.req_id

@@ -84,7 +84,9 @@ class MeteredModel:
         # The request's first pass is its prompt's (the uncached part); a later one is a context shift's.
         prompt = self.watch is not None and not self.records
         try:
-            return self._step(lambda: self.model.prefill(tokens, cache, batch=batch), cache, len(tokens), prompt)
+            return self._step(
+                lambda: self.model.prefill(tokens, cache, batch=batch), cache, len(tokens), prompt, rows=min(len(tokens), batch)
+            )
         finally:
             # The chunk's arrays the heap kept for its layers (shared/heap.py) go back before the
             # reply's tokens: a dense set read through the file mapping needs those pages.
@@ -99,7 +101,9 @@ class MeteredModel:
         """A decoded token and its drafts in one pass (shared/text/speculate.py): one record, its drafts counted as `drafted`."""
         if self.tracer:
             self.tracer.phase = 1
-        return self._step(lambda: self.model.verify(tokens, cache, redo), cache, len(tokens), drafted=max(len(tokens) - 1 - redo, 0))
+        return self._step(
+            lambda: self.model.verify(tokens, cache, redo), cache, len(tokens), drafted=max(len(tokens) - 1 - redo, 0), rows=len(tokens)
+        )
 
     def drafts_judged(self, drafted: int, kept: int) -> None:
         """The last verify pass's drafts are settled (shared/text/speculate.py): its record goes out with them."""
@@ -116,13 +120,15 @@ class MeteredModel:
         self.records.append(rec)
         self.telemetry.send(rec)
 
-    def _step(self, fn, cache, n_tokens: int, prompt: bool = False, drafted: int = 0):
+    def _step(self, fn, cache, n_tokens: int, prompt: bool = False, drafted: int = 0, rows: int = 1):
         self.finish()  # a held record whose drafts were never judged (an interrupted pass)
         if self.interrupts is not None:
             self.interrupts.check()
         self._reset_counters()
         t0 = time.perf_counter()
-        self.source.room_for_kv(cache.n + n_tokens)  # the KV cache's loan, before the pass writes there
+        # The loans (docs/architecture.md): the KV cache's before the pass writes there, the prompt's
+        # before a pass of many rows, and the prompt's back to the cache before a small one.
+        self.source.room_for(cache.n + n_tokens, rows)
         try:
             if prompt and self.watch is not None:
                 self.watch.begin(cache.n + n_tokens, cache.n, cache)  # the opening event, processed == cached

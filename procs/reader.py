@@ -99,12 +99,13 @@ class Reader:
 
     def __init__(self, config: Config, facts: RunFacts, ctx: zmq.Context):
         self.runtime_dir, self.n_slabs = facts.runtime_dir, facts.n_slabs
+        self.prompt_lent = facts.prompt_lent_slabs  # held back until compute, warm, lends them (§ The prompt's loan)
+        self.populate = config.io.populate
         self.warm_from = str(config.cache.warm_from or "")
         self.mf = open_model(facts.model_path, facts.io_align or None)
         self.layout = self.mf.layout
         self.arena = SlabArena.attach(facts.slab_arena, facts.slab_bytes, readonly=False)
-        # Slabs are handed out 0, 1, 2, ...: populating front to back stays ahead of the fill.
-        self.populator = Populator(self.arena.arena, what="slab cache").start() if config.io.populate else None
+        self.populator: Populator | None = None
         self.files = ExpertFiles(self.mf.gguf.paths, identity=facts.model_identity or None, align=self.layout.align)
         self.io = IoStatus.load(facts.runtime_dir)  # a restarted reader carries the count on
         self.next_check = 0.0
@@ -114,8 +115,10 @@ class Reader:
         self.table.on_pinned = self.index.mark_pinned  # the web page's heatmap shows pins (docs/web.md)
         self.restored = self.restore_from_index()
         self.limit_waiting: m.CacheLimit | None = None  # a CacheLimit that pins keep from being carried out yet
-        if self.index.usable:  # a reader before us held the cache to this: hold to it before reading anything
+        if self.index.usable:  # a reader before us (or start-up, for the prompt's loan) held the cache to this
             self.limit_to(self.index.usable)
+        # Slabs are handed out 0, 1, 2, ...: populating front to back stays ahead of the fill.
+        self.populate_slabs(0, self.table.n_usable)
         # Heat ranks the experts for the hot set; its half-life is nextmix's long clock (4x the cache in uses).
         self.heat = Heat(max(64, 4 * facts.n_slabs))
         self.hot_set, self.identity, self.model_name = facts.hot_set, tuple(facts.model_identity), facts.model_name
@@ -205,7 +208,8 @@ class Reader:
         for waiters in self.inflight.values():
             waiters.clear()
         self.limit_waiting = None
-        self.limit_to(self.n_slabs)  # its context is empty: the KV cache's loan is the cache's again
+        # Its context is empty: the KV cache's loan is the cache's again; the prompt's waits until it is warm.
+        self.limit_to(self.n_slabs - self.prompt_lent)
 
     # -- 1. fetch ------------------------------------------------------------
     def on_fetch(self, msg: m.Fetch) -> None:
@@ -444,7 +448,10 @@ class Reader:
         slabs' pages go back to the system. Returns the slabs it holds now (above `n` while
         pins are in the way)."""
         n = max(1, min(n, self.n_slabs))
+        before = self.table.n_usable
         retired, evicted = self.table.set_usable(n)
+        if n > before:  # a loan given (back) to the cache: its slabs' pages, made ahead of the reads into them
+            self.populate_slabs(before, n)
         for key in evicted:
             self.index.clear(cast(ExpertKey, key))
         for slab in retired:
@@ -453,6 +460,17 @@ class Reader:
         if retired or evicted:
             log.info("cache held to %d of %d slabs (%d given back, %d experts evicted)", n, self.n_slabs, len(retired), len(evicted))
         return self.table.n_usable
+
+    def populate_slabs(self, first: int, end: int) -> None:
+        """Make the pages of slabs [first, end) on a thread (io.populate), ahead of the reads
+        into them; a populate still running stops first (one at a time, and a CacheLimit
+        stops it before pages are given back)."""
+        if not self.populate or end <= first:
+            return
+        if self.populator is not None:
+            self.populator.stop()
+        sb = self.arena.slab_bytes
+        self.populator = Populator(self.arena.arena, start=first * sb, end=end * sb, what="slab cache").start()
 
     # -- sending --------------------------------------------------------------------
     def send_ready(self, req_id: int, key, slab: int, hit: bool, io_ns: int) -> None:

@@ -28,6 +28,7 @@ from ..shared.experts.budget import (
     CacheFloor,
     kv_lendable_bytes,
     pipeline_bytes,
+    prompt_lendable_bytes,
     resolve_budget,
     service_kv_bytes,
 )
@@ -59,6 +60,7 @@ class Resolved:
     model_identity: tuple[str, ...] = ()  # of every shard at start-up: children refuse any other file
     io_align: int = 4096  # Layout.align resolved here once; children open the model with it (shared/gguf/alignment.py)
     lent_slabs: int = 0  # of n_slabs, those the KV cache lends until its context grows into them (cache.lend_kv)
+    prompt_lent_slabs: int = 0  # of n_slabs, those a long prompt's allowance lends while none runs (cache.lend_prompt)
 
 
 def cache_description(budget_text: str, n_slabs: int, budget_slabs: int) -> str:
@@ -119,9 +121,10 @@ class Resources:
                 engine_bytes=pipeline_bytes(roles, spec, cfg.compute.prefill_tokens, top_k),
                 check_memory=True,
                 lendable_bytes=kv_lendable_bytes(cfg, spec),
+                prompt_bytes=prompt_lendable_bytes(cfg, spec, top_k),
             )
-            own, lent = budget.slabs(layout.slab_bytes, spec.n_layer * spec.n_expert)
-            n_slabs = own + lent
+            own, lent, prompt_lent = budget.slabs(layout.slab_bytes, spec.n_layer * spec.n_expert)
+            n_slabs = own + lent + prompt_lent
             lossy = lossy_expert_count(spec, cfg.compute.n_expert_used)
             if lossy:  # after the checks above, so a refusal stays the one line
                 print(lossy, file=sys.stderr)
@@ -138,9 +141,13 @@ class Resources:
             undo.callback(_release, slabs)
             reserving = ThreadPoolExecutor(1, thread_name_prefix="reserve-slabs")
             undo.callback(reserving.shutdown)  # before the arena is released: the thread is done with it
-            reserved = reserving.submit(slabs.arena.reserve)
+            # The prompt's loan is not the cache's while compute warms up (compiling the kernels
+            # takes memory of its own): its slabs, the arena's last, get pages once compute lends them.
+            reserved = reserving.submit(slabs.arena.reserve, (n_slabs - prompt_lent) * layout.slab_bytes)
             index = ResidencyIndex.create(spec)
             undo.callback(_release, index)
+            if prompt_lent:
+                index.usable = n_slabs - prompt_lent  # the reader holds to it from the start
             dense, direct = None, True
             if cfg.io.dense_weights == "anon":
                 if progress:
@@ -169,6 +176,7 @@ class Resources:
                 identity,
                 layout.align,
                 lent,
+                prompt_lent,
             )
             res = cls(rt, slabs, index, dense, resolved)
             undo.pop_all()  # made whole: from here close() releases it

@@ -24,6 +24,7 @@ class RunFacts:
     slab_bytes: int = 0  # one slab: the largest expert, aligned (shared/gguf/layout.py)
     n_slabs: int = 0  # slabs in the arena: the resolved budget over slab_bytes, and the KV cache's loan
     lent_slabs: int = 0  # of them, those compute takes back as its context grows (docs/architecture.md § The KV cache's loan)
+    prompt_lent_slabs: int = 0  # of them, those held back while compute warms up and before a long prompt pass (§ The prompt's loan)
     index_arena: str = ""  # the residency index's segment (shared/experts/residency.py)
     dense_arena: str = ""  # the dense set's segment; "" unless io.dense_weights = "anon"
     model_identity: tuple[str, ...] = ()  # directio.model_identity at start-up: a child refuses any other file

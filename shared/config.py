@@ -165,6 +165,15 @@ class CacheConfig:
         flags=("--lend-kv",),
         off_flag="--no-lend-kv",
     )
+    lend_prompt: bool = setting(
+        True,
+        "bool",
+        "with an auto budget and one slot, the expert cache also holds the memory set aside for a long "
+        "prompt chunk's activations while no such chunk runs, and gives it back before one does "
+        "(docs/architecture.md § The prompt's loan); --no-lend-prompt keeps the cache to its budget",
+        flags=("--lend-prompt",),
+        off_flag="--no-lend-prompt",
+    )
     policy: str = setting(
         DEFAULT_POLICY,
         "choice",

@@ -18,20 +18,23 @@ import pytest
 from moe_pipe.shared.config import load_config
 from moe_pipe.shared.errors import ConfigError
 from moe_pipe.shared.experts.budget import (
+    SMALL_PASS_ROWS,
     UNLIMITED,
     CacheFloor,
     CgroupLimit,
     KVLoan,
     MemoryProbe,
     MiB,
+    PromptLoan,
     check_floor,
     compute_budget,
     kv_lendable_bytes,
     probe_memory,
+    prompt_lendable_bytes,
     resolve_budget,
     service_kv_bytes,
 )
-from moe_pipe.shared.gguf.spec import kv_cache_bytes, kv_pool_bytes
+from moe_pipe.shared.gguf.spec import kv_cache_bytes, kv_pool_bytes, prefill_activation_bytes
 
 GiB = 1 << 30
 
@@ -68,6 +71,49 @@ def test_the_kv_cache_lends_an_auto_budget_its_unused_rows():
     assert clamped.clamped and clamped.bytes == 4000 * MiB and clamped.lent_bytes == 384 * MiB
     assert compute_budget(2000, 100000, mem, lendable_bytes=384 * MiB, **kw).lent_bytes == 0  # fixed
     assert compute_budget("auto", 100000, mem, **kw).lent_bytes == 0  # nothing lendable
+
+
+def test_a_long_prompts_allowance_is_lent_as_far_as_it_raises_the_reserve():
+    """The prompt's loan: of the activations' allowance in the engine's estimate, an auto budget
+    lends what the reserve holds beyond reserve_mb and the processes' own part (the memory only
+    a long pass uses), a clamped one too; a fixed one and a reserve_mb above it all lend nothing."""
+    mem = probe(8 * GiB)
+    kw = dict(dense_bytes=GiB, kv_bytes=512 * MiB, dense_policy="anon", reserve_mb=512)
+    b = compute_budget("auto", 100000, mem, engine_bytes=900 * MiB, prompt_bytes=420 * MiB, **kw)
+    assert b.bytes == 8 * GiB - GiB - 512 * MiB - 900 * MiB and b.prompt_lent_bytes == 900 * MiB - 512 * MiB
+    assert "and 388 MiB of a long prompt's while none runs" in b.description
+    whole = compute_budget("auto", 100000, mem, engine_bytes=1000 * MiB, prompt_bytes=420 * MiB, **kw)
+    assert whole.prompt_lent_bytes == 420 * MiB  # the processes alone are above reserve_mb: all of it
+    assert compute_budget("auto", 4000, mem, engine_bytes=1000 * MiB, prompt_bytes=420 * MiB, **kw).prompt_lent_bytes == 420 * MiB
+    assert compute_budget("auto", 100000, mem, engine_bytes=500 * MiB, prompt_bytes=420 * MiB, **kw).prompt_lent_bytes == 0
+    assert compute_budget(2000, 100000, mem, engine_bytes=1000 * MiB, prompt_bytes=420 * MiB, **kw).prompt_lent_bytes == 0
+    # in slabs: the budget's own first, then the KV cache's loan, then the prompt's, never more than the model's experts
+    both = compute_budget("auto", 100000, mem, engine_bytes=1000 * MiB, prompt_bytes=420 * MiB, lendable_bytes=100 * MiB, **kw)
+    own = both.bytes // MiB
+    assert both.slabs(MiB, 10**6) == (own, 100, 420)
+    assert both.slabs(MiB, own + 150) == (own, 100, 50) and both.slabs(MiB, own) == (own, 0, 0)
+
+
+def test_what_a_pass_takes_of_the_prompts_loan(tiny_model):
+    """A pass of a few rows takes nothing back; a longer one what its activations need, in whole
+    slabs, never more than was lent; off (--no-lend-prompt) or with several slots nothing is lent."""
+    from moe_pipe.shared.gguf.model_file import open_model
+
+    with open_model(tiny_model) as mf:
+        spec = mf.spec
+    cfg = load_config(None, {"compute.ctx_size": 512})
+    lendable = prompt_lendable_bytes(cfg, spec, spec.n_expert_used)
+    assert lendable == prefill_activation_bytes(spec, 512, spec.n_expert_used)
+    assert prompt_lendable_bytes(load_config(None, {"compute.ctx_size": 512, "cache.lend_prompt": False}), spec, 2) == 0
+    assert prompt_lendable_bytes(load_config(None, {"compute.ctx_size": 512, "gateway.parallel": 2}), spec, 2) == 0
+    slab = 4096
+    loan = PromptLoan(lendable // slab, slab, spec, spec.n_expert_used)
+    assert loan.slabs_for(1) == loan.slabs_for(SMALL_PASS_ROWS) == 0
+    taken = [loan.slabs_for(n) for n in (SMALL_PASS_ROWS + 1, 64, 256, 512, 4096)]
+    assert 0 < taken[0] and taken == sorted(taken) and taken[-1] == loan.lent_slabs
+    need = prefill_activation_bytes(spec, 64, spec.n_expert_used)
+    assert loan.slabs_for(64) == -(-need // slab)
+    assert PromptLoan(0, slab, spec, 2).slabs_for(4096) == 0
 
 
 def test_what_the_kv_cache_lends_and_how_it_is_taken_back(tiny_model):

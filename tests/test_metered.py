@@ -42,10 +42,12 @@ class Counters:
         self.abandoned = 0
         self.usable = 0
         self.rooms: list[int] = []  # the KV positions each pass asked room for, in order
+        self.rows: list[int] = []  # and the rows of each pass at once (the prompt's loan)
         self.reset_counters()
 
-    def room_for_kv(self, positions: int) -> None:
+    def room_for(self, positions: int, rows: int = 1) -> None:
         self.rooms.append(positions)
+        self.rows.append(rows)
 
     def reset_counters(self) -> None:
         self.hits = self.misses = self.read_bytes = self.io_ns = self.messages = 0
@@ -119,6 +121,8 @@ def test_a_prompt_s_progress_comes_in_order_and_closes_at_total_before_its_text(
         assert [r.pass_tokens for r in e.records[1:]] == [1] * (len(e.records) - 1)
         # before each pass, room for the KV positions it writes (the KV cache's loan): the prompt's, then one a token
         assert e.source.rooms == [len(PROMPT) + i for i in range(len(e.records))]
+        # and the rows a pass holds at once (the prompt's loan): the prompt's chunk, then one a token
+        assert e.source.rows == [CHUNK] + [1] * (len(e.records) - 1)
 
         # the next turn reuses the conversation: its progress opens at what the cache holds
         e.events.clear()

@@ -21,7 +21,7 @@ import pytest
 from moe_pipe.procs.pipeline import start_pipeline
 from moe_pipe.shared.config import DEFAULT_POLICY, load_config
 from moe_pipe.shared.errors import ConfigError
-from moe_pipe.shared.experts.budget import KVLoan
+from moe_pipe.shared.experts.budget import KVLoan, PromptLoan
 from moe_pipe.shared.experts.policies import LIVE_POLICIES
 from moe_pipe.shared.gguf.model_file import open_model
 from moe_pipe.shared.makemodel.maker import make_model
@@ -292,6 +292,43 @@ def test_the_kv_caches_loan_goes_back_as_the_context_grows_and_keeps_the_tokens(
     after_first = loan.slabs_at(600 + loan.ahead)  # asked for with room ahead
     after_second = loan.slabs_at(len(second) + loan.ahead) if loan.slabs_at(len(second)) < after_first else after_first
     assert slabs == [after_first] * 4 + [after_second] * 4 and after_first < lent.n_slabs
+    assert {r.cache_slabs for r in read_csv(tmp_path / "own.csv")[1]} == {own.n_slabs}
+
+
+def test_the_prompts_loan_is_the_caches_between_long_passes_and_keeps_the_tokens(tiny, tmp_path):
+    """cache.lend_prompt: with an auto budget whose reserve is the engine's own estimate, the
+    cache also holds what a long prompt chunk's activations were set aside: a pass of many
+    rows gives those slabs back before it runs, every decoded token's pass has them again,
+    and every token is the one a run without the loan gives."""
+    path, prompt, _, sizes = tiny
+    with open_model(path) as mf:
+        tok = Tokenizer.from_gguf(mf.gguf)
+        spec = mf.spec
+    long = tok.encode(" ".join(["the mill by the river"] * 120))[:600]
+    over = {
+        "cache.cache_mb": "auto",
+        "cache.cache_ceil_mb": sizes["min_mb"] + 4 * sizes["slab"] / MiB,
+        "cache.reserve_mb": 0,  # the engine's estimate is the reserve: the prompt's allowance is in it
+        "cache.lend_kv": False,
+        "compute.ctx_size": 1024,
+    }
+
+    def turns(lend: bool, csv: Path):
+        cfg = load_config(None, {"model.path": str(path), **over, "cache.lend_prompt": lend, "telemetry.csv": str(csv)})
+        with start_pipeline(cfg, path) as pipe:
+            out = [list(pipe.generate(p, {"temperature": 0.0}, 4).tokens) for p in (long, prompt)]
+            return out, pipe.resolved
+
+    lent_tokens, lent = turns(True, tmp_path / "lent.csv")
+    own_tokens, own = turns(False, tmp_path / "own.csv")
+    assert lent_tokens == own_tokens
+    assert own.prompt_lent_slabs == 0 and lent.prompt_lent_slabs > 0 and lent.n_slabs == own.n_slabs + lent.prompt_lent_slabs
+    loan = PromptLoan(lent.prompt_lent_slabs, lent.slab_bytes, spec, spec.n_expert_used)
+    assert loan.slabs_for(len(long)) > 0 and loan.slabs_for(1) == loan.slabs_for(len(prompt)) == 0
+    records = read_csv(tmp_path / "lent.csv")[1]
+    assert records[0].pass_tokens == len(long) and [r.pass_tokens for r in records[1:4]] == [1, 1, 1] and len(records) == 8
+    # the long prompt's pass held the cache below its size; every other pass held all of it
+    assert [r.cache_slabs for r in records] == [lent.n_slabs - loan.slabs_for(len(long))] + [lent.n_slabs] * 7
     assert {r.cache_slabs for r in read_csv(tmp_path / "own.csv")[1]} == {own.n_slabs}
 
 

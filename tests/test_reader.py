@@ -13,6 +13,8 @@ import pytest
 from moe_pipe.procs.children import Launch
 from moe_pipe.procs.reader import Reader
 from moe_pipe.shared.experts import shm
+from moe_pipe.shared.experts.budget import MiB
+from moe_pipe.shared.gguf.model_file import open_model
 from moe_pipe.shared.wire import ipc
 from moe_pipe.shared.wire import messages as m
 
@@ -249,3 +251,30 @@ def test_a_cache_limit_evicts_gives_pages_back_and_waits_for_pins(h):
     for _ in range(n - 1):
         h.land()
     assert all(h.answer().hit is False for _ in range(n - 1)) and len(h.reader.table) == n  # two held before, seven read
+
+
+def test_the_prompts_loan_waits_for_a_warm_compute_and_comes_back_with_a_new_one(model):
+    """The prompt's loan (cache.lend_prompt): start-up allocates and populates only the slabs
+    the cache holds without it, and the reader holds to them until compute lends the rest (a
+    CacheLimit above the count: the slabs are the cache's, their pages made); a new compute's
+    Hello holds the cache to them again, as it warms up."""
+    with open_model(model) as mf:
+        slab = mf.layout.slab_bytes
+    over = {"cache.cache_ceil_mb": 10 * slab / MiB, "cache.reserve_mb": 0, "cache.lend_kv": False, "compute.ctx_size": 1024}
+    h = Harness(model, cache_mb="auto", io_threads=1, **over)
+    try:
+        n, lent = h.reader.n_slabs, h.reader.prompt_lent
+        assert lent > 0 and n == 10 + lent
+        assert h.reader.table.n_usable == n - lent and h.reader.index.usable == n - lent
+        if h.reader.populator is not None:
+            h.reader.populator.wait(30)
+        assert _allocated(h) == (n - lent) * slab  # the lent slabs have no pages yet
+        h.reader.on_cache_limit(m.CacheLimit(7, n))  # compute is warm: the loan is the cache's
+        assert h.answer_limit().slabs == n and h.reader.table.n_usable == n and h.reader.index.usable == 0
+        if h.reader.populator is not None:
+            h.reader.populator.wait(30)
+            assert _allocated(h) == n * slab
+        h.reader.on_hello(m.Hello("compute", 1234, 1))  # a new compute warms up: the loan waits for it again
+        assert h.reader.table.n_usable == n - lent and _allocated(h) == (n - lent) * slab
+    finally:
+        h.close()

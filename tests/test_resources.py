@@ -32,7 +32,7 @@ def test_every_slab_page_is_allocated_when_start_up_returns(tiny_model):
 
 
 def test_a_slab_reservation_that_fails_fails_start_up_and_leaves_nothing(tiny_model, monkeypatch):
-    def no_room(self) -> None:
+    def no_room(self, length: int | None = None) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(shm.Arena, "reserve", no_room)

@@ -66,6 +66,7 @@ from ..experts.budget import (
     kv_lendable_bytes,
     pipeline_bytes,
     probe_memory,
+    prompt_lendable_bytes,
     resolve_budget,
     service_kv_bytes,
 )
@@ -132,6 +133,7 @@ class ModelFootprint:
     nextn_bytes: int = 0  # the NextN/MTP block (shared/gguf/nextn.py): in the file, never read
     parallel: int = 1  # gateway.parallel: slots, each with its own KV cache (kv_bytes counts all of them)
     kv_lendable_bytes: int = 0  # of kv_bytes, what the KV cache lends the expert cache while the context is short
+    prompt_lendable_bytes: int = 0  # of engine_bytes, a long prompt chunk's activations: lent while none runs
     name: str = ""  # general.name: make-model's files say "moe-pipe made ARCH PRESET"
 
     @property
@@ -198,6 +200,7 @@ def model_footprint(mf, cfg: Config) -> ModelFootprint:
         slab_bytes=layout.slab_bytes,
         kv_bytes=service_kv_bytes(cfg, spec),
         kv_lendable_bytes=kv_lendable_bytes(cfg, spec),
+        prompt_lendable_bytes=prompt_lendable_bytes(cfg, spec, top_k),
         classes=kernel_classes(mf, top_k),
         read_bytes_per_expert=tuple(aligned_bytes(l.extents(0), layout.align) for l in layout.layers),
         engine_bytes=pipeline_bytes(RUN_ROLES, spec, cfg.compute.prefill_tokens, top_k),
@@ -243,7 +246,7 @@ class MemoryFit:
     reserve_bytes: int
     need_bytes: int  # resident dense + KV + reserve + the cache (at least the floor)
     n_slabs: int
-    lent_slabs: int  # slabs more while the context is short: the KV cache's loan (Budget.slabs)
+    lent_slabs: int  # slabs more while the context is short and no long prompt runs: the KV cache's and the prompt's loans (Budget.slabs)
     fits: bool
     resident: bool  # every expert fits in the cache
     refusal: str | None
@@ -275,6 +278,7 @@ def memory_fit(footprint: ModelFootprint, cfg: Config, memory: MemoryProbe) -> M
         engine_bytes=footprint.engine_bytes,
         floor_bytes=footprint.floor_bytes,
         lendable_bytes=footprint.kv_lendable_bytes,
+        prompt_bytes=footprint.prompt_lendable_bytes,
     )
     avail = memory.available_bytes
     reserve = max(int(cfg.cache.reserve_mb * MiB), footprint.engine_bytes)  # as the budget counts it
@@ -308,7 +312,8 @@ def memory_fit(footprint: ModelFootprint, cfg: Config, memory: MemoryProbe) -> M
             f"does not fit: {avail / MiB:,.0f} MiB available < {parts}{cache_text} = {need_mb:,} MiB; "
             f"{fix} (or lower --reserve-mb, -c/--ctx-size, --n-expert-used (lossy), or use --dense-weights mmap)"
         )
-    n_slabs, lent_slabs = budget.slabs(footprint.slab_bytes, footprint.all_experts_slabs)
+    n_slabs, kv_lent, prompt_lent = budget.slabs(footprint.slab_bytes, footprint.all_experts_slabs)
+    lent_slabs = kv_lent + prompt_lent
     return MemoryFit(
         budget,
         avail,

@@ -21,6 +21,14 @@ an auto budget, the cache is made larger by that part (`Budget.lent_bytes`,
 more than it would with its context full) and compute takes it back, slab by
 slab, before its context grows into it.
 
+The prompt's loan (cache.lend_prompt; docs/architecture.md § The prompt's loan):
+the allowance auto leaves for a long prompt chunk's activations (`pipeline_bytes`)
+is memory only a pass of many rows uses. With one slot and an auto budget the
+cache holds that part of the reserve too (`Budget.prompt_lent_bytes`: what the
+chunk's allowance adds beyond reserve_mb and the processes' own estimate), except
+while compute warms up; compute takes it back before a pass of many rows and gives
+it to the cache again once the pass is done.
+
 Why cgroups: psutil's `available` is the host's; inside a memory cgroup (a
 container, or the benchmark's emulated 11 GB device) the limit is what the
 OOM killer enforces. Limits are hierarchical, so every level from this
@@ -131,6 +139,17 @@ def kv_lendable_bytes(cfg: Config, spec: ModelSpec) -> int:
     return cfg.compute.ctx_size * kv_position_bytes(spec, cfg.compute.kv_type)
 
 
+def prompt_lendable_bytes(cfg: Config, spec: ModelSpec, top_k: int) -> int:
+    """What a long prompt chunk's allowance may lend the expert cache (cache.lend_prompt): its
+    activations (`prefill_activation_bytes` at compute.prefill_tokens), set aside by the budget
+    but used only while a pass of many rows runs (one slot: a slot's chunk runs beside the
+    others' decoding, and the slots' pool lends nothing either). The budget lends what of it
+    the reserve holds beyond reserve_mb and the processes (`compute_budget`)."""
+    if not cfg.cache.lend_prompt or cfg.gateway.parallel != 1:
+        return 0
+    return prefill_activation_bytes(spec, cfg.compute.prefill_tokens, top_k)
+
+
 # Compute takes back this many slabs more than a pass needs, so a growing context asks rarely.
 LOAN_AHEAD_SLABS = 8
 
@@ -165,6 +184,32 @@ class KVLoan:
     def ahead(self) -> int:
         """The positions a take-back covers beyond the pass that asks for it."""
         return LOAN_AHEAD_SLABS * max(1, self.slab_bytes // max(1, self.position_bytes))
+
+
+# A pass of at most this many rows (a decoded token, a verify pass of drafts, a short prompt)
+# takes none of the prompt's loan back: its activations are a few MiB at most, inside the
+# processes' own estimate (ROLE_PRIVATE_MIB), and a take-back around every such pass would
+# cost two messages and the cache's slabs a token.
+SMALL_PASS_ROWS = 32
+
+
+@dataclass(frozen=True)
+class PromptLoan:
+    """The prompt's loan to the expert cache (docs/architecture.md § The prompt's loan): the
+    cache holds `lent_slabs` more while no pass of many rows runs; before one, compute takes
+    back as many as its activations need (`slabs_for`), and after it the cache has them again."""
+
+    lent_slabs: int
+    slab_bytes: int
+    spec: ModelSpec
+    top_k: int
+
+    def slabs_for(self, rows: int) -> int:
+        """Of the lent slabs, those a pass of `rows` rows needs back before it runs."""
+        if rows <= SMALL_PASS_ROWS or not self.lent_slabs:
+            return 0
+        need = prefill_activation_bytes(self.spec, rows, self.top_k)
+        return min(self.lent_slabs, -(-need // self.slab_bytes))
 
 
 def pipeline_bytes(roles: tuple[str, ...] | list[str], spec: ModelSpec, prefill_tokens: int, top_k: int) -> int:
@@ -230,17 +275,20 @@ class Budget:
     ceil_bytes: int = 0
     clamped: bool = False
     lent_bytes: int = 0  # the KV reservation's part the cache holds until the context grows into it (auto only)
+    prompt_lent_bytes: int = 0  # the prompt chunk's allowance the cache holds while no long pass runs (auto only)
 
     @property
     def mb(self) -> float:
         return self.bytes / MiB
 
-    def slabs(self, slab_bytes: int, most: int) -> tuple[int, int]:
-        """(the budget's slabs, the KV cache's loan in whole slabs on top), never more than
-        `most` together: more slabs than the model has experts would never be used."""
-        own = slabs_for_budget(self.bytes, slab_bytes)
-        total = min(own + self.lent_bytes // slab_bytes, most)
-        return min(own, most), total - min(own, most)
+    def slabs(self, slab_bytes: int, most: int) -> tuple[int, int, int]:
+        """(the budget's slabs, the KV cache's loan and the prompt's loan in whole slabs on
+        top), never more than `most` together: more slabs than the model has experts would
+        never be used; the prompt's loan is cut first."""
+        own = min(slabs_for_budget(self.bytes, slab_bytes), most)
+        kv = min(own + self.lent_bytes // slab_bytes, most) - own
+        prompt = min(own + kv + self.prompt_lent_bytes // slab_bytes, most) - own - kv
+        return own, kv, prompt
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self) | {"mb": round(self.mb, 3)}
@@ -285,12 +333,16 @@ def compute_budget(
     engine_bytes: int = 0,
     floor_bytes: int = 0,
     lendable_bytes: int = 0,
+    prompt_bytes: int = 0,
 ) -> Budget:
     """The budget from its inputs; no I/O. `memory` is only read when cache_mb is "auto".
     `engine_bytes` (see `engine_bytes()`) is the least the reserve may be.
     `lendable_bytes` (`kv_lendable_bytes`, part of `kv_bytes`) is lent to an auto budget
     (`Budget.lent_bytes`), the ceiling's clamp or not: the engine never holds more than
     with its context full; a fixed one borrows nothing (the cache is the size it says).
+    `prompt_bytes` (`prompt_lendable_bytes`, part of `engine_bytes`) is lent to an auto budget
+    as far as it raises the reserve above reserve_mb and the rest of `engine_bytes`
+    (`Budget.prompt_lent_bytes`): the memory only a long prompt pass uses.
 
     The dense set is subtracted when it is resident ("anon", "warm"). A mapped one ("mmap") is
     file pages the kernel may drop, but every token reads all of it, so a dropped page is read
@@ -326,11 +378,14 @@ def compute_budget(
         f"reserve {_mib(reserve)}" if reserve == asked else f"processes {_mib(reserve)} (estimated; more than reserve_mb {reserve_mb:g})"
     )
     lent = max(0, lendable_bytes)  # counted in kv_bytes already: the memory is there, ceiling or not
+    prompt_lent = max(0, reserve - max(asked, engine_bytes - max(0, prompt_bytes)))  # counted in the reserve: there too
     text = f"budget {_mib(size)}: auto = {memory.describe()} - {dense_text} - KV {_mib(kv_bytes)} - {reserve_text} = {_mib(free)}" + (
         f", clamped to cache_ceil_mb {cache_ceil_mb:g}" if free > ceil else ""
     )
     if lent:
         text += f"; and up to {_mib(lent)} of the KV cache's while the context is short"
+    if prompt_lent:
+        text += f"; and {_mib(prompt_lent)} of a long prompt's while none runs"
     return Budget(
         size,
         "auto",
@@ -343,6 +398,7 @@ def compute_budget(
         ceil_bytes=ceil,
         clamped=free > ceil,
         lent_bytes=lent,
+        prompt_lent_bytes=prompt_lent,
     )
 
 
@@ -553,6 +609,7 @@ def resolve_budget(
     check_memory: bool = False,
     floor_bytes: int = 0,
     lendable_bytes: int = 0,
+    prompt_bytes: int = 0,
 ) -> Budget:
     """The budget for a loaded Config (`cfg.cache`, `cfg.io.dense_weights`); probes memory when auto.
 
@@ -581,6 +638,7 @@ def resolve_budget(
         engine_bytes=engine_bytes,
         floor_bytes=floor.bytes if floor is not None else floor_bytes,
         lendable_bytes=lendable_bytes,
+        prompt_bytes=prompt_bytes,
     )
     where = cfg.source or "config"
     if floor is not None:

@@ -103,14 +103,18 @@ class Arena:
         os.close(fd)  # the mapping keeps the segment; the fd is not needed
         return cls(name, size, mm, owner=True, readonly=False)
 
-    def reserve(self) -> None:
-        """Allocate every page of the segment now (posix_fallocate), so an arena that does not
-        fit in /dev/shm fails here with ENOSPC rather than as a SIGBUS in whichever process
-        first touches the missing page. A thread may run it beside other start-up work (the
-        call waits in the kernel, which zeroes the pages, without the GIL)."""
+    def reserve(self, length: int | None = None) -> None:
+        """Allocate every page of the segment (or of its first `length` bytes) now
+        (posix_fallocate), so an arena that does not fit in /dev/shm fails here with ENOSPC
+        rather than as a SIGBUS in whichever process first touches the missing page. A thread
+        may run it beside other start-up work (the call waits in the kernel, which zeroes the
+        pages, without the GIL)."""
+        size = self.size if length is None else min(self.size, length)
+        if size <= 0:
+            return
         fd = os.open(SHM_DIR / self.name, os.O_RDWR)
         try:
-            os.posix_fallocate(fd, 0, self.size)
+            os.posix_fallocate(fd, 0, size)
         finally:
             os.close(fd)
 

@@ -105,7 +105,9 @@ class ExpertSource(Protocol):
     # yielded may be kept and multiplied after later ones have come (a prompt takes the
     # experts in memory several a kernel call: shared/model/moe.py). A cache smaller than
     # a layer's experts reuses the slab of an expert already given for a later one.
-    held_together: int
+    # Read only: the slab cache's changes as its loans are taken back and lent again.
+    @property
+    def held_together(self) -> int: ...
 
     def experts(self, layer: int, ids: Iterable[int]) -> Iterator[Expert]:
         """Yield each requested expert of `layer` exactly once, in the order

@@ -156,6 +156,7 @@ class SlabExperts:
         self.prompt_loan = PromptLoan(facts.prompt_lent_slabs, facts.slab_bytes, layout.spec, experts_per_token(layout.spec, top_k))
         self.usable = self.n_slabs - self.prompt_loan.lent_slabs
         self.kv_held = self.n_slabs  # what the KV cache's loan leaves the cache: taken back once and kept back
+        self.withheld = self.prompt_loan.lent_slabs  # of the prompt's loan, what is not lent (all until warm)
         self.fillers: list[Populator] = []  # the slab arena's populator: stopped before pages are given back
         self.reset_counters()
 
@@ -305,7 +306,7 @@ class SlabExperts:
         kv = self.kv_held
         if self.loan.lent_slabs and self.loan.slabs_at(positions) < kv:
             kv = self.loan.slabs_at(positions + self.loan.ahead)
-        want = kv - self.prompt_loan.slabs_for(rows)
+        want = kv - self.prompt_loan.slabs_for(rows, self.withheld)
         if want == self.usable:
             return
         if want < self.usable:
@@ -327,9 +328,14 @@ class SlabExperts:
         return max(1, self.usable)
 
     def lend(self) -> None:
-        """This process is warm (its kernels compiled): the prompt's loan is the cache's."""
-        if self.prompt_loan.lent_slabs:
-            self.room_for(0, 0)
+        """This process is warm (its kernels compiled): the prompt's loan is the cache's, but
+        for what this process's own pages take above their estimate."""
+        if not self.prompt_loan.lent_slabs:
+            return
+        self.withheld = self.prompt_loan.withheld_for(heap.private_bytes())
+        if self.withheld:
+            log.info("of the prompt's loan, %d slabs stay with this process's own pages (above its estimate)", self.withheld)
+        self.room_for(0, 0)
 
     def end_step(self) -> None:
         """The token is done: one Release for its fetches and the hits the
@@ -429,7 +435,6 @@ def serve(config: Config, facts: RunFacts, ctx: zmq.Context) -> None:
     cores = choose_threads(c.threads, most=quant.most_threads(), engine=os.getppid())
     quant.set_threads(cores.threads)
     log.info(cores.line())
-    log.info(heap.keep_freed_memory())
     ep = ipc.Endpoints(Path(facts.runtime_dir))
     requests = ipc.bind(ctx, ep, "requests")
     tokens_out = ipc.connect(ctx, ep, "tokens")
@@ -476,6 +481,10 @@ def serve(config: Config, facts: RunFacts, ctx: zmq.Context) -> None:
     steps = kernel_steps(mf, forward_pass(mf, c.n_expert_used, view, c.kv_type))
     warm = warm_up(steps, lambda i, n, item: ipc.send(tokens_out, m.Progress(STAGE, i, n, item)))
     ipc.send(tokens_out, m.Progress(STAGE, warm.steps, warm.steps, "", warm.seconds, warm.compiled))
+    # Compiling takes a few hundred MiB (LLVM) that the heap would otherwise keep: given back
+    # before the heap starts keeping a prompt's arrays, and before the prompt's loan is lent.
+    heap.give_back()
+    log.info(heap.keep_freed_memory())
     late = CompileCounter().__enter__()  # for the life of the process: compiles a request still paid for
     epoch = time.time_ns()
     front_end = FrontEndWatch(tokens_out)

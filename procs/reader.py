@@ -428,7 +428,7 @@ class Reader:
 
     # -- 3b. the KV cache's loan ------------------------------------------------------
     def on_cache_limit(self, msg: m.CacheLimit) -> None:
-        if self.populator is not None:  # it would give the pages given back their memory again
+        if self.populator is not None and msg.slabs < self.table.n_usable:  # it would give the pages given back their memory again
             self.populator.stop()
             self.populator = None
         self.limit_waiting = msg
@@ -463,14 +463,17 @@ class Reader:
 
     def populate_slabs(self, first: int, end: int) -> None:
         """Make the pages of slabs [first, end) on a thread (io.populate), ahead of the reads
-        into them; a populate still running stops first (one at a time, and a CacheLimit
-        stops it before pages are given back)."""
+        into them; a populate still running stops, and what it had left is made by this one
+        (one at a time; a CacheLimit below the count stops it before pages are given back)."""
         if not self.populate or end <= first:
             return
-        if self.populator is not None:
-            self.populator.stop()
         sb = self.arena.slab_bytes
-        self.populator = Populator(self.arena.arena, start=first * sb, end=end * sb, what="slab cache").start()
+        start = first * sb
+        if self.populator is not None:  # one running yet (the start-up's, say): it goes on in the new one
+            self.populator.stop()
+            if self.populator.supported:
+                start = min(start, self.populator.start_at + self.populator.done_bytes)
+        self.populator = Populator(self.arena.arena, start=start, end=end * sb, what="slab cache").start()
 
     # -- sending --------------------------------------------------------------------
     def send_ready(self, req_id: int, key, slab: int, hit: bool, io_ns: int) -> None:

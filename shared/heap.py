@@ -3,6 +3,7 @@
     keep_freed_memory() -> str   at start-up: freed blocks stay in the heap (glibc), a line for the log
     give_back()                  once a prompt's pass is done (with several slots, each chunk's), and
                                  when a request ends: the heap's free pages go back to the system
+    private_bytes() -> int       the process's private pages now (what the prompt's loan leaves out)
 
 A prompt chunk allocates arrays of tens of MB in every layer and frees them before
 the next (a 3,600-token chunk's queries and attention output on qwen30b-shape are
@@ -55,6 +56,18 @@ def keep_freed_memory() -> str:
     if not (libc.mallopt(M_MMAP_MAX, 0) and libc.mallopt(M_TRIM_THRESHOLD, TRIM_NEVER)):
         return "heap: glibc refused the settings: a prompt's large arrays take fresh pages each layer"
     return "heap: a prompt's large arrays reuse the pages the layer before freed; given back when a request ends"
+
+
+def private_bytes() -> int:
+    """This process's private memory now (RssAnon; 0 where /proc does not say)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
 def give_back() -> None:

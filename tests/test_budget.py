@@ -32,6 +32,7 @@ from moe_pipe.shared.experts.budget import (
     probe_memory,
     prompt_lendable_bytes,
     resolve_budget,
+    role_bytes,
     service_kv_bytes,
 )
 from moe_pipe.shared.gguf.spec import kv_cache_bytes, kv_pool_bytes, prefill_activation_bytes
@@ -114,6 +115,13 @@ def test_what_a_pass_takes_of_the_prompts_loan(tiny_model):
     need = prefill_activation_bytes(spec, 64, spec.n_expert_used)
     assert loan.slabs_for(64) == -(-need // slab)
     assert PromptLoan(0, slab, spec, 2).slabs_for(4096) == 0
+    # compute's own pages above their estimate (kernels compiled, not loaded) are never lent
+    estimate = role_bytes("compute", spec.n_vocab)
+    assert loan.withheld_for(estimate) == loan.withheld_for(estimate // 2) == 0
+    assert loan.withheld_for(estimate + 1) == 1 and loan.withheld_for(estimate + 3 * slab) == 3
+    assert loan.withheld_for(estimate + 10**12) == loan.lent_slabs
+    assert loan.slabs_for(1, withheld=3) == 3 and loan.slabs_for(64, withheld=3) == 3 + loan.slabs_for(64)
+    assert loan.slabs_for(4096, withheld=3) == loan.lent_slabs
 
 
 def test_what_the_kv_cache_lends_and_how_it_is_taken_back(tiny_model):

@@ -108,13 +108,17 @@ RUN_ROLES = ("telemetry", "reader", "compute")  # `moe-pipe run`
 SERVICE_ROLES = RUN_ROLES + ("gateway",)  # `moe-pipe up`
 
 
+def role_bytes(role: str, n_vocab: int) -> int:
+    """The estimate of one child's private pages (ROLE_PRIVATE_MIB and its vocabulary's part)."""
+    if role not in ROLE_PRIVATE_MIB:
+        raise ValueError(f"no memory estimate for process role {role!r}; known: {sorted(ROLE_PRIVATE_MIB)}")
+    return ROLE_PRIVATE_MIB[role] * MiB + VOCAB_BYTES_PER_TOKEN.get(role, 0) * n_vocab
+
+
 def engine_bytes(roles: tuple[str, ...] | list[str], n_vocab: int) -> int:
     """Estimated memory the engine's children in `roles` take beside the
     arenas and the KV cache: their private pages and the code they share."""
-    unknown = [r for r in roles if r not in ROLE_PRIVATE_MIB]
-    if unknown:
-        raise ValueError(f"no memory estimate for process role(s) {unknown}; known: {sorted(ROLE_PRIVATE_MIB)}")
-    private = sum(ROLE_PRIVATE_MIB[r] * MiB + VOCAB_BYTES_PER_TOKEN.get(r, 0) * n_vocab for r in roles)
+    private = sum(role_bytes(r, n_vocab) for r in roles)
     return private + (SHARED_CODE_MIB * MiB if roles else 0)
 
 
@@ -204,12 +208,21 @@ class PromptLoan:
     spec: ModelSpec
     top_k: int
 
-    def slabs_for(self, rows: int) -> int:
-        """Of the lent slabs, those a pass of `rows` rows needs back before it runs."""
-        if rows <= SMALL_PASS_ROWS or not self.lent_slabs:
+    def slabs_for(self, rows: int, withheld: int = 0) -> int:
+        """Of the lent slabs, those the cache may not hold while a pass of `rows` rows runs: what
+        its activations need, beside the `withheld` slabs compute's own pages took (`withheld_for`)."""
+        if not self.lent_slabs:
             return 0
-        need = prefill_activation_bytes(self.spec, rows, self.top_k)
-        return min(self.lent_slabs, -(-need // self.slab_bytes))
+        need = prefill_activation_bytes(self.spec, rows, self.top_k) if rows > SMALL_PASS_ROWS else 0
+        return min(self.lent_slabs, withheld + -(-need // self.slab_bytes))
+
+    def withheld_for(self, private_bytes: int) -> int:
+        """The slabs never lent when compute's own pages (`private_bytes`, once warm) are above its
+        estimate (`role_bytes`): kernels compiled at start-up rather than loaded from numba's
+        cache stay resident, 400 MiB against 170 on qwen30b-shape, and take that much of the
+        allowance themselves."""
+        over = private_bytes - role_bytes("compute", self.spec.n_vocab)
+        return min(self.lent_slabs, max(0, -(-over // self.slab_bytes)))
 
 
 def pipeline_bytes(roles: tuple[str, ...] | list[str], spec: ModelSpec, prefill_tokens: int, top_k: int) -> int:

@@ -260,6 +260,14 @@ def test_csv_schema_and_counts_agree_with_independent_lru(tiny, tmp_path):
     assert csv.with_suffix(".jsonl").exists()
 
 
+def _turns(path: Path, over: dict, prompts, csv: Path):
+    """Greedy 4-token replies to `prompts`, one after another in one pipeline of `over`'s settings
+    (telemetry to `csv`): their tokens, and what start-up resolved."""
+    cfg = load_config(None, {"model.path": str(path), **over, "telemetry.csv": str(csv)})
+    with start_pipeline(cfg, path) as pipe:
+        return [list(pipe.generate(p, {"temperature": 0.0}, 4).tokens) for p in prompts], pipe.resolved
+
+
 def test_the_kv_caches_loan_goes_back_as_the_context_grows_and_keeps_the_tokens(tiny, tmp_path):
     """cache.lend_kv: an auto budget (held small by its ceiling) also holds the KV rows a
     short context leaves unused; each pass that would write into them takes slabs back
@@ -272,14 +280,8 @@ def test_the_kv_caches_loan_goes_back_as_the_context_grows_and_keeps_the_tokens(
     second = first + tok.encode(" ".join(["and every spring the water rose"] * 120))[:700]
     over = {"cache.cache_mb": "auto", "cache.cache_ceil_mb": sizes["min_mb"] + 4 * sizes["slab"] / MiB, "compute.ctx_size": 4096}
 
-    def turns(lend: bool, csv: Path):
-        cfg = load_config(None, {"model.path": str(path), **over, "cache.lend_kv": lend, "telemetry.csv": str(csv)})
-        with start_pipeline(cfg, path) as pipe:
-            out = [list(pipe.generate(p, {"temperature": 0.0}, 4).tokens) for p in (first, second)]
-            return out, pipe.resolved
-
-    lent_tokens, lent = turns(True, tmp_path / "lent.csv")
-    own_tokens, own = turns(False, tmp_path / "own.csv")
+    lent_tokens, lent = _turns(path, {**over, "cache.lend_kv": True}, (first, second), tmp_path / "lent.csv")
+    own_tokens, own = _turns(path, {**over, "cache.lend_kv": False}, (first, second), tmp_path / "own.csv")
     assert lent_tokens == own_tokens
     assert own.lent_slabs == 0 and lent.lent_slabs > 0 and lent.n_slabs == own.n_slabs + lent.lent_slabs
     with open_model(path) as mf:
@@ -313,14 +315,8 @@ def test_the_prompts_loan_is_the_caches_between_long_passes_and_keeps_the_tokens
         "compute.ctx_size": 1024,
     }
 
-    def turns(lend: bool, csv: Path):
-        cfg = load_config(None, {"model.path": str(path), **over, "cache.lend_prompt": lend, "telemetry.csv": str(csv)})
-        with start_pipeline(cfg, path) as pipe:
-            out = [list(pipe.generate(p, {"temperature": 0.0}, 4).tokens) for p in (long, prompt)]
-            return out, pipe.resolved
-
-    lent_tokens, lent = turns(True, tmp_path / "lent.csv")
-    own_tokens, own = turns(False, tmp_path / "own.csv")
+    lent_tokens, lent = _turns(path, {**over, "cache.lend_prompt": True}, (long, prompt), tmp_path / "lent.csv")
+    own_tokens, own = _turns(path, {**over, "cache.lend_prompt": False}, (long, prompt), tmp_path / "own.csv")
     assert lent_tokens == own_tokens
     assert own.prompt_lent_slabs == 0 and lent.prompt_lent_slabs > 0 and lent.n_slabs == own.n_slabs + lent.prompt_lent_slabs
     loan = PromptLoan(lent.prompt_lent_slabs, lent.slab_bytes, spec, spec.n_expert_used)

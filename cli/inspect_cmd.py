@@ -34,6 +34,7 @@ def summary(mf) -> dict:
         "expert_bytes_per_layer": [layout.expert_bytes(i) for i in range(spec.n_layer)],
         "expert_bytes_total": layout.total_expert_bytes,
         "dense_bytes": layout.dense_bytes,
+        "row_bytes": layout.row_bytes,
         "nextn_layers": spec.n_layer_nextn,
         "nextn_bytes": layout.nextn_bytes,
         "file_bytes": mf.gguf.file_bytes,
@@ -69,6 +70,11 @@ def print_table(s: dict) -> None:
         ("per-expert bytes", ", ".join(f"{b:,}" for b in per_layer) + (" (varies by layer)" if len(per_layer) > 1 else "")),
         ("all experts", f"{s['expert_bytes_total'] / MIB:,.1f} MiB"),
         ("dense bytes", f"{s['dense_bytes'] / MIB:,.1f} MiB ({s['dense_bytes']:,} B)"),
+        *(
+            [("read by row", f"{s['row_bytes'] / MIB:,.1f} MiB: the token embedding, a row a token from the file")]
+            if s["row_bytes"]
+            else []
+        ),
         ("file bytes", f"{s['file_bytes'] / MIB:,.1f} MiB in {s['shards']} file(s)"),
         *([("MTP/NextN block", _nextn(s))] if s["nextn_layers"] else []),
         ("routed per token", f"{s['routed_bytes_per_token'] / MIB:,.1f} MiB (top-{s['n_expert_used']}, all layers, no cache)"),

@@ -408,7 +408,7 @@ def _dense_view(config: Config, facts: RunFacts, mf):
         return arena, arena_views(mf.gguf, mf.layout, arena.buf)
     if config.io.dense_weights == "warm":
         warm_sweep(mf.gguf.paths, mf.layout.dense)
-    return None, None  # the file mapping
+    return None, arena_views(mf.gguf, mf.layout, None)  # the file mapping, the by-row tensors a page at a time
 
 
 def model_options(c: ComputeConfig, routes: RouteCount | RouteTracer | None, mf, watch: PromptWatch | None = None) -> ModelOptions:

@@ -197,7 +197,7 @@ def check_made_f32(path: Path, ids: list[int], tol: float, texts: tuple[str, ...
     and `texts` (the prompt's) tokenized alike."""
     with open_model(path) as mf:
         tensor_bytes = sum(t.nbytes for t in mf.gguf.tensors.values())
-        assert tensor_bytes == mf.layout.dense_bytes + mf.layout.total_expert_bytes
+        assert tensor_bytes == mf.layout.dense_bytes + mf.layout.row_bytes + mf.layout.total_expert_bytes
         model, tok = load_model(mf), Tokenizer.from_gguf(mf.gguf)
         ours = model.forward(ids, model.new_cache(64), all_logits=True)
         llm = llama(path, 64)
@@ -235,7 +235,7 @@ def check_made_model_loads(oracle: FamilyOracle, tmp_path: Path) -> None:
         assert llm.n_vocab() == spec.n_vocab
         assert llm.n_embd() == spec.n_embd
         # llama.cpp's own sum of tensor sizes equals ours: same tensor table, same type sizes.
-        assert llm._model.size() == tensor_bytes == layout.dense_bytes + layout.total_expert_bytes
+        assert llm._model.size() == tensor_bytes == layout.dense_bytes + layout.row_bytes + layout.total_expert_bytes
         tokens = llm.tokenize(b"The river ran past 12 old mills.", add_bos=False)
         llm.eval(tokens)
         logits = np.asarray(llm.scores[: len(tokens)])

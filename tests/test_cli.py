@@ -116,12 +116,12 @@ def test_inspect_shape_presets(arch, preset, tmp_path, capsys):
     assert set(out["expert_bytes_per_layer"]) == facts["per_layer"]
     assert out["expert_bytes"] == max(facts["per_layer"])
     if facts["file_gib"]:  # llama.cpp's "file size" line is the sum of tensor bytes
-        assert round((out["dense_bytes"] + out["expert_bytes_total"]) / 2**30, 2) == facts["file_gib"]
+        assert round((out["dense_bytes"] + out["row_bytes"] + out["expert_bytes_total"]) / 2**30, 2) == facts["file_gib"]
     assert round(out["routed_bytes_per_token"] / 1e9, 2) == facts["routed_gb"]
     if facts["experts"]:
         assert out["quant_types"]["experts"] == facts["experts"]
     assert out["routed_bytes_per_token"] == sum(out["expert_bytes_per_layer"]) * out["n_expert_used"]
-    assert out["dense_bytes"] + out["expert_bytes_total"] <= out["file_bytes"]
+    assert out["dense_bytes"] + out["row_bytes"] + out["expert_bytes_total"] <= out["file_bytes"]
     assert out["min_cache_bytes"] >= out["routed_bytes_per_token"]
 
 

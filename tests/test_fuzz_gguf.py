@@ -136,17 +136,19 @@ def check_byte_map(mf) -> None:
     assert dense == sorted(dense)
     for (s1, _, e1), (s2, o2, _) in zip(dense, dense[1:]):
         assert s1 != s2 or e1 < o2, "dense extents must be merged: disjoint and not touching"
-    for shard in range(len(f.paths)):  # dense extents and expert tensors tile each data section exactly
+    apart = lay.expert_tensor_names | lay.row_tensor_names  # streamed, or read by row
+    for shard in range(len(f.paths)):  # dense extents, expert tensors and by-row tensors tile each data section exactly
         pieces = sorted(
             [(o, e) for s, o, e in dense if s == shard]
-            + [(t.offset, t.end) for t in f.tensors.values() if t.shard == shard and t.name in lay.expert_tensor_names]
+            + [(t.offset, t.end) for t in f.tensors.values() if t.shard == shard and t.name in apart]
         )
         cursor = f.data_start(shard)
         for o, e in pieces:
             assert o == cursor and e > o, (shard, o, e, cursor)
             cursor = e
         assert cursor == f.file_sizes[shard], (shard, cursor)
-    assert lay.dense_bytes == sum(t.nbytes for t in f.tensors.values() if t.name not in lay.expert_tensor_names)
+    assert lay.dense_bytes == sum(t.nbytes for t in f.tensors.values() if t.name not in apart)
+    assert lay.row_bytes == sum(f.tensors[n].nbytes for n in lay.row_tensor_names)
 
 
 def check_one(path: Path) -> str:

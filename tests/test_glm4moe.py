@@ -89,7 +89,10 @@ def test_nextn_blocks_are_neither_streamed_nor_resident(tmp_path):
         tensors = mf.gguf.tensors
         nextn_bytes = sum(t.nbytes for n, t in tensors.items() if n.startswith("blk.3."))
         assert len(mf.layout.layers) == 3 and mf.layout.expert_tensor_names.isdisjoint(n for n in tensors if n.startswith("blk.3."))
-        assert mf.layout.dense_bytes + mf.layout.total_expert_bytes == sum(t.nbytes for t in tensors.values()) - nextn_bytes
+        assert (
+            mf.layout.dense_bytes + mf.layout.row_bytes + mf.layout.total_expert_bytes
+            == sum(t.nbytes for t in tensors.values()) - nextn_bytes
+        )
         assert mf.layout.nextn_bytes == nextn_bytes
         nextn = [t for n, t in tensors.items() if n.startswith("blk.3.")]
         assert not any(d.offset < t.end and t.offset < d.end for t in nextn for d in mf.layout.dense)  # never read

@@ -44,19 +44,38 @@ def test_expert_extents_match_reader(tmp_path, qtype, alignment):
 
 
 def test_dense_is_the_complement(tmp_path):
+    """The dense set is everything but the experts and the tensors read by row (the untied token
+    embedding): with those, it tiles the data section exactly."""
     p = write_qwen_like(tmp_path / "m.gguf")
     with open_model(p) as mf:
         f, layout = mf.gguf, mf.layout
+        assert "output.weight" in f.tensors and layout.row_tensor_names == {"token_embd.weight"}
+        assert layout.row_bytes == f.tensors["token_embd.weight"].nbytes
         expert = [x for l in layout.layers for e in range(mf.spec.n_expert) for x in l.extents(e)]
-        covered = sorted([(x.offset, x.end) for x in expert] + [(x.offset, x.end) for x in layout.dense])
-        # dense + experts tile the data section exactly: no gap, no overlap
+        rows = [(f.tensors[n].offset, f.tensors[n].end) for n in layout.row_tensor_names]
+        covered = sorted([(x.offset, x.end) for x in expert] + [(x.offset, x.end) for x in layout.dense] + rows)
+        # dense + experts + by-row tensors tile the data section exactly: no gap, no overlap
         assert covered[0][0] == f.data_start(0) and covered[-1][1] == f.file_sizes[0]
         for (_, a1), (b0, _) in zip(covered, covered[1:]):
             assert a1 == b0
-        non_expert = [t for t in f.tensors.values() if t.name not in layout.expert_tensor_names]
-        assert layout.dense_bytes == sum(t.nbytes for t in non_expert)
-        for t in non_expert:  # every dense tensor lies inside one dense extent
+        dense = [t for t in f.tensors.values() if t.name not in layout.expert_tensor_names | layout.row_tensor_names]
+        assert layout.dense_bytes == sum(t.nbytes for t in dense)
+        for t in dense:  # every dense tensor lies inside one dense extent
             assert any(d.offset <= t.offset and t.end <= d.end for d in layout.dense), t.name
+        emb = f.tensors["token_embd.weight"]
+        assert not any(d.offset < emb.end and emb.offset < d.end for d in layout.dense)  # no byte of it is read whole
+
+
+def test_a_tied_embedding_stays_in_the_dense_set(tmp_path):
+    """A file without its own output head multiplies every token by the embedding: kept whole."""
+    from moe_pipe.shared.makemodel.maker import make_model
+
+    p = make_model("gemma4", "tiny", tmp_path / "g.gguf")
+    with open_model(p) as mf:
+        assert "output.weight" not in mf.gguf.tensors and mf.spec.tied_output
+        assert mf.layout.row_tensor_names == frozenset() and mf.layout.row_bytes == 0
+        emb = mf.gguf.tensors["token_embd.weight"]
+        assert any(d.offset <= emb.offset and emb.end <= d.end for d in mf.layout.dense)
 
 
 def test_sizes_and_working_set(tmp_path):

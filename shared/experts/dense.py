@@ -28,13 +28,20 @@ def arena_bytes(layout: Layout) -> int:
     return aligned_bytes(layout.dense, layout.align)
 
 
-def arena_views(f: GGUFFile, layout: Layout, buf: np.ndarray) -> Callable[[str], np.ndarray]:
+def arena_views(f: GGUFFile, layout: Layout, buf: np.ndarray | None) -> Callable[[str], np.ndarray]:
     """`view(name)` over the arena: the same dtype and shape as `f.view(name)`.
     The placement is a pure function of the extents (`placement_for`), so compute
-    finds the tensors without being told where the reader put them."""
+    finds the tensors without being told where the reader put them. A tensor read by
+    row (`Layout.row_tensor_names`: the token embedding) is not in the arena: its view is
+    the file mapping's, read a page at a time (`GGUFFile.view_by_rows`); with no arena
+    (`buf` None, the dense set read through the file mapping) every other view is too."""
     placement = placement_for(layout.dense, layout.align)
 
     def view(name: str) -> np.ndarray:
+        if name in layout.row_tensor_names:
+            return f.view_by_rows(name)
+        if buf is None:
+            return f.view(name)
         t: TensorInfo = f.tensor(name)
         like = f.view(name)  # only for dtype and shape; its bytes are not touched
         off = placement.locate(t.shard, t.offset, t.nbytes)

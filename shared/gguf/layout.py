@@ -102,6 +102,9 @@ class Layout:
     # The NextN/MTP block's tensors (shared/gguf/nextn.py): in the file, in neither the dense set nor the experts.
     nextn_tensor_names: frozenset[str] = frozenset()
     nextn_bytes: int = 0
+    # Tensors read a few rows a token from the file (`by_row_tensors`): not in the dense set either.
+    row_tensor_names: frozenset[str] = frozenset()
+    row_bytes: int = 0
 
     def expert_extents(self, layer: int, expert: int) -> tuple[Extent, ...]:
         if not 0 <= expert < self.spec.n_expert:
@@ -160,6 +163,21 @@ def _expert_part(f: GGUFFile, spec: ModelSpec, t: TensorInfo, proj: str, kind: s
     stride = t.nbytes // spec.n_expert
     name = proj if kind == "weight" else f"{proj}_bias"
     return ExpertPart(name, t, t.shape[1:], stride)
+
+
+# The token embedding: a token reads its one row, so a table of vocabulary × width (167 MiB on
+# qwen30b-shape, ~600 on gpt-oss-120b's 201k vocabulary in Q8_0) kept whole in RAM holds
+# memory the expert cache would turn into hits. Untied only: a tied one is also the output
+# head, which every token reads whole.
+EMBEDDING = "token_embd.weight"
+OUTPUT = "output.weight"
+
+
+def by_row_tensors(f: GGUFFile, spec: ModelSpec) -> frozenset[str]:
+    """Tensors the model reads a few rows at a time, read from the file as their rows are
+    used rather than kept in the dense set: the token embedding when the output head is its own."""
+    untied = OUTPUT in f.tensors and not spec.tied_output  # the head the model takes (shared/model/base.py)
+    return frozenset({EMBEDDING}) if EMBEDDING in f.tensors and untied else frozenset()
 
 
 def unused_tensors(f: GGUFFile, spec: ModelSpec) -> frozenset[str]:
@@ -260,6 +278,9 @@ def build_layout(f: GGUFFile, spec: ModelSpec, align: int | None = None) -> Layo
         _check_complete(f, spec, i, layer_parts)
         layers.append(LayerExperts(i, tuple(sorted(layer_parts, key=_sort_key))))
     unused = unused_tensors(f, spec)  # neither streamed nor in the dense set
-    dense_bytes = sum(t.nbytes for t in f.tensors.values() if t.name not in names and t.name not in unused)
+    rows = by_row_tensors(f, spec)  # read by row from the file
+    dense_bytes = sum(t.nbytes for t in f.tensors.values() if t.name not in names | unused | rows)
     nextn_bytes = sum(f.tensors[n].nbytes for n in unused)
-    return Layout(spec, tuple(layers), _dense_extents(f, names | unused), dense_bytes, frozenset(names), align, unused, nextn_bytes)
+    row_bytes = sum(f.tensors[n].nbytes for n in rows)
+    extents = _dense_extents(f, names | unused | rows)
+    return Layout(spec, tuple(layers), extents, dense_bytes, frozenset(names), align, unused, nextn_bytes, rows, row_bytes)

@@ -32,6 +32,7 @@ expert stack is shape (E, out, in).
 
 from __future__ import annotations
 
+import mmap
 import os
 import re
 import struct
@@ -627,6 +628,21 @@ class GGUFFile:
         if self.header_only:
             raise GGUFError(self.path, f"only the header is here: tensor {name!r} has no bytes (pull the model to run it)")
         return self._views[name]
+
+    def view_by_rows(self, name: str) -> np.ndarray:
+        """`view(name)` for a tensor read a few rows at a time (the token embedding): the
+        mapping's pages under it are read one at a time as rows are touched, not with the
+        read-around a fault normally brings (MADV_RANDOM; several MiB on a disk whose
+        readahead is large), so its page cache holds the rows used and little more."""
+        view = self.view(name)
+        t, mm = self.tensors[name], getattr(self.readers[self.tensors[name].shard].data, "_mmap", None)
+        if mm is not None and hasattr(mmap, "MADV_RANDOM"):
+            lo = t.offset - t.offset % mmap.PAGESIZE
+            try:
+                mm.madvise(mmap.MADV_RANDOM, lo, t.end - lo)
+            except (OSError, ValueError):
+                pass  # advice only: the rows read the same either way
+        return view
 
     @property
     def file_bytes(self) -> int:

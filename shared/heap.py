@@ -1,6 +1,6 @@
 """How compute's heap keeps the memory a prompt chunk frees, for the chunk's next layer.
 
-    keep_freed_memory() -> str   at start-up: freed blocks stay in the heap (glibc), a line for the log
+    keep_freed_memory() -> str   once compute is warm: freed blocks stay in the heap (glibc), a line for the log
     give_back()                  once a prompt's pass is done (with several slots, each chunk's), and
                                  when a request ends: the heap's free pages go back to the system
     private_bytes() -> int       the process's private pages now (what the prompt's loan leaves out)

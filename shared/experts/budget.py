@@ -219,8 +219,8 @@ class PromptLoan:
     def withheld_for(self, private_bytes: int) -> int:
         """The slabs never lent when compute's own pages (`private_bytes`, once warm) are above its
         estimate (`role_bytes`): kernels compiled at start-up rather than loaded from numba's
-        cache stay resident, 400 MiB against 170 on qwen30b-shape, and take that much of the
-        allowance themselves."""
+        cache stay resident, ~420 MiB against the ~255 estimated on qwen30b-shape, and take that
+        much of the allowance themselves."""
         over = private_bytes - role_bytes("compute", self.spec.n_vocab)
         return min(self.lent_slabs, max(0, -(-over // self.slab_bytes)))
 

@@ -635,7 +635,8 @@ class GGUFFile:
         read-around a fault normally brings (MADV_RANDOM; several MiB on a disk whose
         readahead is large), so its page cache holds the rows used and little more."""
         view = self.view(name)
-        t, mm = self.tensors[name], getattr(self.readers[self.tensors[name].shard].data, "_mmap", None)
+        t = self.tensors[name]
+        mm = getattr(self.readers[t.shard].data, "_mmap", None)
         if mm is not None and hasattr(mmap, "MADV_RANDOM"):
             lo = t.offset - t.offset % mmap.PAGESIZE
             try:

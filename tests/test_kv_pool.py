@@ -4,6 +4,8 @@ and the serving loop keeping to the pool with every reply still its solo reply."
 
 from __future__ import annotations
 
+import mmap
+
 import numpy as np
 import pytest
 
@@ -41,38 +43,46 @@ def test_when_no_row_can_run_the_youngest_request_holding_positions_ends():
     assert make_room(100, [Use(0, 1, True, 100, 101), Use(1, 2, True, 0, 16)]) == Room()
 
 
-def _anon_kib() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("RssAnon:"))
+def _resident_kib(cache: KVCache) -> int:
+    """KiB of the cache's own rows the kernel holds in memory: each page's present bit in
+    /proc/self/pagemap. The process's RssAnon would also count what else this test worker
+    allocates or frees meanwhile (it failed once that way under two workers)."""
+    pages = 0
+    with open("/proc/self/pagemap", "rb") as f:
+        for rows in cache.k + cache.v:
+            first, n = rows.data.ctypes.data // mmap.PAGESIZE, -(-rows.data.nbytes // mmap.PAGESIZE)
+            f.seek(first * 8)
+            pages += int((np.frombuffer(f.read(n * 8), np.uint64) >> np.uint64(63)).sum())
+    return pages * mmap.PAGESIZE // 1024
 
 
 def test_a_cache_takes_pages_as_positions_are_written_and_gives_them_back():
     """A whole-context layer's rows are taken a page at a time as positions are written and
-    given back past a position by `release`, as the kernel counts the process's memory; the
-    positions kept read back unchanged."""
+    given back past a position by `release`, as the kernel holds the pages; the positions
+    kept read back unchanged."""
     layers, hk, d, n_ctx = 4, 4, 128, 8192  # f16: 8 MiB a layer's K, as many its V
     cache = KVCache(n_ctx, (hk,) * layers, (d,) * layers, (d,) * layers, "f16")
-    per_position = 2 * layers * hk * d * 2
+    per_position = 2 * layers * hk * d * 2  # a head's row is 256 bytes: 16 to a page
+    assert all(rows.maps[0] is not None for rows in cache.k + cache.v)  # each in a mapping of its own
+    assert _resident_kib(cache) == 0
     rng = np.random.default_rng(0)
     written = [rng.standard_normal((4096, hk, d)).astype(np.float32) for _ in range(layers)]
-    base = _anon_kib()
     for i, k in enumerate(written):
         cache.store(i, k, -k)
     cache.advance(4096)
-    grown = _anon_kib() - base
     assert cache.held == 4096
-    assert abs(grown - 4096 * per_position // 1024) < 4096  # within 4 MiB of the rows written
+    assert _resident_kib(cache) == 4096 * per_position // 1024  # exactly the rows written
     cache.truncate(1024)
     cache.release(1024)
     assert cache.held == 1024
-    assert abs(_anon_kib() - base - 1024 * per_position // 1024) < 4096
+    assert _resident_kib(cache) == 1024 * per_position // 1024
     for i, k in enumerate(written):
         np.testing.assert_array_equal(cache.keys(i, 0, 1024), k[:1024].transpose(1, 0, 2).astype(np.float16).astype(np.float32))
     with pytest.raises(ValueError, match="holds 1024"):
         cache.release(512)
     cache.truncate(0)
     cache.release(0)
-    assert cache.held == 0 and _anon_kib() - base < 4096
+    assert cache.held == 0 and _resident_kib(cache) == 0
 
 
 @pytest.fixture(scope="module")

@@ -279,8 +279,9 @@ def build_layout(f: GGUFFile, spec: ModelSpec, align: int | None = None) -> Layo
         layers.append(LayerExperts(i, tuple(sorted(layer_parts, key=_sort_key))))
     unused = unused_tensors(f, spec)  # neither streamed nor in the dense set
     rows = by_row_tensors(f, spec)  # read by row from the file
-    dense_bytes = sum(t.nbytes for t in f.tensors.values() if t.name not in names | unused | rows)
+    outside = names | unused | rows  # every tensor not in the dense set
+    dense_bytes = sum(t.nbytes for t in f.tensors.values() if t.name not in outside)
     nextn_bytes = sum(f.tensors[n].nbytes for n in unused)
     row_bytes = sum(f.tensors[n].nbytes for n in rows)
-    extents = _dense_extents(f, names | unused | rows)
+    extents = _dense_extents(f, outside)
     return Layout(spec, tuple(layers), extents, dense_bytes, frozenset(names), align, unused, nextn_bytes, rows, row_bytes)

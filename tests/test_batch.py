@@ -15,6 +15,7 @@ import itertools
 import numpy as np
 import pytest
 
+from moe_pipe.shared import quant
 from moe_pipe.shared.family_registry import ARCHES
 from moe_pipe.shared.gguf.model_file import open_model
 from moe_pipe.shared.gguf.spec import RopeSpec
@@ -164,6 +165,38 @@ def test_each_expert_is_asked_for_once_a_layer_for_all_its_rows(tiny_files):
     assert [i for i, _ in asked] == list(range(n))
     for (_, ids), (_, want) in zip(asked, routes):
         assert len(ids) == len(set(ids)) and set(ids) == set(want.reshape(-1).tolist())
+
+
+def test_decode_rows_whose_experts_come_late_are_each_row_alone(tiny_files, monkeypatch):
+    """A pass of four decode rows whose experts come partly as a cache's misses do (not in
+    memory, given after the others, as the slab cache gives one once its read lands): the
+    rows' experts in memory go together, two kernel calls a layer with a row per (expert,
+    row), each late one on its own rows as it comes; every row's logits are its decode step's
+    alone, bit for bit."""
+    with open_model(tiny_files("qwen3moe")) as mf:
+        model = loaded(mf, "f16")
+        late = lambda layer, e: (layer + e) % 3 == 0  # noqa: E731
+        given = model.source.experts
+        model.source.resident = lambda layer, ids: [not late(layer, e) for e in ids]
+        model.source.experts = lambda layer, ids: given(layer, sorted(ids, key=lambda e: late(layer, e)))
+        prompts = ([1, 2, 3], [4], [5, 6, 7, 8, 9], [30, 31])
+        batch, each = [model.new_cache(N_CTX) for _ in prompts], [model.new_cache(N_CTX) for _ in prompts]
+        for a, b, p in zip(batch, each, prompts):
+            model.prefill(p, a)
+            model.prefill(p, b)
+        calls = []
+        gather = quant.gather_apply
+        monkeypatch.setattr(quant, "gather_apply", lambda ps, x, act: calls.append(x.shape[0]) or gather(ps, x, act))
+        routes = []
+        model.route_observer = lambda i, r: routes.append(r.ids)
+        out = model.forward_batch([BatchPart([20 + s], c) for s, c in enumerate(batch)])
+        in_memory = [sum(not late(i, e) for e in set(ids.reshape(-1).tolist())) for i, ids in enumerate(routes)]
+        assert any(n < len(set(ids.reshape(-1).tolist())) for n, ids in zip(in_memory, routes))  # some came late
+        together = sum(n >= 2 for n in in_memory)  # layers with two or more of their experts in memory
+        assert len(calls) == 2 * together and calls[0::2] == [4] * together  # gates and ups on the 4 rows, then downs
+        model.route_observer = None
+        for s, (got, cache) in enumerate(zip(out, each)):
+            assert np.array_equal(got, model.decode_one(20 + s, cache)[None])
 
 
 def test_prefetch_guesses_for_a_batch_of_decode_rows_and_keeps_the_output(tiny_files):

@@ -10,10 +10,12 @@ the weight codes' integer offsets multiply, and xs32 = dx·bs32 (float), the
 Σ x̂ that Q4_K's and Q5_K's mins multiply. Rows are padded with zeros to whole
 units of 256 (and a call's rows to a whole tile-kernel call).
 
-The kernels are LLVM IR (_q8ir, which says how and why). With up to three
-activation rows (decode) the row kernel takes each weight row as stored, the
-rows split across threads. With four or more (a prompt batch, an expert
-several tokens route to) the call is a GEMM: tiles of 16 weight rows, split
+The kernels are LLVM IR (_q8ir, which says how and why). A matrix's call of up
+to 8 activation rows (decode; a batch of a few sequences' decode rows, a short
+verify pass) takes each weight row as stored on the row kernel, the rows split
+across threads: one or two activation rows once each, more 4 at a time, the
+row's codes decoded once for the four. With more (a prompt batch; in a grouped
+call, an expert on 4 or more tokens) the call is a GEMM: tiles of 16 weight rows, split
 across threads, are each repacked so that a vector holds 4 codes of each
 of the 16 rows, then multiplied by 8 activation rows at a time (4 for the
 last few), a block of activation rows that stays in L2 after another. Both
@@ -47,10 +49,19 @@ from .blocks import QK
 INT8_DOT = INT8_DOT  # re-exported: which build of the dot this process compiles ("vnni", "sdot" or "portable")
 
 _DRIVER = dict(cache=True, parallel=True, boundscheck=False, error_model="numpy", nogil=True)
-# From this many activation rows a call repacks its weight rows (pack + tile kernels):
-# the repack and one pass of the tile kernel cost about what three rows cost on the
+# From this many activation rows a grouped call repacks a matrix's weight rows (pack + tile
+# kernels): the repack and one pass of the tile kernel cost about what three rows cost on the
 # stored layout.
 GEMM_ROWS = 4
+# A matmul's call (one matrix: a projection, the output head) takes up to 8 rows on the row
+# kernels, 3 to 8 of them ROW_TOKENS at a time: a batch of a few decode rows or a short verify
+# pass streams each matrix from memory once, where the repack cost ~3 rows a tile. The output
+# head of qwen30b-shape (Q6_K, 151,936 × 2,048, from DRAM, two cores): 4 rows 5.9 ms on the
+# row kernel against 12.7 repacked (one row 4.7 ms); 8 rows 11.4 against 16.3. One or two rows
+# take the one-row kernel once a row: the 4-row kernel with two zero rows costs more than
+# decoding the row twice (head: 2 rows 5.1 against 5.8 ms).
+MATMUL_GEMM_ROWS = 9
+ROW_TOKENS = 4
 # Activation rows per tile-kernel call (the last call's rows past T are _round's zero rows): 8 rows
 # keep 8 × (integer sum, accumulator, mins accumulator) and a block's 8 code vectors and 2
 # scale vectors in the 32 vector registers, and the tile's packed bytes (5 KB per 256
@@ -141,8 +152,9 @@ def _row_block(cp):
 # ---- drivers: out[t, r] = weight row r · activation row t ------------------
 # _mm_<t>(w u8[bytes], stride, X f32[T, C], table, out f32[T, R], C-contiguous);
 # table is KERNELS' (F16_TABLE, E8M0_HALF for MXFP4, an i-quant's grid). The activation is rounded first
-# (_round), then (one or two rows) weight rows split across threads on the row
-# kernel, or (more) tiles of 16 weight rows split across threads, each
+# (_round), then (up to 8 rows) weight rows split across threads on the row kernel (one or
+# two activation rows a call each, more ROW_TOKENS a call, the last call's missing rows
+# the zero rows _round pads with), or (more) tiles of 16 weight rows split across threads, each
 # repacked once per block of activation rows (_row_block) and multiplied by 8
 # activation rows at a time, the block's last 1-4 by 4 (a call's missing rows
 # are the zero rows _round pads with).
@@ -150,84 +162,98 @@ def _row_block(cp):
 # function (_common says why).
 
 _q8_0_r1 = row_kernel("Q8_0", 1)
+_q8_0_r4 = row_kernel("Q8_0", ROW_TOKENS)
 _q8_0_pack = pack_kernel("Q8_0")
 _q8_0_t8 = tile_kernel("Q8_0", TILE_TOKENS)
 _q8_0_t4 = tile_kernel("Q8_0", HALF_TILE)
 _q8_0_t8g = tile_kernel("Q8_0", TILE_TOKENS, gathered=True)
 _q8_0_t4g = tile_kernel("Q8_0", HALF_TILE, gathered=True)
 _q5_0_r1 = row_kernel("Q5_0", 1)
+_q5_0_r4 = row_kernel("Q5_0", ROW_TOKENS)
 _q5_0_pack = pack_kernel("Q5_0")
 _q5_0_t8 = tile_kernel("Q5_0", TILE_TOKENS)
 _q5_0_t4 = tile_kernel("Q5_0", HALF_TILE)
 _q5_0_t8g = tile_kernel("Q5_0", TILE_TOKENS, gathered=True)
 _q5_0_t4g = tile_kernel("Q5_0", HALF_TILE, gathered=True)
 _mxfp4_r1 = row_kernel("MXFP4", 1)
+_mxfp4_r4 = row_kernel("MXFP4", ROW_TOKENS)
 _mxfp4_pack = pack_kernel("MXFP4")
 _mxfp4_t8 = tile_kernel("MXFP4", TILE_TOKENS)
 _mxfp4_t4 = tile_kernel("MXFP4", HALF_TILE)
 _mxfp4_t8g = tile_kernel("MXFP4", TILE_TOKENS, gathered=True)
 _mxfp4_t4g = tile_kernel("MXFP4", HALF_TILE, gathered=True)
 _q4_k_r1 = row_kernel("Q4_K", 1)
+_q4_k_r4 = row_kernel("Q4_K", ROW_TOKENS)
 _q4_k_pack = pack_kernel("Q4_K")
 _q4_k_t8 = tile_kernel("Q4_K", TILE_TOKENS)
 _q4_k_t4 = tile_kernel("Q4_K", HALF_TILE)
 _q4_k_t8g = tile_kernel("Q4_K", TILE_TOKENS, gathered=True)
 _q4_k_t4g = tile_kernel("Q4_K", HALF_TILE, gathered=True)
 _q5_k_r1 = row_kernel("Q5_K", 1)
+_q5_k_r4 = row_kernel("Q5_K", ROW_TOKENS)
 _q5_k_pack = pack_kernel("Q5_K")
 _q5_k_t8 = tile_kernel("Q5_K", TILE_TOKENS)
 _q5_k_t4 = tile_kernel("Q5_K", HALF_TILE)
 _q5_k_t8g = tile_kernel("Q5_K", TILE_TOKENS, gathered=True)
 _q5_k_t4g = tile_kernel("Q5_K", HALF_TILE, gathered=True)
 _q6_k_r1 = row_kernel("Q6_K", 1)
+_q6_k_r4 = row_kernel("Q6_K", ROW_TOKENS)
 _q6_k_pack = pack_kernel("Q6_K")
 _q6_k_t8 = tile_kernel("Q6_K", TILE_TOKENS)
 _q6_k_t4 = tile_kernel("Q6_K", HALF_TILE)
 _q6_k_t8g = tile_kernel("Q6_K", TILE_TOKENS, gathered=True)
 _q6_k_t4g = tile_kernel("Q6_K", HALF_TILE, gathered=True)
 _iq4_xs_r1 = row_kernel("IQ4_XS", 1)
+_iq4_xs_r4 = row_kernel("IQ4_XS", ROW_TOKENS)
 _iq4_xs_pack = pack_kernel("IQ4_XS")
 _iq4_xs_t8 = tile_kernel("IQ4_XS", TILE_TOKENS)
 _iq4_xs_t4 = tile_kernel("IQ4_XS", HALF_TILE)
 _iq4_xs_t8g = tile_kernel("IQ4_XS", TILE_TOKENS, gathered=True)
 _iq4_xs_t4g = tile_kernel("IQ4_XS", HALF_TILE, gathered=True)
 _iq2_xxs_r1 = row_kernel("IQ2_XXS", 1)
+_iq2_xxs_r4 = row_kernel("IQ2_XXS", ROW_TOKENS)
 _iq2_xxs_pack = pack_kernel("IQ2_XXS")
 _iq2_xxs_t8 = tile_kernel("IQ2_XXS", TILE_TOKENS)
 _iq2_xxs_t4 = tile_kernel("IQ2_XXS", HALF_TILE)
 _iq2_xxs_t8g = tile_kernel("IQ2_XXS", TILE_TOKENS, gathered=True)
 _iq2_xxs_t4g = tile_kernel("IQ2_XXS", HALF_TILE, gathered=True)
 _iq2_xs_r1 = row_kernel("IQ2_XS", 1)
+_iq2_xs_r4 = row_kernel("IQ2_XS", ROW_TOKENS)
 _iq2_xs_pack = pack_kernel("IQ2_XS")
 _iq2_xs_t8 = tile_kernel("IQ2_XS", TILE_TOKENS)
 _iq2_xs_t4 = tile_kernel("IQ2_XS", HALF_TILE)
 _iq2_xs_t8g = tile_kernel("IQ2_XS", TILE_TOKENS, gathered=True)
 _iq2_xs_t4g = tile_kernel("IQ2_XS", HALF_TILE, gathered=True)
 _iq2_s_r1 = row_kernel("IQ2_S", 1)
+_iq2_s_r4 = row_kernel("IQ2_S", ROW_TOKENS)
 _iq2_s_pack = pack_kernel("IQ2_S")
 _iq2_s_t8 = tile_kernel("IQ2_S", TILE_TOKENS)
 _iq2_s_t4 = tile_kernel("IQ2_S", HALF_TILE)
 _iq2_s_t8g = tile_kernel("IQ2_S", TILE_TOKENS, gathered=True)
 _iq2_s_t4g = tile_kernel("IQ2_S", HALF_TILE, gathered=True)
 _iq3_xxs_r1 = row_kernel("IQ3_XXS", 1)
+_iq3_xxs_r4 = row_kernel("IQ3_XXS", ROW_TOKENS)
 _iq3_xxs_pack = pack_kernel("IQ3_XXS")
 _iq3_xxs_t8 = tile_kernel("IQ3_XXS", TILE_TOKENS)
 _iq3_xxs_t4 = tile_kernel("IQ3_XXS", HALF_TILE)
 _iq3_xxs_t8g = tile_kernel("IQ3_XXS", TILE_TOKENS, gathered=True)
 _iq3_xxs_t4g = tile_kernel("IQ3_XXS", HALF_TILE, gathered=True)
 _iq3_s_r1 = row_kernel("IQ3_S", 1)
+_iq3_s_r4 = row_kernel("IQ3_S", ROW_TOKENS)
 _iq3_s_pack = pack_kernel("IQ3_S")
 _iq3_s_t8 = tile_kernel("IQ3_S", TILE_TOKENS)
 _iq3_s_t4 = tile_kernel("IQ3_S", HALF_TILE)
 _iq3_s_t8g = tile_kernel("IQ3_S", TILE_TOKENS, gathered=True)
 _iq3_s_t4g = tile_kernel("IQ3_S", HALF_TILE, gathered=True)
 _iq1_s_r1 = row_kernel("IQ1_S", 1)
+_iq1_s_r4 = row_kernel("IQ1_S", ROW_TOKENS)
 _iq1_s_pack = pack_kernel("IQ1_S")
 _iq1_s_t8 = tile_kernel("IQ1_S", TILE_TOKENS)
 _iq1_s_t4 = tile_kernel("IQ1_S", HALF_TILE)
 _iq1_s_t8g = tile_kernel("IQ1_S", TILE_TOKENS, gathered=True)
 _iq1_s_t4g = tile_kernel("IQ1_S", HALF_TILE, gathered=True)
 _iq1_m_r1 = row_kernel("IQ1_M", 1)
+_iq1_m_r4 = row_kernel("IQ1_M", ROW_TOKENS)
 _iq1_m_pack = pack_kernel("IQ1_M")
 _iq1_m_t8 = tile_kernel("IQ1_M", TILE_TOKENS)
 _iq1_m_t4 = tile_kernel("IQ1_M", HALF_TILE)
@@ -239,10 +265,15 @@ _iq1_m_t4g = tile_kernel("IQ1_M", HALF_TILE, gathered=True)
 def _mm_q8_0(w, stride, X, tab, out):
     xq, dx, bs16, bs32, xs32, cp = _round(X)
     T, R, nb = X.shape[0], out.shape[1], X.shape[1] // QK
-    if T < GEMM_ROWS:
-        for r in prange(R):
-            for t in range(T):
-                _q8_0_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
+    if T < MATMUL_GEMM_ROWS:
+        if T < 3:
+            for r in prange(R):
+                for t in range(T):
+                    _q8_0_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
+        else:
+            for r in prange(R):
+                for t in range(0, T, ROW_TOKENS):
+                    _q8_0_r4(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R, T - t)
         return
     nu = cp // UNIT
     rb = _row_block(cp)
@@ -263,10 +294,15 @@ def _mm_q8_0(w, stride, X, tab, out):
 def _mm_q5_0(w, stride, X, tab, out):
     xq, dx, bs16, bs32, xs32, cp = _round(X)
     T, R, nb = X.shape[0], out.shape[1], X.shape[1] // QK
-    if T < GEMM_ROWS:
-        for r in prange(R):
-            for t in range(T):
-                _q5_0_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
+    if T < MATMUL_GEMM_ROWS:
+        if T < 3:
+            for r in prange(R):
+                for t in range(T):
+                    _q5_0_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
+        else:
+            for r in prange(R):
+                for t in range(0, T, ROW_TOKENS):
+                    _q5_0_r4(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R, T - t)
         return
     nu = cp // UNIT
     rb = _row_block(cp)
@@ -287,10 +323,15 @@ def _mm_q5_0(w, stride, X, tab, out):
 def _mm_mxfp4(w, stride, X, tab, out):
     xq, dx, bs16, bs32, xs32, cp = _round(X)
     T, R, nb = X.shape[0], out.shape[1], X.shape[1] // QK
-    if T < GEMM_ROWS:
-        for r in prange(R):
-            for t in range(T):
-                _mxfp4_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
+    if T < MATMUL_GEMM_ROWS:
+        if T < 3:
+            for r in prange(R):
+                for t in range(T):
+                    _mxfp4_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
+        else:
+            for r in prange(R):
+                for t in range(0, T, ROW_TOKENS):
+                    _mxfp4_r4(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R, T - t)
         return
     nu = cp // UNIT
     rb = _row_block(cp)
@@ -311,10 +352,15 @@ def _mm_mxfp4(w, stride, X, tab, out):
 def _mm_q4_k(w, stride, X, tab, out):
     xq, dx, bs16, bs32, xs32, cp = _round(X)
     T, R, nb = X.shape[0], out.shape[1], X.shape[1] // QK
-    if T < GEMM_ROWS:
-        for r in prange(R):
-            for t in range(T):
-                _q4_k_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
+    if T < MATMUL_GEMM_ROWS:
+        if T < 3:
+            for r in prange(R):
+                for t in range(T):
+                    _q4_k_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
+        else:
+            for r in prange(R):
+                for t in range(0, T, ROW_TOKENS):
+                    _q4_k_r4(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R, T - t)
         return
     nu = cp // UNIT
     rb = _row_block(cp)
@@ -335,10 +381,15 @@ def _mm_q4_k(w, stride, X, tab, out):
 def _mm_q5_k(w, stride, X, tab, out):
     xq, dx, bs16, bs32, xs32, cp = _round(X)
     T, R, nb = X.shape[0], out.shape[1], X.shape[1] // QK
-    if T < GEMM_ROWS:
-        for r in prange(R):
-            for t in range(T):
-                _q5_k_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
+    if T < MATMUL_GEMM_ROWS:
+        if T < 3:
+            for r in prange(R):
+                for t in range(T):
+                    _q5_k_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
+        else:
+            for r in prange(R):
+                for t in range(0, T, ROW_TOKENS):
+                    _q5_k_r4(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R, T - t)
         return
     nu = cp // UNIT
     rb = _row_block(cp)
@@ -359,10 +410,15 @@ def _mm_q5_k(w, stride, X, tab, out):
 def _mm_q6_k(w, stride, X, tab, out):
     xq, dx, bs16, bs32, xs32, cp = _round(X)
     T, R, nb = X.shape[0], out.shape[1], X.shape[1] // QK
-    if T < GEMM_ROWS:
-        for r in prange(R):
-            for t in range(T):
-                _q6_k_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
+    if T < MATMUL_GEMM_ROWS:
+        if T < 3:
+            for r in prange(R):
+                for t in range(T):
+                    _q6_k_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
+        else:
+            for r in prange(R):
+                for t in range(0, T, ROW_TOKENS):
+                    _q6_k_r4(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R, T - t)
         return
     nu = cp // UNIT
     rb = _row_block(cp)
@@ -383,10 +439,15 @@ def _mm_q6_k(w, stride, X, tab, out):
 def _mm_iq4_xs(w, stride, X, tab, out):
     xq, dx, bs16, bs32, xs32, cp = _round(X)
     T, R, nb = X.shape[0], out.shape[1], X.shape[1] // QK
-    if T < GEMM_ROWS:
-        for r in prange(R):
-            for t in range(T):
-                _iq4_xs_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
+    if T < MATMUL_GEMM_ROWS:
+        if T < 3:
+            for r in prange(R):
+                for t in range(T):
+                    _iq4_xs_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
+        else:
+            for r in prange(R):
+                for t in range(0, T, ROW_TOKENS):
+                    _iq4_xs_r4(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R, T - t)
         return
     nu = cp // UNIT
     rb = _row_block(cp)
@@ -407,10 +468,15 @@ def _mm_iq4_xs(w, stride, X, tab, out):
 def _mm_iq2_xxs(w, stride, X, tab, out):
     xq, dx, bs16, bs32, xs32, cp = _round(X)
     T, R, nb = X.shape[0], out.shape[1], X.shape[1] // QK
-    if T < GEMM_ROWS:
-        for r in prange(R):
-            for t in range(T):
-                _iq2_xxs_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
+    if T < MATMUL_GEMM_ROWS:
+        if T < 3:
+            for r in prange(R):
+                for t in range(T):
+                    _iq2_xxs_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
+        else:
+            for r in prange(R):
+                for t in range(0, T, ROW_TOKENS):
+                    _iq2_xxs_r4(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R, T - t)
         return
     nu = cp // UNIT
     rb = _row_block(cp)
@@ -431,10 +497,15 @@ def _mm_iq2_xxs(w, stride, X, tab, out):
 def _mm_iq2_xs(w, stride, X, tab, out):
     xq, dx, bs16, bs32, xs32, cp = _round(X)
     T, R, nb = X.shape[0], out.shape[1], X.shape[1] // QK
-    if T < GEMM_ROWS:
-        for r in prange(R):
-            for t in range(T):
-                _iq2_xs_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
+    if T < MATMUL_GEMM_ROWS:
+        if T < 3:
+            for r in prange(R):
+                for t in range(T):
+                    _iq2_xs_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
+        else:
+            for r in prange(R):
+                for t in range(0, T, ROW_TOKENS):
+                    _iq2_xs_r4(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R, T - t)
         return
     nu = cp // UNIT
     rb = _row_block(cp)
@@ -455,10 +526,15 @@ def _mm_iq2_xs(w, stride, X, tab, out):
 def _mm_iq2_s(w, stride, X, tab, out):
     xq, dx, bs16, bs32, xs32, cp = _round(X)
     T, R, nb = X.shape[0], out.shape[1], X.shape[1] // QK
-    if T < GEMM_ROWS:
-        for r in prange(R):
-            for t in range(T):
-                _iq2_s_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
+    if T < MATMUL_GEMM_ROWS:
+        if T < 3:
+            for r in prange(R):
+                for t in range(T):
+                    _iq2_s_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
+        else:
+            for r in prange(R):
+                for t in range(0, T, ROW_TOKENS):
+                    _iq2_s_r4(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R, T - t)
         return
     nu = cp // UNIT
     rb = _row_block(cp)
@@ -479,10 +555,15 @@ def _mm_iq2_s(w, stride, X, tab, out):
 def _mm_iq3_xxs(w, stride, X, tab, out):
     xq, dx, bs16, bs32, xs32, cp = _round(X)
     T, R, nb = X.shape[0], out.shape[1], X.shape[1] // QK
-    if T < GEMM_ROWS:
-        for r in prange(R):
-            for t in range(T):
-                _iq3_xxs_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
+    if T < MATMUL_GEMM_ROWS:
+        if T < 3:
+            for r in prange(R):
+                for t in range(T):
+                    _iq3_xxs_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
+        else:
+            for r in prange(R):
+                for t in range(0, T, ROW_TOKENS):
+                    _iq3_xxs_r4(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R, T - t)
         return
     nu = cp // UNIT
     rb = _row_block(cp)
@@ -503,10 +584,15 @@ def _mm_iq3_xxs(w, stride, X, tab, out):
 def _mm_iq3_s(w, stride, X, tab, out):
     xq, dx, bs16, bs32, xs32, cp = _round(X)
     T, R, nb = X.shape[0], out.shape[1], X.shape[1] // QK
-    if T < GEMM_ROWS:
-        for r in prange(R):
-            for t in range(T):
-                _iq3_s_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
+    if T < MATMUL_GEMM_ROWS:
+        if T < 3:
+            for r in prange(R):
+                for t in range(T):
+                    _iq3_s_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
+        else:
+            for r in prange(R):
+                for t in range(0, T, ROW_TOKENS):
+                    _iq3_s_r4(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R, T - t)
         return
     nu = cp // UNIT
     rb = _row_block(cp)
@@ -527,10 +613,15 @@ def _mm_iq3_s(w, stride, X, tab, out):
 def _mm_iq1_s(w, stride, X, tab, out):
     xq, dx, bs16, bs32, xs32, cp = _round(X)
     T, R, nb = X.shape[0], out.shape[1], X.shape[1] // QK
-    if T < GEMM_ROWS:
-        for r in prange(R):
-            for t in range(T):
-                _iq1_s_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
+    if T < MATMUL_GEMM_ROWS:
+        if T < 3:
+            for r in prange(R):
+                for t in range(T):
+                    _iq1_s_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
+        else:
+            for r in prange(R):
+                for t in range(0, T, ROW_TOKENS):
+                    _iq1_s_r4(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R, T - t)
         return
     nu = cp // UNIT
     rb = _row_block(cp)
@@ -551,10 +642,15 @@ def _mm_iq1_s(w, stride, X, tab, out):
 def _mm_iq1_m(w, stride, X, tab, out):
     xq, dx, bs16, bs32, xs32, cp = _round(X)
     T, R, nb = X.shape[0], out.shape[1], X.shape[1] // QK
-    if T < GEMM_ROWS:
-        for r in prange(R):
-            for t in range(T):
-                _iq1_m_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
+    if T < MATMUL_GEMM_ROWS:
+        if T < 3:
+            for r in prange(R):
+                for t in range(T):
+                    _iq1_m_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
+        else:
+            for r in prange(R):
+                for t in range(0, T, ROW_TOKENS):
+                    _iq1_m_r4(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R, T - t)
         return
     nu = cp // UNIT
     rb = _row_block(cp)

@@ -16,13 +16,13 @@ Only the integer sums may be formed in any order; everything after them is fixed
 
 Two kernels compute it, one per layout of the work:
 
-- row_kernel (decode: up to three activation rows, one at a time): a weight row as it is stored. Per unit
-  of 256 weights, four 64-byte dots (`vpdpbusd`: 16 lanes of sums of 4) against the
-  activation, a shuffle-add tree to the L block sums in one vector (block j in lane j), one
+- row_kernel (decode, and a matrix's call of up to 8 activation rows, 1 or 4 a call): a weight
+  row as it is stored. Per unit of 256 weights, four 64-byte dots (`vpdpbusd`: 16 lanes of
+  sums of 4) against each activation row, a shuffle-add tree to the L block sums in one vector (block j in lane j), one
   L-lane multiply-add; the lanes are summed at the row's end. On AVX2 a unit takes one
   `vpmaddubsw` per 32 codes and a tree of its own, which adds in i16 before it widens where the
   codes are small (`_avx2_row_block_sums`).
-- pack_kernel + tile_kernel (a GEMM: four or more activation rows): 16 weight rows are
+- pack_kernel + tile_kernel (a GEMM: 9 or more rows, or an expert's 4 or more): 16 weight rows are
   repacked once per call so that one 64-byte vector holds 4 codes of each of the 16 rows
   (row r in lane r), a block's codes for all 16 rows in block/4 vectors; then every
   activation row takes block/4 dots against its 4 codes broadcast, one conversion, one
@@ -835,7 +835,9 @@ def _codegen_args(context, builder, sig, args, pointers, ints):
 
 def row_kernel(name: str, nt: int):
     """`f(w, o, nb, xq, xo, cs, dx, bs16, bs32, xs32, tab, out, oo, os)`: the weight row at byte o
-    of w (nb 32-blocks) times nt activation rows, with no repacking (decode, a few rows).
+    of w (nb 32-blocks) times nt activation rows, with no repacking (decode, a few rows). With
+    nt above 1 it takes one more argument, `nv`: only rows 0 .. nv-1 are stored (the rows past
+    a call's last are _round's zero rows, multiplied and dropped as the tile kernels drop them).
 
     Per unit and activation row: the four 64-byte dots of the unit's codes, reduced to the
     L block sums in one vector, the offset subtracted, one L-lane multiply-add: lane j
@@ -849,10 +851,10 @@ def row_kernel(name: str, nt: int):
     signed_tree = _AVX2 and not lay.below128 and lay.offset == 128 and lay.block == QK
     avx2_tree = signed_tree or (_AVX2 and lay.below128 and _avx2_folds_i16(lay) >= (4 if lay.block == QK else 2))
 
-    def typer(typingctx, w, o, nb, xq, xo, cs, dx, bs16, bs32, xs32, tab, out, oo, os):
+    def typer(typingctx, w, o, nb, xq, xo, cs, dx, bs16, bs32, xs32, tab, out, oo, os, *stored):
         def codegen(context, builder, sig, args):
-            e, (w_, xq_, dx_, bs16_, bs32_, xs32_, tab_, out_), (o_, nb_, xo_, cs_, oo_, os_) = _codegen_args(
-                context, builder, sig, args, (0, 3, 6, 7, 8, 9, 10, 11), (1, 2, 4, 5, 12, 13)
+            e, (w_, xq_, dx_, bs16_, bs32_, xs32_, tab_, out_), (o_, nb_, xo_, cs_, oo_, os_, *nv_) = _codegen_args(
+                context, builder, sig, args, (0, 3, 6, 7, 8, 9, 10, 11), (1, 2, 4, 5, 12, 13) + tuple(range(14, 14 + len(stored)))
             )
             b = e.b
             acts = _Acts(e, xq_, dx_, bs16_, bs32_, xs32_)
@@ -888,13 +890,27 @@ def row_kernel(name: str, nt: int):
                 r = e.hsum(b.load(accs[i]))
                 if lay.mins:
                     r = b.fsub(r, e.hsum(b.load(accm[i])))
-                builder.store(r, builder.gep(out_, [builder.add(oo_, builder.mul(os_, e.i64(i)))]))
+                at = builder.gep(out_, [builder.add(oo_, builder.mul(os_, e.i64(i)))])
+                if i == 0:
+                    builder.store(r, at)
+                else:
+                    with builder.if_then(builder.icmp_signed(">", nv_[0], e.i64(i))):
+                        builder.store(r, at)
             return context.get_dummy_value()
 
-        return types.void(w, o, nb, xq, xo, cs, dx, bs16, bs32, xs32, tab, out, oo, os), codegen
+        return types.void(w, o, nb, xq, xo, cs, dx, bs16, bs32, xs32, tab, out, oo, os, *stored), codegen
 
-    typer.__name__ = f"row_{name}_x{nt}"
-    return intrinsic(typer)
+    # numba's intrinsic types a call by its typer's own parameters, so each kernel gets one
+    # without *stored: the one-row kernel's has no `nv`.
+    def one_row(typingctx, w, o, nb, xq, xo, cs, dx, bs16, bs32, xs32, tab, out, oo, os):
+        return typer(typingctx, w, o, nb, xq, xo, cs, dx, bs16, bs32, xs32, tab, out, oo, os)
+
+    def rows_stored(typingctx, w, o, nb, xq, xo, cs, dx, bs16, bs32, xs32, tab, out, oo, os, nv):
+        return typer(typingctx, w, o, nb, xq, xo, cs, dx, bs16, bs32, xs32, tab, out, oo, os, nv)
+
+    kernel = one_row if nt == 1 else rows_stored
+    kernel.__name__ = f"row_{name}_x{nt}"
+    return intrinsic(kernel)
 
 
 def transpose(builder, vs):

@@ -205,10 +205,11 @@ def test_matmul_matches_gguf_dequantize(qtype):
     n_cols = _cols(qtype)[1]
     w = _weights(qtype, 33, n_cols, rng)
     deq = _reference(qtype, w, n_cols)
-    # T = 1, 2: the one-row kernel a row; 3, 4: the 4-row kernel (3 over a zero row); 5, 8: two
-    # calls of it (5: the second holds one row); 12: a tile call of 8 and one of 4; 17: two calls
-    # of 8 and a call of 4 holding one row; 64: whole calls of 8 only
-    for n_tok in (1, 2, 3, 4, 5, 8, 12, 17, 64):
+    # T = 1, 2: the one-row kernel a row; 3, 4: the 4-row kernel (3 over a zero row); 5, 6: a
+    # call of it and the rest a row at a time; 7: two calls (the second over a zero row); 12: a
+    # tile call of 8 and one of 4; 17: two calls of 8 and a call of 4 holding one row; 64: whole
+    # calls of 8 only
+    for n_tok in (1, 2, 3, 4, 5, 6, 7, 12, 17, 64):
         X = rng.standard_normal((n_tok, n_cols))
         Xh, tol_hat, tol_raw = _tolerances(deq, X, qtype)
         got = quant.matmul(qtype, w, X)

@@ -13,8 +13,8 @@ units of 256 (and a call's rows to a whole tile-kernel call).
 The kernels are LLVM IR (_q8ir, which says how and why). A matrix's call of up
 to 8 activation rows (decode; a batch of a few sequences' decode rows, a short
 verify pass) takes each weight row as stored on the row kernel, the rows split
-across threads: one or two activation rows once each, more 4 at a time, the
-row's codes decoded once for the four. With more (a prompt batch; in a grouped
+across threads: 4 activation rows a call while 3 or more are left, the row's
+codes decoded once for the four, and the last one or two once each. With more (a prompt batch; in a grouped
 call, an expert on 4 or more tokens) the call is a GEMM: tiles of 16 weight rows, split
 across threads, are each repacked so that a vector holds 4 codes of each
 of the 16 rows, then multiplied by 8 activation rows at a time (4 for the
@@ -54,12 +54,13 @@ _DRIVER = dict(cache=True, parallel=True, boundscheck=False, error_model="numpy"
 # stored layout.
 GEMM_ROWS = 4
 # A matmul's call (one matrix: a projection, the output head) takes up to 8 rows on the row
-# kernels, 3 to 8 of them ROW_TOKENS at a time: a batch of a few decode rows or a short verify
-# pass streams each matrix from memory once, where the repack cost ~3 rows a tile. The output
-# head of qwen30b-shape (Q6_K, 151,936 × 2,048, from DRAM, two cores): 4 rows 5.9 ms on the
-# row kernel against 12.7 repacked (one row 4.7 ms); 8 rows 11.4 against 16.3. One or two rows
-# take the one-row kernel once a row: the 4-row kernel with two zero rows costs more than
-# decoding the row twice (head: 2 rows 5.1 against 5.8 ms).
+# kernels, ROW_TOKENS at a time while 3 or more are left and the last one or two once each: a
+# batch of a few decode rows or a short verify pass streams each matrix from memory once, where
+# the repack cost ~3 rows a tile. The output head of qwen30b-shape (Q6_K, 151,936 × 2,048, from
+# DRAM, two cores): 4 rows 5.9 ms on the row kernel against 12.7 repacked (one row 4.7 ms); 8
+# rows 11.4 against 16.3. One or two rows left take the one-row kernel once a row: the 4-row
+# kernel over two zero rows costs more than decoding the row twice (head: 2 rows 5.1 against
+# 5.8 ms).
 MATMUL_GEMM_ROWS = 9
 ROW_TOKENS = 4
 # Activation rows per tile-kernel call (the last call's rows past T are _round's zero rows): 8 rows
@@ -152,9 +153,10 @@ def _row_block(cp):
 # ---- drivers: out[t, r] = weight row r · activation row t ------------------
 # _mm_<t>(w u8[bytes], stride, X f32[T, C], table, out f32[T, R], C-contiguous);
 # table is KERNELS' (F16_TABLE, E8M0_HALF for MXFP4, an i-quant's grid). The activation is rounded first
-# (_round), then (up to 8 rows) weight rows split across threads on the row kernel (one or
-# two activation rows a call each, more ROW_TOKENS a call, the last call's missing rows
-# the zero rows _round pads with), or (more) tiles of 16 weight rows split across threads, each
+# (_round), then (up to 8 rows) weight rows split across threads on the row kernel
+# (ROW_TOKENS activation rows a call while 3 or more are left, a call of 3 over one of the zero
+# rows _round pads with; the last one or two a call each), or (more) tiles of 16 weight rows
+# split across threads, each
 # repacked once per block of activation rows (_row_block) and multiplied by 8
 # activation rows at a time, the block's last 1-4 by 4 (a call's missing rows
 # are the zero rows _round pads with).
@@ -266,14 +268,14 @@ def _mm_q8_0(w, stride, X, tab, out):
     xq, dx, bs16, bs32, xs32, cp = _round(X)
     T, R, nb = X.shape[0], out.shape[1], X.shape[1] // QK
     if T < MATMUL_GEMM_ROWS:
-        if T < 3:
-            for r in prange(R):
-                for t in range(T):
-                    _q8_0_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
-        else:
-            for r in prange(R):
-                for t in range(0, T, ROW_TOKENS):
-                    _q8_0_r4(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R, T - t)
+        for r in prange(R):
+            t = 0
+            while T - t >= 3:
+                _q8_0_r4(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R, T - t)
+                t += ROW_TOKENS
+            while t < T:
+                _q8_0_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
+                t += 1
         return
     nu = cp // UNIT
     rb = _row_block(cp)
@@ -295,14 +297,14 @@ def _mm_q5_0(w, stride, X, tab, out):
     xq, dx, bs16, bs32, xs32, cp = _round(X)
     T, R, nb = X.shape[0], out.shape[1], X.shape[1] // QK
     if T < MATMUL_GEMM_ROWS:
-        if T < 3:
-            for r in prange(R):
-                for t in range(T):
-                    _q5_0_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
-        else:
-            for r in prange(R):
-                for t in range(0, T, ROW_TOKENS):
-                    _q5_0_r4(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R, T - t)
+        for r in prange(R):
+            t = 0
+            while T - t >= 3:
+                _q5_0_r4(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R, T - t)
+                t += ROW_TOKENS
+            while t < T:
+                _q5_0_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
+                t += 1
         return
     nu = cp // UNIT
     rb = _row_block(cp)
@@ -324,14 +326,14 @@ def _mm_mxfp4(w, stride, X, tab, out):
     xq, dx, bs16, bs32, xs32, cp = _round(X)
     T, R, nb = X.shape[0], out.shape[1], X.shape[1] // QK
     if T < MATMUL_GEMM_ROWS:
-        if T < 3:
-            for r in prange(R):
-                for t in range(T):
-                    _mxfp4_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
-        else:
-            for r in prange(R):
-                for t in range(0, T, ROW_TOKENS):
-                    _mxfp4_r4(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R, T - t)
+        for r in prange(R):
+            t = 0
+            while T - t >= 3:
+                _mxfp4_r4(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R, T - t)
+                t += ROW_TOKENS
+            while t < T:
+                _mxfp4_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
+                t += 1
         return
     nu = cp // UNIT
     rb = _row_block(cp)
@@ -353,14 +355,14 @@ def _mm_q4_k(w, stride, X, tab, out):
     xq, dx, bs16, bs32, xs32, cp = _round(X)
     T, R, nb = X.shape[0], out.shape[1], X.shape[1] // QK
     if T < MATMUL_GEMM_ROWS:
-        if T < 3:
-            for r in prange(R):
-                for t in range(T):
-                    _q4_k_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
-        else:
-            for r in prange(R):
-                for t in range(0, T, ROW_TOKENS):
-                    _q4_k_r4(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R, T - t)
+        for r in prange(R):
+            t = 0
+            while T - t >= 3:
+                _q4_k_r4(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R, T - t)
+                t += ROW_TOKENS
+            while t < T:
+                _q4_k_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
+                t += 1
         return
     nu = cp // UNIT
     rb = _row_block(cp)
@@ -382,14 +384,14 @@ def _mm_q5_k(w, stride, X, tab, out):
     xq, dx, bs16, bs32, xs32, cp = _round(X)
     T, R, nb = X.shape[0], out.shape[1], X.shape[1] // QK
     if T < MATMUL_GEMM_ROWS:
-        if T < 3:
-            for r in prange(R):
-                for t in range(T):
-                    _q5_k_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
-        else:
-            for r in prange(R):
-                for t in range(0, T, ROW_TOKENS):
-                    _q5_k_r4(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R, T - t)
+        for r in prange(R):
+            t = 0
+            while T - t >= 3:
+                _q5_k_r4(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R, T - t)
+                t += ROW_TOKENS
+            while t < T:
+                _q5_k_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
+                t += 1
         return
     nu = cp // UNIT
     rb = _row_block(cp)
@@ -411,14 +413,14 @@ def _mm_q6_k(w, stride, X, tab, out):
     xq, dx, bs16, bs32, xs32, cp = _round(X)
     T, R, nb = X.shape[0], out.shape[1], X.shape[1] // QK
     if T < MATMUL_GEMM_ROWS:
-        if T < 3:
-            for r in prange(R):
-                for t in range(T):
-                    _q6_k_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
-        else:
-            for r in prange(R):
-                for t in range(0, T, ROW_TOKENS):
-                    _q6_k_r4(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R, T - t)
+        for r in prange(R):
+            t = 0
+            while T - t >= 3:
+                _q6_k_r4(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R, T - t)
+                t += ROW_TOKENS
+            while t < T:
+                _q6_k_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
+                t += 1
         return
     nu = cp // UNIT
     rb = _row_block(cp)
@@ -440,14 +442,14 @@ def _mm_iq4_xs(w, stride, X, tab, out):
     xq, dx, bs16, bs32, xs32, cp = _round(X)
     T, R, nb = X.shape[0], out.shape[1], X.shape[1] // QK
     if T < MATMUL_GEMM_ROWS:
-        if T < 3:
-            for r in prange(R):
-                for t in range(T):
-                    _iq4_xs_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
-        else:
-            for r in prange(R):
-                for t in range(0, T, ROW_TOKENS):
-                    _iq4_xs_r4(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R, T - t)
+        for r in prange(R):
+            t = 0
+            while T - t >= 3:
+                _iq4_xs_r4(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R, T - t)
+                t += ROW_TOKENS
+            while t < T:
+                _iq4_xs_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
+                t += 1
         return
     nu = cp // UNIT
     rb = _row_block(cp)
@@ -469,14 +471,14 @@ def _mm_iq2_xxs(w, stride, X, tab, out):
     xq, dx, bs16, bs32, xs32, cp = _round(X)
     T, R, nb = X.shape[0], out.shape[1], X.shape[1] // QK
     if T < MATMUL_GEMM_ROWS:
-        if T < 3:
-            for r in prange(R):
-                for t in range(T):
-                    _iq2_xxs_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
-        else:
-            for r in prange(R):
-                for t in range(0, T, ROW_TOKENS):
-                    _iq2_xxs_r4(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R, T - t)
+        for r in prange(R):
+            t = 0
+            while T - t >= 3:
+                _iq2_xxs_r4(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R, T - t)
+                t += ROW_TOKENS
+            while t < T:
+                _iq2_xxs_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
+                t += 1
         return
     nu = cp // UNIT
     rb = _row_block(cp)
@@ -498,14 +500,14 @@ def _mm_iq2_xs(w, stride, X, tab, out):
     xq, dx, bs16, bs32, xs32, cp = _round(X)
     T, R, nb = X.shape[0], out.shape[1], X.shape[1] // QK
     if T < MATMUL_GEMM_ROWS:
-        if T < 3:
-            for r in prange(R):
-                for t in range(T):
-                    _iq2_xs_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
-        else:
-            for r in prange(R):
-                for t in range(0, T, ROW_TOKENS):
-                    _iq2_xs_r4(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R, T - t)
+        for r in prange(R):
+            t = 0
+            while T - t >= 3:
+                _iq2_xs_r4(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R, T - t)
+                t += ROW_TOKENS
+            while t < T:
+                _iq2_xs_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
+                t += 1
         return
     nu = cp // UNIT
     rb = _row_block(cp)
@@ -527,14 +529,14 @@ def _mm_iq2_s(w, stride, X, tab, out):
     xq, dx, bs16, bs32, xs32, cp = _round(X)
     T, R, nb = X.shape[0], out.shape[1], X.shape[1] // QK
     if T < MATMUL_GEMM_ROWS:
-        if T < 3:
-            for r in prange(R):
-                for t in range(T):
-                    _iq2_s_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
-        else:
-            for r in prange(R):
-                for t in range(0, T, ROW_TOKENS):
-                    _iq2_s_r4(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R, T - t)
+        for r in prange(R):
+            t = 0
+            while T - t >= 3:
+                _iq2_s_r4(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R, T - t)
+                t += ROW_TOKENS
+            while t < T:
+                _iq2_s_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
+                t += 1
         return
     nu = cp // UNIT
     rb = _row_block(cp)
@@ -556,14 +558,14 @@ def _mm_iq3_xxs(w, stride, X, tab, out):
     xq, dx, bs16, bs32, xs32, cp = _round(X)
     T, R, nb = X.shape[0], out.shape[1], X.shape[1] // QK
     if T < MATMUL_GEMM_ROWS:
-        if T < 3:
-            for r in prange(R):
-                for t in range(T):
-                    _iq3_xxs_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
-        else:
-            for r in prange(R):
-                for t in range(0, T, ROW_TOKENS):
-                    _iq3_xxs_r4(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R, T - t)
+        for r in prange(R):
+            t = 0
+            while T - t >= 3:
+                _iq3_xxs_r4(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R, T - t)
+                t += ROW_TOKENS
+            while t < T:
+                _iq3_xxs_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
+                t += 1
         return
     nu = cp // UNIT
     rb = _row_block(cp)
@@ -585,14 +587,14 @@ def _mm_iq3_s(w, stride, X, tab, out):
     xq, dx, bs16, bs32, xs32, cp = _round(X)
     T, R, nb = X.shape[0], out.shape[1], X.shape[1] // QK
     if T < MATMUL_GEMM_ROWS:
-        if T < 3:
-            for r in prange(R):
-                for t in range(T):
-                    _iq3_s_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
-        else:
-            for r in prange(R):
-                for t in range(0, T, ROW_TOKENS):
-                    _iq3_s_r4(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R, T - t)
+        for r in prange(R):
+            t = 0
+            while T - t >= 3:
+                _iq3_s_r4(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R, T - t)
+                t += ROW_TOKENS
+            while t < T:
+                _iq3_s_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
+                t += 1
         return
     nu = cp // UNIT
     rb = _row_block(cp)
@@ -614,14 +616,14 @@ def _mm_iq1_s(w, stride, X, tab, out):
     xq, dx, bs16, bs32, xs32, cp = _round(X)
     T, R, nb = X.shape[0], out.shape[1], X.shape[1] // QK
     if T < MATMUL_GEMM_ROWS:
-        if T < 3:
-            for r in prange(R):
-                for t in range(T):
-                    _iq1_s_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
-        else:
-            for r in prange(R):
-                for t in range(0, T, ROW_TOKENS):
-                    _iq1_s_r4(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R, T - t)
+        for r in prange(R):
+            t = 0
+            while T - t >= 3:
+                _iq1_s_r4(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R, T - t)
+                t += ROW_TOKENS
+            while t < T:
+                _iq1_s_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
+                t += 1
         return
     nu = cp // UNIT
     rb = _row_block(cp)
@@ -643,14 +645,14 @@ def _mm_iq1_m(w, stride, X, tab, out):
     xq, dx, bs16, bs32, xs32, cp = _round(X)
     T, R, nb = X.shape[0], out.shape[1], X.shape[1] // QK
     if T < MATMUL_GEMM_ROWS:
-        if T < 3:
-            for r in prange(R):
-                for t in range(T):
-                    _iq1_m_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
-        else:
-            for r in prange(R):
-                for t in range(0, T, ROW_TOKENS):
-                    _iq1_m_r4(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R, T - t)
+        for r in prange(R):
+            t = 0
+            while T - t >= 3:
+                _iq1_m_r4(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R, T - t)
+                t += ROW_TOKENS
+            while t < T:
+                _iq1_m_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
+                t += 1
         return
     nu = cp // UNIT
     rb = _row_block(cp)

@@ -286,17 +286,17 @@ def _decode_rows_experts(
     for expert in source.experts(layer, unique):
         got = pairs(expert.id)
         if expert.id not in here:
-            waiting_now = [(expert, got)]
+            ready = [(expert, got)]
         else:
             waiting.append((expert, got))
             if len(waiting) < len(here):
                 continue
-            waiting_now, waiting = waiting, []
-        rows = np.concatenate([g // k for _, g in waiting_now])
-        ys = _glu_experts_at_once(x, [e for e, g in waiting_now for _ in range(g.size)], glu, rows) if len(waiting_now) > 1 else None
+            ready, waiting = waiting, []
+        rows = np.concatenate([g // k for _, g in ready])
+        ys = _glu_experts_at_once(x, [e for e, g in ready for _ in range(g.size)], glu, rows) if len(ready) > 1 else None
         if ys is None:
-            ys = np.concatenate([ffn(e, x[g // k]) for e, g in waiting_now])
-        for _, g in waiting_now:
+            ys = np.concatenate([ffn(e, x[g // k]) for e, g in ready])
+        for _, g in ready:
             at[g // k, g % k] = np.arange(n, n + g.size)
             n += g.size
         outs.append(ys)

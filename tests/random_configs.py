@@ -86,7 +86,7 @@ def gpt_oss(r: random.Random) -> Draw:
             "factor": factor,
             "beta_fast": 32.0,
             "beta_slow": 1.0,
-            "truncate": True,  # a GGUF's YaRN rounds the ramp ends (docs/models.md § YaRN)
+            "truncate": True,  # a GGUF's YaRN rounds the ramp ends (docs/models.md § Shared blocks, YaRN)
             "original_max_position_embeddings": original,
         },
         max_position_embeddings=int(factor * original),

@@ -132,14 +132,20 @@ def test_dotted_names_are_checked():
 
 # "docs/models.md § gpt-oss": the section must exist. Citations are written
 # on one line in code; in the docs they may wrap, so whitespace is collapsed.
-_CITE = re.compile(r"docs/([\w-]+\.md) § ([^\n]+)")
+# A section is named by its heading or the heading's name before its first ":", ","
+# or " (" (its subject, its date): "§ The KV pool" for "### The KV pool (2026-12-05)".
+_CITE = re.compile(r"docs/([\w-]+\.md) § ")
+_NAME_ENDS = re.compile(r":|,| \(")
 
 
 def _headings(doc: str) -> list[str]:
+    """Every name a section of doc may be cited by: its heading, and the heading up to its first
+    ":", "," or " (" where it has one."""
     path = ROOT / "docs" / doc
     if not path.is_file():
         return []
-    return [h.strip() for h in re.findall(r"^#{1,4} (.+)$", path.read_text(), re.M)]
+    headings = [h.strip() for h in re.findall(r"^#{1,4} (.+)$", path.read_text(), re.M)]
+    return headings + [_NAME_ENDS.split(h, maxsplit=1)[0] for h in headings if _NAME_ENDS.search(h)]
 
 
 def _citations() -> list[tuple[str, str, str]]:
@@ -147,7 +153,7 @@ def _citations() -> list[tuple[str, str, str]]:
     out = []
     for path in files:
         text = " ".join(path.read_text(errors="replace").split())
-        out += [(path.relative_to(ROOT).as_posix(), doc, rest) for doc, rest in _CITE.findall(text)]
+        out += [(path.relative_to(ROOT).as_posix(), m.group(1), text[m.end() :]) for m in _CITE.finditer(text)]
     return out
 
 

@@ -18,8 +18,9 @@ Two kernels compute it, one per layout of the work:
 
 - row_kernel (decode, and a matrix's call of up to 8 activation rows, 1 or 4 a call): a weight
   row as it is stored. Per unit of 256 weights, four 64-byte dots (`vpdpbusd`: 16 lanes of
-  sums of 4) against each activation row, a shuffle-add tree to the L block sums in one vector (block j in lane j), one
-  L-lane multiply-add; the lanes are summed at the row's end. On AVX2 a unit takes one
+  sums of 4) against each activation row, a shuffle-add tree to the L block sums in one
+  vector (block j in lane j), one L-lane multiply-add; the lanes are summed at the row's end.
+  On AVX2 a unit takes one
   `vpmaddubsw` per 32 codes and a tree of its own, which adds in i16 before it widens where the
   codes are small (`_avx2_row_block_sums`).
 - pack_kernel + tile_kernel (a GEMM: 9 or more rows, or an expert's 4 or more): 16 weight rows are

@@ -43,17 +43,7 @@ def prompt_ids(seq: int, n: int, n_vocab: int) -> list[int]:
     return [(i * 7919 + seq * 104729 + 13) % min(n_vocab, 20000) + 10 for i in range(n)]
 
 
-def dense_bytes(mf) -> int:
-    """Bytes of every matrix a pass multiplies once whatever its rows: all but the routed
-    experts, the token embedding (rows looked up) and the NextN block."""
-    skip = mf.layout.expert_tensor_names | mf.layout.nextn_tensor_names | {"token_embd.weight"}
-    tied = "output.weight" not in mf.gguf.tensors
-    return sum(t.nbytes for t in mf.gguf.tensors.values() if t.name not in skip) + (
-        mf.gguf.tensors["token_embd.weight"].nbytes if tied else 0
-    )
-
-
-def measure(model, mf, B: int, steps: int, prompt_tokens: int, seen: dict) -> dict:
+def measure(model, mf, B: int, steps: int, prompt_tokens: int) -> dict:
     import numpy as np
 
     from moe_pipe.shared.model.batch import BatchPart
@@ -65,20 +55,28 @@ def measure(model, mf, B: int, steps: int, prompt_tokens: int, seen: dict) -> di
         caches.append(cache)
         toks.append(int(np.argmax(logits)))
     model.stage.reset()
-    seen.clear()
-    times = []
+    seen: dict[tuple[int, int], int] = {}  # (pass, layer) → distinct experts its rows route to
+    times: list[float] = []
+
+    def observe(layer: int, routing) -> None:
+        seen[(len(times), layer)] = len(routing.unique_experts())  # the pass under way is the len(times)-th
+
+    model.route_observer = observe
     for _ in range(steps):
         t0 = time.perf_counter()
         out = model.forward_batch([BatchPart([t], c) for t, c in zip(toks, caches)])
         times.append(time.perf_counter() - t0)
         toks = [int(np.argmax(o[-1])) for o in out]
+    model.route_observer = None
     expert_bytes = sum(n * mf.layout.expert_bytes(layer) for (_, layer), n in seen.items()) / steps
     return {
         "rows": B,
         "pass_ms": 1000 * statistics.median(times[4:]),
         "stages_ms": {k: 1000 * v / steps for k, v in sorted(model.stage.seconds.items(), key=lambda kv: -kv[1])},
         "distinct_experts_a_layer": sum(seen.values()) / max(1, len(seen)),
-        "bytes_a_pass": dense_bytes(mf) + expert_bytes,
+        # each distinct expert once, and the dense set (what the layout keeps resident: every
+        # matrix but the experts, the NextN block and the rows read one a token) once
+        "bytes_a_pass": mf.layout.dense_bytes + expert_bytes,
     }
 
 
@@ -93,17 +91,7 @@ def main(argv=None) -> int:
     quant.one_blas_thread()
     path = shape_model(args.model, args.layers)
     mf = open_model(path)
-    seen: dict[tuple[int, int], int] = {}  # (pass, layer) → distinct experts its rows route to
-    passes = [0]
-
-    def observe(layer: int, routing) -> None:
-        if routing.ids.shape[0] > 8:  # a prompt, not a pass of decode rows
-            return
-        if (passes[0], layer) in seen:  # the layers come in order: a layer seen again is the next pass
-            passes[0] += 1
-        seen[(passes[0], layer)] = len(routing.unique_experts())
-
-    model = load_model(mf, options=ModelOptions(stage_timing=True, route_observer=observe))
+    model = load_model(mf, options=ModelOptions(stage_timing=True))
     # Compile the kernels and touch every matrix once outside the timing: a prompt this long
     # routes to nearly every expert, so no pass below pays a first touch of its pages.
     model.prefill(prompt_ids(99, WARM_TOKENS, mf.spec.n_vocab), model.new_cache(WARM_TOKENS))
@@ -114,7 +102,7 @@ def main(argv=None) -> int:
     print(f"{'rows':>5} {'pass ms':>8} {'tok/s':>8} {'x one row':>9} {'experts/layer':>13} {'GB a pass':>9} {'bytes bound':>11}  stages ms")
     rows = []
     for B in (int(x) for x in args.rows.split(",")):
-        r = measure(model, mf, B, args.steps, args.prompt_tokens, seen)
+        r = measure(model, mf, B, args.steps, args.prompt_tokens)
         r["tok_s"] = 1000 * B / r["pass_ms"]
         one = rows[0] if rows and rows[0]["rows"] == 1 else r if B == 1 else None
         r["x_one_row"] = r["tok_s"] / one["tok_s"] if one else None

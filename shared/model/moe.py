@@ -145,24 +145,32 @@ def _decode_experts(
     return choice_sum(ys, np.array([[row[e] for e in ids]], np.int64), routing.weights)
 
 
-def _glu_decode(x: np.ndarray, experts, here: set[int], ffn, glu) -> tuple[list[int], np.ndarray]:
+def _glu_decode(
+    x: np.ndarray, experts, here: set[int], ffn, glu, rows_of: Callable[[int], np.ndarray] | None = None
+) -> tuple[list[int], np.ndarray]:
     """A decoded token's experts as `source.experts` yields them, their ids and their outputs
     [K, D] (row j expert came[j]'s): the ones in memory (`here`) together in two kernel calls
     once all of them have come, each other one (every one, when `here` is empty) alone as it
-    lands, so its read still overlaps the work on the rest."""
+    lands, so its read still overlaps the work on the rest. With `rows_of` (a few decode rows,
+    x [T, D]), expert e is on rows rows_of(e) of x: its outputs are that many rows, together
+    in came's order, and the experts in memory take a row of each call per (expert, row)."""
     came: list[int] = []
     rows: list[np.ndarray] = []
     waiting: list[Expert] = []
     for e in experts:
         if e.id not in here:
             came.append(e.id)
-            rows.append(ffn(e, x))
+            rows.append(ffn(e, x if rows_of is None else x[rows_of(e.id)]))
             continue
         waiting.append(e)
         if len(waiting) == len(here):
-            ys = _glu_experts_at_once(x, waiting, glu)
+            if rows_of is None:
+                ys = _glu_experts_at_once(x, waiting, glu)
+            else:
+                on = [rows_of(w.id) for w in waiting]
+                ys = _glu_experts_at_once(x, [w for w, r in zip(waiting, on) for _ in r], glu, np.concatenate(on))
             came += [w.id for w in waiting]
-            rows += [ys] if ys is not None else [ffn(w, x) for w in waiting]
+            rows += [ys] if ys is not None else [ffn(w, x if rows_of is None else x[rows_of(w.id)]) for w in waiting]
     return came, rows[0] if len(rows) == 1 else np.concatenate(rows)
 
 
@@ -241,9 +249,9 @@ def apply_experts(
     unique = routing.unique_experts()
     glu = GLU_EXPERTS.get(ffn)
     pairs = _pairs_by_expert(routing.ids)  # expert → its (token, choice) pairs, tokens ascending
-    if glu is not None and t <= DECODE_ROWS and len(unique) <= source.held_together:
-        return _decode_rows_experts(x, routing, source, layer, ffn, glu, unique, pairs, at)
     if glu is not None and len(unique) <= source.held_together:
+        if t <= DECODE_ROWS:
+            return _decode_rows_experts(x, routing, source, layer, ffn, glu, unique, pairs, at)
         return _experts_in_groups(x, source, layer, unique, pairs, glu, ffn, routing, at)
     ys = _outputs_buffer(t * k, x.shape[1])  # the experts' outputs, one expert's rows after another
     n = 0
@@ -272,35 +280,20 @@ def _decode_rows_experts(
     at: np.ndarray,
 ) -> np.ndarray:
     """A few decode rows' Σ_s w[t, s] · ffn(expert ids[t, s], x[t]), x [T, D] → [T, D], as a
-    decoded token's (_glu_decode): the experts in memory together once all of them have come,
-    in two gather calls with a row per (expert, row) pair, and each other one on its rows as
-    it lands, so its read still overlaps the work on the rest; then one choice_sum in choice
-    order. Every pair's row is the row kernel's, as in a grouped call or alone (batch-exact)."""
+    decoded token's (_glu_decode, each expert on its rows): the experts in memory together once
+    all of them have come, in two gather calls with a row per (expert, row) pair, and each
+    other one on its rows as it lands; then one choice_sum in choice order. Every pair's row
+    is the row kernel's, as in a grouped call or alone (batch-exact)."""
     k = routing.ids.shape[1]
     here = {e for e, r in zip(unique, source.resident(layer, unique)) if r}
-    if len(here) < 2:  # one expert in memory gains nothing from a call of its own
-        here = set()
-    outs: list[np.ndarray] = []
+    # one expert in memory gains nothing from a call of its own: each then goes alone, as it lands
+    came, ys = _glu_decode(x, source.experts(layer, unique), here if len(here) > 1 else set(), ffn, glu, lambda e: pairs(e) // k)
     n = 0
-    waiting: list[tuple[Expert, np.ndarray]] = []
-    for expert in source.experts(layer, unique):
-        got = pairs(expert.id)
-        if expert.id not in here:
-            ready = [(expert, got)]
-        else:
-            waiting.append((expert, got))
-            if len(waiting) < len(here):
-                continue
-            ready, waiting = waiting, []
-        rows = np.concatenate([g // k for _, g in ready])
-        ys = _glu_experts_at_once(x, [e for e, g in ready for _ in range(g.size)], glu, rows) if len(ready) > 1 else None
-        if ys is None:
-            ys = np.concatenate([ffn(e, x[g // k]) for e, g in ready])
-        for _, g in ready:
-            at[g // k, g % k] = np.arange(n, n + g.size)
-            n += g.size
-        outs.append(ys)
-    return choice_sum(outs[0] if len(outs) == 1 else np.concatenate(outs), at, routing.weights)
+    for e in came:  # its outputs' rows, in its (token, choice) pairs' order
+        got = pairs(e)
+        at[got // k, got % k] = np.arange(n, n + got.size)
+        n += got.size
+    return choice_sum(ys, at, routing.weights)
 
 
 # A prompt's experts in memory are taken in groups of about this many rows a call: enough to

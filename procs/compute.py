@@ -42,6 +42,7 @@ from ..shared.errors import UserError
 from ..shared.experts.budget import KVLoan, PromptLoan
 from ..shared.experts.dense import arena_views, warm_sweep
 from ..shared.experts.directio import ModelChanged, model_identity
+from ..shared.experts.lentreads import LentReads, lent_slabs
 from ..shared.experts.placement import expert_view, placement_for
 from ..shared.experts.populate import Populator
 from ..shared.experts.residency import ResidencyIndex
@@ -130,21 +131,35 @@ class SlabExperts:
         poll: Callable[[], None] | None = None,
         kv_type: str = "f16",
         top_k: int | None = None,
+        lent_reads: int = 0,
+        lanes: int = 1,
+        paths: Sequence[str] = (),
     ):
         """`facts`: the arenas and the reader to watch; `overlap`: compute.overlap;
         `poll`: called between experts, may raise GenerationAborted (a Stop mid-prompt);
         `kv_type`: compute.kv_type, what a position of the KV cache takes (the loan);
-        `top_k`: compute.n_expert_used, what a prompt pass's activations take (the prompt's loan)."""
+        `top_k`: compute.n_expert_used, what a prompt pass's activations take (the prompt's loan);
+        `lent_reads`: slabs the reader lends this process to read its own misses into, on `lanes`
+        threads of its own from the model's `paths` (io.compute_reads; 0: every miss goes to the reader)."""
         self.n_slabs, self.reader_pid, self.overlap, self.layout = facts.n_slabs, facts.reader_pid, overlap, layout
         self.poll = poll or (lambda: None)
-        self.arena = SlabArena.attach(facts.slab_arena, facts.slab_bytes, readonly=True)
+        self.arena = SlabArena.attach(facts.slab_arena, facts.slab_bytes, readonly=not lent_reads)
         self.index = ResidencyIndex.attach(facts.index_arena, layout.spec)
         self.fetch_out, self.ready_in = fetch_out, ready_in
         self.next_req = 1
         self.done: list[int] = []  # fetches finished since the last message (their pins go)
         self.touched: list[tuple[int, int]] = []  # hits served from the index since the last message
         self.guess: tuple[int, list[int]] | None = None  # the next layer's guess, sent with this layer's Fetch
-        self.unsettled = 0  # a guesses-only Fetch whose Guessed has not come yet
+        self.unsettled = 0  # a guesses-only Fetch whose Guessed (or a Spares whose SpareSlabs) has not come yet
+        self.unsettled_by: type = m.Guessed
+        # compute's own reads (docs/architecture.md § compute's own reads): the slabs lent to it, the
+        # experts it read into them this token (the reader hears at its end), and those until then by key.
+        self.spare_target = lent_reads
+        self.spares: list[int] = []
+        self.installed: list[tuple[int, int, int]] = []
+        self.own: dict[tuple[int, int], int] = {}
+        self.lent = LentReads(paths, layout, self.arena, lanes, facts.model_identity) if lent_reads else None
+        self.last_layer = layout.spec.n_layer - 1
         self.predicted: dict[int, set[int]] = {}
         self.gate = GuessGate()
         self.views: dict[tuple[int, int], tuple[int, Expert]] = {}  # (layer, expert) -> (slab, views)
@@ -202,11 +217,17 @@ class SlabExperts:
         group = self.held_together
         for start in range(0, len(ids), group):
             yield from self._fetch_group(layer, ids[start : start + group])
+        if layer == self.last_layer and self.lent is not None:
+            # The pass's experts are done: its Spares goes now, so that the reader's answer
+            # (its bookkeeping of the whole token) is ready while the output head runs.
+            self.end_step()
 
     def _fetch_group(self, layer: int, ids: list[int]) -> Iterator[Expert]:
         self._settle()
         t0 = time.perf_counter()
         slabs = self.index.slabs(layer, ids)  # hits need no round trip
+        if self.own:  # read by compute this token: in slabs lent to it, in the index once the token ends
+            slabs = [self.own.get((layer, e), s) if s < 0 else s for e, s in zip(ids, slabs)]
         resident = [e for e, s in zip(ids, slabs) if s >= 0]
         missing = [e for e, s in zip(ids, slabs) if s < 0]
         self.hits += len(resident)
@@ -219,7 +240,12 @@ class SlabExperts:
                 self.poll()  # a Stop between experts: the reader is owed nothing here
                 yield self._view(layer, e, s)
             return
-        req = self._send_fetch(layer, missing, resident)
+        if self._reads_own(len(missing)):
+            self.touched.extend((layer, e) for e in resident)
+            self.mgmt_s += time.perf_counter() - t0
+            yield from self._read_own(layer, ids, slabs, missing)
+            return
+        req = self._send_fetch(layer, missing, [e for e in resident if (layer, e) not in self.own])  # the reader pins what it holds
         self.wire_s += time.perf_counter() - t0
         try:
             if self.overlap:  # hits at once, then each miss as it lands
@@ -243,6 +269,84 @@ class SlabExperts:
         finally:
             self.done.append(req)  # unpinned by the next message
 
+    def _reads_own(self, n_missing: int) -> bool:
+        """Read these misses here: lent slabs for all of them, no guess to send with a Fetch,
+        and the reader alive (a slab lent by a reader that died may be a new reader's)."""
+        return self.lent is not None and n_missing <= len(self.spares) and not (self.guess and self.guess[1]) and pid_alive(self.reader_pid)
+
+    def _read_own(self, layer: int, ids: list[int], slabs: list[int], missing: list[int]) -> Iterator[Expert]:
+        """A layer's misses read by this process into lent slabs, the hits computed meanwhile
+        (compute.overlap), each miss as it lands; a miss whose read failed goes to the reader
+        (which reports the fault and fails the request, or reads it)."""
+        lent = cast(LentReads, self.lent)
+        for e in missing:
+            lent.submit((layer, e), self.spares.pop())
+        landed: dict[int, int] = {}
+        failed: list[int] = []
+        try:
+            if self.overlap:
+                for e, s in zip(ids, slabs):
+                    if s >= 0:
+                        self.poll()
+                        yield self._view(layer, e, s)
+            for _ in missing:
+                t0 = time.perf_counter()
+                result = lent.next_result()
+                self.stall_s += time.perf_counter() - t0  # the flash wait overlap did not hide
+                e, slab = self._own_result(result, failed)
+                if slab < 0:
+                    continue
+                landed[e] = slab
+                if self.overlap:
+                    self.poll()
+                    yield self._view(layer, e, slab)
+            if not self.overlap:
+                for e, s in zip(ids, slabs):
+                    if s >= 0 or e in landed:
+                        self.poll()
+                        yield self._view(layer, e, s if s >= 0 else landed[e])
+        finally:
+            for result in lent.drain():  # left early: the reads under way end before their slabs are reused
+                self._own_result(result, failed)
+        for e in failed:
+            yield from self._fetch_group(layer, [e])
+
+    def _own_result(self, result, failed: list[int]) -> tuple[int, int]:
+        """Count one of this process's reads; (expert, slab), or slab -1 when it failed (its slab is spare again)."""
+        (layer, expert), slab, io_ns, error = result
+        if error is not None:
+            log.info("this process's read of expert %s failed (%s): asking the reader", (layer, expert), error)
+            self.spares.append(slab)
+            failed.append(expert)
+            return expert, -1
+        self.misses += 1
+        self.io_ns += io_ns
+        self.read_bytes += self.layout.expert_bytes(layer)
+        self.own[(layer, expert)] = slab
+        self.installed.append((layer, expert, slab))
+        return expert, slab
+
+    def _send_spares(self, returned: Sequence[int] = ()) -> None:
+        """The token's end when this process reads its own misses: a Spares (a Release, its reads, slabs to lend)."""
+        req, self.next_req = self.next_req, self.next_req + 1
+        want = 0 if returned else self.spare_target - len(self.spares)
+        msg = m.Spares(req, want, tuple(self.done), tuple(self.touched), tuple(self.installed), tuple(returned))
+        ipc.send(self.fetch_out, msg)
+        self.done, self.touched, self.installed = [], [], []
+        self.messages += 1
+        self.unsettled, self.unsettled_by = req, m.SpareSlabs
+
+    def give_back_spares(self) -> None:
+        """Before the cache's size changes: the lent slabs back to the reader (and this
+        token's reads into the index), so that every slab is the reader's to hold or give."""
+        self._settle()
+        if self.spares or self.installed:
+            spares, self.spares = self.spares, []
+            t0 = time.perf_counter()
+            self._send_spares(returned=spares)
+            self._settle()
+            self.wire_s += time.perf_counter() - t0
+
     def _send_fetch(self, layer: int, missing: list[int], resident: list[int]) -> int:
         """One Fetch: this layer's misses and hits, what is done and touched since the last message, the guess."""
         req, self.next_req = self.next_req, self.next_req + 1
@@ -252,7 +356,7 @@ class SlabExperts:
         self.done, self.touched = [], []
         self.messages += 1
         if not missing:
-            self.unsettled = req  # a Fetch of guesses only: answered by one Guessed
+            self.unsettled, self.unsettled_by = req, m.Guessed  # a Fetch of guesses only: answered by one Guessed
         return req
 
     def _barrier(self, layer: int, expert: int) -> None:
@@ -266,7 +370,7 @@ class SlabExperts:
         ipc.send(self.fetch_out, m.Fetch(req, layer, (), (), tuple(self.done), tuple(self.touched), layer, (expert,)))
         self.done, self.touched = [], []
         self.messages += 1
-        self.unsettled = req
+        self.unsettled, self.unsettled_by = req, m.Guessed
 
     def abandon(self) -> None:
         """A pass ended half way (a Stop, a failed read): its guess is dropped and
@@ -280,12 +384,15 @@ class SlabExperts:
                 pass
 
     def _settle(self) -> None:
-        """Wait for the Guessed of a Fetch that carried only guesses: until it
-        comes, the reader may still be evicting for them."""
+        """Wait for the Guessed of a Fetch that carried only guesses, or the SpareSlabs of a
+        Spares: until it comes, the reader may still be evicting for them."""
         if self.unsettled:
             t0 = time.perf_counter()
             req, self.unsettled = self.unsettled, 0
-            self._next_answer(req, m.Guessed)
+            answer = self._next_answer(req, self.unsettled_by)
+            if isinstance(answer, m.SpareSlabs):
+                self.spares.extend(answer.slabs)
+                self.own.clear()  # in the index now (or the reader's own copy is)
             self.wire_s += time.perf_counter() - t0
 
     def _take_guess(self) -> tuple[int, tuple[int, ...]]:
@@ -312,6 +419,7 @@ class SlabExperts:
         if want < self.usable:
             for p in self.fillers:  # a populate running yet would take the given-back pages again
                 p.stop()
+        self.give_back_spares()
         t0 = time.perf_counter()
         req, self.next_req = self.next_req, self.next_req + 1
         ipc.send(self.fetch_out, m.CacheLimit(req, want))
@@ -324,8 +432,9 @@ class SlabExperts:
 
     @property
     def held_together(self) -> int:
-        """A call's experts are fetched, and pinned, a group the cache may hold now at a time."""
-        return max(1, self.usable)
+        """A call's experts are fetched, and pinned, a group the cache may hold now at a time
+        (less the slabs lent to this process)."""
+        return max(1, self.usable - self.spare_target)
 
     def lend(self) -> None:
         """This process is warm (its kernels compiled): the prompt's loan is the cache's, but
@@ -340,7 +449,11 @@ class SlabExperts:
     def end_step(self) -> None:
         """The token is done: one Release for its fetches and the hits the
         reader has not heard of (none when nothing happened)."""
-        if self.done or self.touched:
+        if self.lent is not None and not self.unsettled and (self.installed or len(self.spares) < self.spare_target):
+            t0 = time.perf_counter()
+            self._send_spares()  # answered before the next index read (_settle)
+            self.wire_s += time.perf_counter() - t0
+        elif self.done or self.touched:
             t0 = time.perf_counter()
             ipc.send(self.fetch_out, m.Release(tuple(self.done), tuple(self.touched)))
             self.done, self.touched = [], []
@@ -362,9 +475,9 @@ class SlabExperts:
         return msg
 
     def _next_answer(self, req: int, want: type):
-        """The reader's next answer of type `want` (Ready, Guessed, CacheLimited) to request `req`."""
+        """The reader's next answer of type `want` (Ready, Guessed, CacheLimited, SpareSlabs) to request `req`."""
         while True:
-            msg = ipc.recv(self.ready_in, PEER_POLL_MS, expect=(m.Ready, m.FetchFailed, m.Guessed, m.CacheLimited))
+            msg = ipc.recv(self.ready_in, PEER_POLL_MS, expect=(m.Ready, m.FetchFailed, m.Guessed, m.CacheLimited, m.SpareSlabs))
             if msg is None:
                 if not pid_alive(self.reader_pid):
                     raise GenerationAborted(m.Code.PEER_GONE, "the reader process died")
@@ -459,7 +572,21 @@ def serve(config: Config, facts: RunFacts, ctx: zmq.Context) -> None:
         telemetry.send(msg)
 
     watch = PromptWatch(mf.spec.n_layer, progress, interrupts.check)
-    source = SlabExperts(facts, c.overlap, mf.layout, fetch_out, ready_in, poll=watch.poll, kv_type=c.kv_type, top_k=c.n_expert_used)
+    source = SlabExperts(
+        facts,
+        c.overlap,
+        mf.layout,
+        fetch_out,
+        ready_in,
+        poll=watch.poll,
+        kv_type=c.kv_type,
+        top_k=c.n_expert_used,
+        lent_reads=lent_slabs(
+            config.io.compute_reads, facts.n_slabs - facts.prompt_lent_slabs, experts_per_token(mf.spec, c.n_expert_used)
+        ),
+        lanes=config.io.io_threads,
+        paths=mf.gguf.paths,
+    )
     # First use of a page of either arena is a fault inside a token's compute:
     # take them now, on a thread (the dense set first: every token reads all of it).
     arenas = [(dense_arena, "dense set"), (source.arena.arena, "slab cache")] if config.io.populate else []

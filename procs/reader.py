@@ -15,6 +15,10 @@ restarts). Loop:
      answer Ready(hit=False) to everyone waiting on that expert (a guess and
      a real fetch may wait on the same read); a warm read starts the next;
   3. a Release (once per token): unpin and touch, as in 1;
+  3a. a Spares (once per token, instead of the Release, when compute reads its
+     own misses): as 3, then adopt the experts compute read into the slabs lent
+     to it and publish them, take back the unused ones, lend up to `want` more
+     (evicting for them) and answer SpareSlabs;
   3b. a CacheLimit (between passes, as compute's context grows or starts
      over): hold the cache to that many slabs, evicting unpinned experts and
      giving their slabs' pages back, then answer CacheLimited (after the pins
@@ -23,9 +27,9 @@ restarts). Loop:
      cached experts, hottest first by the uses of 1 and 3);
   5. Shutdown: save the hot set, stop.
 
-Evictions happen only while handling a Fetch, and compute waits for that
-Fetch's answers (Readies, or the Guessed of a Fetch with only guesses)
-before it looks at the index again: so an expert compute finds in the index
+Evictions happen only while handling a Fetch (or a Spares), and compute
+waits for that message's answers (Readies, the Guessed of a Fetch with only
+guesses, the SpareSlabs) before it looks at the index again: so an expert compute finds in the index
 stays put while it uses it, pinned or not. Guesses obey the same rule (they
 are admitted while their Fetch is handled, and the Readies of the Fetch's
 experts that are cached already go out after them, so no answer comes before
@@ -207,6 +211,7 @@ class Reader:
         self.blocked.clear()
         for waiters in self.inflight.values():
             waiters.clear()
+        self.table.take_back(self.table.lent)  # what it read into them is not in the index: free again
         self.limit_waiting = None
         # Its context is empty: the KV cache's loan is the cache's again; the prompt's waits until it is warm.
         self.limit_to(self.n_slabs - self.prompt_lent)
@@ -426,6 +431,35 @@ class Reader:
             if self.table.lookup(key) is not None:  # a hit for the policy and the stats; a key gone since is skipped
                 self.heat.use(key)
 
+    # -- 3a. compute's own reads -------------------------------------------------------
+    def on_spares(self, msg: m.Spares) -> None:
+        """The end of a token whose misses compute read itself into lent slabs: what a Release
+        does, then each of those experts into the table and the index (after the token's hits,
+        as the policy would have seen them), the unused slabs back, and up to `want` more lent
+        (evicting: compute waits for the answer before it reads the index again)."""
+        self.release(msg.released, msg.touched)
+        self.withdraw_guesses()
+        for layer, expert, slab in msg.installed:
+            key = (layer, expert)
+            if not self.is_expert(key) or slab not in self.table.lent:
+                log.warning("compute installed expert %s in slab %d, which is not lent to it: ignored", key, slab)
+                continue
+            if key in self.table:  # read by us too meanwhile (a warm read): ours stays, compute's slab is free again
+                self.table.take_back([slab])
+                continue
+            self.table.adopt(key, slab, self.layout.expert_bytes(layer))
+            self.index.publish(key, slab)
+            self.heat.use(key)
+        self.table.take_back([s for s in msg.returned if s in self.table.lent])
+        slabs: list[int] = []
+        if msg.want > 0 and self.limit_waiting is None:
+            slabs, evicted = self.table.lend(msg.want)
+            for key in evicted:
+                self.index.clear(cast(ExpertKey, key))
+        self.send(m.SpareSlabs(msg.req_id, tuple(slabs)))
+        self.retry_blocked()
+        self.carry_out_limit()
+
     # -- 3b. the KV cache's loan ------------------------------------------------------
     def on_cache_limit(self, msg: m.CacheLimit) -> None:
         if self.populator is not None and msg.slabs < self.table.n_usable:  # it would give the pages given back their memory again
@@ -630,6 +664,8 @@ class Reader:
                     self.on_release(msg)
                 elif isinstance(msg, m.CacheLimit):
                     self.on_cache_limit(msg)
+                elif isinstance(msg, m.Spares):
+                    self.on_spares(msg)
                 elif isinstance(msg, m.Hello):
                     self.on_hello(msg)
                 elif isinstance(msg, m.Shutdown):

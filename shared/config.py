@@ -212,6 +212,16 @@ class IOConfig:
     """Flash reads: expert lanes and how the dense set is loaded."""
 
     io_threads: int = setting(4, "int", "parallel O_DIRECT read lanes for expert misses", lo=1, hi=64, flags=("--io-threads",))
+    compute_reads: int = setting(
+        32,
+        "int",
+        "cache slabs lent to compute, which reads a decoded token's misses into them itself on io_threads lanes of its own "
+        "(no round trip to the reader a miss; docs/architecture.md § compute's own reads); at most 1/16 of the cache; "
+        "0 = every miss goes through the reader",
+        lo=0,
+        hi=4096,
+        flags=("--compute-reads",),
+    )
     dense_weights: str = setting(
         "anon",
         "choice",

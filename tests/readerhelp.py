@@ -64,6 +64,11 @@ class Harness:
         assert msg is not None, "the reader did not answer the CacheLimit"
         return msg
 
+    def answer_spares(self, timeout_s: float = 5) -> m.SpareSlabs:
+        msg = ipc.recv(self.ready, int(timeout_s * 1000), expect=(m.SpareSlabs,))
+        assert msg is not None, "the reader did not answer the Spares"
+        return msg
+
     def visible(self, key) -> bool:
         """What compute sees: a published residency index entry."""
         return self.reader.index.slabs(key[0], [key[1]])[0] >= 0

@@ -534,3 +534,35 @@ def test_set_usable_stops_at_pins():
     t.unpin((0, 1))
     retired, evicted = t.set_usable(1)
     assert evicted == [(0, 1)] and len(retired) == 1 and t.n_usable == 2
+
+
+@pytest.mark.parametrize("name", sorted(LIVE_POLICIES))
+def test_lent_slabs_come_back_holding_what_compute_read_or_empty(name):
+    """compute's own reads: `lend` gives free slabs first, then the policy's unpinned
+    victims' (never a pinned key's), and fewer when the rest is pinned; a lent slab is
+    no key's and never handed out by `admit`; `adopt` puts the expert compute read there
+    (a miss with its bytes), `take_back` frees it; a slab not lent is refused either way."""
+    t = SlabTable(5, name)
+    for e in range(3):
+        t.admit((0, e), 100, pin=e == 0)
+    slabs, evicted = t.lend(3)  # two free slabs, then one victim: not the pinned (0, 0)
+    assert len(slabs) == 3 and len(evicted) == 1 and evicted[0] != (0, 0) and evicted[0] not in t
+    assert t.lent == frozenset(slabs) and all(t.key_of(s) is None for s in slabs) and len(t) == 2
+    more, evicted = t.lend(5)  # only one slab is not pinned: one more, the rest refused
+    assert len(more) == 1 and len(evicted) == 1 and (0, 0) in t
+    assert len(t.lent) == 4 and list(t.resident()) == [(0, 0)]  # all but the pinned one lent now
+    with pytest.raises(CacheFull):
+        t.admit((1, 0))  # nothing free, nothing evictable: lent slabs are not the table's
+    a, b, c, d = sorted(t.lent)
+    t.adopt((2, 7), a, 300)
+    assert t.lookup((2, 7)) == a and t.stats.misses == 4 and t.stats.bytes_admitted == 600 and a not in t.lent
+    with pytest.raises(ValueError):
+        t.adopt((2, 8), a)  # not lent (any more)
+    with pytest.raises(ValueError):
+        t.adopt((2, 7), b)  # resident already: the caller takes the slab back instead
+    t.take_back([b, c])
+    assert t.lent == frozenset({d}) and t.admit((1, 0)) in ((b, None), (c, None))
+    with pytest.raises(ValueError):
+        t.take_back([b])
+    t.take_back([d])
+    assert t.lent == frozenset() and len({t.admit((3, e))[0] for e in range(2)}) == 2

@@ -25,6 +25,7 @@ STRATEGY_BY_TYPE = {
     "str": TEXT,
     "tuple[int, ...]": st.lists(U64, max_size=16),
     "tuple[tuple[int, int], ...]": st.lists(st.tuples(U64, U64), max_size=6),
+    "tuple[tuple[int, int, int], ...]": st.lists(st.tuples(U64, U64, U64), max_size=6),
     "tuple[str, ...]": st.lists(st.text(max_size=20), max_size=4),
     "dict[str, Scalar]": st.dictionaries(TEXT, SCALAR, max_size=6),
     "dict[str, Any]": st.dictionaries(TEXT, ANY, max_size=4),
@@ -101,6 +102,7 @@ BAD_FRAMES = {
     "float in int list": frame(int(Kind.FETCH), 7, 3, [1.5], False),
     "list is a map": frame(int(Kind.FETCH), 7, 3, {"a": 1}, False),
     "bad pair": frame(int(Kind.READY), 1, 2, 3, 4, [[1, 2, 3]], True, 0),
+    "bad triple": frame(int(Kind.SPARES), 1, 2, [], [], [[1, 2]], []),
     "bytes for str": frame(int(Kind.SHUTDOWN), b"bye"),
     "int map key": frame(int(Kind.COMMAND), "status", {1: 2}),
     "nested value in scalar dict": frame(int(Kind.RUN_INFO), "r", 1.0, {"a": [1]}, {}, 0, 0.0),
@@ -147,6 +149,9 @@ def test_construction_validates():
         m.Release((1,), ((2, 3, 4),))
     with pytest.raises(ProtocolError, match="released"):
         m.Release(-1)
+    with pytest.raises(ProtocolError, match="installed.*triple"):
+        m.Spares(1, 2, installed=((1, 2),))
+    assert m.Spares(1, 2, installed=[[1, 2, 3]]).installed == ((1, 2, 3),)
     assert m.Release([1], [[2, 3]]) == m.Release((1,), ((2, 3),))  # lists off the wire become tuples
 
 

@@ -244,7 +244,14 @@ def test_csv_schema_and_counts_agree_with_independent_lru(tiny, tmp_path):
         path,
         prompt,
         # no prompt read-ahead: the independent LRU models demand reads only
-        **{"cache.cache_mb": _budget_mb(sizes, "mid", None), "telemetry.csv": str(csv), "cache.policy": "lru", "compute.prefetch": "none"},
+        # and every miss through the reader (io.compute_reads 0): it models the reader's admissions
+        **{
+            "cache.cache_mb": _budget_mb(sizes, "mid", None),
+            "telemetry.csv": str(csv),
+            "cache.policy": "lru",
+            "compute.prefetch": "none",
+            "io.compute_reads": 0,
+        },
     )
     preamble, records = read_csv(csv)
     header = next(line for line in csv.read_text().splitlines() if not line.startswith("#"))
@@ -258,6 +265,30 @@ def test_csv_schema_and_counts_agree_with_independent_lru(tiny, tmp_path):
     np.testing.assert_allclose([r.cache_hit_pct for r in records], 100 * total_hits / total, atol=1e-3)  # CSV keeps 3 decimals
     assert len(records) == N
     assert csv.with_suffix(".jsonl").exists()
+
+
+def test_compute_reads_its_own_misses_into_lent_slabs(tiny, tmp_path):
+    """io.compute_reads: the slabs lent to compute take the decoded tokens' misses it reads
+    itself. The tokens are the resident reference's; each step looks up the same experts as
+    with every miss through the reader; a miss is one expert's bytes either way; and the
+    tokens whose misses compute read send fewer messages (no Fetch for their layers)."""
+    path, prompt, reference, sizes = tiny
+    runs = {}
+    for reads in (0, 32):
+        csv = tmp_path / f"reads{reads}.csv"
+        over = {"cache.cache_mb": _budget_mb(sizes, "mid", None), "telemetry.csv": str(csv), "io.compute_reads": reads}
+        tokens, _, resolved = run_pipeline(path, prompt, **over)
+        assert tokens == reference[None]
+        runs[reads] = read_csv(csv)[1]
+    assert resolved.n_slabs >= 16  # so that a slab is lent (at most 1/16 of the cache)
+    with open_model(path) as mf:
+        expert_bytes = [mf.layout.expert_bytes(i) for i in range(mf.spec.n_layer)]
+    decode = slice(1, None)  # the prompt's pass reads its guesses too
+    for records in runs.values():
+        assert all(r.misses * min(expert_bytes) <= r.read_bytes <= r.misses * max(expert_bytes) for r in records[decode])
+    assert [r.hits + r.misses for r in runs[0]] == [r.hits + r.misses for r in runs[32]]
+    assert sum(r.misses for r in runs[32][decode]) > 0
+    assert sum(r.messages for r in runs[32][decode]) < sum(r.messages for r in runs[0][decode])
 
 
 def _turns(path: Path, over: dict, prompts, csv: Path):

@@ -278,3 +278,38 @@ def test_the_prompts_loan_waits_for_a_warm_compute_and_comes_back_with_a_new_one
         assert h.reader.table.n_usable == n - lent and _allocated(h) == (n - lent) * slab
     finally:
         h.close()
+
+
+def test_a_spares_adopts_what_compute_read_gives_the_rest_back_and_lends_more(h):
+    """compute's own reads: a Spares lends slabs (free first, then evicting, the evicted gone
+    from the index at once), adopts and publishes the experts compute read into lent slabs
+    after the token's hits, frees a lent slab whose expert the reader holds already (a
+    read of both) and the ones given back; a new compute's Hello frees whatever was lent."""
+    n = h.reader.n_slabs
+    assert n >= 6
+    req = h.fetch(0, list(range(n)))
+    for _ in range(n):
+        h.land()
+    for _ in range(n):
+        h.answer()
+    h.reader.on_release(m.Release((req,)))
+    h.reader.on_spares(m.Spares(1, 3))
+    lent = h.answer_spares().slabs
+    assert len(lent) == 3 and h.reader.table.lent == frozenset(lent) and len(h.reader.table) == n - 3
+    assert sum(h.visible((0, e)) for e in range(n)) == n - 3  # the evicted left the index
+    # compute reads expert (1, 2) into a lent slab itself; (1, 3) too, which the reader also read on a Fetch
+    h.reader.files.read_expert(h.mf.layout.expert_extents(1, 2), h.reader.arena.slab(lent[0]))
+    req = h.fetch(1, [3])
+    h.land()
+    assert h.answer().hit is False
+    installed = ((1, 2, lent[0]), (1, 3, lent[1]))
+    h.reader.on_spares(m.Spares(2, 2, released=(req,), touched=((0, 0),), installed=installed, returned=(lent[2],)))
+    more = h.answer_spares().slabs
+    assert h.visible((1, 2)) and h.reader.table.lookup((1, 2)) == lent[0]
+    h.assert_holds((1, 2), lent[0])
+    assert h.reader.table.lookup((1, 3)) not in (None, lent[1])  # the reader's own copy stays
+    assert len(more) == 2 and h.reader.table.lent == frozenset(more) and lent[0] not in more
+    assert h.reader.table.stats.misses == n + 2  # the n, the Fetch's (1, 3) and compute's (1, 2)
+    h.reader.on_hello(m.Hello("compute", 1234, 1))
+    free = n - len(h.reader.table)
+    assert h.reader.table.lent == frozenset() and all(h.reader.table.admit((2, e))[1] is None for e in range(free))

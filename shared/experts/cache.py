@@ -16,6 +16,10 @@ only writer (so it needs no locks); the slabs themselves live in a
                    (docs/architecture.md § The KV cache's loan).
     on_pinned(key, bool): told when a key's first pin comes and its last goes
                           (the reader mirrors it into the residency index's states).
+    lend(n) / adopt(key, slab) / take_back(slabs): free slabs (evicting unpinned
+                   victims) lent to compute, which reads its own misses into them;
+                   a lent slab comes back holding the expert compute read (adopt,
+                   a miss) or empty (take_back) (docs/architecture.md § compute's own reads).
 
 A miss is counted by `admit`, a hit by `lookup`; the hit rate is therefore
 over the experts actually requested. Eviction policies plug in through the
@@ -63,6 +67,7 @@ class SlabTable:
         self._key_of: list[Key | None] = [None] * n_slabs
         self._free: list[int] = list(range(n_slabs - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
         self._retired: list[int] = []  # slabs out of use (set_usable): neither free nor holding a key
+        self._lent: set[int] = set()  # slabs lent to compute (lend): neither free nor holding a key until they come back
         self._pins: dict[Key, int] = {}
         # a key became pinned (True) or unpinned (False); typed Any: it gets the owner's own keys (the reader's (layer, expert))
         self.on_pinned: Callable[[Any, bool], None] | None = None
@@ -133,6 +138,53 @@ class SlabTable:
         slab = self._remove(key)
         self._free.append(slab)
         return slab
+
+    # -- slabs lent to compute -------------------------------------------------
+    def lend(self, n: int) -> tuple[list[int], list[Key]]:
+        """Up to `n` slabs for compute to read its own misses into: free ones first, then
+        the policy's unpinned victims' (evicted). Fewer when every other slab is pinned.
+        Returns (slabs lent, keys evicted)."""
+        slabs: list[int] = []
+        evicted: list[Key] = []
+        while len(slabs) < n:
+            if self._free:
+                slab = self._free.pop()
+            else:
+                victim = self.policy.victim(self._evictable)
+                if victim is None:
+                    break
+                slab = self._remove(victim)
+                self._evictions += 1
+                evicted.append(victim)
+            self._lent.add(slab)
+            slabs.append(slab)
+        return slabs, evicted
+
+    def adopt(self, key: Key, slab: int, nbytes: int = 0) -> None:
+        """Lent `slab` comes back holding `key`, which compute read into it: a miss, as
+        `admit` counts one. Refused when `key` is resident already (take the slab back)."""
+        if slab not in self._lent:
+            raise ValueError(f"slab {slab} is not lent")
+        if key in self._slab_of:
+            raise ValueError(f"{key!r} is already resident in slab {self._slab_of[key]}")
+        self._lent.remove(slab)
+        self._slab_of[key] = slab
+        self._key_of[slab] = key
+        self.policy.on_admit(key)
+        self._misses += 1
+        self._bytes += nbytes
+
+    def take_back(self, slabs) -> None:
+        """Lent slabs come back empty: free again."""
+        for slab in slabs:
+            if slab not in self._lent:
+                raise ValueError(f"slab {slab} is not lent")
+            self._lent.remove(slab)
+            self._free.append(slab)
+
+    @property
+    def lent(self) -> frozenset[int]:
+        return frozenset(self._lent)
 
     # -- the usable size ------------------------------------------------------
     @property

@@ -47,7 +47,7 @@ import msgpack
 MAX_FRAME_BYTES = 1 << 20
 # Bumped when a message's fields change; carried in Hello so mixed versions
 # (an old compute talking to a new reader after an upgrade) are refused.
-PROTOCOL_VERSION = 10
+PROTOCOL_VERSION = 11
 DRAFT_FROM_CONFIG = 255  # Generate.draft: no width of the request's own, compute.draft's (the wire's ints are unsigned)
 ANY_SLOT = 0xFFFF  # Generate.slot: no slot of the request's own, compute picks (llama.cpp's id_slot -1)
 
@@ -75,6 +75,8 @@ class Kind(IntEnum):
     GUESSED = 14
     CACHE_LIMIT = 15
     CACHE_LIMITED = 16
+    SPARES = 17
+    SPARE_SLABS = 18
     # compute -> telemetry -> tails
     RUN_INFO = 20
     TOKEN_RECORD = 21
@@ -163,15 +165,21 @@ def _strs(v: Any, name: str) -> tuple[str, ...]:
     return tuple(_str(x, name) for x in v)
 
 
-def _pairs(v: Any, name: str) -> tuple[tuple[int, int], ...]:
-    if not isinstance(v, (list, tuple)):
-        raise _fail(name, "a list of pairs of unsigned ints", v)
-    out = []
-    for p in v:
-        if not isinstance(p, (list, tuple)) or len(p) != 2:
-            raise _fail(name, "a pair of unsigned ints", p)
-        out.append((_uint(p[0], name), _uint(p[1], name)))
-    return tuple(out)
+def _tuples(width: int) -> Callable[[Any, str], tuple[tuple[int, ...], ...]]:
+    """A checker of a list of `width`-tuples of unsigned ints."""
+    what = {2: "pair", 3: "triple"}[width]
+
+    def check(v: Any, name: str) -> tuple[tuple[int, ...], ...]:
+        if not isinstance(v, (list, tuple)):
+            raise _fail(name, f"a list of {what}s of unsigned ints", v)
+        out = []
+        for p in v:
+            if not isinstance(p, (list, tuple)) or len(p) != width:
+                raise _fail(name, f"a {what} of unsigned ints", p)
+            out.append(tuple(_uint(x, name) for x in p))
+        return tuple(out)
+
+    return check
 
 
 _SCALARS = (str, int, float, bool, type(None))
@@ -222,7 +230,8 @@ _CHECKERS: dict[str, Callable[[Any, str], Any]] = {
     "str": _str,
     "tuple[int, ...]": _uints,
     "tuple[str, ...]": _strs,
-    "tuple[tuple[int, int], ...]": _pairs,
+    "tuple[tuple[int, int], ...]": _tuples(2),
+    "tuple[tuple[int, int, int], ...]": _tuples(3),
     "dict[str, Scalar]": _scalar_dict,
     "dict[str, Any]": _any_dict,
 }
@@ -407,6 +416,34 @@ class CacheLimited(_Message):
 
     req_id: int
     slabs: int
+
+
+@_wire(Kind.SPARES)
+@dataclass(frozen=True, slots=True)
+class Spares(_Message):
+    """compute -> reader, at the end of a token instead of its Release (docs/architecture.md §
+    compute's own reads): what a Release says, then the experts compute read into slabs the
+    reader lent it (`installed`: (layer, expert, slab); the reader adopts and publishes them, or
+    takes the slab back when the expert is resident already), the lent slabs compute gives back
+    unused (`returned`), and how many more slabs to lend it (`want`, evicting for them).
+    Answered by one SpareSlabs; compute reads the index again only after it."""
+
+    req_id: int
+    want: int
+    released: tuple[int, ...] = ()
+    touched: tuple[tuple[int, int], ...] = ()
+    installed: tuple[tuple[int, int, int], ...] = ()
+    returned: tuple[int, ...] = ()
+
+
+@_wire(Kind.SPARE_SLABS)
+@dataclass(frozen=True, slots=True)
+class SpareSlabs(_Message):
+    """reader -> compute: Spares `req_id` is carried out (installed experts are in the
+    index, whatever was evicted for `slabs` is gone from it); `slabs` are lent to compute."""
+
+    req_id: int
+    slabs: tuple[int, ...] = ()
 
 
 # ------------------------------------------------------------------ telemetry
@@ -693,6 +730,8 @@ Message = (
     | Guessed
     | CacheLimit
     | CacheLimited
+    | Spares
+    | SpareSlabs
     | RunInfo
     | TokenRecord
     | RunSummary

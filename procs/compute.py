@@ -222,7 +222,9 @@ class SlabExperts:
             # (its bookkeeping of the whole token) is ready while the output head runs.
             self.end_step()
 
-    def _fetch_group(self, layer: int, ids: list[int]) -> Iterator[Expert]:
+    def _fetch_group(self, layer: int, ids: list[int], own: bool = True) -> Iterator[Expert]:
+        """`ids`' experts as they are ready; misses read here into lent slabs when `own` and they fit
+        (_reads_own), else asked of the reader."""
         self._settle()
         t0 = time.perf_counter()
         slabs = self.index.slabs(layer, ids)  # hits need no round trip
@@ -240,7 +242,7 @@ class SlabExperts:
                 self.poll()  # a Stop between experts: the reader is owed nothing here
                 yield self._view(layer, e, s)
             return
-        if self._reads_own(len(missing)):
+        if own and self._reads_own(len(missing)):
             self.touched.extend((layer, e) for e in resident)
             self.mgmt_s += time.perf_counter() - t0
             yield from self._read_own(layer, ids, slabs, missing)
@@ -309,7 +311,7 @@ class SlabExperts:
             for result in lent.drain():  # left early: the reads under way end before their slabs are reused
                 self._own_result(result, failed)
         for e in failed:
-            yield from self._fetch_group(layer, [e])
+            yield from self._fetch_group(layer, [e], own=False)
 
     def _own_result(self, result, failed: list[int]) -> tuple[int, int]:
         """Count one of this process's reads; (expert, slab), or slab -1 when it failed (its slab is spare again)."""

@@ -21,6 +21,7 @@ import pytest
 from moe_pipe.procs.pipeline import start_pipeline
 from moe_pipe.shared.config import DEFAULT_POLICY, load_config
 from moe_pipe.shared.errors import ConfigError
+from moe_pipe.shared.experts import directio
 from moe_pipe.shared.experts.budget import KVLoan, PromptLoan
 from moe_pipe.shared.experts.policies import LIVE_POLICIES
 from moe_pipe.shared.gguf.model_file import open_model
@@ -277,18 +278,34 @@ def test_compute_reads_its_own_misses_into_lent_slabs(tiny, tmp_path):
     for reads in (0, 32):
         csv = tmp_path / f"reads{reads}.csv"
         over = {"cache.cache_mb": _budget_mb(sizes, "mid", None), "telemetry.csv": str(csv), "io.compute_reads": reads}
-        tokens, _, resolved = run_pipeline(path, prompt, **over)
+        # no guesses: their reads land unasked and are counted with a later answer's bytes
+        tokens, _, resolved = run_pipeline(path, prompt, **over, **{"compute.prefetch": "none"})
         assert tokens == reference[None]
         runs[reads] = read_csv(csv)[1]
     assert resolved.n_slabs >= 16  # so that a slab is lent (at most 1/16 of the cache)
     with open_model(path) as mf:
         expert_bytes = [mf.layout.expert_bytes(i) for i in range(mf.spec.n_layer)]
-    decode = slice(1, None)  # the prompt's pass reads its guesses too
+    decode = slice(1, None)
     for records in runs.values():
         assert all(r.misses * min(expert_bytes) <= r.read_bytes <= r.misses * max(expert_bytes) for r in records[decode])
     assert [r.hits + r.misses for r in runs[0]] == [r.hits + r.misses for r in runs[32]]
     assert sum(r.misses for r in runs[32][decode]) > 0
     assert sum(r.messages for r in runs[32][decode]) < sum(r.messages for r in runs[0][decode])
+
+
+def test_a_read_compute_failed_goes_to_the_reader_and_keeps_the_tokens(tiny, tmp_path, monkeypatch):
+    """Every read compute makes itself fails (an injected EIO): each of those misses is asked
+    of the reader instead (a Fetch), which reads it, so the tokens are the reference's and
+    the decoded tokens send their Fetches as they would with io.compute_reads 0."""
+    path, prompt, reference, sizes = tiny
+    monkeypatch.setenv(directio.FAULT_ENV, "compute:1+")
+    csv = tmp_path / "faulty.csv"
+    over = {"cache.cache_mb": _budget_mb(sizes, "mid", None), "telemetry.csv": str(csv), "io.compute_reads": 32}
+    tokens, _, _ = run_pipeline(path, prompt, **over)
+    assert tokens == reference[None]
+    decoded = read_csv(csv)[1][1:]
+    assert sum(r.misses for r in decoded) > 0
+    assert all(r.messages > 1 for r in decoded if r.misses)  # no token's misses were read by compute alone
 
 
 def _turns(path: Path, over: dict, prompts, csv: Path):

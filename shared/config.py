@@ -216,7 +216,7 @@ class IOConfig:
         32,
         "int",
         "cache slabs lent to compute, which reads a decoded token's misses into them itself on io_threads lanes of its own "
-        "(no round trip to the reader a miss; docs/architecture.md § compute's own reads); at most 1/16 of the cache; "
+        "(no round trip to the reader a miss; docs/architecture.md § compute's own reads); at most 1/64 of the cache (one slab at least); "
         "0 = every miss goes through the reader",
         lo=0,
         hi=4096,

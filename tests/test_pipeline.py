@@ -282,7 +282,7 @@ def test_compute_reads_its_own_misses_into_lent_slabs(tiny, tmp_path):
         tokens, _, resolved = run_pipeline(path, prompt, **over, **{"compute.prefetch": "none"})
         assert tokens == reference[None]
         runs[reads] = read_csv(csv)[1]
-    assert resolved.n_slabs >= 16  # so that a slab is lent (at most 1/16 of the cache)
+    assert resolved.n_slabs > 8  # so that a slab is lent while the rest holds a layer's experts
     with open_model(path) as mf:
         expert_bytes = [mf.layout.expert_bytes(i) for i in range(mf.spec.n_layer)]
     decode = slice(1, None)

@@ -27,15 +27,18 @@ from .shm import SlabArena
 
 ReadResult = tuple[Key, int, int, str | None]
 
-# At most this share of the cache is lent to compute: the slabs lent are not the cache's while lent.
-MOST_LENT = 1 / 16
+# At most this share of the cache is lent to compute (one slab at least): the slabs lent are not
+# the cache's while lent, so the cache is that much smaller. On gptoss120b-shape at file / 5.2
+# (290 slabs of 13 MB, ~27 misses a token) 1/16 of it cost 2.5 points of hits and more than
+# the reads saved (docs/benchmarks.md § compute's own reads).
+MOST_LENT = 1 / 64
 
 
 def lent_slabs(asked: int, n_slabs: int, per_token: int) -> int:
     """The slabs compute holds to read its own misses into: io.compute_reads, at most
-    MOST_LENT of the `n_slabs` the cache always has, and never so many that the rest would
-    not hold a layer's `per_token` experts (0: off)."""
-    return max(0, min(asked, int(n_slabs * MOST_LENT), n_slabs - per_token))
+    MOST_LENT of the `n_slabs` the cache always has (one at least), and never so many that the
+    rest would not hold a layer's `per_token` experts (0: off)."""
+    return max(0, min(asked, max(1, int(n_slabs * MOST_LENT)), n_slabs - per_token))
 
 
 class LentReads:

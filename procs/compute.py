@@ -242,7 +242,7 @@ class SlabExperts:
                 self.poll()  # a Stop between experts: the reader is owed nothing here
                 yield self._view(layer, e, s)
             return
-        if own and self._reads_own(len(missing)):
+        if own and self._reads_own(layer, missing):
             self.touched.extend((layer, e) for e in resident)
             self.mgmt_s += time.perf_counter() - t0
             yield from self._read_own(layer, ids, slabs, missing)
@@ -271,10 +271,18 @@ class SlabExperts:
         finally:
             self.done.append(req)  # unpinned by the next message
 
-    def _reads_own(self, n_missing: int) -> bool:
+    def _reads_own(self, layer: int, missing: list[int]) -> bool:
         """Read these misses here: lent slabs for all of them, no guess to send with a Fetch,
-        and the reader alive (a slab lent by a reader that died may be a new reader's)."""
-        return self.lent is not None and n_missing <= len(self.spares) and not (self.guess and self.guess[1]) and pid_alive(self.reader_pid)
+        none of them being read by the reader already (a guess, a warm start's read: a Fetch
+        waits for that read instead of making a second), and the reader alive (a slab lent by
+        a reader that died may be a new reader's)."""
+        return (
+            self.lent is not None
+            and len(missing) <= len(self.spares)
+            and not (self.guess and self.guess[1])
+            and not self.index.reading(layer, missing)
+            and pid_alive(self.reader_pid)
+        )
 
     def _read_own(self, layer: int, ids: list[int], slabs: list[int], missing: list[int]) -> Iterator[Expert]:
         """A layer's misses read by this process into lent slabs, the hits computed meanwhile
@@ -449,8 +457,9 @@ class SlabExperts:
         self.room_for(0, 0)
 
     def end_step(self) -> None:
-        """The token is done: one Release for its fetches and the hits the
-        reader has not heard of (none when nothing happened)."""
+        """The token is done (or its last layer's experts are): one Release for its fetches and
+        the hits the reader has not heard of (none when nothing happened), or, when this process
+        read misses itself or holds fewer lent slabs than it keeps, one Spares instead."""
         if self.lent is not None and not self.unsettled and (self.installed or len(self.spares) < self.spare_target):
             t0 = time.perf_counter()
             self._send_spares()  # answered before the next index read (_settle)
@@ -584,7 +593,10 @@ def serve(config: Config, facts: RunFacts, ctx: zmq.Context) -> None:
         kv_type=c.kv_type,
         top_k=c.n_expert_used,
         lent_reads=lent_slabs(
-            config.io.compute_reads, facts.n_slabs - facts.prompt_lent_slabs, experts_per_token(mf.spec, c.n_expert_used)
+            config.io.compute_reads,
+            facts.n_slabs - facts.prompt_lent_slabs,
+            experts_per_token(mf.spec, c.n_expert_used),
+            len(mf.spec.moe_layers) * mf.spec.n_expert,
         ),
         lanes=config.io.io_threads,
         paths=mf.gguf.paths,

@@ -43,8 +43,15 @@ def _serve(tmp_path: Path, **over) -> tuple[list, int]:
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 def test_replaying_the_engines_trace_gives_the_engines_hit_rate(tmp_path, policy):
     trace_path = tmp_path / "run.trace"
-    # no prompt read-ahead: the replay models demand reads only
-    over = {"cache.cache_mb": 1.2, "cache.policy": policy, "telemetry.route_trace": str(trace_path), "compute.prefetch": "none"}
+    # no prompt read-ahead: the replay models demand reads only; and every miss through the reader:
+    # the replay models its cache of n_slabs (slabs lent to compute are not the cache's while lent)
+    over = {
+        "cache.cache_mb": 1.2,
+        "cache.policy": policy,
+        "telemetry.route_trace": str(trace_path),
+        "compute.prefetch": "none",
+        "io.compute_reads": 0,
+    }
     dones, n_slabs = _serve(tmp_path, **over)
     trace = read_trace(trace_path)
     _, spec = _prompts()

@@ -34,10 +34,13 @@ ReadResult = tuple[Key, int, int, str | None]
 MOST_LENT = 1 / 64
 
 
-def lent_slabs(asked: int, n_slabs: int, per_token: int) -> int:
+def lent_slabs(asked: int, n_slabs: int, per_token: int, every_expert: int) -> int:
     """The slabs compute holds to read its own misses into: io.compute_reads, at most
     MOST_LENT of the `n_slabs` the cache always has (one at least), and never so many that the
-    rest would not hold a layer's `per_token` experts (0: off)."""
+    rest would not hold a layer's `per_token` experts; none when the cache holds every one of the
+    model's `every_expert` experts (nothing is read twice: a lent slab would only make a miss)."""
+    if n_slabs >= every_expert:
+        return 0
     return max(0, min(asked, max(1, int(n_slabs * MOST_LENT)), n_slabs - per_token))
 
 

@@ -117,6 +117,11 @@ class ResidencyIndex:
         row = self.table[layer]
         return [int(row[e]) - 1 for e in experts]
 
+    def reading(self, layer: int, experts) -> bool:
+        """Is any of these experts of `layer` being read by the reader now (INFLIGHT)?"""
+        row = self.states[layer]
+        return any(row[e] & INFLIGHT for e in experts)
+
     def entries(self) -> list[tuple[tuple[int, int], int]]:
         """((layer, expert), slab) of every published entry: what a restarted
         reader takes over (each slab's bytes were complete when published)."""

@@ -133,7 +133,7 @@ class SlabExperts:
         top_k: int | None = None,
         lent_reads: int = 0,
         lanes: int = 1,
-        paths: Sequence[str] = (),
+        paths: Sequence[str | os.PathLike] = (),
     ):
         """`facts`: the arenas and the reader to watch; `overlap`: compute.overlap;
         `poll`: called between experts, may raise GenerationAborted (a Stop mid-prompt);

@@ -454,8 +454,8 @@ class Reader:
         slabs: list[int] = []
         if msg.want > 0 and self.limit_waiting is None:
             slabs, evicted = self.table.lend(msg.want)
-            for key in evicted:
-                self.index.clear(cast(ExpertKey, key))
+            for gone in evicted:
+                self.index.clear(cast(ExpertKey, gone))
         self.send(m.SpareSlabs(msg.req_id, tuple(slabs)))
         self.retry_blocked()
         self.carry_out_limit()

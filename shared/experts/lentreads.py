@@ -16,9 +16,11 @@ Each read's result comes back through one queue in the order the reads end:
 
 from __future__ import annotations
 
+import os
 import queue
 import time
 from collections.abc import Sequence
+from typing import cast
 
 from ..gguf.layout import Layout
 from .directio import ExpertFiles, describe_os_error
@@ -47,7 +49,9 @@ def lent_slabs(asked: int, n_slabs: int, per_token: int, every_expert: int) -> i
 class LentReads:
     """`lanes` threads reading experts of `layout` from `paths` into slabs of `arena`."""
 
-    def __init__(self, paths: Sequence[str], layout: Layout, arena: SlabArena, lanes: int, identity: Sequence[str] | None = None):
+    def __init__(
+        self, paths: Sequence[str | os.PathLike], layout: Layout, arena: SlabArena, lanes: int, identity: Sequence[str] | None = None
+    ):
         self.layout, self.arena = layout, arena
         self.files = ExpertFiles(paths, identity=identity or None, align=layout.align)
         self.results: queue.SimpleQueue[ReadResult] = queue.SimpleQueue()
@@ -69,7 +73,7 @@ class LentReads:
         return [self.next_result() for _ in range(self.pending)]
 
     def _read(self, key: Key, slab: int) -> None:
-        layer, expert = key  # type: ignore[misc]  # the lanes hold what submit gave them
+        layer, expert = cast(tuple[int, int], key)  # the lanes hold what submit gave them
         t0 = time.perf_counter_ns()
         try:
             self.files.read_expert(self.layout.expert_extents(layer, expert), self.arena.slab(slab))

@@ -46,7 +46,14 @@ def test_pipeline_csv_counts_agree_with_independent_lru(tiny_pipe, tmp_path):
     _, _, resolved = run_pipeline(
         path,
         prompt,
-        **{"cache.cache_mb": _budget_mb(sizes, "mid", None), "telemetry.csv": str(csv), "cache.policy": "lru", "compute.prefetch": "none"},
+        # every miss through the reader (io.compute_reads 0): the independent LRU models its admissions
+        **{
+            "cache.cache_mb": _budget_mb(sizes, "mid", None),
+            "telemetry.csv": str(csv),
+            "cache.policy": "lru",
+            "compute.prefetch": "none",
+            "io.compute_reads": 0,
+        },
     )
     _, records = read_csv(csv)
     assert [(r.hits, r.misses, r.read_bytes, r.messages) for r in records] == independent_lru(path, prompt, resolved.n_slabs)

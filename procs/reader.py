@@ -29,8 +29,8 @@ restarts). Loop:
 
 Evictions happen only while handling a Fetch (or a Spares), and compute
 waits for that message's answers (Readies, the Guessed of a Fetch with only
-guesses, the SpareSlabs) before it looks at the index again: so an expert compute finds in the index
-stays put while it uses it, pinned or not. Guesses obey the same rule (they
+guesses, the SpareSlabs) before it looks at the index again: so an expert
+compute finds in the index stays put while it uses it, pinned or not. Guesses obey the same rule (they
 are admitted while their Fetch is handled, and the Readies of the Fetch's
 experts that are cached already go out after them, so no answer comes before
 an eviction of that Fetch); a guess still queued when the next Fetch arrives

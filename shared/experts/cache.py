@@ -147,15 +147,9 @@ class SlabTable:
         slabs: list[int] = []
         evicted: list[Key] = []
         while len(slabs) < n:
-            if self._free:
-                slab = self._free.pop()
-            else:
-                victim = self.policy.victim(self._evictable)
-                if victim is None:
-                    break
-                slab = self._remove(victim)
-                self._evictions += 1
-                evicted.append(victim)
+            slab = self._free.pop() if self._free else self._evict_into(evicted)
+            if slab is None:
+                break
             self._lent.add(slab)
             slabs.append(slab)
         return slabs, evicted
@@ -209,16 +203,22 @@ class SlabTable:
             if self._free:
                 slab = max(self._free)  # the free list's tail is handed out first: keep it
                 self._free.remove(slab)
-            else:
-                victim = self.policy.victim(self._evictable)
-                if victim is None:
-                    break
-                slab = self._remove(victim)
-                self._evictions += 1
-                evicted.append(victim)
+            elif (slab := self._evict_into(evicted)) is None:
+                break
             self._retired.append(slab)
             retired.append(slab)
         return retired, evicted
+
+    def _evict_into(self, evicted: list[Key]) -> int | None:
+        """Evict the policy's unpinned victim (counted, added to `evicted`): its slab, or None
+        when every resident key is pinned."""
+        victim = self.policy.victim(self._evictable)
+        if victim is None:
+            return None
+        slab = self._remove(victim)
+        self._evictions += 1
+        evicted.append(victim)
+        return slab
 
     def _remove(self, key: Key) -> int:
         slab = self._slab_of.pop(key)

@@ -203,8 +203,11 @@ class SlabTable:
             if self._free:
                 slab = max(self._free)  # the free list's tail is handed out first: keep it
                 self._free.remove(slab)
-            elif (slab := self._evict_into(evicted)) is None:
-                break
+            else:
+                freed = self._evict_into(evicted)
+                if freed is None:
+                    break
+                slab = freed
             self._retired.append(slab)
             retired.append(slab)
         return retired, evicted

@@ -91,19 +91,11 @@ class SlabTable:
         evicted = None
         if self._free:
             slab = self._free.pop()
+        elif (out := self._evict()) is None:
+            raise CacheFull(f"all {self.n_slabs} cache slabs are pinned by unfinished requests; cannot admit {key!r}")
         else:
-            evicted = self.policy.victim(self._evictable)
-            if evicted is None:
-                raise CacheFull(f"all {self.n_slabs} cache slabs are pinned by unfinished requests; cannot admit {key!r}")
-            if evicted not in self._slab_of or self._pins.get(evicted):
-                raise RuntimeError(f"policy {type(self.policy).__name__} chose {evicted!r}, which is not an evictable resident key")
-            slab = self._remove(evicted)
-            self._evictions += 1
-        self._slab_of[key] = slab
-        self._key_of[slab] = key
-        self.policy.on_admit(key)
-        self._misses += 1
-        self._bytes += nbytes
+            slab, evicted = out
+        self._admit_into(key, slab, nbytes)
         if pin:
             self.pin(key)
         return slab, evicted
@@ -115,9 +107,7 @@ class SlabTable:
         if key in self._slab_of or not 0 <= slab < self.n_slabs or self._key_of[slab] is not None:
             raise ValueError(f"cannot restore {key!r} into slab {slab}: taken or out of range")
         self._free.remove(slab)
-        self._slab_of[key] = slab
-        self._key_of[slab] = key
-        self.policy.on_admit(key)
+        self._place(key, slab)
 
     def refresh(self, keys) -> None:
         """Tell the policy `keys` were used, in this order, without counting hits:
@@ -147,9 +137,13 @@ class SlabTable:
         slabs: list[int] = []
         evicted: list[Key] = []
         while len(slabs) < n:
-            slab = self._free.pop() if self._free else self._evict_into(evicted)
-            if slab is None:
+            if self._free:
+                slab = self._free.pop()
+            elif (out := self._evict()) is None:
                 break
+            else:
+                slab = out[0]
+                evicted.append(out[1])
             self._lent.add(slab)
             slabs.append(slab)
         return slabs, evicted
@@ -162,11 +156,7 @@ class SlabTable:
         if key in self._slab_of:
             raise ValueError(f"{key!r} is already resident in slab {self._slab_of[key]}")
         self._lent.remove(slab)
-        self._slab_of[key] = slab
-        self._key_of[slab] = key
-        self.policy.on_admit(key)
-        self._misses += 1
-        self._bytes += nbytes
+        self._admit_into(key, slab, nbytes)
 
     def take_back(self, slabs) -> None:
         """Lent slabs come back empty: free again."""
@@ -203,25 +193,36 @@ class SlabTable:
             if self._free:
                 slab = max(self._free)  # the free list's tail is handed out first: keep it
                 self._free.remove(slab)
+            elif (out := self._evict()) is None:
+                break
             else:
-                freed = self._evict_into(evicted)
-                if freed is None:
-                    break
-                slab = freed
+                slab = out[0]
+                evicted.append(out[1])
             self._retired.append(slab)
             retired.append(slab)
         return retired, evicted
 
-    def _evict_into(self, evicted: list[Key]) -> int | None:
-        """Evict the policy's unpinned victim (counted, added to `evicted`): its slab, or None
-        when every resident key is pinned."""
+    def _evict(self) -> tuple[int, Key] | None:
+        """Evict the policy's unpinned victim (counted): (its slab, the key), or None when
+        every resident key is pinned."""
         victim = self.policy.victim(self._evictable)
         if victim is None:
             return None
-        slab = self._remove(victim)
+        if victim not in self._slab_of or self._pins.get(victim):
+            raise RuntimeError(f"policy {type(self.policy).__name__} chose {victim!r}, which is not an evictable resident key")
         self._evictions += 1
-        evicted.append(victim)
-        return slab
+        return self._remove(victim), victim
+
+    def _admit_into(self, key: Key, slab: int, nbytes: int) -> None:
+        """`key` now holds `slab`: a miss of `nbytes` read into it."""
+        self._place(key, slab)
+        self._misses += 1
+        self._bytes += nbytes
+
+    def _place(self, key: Key, slab: int) -> None:
+        self._slab_of[key] = slab
+        self._key_of[slab] = key
+        self.policy.on_admit(key)
 
     def _remove(self, key: Key) -> int:
         slab = self._slab_of.pop(key)

@@ -91,10 +91,12 @@ class SlabTable:
         evicted = None
         if self._free:
             slab = self._free.pop()
-        elif (out := self._evict()) is None:
-            raise CacheFull(f"all {self.n_slabs} cache slabs are pinned by unfinished requests; cannot admit {key!r}")
         else:
-            slab, evicted = out
+            gone: list[Key] = []
+            freed = self._evict(gone)
+            if freed is None:
+                raise CacheFull(f"all {self.n_slabs} cache slabs are pinned by unfinished requests; cannot admit {key!r}")
+            slab, evicted = freed, gone[0]
         self._admit_into(key, slab, nbytes)
         if pin:
             self.pin(key)
@@ -137,13 +139,9 @@ class SlabTable:
         slabs: list[int] = []
         evicted: list[Key] = []
         while len(slabs) < n:
-            if self._free:
-                slab = self._free.pop()
-            elif (out := self._evict()) is None:
+            slab = self._free.pop() if self._free else self._evict(evicted)
+            if slab is None:
                 break
-            else:
-                slab = out[0]
-                evicted.append(out[1])
             self._lent.add(slab)
             slabs.append(slab)
         return slabs, evicted
@@ -193,25 +191,26 @@ class SlabTable:
             if self._free:
                 slab = max(self._free)  # the free list's tail is handed out first: keep it
                 self._free.remove(slab)
-            elif (out := self._evict()) is None:
-                break
             else:
-                slab = out[0]
-                evicted.append(out[1])
+                freed = self._evict(evicted)
+                if freed is None:
+                    break
+                slab = freed
             self._retired.append(slab)
             retired.append(slab)
         return retired, evicted
 
-    def _evict(self) -> tuple[int, Key] | None:
-        """Evict the policy's unpinned victim (counted): (its slab, the key), or None when
-        every resident key is pinned."""
+    def _evict(self, evicted: list[Key]) -> int | None:
+        """Evict the policy's unpinned victim (counted, added to `evicted`): its slab, or None
+        when every resident key is pinned."""
         victim = self.policy.victim(self._evictable)
         if victim is None:
             return None
         if victim not in self._slab_of or self._pins.get(victim):
             raise RuntimeError(f"policy {type(self.policy).__name__} chose {victim!r}, which is not an evictable resident key")
         self._evictions += 1
-        return self._remove(victim), victim
+        evicted.append(victim)
+        return self._remove(victim)
 
     def _admit_into(self, key: Key, slab: int, nbytes: int) -> None:
         """`key` now holds `slab`: a miss of `nbytes` read into it."""

@@ -249,21 +249,13 @@ class SlabExperts:
             return
         req = self._send_fetch(layer, missing, [e for e in resident if (layer, e) not in self.own])  # the reader pins what it holds
         self.wire_s += time.perf_counter() - t0
+
+        def ready() -> tuple[int, int]:
+            r = self._next_ready(req)
+            return r.expert, r.slab
+
         try:
-            if self.overlap:  # hits at once, then each miss as it lands
-                for e, s in zip(ids, slabs):
-                    if s >= 0:
-                        self.poll()
-                        yield self._view(layer, e, s)
-                for _ in missing:
-                    r = self._next_ready(req)
-                    self.poll()
-                    yield self._view(r.layer, r.expert, r.slab)
-            else:  # wait for the whole set, then compute (kept for comparison)
-                landed = {r.expert: r.slab for r in (self._next_ready(req) for _ in missing)}
-                for e, s in zip(ids, slabs):
-                    self.poll()
-                    yield self._view(layer, e, s if s >= 0 else landed[e])
+            yield from self._as_they_land(layer, ids, slabs, len(missing), ready)
         except GenerationAborted as exc:
             if missing and exc.code != m.Code.PEER_GONE:
                 self._barrier(layer, missing[0])
@@ -291,35 +283,48 @@ class SlabExperts:
         lent = cast(LentReads, self.lent)
         for e in missing:
             lent.submit((layer, e), self.spares.pop())
-        landed: dict[int, int] = {}
         failed: list[int] = []
+
+        def read() -> tuple[int, int] | None:
+            t0 = time.perf_counter()
+            result = lent.next_result()
+            self.stall_s += time.perf_counter() - t0  # the flash wait overlap did not hide
+            e, slab = self._own_result(result, failed)
+            return (e, slab) if slab >= 0 else None
+
         try:
-            if self.overlap:
-                for e, s in zip(ids, slabs):
-                    if s >= 0:
-                        self.poll()
-                        yield self._view(layer, e, s)
-            for _ in missing:
-                t0 = time.perf_counter()
-                result = lent.next_result()
-                self.stall_s += time.perf_counter() - t0  # the flash wait overlap did not hide
-                e, slab = self._own_result(result, failed)
-                if slab < 0:
-                    continue
-                landed[e] = slab
-                if self.overlap:
-                    self.poll()
-                    yield self._view(layer, e, slab)
-            if not self.overlap:
-                for e, s in zip(ids, slabs):
-                    if s >= 0 or e in landed:
-                        self.poll()
-                        yield self._view(layer, e, s if s >= 0 else landed[e])
+            yield from self._as_they_land(layer, ids, slabs, len(missing), read)
         finally:
             for result in lent.drain():  # left early: the reads under way end before their slabs are reused
                 self._own_result(result, failed)
         for e in failed:
             yield from self._fetch_group(layer, [e], own=False)
+
+    def _as_they_land(
+        self, layer: int, ids: list[int], slabs: list[int], n_missing: int, land: Callable[[], tuple[int, int] | None]
+    ) -> Iterator[Expert]:
+        """The hits (slab >= 0) at once, then each of the `n_missing` misses as `land()` hands
+        it over ((expert, slab), None for one whose read failed); without compute.overlap, the
+        whole set in routing order once every miss has landed (kept for comparison)."""
+        landed: dict[int, int] = {}
+        if self.overlap:
+            for e, s in zip(ids, slabs):
+                if s >= 0:
+                    self.poll()
+                    yield self._view(layer, e, s)
+        for _ in range(n_missing):
+            got = land()
+            if got is None:
+                continue
+            landed[got[0]] = got[1]
+            if self.overlap:
+                self.poll()
+                yield self._view(layer, *got)
+        if not self.overlap:
+            for e, s in zip(ids, slabs):
+                if s >= 0 or e in landed:
+                    self.poll()
+                    yield self._view(layer, e, s if s >= 0 else landed[e])
 
     def _own_result(self, result, failed: list[int]) -> tuple[int, int]:
         """Count one of this process's reads; (expert, slab), or slab -1 when it failed (its slab is spare again)."""

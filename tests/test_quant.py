@@ -91,7 +91,10 @@ def int8_mode(request):
 
 
 def _cols(qtype: QType) -> list[int]:
-    """C = one block, a few blocks, many blocks (11 × 256 = 2816 is Gemma4's width)."""
+    """C = one block, a few blocks, many blocks (11 × 256 = 2816 is Gemma4's width). NVFP4: three
+    of its 64-blocks (the float tiles: its int8 kernel takes whole 256-weight units), one unit, 11."""
+    if qtype == QType.NVFP4:
+        return [192, 256, 2816]
     bs = block_format(qtype).block_size
     return [32, 96, 1056] if bs == 1 else [bs, 3 * bs, 11 * bs]
 
@@ -128,6 +131,10 @@ def _edge_blocks(qtype: QType, rng: np.random.Generator) -> np.ndarray:
     if qtype == QType.MXFP4:
         base[0, 0] = base[1, 0] = 127
         base[2:6, 0] = [0, 1, 2, 3]  # subnormal block scales 2^-127 .. 2^-124
+    if qtype == QType.NVFP4:
+        base[0, 0:4] = base[1, 0:4] = 0x38  # scale 1.0 on the extreme-code blocks
+        base[2, 0:4] = [0x7F, 0x7E, 0x01, 0x07]  # E4M3's NaN code (decoded 0), its largest (448), two subnormals
+        base[3, 0:4] = [0x80, 0xFF, 0x00, 0x08]  # bit 7 set (not read), 0, the smallest normal
     return base
 
 
@@ -245,7 +252,8 @@ def test_int8_gemm_tiles_rows_and_threads(qtype):
     float32 rounding."""
     rng = np.random.default_rng(500 + int(qtype))
     fmt = block_format(qtype)
-    n_cols = 256 if fmt.block_size == 256 else 9 * 32  # 9 blocks: a unit of 8 and a part unit of 1
+    # 9 blocks: a unit of 8 and a part unit of 1; the whole-unit types (NVFP4's 64-blocks too) one unit
+    n_cols = 256 if fmt.block_size in (64, 256) else 9 * 32
     n_rows = 2 * 16 + 5  # two whole tiles of 16 weight rows and a part tile
     w = _weights(qtype, n_rows, n_cols, rng)
     wide = np.zeros((n_rows, w.shape[1] + 7), np.uint8)
@@ -305,7 +313,7 @@ def test_a_matrix_that_ends_at_an_unreadable_page_multiplies_as_anywhere(qtype):
     copied, the others read in place)."""
     page = mmap.PAGESIZE
     rng = np.random.default_rng(31 + int(qtype))
-    n_cols = 256 if block_format(qtype).block_size == 256 else 9 * 32
+    n_cols = 256 if block_format(qtype).block_size in (64, 256) else 9 * 32
     w = _weights(qtype, 37, n_cols, rng)
     span = -(-w.nbytes // page) * page
     guard = page + _q8ir.PREFETCH_BYTES
@@ -331,7 +339,7 @@ def test_a_matrix_that_ends_at_an_unreadable_page_multiplies_as_anywhere(qtype):
 def _prepared_in_wider_rows(qtype, n_mats: int, n_rows: int, rng) -> tuple[int, list]:
     """(columns, n_mats prepared random matrices of qtype whose rows sit inside wider rows of a
     buffer): a whole 256-weight unit, or 9 blocks of 32 (a unit and a part unit)."""
-    n_cols = 256 if block_format(qtype).block_size == 256 else 9 * 32
+    n_cols = 256 if block_format(qtype).block_size in (64, 256) else 9 * 32
     mats = [_weights(qtype, n_rows, n_cols, rng) for _ in range(n_mats)]
     wide = np.zeros((n_mats, n_rows, mats[0].shape[1] + 5), np.uint8)
     for m, w in zip(wide, mats):
@@ -355,6 +363,32 @@ def test_the_gather_and_grouped_drivers_compile_once_whatever_the_count_of_matri
         assert quant.gather_apply(ps[:n], X, np.arange(n)) is not None
         assert quant.grouped_apply(ps[:n], X, np.zeros(n, np.int64), np.full(n, 4)) is not None
     assert len(_q8._gather_q4_k.signatures) == 1 and len(_q8._grouped_q4_k.signatures) == 1
+
+
+def test_a_second_level_scale_multiplies_every_product_in_every_driver(int8_mode):
+    """A matrix prepared with its `.scale` sidecar's value: apply gives the unscaled product times
+    it (a row alone as in a batch), a row range keeps it, and gather_apply / grouped_apply give
+    each matrix's rows its own scale."""
+    rng = np.random.default_rng(41)
+    for qtype in (QType.NVFP4, QType.Q4_K):
+        n_cols = _cols(qtype)[1]
+        w = _weights(qtype, 9, n_cols, rng)
+        X = rng.standard_normal((3, n_cols)).astype(np.float32)
+        plain, scaled = quant.prepare(qtype, w), quant.prepare(qtype, w, 0.0123)
+        want = quant.apply(plain, X) * np.float32(0.0123)
+        np.testing.assert_array_equal(quant.apply(scaled, X), want)
+        np.testing.assert_array_equal(quant.apply(scaled, X[1:2])[0], want[1])
+        np.testing.assert_array_equal(quant.apply(quant.row_range(scaled, 2, 5), X), want[:, 2:5])
+        other = quant.prepare(qtype, w, 3.5)
+        got = quant.gather_apply([plain, scaled, other], X, np.array([2, 0, 1]))
+        if not int8_mode:
+            assert got is None
+            continue
+        for e, (p, row) in enumerate(((plain, 2), (scaled, 0), (other, 1))):
+            np.testing.assert_array_equal(got[e], quant.apply(p, X[row : row + 1])[0], err_msg=f"{qtype.name} gather {e}")
+        runs = quant.grouped_apply([scaled, plain, other], X, np.array([0, 1, 0]), np.array([2, 2, 3]))
+        for part, (p, rows) in zip(np.split(runs, [2, 4]), ((scaled, X[0:2]), (plain, X[1:3]), (other, X[0:3]))):
+            np.testing.assert_array_equal(part, quant.apply(p, rows), err_msg=f"{qtype.name} grouped")
 
 
 @pytest.mark.parametrize(
@@ -575,7 +609,7 @@ def test_int8_activation_rounding(qtype, int8_mode):
         np.testing.assert_array_equal(quant.effective_activation(x, qtype), x)
         return
     rng = np.random.default_rng(400 + int(qtype))
-    x = rng.standard_normal((2, 128)).astype(np.float32)
+    x = rng.standard_normal((2, 256)).astype(np.float32)  # a whole 256-weight unit (NVFP4's int8 kernel's least)
     x[0, :32] = 0.0  # an all-zero block
     x[1, 32:64] *= 1e-25  # tiny values: still rounded relative to their own amax
     x[1, 64:96] *= 1e-35  # amax < 2^-100: the block is flushed to zero (documented)
@@ -587,7 +621,7 @@ def test_int8_activation_rounding(qtype, int8_mode):
     np.testing.assert_array_equal(xh[1, 64:96], 0.0)
     x[1, 64:96] = xh[1, 64:96]
     assert xh.shape == x.shape and xh.dtype == np.float32
-    blocks, hat = x.reshape(2, 4, 32), xh.reshape(2, 4, 32)
+    blocks, hat = x.reshape(2, 8, 32), xh.reshape(2, 8, 32)
     dx = np.abs(blocks).max(axis=2, keepdims=True) / 127
     assert np.all(np.abs(hat - blocks) <= dx / 2 * (1 + 1e-5))
     np.testing.assert_array_equal(xh[0, :32], 0.0)

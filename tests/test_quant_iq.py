@@ -77,10 +77,11 @@ def test_iq1_m_d_is_the_scale_words_top_nibbles():
     np.testing.assert_array_equal(dequantize(twice, QType.IQ1_M), 2 * dequantize(w, QType.IQ1_M))
 
 
-@pytest.mark.parametrize("qtype", IQ_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", (*IQ_TYPES, QType.NVFP4), ids=lambda t: t.name)
 def test_gguf_s_dequantizer_is_ggml_s_own(qtype):
     """The kernels' reference, gguf-py's dequantizer, against ggml's C decoder (`dequantize_row_<type>` in the
-    libggml-base that llama-cpp-python ships; skipped without it): bit for bit on random blocks."""
+    libggml-base that llama-cpp-python ships; skipped without it): bit for bit on random blocks (and NVFP4's,
+    whose E4M3 scales these i-quant tests share the check with)."""
     llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python (the optional llama.cpp oracle) is not installed")
     so = Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so"
     if not so.exists():
@@ -90,6 +91,8 @@ def test_gguf_s_dequantizer_is_ggml_s_own(qtype):
     decode.argtypes, decode.restype = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64], None
     w = np.ascontiguousarray(blocks.random_blocks(qtype, 64 * 256, np.random.default_rng(100 + int(qtype))))  # [64, type_size]
     w[0] = 0xFF  # the largest indices, every sign and scale bit set (IQ1_M: d then is NaN in both)
+    if qtype == QType.NVFP4:
+        w[1, :4] = [0x7F, 0x7E, 0x80, 0x01]  # E4M3's NaN code, its largest, bit 7 alone, a subnormal
     out = np.empty(64 * 256, np.float32)
     decode(w.ctypes.data, out.ctypes.data, out.size)
     np.testing.assert_array_equal(out, dequantize(w, qtype).reshape(-1))

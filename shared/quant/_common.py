@@ -72,6 +72,17 @@ with np.errstate(over="ignore"):
     E8M0_HALF = np.ldexp(np.float32(1.0), np.arange(256) - 128).astype(np.float32)
 
 
+# NVFP4: an unsigned E4M3 scale byte (4 exponent bits, bias 7, 3 mantissa bits; bit 7 unused)
+# → half its value, because the decoder produces twice each E2M1 value (as for MXFP4). Code
+# 0x7F (E4M3's NaN) → 0, as ggml and gguf-py decode it.
+_UE4M3 = np.arange(256)
+_UE4M3_EXP, _UE4M3_MAN = (_UE4M3 >> 3) & 15, (_UE4M3 & 7).astype(np.float64)
+UE4M3_HALF = (
+    np.where(_UE4M3_EXP == 0, _UE4M3_MAN * 2.0**-9, (1.0 + _UE4M3_MAN / 8.0) * np.exp2(_UE4M3_EXP - 7.0))
+    * np.where(_UE4M3 == 0x7F, 0.0, 0.5)
+).astype(np.float32)
+
+
 @njit(**INLINE)
 def f16_at(w, o, f16):
     """The little-endian f16 field at byte `o` of `w`, as float32."""

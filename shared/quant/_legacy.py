@@ -1,4 +1,4 @@
-"""32-weight block types: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4.
+"""32-weight block types: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4; and NVFP4 (64 weights, the E2M1 codes of MXFP4).
 
 Byte layouts: docs/formats.md § Quant blocks. "Nibble order": byte j of qs holds
 element j in its low nibble and element j+16 in its high nibble.
@@ -15,8 +15,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ._common import DRIVER, E8M0_HALF, INLINE, IQ4_VALUES, f16_at, tile_product
-from .blocks import IQ4_NL_BYTES, MXFP4_BYTES, Q4_0_BYTES, Q4_1_BYTES, Q5_0_BYTES, Q5_1_BYTES, Q8_0_BYTES, QK
+from ._common import DRIVER, E8M0_HALF, INLINE, IQ4_VALUES, UE4M3_HALF, f16_at, tile_product
+from .blocks import IQ4_NL_BYTES, MXFP4_BYTES, NVFP4_BYTES, Q4_0_BYTES, Q4_1_BYTES, Q5_0_BYTES, Q5_1_BYTES, Q8_0_BYTES, QK, QK_NV
 
 
 @njit(**INLINE)
@@ -127,6 +127,21 @@ def _row_mxfp4(w, o, nb, dst, f16, lanes):
         for l in range(16):
             y[l] = half * np.float32(_fp4_twice(q[l] & 15))
             y[l + 16] = half * np.float32(_fp4_twice(q[l] >> 4))
+
+
+@njit(**INLINE)
+def _row_nvfp4(w, o, nb, dst, f16, lanes):
+    """nb NVFP4 blocks: sub-block s of 16 weights has scale byte s and nibble bytes 4 + 8s ..
+    11 + 8s, byte j's low nibble element j and its high nibble element j + 8."""
+    for b in range(nb):
+        p = o + NVFP4_BYTES * b
+        for s in range(4):
+            half = UE4M3_HALF[w[p + s]]  # the table holds half the scale: the codes are doubled
+            q = w[p + 4 + 8 * s : p + 12 + 8 * s]
+            y = dst[QK_NV * b + 16 * s : QK_NV * b + 16 * s + 16]
+            for l in range(8):
+                y[l] = half * np.float32(_fp4_twice(q[l] & 15))
+                y[l + 8] = half * np.float32(_fp4_twice(q[l] >> 4))
 
 
 # ---- drivers: the same two functions per type (see _common for why) --------
@@ -260,6 +275,24 @@ def _rows_mxfp4(w, stride, rows, f16, lanes, out):
         _row_mxfp4(w, rows[i] * stride, out.shape[1] // QK, out[i], f16, lanes)
 
 
+@njit(**DRIVER)
+def _mm_nvfp4(w, stride, X, G, f16, lanes, out):
+    R, C = out.shape[1], X.shape[1]
+    for g in prange((R + G - 1) // G):
+        r0 = g * G
+        n = min(G, R - r0)
+        tile = np.empty((n, C), np.float32)
+        for i in range(n):
+            _row_nvfp4(w, (r0 + i) * stride, C // QK_NV, tile[i], f16, lanes)
+        tile_product(tile, n, X, out, r0)
+
+
+@njit(**DRIVER)
+def _rows_nvfp4(w, stride, rows, f16, lanes, out):
+    for i in prange(rows.size):
+        _row_nvfp4(w, rows[i] * stride, out.shape[1] // QK_NV, out[i], f16, lanes)
+
+
 KERNELS = {
     "Q8_0": (_mm_q8_0, _rows_q8_0),
     "Q4_0": (_mm_q4_0, _rows_q4_0),
@@ -268,4 +301,5 @@ KERNELS = {
     "Q5_1": (_mm_q5_1, _rows_q5_1),
     "IQ4_NL": (_mm_iq4_nl, _rows_iq4_nl),
     "MXFP4": (_mm_mxfp4, _rows_mxfp4),
+    "NVFP4": (_mm_nvfp4, _rows_nvfp4),
 }

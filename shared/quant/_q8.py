@@ -40,7 +40,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ._common import E8M0_HALF, F16_TABLE
+from ._common import E8M0_HALF, F16_TABLE, UE4M3_HALF
 from ._iqir import TABLES
 from ._q8ir import INT8_DOT, PACKED_UNIT, UNIT, bytes_at, pack_kernel, round_row, row_kernel, tile_kernel
 from ._q8ir import WIDE_VECTORS as _WIDE_VECTORS
@@ -152,7 +152,7 @@ def _row_block(cp):
 
 # ---- drivers: out[t, r] = weight row r · activation row t ------------------
 # _mm_<t>(w u8[bytes], stride, X f32[T, C], table, out f32[T, R], C-contiguous);
-# table is KERNELS' (F16_TABLE, E8M0_HALF for MXFP4, an i-quant's grid). The activation is rounded first
+# table is KERNELS' (F16_TABLE, E8M0_HALF for MXFP4, UE4M3_HALF for NVFP4, an i-quant's grid). The activation is rounded first
 # (_round), then (up to 8 rows) weight rows split across threads on the row kernel
 # (ROW_TOKENS activation rows a call while 3 or more are left, a call of 3 over one of the zero
 # rows _round pads with; the last one or two a call each), or (more) tiles of 16 weight rows
@@ -184,6 +184,13 @@ _mxfp4_t8 = tile_kernel("MXFP4", TILE_TOKENS)
 _mxfp4_t4 = tile_kernel("MXFP4", HALF_TILE)
 _mxfp4_t8g = tile_kernel("MXFP4", TILE_TOKENS, gathered=True)
 _mxfp4_t4g = tile_kernel("MXFP4", HALF_TILE, gathered=True)
+_nvfp4_r1 = row_kernel("NVFP4", 1)
+_nvfp4_r4 = row_kernel("NVFP4", ROW_TOKENS)
+_nvfp4_pack = pack_kernel("NVFP4")
+_nvfp4_t8 = tile_kernel("NVFP4", TILE_TOKENS)
+_nvfp4_t4 = tile_kernel("NVFP4", HALF_TILE)
+_nvfp4_t8g = tile_kernel("NVFP4", TILE_TOKENS, gathered=True)
+_nvfp4_t4g = tile_kernel("NVFP4", HALF_TILE, gathered=True)
 _q4_k_r1 = row_kernel("Q4_K", 1)
 _q4_k_r4 = row_kernel("Q4_K", ROW_TOKENS)
 _q4_k_pack = pack_kernel("Q4_K")
@@ -348,6 +355,35 @@ def _mm_mxfp4(w, stride, X, tab, out):
                     _mxfp4_t4(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, t1 - t)
                 else:
                     _mxfp4_t8(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, t1 - t)
+
+
+@njit(**_DRIVER)
+def _mm_nvfp4(w, stride, X, tab, out):
+    xq, dx, bs16, bs32, xs32, cp = _round(X)
+    T, R, nb = X.shape[0], out.shape[1], X.shape[1] // QK
+    if T < MATMUL_GEMM_ROWS:
+        for r in prange(R):
+            t = 0
+            while T - t >= 3:
+                _nvfp4_r4(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R, T - t)
+                t += ROW_TOKENS
+            while t < T:
+                _nvfp4_r1(w, r * stride, nb, xq, t * cp, cp, dx, bs16, bs32, xs32, tab, out, t * R + r, R)
+                t += 1
+        return
+    nu = cp // UNIT
+    rb = _row_block(cp)
+    for t0 in range(0, T, rb):
+        t1 = min(T, t0 + rb)
+        for i in prange((R + 15) // 16):
+            buf = np.empty(nu * PACKED_UNIT, np.uint8)
+            _nvfp4_pack(w, stride, 16 * i, R, nb, tab, buf)
+            nv = min(16, R - 16 * i)
+            for t in range(t0, t1, TILE_TOKENS):
+                if t1 - t <= HALF_TILE:
+                    _nvfp4_t4(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, t1 - t)
+                else:
+                    _nvfp4_t8(buf, nu, xq, t * cp, cp, dx, bs16, bs32, xs32, out, t * R + 16 * i, R, nv, t1 - t)
 
 
 @njit(**_DRIVER)
@@ -709,6 +745,15 @@ def _gather_mxfp4(addrs, nbytes, stride, X, act, tab, out):
 
 
 @njit(**_DRIVER)
+def _gather_nvfp4(addrs, nbytes, stride, X, act, tab, out):
+    xq, dx, bs16, bs32, xs32, cp = _round(X)
+    K, R, nb = out.shape[0], out.shape[1], X.shape[1] // QK
+    for i in prange(K * R):
+        e = i // R
+        _nvfp4_r1(bytes_at(addrs[e], nbytes), (i - e * R) * stride, nb, xq, act[e] * cp, cp, dx, bs16, bs32, xs32, tab, out, i, R)
+
+
+@njit(**_DRIVER)
 def _gather_q4_k(addrs, nbytes, stride, X, act, tab, out):
     xq, dx, bs16, bs32, xs32, cp = _round(X)
     K, R, nb = out.shape[0], out.shape[1], X.shape[1] // QK
@@ -812,6 +857,7 @@ GATHER = {
     "Q8_0": _gather_q8_0,
     "Q5_0": _gather_q5_0,
     "MXFP4": _gather_mxfp4,
+    "NVFP4": _gather_nvfp4,
     "Q4_K": _gather_q4_k,
     "Q5_K": _gather_q5_k,
     "Q6_K": _gather_q6_k,
@@ -923,6 +969,31 @@ def _grouped_mxfp4(addrs, nbytes, stride, xq, dx, bs16, bs32, xs32, cp, nb, rows
                 _mxfp4_t4g(buf, nu, xq, x0 + t, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t, rows)
             else:
                 _mxfp4_t8g(buf, nu, xq, x0 + t, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t, rows)
+
+
+@njit(**_DRIVER)
+def _grouped_nvfp4(addrs, nbytes, stride, xq, dx, bs16, bs32, xs32, cp, nb, rows, first, count, at, tab, out):
+    M, R = addrs.shape[0], out.shape[1]
+    S = (R + 15) // 16
+    nu = cp // UNIT
+    for i in prange(M * S):
+        s = i // M
+        m = i - s * M
+        n, x0, o0 = count[m], first[m], at[m]
+        w = bytes_at(addrs[m], nbytes)
+        if n < GEMM_ROWS:
+            for r in range(16 * s, min(R, 16 * s + 16)):
+                for t in range(n):
+                    _nvfp4_r1(w, r * stride, nb, xq, rows[x0 + t] * cp, cp, dx, bs16, bs32, xs32, tab, out, (o0 + t) * R + r, R)
+            continue
+        buf = np.empty(nu * PACKED_UNIT, np.uint8)
+        _nvfp4_pack(w, stride, 16 * s, R, nb, tab, buf)
+        nv = min(16, R - 16 * s)
+        for t in range(0, n, TILE_TOKENS):
+            if n - t <= HALF_TILE:
+                _nvfp4_t4g(buf, nu, xq, x0 + t, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t, rows)
+            else:
+                _nvfp4_t8g(buf, nu, xq, x0 + t, cp, dx, bs16, bs32, xs32, out, (o0 + t) * R + 16 * s, R, nv, n - t, rows)
 
 
 @njit(**_DRIVER)
@@ -1205,6 +1276,7 @@ GROUPED = {
     "Q8_0": _grouped_q8_0,
     "Q5_0": _grouped_q5_0,
     "MXFP4": _grouped_mxfp4,
+    "NVFP4": _grouped_nvfp4,
     "Q4_K": _grouped_q4_k,
     "Q5_K": _grouped_q5_k,
     "Q6_K": _grouped_q6_k,
@@ -1219,11 +1291,12 @@ GROUPED = {
 }
 
 
-# type name → (driver, its table: F16_TABLE, E8M0_HALF for MXFP4, the grid for an i-quant)
+# type name → (driver, its table: F16_TABLE, E8M0_HALF for MXFP4, UE4M3_HALF for NVFP4, the grid for an i-quant)
 KERNELS = {
     "Q8_0": (_mm_q8_0, F16_TABLE),
     "Q5_0": (_mm_q5_0, F16_TABLE),
     "MXFP4": (_mm_mxfp4, E8M0_HALF),
+    "NVFP4": (_mm_nvfp4, UE4M3_HALF),
     "Q4_K": (_mm_q4_k, F16_TABLE),
     "Q5_K": (_mm_q5_k, F16_TABLE),
     "Q6_K": (_mm_q6_k, F16_TABLE),

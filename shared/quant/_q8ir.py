@@ -78,6 +78,7 @@ from .blocks import (
     IQ4_NL_VALUES,
     IQ4_XS_BYTES,
     MXFP4_BYTES,
+    NVFP4_BYTES,
     Q4_K_BYTES,
     Q5_0_BYTES,
     Q5_K_BYTES,
@@ -527,6 +528,27 @@ def _unit_mxfp4(e: _Emit, w, p, half):
     return codes, _gather8(e, lambda o: b.load(b.gep(half, [b.zext(e.load(w, o, _I8), _I64)])), p, MXFP4_BYTES), None
 
 
+# NVFP4 block k's 64 codes in element order from its 32 nibble bytes' low (lanes 0-31) and high
+# (32-63) nibbles: sub-block s is bytes 8s..8s+7's low nibbles, then their high ones.
+_NV_ORDER = [j for s in range(4) for j in (*range(8 * s, 8 * s + 8), *range(32 + 8 * s, 32 + 8 * s + 8))]
+
+
+def _unit_nvfp4(e: _Emit, w, p, half):
+    """4 NVFP4 blocks at p (4 UE4M3 scale bytes, 32 nibble bytes each): codes 2·value + 12
+    (offset 12), one scale UE4M3_HALF[s] per 16 weights."""
+    b = e.b
+    codes = []
+    for k in range(4):
+        q = e.load(w, b.add(p, e.i64(NVFP4_BYTES * k + 4)), _vec(32))
+        n = e.shuf(b.and_(q, e.const(_vec(32), 15)), b.lshr(q, e.const(_vec(32), 4)), _NV_ORDER)
+        codes.append(_fp4_u(e, n))
+    wsc = ir.Constant(_fvec(16), None)
+    for j in range(16):
+        s = e.load(w, b.add(p, e.i64(NVFP4_BYTES * (j // 4) + j % 4)), _I8)
+        wsc = b.insert_element(wsc, b.load(b.gep(half, [b.zext(s, _I64)])), ir.Constant(_I32, j))
+    return codes, wsc, None
+
+
 def _unit_q5_0(e: _Emit, w, p, tab):
     """8 Q5_0 blocks at p (d, 4 bytes of fifth bits, 16 nibble bytes): codes 0..31 (offset 16), scale d."""
     b = e.b
@@ -549,6 +571,7 @@ LAYOUTS = {
     "Q8_0": Layout(8 * Q8_0_BYTES, QK, 128, False, False, Q8_0_BYTES, _unit_q8_0),
     "Q5_0": Layout(8 * Q5_0_BYTES, QK, 16, False, True, Q5_0_BYTES, _unit_q5_0, 31),
     "MXFP4": Layout(8 * MXFP4_BYTES, QK, _FP4_OFFSET, False, True, MXFP4_BYTES, _unit_mxfp4, 2 * _FP4_OFFSET),
+    "NVFP4": Layout(4 * NVFP4_BYTES, 16, _FP4_OFFSET, False, True, 0, _unit_nvfp4, 2 * _FP4_OFFSET),
     "Q4_K": Layout(Q4_K_BYTES, QK, 0, True, True, 0, lambda e, w, p, tab: _unit_q45_k(e, w, p, codes_at=16, fifth_bit_at=None), 15),
     "Q5_K": Layout(Q5_K_BYTES, QK, 0, True, True, 0, lambda e, w, p, tab: _unit_q45_k(e, w, p, codes_at=48, fifth_bit_at=16), 31),
     "Q6_K": Layout(Q6_K_BYTES, 16, 32, False, True, 0, _unit_q6_k, 63),

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QType  # an import, not an alias assignment: mypy then allows QType[name]
-from gguf.quants import dequantize
+from gguf.quants import NVFP4, dequantize
 
 from .grids import (
     IQ1_S_GRID_HEX,
@@ -55,6 +55,8 @@ Q5_0_BYTES = _type_size(QType.Q5_0, QK)  # 22: f16 d, u32 high bits, 16 nibble b
 Q5_1_BYTES = _type_size(QType.Q5_1, QK)  # 24: f16 d, f16 m, u32 high bits, 16 nibble bytes
 IQ4_NL_BYTES = _type_size(QType.IQ4_NL, QK)  # 18: f16 d, 16 nibble bytes (code book indices)
 MXFP4_BYTES = _type_size(QType.MXFP4, QK)  # 17: E8M0 exponent byte, 16 nibble bytes (E2M1 codes)
+QK_NV = 64  # weights per NVFP4 block: four 16-weight sub-blocks
+NVFP4_BYTES = _type_size(QType.NVFP4, QK_NV)  # 36: 4 UE4M3 scale bytes, 32 nibble bytes (E2M1 codes)
 Q2_K_BYTES = _type_size(QType.Q2_K, QK_K)  # 84
 Q3_K_BYTES = _type_size(QType.Q3_K, QK_K)  # 110
 Q4_K_BYTES = _type_size(QType.Q4_K, QK_K)  # 144
@@ -160,6 +162,7 @@ FORMATS: dict[QType, BlockFormat] = {
         _fmt(QType.IQ4_NL, 0),
         _fmt(QType.IQ4_XS, 0),
         _fmt(QType.MXFP4),  # scale is a u8 power-of-two exponent at byte 0
+        _fmt(QType.NVFP4),  # four UE4M3 sub-block scales at bytes 0-3 (random_blocks sets them)
         _fmt(QType.IQ2_XXS, 0),
         _fmt(QType.IQ2_XS, 0),
         _fmt(QType.IQ2_S, 0),
@@ -247,6 +250,8 @@ def random_blocks(qtype: int | QType, n_weights: int, rng: np.random.Generator, 
     blocks = rng.integers(0, 256, size=(n_blocks, fmt.type_size), dtype=np.uint8)
     if qtype == QType.MXFP4:
         return _set_mxfp4_exponents(blocks, rng, std)
+    if qtype == QType.NVFP4:
+        return _set_nvfp4_scales(blocks, rng, std)
     if qtype == QType.IQ1_M:
         return _set_iq1_m_scales(blocks, rng, std)
     jitter = rng.uniform(0.5, 1.5, size=n_blocks).astype(np.float32)
@@ -282,6 +287,15 @@ _FP4_RMS = float(np.sqrt(np.mean(np.square(np.array(E2M1_TWICE) / 2))))
 def _set_mxfp4_exponents(blocks: np.ndarray, rng: np.random.Generator, std: float) -> np.ndarray:
     centre = 127 + int(round(np.log2(std / _FP4_RMS)))
     blocks[:, 0] = np.clip(centre + rng.integers(-1, 2, size=blocks.shape[0]), 1, 254).astype(np.uint8)
+    return blocks
+
+
+def _set_nvfp4_scales(blocks: np.ndarray, rng: np.random.Generator, std: float) -> np.ndarray:
+    """NVFP4's four UE4M3 sub-block scales (a weight is its scale's E4M3 value times its E2M1
+    value): the scale that gives `std`, jittered, rounded to E4M3 as ggml rounds it (small spreads
+    land on E4M3's subnormals; real files keep their blocks in range with a `.scale` per tensor)."""
+    scales = (std / _FP4_RMS) * rng.uniform(0.5, 1.5, size=(blocks.shape[0], 4))
+    blocks[:, 0:4] = NVFP4.fp32_to_ue4m3(scales.astype(np.float32))
     return blocks
 
 

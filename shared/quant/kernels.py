@@ -89,8 +89,14 @@ def int8_activations() -> bool:
     return _INT8_ACT[0]
 
 
-def _uses_q8(qtype) -> bool:
-    return _INT8_ACT[0] and qtype in _Q8_KERNELS
+# NVFP4's int8 kernel takes whole 256-weight units (4 blocks): a row of 64, 128 or 192 more
+# (tiny models only; real files' widths are multiples of 256) multiplies on the float tiles.
+_Q8_WHOLE_UNITS = frozenset({QType.NVFP4})
+
+
+def _uses_q8(qtype, n_cols: int = 0) -> bool:
+    """Whether a product of `qtype` on rows `n_cols` wide (0: any width) runs the int8 kernels."""
+    return _INT8_ACT[0] and qtype in _Q8_KERNELS and (n_cols % 256 == 0 or qtype not in _Q8_WHOLE_UNITS)
 
 
 # Float dtypes accepted in place of raw bytes for the unquantized types (what
@@ -167,7 +173,7 @@ def effective_activation(x: np.ndarray, qtype: int | QType | None = None) -> np.
     the other types, and with qtype None: x as float32.
     """
     x32 = np.ascontiguousarray(x, dtype=np.float32)
-    if qtype is None or not _uses_q8(block_format(qtype).qtype):
+    if qtype is None or not _uses_q8(block_format(qtype).qtype, x32.shape[-1]):
         return x32
     X = x32.reshape(-1, x32.shape[-1])
     if X.shape[1] % QK:
@@ -193,7 +199,7 @@ def _multiply(qtype: QType, flat: np.ndarray, stride: int, X: np.ndarray, out: n
     """out [T, R] = X @ W.T (T, R ≥ 1): int8 kernels on the int8 types, float tiles otherwise."""
     X = np.ascontiguousarray(X, dtype=np.float32)
     T = X.shape[0]
-    if _uses_q8(qtype):
+    if _uses_q8(qtype, X.shape[1]):
         kernel, table = _Q8_KERNELS[qtype]
         kernel(flat, stride, X, table, out)
     else:
@@ -237,12 +243,16 @@ class Prepared(NamedTuple):
     # Read once here: numpy's `.ctypes.data` builds an object a call (~1 µs a matrix, 16 of
     # them in each of a decode step's two expert calls a layer).
     addr: int
+    # What every product is multiplied by after the sum: an NVFP4 tensor's per-tensor (or, of
+    # an expert, per-expert) second-level scale, its `.scale` sidecar in the file; 1 otherwise.
+    scale: float = 1.0
 
 
-def prepare(qtype: int | QType, w: np.ndarray) -> Prepared:
-    """Check w [R, row_bytes] once; `apply` then multiplies without re-checking it."""
+def prepare(qtype: int | QType, w: np.ndarray, scale: float = 1.0) -> Prepared:
+    """Check w [R, row_bytes] once; `apply` then multiplies without re-checking it (and
+    multiplies the products by `scale`, the tensor's second-level scale)."""
     fmt, flat, stride, n_rows, n_cols = _whole_rows("prepare", qtype, w)
-    return Prepared(fmt.qtype, flat, stride, n_rows, n_cols, flat.ctypes.data)
+    return Prepared(fmt.qtype, flat, stride, n_rows, n_cols, flat.ctypes.data, float(scale))
 
 
 def row_range(p: Prepared, r0: int, r1: int) -> Prepared:
@@ -251,7 +261,7 @@ def row_range(p: Prepared, r0: int, r1: int) -> Prepared:
     same number bit for bit in the part as in the whole."""
     if not 0 <= r0 < r1 <= p.n_rows:
         raise ValueError(f"row_range: rows {r0}..{r1} are not inside the matrix's {p.n_rows}")
-    return Prepared(p.qtype, p.flat[r0 * p.stride : r1 * p.stride], p.stride, r1 - r0, p.n_cols, p.addr + r0 * p.stride)
+    return Prepared(p.qtype, p.flat[r0 * p.stride : r1 * p.stride], p.stride, r1 - r0, p.n_cols, p.addr + r0 * p.stride, p.scale)
 
 
 def apply(p: Prepared, X: np.ndarray) -> np.ndarray:
@@ -261,13 +271,15 @@ def apply(p: Prepared, X: np.ndarray) -> np.ndarray:
     Y = np.empty((X.shape[0], p.n_rows), np.float32)
     if p.n_rows and X.shape[0]:
         _multiply(p.qtype, p.flat, p.stride, X, Y)
+        if p.scale != 1.0:
+            Y *= np.float32(p.scale)
     return Y
 
 
 def grouped_qualifies(p: Prepared) -> bool:
     """Whether gather_apply and grouped_apply take this matrix (an int8-activation type, int8
     activations on, some rows)."""
-    return _uses_q8(p.qtype) and p.n_rows > 0
+    return _uses_q8(p.qtype, p.n_cols) and p.n_rows > 0
 
 
 def gather_apply(ps: Sequence[Prepared], X: np.ndarray, act: np.ndarray) -> np.ndarray | None:
@@ -291,6 +303,9 @@ def gather_apply(ps: Sequence[Prepared], X: np.ndarray, act: np.ndarray) -> np.n
         _Q8_KERNELS[p0.qtype][1],
         out,
     )
+    for e, p in enumerate(ps):
+        if p.scale != 1.0:
+            out[e] *= np.float32(p.scale)
     return out
 
 
@@ -372,6 +387,9 @@ def grouped_apply(
         _Q8_KERNELS[p0.qtype][1],
         out,
     )
+    for m, p in enumerate(ps):
+        if p.scale != 1.0:
+            out[at[m] : at[m] + count[m]] *= np.float32(p.scale)
     return out
 
 

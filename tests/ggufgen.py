@@ -169,3 +169,39 @@ def with_nextn_block(src: Path, dst: Path) -> Path:
     w.write_tensors_to_file()
     w.close()
     return dst
+
+
+def with_nvfp4_dequantized(src: Path, dst: Path) -> Path:
+    """`src` with every NVFP4 tensor written as F32, its values gguf-py's dequantizer's times its
+    `.scale` sidecar (one a tensor, or one an expert), and the sidecars (`.scale`,
+    `.input_scale`) left out: the model the NVFP4 file means, computed with no NVFP4 code of ours."""
+    from gguf.quants import dequantize
+
+    r = GGUFReader(src)
+    arch = str(r.fields["general.architecture"].contents())
+    w = GGUFWriter(str(dst), arch)
+    for f in r.fields.values():
+        if f.name.startswith("GGUF.") or f.name == "general.architecture":
+            continue
+        w.add_key_value(f.name, f.contents(), f.types[0], f.types[-1] if len(f.types) > 1 else None)
+    by_name = {t.name: t for t in r.tensors}
+    for t in r.tensors:
+        if (
+            t.name.endswith((".scale", ".input_scale"))
+            and t.name.removesuffix(".input_scale").removesuffix(".scale") + ".weight" in by_name
+        ):
+            continue
+        if t.tensor_type != QT.NVFP4:
+            w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+            continue
+        values = dequantize(np.asarray(t.data), QT.NVFP4).astype(np.float32)  # numpy shape, last axis ne0
+        sidecar = by_name.get(t.name.removesuffix(".weight") + ".scale")
+        if sidecar is not None:
+            scale = np.asarray(sidecar.data, np.float32).reshape(-1)
+            values = values * (scale.reshape(-1, 1, 1) if values.ndim == 3 else scale[0])
+        w.add_tensor(t.name, np.ascontiguousarray(values, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst

@@ -60,17 +60,20 @@ def test_pipeline_csv_counts_agree_with_independent_lru(tiny_pipe, tmp_path):
 
 
 @pytest.fixture(
-    scope="module", params=["IQ2_XXS", pytest.param("IQ1_S", marks=pytest.mark.slow), pytest.param("IQ3_S", marks=pytest.mark.slow)]
+    scope="module",
+    params=["IQ2_XXS", "NVFP4", pytest.param("IQ1_S", marks=pytest.mark.slow), pytest.param("IQ3_S", marks=pytest.mark.slow)],
 )
 def iq_pipe(request, tmp_path_factory):
-    """tiny_pipe's tuple for a qwen3moe tiny whose routed experts are an i-quant (the Q4_K_M mix elsewhere),
-    with the reference at top-k None only (the one setting run here)."""
+    """tiny_pipe's tuple for a qwen3moe tiny whose routed experts are an i-quant, or NVFP4 with its
+    per-expert scales (the Q4_K_M mix elsewhere), with the reference at top-k None only (the one
+    setting run here)."""
     path = make_model("qwen3moe", "tiny", tmp_path_factory.mktemp("iq") / "tiny.gguf", experts=request.param)
     return with_reference(path, top_ks=(None,))
 
 
 @pytest.mark.integration
 def test_an_iq_expert_mix_streams_like_the_resident_model(iq_pipe):
-    """Streamed experts in an i-quant (the int8 row kernel and GEMM on slabs read from the file) give the resident
-    reference's tokens; one covering setting, with a cache of the least budget so experts are evicted and read again."""
+    """Streamed experts in an i-quant (the int8 row kernel and GEMM on slabs read from the file), or NVFP4 (the
+    float tiles, each expert's own scale), give the resident reference's tokens; one covering setting, with a cache
+    of the least budget so experts are evicted and read again."""
     _check_identity(iq_pipe, *COVER[0])

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from moe_pipe.cli.main import main
-from moe_pipe.shared.hub.client import WRITE_CHUNK
+from moe_pipe.shared.hub.client import WRITE_CHUNK, quant_of
 
 from .rangehub import hub_route, send, serve
 
@@ -361,3 +361,12 @@ def test_a_retry_is_one_short_line():
         "moe-pipe: HTTP 503; retry 3/5 in 4 s",
     ]
     assert log.propagate and not any(type(h).__name__ == "RetryLines" for h in log.handlers)  # put back
+
+
+def test_the_quant_tag_of_a_file_name():
+    """What `pull REPO:QUANT` matches against: the last quant-like part of the name."""
+    assert quant_of("Qwen3-30B-A3B-Q4_K_M.gguf") == "Q4_K_M"
+    assert quant_of("UD/Qwen3-30B-A3B-UD-IQ1_S-00001-of-00002.gguf") == "IQ1_S"
+    assert quant_of("gpt-oss-120b-MXFP4_MOE.gguf") == "MXFP4_MOE"
+    assert quant_of("Qwen3.5-35B-A3B-nvfp4.gguf") == "NVFP4"
+    assert quant_of("model.gguf") == "?"

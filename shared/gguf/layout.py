@@ -25,6 +25,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+import numpy as np
 from gguf import GGMLQuantizationType
 
 from ..errors import GGUFError
@@ -57,6 +58,9 @@ class ExpertPart:
     tensor: TensorInfo
     shape: tuple[int, ...]  # one expert's numpy shape: (out, in) or (n,) for a bias
     stride: int  # bytes per expert
+    # Each expert's second-level scale (an NVFP4 tensor's `.scale` sidecar, one float an expert,
+    # which multiplies its products); () when the file has none, or has only its header here.
+    scales: tuple[float, ...] = ()
 
     def extent(self, expert: int) -> Extent:
         return Extent(self.tensor.shard, self.tensor.offset + expert * self.stride, self.stride)
@@ -162,7 +166,23 @@ def _expert_part(f: GGUFFile, spec: ModelSpec, t: TensorInfo, proj: str, kind: s
         )
     stride = t.nbytes // spec.n_expert
     name = proj if kind == "weight" else f"{proj}_bias"
-    return ExpertPart(name, t, t.shape[1:], stride)
+    return ExpertPart(name, t, t.shape[1:], stride, _expert_scales(f, spec, t) if kind == "weight" else ())
+
+
+def _expert_scales(f: GGUFFile, spec: ModelSpec, t: TensorInfo) -> tuple[float, ...]:
+    """The experts' second-level scales of NVFP4 tensor t from its `.scale` sidecar ([n_expert]
+    F32, as llama.cpp's converter writes it), () without one or for another type (whose
+    `.scale` would be a family's own tensor). Read here, once: a few bytes every process that
+    views an expert needs."""
+    sidecar = t.name.removesuffix(".weight") + ".scale"
+    s = f.tensors.get(sidecar)
+    if s is None or t.qtype != GGMLQuantizationType.NVFP4:
+        return ()
+    if s.qtype != GGMLQuantizationType.F32 or tuple(s.shape) != (spec.n_expert,):
+        raise GGUFError(f.path, f"tensor {sidecar!r} is {s.qtype.name} {list(s.shape)}; expert scales must be F32 [{spec.n_expert}]")
+    if f.header_only:
+        return ()
+    return tuple(float(v) for v in np.asarray(f.view(sidecar), np.float32).reshape(-1))
 
 
 # The token embedding: a token reads its one row, so a table of vocabulary × width (167 MiB on

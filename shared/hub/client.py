@@ -35,8 +35,8 @@ HASH_CHUNK = 8 << 20
 # huggingface_hub writes what it receives in chunks of this (its default, 10 MiB, is held in memory until
 # full): what a Ctrl-C or a dropped connection loses, and how often the progress bar moves
 WRITE_CHUNK = 256 << 10
-# a quant tag in a file name: Q4_K_M, Q8_0, IQ4_XS, Q4_K_XL, BF16, MXFP4, MXFP4_MOE, TQ1_0 ...
-_QUANT = re.compile(r"^(?:I?Q\d(?:_[A-Z0-9]+)*|TQ\d_\d|BF16|F16|F32|MXFP4(?:_MOE)?)$", re.IGNORECASE)
+# a quant tag in a file name: Q4_K_M, Q8_0, IQ4_XS, Q4_K_XL, BF16, MXFP4, MXFP4_MOE, NVFP4, TQ1_0 ...
+_QUANT = re.compile(r"^(?:I?Q\d(?:_[A-Z0-9]+)*|TQ\d_\d|BF16|F16|F32|MXFP4(?:_MOE)?|NVFP4)$", re.IGNORECASE)
 _SPLIT = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 _REPO = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -290,7 +291,43 @@ def plan_tensors(arch: str, p: Preset, override: Q | None = None, experts: Q | N
         if not block:
             raise UserError(f"--mtp: llama.cpp's converter writes no NextN/MTP block for {arch}")
         specs += block
-    return _shape_stream(part, p, specs)
+    return _with_nvfp4_scales(_shape_stream(part, p, specs))
+
+
+# NVFP4's block scales are E4M3, whose smallest normal is 2^-6: llama.cpp's converter keeps a
+# tensor's blocks in that range with a second-level scale per tensor (per expert for experts),
+# its `.scale` sidecar, and writes the activations' `.input_scale` beside it (NVIDIA's
+# checkpoints carry both; llama.cpp's CPU graph multiplies by the first only). A made NVFP4
+# tensor's blocks hold its values / NVFP4_SCALE, its sidecar NVFP4_SCALE jittered per expert.
+NVFP4_SCALE = 2.0**-6
+# The layer tensors whose `.scale` llama.cpp's loader reads (llama-model.cpp's generic pass); an
+# NVFP4 tensor elsewhere (the embedding, the head, MLA's per-head k_b/v_b, fused gate_up
+# experts) is made with its blocks' own scales and no sidecar, so both engines read one model.
+_NVFP4_SIDECAR = re.compile(
+    r"^blk\.\d+\.(attn_(q|k|v|output|qkv|gate)|ffn_(gate|down|up)(_shexp|_exps)?|ssm_(in|out|alpha|beta)|nextn\.(eh_proj|shared_head_head))\.weight$"
+)
+
+
+def _with_nvfp4_scales(specs: list[TensorSpec]) -> list[TensorSpec]:
+    """Each NVFP4 weight llama.cpp reads a sidecar of followed by its `.scale` and
+    `.input_scale`, as llama.cpp's converter writes them."""
+    out, names = [], {s.name for s in specs}
+    for s in specs:
+        if s.qtype != Q.NVFP4 or s.fill != "weight" or not _NVFP4_SIDECAR.match(s.name):
+            out.append(s)
+            continue
+        n = s.shape[0] if "_exps." in s.name else 1  # one an expert, or one for the tensor
+        stem = s.name.removesuffix(".weight")
+        if stem + ".scale" in names:  # gemma4's per-expert down scale: llama.cpp's loader cannot tell the two apart either
+            raise UserError(
+                f"NVFP4: {s.name}'s scale would be named {stem}.scale, a tensor this family has already; use another type for it"
+            )
+        out += [
+            replace(s, param=s.param / NVFP4_SCALE),
+            TensorSpec(stem + ".scale", (n,), Q.F32, "nvfp4_scale", NVFP4_SCALE),
+            TensorSpec(stem + ".input_scale", (n,), Q.F32, "ones"),
+        ]
+    return out
 
 
 def _count_attn_v(part: PlanPart, p: Preset) -> int:
@@ -458,6 +495,8 @@ def _generate(s: TensorSpec, seed: int) -> np.ndarray:
         x = rng.standard_normal(n, dtype=np.float32)
     elif s.fill == "conv":  # qwen35moe's short conv: a few taps of order 1/√kernel
         x = rng.standard_normal(n, dtype=np.float32) * np.float32(1.0 / np.sqrt(s.shape[-1]))
+    elif s.fill == "nvfp4_scale":  # a second-level scale: the blocks' factor, ±30 % an expert
+        x = np.float32(s.param) * rng.uniform(0.7, 1.3, n).astype(np.float32)
     elif s.fill == "ssm_a":  # a = -exp(A_log) < 0: per-head decay rates, as trained models spread them
         x = -rng.uniform(0.5, 4.0, n).astype(np.float32)
     else:
@@ -484,6 +523,7 @@ _FILE_TYPE = {
     Q.IQ4_NL: "MOSTLY_IQ4_NL",
     Q.IQ4_XS: "MOSTLY_IQ4_XS",
     Q.MXFP4: "MOSTLY_MXFP4_MOE",
+    Q.NVFP4: "MOSTLY_NVFP4",
     Q.IQ2_XXS: "MOSTLY_IQ2_XXS",
     Q.IQ2_XS: "MOSTLY_IQ2_XS",
     Q.IQ2_S: "MOSTLY_IQ2_S",

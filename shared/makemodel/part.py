@@ -35,7 +35,7 @@ class TensorSpec:
     name: str
     shape: tuple[int, ...]
     qtype: Q
-    fill: str  # weight | norm | norm_scaled | ones | router | router_bias | bias | bias_scaled | sinks | scale | rope_freqs | conv | ssm_a | expert_ids
+    fill: str  # weight | norm | norm_scaled | ones | router | router_bias | bias | bias_scaled | sinks | scale | nvfp4_scale | rope_freqs | conv | ssm_a | expert_ids
     param: float = 0.0  # std of the random values; rope_freqs: fraction of pairs that rotate
 
     @property

@@ -31,10 +31,11 @@ class QWeight:
     qtype: quant.QType
     data: np.ndarray  # uint8 [R, row_bytes] (or the native float dtype for F32/F16)
     shape: tuple[int, int]  # (R, C)
+    scale: float = 1.0  # the second-level scale of an NVFP4 tensor (its `.scale` sidecar): products × scale
     prep: quant.Prepared = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        object.__setattr__(self, "prep", quant.prepare(self.qtype, self.data))  # checked once, not per call
+        object.__setattr__(self, "prep", quant.prepare(self.qtype, self.data, self.scale))  # checked once, not per call
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         """x [T, C] → [T, R] (x [C] → [R])."""
@@ -43,16 +44,26 @@ class QWeight:
         return quant.apply(self.prep, x)
 
     def rows(self, ids) -> np.ndarray:
-        return quant.dequantize_rows(self.qtype, self.data, ids)
+        rows = quant.dequantize_rows(self.qtype, self.data, ids)
+        if self.scale != 1.0:
+            rows *= np.float32(self.scale)
+        return rows
 
 
-def _as_matrix(name: str, qtype, view: np.ndarray, shape: tuple[int, ...]) -> QWeight:
+def scale_sidecar(name: str) -> str:
+    """The name of an NVFP4 weight tensor's second-level scale (`blk.0.attn_q.weight` →
+    `blk.0.attn_q.scale`), as llama.cpp's converter writes it: one float, or one an expert
+    for a routed experts' tensor, that multiplies the products."""
+    return name.removesuffix(".weight") + ".scale"
+
+
+def _as_matrix(name: str, qtype, view: np.ndarray, shape: tuple[int, ...], scale: float = 1.0) -> QWeight:
     # math.prod: numpy's costs ~10 µs on a tuple, and the pipeline's cache views an expert's
     # three matrices for every miss (an expert view took ~71 µs with it, ~41 without).
     rows = math.prod(shape[:-1])
     # A plain ndarray view: numpy's memmap subclass costs a Python call per slice.
     data = np.asarray(view).reshape(rows, -1)
-    return QWeight(quant.QType(int(qtype)), data, (rows, shape[-1]))
+    return QWeight(quant.QType(int(qtype)), data, (rows, shape[-1]), scale)
 
 
 @dataclass(frozen=True)
@@ -137,7 +148,8 @@ def expert_from_bytes(layer: LayerExperts, expert_id: int, slices: dict[str, np.
         if part.name.endswith("_bias"):
             biases[part.name] = raw.view(np.float32)
         else:
-            matrices[part.name] = _as_matrix(part.tensor.name, part.tensor.qtype, raw.view(np.uint8), part.shape)
+            scale = part.scales[expert_id] if part.scales else 1.0
+            matrices[part.name] = _as_matrix(part.tensor.name, part.tensor.qtype, raw.view(np.uint8), part.shape, scale)
     # Every part the layout accepts (shared/gguf/layout.py) has a field here;
     # one it learns later must get a field too, not be dropped without a word.
     unknown = (matrices.keys() | biases.keys()) - _EXPERT_PARTS
@@ -216,8 +228,21 @@ class Weights:
                 quant.block_format(t.qtype)
             except ValueError as exc:
                 raise GGUFError(self.mf.gguf.path, f"tensor {name!r}: {exc}") from None
-            w = self._matrices[name] = _as_matrix(name, t.qtype, self.view(name), t.shape)
+            w = self._matrices[name] = _as_matrix(name, t.qtype, self.view(name), t.shape, self.scale_of(name))
         return w
+
+    def scale_of(self, name: str) -> float:
+        """An NVFP4 weight tensor's second-level scale (`scale_sidecar`), 1 when the file has
+        none. Other types have none: a family's own tensor may have the sidecar's name (gemma4's
+        router `ffn_gate_inp.scale` is its input's scale, a vector; llama.cpp's loader has the
+        same clash, and its converter writes the sidecar for NVFP4 tensors only)."""
+        sidecar = scale_sidecar(name)
+        if self.mf.gguf.tensor(name).qtype != quant.QType.NVFP4 or not self.has(sidecar):
+            return 1.0
+        v = self.vector(sidecar)
+        if v.size != 1:
+            raise GGUFError(self.mf.gguf.path, f"tensor {sidecar!r} should hold one scale, has shape {list(v.shape)}")
+        return float(v.reshape(-1)[0])
 
     def vector(self, name: str) -> np.ndarray:
         v = self._vectors.get(name)

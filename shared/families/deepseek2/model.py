@@ -140,7 +140,8 @@ class Model(MoEModel):
         data = np.asarray(self.w.view(name))
         heads, rows = t.shape[0], t.shape[1]
         flat = data.reshape(heads * rows, -1)
-        return [_as_matrix(name, t.qtype, flat[h * rows : (h + 1) * rows], t.shape[1:]) for h in range(heads)]
+        scale = self.w.scale_of(name)
+        return [_as_matrix(name, t.qtype, flat[h * rows : (h + 1) * rows], t.shape[1:], scale) for h in range(heads)]
 
     def guess_layer(self, j: int, router_input: np.ndarray) -> None:
         if self.spec.has_experts(j):  # a leading dense layer has nothing to guess

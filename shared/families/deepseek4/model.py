@@ -239,7 +239,8 @@ class Model(MoEModel):
             raise GGUFError(self.mf.gguf.path, f"tensor {name!r} should be {list(want)}, has {list(t.shape)}")
         flat = np.asarray(self.w.view(name)).reshape(want[0], -1)
         r = v4.o_lora_rank
-        return [_as_matrix(name, t.qtype, flat[k * r : (k + 1) * r], (r, want[1])) for k in range(g)]
+        scale = self.w.scale_of(name)
+        return [_as_matrix(name, t.qtype, flat[k * r : (k + 1) * r], (r, want[1]), scale) for k in range(g)]
 
     def _tid2eid(self, name: str) -> np.ndarray:
         t = self.mf.gguf.tensor(name)

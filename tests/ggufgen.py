@@ -185,11 +185,10 @@ def with_nvfp4_dequantized(src: Path, dst: Path) -> Path:
             continue
         w.add_key_value(f.name, f.contents(), f.types[0], f.types[-1] if len(f.types) > 1 else None)
     by_name = {t.name: t for t in r.tensors}
+    stems = [t.name.removesuffix(".weight") for t in r.tensors if t.tensor_type == QT.NVFP4]
+    sidecars = {stem + suffix for stem in stems for suffix in (".scale", ".input_scale")}
     for t in r.tensors:
-        if (
-            t.name.endswith((".scale", ".input_scale"))
-            and t.name.removesuffix(".input_scale").removesuffix(".scale") + ".weight" in by_name
-        ):
+        if t.name in sidecars:
             continue
         if t.tensor_type != QT.NVFP4:
             w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)

@@ -169,12 +169,19 @@ def _expert_part(f: GGUFFile, spec: ModelSpec, t: TensorInfo, proj: str, kind: s
     return ExpertPart(name, t, t.shape[1:], stride, _expert_scales(f, spec, t) if kind == "weight" else ())
 
 
+def scale_sidecar(name: str) -> str:
+    """The name of an NVFP4 weight tensor's second-level scale (`blk.0.attn_q.weight` →
+    `blk.0.attn_q.scale`), as llama.cpp's converter writes it: one float, or one an expert
+    for a routed experts' tensor, that multiplies the products."""
+    return name.removesuffix(".weight") + ".scale"
+
+
 def _expert_scales(f: GGUFFile, spec: ModelSpec, t: TensorInfo) -> tuple[float, ...]:
     """The experts' second-level scales of NVFP4 tensor t from its `.scale` sidecar ([n_expert]
     F32, as llama.cpp's converter writes it), () without one or for another type (whose
     `.scale` would be a family's own tensor). Read here, once: a few bytes every process that
     views an expert needs."""
-    sidecar = t.name.removesuffix(".weight") + ".scale"
+    sidecar = scale_sidecar(t.name)
     s = f.tensors.get(sidecar)
     if s is None or t.qtype != GGMLQuantizationType.NVFP4:
         return ()

@@ -37,6 +37,7 @@ from gguf import GGUFWriter, LlamaFileType
 
 from ..errors import UserError
 from ..family_registry import by_name
+from ..gguf.layout import scale_sidecar
 from ..gguf.vocab import Vocab
 from ..quant.blocks import block_format, qtype_from_name, random_blocks
 from .part import PlanPart, TensorSpec
@@ -317,15 +318,13 @@ def _with_nvfp4_scales(specs: list[TensorSpec]) -> list[TensorSpec]:
             out.append(s)
             continue
         n = s.shape[0] if "_exps." in s.name else 1  # one an expert, or one for the tensor
-        stem = s.name.removesuffix(".weight")
-        if stem + ".scale" in names:  # gemma4's per-expert down scale: llama.cpp's loader cannot tell the two apart either
-            raise UserError(
-                f"NVFP4: {s.name}'s scale would be named {stem}.scale, a tensor this family has already; use another type for it"
-            )
+        scale = scale_sidecar(s.name)
+        if scale in names:  # gemma4's per-expert down scale: llama.cpp's loader cannot tell the two apart either
+            raise UserError(f"NVFP4: {s.name}'s scale would be named {scale}, a tensor this family has already; use another type for it")
         out += [
             replace(s, param=s.param / NVFP4_SCALE),
-            TensorSpec(stem + ".scale", (n,), Q.F32, "nvfp4_scale", NVFP4_SCALE),
-            TensorSpec(stem + ".input_scale", (n,), Q.F32, "ones"),
+            TensorSpec(scale, (n,), Q.F32, "nvfp4_scale", NVFP4_SCALE),
+            TensorSpec(s.name.removesuffix(".weight") + ".input_scale", (n,), Q.F32, "ones"),
         ]
     return out
 

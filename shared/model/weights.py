@@ -18,7 +18,7 @@ import numpy as np
 
 from .. import quant
 from ..errors import GGUFError
-from ..gguf.layout import LayerExperts
+from ..gguf.layout import LayerExperts, scale_sidecar
 from ..gguf.model_file import ModelFile
 
 _VECTOR_TYPES = ("F32", "F16", "BF16")
@@ -48,13 +48,6 @@ class QWeight:
         if self.scale != 1.0:
             rows *= np.float32(self.scale)
         return rows
-
-
-def scale_sidecar(name: str) -> str:
-    """The name of an NVFP4 weight tensor's second-level scale (`blk.0.attn_q.weight` →
-    `blk.0.attn_q.scale`), as llama.cpp's converter writes it: one float, or one an expert
-    for a routed experts' tensor, that multiplies the products."""
-    return name.removesuffix(".weight") + ".scale"
 
 
 def _as_matrix(name: str, qtype, view: np.ndarray, shape: tuple[int, ...], scale: float = 1.0) -> QWeight:
